@@ -1,0 +1,25 @@
+// Thread-local error message and a printf-style setter, shared by every API entry point.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "api/deep_gemm_api.h"
+
+namespace deep_gemm::api {
+
+// Stores the message and returns `code`, so a check reads `return fail(PK_ERR_..., "...", ...)`.
+int fail(int code, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+int ok();
+int fail_cuda(cudaError_t err, const char* what);
+
+enum class ArchFamily { kAny, kSm90, kSm100 };
+
+// PK_OK when `device` can run kernels of `family` from this build; otherwise the reason.
+int check_device(int device, ArchFamily family);
+
+}  // namespace deep_gemm::api
+
+#define PK_CHECK_ARG(cond, ...)                                        \
+  do {                                                                 \
+    if (!(cond)) return ::deep_gemm::api::fail(PK_ERR_INVALID_ARGUMENT, __VA_ARGS__); \
+  } while (0)

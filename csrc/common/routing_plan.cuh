@@ -1,0 +1,147 @@
+// Routing plan kernels: topk_idx -> expert-grouped pool (stable (expert, token, k) order).
+//
+// Three launches, all deterministic (no order-dependent atomics):
+//   1. count:  each chunk of kRoutesPerChunk routes counts its routes per expert.
+//   2. scan:   one block turns the [chunk, expert] counts into each chunk's first pool row per
+//              expert, the expert counts and the block_m-padded expert offsets; fills padding rows.
+//   3. place:  each chunk walks its routes warp by warp, in route order, and writes both maps.
+// Route r = token * top_k + k, so route order is (token, k) order and the pool is stable.
+#pragma once
+
+#include <cstdint>
+
+namespace deep_gemm::common {
+
+constexpr int kRoutesPerChunk = 256;   // one thread per route in the count/place blocks
+constexpr int kPlanScanThreads = 1024;
+constexpr int kMaxPlanExperts = 4096;  // shared-memory histogram bound (16 KiB)
+
+template <typename IdxT>
+__device__ __forceinline__ int load_expert(const IdxT* topk_idx, int64_t route, int64_t num_routes,
+                                           int num_experts, int* num_invalid) {
+  if (route >= num_routes) return -1;
+  const int64_t e = static_cast<int64_t>(topk_idx[route]);
+  if (e < -1 || e >= num_experts) {
+    atomicAdd(num_invalid, 1);  // a count, not a float: order cannot change the result
+    return -1;
+  }
+  return static_cast<int>(e);
+}
+
+template <typename IdxT>
+__global__ void __launch_bounds__(kRoutesPerChunk)
+routing_count_kernel(const IdxT* __restrict__ topk_idx, int64_t num_routes, int num_experts,
+                     int32_t* __restrict__ chunk_counts, int32_t* __restrict__ num_invalid) {
+  extern __shared__ int32_t hist[];
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  const int64_t route = static_cast<int64_t>(blockIdx.x) * kRoutesPerChunk + threadIdx.x;
+  const int e = load_expert(topk_idx, route, num_routes, num_experts, num_invalid);
+  if (e >= 0) atomicAdd(&hist[e], 1);
+  __syncthreads();
+  int32_t* out = chunk_counts + static_cast<int64_t>(blockIdx.x) * num_experts;
+  for (int i = threadIdx.x; i < num_experts; i += blockDim.x) out[i] = hist[i];
+}
+
+// One block. Thread t owns experts t, t + blockDim.x, ...
+__global__ void __launch_bounds__(kPlanScanThreads)
+routing_scan_kernel(int32_t* __restrict__ chunk_counts, int num_chunks, int num_experts, int block_m,
+                    int32_t* __restrict__ expert_counts, int32_t* __restrict__ expert_offsets,
+                    int32_t* __restrict__ pool_src_route, int32_t* __restrict__ pool_src_rank,
+                    int64_t pool_capacity) {
+  extern __shared__ int32_t padded[];  // [num_experts + 1]
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    int32_t running = 0;
+    for (int c = 0; c < num_chunks; ++c) {
+      int32_t* cell = chunk_counts + static_cast<int64_t>(c) * num_experts + e;
+      const int32_t n = *cell;
+      *cell = running;  // exclusive prefix within the expert; the expert offset is added in `place`
+      running += n;
+    }
+    expert_counts[e] = running;
+    padded[e] = (running + block_m - 1) / block_m * block_m;
+  }
+  __syncthreads();
+  // Exclusive scan of the padded sizes. E <= kMaxPlanExperts, so a serial pass over the
+  // per-thread partial sums is cheap next to the chunk loop above.
+  __shared__ int32_t partial[kPlanScanThreads + 1];
+  const int per_thread = (num_experts + blockDim.x - 1) / blockDim.x;
+  const int begin = min(num_experts, static_cast<int>(threadIdx.x) * per_thread);
+  const int end = min(num_experts, begin + per_thread);
+  int32_t local = 0;
+  for (int e = begin; e < end; ++e) local += padded[e];
+  partial[threadIdx.x] = local;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t acc = 0;
+    for (int i = 0; i < static_cast<int>(blockDim.x); ++i) {
+      const int32_t v = partial[i];
+      partial[i] = acc;
+      acc += v;
+    }
+    partial[blockDim.x] = acc;
+  }
+  __syncthreads();
+  int32_t acc = partial[threadIdx.x];
+  for (int e = begin; e < end; ++e) {
+    const int32_t size = padded[e];
+    padded[e] = acc;
+    acc += size;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) padded[num_experts] = partial[blockDim.x];
+  __syncthreads();
+  for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) expert_offsets[e] = padded[e];
+  // Padding rows inside each expert's range, then everything past the last expert.
+  for (int e = 0; e < num_experts; ++e) {
+    const int64_t first_pad = static_cast<int64_t>(padded[e]) + expert_counts[e];
+    for (int64_t row = first_pad + threadIdx.x; row < padded[e + 1]; row += blockDim.x) {
+      pool_src_route[row] = -1;
+      pool_src_rank[row] = -1;
+    }
+  }
+  for (int64_t row = padded[num_experts] + threadIdx.x; row < pool_capacity; row += blockDim.x) {
+    pool_src_route[row] = -1;
+    pool_src_rank[row] = -1;
+  }
+}
+
+template <typename IdxT>
+__global__ void __launch_bounds__(kRoutesPerChunk)
+routing_place_kernel(const IdxT* __restrict__ topk_idx, int64_t num_routes, int num_experts,
+                     const int32_t* __restrict__ chunk_base, const int32_t* __restrict__ expert_offsets,
+                     int32_t rank, int32_t* __restrict__ pool_src_route,
+                     int32_t* __restrict__ pool_src_rank, int32_t* __restrict__ route_to_pool) {
+  extern __shared__ int32_t next_row[];  // [num_experts]: next free pool row of this chunk
+  const int32_t* base = chunk_base + static_cast<int64_t>(blockIdx.x) * num_experts;
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) next_row[e] = expert_offsets[e] + base[e];
+  __syncthreads();
+  const int64_t route = static_cast<int64_t>(blockIdx.x) * kRoutesPerChunk + threadIdx.x;
+  int e = -1;
+  if (route < num_routes) {
+    const int64_t raw = static_cast<int64_t>(topk_idx[route]);
+    e = (raw >= 0 && raw < num_experts) ? static_cast<int>(raw) : -1;
+  }
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const unsigned peers = __match_any_sync(0xffffffffu, e);
+  const int rank_in_warp = __popc(peers & ((1u << lane) - 1u));
+  const bool is_last_peer = (peers >> lane) == 1u;
+  // Warps take turns so that earlier routes get earlier rows.
+  for (int w = 0; w < kRoutesPerChunk / 32; ++w) {
+    if (warp == w) {
+      const int32_t row = e >= 0 ? next_row[e] + rank_in_warp : -1;
+      __syncwarp();  // every lane has read next_row before the last peer advances it
+      if (e >= 0) {
+        if (is_last_peer) next_row[e] += __popc(peers);
+        pool_src_route[row] = static_cast<int32_t>(route);
+        pool_src_rank[row] = rank;
+        route_to_pool[route] = row;
+      }
+    }
+    __syncthreads();
+  }
+  if (route < num_routes && e < 0) route_to_pool[route] = -1;
+}
+
+}  // namespace deep_gemm::common

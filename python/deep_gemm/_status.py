@@ -1,0 +1,106 @@
+"""The kernel registry: for every kernel x precision x arch, "available" or the exact reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _lib
+
+AVAILABLE = "available"
+
+# Which built arch values run on which compute capability ("a" targets: that exact one; "f": the family).
+_ARCH_RUNS_ON = {"90a": {(9, 0)}, "100a": {(10, 0)}, "103a": {(10, 3)}, "100f": {(10, 0), (10, 3)}}
+_FAMILY_ARCHS = {"sm90": ("90a",), "sm100": ("100a", "103a", "100f")}
+_SUGGESTED = {(9, 0): "90a", (10, 0): "100a", (10, 3): "103a"}
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    key: str          # "<kernel>.<precision>.<arch family>", the status() key
+    compiled_as: str  # name in pk_compiled_kernels(), or "" when not implemented
+    family: str       # "sm90" or "sm100"
+    missing: str = ""  # non-empty: the kernel is not written yet, and why/where it is tracked
+
+
+def _entries() -> list[KernelEntry]:
+    e: list[KernelEntry] = []
+    for fam in ("sm90", "sm100"):
+        e.append(KernelEntry(f"routing_plan.int32.{fam}", "routing_plan", fam))
+    for name in ("m_grouped_gemm_nt", "m_grouped_gemm_nn", "k_grouped_gemm_tn"):
+        compiled = name.replace("_gemm_", "_bf16_gemm_")
+        e.append(KernelEntry(f"{name}.bf16.sm90", compiled, "sm90"))
+    todo = "not implemented yet"
+    e += [
+        KernelEntry("mega_moe.bf16.sm90", "", "sm90", f"{todo} (fused forward: issue 5)"),
+        KernelEntry("mega_moe_backward.bf16.sm90", "", "sm90", f"{todo} (fused backward: issue 6)"),
+        KernelEntry("mega_moe.fp8.sm90", "", "sm90", f"{todo} (fp8 precision)"),
+        KernelEntry("mega_moe.fp8_bwd.sm90", "", "sm90", f"{todo} (fp8_bwd precision)"),
+        KernelEntry("mega_moe.bf16.sm100", "", "sm100", f"{todo} (Blackwell)"),
+        KernelEntry("mega_moe.mxfp8.sm100", "", "sm100", f"{todo} (Blackwell mxfp8)"),
+    ]
+    return e
+
+
+KERNELS: dict[str, KernelEntry] = {k.key: k for k in _entries()}
+
+
+def _device_capability() -> tuple[int, int] | None:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.get_device_capability()
+    except Exception:
+        return None
+
+
+def reason(key: str) -> str:
+    """"available", or why kernel `key` cannot run here."""
+    entry = KERNELS.get(key)
+    if entry is None:
+        raise KeyError(f"unknown kernel {key!r}; known: {', '.join(sorted(KERNELS))}")
+    res = _lib.load()
+    if res.reason is not None:
+        return res.reason
+    if entry.missing:
+        return entry.missing
+    built = [a for a in _FAMILY_ARCHS[entry.family] if (entry.compiled_as, a) in _lib.compiled_kernels()]
+    if not built:
+        hint = "90a" if entry.family == "sm90" else "100a"
+        if any(a in _lib.built_archs() for a in _FAMILY_ARCHS[entry.family]):
+            return f"not compiled into this build of {entry.family} (its sources were not part of it)"
+        return (f"not built for {entry.family} (this build has {','.join(_lib.built_archs()) or 'no arches'}): "
+                f"rebuild with PRIME_KERNELS_CUDA_ARCHS={hint}")
+    cc = _device_capability()
+    if cc is None:
+        return "no CUDA device"
+    if any(cc in _ARCH_RUNS_ON[a] for a in built):
+        return AVAILABLE
+    want = _SUGGESTED.get(cc)
+    if want is None or (want == "90a") != (entry.family == "sm90"):
+        return f"device sm_{cc[0]}{cc[1]} cannot run this {entry.family} kernel"
+    return f"device sm_{cc[0]}{cc[1]} needs a rebuild with PRIME_KERNELS_CUDA_ARCHS={want}"
+
+
+def status() -> dict[str, str]:
+    """Every kernel x precision x arch: "available" or the exact reason it is not."""
+    return {key: reason(key) for key in KERNELS}
+
+
+def require(key: str) -> None:
+    """Raise RuntimeError with the status() reason unless kernel `key` can run here."""
+    why = reason(key)
+    if why != AVAILABLE:
+        raise RuntimeError(f"deep_gemm: {key} is not available: {why}")
+
+
+def family_of_device(device_index: int | None = None) -> str | None:
+    """'sm90' / 'sm100' for the current (or given) CUDA device, None otherwise."""
+    try:
+        import torch
+
+        cc = torch.cuda.get_device_capability(device_index)
+    except Exception:
+        return None
+    return {9: "sm90", 10: "sm100"}.get(cc[0])
