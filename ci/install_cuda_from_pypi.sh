@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the CUDA 13.0 compiler from PyPI wheels into PREFIX (default .toolchain/cuda) and prints
+# the nvcc path. Used when a machine has no nvcc: a fresh build host, cibuildwheel's before-all.
+set -euo pipefail
+PREFIX="${1:-$(pwd)/.toolchain/cuda}"
+PY="${PYTHON:-python3}"
+mkdir -p "$PREFIX"
+"$PY" -m pip install --quiet --disable-pip-version-check --target "$PREFIX/site" \
+  nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 \
+  nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 >&2
+ROOT="$PREFIX/site/nvidia/cu13"
+# nvcc.profile searches $(TOP)/lib64; the wheels ship lib/.
+[ -e "$ROOT/lib64" ] || ln -s lib "$ROOT/lib64"
+ln -sfn "$ROOT/bin" "$PREFIX/bin"
+ln -sfn "$ROOT/include" "$PREFIX/include"
+ln -sfn "$ROOT/lib" "$PREFIX/lib64"
+"$PREFIX/bin/nvcc" --version >&2
+echo "$PREFIX/bin/nvcc"

@@ -1,0 +1,59 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_report_header(config):
+    import deep_gemm
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return [f"deep_gemm from {os.path.dirname(deep_gemm.__file__)}", f"build: {deep_gemm.build_info()}",
+            f"torch {torch.__version__}, GPU: {gpu}"]
+
+
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+
+
+def _is_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+requires_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 (Hopper) GPU")
+
+
+def find_tool(name: str) -> str | None:
+    """A CUDA binary tool: PATH, the nvcc's folder, or the copy that triton ships."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        nvcc = subprocess.run(["bash", str(REPO / "ci" / "find_nvcc.sh")], capture_output=True, text=True,
+                              check=True, cwd=REPO).stdout.strip()
+        cand = Path(nvcc).parent / name
+        if cand.exists():
+            return str(cand)
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        pass
+    try:
+        import triton
+
+        cand = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+        if cand.exists():
+            return str(cand)
+    except ImportError:
+        pass
+    return None
+
+
+def run_python(code: str, env: dict | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
+                          cwd=cwd or str(Path(__file__).parent), timeout=300)

@@ -1,0 +1,123 @@
+"""The build: per-arch cubins (on a tiny probe target), exported symbols, no torch C++ ABI, release config."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import deep_gemm
+from conftest import REPO, find_tool
+
+PKG_DIR = Path(deep_gemm.__file__).parent
+CORE = PKG_DIR / "libdeep_gemm_core.so"
+SHIM = PKG_DIR / "libdeep_gemm_torch.so"
+
+
+def _nvcc() -> str | None:
+    try:
+        return subprocess.run(["bash", str(REPO / "ci" / "find_nvcc.sh")], capture_output=True, text=True,
+                              check=True, cwd=REPO, timeout=600).stdout.strip()
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        return None
+
+
+def _cmake() -> str | None:
+    exe = Path(sys.executable).parent / "cmake"
+    return str(exe) if exe.exists() else shutil.which("cmake")
+
+
+def _configure(build: Path, archs: str, extra=()) -> subprocess.CompletedProcess:
+    nvcc = _nvcc()
+    cmake = _cmake()
+    if nvcc is None or cmake is None:
+        pytest.skip("needs nvcc and cmake >= 3.31 (ci/find_nvcc.sh, pip install cmake)")
+    ninja = Path(sys.executable).parent / "ninja"
+    gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja.exists() else []
+    return subprocess.run([cmake, "-S", str(REPO), "-B", str(build), *gen, f"-DCMAKE_CUDA_COMPILER={nvcc}",
+                           f"-DPRIME_KERNELS_CUDA_ARCHS={archs}", "-DPRIME_KERNELS_PROBE_ONLY=ON", *extra],
+                          capture_output=True, text=True, timeout=600)
+
+
+def _list_elf(lib: Path) -> list[str]:
+    """Sorted distinct arches of the cubins in `lib` (one cubin per translation unit and arch)."""
+    tool = find_tool("cuobjdump")
+    if tool is None:
+        pytest.skip("needs cuobjdump (CUDA toolkit, triton's copy, or pip install nvidia-cuda-cuobjdump)")
+    out = subprocess.run([tool, "--list-elf", str(lib)], capture_output=True, text=True, check=True).stdout
+    return sorted(set(re.findall(r"\.(sm_\d+[af]?)\.cubin", out)))
+
+
+def _sass_functions(lib: Path, arch: str) -> set[str]:
+    tool = find_tool("cuobjdump")
+    out = subprocess.run([tool, "-sass", "-arch", arch, str(lib)], capture_output=True, text=True, check=True).stdout
+    return set(re.findall(r"Function : (\w+)", out))
+
+
+@pytest.mark.parametrize("archs,expected", [("90a", ["sm_90a"]), ("90a;100a", ["sm_100a", "sm_90a"])])
+def test_probe_build_holds_exactly_the_requested_cubins(tmp_path, archs, expected):
+    cfg = _configure(tmp_path, archs)
+    assert cfg.returncode == 0, cfg.stdout + cfg.stderr
+    build = subprocess.run([_cmake(), "--build", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout + build.stderr
+    lib = tmp_path / "libpk_probe.so"
+    assert _list_elf(lib) == expected
+    # Each arch group only in its own cubin; arch-neutral code in every cubin.
+    sm90 = _sass_functions(lib, "sm_90a")
+    assert {"pk_probe_common_kernel", "pk_probe_sm90_kernel"} <= sm90 and "pk_probe_sm100_kernel" not in sm90
+    if "sm_100a" in expected:
+        sm100 = _sass_functions(lib, "sm_100a")
+        assert {"pk_probe_common_kernel", "pk_probe_sm100_kernel"} <= sm100
+        assert "pk_probe_sm90_kernel" not in sm100
+
+
+@pytest.mark.parametrize("bad", ["89", "sm_90", "120a"])
+def test_unknown_arch_fails_at_configure(tmp_path, bad):
+    cfg = _configure(tmp_path, bad)
+    assert cfg.returncode != 0
+    assert "Accepted values: 90a" in cfg.stderr and bad in cfg.stderr
+
+
+def test_installed_core_holds_the_built_arches():
+    assert _list_elf(CORE) == sorted(f"sm_{a}" for a in deep_gemm.build_info()["cuda_archs"])
+
+
+def _dynsyms(lib: Path, defined: bool) -> list[str]:
+    flag = "--defined-only" if defined else "--undefined-only"
+    out = subprocess.run(["nm", "-D", flag, str(lib)], capture_output=True, text=True, check=True).stdout
+    return [line.split()[-1] for line in out.splitlines() if line.strip()]
+
+
+def _needed(lib: Path) -> list[str]:
+    out = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"NEEDED.*\[(.+)\]", out)
+
+
+def test_core_exports_only_the_c_api_and_links_cudart_statically():
+    exported = [s for s in _dynsyms(CORE, True) if s not in ("_init", "_fini")]
+    assert exported and all(s.startswith("pk_") for s in exported), exported
+    needed = _needed(CORE)
+    assert not any("cudart" in n or "python" in n or "torch" in n or n.startswith("libcuda") for n in needed), needed
+
+
+def test_no_mangled_torch_symbols_and_no_libpython():
+    for lib in (CORE, SHIM):
+        undefined = _dynsyms(lib, False)
+        demangled = subprocess.run(["c++filt"], input="\n".join(undefined), capture_output=True, text=True).stdout
+        assert not re.search(r"\b(at|c10|torch)::", demangled), lib
+        assert not any("python" in n for n in _needed(lib)), lib
+        assert not any(s.startswith("Py") for s in undefined), lib
+    assert "libtorch_cuda.so" not in _needed(SHIM), "the shim must load under a CPU-only torch"
+
+
+def test_cibuildwheel_identifiers():
+    exe = Path(sys.executable).parent / "cibuildwheel"
+    if not exe.exists():
+        pytest.skip("needs cibuildwheel (pip install cibuildwheel==4.3.5)")
+    out = subprocess.run([str(exe), "--print-build-identifiers", "--platform", "linux", str(REPO)],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["cp312-manylinux_x86_64"]

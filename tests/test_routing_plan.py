@@ -1,0 +1,136 @@
+"""The routing plan op against its pure-torch reference, on the CPU (core host loop) and the GPU."""
+
+import pytest
+import torch
+
+import deep_gemm
+from conftest import requires_gpu
+from deep_gemm.routing import RoutingPlan, pool_capacity, routing_plan, routing_plan_reference
+
+FIELDS = ("expert_counts", "expert_offsets", "pool_src_route", "pool_src_rank", "route_to_pool")
+
+
+def make_topk(T: int, E: int, K: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """Routings the kernels must survive: uniform, skewed, one hot expert, empty experts, masked."""
+    if kind == "uniform":
+        scores = torch.randn(T, E, generator=gen)
+        return torch.topk(torch.softmax(scores, -1), min(K, E), dim=-1).indices
+    if kind == "zipf":
+        pop = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.1
+        pop = pop[torch.randperm(E, generator=gen)]
+        return torch.multinomial(pop.expand(T, E), min(K, E), replacement=False, generator=gen)
+    if kind == "hot":  # every token picks expert 3 first (duplicates across k allowed elsewhere)
+        idx = torch.randint(0, E, (T, K), generator=gen)
+        idx[:, 0] = 3 % E
+        return idx
+    if kind == "half_empty":  # only even experts are used
+        return torch.randint(0, max(1, E // 2), (T, K), generator=gen) * 2 % E
+    if kind == "masked":
+        idx = torch.randint(0, E, (T, K), generator=gen)
+        idx[torch.rand(T, K, generator=gen) < 0.3] = -1
+        return idx
+    if kind == "all_masked":
+        return torch.full((T, K), -1, dtype=torch.int64)
+    raise ValueError(kind)
+
+
+def check_invariants(plan: RoutingPlan, topk_idx: torch.Tensor) -> None:
+    """Independent of the reference: counts, padding, stable order and the two maps agree."""
+    T, K = topk_idx.shape
+    idx = topk_idx.cpu().to(torch.int64)
+    counts = plan.expert_counts.cpu().to(torch.int64)
+    offsets = plan.expert_offsets.cpu().to(torch.int64)
+    src = plan.pool_src_route.cpu().to(torch.int64)
+    r2p = plan.route_to_pool.cpu().to(torch.int64).reshape(-1)
+    E = plan.num_experts
+    for e in range(E):
+        assert counts[e] == int((idx == e).sum())
+        assert offsets[e] % plan.block_m == 0
+        assert offsets[e + 1] - offsets[e] == (counts[e] + plan.block_m - 1) // plan.block_m * plan.block_m
+        rows = src[offsets[e]:offsets[e] + counts[e]]
+        assert bool((rows >= 0).all())
+        assert bool((rows[1:] > rows[:-1]).all()), "pool rows of an expert must be in (token, k) order"
+        assert bool((idx.reshape(-1)[rows] == e).all())
+        assert bool((src[offsets[e] + counts[e]:offsets[e + 1]] == -1).all())
+    assert bool((src[offsets[E]:] == -1).all())
+    used = r2p >= 0
+    assert bool((used == (idx.reshape(-1) >= 0)).all())
+    assert bool((src[r2p[used]] == torch.nonzero(used).squeeze(1)).all())
+
+
+CASES = [(1, 8, 1, "uniform", 1), (7, 8, 2, "masked", 16), (37, 8, 4, "hot", 16), (1000, 64, 8, "zipf", 128),
+         (129, 256, 8, "half_empty", 64), (300, 16, 8, "all_masked", 128), (255, 128, 6, "uniform", 128),
+         (513, 1, 1, "uniform", 7)]
+
+
+@pytest.mark.parametrize("T,E,K,kind,block_m", CASES)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_cpu_op_matches_reference(T, E, K, kind, block_m, dtype):
+    gen = torch.Generator().manual_seed(T * 31 + E)
+    idx = make_topk(T, E, K, kind, gen).to(dtype).contiguous()
+    ref = routing_plan_reference(idx, E, block_m)
+    plan = routing_plan(idx, E, block_m)
+    for f in FIELDS:
+        assert torch.equal(getattr(plan, f), getattr(ref, f)), f
+    check_invariants(plan, idx)
+    assert plan.pool_capacity == pool_capacity(T, idx.size(1), E, block_m)
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="outside"):
+        routing_plan(torch.tensor([[0, 8]]), 8, 16)
+    with pytest.raises(ValueError, match="outside"):
+        routing_plan(torch.tensor([[0, -2]]), 8, 16)
+    with pytest.raises(ValueError, match="outside"):
+        routing_plan_reference(torch.tensor([[0, 9]]), 8, 16)
+    with pytest.raises(TypeError, match="int64 or int32"):
+        routing_plan(torch.zeros(2, 2), 8, 16)
+    with pytest.raises(ValueError, match="2-D"):
+        routing_plan(torch.zeros(4, dtype=torch.int64), 8, 16)
+    with pytest.raises(RuntimeError, match="num_experts must be in"):
+        torch.ops.deep_gemm.routing_plan(torch.zeros(2, 2, dtype=torch.int64), 5000, 16, 0)
+    # validate=False maps bad ids to masked routes instead
+    plan = routing_plan(torch.tensor([[0, 8]]), 8, 16, validate=False)
+    assert plan.route_to_pool.tolist() == [[0, -1]]
+
+
+def test_opcheck_and_fake():
+    idx = make_topk(33, 16, 4, "masked", torch.Generator().manual_seed(0))
+    torch.library.opcheck(torch.ops.deep_gemm.routing_plan.default, (idx, 16, 32, 0))
+    compiled = torch.compile(lambda t: torch.ops.deep_gemm.routing_plan(t, 16, 32, 0), backend="aot_eager",
+                             fullgraph=True)
+    ref = routing_plan_reference(idx, 16, 32)
+    assert torch.equal(compiled(idx)[4], ref.route_to_pool)
+
+
+@requires_gpu
+@pytest.mark.parametrize("T,E,K,kind,block_m", CASES + [(16384, 128, 8, "uniform", 128),
+                                                        (16384, 128, 8, "zipf", 128),
+                                                        (4097, 256, 8, "masked", 64)])
+def test_cuda_matches_reference_and_is_deterministic(T, E, K, kind, block_m):
+    gen = torch.Generator().manual_seed(T + 7 * E)
+    idx = make_topk(T, E, K, kind, gen).cuda()
+    ref = routing_plan_reference(idx.cpu(), E, block_m)
+    plans = [routing_plan(idx, E, block_m) for _ in range(3)]
+    for f in FIELDS:
+        for p in plans:
+            assert torch.equal(getattr(p, f).cpu(), getattr(ref, f)), f
+    check_invariants(plans[0], idx)
+
+
+@requires_gpu
+def test_cuda_invalid_ids_and_streams():
+    idx = torch.tensor([[1, 2], [3, 99]], device="cuda")
+    with pytest.raises(ValueError, match="outside"):
+        routing_plan(idx, 8, 16)
+    s = torch.cuda.Stream()
+    big = make_topk(8192, 64, 8, "uniform", torch.Generator().manual_seed(3)).cuda()
+    with torch.cuda.stream(s):
+        plan = routing_plan(big, 64, 128, validate=False)
+    s.synchronize()
+    assert torch.equal(plan.route_to_pool.cpu(), routing_plan_reference(big.cpu(), 64, 128).route_to_pool)
+
+
+def test_status_keys_for_routing():
+    st = deep_gemm.status()
+    assert "routing_plan.int32.sm90" in st and "routing_plan.int32.sm100" in st

@@ -1,0 +1,99 @@
+"""status(), build info, error reasons, and the import-time guards."""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import deep_gemm
+from conftest import run_python
+
+PKG_DIR = Path(deep_gemm.__file__).parent
+
+
+def test_every_kernel_has_a_reason_or_is_available():
+    st = deep_gemm.status()
+    expected = {"routing_plan.int32.sm90", "routing_plan.int32.sm100", "m_grouped_gemm_nt.bf16.sm90",
+                "m_grouped_gemm_nn.bf16.sm90", "k_grouped_gemm_tn.bf16.sm90", "mega_moe.bf16.sm90",
+                "mega_moe_backward.bf16.sm90", "mega_moe.fp8.sm90", "mega_moe.fp8_bwd.sm90",
+                "mega_moe.mxfp8.sm100"}
+    assert expected <= set(st)
+    for key, why in st.items():
+        assert isinstance(why, str) and why, key
+    if not torch.cuda.is_available():
+        assert st["routing_plan.int32.sm90"] == "no CUDA device"
+    elif torch.cuda.get_device_capability() == (9, 0):
+        assert st["routing_plan.int32.sm90"] == "available"
+        assert st["routing_plan.int32.sm100"].startswith("device sm_90 cannot run")
+    assert st["mega_moe.mxfp8.sm100"].startswith("not implemented yet")
+
+
+def test_require_raises_the_status_reason():
+    from deep_gemm._status import require
+
+    st = deep_gemm.status()
+    for key, why in st.items():
+        if why == "available":
+            require(key)
+        else:
+            with pytest.raises(RuntimeError) as info:
+                require(key)
+            assert why in str(info.value)
+
+
+def test_build_info_is_importable():
+    from deep_gemm import _build_info
+
+    info = deep_gemm.build_info()
+    assert set(info["cuda_archs"]) <= {"90a", "100a", "103a", "100f"} and info["cuda_archs"]
+    assert info["nvcc_version"].split(".")[0] in {"12", "13"}
+    assert info["git_sha"] and info["build_date"].endswith("Z")
+    assert _build_info.version == deep_gemm.__version__
+    assert "+" not in deep_gemm.__version__, "PyPI refuses local version segments"
+    assert deep_gemm._lib.built_archs() == info["cuda_archs"]
+
+
+def test_cuda_op_without_gpu_raises_reason():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the no-device path is for CPU-only machines")
+    from deep_gemm._status import reason
+
+    assert reason("routing_plan.int32.sm90") == "no CUDA device"
+
+
+def test_old_torch_is_reported_not_crashed():
+    code = (
+        "import torch, warnings; torch.__version__ = '2.9.1'\n"
+        "import deep_gemm\n"
+        "st = deep_gemm.status(); print(st['routing_plan.int32.sm90'])\n"
+        "try:\n  deep_gemm.routing_plan(torch.zeros(2, 2, dtype=torch.int64), 4, 8)\n"
+        "except RuntimeError as e: print('RAISED', e)\n")
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert "torch 2.9.1 is older than 2.10" in out.stdout
+    assert "RAISED" in out.stdout and "older than 2.10" in out.stdout
+
+
+def test_damaged_install_is_reported(tmp_path):
+    broken = tmp_path / "deep_gemm"
+    shutil.copytree(PKG_DIR, broken, ignore=shutil.ignore_patterns("libdeep_gemm_core.so", "__pycache__"))
+    code = ("import deep_gemm; print(deep_gemm.__file__); print(deep_gemm.status()['routing_plan.int32.sm90'])")
+    out = run_python(code, env={"PYTHONPATH": str(tmp_path)}, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert str(broken) in out.stdout
+    assert "libdeep_gemm_core.so is missing" in out.stdout and "reinstall" in out.stdout
+
+
+def test_upstream_deep_gemm_is_detected(tmp_path):
+    dist = tmp_path / "deep_gemm-2.6.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: deep_gemm\nVersion: 2.6.1\n")
+    (dist / "RECORD").write_text("deep_gemm/__init__.py,,\n")
+    code = "import warnings; warnings.simplefilter('always'); import deep_gemm"
+    out = run_python(code, env={"PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert out.returncode == 0, out.stderr
+    assert "both prime-kernels and deep_gemm 2.6.1" in out.stderr
+    clean = run_python(code)
+    assert "both prime-kernels" not in clean.stderr
