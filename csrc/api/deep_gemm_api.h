@@ -76,6 +76,26 @@ PK_API int pk_routing_plan_cpu(const void* topk_idx, int topk_idx_is_int64, int6
                                int32_t* pool_src_rank, int64_t pool_capacity, int32_t* route_to_pool,
                                int32_t* num_invalid);
 
+// ---------------------------------------------------------------------------------------------
+// sm90 BF16 grouped GEMMs (fp32 accumulation). Rows are grouped by a device int32 array
+// group_offsets [num_groups + 1] of cumulative row starts (no padding needed, empty groups allowed).
+// Strides are in elements; every base pointer 16-byte aligned; n, k (and m for k-grouped) multiples of 8.
+//
+// m-grouped:  D[r, :] = A[r, :] @ B_g^T for r in [group_offsets[g], group_offsets[g+1]).
+//   A bf16 [m_total, k] (row stride lda); D bf16 [m_total, n] (ldd); rows outside every group untouched.
+//   B bf16 per group at b + g * b_group_stride: b_k_major = 1: [n, k] (row stride ldb), "nt", x @ W^T;
+//   b_k_major = 0: [k, n] (row stride ldb), "nn", dy @ W, read MN-major (no transposed copy).
+// k-grouped:  C_g = A_g^T @ B_g with A_g, B_g the group's rows of A [p_total, m] and B [p_total, n].
+//   C [num_groups, m, n] contiguous: fp32 (store, or += when accumulate) or bf16 (store only).
+// ---------------------------------------------------------------------------------------------
+PK_API int pk_m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int b_k_major, int64_t ldb,
+                                  int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
+                                  int num_groups, int64_t m_total, int64_t n, int64_t k, void* cuda_stream);
+
+PK_API int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c,
+                                  int c_is_bf16, int accumulate, const int32_t* group_offsets,
+                                  int num_groups, int64_t p_total, int64_t m, int64_t n, void* cuda_stream);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif

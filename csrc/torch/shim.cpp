@@ -110,6 +110,98 @@ PlanOutputs routing_plan_cuda(Tensor topk_idx, int64_t num_experts, int64_t bloc
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Grouped GEMMs. Operands may be row-strided (unit stride in the last dim); the core checks sizes
+// and alignment. Outputs are allocated here.
+// ---------------------------------------------------------------------------------------------
+void check_bf16_cuda(const Tensor& t, const char* op, const char* name, int64_t dim) {
+  STD_TORCH_CHECK(t.is_cuda(), "deep_gemm.", op, ": ", name, " must be a CUDA tensor");
+  STD_TORCH_CHECK(t.scalar_type() == ScalarType::BFloat16, "deep_gemm.", op, ": ", name, " must be bfloat16");
+  STD_TORCH_CHECK(t.dim() == dim, "deep_gemm.", op, ": ", name, " must be ", dim, "-D, got ", t.dim(), "-D");
+  STD_TORCH_CHECK(t.stride(dim - 1) == 1, "deep_gemm.", op, ": ", name, " must have unit stride in its last dim");
+}
+
+int32_t check_offsets(const Tensor& offsets, const Tensor& like, const char* op) {
+  STD_TORCH_CHECK(offsets.scalar_type() == ScalarType::Int && offsets.dim() == 1 && offsets.is_contiguous(),
+                  "deep_gemm.", op, ": group_offsets must be a contiguous 1-D int32 tensor [num_groups + 1]");
+  STD_TORCH_CHECK(offsets.is_cuda() && offsets.get_device_index() == like.get_device_index(), "deep_gemm.", op,
+                  ": group_offsets must be on the operands' CUDA device");
+  STD_TORCH_CHECK(offsets.size(0) >= 2, "deep_gemm.", op, ": group_offsets needs num_groups + 1 >= 2 entries");
+  return static_cast<int32_t>(offsets.size(0) - 1);
+}
+
+Tensor new_tensor(const Tensor& like, std::vector<int64_t> sizes, ScalarType dtype) {
+  return torch::stable::new_empty(like, torch::headeronly::IntHeaderOnlyArrayRef(sizes.data(), sizes.size()),
+                                  dtype);
+}
+
+Tensor m_grouped_gemm(const Tensor& a, const Tensor& b, const Tensor& offsets, bool b_k_major, const char* op) {
+  check_bf16_cuda(a, op, "a", 2);
+  check_bf16_cuda(b, op, "b", 3);
+  STD_TORCH_CHECK(b.get_device_index() == a.get_device_index(), "deep_gemm.", op, ": a and b on different devices");
+  const int32_t num_groups = check_offsets(offsets, a, op);
+  STD_TORCH_CHECK(b.size(0) == num_groups, "deep_gemm.", op, ": b has ", b.size(0), " groups, group_offsets ",
+                  num_groups);
+  const int64_t k = a.size(1);
+  const int64_t n = b_k_major ? b.size(1) : b.size(2);
+  STD_TORCH_CHECK((b_k_major ? b.size(2) : b.size(1)) == k, "deep_gemm.", op, ": b's K (",
+                  b_k_major ? b.size(2) : b.size(1), ") does not match a's K (", k, ")");
+  torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
+  Tensor d = new_tensor(a, {a.size(0), n}, ScalarType::BFloat16);
+  check_core(pk_m_grouped_bf16_gemm(a.data_ptr(), a.stride(0), b.data_ptr(), b_k_major ? 1 : 0, b.stride(1),
+                                    b.stride(0), d.data_ptr(), d.stride(0),
+                                    static_cast<const int32_t*>(offsets.data_ptr()), num_groups, a.size(0), n, k,
+                                    current_cuda_stream(a.get_device_index())),
+             op);
+  return d;
+}
+
+Tensor m_grouped_bf16_gemm_nt(Tensor a, Tensor b, Tensor group_offsets) {
+  return m_grouped_gemm(a, b, group_offsets, true, "m_grouped_bf16_gemm_nt");
+}
+
+Tensor m_grouped_bf16_gemm_nn(Tensor a, Tensor b, Tensor group_offsets) {
+  return m_grouped_gemm(a, b, group_offsets, false, "m_grouped_bf16_gemm_nn");
+}
+
+void k_grouped_launch(const Tensor& a, const Tensor& b, const Tensor& offsets, const Tensor& c, bool accumulate,
+                      const char* op) {
+  check_bf16_cuda(a, op, "a", 2);
+  check_bf16_cuda(b, op, "b", 2);
+  STD_TORCH_CHECK(a.size(0) == b.size(0), "deep_gemm.", op, ": a and b must have the same rows (tokens), got ",
+                  a.size(0), " and ", b.size(0));
+  STD_TORCH_CHECK(b.get_device_index() == a.get_device_index(), "deep_gemm.", op, ": a and b on different devices");
+  const int32_t num_groups = check_offsets(offsets, a, op);
+  torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
+  check_core(pk_k_grouped_bf16_gemm(a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), c.data_ptr(),
+                                    c.scalar_type() == ScalarType::BFloat16 ? 1 : 0, accumulate ? 1 : 0,
+                                    static_cast<const int32_t*>(offsets.data_ptr()), num_groups, a.size(0), a.size(1),
+                                    b.size(1), current_cuda_stream(a.get_device_index())),
+             op);
+}
+
+Tensor k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32) {
+  const char* op = "k_grouped_bf16_gemm_tn";
+  STD_TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && group_offsets.dim() == 1, "deep_gemm.", op,
+                  ": a [P, M], b [P, N], group_offsets [E + 1] expected");
+  Tensor c = new_tensor(a, {group_offsets.size(0) - 1, a.size(1), b.size(1)},
+                        out_fp32 ? ScalarType::Float : ScalarType::BFloat16);
+  k_grouped_launch(a, b, group_offsets, c, false, op);
+  return c;
+}
+
+void k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor c) {
+  const char* op = "k_grouped_bf16_gemm_tn_accumulate_";
+  STD_TORCH_CHECK(c.scalar_type() == ScalarType::Float && c.is_contiguous() && c.dim() == 3, "deep_gemm.", op,
+                  ": c must be a contiguous fp32 [E, M, N] tensor");
+  STD_TORCH_CHECK(c.is_cuda() && c.get_device_index() == a.get_device_index(), "deep_gemm.", op,
+                  ": c must be on the operands' CUDA device");
+  STD_TORCH_CHECK(c.size(0) == group_offsets.size(0) - 1 && c.size(1) == a.size(1) && c.size(2) == b.size(1),
+                  "deep_gemm.", op, ": c must be [E, M, N] = [", group_offsets.size(0) - 1, ", ", a.size(1), ", ",
+                  b.size(1), "]");
+  k_grouped_launch(a, b, group_offsets, c, true, op);
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY(deep_gemm, m) {
@@ -117,8 +209,18 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
       "routing_plan(Tensor topk_idx, int num_experts, int block_m, int rank=0) -> "
       "(Tensor expert_counts, Tensor expert_offsets, Tensor pool_src_route, Tensor pool_src_rank, "
       "Tensor route_to_pool, Tensor num_invalid)");
+  m.def("m_grouped_bf16_gemm_nt(Tensor a, Tensor b, Tensor group_offsets) -> Tensor");
+  m.def("m_grouped_bf16_gemm_nn(Tensor a, Tensor b, Tensor group_offsets) -> Tensor");
+  m.def("k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32=True) -> Tensor");
+  m.def("k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor(c!) c) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CPU, m) { m.impl("routing_plan", TORCH_BOX(&routing_plan_cpu)); }
 
-STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CUDA, m) { m.impl("routing_plan", TORCH_BOX(&routing_plan_cuda)); }
+STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CUDA, m) {
+  m.impl("routing_plan", TORCH_BOX(&routing_plan_cuda));
+  m.impl("m_grouped_bf16_gemm_nt", TORCH_BOX(&m_grouped_bf16_gemm_nt));
+  m.impl("m_grouped_bf16_gemm_nn", TORCH_BOX(&m_grouped_bf16_gemm_nn));
+  m.impl("k_grouped_bf16_gemm_tn", TORCH_BOX(&k_grouped_bf16_gemm_tn));
+  m.impl("k_grouped_bf16_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_bf16_gemm_tn_accumulate_));
+}

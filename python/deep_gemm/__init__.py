@@ -52,7 +52,15 @@ if _lib.load().shim_loaded:
     from . import routing as routing  # noqa: E402
 
     routing._register_fake()
+    from . import grouped_gemm as _grouped_gemm  # noqa: E402
+
+    _grouped_gemm._register()
+from .grouped_gemm import (  # noqa: E402
+    k_grouped_bf16_gemm_tn,
+    m_grouped_bf16_gemm_nn,
+    m_grouped_bf16_gemm_nt,
+)
 from .routing import RoutingPlan, pool_capacity, routing_plan, routing_plan_reference  # noqa: E402
 
 __all__ = ["status", "build_info", "__version__", "RoutingPlan", "routing_plan", "routing_plan_reference",
-           "pool_capacity"]
+           "pool_capacity", "m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "k_grouped_bf16_gemm_tn"]

@@ -1,0 +1,72 @@
+// C ABI of the sm90 grouped GEMMs: device check, then the sm90 launchers (which validate shapes).
+#include "api/deep_gemm_api.h"
+#include "api/errors.hpp"
+
+#if PK_HAS_SM90_KERNELS
+#include "sm90/grouped_gemm.hpp"
+#endif
+
+namespace {
+
+int current_device_is_sm90() {
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
+    return deep_gemm::api::fail_cuda(err, "cudaGetDevice");
+  return deep_gemm::api::check_device(device, deep_gemm::api::ArchFamily::kSm90);
+}
+
+#if PK_HAS_SM90_KERNELS
+int from_sm90(int rc, const char* message) {
+  switch (rc) {
+    case 0: return deep_gemm::api::ok();
+    case 1: return deep_gemm::api::fail(PK_ERR_INVALID_ARGUMENT, "%s", message);
+    case 2: return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE, "%s", message);
+    case 3: return deep_gemm::api::fail(PK_ERR_CUDA, "%s", message);
+    default: return deep_gemm::api::fail(PK_ERR_INTERNAL, "%s", message);
+  }
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+int pk_m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int b_k_major, int64_t ldb,
+                           int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
+                           int num_groups, int64_t m_total, int64_t n, int64_t k, void* cuda_stream) {
+#if PK_HAS_SM90_KERNELS
+  if (const int rc = current_device_is_sm90(); rc != PK_OK) return rc;
+  char message[512] = {0};
+  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm(a, lda, b, b_k_major != 0, ldb, b_group_stride, d, ldd,
+                                                      group_offsets, num_groups, m_total, n, k, nullptr,
+                                                      static_cast<cudaStream_t>(cuda_stream), message,
+                                                      sizeof(message));
+  return from_sm90(rc, message);
+#else
+  (void)a, (void)lda, (void)b, (void)b_k_major, (void)ldb, (void)b_group_stride, (void)d, (void)ldd;
+  (void)group_offsets, (void)num_groups, (void)m_total, (void)n, (void)k, (void)cuda_stream;
+  return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE,
+                              "m_grouped_bf16_gemm is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
+#endif
+}
+
+int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c, int c_is_bf16,
+                           int accumulate, const int32_t* group_offsets, int num_groups, int64_t p_total,
+                           int64_t m, int64_t n, void* cuda_stream) {
+#if PK_HAS_SM90_KERNELS
+  if (const int rc = current_device_is_sm90(); rc != PK_OK) return rc;
+  char message[512] = {0};
+  const int rc = deep_gemm::sm90::k_grouped_bf16_gemm(a, lda, b, ldb, c, c_is_bf16 != 0, accumulate != 0,
+                                                      group_offsets, num_groups, p_total, m, n, nullptr,
+                                                      static_cast<cudaStream_t>(cuda_stream), message,
+                                                      sizeof(message));
+  return from_sm90(rc, message);
+#else
+  (void)a, (void)lda, (void)b, (void)ldb, (void)c, (void)c_is_bf16, (void)accumulate, (void)group_offsets;
+  (void)num_groups, (void)p_total, (void)m, (void)n, (void)cuda_stream;
+  return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE,
+                              "k_grouped_bf16_gemm is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,340 @@
+// prime-kernels: host side of the sm90a BF16 grouped GEMMs (argument checks, config, TMA maps, launch).
+#include "grouped_gemm.hpp"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <cstdarg>
+#include <cstdio>
+
+#include "k_grouped_gemm.cuh"
+#include "m_grouped_gemm.cuh"
+
+namespace deep_gemm {
+namespace sm90 {
+namespace {
+
+int fail(int code, char* err, size_t err_len, const char* fmt, ...) {
+  if (err != nullptr && err_len > 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, err_len, fmt, ap);
+    va_end(ap);
+  }
+  return code;
+}
+
+void clear_err(char* err, size_t err_len) {
+  if (err != nullptr && err_len > 0) err[0] = '\0';
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) !=
+            cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// bf16 tensor map, 128-byte swizzle, zero fill out of bounds. dims/strides innermost first; strides in
+// bytes for dims 1.. (rank - 1 entries).
+int make_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims, const uint64_t* strides,
+             const uint32_t* box, char* err, size_t err_len) {
+  auto enc = tensor_map_encoder();
+  if (enc == nullptr)
+    return fail(kGemmCudaError, err, err_len, "cuTensorMapEncodeTiled not available from the driver");
+  uint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = enc(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides,
+                         box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return fail(kGemmCudaError, err, err_len, "cuTensorMapEncodeTiled failed (CUresult %d)", (int)r);
+  return kGemmOk;
+}
+
+// Checks that the current device is sm_90 and returns its multiprocessor count.
+int device_sms(int* sms, char* err, size_t err_len) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaGetDevice: %s", cudaGetErrorString(e));
+  int major = 0, minor = 0;
+  e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess)
+    return fail(kGemmCudaError, err, err_len, "cudaDeviceGetAttribute: %s", cudaGetErrorString(e));
+  if (major != 9 || minor != 0)
+    return fail(kGemmNotAvailable, err, err_len,
+                "the sm90 grouped GEMM needs an sm_90 device (found sm_%d%d)", major, minor);
+  return kGemmOk;
+}
+
+int check_launch(const char* what, char* err, size_t err_len) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s launch: %s", what, cudaGetErrorString(e));
+  return kGemmOk;
+}
+
+template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2>
+int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const MGroupedParams& p, int64_t max_units,
+                     int sms, cudaStream_t stream, char* err, size_t err_len) {
+  auto kernel = m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kAsyncEpi, kCluster2>;
+  constexpr int smem = MGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess)
+    return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+  cudaLaunchConfig_t lc = {};
+  cudaLaunchAttribute attr[1];
+  lc.blockDim = dim3(kNumThreads, 1, 1);
+  lc.dynamicSmemBytes = smem;
+  lc.stream = stream;
+  int grid = 0;
+  if constexpr (kCluster2) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    lc.attrs = attr;
+    lc.numAttrs = 1;
+    // A persistent grid must fit at once: ask how many 2-CTA clusters can be resident.
+    lc.gridDim = dim3(2 * (sms / 2), 1, 1);
+    int max_clusters = 0;
+    e = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &lc);
+    if (e != cudaSuccess || max_clusters < 1)
+      return fail(kGemmCudaError, err, err_len, "cudaOccupancyMaxActiveClusters: %s (%d)", cudaGetErrorString(e),
+                  max_clusters);
+    int64_t clusters = max_clusters < sms / 2 ? max_clusters : sms / 2;
+    if (max_units < clusters) clusters = max_units;
+    grid = (int)(2 * (clusters > 0 ? clusters : 1));
+  } else {
+    lc.attrs = nullptr;
+    lc.numAttrs = 0;
+    grid = (int)(max_units < sms ? (max_units > 0 ? max_units : 1) : sms);
+  }
+  lc.gridDim = dim3(grid, 1, 1);
+  e = cudaLaunchKernelEx(&lc, kernel, ma, mb, p);
+  if (e != cudaSuccess)
+    return fail(kGemmCudaError, err, err_len, "m_grouped_bf16_gemm launch: %s", cudaGetErrorString(e));
+  return check_launch("m_grouped_bf16_gemm", err, err_len);
+}
+
+template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi>
+int launch_k_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const KGroupedParams& p, int grid,
+                     cudaStream_t stream, char* err, size_t err_len) {
+  auto kernel = k_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kOut, kAsyncEpi>;
+  constexpr int smem = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess)
+    return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+  kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, p);
+  return check_launch("k_grouped_bf16_gemm", err, err_len);
+}
+
+constexpr int64_t kMaxDim = (int64_t(1) << 31) - 1;
+
+}  // namespace
+
+int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_major, int64_t ldb,
+                        int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
+                        int num_groups, int64_t m_total, int64_t n, int64_t k,
+                        const GroupedGemmConfig* config, cudaStream_t stream, char* err, size_t err_len) {
+  clear_err(err, err_len);
+  const char* fn = "m_grouped_bf16_gemm";
+  if (num_groups < 1 || num_groups > kMaxGroups)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, num_groups,
+                kMaxGroups);
+  if (m_total < 0 || m_total > kMaxDim || n < 8 || n > kMaxDim || k < 0 || k > kMaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: bad sizes m_total=%lld n=%lld k=%lld", fn,
+                (long long)m_total, (long long)n, (long long)k);
+  if (n % 8 != 0 || k % 8 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: n (%lld) and k (%lld) must be multiples of 8", fn,
+                (long long)n, (long long)k);
+  if (ldd < n || ldd % 8 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: ldd = %lld, must be >= n and a multiple of 8", fn,
+                (long long)ldd);
+  if (m_total == 0) return kGemmOk;
+  if (group_offsets == nullptr || d == nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: null group_offsets or d", fn);
+  if (!aligned16(d)) return fail(kGemmInvalidArgument, err, err_len, "%s: d must be 16-byte aligned", fn);
+  if (k > 0) {
+    if (a == nullptr || b == nullptr) return fail(kGemmInvalidArgument, err, err_len, "%s: null a or b", fn);
+    if (!aligned16(a) || !aligned16(b))
+      return fail(kGemmInvalidArgument, err, err_len, "%s: a and b must be 16-byte aligned", fn);
+    if (lda < k || lda % 8 != 0)
+      return fail(kGemmInvalidArgument, err, err_len, "%s: lda = %lld, must be >= k and a multiple of 8", fn,
+                  (long long)lda);
+    const int64_t inner = b_k_major ? k : n;
+    const int64_t outer = b_k_major ? n : k;
+    if (ldb < inner || ldb % 8 != 0)
+      return fail(kGemmInvalidArgument, err, err_len, "%s: ldb = %lld, must be >= %s and a multiple of 8", fn,
+                  (long long)ldb, b_k_major ? "k" : "n");
+    if (num_groups > 1 && (b_group_stride < outer * ldb || b_group_stride % 8 != 0))
+      return fail(kGemmInvalidArgument, err, err_len,
+                  "%s: b_group_stride = %lld, must be >= %lld and a multiple of 8", fn,
+                  (long long)b_group_stride, (long long)(outer * ldb));
+  }
+  GroupedGemmConfig cfg = config ? *config : m_grouped_gemm_config(m_total, n, k, num_groups);
+  if (!grouped_gemm_config_supported(cfg))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: unsupported config block_m=%d block_n=%d block_k=%d stages=%d",
+                fn, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages);
+  int sms = 0;
+  if (int r = device_sms(&sms, err, err_len)) return r;
+  if (cfg.num_sms > 0 && cfg.num_sms < sms) sms = cfg.num_sms;
+
+  // k == 0: maps over a dummy 64-wide K extent that is never loaded (no k-blocks).
+  const void* a_ptr = k > 0 ? a : d;
+  const void* b_ptr = k > 0 ? b : d;
+  const int64_t kk = k > 0 ? k : 64;
+  const int64_t lda_ = k > 0 ? lda : 64;
+  CUtensorMap ma, mb;
+  {
+    const uint64_t dims[2] = {(uint64_t)kk, (uint64_t)m_total};
+    const uint64_t strides[1] = {(uint64_t)lda_ * 2};
+    const uint32_t box[2] = {64, 128};
+    if (int r = make_map(&ma, a_ptr, 2, dims, strides, box, err, err_len)) return r;
+  }
+  {
+    const int64_t ldb_ = k > 0 ? ldb : 64;
+    const int64_t gs = (k > 0 && num_groups > 1) ? b_group_stride : (b_k_major ? n : kk) * ldb_;
+    if (b_k_major) {
+      const uint64_t dims[3] = {(uint64_t)kk, (uint64_t)n, (uint64_t)num_groups};
+      const uint64_t strides[2] = {(uint64_t)ldb_ * 2, (uint64_t)gs * 2};
+      const uint32_t box[3] = {64, (uint32_t)(cfg.cluster_m == 2 ? cfg.block_n / 2 : cfg.block_n), 1};
+      if (int r = make_map(&mb, b_ptr, 3, dims, strides, box, err, err_len)) return r;
+    } else {
+      const int64_t ldb_mn = k > 0 ? ldb : n;
+      const int64_t gs_mn = (k > 0 && num_groups > 1) ? b_group_stride : kk * ldb_mn;
+      const uint64_t dims[3] = {(uint64_t)n, (uint64_t)kk, (uint64_t)num_groups};
+      const uint64_t strides[2] = {(uint64_t)ldb_mn * 2, (uint64_t)gs_mn * 2};
+      const uint32_t box[3] = {64, 64, 1};
+      if (int r = make_map(&mb, b_ptr, 3, dims, strides, box, err, err_len)) return r;
+    }
+  }
+  MGroupedParams p;
+  p.d = reinterpret_cast<__nv_bfloat16*>(d);
+  p.ldd = ldd;
+  p.group_offsets = group_offsets;
+  p.m_total = (int32_t)m_total;
+  p.n = (int32_t)n;
+  p.k = (int32_t)k;
+  p.num_groups = num_groups;
+  const int64_t n_blocks = (n + cfg.block_n - 1) / cfg.block_n;
+  const int64_t max_mblocks = (m_total + 127) / 128 + num_groups;
+  const int64_t max_units = (cfg.cluster_m == 2 ? (max_mblocks + 1) / 2 : max_mblocks) * n_blocks;
+#define PK_M_LAUNCH2(BN, ST, ASYNC, CL)                                                                    \
+  return b_k_major ? launch_m_grouped<BN, ST, true, ASYNC, CL>(ma, mb, p, max_units, sms, stream, err, err_len) \
+                   : launch_m_grouped<BN, ST, false, ASYNC, CL>(ma, mb, p, max_units, sms, stream, err, err_len)
+#define PK_M_LAUNCH(BN, ST, ASYNC)              \
+  do {                                          \
+    if (cfg.cluster_m == 2) PK_M_LAUNCH2(BN, ST, ASYNC, true); \
+    PK_M_LAUNCH2(BN, ST, ASYNC, false);         \
+  } while (0)
+  if (cfg.async_epilogue) {
+    if (cfg.block_n == 256) PK_M_LAUNCH(256, 3, true);
+    PK_M_LAUNCH(128, 5, true);
+  }
+  if (cfg.block_n == 256) PK_M_LAUNCH(256, 4, false);
+  PK_M_LAUNCH(128, 6, false);
+#undef PK_M_LAUNCH
+#undef PK_M_LAUNCH2
+}
+
+int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c, bool c_is_bf16,
+                        bool accumulate, const int32_t* group_offsets, int num_groups, int64_t p_total,
+                        int64_t m, int64_t n, const GroupedGemmConfig* config, cudaStream_t stream, char* err,
+                        size_t err_len) {
+  clear_err(err, err_len);
+  const char* fn = "k_grouped_bf16_gemm";
+  if (num_groups < 1 || num_groups > kMaxGroups)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, num_groups,
+                kMaxGroups);
+  if (p_total < 0 || p_total > kMaxDim || m < 8 || m > kMaxDim || n < 8 || n > kMaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: bad sizes p_total=%lld m=%lld n=%lld", fn,
+                (long long)p_total, (long long)m, (long long)n);
+  if (m % 8 != 0 || n % 8 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: m (%lld) and n (%lld) must be multiples of 8", fn,
+                (long long)m, (long long)n);
+  if ((int64_t)num_groups * m * n > (int64_t(1) << 40))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: output too large", fn);
+  if (c_is_bf16 && accumulate)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: accumulate needs an fp32 output", fn);
+  if (c == nullptr || !aligned16(c))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: c must be non-null and 16-byte aligned", fn);
+  if (group_offsets == nullptr && p_total > 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: null group_offsets", fn);
+  const size_t c_bytes = (size_t)num_groups * m * n * (c_is_bf16 ? 2 : 4);
+  if (p_total == 0) {
+    if (accumulate) return kGemmOk;
+    const cudaError_t e = cudaMemsetAsync(c, 0, c_bytes, stream);
+    if (e != cudaSuccess)
+      return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
+    return kGemmOk;
+  }
+  if (a == nullptr || b == nullptr || !aligned16(a) || !aligned16(b))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: a and b must be non-null and 16-byte aligned", fn);
+  if (lda < m || lda % 8 != 0 || ldb < n || ldb % 8 != 0)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: lda = %lld, ldb = %lld must be >= m, n and multiples of 8", fn, (long long)lda,
+                (long long)ldb);
+  GroupedGemmConfig cfg = config ? *config : k_grouped_gemm_config(m, n, p_total, num_groups, c_is_bf16);
+  if (cfg.cluster_m != 1)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: clusters are not implemented for the k-grouped kernel", fn);
+  if (cfg.async_epilogue && !c_is_bf16)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: the asynchronous epilogue needs a bf16 output", fn);
+  if (!grouped_gemm_config_supported(cfg))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: unsupported config block_m=%d block_n=%d block_k=%d stages=%d",
+                fn, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages);
+  int sms = 0;
+  if (int r = device_sms(&sms, err, err_len)) return r;
+  if (cfg.num_sms > 0 && cfg.num_sms < sms) sms = cfg.num_sms;
+
+  CUtensorMap ma, mb;
+  {
+    const uint64_t dims[2] = {(uint64_t)m, (uint64_t)p_total};
+    const uint64_t strides[1] = {(uint64_t)lda * 2};
+    const uint32_t box[2] = {64, 64};
+    if (int r = make_map(&ma, a, 2, dims, strides, box, err, err_len)) return r;
+  }
+  {
+    const uint64_t dims[2] = {(uint64_t)n, (uint64_t)p_total};
+    const uint64_t strides[1] = {(uint64_t)ldb * 2};
+    const uint32_t box[2] = {64, 64};
+    if (int r = make_map(&mb, b, 2, dims, strides, box, err, err_len)) return r;
+  }
+  KGroupedParams p;
+  p.c = c;
+  p.group_offsets = group_offsets;
+  p.p_total = (int32_t)p_total;
+  p.m = (int32_t)m;
+  p.n = (int32_t)n;
+  p.num_groups = num_groups;
+  const int64_t tiles = (int64_t)num_groups * ((m + 127) / 128) * ((n + cfg.block_n - 1) / cfg.block_n);
+  if (tiles > kMaxDim) return fail(kGemmInvalidArgument, err, err_len, "%s: too many tiles", fn);
+  const int grid = (int)(tiles < sms ? tiles : sms);
+  const int out = c_is_bf16 ? kOutBf16Store : (accumulate ? kOutF32Accumulate : kOutF32Store);
+#define PK_K_LAUNCH(BN, ST, OUT, ASYNC) return launch_k_grouped<BN, ST, OUT, ASYNC>(ma, mb, p, grid, stream, err, err_len)
+  if (cfg.async_epilogue) {
+    if (cfg.block_n == 256) PK_K_LAUNCH(256, 3, kOutBf16Store, true);
+    PK_K_LAUNCH(128, 5, kOutBf16Store, true);
+  }
+  if (cfg.block_n == 256) {
+    if (out == kOutBf16Store) PK_K_LAUNCH(256, 4, kOutBf16Store, false);
+    if (out == kOutF32Store) PK_K_LAUNCH(256, 4, kOutF32Store, false);
+    PK_K_LAUNCH(256, 4, kOutF32Accumulate, false);
+  }
+  if (out == kOutBf16Store) PK_K_LAUNCH(128, 6, kOutBf16Store, false);
+  if (out == kOutF32Store) PK_K_LAUNCH(128, 6, kOutF32Store, false);
+  PK_K_LAUNCH(128, 6, kOutF32Accumulate, false);
+#undef PK_K_LAUNCH
+}
+
+}  // namespace sm90
+}  // namespace deep_gemm

@@ -1,0 +1,64 @@
+// prime-kernels: host launch functions for the sm90a BF16 grouped GEMMs.
+//
+// Plain C++ over raw device pointers (no torch types); link with the CUDA runtime (static is fine), not
+// with libcuda (the tensor-map encoder is fetched through cudaGetDriverEntryPointByVersion).
+//
+// Every function validates its arguments before touching the device and returns a status code
+// (0 = ok, 1 = invalid argument, 2 = not available on this device/build, 3 = CUDA error). On failure a
+// message is written to err (NUL-terminated, truncated to err_len; err may be null). Nothing aborts or
+// prints. All launches are asynchronous on `stream`.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "gemm_heuristics.hpp"
+
+namespace deep_gemm {
+namespace sm90 {
+
+enum GroupedGemmStatus : int {
+  kGemmOk = 0,
+  kGemmInvalidArgument = 1,
+  kGemmNotAvailable = 2,
+  kGemmCudaError = 3,
+};
+
+// m-grouped GEMM:  D[m, :] = A[m, :] @ B_g^T  for m in [group_offsets[g], group_offsets[g+1]).
+//
+//   a       bf16 [m_total, k], row stride lda (elements; lda >= k, lda % 8 == 0), 16-byte aligned.
+//   b       bf16, per group g at b + g * b_group_stride (elements, % 8 == 0):
+//             b_k_major = true : [num_groups, n, k], row stride ldb >= k  (x @ W^T, W = [n, k]: "nt")
+//             b_k_major = false: [num_groups, k, n], row stride ldb >= n  (dy @ W, W = [k, n]: "nn")
+//   d       bf16 [m_total, n], row stride ldd (>= n, % 8 == 0), 16-byte aligned. Only rows inside a
+//           group are written; other rows keep their contents.
+//   group_offsets  device int32 [num_groups + 1], non-decreasing, group_offsets[num_groups] <= m_total.
+//           No padding is required; empty groups are allowed. Values are clamped to [0, m_total].
+//   n, k    multiples of 8 (TMA row pitch); n >= 8, k >= 0 (k == 0 writes zeros to the group rows).
+//   1 <= num_groups <= 1024.
+//   config  null = gemm_heuristics' choice; else an instantiated (block_n, num_stages) pair.
+int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_major, int64_t ldb,
+                        int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
+                        int num_groups, int64_t m_total, int64_t n, int64_t k,
+                        const GroupedGemmConfig* config, cudaStream_t stream, char* err, size_t err_len);
+
+// k-grouped GEMM (weight gradients):  C_e = A_e^T @ B_e  (or C_e += ... when accumulate),
+// A_e = rows [group_offsets[e], group_offsets[e+1]) of A, likewise B_e.
+//
+//   a       bf16 [p_total, m], row stride lda (>= m, % 8 == 0), 16-byte aligned.
+//   b       bf16 [p_total, n], row stride ldb (>= n, % 8 == 0), 16-byte aligned.
+//   c       [num_groups, m, n] contiguous; c_is_bf16 = false: fp32 (store, or accumulate into the existing
+//           values when accumulate = true); c_is_bf16 = true: bf16 store (accumulate must be false).
+//           c must be 16-byte aligned. An empty group gives C_e = 0 (store) or leaves C_e unchanged
+//           (accumulate).
+//   group_offsets  device int32 [num_groups + 1], non-decreasing, last <= p_total, clamped to [0, p_total].
+//   m, n    multiples of 8, >= 8.   1 <= num_groups <= 1024.
+int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c, bool c_is_bf16,
+                        bool accumulate, const int32_t* group_offsets, int num_groups, int64_t p_total,
+                        int64_t m, int64_t n, const GroupedGemmConfig* config, cudaStream_t stream, char* err,
+                        size_t err_len);
+
+}  // namespace sm90
+}  // namespace deep_gemm

@@ -1,0 +1,300 @@
+// prime-kernels: sm90a k-grouped BF16 GEMM (weight gradients).
+//
+//   C_e[M, N] (+)= A_e^T @ B_e,   A_e = A[offs[e]:offs[e+1], :] of A [P, M],  B_e likewise of B [P, N]
+//
+//   A and B are token-major bf16 (row p = a token row; row strides lda, ldb), so both wgmma operands are
+//   MN-major in shared memory. C is [E, M, N] contiguous: fp32 (store or accumulate) or bf16 (store).
+//   An expert's row count (its K) is arbitrary, 0 included: K = 0 gives C_e = 0, or leaves C_e untouched when
+//   accumulating. Rows of the last k-block past the expert's end are zeroed in shared memory before the
+//   wgmma reads them (they hold the next expert's rows or the TMA's out-of-bounds zeros).
+//
+// Same persistent, warp-specialized structure as the m-grouped kernel. Every expert has the same number of
+// tiles but not the same cost (cost ~ its row count), so the prologue orders experts by decreasing row
+// count and CTAs take tiles in a serpentine order over rounds of gridDim.x tiles (heavy tiles first,
+// spread over all CTAs).
+#pragma once
+
+#include <cuda.h>
+
+#include "gemm_common.cuh"
+
+namespace deep_gemm {
+namespace sm90 {
+
+enum KGroupedOut : int { kOutF32Store = 0, kOutF32Accumulate = 1, kOutBf16Store = 2 };
+
+struct KGroupedParams {
+  void* c;  // [E, M, N]
+  const int32_t* group_offsets;
+  int32_t p_total;
+  int32_t m;
+  int32_t n;
+  int32_t num_groups;
+};
+
+template <int kBlockN, int kNumStages, bool kAsyncEpi>
+struct KGroupedLayout {
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockK = 64;
+  static constexpr int kABytes = kBlockM * kBlockK * 2;
+  static constexpr int kBBytes = kBlockN * kBlockK * 2;
+  static constexpr int kAOff = 0;
+  static constexpr int kBOff = kAOff + kNumStages * kABytes;
+  static constexpr int kCOff = kBOff + kNumStages * kBBytes;
+  static constexpr int kCBytes = kAsyncEpi ? AsyncStaging<kBlockN>::kBytes : 2 * kStageBytesPerWg;
+  static constexpr int kBarOff = kCOff + kCBytes;
+  static constexpr int kOffsOff = kBarOff + (2 * kNumStages + 2) * 8;
+  static constexpr int kOrderOff = kOffsOff + (kMaxGroups + 1) * 4;
+  static constexpr int kEnd = kOrderOff + kMaxGroups * 4;
+  static constexpr int kSmemBytes = kEnd + 1024;
+  static_assert(kSmemBytes <= 232448, "shared memory budget exceeded");
+  static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "kBlockN must be 64..256, a multiple of 64");
+};
+
+template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    k_grouped_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
+                               const __grid_constant__ CUtensorMap tmap_b, const KGroupedParams p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  static_assert(!kAsyncEpi || kOut == kOutBf16Store, "the asynchronous epilogue stores bf16 only");
+  using L = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi>;
+  constexpr int kBlockM = L::kBlockM;
+  constexpr int kBlockK = L::kBlockK;
+  constexpr int kBoxBytes = 64 * kBlockK * 2;  // one 64-wide MN block of one stage
+  constexpr int kNumBoxes = (kBlockM + kBlockN) / 64;
+  using Mma = ptx::WgmmaBf16<kBlockN, 1, 1>;
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
+  uint64_t* empty_bar = full_bar + kNumStages;
+  uint64_t* epi_full_bar = empty_bar + kNumStages;
+  uint64_t* epi_empty_bar = epi_full_bar + 1;
+  int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
+  int32_t* s_order = reinterpret_cast<int32_t*>(smem + L::kOrderOff);
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int num_groups = p.num_groups;
+  const int m_blocks = ceil_div(p.m, kBlockM);
+  const int n_blocks = ceil_div(p.n, kBlockN);
+  const int tiles_per_group = m_blocks * n_blocks;
+  const int num_tiles = tiles_per_group * num_groups;
+
+  // ---- prologue
+  if (tid == 0) {
+    for (int s = 0; s < kNumStages; ++s) {
+      ptx::mbar_init(&full_bar[s], 1);
+      ptx::mbar_init(&empty_bar[s], kNumConsumerThreads / 32);
+    }
+    ptx::mbar_init(epi_full_bar, kNumConsumerThreads / 32);
+    ptx::mbar_init(epi_empty_bar, kNumStoreWarps);
+    ptx::fence_mbar_init();
+  }
+  if (tid == 32) {
+    ptx::tma_prefetch_desc(&tmap_a);
+    ptx::tma_prefetch_desc(&tmap_b);
+  }
+  for (int i = tid; i <= num_groups; i += kNumThreads) {
+    const int v = __ldg(p.group_offsets + i);
+    s_offs[i] = min(max(v, 0), p.p_total);
+  }
+  __syncthreads();
+  // Rank experts by decreasing row count (ties by index): order[rank] = expert.
+  for (int e = tid; e < num_groups; e += kNumThreads) {
+    const int rows_e = max(s_offs[e + 1] - s_offs[e], 0);
+    int rank = 0;
+    for (int f = 0; f < num_groups; ++f) {
+      const int rows_f = max(s_offs[f + 1] - s_offs[f], 0);
+      rank += (rows_f > rows_e) || (rows_f == rows_e && f < e);
+    }
+    s_order[rank] = e;
+  }
+  __syncthreads();
+
+  struct Tile {
+    int group, k_start, rows, m0, n0;
+  };
+  auto locate = [&](int t) -> Tile {
+    const int slot = t / tiles_per_group;
+    const int local = t - slot * tiles_per_group;
+    const int e = s_order[slot];
+    const int start = s_offs[e];
+    const int rows = max(s_offs[e + 1] - start, 0);
+    const int nb = local / m_blocks;
+    const int mb = local - nb * m_blocks;
+    return Tile{e, start, rows, mb * kBlockM, nb * kBlockN};
+  };
+  // The i-th tile of this CTA (serpentine over rounds); returns -1 past the end, num_tiles+ to skip.
+  const int grid = gridDim.x;
+  auto tile_of = [&](int i) -> int {
+    const int round_base = i * grid;
+    return round_base + ((i & 1) ? (grid - 1 - (int)blockIdx.x) : (int)blockIdx.x);
+  };
+
+  if (warp < 4) {
+    // ================= producer warpgroup =================
+    ptx::setmaxnreg_dec<kProducerRegs>();
+    if (warp == 0 && lane == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int i = 0; i * grid < num_tiles; ++i) {
+        const int t = tile_of(i);
+        if (t >= num_tiles) continue;
+        const Tile tile = locate(t);
+        const int num_k_blocks = ceil_div(tile.rows, kBlockK);
+        for (int kb = 0; kb < num_k_blocks; ++kb) {
+          ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+          uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
+          uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
+          const int krow = tile.k_start + kb * kBlockK;
+          ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
+#pragma unroll
+          for (int j = 0; j < kBlockM / 64; ++j)
+            ptx::tma_load_2d(sa + j * kBoxBytes, &tmap_a, &full_bar[stage], tile.m0 + 64 * j, krow);
+#pragma unroll
+          for (int j = 0; j < kBlockN / 64; ++j)
+            ptx::tma_load_2d(sb + j * kBoxBytes, &tmap_b, &full_bar[stage], tile.n0 + 64 * j, krow);
+          if (++stage == kNumStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    } else if (kAsyncEpi && warp >= 1) {
+      const uint32_t staging = ptx::smem_addr(smem + L::kCOff);
+      uint32_t epi_phase = 0;
+      for (int i = 0; i * grid < num_tiles; ++i) {
+        const int t = tile_of(i);
+        if (t >= num_tiles) continue;
+        const Tile tile = locate(t);
+        __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.c) + tile.group * static_cast<int64_t>(p.m) * p.n;
+        ptx::mbar_wait(epi_full_bar, epi_phase);
+        copy_staging_to_global<kBlockN>(staging, tid - 32, out, p.n, tile.m0, p.m, tile.n0, p.n);
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(epi_empty_bar);
+        epi_phase ^= 1;
+      }
+    }
+  } else {
+    // ================= consumer warpgroups =================
+    ptx::setmaxnreg_inc<kConsumerRegs>();
+    const int wg = (warp >> 2) - 1;
+    const int wg_tid = tid - 128 * (wg + 1);
+    const int ctid = tid - 128;  // 0..255 over both consumer warpgroups
+    const int warp_in_wg = wg_tid >> 5;
+    const uint32_t stage_c = ptx::smem_addr(smem + L::kCOff + wg * kStageBytesPerWg);
+    const uint32_t a_base = ptx::smem_addr(smem + L::kAOff) + wg * kBoxBytes;
+    const uint32_t b_base = ptx::smem_addr(smem + L::kBOff);
+    const uint64_t desc_a0 = ptx::make_desc_sw128(a_base, kBoxBytes, 1024);
+    const uint64_t desc_b0 = ptx::make_desc_sw128(b_base, kBoxBytes, 1024);
+
+    float acc[kBlockN / 2];
+    int stage = 0;
+    uint32_t phase = 0;
+    uint32_t epi_phase = 0;
+    for (int i = 0; i * grid < num_tiles; ++i) {
+      const int t = tile_of(i);
+      if (t >= num_tiles) continue;
+      const Tile tile = locate(t);
+      const int num_k_blocks = ceil_div(tile.rows, kBlockK);
+      if (kOut == kOutF32Accumulate && num_k_blocks == 0) continue;
+#pragma unroll
+      for (int r = 0; r < kBlockN / 2; ++r) acc[r] = 0.f;
+
+      int prev_stage = 0;
+      for (int kb = 0; kb < num_k_blocks; ++kb) {
+        ptx::mbar_wait(&full_bar[stage], phase);
+        const int valid = tile.rows - kb * kBlockK;
+        if (valid < kBlockK) {
+          // Last, partial k-block: zero k-rows [valid, 64) of every box of this stage (whole 128-byte rows,
+          // so the swizzle does not matter), then hand the writes to the async proxy.
+          const int zrows = kBlockK - valid;
+          const int per_box = zrows * 8;
+          const uint32_t sa = ptx::smem_addr(smem + L::kAOff + stage * L::kABytes);
+          const uint32_t sb = ptx::smem_addr(smem + L::kBOff + stage * L::kBBytes);
+          for (int idx = ctid; idx < per_box * kNumBoxes; idx += kNumConsumerThreads) {
+            const int box = idx / per_box;
+            const int rem = idx - box * per_box;
+            const int r = valid + (rem >> 3);
+            const uint32_t base = box < kBlockM / 64 ? sa + box * kBoxBytes : sb + (box - kBlockM / 64) * kBoxBytes;
+            ptx::st_shared_v4(base + r * 128 + (rem & 7) * 16, make_uint4(0, 0, 0, 0));
+          }
+          ptx::fence_proxy_async_smem();
+          ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+        }
+#pragma unroll
+        for (int r = 0; r < kBlockN / 2; ++r) ptx::reg_fence(acc[r]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockK / 16; ++kk) {
+          const uint64_t da = desc_a0 + ((stage * L::kABytes + kk * 16 * 128) >> 4);
+          const uint64_t db = desc_b0 + ((stage * L::kBBytes + kk * 16 * 128) >> 4);
+          Mma::mma(acc, da, db, 1u);
+        }
+        ptx::wgmma_commit();
+#pragma unroll
+        for (int r = 0; r < kBlockN / 2; ++r) ptx::reg_fence(acc[r]);
+        if (kb > 0) {
+          ptx::wgmma_wait<1>();
+          __syncwarp();
+          if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
+        }
+        prev_stage = stage;
+        if (++stage == kNumStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      ptx::wgmma_wait<0>();  // unconditional: lets ptxas see every accumulator settled on all paths
+      if (num_k_blocks > 0) {
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
+      }
+#pragma unroll
+      for (int r = 0; r < kBlockN / 2; ++r) ptx::reg_fence(acc[r]);
+
+      const int64_t group_elems = static_cast<int64_t>(p.m) * p.n;
+      const int row0 = tile.m0 + 64 * wg;
+      if constexpr (kAsyncEpi) {
+        ptx::mbar_wait(epi_empty_bar, epi_phase ^ 1);
+        write_acc_to_staging<kBlockN>(acc, ptx::smem_addr(smem + L::kCOff), wg, wg_tid);
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(epi_full_bar);
+        epi_phase ^= 1;
+      } else if constexpr (kOut == kOutBf16Store) {
+        __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.c) + tile.group * group_elems;
+        store_acc_bf16_staged<kBlockN>(acc, stage_c, kBarEpilogueWg0 + wg, wg_tid, out, p.n, row0, p.m,
+                                       tile.n0, p.n);
+      } else {
+        float* out = reinterpret_cast<float*>(p.c) + tile.group * group_elems;
+        const int fr = row0 + warp_in_wg * 16 + (lane >> 2);
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+          const int col = tile.n0 + j * 8 + (lane & 3) * 2;
+          if (col < p.n) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = fr + 8 * h;
+              if (row < p.m) {
+                float2* ptr = reinterpret_cast<float2*>(out + static_cast<int64_t>(row) * p.n + col);
+                float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                if constexpr (kOut == kOutF32Accumulate) {
+                  const float2 o = *ptr;
+                  v.x += o.x;
+                  v.y += o.y;
+                }
+                *ptr = v;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace sm90
+}  // namespace deep_gemm

@@ -1,0 +1,126 @@
+"""BF16 grouped GEMMs (sm90 wgmma kernels on CUDA; a float32-accumulating reference on the CPU).
+
+Rows are grouped by ``group_offsets`` (int32 [E + 1], cumulative row starts, last entry = rows used;
+no padding needed, empty groups allowed).
+
+- ``m_grouped_bf16_gemm_nt(a [M, K], b [E, N, K], offs) -> [M, N]``: row r of group g is a[r] @ b[g]^T
+  (the forward passes, weights in their natural [out, in] layout).
+- ``m_grouped_bf16_gemm_nn(a [M, K], b [E, K, N], offs) -> [M, N]``: a[r] @ b[g] (the dgrad passes:
+  the same weights read MN-major, no transposed copy).
+- ``k_grouped_bf16_gemm_tn(a [P, M], b [P, N], offs) -> [E, M, N]``: a_g^T @ b_g over each group's rows
+  (the weight gradients), fp32 or bf16 out, or accumulated into a given fp32 buffer.
+
+Rows of the m-grouped output that lie outside every group are left unspecified.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _lib, _status
+
+__all__ = ["m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "k_grouped_bf16_gemm_tn",
+           "m_grouped_gemm_reference", "k_grouped_gemm_reference"]
+
+_KEYS = {"m_grouped_bf16_gemm_nt": "m_grouped_gemm_nt.bf16.sm90",
+         "m_grouped_bf16_gemm_nn": "m_grouped_gemm_nn.bf16.sm90",
+         "k_grouped_bf16_gemm_tn": "k_grouped_gemm_tn.bf16.sm90",
+         "k_grouped_bf16_gemm_tn_accumulate_": "k_grouped_gemm_tn.bf16.sm90"}
+
+
+def _ready(op: str, device: torch.device) -> None:
+    if device.type == "cuda":
+        _status.require(_KEYS[op])
+    elif not _lib.load().shim_loaded:
+        raise RuntimeError(f"deep_gemm: {op} is not available: {_lib.load().reason}")
+
+
+def m_grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, b_k_major: bool,
+                             acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-group matmul in ``acc_dtype``, rounded to a's dtype; rows outside every group are zero."""
+    offs = group_offsets.tolist()
+    out = torch.zeros(a.shape[0], b.shape[1] if b_k_major else b.shape[2], dtype=acc_dtype, device=a.device)
+    for g in range(len(offs) - 1):
+        lo, hi = offs[g], offs[g + 1]
+        if hi > lo:
+            w = b[g].to(acc_dtype)
+            out[lo:hi] = a[lo:hi].to(acc_dtype) @ (w.t() if b_k_major else w)
+    return out.to(a.dtype) if acc_dtype != torch.float64 else out
+
+
+def k_grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor,
+                             acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    offs = group_offsets.tolist()
+    out = torch.zeros(len(offs) - 1, a.shape[1], b.shape[1], dtype=acc_dtype, device=a.device)
+    for g in range(len(offs) - 1):
+        lo, hi = offs[g], offs[g + 1]
+        if hi > lo:
+            out[g] = a[lo:hi].to(acc_dtype).t() @ b[lo:hi].to(acc_dtype)
+    return out
+
+
+def m_grouped_bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+    _ready("m_grouped_bf16_gemm_nt", a.device)
+    return torch.ops.deep_gemm.m_grouped_bf16_gemm_nt(a, b, group_offsets)
+
+
+def m_grouped_bf16_gemm_nn(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+    _ready("m_grouped_bf16_gemm_nn", a.device)
+    return torch.ops.deep_gemm.m_grouped_bf16_gemm_nn(a, b, group_offsets)
+
+
+def k_grouped_bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
+                           out_dtype: torch.dtype = torch.float32,
+                           accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
+    """C_g = a_g^T @ b_g. With ``accumulate_into`` (fp32 [E, M, N]) adds into it and returns it."""
+    if accumulate_into is not None:
+        _ready("k_grouped_bf16_gemm_tn_accumulate_", a.device)
+        torch.ops.deep_gemm.k_grouped_bf16_gemm_tn_accumulate_(a, b, group_offsets, accumulate_into)
+        return accumulate_into
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    _ready("k_grouped_bf16_gemm_tn", a.device)
+    return torch.ops.deep_gemm.k_grouped_bf16_gemm_tn(a, b, group_offsets, out_dtype == torch.float32)
+
+
+def _register() -> None:
+    """CPU kernels (the reference) and fake kernels, so opcheck and torch.compile run anywhere."""
+    lib = "deep_gemm::"
+
+    def _check_cpu(a, b, offs):
+        if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+            raise TypeError("deep_gemm grouped GEMMs take bfloat16 operands")
+        if offs.dtype != torch.int32 or offs.dim() != 1:
+            raise TypeError("group_offsets must be a 1-D int32 tensor [num_groups + 1]")
+
+    for name, k_major in (("m_grouped_bf16_gemm_nt", True), ("m_grouped_bf16_gemm_nn", False)):
+        def cpu(a, b, group_offsets, _k_major=k_major):
+            _check_cpu(a, b, group_offsets)
+            return m_grouped_gemm_reference(a, b, group_offsets, _k_major)
+
+        def fake(a, b, group_offsets, _k_major=k_major):
+            return a.new_empty(a.shape[0], b.shape[1] if _k_major else b.shape[2])
+
+        torch.library.register_kernel(lib + name, "cpu", cpu)
+        torch.library.register_fake(lib + name, fake)
+
+    def k_cpu(a, b, group_offsets, out_fp32=True):
+        _check_cpu(a, b, group_offsets)
+        out = k_grouped_gemm_reference(a, b, group_offsets)
+        return out if out_fp32 else out.to(torch.bfloat16)
+
+    def k_fake(a, b, group_offsets, out_fp32=True):
+        return a.new_empty(group_offsets.shape[0] - 1, a.shape[1], b.shape[1],
+                           dtype=torch.float32 if out_fp32 else torch.bfloat16)
+
+    def k_acc_cpu(a, b, group_offsets, c):
+        _check_cpu(a, b, group_offsets)
+        c.add_(k_grouped_gemm_reference(a, b, group_offsets))
+
+    def k_acc_fake(a, b, group_offsets, c):
+        return None
+
+    torch.library.register_kernel(lib + "k_grouped_bf16_gemm_tn", "cpu", k_cpu)
+    torch.library.register_fake(lib + "k_grouped_bf16_gemm_tn", k_fake)
+    torch.library.register_kernel(lib + "k_grouped_bf16_gemm_tn_accumulate_", "cpu", k_acc_cpu)
+    torch.library.register_fake(lib + "k_grouped_bf16_gemm_tn_accumulate_", k_acc_fake)

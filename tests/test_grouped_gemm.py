@@ -1,0 +1,155 @@
+"""The sm90 BF16 grouped GEMMs against float64, plus opcheck of the ops' CPU reference kernels."""
+
+import pytest
+import torch
+
+import deep_gemm
+from conftest import requires_sm90
+from deep_gemm.grouped_gemm import k_grouped_gemm_reference, m_grouped_gemm_reference
+
+SPECIAL = [0, 1, 7, 127, 128, 1000]
+
+
+def group_sizes(E: int, kind: str, gen: torch.Generator) -> list[int]:
+    if kind == "special":  # every size the issue names, then random ones
+        rand = torch.randint(0, 300, (E,), generator=gen).tolist()
+        return [SPECIAL[i] if i < len(SPECIAL) else rand[i] for i in range(E)]
+    if kind == "skewed":  # Zipf-like: a few huge groups, many tiny or empty
+        pop = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.1
+        pop = pop[torch.randperm(E, generator=gen)]
+        return torch.round(pop / pop.sum() * 300 * min(E, 32)).long().tolist()
+    raise ValueError(kind)
+
+
+def offsets_of(sizes: list[int], device) -> torch.Tensor:
+    offs = torch.zeros(len(sizes) + 1, dtype=torch.int32)
+    offs[1:] = torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 0).to(torch.int32)
+    return offs.to(device)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def poison_next_alloc(numel: int, dtype: torch.dtype) -> None:
+    """Leave a NaN-filled block of exactly this size in the caching allocator: the op's output of the
+    same size on the same stream reuses it, so an unwritten element shows as NaN."""
+    block = torch.full((numel,), float("nan"), dtype=dtype, device="cuda")
+    del block
+
+
+# --------------------------------------------------------------------------------------------- CPU
+
+
+def test_cpu_ops_pass_opcheck():
+    gen = torch.Generator().manual_seed(0)
+    offs = offsets_of([3, 0, 9, 4], "cpu")
+    a = torch.randn(16, 64, generator=gen).bfloat16()
+    b_nt = torch.randn(4, 32, 64, generator=gen).bfloat16()
+    b_nn = torch.randn(4, 64, 32, generator=gen).bfloat16()
+    ops = torch.ops.deep_gemm
+    torch.library.opcheck(ops.m_grouped_bf16_gemm_nt.default, (a, b_nt, offs))
+    torch.library.opcheck(ops.m_grouped_bf16_gemm_nn.default, (a, b_nn, offs))
+    bk = torch.randn(16, 48, generator=gen).bfloat16()
+    torch.library.opcheck(ops.k_grouped_bf16_gemm_tn.default, (a, bk, offs, True))
+    c = torch.randn(4, 64, 48, generator=gen)
+    torch.library.opcheck(ops.k_grouped_bf16_gemm_tn_accumulate_.default, (a, bk, offs, c))
+
+
+def test_cpu_reference_matches_float64():
+    gen = torch.Generator().manual_seed(1)
+    sizes = [5, 0, 17, 1]
+    offs = offsets_of(sizes, "cpu")
+    a = torch.randn(23, 64, generator=gen).bfloat16()
+    b = torch.randn(4, 40, 64, generator=gen).bfloat16()
+    out = deep_gemm.m_grouped_bf16_gemm_nt(a, b, offs)
+    ref = m_grouped_gemm_reference(a, b, offs, True, torch.float64)
+    assert rel_err(out, ref) < 1e-2
+    bk = torch.randn(23, 24, generator=gen).bfloat16()
+    acc = torch.randn(4, 64, 24, generator=gen)
+    expect = acc.double() + k_grouped_gemm_reference(a, bk, offs, torch.float64)
+    deep_gemm.k_grouped_bf16_gemm_tn(a, bk, offs, accumulate_into=acc)
+    assert rel_err(acc, expect) < 1e-5
+
+
+# --------------------------------------------------------------------------------------------- GPU
+
+M_CASES = [  # (E, kind, N, K)
+    (1, "special", 192, 320), (8, "special", 448, 192), (8, "skewed", 256, 256), (128, "special", 192, 576),
+    (128, "skewed", 1536, 256), (256, "special", 320, 192), (256, "skewed", 64, 128),
+]
+
+
+@requires_sm90
+@pytest.mark.parametrize("E,kind,N,K", M_CASES)
+@pytest.mark.parametrize("layout", ["nt", "nn"])
+def test_m_grouped_matches_float64(E, kind, N, K, layout):
+    gen = torch.Generator().manual_seed(E * 1000 + N + K)
+    sizes = group_sizes(E, kind, gen)
+    M = sum(sizes)
+    offs = offsets_of(sizes, "cuda")
+    a = torch.randn(max(M, 1), K, generator=gen).bfloat16().cuda()
+    b = (torch.randn(E, N, K, generator=gen) if layout == "nt" else torch.randn(E, K, N, generator=gen))
+    b = (b / K ** 0.5).bfloat16().cuda()
+    op = deep_gemm.m_grouped_bf16_gemm_nt if layout == "nt" else deep_gemm.m_grouped_bf16_gemm_nn
+    poison_next_alloc(max(M, 1) * N, torch.bfloat16)
+    out = op(a, b, offs)
+    torch.cuda.synchronize()
+    if M == 0:
+        return
+    ref = m_grouped_gemm_reference(a.cpu(), b.cpu(), offs.cpu(), layout == "nt", torch.float64)
+    assert not torch.isnan(out[:M]).any(), "rows inside groups left unwritten"
+    err = rel_err(out[:M].cpu(), ref[:M])
+    assert err < 1e-2, f"rel err {err:.3e}"
+    again = op(a, b, offs)
+    assert torch.equal(out[:M], again[:M]), "not deterministic"
+
+
+K_CASES = [(1, "special", 192, 320), (8, "special", 256, 192), (128, "skewed", 768, 320), (256, "special", 192, 64),
+           (128, "special", 128, 1536)]
+
+
+@requires_sm90
+@pytest.mark.parametrize("E,kind,Mdim,Ndim", K_CASES)
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "accumulate"])
+def test_k_grouped_matches_float64(E, kind, Mdim, Ndim, mode):
+    gen = torch.Generator().manual_seed(E * 7 + Mdim + Ndim)
+    sizes = group_sizes(E, kind, gen)
+    P = sum(sizes)
+    offs = offsets_of(sizes, "cuda")
+    a = torch.randn(max(P, 1), Mdim, generator=gen).bfloat16().cuda()
+    b = torch.randn(max(P, 1), Ndim, generator=gen).bfloat16().cuda()
+    ref = k_grouped_gemm_reference(a.cpu(), b.cpu(), offs.cpu(), torch.float64)
+    if mode == "accumulate":
+        base = torch.randn(E, Mdim, Ndim, generator=gen)
+        out = base.cuda()
+        deep_gemm.k_grouped_bf16_gemm_tn(a, b, offs, accumulate_into=out)
+        ref = ref + base.double()
+    else:
+        dtype = torch.float32 if mode == "fp32" else torch.bfloat16
+        poison_next_alloc(E * Mdim * Ndim, dtype)
+        out = deep_gemm.k_grouped_bf16_gemm_tn(a, b, offs, out_dtype=dtype)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any(), "output left unwritten"
+    for g, n in enumerate(sizes):  # empty groups: exact zeros (store) or the untouched base (accumulate)
+        if n == 0:
+            assert torch.equal(out[g].double().cpu(), ref[g].to(out.dtype).double())
+    err = rel_err(out.cpu(), ref)
+    assert err < 1e-2, f"rel err {err:.3e}"
+
+
+@requires_sm90
+def test_bad_gemm_inputs_raise_before_launch():
+    a = torch.randn(64, 128, device="cuda").bfloat16()
+    b = torch.randn(2, 64, 128, device="cuda").bfloat16()
+    offs = offsets_of([32, 32], "cuda")
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        deep_gemm.m_grouped_bf16_gemm_nt(a.float(), b, offs)
+    with pytest.raises(RuntimeError, match="groups"):
+        deep_gemm.m_grouped_bf16_gemm_nt(a, b, offsets_of([64], "cuda"))
+    with pytest.raises(RuntimeError, match="K"):
+        deep_gemm.m_grouped_bf16_gemm_nt(a, b[:, :, :64], offs)
+    with pytest.raises(RuntimeError, match="int32"):
+        deep_gemm.m_grouped_bf16_gemm_nt(a, b, offs.long())
+    with pytest.raises(RuntimeError):
+        deep_gemm.m_grouped_bf16_gemm_nt(a[:, :100], b[:, :, :100], offs)  # K % 8 != 0
