@@ -3,6 +3,8 @@
 # ci/install_cuda_from_pypi.sh (done here when nothing else is found).
 set -euo pipefail
 ok() { "$1" --version 2>/dev/null | grep -Eq 'release (1[3-9]\.|12\.9)'; }
+# PRIME_KERNELS_PYPI_NVCC=1 skips any installed toolkit (to test the fresh-machine path).
+[ "${PRIME_KERNELS_PYPI_NVCC:-0}" = 1 ] && { bash "$(dirname "$0")/install_cuda_from_pypi.sh" "$(pwd)/.toolchain/cuda"; exit; }
 for c in "${CUDACXX:-}" "$(command -v nvcc || true)" /usr/local/cuda/bin/nvcc /usr/local/cuda-13.0/bin/nvcc \
          "$(pwd)/.toolchain/cuda/bin/nvcc"; do
   if [ -n "$c" ] && [ -x "$c" ] && ok "$c"; then echo "$c"; exit 0; fi

@@ -9,6 +9,18 @@ python3 -m venv "$VENV"
 "$VENV/bin/pip" install --quiet --disable-pip-version-check "torch==${PRIME_KERNELS_TEST_TORCH:-2.14.1}" \
   pytest numpy matplotlib "cibuildwheel==4.3.5" "cmake>=3.31" ninja
 "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps wheelhouse/prime_kernels-*.whl
+# A second environment with the CPU-only torch 2.13 (older than the 2.14 headers the shim was built
+# against): the wheel must import and run its CPU ops there too. Skipped where no such torch exists.
+if [ "${PRIME_KERNELS_SKIP_CPU_TORCH:-0}" != 1 ]; then
+  rm -rf .venv-cpu-torch && python3 -m venv .venv-cpu-torch
+  if .venv-cpu-torch/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0" 2>/dev/null \
+      && .venv-cpu-torch/bin/python -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)"; then
+    .venv-cpu-torch/bin/pip install --quiet --disable-pip-version-check --no-deps wheelhouse/prime_kernels-*.whl
+    export PRIME_KERNELS_CPU_TORCH_PYTHON="$(pwd)/.venv-cpu-torch/bin/python"
+  else
+    echo "note: no CPU-only torch 2.13.0 available here; the CPU-only-torch test will skip"
+  fi
+fi
 # Run from tests/ so `import deep_gemm` resolves to the installed wheel, not the source tree.
 cd tests
 set +e

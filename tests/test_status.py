@@ -100,3 +100,24 @@ def test_upstream_deep_gemm_is_detected(tmp_path):
     assert "both prime-kernels and deep_gemm 2.6.1" in out.stderr
     clean = run_python(code)
     assert "both prime-kernels" not in clean.stderr
+
+
+def test_cpu_only_older_torch_imports_and_runs_cpu_ops():
+    """The shim links no libtorch_cuda, and a build against newer torch headers loads on torch >= 2.10."""
+    py = os.environ.get("PRIME_KERNELS_CPU_TORCH_PYTHON")
+    if not py:
+        pytest.skip("set PRIME_KERNELS_CPU_TORCH_PYTHON to a Python with a CPU-only torch (ci/test.sh does)")
+    import subprocess
+
+    code = ("import torch, deep_gemm\n"
+            "assert torch.version.cuda is None, torch.__version__\n"
+            "st = deep_gemm.status(); assert st['routing_plan.int32.sm90'] == 'no CUDA device', st\n"
+            "idx = torch.randint(-1, 16, (100, 4))\n"
+            "p = deep_gemm.routing_plan(idx, 16, 32); r = deep_gemm.routing_plan_reference(idx, 16, 32)\n"
+            "assert torch.equal(p.pool_src_route, r.pool_src_route)\n"
+            "a = torch.randn(10, 64).bfloat16(); b = torch.randn(2, 16, 64).bfloat16()\n"
+            "o = deep_gemm.m_grouped_bf16_gemm_nt(a, b, torch.tensor([0, 4, 10], dtype=torch.int32))\n"
+            "print('OK', torch.__version__, tuple(o.shape))\n")
+    out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK 2." in out.stdout
