@@ -11,6 +11,8 @@ mkdir -p "$PREFIX"
 ROOT="$PREFIX/site/nvidia/cu13"
 # nvcc.profile searches $(TOP)/lib64; the wheels ship lib/.
 [ -e "$ROOT/lib64" ] || ln -s lib "$ROOT/lib64"
+# CMake's FindCUDAToolkit wants the unversioned cudart name.
+[ -e "$ROOT/lib/libcudart.so" ] || ln -s libcudart.so.13 "$ROOT/lib/libcudart.so"
 ln -sfn "$ROOT/bin" "$PREFIX/bin"
 ln -sfn "$ROOT/include" "$PREFIX/include"
 ln -sfn "$ROOT/lib" "$PREFIX/lib64"
