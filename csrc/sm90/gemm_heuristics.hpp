@@ -32,37 +32,38 @@ inline bool grouped_gemm_config_supported(const GroupedGemmConfig& c) {
   return false;
 }
 
-// m-grouped: D[M_total, N] = A[M_total, K] @ B_g^T.
-// Wide 128x256 tiles halve the shared-memory operand traffic per FLOP against 128x128; they waste work when
-// N is small or leaves a thin last column block, so fall back to 128x128 there.
+// Shared rule for both kernels. Measured on H200 (bench/NOTES.md, issue 3): 128x256 tiles beat 128x128 at
+// every MoE shape (they halve the shared-memory operand traffic per FLOP against 128x128), and the
+// asynchronous epilogue with 3 stages beats the synchronous one with 4 on 20 of 24 passes; clusters of two
+// with B multicast measured 1-4% slower, so they stay off. Narrow or ragged N (a last column block more
+// than a quarter empty) falls back to 128-wide tiles.
+inline GroupedGemmConfig grouped_gemm_config_for_n(int64_t n, bool bf16_out) {
+  GroupedGemmConfig c;
+  const int64_t waste256 = (256 - n % 256) % 256;
+  const bool wide = !(n <= 128 || waste256 > 64);
+  c.block_n = wide ? 256 : 128;
+  c.async_epilogue = bf16_out ? 1 : 0;
+  c.num_stages = wide ? (bf16_out ? 3 : 4) : (bf16_out ? 5 : 6);
+  c.cluster_m = 1;
+  return c;
+}
+
+// m-grouped: D[M_total, N] = A[M_total, K] @ B_g^T (bf16 out).
 inline GroupedGemmConfig m_grouped_gemm_config(int64_t m_total, int64_t n, int64_t k, int num_groups) {
   (void)m_total;
   (void)k;
   (void)num_groups;
-  GroupedGemmConfig c;
-  const int64_t waste256 = (256 - n % 256) % 256;
-  if (n <= 128 || waste256 > 64) {
-    c.block_n = 128;
-    c.num_stages = 6;
-  }
-  return c;
+  return grouped_gemm_config_for_n(n, true);
 }
 
-// k-grouped: C_e[M, N] = A_e^T @ B_e with K_e = rows of expert e.
-// c_is_bf16 = false (fp32 store/accumulate) only has the synchronous epilogue.
+// k-grouped: C_e[M, N] = A_e^T @ B_e with K_e = rows of expert e. c_is_bf16 = false (fp32 store/accumulate)
+// only has the synchronous epilogue.
 inline GroupedGemmConfig k_grouped_gemm_config(int64_t m, int64_t n, int64_t p_total, int num_groups,
                                                bool c_is_bf16) {
-  (void)c_is_bf16;
   (void)m;
   (void)p_total;
   (void)num_groups;
-  GroupedGemmConfig c;
-  const int64_t waste256 = (256 - n % 256) % 256;
-  if (n <= 128 || waste256 > 64) {
-    c.block_n = 128;
-    c.num_stages = 6;
-  }
-  return c;
+  return grouped_gemm_config_for_n(n, c_is_bf16);
 }
 
 }  // namespace sm90

@@ -83,10 +83,10 @@ int check_launch(const char* what, char* err, size_t err_len) {
   return kGemmOk;
 }
 
-template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2>
+template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2, bool kGatherA>
 int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const MGroupedParams& p, int64_t max_units,
                      int sms, cudaStream_t stream, char* err, size_t err_len) {
-  auto kernel = m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kAsyncEpi, kCluster2>;
+  auto kernel = m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kAsyncEpi, kCluster2, kGatherA>;
   constexpr int smem = MGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess)
@@ -142,12 +142,14 @@ constexpr int64_t kMaxDim = (int64_t(1) << 31) - 1;
 
 }  // namespace
 
-int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_major, int64_t ldb,
-                        int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
-                        int num_groups, int64_t m_total, int64_t n, int64_t k,
-                        const GroupedGemmConfig* config, cudaStream_t stream, char* err, size_t err_len) {
+namespace {
+int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index, const void* b,
+                   bool b_k_major, int64_t ldb, int64_t b_group_stride, void* d, int64_t ldd,
+                   const int32_t* group_offsets, int num_groups, int64_t m_total, int64_t n, int64_t k,
+                   const GroupedGemmConfig* config, cudaStream_t stream, char* err, size_t err_len,
+                   const char* fn) {
   clear_err(err, err_len);
-  const char* fn = "m_grouped_bf16_gemm";
+  const bool gather = a_row_index != nullptr;
   if (num_groups < 1 || num_groups > kMaxGroups)
     return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, num_groups,
                 kMaxGroups);
@@ -171,6 +173,9 @@ int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_majo
     if (lda < k || lda % 8 != 0)
       return fail(kGemmInvalidArgument, err, err_len, "%s: lda = %lld, must be >= k and a multiple of 8", fn,
                   (long long)lda);
+    if (gather && (a_rows < 1 || a_rows > kMaxDim))
+      return fail(kGemmInvalidArgument, err, err_len, "%s: a_rows = %lld, must be in [1, 2^31)", fn,
+                  (long long)a_rows);
     const int64_t inner = b_k_major ? k : n;
     const int64_t outer = b_k_major ? n : k;
     if (ldb < inner || ldb % 8 != 0)
@@ -185,6 +190,8 @@ int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_majo
   if (!grouped_gemm_config_supported(cfg))
     return fail(kGemmInvalidArgument, err, err_len, "%s: unsupported config block_m=%d block_n=%d block_k=%d stages=%d",
                 fn, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages);
+  if (gather && cfg.cluster_m != 1)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: gathered A needs cluster_m = 1", fn);
   int sms = 0;
   if (int r = device_sms(&sms, err, err_len)) return r;
   if (cfg.num_sms > 0 && cfg.num_sms < sms) sms = cfg.num_sms;
@@ -195,7 +202,7 @@ int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_majo
   const int64_t kk = k > 0 ? k : 64;
   const int64_t lda_ = k > 0 ? lda : 64;
   CUtensorMap ma, mb;
-  {
+  if (!gather) {
     const uint64_t dims[2] = {(uint64_t)kk, (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)lda_ * 2};
     const uint32_t box[2] = {64, 128};
@@ -218,7 +225,12 @@ int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_majo
       if (int r = make_map(&mb, b_ptr, 3, dims, strides, box, err, err_len)) return r;
     }
   }
+  if (gather) ma = mb;  // unused by the gathering kernel
   MGroupedParams p;
+  p.a = reinterpret_cast<const __nv_bfloat16*>(a_ptr);
+  p.lda = lda_;
+  p.a_row_index = a_row_index;
+  p.a_rows = (int32_t)(gather ? a_rows : 0);
   p.d = reinterpret_cast<__nv_bfloat16*>(d);
   p.ldd = ldd;
   p.group_offsets = group_offsets;
@@ -229,13 +241,14 @@ int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_majo
   const int64_t n_blocks = (n + cfg.block_n - 1) / cfg.block_n;
   const int64_t max_mblocks = (m_total + 127) / 128 + num_groups;
   const int64_t max_units = (cfg.cluster_m == 2 ? (max_mblocks + 1) / 2 : max_mblocks) * n_blocks;
-#define PK_M_LAUNCH2(BN, ST, ASYNC, CL)                                                                    \
-  return b_k_major ? launch_m_grouped<BN, ST, true, ASYNC, CL>(ma, mb, p, max_units, sms, stream, err, err_len) \
-                   : launch_m_grouped<BN, ST, false, ASYNC, CL>(ma, mb, p, max_units, sms, stream, err, err_len)
-#define PK_M_LAUNCH(BN, ST, ASYNC)              \
-  do {                                          \
-    if (cfg.cluster_m == 2) PK_M_LAUNCH2(BN, ST, ASYNC, true); \
-    PK_M_LAUNCH2(BN, ST, ASYNC, false);         \
+#define PK_M_LAUNCH2(BN, ST, ASYNC, CL, GA)                                                                    \
+  return b_k_major ? launch_m_grouped<BN, ST, true, ASYNC, CL, GA>(ma, mb, p, max_units, sms, stream, err, err_len) \
+                   : launch_m_grouped<BN, ST, false, ASYNC, CL, GA>(ma, mb, p, max_units, sms, stream, err, err_len)
+#define PK_M_LAUNCH(BN, ST, ASYNC)                                 \
+  do {                                                             \
+    if (gather) PK_M_LAUNCH2(BN, ST, ASYNC, false, true);          \
+    if (cfg.cluster_m == 2) PK_M_LAUNCH2(BN, ST, ASYNC, true, false); \
+    PK_M_LAUNCH2(BN, ST, ASYNC, false, false);                     \
   } while (0)
   if (cfg.async_epilogue) {
     if (cfg.block_n == 256) PK_M_LAUNCH(256, 3, true);
@@ -245,6 +258,26 @@ int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_majo
   PK_M_LAUNCH(128, 6, false);
 #undef PK_M_LAUNCH
 #undef PK_M_LAUNCH2
+}
+}  // namespace
+
+int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_major, int64_t ldb,
+                        int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
+                        int num_groups, int64_t m_total, int64_t n, int64_t k,
+                        const GroupedGemmConfig* config, cudaStream_t stream, char* err, size_t err_len) {
+  return m_grouped_impl(a, lda, 0, nullptr, b, b_k_major, ldb, b_group_stride, d, ldd, group_offsets, num_groups,
+                        m_total, n, k, config, stream, err, err_len, "m_grouped_bf16_gemm");
+}
+
+int m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
+                                 const void* b, bool b_k_major, int64_t ldb, int64_t b_group_stride, void* d,
+                                 int64_t ldd, const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                 int64_t n, int64_t k, const GroupedGemmConfig* config, cudaStream_t stream,
+                                 char* err, size_t err_len) {
+  if (a_row_index == nullptr && m_total > 0 && k > 0)
+    return fail(kGemmInvalidArgument, err, err_len, "m_grouped_bf16_gemm_gather_a: null a_row_index");
+  return m_grouped_impl(a, lda, a_rows, a_row_index, b, b_k_major, ldb, b_group_stride, d, ldd, group_offsets,
+                        num_groups, m_total, n, k, config, stream, err, err_len, "m_grouped_bf16_gemm_gather_a");
 }
 
 int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c, bool c_is_bf16,

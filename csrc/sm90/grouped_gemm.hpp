@@ -44,6 +44,17 @@ int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_majo
                         int num_groups, int64_t m_total, int64_t n, int64_t k,
                         const GroupedGemmConfig* config, cudaStream_t stream, char* err, size_t err_len);
 
+// m-grouped GEMM with A gathered through a row-index list (no materialized copy of the gathered rows):
+//   D[m, :] = A[a_row_index[m], :] @ B_g^T  for m in [group_offsets[g], group_offsets[g+1]).
+//   a            bf16 [a_rows, k], row stride lda (>= k, % 8 == 0), 16-byte aligned.
+//   a_row_index  device int32 [m_total]; an index outside [0, a_rows) reads a zero row.
+//   Everything else as m_grouped_bf16_gemm (config->cluster_m must be 1).
+int m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
+                                 const void* b, bool b_k_major, int64_t ldb, int64_t b_group_stride, void* d,
+                                 int64_t ldd, const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                 int64_t n, int64_t k, const GroupedGemmConfig* config, cudaStream_t stream,
+                                 char* err, size_t err_len);
+
 // k-grouped GEMM (weight gradients):  C_e = A_e^T @ B_e  (or C_e += ... when accumulate),
 // A_e = rows [group_offsets[e], group_offsets[e+1]) of A, likewise B_e.
 //

@@ -22,6 +22,11 @@
 // the B tile and multicasts it to both, halving B's L2->SM traffic; a pair that straddles two groups loads
 // B per CTA. Both CTAs always run the same number of k-blocks, so their pipelines stay in lockstep (a
 // multicast lands at the same stage offset in both). Consumers release a stage in both CTAs.
+//
+// kGatherA: A is read through a row-index list (a token gather without a materialized copy). The whole
+// producer warp copies the tile's A rows with 16-byte cp.async straight into the 128-byte-swizzled layout
+// wgmma reads (a 1-D bulk copy could not swizzle), and their completion joins the stage's full barrier
+// (cp.async.mbarrier.arrive.noinc); B still comes by TMA.
 #pragma once
 
 #include <cuda.h>
@@ -32,6 +37,12 @@ namespace deep_gemm {
 namespace sm90 {
 
 struct MGroupedParams {
+  // Gathered A only (kGatherA): A [a_rows, K] row stride lda; pool row m reads A row a_row_index[m]
+  // (indices outside [0, a_rows) read zeros).
+  const __nv_bfloat16* a;
+  int64_t lda;
+  const int32_t* a_row_index;
+  int32_t a_rows;
   __nv_bfloat16* d;
   int64_t ldd;
   const int32_t* group_offsets;
@@ -60,7 +71,7 @@ struct MGroupedLayout {
   static_assert(kBlockN % 128 == 0 && kBlockN <= 256, "kBlockN must be 128 or 256");
 };
 
-template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2>
+template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2, bool kGatherA>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                                const __grid_constant__ CUtensorMap tmap_b, const MGroupedParams p) {
@@ -70,6 +81,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   constexpr int kBlockK = L::kBlockK;
   constexpr int kMnBoxBytes = 64 * kBlockK * 2;  // MN-major B: one 64-column box of one stage
   using Mma = ptx::WgmmaBf16<kBlockN, 0, kBKMajor ? 0 : 1>;
+  static_assert(!(kGatherA && kCluster2), "gathered A is implemented for single-CTA launches");
+  constexpr uint32_t kFullArrivals = kGatherA ? 1 + 32 : 1;  // + one cp.async arrival per producer lane
+  // The gathering producer warp needs more registers; the split keeps 128 * P + 256 * C = 384 * 168.
+  constexpr uint32_t kProdRegs = kGatherA ? 56 : kProducerRegs;
+  constexpr uint32_t kConsRegs = kGatherA ? 224 : kConsumerRegs;
+  static_assert(128 * kProdRegs + 256 * kConsRegs <= 384 * 168, "register split exceeds the launch allocation");
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem_1024(smem_raw);
@@ -91,7 +108,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // ---- prologue: barriers, offsets (clamped to [0, m_total]), per-group starts
   if (tid == 0) {
     for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbar_init(&full_bar[s], 1);
+      ptx::mbar_init(&full_bar[s], kFullArrivals);
       ptx::mbar_init(&empty_bar[s], (kCluster2 ? 2 : 1) * kNumConsumerThreads / 32);
     }
     ptx::mbar_init(epi_full_bar, kNumConsumerThreads / 32);
@@ -187,8 +204,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (warp < 4) {
     // ================= producer warpgroup =================
-    ptx::setmaxnreg_dec<kProducerRegs>();
-    if (warp == 0 && lane == 0) {
+    ptx::setmaxnreg_dec<kProdRegs>();
+    if (warp == 0 && (kGatherA || lane == 0)) {
       int stage = 0;
       uint32_t phase = 0;
       int g = 0;
@@ -198,8 +215,39 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
           uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
           uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
-          ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
-          ptx::tma_load_2d(sa, &tmap_a, &full_bar[stage], kb * kBlockK, w.row0);
+          if constexpr (kGatherA) {
+            // Lane l copies tile rows l, l + 32, l + 64, l + 96 (eight 16-byte chunks each). The row index is
+            // re-read per k-block (an L1 hit) to keep the producer's registers low. (Measured: 8 lanes per
+            // row with a per-round index load was 1.7x slower; see bench/NOTES.md.)
+            const uint32_t sa_addr = ptx::smem_addr(sa);
+            const int k0 = kb * kBlockK;
+#pragma unroll 1
+            for (int i = 0; i < 4; ++i) {
+              const int r = lane + 32 * i;
+              const int prow = w.row0 + r;
+              const int sr = prow < p.m_total ? __ldg(p.a_row_index + prow) : -1;
+              const bool row_ok = sr >= 0 && sr < p.a_rows;
+              const __nv_bfloat16* src_row = p.a + (row_ok ? static_cast<int64_t>(sr) * p.lda + k0 : 0);
+              const uint32_t dst_row = sa_addr + r * 128;
+#pragma unroll
+              for (int c = 0; c < 8; ++c) {
+                const bool ok = row_ok && k0 + c * 8 < p.k;
+                ptx::cp_async_16(dst_row + ((c ^ (r & 7)) << 4), ok ? src_row + c * 8 : p.a, ok ? 16u : 0u);
+              }
+            }
+            ptx::cp_async_mbar_arrive_noinc(&full_bar[stage]);
+            if (lane != 0) {
+              if (++stage == kNumStages) {
+                stage = 0;
+                phase ^= 1;
+              }
+              continue;  // lane 0 issues the B tile below
+            }
+            ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kBBytes);
+          } else {
+            ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
+            ptx::tma_load_2d(sa, &tmap_a, &full_bar[stage], kb * kBlockK, w.row0);
+          }
           if constexpr (kCluster2) {
             // B is loaded as 2 (K-major: kBlockN/2 rows each) or kBlockN/64 (MN-major) boxes; with multicast
             // this CTA loads its half of them for both CTAs.
@@ -245,7 +293,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
   } else {
     // ================= consumer warpgroups =================
-    ptx::setmaxnreg_inc<kConsumerRegs>();
+    ptx::setmaxnreg_inc<kConsRegs>();
     const int wg = (warp >> 2) - 1;  // 0 or 1: rows [64*wg, 64*wg + 64) of the tile
     const int wg_tid = tid - 128 * (wg + 1);
     const uint32_t stage_c = ptx::smem_addr(smem + L::kCOff + wg * kStageBytesPerWg);
@@ -264,46 +312,59 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int g = 0;
     for (int u = unit_begin; u < num_units; u += unit_step) {
       const Work w = locate(u, g);
+      // A warpgroup whose 64 rows all lie past the group's end (tail m-block, or the idle half of a cluster
+      // pair) only keeps the pipeline moving; the other warpgroup then has the tensor cores to itself.
+      const bool active = w.row0 + 64 * wg < w.row_end;
 #pragma unroll
       for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.f;
 
-      int prev_stage = 0;
-      for (int kb = 0; kb < num_k_blocks; ++kb) {
-        ptx::mbar_wait(&full_bar[stage], phase);
-#pragma unroll
-        for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk) {
-          const uint64_t da = desc_a0 + ((stage * L::kABytes + kk * 32) >> 4);
-          const uint64_t db = desc_b0 + ((stage * L::kBBytes + kk * kBStepBytes) >> 4);
-          Mma::mma(acc, da, db, 1u);
+      auto release = [&](int s_) {
+        __syncwarp();
+        if (lane == 0) {
+          ptx::mbar_arrive(&empty_bar[s_]);
+          if constexpr (kCluster2) ptx::mbar_arrive_cluster(&empty_bar[s_], cta_rank ^ 1);
         }
-        ptx::wgmma_commit();
-#pragma unroll
-        for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
-        if (kb > 0) {
-          ptx::wgmma_wait<1>();
-          __syncwarp();
-          if (lane == 0) {
-            ptx::mbar_arrive(&empty_bar[prev_stage]);
-            if constexpr (kCluster2) ptx::mbar_arrive_cluster(&empty_bar[prev_stage], cta_rank ^ 1);
+      };
+      int prev_stage = 0;
+      if (!active) {
+        // no rows to compute: only keep the pipeline moving
+        for (int kb = 0; kb < num_k_blocks; ++kb) {
+          ptx::mbar_wait(&full_bar[stage], phase);
+          release(stage);
+          if (++stage == kNumStages) {
+            stage = 0;
+            phase ^= 1;
           }
         }
-        prev_stage = stage;
-        if (++stage == kNumStages) {
-          stage = 0;
-          phase ^= 1;
+      } else {
+        for (int kb = 0; kb < num_k_blocks; ++kb) {
+          ptx::mbar_wait(&full_bar[stage], phase);
+          if constexpr (kGatherA) ptx::fence_proxy_async_smem();  // cp.async wrote A through the generic proxy
+#pragma unroll
+          for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
+          ptx::wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kBlockK / 16; ++kk) {
+            const uint64_t da = desc_a0 + ((stage * L::kABytes + kk * 32) >> 4);
+            const uint64_t db = desc_b0 + ((stage * L::kBBytes + kk * kBStepBytes) >> 4);
+            Mma::mma(acc, da, db, 1u);
+          }
+          ptx::wgmma_commit();
+#pragma unroll
+          for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
+          if (kb > 0) {
+            ptx::wgmma_wait<1>();
+            release(prev_stage);
+          }
+          prev_stage = stage;
+          if (++stage == kNumStages) {
+            stage = 0;
+            phase ^= 1;
+          }
         }
       }
       ptx::wgmma_wait<0>();  // unconditional: lets ptxas see every accumulator settled on all paths
-      if (num_k_blocks > 0) {
-        __syncwarp();
-        if (lane == 0) {
-          ptx::mbar_arrive(&empty_bar[prev_stage]);
-          if constexpr (kCluster2) ptx::mbar_arrive_cluster(&empty_bar[prev_stage], cta_rank ^ 1);
-        }
-      }
+      if (active && num_k_blocks > 0) release(prev_stage);
 #pragma unroll
       for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
 

@@ -148,6 +148,21 @@ __device__ __forceinline__ void tma_load_3d_multicast(void* dst, const void* des
 }
 
 // ------------------------------------------------------------------------------------------------
+// cp.async (16-byte, L2-only) with mbarrier completion: used to gather rows into swizzled tiles
+// ------------------------------------------------------------------------------------------------
+// Copies src_bytes (0 or 16) from global and zero-fills the rest of the 16-byte destination.
+__device__ __forceinline__ void cp_async_16(uint32_t dst_smem, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst_smem), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
+// Arrives on bar once all of this thread's earlier cp.async copies have landed (the arrival is counted in
+// the barrier's expected count: .noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// ------------------------------------------------------------------------------------------------
 // Register reconfiguration (needs a register cap at entry: __launch_bounds__(threads, 1))
 // ------------------------------------------------------------------------------------------------
 template <uint32_t kRegs>
