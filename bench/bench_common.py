@@ -1,0 +1,285 @@
+"""Shared pieces of the benchmarks: shapes, routing, the TorchTitan-style torch baseline,
+timing, FLOP counts, provenance and the results file (DESIGN section 7)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "bench" / "results"
+
+# name -> (num_experts, hidden, intermediate, top_k)
+SHAPES = {
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "qwen3-235b-a22b": (128, 4096, 1536, 8),
+    "smoke": (8, 128, 128, 2),  # tiny, CPU-runnable (--smoke)
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# distributed helpers (torchrun); everything also works without torch.distributed initialised
+# ------------------------------------------------------------------------------------------------
+
+
+def dist_on() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size)."""
+    if dist_on():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def init_distributed_from_env(device_type: str):
+    """Start the process group when launched by torchrun (WORLD_SIZE > 1); return the group or None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.distributed.init_process_group(backend, timeout=_dt.timedelta(seconds=300))
+    return torch.distributed.group.WORLD
+
+
+def reduce_max(value, device):
+    """The largest value over the ranks (the slowest rank for times). None stays None."""
+    if value is None or not dist_on():
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------
+
+
+def make_routing(T: int, E: int, K: int, kind: str, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_idx [T,K] int64, topk_weights [T,K] fp32), seeded.
+
+    "uniform": ``topk(softmax(randn(T, E)), K)``.
+    "zipf": expert popularity ~ 1/rank^1.1 over a random permutation of the experts: top-k of
+    softmax(log(popularity) + Gumbel noise), which draws K distinct experts per token with
+    probability proportional to popularity (the Gumbel-top-k trick); weights are the top-k
+    softmax scores, as for "uniform".
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+    if kind == "uniform":
+        logits = torch.randn(T, E, generator=g, device=device)
+    elif kind == "zipf":
+        pop = 1.0 / torch.arange(1, E + 1, dtype=torch.float32, device=device) ** 1.1
+        pop = pop[torch.randperm(E, generator=g, device=device)]
+        u = torch.rand(T, E, generator=g, device=device).clamp_(1e-20, 1.0)
+        logits = pop.log() - torch.log(-torch.log(u))
+    else:
+        raise ValueError(f"unknown routing {kind!r}: use 'uniform' or 'zipf'")
+    w, idx = torch.topk(torch.softmax(logits, dim=-1), K, dim=-1)
+    return idx.contiguous(), w.float().contiguous()
+
+
+def make_weights(E, H, I, seed, device, rank=0, ep=1):
+    """This rank's slice (experts [rank*El, (rank+1)*El)) of seeded global weights: every expert
+    has its own seed, so every EP layout sees the same numbers. bf16, w13 [El,2I,H], w2 [El,H,I]."""
+    El = E // ep
+    g = torch.Generator(device=device)
+    w13 = torch.empty(El, 2 * I, H, device=device, dtype=torch.bfloat16)
+    w2 = torch.empty(El, H, I, device=device, dtype=torch.bfloat16)
+    for le in range(El):
+        g.manual_seed(seed * 100_003 + rank * El + le)
+        w13[le] = torch.randn(2 * I, H, generator=g, device=device) * H ** -0.5
+        w2[le] = torch.randn(H, I, generator=g, device=device) * I ** -0.5
+    return w13, w2
+
+
+def make_tokens(T, E, H, K, routing, seed, device, rank=0):
+    """This rank's x [T,H] bf16, topk_idx, topk_weights and dy [T,H] bf16 (fresh random, seeded)."""
+    g = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
+    x = torch.randn(T, H, generator=g, device=device).to(torch.bfloat16)
+    dy = torch.randn(T, H, generator=g, device=device).to(torch.bfloat16)
+    idx, w = make_routing(T, E, K, routing, seed * 1000 + 17 + rank, device)
+    return x, idx, w, dy
+
+
+# ------------------------------------------------------------------------------------------------
+# the TorchTitan-style baseline: argsort, gather, torch._grouped_mm, SwiGLU, weights in bf16 after
+# L2, index_add; all_to_all over the group for EP
+# ------------------------------------------------------------------------------------------------
+
+
+def _a2a(t, out_splits, in_splits, group):
+    """Differentiable all-to-all of rows (its backward is the reverse all-to-all)."""
+    import torch.distributed._functional_collectives as fc
+
+    out = fc.all_to_all_single_autograd(t.contiguous(), out_splits, in_splits, group)
+    return fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
+
+
+def torch_moe(x, topk_idx, topk_weights, w13, w2, group=None):
+    """The baseline layer (DESIGN section 6). Differentiable in x, topk_weights, w13, w2."""
+    T, K = topk_idx.shape
+    El, twoI, H = w13.shape
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tok = order // K
+    xs = x[tok]
+    if group is None:
+        counts = torch.bincount(flat, minlength=El)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        h = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
+        g, u = h[:, : twoI // 2], h[:, twoI // 2 :]
+        o = torch._grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs=offs)
+    else:
+        R = torch.distributed.get_world_size(group)
+        E = El * R
+        counts = torch.bincount(flat, minlength=E)  # [E] routes of this rank per global expert
+        recv_counts = torch.empty_like(counts)
+        torch.distributed.all_to_all_single(recv_counts, counts, group=group)  # [R*El]: (src, local e)
+        send_splits = counts.view(R, El).sum(1).tolist()
+        recv_splits = recv_counts.view(R, El).sum(1).tolist()
+        xr = _a2a(xs, recv_splits, send_splits, group)
+        # rows arrive grouped by (source rank, local expert): regroup by local expert
+        le = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(R), recv_counts)
+        perm = torch.argsort(le, stable=True)
+        offs = torch.cumsum(recv_counts.view(R, El).sum(0), 0).to(torch.int32)
+        h = torch._grouped_mm(xr[perm], w13.transpose(-2, -1), offs=offs)
+        g, u = h[:, : twoI // 2], h[:, twoI // 2 :]
+        op = torch._grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs=offs)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=x.device)
+        o = _a2a(op[inv], send_splits, recv_splits, group)
+    o = o * topk_weights.reshape(-1)[order].to(torch.bfloat16).unsqueeze(1)
+    return torch.zeros_like(x).index_add(0, tok, o)
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device, warmup=5, iters=20) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (CUDA events on
+    the GPU, perf_counter on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    if torch.device(device).type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for s, e in zip(starts, ends):
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_mem_gib(fn, device):
+    """Peak allocated GiB while running ``fn`` once (reset_peak_memory_stats first); None on CPU."""
+    if torch.device(device).type != "cuda":
+        fn()
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2 ** 30
+
+
+def bf16_peak_tflops(device, n=8192, warmup=5, iters=20) -> float:
+    """bf16 matmul throughput of an n^3 product in this run (the % of peak denominator)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = time_ms(lambda: torch.mm(a, b), device, warmup, iters)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def layer_flops(routes: int, H: int, I: int, direction: str) -> float:
+    """Useful FLOPs of unmasked routes: 6*P*H*I forward, 12*P*H*I backward (never recompute)."""
+    fwd = 6.0 * routes * H * I
+    return {"fwd": fwd, "bwd": 2 * fwd, "fwdbwd": 3 * fwd}[direction]
+
+
+def rel_err(out, ref) -> float:
+    out = out.double()
+    ref = ref.double()
+    den = ref.norm().item()
+    return (out - ref).norm().item() / den if den > 0 else float((out - ref).norm().item())
+
+
+# ------------------------------------------------------------------------------------------------
+# provenance and output
+# ------------------------------------------------------------------------------------------------
+
+
+def git_sha() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return "unknown"
+
+
+def run_header(device, peak) -> dict:
+    cuda = torch.device(device).type == "cuda"
+    _, ws = world()
+    return {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "num_gpus": ws if cuda else 0,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "git_sha": git_sha(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "peak_bf16_tflops": round(peak, 2),
+    }
+
+
+def write_results(doc: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def default_results_path(prefix: str, header: dict) -> Path:
+    gpu = header["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()
+    stamp = header["date"].replace(":", "").replace("-", "")
+    return RESULTS_DIR / f"{prefix}_{gpu}_x{max(1, header['num_gpus'])}_{stamp}.json"
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = [("shape", "{}"), ("tokens", "{}"), ("ep", "{}"), ("routing", "{}"), ("backend", "{}"),
+            ("direction", "{}"), ("ms", "{:.3f}"), ("tflops", "{:.1f}"), ("pct_peak", "{:.1f}"),
+            ("ratio_vs_torch", "{:.2f}"), ("peak_mem_gib", "{:.2f}"), ("max_rel_err", "{:.2e}")]
+    cells = [[c for c, _ in cols]]
+    for r in rows:
+        cells.append([("-" if r.get(c) is None else f.format(r[c])) for c, f in cols])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

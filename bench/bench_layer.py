@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""Time one MoE layer: the TorchTitan-style torch baseline and every available deep_gemm backend,
+on the same inputs in the same run (DESIGN sections 6 and 7).
+
+    python bench/bench_layer.py                       # default GPU run (H200: a few minutes)
+    python bench/bench_layer.py --smoke               # tiny CPU-runnable check of every code path
+    torchrun --nproc-per-node 8 bench/bench_layer.py  # expert parallelism (tokens are per rank)
+
+Backends: "torch" (baseline), "deep_gemm" (fused kernels, when deep_gemm.status() says they are
+available), "deep_gemm_reference" (the pure-PyTorch reference; by default timed only at
+T <= --reference-max-tokens because it is slow). Timing: CUDA events, --warmup runs then the median
+of --iters; fwd with autograd on, fwdbwd = forward + torch.autograd.grad, bwd = fwdbwd - fwd. Peak
+memory: reset_peak_memory_stats before a grad-enabled forward (fwd rows) or forward+backward (bwd,
+fwdbwd rows), inputs and weights resident. max_rel_err (non-torch rows): the largest
+||out - ref|| / ||ref|| against the reference evaluated in float64 on the same inputs, over y (fwd)
+and also dX, d topk_weights, dW13, dW2 (bwd, fwdbwd). With EP every number is the slowest (largest)
+over the ranks. Results: JSON in bench/results/ (DESIGN section 7 fields), a table, and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
+
+BACKENDS = ("torch", "deep_gemm", "deep_gemm_reference")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="qwen3-30b-a3b,qwen3-235b-a22b",
+                   help=f"comma list from {sorted(bc.SHAPES)}")
+    p.add_argument("--tokens", default="4096,16384", help="comma list of tokens per rank")
+    p.add_argument("--routings", default="uniform,zipf", help="comma list from uniform,zipf")
+    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list from {BACKENDS}")
+    p.add_argument("--reference-max-tokens", type=int, default=4096,
+                   help="time deep_gemm_reference only at T <= this (it is slow); 0 = no limit")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-check", action="store_true", help="skip max_rel_err (the float64 evaluation)")
+    p.add_argument("--check-max-tokens", type=int, default=0,
+                   help="compute max_rel_err only at T <= this (0 = always)")
+    p.add_argument("--recompute", action="store_true", help="deep_gemm backends recompute h in the backward")
+    p.add_argument("--activation-clamp", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=10.0,
+                   help="stop starting new configurations after this many minutes (results so far are kept)")
+    p.add_argument("--peak-n", type=int, default=8192, help="size of the bf16 matmul that measures the peak")
+    p.add_argument("--out", default=None, help="results JSON path (default bench/results/layer_<gpu>_<date>.json)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shape, few iterations, CPU-runnable; results go to a temp dir unless --out")
+    a = p.parse_args(argv)
+    if a.smoke:  # smoke defaults, unless given on the command line
+        for name, value in (("shapes", "smoke"), ("tokens", "64,130"), ("warmup", 2), ("iters", 5), ("peak_n", 256)):
+            if getattr(a, name) == p.get_default(name):
+                setattr(a, name, value)
+    return a
+
+
+def _split(s):
+    return [v.strip() for v in s.split(",") if v.strip()]
+
+
+def _fused_state():
+    """(fwd_reason, bwd_reason) of the bf16 fused kernels (None = available)."""
+    from deep_gemm.mega._backend import _fused_reason
+
+    return _fused_reason("bf16", "fwd"), _fused_reason("bf16", "bwd")
+
+
+def _layer_fn(backend, group, E, args):
+    if backend == "torch":
+        return lambda x, i, w, a, b: bc.torch_moe(x, i, w, a, b, group=group)
+    from deep_gemm.mega import mega_moe
+
+    which = "fused" if backend == "deep_gemm" else "reference"
+    return lambda x, i, w, a, b: mega_moe(x, i, w, a, b, group=group, num_experts=E, backend=which,
+                                          recompute=args.recompute, activation_clamp=args.activation_clamp)
+
+
+def _free(device):
+    if torch.device(device).type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def bench_config(shape, T, routing, backends, args, device, group, fused_bwd_ok, peak):
+    E, H, I, K = bc.SHAPES[shape]
+    rank, ep = bc.world()
+    w13, w2 = bc.make_weights(E, H, I, args.seed, device, rank, ep)
+    x, idx, w, dy = bc.make_tokens(T, E, H, K, routing, args.seed + T, device, rank)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
+    xl, wl, w13l, w2l = leaves
+    routes = int((idx >= 0).sum())
+    results, outputs = {}, {}
+    for backend in backends:
+        fn = _layer_fn(backend, group, E, args)
+        fwd = lambda: fn(xl, idx, wl, w13l, w2l)  # noqa: E731
+        with_bwd = backend != "deep_gemm" or fused_bwd_ok
+        fwdbwd = lambda: torch.autograd.grad(fwd(), leaves, dy)  # noqa: E731
+        _free(device)
+        res = {"fwd": bc.time_ms(fwd, device, args.warmup, args.iters)}
+        res["mem_fwd"] = bc.peak_mem_gib(fwd, device)
+        if with_bwd:
+            res["fwdbwd"] = bc.time_ms(fwdbwd, device, args.warmup, args.iters)
+            res["bwd"] = res["fwdbwd"] - res["fwd"]
+            res["mem_fwdbwd"] = bc.peak_mem_gib(fwdbwd, device)
+        if backend != "torch" and not args.no_check and (not args.check_max_tokens or T <= args.check_max_tokens):
+            y = fwd()
+            grads = torch.autograd.grad(y, leaves, dy) if with_bwd else None
+            outputs[backend] = (y.detach(), grads)
+        results[backend] = res
+        _free(device)
+
+    errs = {}
+    if outputs:
+        from deep_gemm.mega import mega_moe
+
+        ref_leaves = [t.detach().double().requires_grad_() for t in (x, w, w13, w2)]
+        y64 = mega_moe(ref_leaves[0], idx, ref_leaves[1], ref_leaves[2], ref_leaves[3], group=group, num_experts=E,
+                       backend="reference", activation_clamp=args.activation_clamp)
+        g64 = torch.autograd.grad(y64, ref_leaves, dy.double())
+        for backend, (y, grads) in outputs.items():
+            e_fwd = bc.rel_err(y, y64)
+            e_bwd = None
+            if grads is not None:
+                e_bwd = max([e_fwd] + [bc.rel_err(g, r) for g, r in zip(grads, g64)])
+            errs[backend] = (e_fwd, e_bwd)
+        del y64, g64, ref_leaves, outputs
+        _free(device)
+
+    rows = []
+    for backend, res in results.items():
+        for direction in ("fwd", "bwd", "fwdbwd"):
+            if direction not in res:
+                continue
+            ms = bc.reduce_max(res[direction], device)
+            mem = bc.reduce_max(res["mem_fwd" if direction == "fwd" else "mem_fwdbwd"], device)
+            tflops = bc.layer_flops(routes, H, I, direction) / (ms * 1e-3) / 1e12 if ms > 0 else None
+            tflops = bc.reduce_max(tflops, device)  # per rank; with EP the slowest rank sets ms anyway
+            row = {
+                "shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens": T,
+                "ep": ep, "routing": routing, "precision": "bf16", "backend": backend, "direction": direction,
+                "ms": round(ms, 4), "tflops": None if tflops is None else round(tflops, 2),
+                "pct_peak": None if tflops is None else round(100.0 * tflops / peak, 2),
+                "ratio_vs_torch": None,
+                "peak_mem_gib": None if mem is None else round(mem, 3),
+            }
+            if backend != "torch":
+                e = errs.get(backend)
+                err = None if e is None else (e[0] if direction == "fwd" else e[1])
+                row["max_rel_err"] = bc.reduce_max(err, device)
+            rows.append(row)
+    torch_ms = {r["direction"]: r["ms"] for r in rows if r["backend"] == "torch"}
+    for r in rows:
+        t = torch_ms.get(r["direction"])
+        if t and r["ms"] > 0:
+            r["ratio_vs_torch"] = round(t / r["ms"], 3)  # > 1: faster than the torch baseline
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    group = bc.init_distributed_from_env(device)
+    rank, ep = bc.world()
+    log = print if rank == 0 else (lambda *a, **k: None)
+    backends = _split(args.backends)
+    for b in backends:
+        if b not in BACKENDS:
+            raise SystemExit(f"unknown backend {b!r}: choose from {BACKENDS}")
+    shapes = _split(args.shapes)
+    for s in shapes:
+        if s not in bc.SHAPES:
+            raise SystemExit(f"unknown shape {s!r}: choose from {sorted(bc.SHAPES)}")
+        if bc.SHAPES[s][0] % ep:
+            raise SystemExit(f"shape {s}: {bc.SHAPES[s][0]} experts do not divide over {ep} ranks")
+    fused_fwd_reason, fused_bwd_reason = _fused_state()
+    if "deep_gemm" in backends and fused_fwd_reason is not None:
+        log(f"[bench] skipping backend deep_gemm: {fused_fwd_reason}")
+        backends.remove("deep_gemm")
+    elif "deep_gemm" in backends and fused_bwd_reason is not None:
+        log(f"[bench] deep_gemm: forward only ({fused_bwd_reason})")
+
+    t0 = time.time()
+    peak = bc.reduce_max(bc.bf16_peak_tflops(device, args.peak_n, args.warmup, args.iters), device)
+    header = bc.run_header(device, peak)
+    log(f"[bench] {header['gpu']} x{max(1, header['num_gpus'])}, torch {header['torch']}, cuda {header['cuda']}, "
+        f"ep={ep}, bf16 peak {peak:.1f} TFLOP/s ({args.peak_n}^3 matmul)")
+    rows = []
+    stopped = False
+    for shape in shapes:
+        for T in (int(t) for t in _split(args.tokens)):
+            for routing in _split(args.routings):
+                over = (time.time() - t0) / 60.0 > args.max_minutes
+                if bc.reduce_max(1.0 if over else 0.0, device):
+                    stopped = True
+                    break
+                bks = [b for b in backends
+                       if not (b == "deep_gemm_reference" and args.reference_max_tokens
+                               and T > args.reference_max_tokens)]
+                cfg = bench_config(shape, T, routing, bks, args, device, group, fused_bwd_reason is None, peak)
+                rows += cfg
+                log(f"[bench] {shape} T={T} {routing}: done at {time.time() - t0:.0f} s")
+            if stopped:
+                break
+        if stopped:
+            break
+    if stopped:
+        log(f"[bench] --max-minutes={args.max_minutes} reached: later configurations were not run")
+
+    doc = dict(header, rows=rows)
+    if rank == 0:
+        print(bc.format_table(rows))
+        if args.out:
+            path = Path(args.out)
+        elif args.smoke:
+            path = Path(tempfile.gettempdir()) / "prime_kernels_bench_smoke" / "layer_smoke.json"
+        else:
+            path = bc.default_results_path("layer", header)
+        bc.write_results(doc, path)
+        print(f"[bench] wrote {path}")
+        if not args.no_plot:
+            import plot_results
+
+            png = plot_results.plot(path)
+            if png:
+                print(f"[bench] wrote {png}")
+    if bc.dist_on():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Fused Mixture-of-Experts layer (``deep_gemm.mega``).
+
+High level: :func:`mega_moe` (autograd) and :class:`MegaMoE` (an ``nn.Module``). Low level,
+DeepGEMM-shaped: :func:`get_symm_buffer_for_mega_moe`, :func:`transform_weights_for_mega_moe`,
+:func:`bf16_mega_moe`, :func:`bf16_mega_moe_backward`, and the fp8 / fp8_bwd / mxfp8 names
+(which report through ``deep_gemm.status()`` why they cannot run yet).
+
+Semantics and every rounding point: :mod:`deep_gemm.mega.reference`. Backend selection:
+:mod:`deep_gemm.mega._backend`. Alignment constants: :mod:`deep_gemm.mega.constants`.
+"""
+
+from . import constants
+from ._backend import FusedKernelUnavailable, _fused_reason
+from ._plan import RoutingPlan
+from .api import (
+    MegaMoE,
+    MegaMoEState,
+    bf16_mega_moe,
+    bf16_mega_moe_backward,
+    deinterleave_l1,
+    fp8_bwd_mega_moe_backward,
+    fp8_fp4_mega_moe,
+    fp8_mega_moe,
+    fp8_mega_moe_backward,
+    fp8_mega_moe_weight_grads,
+    interleave_l1,
+    mega_moe,
+    mxfp8_mega_moe,
+    mxfp8_mega_moe_backward,
+    transform_weights_for_mega_moe,
+)
+from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe
+from .constants import BLOCK_M, HIDDEN_ALIGN, INTERMEDIATE_ALIGN
+
+# Names the package top level (deep_gemm) re-exports, as upstream does.
+__all__ = [
+    "MegaMoE",
+    "mega_moe",
+    "SymmBuffer",
+    "get_symm_buffer_for_mega_moe",
+    "transform_weights_for_mega_moe",
+    "bf16_mega_moe",
+    "bf16_mega_moe_backward",
+    "fp8_mega_moe",
+    "fp8_mega_moe_backward",
+    "fp8_mega_moe_weight_grads",
+    "fp8_bwd_mega_moe_backward",
+    "fp8_fp4_mega_moe",
+    "mxfp8_mega_moe",
+    "mxfp8_mega_moe_backward",
+]

@@ -1,0 +1,179 @@
+"""Backend selection: fused kernel, reference, or an error that says why.
+
+Rules (the same for every entry point):
+
+* ``backend="reference"`` always runs the pure-PyTorch reference (bf16 numerics only).
+* ``backend="fused"`` runs the fused kernel, or raises the reason ``deep_gemm.status()`` gives.
+* ``backend="auto"`` runs the fused kernel when it is available; otherwise it falls back to the
+  reference only when the environment variable ``DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1`` is set,
+  with a one-time warning, and raises the reason otherwise. Never silently.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from .constants import ALLOW_FALLBACK_ENV, BACKENDS, HIDDEN_ALIGN, INTERMEDIATE_ALIGN, PRECISIONS
+
+# (precision, direction) -> kernel name in deep_gemm.status().
+# "fp8_bwd" is a BF16 forward with an FP8 backward.
+KERNEL_NAMES = {
+    ("bf16", "fwd"): "mega_moe.bf16.sm90",
+    ("bf16", "bwd"): "mega_moe_backward.bf16.sm90",
+    ("fp8", "fwd"): "mega_moe.fp8.sm90",
+    ("fp8", "bwd"): "mega_moe.fp8_bwd.sm90",
+    ("fp8_bwd", "fwd"): "mega_moe.bf16.sm90",
+    ("fp8_bwd", "bwd"): "mega_moe.fp8_bwd.sm90",
+    ("mxfp8", "fwd"): "mega_moe.mxfp8.sm100",
+    ("mxfp8", "bwd"): "mega_moe.mxfp8.sm100",
+}
+
+_NOT_IMPLEMENTED = "not implemented yet"
+_warned: set = set()
+
+
+class FusedKernelUnavailable(RuntimeError):
+    """Raised when a fused kernel was asked for (or needed) and does not exist here."""
+
+
+def _status() -> dict:
+    try:
+        import deep_gemm  # noqa: PLC0415  (lazy: the package imports before the lead's module lands)
+    except Exception:  # pragma: no cover - only while the tree is half-built
+        return {}
+    fn = getattr(deep_gemm, "status", None)
+    if fn is None:
+        return {}
+    try:
+        return dict(fn())
+    except Exception as exc:  # a broken status() is a reason, not a crash
+        return {"__error__": f"deep_gemm.status() failed: {exc}"}
+
+
+def _device_arch() -> str:
+    """"sm100" on a Blackwell current device, else "sm90" (also without any GPU)."""
+    try:
+        import torch  # noqa: PLC0415
+
+        if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10:
+            return "sm100"
+    except Exception:
+        pass
+    return "sm90"
+
+
+def kernel_name(precision: str, direction: str) -> str:
+    """The ``deep_gemm.status()`` key of the fused kernel for (precision, direction) on this device:
+    the bf16 kernels have sm90 and sm100 variants; fp8/fp8_bwd are sm90, mxfp8 is sm100."""
+    check_precision(precision)
+    if direction not in ("fwd", "bwd"):
+        raise ValueError(f"deep_gemm.mega: direction must be 'fwd' or 'bwd', got {direction!r}")
+    name = KERNEL_NAMES[(precision, direction)]
+    if name.startswith(("mega_moe.bf16.", "mega_moe_backward.bf16.")) and _device_arch() == "sm100":
+        name = name.replace(".sm90", ".sm100")
+    return name
+
+
+def _fused_reason(precision: str, direction: str) -> str | None:
+    """None when the fused kernel for (precision, direction) is available, else the reason."""
+    name = kernel_name(precision, direction)
+    st = _status()
+    if "__error__" in st:
+        return st["__error__"]
+    reason = st.get(name)
+    if reason is None:
+        return f"{name}: {_NOT_IMPLEMENTED}"
+    if reason == "available":
+        return None
+    return f"{name}: {reason}"
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"deep_gemm.mega: precision must be one of {PRECISIONS}, got {precision!r}"
+        )
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"deep_gemm.mega: backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def fallback_allowed() -> bool:
+    return os.environ.get(ALLOW_FALLBACK_ENV, "") == "1"
+
+
+def alignment_reason(hidden: int, intermediate: int) -> str | None:
+    """None when H and I suit the fused kernels, else a one-line reason."""
+    if hidden % HIDDEN_ALIGN or intermediate % INTERMEDIATE_ALIGN:
+        return (
+            f"hidden={hidden} and intermediate={intermediate} must be multiples of "
+            f"HIDDEN_ALIGN={HIDDEN_ALIGN} and INTERMEDIATE_ALIGN={INTERMEDIATE_ALIGN} "
+            f"(deep_gemm.mega.constants) for the fused kernels; pad the weights or use "
+            f"backend='reference'"
+        )
+    return None
+
+
+def resolve_backend(
+    backend: str,
+    precision: str,
+    direction: str,
+    *,
+    device_type: str = "cuda",
+    hidden: int | None = None,
+    intermediate: int | None = None,
+) -> str:
+    """Return "fused" or "reference", or raise with the reason (see the module docstring)."""
+    check_backend(backend)
+    check_precision(precision)
+    if backend == "reference":
+        if precision != "bf16":
+            raise NotImplementedError(
+                f"deep_gemm.mega: the reference implements precision='bf16' only; "
+                f"precision={precision!r} has no reference numerics yet: use precision='bf16'"
+            )
+        return "reference"
+
+    reason = None
+    if hidden is not None and intermediate is not None:
+        reason = alignment_reason(hidden, intermediate)
+        if reason is not None and backend == "fused":
+            raise ValueError(f"deep_gemm.mega: {reason}")
+    if reason is None and device_type != "cuda":
+        reason = f"tensors are on {device_type}; the fused kernels need CUDA tensors"
+    if reason is None:
+        reason = _fused_reason(precision, direction)
+    if reason is None:
+        return "fused"
+
+    advice = (
+        "use backend='reference', or set "
+        f"{ALLOW_FALLBACK_ENV}=1 to let backend='auto' fall back to it"
+    )
+    if backend == "fused":
+        raise FusedKernelUnavailable(
+            f"deep_gemm.mega: no fused kernel for precision={precision!r} {direction}: {reason}; {advice}"
+        )
+    # backend == "auto"
+    if precision != "bf16":
+        raise FusedKernelUnavailable(
+            f"deep_gemm.mega: no fused kernel for precision={precision!r} {direction}: {reason}; "
+            f"the reference implements precision='bf16' only"
+        )
+    if not fallback_allowed():
+        raise FusedKernelUnavailable(
+            f"deep_gemm.mega: no fused kernel for precision={precision!r} {direction}: {reason}; {advice}"
+        )
+    key = (precision, direction, reason)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(
+            f"deep_gemm.mega: falling back to the pure-PyTorch reference for {precision} {direction} "
+            f"({reason}); it is slow. Unset {ALLOW_FALLBACK_ENV} to make this an error.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return "reference"

@@ -1,0 +1,119 @@
+"""Argument checks that run before any launch or compute; every message is one line that says
+what to do. Metadata checks (dtype, device, shape, contiguity, alignment) are separate from the
+value checks (expert ids), which need the data and so run inside the op implementation."""
+
+from __future__ import annotations
+
+import torch
+
+PREFIX = "deep_gemm.mega: "
+
+
+def _fail(msg, exc=ValueError):
+    raise exc(PREFIX + msg)
+
+
+def _shape(t):
+    return list(t.shape)
+
+
+def check_inputs(
+    x,
+    topk_idx,
+    topk_weights,
+    w13,
+    w2,
+    *,
+    num_experts=None,
+    ep_size=1,
+    max_tokens=None,
+    activation_clamp=None,
+    dy=None,
+):
+    """Metadata checks of the layer's inputs. Returns (T, H, I, K, El, E)."""
+    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    exact = x.dtype == torch.float64
+    if x.dtype not in (torch.bfloat16, torch.float64):
+        _fail(f"x must be bfloat16 (float64 only for exactness tests), got {x.dtype}; cast with x.to(torch.bfloat16)", TypeError)
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.dtype != x.dtype:
+            _fail(f"{name} must have x's dtype {x.dtype}, got {w.dtype}; cast it (keep fp32 master weights in the optimizer)", TypeError)
+    if topk_idx.dtype not in (torch.int64, torch.int32):
+        _fail(f"topk_idx must be int64 (or int32), got {topk_idx.dtype}", TypeError)
+    want_w = torch.float64 if exact else torch.float32
+    if topk_weights.dtype != want_w:
+        _fail(f"topk_weights must be {want_w} (the combine applies them in fp32), got {topk_weights.dtype}; cast with .float()", TypeError)
+
+    devs = {t.device for t in (x, topk_idx, topk_weights, w13, w2)}
+    if dy is not None:
+        devs.add(dy.device)
+    if len(devs) != 1:
+        _fail(f"all tensors must be on one device, got {sorted(str(d) for d in devs)}; move them with .to(device)")
+
+    if x.dim() != 2:
+        _fail(f"x must be 2-D [T, H], got shape {_shape(x)}")
+    T, H = x.shape
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != T:
+        _fail(f"topk_idx must be [T, K] with T={T} (x's rows), got shape {_shape(topk_idx)}")
+    K = topk_idx.shape[1]
+    if K < 1:
+        _fail("topk_idx must have at least one column (K >= 1)")
+    if topk_weights.shape != topk_idx.shape:
+        _fail(f"topk_weights shape {_shape(topk_weights)} must match topk_idx shape {_shape(topk_idx)}")
+    if w13.dim() != 3 or w13.shape[2] != H or w13.shape[1] % 2:
+        _fail(f"w13 must be [El, 2I, H] with H={H} (gate rows then up rows), got shape {_shape(w13)}")
+    El, twoI = w13.shape[0], w13.shape[1]
+    I = twoI // 2
+    if El < 1 or I < 1:
+        _fail(f"w13 must have at least one expert and I >= 1, got shape {_shape(w13)}")
+    if _shape(w2) != [El, H, I]:
+        _fail(f"w2 must be [El, H, I] = {[El, H, I]} to match w13 {_shape(w13)}, got {_shape(w2)}")
+    if dy is not None:
+        if dy.dtype != x.dtype:
+            _fail(f"dy must be {x.dtype}, got {dy.dtype}", TypeError)
+        if _shape(dy) != [T, H]:
+            _fail(f"dy must be [T, H] = {[T, H]}, got {_shape(dy)}")
+
+    names = [("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)]
+    if dy is not None:
+        names.append(("dy", dy))
+    for name, t in names:
+        if not t.is_contiguous():
+            _fail(f"{name} must be contiguous (shape {_shape(t)}, strides {list(t.stride())}); call .contiguous()")
+
+    if ep_size < 1:
+        _fail(f"the group size must be >= 1, got {ep_size}")
+    E = El * ep_size if num_experts is None else int(num_experts)
+    if E % ep_size:
+        _fail(f"num_experts={E} is not divisible by the group size {ep_size}; use a group whose size divides it")
+    if E // ep_size != El:
+        _fail(f"w13 holds {El} local experts but num_experts={E} over {ep_size} ranks needs {E // ep_size}")
+    if max_tokens is not None and T > max_tokens:
+        _fail(f"{T} tokens exceed the buffer's num_max_tokens_per_rank={max_tokens}; allocate the buffer with a larger max")
+    if activation_clamp is not None:
+        c = float(activation_clamp)
+        if not (c >= 0.0):
+            _fail(f"activation_clamp must be None or >= 0, got {activation_clamp}")
+    return T, H, I, K, El, E
+
+
+def check_exact_mode(x, backend):
+    """float64 inputs are the reference's exact (unrounded) mode only."""
+    if x.dtype == torch.float64 and backend != "reference":
+        _fail(f"float64 inputs (the exact, unrounded mode) run on backend='reference' only, got backend={backend!r}; "
+              f"pass backend='reference' or use bfloat16 inputs")
+
+
+def check_expert_ids(topk_idx, num_experts):
+    """Value check (reads the data, so it runs inside the op, before any compute)."""
+    if topk_idx.numel() == 0:
+        return
+    lo = int(topk_idx.min())
+    hi = int(topk_idx.max())
+    if lo < -1 or hi >= num_experts:
+        _fail(
+            f"topk_idx holds expert ids in [{lo}, {hi}] but must lie in [-1, {num_experts - 1}] "
+            f"(-1 masks a route); fix the router output"
+        )

@@ -1,0 +1,82 @@
+"""Shared helpers of the deep_gemm.mega tests: random problems, an independent float64
+per-token loop, and the relative error metric."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 (ref must not be all zeros)."""
+    out = out.double()
+    ref = ref.double()
+    den = ref.norm().item()
+    assert den > 0, "reference is all zeros: rel_err is undefined"
+    return (out - ref).norm().item() / den
+
+
+def make_problem(T, H, I, E, K, *, routing="uniform", seed=0, dtype=torch.bfloat16, masked_frac=0.0,
+                 experts_used=None, device="cpu"):
+    """Fresh random inputs (never zeros). routing: "uniform" (K distinct experts per token),
+    "skewed" (most routes to a few experts, Zipf-like), "all_masked"."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    pool = E if experts_used is None else experts_used
+    if routing == "skewed":
+        pop = 1.0 / torch.arange(1, pool + 1, dtype=torch.float64) ** 1.5
+        idx = torch.stack([torch.multinomial(pop, K, replacement=False, generator=g) for _ in range(T)])
+        idx = torch.randperm(pool, generator=g)[idx]
+    else:
+        idx = torch.stack([torch.randperm(pool, generator=g)[:K] for _ in range(T)])
+    if routing == "all_masked":
+        idx[:] = -1
+    elif masked_frac > 0:
+        m = torch.rand(T, K, generator=g) < masked_frac
+        idx[m] = -1
+    w = torch.rand(T, K, generator=g) + 0.1
+    w = (w / w.sum(1, keepdim=True)).to(torch.float64 if dtype == torch.float64 else torch.float32)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype)
+    dy = torch.randn(T, H, generator=g).to(dtype)
+    t = [x, idx.long(), w, w13, w2, dy]
+    return [v.to(device) for v in t]
+
+
+def loop_reference(x, topk_idx, topk_weights, w13, w2, dy, clamp=None):
+    """Independent float64 evaluation, one token and one route at a time, with no rounding.
+    Returns (y, dx, dtopk, dw13, dw2) in float64 (gradients by torch autograd)."""
+    x = x.detach().double().requires_grad_()
+    w = topk_weights.detach().double().requires_grad_()
+    a = w13.detach().double().requires_grad_()
+    b = w2.detach().double().requires_grad_()
+    T, K = topk_idx.shape
+    I = a.shape[1] // 2
+    rows = []
+    for t in range(T):
+        acc = torch.zeros(x.shape[1], dtype=torch.float64)
+        for k in range(K):
+            e = int(topk_idx[t, k])
+            if e < 0:
+                continue
+            h = a[e] @ x[t]
+            gte, up = h[:I], h[I:]
+            if clamp is not None:
+                gte = torch.clamp(gte, max=clamp)
+                up = torch.clamp(up, min=-clamp, max=clamp)
+            s = F.silu(gte) * up
+            acc = acc + w[t, k] * (b[e] @ s)
+        rows.append(acc)
+    y = torch.stack(rows)
+    (y * dy.double()).sum().backward()
+    return y.detach(), x.grad, w.grad, a.grad, b.grad
+
+
+def run_layer(x, topk_idx, topk_weights, w13, w2, dy, **kwargs):
+    """mega_moe forward + backward on leaf copies. Returns (y, dx, dtopk, dw13, dw2)."""
+    from deep_gemm.mega import mega_moe
+
+    xs = [t.detach().clone().requires_grad_() for t in (x, topk_weights, w13, w2)]
+    y = mega_moe(xs[0], topk_idx, xs[1], xs[2], xs[3], **kwargs)
+    y.backward(dy)
+    return y.detach(), xs[0].grad, xs[1].grad, xs[2].grad, xs[3].grad

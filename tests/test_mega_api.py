@@ -1,0 +1,226 @@
+"""Backend selection, the DeepGEMM-shaped low-level calls, buffers, and the fp8 names."""
+
+import warnings
+
+import pytest
+import torch
+
+from mega_helpers import make_problem, run_layer
+
+import deep_gemm.mega as mega
+from deep_gemm.mega import _backend
+from deep_gemm.mega import (
+    bf16_mega_moe,
+    bf16_mega_moe_backward,
+    get_symm_buffer_for_mega_moe,
+    mega_moe,
+    transform_weights_for_mega_moe,
+)
+
+E, H, I, K = 6, 32, 16, 3
+
+
+@pytest.fixture
+def status(monkeypatch):
+    """Pretend deep_gemm.status() returns the dict the test puts in (default: nothing available)."""
+    st = {name: "not implemented yet" for name in set(_backend.KERNEL_NAMES.values())}
+    monkeypatch.setattr(_backend, "_status", lambda: st)
+    monkeypatch.setattr(_backend, "_warned", set())
+    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    return st
+
+
+def test_fused_reason_reads_status(status):
+    assert _backend._fused_reason("bf16", "fwd") == "mega_moe.bf16.sm90: not implemented yet"
+    status["mega_moe.bf16.sm90"] = "available"
+    assert _backend._fused_reason("bf16", "fwd") is None
+    assert "mega_moe_backward.bf16.sm90" in _backend._fused_reason("bf16", "bwd")
+    assert "mega_moe.mxfp8.sm100" in _backend._fused_reason("mxfp8", "fwd")
+
+
+def test_fused_reason_without_status_function(monkeypatch):
+    import deep_gemm
+
+    monkeypatch.delattr(deep_gemm, "status", raising=False)
+    assert _backend._fused_reason("bf16", "fwd").endswith("not implemented yet")
+
+
+def test_reference_always_runs(status):
+    assert _backend.resolve_backend("reference", "bf16", "fwd", device_type="cuda") == "reference"
+
+
+def test_fused_raises_status_reason(status):
+    with pytest.raises(_backend.FusedKernelUnavailable, match="mega_moe.bf16.sm90: not implemented yet"):
+        _backend.resolve_backend("fused", "bf16", "fwd", device_type="cuda", hidden=128, intermediate=128)
+    status["mega_moe.bf16.sm90"] = "available"
+    assert _backend.resolve_backend("fused", "bf16", "fwd", device_type="cuda", hidden=128, intermediate=128) == "fused"
+
+
+def test_auto_raises_without_env(status):
+    with pytest.raises(_backend.FusedKernelUnavailable, match="DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1"):
+        _backend.resolve_backend("auto", "bf16", "fwd", device_type="cuda", hidden=128, intermediate=128)
+
+
+def test_auto_falls_back_with_env_and_warns_once(status, monkeypatch):
+    monkeypatch.setenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", "1")
+    with pytest.warns(RuntimeWarning, match="falling back to the pure-PyTorch reference"):
+        assert _backend.resolve_backend("auto", "bf16", "fwd", device_type="cuda") == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _backend.resolve_backend("auto", "bf16", "fwd", device_type="cuda") == "reference"
+
+
+def test_auto_on_cpu_end_to_end(status, monkeypatch):
+    x, idx, w, w13, w2, dy = make_problem(8, 128, 128, E, K, seed=51)
+    with pytest.raises(_backend.FusedKernelUnavailable, match="need CUDA tensors"):
+        mega_moe(x, idx, w, w13, w2)
+    monkeypatch.setenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", "1")
+    with pytest.warns(RuntimeWarning):
+        y = mega_moe(x, idx, w, w13, w2)
+    assert torch.equal(y, mega_moe(x, idx, w, w13, w2, backend="reference"))
+
+
+def test_auto_prefers_fused_when_available(status):
+    status["mega_moe.bf16.sm90"] = "available"
+    assert _backend.resolve_backend("auto", "bf16", "fwd", device_type="cuda", hidden=256, intermediate=128) == "fused"
+
+
+def test_reference_has_only_bf16_numerics(status):
+    x, idx, w, w13, w2, _ = make_problem(4, H, I, E, K, seed=52)
+    with pytest.raises(NotImplementedError, match="precision='bf16' only"):
+        mega_moe(x, idx, w, w13, w2, precision="fp8", backend="reference")
+
+
+@pytest.mark.parametrize("fn,name", [
+    (mega.fp8_mega_moe, "mega_moe.fp8.sm90"),
+    (mega.fp8_mega_moe_backward, "mega_moe.fp8_bwd.sm90"),
+    (mega.fp8_mega_moe_weight_grads, "mega_moe.fp8_bwd.sm90"),
+    (mega.fp8_bwd_mega_moe_backward, "mega_moe.fp8_bwd.sm90"),
+    (mega.mxfp8_mega_moe, "mega_moe.mxfp8.sm100"),
+    (mega.mxfp8_mega_moe_backward, "mega_moe.mxfp8.sm100"),
+    (mega.fp8_fp4_mega_moe, "mega_moe.mxfp8.sm100"),
+])
+def test_fp8_names_raise_status_reason(status, fn, name):
+    status[name] = "no sm_100 device" if "sm100" in name else "not implemented yet"
+    with pytest.raises(_backend.FusedKernelUnavailable, match=name + ": " + status[name]):
+        fn(None, None, None, None)
+
+
+def test_fp8_names_raise_with_real_status():
+    """Whatever deep_gemm.status() says today, these never run silently."""
+    with pytest.raises(_backend.FusedKernelUnavailable):
+        mega.fp8_mega_moe(None, None, None, None)
+
+
+def test_all_names_exist():
+    for name in mega.__all__:
+        assert hasattr(mega, name), name
+
+
+def test_transform_weights_is_identity():
+    _, _, _, w13, w2, _ = make_problem(2, H, I, E, K, seed=53)
+    a, b = transform_weights_for_mega_moe(w13, w2)
+    assert a is w13 and b is w2
+
+
+def test_interleave_roundtrip():
+    _, _, _, w13, _, _ = make_problem(2, H, I, E, K, seed=54)
+    il = mega.interleave_l1(w13)
+    assert torch.equal(il[:, :8], w13[:, :8]) and torch.equal(il[:, 8:16], w13[:, I : I + 8])
+    assert torch.equal(mega.deinterleave_l1(il), w13)
+
+
+def test_buffer_reused_per_shape_and_views():
+    a = get_symm_buffer_for_mega_moe(None, E, 32, K, H, I, device="cpu")
+    b = get_symm_buffer_for_mega_moe(None, E, 32, K, H, I, device="cpu")
+    c = get_symm_buffer_for_mega_moe(None, E, 64, K, H, I, device="cpu")
+    assert a is b and a is not c
+    assert a.x.shape == (32, H) and a.x.dtype == torch.bfloat16
+    assert a.topk_idx.shape == (32, K) and a.topk_idx.dtype == torch.int64
+    assert a.topk_weights.dtype == torch.float32 and not a.symmetric
+    assert a.x.untyped_storage().data_ptr() == a.topk_idx.untyped_storage().data_ptr()
+    f = get_symm_buffer_for_mega_moe(None, E, 32, K, 256, I, mma_type="fp8xfp8", device="cpu")
+    assert f.x.dtype == torch.float8_e4m3fn and f.x_sf.shape == (32, 2)
+
+
+def _stage(buf, x, idx, w):
+    buf.x[: x.shape[0]].copy_(x)
+    buf.topk_idx[: x.shape[0]].copy_(idx)
+    buf.topk_weights[: x.shape[0]].copy_(w)
+
+
+@pytest.mark.parametrize("save_h", [False, True])
+def test_low_level_forward_backward_match_autograd(save_h):
+    T = 19
+    x, idx, w, w13, w2, dy = make_problem(T, H, I, E, K, seed=55, masked_frac=0.15)
+    y_ref, dx_ref, dt_ref, d13_ref, d2_ref = run_layer(x, idx, w, w13, w2, dy, backend="reference",
+                                                       activation_clamp=0.7)
+    buf = get_symm_buffer_for_mega_moe(None, E, 40, K, H, I, device="cpu")
+    _stage(buf, x, idx, w)
+    y = torch.full((T, H), 7.0, dtype=torch.bfloat16)  # garbage: must be overwritten
+    stats = torch.zeros(E, dtype=torch.int32)
+    state = bf16_mega_moe(y, w13, w2, buf, activation_clamp=0.7, backend="reference", save_h=save_h,
+                          cumulative_local_expert_recv_stats=stats)
+    assert torch.equal(y, y_ref)
+    assert torch.equal(stats, torch.bincount(idx[idx >= 0], minlength=E).int())
+    assert (state.h is not None) == save_h
+    _stage(buf, x, idx, w)
+    dx = torch.full_like(x, 3.0)
+    dt = torch.full_like(w, 3.0)
+    d13 = torch.full_like(w13, 3.0)
+    d2 = torch.full_like(w2, 3.0)
+    bf16_mega_moe_backward(dx, d13, d2, dt, dy, w13, w2, buf, activation_clamp=0.7, state=state,
+                           backend="reference")
+    for a, b in ((dx, dx_ref), (dt, dt_ref), (d13, d13_ref), (d2, d2_ref)):
+        assert torch.equal(a, b)
+    # without state: recompute plan and h, same result
+    dx2, dt2, d13b, d2b = (torch.empty_like(t) for t in (dx, dt, d13, d2))
+    bf16_mega_moe_backward(dx2, d13b, d2b, dt2, dy, w13, w2, buf, activation_clamp=0.7, backend="reference")
+    for a, b in ((dx2, dx), (dt2, dt), (d13b, d13), (d2b, d2)):
+        assert torch.equal(a, b)
+
+
+def test_low_level_accumulate_and_fp32_wgrad():
+    T = 12
+    x, idx, w, w13, w2, dy = make_problem(T, H, I, E, K, seed=56)
+    buf = get_symm_buffer_for_mega_moe(None, E, 40, K, H, I, device="cpu")
+    _stage(buf, x, idx, w)
+    y0 = torch.randn(T, H).bfloat16()
+    y = y0.clone()
+    bf16_mega_moe(y, w13, w2, buf, backend="reference", accumulate=True)
+    y1 = torch.empty_like(y)
+    bf16_mega_moe(y1, w13, w2, buf, backend="reference")
+    assert torch.equal(y, y0 + y1)
+    dx, dt = torch.empty_like(x), torch.empty_like(w)
+    d13, d2 = torch.zeros(w13.shape), torch.zeros(w2.shape)
+    bf16_mega_moe_backward(dx, d13, d2, dt, dy, w13, w2, buf, backend="reference")
+    a13, a2 = torch.randn(w13.shape), torch.randn(w2.shape)
+    a13_0, a2_0 = a13.clone(), a2.clone()
+    dx2, dt2 = torch.zeros_like(x), torch.zeros_like(w)
+    bf16_mega_moe_backward(dx2, a13, a2, dt2, dy, w13, w2, buf, backend="reference", accumulate=True)
+    assert torch.equal(a13, a13_0 + d13) and torch.equal(a2, a2_0 + d2)  # fp32 grads, unrounded
+    assert torch.equal(dx2, dx) and torch.equal(dt2, dt)
+
+
+def test_low_level_interleaved_layouts():
+    T = 10
+    x, idx, w, w13, w2, dy = make_problem(T, H, I, E, K, seed=57)
+    buf = get_symm_buffer_for_mega_moe(None, E, 40, K, H, I, device="cpu")
+    _stage(buf, x, idx, w)
+    y_nat, y_il = torch.empty(T, H, dtype=torch.bfloat16), torch.empty(T, H, dtype=torch.bfloat16)
+    bf16_mega_moe(y_nat, w13, w2, buf, backend="reference")
+    bf16_mega_moe(y_il, mega.interleave_l1(w13), w2, buf, backend="reference", l1_natural_layout=False)
+    assert torch.equal(y_nat, y_il)
+    outs = []
+    for natural in (True, False):
+        dx, dt, d13, d2 = torch.empty_like(x), torch.empty_like(w), torch.empty_like(w13), torch.empty_like(w2)
+        bf16_mega_moe_backward(dx, d13, d2, dt, dy, w13, w2, buf, backend="reference", dw_natural_layout=natural)
+        outs.append(d13)
+    assert torch.equal(mega.interleave_l1(outs[0]), outs[1])
+
+
+def test_low_level_rejects_shared_experts():
+    x, idx, w, w13, w2, _ = make_problem(4, H, I, E, K, seed=58)
+    buf = get_symm_buffer_for_mega_moe(None, E, 40, K, H, I, device="cpu")
+    with pytest.raises(NotImplementedError, match="shared experts"):
+        bf16_mega_moe(torch.empty(4, H, dtype=torch.bfloat16), w13, w2, buf, shared_l1_weights=w13[0])

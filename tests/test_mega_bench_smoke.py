@@ -1,0 +1,39 @@
+"""bench/bench_layer.py --smoke runs on the CPU and writes DESIGN section 7's results file."""
+
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+TOP = {"gpu", "num_gpus", "torch", "cuda", "git_sha", "date", "peak_bf16_tflops", "rows"}
+ROW = {"shape", "num_experts", "hidden", "intermediate", "top_k", "tokens", "ep", "routing", "precision",
+       "backend", "direction", "ms", "tflops", "pct_peak", "ratio_vs_torch", "peak_mem_gib"}
+
+
+def test_bench_layer_smoke(tmp_path, capsys):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_layer
+        import plot_results
+    finally:
+        sys.path.remove(str(BENCH))
+    out = tmp_path / "smoke.json"
+    bench_layer.main(["--smoke", "--tokens", "40", "--out", str(out), "--no-plot", "--iters", "2", "--warmup", "1"])
+    doc = json.loads(out.read_text())
+    assert set(doc) == TOP
+    rows = doc["rows"]
+    assert {(r["backend"], r["direction"], r["routing"]) for r in rows} >= {
+        (b, d, g) for b in ("torch", "deep_gemm_reference") for d in ("fwd", "bwd", "fwdbwd")
+        for g in ("uniform", "zipf")}
+    for r in rows:
+        want = ROW | ({"max_rel_err"} if r["backend"] != "torch" else set())
+        assert set(r) == want, r
+        if r["backend"] != "torch":
+            assert r["max_rel_err"] < 1e-2
+    assert "deep_gemm_reference" in capsys.readouterr().out  # the printed table
+    png = plot_results.plot(out)
+    if png is None:  # matplotlib missing: the plot is skipped with a message
+        assert "matplotlib is not installed" in capsys.readouterr().out
+    else:
+        assert Path(png).exists() and Path(png).stat().st_size > 0

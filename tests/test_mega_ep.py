@@ -1,0 +1,95 @@
+"""Expert parallelism over two CPU processes (gloo): EP = 2 gives the same result as EP = 1."""
+
+import os
+import socket
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from mega_helpers import make_problem, run_layer
+
+E, H, I, K = 8, 32, 16, 3
+TOKENS = (5, 9)  # unequal tokens per rank
+CLAMP = 0.6
+TIMEOUT_S = 120
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _full_problem():
+    return make_problem(sum(TOKENS), H, I, E, K, routing="skewed", seed=61, masked_frac=0.1)
+
+
+def _ep_worker(rank, world, port, outdir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        from deep_gemm.mega import bf16_mega_moe, bf16_mega_moe_backward, get_symm_buffer_for_mega_moe
+
+        group = dist.group.WORLD
+        x, idx, w, w13, w2, dy = _full_problem()
+        lo = sum(TOKENS[:rank])
+        sl = slice(lo, lo + TOKENS[rank])
+        El = E // world
+        es = slice(rank * El, (rank + 1) * El)
+        x, idx, w, dy = (t[sl].contiguous() for t in (x, idx, w, dy))
+        w13, w2 = w13[es].contiguous(), w2[es].contiguous()
+        out = {}
+        out["autograd"] = run_layer(x, idx, w, w13, w2, dy, group=group, backend="reference", num_experts=E,
+                                    activation_clamp=CLAMP, max_tokens_per_rank=max(TOKENS))
+        out["recompute"] = run_layer(x, idx, w, w13, w2, dy, group=group, backend="reference", num_experts=E,
+                                     activation_clamp=CLAMP, max_tokens_per_rank=max(TOKENS), recompute=True)
+        buf = get_symm_buffer_for_mega_moe(group, E, 16, K, H, I, device="cpu")
+        T = x.shape[0]
+        buf.stage(x, idx, w)
+        y = torch.empty(T, H, dtype=torch.bfloat16)
+        state = bf16_mega_moe(y, w13, w2, buf, activation_clamp=CLAMP, backend="reference")
+        dx, dt, d13, d2 = torch.empty_like(x), torch.empty_like(w), torch.empty_like(w13), torch.empty_like(w2)
+        bf16_mega_moe_backward(dx, d13, d2, dt, dy, w13, w2, buf, activation_clamp=CLAMP, state=state,
+                               backend="reference")
+        out["low_level"] = (y, dx, dt, d13, d2)
+        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ep2_gloo_equals_ep1():
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    x, idx, w, w13, w2, dy = _full_problem()
+    ref = run_layer(x, idx, w, w13, w2, dy, backend="reference", activation_clamp=CLAMP)
+    world = 2
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_ep_worker, args=(r, world, port, outdir)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(TIMEOUT_S)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        assert not alive, f"EP workers timed out after {TIMEOUT_S} s"
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        outs = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
+    El = E // world
+    for key in ("autograd", "recompute", "low_level"):
+        for r in range(world):
+            lo = sum(TOKENS[:r])
+            sl = slice(lo, lo + TOKENS[r])
+            es = slice(r * El, (r + 1) * El)
+            y, dx, dt, d13, d2 = outs[r][key]
+            want = (ref[0][sl], ref[1][sl], ref[2][sl], ref[3][es], ref[4][es])
+            for name, a, b in zip(("y", "dx", "dtopk", "dw13", "dw2"), (y, dx, dt, d13, d2), want):
+                assert torch.equal(a, b), f"{key} rank {r} {name}: max diff {(a.double() - b.double()).abs().max()}"

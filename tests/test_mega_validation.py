@@ -1,0 +1,194 @@
+"""Every argument check fires before any compute, with a one-line message saying what to do."""
+
+import pytest
+import torch
+
+from mega_helpers import make_problem
+
+from deep_gemm.mega import MegaMoE, bf16_mega_moe, get_symm_buffer_for_mega_moe, mega_moe
+
+E, H, I, K, T = 4, 32, 16, 2, 6
+
+
+@pytest.fixture
+def prob():
+    return make_problem(T, H, I, E, K, seed=41)
+
+
+def _call(p, **over):
+    x, idx, w, w13, w2, _ = p
+    args = dict(x=x, topk_idx=idx, topk_weights=w, w13=w13, w2=w2)
+    kw = {"backend": "reference"}
+    for k, v in over.items():
+        (args if k in args else kw)[k] = v
+    return mega_moe(args["x"], args["topk_idx"], args["topk_weights"], args["w13"], args["w2"], **kw)
+
+
+def _one_line(excinfo):
+    msg = str(excinfo.value)
+    assert "\n" not in msg and msg.startswith("deep_gemm.mega")
+    return msg
+
+
+def test_x_dtype(prob):
+    with pytest.raises(TypeError, match="x must be bfloat16") as e:
+        _call(prob, x=prob[0].half())
+    _one_line(e)
+
+
+def test_weight_dtype(prob):
+    with pytest.raises(TypeError, match="w13 must have x's dtype") as e:
+        _call(prob, w13=prob[3].float())
+    _one_line(e)
+
+
+def test_topk_weights_dtype(prob):
+    with pytest.raises(TypeError, match="topk_weights must be torch.float32") as e:
+        _call(prob, topk_weights=prob[2].bfloat16())
+    _one_line(e)
+
+
+def test_topk_idx_dtype(prob):
+    with pytest.raises(TypeError, match="topk_idx must be int64"):
+        _call(prob, topk_idx=prob[1].float())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device type (CUDA) to mix devices")
+def test_device_mismatch(prob):
+    with pytest.raises(ValueError, match="one device"):
+        _call(prob, w2=prob[4].cuda())
+
+
+def test_device_mismatch_meta(prob):
+    with pytest.raises(ValueError, match="one device"):
+        _call(prob, w2=prob[4].to("meta"))
+
+
+def test_contiguity(prob):
+    x = prob[0]
+    xt = torch.empty(H, T, dtype=x.dtype).t()
+    xt.copy_(x)
+    with pytest.raises(ValueError, match=r"x must be contiguous.*\.contiguous\(\)") as e:
+        _call(prob, x=xt)
+    _one_line(e)
+
+
+def test_x_shape(prob):
+    with pytest.raises(ValueError, match=r"x must be 2-D"):
+        _call(prob, x=prob[0].unsqueeze(0))
+
+
+def test_topk_idx_rows_mismatch(prob):
+    with pytest.raises(ValueError, match=r"topk_idx must be \[T, K\] with T=6"):
+        _call(prob, topk_idx=prob[1][:5], topk_weights=prob[2][:5])
+
+
+def test_topk_weights_shape_mismatch(prob):
+    with pytest.raises(ValueError, match="topk_weights shape .* must match topk_idx shape") as e:
+        _call(prob, topk_weights=prob[2][:, :1].contiguous())
+    _one_line(e)
+
+
+def test_w13_shape(prob):
+    with pytest.raises(ValueError, match=r"w13 must be \[El, 2I, H\]"):
+        _call(prob, w13=prob[3][:, :, :16].contiguous())
+
+
+def test_w2_shape(prob):
+    with pytest.raises(ValueError, match=r"w2 must be \[El, H, I\]"):
+        _call(prob, w2=prob[4][:, :, :8].contiguous())
+
+
+def test_hidden_not_aligned_for_fused(prob):
+    # H=32, I=16 are fine for the reference but not for the fused kernels
+    with pytest.raises(ValueError, match="multiples of HIDDEN_ALIGN=128") as e:
+        _call(prob, backend="fused")
+    _one_line(e)
+
+
+def test_intermediate_not_aligned_module():
+    with pytest.raises(ValueError, match="INTERMEDIATE_ALIGN=128"):
+        MegaMoE(8, 256, 100, 2, backend="fused")
+
+
+def test_expert_id_too_large(prob):
+    idx = prob[1].clone()
+    idx[2, 1] = E
+    with pytest.raises(ValueError, match=r"must lie in \[-1, 3\]") as e:
+        _call(prob, topk_idx=idx)
+    _one_line(e)
+
+
+def test_expert_id_below_minus_one(prob):
+    idx = prob[1].clone()
+    idx[0, 0] = -2
+    with pytest.raises(ValueError, match=r"must lie in \[-1, 3\]"):
+        _call(prob, topk_idx=idx)
+
+
+def test_more_tokens_than_buffer(prob):
+    buf = get_symm_buffer_for_mega_moe(None, E, T - 1, K, H, I, device="cpu", reuse=False)
+    with pytest.raises(ValueError, match="exceed the buffer's num_max_tokens_per_rank=5") as e:
+        _call(prob, buffer=buf)
+    _one_line(e)
+    y = torch.empty(T, H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="exceed the buffer"):
+        bf16_mega_moe(y, prob[3], prob[4], buf, backend="reference")
+
+
+def test_group_size_not_dividing_experts():
+    class FakeGroup:  # only the size matters for this check
+        group_name = "fake"
+
+    import torch.distributed as dist
+
+    orig = dist.get_world_size
+    dist.get_world_size = lambda group=None: 3 if isinstance(group, FakeGroup) else orig(group)
+    try:
+        with pytest.raises(ValueError, match="num_experts=8 is not divisible by the group size 3"):
+            MegaMoE(8, 128, 128, 2, group=FakeGroup(), backend="reference")
+    finally:
+        dist.get_world_size = orig
+
+
+def test_num_experts_not_matching_local_weights(prob):
+    with pytest.raises(ValueError, match="w13 holds 4 local experts but num_experts=8"):
+        _call(prob, num_experts=8)
+
+
+def test_negative_clamp(prob):
+    with pytest.raises(ValueError, match="activation_clamp must be None or >= 0"):
+        _call(prob, activation_clamp=-1.0)
+
+
+def test_bad_backend_and_precision(prob):
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _call(prob, backend="cuda")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        _call(prob, precision="fp4")
+
+
+def test_wgrad_accum_dtype(prob):
+    bad = (torch.zeros(prob[3].shape, dtype=torch.bfloat16), torch.zeros(prob[4].shape))
+    with pytest.raises(TypeError, match="must be torch.float32"):
+        _call(prob, wgrad_accum=bad)
+
+
+def test_no_compute_before_validation(prob, monkeypatch):
+    """Checks run before any routing or GEMM."""
+    import deep_gemm.mega.reference as ref
+
+    def boom(*a, **k):
+        raise AssertionError("computed before validating")
+
+    monkeypatch.setattr(ref, "forward", boom)
+    idx = prob[1].clone()
+    idx[0, 0] = 99
+    with pytest.raises(ValueError, match="must lie in"):
+        _call(prob, topk_idx=idx)
+
+
+def test_float64_needs_reference_backend():
+    x, idx, w, w13, w2, _ = make_problem(T, H, I, E, K, seed=42, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float64 inputs .* backend='reference' only"):
+        mega_moe(x, idx, w, w13, w2, backend="auto")
