@@ -39,6 +39,24 @@ def time_ms(fn, warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def time_interleaved(fns: dict, warmup: int, reps: int) -> dict:
+    """Median ms of each function, timed in rounds that run every function once."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for key, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[key].append(start.elapsed_time(end))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def peak_bf16_tflops(reps: int) -> float:
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -105,8 +123,11 @@ def main() -> int:
                 ref = theirs().float()
                 got = ours().float()
                 err = ((got - ref).norm() / ref.norm()).item()
-                for backend, fn in (("torch", theirs), ("deep_gemm", ours)):
-                    ms = time_ms(fn, 5, args.reps)
+                # Interleaved rounds: the card's clock moves with power draw over seconds, so timing one
+                # backend after the other would charge the drift to whichever ran second.
+                med = time_interleaved({"torch": theirs, "deep_gemm": ours}, 5, args.reps)
+                for backend in ("torch", "deep_gemm"):
+                    ms = med[backend]
                     rows.append({"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K,
                                  "tokens": args.tokens, "ep": 1, "routing": routing, "precision": "bf16",
                                  "backend": backend, "op": op, "pool_rows": P, "ms": ms,
