@@ -9,8 +9,9 @@ export CUDACXX="$NVCC"
 export PATH="$(dirname "$NVCC"):$PATH"
 VENV="${PRIME_KERNELS_BUILD_VENV:-.venv-build}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+VENV="$(cd "$VENV" && pwd)"
 PYTHON="$VENV/bin/python" bash ci/install_build_deps.sh
-export PATH="$(pwd)/$VENV/bin:$PATH"
+export PATH="$VENV/bin:$PATH"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
 export PRIME_KERNELS_CUDA_ARCHS="${PRIME_KERNELS_CUDA_ARCHS:-90a;100a}"
 rm -rf dist && mkdir -p dist wheelhouse
