@@ -243,7 +243,13 @@ def git_sha() -> str:
                                capture_output=True, text=True, check=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (subprocess.CalledProcessError, FileNotFoundError):
-        return "unknown"
+        # No git checkout (the device machine gets a copy of the tree): the wheel's build record.
+        try:
+            import deep_gemm
+
+            return deep_gemm.build_info()["git_sha"] or "unknown"
+        except Exception:
+            return "unknown"
 
 
 def run_header(device, peak) -> dict:

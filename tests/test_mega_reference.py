@@ -1,6 +1,8 @@
 """The reference backend against an independent float64 per-token loop: forward and all four
 gradients, on fresh random data; plus float64 gradcheck and the rounding-point conventions."""
 
+import math
+
 import pytest
 import torch
 
@@ -95,25 +97,32 @@ def test_forward_rounding_points():
         assert torch.allclose(y[t].float(), ref.float(), rtol=0, atol=1e-2 * ref.float().abs().max().item())
 
 
-def test_clamp_gradient_at_equality_follows_torch_clamp():
-    """B5: with the pre-activation exactly at the bound, the gradient is torch.clamp's (scalar
-    bounds: zero at equality). Float64, one token, one expert, H=1 so h = w13[:, 0] * x."""
+def test_clamp_gradient_at_equality_is_zero():
+    """B5: with the pre-activation exactly at the bound, no gradient passes (the rule torch.clamp with
+    scalar bounds follows in torch 2.14; torch 2.11 passes it at equality, so the rule is fixed here
+    rather than taken from whichever torch runs). Float64, one token, one expert, H=1, g = c, u = -c."""
     c = 0.5
     x = torch.tensor([[1.0]], dtype=torch.float64, requires_grad=True)
     idx = torch.tensor([[0]])
     w = torch.tensor([[1.0]], dtype=torch.float64, requires_grad=True)
-    w13 = torch.tensor([[[c], [-c]]], dtype=torch.float64, requires_grad=True)  # g = c, u = -c
+    w13 = torch.tensor([[[c], [-c]]], dtype=torch.float64, requires_grad=True)
     w2 = torch.tensor([[[1.0]]], dtype=torch.float64, requires_grad=True)
     y = mega_moe(x, idx, w, w13, w2, backend="reference", activation_clamp=c)
     y.sum().backward()
-    xr = x.detach().clone().requires_grad_()
-    a = w13.detach().clone().requires_grad_()
-    h = a[0, :, 0] * xr[0, 0]
-    g = torch.clamp(h[:1], max=c)
-    u = torch.clamp(h[1:], min=-c, max=c)
-    (torch.nn.functional.silu(g) * u).sum().backward()
-    assert torch.equal(x.grad, xr.grad)
-    assert torch.equal(w13.grad, a.grad)
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w13.grad, torch.zeros_like(w13))
+    silu_c = c / (1 + math.exp(-c))
+    assert torch.allclose(w.grad, torch.tensor([[silu_c * -c]], dtype=torch.float64), rtol=1e-12, atol=0)
+    # Where the running torch uses the same rule, the reference equals torch.clamp's autograd too.
+    probe = torch.tensor([c], dtype=torch.float64, requires_grad=True)
+    torch.clamp(probe, max=c).sum().backward()
+    if probe.grad.item() == 0.0:
+        xr = x.detach().clone().requires_grad_()
+        a = w13.detach().clone().requires_grad_()
+        h = a[0, :, 0] * xr[0, 0]
+        g = torch.clamp(h[:1], max=c)
+        u = torch.clamp(h[1:], min=-c, max=c)
+        (torch.nn.functional.silu(g) * u).sum().backward()
+        assert torch.equal(x.grad, xr.grad) and torch.equal(w13.grad, a.grad)
 
 
 @pytest.mark.parametrize("clamp", [None, 0.3])

@@ -36,7 +36,7 @@ rounded here, so it may differ from the forward's F3 value by the bf16 rounding 
   B2. da_p = dy_p @ w2[e]                  acc GEMM  [I]
   B3. d topk_weights[t, k] = sum_i da_p[i] * s[i]   in acc (0 for masked routes)
   B4. ds = w_p * da_p;  dgc = ds * uc * sig * (1 + gc * (1 - sig));  duc = ds * silu   (acc)
-  B5. clamp gradient as torch.clamp with scalar bounds: it passes strictly inside the bounds
+  B5. clamp gradient: it passes strictly inside the bounds (torch 2.14 clamp's rule; 2.11 differs)
       only, dg = dgc * [g~ < c], du = duc * [-c < u~ < c] (0 at equality)
   B6. dh_p = round_io([dg, du])            bf16: the operand of the L1 dgrad and the L1 wgrad
   B7. dx_p = round_io(dh_p @ w13[e])       acc GEMM, rounded to bf16: the per-route dx slot [H]
