@@ -7,7 +7,8 @@ on the same inputs in the same run (DESIGN sections 6 and 7).
     torchrun --nproc-per-node 8 bench/bench_layer.py  # expert parallelism (tokens are per rank)
 
 Backends: "torch" (baseline), "deep_gemm" (fused kernels, when deep_gemm.status() says they are
-available), "deep_gemm_reference" (the pure-PyTorch reference; by default timed only at
+available), "deep_gemm_grouped" (the single-rank pipeline of our grouped GEMMs, deep_gemm.mega._grouped),
+"deep_gemm_reference" (the pure-PyTorch reference; by default timed only at
 T <= --reference-max-tokens because it is slow). Timing: CUDA events, --warmup runs then the median
 of --iters; fwd with autograd on, fwdbwd = forward + torch.autograd.grad, bwd = fwdbwd - fwd. Peak
 memory: reset_peak_memory_stats before a grad-enabled forward (fwd rows) or forward+backward (bwd,
@@ -31,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 
-BACKENDS = ("torch", "deep_gemm", "deep_gemm_reference")
+BACKENDS = ("torch", "deep_gemm", "deep_gemm_grouped", "deep_gemm_reference")
 
 
 def parse_args(argv=None):
@@ -83,7 +84,7 @@ def _layer_fn(backend, group, E, args):
         return lambda x, i, w, a, b: bc.torch_moe(x, i, w, a, b, group=group)
     from deep_gemm.mega import mega_moe
 
-    which = "fused" if backend == "deep_gemm" else "reference"
+    which = {"deep_gemm": "fused", "deep_gemm_grouped": "grouped"}.get(backend, "reference")
     return lambda x, i, w, a, b: mega_moe(x, i, w, a, b, group=group, num_experts=E, backend=which,
                                           recompute=args.recompute, activation_clamp=args.activation_clamp)
 
@@ -191,6 +192,13 @@ def main(argv=None):
         backends.remove("deep_gemm")
     elif "deep_gemm" in backends and fused_bwd_reason is not None:
         log(f"[bench] deep_gemm: forward only ({fused_bwd_reason})")
+    if "deep_gemm_grouped" in backends:
+        from deep_gemm.mega._backend import _grouped_reason
+
+        why = _grouped_reason("bf16", ep, args.activation_clamp)
+        if why is not None:
+            log(f"[bench] skipping backend deep_gemm_grouped: {why}")
+            backends.remove("deep_gemm_grouped")
 
     t0 = time.time()
     peak = bc.reduce_max(bc.bf16_peak_tflops(device, args.peak_n, args.warmup, args.iters), device)

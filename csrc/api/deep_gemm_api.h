@@ -92,9 +92,30 @@ PK_API int pk_m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int
                                   int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
                                   int num_groups, int64_t m_total, int64_t n, int64_t k, void* cuda_stream);
 
+// m-grouped with A gathered: pool row r reads row a_row_index[r] of A [a_rows, k] (an index outside
+// [0, a_rows) reads zeros), so a token gather needs no materialised copy. D is [m_total, n].
+PK_API int pk_m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows,
+                                           const int32_t* a_row_index, const void* b, int b_k_major,
+                                           int64_t ldb, int64_t b_group_stride, void* d, int64_t ldd,
+                                           const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                           int64_t n, int64_t k, void* cuda_stream);
+
 PK_API int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c,
                                   int c_is_bf16, int accumulate, const int32_t* group_offsets,
                                   int num_groups, int64_t p_total, int64_t m, int64_t n, void* cuda_stream);
+
+// ---------------------------------------------------------------------------------------------
+// Combine: out[t] = bf16( sum over k = 0..top_k-1, in order, of w[t,k] * slots[route_to_pool[t,k]] )
+// in fp32 (w = 1 when weights is null); routes with row -1 are skipped, an all-masked token gets 0.
+// slots bf16 [rows, >= hidden] (row stride ld_slots), out bf16 [num_tokens, >= hidden] (ld_out);
+// hidden, ld_slots and ld_out multiples of 8; slots and out 16-byte aligned.
+// ---------------------------------------------------------------------------------------------
+PK_API int pk_combine_bf16_cuda(const void* slots, int64_t ld_slots, const int32_t* route_to_pool,
+                                const float* weights, int64_t num_tokens, int64_t top_k, int64_t hidden,
+                                void* out, int64_t ld_out, void* cuda_stream);
+PK_API int pk_combine_bf16_cpu(const void* slots, int64_t ld_slots, const int32_t* route_to_pool,
+                               const float* weights, int64_t num_tokens, int64_t top_k, int64_t hidden,
+                               void* out, int64_t ld_out);
 
 #ifdef __cplusplus
 }  // extern "C"

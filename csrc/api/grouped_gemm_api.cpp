@@ -50,6 +50,25 @@ int pk_m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int b_k_ma
 #endif
 }
 
+int pk_m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
+                                    const void* b, int b_k_major, int64_t ldb, int64_t b_group_stride, void* d,
+                                    int64_t ldd, const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                    int64_t n, int64_t k, void* cuda_stream) {
+#if PK_HAS_SM90_KERNELS
+  if (const int rc = current_device_is_sm90(); rc != PK_OK) return rc;
+  char message[512] = {0};
+  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_gather_a(
+      a, lda, a_rows, a_row_index, b, b_k_major != 0, ldb, b_group_stride, d, ldd, group_offsets, num_groups,
+      m_total, n, k, nullptr, static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
+  return from_sm90(rc, message);
+#else
+  (void)a, (void)lda, (void)a_rows, (void)a_row_index, (void)b, (void)b_k_major, (void)ldb, (void)b_group_stride;
+  (void)d, (void)ldd, (void)group_offsets, (void)num_groups, (void)m_total, (void)n, (void)k, (void)cuda_stream;
+  return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE,
+                              "m_grouped_bf16_gemm_gather_a is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
+#endif
+}
+
 int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c, int c_is_bf16,
                            int accumulate, const int32_t* group_offsets, int num_groups, int64_t p_total,
                            int64_t m, int64_t n, void* cuda_stream) {

@@ -13,6 +13,7 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -202,6 +203,82 @@ void k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets
   k_grouped_launch(a, b, group_offsets, c, true, op);
 }
 
+Tensor m_grouped_bf16_gemm_nt_gather(Tensor a, Tensor b, Tensor group_offsets, Tensor a_row_index,
+                                     int64_t m_total) {
+  const char* op = "m_grouped_bf16_gemm_nt_gather";
+  check_bf16_cuda(a, op, "a", 2);
+  check_bf16_cuda(b, op, "b", 3);
+  const int32_t num_groups = check_offsets(group_offsets, a, op);
+  STD_TORCH_CHECK(b.size(0) == num_groups && b.size(2) == a.size(1), "deep_gemm.", op,
+                  ": b must be [num_groups, N, K] with K = a's columns");
+  STD_TORCH_CHECK(a_row_index.scalar_type() == ScalarType::Int && a_row_index.dim() == 1 &&
+                      a_row_index.is_contiguous() && a_row_index.size(0) >= m_total && a_row_index.is_cuda(),
+                  "deep_gemm.", op, ": a_row_index must be a contiguous CUDA int32 [>= m_total] tensor");
+  torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
+  Tensor d = new_tensor(a, {m_total, b.size(1)}, ScalarType::BFloat16);
+  check_core(pk_m_grouped_bf16_gemm_gather_a(a.data_ptr(), a.stride(0), a.size(0),
+                                             static_cast<const int32_t*>(a_row_index.data_ptr()), b.data_ptr(), 1,
+                                             b.stride(1), b.stride(0), d.data_ptr(), d.stride(0),
+                                             static_cast<const int32_t*>(group_offsets.data_ptr()), num_groups,
+                                             m_total, b.size(1), a.size(1), current_cuda_stream(a.get_device_index())),
+             op);
+  return d;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine (CPU: the core's host loop, same order and rounding as the kernel).
+// ---------------------------------------------------------------------------------------------
+struct CombineInput {
+  int64_t num_tokens, top_k, hidden;
+  const float* weights;
+};
+
+CombineInput check_combine_input(const Tensor& slots, const Tensor& route_to_pool,
+                                 const std::optional<Tensor>& weights) {
+  const char* op = "combine";
+  STD_TORCH_CHECK(slots.scalar_type() == ScalarType::BFloat16 && slots.dim() == 2 && slots.stride(1) == 1,
+                  "deep_gemm.", op, ": slots must be a bfloat16 [rows, H] tensor with unit column stride");
+  STD_TORCH_CHECK(route_to_pool.scalar_type() == ScalarType::Int && route_to_pool.dim() == 2 &&
+                      route_to_pool.is_contiguous(),
+                  "deep_gemm.", op, ": route_to_pool must be a contiguous int32 [T, K] tensor");
+  const float* w = nullptr;
+  if (weights.has_value()) {
+    const Tensor& t = *weights;
+    STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float && t.is_contiguous() && t.dim() == 2 &&
+                        t.size(0) == route_to_pool.size(0) && t.size(1) == route_to_pool.size(1),
+                    "deep_gemm.", op, ": weights must be a contiguous fp32 tensor shaped like route_to_pool");
+    STD_TORCH_CHECK(t.get_device_index() == slots.get_device_index() && t.is_cuda() == slots.is_cuda(),
+                    "deep_gemm.", op, ": weights must be on the slots' device");
+    w = static_cast<const float*>(t.data_ptr());
+  }
+  STD_TORCH_CHECK(route_to_pool.is_cuda() == slots.is_cuda() &&
+                      route_to_pool.get_device_index() == slots.get_device_index(),
+                  "deep_gemm.", op, ": route_to_pool must be on the slots' device");
+  return CombineInput{route_to_pool.size(0), route_to_pool.size(1), slots.size(1), w};
+}
+
+Tensor combine_cpu(Tensor slots, Tensor route_to_pool, std::optional<Tensor> weights) {
+  const CombineInput in = check_combine_input(slots, route_to_pool, weights);
+  Tensor out = new_tensor(slots, {in.num_tokens, in.hidden}, ScalarType::BFloat16);
+  check_core(pk_combine_bf16_cpu(slots.data_ptr(), slots.stride(0),
+                                 static_cast<const int32_t*>(route_to_pool.data_ptr()), in.weights, in.num_tokens,
+                                 in.top_k, in.hidden, out.data_ptr(), out.stride(0)),
+             "combine");
+  return out;
+}
+
+Tensor combine_cuda(Tensor slots, Tensor route_to_pool, std::optional<Tensor> weights) {
+  const CombineInput in = check_combine_input(slots, route_to_pool, weights);
+  torch::stable::accelerator::DeviceGuard guard(slots.get_device_index());
+  Tensor out = new_tensor(slots, {in.num_tokens, in.hidden}, ScalarType::BFloat16);
+  check_core(pk_combine_bf16_cuda(slots.data_ptr(), slots.stride(0),
+                                  static_cast<const int32_t*>(route_to_pool.data_ptr()), in.weights, in.num_tokens,
+                                  in.top_k, in.hidden, out.data_ptr(), out.stride(0),
+                                  current_cuda_stream(slots.get_device_index())),
+             "combine");
+  return out;
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY(deep_gemm, m) {
@@ -211,16 +288,23 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
       "Tensor route_to_pool, Tensor num_invalid)");
   m.def("m_grouped_bf16_gemm_nt(Tensor a, Tensor b, Tensor group_offsets) -> Tensor");
   m.def("m_grouped_bf16_gemm_nn(Tensor a, Tensor b, Tensor group_offsets) -> Tensor");
+  m.def("m_grouped_bf16_gemm_nt_gather(Tensor a, Tensor b, Tensor group_offsets, Tensor a_row_index, int m_total) -> Tensor");
+  m.def("combine(Tensor slots, Tensor route_to_pool, Tensor? weights=None) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32=True) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor(c!) c) -> ()");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CPU, m) { m.impl("routing_plan", TORCH_BOX(&routing_plan_cpu)); }
+STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CPU, m) {
+  m.impl("routing_plan", TORCH_BOX(&routing_plan_cpu));
+  m.impl("combine", TORCH_BOX(&combine_cpu));
+}
 
 STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CUDA, m) {
   m.impl("routing_plan", TORCH_BOX(&routing_plan_cuda));
   m.impl("m_grouped_bf16_gemm_nt", TORCH_BOX(&m_grouped_bf16_gemm_nt));
   m.impl("m_grouped_bf16_gemm_nn", TORCH_BOX(&m_grouped_bf16_gemm_nn));
+  m.impl("m_grouped_bf16_gemm_nt_gather", TORCH_BOX(&m_grouped_bf16_gemm_nt_gather));
+  m.impl("combine", TORCH_BOX(&combine_cuda));
   m.impl("k_grouped_bf16_gemm_tn", TORCH_BOX(&k_grouped_bf16_gemm_tn));
   m.impl("k_grouped_bf16_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_bf16_gemm_tn_accumulate_));
 }

@@ -24,6 +24,7 @@ __all__ = ["m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "k_grouped_bf16_g
 
 _KEYS = {"m_grouped_bf16_gemm_nt": "m_grouped_gemm_nt.bf16.sm90",
          "m_grouped_bf16_gemm_nn": "m_grouped_gemm_nn.bf16.sm90",
+         "m_grouped_bf16_gemm_nt_gather": "m_grouped_gemm_nt_gather.bf16.sm90",
          "k_grouped_bf16_gemm_tn": "k_grouped_gemm_tn.bf16.sm90",
          "k_grouped_bf16_gemm_tn_accumulate_": "k_grouped_gemm_tn.bf16.sm90"}
 
@@ -59,9 +60,16 @@ def k_grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, group_offsets: to
     return out
 
 
-def m_grouped_bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
-    _ready("m_grouped_bf16_gemm_nt", a.device)
-    return torch.ops.deep_gemm.m_grouped_bf16_gemm_nt(a, b, group_offsets)
+def m_grouped_bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
+                           a_row_index: torch.Tensor | None = None, m_total: int | None = None) -> torch.Tensor:
+    """With ``a_row_index`` (int32 [>= m_total]), output row r is a[a_row_index[r]] @ b[g]^T (an index
+    outside [0, a.shape[0]) reads a zero row): a token gather without a materialised copy."""
+    if a_row_index is None:
+        _ready("m_grouped_bf16_gemm_nt", a.device)
+        return torch.ops.deep_gemm.m_grouped_bf16_gemm_nt(a, b, group_offsets)
+    _ready("m_grouped_bf16_gemm_nt_gather", a.device)
+    m_total = a_row_index.shape[0] if m_total is None else m_total
+    return torch.ops.deep_gemm.m_grouped_bf16_gemm_nt_gather(a, b, group_offsets, a_row_index, m_total)
 
 
 def m_grouped_bf16_gemm_nn(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
@@ -103,6 +111,22 @@ def _register() -> None:
 
         torch.library.register_kernel(lib + name, "cpu", cpu)
         torch.library.register_fake(lib + name, fake)
+
+    def gather_rows(a, a_row_index, m_total):
+        idx = a_row_index[:m_total].long()
+        ok = (idx >= 0) & (idx < a.shape[0])
+        rows = a[idx.clamp(0, max(a.shape[0] - 1, 0))] if a.shape[0] else a.new_zeros(m_total, a.shape[1])
+        return torch.where(ok[:, None], rows, torch.zeros((), dtype=a.dtype))
+
+    def gather_cpu(a, b, group_offsets, a_row_index, m_total):
+        _check_cpu(a, b, group_offsets)
+        return m_grouped_gemm_reference(gather_rows(a, a_row_index, m_total), b, group_offsets, True)
+
+    def gather_fake(a, b, group_offsets, a_row_index, m_total):
+        return a.new_empty(m_total, b.shape[1])
+
+    torch.library.register_kernel(lib + "m_grouped_bf16_gemm_nt_gather", "cpu", gather_cpu)
+    torch.library.register_fake(lib + "m_grouped_bf16_gemm_nt_gather", gather_fake)
 
     def k_cpu(a, b, group_offsets, out_fp32=True):
         _check_cpu(a, b, group_offsets)

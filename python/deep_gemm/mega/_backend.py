@@ -4,9 +4,12 @@ Rules (the same for every entry point):
 
 * ``backend="reference"`` always runs the pure-PyTorch reference (bf16 numerics only).
 * ``backend="fused"`` runs the fused kernel, or raises the reason ``deep_gemm.status()`` gives.
-* ``backend="auto"`` runs the fused kernel when it is available; otherwise it falls back to the
-  reference only when the environment variable ``DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1`` is set,
-  with a one-time warning, and raises the reason otherwise. Never silently.
+* ``backend="grouped"`` runs the pipeline of our grouped-GEMM kernels (:mod:`deep_gemm.mega._grouped`,
+  bf16, single rank), or raises the reason.
+* ``backend="auto"`` runs the fused kernel when it is available, else the grouped pipeline where
+  that is available (bf16, single rank); otherwise it falls back to the reference only when the
+  environment variable ``DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1`` is set, with a one-time warning,
+  and raises the reason otherwise. Never silently.
 """
 
 from __future__ import annotations
@@ -89,6 +92,24 @@ def _fused_reason(precision: str, direction: str) -> str | None:
     return f"{name}: {reason}"
 
 
+GROUPED_KEY = "mega_moe_grouped.bf16.sm90"
+
+
+def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None = None) -> str | None:
+    """None when the grouped pipeline can run this call, else why not."""
+    if activation_clamp is not None:
+        # Its h is stored as plain bf16, so values within half an ulp of the bound land on it and
+        # lose their gradient (measured ~3% in dX); the mask-preserving rounding (reference F6)
+        # needs the fp32 accumulators, i.e. the fused L1 epilogue.
+        return "the grouped pipeline does not support activation_clamp (it needs the fused SwiGLU epilogue)"
+    if precision != "bf16":
+        return f"the grouped pipeline is bf16 only (precision={precision!r})"
+    if ep_size != 1:
+        return "the grouped pipeline runs on a single rank (no expert-parallel group)"
+    reason = _status().get(GROUPED_KEY, f"{_NOT_IMPLEMENTED}")
+    return None if reason == "available" else f"{GROUPED_KEY}: {reason}"
+
+
 def check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(
@@ -125,8 +146,10 @@ def resolve_backend(
     device_type: str = "cuda",
     hidden: int | None = None,
     intermediate: int | None = None,
+    ep_size: int = 1,
+    activation_clamp: float | None = None,
 ) -> str:
-    """Return "fused" or "reference", or raise with the reason (see the module docstring)."""
+    """Return "fused", "grouped" or "reference", or raise with the reason (see the module docstring)."""
     check_backend(backend)
     check_precision(precision)
     if backend == "reference":
@@ -144,10 +167,18 @@ def resolve_backend(
             raise ValueError(f"deep_gemm.mega: {reason}")
     if reason is None and device_type != "cuda":
         reason = f"tensors are on {device_type}; the fused kernels need CUDA tensors"
+    if backend == "grouped":
+        why = reason or _grouped_reason(precision, ep_size, activation_clamp)
+        if why is not None:
+            raise FusedKernelUnavailable(f"deep_gemm.mega: backend='grouped' cannot run: {why}")
+        return "grouped"
     if reason is None:
         reason = _fused_reason(precision, direction)
     if reason is None:
         return "fused"
+    if backend == "auto" and device_type == "cuda" and alignment_reason(hidden or 0, intermediate or 0) is None \
+            and _grouped_reason(precision, ep_size, activation_clamp) is None:
+        return "grouped"
 
     advice = (
         "use backend='reference', or set "

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _backend, _fused, _validate, reference
+from . import _backend, _fused, _grouped, _validate, reference
 from ._plan import pool_capacity
 from .buffer import get_buffer
 
@@ -56,13 +56,17 @@ def mega_moe_fwd(
         max_tokens=max_tokens_per_rank if ep_size > 1 else None, activation_clamp=activation_clamp)
     _validate.check_exact_mode(x, backend)
     _validate.check_expert_ids(topk_idx, E)
-    which = _backend.resolve_backend(backend, precision, "fwd", device_type=x.device.type, hidden=H, intermediate=I)
+    which = _backend.resolve_backend(backend, precision, "fwd", device_type=x.device.type, hidden=H, intermediate=I,
+                                     ep_size=ep_size, activation_clamp=activation_clamp)
     cap = _capacity(T, K, El, ep_size, max_tokens_per_rank, block_m)
     kwargs = dict(activation_clamp=activation_clamp, group=reference.resolve_group(group_name), num_experts=E,
                   max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, capacity=cap, save_h=save_h)
     if which == "fused":
         return tuple(_fused.forward(x, topk_idx, topk_weights, w13, w2, precision=precision,
                                     buffer=get_buffer(buffer_id), **kwargs))
+    if which == "grouped":
+        with torch.no_grad():
+            return tuple(_grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=get_buffer(buffer_id), **kwargs))
     with torch.no_grad():
         return tuple(reference.forward(x, topk_idx, topk_weights, w13, w2, **kwargs))
 
@@ -123,13 +127,17 @@ def mega_moe_bwd(
     _check_accum(dw13_accum, w13, "dw13_accum", x)
     _check_accum(dw2_accum, w2, "dw2_accum", x)
     _validate.check_exact_mode(x, backend)
-    which = _backend.resolve_backend(backend, precision, "bwd", device_type=x.device.type, hidden=H, intermediate=I)
+    which = _backend.resolve_backend(backend, precision, "bwd", device_type=x.device.type, hidden=H, intermediate=I,
+                                     ep_size=ep_size, activation_clamp=activation_clamp)
     kwargs = dict(activation_clamp=activation_clamp, group=group, num_experts=E, recompute=recompute,
                   need_wgrad=need_wgrad, dw13_accum=dw13_accum, dw2_accum=dw2_accum)
     args = (dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
             pool_src_rank, route_to_pool)
     if which == "fused":
         dx, dtopk, dw13, dw2 = _fused.backward(*args, precision=precision, buffer=get_buffer(buffer_id), **kwargs)
+    elif which == "grouped":
+        with torch.no_grad():
+            dx, dtopk, dw13, dw2 = _grouped.backward(*args, buffer=get_buffer(buffer_id), **kwargs)
     else:
         with torch.no_grad():
             dx, dtopk, dw13, dw2 = reference.backward(*args, **kwargs)

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _backend, _fused, _ops, _validate, reference  # noqa: F401  (_ops registers the custom ops)
+from . import _backend, _fused, _grouped, _ops, _validate, reference  # noqa: F401  (_ops registers the custom ops)
 from ._plan import make_plan
 from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe
 from .constants import BLOCK_M
@@ -304,7 +304,8 @@ def bf16_mega_moe(
     if cumulative_local_expert_recv_stats is not None:
         _check_out(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", (El,), (torch.int32,), x.device)
     _validate.check_expert_ids(topk_idx, E)
-    which = _backend.resolve_backend(backend, "bf16", "fwd", device_type=x.device.type, hidden=H, intermediate=I)
+    which = _backend.resolve_backend(backend, "bf16", "fwd", device_type=x.device.type, hidden=H, intermediate=I,
+                                     ep_size=buffer.num_ranks, activation_clamp=activation_clamp)
     cap = _ops._capacity(T, K, El, buffer.num_ranks, buffer.num_max_tokens_per_rank, block_m)
     kwargs = dict(activation_clamp=activation_clamp, group=buffer.group if buffer.num_ranks > 1 else None,
                   num_experts=E, max_tokens_per_rank=buffer.num_max_tokens_per_rank, block_m=block_m,
@@ -312,6 +313,8 @@ def bf16_mega_moe(
     with torch.no_grad():
         if which == "fused":
             out = _fused.forward(x, topk_idx, topk_weights, l1, l2, precision="bf16", buffer=buffer, **kwargs)
+        elif which == "grouped":
+            out = _grouped.forward(x, topk_idx, topk_weights, l1, l2, buffer=buffer, **kwargs)
         else:
             out = reference.forward(x, topk_idx, topk_weights, l1, l2, **kwargs)
         yy, h, counts, offsets, src, srank, r2p = out
@@ -377,7 +380,8 @@ def bf16_mega_moe_backward(
     if dw2 is not None:
         _check_out(dw2, "dw2", l2.shape, (torch.bfloat16, torch.float32), dev)
     _validate.check_expert_ids(topk_idx, E)
-    which = _backend.resolve_backend(backend, "bf16", "bwd", device_type=dev.type, hidden=H, intermediate=I)
+    which = _backend.resolve_backend(backend, "bf16", "bwd", device_type=dev.type, hidden=H, intermediate=I,
+                                     ep_size=buffer.num_ranks, activation_clamp=activation_clamp)
     group = buffer.group if buffer.num_ranks > 1 else None
     with torch.no_grad():
         if state is None:
@@ -404,6 +408,8 @@ def bf16_mega_moe_backward(
                       need_wgrad=need_wgrad, dw13_accum=tmp13, dw2_accum=tmp2)
         if which == "fused":
             gx, gt, g13, g2 = _fused.backward(*args, precision="bf16", buffer=buffer, **kwargs)
+        elif which == "grouped":
+            gx, gt, g13, g2 = _grouped.backward(*args, buffer=buffer, **kwargs)
         else:
             gx, gt, g13, g2 = reference.backward(*args, **kwargs)
         g13 = tmp13 if tmp13 is not None else g13

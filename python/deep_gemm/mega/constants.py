@@ -23,7 +23,7 @@ ALLOW_FALLBACK_ENV = "DEEP_GEMM_ALLOW_REFERENCE_FALLBACK"
 PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
 
 #: Backend names accepted by every entry point.
-BACKENDS = ("auto", "fused", "reference")
+BACKENDS = ("auto", "fused", "grouped", "reference")
 
 __all__ = [
     "HIDDEN_ALIGN",

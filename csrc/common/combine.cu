@@ -1,0 +1,39 @@
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "common/combine.cuh"
+#include "common/combine.hpp"
+
+namespace deep_gemm::common {
+
+cudaError_t launch_combine(const CombineArgs& a, cudaStream_t stream) {
+  if (a.num_tokens == 0) return cudaSuccess;
+  const int64_t chunks = (a.hidden / 8 + kCombineThreads - 1) / kCombineThreads;
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min<int64_t>(a.num_tokens, 65535)));
+  combine_bf16_kernel<<<grid, kCombineThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(a.slots), a.ld_slots, a.route_to_pool, a.weights, a.num_tokens,
+      static_cast<int>(a.top_k), a.hidden, static_cast<__nv_bfloat16*>(a.out), a.ld_out);
+  return cudaGetLastError();
+}
+
+void combine_host(const CombineArgs& a) {
+  const auto* slots = static_cast<const __nv_bfloat16*>(a.slots);
+  auto* out = static_cast<__nv_bfloat16*>(a.out);
+  std::vector<float> acc(a.hidden);
+  for (int64_t t = 0; t < a.num_tokens; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t k = 0; k < a.top_k; ++k) {
+      const int32_t row = a.route_to_pool[t * a.top_k + k];
+      if (row < 0) continue;
+      const float w = a.weights != nullptr ? a.weights[t * a.top_k + k] : 1.0f;
+      for (int64_t h = 0; h < a.hidden; ++h)
+        acc[h] = std::fmaf(w, __bfloat162float(slots[row * a.ld_slots + h]), acc[h]);
+    }
+    for (int64_t h = 0; h < a.hidden; ++h) out[t * a.ld_out + h] = __float2bfloat16_rn(acc[h]);
+  }
+}
+
+}  // namespace deep_gemm::common

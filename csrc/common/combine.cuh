@@ -1,0 +1,52 @@
+// Combine: y[t] = round_bf16( sum_{k in 0..K-1, in order} w[t,k] * slot[route_to_pool[t,k]] ).
+//
+// The deterministic reduction of the forward (F5: fp32 top-k weights, fp32 sum in increasing k) and,
+// with no weights, of the backward's per-route dx slots (B8). Masked routes (row -1) add nothing;
+// a token with every route masked gets zeros. Memory-bound: one block per kTokensPerBlock tokens,
+// each thread owns 8 consecutive columns (one 16-byte load per slot row).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace deep_gemm::common {
+
+constexpr int kCombineThreads = 256;
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v, float w) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(p[i]);
+    acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
+    acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
+  }
+}
+
+// Grid: x = ceil(H / 8 / kCombineThreads) column chunks, y = tokens (grid-stride).
+__global__ void __launch_bounds__(kCombineThreads)
+combine_bf16_kernel(const __nv_bfloat16* __restrict__ slots, int64_t ld_slots,
+                    const int32_t* __restrict__ route_to_pool, const float* __restrict__ weights,
+                    int64_t num_tokens, int top_k, int64_t hidden, __nv_bfloat16* __restrict__ out,
+                    int64_t ld_out) {
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * kCombineThreads + threadIdx.x) * 8;
+  if (col >= hidden) return;
+  for (int64_t t = blockIdx.y; t < num_tokens; t += gridDim.y) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int k = 0; k < top_k; ++k) {
+      const int32_t row = __ldg(route_to_pool + t * top_k + k);
+      if (row < 0) continue;
+      const float w = weights != nullptr ? __ldg(weights + t * top_k + k) : 1.0f;
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(slots + row * ld_slots + col));
+      add_bf16x8(acc, v, w);
+    }
+    uint4 packed;
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    *reinterpret_cast<uint4*>(out + t * ld_out + col) = packed;
+  }
+}
+
+}  // namespace deep_gemm::common

@@ -1,0 +1,24 @@
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace deep_gemm::common {
+
+struct CombineArgs {
+  const void* slots;  // bf16 [rows, >= hidden], row stride ld_slots (elements)
+  int64_t ld_slots;
+  const int32_t* route_to_pool;  // [num_tokens, top_k]
+  const float* weights;          // [num_tokens, top_k] fp32, or null for plain sums
+  int64_t num_tokens;
+  int64_t top_k;
+  int64_t hidden;
+  void* out;  // bf16 [num_tokens, >= hidden], row stride ld_out
+  int64_t ld_out;
+};
+
+cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
+void combine_host(const CombineArgs& args);  // same order and rounding, on the CPU
+
+}  // namespace deep_gemm::common

@@ -1,0 +1,40 @@
+"""The deterministic combine: out[t] = bf16(sum over k, in order, of w[t,k] * slots[route_to_pool[t,k]]).
+
+Top-k weights are fp32 and the sum is fp32 in increasing k (no atomics), so the result does not
+depend on scheduling. Without weights it is the plain sum the backward's dX needs. Masked routes
+(row -1) add nothing; a token whose routes are all masked gets zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _lib, _status
+
+__all__ = ["combine", "combine_reference"]
+
+
+def combine_reference(slots: torch.Tensor, route_to_pool: torch.Tensor,
+                      weights: torch.Tensor | None = None, acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    T, K = route_to_pool.shape
+    acc = torch.zeros(T, slots.shape[1], dtype=acc_dtype, device=slots.device)
+    for k in range(K):
+        rows = route_to_pool[:, k].long()
+        live = rows >= 0
+        w = weights[:, k].to(acc_dtype) if weights is not None else torch.ones(T, dtype=acc_dtype, device=slots.device)
+        acc[live] += w[live, None] * slots[rows[live]].to(acc_dtype)
+    return acc if acc_dtype == torch.float64 else acc.to(slots.dtype)
+
+
+def combine(slots: torch.Tensor, route_to_pool: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    if slots.is_cuda:
+        _status.require(f"combine.bf16.{_status.family_of_device(slots.device.index) or 'sm90'}")
+    elif not _lib.load().shim_loaded:
+        raise RuntimeError(f"deep_gemm: combine is not available: {_lib.load().reason}")
+    return torch.ops.deep_gemm.combine(slots, route_to_pool, weights)
+
+
+def _register() -> None:
+    @torch.library.register_fake("deep_gemm::combine")
+    def _(slots, route_to_pool, weights=None):
+        return slots.new_empty(route_to_pool.shape[0], slots.shape[1])

@@ -1,0 +1,21 @@
+"""Drop-in integrations of :mod:`deep_gemm.mega` into existing model code.
+
+* :mod:`deep_gemm.integrations.transformers`: an experts implementation named ``"prime_mega_moe"``
+  registered in transformers' (5.x) experts interface, and ``apply(model)`` which switches every
+  experts module of a model to it and returns the names of the modules it switched.
+* :mod:`deep_gemm.integrations.torchtitan`: ``apply(model)`` which replaces the routed experts of
+  every TorchTitan ``MoE`` layer by :class:`~deep_gemm.integrations.torchtitan.MegaMoERoutedExperts`
+  (w1/w3 fused once into w13; checkpoints keep TorchTitan's ``w1_EFD``/``w2_EDF``/``w3_EFD`` keys).
+
+The submodules import their framework lazily (importing this package needs neither).
+
+Backend choice: every entry point takes ``backend=`` ("auto" by default, "fused" or
+"reference") and passes it to :func:`deep_gemm.mega.mega_moe` unchanged, so the fused kernels are
+used as soon as ``deep_gemm.status()`` reports them available, and "auto" falls back to the
+reference only where ``DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1`` allows it (see
+:mod:`deep_gemm.mega._backend`).
+"""
+
+from ._common import UnsupportedLayerError
+
+__all__ = ["UnsupportedLayerError"]

@@ -1,0 +1,121 @@
+"""The "grouped" backend: the layer as a short pipeline of our own CUDA kernels.
+
+Routing plan -> L1 as an m-grouped GEMM that gathers the token rows itself -> SwiGLU -> L2 as an
+m-grouped GEMM -> the deterministic combine; the backward runs the dgrad passes as m-grouped GEMMs
+that read the weights MN-major (no transposed copies), the weight gradients as k-grouped GEMMs,
+and dX through the same combine. It is the stepping stone to the persistent fused kernel (issue 5):
+the GEMMs are the measured core, and what is still plain torch here (SwiGLU and its backward, the
+gathers of dy and x rows for the backward) is what the fused epilogues absorb.
+
+Rounding points: those of :mod:`deep_gemm.mega.reference`, except where a pipeline stage has to
+store a tensor between kernels:
+  * F1/F3: SwiGLU reads h rounded to bf16 (the fused L1 epilogue will read the fp32 accumulators);
+  * F6 with a clamp: the saved h is plainly rounded (the mask-preserving rule is the fused epilogue's);
+  * B2: da is rounded to bf16 before B3/B4.
+Each adds one bf16 rounding (relative 2^-9) at that point; the tests hold the pipeline to the same
+float64 tolerance as the reference. Single rank only (no expert-parallel group).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..combine import combine
+from ..grouped_gemm import k_grouped_bf16_gemm_tn, m_grouped_bf16_gemm_nn, m_grouped_bf16_gemm_nt
+from ..routing import routing_plan
+
+STATUS_KEY = "mega_moe_grouped.bf16.sm90"
+
+
+def _pad(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    if t.shape[0] == length:
+        return t
+    out = t.new_full((length,), value)
+    out[: t.shape[0]] = t
+    return out
+
+
+def _token_rows(pool_src_route: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Token row of every pool row, -1 (reads as a zero row) for padding."""
+    return torch.where(pool_src_route >= 0, torch.div(pool_src_route, top_k, rounding_mode="floor"),
+                       torch.full_like(pool_src_route, -1))
+
+
+def _swiglu_parts(h: torch.Tensor, clamp: float | None):
+    I = h.shape[-1] // 2
+    g, u = h[:, :I].float(), h[:, I:].float()
+    gc = g if clamp is None else torch.clamp(g, max=clamp)
+    uc = u if clamp is None else torch.clamp(u, min=-clamp, max=clamp)
+    return g, u, gc, uc
+
+
+def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=None, num_experts=None,
+            max_tokens_per_rank=None, block_m, capacity, save_h=True, buffer=None):
+    """Same contract as :func:`deep_gemm.mega.reference.forward`."""
+    if group is not None:
+        raise RuntimeError("deep_gemm.mega: the grouped backend runs on a single rank (group=None)")
+    T = x.shape[0]
+    K = topk_idx.shape[1]
+    # The grouped GEMMs need no padding, so the plan is built with block_m = 1 (rows = routes) and
+    # laid into the caller's capacity; the backward reads it back the same way.
+    plan = routing_plan(topk_idx, num_experts, 1, validate=False)
+    src = _pad(plan.pool_src_route, capacity, -1)
+    srank = _pad(plan.pool_src_rank, capacity, -1)
+    tok = _token_rows(src, K)
+    offsets = plan.expert_offsets
+    h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity)  # F1
+    _, _, gc, uc = _swiglu_parts(h, activation_clamp)  # F2 (on bf16 h: see the module docstring)
+    s = (F.silu(gc) * uc).to(torch.bfloat16)  # F3
+    o = m_grouped_bf16_gemm_nt(s, w2, offsets)  # F4
+    y = combine(o, plan.route_to_pool, topk_weights.float())  # F5
+    h_saved = h if save_h else x.new_empty((0, w13.shape[1]))
+    return (y, h_saved, plan.expert_counts, offsets, src, srank, plan.route_to_pool.view(T, K))
+
+
+def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, pool_src_route, pool_src_rank,
+             route_to_pool, *, activation_clamp=None, group=None, num_experts=None, recompute=False,
+             need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None):
+    """Same contract as :func:`deep_gemm.mega.reference.backward`."""
+    if group is not None:
+        raise RuntimeError("deep_gemm.mega: the grouped backend runs on a single rank (group=None)")
+    K = topk_idx.shape[1]
+    capacity = pool_src_route.shape[0]
+    tok = _token_rows(pool_src_route, K)
+    gather = tok.clamp(min=0).long()
+    live = (pool_src_route >= 0).unsqueeze(1)
+    h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity) if recompute else h_saved
+    dy_pool = dy.to(torch.bfloat16).index_select(0, gather)  # B1 (padding rows: never read by a GEMM)
+    w_pool = torch.where(pool_src_route >= 0, topk_weights.float().reshape(-1)[pool_src_route.clamp(min=0).long()],
+                         torch.zeros((), device=dy.device))
+    da = m_grouped_bf16_gemm_nn(dy_pool, w2, offsets).float()  # B2
+    g, u, gc, uc = _swiglu_parts(h, activation_clamp)
+    sig = torch.sigmoid(gc)
+    silu = gc * sig
+    s = torch.where(live, silu * uc, torch.zeros((), device=dy.device))
+    dt_pool = (torch.where(live, da, torch.zeros((), device=dy.device)) * s).sum(-1)  # B3
+    ds = w_pool.unsqueeze(1) * da  # B4
+    dg = ds * uc * sig * (1 + gc * (1 - sig))
+    du = ds * silu
+    if activation_clamp is not None:  # B5
+        dg = dg * (g < activation_clamp)
+        du = du * ((u > -activation_clamp) & (u < activation_clamp))
+    dh = torch.cat([dg, du], 1).to(torch.bfloat16)  # B6
+    dx_pool = m_grouped_bf16_gemm_nn(dh, w13, offsets)  # B7
+    dx = combine(dx_pool, route_to_pool, None)  # B8
+    rows = route_to_pool.reshape(-1).long()
+    dtopk = torch.where(rows >= 0, dt_pool[rows.clamp(min=0)], torch.zeros((), device=dy.device))
+    dtopk = dtopk.view_as(topk_weights).to(topk_weights.dtype)
+    out13 = out2 = None
+    if need_wgrad or dw13_accum is not None or dw2_accum is not None:
+        a = (w_pool.unsqueeze(1) * s).to(torch.bfloat16)  # B9
+        x_pool = x.index_select(0, gather)
+        if dw2_accum is not None:
+            k_grouped_bf16_gemm_tn(dy_pool, a, offsets, accumulate_into=dw2_accum)  # B10
+        elif need_wgrad:
+            out2 = k_grouped_bf16_gemm_tn(dy_pool, a, offsets).to(w2.dtype)
+        if dw13_accum is not None:
+            k_grouped_bf16_gemm_tn(dh, x_pool, offsets, accumulate_into=dw13_accum)
+        elif need_wgrad:
+            out13 = k_grouped_bf16_gemm_tn(dh, x_pool, offsets).to(w13.dtype)
+    return dx, dtopk, out13, out2

@@ -1,0 +1,110 @@
+"""The "grouped" backend (our grouped GEMMs + combine, deep_gemm.mega._grouped) against float64."""
+
+import pytest
+import torch
+
+import deep_gemm
+from conftest import requires_sm90
+from mega_helpers import loop_reference, make_problem, rel_err, run_layer
+
+NAMES = ("y", "dx", "dtopk", "dw13", "dw2")
+
+
+def float64_reference(prob, clamp=None):
+    """The reference backend in exact (float64) mode on the GPU: the unrounded formula, fast enough
+    for thousands of tokens (it equals the per-token loop to ~1e-12, see test_mega_reference)."""
+    x, idx, w, w13, w2, dy = [t.cuda() for t in prob]
+    as64 = [t.double() if t.is_floating_point() else t for t in (x, idx, w, w13, w2, dy)]
+    return run_layer(*as64, backend="reference", activation_clamp=clamp)
+
+
+CASES = [  # T, E, H, I, K, routing, masked_frac, clamp, experts_used
+    (1, 8, 256, 128, 2, "uniform", 0.0, None, None),
+    (7, 64, 256, 256, 8, "skewed", 0.0, None, None),
+    (128, 8, 512, 384, 4, "uniform", 0.2, None, None),
+    (1000, 128, 256, 256, 8, "skewed", 0.05, None, None),
+    (1000, 256, 384, 128, 8, "uniform", 0.0, None, 64),  # 192 experts get nothing
+    (4096, 128, 512, 256, 8, "uniform", 0.0, None, None),
+    (300, 16, 256, 128, 4, "all_masked", 0.0, None, None),
+]
+
+
+@requires_sm90
+@pytest.mark.parametrize("T,E,H,I,K,routing,masked,clamp,used", CASES)
+def test_grouped_matches_float64(T, E, H, I, K, routing, masked, clamp, used):
+    prob = make_problem(T, H, I, E, K, routing=routing, seed=T + E + H, masked_frac=masked, experts_used=used)
+    got = run_layer(*[t.cuda() for t in prob], backend="grouped", activation_clamp=clamp)
+    if routing == "all_masked":
+        for name, g in zip(NAMES, got):
+            assert torch.count_nonzero(g) == 0, name
+        return
+    ref = loop_reference(*prob, clamp=clamp) if T <= 128 else float64_reference(prob, clamp)
+    for name, a, b in zip(NAMES, got, ref):
+        assert torch.isfinite(a).all(), name
+        err = rel_err(a.cpu(), b.cpu())
+        assert err < 1e-2, f"{name}: rel err {err:.3e}"
+
+
+@requires_sm90
+def test_grouped_is_bitwise_deterministic_and_auto_picks_it(monkeypatch):
+    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    assert deep_gemm.status()["mega_moe_grouped.bf16.sm90"] == "available"
+    prob = [t.cuda() for t in make_problem(2048, 256, 256, 64, 8, routing="skewed", seed=5, masked_frac=0.1)]
+    runs = [run_layer(*prob, backend="grouped") for _ in range(3)]
+    for r in runs[1:]:
+        for name, a, b in zip(NAMES, runs[0], r):
+            assert torch.equal(a, b), name
+    auto = run_layer(*prob, backend="auto")  # no fallback variable: auto must pick the grouped kernels
+    for name, a, b in zip(NAMES, runs[0], auto):
+        assert torch.equal(a, b), name
+
+
+@requires_sm90
+def test_low_level_calls_run_grouped():
+    from deep_gemm.mega import bf16_mega_moe, bf16_mega_moe_backward, get_symm_buffer_for_mega_moe
+
+    T, E, H, I, K = 512, 32, 256, 128, 4
+    x, idx, w, w13, w2, dy = [t.cuda() for t in make_problem(T, H, I, E, K, seed=9, masked_frac=0.1)]
+    buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, I)
+    buf.stage(x, idx, w)
+    y = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    state = bf16_mega_moe(y, w13, w2, buf, backend="grouped")
+    dx = torch.full_like(x, float("nan"))
+    dtopk = torch.full_like(w, float("nan"))
+    dw1 = torch.full_like(w13, float("nan"))
+    dw2 = torch.full_like(w2, float("nan"))
+    bf16_mega_moe_backward(dx, dw1, dw2, dtopk, dy, w13, w2, buf, state=state, backend="grouped")
+    ref = loop_reference(x.cpu(), idx.cpu(), w.cpu(), w13.cpu(), w2.cpu(), dy.cpu())
+    for name, a, b in zip(NAMES, (y, dx, dtopk, dw1, dw2), ref):
+        assert rel_err(a.cpu(), b) < 1e-2, name
+
+
+def test_grouped_refuses_the_clamp_with_its_reason():
+    from deep_gemm.mega._backend import FusedKernelUnavailable, resolve_backend
+
+    with pytest.raises(FusedKernelUnavailable, match="activation_clamp"):
+        resolve_backend("grouped", "bf16", "fwd", device_type="cuda", hidden=256, intermediate=256,
+                        activation_clamp=0.5)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_pipeline_logic_on_cpu(recompute):
+    """The pipeline's own logic (plan layout, gathers, SwiGLU and its backward, combine) through the
+    ops' CPU kernels, so CI checks it without a GPU; the GPU tests above check the CUDA kernels."""
+    from deep_gemm.mega import _grouped
+    from deep_gemm.mega._plan import pool_capacity
+
+    T, E, H, I, K = 61, 8, 64, 32, 3
+    clamp = None
+    x, idx, w, w13, w2, dy = make_problem(T, H, I, E, K, routing="skewed", seed=3 + recompute, masked_frac=0.15)
+    cap = pool_capacity(T * K, E, 128)
+    y, h, counts, offsets, src, srank, r2p = _grouped.forward(
+        x, idx, w, w13, w2, activation_clamp=clamp, num_experts=E, block_m=128, capacity=cap, save_h=not recompute)
+    assert src.shape == (cap,) and h.shape[0] == (0 if recompute else cap)
+    dx, dtopk, dw13, dw2 = _grouped.backward(
+        dy, x, idx, w, w13, w2, h, counts, offsets, src, srank, r2p, activation_clamp=clamp, num_experts=E,
+        recompute=recompute)
+    ref = loop_reference(x, idx, w, w13, w2, dy, clamp=clamp)
+    for name, a, b in zip(NAMES, (y, dx, dtopk, dw13, dw2), ref):
+        err = rel_err(a, b)
+        assert err < 1e-2, f"{name}: rel err {err:.3e}"
