@@ -108,3 +108,41 @@ def test_pipeline_logic_on_cpu(recompute):
     for name, a, b in zip(NAMES, (y, dx, dtopk, dw13, dw2), ref):
         err = rel_err(a, b)
         assert err < 1e-2, f"{name}: rel err {err:.3e}"
+
+
+def _swiglu_inputs(rows, I, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, 2 * I, generator=g).bfloat16().to(device)
+    da = torch.randn(rows, I, generator=g).bfloat16().to(device)
+    T, K = rows, 2
+    src = torch.randint(-1, T * K, (rows,), generator=g, dtype=torch.int32).to(device)
+    w = torch.rand(T, K, generator=g).to(device)
+    n = torch.tensor([rows - 3], dtype=torch.int32, device=device)
+    return h, da, src, w, n
+
+
+def test_swiglu_ops_pass_opcheck():
+    h, da, src, w, n = _swiglu_inputs(19, 16, "cpu", 0)
+    torch.library.opcheck(torch.ops.deep_gemm.swiglu_fwd.default, (h, n, 0.7))
+    torch.library.opcheck(torch.ops.deep_gemm.swiglu_bwd.default, (h, da, src, w, n, -1.0))
+
+
+@requires_sm90
+@pytest.mark.parametrize("clamp", [None, 0.7])
+def test_swiglu_kernels_match_reference(clamp):
+    from deep_gemm.swiglu import swiglu_bwd, swiglu_bwd_reference, swiglu_fwd, swiglu_fwd_reference
+
+    h, da, src, w, n = _swiglu_inputs(1003, 384, "cuda", 1)
+    c = -1.0 if clamp is None else clamp
+    rows = int(n)
+    s = swiglu_fwd(h, n, clamp)
+    s_ref = swiglu_fwd_reference(h.cpu(), n.cpu(), c)
+    assert rel_err(s[:rows].cpu(), s_ref[:rows]) < 1e-2
+    outs = swiglu_bwd(h, da, src, w, n, clamp)
+    refs = swiglu_bwd_reference(h.cpu(), da.cpu(), src.cpu(), w.cpu(), n.cpu(), c)
+    for name, a, b in zip(("dh", "a", "dt"), outs, refs):
+        assert torch.isfinite(a[:rows]).all(), name
+        assert rel_err(a[:rows].cpu(), b[:rows]) < 1e-2, name
+    again = swiglu_bwd(h, da, src, w, n, clamp)
+    for a, b in zip(outs, again):
+        assert torch.equal(a[:rows], b[:rows])

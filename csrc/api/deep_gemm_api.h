@@ -117,6 +117,20 @@ PK_API int pk_combine_bf16_cpu(const void* slots, int64_t ld_slots, const int32_
                                const float* weights, int64_t num_tokens, int64_t top_k, int64_t hidden,
                                void* out, int64_t ld_out);
 
+// ---------------------------------------------------------------------------------------------
+// SwiGLU over pool rows (the grouped pipeline's epilogues). Rows below *num_rows (device int32)
+// only; I, the row strides multiples of 8; pointers 16-byte aligned. clamp < 0 means no clamp.
+//   fwd: s = bf16(silu(min(g, c)) * clamp(u, -c, c))            h [rows, 2I] = gate | up
+//   bwd: with w = topk_weights[pool_src_route[r]] (0 if < 0): dt[r] = sum da*s; dh = bf16(SwiGLU
+//        backward of w*da); a = bf16(w*s)                        (deep_gemm.mega.reference B3-B6, B9)
+// ---------------------------------------------------------------------------------------------
+PK_API int pk_swiglu_fwd_bf16_cuda(const void* h, int64_t ld_h, void* s, int64_t ld_s, int64_t inter,
+                                   const int32_t* num_rows, int64_t max_rows, float clamp, void* cuda_stream);
+PK_API int pk_swiglu_bwd_bf16_cuda(const void* h, int64_t ld_h, const void* da, int64_t ld_da,
+                                   const int32_t* pool_src_route, const float* topk_weights, int64_t inter,
+                                   const int32_t* num_rows, int64_t max_rows, float clamp, void* dh,
+                                   int64_t ld_dh, void* a, int64_t ld_a, float* dt, void* cuda_stream);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif

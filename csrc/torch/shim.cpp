@@ -279,6 +279,59 @@ Tensor combine_cuda(Tensor slots, Tensor route_to_pool, std::optional<Tensor> we
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Pool-row SwiGLU (CUDA; the CPU kernels are the Python reference in deep_gemm/mega/_grouped.py).
+// ---------------------------------------------------------------------------------------------
+void check_rows_scalar(const Tensor& num_rows, const Tensor& like, const char* op) {
+  STD_TORCH_CHECK(num_rows.scalar_type() == ScalarType::Int && num_rows.numel() == 1 && num_rows.is_cuda() &&
+                      num_rows.get_device_index() == like.get_device_index(),
+                  "deep_gemm.", op, ": num_rows must be a one-element int32 tensor on the operands' device");
+}
+
+Tensor swiglu_fwd(Tensor h, Tensor num_rows, double clamp) {
+  const char* op = "swiglu_fwd";
+  check_bf16_cuda(h, op, "h", 2);
+  check_rows_scalar(num_rows, h, op);
+  STD_TORCH_CHECK(h.size(1) % 2 == 0, "deep_gemm.", op, ": h must be [rows, 2I]");
+  const int64_t inter = h.size(1) / 2;
+  torch::stable::accelerator::DeviceGuard guard(h.get_device_index());
+  Tensor s = new_tensor(h, {h.size(0), inter}, ScalarType::BFloat16);
+  check_core(pk_swiglu_fwd_bf16_cuda(h.data_ptr(), h.stride(0), s.data_ptr(), s.stride(0), inter,
+                                     static_cast<const int32_t*>(num_rows.data_ptr()), h.size(0),
+                                     static_cast<float>(clamp), current_cuda_stream(h.get_device_index())),
+             op);
+  return s;
+}
+
+std::tuple<Tensor, Tensor, Tensor> swiglu_bwd(Tensor h, Tensor da, Tensor pool_src_route, Tensor topk_weights,
+                                              Tensor num_rows, double clamp) {
+  const char* op = "swiglu_bwd";
+  check_bf16_cuda(h, op, "h", 2);
+  check_bf16_cuda(da, op, "da", 2);
+  check_rows_scalar(num_rows, h, op);
+  const int64_t inter = h.size(1) / 2;
+  STD_TORCH_CHECK(h.size(1) == 2 * inter && da.size(1) == inter && da.size(0) == h.size(0), "deep_gemm.", op,
+                  ": h must be [rows, 2I] and da [rows, I]");
+  STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.is_contiguous() &&
+                      pool_src_route.numel() >= h.size(0) && pool_src_route.is_cuda(),
+                  "deep_gemm.", op, ": pool_src_route must be a contiguous CUDA int32 tensor with >= rows entries");
+  STD_TORCH_CHECK(topk_weights.scalar_type() == ScalarType::Float && topk_weights.is_contiguous() &&
+                      topk_weights.is_cuda(),
+                  "deep_gemm.", op, ": topk_weights must be a contiguous CUDA fp32 tensor");
+  torch::stable::accelerator::DeviceGuard guard(h.get_device_index());
+  Tensor dh = new_tensor(h, {h.size(0), 2 * inter}, ScalarType::BFloat16);
+  Tensor a = new_tensor(h, {h.size(0), inter}, ScalarType::BFloat16);
+  Tensor dt = new_tensor(h, {h.size(0)}, ScalarType::Float);
+  check_core(pk_swiglu_bwd_bf16_cuda(h.data_ptr(), h.stride(0), da.data_ptr(), da.stride(0),
+                                     static_cast<const int32_t*>(pool_src_route.data_ptr()),
+                                     static_cast<const float*>(topk_weights.data_ptr()), inter,
+                                     static_cast<const int32_t*>(num_rows.data_ptr()), h.size(0),
+                                     static_cast<float>(clamp), dh.data_ptr(), dh.stride(0), a.data_ptr(), a.stride(0),
+                                     static_cast<float*>(dt.data_ptr()), current_cuda_stream(h.get_device_index())),
+             op);
+  return {dh, a, dt};
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY(deep_gemm, m) {
@@ -289,6 +342,9 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
   m.def("m_grouped_bf16_gemm_nt(Tensor a, Tensor b, Tensor group_offsets) -> Tensor");
   m.def("m_grouped_bf16_gemm_nn(Tensor a, Tensor b, Tensor group_offsets) -> Tensor");
   m.def("m_grouped_bf16_gemm_nt_gather(Tensor a, Tensor b, Tensor group_offsets, Tensor a_row_index, int m_total) -> Tensor");
+  m.def("swiglu_fwd(Tensor h, Tensor num_rows, float clamp=-1.0) -> Tensor");
+  m.def("swiglu_bwd(Tensor h, Tensor da, Tensor pool_src_route, Tensor topk_weights, Tensor num_rows, "
+        "float clamp=-1.0) -> (Tensor dh, Tensor a, Tensor dt)");
   m.def("combine(Tensor slots, Tensor route_to_pool, Tensor? weights=None) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32=True) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor(c!) c) -> ()");
@@ -305,6 +361,8 @@ STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CUDA, m) {
   m.impl("m_grouped_bf16_gemm_nn", TORCH_BOX(&m_grouped_bf16_gemm_nn));
   m.impl("m_grouped_bf16_gemm_nt_gather", TORCH_BOX(&m_grouped_bf16_gemm_nt_gather));
   m.impl("combine", TORCH_BOX(&combine_cuda));
+  m.impl("swiglu_fwd", TORCH_BOX(&swiglu_fwd));
+  m.impl("swiglu_bwd", TORCH_BOX(&swiglu_bwd));
   m.impl("k_grouped_bf16_gemm_tn", TORCH_BOX(&k_grouped_bf16_gemm_tn));
   m.impl("k_grouped_bf16_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_bf16_gemm_tn_accumulate_));
 }

@@ -58,6 +58,9 @@ if _lib.load().shim_loaded:
     from . import combine as _combine  # noqa: E402
 
     _combine._register()
+    from . import swiglu as _swiglu  # noqa: E402
+
+    _swiglu._register()
 from .grouped_gemm import (  # noqa: E402
     k_grouped_bf16_gemm_tn,
     m_grouped_bf16_gemm_nn,

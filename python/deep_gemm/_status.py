@@ -27,6 +27,7 @@ def _entries() -> list[KernelEntry]:
     for fam in ("sm90", "sm100"):
         e.append(KernelEntry(f"routing_plan.int32.{fam}", "routing_plan", fam))
         e.append(KernelEntry(f"combine.bf16.{fam}", "combine", fam))
+        e.append(KernelEntry(f"swiglu.bf16.{fam}", "swiglu", fam))
     for name in ("m_grouped_gemm_nt", "m_grouped_gemm_nn", "m_grouped_gemm_nt_gather", "k_grouped_gemm_tn"):
         compiled = name.replace("_gemm_", "_bf16_gemm_")
         e.append(KernelEntry(f"{name}.bf16.sm90", compiled, "sm90"))

@@ -19,11 +19,11 @@ float64 tolerance as the reference. Single rank only (no expert-parallel group).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..combine import combine
 from ..grouped_gemm import k_grouped_bf16_gemm_tn, m_grouped_bf16_gemm_nn, m_grouped_bf16_gemm_nt
 from ..routing import routing_plan
+from ..swiglu import swiglu_bwd, swiglu_fwd
 
 STATUS_KEY = "mega_moe_grouped.bf16.sm90"
 
@@ -42,14 +42,6 @@ def _token_rows(pool_src_route: torch.Tensor, top_k: int) -> torch.Tensor:
                        torch.full_like(pool_src_route, -1))
 
 
-def _swiglu_parts(h: torch.Tensor, clamp: float | None):
-    I = h.shape[-1] // 2
-    g, u = h[:, :I].float(), h[:, I:].float()
-    gc = g if clamp is None else torch.clamp(g, max=clamp)
-    uc = u if clamp is None else torch.clamp(u, min=-clamp, max=clamp)
-    return g, u, gc, uc
-
-
 def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=None, num_experts=None,
             max_tokens_per_rank=None, block_m, capacity, save_h=True, buffer=None):
     """Same contract as :func:`deep_gemm.mega.reference.forward`."""
@@ -64,9 +56,9 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
     srank = _pad(plan.pool_src_rank, capacity, -1)
     tok = _token_rows(src, K)
     offsets = plan.expert_offsets
+    num_rows = offsets[-1:]
     h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity)  # F1
-    _, _, gc, uc = _swiglu_parts(h, activation_clamp)  # F2 (on bf16 h: see the module docstring)
-    s = (F.silu(gc) * uc).to(torch.bfloat16)  # F3
+    s = swiglu_fwd(h, num_rows, activation_clamp)  # F2, F3 (on bf16 h: see the module docstring)
     o = m_grouped_bf16_gemm_nt(s, w2, offsets)  # F4
     y = combine(o, plan.route_to_pool, topk_weights.float())  # F5
     h_saved = h if save_h else x.new_empty((0, w13.shape[1]))
@@ -83,24 +75,12 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     capacity = pool_src_route.shape[0]
     tok = _token_rows(pool_src_route, K)
     gather = tok.clamp(min=0).long()
-    live = (pool_src_route >= 0).unsqueeze(1)
     h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity) if recompute else h_saved
     dy_pool = dy.to(torch.bfloat16).index_select(0, gather)  # B1 (padding rows: never read by a GEMM)
-    w_pool = torch.where(pool_src_route >= 0, topk_weights.float().reshape(-1)[pool_src_route.clamp(min=0).long()],
-                         torch.zeros((), device=dy.device))
-    da = m_grouped_bf16_gemm_nn(dy_pool, w2, offsets).float()  # B2
-    g, u, gc, uc = _swiglu_parts(h, activation_clamp)
-    sig = torch.sigmoid(gc)
-    silu = gc * sig
-    s = torch.where(live, silu * uc, torch.zeros((), device=dy.device))
-    dt_pool = (torch.where(live, da, torch.zeros((), device=dy.device)) * s).sum(-1)  # B3
-    ds = w_pool.unsqueeze(1) * da  # B4
-    dg = ds * uc * sig * (1 + gc * (1 - sig))
-    du = ds * silu
-    if activation_clamp is not None:  # B5
-        dg = dg * (g < activation_clamp)
-        du = du * ((u > -activation_clamp) & (u < activation_clamp))
-    dh = torch.cat([dg, du], 1).to(torch.bfloat16)  # B6
+    num_rows = offsets[-1:]
+    da = m_grouped_bf16_gemm_nn(dy_pool, w2, offsets)  # B2 (rounded to bf16: see the module docstring)
+    dh, a, dt_pool = swiglu_bwd(h, da, pool_src_route, topk_weights.float().contiguous(), num_rows,
+                                activation_clamp)  # B3-B6, B9
     dx_pool = m_grouped_bf16_gemm_nn(dh, w13, offsets)  # B7
     dx = combine(dx_pool, route_to_pool, None)  # B8
     rows = route_to_pool.reshape(-1).long()
@@ -108,7 +88,6 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     dtopk = dtopk.view_as(topk_weights).to(topk_weights.dtype)
     out13 = out2 = None
     if need_wgrad or dw13_accum is not None or dw2_accum is not None:
-        a = (w_pool.unsqueeze(1) * s).to(torch.bfloat16)  # B9
         x_pool = x.index_select(0, gather)
         if dw2_accum is not None:
             k_grouped_bf16_gemm_tn(dy_pool, a, offsets, accumulate_into=dw2_accum)  # B10
