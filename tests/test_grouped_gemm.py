@@ -153,3 +153,47 @@ def test_bad_gemm_inputs_raise_before_launch():
         deep_gemm.m_grouped_bf16_gemm_nt(a, b, offs.long())
     with pytest.raises(RuntimeError):
         deep_gemm.m_grouped_bf16_gemm_nt(a[:, :100], b[:, :, :100], offs)  # K % 8 != 0
+
+
+def _swiglu_ref64(rows, w13, offs, clamp):
+    h = m_grouped_gemm_reference(rows, w13, offs, True, torch.float64)
+    I = w13.shape[1] // 2
+    g, u = h[:, :I], h[:, I:]
+    if clamp is not None:
+        g, u = torch.clamp(g, max=clamp), torch.clamp(u, min=-clamp, max=clamp)
+    return torch.nn.functional.silu(g) * u, h
+
+
+def test_swiglu_gemm_cpu_opcheck():
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(12, 64, generator=gen).bfloat16()
+    w13 = torch.randn(3, 128, 64, generator=gen).bfloat16()
+    offs = offsets_of([4, 0, 6], "cpu")
+    idx = torch.tensor([3, -1, 0, 11, 5, 7, 2, 2, 9, 40, 1, 6], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu.default, (a, w13, offs, idx, 10, True, 0.5))
+    torch.library.opcheck(torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu.default, (a, w13, offs, None, 10, False, 0.0))
+
+
+@requires_sm90
+@pytest.mark.parametrize("E,kind,I,K,gathered,clamp", [(8, "special", 192, 256, True, None),
+                                                       (128, "skewed", 768, 512, True, 0.75),
+                                                       (1, "skewed", 64, 320, False, None)])
+def test_swiglu_gemm_matches_float64(E, kind, I, K, gathered, clamp):
+    gen = torch.Generator().manual_seed(E + I + K)
+    sizes = group_sizes(E, kind, gen)
+    M = sum(sizes)
+    offs = offsets_of(sizes, "cuda")
+    src_rows = 700
+    if gathered:
+        x = torch.randn(src_rows, K, generator=gen).bfloat16().cuda()
+        idx = torch.randint(-1, src_rows, (M,), generator=gen, dtype=torch.int32).cuda()
+        rows = torch.where((idx >= 0)[:, None].cpu(), x.cpu()[idx.clamp(min=0).long().cpu()], torch.zeros(()).bfloat16())
+    else:
+        x = torch.randn(M, K, generator=gen).bfloat16().cuda()
+        idx, rows = None, x.cpu()
+    w13 = (torch.randn(E, 2 * I, K, generator=gen) / K ** 0.5).bfloat16().cuda()
+    s, h = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu(x, w13, offs, a_row_index=idx, m_total=M, save_h=True,
+                                                             clamp=clamp)
+    s_ref, h_ref = _swiglu_ref64(rows, w13.cpu(), offs.cpu(), clamp)
+    assert torch.isfinite(s).all() and torch.isfinite(h).all()
+    assert rel_err(s.cpu(), s_ref) < 1e-2 and rel_err(h.cpu(), h_ref) < 1e-2

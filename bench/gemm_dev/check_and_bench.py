@@ -36,8 +36,13 @@ class Lib:
         self.lib.pkdev_m_grouped_gather.argtypes = [
             c.c_void_p, c.c_longlong, c.c_longlong, c.c_void_p, c.c_void_p, c.c_int, c.c_longlong, c.c_longlong,
             c.c_void_p, c.c_longlong, c.c_void_p, c.c_int, c.c_longlong, c.c_longlong, c.c_longlong, c.c_int,
-            c.c_int, c.c_int, c.c_void_p, c.c_char_p, c.c_size_t]
+            c.c_int, c.c_int, c.c_int, c.c_void_p, c.c_char_p, c.c_size_t]
         self.lib.pkdev_m_grouped_gather.restype = c.c_int
+        self.lib.pkdev_m_grouped_swiglu.argtypes = [
+            c.c_void_p, c.c_longlong, c.c_longlong, c.c_void_p, c.c_void_p, c.c_longlong, c.c_longlong, c.c_longlong,
+            c.c_void_p, c.c_longlong, c.c_void_p, c.c_longlong, c.c_void_p, c.c_int, c.c_longlong, c.c_longlong,
+            c.c_float, c.c_int, c.c_int, c.c_int, c.c_void_p, c.c_char_p, c.c_size_t]
+        self.lib.pkdev_m_grouped_swiglu.restype = c.c_int
         self.err = ctypes.create_string_buffer(512)
 
     def _check(self, rc):
@@ -55,8 +60,9 @@ class Lib:
             a.data_ptr(), a.stride(0), b.data_ptr(), int(b_k_major), b.stride(1), b.stride(0), d.data_ptr(),
             d.stride(0), offs.data_ptr(), E, M, N, K, bn, st, ae, cl, stream, self.err, len(self.err)))
 
-    def m_grouped_gather(self, a, idx, b, d, offs, b_k_major, cfg=None):
-        """a [R, K] source rows; idx int32 [M] (pool row -> row of a); d [M, N]."""
+    def m_grouped_gather(self, a, idx, b, d, offs, b_k_major, cfg=None, gather_mode=0):
+        """a [R, K] source rows; idx int32 [M] (pool row -> row of a); d [M, N]. gather_mode 0 default,
+        1 cp.async, 2 per-row TMA."""
         R, K = a.shape
         M, N = d.shape
         E = b.shape[0]
@@ -64,7 +70,21 @@ class Lib:
         stream = torch.cuda.current_stream().cuda_stream
         self._check(self.lib.pkdev_m_grouped_gather(
             a.data_ptr(), a.stride(0), R, idx.data_ptr(), b.data_ptr(), int(b_k_major), b.stride(1), b.stride(0),
-            d.data_ptr(), d.stride(0), offs.data_ptr(), E, M, N, K, bn, st, ae, stream, self.err, len(self.err)))
+            d.data_ptr(), d.stride(0), offs.data_ptr(), E, M, N, K, bn, st, ae, gather_mode, stream, self.err,
+            len(self.err)))
+
+    def m_grouped_swiglu(self, a, idx, w13, s, h, offs, clamp=0.0, cfg=None, gather_mode=0):
+        """a [R, K] (idx int32 [M] or None: plain, R = M); w13 [E, 2I, K]; s [M, I]; h [M, 2I] or None."""
+        R, K = a.shape
+        M, I = s.shape
+        E = w13.shape[0]
+        bn, st = cfg[:2] if cfg else (0, 0)
+        stream = torch.cuda.current_stream().cuda_stream
+        self._check(self.lib.pkdev_m_grouped_swiglu(
+            a.data_ptr(), a.stride(0), R, idx.data_ptr() if idx is not None else None, w13.data_ptr(), w13.stride(1),
+            w13.stride(0), I, s.data_ptr(), s.stride(0), h.data_ptr() if h is not None else None,
+            h.stride(0) if h is not None else 0, offs.data_ptr(), E, M, K, clamp, bn, st, gather_mode, stream,
+            self.err, len(self.err)))
 
     def k_grouped(self, a, b, c, offs, accumulate=False, cfg=None):
         """a [P, M], b [P, N], c [E, M, N] fp32 or bf16; offs int32 [E+1]."""
@@ -127,7 +147,7 @@ def check_m_grouped(lib, sizes, N, K, b_k_major, cfg, lead=0, tail=5, gen=None):
     return err, untouched
 
 
-def check_m_grouped_gather(lib, sizes, N, K, b_k_major, cfg, lead=2, tail=3, gen=None):
+def check_m_grouped_gather(lib, sizes, N, K, b_k_major, cfg, lead=2, tail=3, gen=None, gather_mode=0):
     dev = "cuda"
     E = len(sizes)
     offs = offsets_from_sizes(sizes, base=lead)
@@ -141,7 +161,7 @@ def check_m_grouped_gather(lib, sizes, N, K, b_k_major, cfg, lead=2, tail=3, gen
          torch.randn(E, K, N, device=dev, generator=gen)).to(torch.bfloat16)
     d = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
     offs_t = torch.tensor(offs, device=dev, dtype=torch.int32)
-    lib.m_grouped_gather(a, idx, b, d, offs_t, b_k_major, cfg)
+    lib.m_grouped_gather(a, idx, b, d, offs_t, b_k_major, cfg, gather_mode)
     torch.cuda.synchronize()
     valid = (idx >= 0) & (idx < R)
     ag = torch.where(valid[:, None], a[idx.clamp(0, R - 1).long()].double(), torch.zeros((), device=dev, dtype=torch.float64))
@@ -155,6 +175,51 @@ def check_m_grouped_gather(lib, sizes, N, K, b_k_major, cfg, lead=2, tail=3, gen
     inside[offs[0]:offs[-1]] = True
     untouched = bool(torch.isnan(d[~inside].float()).all().item())
     err = rel_err(d[inside], ref[inside]) if inside.any() else 0.0
+    return err, untouched
+
+
+def check_swiglu(lib, sizes, I, K, gather, with_h, clamp, cfg, lead=2, tail=3, gen=None, gather_mode=0):
+    dev = "cuda"
+    E = len(sizes)
+    offs = offsets_from_sizes(sizes, base=lead)
+    M = offs[-1] + tail
+    if gather:
+        R = max(M // 3, 5)
+        a = torch.randn(R, K, device=dev, generator=gen).to(torch.bfloat16)
+        idx = torch.randint(0, R, (M,), device=dev, generator=gen, dtype=torch.int32)
+        idx[::7] = -1
+        idx[3::11] = R + 5
+        valid = (idx >= 0) & (idx < R)
+        ag = torch.where(valid[:, None], a[idx.clamp(0, R - 1).long()].double(),
+                         torch.zeros((), device=dev, dtype=torch.float64))
+    else:
+        a = torch.randn(M, K, device=dev, generator=gen).to(torch.bfloat16)
+        idx = None
+        ag = a.double()
+    w13 = (torch.randn(E, 2 * I, K, device=dev, generator=gen) / math.sqrt(K) * 2).to(torch.bfloat16)
+    s = torch.full((M, I), float("nan"), device=dev, dtype=torch.bfloat16)
+    h = torch.full((M, 2 * I), float("nan"), device=dev, dtype=torch.bfloat16) if with_h else None
+    offs_t = torch.tensor(offs, device=dev, dtype=torch.int32)
+    lib.m_grouped_swiglu(a, idx, w13, s, h, offs_t, clamp, cfg, gather_mode)
+    torch.cuda.synchronize()
+    href = torch.full((M, 2 * I), float("nan"), device=dev, dtype=torch.float64)
+    for g in range(E):
+        s_, e_ = offs[g], offs[g + 1]
+        if e_ > s_:
+            href[s_:e_] = ag[s_:e_] @ w13[g].double().t()
+    gate, up = href[:, :I], href[:, I:]
+    if clamp > 0:
+        gate = gate.clamp(max=clamp)
+        up = up.clamp(-clamp, clamp)
+    sref = gate * torch.sigmoid(gate) * up
+    inside = torch.zeros(M, dtype=torch.bool, device=dev)
+    inside[offs[0]:offs[-1]] = True
+    untouched = bool(torch.isnan(s[~inside].float()).all().item())
+    err = rel_err(s[inside], sref[inside]) if inside.any() else 0.0
+    if with_h:
+        untouched = untouched and bool(torch.isnan(h[~inside].float()).all().item())
+        if inside.any():
+            err = max(err, rel_err(h[inside], href[inside]))
     return err, untouched
 
 
@@ -230,11 +295,13 @@ def run_checks(lib, log):
                         print("FAIL", r, flush=True)
     gcfgs = [None, (128, 6, 0, 1), (256, 4, 0, 1), (128, 5, 1, 1), (256, 3, 1, 1)]
     for name, sizes in cases:
-        for (N, K) in [(320, 192), (256, 1024)]:
+        for (N, K) in [(320, 192), (256, 1024), (128, 200)]:
             for b_k_major in (True, False):
-                for cfg in gcfgs:
+                for cfg, gm in ([(c, 1) for c in gcfgs] + [(c, 2) for c in gcfgs] + [(c, 3) for c in gcfgs[:2]] +
+                                [(c, 4) for c in gcfgs[:3]] + [(c, 5) for c in gcfgs] + [(c, 6) for c in gcfgs[3:]]):
                     try:
-                        err, untouched = check_m_grouped_gather(lib, sizes, N, K, b_k_major, cfg, gen=gen)
+                        err, untouched = check_m_grouped_gather(lib, sizes, N, K, b_k_major, cfg, gen=gen,
+                                                                gather_mode=gm)
                     except Exception as ex:  # noqa
                         err, untouched = float("nan"), False
                         print("EXC gather", name, ex)
@@ -242,10 +309,29 @@ def run_checks(lib, log):
                     fails += not ok
                     worst = max(worst, err) if err == err else float("inf")
                     r = dict(kind="m_grouped_gather", layout="nt" if b_k_major else "nn", case=name, N=N, K=K,
-                             cfg=cfg, err=err, untouched=untouched, ok=ok)
+                             cfg=cfg, gather_mode=gm, err=err, untouched=untouched, ok=ok)
                     results.append(r)
                     if not ok:
                         print("FAIL", r, flush=True)
+    for name, sizes in cases:
+        for (I, K) in [(192, 320), (256, 1024), (64, 64)]:
+            for gather, gm in ((False, 0), (True, 1), (True, 2), (True, 3), (True, 4), (True, 5)):
+                for with_h, clamp in ((True, 0.0), (False, 0.0), (True, 1.5)):
+                    for cfg in (None, (128, 5)):
+                        try:
+                            err, untouched = check_swiglu(lib, sizes, I, K, gather, with_h, clamp, cfg, gen=gen,
+                                                          gather_mode=gm)
+                        except Exception as ex:  # noqa
+                            err, untouched = float("nan"), False
+                            print("EXC swiglu", name, ex)
+                        ok = (err <= 1e-2) and untouched
+                        fails += not ok
+                        worst = max(worst, err) if err == err else float("inf")
+                        r = dict(kind="m_grouped_swiglu", case=name, I=I, K=K, gather=gm, h=with_h, clamp=clamp,
+                                 cfg=cfg, err=err, untouched=untouched, ok=ok)
+                        results.append(r)
+                        if not ok:
+                            print("FAIL", r, flush=True)
     kcases = [
         ("E1", [1000]),
         ("E8_special", special),
@@ -415,25 +501,69 @@ def run_bench(lib, out_jsonl, configs_to_try):
                 if kind == "k":
                     del out32
             # l1_fwd with the token gather fused into the A load (x [T, H] read through pool_token), against
-            # torch's index_select + grouped mm on the same tensors
+            # torch's index_select + grouped mm and our plain kernel on a materialized pool copy, same tensors.
+            # Gather modes: 1 = cp.async rows, 2 = one 2-D TMA box per row; plus mode 1/2 with the 4-stage config.
             xt = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+            xp = xt.index_select(0, pool_token)
             outg = torch.empty(P, 2 * I, device="cuda", dtype=torch.bfloat16)
             tg = lambda: torch._grouped_mm(xt.index_select(0, pool_token), w13.transpose(-2, -1), offs=ends,
                                            out_dtype=torch.bfloat16)
-            og = lambda: lib.m_grouped_gather(xt, pool_token, w13, outg, offs, True, None)
             refg = tg()
-            outg.fill_(float("nan"))
-            og()
-            torch.cuda.synchronize()
-            errg = rel_err(outg, refg)
             flops = 2 * P * H * 2 * I
-            med = time_interleaved({"torch": tg, "None": og})
-            print(f"  {sname:5s} {routing:7s} l1_fwd_gather ours {med['None']:7.3f} ms torch(index_select+mm) "
-                  f"{med['torch']:7.3f} ms err {errg:.2e}", flush=True)
-            rows.append(dict(op="l1_fwd_gather", backend="deep_gemm", cfg="None", shape=sname, tokens=T,
-                             routing=routing, ms=med["None"], tflops=flops / med["None"] / 1e9, err_vs_torch=errg))
+            gc = {"plain": lambda: lib.m_grouped(xp, w13, outg, offs, True, None)}
+            for gm in (1, 4, 5, 6):
+                gc[f"g{gm}"] = lambda gm=gm: lib.m_grouped_gather(xt, pool_token, w13, outg, offs, True, None, gm)
+            for gm in (1, 4, 5):
+                gc[f"g{gm}_256x4"] = lambda gm=gm: lib.m_grouped_gather(xt, pool_token, w13, outg, offs, True,
+                                                                        (256, 4, 0, 1), gm)
+            errg = {}
+            for nm, fn in gc.items():
+                outg.fill_(float("nan"))
+                fn()
+                torch.cuda.synchronize()
+                errg[nm] = rel_err(outg, refg)
+            med = time_interleaved({"torch": tg, **gc})
+            print(f"  {sname:5s} {routing:7s} l1_fwd_gather torch(index_select+mm) {med['torch']:7.3f} ms; " +
+                  "; ".join(f"{nm} {med[nm]:7.3f} ms (err {errg[nm]:.1e})" for nm in gc), flush=True)
+            for nm in gc:
+                rows.append(dict(op="l1_fwd_gather" if nm != "plain" else "l1_fwd_pool_plain", backend="deep_gemm",
+                                 cfg=nm, shape=sname, tokens=T, routing=routing, ms=med[nm],
+                                 tflops=flops / med[nm] / 1e9, err_vs_torch=errg[nm]))
             rows.append(dict(op="l1_fwd_gather", backend="torch_gather", shape=sname, tokens=T, routing=routing,
-                             ms=med["torch"], tflops=flops / med["torch"] / 1e9, ours_ms=med["None"]))
+                             ms=med["torch"], tflops=flops / med["torch"] / 1e9))
+            del xp
+            # fused L1: gathered A, w13 natural layout, SwiGLU epilogue (s, and h for the backward) against torch's
+            # index_select + grouped mm + silu * up on the same tensors
+            s_out = torch.empty(P, I, device="cuda", dtype=torch.bfloat16)
+            h_out = torch.empty(P, 2 * I, device="cuda", dtype=torch.bfloat16)
+
+            def t_sw():
+                hh = torch._grouped_mm(xt.index_select(0, pool_token), w13.transpose(-2, -1), offs=ends,
+                                       out_dtype=torch.bfloat16)
+                return torch.nn.functional.silu(hh[:, :I]) * hh[:, I:]
+            sc = {}
+            for gm in (1, 4, 5):
+                sc[f"fused_h_g{gm}"] = lambda gm=gm: lib.m_grouped_swiglu(xt, pool_token, w13, s_out, h_out, offs,
+                                                                          gather_mode=gm)
+                sc[f"fused_g{gm}"] = lambda gm=gm: lib.m_grouped_swiglu(xt, pool_token, w13, s_out, None, offs,
+                                                                        gather_mode=gm)
+            sref = t_sw()
+            errs_sw = {}
+            for nm, fn in sc.items():
+                s_out.fill_(float("nan"))
+                fn()
+                torch.cuda.synchronize()
+                errs_sw[nm] = rel_err(s_out, sref)
+            med = time_interleaved({"torch": t_sw, **sc})
+            print(f"  {sname:5s} {routing:7s} l1_swiglu_gather torch(index_select+mm+silu*up) {med['torch']:7.3f} ms; " +
+                  "; ".join(f"{nm} {med[nm]:7.3f} ms (err {errs_sw[nm]:.1e})" for nm in sc), flush=True)
+            for nm in sc:
+                rows.append(dict(op="l1_swiglu_gather" + ("_h" if "_h" in nm else ""), backend="deep_gemm",
+                                 cfg=nm, shape=sname, tokens=T, routing=routing, ms=med[nm],
+                                 tflops=flops / med[nm] / 1e9, err_vs_torch=errs_sw[nm]))
+            rows.append(dict(op="l1_swiglu_gather", backend="torch_gather_swiglu", shape=sname, tokens=T,
+                             routing=routing, ms=med["torch"], tflops=flops / med["torch"] / 1e9))
+            del s_out, h_out, sref
             del xt, outg, refg
         del x, dy, dh, s, w13, w2
         torch.cuda.empty_cache()
@@ -469,7 +599,7 @@ def main():
     if args.check:
         rc = run_checks(lib, os.path.join(args.out, "checks.json"))
     if args.bench:
-        cfgs = CONFIGS[1:] if args.all_configs else [(256, 4, 0, 1)]
+        cfgs = CONFIGS[1:] if args.all_configs else [(256, 4, 0, 1), (256, 3, 1, 1)]
         run_bench(lib, os.path.join(args.out, "bench.jsonl"), cfgs)
     sys.exit(1 if rc else 0)
 

@@ -100,6 +100,16 @@ PK_API int pk_m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a
                                            const int32_t* group_offsets, int num_groups, int64_t m_total,
                                            int64_t n, int64_t k, void* cuda_stream);
 
+// L1 with the SwiGLU epilogue: for the rows of group g (A read through a_row_index when non-null),
+// gate|up = A @ w13[g]^T in fp32 (w13 [num_groups, 2I, k], natural layout: gate rows then up rows),
+// s = bf16(silu(min(gate, c)) * clamp(up, -c, c)) [m_total, I], and h = bf16(gate|up) [m_total, 2I]
+// when h is non-null. I a multiple of 64; clamp 0 = none.
+PK_API int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
+                                         const void* w13, int64_t ldb, int64_t b_group_stride,
+                                         int64_t intermediate, void* s, int64_t lds, void* h, int64_t ldh,
+                                         const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                         int64_t k, float clamp, void* cuda_stream);
+
 PK_API int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c,
                                   int c_is_bf16, int accumulate, const int32_t* group_offsets,
                                   int num_groups, int64_t p_total, int64_t m, int64_t n, void* cuda_stream);

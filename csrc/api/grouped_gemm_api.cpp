@@ -69,6 +69,26 @@ int pk_m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, 
 #endif
 }
 
+int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
+                                  const void* w13, int64_t ldb, int64_t b_group_stride, int64_t intermediate,
+                                  void* s, int64_t lds, void* h, int64_t ldh, const int32_t* group_offsets,
+                                  int num_groups, int64_t m_total, int64_t k, float clamp, void* cuda_stream) {
+#if PK_HAS_SM90_KERNELS
+  if (const int rc = current_device_is_sm90(); rc != PK_OK) return rc;
+  char message[512] = {0};
+  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_swiglu(
+      a, lda, a_rows, a_row_index, w13, ldb, b_group_stride, intermediate, s, lds, h, ldh, group_offsets, num_groups,
+      m_total, k, clamp, nullptr, static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
+  return from_sm90(rc, message);
+#else
+  (void)a, (void)lda, (void)a_rows, (void)a_row_index, (void)w13, (void)ldb, (void)b_group_stride;
+  (void)intermediate, (void)s, (void)lds, (void)h, (void)ldh, (void)group_offsets, (void)num_groups;
+  (void)m_total, (void)k, (void)clamp, (void)cuda_stream;
+  return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE,
+                              "m_grouped_bf16_gemm_swiglu is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
+#endif
+}
+
 int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c, int c_is_bf16,
                            int accumulate, const int32_t* group_offsets, int num_groups, int64_t p_total,
                            int64_t m, int64_t n, void* cuda_stream) {

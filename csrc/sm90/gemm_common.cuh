@@ -27,6 +27,10 @@ constexpr uint32_t kBarConsumers = 3;
 // (pitch 144 B keeps both the fragment writes and the 16-byte row reads free of bank conflicts).
 constexpr int kStagePitchBytes = (64 + 8) * 2;
 constexpr int kStageBytesPerWg = 64 * kStagePitchBytes;
+// Synchronous epilogue: each warpgroup's staging region starts 1024-byte aligned (it also serves as one
+// 128B-swizzled 64 x 64 TMA-store box, see store_acc_bf16_tma_ring).
+constexpr int kSyncStageStride = 10240;
+static_assert(kSyncStageStride >= kStageBytesPerWg && kSyncStageStride % 1024 == 0, "sync staging stride");
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int align_up(int a, int b) { return ceil_div(a, b) * b; }
@@ -78,53 +82,138 @@ __device__ __forceinline__ void store_acc_bf16_staged(const float (&acc)[kBlockN
 }
 
 
-// ---- asynchronous epilogue -------------------------------------------------------------------------
-// The consumers write their bf16 tile into a full-tile staging buffer (pitch kBlockN*2 + 16 bytes, which
-// keeps the fragment writes and the 16-byte row reads free of bank conflicts) and go straight on to the
-// next tile's mainloop; the otherwise idle warps 1..3 of the producer warpgroup copy the staging buffer to
-// global memory. Two mbarriers hand the buffer back and forth (full: 8 consumer warps arrive; empty: the 3
-// store warps arrive).
-constexpr int kNumStoreWarps = 3;
+// ---- asynchronous epilogue: TMA stores from a 128B-swizzled staging tile ---------------------------
+// Each consumer warpgroup owns a 64-row half of a full-tile staging buffer, laid out as kBlockN / 64 boxes
+// of 64 rows x 64 columns (8 KB each, 128-byte rows, 16-byte chunks XOR-swizzled by row % 8: the layout a
+// 128B-swizzled tensor map reads). The warpgroup writes its fp32 fragment there as bf16 with stmatrix, and
+// one elected thread issues one TMA store per box and goes on with the next tile's mainloop; the store's
+// shared-memory read is waited for only before the next tile's epilogue rewrites the half. Halves whose
+// rows are not all inside the group (a group's tail m-block: the rows after it belong to the next group,
+// and a TMA store writes whole boxes) are copied out by the warpgroup's threads instead.
 template <int kBlockN>
-struct AsyncStaging {
-  static constexpr int kPitch = kBlockN * 2 + 16;
-  static constexpr int kBytes = 128 * kPitch;
+struct TmaStaging {
+  static constexpr int kBoxBytes = 64 * 128;               // 64 rows x 64 bf16 columns
+  static constexpr int kHalfBytes = (kBlockN / 64) * kBoxBytes;  // one warpgroup's 64 rows
+  static constexpr int kBytes = 2 * kHalfBytes;
 };
 
-// Consumer side: one warpgroup's 64 x kBlockN fp32 fragment -> bf16 rows [64*wg, 64*wg + 64) of the buffer.
+// One warpgroup's 64 x kBlockN fp32 fragment (wgmma m64nN layout) -> bf16 into its swizzled staging half.
 template <int kBlockN>
-__device__ __forceinline__ void write_acc_to_staging(const float (&acc)[kBlockN / 2], uint32_t staging,
-                                                     int wg, int wg_tid) {
-  constexpr int kPitch = AsyncStaging<kBlockN>::kPitch;
+__device__ __forceinline__ void write_acc_to_swizzled_staging(const float (&acc)[kBlockN / 2], uint32_t stg_half,
+                                                              int wg_tid) {
   const int lane = wg_tid & 31;
-  const int row = wg * 64 + (wg_tid >> 5) * 16 + (lane >> 2);
-  const uint32_t base = staging + row * kPitch + (lane & 3) * 4;
+  const int mi = lane >> 3;  // matrix this lane addresses: 0/1 = rows +0/+8 of column group 2jp, 2/3 of 2jp+1
+  const int ri = lane & 7;
+  const int row = (wg_tid >> 5) * 16 + ((mi & 1) << 3) + ri;
+  const uint32_t base = stg_half + row * 128;
+  const uint32_t x = static_cast<uint32_t>(((mi >> 1) ^ ri) << 4);  // row-dependent part of the chunk swizzle
 #pragma unroll
-  for (int j = 0; j < kBlockN / 8; ++j) {
-    ptx::st_shared_b32(base + j * 16, ptx::pack_bf16x2(acc[4 * j + 0], acc[4 * j + 1]));
-    ptx::st_shared_b32(base + 8 * kPitch + j * 16, ptx::pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]));
+  for (int jp = 0; jp < kBlockN / 16; ++jp) {
+    const int j0 = 2 * jp;
+    const uint32_t addr = base + (jp >> 2) * TmaStaging<kBlockN>::kBoxBytes + ((static_cast<uint32_t>((jp & 3) * 2) << 4) ^ x);
+    ptx::stmatrix_x4(addr, ptx::pack_bf16x2(acc[4 * j0 + 0], acc[4 * j0 + 1]),
+                     ptx::pack_bf16x2(acc[4 * j0 + 2], acc[4 * j0 + 3]),
+                     ptx::pack_bf16x2(acc[4 * j0 + 4], acc[4 * j0 + 5]),
+                     ptx::pack_bf16x2(acc[4 * j0 + 6], acc[4 * j0 + 7]));
   }
 }
 
-// Store-warp side: copies the 128 x kBlockN staging tile to out (row stride ldo), skipping rows >= row_limit
-// and columns >= col_limit. row0/col0: tile origin in out. idx0 in [0, 32 * kNumStoreWarps).
-template <int kBlockN>
-__device__ __forceinline__ void copy_staging_to_global(uint32_t staging, int idx0, __nv_bfloat16* out, int64_t ldo,
-                                                       int row0, int row_limit, int col0, int col_limit) {
-  constexpr int kPitch = AsyncStaging<kBlockN>::kPitch;
+// Copies rows [0, rows) of a swizzled staging half to out (row stride ldo), columns col0.. below col_limit,
+// with the warpgroup's 128 threads (16-byte loads and stores). kSplit (SwiGLU h): the left half of the
+// tile's columns goes to out columns col0.., the right half to col_limit + col0.., each below col_limit.
+template <int kBlockN, bool kSplit = false>
+__device__ __forceinline__ void copy_swizzled_half_to_global(uint32_t stg_half, int wg_tid, int rows,
+                                                             __nv_bfloat16* out, int64_t ldo, int row0,
+                                                             int col0, int col_limit) {
   constexpr int kChunksPerRow = kBlockN / 8;
-  constexpr int kTotal = 128 * kChunksPerRow;
-  constexpr int kStride = 32 * kNumStoreWarps;
-  const int rows = min(row_limit - row0, 128);
-  const int cols = min(col_limit - col0, kBlockN);
-  const int total = rows > 0 ? rows * kChunksPerRow : 0;
-#pragma unroll 4
-  for (int idx = idx0; idx < total && idx < kTotal; idx += kStride) {
+  const int total = rows * kChunksPerRow;
+#pragma unroll 2
+  for (int idx = wg_tid; idx < total; idx += 128) {
     const int r = idx / kChunksPerRow;
     const int ch = idx - r * kChunksPerRow;
-    if (ch * 8 < cols) {
-      const uint4 v = ptx::ld_shared_v4(staging + r * kPitch + ch * 16);
-      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row0 + r) * ldo + col0 + ch * 8) = v;
+    const bool right = kSplit && ch >= kChunksPerRow / 2;
+    const int c = col0 + (right ? ch - kChunksPerRow / 2 : ch) * 8;
+    const int gcol = c + (right ? col_limit : 0);
+    if (c < col_limit) {
+      const uint32_t a = stg_half + (ch >> 3) * TmaStaging<kBlockN>::kBoxBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
+      const uint4 v = ptx::ld_shared_v4(a);
+      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row0 + r) * ldo + gcol) = v;
+    }
+  }
+}
+
+// Synchronous epilogue through TMA stores: one warpgroup's 64 x kBlockN fragment goes out as kBlockN / 64 boxes of
+// 64 x 64 through a single 8 KB 128B-swizzled staging box (box_addr, 1024-byte aligned): write a box with
+// stmatrix, one elected thread TMA-stores it (issue(box_addr, column)), and the next box waits only for that
+// store's shared-memory read. The last store's read overlaps the next tile's mainloop. Boxes at or past
+// col_limit are skipped (the tensor map clips the rest).
+template <int kBlockN, typename IssueFn>
+__device__ __forceinline__ void store_acc_bf16_tma_ring(const float (&acc)[kBlockN / 2], uint32_t box_addr,
+                                                        uint32_t bar_id, int wg_tid, int col0, int col_limit,
+                                                        IssueFn&& issue) {
+  const int lane = wg_tid & 31;
+  const int mi = lane >> 3;
+  const int ri = lane & 7;
+  const int row = (wg_tid >> 5) * 16 + ((mi & 1) << 3) + ri;
+  const uint32_t base = box_addr + row * 128;
+  const uint32_t x = static_cast<uint32_t>(((mi >> 1) ^ ri) << 4);
+#pragma unroll
+  for (int c = 0; c < kBlockN / 64; ++c) {
+    if (col0 + c * 64 >= col_limit) break;  // uniform across the warpgroup
+    if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+    ptx::named_bar_sync(bar_id, 128);
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) {
+      const int j0 = 8 * c + 2 * jp;
+      ptx::stmatrix_x4(base + ((static_cast<uint32_t>(2 * jp) << 4) ^ x),
+                       ptx::pack_bf16x2(acc[4 * j0 + 0], acc[4 * j0 + 1]),
+                       ptx::pack_bf16x2(acc[4 * j0 + 2], acc[4 * j0 + 3]),
+                       ptx::pack_bf16x2(acc[4 * j0 + 4], acc[4 * j0 + 5]),
+                       ptx::pack_bf16x2(acc[4 * j0 + 6], acc[4 * j0 + 7]));
+    }
+    ptx::fence_proxy_async_smem();
+    ptx::named_bar_sync(bar_id, 128);
+    if (wg_tid == 0) {
+      issue(box_addr, col0 + c * 64);
+      ptx::bulk_commit_group();
+    }
+  }
+}
+
+// SwiGLU epilogue: s[row, c] = silu(gate) * up for one warpgroup's 64 x kBlockN fragment whose left kBlockN / 2
+// columns are gate columns col0.. and right ones the matching up columns; fp32 math, bf16x2 stores straight
+// from registers (s is a third of the tile's output bytes; L2 merges the 16-byte row pieces). Rows >= row_end
+// and columns >= col_limit are not written. clamp > 0: gate <= clamp and -clamp <= up <= clamp first.
+template <int kBlockN>
+__device__ __forceinline__ void store_swiglu_from_acc(const float (&acc)[kBlockN / 2], int wg_tid, __nv_bfloat16* s,
+                                                      int64_t lds, int row0, int row_end, int col0, int col_limit,
+                                                      float clamp) {
+  constexpr int kUp = kBlockN / 16;  // accumulator column group of the up half
+  const int lane = wg_tid & 31;
+  const int r0 = row0 + (wg_tid >> 5) * 16 + (lane >> 2);
+  const int cbase = col0 + 2 * (lane & 3);
+  const bool do_clamp = clamp > 0.f;
+  auto f = [&](float g, float u) -> float {
+    if (do_clamp) {
+      g = fminf(g, clamp);
+      u = fmaxf(fminf(u, clamp), -clamp);
+    }
+    return g / (1.f + __expf(-g)) * u;
+  };
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + 8 * h;
+    if (row < row_end) {
+      __nv_bfloat16* srow = s + static_cast<int64_t>(row) * lds;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 16; ++j) {
+        const int col = cbase + 8 * j;
+        if (col < col_limit) {
+          const uint32_t v = ptx::pack_bf16x2(f(acc[4 * j + 2 * h], acc[4 * (j + kUp) + 2 * h]),
+                                              f(acc[4 * j + 2 * h + 1], acc[4 * (j + kUp) + 2 * h + 1]));
+          *reinterpret_cast<uint32_t*>(srow + col) = v;
+        }
+      }
     }
   }
 }

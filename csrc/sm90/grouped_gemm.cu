@@ -83,10 +83,13 @@ int check_launch(const char* what, char* err, size_t err_len) {
   return kGemmOk;
 }
 
-template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2, bool kGatherA>
-int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const MGroupedParams& p, int64_t max_units,
+template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2, bool kGatherA,
+          bool kSwiGLU = false, bool kGatherTma = false>
+int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& md, const MGroupedParams& p,
+                     int64_t max_units,
                      int sms, cudaStream_t stream, char* err, size_t err_len) {
-  auto kernel = m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kAsyncEpi, kCluster2, kGatherA>;
+  auto kernel =
+      m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kAsyncEpi, kCluster2, kGatherA, kSwiGLU, kGatherTma>;
   constexpr int smem = MGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess)
@@ -120,21 +123,22 @@ int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const MGroupe
     grid = (int)(max_units < sms ? (max_units > 0 ? max_units : 1) : sms);
   }
   lc.gridDim = dim3(grid, 1, 1);
-  e = cudaLaunchKernelEx(&lc, kernel, ma, mb, p);
+  e = cudaLaunchKernelEx(&lc, kernel, ma, mb, md, p);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "m_grouped_bf16_gemm launch: %s", cudaGetErrorString(e));
   return check_launch("m_grouped_bf16_gemm", err, err_len);
 }
 
 template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi>
-int launch_k_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const KGroupedParams& p, int grid,
+int launch_k_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mc, const KGroupedParams& p,
+                     int grid,
                      cudaStream_t stream, char* err, size_t err_len) {
   auto kernel = k_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kOut, kAsyncEpi>;
   constexpr int smem = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-  kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, p);
+  kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, mc, p);
   return check_launch("k_grouped_bf16_gemm", err, err_len);
 }
 
@@ -201,8 +205,16 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
   const void* b_ptr = k > 0 ? b : d;
   const int64_t kk = k > 0 ? k : 64;
   const int64_t lda_ = k > 0 ? lda : 64;
+  const int gmode = cfg.gather_mode == 0 ? gather_mode_default() : cfg.gather_mode;
+  const bool gather_tma = gather && k > 0 && (gmode == 2 || gmode >= 4);
   CUtensorMap ma, mb;
-  if (!gather) {
+  if (gather_tma) {
+    // one row per box; rows outside [0, a_rows) (invalid indices) are out of the map: zero fill
+    const uint64_t dims[2] = {(uint64_t)kk, (uint64_t)a_rows};
+    const uint64_t strides[1] = {(uint64_t)lda_ * 2};
+    const uint32_t box[2] = {64, 1};
+    if (int r = make_map(&ma, a_ptr, 2, dims, strides, box, err, err_len)) return r;
+  } else if (!gather) {
     const uint64_t dims[2] = {(uint64_t)kk, (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)lda_ * 2};
     const uint32_t box[2] = {64, 128};
@@ -225,12 +237,21 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
       if (int r = make_map(&mb, b_ptr, 3, dims, strides, box, err, err_len)) return r;
     }
   }
-  if (gather) ma = mb;  // unused by the gathering kernel
+  if (gather && !gather_tma) ma = mb;  // unused by the cp.async gathering kernel
+  CUtensorMap md = mb;    // output map: 64 x 64 boxes, clipped at [m_total, n]
+  {
+    const uint64_t dims[2] = {(uint64_t)n, (uint64_t)m_total};
+    const uint64_t strides[1] = {(uint64_t)ldd * 2};
+    const uint32_t box[2] = {64, 64};
+    if (int r = make_map(&md, d, 2, dims, strides, box, err, err_len)) return r;
+  }
   MGroupedParams p;
   p.a = reinterpret_cast<const __nv_bfloat16*>(a_ptr);
   p.lda = lda_;
   p.a_row_index = a_row_index;
   p.a_rows = (int32_t)(gather ? a_rows : 0);
+  p.a_prefetch_kblocks = (gather && gmode == 3) ? gather_prefetch_kblocks_default() : 0;
+  p.gather_tma_warps = gmode == 2 ? 4 : (gmode >= 4 ? gmode - 3 : 0);
   p.d = reinterpret_cast<__nv_bfloat16*>(d);
   p.ldd = ldd;
   p.group_offsets = group_offsets;
@@ -238,14 +259,24 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
   p.n = (int32_t)n;
   p.k = (int32_t)k;
   p.num_groups = num_groups;
+  p.s = nullptr;
+  p.lds = 0;
+  p.clamp = 0.f;
   const int64_t n_blocks = (n + cfg.block_n - 1) / cfg.block_n;
   const int64_t max_mblocks = (m_total + 127) / 128 + num_groups;
   const int64_t max_units = (cfg.cluster_m == 2 ? (max_mblocks + 1) / 2 : max_mblocks) * n_blocks;
 #define PK_M_LAUNCH2(BN, ST, ASYNC, CL, GA)                                                                    \
-  return b_k_major ? launch_m_grouped<BN, ST, true, ASYNC, CL, GA>(ma, mb, p, max_units, sms, stream, err, err_len) \
-                   : launch_m_grouped<BN, ST, false, ASYNC, CL, GA>(ma, mb, p, max_units, sms, stream, err, err_len)
+  return b_k_major ? launch_m_grouped<BN, ST, true, ASYNC, CL, GA>(ma, mb, md, p, max_units, sms, stream, err, err_len) \
+                   : launch_m_grouped<BN, ST, false, ASYNC, CL, GA>(ma, mb, md, p, max_units, sms, stream, err, err_len)
+#define PK_M_LAUNCH_GT(BN, ST, ASYNC)                                                                                 \
+  return b_k_major                                                                                                 \
+             ? launch_m_grouped<BN, ST, true, ASYNC, false, true, false, true>(ma, mb, md, p, max_units, sms, stream, \
+                                                                              err, err_len)                        \
+             : launch_m_grouped<BN, ST, false, ASYNC, false, true, false, true>(ma, mb, md, p, max_units, sms, stream, \
+                                                                               err, err_len)
 #define PK_M_LAUNCH(BN, ST, ASYNC)                                 \
   do {                                                             \
+    if (gather_tma) PK_M_LAUNCH_GT(BN, ST, ASYNC);                 \
     if (gather) PK_M_LAUNCH2(BN, ST, ASYNC, false, true);          \
     if (cfg.cluster_m == 2) PK_M_LAUNCH2(BN, ST, ASYNC, true, false); \
     PK_M_LAUNCH2(BN, ST, ASYNC, false, false);                     \
@@ -258,6 +289,7 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
   PK_M_LAUNCH(128, 6, false);
 #undef PK_M_LAUNCH
 #undef PK_M_LAUNCH2
+#undef PK_M_LAUNCH_GT
 }
 }  // namespace
 
@@ -278,6 +310,119 @@ int m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, con
     return fail(kGemmInvalidArgument, err, err_len, "m_grouped_bf16_gemm_gather_a: null a_row_index");
   return m_grouped_impl(a, lda, a_rows, a_row_index, b, b_k_major, ldb, b_group_stride, d, ldd, group_offsets,
                         num_groups, m_total, n, k, config, stream, err, err_len, "m_grouped_bf16_gemm_gather_a");
+}
+
+int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
+                               const void* w13, int64_t ldb, int64_t b_group_stride, int64_t intermediate, void* s,
+                               int64_t lds, void* h, int64_t ldh, const int32_t* group_offsets, int num_groups,
+                               int64_t m_total, int64_t k, float clamp_limit, const GroupedGemmConfig* config,
+                               cudaStream_t stream, char* err, size_t err_len) {
+  clear_err(err, err_len);
+  const char* fn = "m_grouped_bf16_gemm_swiglu";
+  const bool gather = a_row_index != nullptr;
+  const int64_t I = intermediate;
+  if (num_groups < 1 || num_groups > kMaxGroups)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, num_groups,
+                kMaxGroups);
+  if (m_total < 0 || m_total > kMaxDim || I < 64 || 2 * I > kMaxDim || I % 64 != 0 || k < 8 || k > kMaxDim ||
+      k % 8 != 0)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: bad sizes m_total=%lld intermediate=%lld (multiple of 64) k=%lld (multiple of 8, >= 8)", fn,
+                (long long)m_total, (long long)I, (long long)k);
+  if (lds < I || lds % 8 != 0 || (h != nullptr && (ldh < 2 * I || ldh % 8 != 0)))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: lds = %lld (>= I), ldh = %lld (>= 2I), multiples of 8", fn,
+                (long long)lds, (long long)ldh);
+  if (!(clamp_limit >= 0.f))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: clamp_limit must be >= 0 (0 = no clamp)", fn);
+  if (m_total == 0) return kGemmOk;
+  if (a == nullptr || w13 == nullptr || s == nullptr || group_offsets == nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: null a, w13, s or group_offsets", fn);
+  if (!aligned16(a) || !aligned16(w13) || !aligned16(s) || (h != nullptr && !aligned16(h)))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: a, w13, s and h must be 16-byte aligned", fn);
+  if (lda < k || lda % 8 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: lda = %lld, must be >= k and a multiple of 8", fn,
+                (long long)lda);
+  if (gather && (a_rows < 1 || a_rows > kMaxDim))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: a_rows = %lld, must be in [1, 2^31)", fn, (long long)a_rows);
+  if (ldb < k || ldb % 8 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: ldb = %lld, must be >= k and a multiple of 8", fn,
+                (long long)ldb);
+  if (num_groups > 1 && (b_group_stride < 2 * I * ldb || b_group_stride % 8 != 0))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: b_group_stride = %lld, must be >= 2I * ldb, multiple of 8",
+                fn, (long long)b_group_stride);
+  GroupedGemmConfig cfg;
+  cfg.block_n = 256;
+  cfg.num_stages = 3;
+  cfg.async_epilogue = 1;
+  if (config) cfg = *config;
+  if (cfg.block_m != 128 || cfg.block_k != 64 || cfg.cluster_m != 1 || cfg.async_epilogue != 1 ||
+      !((cfg.block_n == 256 && cfg.num_stages == 3) || (cfg.block_n == 128 && cfg.num_stages == 5)))
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: config must be block_n 256 / 3 stages or 128 / 5 stages, async epilogue, cluster_m 1", fn);
+  int sms = 0;
+  if (int r = device_sms(&sms, err, err_len)) return r;
+  if (cfg.num_sms > 0 && cfg.num_sms < sms) sms = cfg.num_sms;
+
+  const int gmode = cfg.gather_mode == 0 ? gather_mode_default() : cfg.gather_mode;
+  const bool gather_tma = gather && (gmode == 2 || gmode >= 4);
+  if (cfg.gather_mode < 0 || cfg.gather_mode > 6)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: gather_mode must be 0..6", fn);
+  CUtensorMap ma, mb, md;
+  {
+    const int64_t gs = num_groups > 1 ? b_group_stride : 2 * I * ldb;
+    const uint64_t dims[3] = {(uint64_t)k, (uint64_t)(2 * I), (uint64_t)num_groups};
+    const uint64_t strides[2] = {(uint64_t)ldb * 2, (uint64_t)gs * 2};
+    const uint32_t box[3] = {64, (uint32_t)(cfg.block_n / 2), 1};
+    if (int r = make_map(&mb, w13, 3, dims, strides, box, err, err_len)) return r;
+  }
+  if (!gather || gather_tma) {
+    const uint64_t dims[2] = {(uint64_t)k, (uint64_t)(gather ? a_rows : m_total)};
+    const uint64_t strides[1] = {(uint64_t)lda * 2};
+    const uint32_t box[2] = {64, gather ? 1u : 128u};
+    if (int r = make_map(&ma, a, 2, dims, strides, box, err, err_len)) return r;
+  } else {
+    ma = mb;
+  }
+  md = mb;
+  if (h != nullptr) {
+    const uint64_t dims[2] = {(uint64_t)(2 * I), (uint64_t)m_total};
+    const uint64_t strides[1] = {(uint64_t)ldh * 2};
+    const uint32_t box[2] = {64, 64};
+    if (int r = make_map(&md, h, 2, dims, strides, box, err, err_len)) return r;
+  }
+  MGroupedParams p;
+  p.a = reinterpret_cast<const __nv_bfloat16*>(a);
+  p.lda = lda;
+  p.a_row_index = a_row_index;
+  p.a_rows = (int32_t)(gather ? a_rows : 0);
+  p.a_prefetch_kblocks = (gather && gmode == 3) ? gather_prefetch_kblocks_default() : 0;
+  p.gather_tma_warps = gmode == 2 ? 4 : (gmode >= 4 ? gmode - 3 : 0);
+  p.d = reinterpret_cast<__nv_bfloat16*>(h);
+  p.ldd = h != nullptr ? ldh : 0;
+  p.group_offsets = group_offsets;
+  p.m_total = (int32_t)m_total;
+  p.n = (int32_t)I;
+  p.k = (int32_t)k;
+  p.num_groups = num_groups;
+  p.s = reinterpret_cast<__nv_bfloat16*>(s);
+  p.lds = lds;
+  p.clamp = clamp_limit;
+  const int64_t n_blocks = (I + cfg.block_n / 2 - 1) / (cfg.block_n / 2);
+  const int64_t max_units = ((m_total + 127) / 128 + num_groups) * n_blocks;
+  if (cfg.block_n == 256) {
+    if (gather_tma)
+      return launch_m_grouped<256, 3, true, true, false, true, true, true>(ma, mb, md, p, max_units, sms, stream, err,
+                                                                          err_len);
+    if (gather)
+      return launch_m_grouped<256, 3, true, true, false, true, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
+    return launch_m_grouped<256, 3, true, true, false, false, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
+  }
+  if (gather_tma)
+    return launch_m_grouped<128, 5, true, true, false, true, true, true>(ma, mb, md, p, max_units, sms, stream, err,
+                                                                        err_len);
+  if (gather)
+    return launch_m_grouped<128, 5, true, true, false, true, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
+  return launch_m_grouped<128, 5, true, true, false, false, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
 }
 
 int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c, bool c_is_bf16,
@@ -342,6 +487,13 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
     const uint32_t box[2] = {64, 64};
     if (int r = make_map(&mb, b, 2, dims, strides, box, err, err_len)) return r;
   }
+  CUtensorMap mc = mb;  // output map (bf16 output only): [E, m, n] bf16, 64 x 64 boxes
+  if (c_is_bf16) {
+    const uint64_t dims[3] = {(uint64_t)n, (uint64_t)m, (uint64_t)num_groups};
+    const uint64_t strides[2] = {(uint64_t)n * 2, (uint64_t)m * n * 2};
+    const uint32_t box[3] = {64, 64, 1};
+    if (int r = make_map(&mc, c, 3, dims, strides, box, err, err_len)) return r;
+  }
   KGroupedParams p;
   p.c = c;
   p.group_offsets = group_offsets;
@@ -353,7 +505,7 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
   if (tiles > kMaxDim) return fail(kGemmInvalidArgument, err, err_len, "%s: too many tiles", fn);
   const int grid = (int)(tiles < sms ? tiles : sms);
   const int out = c_is_bf16 ? kOutBf16Store : (accumulate ? kOutF32Accumulate : kOutF32Store);
-#define PK_K_LAUNCH(BN, ST, OUT, ASYNC) return launch_k_grouped<BN, ST, OUT, ASYNC>(ma, mb, p, grid, stream, err, err_len)
+#define PK_K_LAUNCH(BN, ST, OUT, ASYNC) return launch_k_grouped<BN, ST, OUT, ASYNC>(ma, mb, mc, p, grid, stream, err, err_len)
   if (cfg.async_epilogue) {
     if (cfg.block_n == 256) PK_K_LAUNCH(256, 3, kOutBf16Store, true);
     PK_K_LAUNCH(128, 5, kOutBf16Store, true);

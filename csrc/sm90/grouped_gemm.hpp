@@ -48,12 +48,31 @@ int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_majo
 //   D[m, :] = A[a_row_index[m], :] @ B_g^T  for m in [group_offsets[g], group_offsets[g+1]).
 //   a            bf16 [a_rows, k], row stride lda (>= k, % 8 == 0), 16-byte aligned.
 //   a_row_index  device int32 [m_total]; an index outside [0, a_rows) reads a zero row.
-//   Everything else as m_grouped_bf16_gemm (config->cluster_m must be 1).
+//   Everything else as m_grouped_bf16_gemm (config->cluster_m must be 1; config->gather_mode picks how the rows
+//   are copied, see gemm_heuristics.hpp).
 int m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
                                  const void* b, bool b_k_major, int64_t ldb, int64_t b_group_stride, void* d,
                                  int64_t ldd, const int32_t* group_offsets, int num_groups, int64_t m_total,
                                  int64_t n, int64_t k, const GroupedGemmConfig* config, cudaStream_t stream,
                                  char* err, size_t err_len);
+
+// L1 of the fused MoE forward: m-grouped GEMM against w13 in its natural layout with a SwiGLU epilogue.
+//   hg = A_g @ w13_g[0:I, :]^T,  hu = A_g @ w13_g[I:2I, :]^T   (fp32 accumulation) for the rows of group g;
+//   s[m, :] = silu(hg) * hu   (with hg <= clamp_limit and |hu| <= clamp_limit first when clamp_limit > 0)
+//   h[m, :] = [hg | hu] in bf16 (only when h != null: the pre-activation for the backward).
+//   a            bf16 [m_total, k] (a_row_index == null) or [a_rows, k] read through a_row_index[m] (an index
+//                outside [0, a_rows) reads a zero row), row stride lda (>= k, % 8 == 0).
+//   w13          bf16 [num_groups, 2 * intermediate, k], K contiguous, row stride ldb, group stride
+//                b_group_stride (elements).
+//   s            bf16 [m_total, intermediate] row stride lds; h bf16 [m_total, 2 * intermediate] row stride ldh.
+//                Only rows inside a group are written.
+//   intermediate a multiple of 64; k a multiple of 8, >= 8; clamp_limit >= 0 (0 = no clamp).
+//   config       null (128x256 tiles, 3 stages) or block_n 256 / 3 stages or 128 / 5 stages, async_epilogue 1.
+int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
+                               const void* w13, int64_t ldb, int64_t b_group_stride, int64_t intermediate, void* s,
+                               int64_t lds, void* h, int64_t ldh, const int32_t* group_offsets, int num_groups,
+                               int64_t m_total, int64_t k, float clamp_limit, const GroupedGemmConfig* config,
+                               cudaStream_t stream, char* err, size_t err_len);
 
 // k-grouped GEMM (weight gradients):  C_e = A_e^T @ B_e  (or C_e += ... when accumulate),
 // A_e = rows [group_offsets[e], group_offsets[e+1]) of A, likewise B_e.

@@ -41,7 +41,7 @@ struct KGroupedLayout {
   static constexpr int kAOff = 0;
   static constexpr int kBOff = kAOff + kNumStages * kABytes;
   static constexpr int kCOff = kBOff + kNumStages * kBBytes;
-  static constexpr int kCBytes = kAsyncEpi ? AsyncStaging<kBlockN>::kBytes : 2 * kStageBytesPerWg;
+  static constexpr int kCBytes = kAsyncEpi ? TmaStaging<kBlockN>::kBytes : 2 * kSyncStageStride;
   static constexpr int kBarOff = kCOff + kCBytes;
   static constexpr int kOffsOff = kBarOff + (2 * kNumStages + 2) * 8;
   static constexpr int kOrderOff = kOffsOff + (kMaxGroups + 1) * 4;
@@ -54,7 +54,8 @@ struct KGroupedLayout {
 template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi>
 __global__ void __launch_bounds__(kNumThreads, 1)
     k_grouped_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
-                               const __grid_constant__ CUtensorMap tmap_b, const KGroupedParams p) {
+                               const __grid_constant__ CUtensorMap tmap_b,
+                               const __grid_constant__ CUtensorMap tmap_c, const KGroupedParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   static_assert(!kAsyncEpi || kOut == kOutBf16Store, "the asynchronous epilogue stores bf16 only");
   using L = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi>;
@@ -68,8 +69,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint8_t* smem = align_smem_1024(smem_raw);
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
   uint64_t* empty_bar = full_bar + kNumStages;
-  uint64_t* epi_full_bar = empty_bar + kNumStages;
-  uint64_t* epi_empty_bar = epi_full_bar + 1;
   int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
   int32_t* s_order = reinterpret_cast<int32_t*>(smem + L::kOrderOff);
 
@@ -88,13 +87,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ptx::mbar_init(&full_bar[s], 1);
       ptx::mbar_init(&empty_bar[s], kNumConsumerThreads / 32);
     }
-    ptx::mbar_init(epi_full_bar, kNumConsumerThreads / 32);
-    ptx::mbar_init(epi_empty_bar, kNumStoreWarps);
     ptx::fence_mbar_init();
   }
   if (tid == 32) {
     ptx::tma_prefetch_desc(&tmap_a);
     ptx::tma_prefetch_desc(&tmap_b);
+    if constexpr (kOut == kOutBf16Store) ptx::tma_prefetch_desc(&tmap_c);
   }
   for (int i = tid; i <= num_groups; i += kNumThreads) {
     const int v = __ldg(p.group_offsets + i);
@@ -162,20 +160,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           }
         }
       }
-    } else if (kAsyncEpi && warp >= 1) {
-      const uint32_t staging = ptx::smem_addr(smem + L::kCOff);
-      uint32_t epi_phase = 0;
-      for (int i = 0; i * grid < num_tiles; ++i) {
-        const int t = tile_of(i);
-        if (t >= num_tiles) continue;
-        const Tile tile = locate(t);
-        __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.c) + tile.group * static_cast<int64_t>(p.m) * p.n;
-        ptx::mbar_wait(epi_full_bar, epi_phase);
-        copy_staging_to_global<kBlockN>(staging, tid - 32, out, p.n, tile.m0, p.m, tile.n0, p.n);
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(epi_empty_bar);
-        epi_phase ^= 1;
-      }
     }
   } else {
     // ================= consumer warpgroups =================
@@ -184,16 +168,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int wg_tid = tid - 128 * (wg + 1);
     const int ctid = tid - 128;  // 0..255 over both consumer warpgroups
     const int warp_in_wg = wg_tid >> 5;
-    const uint32_t stage_c = ptx::smem_addr(smem + L::kCOff + wg * kStageBytesPerWg);
+    const uint32_t stage_c = ptx::smem_addr(smem + L::kCOff + wg * kSyncStageStride);
     const uint32_t a_base = ptx::smem_addr(smem + L::kAOff) + wg * kBoxBytes;
     const uint32_t b_base = ptx::smem_addr(smem + L::kBOff);
     const uint64_t desc_a0 = ptx::make_desc_sw128(a_base, kBoxBytes, 1024);
     const uint64_t desc_b0 = ptx::make_desc_sw128(b_base, kBoxBytes, 1024);
+    const uint32_t a_lo0 = static_cast<uint32_t>(desc_a0), a_hi = static_cast<uint32_t>(desc_a0 >> 32);
+    const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
 
     float acc[kBlockN / 2];
     int stage = 0;
     uint32_t phase = 0;
-    uint32_t epi_phase = 0;
+    const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + (kAsyncEpi ? wg * TmaStaging<kBlockN>::kHalfBytes : 0);
     for (int i = 0; i * grid < num_tiles; ++i) {
       const int t = tile_of(i);
       if (t >= num_tiles) continue;
@@ -227,10 +213,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
         for (int r = 0; r < kBlockN / 2; ++r) ptx::reg_fence(acc[r]);
         ptx::wgmma_fence();
+        const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (L::kABytes >> 4);
+        const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (L::kBBytes >> 4);
 #pragma unroll
         for (int kk = 0; kk < kBlockK / 16; ++kk) {
-          const uint64_t da = desc_a0 + ((stage * L::kABytes + kk * 16 * 128) >> 4);
-          const uint64_t db = desc_b0 + ((stage * L::kBBytes + kk * 16 * 128) >> 4);
+          const uint64_t da = ptx::desc_from_halves(a_lo + kk * (16 * 128 >> 4), a_hi);
+          const uint64_t db = ptx::desc_from_halves(b_lo + kk * (16 * 128 >> 4), b_hi);
           Mma::mma(acc, da, db, 1u);
         }
         ptx::wgmma_commit();
@@ -258,15 +246,27 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const int64_t group_elems = static_cast<int64_t>(p.m) * p.n;
       const int row0 = tile.m0 + 64 * wg;
       if constexpr (kAsyncEpi) {
-        ptx::mbar_wait(epi_empty_bar, epi_phase ^ 1);
-        write_acc_to_staging<kBlockN>(acc, ptx::smem_addr(smem + L::kCOff), wg, wg_tid);
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(epi_full_bar);
-        epi_phase ^= 1;
+        // C is [E, M, N]: the 3-D map clips rows >= M and columns >= N, so every half goes out by TMA.
+        if (row0 < p.m) {
+          if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          write_acc_to_swizzled_staging<kBlockN>(acc, stg_half, wg_tid);
+          ptx::fence_proxy_async_smem();
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          if (wg_tid == 0) {
+#pragma unroll
+            for (int b = 0; b < kBlockN / 64; ++b)
+              if (tile.n0 + 64 * b < p.n)
+                ptx::tma_store_3d(&tmap_c, stg_half + b * TmaStaging<kBlockN>::kBoxBytes, tile.n0 + 64 * b, row0,
+                                  tile.group);
+            ptx::bulk_commit_group();
+          }
+        }
       } else if constexpr (kOut == kOutBf16Store) {
-        __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(p.c) + tile.group * group_elems;
-        store_acc_bf16_staged<kBlockN>(acc, stage_c, kBarEpilogueWg0 + wg, wg_tid, out, p.n, row0, p.m,
-                                       tile.n0, p.n);
+        // the 3-D map clips rows >= M and columns >= N
+        if (row0 < p.m)
+          store_acc_bf16_tma_ring<kBlockN>(acc, stage_c, kBarEpilogueWg0 + wg, wg_tid, tile.n0, p.n,
+                                           [&](uint32_t src, int col) { ptx::tma_store_3d(&tmap_c, src, col, row0, tile.group); });
       } else {
         float* out = reinterpret_cast<float*>(p.c) + tile.group * group_elems;
         const int fr = row0 + warp_in_wg * 16 + (lane >> 2);
@@ -291,6 +291,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           }
         }
       }
+    }
+    if constexpr (kOut == kOutBf16Store) {
+      if (wg_tid == 0) ptx::bulk_wait_group<0>();
     }
   }
 #endif

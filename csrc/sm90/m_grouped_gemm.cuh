@@ -9,9 +9,9 @@
 //   offs: device int32 [E+1], non-decreasing, no padding required, empty groups allowed.
 //
 // Persistent and warp-specialized: one CTA per SM, 384 threads. Warpgroup 0 is the producer (one thread
-// issues TMA into a kNumStages-deep mbarrier ring; with kAsyncEpi its warps 1..3 also write finished tiles
-// out), warpgroups 1 and 2 are consumers, each owning 64 of the 128 rows of a tile and issuing m64nNk16
-// wgmma on the full kBlockN width. The per-group tile starts come from a prologue scan of offs in shared
+// issues TMA into a kNumStages-deep mbarrier ring; with kGatherA its four warps copy A rows), warpgroups 1
+// and 2 are consumers (they also TMA-store their finished tiles), each owning 64 of the 128 rows of a tile
+// and issuing m64nNk16 wgmma on the full kBlockN width. The per-group tile starts come from a prologue scan of offs in shared
 // memory; every role walks the same static tile sequence, so no tile ids travel between roles.
 //
 // Tile order: group-major, then n-block, then m-block (m fastest), so CTAs running at the same time share
@@ -23,10 +23,28 @@
 // B per CTA. Both CTAs always run the same number of k-blocks, so their pipelines stay in lockstep (a
 // multicast lands at the same stage offset in both). Consumers release a stage in both CTAs.
 //
-// kGatherA: A is read through a row-index list (a token gather without a materialized copy). The whole
-// producer warp copies the tile's A rows with 16-byte cp.async straight into the 128-byte-swizzled layout
-// wgmma reads (a 1-D bulk copy could not swizzle), and their completion joins the stage's full barrier
-// (cp.async.mbarrier.arrive.noinc); B still comes by TMA.
+// kGatherA: A is read through a row-index list (a token gather without a materialized copy). The four
+// producer warps copy the tile's A rows with 16-byte cp.async straight into the 128-byte-swizzled layout
+// wgmma reads (a 1-D bulk copy could not swizzle): warp w owns tile rows [32w, 32w + 32), each lane holds
+// the source index of one of them (loaded once per tile, one tile ahead) and a copy instruction moves 4
+// whole 128-byte rows (8 lanes per row, indices broadcast by shuffle). Their completion joins the stage's
+// full barrier (cp.async.mbarrier.arrive.noinc); B still comes by TMA.
+// kGatherTma (with kGatherA): instead of cp.async, each producer thread of the first p.gather_tma_warps warps
+// (all four, or a hybrid split with cp.async warps) issues one 2-D TMA box of 64 columns x 1 row per k-block
+// for its tile row (tensor map over A [a_rows, K], 128B swizzle: the swizzle
+// follows the shared-memory address bits, so a row landing at offset 128 r is swizzled as row r of the
+// tile). Invalid indices and rows past the group's end load a row outside the map (zero fill); all bytes
+// complete on the stage's full barrier like the plain kernel's A tile (the consumers' proxy fence, needed by
+// the cp.async warps of a hybrid, stays unconditional in gather kernels). Measured slower than cp.async.
+//
+// kSwiGLU (L1 of the fused forward; K-major B, asynchronous epilogue): an n-block covers kBlockN / 2 columns c
+// of the intermediate dimension; its B stage holds the gate rows c of w13 followed by the matching up rows
+// I + c (two TMA boxes), so one accumulator holds gate | up for the same columns. The epilogue writes
+// s = silu(gate) * up (fp32 math, bf16 out) straight from registers and, when asked, h = gate | up through
+// the staging tile and TMA stores into columns c and I + c of h.
+//
+// kAsyncEpi: the consumers write their bf16 tile into a 128B-swizzled staging buffer and TMA-store it (see
+// gemm_common.cuh), so they go on with the next tile while the copy engine writes the tile out.
 #pragma once
 
 #include <cuda.h>
@@ -43,6 +61,12 @@ struct MGroupedParams {
   int64_t lda;
   const int32_t* a_row_index;
   int32_t a_rows;
+  // kGatherTma kernels: how many of the 4 gathering warps use per-row TMA boxes (4 = all; 1..3 = a hybrid, the
+  // other warps copy their rows with cp.async, so both the TMA engine and the LSU path carry A rows).
+  int32_t gather_tma_warps;
+  // cp.async gather only: > 0 = each producer thread also prefetches its row's 128-byte piece this many
+  // k-blocks ahead into L2 (continuing into the next tile's rows), 0 = off.
+  int32_t a_prefetch_kblocks;
   __nv_bfloat16* d;
   int64_t ldd;
   const int32_t* group_offsets;
@@ -50,6 +74,12 @@ struct MGroupedParams {
   int32_t n;
   int32_t k;
   int32_t num_groups;
+  // SwiGLU epilogue only (kSwiGLU): n = I (columns of s); B = w13 [E, 2I, K] with gate rows [0, I) and up rows
+  // [I, 2I); d = h [M, 2I] (gate | up pre-activation, bf16; may be null), s [M, I] = silu(gate) * up,
+  // with gate <= clamp and |up| <= clamp first when clamp > 0.
+  __nv_bfloat16* s;
+  int64_t lds;
+  float clamp;
 };
 
 template <int kBlockN, int kNumStages, bool kAsyncEpi>
@@ -61,7 +91,7 @@ struct MGroupedLayout {
   static constexpr int kAOff = 0;
   static constexpr int kBOff = kAOff + kNumStages * kABytes;
   static constexpr int kCOff = kBOff + kNumStages * kBBytes;
-  static constexpr int kCBytes = kAsyncEpi ? AsyncStaging<kBlockN>::kBytes : 2 * kStageBytesPerWg;
+  static constexpr int kCBytes = kAsyncEpi ? TmaStaging<kBlockN>::kBytes : 2 * kSyncStageStride;
   static constexpr int kBarOff = kCOff + kCBytes;
   static constexpr int kOffsOff = kBarOff + (2 * kNumStages + 2) * 8;
   static constexpr int kTileOff = kOffsOff + (kMaxGroups + 1) * 4;
@@ -71,10 +101,12 @@ struct MGroupedLayout {
   static_assert(kBlockN % 128 == 0 && kBlockN <= 256, "kBlockN must be 128 or 256");
 };
 
-template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2, bool kGatherA>
+template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2, bool kGatherA,
+          bool kSwiGLU = false, bool kGatherTma = false>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
-                               const __grid_constant__ CUtensorMap tmap_b, const MGroupedParams p) {
+                               const __grid_constant__ CUtensorMap tmap_b,
+                               const __grid_constant__ CUtensorMap tmap_d, const MGroupedParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = MGroupedLayout<kBlockN, kNumStages, kAsyncEpi>;
   constexpr int kBlockM = L::kBlockM;
@@ -82,7 +114,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   constexpr int kMnBoxBytes = 64 * kBlockK * 2;  // MN-major B: one 64-column box of one stage
   using Mma = ptx::WgmmaBf16<kBlockN, 0, kBKMajor ? 0 : 1>;
   static_assert(!(kGatherA && kCluster2), "gathered A is implemented for single-CTA launches");
-  constexpr uint32_t kFullArrivals = kGatherA ? 1 + 32 : 1;  // + one cp.async arrival per producer lane
+  static_assert(!kSwiGLU || (kBKMajor && kAsyncEpi && !kCluster2), "SwiGLU: K-major B, async epilogue, 1 CTA");
+  constexpr int kTileCols = kSwiGLU ? kBlockN / 2 : kBlockN;  // output columns per n-block (s columns)
+  constexpr int kGatherWarps = 4;
+  static_assert(!kGatherTma || kGatherA, "kGatherTma is a gather mode");
+  // Gathering warps [0, tma_warps) use TMA boxes, [tma_warps, 4) cp.async (computed where used: a value live
+  // across setmaxnreg gets spilled).
+  auto gather_tma_warps = [&]() -> int { return kGatherTma ? min(max(p.gather_tma_warps, 0), kGatherWarps) : 0; };
   // The gathering producer warp needs more registers; the split keeps 128 * P + 256 * C = 384 * 168.
   constexpr uint32_t kProdRegs = kGatherA ? 56 : kProducerRegs;
   constexpr uint32_t kConsRegs = kGatherA ? 224 : kConsumerRegs;
@@ -92,8 +130,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint8_t* smem = align_smem_1024(smem_raw);
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
   uint64_t* empty_bar = full_bar + kNumStages;
-  uint64_t* epi_full_bar = empty_bar + kNumStages;  // async epilogue: staging written by the consumers
-  uint64_t* epi_empty_bar = epi_full_bar + 1;       // async epilogue: staging drained by the store warps
   int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
   int32_t* s_tile = reinterpret_cast<int32_t*>(smem + L::kTileOff);  // per-group start (tiles or m-blocks)
 
@@ -101,23 +137,23 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int num_groups = p.num_groups;
-  const int n_blocks = ceil_div(p.n, kBlockN);
+  const int n_blocks = ceil_div(p.n, kTileCols);
   const int num_k_blocks = ceil_div(p.k, kBlockK);
   const uint32_t cta_rank = kCluster2 ? ptx::cluster_ctarank() : 0;
 
   // ---- prologue: barriers, offsets (clamped to [0, m_total]), per-group starts
   if (tid == 0) {
     for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbar_init(&full_bar[s], kFullArrivals);
+      // + one cp.async arrival per cp.async-gathering thread
+      ptx::mbar_init(&full_bar[s], kGatherA ? 1 + 32 * (kGatherWarps - gather_tma_warps()) : 1);
       ptx::mbar_init(&empty_bar[s], (kCluster2 ? 2 : 1) * kNumConsumerThreads / 32);
     }
-    ptx::mbar_init(epi_full_bar, kNumConsumerThreads / 32);
-    ptx::mbar_init(epi_empty_bar, kNumStoreWarps);
     ptx::fence_mbar_init();
   }
   if (tid == 32) {
     ptx::tma_prefetch_desc(&tmap_a);
     ptx::tma_prefetch_desc(&tmap_b);
+    if constexpr (kAsyncEpi) ptx::tma_prefetch_desc(&tmap_d);
   }
   for (int i = tid; i <= num_groups; i += kNumThreads) {
     const int v = __ldg(p.group_offsets + i);
@@ -154,7 +190,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // Work units: tiles (single CTA) or (m-block pair, n-block) units (cluster of 2).
   const int total = s_tile[num_groups];
   const int num_units = kCluster2 ? ceil_div(total, 2) * n_blocks : total;
-  const int unit_begin = kCluster2 ? (int)(blockIdx.x >> 1) : (int)blockIdx.x;
+  // first unit of this CTA; re-read inside each role (see ptx::ctaid_x_volatile)
+  auto unit_begin_of_cta = [&]() -> int {
+    const int b = (int)ptx::ctaid_x_volatile();
+    return kCluster2 ? (b >> 1) : b;
+  };
   const int unit_step = kCluster2 ? (int)(gridDim.x >> 1) : (int)gridDim.x;
 
   struct Work {
@@ -175,7 +215,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const int local = u - s_tile[g];
       const int nb = local / m_blocks;
       const int mb = local - nb * m_blocks;
-      w = Work{g, start + mb * kBlockM, end, nb * kBlockN, false};
+      w = Work{g, start + mb * kBlockM, end, nb * kTileCols, false};
     } else {
       const int pair = u / n_blocks;
       const int nb = u - pair * n_blocks;
@@ -205,49 +245,95 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warp < 4) {
     // ================= producer warpgroup =================
     ptx::setmaxnreg_dec<kProdRegs>();
-    if (warp == 0 && (kGatherA || lane == 0)) {
+    if constexpr (kGatherA) {
+      // Gathering producer: warps 0..3 copy A rows; lane 0 of warp 0 also issues B.
       int stage = 0;
       uint32_t phase = 0;
       int g = 0;
-      for (int u = unit_begin; u < num_units; u += unit_step) {
+      const int tma_warps = gather_tma_warps();
+      const int my_row = warp * 32 + lane;  // tile row whose source index this lane holds
+      const int sub_row = lane >> 3;        // row within a copy instruction's 4 rows
+      const int chunk = lane & 7;           // 16-byte chunk of that row
+      auto row_source = [&](const Work& w_) -> int {
+        const int prow = w_.row0 + my_row;
+        const int sr = prow < w_.row_end ? __ldg(p.a_row_index + prow) : -1;  // rows past the group: unused
+        return (sr >= 0 && sr < p.a_rows) ? sr : -1;
+      };
+      int u = unit_begin_of_cta();
+      Work w{};
+      int src_next = -1;
+      if (u < num_units) {
+        w = locate(u, g);
+        src_next = row_source(w);
+      }
+      for (; u < num_units; u += unit_step) {
+        const int src = src_next;
+        const Work cur = w;
+        if (u + unit_step < num_units) {  // next tile's index, loaded while this tile streams
+          w = locate(u + unit_step, g);
+          src_next = row_source(w);
+        }
+        for (int kb = 0; kb < num_k_blocks; ++kb) {
+          ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+          const int k0 = kb * kBlockK;
+          if (warp < tma_warps) {
+            // The TMA rows' bytes join thread 0's expect-tx arrival (below); the other threads' boxes may
+            // complete before it (the barrier's tx-count goes transiently negative; its phase cannot complete
+            // while thread 0's arrival is pending).
+            ptx::tma_load_2d(smem + L::kAOff + stage * L::kABytes + my_row * 128, &tmap_a, &full_bar[stage], k0,
+                             src >= 0 ? src : p.a_rows);
+          } else {
+          const uint32_t sa_addr = ptx::smem_addr(smem + L::kAOff + stage * L::kABytes);
+          const bool k_ok = k0 + chunk * 8 < p.k;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int r = warp * 32 + 4 * i + sub_row;
+            const int sr = __shfl_sync(0xffffffffu, src, 4 * i + sub_row);
+            const bool ok = k_ok && sr >= 0;
+            const __nv_bfloat16* srcp = ok ? p.a + static_cast<int64_t>(sr) * p.lda + k0 + chunk * 8 : p.a;
+            ptx::cp_async_16(sa_addr + r * 128 + ((chunk ^ (r & 7)) << 4), srcp, ok ? 16u : 0u);
+          }
+          ptx::cp_async_mbar_arrive_noinc(&full_bar[stage]);
+          if (p.a_prefetch_kblocks > 0) {
+            int pk = kb + p.a_prefetch_kblocks;
+            const int pf_src = pk < num_k_blocks ? src : src_next;
+            if (pk >= num_k_blocks) pk -= num_k_blocks;
+            if (pf_src >= 0 && pk < num_k_blocks)
+              ptx::prefetch_l2(p.a + static_cast<int64_t>(pf_src) * p.lda + pk * kBlockK);
+          }
+          }
+          if (warp == 0 && lane == 0) {
+            uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
+            ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kBBytes + tma_warps * 32 * 128);
+            if constexpr (kSwiGLU) {
+              ptx::tma_load_3d(sb, &tmap_b, &full_bar[stage], k0, cur.n0, cur.b_group);
+              ptx::tma_load_3d(sb + kTileCols * 128, &tmap_b, &full_bar[stage], k0, p.n + cur.n0, cur.b_group);
+            } else if constexpr (kBKMajor) {
+              ptx::tma_load_3d(sb, &tmap_b, &full_bar[stage], k0, cur.n0, cur.b_group);
+            } else {
+#pragma unroll
+              for (int j = 0; j < kBlockN / 64; ++j)
+                ptx::tma_load_3d(sb + j * kMnBoxBytes, &tmap_b, &full_bar[stage], cur.n0 + 64 * j, k0, cur.b_group);
+            }
+          }
+          if (++stage == kNumStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    } else if (warp == 0 && lane == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      int g = 0;
+      for (int u = unit_begin_of_cta(); u < num_units; u += unit_step) {
         const Work w = locate(u, g);
         for (int kb = 0; kb < num_k_blocks; ++kb) {
           ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
           uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
           uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
-          if constexpr (kGatherA) {
-            // Lane l copies tile rows l, l + 32, l + 64, l + 96 (eight 16-byte chunks each). The row index is
-            // re-read per k-block (an L1 hit) to keep the producer's registers low. (Measured: 8 lanes per
-            // row with a per-round index load was 1.7x slower; see bench/NOTES.md.)
-            const uint32_t sa_addr = ptx::smem_addr(sa);
-            const int k0 = kb * kBlockK;
-#pragma unroll 1
-            for (int i = 0; i < 4; ++i) {
-              const int r = lane + 32 * i;
-              const int prow = w.row0 + r;
-              const int sr = prow < p.m_total ? __ldg(p.a_row_index + prow) : -1;
-              const bool row_ok = sr >= 0 && sr < p.a_rows;
-              const __nv_bfloat16* src_row = p.a + (row_ok ? static_cast<int64_t>(sr) * p.lda + k0 : 0);
-              const uint32_t dst_row = sa_addr + r * 128;
-#pragma unroll
-              for (int c = 0; c < 8; ++c) {
-                const bool ok = row_ok && k0 + c * 8 < p.k;
-                ptx::cp_async_16(dst_row + ((c ^ (r & 7)) << 4), ok ? src_row + c * 8 : p.a, ok ? 16u : 0u);
-              }
-            }
-            ptx::cp_async_mbar_arrive_noinc(&full_bar[stage]);
-            if (lane != 0) {
-              if (++stage == kNumStages) {
-                stage = 0;
-                phase ^= 1;
-              }
-              continue;  // lane 0 issues the B tile below
-            }
-            ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kBBytes);
-          } else {
-            ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
-            ptx::tma_load_2d(sa, &tmap_a, &full_bar[stage], kb * kBlockK, w.row0);
-          }
+          ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
+          ptx::tma_load_2d(sa, &tmap_a, &full_bar[stage], kb * kBlockK, w.row0);
           if constexpr (kCluster2) {
             // B is loaded as 2 (K-major: kBlockN/2 rows each) or kBlockN/64 (MN-major) boxes; with multicast
             // this CTA loads its half of them for both CTAs.
@@ -263,6 +349,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
               else
                 ptx::tma_load_3d(sb + j * kBoxBytes, &tmap_b, &full_bar[stage], c0, c1, w.b_group);
             }
+          } else if constexpr (kSwiGLU) {
+            ptx::tma_load_3d(sb, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0, w.b_group);
+            ptx::tma_load_3d(sb + kTileCols * 128, &tmap_b, &full_bar[stage], kb * kBlockK, p.n + w.n0, w.b_group);
           } else if constexpr (kBKMajor) {
             ptx::tma_load_3d(sb, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0, w.b_group);
           } else {
@@ -277,26 +366,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           }
         }
       }
-    } else if (kAsyncEpi && warp >= 1) {
-      // store warps: drain the staging tile of every tile of this CTA, in the consumers' order
-      const uint32_t staging = ptx::smem_addr(smem + L::kCOff);
-      uint32_t epi_phase = 0;
-      int g = 0;
-      for (int u = unit_begin; u < num_units; u += unit_step) {
-        const Work w = locate(u, g);
-        ptx::mbar_wait(epi_full_bar, epi_phase);
-        copy_staging_to_global<kBlockN>(staging, tid - 32, p.d, p.ldd, w.row0, w.row_end, w.n0, p.n);
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(epi_empty_bar);
-        epi_phase ^= 1;
-      }
     }
+    // Other producer-warpgroup threads have nothing to do (the epilogue is the consumers' TMA store).
   } else {
     // ================= consumer warpgroups =================
     ptx::setmaxnreg_inc<kConsRegs>();
     const int wg = (warp >> 2) - 1;  // 0 or 1: rows [64*wg, 64*wg + 64) of the tile
     const int wg_tid = tid - 128 * (wg + 1);
-    const uint32_t stage_c = ptx::smem_addr(smem + L::kCOff + wg * kStageBytesPerWg);
+    const uint32_t stage_c = ptx::smem_addr(smem + L::kCOff + wg * kSyncStageStride);
     const uint32_t a_base = ptx::smem_addr(smem + L::kAOff) + wg * (64 * 128);
     const uint32_t b_base = ptx::smem_addr(smem + L::kBOff);
     // Descriptors for stage 0 / k-step 0; other stages and k-steps add a byte offset >> 4 to the low bits.
@@ -304,13 +381,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const uint64_t desc_b0 =
         kBKMajor ? ptx::make_desc_sw128(b_base, 0, 1024) : ptx::make_desc_sw128(b_base, kMnBoxBytes, 1024);
     constexpr uint32_t kBStepBytes = kBKMajor ? 32 : 16 * 128;  // one k16 step inside a stage
+    const uint32_t a_lo0 = static_cast<uint32_t>(desc_a0), a_hi = static_cast<uint32_t>(desc_a0 >> 32);
+    const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
 
     float acc[kBlockN / 2];
     int stage = 0;
     uint32_t phase = 0;
-    uint32_t epi_phase = 0;
     int g = 0;
-    for (int u = unit_begin; u < num_units; u += unit_step) {
+    const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + (kAsyncEpi ? wg * TmaStaging<kBlockN>::kHalfBytes : 0);
+    for (int u = unit_begin_of_cta(); u < num_units; u += unit_step) {
       const Work w = locate(u, g);
       // A warpgroup whose 64 rows all lie past the group's end (tail m-block, or the idle half of a cluster
       // pair) only keeps the pipeline moving; the other warpgroup then has the tensor cores to itself.
@@ -339,14 +418,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       } else {
         for (int kb = 0; kb < num_k_blocks; ++kb) {
           ptx::mbar_wait(&full_bar[stage], phase);
-          if constexpr (kGatherA) ptx::fence_proxy_async_smem();  // cp.async wrote A through the generic proxy
+          // cp.async wrote A through the generic proxy (compile-time: a runtime test here costs the consumers
+          // registers they do not have at 224; the pure-TMA gather pays a needless fence)
+          if constexpr (kGatherA) ptx::fence_proxy_async_smem();
 #pragma unroll
           for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
           ptx::wgmma_fence();
+          const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (L::kABytes >> 4);
+          const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (L::kBBytes >> 4);
 #pragma unroll
           for (int kk = 0; kk < kBlockK / 16; ++kk) {
-            const uint64_t da = desc_a0 + ((stage * L::kABytes + kk * 32) >> 4);
-            const uint64_t db = desc_b0 + ((stage * L::kBBytes + kk * kBStepBytes) >> 4);
+            const uint64_t da = ptx::desc_from_halves(a_lo + kk * (32 >> 4), a_hi);
+            const uint64_t db = ptx::desc_from_halves(b_lo + kk * (kBStepBytes >> 4), b_hi);
             Mma::mma(acc, da, db, 1u);
           }
           ptx::wgmma_commit();
@@ -368,17 +451,70 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
       for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
 
-      if constexpr (kAsyncEpi) {
-        ptx::mbar_wait(epi_empty_bar, epi_phase ^ 1);
-        write_acc_to_staging<kBlockN>(acc, ptx::smem_addr(smem + L::kCOff), wg, wg_tid);
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(epi_full_bar);
-        epi_phase ^= 1;
+      if constexpr (kSwiGLU) {
+        const int hrow0 = w.row0 + 64 * wg;
+        if (active) {
+          if (p.d != nullptr) {
+            if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+            ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+            write_acc_to_swizzled_staging<kBlockN>(acc, stg_half, wg_tid);
+            ptx::fence_proxy_async_smem();
+            ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+            if (hrow0 + 64 <= w.row_end) {
+              if (wg_tid == 0) {
+#pragma unroll
+                for (int b = 0; b < kBlockN / 64; ++b) {
+                  constexpr int kGateBoxes = kBlockN / 128;
+                  const int c = w.n0 + 64 * (b % kGateBoxes);  // column within gate (and within up)
+                  if (c < p.n)
+                    ptx::tma_store_2d(&tmap_d, stg_half + b * TmaStaging<kBlockN>::kBoxBytes,
+                                      (b >= kGateBoxes ? p.n : 0) + c, hrow0);
+                }
+                ptx::bulk_commit_group();
+              }
+            } else {
+              copy_swizzled_half_to_global<kBlockN, true>(stg_half, wg_tid, w.row_end - hrow0, p.d, p.ldd, hrow0,
+                                                          w.n0, p.n);
+            }
+          }
+          store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.lds, hrow0, w.row_end, w.n0, p.n, p.clamp);
+        }
+      } else if constexpr (kAsyncEpi) {
+        const int hrow0 = w.row0 + 64 * wg;
+        if (active) {
+          // the previous tile's TMA store has finished reading this half
+          if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          write_acc_to_swizzled_staging<kBlockN>(acc, stg_half, wg_tid);
+          ptx::fence_proxy_async_smem();  // make the generic-proxy writes visible to the TMA engine
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          if (hrow0 + 64 <= w.row_end) {
+            if (wg_tid == 0) {
+#pragma unroll
+              for (int b = 0; b < kBlockN / 64; ++b)
+                if (w.n0 + 64 * b < p.n)
+                  ptx::tma_store_2d(&tmap_d, stg_half + b * TmaStaging<kBlockN>::kBoxBytes, w.n0 + 64 * b, hrow0);
+              ptx::bulk_commit_group();
+            }
+          } else {
+            copy_swizzled_half_to_global<kBlockN>(stg_half, wg_tid, w.row_end - hrow0, p.d, p.ldd, hrow0, w.n0, p.n);
+          }
+        }
       } else {
-        store_acc_bf16_staged<kBlockN>(acc, stage_c, kBarEpilogueWg0 + wg, wg_tid, p.d, p.ldd, w.row0 + 64 * wg,
-                                       w.row_end, w.n0, p.n);
+        const int hrow0 = w.row0 + 64 * wg;
+        if (active) {
+          if (hrow0 + 64 <= w.row_end) {
+            store_acc_bf16_tma_ring<kBlockN>(acc, stage_c, kBarEpilogueWg0 + wg, wg_tid, w.n0, p.n,
+                                             [&](uint32_t src, int col) { ptx::tma_store_2d(&tmap_d, src, col, hrow0); });
+          } else {
+            if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the staging tile is also the TMA ring's box
+            store_acc_bf16_staged<kBlockN>(acc, stage_c, kBarEpilogueWg0 + wg, wg_tid, p.d, p.ldd, hrow0, w.row_end,
+                                           w.n0, p.n);
+          }
+        }
       }
     }
+    if (wg_tid == 0) ptx::bulk_wait_group<0>();  // stores complete before the CTA's shared memory goes away
   }
   if constexpr (kCluster2) {
     // Neither CTA may exit while the other can still multicast into it or arrive on its barriers.

@@ -57,7 +57,25 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
   return ok != 0;
 }
 
-// Blocks until the phase with the given parity has completed. In debug builds the wait is bounded.
+// try_wait with a suspend-time hint (ns): a thread whose phase is not complete is suspended until the phase
+// completes or the hint expires, instead of coming back after the (short) default limit and re-polling.
+// Polling warps were most of the kernel's issued instructions (bench/NOTES.md, v6).
+__device__ __forceinline__ bool mbar_try_wait_hint(uint64_t* bar, uint32_t parity, uint32_t hint_ns) {
+  uint32_t ok;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\nselp.b32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(smem_addr(bar)), "r"(parity), "r"(hint_ns)
+      : "memory");
+  return ok != 0;
+}
+
+#ifndef PK_MBAR_SUSPEND_NS
+#define PK_MBAR_SUSPEND_NS 0x989680u  // 10 ms: the thread wakes when the phase completes, long before that
+#endif
+
+// Blocks until the phase with the given parity has completed. In debug builds the wait is bounded (and
+// polls without the suspend hint, so that the bound counts polls of a known short length).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 #ifdef PK_DEBUG_SPIN_BOUND
   uint64_t polls = 0;
@@ -69,7 +87,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
     }
   }
 #else
-  while (!mbar_try_wait(bar, parity)) {
+  while (!mbar_try_wait_hint(bar, parity, PK_MBAR_SUSPEND_NS)) {
   }
 #endif
 }
@@ -111,9 +129,43 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const void* desc, uint64_
       : "memory");
 }
 
+// TMA stores (shared -> global), bulk-group completion. Out-of-bounds box elements are not written.
+__device__ __forceinline__ void tma_store_2d(const void* desc, uint32_t src_smem, int32_t c0, int32_t c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(desc)),
+               "r"(src_smem), "r"(c0), "r"(c1)
+               : "memory");
+}
+__device__ __forceinline__ void tma_store_3d(const void* desc, uint32_t src_smem, int32_t c0, int32_t c1,
+                                             int32_t c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(desc)),
+               "r"(src_smem), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until at most N bulk groups of this thread are pending reads of their shared-memory source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+// Waits until at most N bulk groups of this thread are pending (writes complete).
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // ------------------------------------------------------------------------------------------------
 // Clusters: multicast TMA, remote mbarrier arrive, cluster-wide barrier
 // ------------------------------------------------------------------------------------------------
+// %ctaid.x read with a volatile asm, so that each warp role re-reads it after setmaxnreg instead of keeping one
+// copy live across the register reconfiguration (which ptxas may spill).
+__device__ __forceinline__ uint32_t ctaid_x_volatile() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(r));
+  return r;
+}
+
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -154,6 +206,11 @@ __device__ __forceinline__ void tma_load_3d_multicast(void* dst, const void* des
 __device__ __forceinline__ void cp_async_16(uint32_t dst_smem, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst_smem), "l"(src), "r"(src_bytes)
                : "memory");
+}
+
+// Hint: bring the 128-byte line at p into L2 (no completion tracking).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // Arrives on bar once all of this thread's earlier cp.async copies have landed (the arrival is counted in
@@ -201,6 +258,16 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_byte_addr, uin
   d |= static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16;
   d |= static_cast<uint64_t>((sbo_bytes >> 4) & 0x3FFF) << 32;
   d |= static_cast<uint64_t>(1) << 62;  // swizzle mode 1 = 128 B
+  return d;
+}
+
+// Descriptor from its two 32-bit halves. Stage and k-step offsets are added to the low half only (the 14-bit
+// start-address field cannot carry out for shared-memory addresses), which keeps the mainloop's descriptor
+// arithmetic to one 32-bit add per operand instead of 64-bit adds with carries (v6: ~100 -> ~40
+// instructions per k-block per consumer warp).
+__device__ __forceinline__ uint64_t desc_from_halves(uint32_t lo, uint32_t hi) {
+  uint64_t d;
+  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "r"(hi));
   return d;
 }
 
@@ -259,6 +326,13 @@ __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
 __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w)
+               : "memory");
+}
+// Four 8x8 b16 matrices: lane i supplies the row address of matrix i / 8, row i % 8; register q of every
+// lane holds its (row lane / 4, columns 2 * (lane % 4) + {0, 1}) pair of matrix q.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
                : "memory");
 }
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {

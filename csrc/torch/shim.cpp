@@ -332,6 +332,39 @@ std::tuple<Tensor, Tensor, Tensor> swiglu_bwd(Tensor h, Tensor da, Tensor pool_s
   return {dh, a, dt};
 }
 
+std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tensor group_offsets,
+                                                      std::optional<Tensor> a_row_index, int64_t m_total,
+                                                      bool save_h, double clamp) {
+  const char* op = "m_grouped_bf16_gemm_swiglu";
+  check_bf16_cuda(a, op, "a", 2);
+  check_bf16_cuda(w13, op, "w13", 3);
+  const int32_t num_groups = check_offsets(group_offsets, a, op);
+  STD_TORCH_CHECK(w13.size(0) == num_groups && w13.size(2) == a.size(1) && w13.size(1) % 2 == 0, "deep_gemm.", op,
+                  ": w13 must be [num_groups, 2I, K] with K = a's columns");
+  const int32_t* index = nullptr;
+  if (a_row_index.has_value()) {
+    const Tensor& t = *a_row_index;
+    STD_TORCH_CHECK(t.scalar_type() == ScalarType::Int && t.dim() == 1 && t.is_contiguous() && t.size(0) >= m_total &&
+                        t.is_cuda(),
+                    "deep_gemm.", op, ": a_row_index must be a contiguous CUDA int32 [>= m_total] tensor");
+    index = static_cast<const int32_t*>(t.data_ptr());
+  } else {
+    STD_TORCH_CHECK(m_total <= a.size(0), "deep_gemm.", op, ": m_total exceeds a's rows");
+  }
+  const int64_t inter = w13.size(1) / 2;
+  torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
+  Tensor s = new_tensor(a, {m_total, inter}, ScalarType::BFloat16);
+  Tensor h = new_tensor(a, {save_h ? m_total : 0, 2 * inter}, ScalarType::BFloat16);
+  check_core(pk_m_grouped_bf16_gemm_swiglu(a.data_ptr(), a.stride(0), a.size(0), index, w13.data_ptr(), w13.stride(1),
+                                           w13.stride(0), inter, s.data_ptr(), s.stride(0),
+                                           save_h ? h.data_ptr() : nullptr, 2 * inter,
+                                           static_cast<const int32_t*>(group_offsets.data_ptr()), num_groups, m_total,
+                                           a.size(1), static_cast<float>(clamp),
+                                           current_cuda_stream(a.get_device_index())),
+             op);
+  return {s, h};
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY(deep_gemm, m) {
@@ -345,6 +378,8 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
   m.def("swiglu_fwd(Tensor h, Tensor num_rows, float clamp=-1.0) -> Tensor");
   m.def("swiglu_bwd(Tensor h, Tensor da, Tensor pool_src_route, Tensor topk_weights, Tensor num_rows, "
         "float clamp=-1.0) -> (Tensor dh, Tensor a, Tensor dt)");
+  m.def("m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tensor group_offsets, Tensor? a_row_index, int m_total, "
+        "bool save_h, float clamp=0.0) -> (Tensor s, Tensor h)");
   m.def("combine(Tensor slots, Tensor route_to_pool, Tensor? weights=None) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32=True) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor(c!) c) -> ()");
@@ -362,6 +397,7 @@ STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CUDA, m) {
   m.impl("m_grouped_bf16_gemm_nt_gather", TORCH_BOX(&m_grouped_bf16_gemm_nt_gather));
   m.impl("combine", TORCH_BOX(&combine_cuda));
   m.impl("swiglu_fwd", TORCH_BOX(&swiglu_fwd));
+  m.impl("m_grouped_bf16_gemm_swiglu", TORCH_BOX(&m_grouped_bf16_gemm_swiglu));
   m.impl("swiglu_bwd", TORCH_BOX(&swiglu_bwd));
   m.impl("k_grouped_bf16_gemm_tn", TORCH_BOX(&k_grouped_bf16_gemm_tn));
   m.impl("k_grouped_bf16_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_bf16_gemm_tn_accumulate_));

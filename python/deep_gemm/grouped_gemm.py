@@ -19,12 +19,13 @@ import torch
 
 from . import _lib, _status
 
-__all__ = ["m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "k_grouped_bf16_gemm_tn",
+__all__ = ["m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "m_grouped_bf16_gemm_swiglu", "k_grouped_bf16_gemm_tn",
            "m_grouped_gemm_reference", "k_grouped_gemm_reference"]
 
 _KEYS = {"m_grouped_bf16_gemm_nt": "m_grouped_gemm_nt.bf16.sm90",
          "m_grouped_bf16_gemm_nn": "m_grouped_gemm_nn.bf16.sm90",
          "m_grouped_bf16_gemm_nt_gather": "m_grouped_gemm_nt_gather.bf16.sm90",
+         "m_grouped_bf16_gemm_swiglu": "m_grouped_gemm_swiglu.bf16.sm90",
          "k_grouped_bf16_gemm_tn": "k_grouped_gemm_tn.bf16.sm90",
          "k_grouped_bf16_gemm_tn_accumulate_": "k_grouped_gemm_tn.bf16.sm90"}
 
@@ -37,8 +38,9 @@ def _ready(op: str, device: torch.device) -> None:
 
 
 def m_grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, b_k_major: bool,
-                             acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Per-group matmul in ``acc_dtype``, rounded to a's dtype; rows outside every group are zero."""
+                             acc_dtype: torch.dtype = torch.float32, round_output: bool = True) -> torch.Tensor:
+    """Per-group matmul in ``acc_dtype``, rounded to a's dtype (unless float64 or ``round_output`` is
+    False); rows outside every group are zero."""
     offs = group_offsets.tolist()
     out = torch.zeros(a.shape[0], b.shape[1] if b_k_major else b.shape[2], dtype=acc_dtype, device=a.device)
     for g in range(len(offs) - 1):
@@ -46,7 +48,7 @@ def m_grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, group_offsets: to
         if hi > lo:
             w = b[g].to(acc_dtype)
             out[lo:hi] = a[lo:hi].to(acc_dtype) @ (w.t() if b_k_major else w)
-    return out.to(a.dtype) if acc_dtype != torch.float64 else out
+    return out.to(a.dtype) if (acc_dtype != torch.float64 and round_output) else out
 
 
 def k_grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor,
@@ -75,6 +77,21 @@ def m_grouped_bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, group_offsets: torc
 def m_grouped_bf16_gemm_nn(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
     _ready("m_grouped_bf16_gemm_nn", a.device)
     return torch.ops.deep_gemm.m_grouped_bf16_gemm_nn(a, b, group_offsets)
+
+
+def m_grouped_bf16_gemm_swiglu(a: torch.Tensor, w13: torch.Tensor, group_offsets: torch.Tensor, *,
+                               a_row_index: torch.Tensor | None = None, m_total: int | None = None,
+                               save_h: bool = False, clamp: float | None = None):
+    """L1 with the SwiGLU epilogue. w13 [E, 2I, K] in its natural layout (gate rows, then up rows).
+    Returns (s [m_total, I], h [m_total, 2I] or [0, 2I]): s = bf16(silu(min(g, c)) * clamp(u, -c, c))
+    from the fp32 accumulators, h = bf16(g|u) when ``save_h``."""
+    _ready("m_grouped_bf16_gemm_swiglu", a.device)
+    if m_total is None:
+        m_total = a_row_index.shape[0] if a_row_index is not None else a.shape[0]
+    if clamp is not None and clamp <= 0:
+        raise ValueError(f"clamp must be > 0 (or None), got {clamp}")
+    return torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu(a, w13, group_offsets, a_row_index, m_total, save_h,
+                                                          0.0 if clamp is None else float(clamp))
 
 
 def k_grouped_bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
@@ -125,6 +142,23 @@ def _register() -> None:
     def gather_fake(a, b, group_offsets, a_row_index, m_total):
         return a.new_empty(m_total, b.shape[1])
 
+    def swiglu_cpu(a, w13, group_offsets, a_row_index, m_total, save_h, clamp=0.0):
+        _check_cpu(a, w13, group_offsets)
+        rows = gather_rows(a, a_row_index, m_total) if a_row_index is not None else a[:m_total]
+        h = m_grouped_gemm_reference(rows, w13, group_offsets, True, torch.float32, round_output=False)
+        I = w13.shape[1] // 2
+        g, u = h[:, :I], h[:, I:]
+        if clamp > 0:
+            g, u = torch.clamp(g, max=clamp), torch.clamp(u, min=-clamp, max=clamp)
+        s = (torch.nn.functional.silu(g) * u).to(a.dtype)
+        return s, (h.to(a.dtype) if save_h else a.new_empty(0, 2 * I))
+
+    def swiglu_fake(a, w13, group_offsets, a_row_index, m_total, save_h, clamp=0.0):
+        I = w13.shape[1] // 2
+        return a.new_empty(m_total, I), a.new_empty(m_total if save_h else 0, 2 * I)
+
+    torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu", "cpu", swiglu_cpu)
+    torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu", swiglu_fake)
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_nt_gather", "cpu", gather_cpu)
     torch.library.register_fake(lib + "m_grouped_bf16_gemm_nt_gather", gather_fake)
 

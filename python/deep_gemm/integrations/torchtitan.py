@@ -191,8 +191,9 @@ def apply(model: nn.Module, backend: str = "auto") -> list[str]:
     an ``MoE``) by :class:`MegaMoERoutedExperts`.
 
     ``backend`` ("auto" default, "fused", "reference") is passed to :func:`deep_gemm.mega.mega_moe`.
-    Call it after building (and optionally initialising or loading) the model and before
-    ``parallelize`` / FSDP. Returns the names of the MoE layers switched (all of them); layers
+    Call it after building (and optionally initialising or loading) the model, before
+    ``parallelize`` / FSDP and before building the optimizer (w1/w3 become one new parameter).
+    Returns the names of the MoE layers switched (all of them); layers
     already switched get the new backend and are listed too. Raises
     :class:`UnsupportedLayerError` naming every layer it cannot switch, before changing any.
     """

@@ -34,8 +34,6 @@ Supported: gated SiLU experts (``act_fn`` SiLU, transformers' default gate funct
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -105,8 +103,15 @@ def check_experts_module(module: nn.Module, name: str = "") -> tuple[int, int, i
     if act is None or not _is_silu(act):
         hidden_act = getattr(module.config, "hidden_act", None)
         fail(where, f"activation {type(act).__name__ if act is not None else None} (config.hidden_act="
-                    f"{hidden_act!r}) is not supported: mega_moe implements SiLU-gated experts (hidden_act='silu') only")
+                    f"{hidden_act!r}) is not supported: mega_moe implements SiLU-gated experts "
+                    f"(hidden_act='silu') only")
     w13, w2 = module.gate_up_proj, module.down_proj
+    floats = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    scales = [n for n, t in vars(module).get("_parameters", {}).items() if "scale" in n and t is not None]
+    scales += [n for n, t in vars(module).get("_buffers", {}).items() if "scale" in n and t is not None]
+    if w13.dtype not in floats or w2.dtype not in floats or scales:
+        fail(where, f"quantized expert weights (gate_up_proj {w13.dtype}, down_proj {w2.dtype}"
+                    f"{', scales ' + str(scales) if scales else ''}) are not supported: load the model in bf16/fp32")
     if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2:
         fail(where, f"gate_up_proj {list(w13.shape)} / down_proj {list(w2.shape)} are not [E, 2I, H] / [E, H, I]")
     E, twoI, H = w13.shape
@@ -170,7 +175,7 @@ def _named_candidates(model: nn.Module):
             yield name, m
 
 
-def apply(model: nn.Module, backend: str = "auto", *, layers: Optional[list] = None) -> list[str]:
+def apply(model: nn.Module, backend: str = "auto") -> list[str]:
     """Switch every experts module of ``model`` to the ``"prime_mega_moe"`` implementation.
 
     Args:
@@ -179,16 +184,11 @@ def apply(model: nn.Module, backend: str = "auto", *, layers: Optional[list] = N
       backend: "auto" (default: the fused kernels when ``deep_gemm.status()`` reports them, else
         the reference only with ``DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1``), "fused" or "reference";
         passed to :func:`deep_gemm.mega.mega_moe` on every call.
-      layers: unused for now; every experts module is switched (none is left on another
-        implementation). Reserved for a later per-layer selection.
 
     Returns the qualified names of the experts modules switched (all of them). Raises
     :class:`UnsupportedLayerError` naming every module that cannot be switched, before switching
     anything, and when the model has no experts module at all.
     """
-    if layers is not None:
-        raise NotImplementedError("deep_gemm.integrations.transformers.apply: per-layer selection (layers=) is not "
-                                  "implemented; every experts module is switched")
     check_backend(backend)
     register()
     found = list(_named_candidates(model))

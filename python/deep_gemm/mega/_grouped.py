@@ -1,15 +1,14 @@
 """The "grouped" backend: the layer as a short pipeline of our own CUDA kernels.
 
-Routing plan -> L1 as an m-grouped GEMM that gathers the token rows itself -> SwiGLU -> L2 as an
-m-grouped GEMM -> the deterministic combine; the backward runs the dgrad passes as m-grouped GEMMs
-that read the weights MN-major (no transposed copies), the weight gradients as k-grouped GEMMs,
-and dX through the same combine. It is the stepping stone to the persistent fused kernel (issue 5):
-the GEMMs are the measured core, and what is still plain torch here (SwiGLU and its backward, the
-gathers of dy and x rows for the backward) is what the fused epilogues absorb.
+Forward: routing plan -> L1 as an m-grouped GEMM that gathers the token rows itself and applies
+SwiGLU in its epilogue -> L2 as an m-grouped GEMM -> the deterministic combine. Backward: gathers of
+the dy and x rows -> L2 dgrad (weights read MN-major, no transposed copy) -> a pool-row SwiGLU
+backward kernel (d topk_weights partials, dh, w*s) -> L1 dgrad -> combine for dX, and the weight
+gradients as k-grouped GEMMs. It is the stepping stone to the persistent fused kernels (issues 5
+and 6): every stage is one of our kernels, but the stages meet in HBM.
 
 Rounding points: those of :mod:`deep_gemm.mega.reference`, except where a pipeline stage has to
 store a tensor between kernels:
-  * F1/F3: SwiGLU reads h rounded to bf16 (the fused L1 epilogue will read the fp32 accumulators);
   * F6 with a clamp: the saved h is plainly rounded (the mask-preserving rule is the fused epilogue's);
   * B2: da is rounded to bf16 before B3/B4.
 Each adds one bf16 rounding (relative 2^-9) at that point; the tests hold the pipeline to the same
@@ -21,9 +20,10 @@ from __future__ import annotations
 import torch
 
 from ..combine import combine
-from ..grouped_gemm import k_grouped_bf16_gemm_tn, m_grouped_bf16_gemm_nn, m_grouped_bf16_gemm_nt
+from ..grouped_gemm import (k_grouped_bf16_gemm_tn, m_grouped_bf16_gemm_nn, m_grouped_bf16_gemm_nt,
+                            m_grouped_bf16_gemm_swiglu)
 from ..routing import routing_plan
-from ..swiglu import swiglu_bwd, swiglu_fwd
+from ..swiglu import swiglu_bwd
 
 STATUS_KEY = "mega_moe_grouped.bf16.sm90"
 
@@ -56,12 +56,11 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
     srank = _pad(plan.pool_src_rank, capacity, -1)
     tok = _token_rows(src, K)
     offsets = plan.expert_offsets
-    num_rows = offsets[-1:]
-    h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity)  # F1
-    s = swiglu_fwd(h, num_rows, activation_clamp)  # F2, F3 (on bf16 h: see the module docstring)
+    # F1-F3 in one kernel: SwiGLU on the fp32 accumulators, s and (if saved) h rounded to bf16.
+    s, h_saved = m_grouped_bf16_gemm_swiglu(x, w13, offsets, a_row_index=tok, m_total=capacity, save_h=save_h,
+                                            clamp=activation_clamp)
     o = m_grouped_bf16_gemm_nt(s, w2, offsets)  # F4
     y = combine(o, plan.route_to_pool, topk_weights.float())  # F5
-    h_saved = h if save_h else x.new_empty((0, w13.shape[1]))
     return (y, h_saved, plan.expert_counts, offsets, src, srank, plan.route_to_pool.view(T, K))
 
 
