@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw 
 steps="${*:-tests gemm layer}"
 for step in $steps; do
   case "$step" in
-    tests) (cd tests && timeout 360 python3 -m pytest -q -ra -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25) ;;
+    tests) (cd tests && timeout 360 python3 -m pytest -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25) ;;
     gemm)  timeout 300 python3 bench/bench_gemm.py --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.log" | grep -v "^$" ;;
     layer) timeout 400 python3 bench/bench_layer.py --out "$OUT/layer.json" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layer.log" | tail -40 ;;
   esac
