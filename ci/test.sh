@@ -9,6 +9,11 @@ python3 -m venv "$VENV"
 "$VENV/bin/pip" install --quiet --disable-pip-version-check "torch==${PRIME_KERNELS_TEST_TORCH:-2.14.1}" \
   pytest numpy matplotlib "cibuildwheel==4.3.5" "cmake>=3.31" ninja
 "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps wheelhouse/prime_kernels-*.whl
+# The integrations' tests run against the versions they were written for. torchtitan's declared
+# dependencies (datasets, wandb, ...) are not used by the parts we adapt, hence --no-deps.
+"$VENV/bin/pip" install --quiet --disable-pip-version-check "transformers==5.24.0" "huggingface-hub==1.33.0" \
+  "spmd_types==0.2.3" "tyro==1.0.17"
+"$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps "torchtitan==0.3.0"
 # A second environment with the CPU-only torch 2.13 (older than the 2.14 headers the shim was built
 # against): the wheel must import and run its CPU ops there too. Skipped where no such torch exists.
 if [ "${PRIME_KERNELS_SKIP_CPU_TORCH:-0}" != 1 ]; then

@@ -9,11 +9,11 @@
 
 The submodules import their framework lazily (importing this package needs neither).
 
-Backend choice: every entry point takes ``backend=`` ("auto" by default, "fused" or
-"reference") and passes it to :func:`deep_gemm.mega.mega_moe` unchanged, so the fused kernels are
-used as soon as ``deep_gemm.status()`` reports them available, and "auto" falls back to the
-reference only where ``DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1`` allows it (see
-:mod:`deep_gemm.mega._backend`).
+Backend choice: every entry point takes ``backend=`` (one of ``deep_gemm.mega.constants.BACKENDS``,
+"auto" by default) and passes it to :func:`deep_gemm.mega.mega_moe` unchanged, so the integrations
+follow :mod:`deep_gemm.mega._backend`: under "auto" the fused kernels as soon as
+``deep_gemm.status()`` reports them, else the grouped-GEMM pipeline where it runs (CUDA, bf16, one
+rank), else the reference only where ``DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1`` allows it.
 """
 
 from ._common import UnsupportedLayerError

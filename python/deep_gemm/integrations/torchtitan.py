@@ -190,7 +190,8 @@ def apply(model: nn.Module, backend: str = "auto") -> list[str]:
     """Replace the routed experts of every TorchTitan MoE layer in ``model`` (the model itself may be
     an ``MoE``) by :class:`MegaMoERoutedExperts`.
 
-    ``backend`` ("auto" default, "fused", "reference") is passed to :func:`deep_gemm.mega.mega_moe`.
+    ``backend`` ("auto" default, "fused", "grouped", "reference") is passed to
+    :func:`deep_gemm.mega.mega_moe` on every call.
     Call it after building (and optionally initialising or loading) the model, before
     ``parallelize`` / FSDP and before building the optimizer (w1/w3 become one new parameter).
     Returns the names of the MoE layers switched (all of them); layers

@@ -182,8 +182,9 @@ def apply(model: nn.Module, backend: str = "auto") -> list[str]:
       model: a transformers ``PreTrainedModel`` (Qwen3-MoE, or any model whose experts class uses
         ``@use_experts_implementation`` with the same layout), or any ``nn.Module`` containing them.
       backend: "auto" (default: the fused kernels when ``deep_gemm.status()`` reports them, else
-        the reference only with ``DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1``), "fused" or "reference";
-        passed to :func:`deep_gemm.mega.mega_moe` on every call.
+        the grouped-GEMM pipeline where it runs, else the reference only with
+        ``DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1``), or "fused", "grouped", "reference"; passed to
+        :func:`deep_gemm.mega.mega_moe` on every call.
 
     Returns the qualified names of the experts modules switched (all of them). Raises
     :class:`UnsupportedLayerError` naming every module that cannot be switched, before switching
