@@ -302,7 +302,10 @@ def _tiny_qwen3_model(seed):
 def test_whole_qwen3_model_switch_and_hf_export():
     """A whole TorchTitan Qwen3-MoE model: every MoE layer switched and reported, each layer's output
     on fresh inputs close to TorchTitan's, and its HF state-dict export (to_hf) unchanged."""
-    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+    try:
+        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+    except ImportError as exc:  # torchtitan 0.3.0's FSDP helpers need a newer torch (seen on torch 2.11)
+        pytest.skip(f"torchtitan's Qwen3 state-dict adapter does not import under torch {torch.__version__}: {exc}")
 
     cfg, titan = _tiny_qwen3_model(15)
     ours = copy.deepcopy(titan)
@@ -372,5 +375,6 @@ assert max(errs) < 2e-2, errs
 dist.destroy_process_group()
 print("ok", errs)
 """
-    res = run_python(code)
+    # One CPU rank: hide GPUs, or FSDP2 would put its mesh (and the shards) on CUDA next to CPU inputs.
+    res = run_python(code, env={"CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr
