@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One device call on the lent H200: install the carried wheel, run the whole test suite (GPU tests
 # included), then the GEMM-core and layer benchmarks. Results and logs go to $OUT.
-# usage (device tool, carry .devbuild/wheels): bash bench/run_h200.sh [tests|gemm|layer]...
+# usage (device tool, carry .devbuild/wheels and .whl): bash bench/run_h200.sh [tests|gemm|layer]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/pk_out}"; mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-index --target /tmp/site .devbuild/wheels/prime_kernels-*.whl || exit 1
+# .whl/ (ci/device_wheels.sh, carried) holds the integration tests' packages; without it they skip.
+python3 -m pip install -q --no-deps --no-index --target /tmp/site .devbuild/wheels/prime_kernels-*.whl \
+  $(ls .whl/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PRIME_KERNELS_TEST_PYPI_NVCC=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw --format=csv,noheader
 steps="${*:-tests gemm layer}"
