@@ -24,25 +24,24 @@ def build_info() -> dict[str, object]:
 
 
 def _warn_if_upstream_installed() -> None:
-    """prime-kernels replaces the import package of DeepSeek's DeepGEMM; two owners of one package
-    directory overwrite each other's files, so say so once."""
-    try:
-        from importlib.metadata import distributions
-    except ImportError:
-        return
-    ours = {"prime-kernels", "prime_kernels"}
-    for dist in distributions():
-        name = (dist.metadata.get("Name") or "").strip()
-        if name.lower().replace("_", "-") in ours:
+    """prime-kernels replaces the import package of DeepSeek's DeepGEMM (distribution ``deep_gemm``);
+    two owners of one package directory overwrite each other's files, so say so once. Looks for that
+    distribution's metadata folder on sys.path (a glob per entry: reading every installed
+    distribution's metadata would add ~0.2 s to the import)."""
+    import glob
+    import os
+    import sys
+
+    for base in sys.path:
+        if not base or not os.path.isdir(base):
             continue
-        top = (dist.read_text("top_level.txt") or "").split()
-        files = [str(f) for f in (dist.files or [])[:200]]
-        if name.lower().replace("_", "-") == "deep-gemm" or "deep_gemm" in top or any(
-                f.startswith("deep_gemm/") for f in files):
+        for meta in glob.glob(os.path.join(base, "deep_gemm-*.dist-info")) + glob.glob(
+                os.path.join(base, "deep_gemm-*.egg-info")):
+            version = os.path.splitext(os.path.basename(meta))[0].split("-", 1)[1]
             warnings.warn(
-                f"deep_gemm: both prime-kernels and {name} {dist.version} provide the import package "
+                f"deep_gemm: both prime-kernels and deep_gemm {version} provide the import package "
                 f"'deep_gemm'; whichever was installed last owns its files. Uninstall one "
-                f"(pip uninstall {name}).", RuntimeWarning, stacklevel=3)
+                f"(pip uninstall deep_gemm).", RuntimeWarning, stacklevel=3)
             return
 
 
