@@ -80,8 +80,10 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     da = m_grouped_bf16_gemm_nn(dy_pool, w2, offsets)  # B2 (rounded to bf16: see the module docstring)
     dh, a, dt_pool = swiglu_bwd(h, da, pool_src_route, topk_weights.float().contiguous(), num_rows,
                                 activation_clamp)  # B3-B6, B9
+    del da, h  # pool-sized buffers are freed as soon as their last reader is queued (lower peak memory)
     dx_pool = m_grouped_bf16_gemm_nn(dh, w13, offsets)  # B7
     dx = combine(dx_pool, route_to_pool, None)  # B8
+    del dx_pool
     rows = route_to_pool.reshape(-1).long()
     dtopk = torch.where(rows >= 0, dt_pool[rows.clamp(min=0)], torch.zeros((), device=dy.device))
     dtopk = dtopk.view_as(topk_weights).to(topk_weights.dtype)
