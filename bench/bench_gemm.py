@@ -16,10 +16,11 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
+
+import bench_common
 
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3-235b-a22b": (128, 4096, 1536, 8)}
 
@@ -144,18 +145,13 @@ def main() -> int:
     geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     print(f"passes >= 1.0x torch: {sum(r >= 1.0 for r in ratios)}/{len(ratios)}; min x{min(ratios):.3f}; "
           f"geometric mean x{geo:.3f}")
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        sha = ""
-    sha = sha or deep_gemm.build_info()["git_sha"]
+    sha = bench_common.git_sha()  # the checkout's commit, else the wheel's build record
     result = {"gpu": torch.cuda.get_device_name(), "num_gpus": 1, "torch": torch.__version__,
               "cuda": torch.version.cuda, "git_sha": sha, "deep_gemm_build": deep_gemm.build_info(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "peak_bf16_tflops": peak, "geomean_ratio_vs_torch": geo, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"gemm_{result['date'][:10]}_{sha or 'nosha'}.json")
+    path = os.path.join(args.out, f"gemm_{result['date'][:10]}_{sha[:12]}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")

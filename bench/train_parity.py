@@ -57,7 +57,6 @@ import hashlib
 import json
 import math
 import statistics
-import subprocess
 import sys
 import sysconfig
 import time
@@ -67,6 +66,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from bench_common import git_sha  # bench/ is on sys.path (the script's folder, or the test's insert)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
@@ -522,20 +523,6 @@ def judge(candidate: dict, references: list[dict], *, smooth_w: int, check_last:
 # ------------------------------------------------------------------------------------------------
 
 
-def git_sha() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        try:  # a copy of the tree without git: the wheel's build record
-            import deep_gemm  # noqa: PLC0415
-
-            return deep_gemm.build_info()["git_sha"] or "unknown"
-        except Exception:  # noqa: BLE001
-            return "unknown"
 
 
 def plot(doc: dict, png: Path) -> Path | None:

@@ -80,3 +80,20 @@ def run_layer(x, topk_idx, topk_weights, w13, w2, dy, **kwargs):
     y = mega_moe(xs[0], topk_idx, xs[1], xs[2], xs[3], **kwargs)
     y.backward(dy)
     return y.detach(), xs[0].grad, xs[1].grad, xs[2].grad, xs[3].grad
+
+
+def auto_kernel_skip_reason() -> str | None:
+    """None when backend="auto" resolves to one of our kernel paths (fused, else the grouped-GEMM
+    pipeline) for both directions on this machine's GPU, never to the reference; else why not."""
+    import torch
+
+    from deep_gemm.mega import _backend
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (none on this machine)"
+    for direction in ("fwd", "bwd"):
+        fused = _backend._fused_reason("bf16", direction)
+        grouped = _backend._grouped_reason("bf16", 1)
+        if fused is not None and grouped is not None:
+            return f"backend='auto' has no kernel for bf16 {direction} here: {fused}; {grouped}"
+    return None

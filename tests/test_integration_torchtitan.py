@@ -13,7 +13,7 @@ from torch import nn
 
 pytest.importorskip("torchtitan")
 
-from mega_helpers import loop_reference, rel_err  # noqa: E402
+from mega_helpers import auto_kernel_skip_reason, loop_reference, rel_err  # noqa: E402
 
 import deep_gemm.integrations.torchtitan as dg_tt  # noqa: E402
 from deep_gemm.integrations import UnsupportedLayerError  # noqa: E402
@@ -231,20 +231,6 @@ def test_auto_backend_is_passed_through(monkeypatch):
         moe(x)
 
 
-def _gpu_skip_reason():
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (none on this machine)"
-    # backend="auto" must resolve to our kernels (fused, else the grouped-GEMM pipeline) for
-    # both directions on this GPU at the test's aligned shapes, never to the reference
-    for direction in ("fwd", "bwd"):
-        fused = _backend._fused_reason("bf16", direction)
-        grouped_reason = getattr(_backend, "_grouped_reason", None)
-        grouped = grouped_reason("bf16", 1) if grouped_reason else "no grouped pipeline in this build"
-        if fused is not None and grouped is not None:
-            return f"backend='auto' has no kernel for bf16 {direction} here: {fused}; {grouped}"
-    return None
-
-
 def _check_against_torchtitan(device, backend, tokens=(4, 128)):
     """Kernel-aligned shapes (D 256, F 128, 16 experts, top-4): ``backend`` on ``device`` against
     TorchTitan's grouped-mm layer and the reference backend, forward and backward."""
@@ -270,7 +256,7 @@ def test_cpu_variant_of_the_gpu_check():
     _check_against_torchtitan("cpu", "reference", tokens=(2, 32))
 
 
-@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
+@pytest.mark.skipif(auto_kernel_skip_reason() is not None, reason=str(auto_kernel_skip_reason()))
 def test_gpu_auto_backend_matches_torchtitan(monkeypatch):
     """backend="auto" on the GPU: the fused kernels, else the grouped pipeline (no reference fallback)."""
     monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)

@@ -12,7 +12,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
-from mega_helpers import rel_err  # noqa: E402
+from mega_helpers import auto_kernel_skip_reason, rel_err  # noqa: E402
 
 import deep_gemm.integrations.transformers as dg_hf  # noqa: E402
 from deep_gemm.integrations import UnsupportedLayerError  # noqa: E402
@@ -353,20 +353,6 @@ def test_undecorated_experts_and_plain_models_are_reported():
 # ------------------------------------------------------------------------------------------------
 
 
-def _gpu_skip_reason():
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (none on this machine)"
-    # backend="auto" must resolve to our kernels (fused, else the grouped-GEMM pipeline) for
-    # both directions on this GPU at the test's aligned shapes, never to the reference
-    for direction in ("fwd", "bwd"):
-        fused = _backend._fused_reason("bf16", direction)
-        grouped_reason = getattr(_backend, "_grouped_reason", None)
-        grouped = grouped_reason("bf16", 1) if grouped_reason else "no grouped pipeline in this build"
-        if fused is not None and grouped is not None:
-            return f"backend='auto' has no kernel for bf16 {direction} here: {fused}; {grouped}"
-    return None
-
-
 def _check_against_reference_and_eager(device, backend, batch=(4, 64), steps=3):
     """``backend`` (on ``device``) for each experts module on its captured inputs, against the
     reference backend, float64 and transformers' eager bf16 experts; then ``steps`` AdamW steps of
@@ -414,7 +400,7 @@ def test_cpu_variant_of_the_gpu_check():
     _check_against_reference_and_eager("cpu", "reference", batch=(2, 24), steps=2)
 
 
-@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
+@pytest.mark.skipif(auto_kernel_skip_reason() is not None, reason=str(auto_kernel_skip_reason()))
 def test_gpu_auto_backend_close_to_reference_and_eager(monkeypatch):
     """backend="auto" on the GPU: the fused kernels, else the grouped pipeline (no reference fallback)."""
     monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
