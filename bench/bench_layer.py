@@ -6,8 +6,8 @@ on the same inputs in the same run (DESIGN sections 6 and 7).
     python bench/bench_layer.py --smoke               # tiny CPU-runnable check of every code path
     torchrun --nproc-per-node 8 bench/bench_layer.py  # expert parallelism (tokens are per rank)
 
-Backends: "torch" (baseline), "deep_gemm" (fused kernels, when deep_gemm.status() says they are
-available), "deep_gemm_grouped" (the single-rank pipeline of our grouped GEMMs, deep_gemm.mega._grouped),
+Backends: "torch" (baseline), "deep_gemm" (backend="auto", what a user gets: the fused kernel of each
+direction where deep_gemm.status() says it is available, else the grouped pipeline; the log says which), "deep_gemm_grouped" (the single-rank pipeline of our grouped GEMMs, deep_gemm.mega._grouped),
 "deep_gemm_reference" (the pure-PyTorch reference; by default timed only at
 T <= --reference-max-tokens because it is slow). Timing: CUDA events, --warmup runs then the median
 of --iters; fwd with autograd on, fwdbwd = forward + torch.autograd.grad, bwd = fwdbwd - fwd. Peak
@@ -84,7 +84,7 @@ def _layer_fn(backend, group, E, args):
         return lambda x, i, w, a, b: bc.torch_moe(x, i, w, a, b, group=group)
     from deep_gemm.mega import mega_moe
 
-    which = {"deep_gemm": "fused", "deep_gemm_grouped": "grouped"}.get(backend, "reference")
+    which = {"deep_gemm": "auto", "deep_gemm_grouped": "grouped"}.get(backend, "reference")
     return lambda x, i, w, a, b: mega_moe(x, i, w, a, b, group=group, num_experts=E, backend=which,
                                           recompute=args.recompute, activation_clamp=args.activation_clamp)
 
@@ -107,7 +107,7 @@ def bench_config(shape, T, routing, backends, args, device, group, fused_bwd_ok,
     for backend in backends:
         fn = _layer_fn(backend, group, E, args)
         fwd = lambda: fn(xl, idx, wl, w13l, w2l)  # noqa: E731
-        with_bwd = backend != "deep_gemm" or fused_bwd_ok
+        with_bwd = True
         fwdbwd = lambda: torch.autograd.grad(fwd(), leaves, dy)  # noqa: E731
         _free(device)
         res = {"fwd": bc.time_ms(fwd, device, args.warmup, args.iters)}
@@ -187,11 +187,10 @@ def main(argv=None):
         if bc.SHAPES[s][0] % ep:
             raise SystemExit(f"shape {s}: {bc.SHAPES[s][0]} experts do not divide over {ep} ranks")
     fused_fwd_reason, fused_bwd_reason = _fused_state()
-    if "deep_gemm" in backends and fused_fwd_reason is not None:
-        log(f"[bench] skipping backend deep_gemm: {fused_fwd_reason}")
-        backends.remove("deep_gemm")
-    elif "deep_gemm" in backends and fused_bwd_reason is not None:
-        log(f"[bench] deep_gemm: forward only ({fused_bwd_reason})")
+    if "deep_gemm" in backends:
+        log(f"[bench] deep_gemm = backend 'auto': fwd {'fused' if fused_fwd_reason is None else 'grouped'}, "
+            f"bwd {'fused' if fused_bwd_reason is None else 'grouped'}"
+            + "".join(f" ({r})" for r in (fused_fwd_reason, fused_bwd_reason) if r))
     if "deep_gemm_grouped" in backends:
         from deep_gemm.mega._backend import _grouped_reason
 

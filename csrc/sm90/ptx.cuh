@@ -208,6 +208,16 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst_smem, const void* src, 
                : "memory");
 }
 
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's cp.async groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void st_global_v4(void* p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
 // Hint: bring the 128-byte line at p into L2 (no completion tracking).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
@@ -217,6 +227,39 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 // the barrier's expected count: .noinc).
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// ------------------------------------------------------------------------------------------------
+// Cross-CTA signalling (the fused MoE kernels' dispatch and tile-readiness counters)
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Orders generic-proxy global accesses against later async-proxy (TMA) ones of this thread.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+// Spins until *p >= target (acquire): a tile waiting for another CTA's output. Debug builds trap after
+// PK_DEBUG_SPIN_BOUND polls instead of hanging.
+__device__ __forceinline__ void spin_until_at_least(const int* p, int target) {
+#ifdef PK_DEBUG_SPIN_BOUND
+  uint64_t polls = 0;
+#endif
+  while (ld_acquire_gpu(p) < target) {
+#ifdef PK_DEBUG_SPIN_BOUND
+    if (++polls > (uint64_t)(PK_DEBUG_SPIN_BOUND)) {
+      printf("pk: counter wait timed out (block %d thread %d: %d < %d)\n", blockIdx.x, threadIdx.x, ld_acquire_gpu(p),
+             target);
+      __trap();
+    }
+#endif
+    __nanosleep(64);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -365,6 +365,45 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tens
   return {s, h};
 }
 
+
+// Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns the pool tensors; the
+// combine over o is a separate op.
+std::tuple<Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets,
+                                                              Tensor w13, Tensor w2, int64_t top_k, bool save_h,
+                                                              double clamp) {
+  const char* op = "mega_moe_fused_fwd";
+  check_bf16_cuda(x, op, "x", 2);
+  check_bf16_cuda(w13, op, "w13", 3);
+  check_bf16_cuda(w2, op, "w2", 3);
+  STD_TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "deep_gemm.", op, ": w13 and w2 must be contiguous");
+  const int32_t num_experts = check_offsets(expert_offsets, x, op);
+  const int64_t hidden = x.size(1);
+  STD_TORCH_CHECK(w13.size(0) == num_experts && w13.size(2) == hidden && w13.size(1) % 2 == 0, "deep_gemm.", op,
+                  ": w13 must be [num_experts, 2I, hidden]");
+  const int64_t inter = w13.size(1) / 2;
+  STD_TORCH_CHECK(w2.size(0) == num_experts && w2.size(1) == hidden && w2.size(2) == inter, "deep_gemm.", op,
+                  ": w2 must be [num_experts, hidden, I]");
+  STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.dim() == 1 &&
+                      pool_src_route.is_contiguous() && pool_src_route.is_cuda(),
+                  "deep_gemm.", op, ": pool_src_route must be a contiguous CUDA int32 [m_total] tensor");
+  const int64_t m_total = pool_src_route.size(0);
+  STD_TORCH_CHECK(x.size(0) < (int64_t(1) << 28), "deep_gemm.", op, ": at most 2^28 - 1 tokens");
+  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
+  Tensor x_pool = new_tensor(x, {m_total, hidden}, ScalarType::BFloat16);
+  Tensor s = new_tensor(x, {m_total, inter}, ScalarType::BFloat16);
+  Tensor h = new_tensor(x, {save_h ? m_total : 0, 2 * inter}, ScalarType::BFloat16);
+  Tensor o = new_tensor(x, {m_total, hidden}, ScalarType::BFloat16);
+  Tensor counters = new_tensor(x, {pk_mega_moe_fwd_counter_count(m_total, num_experts)}, ScalarType::Int);
+  const void* x_ranks[1] = {x.data_ptr()};
+  check_core(pk_mega_moe_fwd_bf16(x_ranks, 1, x.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
+                                  nullptr, static_cast<int>(top_k),
+                                  static_cast<const int32_t*>(expert_offsets.data_ptr()), num_experts, m_total, hidden,
+                                  inter, w13.data_ptr(), w2.data_ptr(), x_pool.data_ptr(), s.data_ptr(),
+                                  save_h ? h.data_ptr() : nullptr, o.data_ptr(), static_cast<float>(clamp),
+                                  static_cast<int32_t*>(counters.data_ptr()), current_cuda_stream(x.get_device_index())),
+             op);
+  return {x_pool, s, h, o};
+}
 }  // namespace
 
 STABLE_TORCH_LIBRARY(deep_gemm, m) {
@@ -380,6 +419,8 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
         "float clamp=-1.0) -> (Tensor dh, Tensor a, Tensor dt)");
   m.def("m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tensor group_offsets, Tensor? a_row_index, int m_total, "
         "bool save_h, float clamp=0.0) -> (Tensor s, Tensor h)");
+  m.def("mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
+        "int top_k, bool save_h, float clamp=0.0) -> (Tensor x_pool, Tensor s, Tensor h, Tensor o)");
   m.def("combine(Tensor slots, Tensor route_to_pool, Tensor? weights=None) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32=True) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor(c!) c) -> ()");
@@ -399,6 +440,7 @@ STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CUDA, m) {
   m.impl("swiglu_fwd", TORCH_BOX(&swiglu_fwd));
   m.impl("m_grouped_bf16_gemm_swiglu", TORCH_BOX(&m_grouped_bf16_gemm_swiglu));
   m.impl("swiglu_bwd", TORCH_BOX(&swiglu_bwd));
+  m.impl("mega_moe_fused_fwd", TORCH_BOX(&mega_moe_fused_fwd));
   m.impl("k_grouped_bf16_gemm_tn", TORCH_BOX(&k_grouped_bf16_gemm_tn));
   m.impl("k_grouped_bf16_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_bf16_gemm_tn_accumulate_));
 }

@@ -36,7 +36,7 @@ def _entries() -> list[KernelEntry]:
     e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     todo = "not implemented yet"
     e += [
-        KernelEntry("mega_moe.bf16.sm90", "", "sm90", f"{todo} (fused forward: issue 5)"),
+        KernelEntry("mega_moe.bf16.sm90", "mega_moe_fwd_bf16", "sm90"),
         KernelEntry("mega_moe_backward.bf16.sm90", "", "sm90", f"{todo} (fused backward: issue 6)"),
         KernelEntry("mega_moe.fp8.sm90", "", "sm90", f"{todo} (fp8 precision)"),
         KernelEntry("mega_moe.fp8_bwd.sm90", "", "sm90", f"{todo} (fp8_bwd precision)"),

@@ -1,29 +1,52 @@
-"""Hook where the fused CUDA kernels plug into ``deep_gemm.mega``.
+"""The fused kernels behind ``deep_gemm.mega`` (backend "fused").
 
-``_backend.resolve_backend`` returns "fused" only when ``deep_gemm.status()`` reports the kernel
-"available"; the functions below then run it. They take the same arguments as the reference
-functions (``reference.forward`` / ``reference.backward``) and must return the same tuples, with
-the same rounding points (see the docstring of :mod:`deep_gemm.mega.reference`), plus a keyword
-``buffer`` (the :class:`deep_gemm.mega.SymmBuffer` the caller registered, or None). Register the
-CUDA ops they call under names other than ``deep_gemm::mega_moe_fwd`` / ``deep_gemm::mega_moe_bwd``
-(those are the Python custom ops of :mod:`deep_gemm.mega._ops`).
-Until the kernels are bound here they raise, so nothing can silently run the wrong code.
+Forward (sm90, BF16, single rank): the routing plan, then one persistent kernel
+(``torch.ops.deep_gemm.mega_moe_fused_fwd``: dispatch of the token rows into the pool, L1 with the
+SwiGLU epilogue and L2, tiles released to each other through per-m-block counters), then the
+deterministic combine kernel over the L2 rows. Same arguments, return tuple and rounding points as
+:func:`deep_gemm.mega.reference.forward` (F6 with a clamp: the saved h is plainly rounded to bf16,
+as in the grouped pipeline; see ``_grouped``). The plan is built with ``block_m = 1`` (no padding), so
+the saved state is the grouped pipeline's and its backward reads it.
+
+The fused backward is not written yet: ``deep_gemm.status()`` says so, and ``_backend`` never
+resolves "fused" for it.
 """
 
 from __future__ import annotations
 
+import torch
+
 from ._backend import FusedKernelUnavailable
+from ._grouped import _pad
+from ..combine import combine
+from ..routing import routing_plan
+
+STATUS_KEY_FWD = "mega_moe.bf16.sm90"
 
 
-def forward(*args, precision: str = "bf16", **kwargs):
-    raise FusedKernelUnavailable(
-        f"deep_gemm.mega: deep_gemm.status() reports the {precision} forward kernel available, but "
-        f"deep_gemm/mega/_fused.py has no binding for it yet; use backend='reference'"
-    )
+def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", activation_clamp=None, group=None,
+            num_experts=None, max_tokens_per_rank=None, block_m, capacity, save_h=True, buffer=None):
+    """Same contract as :func:`deep_gemm.mega.reference.forward`."""
+    if precision != "bf16":
+        raise FusedKernelUnavailable(f"deep_gemm.mega: no fused {precision} forward kernel")
+    if group is not None:
+        raise FusedKernelUnavailable("deep_gemm.mega: the fused forward runs on a single rank for now (group=None)")
+    T = x.shape[0]
+    K = topk_idx.shape[1]
+    with torch.no_grad():
+        plan = routing_plan(topk_idx, num_experts, 1, validate=False)
+        src = _pad(plan.pool_src_route, capacity, -1)
+        srank = _pad(plan.pool_src_rank, capacity, -1)
+        _x_pool, _s, h, o = torch.ops.deep_gemm.mega_moe_fused_fwd(
+            x.contiguous(), src, plan.expert_offsets, w13.contiguous(), w2.contiguous(), K, save_h,
+            float(activation_clamp) if activation_clamp is not None else 0.0)
+        y = combine(o, plan.route_to_pool, topk_weights.float())  # F5
+    return (y, h, plan.expert_counts, plan.expert_offsets, src, srank,
+            plan.route_to_pool.view(T, K))
 
 
 def backward(*args, precision: str = "bf16", **kwargs):
     raise FusedKernelUnavailable(
-        f"deep_gemm.mega: deep_gemm.status() reports the {precision} backward kernel available, but "
-        f"deep_gemm/mega/_fused.py has no binding for it yet; use backend='reference'"
+        f"deep_gemm.mega: no fused {precision} backward kernel yet (deep_gemm.status() "
+        f"'mega_moe_backward.bf16.sm90'); backend='auto' runs the grouped backward"
     )

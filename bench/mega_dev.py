@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""Development timing of the fused forward kernel alone (no plan/combine) at the two layer shapes,
+beside our separate GEMMs on the same pool (plain-A SwiGLU L1 + L2) in the same process. With
+PK_MEGA_FWD_STATS=1 the kernel prints its per-role clock figures once per shape."""
+
+import os
+import sys
+
+import torch
+
+import deep_gemm  # noqa: F401
+from deep_gemm.grouped_gemm import m_grouped_bf16_gemm_nt, m_grouped_bf16_gemm_swiglu
+from deep_gemm.routing import routing_plan
+
+
+def bench(fn, iters=15):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ts = []
+    for _ in range(iters):
+        ev[0].record(); fn(); ev[1].record(); torch.cuda.synchronize()
+        ts.append(ev[0].elapsed_time(ev[1]))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+stats = os.environ.get("PK_MEGA_FWD_STATS") is not None
+shapes = {"30B": (128, 2048, 768, 8), "235B": (128, 4096, 1536, 8)}
+for name in sys.argv[1:] or list(shapes):
+    E, H, I, K = shapes[name]
+    T = 16384
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    idx = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :K].contiguous()
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
+    flops = 6 * T * K * H * I
+    plan = routing_plan(idx, E, 1, validate=False)
+    src, offs = plan.pool_src_route, plan.expert_offsets
+    op = torch.ops.deep_gemm.mega_moe_fused_fwd
+    if stats:
+        op(x, src, offs, w13, w2, K, False, 0.0)
+        torch.cuda.synchronize()
+        continue
+    xp, s, _, o = op(x, src, offs, w13, w2, K, False, 0.0)
+    row = {}
+    for _ in range(2):  # interleaved rounds
+        row.setdefault("fused", []).append(bench(lambda: op(x, src, offs, w13, w2, K, False, 0.0)))
+        row.setdefault("fused+h", []).append(bench(lambda: op(x, src, offs, w13, w2, K, True, 0.0)))
+        row.setdefault("L1 plain", []).append(bench(lambda: m_grouped_bf16_gemm_swiglu(xp, w13, offs, save_h=False)))
+        row.setdefault("L2", []).append(bench(lambda: m_grouped_bf16_gemm_nt(s, w2, offs)))
+    out = " | ".join(f"{k} {min(v):.3f}" for k, v in row.items())
+    both = min(row["L1 plain"]) + min(row["L2"])
+    print(f"{name}: {out} | L1+L2 {both:.3f} ms | fused {flops / min(row['fused']) / 1e9:.0f} TF", flush=True)

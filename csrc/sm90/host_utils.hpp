@@ -1,0 +1,91 @@
+// prime-kernels: host helpers shared by the sm90 launch files (errors, tensor maps, device checks).
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+
+#include "grouped_gemm.hpp"
+
+namespace deep_gemm {
+namespace sm90 {
+namespace host {
+
+constexpr int64_t kMaxDim = (int64_t(1) << 31) - 1;
+
+inline int fail(int code, char* err, size_t err_len, const char* fmt, ...) {
+  if (err != nullptr && err_len > 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, err_len, fmt, ap);
+    va_end(ap);
+  }
+  return code;
+}
+
+inline void clear_err(char* err, size_t err_len) {
+  if (err != nullptr && err_len > 0) err[0] = '\0';
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) !=
+            cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// bf16 tensor map, 128-byte swizzle, zero fill out of bounds. dims/strides innermost first; strides in
+// bytes for dims 1.. (rank - 1 entries).
+inline int make_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims, const uint64_t* strides,
+             const uint32_t* box, char* err, size_t err_len) {
+  auto enc = tensor_map_encoder();
+  if (enc == nullptr)
+    return fail(kGemmCudaError, err, err_len, "cuTensorMapEncodeTiled not available from the driver");
+  uint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = enc(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides,
+                         box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return fail(kGemmCudaError, err, err_len, "cuTensorMapEncodeTiled failed (CUresult %d)", (int)r);
+  return kGemmOk;
+}
+
+// Checks that the current device is sm_90 and returns its multiprocessor count.
+inline int device_sms(int* sms, char* err, size_t err_len) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaGetDevice: %s", cudaGetErrorString(e));
+  int major = 0, minor = 0;
+  e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess)
+    return fail(kGemmCudaError, err, err_len, "cudaDeviceGetAttribute: %s", cudaGetErrorString(e));
+  if (major != 9 || minor != 0)
+    return fail(kGemmNotAvailable, err, err_len,
+                "the sm90 grouped GEMM needs an sm_90 device (found sm_%d%d)", major, minor);
+  return kGemmOk;
+}
+
+inline int check_launch(const char* what, char* err, size_t err_len) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s launch: %s", what, cudaGetErrorString(e));
+  return kGemmOk;
+}
+
+
+}  // namespace host
+}  // namespace sm90
+}  // namespace deep_gemm

@@ -1,0 +1,151 @@
+// prime-kernels: host side of the sm90a fused Mega MoE forward (checks, tensor maps, launch).
+#include "mega_moe.hpp"
+
+#include <cstdlib>
+#include <vector>
+
+#include "host_utils.hpp"
+#include "mega_moe_fwd.cuh"
+
+namespace deep_gemm {
+namespace sm90 {
+using namespace host;
+
+namespace {
+constexpr int kFwdStages = 3;
+}  // namespace
+
+int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
+                      const int32_t* pool_src_rank, int top_k, const int32_t* expert_offsets, int num_experts,
+                      int64_t m_total, int64_t hidden, int64_t inter, const void* w13, const void* w2, void* x_pool,
+                      void* s, void* h, void* o, float clamp, int32_t* counters, int num_sms, cudaStream_t stream,
+                      char* err, size_t err_len) {
+  clear_err(err, err_len);
+  const char* fn = "mega_moe_fwd_bf16";
+  if (num_ranks < 1 || num_ranks > kMegaMaxRanks || x_ranks == nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_ranks = %d, must be in [1, %d]", fn, num_ranks,
+                kMegaMaxRanks);
+  if (num_experts < 1 || num_experts > kMegaMaxExperts)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_experts = %d, must be in [1, %d]", fn, num_experts,
+                kMegaMaxExperts);
+  if (top_k < 1) return fail(kGemmInvalidArgument, err, err_len, "%s: top_k = %d, must be >= 1", fn, top_k);
+  if (m_total < 0 || m_total > kMaxDim || hidden < 64 || hidden % 64 != 0 || hidden > 65536 || inter < 64 ||
+      inter % 64 != 0 || 2 * inter > kMaxDim)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: bad sizes m_total=%lld hidden=%lld inter=%lld (hidden and inter multiples of 64)", fn,
+                (long long)m_total, (long long)hidden, (long long)inter);
+  if (ld_x < hidden || ld_x % 8 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: ld_x = %lld, must be >= hidden and a multiple of 8", fn,
+                (long long)ld_x);
+  if (m_total * ((hidden * 2 + kDispatchSlotBytes - 1) / kDispatchSlotBytes) > kMaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: m_total = %lld is too large for this hidden size", fn,
+                (long long)m_total);
+  if (!(clamp >= 0.f)) return fail(kGemmInvalidArgument, err, err_len, "%s: clamp must be >= 0 (0 = none)", fn);
+  if (m_total == 0) return kGemmOk;
+  for (int r = 0; r < num_ranks; ++r)
+    if (x_ranks[r] == nullptr || !aligned16(x_ranks[r]))
+      return fail(kGemmInvalidArgument, err, err_len, "%s: x_ranks[%d] is null or not 16-byte aligned", fn, r);
+  if (pool_src_route == nullptr || expert_offsets == nullptr || counters == nullptr || w13 == nullptr ||
+      w2 == nullptr || x_pool == nullptr || s == nullptr || o == nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: null pointer argument", fn);
+  if (!aligned16(w13) || !aligned16(w2) || !aligned16(x_pool) || !aligned16(s) || !aligned16(o) ||
+      (h != nullptr && !aligned16(h)))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: w13, w2, x_pool, s, h and o must be 16-byte aligned", fn);
+  int sms = 0;
+  if (int r = device_sms(&sms, err, err_len)) return r;
+  if (num_sms > 0 && num_sms < sms) sms = num_sms;
+
+  CUtensorMap m_xpool, m_w13, m_s, m_w2, m_h, m_o;
+  {
+    const uint64_t dims[2] = {(uint64_t)hidden, (uint64_t)m_total};
+    const uint64_t strides[1] = {(uint64_t)hidden * 2};
+    const uint32_t box[2] = {64, 128};
+    if (int r = make_map(&m_xpool, x_pool, 2, dims, strides, box, err, err_len)) return r;
+  }
+  {
+    const uint64_t dims[3] = {(uint64_t)hidden, (uint64_t)(2 * inter), (uint64_t)num_experts};
+    const uint64_t strides[2] = {(uint64_t)hidden * 2, (uint64_t)(2 * inter * hidden * 2)};
+    const uint32_t box[3] = {64, 128, 1};
+    if (int r = make_map(&m_w13, w13, 3, dims, strides, box, err, err_len)) return r;
+  }
+  {
+    const uint64_t dims[2] = {(uint64_t)inter, (uint64_t)m_total};
+    const uint64_t strides[1] = {(uint64_t)inter * 2};
+    const uint32_t box[2] = {64, 128};
+    if (int r = make_map(&m_s, s, 2, dims, strides, box, err, err_len)) return r;
+  }
+  {
+    const uint64_t dims[3] = {(uint64_t)inter, (uint64_t)hidden, (uint64_t)num_experts};
+    const uint64_t strides[2] = {(uint64_t)inter * 2, (uint64_t)(hidden * inter * 2)};
+    const uint32_t box[3] = {64, 256, 1};
+    if (int r = make_map(&m_w2, w2, 3, dims, strides, box, err, err_len)) return r;
+  }
+  if (h != nullptr) {
+    const uint64_t dims[2] = {(uint64_t)(2 * inter), (uint64_t)m_total};
+    const uint64_t strides[1] = {(uint64_t)(2 * inter) * 2};
+    const uint32_t box[2] = {64, 64};
+    if (int r = make_map(&m_h, h, 2, dims, strides, box, err, err_len)) return r;
+  }
+  {
+    const uint64_t dims[2] = {(uint64_t)hidden, (uint64_t)m_total};
+    const uint64_t strides[1] = {(uint64_t)hidden * 2};
+    const uint32_t box[2] = {64, 64};
+    if (int r = make_map(&m_o, o, 2, dims, strides, box, err, err_len)) return r;
+  }
+  if (h == nullptr) m_h = m_o;  // never used
+
+  MegaFwdParams p{};
+  for (int r = 0; r < num_ranks; ++r) p.x_ranks[r] = static_cast<const __nv_bfloat16*>(x_ranks[r]);
+  p.num_ranks = num_ranks;
+  p.ld_x = ld_x;
+  p.pool_src_route = pool_src_route;
+  p.pool_src_rank = pool_src_rank;
+  p.top_k = top_k;
+  p.expert_offsets = expert_offsets;
+  p.num_experts = num_experts;
+  p.m_total = (int32_t)m_total;
+  p.hidden = (int32_t)hidden;
+  p.inter = (int32_t)inter;
+  p.x_pool = static_cast<__nv_bfloat16*>(x_pool);
+  p.s = static_cast<__nv_bfloat16*>(s);
+  p.h = static_cast<__nv_bfloat16*>(h);
+  p.o = static_cast<__nv_bfloat16*>(o);
+  p.clamp = clamp;
+  p.counters = counters;
+  p.max_m_blocks = (int32_t)mega_moe_max_m_blocks(m_total, num_experts);
+  // Development aid: PK_MEGA_FWD_STATS=1 synchronizes after the launch and prints per-role clock figures
+  // (average over CTAs, in microseconds at the SM clock of 1.98 GHz max) to stderr.
+  static const bool kStats = std::getenv("PK_MEGA_FWD_STATS") != nullptr;
+  static long long* stats_buf = nullptr;
+  if (kStats && stats_buf == nullptr && cudaMalloc(&stats_buf, sizeof(long long) * 1024 * kStatsPerCta) != cudaSuccess)
+    stats_buf = nullptr;
+  p.stats = kStats ? stats_buf : nullptr;
+
+  cudaError_t e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * mega_moe_fwd_counter_count(m_total, num_experts),
+                                  stream);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
+  auto kernel = mega_moe_fwd_kernel<kFwdStages>;
+  constexpr int smem = MegaFwdLayout<kFwdStages>::kSmemBytes;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+  // Every CTA must be resident at once (tiles wait for tiles of other CTAs): one per SM at most.
+  kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);
+  if (p.stats != nullptr && cudaStreamSynchronize(stream) == cudaSuccess) {
+    std::vector<long long> st(static_cast<size_t>(sms) * kStatsPerCta);
+    cudaMemcpy(st.data(), p.stats, st.size() * sizeof(long long), cudaMemcpyDeviceToHost);
+    double avg[kStatsPerCta] = {0}, mx[kStatsPerCta] = {0};
+    for (int b = 0; b < sms; ++b)
+      for (int i = 0; i < kStatsPerCta; ++i) {
+        avg[i] += st[b * kStatsPerCta + i] / 1980.0 / sms;
+        mx[i] = mx[i] > st[b * kStatsPerCta + i] / 1980.0 ? mx[i] : st[b * kStatsPerCta + i] / 1980.0;
+      }
+    fprintf(stderr,
+            "mega_fwd stats (us avg/max): wait_dispatch %.0f/%.0f wait_l1 %.0f/%.0f producer_end %.0f/%.0f "
+            "dispatch_end %.0f/%.0f consumer_end %.0f/%.0f %.0f/%.0f\n",
+            avg[0], mx[0], avg[1], mx[1], avg[2], mx[2], avg[3], mx[3], avg[4], mx[4], avg[5], mx[5]);
+  }
+  return check_launch(fn, err, err_len);
+}
+
+}  // namespace sm90
+}  // namespace deep_gemm

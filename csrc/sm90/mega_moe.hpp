@@ -1,0 +1,46 @@
+// prime-kernels: host launch function of the sm90a fused Mega MoE forward (BF16, csrc/sm90/mega_moe_fwd.cuh).
+//
+// Plain C++ over raw device pointers; same conventions as grouped_gemm.hpp (status codes, err message,
+// asynchronous on `stream`, everything validated before the device is touched).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace deep_gemm {
+namespace sm90 {
+
+// m-blocks (128 pool rows, never across an expert) any plan over m_total rows can have.
+inline int64_t mega_moe_max_m_blocks(int64_t m_total, int num_experts) {
+  return (m_total > 0 ? (m_total + 127) / 128 : 0) + (num_experts > 0 ? num_experts : 0);
+}
+// int32 counters the forward needs (zeroed by the launch itself, on `stream`): dispatch and L1 per m-block.
+inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts) {
+  return 2 * mega_moe_max_m_blocks(m_total, num_experts);
+}
+
+// One forward of the layer's routed experts over a routing plan (pool rows grouped by expert, no padding
+// needed):
+//   x_ranks      num_ranks (1..8) pointers to bf16 token rows [< 2^28, hidden], row stride ld_x (>= hidden, % 8)
+//   pool_src_route / pool_src_rank  device int32 [m_total]: token * top_k + k and source rank per pool row
+//                (pool_src_rank may be null: rank 0)
+//   expert_offsets device int32 [num_experts + 1] (1..512 experts), non-decreasing, last <= m_total
+//   w13          bf16 [num_experts, 2 * inter, hidden] contiguous (gate rows, then up rows)
+//   w2           bf16 [num_experts, hidden, inter] contiguous
+//   x_pool       bf16 [m_total, hidden] out: the dispatched rows (the backward's pooled x)
+//   s            bf16 [m_total, inter] out: silu(gate) * up
+//   h            bf16 [m_total, 2 * inter] out, or null: gate | up pre-activation
+//   o            bf16 [m_total, hidden] out: s @ w2^T per pool row (the combine's input)
+//   counters     device int32 [mega_moe_fwd_counter_count(m_total, num_experts)] scratch
+//   hidden, inter multiples of 64; clamp >= 0 (0 = none). All pointers 16-byte aligned.
+// Rows of the outputs outside [0, expert_offsets[num_experts]) are not written.
+int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
+                      const int32_t* pool_src_rank, int top_k, const int32_t* expert_offsets, int num_experts,
+                      int64_t m_total, int64_t hidden, int64_t inter, const void* w13, const void* w2, void* x_pool,
+                      void* s, void* h, void* o, float clamp, int32_t* counters, int num_sms, cudaStream_t stream,
+                      char* err, size_t err_len);
+
+}  // namespace sm90
+}  // namespace deep_gemm

@@ -1,0 +1,491 @@
+// prime-kernels: sm90a fused Mega MoE forward (BF16): dispatch, L1 + SwiGLU and L2 in one persistent kernel.
+//
+// Per pool row m of expert e (rows grouped by expert through offsets, no padding; the routing plan's order):
+//   x_pool[m] = x_{rank(m)}[token(m)]                                   (dispatch: cp.async + stores per 4 KB piece)
+//   h[m]      = [x_pool[m] @ w13_e[0:I]^T | x_pool[m] @ w13_e[I:2I]^T]  (fp32 accumulation; stored as bf16 when asked)
+//   s[m]      = silu(h_gate) * h_up                                     (fp32 math, bf16 out; optional clamp)
+//   o[m]      = s[m] @ w2_e^T                                           (bf16 out)
+// and the deterministic combine (a separate launch for now) sums o over each token's routes.
+//
+// Work, in one static sequence every CTA walks with stride gridDim.x (the scheduling of DeepGEMM's Mega MoE,
+// rewritten for Hopper's register-resident accumulators): all L1 tiles (per expert: the I/128 n-blocks, each
+// pairing gate rows c.. and up rows I + c.. of the natural w13 layout, m-blocks fastest), then all L2 tiles
+// (per expert: H/256 n-blocks, m-blocks fastest). A tile only ever waits for work earlier in the sequence or
+// for the dispatch (which waits for nothing), and every CTA processes its tiles in increasing order, so with
+// the whole grid resident (one CTA per SM, grid <= SMs) the waits cannot deadlock.
+//   * dispatch (producer warp 1 of every CTA): copies x rows into x_pool in pool order (see the role below);
+//     per-m-block dispatch counters count the 4 KB pieces that have landed.
+//   * L1 tile: the TMA thread waits (ld.acquire) until its m-block's dispatch counter is complete, then
+//     streams x_pool and w13 like the grouped GEMM. Epilogue: s from registers (and h through the staging
+//     tile and TMA stores), then each consumer warpgroup adds one to the m-block's L1 counter (release).
+//   * L2 tile: waits until the m-block's L1 counter reaches 2 * (I/128 n-blocks) (every s column of the rows
+//     it reads), then streams s and w2; its epilogue TMA-stores o (pool order) for the combine.
+// Generic-proxy writes (x_pool, s) read later by TMA in another CTA: writer fence.proxy.async.global, then a
+// release; reader acquire, then fence.proxy.async.global before its TMA loads.
+#pragma once
+
+#include <cuda.h>
+
+#include "gemm_common.cuh"
+
+namespace deep_gemm {
+namespace sm90 {
+
+constexpr int kMegaMaxRanks = 8;
+constexpr int kMegaMaxExperts = 512;
+constexpr int kDispatchSlots = 3;
+constexpr int kDispatchSlotBytes = 4096;
+constexpr int kDispatchRunRows = 32;
+// The dispatch warp needs more than the GEMM producer's 40 registers; 128 * 56 + 256 * 224 = 384 * 168.
+constexpr uint32_t kMegaProducerRegs = 56;
+constexpr uint32_t kMegaConsumerRegs = 224;
+
+struct MegaFwdParams {
+  // Source token rows: rank r's x [*, hidden] bf16 (row stride ld_x elements) at x_ranks[r].
+  const __nv_bfloat16* x_ranks[kMegaMaxRanks];
+  int32_t num_ranks;
+  int64_t ld_x;
+  // Routing plan (pool order): token * top_k + k and source rank per pool row.
+  const int32_t* pool_src_route;
+  const int32_t* pool_src_rank;  // may be null (every row from rank 0)
+  int32_t top_k;
+  const int32_t* expert_offsets;  // [num_experts + 1]
+  int32_t num_experts;
+  int32_t m_total;  // pool rows allocated (x_pool, s, h, o have this many rows)
+  int32_t hidden;
+  int32_t inter;
+  __nv_bfloat16* x_pool;  // [m_total, hidden]
+  __nv_bfloat16* s;       // [m_total, inter]
+  __nv_bfloat16* h;       // [m_total, 2 * inter] or null
+  __nv_bfloat16* o;       // [m_total, hidden]: L2 output per pool row
+  float clamp;
+  // Readiness counters, zero before the launch: [num_m_blocks] dispatch, then [num_m_blocks] L1.
+  int32_t* counters;
+  int32_t max_m_blocks;  // length of each counter array (>= the plan's m-blocks)
+  // Development aid (null in normal runs): per CTA, kStatsPerCta clock64 figures (see mega_moe.cu).
+  long long* stats;
+};
+constexpr int kStatsPerCta = 6;
+
+template <int kNumStages>
+struct MegaFwdLayout {
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 256;
+  static constexpr int kBlockK = 64;
+  static constexpr int kABytes = kBlockM * kBlockK * 2;
+  static constexpr int kBBytes = kBlockN * kBlockK * 2;
+  static constexpr int kAOff = 0;
+  static constexpr int kBOff = kAOff + kNumStages * kABytes;
+  static constexpr int kCOff = kBOff + kNumStages * kBBytes;
+  static constexpr int kDispOff = kCOff + TmaStaging<kBlockN>::kBytes;
+  static constexpr int kBarOff = kDispOff + kDispatchSlots * kDispatchSlotBytes;
+  static constexpr int kOffsOff = kBarOff + 2 * kNumStages * 8;
+  static constexpr int kMbOff = kOffsOff + (kMegaMaxExperts + 1) * 4;
+  static constexpr int kEnd = kMbOff + (kMegaMaxExperts + 1) * 4;
+  static constexpr int kSmemBytes = kEnd + 1024;
+  static_assert(kSmemBytes <= 232448, "shared memory budget exceeded");
+};
+
+template <int kNumStages>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    mega_moe_fwd_kernel(const __grid_constant__ CUtensorMap tmap_xpool, const __grid_constant__ CUtensorMap tmap_w13,
+                        const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_w2,
+                        const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_o,
+                        const __grid_constant__ MegaFwdParams p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using L = MegaFwdLayout<kNumStages>;
+  constexpr int kBlockM = L::kBlockM;
+  constexpr int kBlockN = L::kBlockN;
+  constexpr int kBlockK = L::kBlockK;
+  constexpr int kL1Cols = kBlockN / 2;  // s columns per L1 n-block
+  using Mma = ptx::WgmmaBf16<kBlockN, 0, 0>;
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
+  uint64_t* empty_bar = full_bar + kNumStages;
+  int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
+  int32_t* s_mb = reinterpret_cast<int32_t*>(smem + L::kMbOff);  // first m-block of each expert
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int num_experts = p.num_experts;
+  const int n1 = ceil_div(p.inter, kL1Cols);
+  const int n2 = ceil_div(p.hidden, kBlockN);
+  const int kb1 = ceil_div(p.hidden, kBlockK);
+  const int kb2 = ceil_div(p.inter, kBlockK);
+
+  if (tid == 0) {
+    for (int s = 0; s < kNumStages; ++s) {
+      ptx::mbar_init(&full_bar[s], 1);
+      ptx::mbar_init(&empty_bar[s], kNumConsumerThreads / 32);
+    }
+    ptx::fence_mbar_init();
+  }
+  if (tid == 32) {
+    ptx::tma_prefetch_desc(&tmap_xpool);
+    ptx::tma_prefetch_desc(&tmap_w13);
+    ptx::tma_prefetch_desc(&tmap_s);
+    ptx::tma_prefetch_desc(&tmap_w2);
+    ptx::tma_prefetch_desc(&tmap_o);
+    if (p.h != nullptr) ptx::tma_prefetch_desc(&tmap_h);
+  }
+  for (int i = tid; i <= num_experts; i += kNumThreads) s_offs[i] = min(max(__ldg(p.expert_offsets + i), 0), p.m_total);
+  __syncthreads();
+  if (warp == 0) {
+    int running = 0;
+    for (int base = 0; base < num_experts; base += 32) {
+      const int e = base + lane;
+      const int cnt = e < num_experts ? ceil_div(max(s_offs[e + 1] - s_offs[e], 0), kBlockM) : 0;
+      int incl = cnt;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int o = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += o;
+      }
+      if (e < num_experts) s_mb[e] = running + incl - cnt;
+      running += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) s_mb[num_experts] = running;
+  }
+  __syncthreads();
+
+  // The plan's m-blocks beyond the counters' length cannot be signalled: the host sizes the counters from
+  // the pool capacity (ceil(m_total / 128) + num_experts bounds every plan), so this only guards misuse.
+  const int num_mb = min(s_mb[num_experts], p.max_m_blocks);
+  const int num_l1 = num_mb * n1;
+  const int num_tasks = num_l1 + num_mb * n2;
+  int32_t* disp_ctr = p.counters;
+  int32_t* l1_ctr = p.counters + p.max_m_blocks;
+
+  struct Tile {
+    bool l1;
+    int mb;     // global m-block
+    int e;      // expert
+    int row0;   // first pool row
+    int row_end;
+    int n0;     // first output column (s columns for L1, o columns for L2)
+  };
+  // Tasks are walked in increasing order by every role; the expert cursor restarts at the L1 -> L2 switch.
+  // Within an expert: n-block major, m-block fastest (the grouped GEMM's order), so the CTAs of one wave share
+  // B panels. (m-block major / n fastest measured the same within noise at both layer shapes.)
+  auto locate = [&](int u, int& e, bool& in_l2) -> Tile {
+    Tile t;
+    t.l1 = u < num_l1;
+    int local = u, n = n1;
+    if (!t.l1) {
+      if (!in_l2) {
+        in_l2 = true;
+        e = 0;
+      }
+      local = u - num_l1;
+      n = n2;
+    }
+    while (s_mb[e + 1] * n <= local) ++e;
+    const int m_blocks = s_mb[e + 1] - s_mb[e];
+    const int in_e = local - s_mb[e] * n;
+    const int nb = in_e / m_blocks;
+    t.mb = s_mb[e] + (in_e - nb * m_blocks);
+    t.e = e;
+    t.row0 = s_offs[e] + (t.mb - s_mb[e]) * kBlockM;
+    t.row_end = max(s_offs[e + 1], s_offs[e]);
+    t.n0 = nb * (t.l1 ? kL1Cols : kBlockN);
+    return t;
+  };
+  auto mb_rows = [&](const Tile& t) -> int { return min(t.row_end - t.row0, kBlockM); };
+
+  if (warp < 4) {
+    ptx::setmaxnreg_dec<kMegaProducerRegs>();
+    if (warp == 0 && lane == 0) {
+      // ================= TMA producer =================
+      int stage = 0;
+      uint32_t phase = 0;
+      int e = 0;
+      bool in_l2 = false;
+      const int chunks = ceil_div(p.hidden * 2, kDispatchSlotBytes);
+      long long wait_disp = 0, wait_l1 = 0, t_start = clock64();
+      for (int u = (int)ptx::ctaid_x_volatile(); u < num_tasks; u += (int)gridDim.x) {
+        const Tile t = locate(u, e, in_l2);
+        const long long t0 = p.stats != nullptr ? clock64() : 0;
+        if (t.l1) {
+          ptx::spin_until_at_least(disp_ctr + t.mb, mb_rows(t) * chunks);
+          if (p.stats != nullptr) wait_disp += clock64() - t0;
+        } else {
+          ptx::spin_until_at_least(l1_ctr + t.mb, 2 * n1);
+          if (p.stats != nullptr) wait_l1 += clock64() - t0;
+        }
+        ptx::fence_proxy_async_global();
+        const int kbs = t.l1 ? kb1 : kb2;
+        for (int kb = 0; kb < kbs; ++kb) {
+          ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+          uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
+          uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
+          ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
+          const int k0 = kb * kBlockK;
+          if (t.l1) {
+            ptx::tma_load_2d(sa, &tmap_xpool, &full_bar[stage], k0, t.row0);
+            ptx::tma_load_3d(sb, &tmap_w13, &full_bar[stage], k0, t.n0, t.e);
+            ptx::tma_load_3d(sb + kL1Cols * 128, &tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e);
+          } else {
+            ptx::tma_load_2d(sa, &tmap_s, &full_bar[stage], k0, t.row0);
+            ptx::tma_load_3d(sb, &tmap_w2, &full_bar[stage], k0, t.n0, t.e);
+          }
+          if (++stage == kNumStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+      if (p.stats != nullptr) {
+        long long* st = p.stats + blockIdx.x * kStatsPerCta;
+        st[0] = wait_disp;
+        st[1] = wait_l1;
+        st[2] = clock64() - t_start;  // producer's last load issued
+      }
+    } else if (warp == 1) {
+      // ================= dispatch (warp 1) =================
+      // Units = (pool row, piece of <= kDispatchSlotBytes) in pool order, handed out in runs of
+      // kDispatchRunRows rows round-robin over CTAs, so the first m-blocks fill first and most consecutive
+      // units of a CTA share an m-block (one release per run and m-block, not per unit: a release is a
+      // GPU-scope fence). The copy goes through the LSU, not the TMA engine: bulk copies queue behind the
+      // GEMM's 48 KB stage loads (measured ~1.5 us per 4 KB unit with 3 slots, a third of the rate L1
+      // consumes rows at). Each lane cp.asyncs its 16-byte pieces of a unit into a slot, kDispatchSlots - 1
+      // units ahead, and once they land stores them to x_pool itself (so a slot is free again at once). The
+      // lanes also load the source rows of 32 units at a time (one dependent load per unit would stall).
+      // x_pool is written through the generic proxy and read by TMA: proxy fence, then release.
+      const int row_bytes = p.hidden * 2;
+      const int chunks = ceil_div(row_bytes, kDispatchSlotBytes);
+      const int num_units = s_offs[num_experts] * chunks;  // < 2^31: checked on the host
+      const int run_units = kDispatchRunRows * chunks;
+      const uint32_t slot0 = ptx::smem_addr(smem + L::kDispOff);
+      const int cta = (int)ptx::ctaid_x_volatile();
+      const int step = (int)gridDim.x;
+      const long long t_start = clock64();
+      auto unit_of = [&](int j) -> int {
+        const int q = j / run_units;
+        const int64_t u = (static_cast<int64_t>(cta) + static_cast<int64_t>(q) * step) * run_units + (j - q * run_units);
+        return u < num_units ? static_cast<int>(u) : num_units;  // num_units = past the end
+      };
+      // Source of local unit j0 + lane: token row | rank << 28 (host-checked bounds), 0 past the end.
+      auto batch_src = [&](int j0) -> uint32_t {
+        const int u = unit_of(j0 + lane);
+        if (u >= num_units) return 0u;
+        const int row = u / chunks;
+        const int route = __ldg(p.pool_src_route + row);
+        const int rank = p.pool_src_rank != nullptr ? min(max(__ldg(p.pool_src_rank + row), 0), p.num_ranks - 1) : 0;
+        return (static_cast<uint32_t>(rank) << 28) | static_cast<uint32_t>(max(route, 0) / p.top_k);
+      };
+      uint32_t src_cur = batch_src(0), src_next = batch_src(32);
+      int batch0 = 0;
+      auto src_of = [&](int j) -> uint32_t {  // j in [batch0, batch0 + 64)
+        const int i = j - batch0;
+        const uint32_t a = __shfl_sync(0xffffffffu, src_cur, i & 31);
+        const uint32_t b = __shfl_sync(0xffffffffu, src_next, i & 31);
+        return i < 32 ? a : b;
+      };
+      auto piece_bytes = [&](int u) -> int {
+        const int c = u % chunks;
+        return min(kDispatchSlotBytes, row_bytes - c * kDispatchSlotBytes);
+      };
+      constexpr int kPerLane = kDispatchSlotBytes / 16 / 32;
+      auto issue_load = [&](int j) {  // every lane: its 16-byte pieces of local unit j (if any), then a commit
+        const uint32_t src = src_of(j);
+        const int u = unit_of(j);
+        if (u < num_units) {
+          const int row = u / chunks;
+          const int c = u - row * chunks;
+          const int bytes = piece_bytes(u);
+          const uint8_t* x = reinterpret_cast<const uint8_t*>(p.x_ranks[src >> 28] +
+                                                             static_cast<int64_t>(src & 0x0fffffffu) * p.ld_x) +
+                             c * kDispatchSlotBytes;
+          const uint32_t slot = slot0 + (j % kDispatchSlots) * kDispatchSlotBytes;
+#pragma unroll 1
+          for (int k = 0; k < kPerLane; ++k) {
+            const int off = (lane + 32 * k) * 16;
+            if (off < bytes) ptx::cp_async_16(slot + off, x + off, 16u);
+          }
+        }
+        ptx::cp_async_commit();  // possibly empty: keeps one group per unit index
+      };
+      int e_cursor = 0;
+      auto unit_mb = [&](int u) -> int {
+        const int row = u / chunks;
+        while (s_offs[e_cursor + 1] <= row) ++e_cursor;
+        return s_mb[e_cursor] + (row - s_offs[e_cursor]) / kBlockM;
+      };
+      int sig_mb = -1, sig_cnt = 0;  // units stored but not yet released (warp-uniform)
+      auto flush = [&]() {
+        if (sig_cnt > 0) {
+          ptx::fence_proxy_async_global();
+          __syncwarp();
+          if (lane == 0) ptx::red_release_gpu_add(disp_ctr + sig_mb, sig_cnt);
+          sig_cnt = 0;
+        }
+      };
+      for (int j = 0; j < kDispatchSlots - 1; ++j) issue_load(j);
+      int j = 0;
+      for (int u = unit_of(0); u < num_units; u = unit_of(++j)) {
+        if (j + kDispatchSlots - 1 - batch0 >= 64) {  // move the source window
+          batch0 += 32;
+          src_cur = src_next;
+          src_next = batch_src(batch0 + 32);
+        }
+        issue_load(j + kDispatchSlots - 1);
+        ptx::cp_async_wait<kDispatchSlots - 1>();  // this lane's pieces of unit j have landed
+        const int row = u / chunks;
+        const int c = u - row * chunks;
+        const int bytes = piece_bytes(u);
+        uint8_t* dst = reinterpret_cast<uint8_t*>(p.x_pool + static_cast<int64_t>(row) * p.hidden) +
+                       c * kDispatchSlotBytes;
+        const uint32_t slot = slot0 + (j % kDispatchSlots) * kDispatchSlotBytes;
+#pragma unroll 1
+        for (int k = 0; k < kPerLane; ++k) {
+          const int off = (lane + 32 * k) * 16;
+          if (off < bytes) ptx::st_global_v4(dst + off, ptx::ld_shared_v4(slot + off));
+        }
+        const int mb = unit_mb(u);
+        if (mb != sig_mb) {
+          flush();
+          sig_mb = mb;
+        }
+        ++sig_cnt;
+        if (j % run_units == run_units - 1) flush();  // this CTA's next unit is a whole round away
+      }
+      flush();
+      ptx::cp_async_wait<0>();
+      if (lane == 0 && p.stats != nullptr) p.stats[blockIdx.x * kStatsPerCta + 3] = clock64() - t_start;
+    }
+  } else {
+    // ================= consumer warpgroups =================
+    ptx::setmaxnreg_inc<kMegaConsumerRegs>();
+    const int wg = (warp >> 2) - 1;
+    const int wg_tid = tid - 128 * (wg + 1);
+    const uint32_t a_base = ptx::smem_addr(smem + L::kAOff) + wg * (64 * 128);
+    const uint32_t b_base = ptx::smem_addr(smem + L::kBOff);
+    const uint64_t desc_a0 = ptx::make_desc_sw128(a_base, 0, 1024);
+    const uint64_t desc_b0 = ptx::make_desc_sw128(b_base, 0, 1024);
+    const uint32_t a_lo0 = static_cast<uint32_t>(desc_a0), a_hi = static_cast<uint32_t>(desc_a0 >> 32);
+    const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
+    const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kBlockN>::kHalfBytes;
+
+    const long long t_start = clock64();
+    float acc[kBlockN / 2];
+    int stage = 0;
+    uint32_t phase = 0;
+    int e = 0;
+    bool in_l2 = false;
+    for (int u = (int)ptx::ctaid_x_volatile(); u < num_tasks; u += (int)gridDim.x) {
+      const Tile t = locate(u, e, in_l2);
+      const int kbs = t.l1 ? kb1 : kb2;
+      const int hrow0 = t.row0 + 64 * wg;
+      const bool active = hrow0 < t.row_end;
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.f;
+      auto release = [&](int s_) {
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
+      };
+      int prev_stage = 0;
+      if (!active) {
+        for (int kb = 0; kb < kbs; ++kb) {
+          ptx::mbar_wait(&full_bar[stage], phase);
+          release(stage);
+          if (++stage == kNumStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      } else {
+        for (int kb = 0; kb < kbs; ++kb) {
+          ptx::mbar_wait(&full_bar[stage], phase);
+#pragma unroll
+          for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
+          ptx::wgmma_fence();
+          const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (L::kABytes >> 4);
+          const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (L::kBBytes >> 4);
+#pragma unroll
+          for (int kk = 0; kk < kBlockK / 16; ++kk) {
+            const uint64_t da = ptx::desc_from_halves(a_lo + kk * (32 >> 4), a_hi);
+            const uint64_t db = ptx::desc_from_halves(b_lo + kk * (32 >> 4), b_hi);
+            Mma::mma(acc, da, db, 1u);
+          }
+          ptx::wgmma_commit();
+#pragma unroll
+          for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
+          if (kb > 0) {
+            ptx::wgmma_wait<1>();
+            release(prev_stage);
+          }
+          prev_stage = stage;
+          if (++stage == kNumStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+      ptx::wgmma_wait<0>();
+      if (active && kbs > 0) release(prev_stage);
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
+
+      if (t.l1) {
+        if (active) {
+          if (p.h != nullptr) {
+            if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+            ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+            write_acc_to_swizzled_staging<kBlockN>(acc, stg_half, wg_tid);
+            ptx::fence_proxy_async_smem();
+            ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+            if (hrow0 + 64 <= t.row_end) {
+              if (wg_tid == 0) {
+#pragma unroll
+                for (int b = 0; b < kBlockN / 64; ++b) {
+                  constexpr int kGateBoxes = kBlockN / 128;
+                  const int c = t.n0 + 64 * (b % kGateBoxes);
+                  if (c < p.inter)
+                    ptx::tma_store_2d(&tmap_h, stg_half + b * TmaStaging<kBlockN>::kBoxBytes,
+                                      (b >= kGateBoxes ? p.inter : 0) + c, hrow0);
+                }
+                ptx::bulk_commit_group();
+              }
+            } else {
+              copy_swizzled_half_to_global<kBlockN, true>(stg_half, wg_tid, t.row_end - hrow0, p.h, 2 * p.inter,
+                                                          hrow0, t.n0, p.inter);
+            }
+          }
+          store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.inter, hrow0, t.row_end, t.n0, p.inter, p.clamp);
+          // s is read by TMA (async proxy) in whichever CTA runs the L2 tiles of this m-block
+          ptx::fence_proxy_async_global();
+        }
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        if (wg_tid == 0) ptx::red_release_gpu_add(l1_ctr + t.mb, 1);
+      } else if (active) {
+        if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        write_acc_to_swizzled_staging<kBlockN>(acc, stg_half, wg_tid);
+        ptx::fence_proxy_async_smem();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        if (hrow0 + 64 <= t.row_end) {
+          if (wg_tid == 0) {
+#pragma unroll
+            for (int b = 0; b < kBlockN / 64; ++b)
+              if (t.n0 + 64 * b < p.hidden)
+                ptx::tma_store_2d(&tmap_o, stg_half + b * TmaStaging<kBlockN>::kBoxBytes, t.n0 + 64 * b, hrow0);
+            ptx::bulk_commit_group();
+          }
+        } else {
+          // o is written through the staging tile's generic copy: the row stride of o is hidden
+          copy_swizzled_half_to_global<kBlockN>(stg_half, wg_tid, t.row_end - hrow0, p.o, p.hidden, hrow0, t.n0,
+                                                p.hidden);
+        }
+      }
+    }
+    if (wg_tid == 0) ptx::bulk_wait_group<0>();
+    if (p.stats != nullptr && wg_tid == 0) p.stats[blockIdx.x * kStatsPerCta + 4 + wg] = clock64() - t_start;
+  }
+#endif
+}
+
+}  // namespace sm90
+}  // namespace deep_gemm
