@@ -188,9 +188,23 @@ def main(argv=None):
             raise SystemExit(f"shape {s}: {bc.SHAPES[s][0]} experts do not divide over {ep} ranks")
     fused_fwd_reason, fused_bwd_reason = _fused_state()
     if "deep_gemm" in backends:
-        log(f"[bench] deep_gemm = backend 'auto': fwd {'fused' if fused_fwd_reason is None else 'grouped'}, "
-            f"bwd {'fused' if fused_bwd_reason is None else 'grouped'}"
-            + "".join(f" ({r})" for r in (fused_fwd_reason, fused_bwd_reason) if r))
+        # backend="auto" must resolve to one of our kernel paths in both directions (never the reference)
+        from deep_gemm.mega._backend import _grouped_reason
+
+        impl, why = [], None
+        for r in (fused_fwd_reason, fused_bwd_reason):
+            g = _grouped_reason("bf16", ep, args.activation_clamp)
+            if r is None:
+                impl.append("fused")
+            elif g is None and torch.device(device).type == "cuda":
+                impl.append("grouped")
+            else:
+                why = f"{r}; {g or 'tensors are not on CUDA'}"
+        if why is None:
+            log(f"[bench] deep_gemm = backend 'auto': fwd {impl[0]}, bwd {impl[1]}")
+        else:
+            log(f"[bench] skipping backend deep_gemm (backend 'auto' has no kernel path here): {why}")
+            backends.remove("deep_gemm")
     if "deep_gemm_grouped" in backends:
         from deep_gemm.mega._backend import _grouped_reason
 

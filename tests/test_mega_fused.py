@@ -74,7 +74,7 @@ CASES = [  # T, E, H, I, K, routing, masked_frac, experts_used, clamp
     (128, 8, 512, 384, 4, "uniform", 0.2, None, None),
     (1000, 128, 256, 256, 8, "skewed", 0.05, None, None),
     (1000, 256, 384, 128, 8, "uniform", 0.0, 64, None),  # 192 experts get no rows
-    (1000, 64, 256, 192, 8, "hot", 0.0, None, None),
+    (1000, 64, 256, 384, 8, "hot", 0.0, None, None),
     (4096, 128, 512, 256, 8, "uniform", 0.0, None, None),
     (4096, 64, 256, 128, 6, "skewed", 0.1, None, 0.75),
     (16384, 128, 256, 128, 8, "uniform", 0.0, None, None),

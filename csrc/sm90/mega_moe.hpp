@@ -32,7 +32,9 @@ inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts) {
 //   x_pool       bf16 [m_total, hidden] out: the dispatched rows (the backward's pooled x)
 //   s            bf16 [m_total, inter] out: silu(gate) * up
 //   h            bf16 [m_total, 2 * inter] out, or null: gate | up pre-activation
-//   o            bf16 [m_total, hidden] out: s @ w2^T per pool row (the combine's input)
+//   o            bf16 [m_total, hidden] out: s @ w2^T per pool row (the combine's input). o may be x_pool itself
+//                (the rows of an m-block are overwritten only after every L1 tile of it has read them; the
+//                dispatched rows are then gone): the forward's peak memory drops by m_total * hidden * 2 bytes.
 //   counters     device int32 [mega_moe_fwd_counter_count(m_total, num_experts)] scratch
 //   hidden, inter multiples of 64; clamp >= 0 (0 = none). All pointers 16-byte aligned.
 // Rows of the outputs outside [0, expert_offsets[num_experts]) are not written.

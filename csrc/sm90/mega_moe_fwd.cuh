@@ -57,7 +57,7 @@ struct MegaFwdParams {
   __nv_bfloat16* x_pool;  // [m_total, hidden]
   __nv_bfloat16* s;       // [m_total, inter]
   __nv_bfloat16* h;       // [m_total, 2 * inter] or null
-  __nv_bfloat16* o;       // [m_total, hidden]: L2 output per pool row
+  __nv_bfloat16* o;       // [m_total, hidden]: L2 output per pool row (may alias x_pool, see mega_moe.hpp)
   float clamp;
   // Readiness counters, zero before the launch: [num_m_blocks] dispatch, then [num_m_blocks] L1.
   int32_t* counters;

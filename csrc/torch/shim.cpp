@@ -366,9 +366,9 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tens
 }
 
 
-// Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns the pool tensors; the
-// combine over o is a separate op.
-std::tuple<Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets,
+// Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns s, h and o per pool row;
+// the combine over o is a separate op. The dispatched rows live in o's memory until L2 overwrites them.
+std::tuple<Tensor, Tensor, Tensor> mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets,
                                                               Tensor w13, Tensor w2, int64_t top_k, bool save_h,
                                                               double clamp) {
   const char* op = "mega_moe_fused_fwd";
@@ -389,7 +389,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(Tensor x, Tensor p
   const int64_t m_total = pool_src_route.size(0);
   STD_TORCH_CHECK(x.size(0) < (int64_t(1) << 28), "deep_gemm.", op, ": at most 2^28 - 1 tokens");
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
-  Tensor x_pool = new_tensor(x, {m_total, hidden}, ScalarType::BFloat16);
   Tensor s = new_tensor(x, {m_total, inter}, ScalarType::BFloat16);
   Tensor h = new_tensor(x, {save_h ? m_total : 0, 2 * inter}, ScalarType::BFloat16);
   Tensor o = new_tensor(x, {m_total, hidden}, ScalarType::BFloat16);
@@ -398,11 +397,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(Tensor x, Tensor p
   check_core(pk_mega_moe_fwd_bf16(x_ranks, 1, x.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
                                   nullptr, static_cast<int>(top_k),
                                   static_cast<const int32_t*>(expert_offsets.data_ptr()), num_experts, m_total, hidden,
-                                  inter, w13.data_ptr(), w2.data_ptr(), x_pool.data_ptr(), s.data_ptr(),
+                                  inter, w13.data_ptr(), w2.data_ptr(), o.data_ptr(), s.data_ptr(),
                                   save_h ? h.data_ptr() : nullptr, o.data_ptr(), static_cast<float>(clamp),
                                   static_cast<int32_t*>(counters.data_ptr()), current_cuda_stream(x.get_device_index())),
              op);
-  return {x_pool, s, h, o};
+  return {s, h, o};
 }
 }  // namespace
 
@@ -420,7 +419,7 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
   m.def("m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tensor group_offsets, Tensor? a_row_index, int m_total, "
         "bool save_h, float clamp=0.0) -> (Tensor s, Tensor h)");
   m.def("mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
-        "int top_k, bool save_h, float clamp=0.0) -> (Tensor x_pool, Tensor s, Tensor h, Tensor o)");
+        "int top_k, bool save_h, float clamp=0.0) -> (Tensor s, Tensor h, Tensor o)");
   m.def("combine(Tensor slots, Tensor route_to_pool, Tensor? weights=None) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32=True) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor(c!) c) -> ()");

@@ -37,7 +37,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
         plan = routing_plan(topk_idx, num_experts, 1, validate=False)
         src = _pad(plan.pool_src_route, capacity, -1)
         srank = _pad(plan.pool_src_rank, capacity, -1)
-        _x_pool, _s, h, o = torch.ops.deep_gemm.mega_moe_fused_fwd(
+        _s, h, o = torch.ops.deep_gemm.mega_moe_fused_fwd(
             x.contiguous(), src, plan.expert_offsets, w13.contiguous(), w2.contiguous(), K, save_h,
             float(activation_clamp) if activation_clamp is not None else 0.0)
         y = combine(o, plan.route_to_pool, topk_weights.float())  # F5
