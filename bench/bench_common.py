@@ -236,6 +236,17 @@ def rel_err(out, ref) -> float:
 
 
 def git_sha() -> str:
+    """The commit the measured kernels were built from: the wheel's build record when it has one (the
+    device machine gets a copy of the tree whose .git may be stale), else this checkout's HEAD
+    (+ "-dirty" with uncommitted changes)."""
+    try:
+        import deep_gemm  # noqa: PLC0415
+
+        sha = deep_gemm.build_info().get("git_sha") or ""
+        if sha and sha != "unknown":
+            return sha
+    except Exception:
+        pass
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout.strip()
@@ -243,13 +254,7 @@ def git_sha() -> str:
                                capture_output=True, text=True, check=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (subprocess.CalledProcessError, FileNotFoundError):
-        # No git checkout (the device machine gets a copy of the tree): the wheel's build record.
-        try:
-            import deep_gemm
-
-            return deep_gemm.build_info()["git_sha"] or "unknown"
-        except Exception:
-            return "unknown"
+        return "unknown"
 
 
 def run_header(device, peak) -> dict:

@@ -2,7 +2,7 @@
 
 The six GEMM passes of a MoE layer (128 experts, T tokens, top-8, so P = T*8 pool rows), for the
 Qwen3-30B-A3B and Qwen3-235B-A22B shapes, uniform and Zipf routing. Times with CUDA events (5
-warm-ups, median of --reps), measures the bf16 matmul peak in the same run, checks each output
+warm-ups, median of --reps; GPU time, see SPIN_CYCLES), measures the bf16 matmul peak in the same run, checks each output
 against torch's, prints a table and writes bench/results/gemm_<date>_<sha>.json.
 
     python bench/bench_gemm.py [--tokens 16384] [--shapes qwen3-30b-a3b,qwen3-235b-a22b] [--reps 20]
@@ -25,6 +25,13 @@ import bench_common
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3-235b-a22b": (128, 4096, 1536, 8)}
 
 
+# Each timed call is preceded by a ~0.1 ms GPU spin, enqueued before the start event: while the GPU spins,
+# the host enqueues the start event, the call and the end event, so the interval holds the call's GPU work
+# only (the same for both backends), not the Python/launch overhead a synchronised loop would put on the GPU
+# timeline between the events (in a training step the host runs ahead of the GPU and that overhead is hidden).
+SPIN_CYCLES = 200_000
+
+
 def time_ms(fn, warmup: int, reps: int) -> float:
     for _ in range(warmup):
         fn()
@@ -32,6 +39,7 @@ def time_ms(fn, warmup: int, reps: int) -> float:
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)
         start.record()
         fn()
         end.record()
@@ -50,6 +58,7 @@ def time_interleaved(fns: dict, warmup: int, reps: int) -> dict:
     for _ in range(reps):
         for key, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(SPIN_CYCLES)
             start.record()
             fn()
             end.record()

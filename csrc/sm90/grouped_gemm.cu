@@ -23,10 +23,10 @@ template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kClus
 int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& md, const MGroupedParams& p,
                      int64_t max_units,
                      int sms, cudaStream_t stream, char* err, size_t err_len) {
-  auto kernel =
-      m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kAsyncEpi, kCluster2, kGatherA, kSwiGLU, kGatherTma>;
+  constexpr auto kernel =
+      &m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kAsyncEpi, kCluster2, kGatherA, kSwiGLU, kGatherTma>;
   constexpr int smem = MGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
   cudaLaunchConfig_t lc = {};
@@ -68,9 +68,9 @@ template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi>
 int launch_k_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mc, const KGroupedParams& p,
                      int grid,
                      cudaStream_t stream, char* err, size_t err_len) {
-  auto kernel = k_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kOut, kAsyncEpi>;
+  constexpr auto kernel = &k_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kOut, kAsyncEpi>;
   constexpr int smem = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
   kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, mc, p);

@@ -5,6 +5,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
@@ -85,6 +86,21 @@ inline int check_launch(const char* what, char* err, size_t err_len) {
   return kGemmOk;
 }
 
+
+// cudaFuncSetAttribute(kMaxDynamicSharedMemorySize) for kKernel on the current device, once per device: it is
+// a driver call on every launch path otherwise (host time the GPU waits for in short, synchronised loops).
+template <auto kKernel>
+inline cudaError_t set_max_dynamic_smem(int smem) {
+  static std::atomic<uint64_t> done_mask{0};  // bit d: device d done (devices >= 64 are set every call)
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
+  if (bit != 0 && (done_mask.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  e = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess) done_mask.fetch_or(bit, std::memory_order_acq_rel);
+  return e;
+}
 
 }  // namespace host
 }  // namespace sm90

@@ -124,9 +124,9 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   cudaError_t e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * mega_moe_fwd_counter_count(m_total, num_experts),
                                   stream);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
-  auto kernel = mega_moe_fwd_kernel<kFwdStages>;
+  constexpr auto kernel = &mega_moe_fwd_kernel<kFwdStages>;
   constexpr int smem = MegaFwdLayout<kFwdStages>::kSmemBytes;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
   // Every CTA must be resident at once (tiles wait for tiles of other CTAs): one per SM at most.
   kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);

@@ -93,11 +93,25 @@ def status() -> dict[str, str]:
     return {key: reason(key) for key in KERNELS}
 
 
+_available: set = set()  # (key, CUDA device index) pairs already found available: checked once
+
+
 def require(key: str) -> None:
-    """Raise RuntimeError with the status() reason unless kernel `key` can run here."""
+    """Raise RuntimeError with the status() reason unless kernel `key` can run here (on the current CUDA
+    device; a positive answer is remembered, it is on every op's launch path)."""
+    try:
+        import torch
+
+        dev = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    except Exception:
+        dev = None
+    if dev is not None and (key, dev) in _available:
+        return
     why = reason(key)
     if why != AVAILABLE:
         raise RuntimeError(f"deep_gemm: {key} is not available: {why}")
+    if dev is not None:
+        _available.add((key, dev))
 
 
 def family_of_device(device_index: int | None = None) -> str | None:
