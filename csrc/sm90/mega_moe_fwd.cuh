@@ -33,7 +33,6 @@ namespace sm90 {
 
 constexpr int kMegaMaxRanks = 8;
 constexpr int kMegaMaxExperts = 512;
-constexpr int kDispatchSlots = 3;
 constexpr int kDispatchSlotBytes = 4096;
 constexpr int kDispatchRunRows = 32;
 // The dispatch warp needs more than the GEMM producer's 40 registers; 128 * 56 + 256 * 224 = 384 * 168.
@@ -64,10 +63,11 @@ struct MegaFwdParams {
   int32_t max_m_blocks;  // length of each counter array (>= the plan's m-blocks)
   // Development aid (null in normal runs): per CTA, kStatsPerCta clock64 figures (see mega_moe.cu).
   long long* stats;
+  int32_t dispatch_only;  // development aid with stats: 1 = no tiles, the dispatch alone (timing only)
 };
 constexpr int kStatsPerCta = 6;
 
-template <int kNumStages>
+template <int kNumStages, int kDispatchSlots>
 struct MegaFwdLayout {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 256;
@@ -86,14 +86,14 @@ struct MegaFwdLayout {
   static_assert(kSmemBytes <= 232448, "shared memory budget exceeded");
 };
 
-template <int kNumStages>
+template <int kNumStages, int kDispatchSlots>
 __global__ void __launch_bounds__(kNumThreads, 1)
     mega_moe_fwd_kernel(const __grid_constant__ CUtensorMap tmap_xpool, const __grid_constant__ CUtensorMap tmap_w13,
                         const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_w2,
                         const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_o,
                         const __grid_constant__ MegaFwdParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using L = MegaFwdLayout<kNumStages>;
+  using L = MegaFwdLayout<kNumStages, kDispatchSlots>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kBlockK = L::kBlockK;
@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // the pool capacity (ceil(m_total / 128) + num_experts bounds every plan), so this only guards misuse.
   const int num_mb = min(s_mb[num_experts], p.max_m_blocks);
   const int num_l1 = num_mb * n1;
-  const int num_tasks = num_l1 + num_mb * n2;
+  const int num_tasks = p.dispatch_only ? 0 : num_l1 + num_mb * n2;
   int32_t* disp_ctr = p.counters;
   int32_t* l1_ctr = p.counters + p.max_m_blocks;
 

@@ -55,9 +55,9 @@ def mega_moe_fwd(
         x, topk_idx, topk_weights, w13, w2, num_experts=num_experts, ep_size=ep_size,
         max_tokens=max_tokens_per_rank if ep_size > 1 else None, activation_clamp=activation_clamp)
     _validate.check_exact_mode(x, backend)
-    _validate.check_expert_ids(topk_idx, E)
     which = _backend.resolve_backend(backend, precision, "fwd", device_type=x.device.type, hidden=H, intermediate=I,
                                      ep_size=ep_size, activation_clamp=activation_clamp)
+    _validate.check_expert_ids(topk_idx, E, which)
     cap = _capacity(T, K, El, ep_size, max_tokens_per_rank, block_m)
     kwargs = dict(activation_clamp=activation_clamp, group=reference.resolve_group(group_name), num_experts=E,
                   max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, capacity=cap, save_h=save_h)

@@ -303,9 +303,9 @@ def bf16_mega_moe(
     _check_out(y, "y", (T, H), (torch.bfloat16,), x.device)
     if cumulative_local_expert_recv_stats is not None:
         _check_out(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", (El,), (torch.int32,), x.device)
-    _validate.check_expert_ids(topk_idx, E)
     which = _backend.resolve_backend(backend, "bf16", "fwd", device_type=x.device.type, hidden=H, intermediate=I,
                                      ep_size=buffer.num_ranks, activation_clamp=activation_clamp)
+    _validate.check_expert_ids(topk_idx, E, which)
     cap = _ops._capacity(T, K, El, buffer.num_ranks, buffer.num_max_tokens_per_rank, block_m)
     kwargs = dict(activation_clamp=activation_clamp, group=buffer.group if buffer.num_ranks > 1 else None,
                   num_experts=E, max_tokens_per_rank=buffer.num_max_tokens_per_rank, block_m=block_m,
@@ -379,9 +379,9 @@ def bf16_mega_moe_backward(
         _check_out(dw1, "dw1", l1.shape, (torch.bfloat16, torch.float32), dev)
     if dw2 is not None:
         _check_out(dw2, "dw2", l2.shape, (torch.bfloat16, torch.float32), dev)
-    _validate.check_expert_ids(topk_idx, E)
     which = _backend.resolve_backend(backend, "bf16", "bwd", device_type=dev.type, hidden=H, intermediate=I,
                                      ep_size=buffer.num_ranks, activation_clamp=activation_clamp)
+    _validate.check_expert_ids(topk_idx, E, which)
     group = buffer.group if buffer.num_ranks > 1 else None
     with torch.no_grad():
         if state is None:

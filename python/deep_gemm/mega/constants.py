@@ -19,6 +19,10 @@ BLOCK_M = 128
 #: Environment variable that lets ``backend="auto"`` fall back to the reference.
 ALLOW_FALLBACK_ENV = "DEEP_GEMM_ALLOW_REFERENCE_FALLBACK"
 
+#: Environment variable: "1" skips the expert-id value check (a device -> host read, i.e. a sync per
+#: call) on the kernel backends, whose routing plan treats an out-of-range id as a masked route.
+SKIP_VALUE_CHECKS_ENV = "DEEP_GEMM_SKIP_VALUE_CHECKS"
+
 #: Precision names (those of the competing product's announcement).
 PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
 
@@ -30,6 +34,7 @@ __all__ = [
     "INTERMEDIATE_ALIGN",
     "BLOCK_M",
     "ALLOW_FALLBACK_ENV",
+    "SKIP_VALUE_CHECKS_ENV",
     "PRECISIONS",
     "BACKENDS",
 ]
