@@ -118,6 +118,31 @@ __device__ __forceinline__ void write_acc_to_swizzled_staging(const float (&acc)
   }
 }
 
+// Boxes [box0, box0 + kBoxes) (64 columns each) of one warpgroup's 64 x kBlockN fragment -> bf16 into a staging
+// half of kBoxes boxes (the layout of write_acc_to_swizzled_staging<64 * kBoxes>). box0 must be a compile-time
+// constant after unrolling (it selects accumulator registers).
+template <int kBlockN, int kBoxes>
+__device__ __forceinline__ void write_acc_boxes_to_staging(const float (&acc)[kBlockN / 2], uint32_t stg_half,
+                                                           int wg_tid, int box0) {
+  const int lane = wg_tid & 31;
+  const int mi = lane >> 3;
+  const int ri = lane & 7;
+  const int row = (wg_tid >> 5) * 16 + ((mi & 1) << 3) + ri;
+  const uint32_t base = stg_half + row * 128;
+  const uint32_t x = static_cast<uint32_t>(((mi >> 1) ^ ri) << 4);
+#pragma unroll
+  for (int jq = 0; jq < kBoxes * 4; ++jq) {
+    const int jp = box0 * 4 + jq;  // 16-column group of the fragment
+    const int j0 = 2 * jp;
+    const uint32_t addr = base + (jq >> 2) * TmaStaging<64 * kBoxes>::kBoxBytes +
+                          ((static_cast<uint32_t>((jq & 3) * 2) << 4) ^ x);
+    ptx::stmatrix_x4(addr, ptx::pack_bf16x2(acc[4 * j0 + 0], acc[4 * j0 + 1]),
+                     ptx::pack_bf16x2(acc[4 * j0 + 2], acc[4 * j0 + 3]),
+                     ptx::pack_bf16x2(acc[4 * j0 + 4], acc[4 * j0 + 5]),
+                     ptx::pack_bf16x2(acc[4 * j0 + 6], acc[4 * j0 + 7]));
+  }
+}
+
 // Copies rows [0, rows) of a swizzled staging half to out (row stride ldo), columns col0.. below col_limit,
 // with the warpgroup's 128 threads (16-byte loads and stores). kSplit (SwiGLU h): the left half of the
 // tile's columns goes to out columns col0.., the right half to col_limit + col0.., each below col_limit.

@@ -12,9 +12,10 @@ namespace sm90 {
 using namespace host;
 
 namespace {
-// 3 stages of 128x256x64 (48 KB each) + the 64 KB staging tile leave room for 3 dispatch slots of 4 KB.
+// 3 stages of 128x256x64 (48 KB each) + the 32 KB half-width staging tile leave room for 11 dispatch slots of
+// 4 KB (with 3 slots the dispatch paced L1: bench/NOTES.md).
 constexpr int kFwdStages = 3;
-constexpr int kFwdDispatchSlots = 3;
+constexpr int kFwdDispatchSlots = 11;
 }  // namespace
 
 int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
@@ -128,22 +129,12 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   cudaError_t e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * mega_moe_fwd_counter_count(m_total, num_experts),
                                   stream);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
-  // Development aid: PK_MEGA_FWD_VARIANT=s2 runs 2 stages with 15 dispatch slots (bench/NOTES.md).
-  static const bool kTwoStage = std::getenv("PK_MEGA_FWD_VARIANT") != nullptr;
-  if (kTwoStage) {
-    constexpr auto kernel = &mega_moe_fwd_kernel<2, 15>;
-    constexpr int smem = MegaFwdLayout<2, 15>::kSmemBytes;
-    e = set_max_dynamic_smem<kernel>(smem);
-    if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-    kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);
-  } else {
   constexpr auto kernel = &mega_moe_fwd_kernel<kFwdStages, kFwdDispatchSlots>;
   constexpr int smem = MegaFwdLayout<kFwdStages, kFwdDispatchSlots>::kSmemBytes;
   e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
   // Every CTA must be resident at once (tiles wait for tiles of other CTAs): one per SM at most.
   kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);
-  }
   if (p.stats != nullptr && cudaStreamSynchronize(stream) == cudaSuccess) {
     std::vector<long long> st(static_cast<size_t>(sms) * kStatsPerCta);
     cudaMemcpy(st.data(), p.stats, st.size() * sizeof(long long), cudaMemcpyDeviceToHost);

@@ -77,7 +77,8 @@ struct MegaFwdLayout {
   static constexpr int kAOff = 0;
   static constexpr int kBOff = kAOff + kNumStages * kABytes;
   static constexpr int kCOff = kBOff + kNumStages * kBBytes;
-  static constexpr int kDispOff = kCOff + TmaStaging<kBlockN>::kBytes;
+  static constexpr int kStageCols = 128;  // epilogue staging: half the tile's columns per pass
+  static constexpr int kDispOff = kCOff + TmaStaging<kStageCols>::kBytes;
   static constexpr int kBarOff = kDispOff + kDispatchSlots * kDispatchSlotBytes;
   static constexpr int kOffsOff = kBarOff + 2 * kNumStages * 8;
   static constexpr int kMbOff = kOffsOff + (kMegaMaxExperts + 1) * 4;
@@ -367,7 +368,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const uint64_t desc_b0 = ptx::make_desc_sw128(b_base, 0, 1024);
     const uint32_t a_lo0 = static_cast<uint32_t>(desc_a0), a_hi = static_cast<uint32_t>(desc_a0 >> 32);
     const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
-    const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kBlockN>::kHalfBytes;
+    constexpr int kStageCols = L::kStageCols;
+    const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kStageCols>::kHalfBytes;
 
     const long long t_start = clock64();
     float acc[kBlockN / 2];
@@ -429,30 +431,41 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
       for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
 
+      // Epilogue through a half-width staging tile (kStageCols columns per pass; the shared memory it leaves
+      // free holds the dispatch slots): pass q writes accumulator columns [q * kStageCols, +kStageCols) of
+      // this warpgroup's 64 rows, then TMA-stores them (full halves) or copies them out (halves crossing the
+      // expert's end). Pass q + 1 first waits until pass q's TMA store has read the tile.
+      // out/ld: destination; col_of(q): its first column for pass q; limit_of(q): columns >= it are not
+      // written; map: the destination's tensor map.
+      auto staged_store = [&](__nv_bfloat16* out, int64_t ld, auto col_of, auto limit_of, const CUtensorMap* map) {
+#pragma unroll
+        for (int q = 0; q < kBlockN / kStageCols; ++q) {
+          if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          write_acc_boxes_to_staging<kBlockN, kStageCols / 64>(acc, stg_half, wg_tid, q * (kStageCols / 64));
+          ptx::fence_proxy_async_smem();
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          const int c0 = col_of(q);
+          const int limit = limit_of(q);
+          if (hrow0 + 64 <= t.row_end) {
+            if (wg_tid == 0) {
+#pragma unroll
+              for (int b = 0; b < kStageCols / 64; ++b)
+                if (c0 + 64 * b < limit)
+                  ptx::tma_store_2d(map, stg_half + b * TmaStaging<kStageCols>::kBoxBytes, c0 + 64 * b, hrow0);
+              ptx::bulk_commit_group();
+            }
+          } else {
+            copy_swizzled_half_to_global<kStageCols>(stg_half, wg_tid, t.row_end - hrow0, out, ld, hrow0, c0, limit);
+          }
+        }
+      };
       if (t.l1) {
         if (active) {
           if (p.h != nullptr) {
-            if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
-            ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-            write_acc_to_swizzled_staging<kBlockN>(acc, stg_half, wg_tid);
-            ptx::fence_proxy_async_smem();
-            ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-            if (hrow0 + 64 <= t.row_end) {
-              if (wg_tid == 0) {
-#pragma unroll
-                for (int b = 0; b < kBlockN / 64; ++b) {
-                  constexpr int kGateBoxes = kBlockN / 128;
-                  const int c = t.n0 + 64 * (b % kGateBoxes);
-                  if (c < p.inter)
-                    ptx::tma_store_2d(&tmap_h, stg_half + b * TmaStaging<kBlockN>::kBoxBytes,
-                                      (b >= kGateBoxes ? p.inter : 0) + c, hrow0);
-                }
-                ptx::bulk_commit_group();
-              }
-            } else {
-              copy_swizzled_half_to_global<kBlockN, true>(stg_half, wg_tid, t.row_end - hrow0, p.h, 2 * p.inter,
-                                                          hrow0, t.n0, p.inter);
-            }
+            // pass 0 = gate columns n0.. of h, pass 1 = the matching up columns I + n0..
+            staged_store(p.h, 2 * p.inter, [&](int q) { return (q == 0 ? 0 : p.inter) + t.n0; },
+                         [&](int q) { return (q == 0 ? 1 : 2) * p.inter; }, &tmap_h);
           }
           store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.inter, hrow0, t.row_end, t.n0, p.inter, p.clamp);
           // s is read by TMA (async proxy) in whichever CTA runs the L2 tiles of this m-block
@@ -461,24 +474,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
         if (wg_tid == 0) ptx::red_release_gpu_add(l1_ctr + t.mb, 1);
       } else if (active) {
-        if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
-        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        write_acc_to_swizzled_staging<kBlockN>(acc, stg_half, wg_tid);
-        ptx::fence_proxy_async_smem();
-        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        if (hrow0 + 64 <= t.row_end) {
-          if (wg_tid == 0) {
-#pragma unroll
-            for (int b = 0; b < kBlockN / 64; ++b)
-              if (t.n0 + 64 * b < p.hidden)
-                ptx::tma_store_2d(&tmap_o, stg_half + b * TmaStaging<kBlockN>::kBoxBytes, t.n0 + 64 * b, hrow0);
-            ptx::bulk_commit_group();
-          }
-        } else {
-          // o is written through the staging tile's generic copy: the row stride of o is hidden
-          copy_swizzled_half_to_global<kBlockN>(stg_half, wg_tid, t.row_end - hrow0, p.o, p.hidden, hrow0, t.n0,
-                                                p.hidden);
-        }
+        staged_store(p.o, p.hidden, [&](int q) { return t.n0 + q * kStageCols; }, [&](int) { return p.hidden; },
+                     &tmap_o);
       }
     }
     if (wg_tid == 0) ptx::bulk_wait_group<0>();
