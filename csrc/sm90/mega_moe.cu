@@ -124,7 +124,10 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
     stats_buf = nullptr;
   p.stats = kStats ? stats_buf : nullptr;
   // PK_MEGA_FWD_STATS=dispatch: the dispatch alone, no GEMM tiles (results are not computed; timing only)
-  p.dispatch_only = kStats && std::getenv("PK_MEGA_FWD_STATS")[0] == 'd' ? 1 : 0;
+  // PK_MEGA_FWD_STATS=d<bits>: bits 1-3 of MegaFwdParams::dispatch_only (d0 = the dispatch alone)
+  p.dispatch_only = kStats && std::getenv("PK_MEGA_FWD_STATS")[0] == 'd'
+                        ? 1 | (std::atoi(std::getenv("PK_MEGA_FWD_STATS") + 1) << 1)
+                        : 0;
 
   cudaError_t e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * mega_moe_fwd_counter_count(m_total, num_experts),
                                   stream);

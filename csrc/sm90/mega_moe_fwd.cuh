@@ -63,7 +63,9 @@ struct MegaFwdParams {
   int32_t max_m_blocks;  // length of each counter array (>= the plan's m-blocks)
   // Development aid (null in normal runs): per CTA, kStatsPerCta clock64 figures (see mega_moe.cu).
   long long* stats;
-  int32_t dispatch_only;  // development aid with stats: 1 = no tiles, the dispatch alone (timing only)
+  // Development aid with stats (timing only, nothing is computed): bit 0 = no tiles, the dispatch alone;
+  // with bit 0, bit 1 = no proxy fence / release, bit 2 = no stores, bit 3 = no loads.
+  int32_t dispatch_only;
 };
 constexpr int kStatsPerCta = 6;
 
@@ -156,7 +158,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // the pool capacity (ceil(m_total / 128) + num_experts bounds every plan), so this only guards misuse.
   const int num_mb = min(s_mb[num_experts], p.max_m_blocks);
   const int num_l1 = num_mb * n1;
-  const int num_tasks = p.dispatch_only ? 0 : num_l1 + num_mb * n2;
+  const int num_tasks = (p.dispatch_only & 1) ? 0 : num_l1 + num_mb * n2;
   int32_t* disp_ctr = p.counters;
   int32_t* l1_ctr = p.counters + p.max_m_blocks;
 
@@ -304,7 +306,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll 1
           for (int k = 0; k < kPerLane; ++k) {
             const int off = (lane + 32 * k) * 16;
-            if (off < bytes) ptx::cp_async_16(slot + off, x + off, 16u);
+            if (off < bytes && !(p.dispatch_only & 8)) ptx::cp_async_16(slot + off, x + off, 16u);
           }
         }
         ptx::cp_async_commit();  // possibly empty: keeps one group per unit index
@@ -317,12 +319,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       };
       int sig_mb = -1, sig_cnt = 0;  // units stored but not yet released (warp-uniform)
       auto flush = [&]() {
-        if (sig_cnt > 0) {
+        if (sig_cnt > 0 && !(p.dispatch_only & 2)) {
           ptx::fence_proxy_async_global();
           __syncwarp();
           if (lane == 0) ptx::red_release_gpu_add(disp_ctr + sig_mb, sig_cnt);
-          sig_cnt = 0;
         }
+        sig_cnt = 0;
       };
       for (int j = 0; j < kDispatchSlots - 1; ++j) issue_load(j);
       int j = 0;
@@ -343,7 +345,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll 1
         for (int k = 0; k < kPerLane; ++k) {
           const int off = (lane + 32 * k) * 16;
-          if (off < bytes) ptx::st_global_v4(dst + off, ptx::ld_shared_v4(slot + off));
+          if (off < bytes && !(p.dispatch_only & 4)) ptx::st_global_v4(dst + off, ptx::ld_shared_v4(slot + off));
         }
         const int mb = unit_mb(u);
         if (mb != sig_mb) {
