@@ -145,3 +145,40 @@ def test_fused_forward_saves_h_and_auto_backward_runs(monkeypatch):
     grouped = run_layer(*prob, backend="grouped")
     for name, a, b in zip(("y", "dx", "dtopk", "dw13", "dw2"), auto, grouped):
         assert torch.equal(a, b), name
+
+
+@requires_sm90
+def test_fused_saved_h_keeps_the_clamp_masks():
+    """With a clamp, the saved h follows rounding point F6: a pre-activation strictly on one side of a bound
+    stays strictly on that side in bf16 (plain rounding puts everything within half an ulp of c onto c; at
+    c = 0.75 that is ~0.2% of unit-variance values, and each loses its gradient). Checked against an fp32
+    matmul of the same pool rows, away from the bound by more than the fp32 accumulation-order noise."""
+    _require_fused()
+    from deep_gemm.routing import routing_plan
+
+    T, E, H, I, K, c = 4096, 16, 512, 256, 4, 0.75
+    x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, seed=21)]
+    plan = routing_plan(idx, E, 1, validate=False)
+    src = plan.pool_src_route
+    poison_allocator()
+    s, h, o = torch.ops.deep_gemm.mega_moe_fused_fwd(x, src, plan.expert_offsets, w13, w2, K, True, c)
+    rows = int(plan.expert_offsets[-1])
+    xp = x[(src[:rows] // K).long()].float()
+    offs = plan.expert_offsets.tolist()
+    ref = torch.empty(rows, 2 * I, device="cuda")
+    for e in range(E):
+        ref[offs[e]:offs[e + 1]] = xp[offs[e]:offs[e + 1]] @ w13[e].float().T
+    got = h[:rows].float()
+    assert torch.isfinite(got).all()
+    assert rel_err(got, ref) < 1e-2
+    tol = 1e-4
+    gate, up = (slice(0, I), slice(I, 2 * I))
+    near = 0
+    for cols, bounds in ((gate, (c,)), (up, (c, -c))):
+        for b in bounds:
+            r, g = ref[:, cols], got[:, cols]
+            below, above = r < b - tol, r > b + tol
+            assert bool((g[below] < b).all()), f"a value below {b} was saved on or above it"
+            assert bool((g[above] > b).all()), f"a value above {b} was saved on or below it"
+            near += int(((r - b).abs() < 2e-3).sum())
+    assert near > 0, "no pre-activation near a bound: the check did not exercise F6"

@@ -121,9 +121,14 @@ __device__ __forceinline__ void write_acc_to_swizzled_staging(const float (&acc)
 // Boxes [box0, box0 + kBoxes) (64 columns each) of one warpgroup's 64 x kBlockN fragment -> bf16 into a staging
 // half of kBoxes boxes (the layout of write_acc_to_swizzled_staging<64 * kBoxes>). box0 must be a compile-time
 // constant after unrolling (it selects accumulator registers).
-template <int kBlockN, int kBoxes>
+// Plain bf16 rounding (round to nearest even) of two fp32 values into one bf16x2 word.
+struct PackBf16x2 {
+  __device__ __forceinline__ uint32_t operator()(float lo, float hi) const { return ptx::pack_bf16x2(lo, hi); }
+};
+
+template <int kBlockN, int kBoxes, typename Pack = PackBf16x2>
 __device__ __forceinline__ void write_acc_boxes_to_staging(const float (&acc)[kBlockN / 2], uint32_t stg_half,
-                                                           int wg_tid, int box0) {
+                                                           int wg_tid, int box0, const Pack& pack = Pack{}) {
   const int lane = wg_tid & 31;
   const int mi = lane >> 3;
   const int ri = lane & 7;
@@ -136,12 +141,33 @@ __device__ __forceinline__ void write_acc_boxes_to_staging(const float (&acc)[kB
     const int j0 = 2 * jp;
     const uint32_t addr = base + (jq >> 2) * TmaStaging<64 * kBoxes>::kBoxBytes +
                           ((static_cast<uint32_t>((jq & 3) * 2) << 4) ^ x);
-    ptx::stmatrix_x4(addr, ptx::pack_bf16x2(acc[4 * j0 + 0], acc[4 * j0 + 1]),
-                     ptx::pack_bf16x2(acc[4 * j0 + 2], acc[4 * j0 + 3]),
-                     ptx::pack_bf16x2(acc[4 * j0 + 4], acc[4 * j0 + 5]),
-                     ptx::pack_bf16x2(acc[4 * j0 + 6], acc[4 * j0 + 7]));
+    ptx::stmatrix_x4(addr, pack(acc[4 * j0 + 0], acc[4 * j0 + 1]), pack(acc[4 * j0 + 2], acc[4 * j0 + 3]),
+                     pack(acc[4 * j0 + 4], acc[4 * j0 + 5]), pack(acc[4 * j0 + 6], acc[4 * j0 + 7]));
   }
 }
+
+// The saved pre-activation's rounding with a clamp (deep_gemm.mega.reference, rounding point F6): round to
+// nearest even, except that a value strictly on one side of a bound never lands on or across it (it takes
+// the nearest bf16 on its own side), so the backward's clamp masks evaluated on the bf16 h equal the
+// forward's on the fp32 h. Gate columns have the bound c (min(g, c)); up columns also -c. below / above:
+// the largest bf16 value < c and the smallest > c (so -above / -below are those of -c).
+struct PackBf16x2ClampMasks {
+  float c, below, above;
+  bool up;
+  __device__ __forceinline__ float round1(float v) const {
+    const float r = __bfloat162float(__float2bfloat16_rn(v));
+    if (v < c && r >= c) return below;
+    if (v > c && r <= c) return above;
+    if (up) {
+      if (v < -c && r >= -c) return -above;
+      if (v > -c && r <= -c) return -below;
+    }
+    return r;
+  }
+  __device__ __forceinline__ uint32_t operator()(float lo, float hi) const {
+    return ptx::pack_bf16x2(round1(lo), round1(hi));  // exact: both are bf16 values already
+  }
+};
 
 // Copies rows [0, rows) of a swizzled staging half to out (row stride ldo), columns col0.. below col_limit,
 // with the warpgroup's 128 threads (16-byte loads and stores). kSplit (SwiGLU h): the left half of the

@@ -2,6 +2,7 @@
 #include "mega_moe.hpp"
 
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "host_utils.hpp"
@@ -114,6 +115,20 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   p.h = static_cast<__nv_bfloat16*>(h);
   p.o = static_cast<__nv_bfloat16*>(o);
   p.clamp = clamp;
+  if (clamp > 0.f) {
+    // bf16 neighbours of clamp (positive: the next value up / down is the bit pattern + / - 1)
+    const __nv_bfloat16 r = __float2bfloat16_rn(clamp);
+    uint16_t bits;
+    memcpy(&bits, &r, 2);
+    auto from_bits = [](uint16_t b) {
+      __nv_bfloat16 v;
+      memcpy(&v, &b, 2);
+      return __bfloat162float(v);
+    };
+    const float rf = from_bits(bits);
+    p.clamp_below = rf < clamp ? rf : from_bits(static_cast<uint16_t>(bits - 1));
+    p.clamp_above = rf > clamp ? rf : from_bits(static_cast<uint16_t>(bits + 1));
+  }
   p.counters = counters;
   p.max_m_blocks = (int32_t)mega_moe_max_m_blocks(m_total, num_experts);
   // Development aid: PK_MEGA_FWD_STATS=1 synchronizes after the launch and prints per-role clock figures

@@ -58,6 +58,8 @@ struct MegaFwdParams {
   __nv_bfloat16* h;       // [m_total, 2 * inter] or null
   __nv_bfloat16* o;       // [m_total, hidden]: L2 output per pool row (may alias x_pool, see mega_moe.hpp)
   float clamp;
+  float clamp_below;  // the largest bf16 value < clamp and the smallest > clamp (F6 rounding of the saved h)
+  float clamp_above;
   // Readiness counters, zero before the launch: [num_m_blocks] dispatch, then [num_m_blocks] L1.
   int32_t* counters;
   int32_t max_m_blocks;  // length of each counter array (>= the plan's m-blocks)
@@ -439,12 +441,19 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // expert's end). Pass q + 1 first waits until pass q's TMA store has read the tile.
       // out/ld: destination; col_of(q): its first column for pass q; limit_of(q): columns >= it are not
       // written; map: the destination's tensor map.
-      auto staged_store = [&](__nv_bfloat16* out, int64_t ld, auto col_of, auto limit_of, const CUtensorMap* map) {
+      // f6: the saved h with a clamp, rounded by PackBf16x2ClampMasks (pass 0 = gate, pass 1 = up columns).
+      auto staged_store = [&](__nv_bfloat16* out, int64_t ld, auto col_of, auto limit_of, const CUtensorMap* map,
+                              bool f6) {
 #pragma unroll
         for (int q = 0; q < kBlockN / kStageCols; ++q) {
           if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
           ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-          write_acc_boxes_to_staging<kBlockN, kStageCols / 64>(acc, stg_half, wg_tid, q * (kStageCols / 64));
+          if (f6)
+            write_acc_boxes_to_staging<kBlockN, kStageCols / 64>(
+                acc, stg_half, wg_tid, q * (kStageCols / 64),
+                PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, q == 1});
+          else
+            write_acc_boxes_to_staging<kBlockN, kStageCols / 64>(acc, stg_half, wg_tid, q * (kStageCols / 64));
           ptx::fence_proxy_async_smem();
           ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
           const int c0 = col_of(q);
@@ -467,7 +476,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (p.h != nullptr) {
             // pass 0 = gate columns n0.. of h, pass 1 = the matching up columns I + n0..
             staged_store(p.h, 2 * p.inter, [&](int q) { return (q == 0 ? 0 : p.inter) + t.n0; },
-                         [&](int q) { return (q == 0 ? 1 : 2) * p.inter; }, &tmap_h);
+                         [&](int q) { return (q == 0 ? 1 : 2) * p.inter; }, &tmap_h, p.clamp > 0.f);
           }
           store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.inter, hrow0, t.row_end, t.n0, p.inter, p.clamp);
           // s is read by TMA (async proxy) in whichever CTA runs the L2 tiles of this m-block
@@ -477,7 +486,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (wg_tid == 0) ptx::red_release_gpu_add(l1_ctr + t.mb, 1);
       } else if (active) {
         staged_store(p.o, p.hidden, [&](int q) { return t.n0 + q * kStageCols; }, [&](int) { return p.hidden; },
-                     &tmap_o);
+                     &tmap_o, false);
       }
     }
     if (wg_tid == 0) ptx::bulk_wait_group<0>();
