@@ -4,9 +4,10 @@ Forward (sm90, BF16, single rank): the routing plan, then one persistent kernel
 (``torch.ops.deep_gemm.mega_moe_fused_fwd``: dispatch of the token rows into the pool, L1 with the
 SwiGLU epilogue and L2, tiles released to each other through per-m-block counters), then the
 deterministic combine kernel over the L2 rows. Same arguments, return tuple and rounding points as
-:func:`deep_gemm.mega.reference.forward` (F6 with a clamp: the saved h is plainly rounded to bf16,
-as in the grouped pipeline; see ``_grouped``). The plan is built with ``block_m = 1`` (no padding), so
-the saved state is the grouped pipeline's and its backward reads it.
+:func:`deep_gemm.mega.reference.forward`, F6 included (with a clamp the saved h keeps the clamp masks
+of the fp32 pre-activation). The plan is built with ``block_m = 1`` (no padding), so the saved state is
+the grouped pipeline's and its backward reads it. The dispatched pool rows are not kept: L2's output
+overwrites them (lower peak memory), and the backward gathers x again.
 
 The fused backward is not written yet: ``deep_gemm.status()`` says so, and ``_backend`` never
 resolves "fused" for it.
