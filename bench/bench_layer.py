@@ -95,7 +95,7 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
-def bench_config(shape, T, routing, backends, args, device, group, fused_bwd_ok, peak):
+def bench_config(shape, T, routing, backends, args, device, group, peak):
     E, H, I, K = bc.SHAPES[shape]
     rank, ep = bc.world()
     w13, w2 = bc.make_weights(E, H, I, args.seed, device, rank, ep)
@@ -230,7 +230,7 @@ def main(argv=None):
                 bks = [b for b in backends
                        if not (b == "deep_gemm_reference" and args.reference_max_tokens
                                and T > args.reference_max_tokens)]
-                cfg = bench_config(shape, T, routing, bks, args, device, group, fused_bwd_reason is None, peak)
+                cfg = bench_config(shape, T, routing, bks, args, device, group, peak)
                 rows += cfg
                 log(f"[bench] {shape} T={T} {routing}: done at {time.time() - t0:.0f} s")
             if stopped:

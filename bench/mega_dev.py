@@ -8,22 +8,15 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as bc  # noqa: E402
 import deep_gemm  # noqa: F401
 from deep_gemm.grouped_gemm import m_grouped_bf16_gemm_nt, m_grouped_bf16_gemm_swiglu
 from deep_gemm.routing import routing_plan
 
 
 def bench(fn, iters=15):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ts = []
-    for _ in range(iters):
-        ev[0].record(); fn(); ev[1].record(); torch.cuda.synchronize()
-        ts.append(ev[0].elapsed_time(ev[1]))
-    ts.sort()
-    return ts[len(ts) // 2]
+    return bc.time_ms(fn, "cuda", warmup=3, iters=iters)
 
 
 stats = os.environ.get("PK_MEGA_FWD_STATS") is not None
