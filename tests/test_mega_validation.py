@@ -126,6 +126,25 @@ def test_expert_id_below_minus_one(prob):
         _call(prob, topk_idx=idx)
 
 
+def test_skipping_value_checks_never_applies_to_the_reference(prob, monkeypatch):
+    """DEEP_GEMM_SKIP_VALUE_CHECKS=1 skips the expert-id read only on the kernel backends (their routing
+    plan masks an out-of-range id); the reference would index with it, so it still raises."""
+    from deep_gemm.mega import _validate
+
+    monkeypatch.setenv("DEEP_GEMM_SKIP_VALUE_CHECKS", "1")
+    idx = prob[1].clone()
+    idx[2, 1] = E
+    with pytest.raises(ValueError, match=r"must lie in \[-1, 3\]"):
+        _call(prob, topk_idx=idx)
+    _validate.check_expert_ids(idx, E, "grouped")  # skipped: no error
+    _validate.check_expert_ids(idx, E, "fused")
+    with pytest.raises(ValueError, match=r"must lie in \[-1, 3\]"):
+        _validate.check_expert_ids(idx, E, "reference")
+    monkeypatch.delenv("DEEP_GEMM_SKIP_VALUE_CHECKS")
+    with pytest.raises(ValueError, match=r"must lie in \[-1, 3\]"):
+        _validate.check_expert_ids(idx, E, "grouped")
+
+
 def test_more_tokens_than_buffer(prob):
     buf = get_symm_buffer_for_mega_moe(None, E, T - 1, K, H, I, device="cpu", reuse=False)
     with pytest.raises(ValueError, match="exceed the buffer's num_max_tokens_per_rank=5") as e:
