@@ -40,6 +40,86 @@ __device__ __forceinline__ uint8_t* align_smem_1024(uint8_t* p) {
   return p + ((1024 - (a & 1023)) & 1023);
 }
 
+// Warp-wide exclusive scan over groups (call from one whole warp): out[g] = sum of count(g') over g' < g for
+// g in [0, num_groups), and out[num_groups] = the total. count(g) is evaluated by lane g % 32.
+template <typename CountFn>
+__device__ __forceinline__ void warp_exclusive_scan_groups(int num_groups, int lane, int32_t* out, CountFn count) {
+  int running = 0;
+  for (int base = 0; base < num_groups; base += 32) {
+    const int g = base + lane;
+    const int cnt = g < num_groups ? count(g) : 0;
+    int incl = cnt;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int o = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += o;
+    }
+    if (g < num_groups) out[g] = running + incl - cnt;
+    running += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  if (lane == 0) out[num_groups] = running;
+}
+
+// One tile's k-loop for a consumer warpgroup of the m-grouped kernels: waits for each stage of the mbarrier
+// ring, issues its kBlockK / 16 wgmma (one group kept in flight) and releases the stage once the group that
+// read it has completed (release(stage)); a warpgroup with no rows (active = false) only releases stages.
+// acc is zeroed first and settled on return. Descriptors: stage s, k-step kk adds s * kStageA/BBytes and
+// kk * 32 (A) / kBStepBytes (B) bytes (>> 4) to the low halves a_lo0 / b_lo0. kProxyFence: A was written
+// through the generic proxy (cp.async gather), fence before wgmma reads it.
+template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, uint32_t kBStepBytes,
+          bool kProxyFence, int kAccRegs, typename ReleaseFn>
+__device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], bool active, int num_k_blocks,
+                                                       uint64_t* full_bar, int& stage, uint32_t& phase,
+                                                       uint32_t a_lo0, uint32_t a_hi, uint32_t b_lo0,
+                                                       uint32_t b_hi, ReleaseFn&& release) {
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.f;
+  int prev_stage = 0;
+  if (!active) {
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      ptx::mbar_wait(&full_bar[stage], phase);
+      release(stage);
+      if (++stage == kNumStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  } else {
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      ptx::mbar_wait(&full_bar[stage], phase);
+      // (compile-time: a runtime test here costs the consumers registers they do not have at 224)
+      if constexpr (kProxyFence) ptx::fence_proxy_async_smem();
+#pragma unroll
+      for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
+      ptx::wgmma_fence();
+      const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (kStageABytes >> 4);
+      const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (kStageBBytes >> 4);
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        const uint64_t da = ptx::desc_from_halves(a_lo + kk * (32 >> 4), a_hi);
+        const uint64_t db = ptx::desc_from_halves(b_lo + kk * (kBStepBytes >> 4), b_hi);
+        Mma::mma(acc, da, db, 1u);
+      }
+      ptx::wgmma_commit();
+#pragma unroll
+      for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
+      if (kb > 0) {
+        ptx::wgmma_wait<1>();
+        release(prev_stage);
+      }
+      prev_stage = stage;
+      if (++stage == kNumStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+  ptx::wgmma_wait<0>();  // unconditional: lets ptxas see every accumulator settled on all paths
+  if (active && num_k_blocks > 0) release(prev_stage);
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
+}
+
 // Writes the 64 x kBlockN fp32 accumulator fragment of one consumer warpgroup (wgmma m64nN layout) as
 // bf16 to global memory, through a 64-column shared-memory staging tile, with 16-byte coalesced stores.
 // Rows >= row_limit and columns >= col_limit are not written.
@@ -97,30 +177,6 @@ struct TmaStaging {
   static constexpr int kBytes = 2 * kHalfBytes;
 };
 
-// One warpgroup's 64 x kBlockN fp32 fragment (wgmma m64nN layout) -> bf16 into its swizzled staging half.
-template <int kBlockN>
-__device__ __forceinline__ void write_acc_to_swizzled_staging(const float (&acc)[kBlockN / 2], uint32_t stg_half,
-                                                              int wg_tid) {
-  const int lane = wg_tid & 31;
-  const int mi = lane >> 3;  // matrix this lane addresses: 0/1 = rows +0/+8 of column group 2jp, 2/3 of 2jp+1
-  const int ri = lane & 7;
-  const int row = (wg_tid >> 5) * 16 + ((mi & 1) << 3) + ri;
-  const uint32_t base = stg_half + row * 128;
-  const uint32_t x = static_cast<uint32_t>(((mi >> 1) ^ ri) << 4);  // row-dependent part of the chunk swizzle
-#pragma unroll
-  for (int jp = 0; jp < kBlockN / 16; ++jp) {
-    const int j0 = 2 * jp;
-    const uint32_t addr = base + (jp >> 2) * TmaStaging<kBlockN>::kBoxBytes + ((static_cast<uint32_t>((jp & 3) * 2) << 4) ^ x);
-    ptx::stmatrix_x4(addr, ptx::pack_bf16x2(acc[4 * j0 + 0], acc[4 * j0 + 1]),
-                     ptx::pack_bf16x2(acc[4 * j0 + 2], acc[4 * j0 + 3]),
-                     ptx::pack_bf16x2(acc[4 * j0 + 4], acc[4 * j0 + 5]),
-                     ptx::pack_bf16x2(acc[4 * j0 + 6], acc[4 * j0 + 7]));
-  }
-}
-
-// Boxes [box0, box0 + kBoxes) (64 columns each) of one warpgroup's 64 x kBlockN fragment -> bf16 into a staging
-// half of kBoxes boxes (the layout of write_acc_to_swizzled_staging<64 * kBoxes>). box0 must be a compile-time
-// constant after unrolling (it selects accumulator registers).
 // Plain bf16 rounding (round to nearest even) of two fp32 values into one bf16x2 word.
 struct PackBf16x2 {
   __device__ __forceinline__ uint32_t operator()(float lo, float hi) const { return ptx::pack_bf16x2(lo, hi); }
@@ -144,6 +200,13 @@ __device__ __forceinline__ void write_acc_boxes_to_staging(const float (&acc)[kB
     ptx::stmatrix_x4(addr, pack(acc[4 * j0 + 0], acc[4 * j0 + 1]), pack(acc[4 * j0 + 2], acc[4 * j0 + 3]),
                      pack(acc[4 * j0 + 4], acc[4 * j0 + 5]), pack(acc[4 * j0 + 6], acc[4 * j0 + 7]));
   }
+}
+
+// One warpgroup's 64 x kBlockN fp32 fragment (wgmma m64nN layout) -> bf16 into its swizzled staging half.
+template <int kBlockN>
+__device__ __forceinline__ void write_acc_to_swizzled_staging(const float (&acc)[kBlockN / 2], uint32_t stg_half,
+                                                              int wg_tid) {
+  write_acc_boxes_to_staging<kBlockN, kBlockN / 64>(acc, stg_half, wg_tid, 0);
 }
 
 // The saved pre-activation's rounding with a clamp (deep_gemm.mega.reference, rounding point F6): round to

@@ -162,24 +162,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   __syncthreads();
   if (warp == 0) {
     // s_tile[g] = sum over g' < g of (m-blocks of g') * (kCluster2 ? 1 : n_blocks)
-    int running = 0;
-    for (int base = 0; base < num_groups; base += 32) {
-      const int g = base + lane;
-      int cnt = 0;
-      if (g < num_groups) {
-        const int rows = max(s_offs[g + 1] - s_offs[g], 0);
-        cnt = ceil_div(rows, kBlockM) * (kCluster2 ? 1 : n_blocks);
-      }
-      int incl = cnt;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int o = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += o;
-      }
-      if (g < num_groups) s_tile[g] = running + incl - cnt;
-      running += __shfl_sync(0xffffffffu, incl, 31);
-    }
-    if (lane == 0) s_tile[num_groups] = running;
+    warp_exclusive_scan_groups(num_groups, lane, s_tile, [&](int g) {
+      return ceil_div(max(s_offs[g + 1] - s_offs[g], 0), kBlockM) * (kCluster2 ? 1 : n_blocks);
+    });
   }
   if constexpr (kCluster2) {
     ptx::cluster_sync();  // also publishes the barrier inits to the peer CTA
@@ -394,9 +379,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // A warpgroup whose 64 rows all lie past the group's end (tail m-block, or the idle half of a cluster
       // pair) only keeps the pipeline moving; the other warpgroup then has the tensor cores to itself.
       const bool active = w.row0 + 64 * wg < w.row_end;
-#pragma unroll
-      for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.f;
-
       auto release = [&](int s_) {
         __syncwarp();
         if (lane == 0) {
@@ -404,52 +386,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if constexpr (kCluster2) ptx::mbar_arrive_cluster(&empty_bar[s_], cta_rank ^ 1);
         }
       };
-      int prev_stage = 0;
-      if (!active) {
-        // no rows to compute: only keep the pipeline moving
-        for (int kb = 0; kb < num_k_blocks; ++kb) {
-          ptx::mbar_wait(&full_bar[stage], phase);
-          release(stage);
-          if (++stage == kNumStages) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
-      } else {
-        for (int kb = 0; kb < num_k_blocks; ++kb) {
-          ptx::mbar_wait(&full_bar[stage], phase);
-          // cp.async wrote A through the generic proxy (compile-time: a runtime test here costs the consumers
-          // registers they do not have at 224; the pure-TMA gather pays a needless fence)
-          if constexpr (kGatherA) ptx::fence_proxy_async_smem();
-#pragma unroll
-          for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
-          ptx::wgmma_fence();
-          const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (L::kABytes >> 4);
-          const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (L::kBBytes >> 4);
-#pragma unroll
-          for (int kk = 0; kk < kBlockK / 16; ++kk) {
-            const uint64_t da = ptx::desc_from_halves(a_lo + kk * (32 >> 4), a_hi);
-            const uint64_t db = ptx::desc_from_halves(b_lo + kk * (kBStepBytes >> 4), b_hi);
-            Mma::mma(acc, da, db, 1u);
-          }
-          ptx::wgmma_commit();
-#pragma unroll
-          for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
-          if (kb > 0) {
-            ptx::wgmma_wait<1>();
-            release(prev_stage);
-          }
-          prev_stage = stage;
-          if (++stage == kNumStages) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
-      }
-      ptx::wgmma_wait<0>();  // unconditional: lets ptxas see every accumulator settled on all paths
-      if (active && num_k_blocks > 0) release(prev_stage);
-#pragma unroll
-      for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
+      // cp.async wrote a gathered A through the generic proxy (the pure-TMA gather pays a needless fence)
+      consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, kBStepBytes, kGatherA>(
+          acc, active, num_k_blocks, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release);
 
       if constexpr (kSwiGLU) {
         const int hrow0 = w.row0 + 64 * wg;

@@ -138,22 +138,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
   for (int i = tid; i <= num_experts; i += kNumThreads) s_offs[i] = min(max(__ldg(p.expert_offsets + i), 0), p.m_total);
   __syncthreads();
-  if (warp == 0) {
-    int running = 0;
-    for (int base = 0; base < num_experts; base += 32) {
-      const int e = base + lane;
-      const int cnt = e < num_experts ? ceil_div(max(s_offs[e + 1] - s_offs[e], 0), kBlockM) : 0;
-      int incl = cnt;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int o = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += o;
-      }
-      if (e < num_experts) s_mb[e] = running + incl - cnt;
-      running += __shfl_sync(0xffffffffu, incl, 31);
-    }
-    if (lane == 0) s_mb[num_experts] = running;
-  }
+  if (warp == 0)  // s_mb[e] = first m-block of expert e
+    warp_exclusive_scan_groups(num_experts, lane, s_mb,
+                               [&](int e) { return ceil_div(max(s_offs[e + 1] - s_offs[e], 0), kBlockM); });
   __syncthreads();
 
   // The plan's m-blocks beyond the counters' length cannot be signalled: the host sizes the counters from
@@ -386,54 +373,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const int kbs = t.l1 ? kb1 : kb2;
       const int hrow0 = t.row0 + 64 * wg;
       const bool active = hrow0 < t.row_end;
-#pragma unroll
-      for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.f;
       auto release = [&](int s_) {
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
       };
-      int prev_stage = 0;
-      if (!active) {
-        for (int kb = 0; kb < kbs; ++kb) {
-          ptx::mbar_wait(&full_bar[stage], phase);
-          release(stage);
-          if (++stage == kNumStages) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
-      } else {
-        for (int kb = 0; kb < kbs; ++kb) {
-          ptx::mbar_wait(&full_bar[stage], phase);
-#pragma unroll
-          for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
-          ptx::wgmma_fence();
-          const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (L::kABytes >> 4);
-          const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (L::kBBytes >> 4);
-#pragma unroll
-          for (int kk = 0; kk < kBlockK / 16; ++kk) {
-            const uint64_t da = ptx::desc_from_halves(a_lo + kk * (32 >> 4), a_hi);
-            const uint64_t db = ptx::desc_from_halves(b_lo + kk * (32 >> 4), b_hi);
-            Mma::mma(acc, da, db, 1u);
-          }
-          ptx::wgmma_commit();
-#pragma unroll
-          for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
-          if (kb > 0) {
-            ptx::wgmma_wait<1>();
-            release(prev_stage);
-          }
-          prev_stage = stage;
-          if (++stage == kNumStages) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
-      }
-      ptx::wgmma_wait<0>();
-      if (active && kbs > 0) release(prev_stage);
-#pragma unroll
-      for (int i = 0; i < kBlockN / 2; ++i) ptx::reg_fence(acc[i]);
+      consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 32, false>(
+          acc, active, kbs, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release);
 
       // Epilogue through a half-width staging tile (kStageCols columns per pass; the shared memory it leaves
       // free holds the dispatch slots): pass q writes accumulator columns [q * kStageCols, +kStageCols) of
