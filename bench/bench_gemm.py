@@ -32,22 +32,6 @@ SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3-235b-a22b": (128, 4096, 1
 SPIN_CYCLES = 200_000
 
 
-def time_ms(fn, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(SPIN_CYCLES)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def time_interleaved(fns: dict, warmup: int, reps: int) -> dict:
     """Median ms of each function, timed in rounds that run every function once."""
     for fn in fns.values():
@@ -65,6 +49,10 @@ def time_interleaved(fns: dict, warmup: int, reps: int) -> dict:
             end.synchronize()
             times[key].append(start.elapsed_time(end))
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def time_ms(fn, warmup: int, reps: int) -> float:
+    return time_interleaved({"fn": fn}, warmup, reps)["fn"]
 
 
 def peak_bf16_tflops(reps: int) -> float:

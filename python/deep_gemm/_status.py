@@ -60,8 +60,34 @@ def _device_capability() -> tuple[int, int] | None:
         return None
 
 
+def _current_cuda_device() -> int | None:
+    """The current CUDA device once CUDA is initialised, else None."""
+    try:
+        import torch
+
+        return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    except Exception:
+        return None
+
+
+# (key, CUDA device) -> reason. Answers are remembered once CUDA is up (the build and the device cannot
+# change within the process then): reason() is on every op's launch path, and status() on every
+# deep_gemm.mega call's. Before that, and on CPU-only machines, each call asks afresh.
+_answers: dict = {}
+
+
 def reason(key: str) -> str:
     """"available", or why kernel `key` cannot run here."""
+    dev = _current_cuda_device()
+    if dev is not None and (key, dev) in _answers:
+        return _answers[(key, dev)]
+    why = _reason(key)
+    if dev is not None:
+        _answers[(key, dev)] = why
+    return why
+
+
+def _reason(key: str) -> str:
     entry = KERNELS.get(key)
     if entry is None:
         raise KeyError(f"unknown kernel {key!r}; known: {', '.join(sorted(KERNELS))}")
@@ -93,25 +119,11 @@ def status() -> dict[str, str]:
     return {key: reason(key) for key in KERNELS}
 
 
-_available: set = set()  # (key, CUDA device index) pairs already found available: checked once
-
-
 def require(key: str) -> None:
-    """Raise RuntimeError with the status() reason unless kernel `key` can run here (on the current CUDA
-    device; a positive answer is remembered, it is on every op's launch path)."""
-    try:
-        import torch
-
-        dev = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-    except Exception:
-        dev = None
-    if dev is not None and (key, dev) in _available:
-        return
+    """Raise RuntimeError with the status() reason unless kernel `key` can run here."""
     why = reason(key)
     if why != AVAILABLE:
         raise RuntimeError(f"deep_gemm: {key} is not available: {why}")
-    if dev is not None:
-        _available.add((key, dev))
 
 
 def family_of_device(device_index: int | None = None) -> str | None:

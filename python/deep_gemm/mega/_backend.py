@@ -48,28 +48,10 @@ def _status() -> dict:
     fn = getattr(deep_gemm, "status", None)
     if fn is None:
         return {}
-    # On every call's path: remembered per (status function, CUDA device) once CUDA is up (the answers
-    # cannot change within a process then; before that, and on CPU-only machines, asked each time).
-    key = None
     try:
-        import torch  # noqa: PLC0415
-
-        if torch.cuda.is_initialized():
-            key = (id(fn), torch.cuda.current_device())
-    except Exception:
-        key = None
-    if key is not None and key in _status_cache:
-        return dict(_status_cache[key])
-    try:
-        st = dict(fn())
+        return dict(fn())  # cheap: deep_gemm.status() remembers its answers once CUDA is up
     except Exception as exc:  # a broken status() is a reason, not a crash
         return {"__error__": f"deep_gemm.status() failed: {exc}"}
-    if key is not None:
-        _status_cache[key] = st
-    return dict(st)
-
-
-_status_cache: dict = {}
 
 
 def _device_arch() -> str:
