@@ -42,6 +42,14 @@ def _token_rows(pool_src_route: torch.Tensor, top_k: int) -> torch.Tensor:
                        torch.full_like(pool_src_route, -1))
 
 
+def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a_g^T b_g in the parameter's dtype. A bf16 weight gets its gradient rounded in the GEMM's epilogue
+    (the same single fp32 -> bf16 rounding as a cast, without writing and re-reading an fp32 copy)."""
+    if dtype == torch.bfloat16:
+        return k_grouped_bf16_gemm_tn(a, b, offsets, out_dtype=torch.bfloat16)
+    return k_grouped_bf16_gemm_tn(a, b, offsets).to(dtype)
+
+
 def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=None, num_experts=None,
             max_tokens_per_rank=None, block_m, capacity, save_h=True, buffer=None):
     """Same contract as :func:`deep_gemm.mega.reference.forward`."""
@@ -93,9 +101,9 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         if dw2_accum is not None:
             k_grouped_bf16_gemm_tn(dy_pool, a, offsets, accumulate_into=dw2_accum)  # B10
         elif need_wgrad:
-            out2 = k_grouped_bf16_gemm_tn(dy_pool, a, offsets).to(w2.dtype)
+            out2 = _wgrad(dy_pool, a, offsets, w2.dtype)
         if dw13_accum is not None:
             k_grouped_bf16_gemm_tn(dh, x_pool, offsets, accumulate_into=dw13_accum)
         elif need_wgrad:
-            out13 = k_grouped_bf16_gemm_tn(dh, x_pool, offsets).to(w13.dtype)
+            out13 = _wgrad(dh, x_pool, offsets, w13.dtype)
     return dx, dtopk, out13, out2
