@@ -14,9 +14,9 @@ using namespace host;
 
 namespace {
 // 3 stages of 128x256x64 (48 KB each) + the 32 KB half-width staging tile leave room for 11 dispatch slots of
-// 4 KB (with 3 slots the dispatch paced L1: bench/NOTES.md).
+// 4 KB; the three dispatch warps use 3 each.
 constexpr int kFwdStages = 3;
-constexpr int kFwdDispatchSlots = 11;
+constexpr int kFwdDispatchSlots = 9;
 }  // namespace
 
 int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
@@ -138,6 +138,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   if (kStats && stats_buf == nullptr && cudaMalloc(&stats_buf, sizeof(long long) * 1024 * kStatsPerCta) != cudaSuccess)
     stats_buf = nullptr;
   p.stats = kStats ? stats_buf : nullptr;
+  if (p.stats != nullptr) cudaMemsetAsync(p.stats, 0, sizeof(long long) * 1024 * kStatsPerCta, stream);
   // PK_MEGA_FWD_STATS=dispatch: the dispatch alone, no GEMM tiles (results are not computed; timing only)
   // PK_MEGA_FWD_STATS=d<bits>: bits 1-3 of MegaFwdParams::dispatch_only (d0 = the dispatch alone)
   p.dispatch_only = kStats && std::getenv("PK_MEGA_FWD_STATS")[0] == 'd'

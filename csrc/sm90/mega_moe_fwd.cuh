@@ -13,7 +13,7 @@
 // (per expert: H/256 n-blocks, m-blocks fastest). A tile only ever waits for work earlier in the sequence or
 // for the dispatch (which waits for nothing), and every CTA processes its tiles in increasing order, so with
 // the whole grid resident (one CTA per SM, grid <= SMs) the waits cannot deadlock.
-//   * dispatch (producer warp 1 of every CTA): copies x rows into x_pool in pool order (see the role below);
+//   * dispatch (producer warps 1-3 of every CTA): copy x rows into x_pool in pool order (see the role below);
 //     per-m-block dispatch counters count the 4 KB pieces that have landed.
 //   * L1 tile: the TMA thread waits (ld.acquire) until its m-block's dispatch counter is complete, then
 //     streams x_pool and w13 like the grouped GEMM. Epilogue: s from registers (and h through the staging
@@ -235,118 +235,99 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         st[1] = wait_l1;
         st[2] = clock64() - t_start;  // producer's last load issued
       }
-    } else if (warp == 1) {
-      // ================= dispatch (warp 1) =================
-      // Units = (pool row, piece of <= kDispatchSlotBytes) in pool order, handed out in runs of
-      // kDispatchRunRows rows round-robin over CTAs, so the first m-blocks fill first and most consecutive
-      // units of a CTA share an m-block (one release per run and m-block, not per unit: a release is a
-      // GPU-scope fence). The copy goes through the LSU, not the TMA engine: bulk copies queue behind the
-      // GEMM's 48 KB stage loads (measured ~1.5 us per 4 KB unit with 3 slots, a third of the rate L1
-      // consumes rows at). Each lane cp.asyncs its 16-byte pieces of a unit into a slot, kDispatchSlots - 1
-      // units ahead, and once they land stores them to x_pool itself (so a slot is free again at once). The
-      // lanes also load the source rows of 32 units at a time (one dependent load per unit would stall).
-      // x_pool is written through the generic proxy and read by TMA: proxy fence, then release.
+    } else if (warp >= 1) {
+      // ================= dispatch (warps 1-3) =================
+      // Pool rows are handed out in runs of kDispatchRunRows (32) rows, round-robin over the CTAs and, within
+      // a CTA, over its three dispatch warps, so the first m-blocks fill first. A run is one lane per row:
+      // each lane looks up its row's source (token, rank) and m-block once; the run's pieces (a row is
+      // ceil(2H / 4 KB) pieces) then stream through this warp's kSlotsPerWarp shared-memory slots: every lane
+      // cp.asyncs its 16-byte parts of a piece kSlotsPerWarp - 1 pieces ahead and stores them to x_pool once
+      // they land (the LSU path: bulk copies queue behind the GEMM's TMA loads). After the run: proxy fence,
+      // and one release per m-block the run touches, by the lane holding that m-block's first row. (The
+      // earlier single-warp loop spent ~1.1 us of dependent index arithmetic per piece: bench/NOTES.md.)
+      constexpr int kDispatchWarps = 3;
+      constexpr int kSlotsPerWarp = kDispatchSlots / kDispatchWarps;
+      static_assert(kSlotsPerWarp >= 2, "each dispatch warp needs two slots");
+      const int dwarp = warp - 1;
       const int row_bytes = p.hidden * 2;
       const int chunks = ceil_div(row_bytes, kDispatchSlotBytes);
-      const int num_units = s_offs[num_experts] * chunks;  // < 2^31: checked on the host
-      const int run_units = kDispatchRunRows * chunks;
-      const uint32_t slot0 = ptx::smem_addr(smem + L::kDispOff);
+      const int num_rows = s_offs[num_experts];
+      const int num_runs = ceil_div(num_rows, kDispatchRunRows);
+      const uint32_t slot0 = ptx::smem_addr(smem + L::kDispOff) + dwarp * kSlotsPerWarp * kDispatchSlotBytes;
       const int cta = (int)ptx::ctaid_x_volatile();
-      const int step = (int)gridDim.x;
+      const int step = (int)gridDim.x * kDispatchWarps;
       const long long t_start = clock64();
-      auto unit_of = [&](int j) -> int {
-        const int q = j / run_units;
-        const int64_t u = (static_cast<int64_t>(cta) + static_cast<int64_t>(q) * step) * run_units + (j - q * run_units);
-        return u < num_units ? static_cast<int>(u) : num_units;  // num_units = past the end
-      };
-      // Source of local unit j0 + lane: token row | rank << 28 (host-checked bounds), 0 past the end.
-      auto batch_src = [&](int j0) -> uint32_t {
-        const int u = unit_of(j0 + lane);
-        if (u >= num_units) return 0u;
-        const int row = u / chunks;
-        const int route = __ldg(p.pool_src_route + row);
-        const int rank = p.pool_src_rank != nullptr ? min(max(__ldg(p.pool_src_rank + row), 0), p.num_ranks - 1) : 0;
-        return (static_cast<uint32_t>(rank) << 28) | static_cast<uint32_t>(max(route, 0) / p.top_k);
-      };
-      uint32_t src_cur = batch_src(0), src_next = batch_src(32);
-      int batch0 = 0;
-      auto src_of = [&](int j) -> uint32_t {  // j in [batch0, batch0 + 64)
-        const int i = j - batch0;
-        const uint32_t a = __shfl_sync(0xffffffffu, src_cur, i & 31);
-        const uint32_t b = __shfl_sync(0xffffffffu, src_next, i & 31);
-        return i < 32 ? a : b;
-      };
-      auto piece_bytes = [&](int u) -> int {
-        const int c = u % chunks;
-        return min(kDispatchSlotBytes, row_bytes - c * kDispatchSlotBytes);
-      };
       constexpr int kPerLane = kDispatchSlotBytes / 16 / 32;
-      auto issue_load = [&](int j) {  // every lane: its 16-byte pieces of local unit j (if any), then a commit
-        const uint32_t src = src_of(j);
-        const int u = unit_of(j);
-        if (u < num_units) {
-          const int row = u / chunks;
-          const int c = u - row * chunks;
-          const int bytes = piece_bytes(u);
-          const uint8_t* x = reinterpret_cast<const uint8_t*>(p.x_ranks[src >> 28] +
-                                                             static_cast<int64_t>(src & 0x0fffffffu) * p.ld_x) +
-                             c * kDispatchSlotBytes;
-          const uint32_t slot = slot0 + (j % kDispatchSlots) * kDispatchSlotBytes;
+      for (int run = cta + dwarp * (int)gridDim.x; run < num_runs; run += step) {
+        const int row0 = run * kDispatchRunRows;
+        const int rows = min(kDispatchRunRows, num_rows - row0);
+        // this lane's row: source and m-block (binary search of the expert offsets in shared memory)
+        const int my_row = row0 + min(lane, rows - 1);
+        const int route = __ldg(p.pool_src_route + my_row);
+        const int rank = p.pool_src_rank != nullptr ? min(max(__ldg(p.pool_src_rank + my_row), 0), p.num_ranks - 1) : 0;
+        const __nv_bfloat16* my_src = p.x_ranks[rank] + static_cast<int64_t>(max(route, 0) / p.top_k) * p.ld_x;
+        int lo = 0, hi = num_experts - 1;  // the expert e with s_offs[e] <= my_row < s_offs[e + 1]
+        while (lo < hi) {
+          const int mid = (lo + hi + 1) >> 1;
+          if (s_offs[mid] <= my_row) lo = mid; else hi = mid - 1;
+        }
+        const int my_mb = lane < rows ? s_mb[lo] + (my_row - s_offs[lo]) / kBlockM : -1;
+        // pieces of the run: i = ri * chunks + c
+        const int pieces = rows * chunks;
+        auto issue = [&](int i) {  // every lane; one commit per piece index, empty past the end
+          if (i < pieces && !(p.dispatch_only & 8)) {
+            const int ri = i / chunks;  // chunks is 1 or 2 at the layer shapes: cheap
+            const int c = i - ri * chunks;
+            const uint8_t* src = reinterpret_cast<const uint8_t*>(
+                                     __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_src), ri)) +
+                                 c * kDispatchSlotBytes;
+            const int bytes = min(kDispatchSlotBytes, row_bytes - c * kDispatchSlotBytes);
+            const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kDispatchSlotBytes;
+#pragma unroll 1
+            for (int k = 0; k < kPerLane; ++k) {
+              const int off = (lane + 32 * k) * 16;
+              if (off < bytes) ptx::cp_async_16(slot + off, src + off, 16u);
+            }
+          }
+          ptx::cp_async_commit();
+        };
+        for (int i = 0; i < kSlotsPerWarp - 1; ++i) issue(i);
+        for (int i = 0; i < pieces; ++i) {
+          issue(i + kSlotsPerWarp - 1);
+          ptx::cp_async_wait<kSlotsPerWarp - 1>();  // this lane's parts of piece i have landed
+          const int ri = i / chunks;
+          const int c = i - ri * chunks;
+          const int bytes = min(kDispatchSlotBytes, row_bytes - c * kDispatchSlotBytes);
+          uint8_t* dst = reinterpret_cast<uint8_t*>(p.x_pool + static_cast<int64_t>(row0 + ri) * p.hidden) +
+                         c * kDispatchSlotBytes;
+          const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kDispatchSlotBytes;
 #pragma unroll 1
           for (int k = 0; k < kPerLane; ++k) {
             const int off = (lane + 32 * k) * 16;
-            if (off < bytes && !(p.dispatch_only & 8)) ptx::cp_async_16(slot + off, x + off, 16u);
+            if (off < bytes && !(p.dispatch_only & 4)) ptx::st_global_v4(dst + off, ptx::ld_shared_v4(slot + off));
           }
         }
-        ptx::cp_async_commit();  // possibly empty: keeps one group per unit index
-      };
-      int e_cursor = 0;
-      auto unit_mb = [&](int u) -> int {
-        const int row = u / chunks;
-        while (s_offs[e_cursor + 1] <= row) ++e_cursor;
-        return s_mb[e_cursor] + (row - s_offs[e_cursor]) / kBlockM;
-      };
-      int sig_mb = -1, sig_cnt = 0;  // units stored but not yet released (warp-uniform)
-      auto flush = [&]() {
-        if (sig_cnt > 0 && !(p.dispatch_only & 2)) {
+        // release the run's rows per m-block: the lane with an m-block's first row in this run adds
+        // (its rows in the run) * chunks
+        const int prev_mb = __shfl_up_sync(0xffffffffu, my_mb, 1);
+        const bool first = my_mb >= 0 && (lane == 0 || prev_mb != my_mb);
+        const uint32_t firsts = __ballot_sync(0xffffffffu, first);
+        if (!(p.dispatch_only & 2)) {
           ptx::fence_proxy_async_global();
           __syncwarp();
-          if (lane == 0) ptx::red_release_gpu_add(disp_ctr + sig_mb, sig_cnt);
+          if (first) {
+            const uint32_t later = firsts & ~((2u << lane) - 1u);  // segment starts after this lane
+            const int end = later ? __ffs(later) - 1 : rows;
+            ptx::red_release_gpu_add(disp_ctr + my_mb, (end - lane) * chunks);
+          }
         }
-        sig_cnt = 0;
-      };
-      for (int j = 0; j < kDispatchSlots - 1; ++j) issue_load(j);
-      int j = 0;
-      for (int u = unit_of(0); u < num_units; u = unit_of(++j)) {
-        if (j + kDispatchSlots - 1 - batch0 >= 64) {  // move the source window
-          batch0 += 32;
-          src_cur = src_next;
-          src_next = batch_src(batch0 + 32);
-        }
-        issue_load(j + kDispatchSlots - 1);
-        ptx::cp_async_wait<kDispatchSlots - 1>();  // this lane's pieces of unit j have landed
-        const int row = u / chunks;
-        const int c = u - row * chunks;
-        const int bytes = piece_bytes(u);
-        uint8_t* dst = reinterpret_cast<uint8_t*>(p.x_pool + static_cast<int64_t>(row) * p.hidden) +
-                       c * kDispatchSlotBytes;
-        const uint32_t slot = slot0 + (j % kDispatchSlots) * kDispatchSlotBytes;
-#pragma unroll 1
-        for (int k = 0; k < kPerLane; ++k) {
-          const int off = (lane + 32 * k) * 16;
-          if (off < bytes && !(p.dispatch_only & 4)) ptx::st_global_v4(dst + off, ptx::ld_shared_v4(slot + off));
-        }
-        const int mb = unit_mb(u);
-        if (mb != sig_mb) {
-          flush();
-          sig_mb = mb;
-        }
-        ++sig_cnt;
-        if (j % run_units == run_units - 1) flush();  // this CTA's next unit is a whole round away
       }
-      flush();
       ptx::cp_async_wait<0>();
-      if (lane == 0 && p.stats != nullptr) p.stats[blockIdx.x * kStatsPerCta + 3] = clock64() - t_start;
+      if (lane == 0 && p.stats != nullptr) {
+        // dispatch end: the latest of the three warps (shared-memory max through an atomic on the stats slot)
+        atomicMax(reinterpret_cast<unsigned long long*>(p.stats + blockIdx.x * kStatsPerCta + 3),
+                  static_cast<unsigned long long>(clock64() - t_start));
+      }
     }
   } else {
     // ================= consumer warpgroups =================
