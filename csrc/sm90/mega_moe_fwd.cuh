@@ -69,7 +69,7 @@ struct MegaFwdParams {
   // with bit 0, bit 1 = no proxy fence / release, bit 2 = no stores, bit 3 = no loads.
   int32_t dispatch_only;
 };
-constexpr int kStatsPerCta = 6;
+constexpr int kStatsPerCta = 8;  // see the stats stores in the kernel
 
 template <int kNumStages, int kDispatchSlots>
 struct MegaFwdLayout {
@@ -344,6 +344,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kStageCols>::kHalfBytes;
 
     const long long t_start = clock64();
+    long long epi_l1 = 0, epi_l2 = 0;  // stats: time in L1 / L2 epilogues
     float acc[kBlockN / 2];
     int stage = 0;
     uint32_t phase = 0;
@@ -360,6 +361,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       };
       consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 32, false>(
           acc, active, kbs, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release);
+      const long long t_epi = p.stats != nullptr ? clock64() : 0;
 
       // Epilogue through a half-width staging tile (kStageCols columns per pass; the shared memory it leaves
       // free holds the dispatch slots): pass q writes accumulator columns [q * kStageCols, +kStageCols) of
@@ -414,9 +416,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         staged_store(p.o, p.hidden, [&](int q) { return t.n0 + q * kStageCols; }, [&](int) { return p.hidden; },
                      &tmap_o, false);
       }
+      if (p.stats != nullptr) {
+        if (t.l1) epi_l1 += clock64() - t_epi; else epi_l2 += clock64() - t_epi;
+      }
     }
     if (wg_tid == 0) ptx::bulk_wait_group<0>();
-    if (p.stats != nullptr && wg_tid == 0) p.stats[blockIdx.x * kStatsPerCta + 4 + wg] = clock64() - t_start;
+    if (p.stats != nullptr && wg_tid == 0) {
+      p.stats[blockIdx.x * kStatsPerCta + 4 + wg] = clock64() - t_start;
+      if (wg == 0) {
+        p.stats[blockIdx.x * kStatsPerCta + 6] = epi_l1;
+        p.stats[blockIdx.x * kStatsPerCta + 7] = epi_l2;
+      }
+    }
   }
 #endif
 }
