@@ -182,3 +182,51 @@ def test_fused_saved_h_keeps_the_clamp_masks():
             assert bool((g[above] > b).all()), f"a value above {b} was saved on or below it"
             near += int(((r - b).abs() < 2e-3).sum())
     assert near > 0, "no pre-activation near a bound: the check did not exercise F6"
+
+
+@requires_sm90
+@pytest.mark.parametrize("backend", ["fused", "grouped"])
+def test_out_of_range_expert_id_raises_and_leaves_caller_memory_alone(backend):
+    """The kernel backends check the ids after queueing their kernels (no GPU idle time), yet still raise
+    before returning, and bf16_mega_moe leaves the caller's y untouched."""
+    if backend == "fused":
+        _require_fused()
+    from deep_gemm.mega import bf16_mega_moe, get_symm_buffer_for_mega_moe, mega_moe
+
+    T, H, I, E, K = 37, 256, 128, 16, 4
+    x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, seed=21)]
+    for bad in (E, -2):
+        idx_bad = idx.clone()
+        idx_bad[T // 2, 1] = bad
+        with pytest.raises(ValueError, match=r"must lie in \[-1, 15\]"):
+            mega_moe(x, idx_bad, w, w13, w2, backend=backend)
+        buf = get_symm_buffer_for_mega_moe(None, E, T, K, H, I, device="cuda")
+        buf.x[:T].copy_(x)
+        buf.topk_idx[:T].copy_(idx_bad)
+        buf.topk_weights[:T].copy_(w)
+        y = torch.randn(T, H, device="cuda").bfloat16()
+        before = y.clone()
+        with pytest.raises(ValueError, match=r"must lie in \[-1, 15\]"):
+            bf16_mega_moe(y, w13, w2, buf, backend=backend)
+        assert torch.equal(y, before)
+
+
+@requires_sm90
+def test_autograd_layer_has_no_implicit_host_sync(monkeypatch):
+    """Forward and backward of backend "auto" queue their work without a synchronizing torch call (the
+    expert-id check reads through pinned memory after the launches), so the host can run ahead."""
+    _require_fused()
+    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    from deep_gemm.mega import mega_moe
+
+    x, idx, w, w13, w2, dy = [t.cuda() for t in make_problem(1000, 256, 256, 32, 4, routing="skewed", seed=22)]
+    leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
+    mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], backend="auto")  # warm-up (status, first launches)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], backend="auto")
+        grads = torch.autograd.grad(y, leaves, dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(g).all() for g in grads)

@@ -312,7 +312,7 @@ __device__ __forceinline__ void store_swiglu_from_acc(const float (&acc)[kBlockN
       g = fminf(g, clamp);
       u = fmaxf(fminf(u, clamp), -clamp);
     }
-    return g / (1.f + __expf(-g)) * u;
+    return __fdividef(g, 1.f + __expf(-g)) * u;  // fast reciprocal: an IEEE division costs a slow-path check per element
   };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -57,18 +57,21 @@ def mega_moe_fwd(
     _validate.check_exact_mode(x, backend)
     which = _backend.resolve_backend(backend, precision, "fwd", device_type=x.device.type, hidden=H, intermediate=I,
                                      ep_size=ep_size, activation_clamp=activation_clamp)
-    _validate.check_expert_ids(topk_idx, E, which)
+    ids = _validate.ExpertIdCheck(topk_idx, E, which)  # raises before returning (see its docstring)
     cap = _capacity(T, K, El, ep_size, max_tokens_per_rank, block_m)
     kwargs = dict(activation_clamp=activation_clamp, group=reference.resolve_group(group_name), num_experts=E,
                   max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, capacity=cap, save_h=save_h)
     if which == "fused":
-        return tuple(_fused.forward(x, topk_idx, topk_weights, w13, w2, precision=precision,
-                                    buffer=get_buffer(buffer_id), **kwargs))
-    if which == "grouped":
+        out = _fused.forward(x, topk_idx, topk_weights, w13, w2, precision=precision, buffer=get_buffer(buffer_id),
+                             **kwargs)
+    elif which == "grouped":
         with torch.no_grad():
-            return tuple(_grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=get_buffer(buffer_id), **kwargs))
-    with torch.no_grad():
-        return tuple(reference.forward(x, topk_idx, topk_weights, w13, w2, **kwargs))
+            out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=get_buffer(buffer_id), **kwargs)
+    else:
+        with torch.no_grad():
+            out = reference.forward(x, topk_idx, topk_weights, w13, w2, **kwargs)
+    ids.finish()
+    return tuple(out)
 
 
 @mega_moe_fwd.register_fake

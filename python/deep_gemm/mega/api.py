@@ -305,7 +305,7 @@ def bf16_mega_moe(
         _check_out(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", (El,), (torch.int32,), x.device)
     which = _backend.resolve_backend(backend, "bf16", "fwd", device_type=x.device.type, hidden=H, intermediate=I,
                                      ep_size=buffer.num_ranks, activation_clamp=activation_clamp)
-    _validate.check_expert_ids(topk_idx, E, which)
+    ids = _validate.ExpertIdCheck(topk_idx, E, which)  # finished before y is touched
     cap = _ops._capacity(T, K, El, buffer.num_ranks, buffer.num_max_tokens_per_rank, block_m)
     kwargs = dict(activation_clamp=activation_clamp, group=buffer.group if buffer.num_ranks > 1 else None,
                   num_experts=E, max_tokens_per_rank=buffer.num_max_tokens_per_rank, block_m=block_m,
@@ -318,6 +318,7 @@ def bf16_mega_moe(
         else:
             out = reference.forward(x, topk_idx, topk_weights, l1, l2, **kwargs)
         yy, h, counts, offsets, src, srank, r2p = out
+        ids.finish()
         if accumulate:
             y.add_(yy)
         else:
@@ -381,7 +382,7 @@ def bf16_mega_moe_backward(
         _check_out(dw2, "dw2", l2.shape, (torch.bfloat16, torch.float32), dev)
     which = _backend.resolve_backend(backend, "bf16", "bwd", device_type=dev.type, hidden=H, intermediate=I,
                                      ep_size=buffer.num_ranks, activation_clamp=activation_clamp)
-    _validate.check_expert_ids(topk_idx, E, which)
+    ids = _validate.ExpertIdCheck(topk_idx, E, which)  # finished before the caller's outputs are touched
     group = buffer.group if buffer.num_ranks > 1 else None
     with torch.no_grad():
         if state is None:
@@ -416,6 +417,7 @@ def bf16_mega_moe_backward(
         g2 = tmp2 if tmp2 is not None else g2
         if dw1 is not None and not dw_natural_layout:
             g13 = interleave_l1(g13)
+        ids.finish()
         for out, g in ((dx, gx), (dtopk, gt), (dw1, g13), (dw2, g2)):
             if out is None:
                 continue

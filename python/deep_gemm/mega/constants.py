@@ -19,8 +19,9 @@ BLOCK_M = 128
 #: Environment variable that lets ``backend="auto"`` fall back to the reference.
 ALLOW_FALLBACK_ENV = "DEEP_GEMM_ALLOW_REFERENCE_FALLBACK"
 
-#: Environment variable: "1" skips the expert-id value check (a device -> host read, i.e. a sync per
-#: call) on the kernel backends, whose routing plan treats an out-of-range id as a masked route.
+#: Environment variable: "1" skips the expert-id value check (a device -> host read that the kernel
+#: backends wait for after queueing their kernels) on the kernel backends, whose routing plan treats an
+#: out-of-range id as a masked route.
 SKIP_VALUE_CHECKS_ENV = "DEEP_GEMM_SKIP_VALUE_CHECKS"
 
 #: Precision names (those of the competing product's announcement).
