@@ -106,7 +106,9 @@ def test_opcheck_and_fake():
 @requires_gpu
 @pytest.mark.parametrize("T,E,K,kind,block_m", CASES + [(16384, 128, 8, "uniform", 128),
                                                         (16384, 128, 8, "zipf", 128),
-                                                        (4097, 256, 8, "masked", 64)])
+                                                        (4097, 256, 8, "masked", 64),
+                                                        # scan slices: 3 per expert (E=300), 1 (E=3000)
+                                                        (20000, 300, 8, "zipf", 1), (6000, 3000, 4, "uniform", 16)])
 def test_cuda_matches_reference_and_is_deterministic(T, E, K, kind, block_m):
     gen = torch.Generator().manual_seed(T + 7 * E)
     idx = make_topk(T, E, K, kind, gen).cuda()

@@ -29,7 +29,8 @@ static cudaError_t launch_typed(const RoutingPlanArgs& a, int32_t* chunk_counts,
   routing_count_kernel<IdxT><<<num_chunks, kRoutesPerChunk, hist_bytes, stream>>>(
       idx, num_routes, num_experts, chunk_counts, a.num_invalid);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  routing_scan_kernel<<<1, kPlanScanThreads, hist_bytes + sizeof(int32_t), stream>>>(
+  const size_t scan_bytes = hist_bytes + sizeof(int32_t) + hist_bytes * routing_scan_slices(num_experts);
+  routing_scan_kernel<<<1, kPlanScanThreads, scan_bytes, stream>>>(
       chunk_counts, num_chunks, num_experts, static_cast<int>(a.block_m), a.expert_counts,
       a.expert_offsets, a.pool_src_route, a.pool_src_rank, a.pool_capacity);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
