@@ -29,6 +29,27 @@ def kernel_table(prof) -> list[tuple[str, float, int]]:
     return sorted(((n, v[0], v[1]) for n, v in acc.items()), key=lambda r: -r[1])
 
 
+def idle_report(prof, top: int = 6) -> str:
+    """GPU idle time between consecutive device activities (kernels, copies, memsets) and the largest
+    gaps, each with the activity it ends at and the one that follows."""
+    evs = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda t: t[0])
+    if not evs:
+        return "no device activity"
+    gaps, end, prev = [], evs[0][1], evs[0][2]
+    for start, stop, name in evs[1:]:
+        if start > end:
+            gaps.append((start - end, prev, name))
+        if stop >= end:
+            end, prev = stop, name
+    span = (max(e[1] for e in evs) - evs[0][0]) / 1e3
+    idle = sum(g[0] for g in gaps) / 1e3
+    lines = [f"span {span:.3f} ms, idle {idle:.3f} ms in {len(gaps)} gaps; largest:"]
+    for us, a, b in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"    {us:7.1f} us  after {a[:60]}  before {b[:60]}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen3-30b-a3b")
@@ -64,6 +85,12 @@ def main() -> None:
             for name, ms, n in rows:
                 print(f"  {ms:8.3f} ms  x{n:<3d} {name[:110]}")
             del y
+        # steady state of a training loop: three fwd+bwd iterations queued back to back, one sync at the end
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                torch.autograd.grad(fwd(), leaves, dy)
+            torch.cuda.synchronize()
+        print(f"== {shape} 3 x fwd+bwd back to back: " + idle_report(prof))
 
 
 if __name__ == "__main__":
