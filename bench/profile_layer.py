@@ -29,7 +29,7 @@ def kernel_table(prof) -> list[tuple[str, float, int]]:
     return sorted(((n, v[0], v[1]) for n, v in acc.items()), key=lambda r: -r[1])
 
 
-def idle_report(prof, top: int = 6) -> str:
+def idle_report(prof, top: int = 10) -> str:
     """GPU idle time between consecutive device activities (kernels, copies, memsets) and the largest
     gaps, each with the activity it ends at and the one that follows."""
     evs = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
