@@ -86,11 +86,23 @@ def main() -> None:
                 print(f"  {ms:8.3f} ms  x{n:<3d} {name[:110]}")
             del y
         # steady state of a training loop: three fwd+bwd iterations queued back to back, one sync at the end
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for _ in range(3):
                 torch.autograd.grad(fwd(), leaves, dy)
             torch.cuda.synchronize()
         print(f"== {shape} 3 x fwd+bwd back to back: " + idle_report(prof))
+        # host side: CUDA runtime calls that can block the host (synchronizations, allocations)
+        calls: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith("cuda"):
+                dur = (ev.time_range.end - ev.time_range.start)
+                c = calls[ev.name]
+                c[0] += dur
+                c[1] += 1
+                c[2] = max(c[2], dur)
+        print("   host CUDA runtime calls (total us, count, max us):")
+        for name, (tot, n, mx) in sorted(calls.items(), key=lambda kv: -kv[1][0])[:8]:
+            print(f"    {tot:9.1f} us  x{n:<4d} max {mx:8.1f}  {name}")
 
 
 if __name__ == "__main__":
