@@ -197,3 +197,83 @@ def test_swiglu_gemm_matches_float64(E, kind, I, K, gathered, clamp):
     s_ref, h_ref = _swiglu_ref64(rows, w13.cpu(), offs.cpu(), clamp)
     assert torch.isfinite(s).all() and torch.isfinite(h).all()
     assert rel_err(s.cpu(), s_ref) < 1e-2 and rel_err(h.cpu(), h_ref) < 1e-2
+
+
+# ------------------------------------------------------------------ L2 dgrad + SwiGLU backward epilogue
+
+
+def _swiglu_bwd_ref64(dy_pool, w2, offs, h, src, weights, clamp):
+    """float64 (dh, w * s, d topk_weight per row) of the SwiGLU backward after da = dy_pool @ w2_g."""
+    da = m_grouped_gemm_reference(dy_pool.double(), w2.double(), offs, False, torch.float64)
+    I = w2.shape[2]
+    M = dy_pool.shape[0]
+    g, u = h[:M, :I].double(), h[:M, I:].double()
+    gc, uc = (g.clamp(max=clamp), u.clamp(-clamp, clamp)) if clamp else (g, u)
+    s64 = src[:M].long()
+    w = torch.where(s64 >= 0, weights.reshape(-1).double()[s64.clamp(min=0)], torch.zeros((), dtype=torch.float64))
+    sig = torch.sigmoid(gc)
+    silu, sv = gc * sig, gc * sig * uc
+    dg = w[:, None] * da * uc * sig * (1 + gc * (1 - sig))
+    du = w[:, None] * da * silu
+    if clamp:
+        dg, du = dg * (g < clamp), du * ((u > -clamp) & (u < clamp))
+    dt = torch.where(s64 >= 0, (da * sv).sum(1), torch.zeros((), dtype=torch.float64))
+    return torch.cat([dg, du], 1), w[:, None] * sv, dt
+
+
+def test_swiglu_bwd_gemm_cpu_opcheck():
+    gen = torch.Generator().manual_seed(5)
+    dy = torch.randn(10, 64, generator=gen).bfloat16()
+    w2 = torch.randn(3, 64, 320, generator=gen).bfloat16()
+    h = torch.randn(10, 640, generator=gen).bfloat16()
+    src = torch.tensor([0, 5, -1, 7, 2, 9, 11, 3, -1, 4], dtype=torch.int32)
+    wts = torch.rand(12, generator=gen) + 0.1
+    offs = offsets_of([4, 0, 6], "cpu")
+    for clamp in (0.0, 0.5):
+        torch.library.opcheck(torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu_bwd.default, (dy, w2, offs, h, src, wts, clamp))
+
+
+@requires_sm90
+@pytest.mark.parametrize("E,kind,I,H,clamp", [(8, "special", 768, 256, None), (128, "skewed", 1536, 512, 0.75),
+                                              (3, "skewed", 320, 128, None)])
+def test_swiglu_bwd_gemm_matches_float64(E, kind, I, H, clamp):
+    gen = torch.Generator().manual_seed(E + I + H)
+    sizes = group_sizes(E, kind, gen)
+    M = sum(sizes)
+    offs = offsets_of(sizes, "cuda")
+    dy = torch.randn(M, H, generator=gen).bfloat16().cuda()
+    w2 = (torch.randn(E, H, I, generator=gen) / H ** 0.5).bfloat16().cuda()
+    h = (torch.randn(M, 2 * I, generator=gen) * 2).bfloat16().cuda()
+    T, K = M, 2
+    src = torch.randint(-1, T * K, (M,), generator=gen, dtype=torch.int32).cuda()  # -1: padding rows
+    wts = (torch.rand(T, K, generator=gen) + 0.1).cuda()
+    nb = (I + 255) // 256
+    poison_next_alloc(M * 2 * I, torch.bfloat16)
+    dh, aw, dt_part = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy, w2, offs, h, src, wts, clamp=clamp)
+    assert dt_part.shape == (M, nb)
+    dh_ref, aw_ref, dt_ref = _swiglu_bwd_ref64(dy.cpu(), w2.cpu(), offs.cpu(), h.cpu(), src.cpu(), wts.cpu(), clamp)
+    for name, out, ref in (("dh", dh, dh_ref), ("w*s", aw, aw_ref), ("dt", dt_part.sum(1), dt_ref)):
+        assert torch.isfinite(out).all(), name
+        assert rel_err(out.cpu(), ref) < 1e-2, name
+    again = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy, w2, offs, h, src, wts, clamp=clamp)
+    for a, b in zip((dh, aw, dt_part), again):
+        assert torch.equal(a, b)  # deterministic
+
+
+@requires_sm90
+def test_swiglu_bwd_gemm_bad_inputs_raise():
+    dy = torch.randn(16, 128, device="cuda").bfloat16()
+    w2 = torch.randn(2, 128, 256, device="cuda").bfloat16()
+    h = torch.randn(16, 512, device="cuda").bfloat16()
+    src = torch.zeros(16, dtype=torch.int32, device="cuda")
+    wts = torch.rand(16, device="cuda")
+    offs = offsets_of([8, 8], "cuda")
+    f = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd
+    with pytest.raises(RuntimeError, match="h must be"):
+        f(dy, w2, offs, h[:, :256], src, wts)
+    with pytest.raises(RuntimeError, match="w2 must be"):
+        f(dy, w2[:, :64], offs, h, src, wts)
+    with pytest.raises(RuntimeError, match="topk_weights"):
+        f(dy, w2, offs, h, src, wts.double())
+    with pytest.raises(ValueError, match="clamp"):
+        f(dy, w2, offs, h, src, wts, clamp=-1.0)

@@ -110,6 +110,19 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_r
                                          const int32_t* group_offsets, int num_groups, int64_t m_total,
                                          int64_t k, float clamp, void* cuda_stream);
 
+// L2 dgrad with the SwiGLU backward in its epilogue: per group g, da = dy_pool @ w2[g] (w2 [num_groups,
+// hidden, I], read MN-major) stays in registers; with h the saved gate | up [m_total, 2I] and w =
+// route_weights[pool_src_route[row]] (0 where the route is < 0), writes dh [m_total, 2I], aw = w * s
+// [m_total, I] (bf16) and dt_part [m_total, dt_ld] (fp32 partials of d topk_weights, one per 256-column
+// block of I; their sum in column-block order is the row's d weight). Rows outside every group are not
+// written. I and hidden multiples of 8; clamp 0 = none.
+PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb,
+                                             int64_t b_group_stride, const void* h, int64_t ldh,
+                                             const int32_t* pool_src_route, const float* route_weights, void* dh,
+                                             int64_t lddh, void* aw, int64_t ldaw, float* dt_part, int64_t dt_ld,
+                                             const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                             int64_t intermediate, int64_t hidden, float clamp, void* cuda_stream);
+
 // ---------------------------------------------------------------------------------------------
 // Fused Mega MoE forward (sm90, BF16): dispatch of the token rows into the pool, L1 with SwiGLU and L2
 // in one persistent kernel (csrc/sm90/mega_moe.hpp has the full contract). The combine is a separate

@@ -332,5 +332,74 @@ __device__ __forceinline__ void store_swiglu_from_acc(const float (&acc)[kBlockN
   }
 }
 
+// SwiGLU backward epilogue of L2's dgrad (B3-B6, B9 of deep_gemm.mega.reference, on the fp32 da in registers:
+// no bf16 rounding of da, unlike the separate pool-row kernel). One warpgroup's 64 x kBlockN fragment holds
+// da[row, c] for columns col0.. of I. Per pool row (route r, weight w = topk_weights[r]; w = 0 for padding
+// rows), with g = h[row, c], u = h[row, I + c] (bf16) and gc, uc their clamped values:
+//   sig = sigmoid(gc), silu = gc * sig, s = silu * uc
+//   dh[row, c] = w * da * uc * sig * (1 + gc * (1 - sig)) * [g < clamp],  dh[row, I + c] = w * da * silu * [|u| < clamp]
+//   aw[row, c] = w * s;   dt_part[row, col0 / kBlockN] = sum over the n-block's columns of da * s (a fixed
+//   shuffle tree: per-thread sums in column order, then lanes 1 and 2 apart)
+// Loads and stores go straight from registers (bf16x2 per column pair; L2 merges a row's 16-byte pieces).
+template <int kBlockN>
+__device__ __forceinline__ void swiglu_bwd_epilogue(const float (&acc)[kBlockN / 2], int wg_tid, int row0, int row_end,
+                                                    int col0, int inter, const __nv_bfloat16* h, int64_t ldh,
+                                                    const int32_t* pool_src_route, const float* route_weights,
+                                                    __nv_bfloat16* dh, int64_t lddh, __nv_bfloat16* aw, int64_t ldaw,
+                                                    float* dt_part, int dt_ld, float clamp) {
+  const int lane = wg_tid & 31;
+  const int r0 = row0 + (wg_tid >> 5) * 16 + (lane >> 2);
+  const int cbase = col0 + 2 * (lane & 3);
+  const bool has_clamp = clamp > 0.f;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = r0 + 8 * hh;
+    const bool valid = row < row_end;
+    const int route = valid ? __ldg(pool_src_route + row) : -1;
+    const float w = route >= 0 ? __ldg(route_weights + route) : 0.f;
+    float partial = 0.f;
+    if (valid) {
+      const __nv_bfloat16* hrow = h + static_cast<int64_t>(row) * ldh;
+      __nv_bfloat16* dhrow = dh + static_cast<int64_t>(row) * lddh;
+      __nv_bfloat16* awrow = aw + static_cast<int64_t>(row) * ldaw;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {  // fully unrolled: acc is indexed by constants only
+        const int col = cbase + 8 * j;
+        if (col < inter) {
+          const uint32_t g2 = __ldg(reinterpret_cast<const unsigned int*>(hrow + col));
+          const uint32_t u2 = __ldg(reinterpret_cast<const unsigned int*>(hrow + inter + col));
+          float dg[2], du[2], av[2];
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            const float g = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? g2 >> 16 : g2 & 0xffffu));
+            const float u = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? u2 >> 16 : u2 & 0xffffu));
+            const float gc = has_clamp ? fminf(g, clamp) : g;
+            const float uc = has_clamp ? fminf(fmaxf(u, -clamp), clamp) : u;
+            const float sig = __fdividef(1.f, 1.f + __expf(-gc));
+            const float silu = gc * sig;
+            const float sv = silu * uc;
+            const float da = acc[4 * j + 2 * hh + t];
+            partial = fmaf(da, sv, partial);
+            const float ds = w * da;
+            dg[t] = ds * uc * sig * (1.f + gc * (1.f - sig));
+            du[t] = ds * silu;
+            if (has_clamp) {
+              dg[t] = g < clamp ? dg[t] : 0.f;
+              du[t] = (u > -clamp && u < clamp) ? du[t] : 0.f;
+            }
+            av[t] = w * sv;
+          }
+          *reinterpret_cast<uint32_t*>(dhrow + col) = ptx::pack_bf16x2(dg[0], dg[1]);
+          *reinterpret_cast<uint32_t*>(dhrow + inter + col) = ptx::pack_bf16x2(du[0], du[1]);
+          *reinterpret_cast<uint32_t*>(awrow + col) = ptx::pack_bf16x2(av[0], av[1]);
+        }
+      }
+    }
+    partial += __shfl_xor_sync(0xffffffffu, partial, 1);
+    partial += __shfl_xor_sync(0xffffffffu, partial, 2);
+    if (valid && (lane & 3) == 0) dt_part[static_cast<int64_t>(row) * dt_ld + col0 / kBlockN] = route >= 0 ? partial : 0.f;
+  }
+}
+
 }  // namespace sm90
 }  // namespace deep_gemm

@@ -19,12 +19,13 @@ using namespace host;
 namespace {
 
 template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2, bool kGatherA,
-          bool kSwiGLU = false, bool kGatherTma = false>
+          bool kSwiGLU = false, bool kGatherTma = false, bool kSwiGLUBwd = false>
 int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& md, const MGroupedParams& p,
                      int64_t max_units,
                      int sms, cudaStream_t stream, char* err, size_t err_len) {
   constexpr auto kernel =
-      &m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kAsyncEpi, kCluster2, kGatherA, kSwiGLU, kGatherTma>;
+      &m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kAsyncEpi, kCluster2, kGatherA, kSwiGLU, kGatherTma,
+                                  kSwiGLUBwd>;
   constexpr int smem = MGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
@@ -179,7 +180,7 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
     const uint32_t box[2] = {64, 64};
     if (int r = make_map(&md, d, 2, dims, strides, box, err, err_len)) return r;
   }
-  MGroupedParams p;
+  MGroupedParams p{};
   p.a = reinterpret_cast<const __nv_bfloat16*>(a_ptr);
   p.lda = lda_;
   p.a_row_index = a_row_index;
@@ -324,7 +325,7 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
     const uint32_t box[2] = {64, 64};
     if (int r = make_map(&md, h, 2, dims, strides, box, err, err_len)) return r;
   }
-  MGroupedParams p;
+  MGroupedParams p{};
   p.a = reinterpret_cast<const __nv_bfloat16*>(a);
   p.lda = lda;
   p.a_row_index = a_row_index;
@@ -357,6 +358,83 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
   if (gather)
     return launch_m_grouped<128, 5, true, true, false, true, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
   return launch_m_grouped<128, 5, true, true, false, false, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
+}
+
+int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb, int64_t b_group_stride,
+                                   const void* h, int64_t ldh, const int32_t* pool_src_route,
+                                   const float* route_weights, void* dh, int64_t lddh, void* aw, int64_t ldaw,
+                                   float* dt_part, int64_t dt_ld, const int32_t* group_offsets, int num_groups,
+                                   int64_t m_total, int64_t intermediate, int64_t hidden, float clamp_limit,
+                                   cudaStream_t stream, char* err, size_t err_len) {
+  clear_err(err, err_len);
+  const char* fn = "m_grouped_bf16_gemm_swiglu_bwd";
+  constexpr int kBlockN = 256;
+  const int64_t I = intermediate, k = hidden;
+  if (num_groups < 1 || num_groups > kMaxGroups)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, num_groups,
+                kMaxGroups);
+  if (m_total < 0 || m_total > kMaxDim || I < 8 || 2 * I > kMaxDim || I % 8 != 0 || k < 8 || k > kMaxDim ||
+      k % 8 != 0)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: bad sizes m_total=%lld intermediate=%lld hidden=%lld (multiples of 8, >= 8)", fn,
+                (long long)m_total, (long long)I, (long long)k);
+  const int64_t n_blocks = (I + kBlockN - 1) / kBlockN;
+  if (lda < k || lda % 8 != 0 || ldb < I || ldb % 8 != 0 || ldh < 2 * I || ldh % 8 != 0 || lddh < 2 * I ||
+      lddh % 8 != 0 || ldaw < I || ldaw % 8 != 0 || dt_ld < n_blocks)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: row strides must cover their rows and be multiples of 8 (lda %lld, ldb %lld, ldh %lld, "
+                "lddh %lld, ldaw %lld); dt_ld %lld must be >= %lld",
+                fn, (long long)lda, (long long)ldb, (long long)ldh, (long long)lddh, (long long)ldaw, (long long)dt_ld,
+                (long long)n_blocks);
+  if (num_groups > 1 && (b_group_stride < k * ldb || b_group_stride % 8 != 0))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: b_group_stride = %lld, must be >= hidden * ldb, multiple of 8",
+                fn, (long long)b_group_stride);
+  if (!(clamp_limit >= 0.f))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: clamp_limit must be >= 0 (0 = no clamp)", fn);
+  if (m_total == 0) return kGemmOk;
+  if (dy_pool == nullptr || w2 == nullptr || h == nullptr || pool_src_route == nullptr || route_weights == nullptr ||
+      dh == nullptr || aw == nullptr || dt_part == nullptr || group_offsets == nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: a pointer is null", fn);
+  if (!aligned16(dy_pool) || !aligned16(w2) || !aligned16(h) || !aligned16(dh) || !aligned16(aw))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: dy_pool, w2, h, dh and aw must be 16-byte aligned", fn);
+  int sms = 0;
+  if (int r = device_sms(&sms, err, err_len)) return r;
+  CUtensorMap ma, mb;
+  {
+    const uint64_t dims[2] = {(uint64_t)k, (uint64_t)m_total};
+    const uint64_t strides[1] = {(uint64_t)lda * 2};
+    const uint32_t box[2] = {64, 128};
+    if (int r = make_map(&ma, dy_pool, 2, dims, strides, box, err, err_len)) return r;
+  }
+  {
+    const int64_t gs = num_groups > 1 ? b_group_stride : k * ldb;
+    const uint64_t dims[3] = {(uint64_t)I, (uint64_t)k, (uint64_t)num_groups};
+    const uint64_t strides[2] = {(uint64_t)ldb * 2, (uint64_t)gs * 2};
+    const uint32_t box[3] = {64, 64, 1};
+    if (int r = make_map(&mb, w2, 3, dims, strides, box, err, err_len)) return r;
+  }
+  MGroupedParams p{};
+  p.a = reinterpret_cast<const __nv_bfloat16*>(dy_pool);
+  p.lda = lda;
+  p.group_offsets = group_offsets;
+  p.m_total = (int32_t)m_total;
+  p.n = (int32_t)I;
+  p.k = (int32_t)k;
+  p.num_groups = num_groups;
+  p.clamp = clamp_limit;
+  p.h = reinterpret_cast<const __nv_bfloat16*>(h);
+  p.ldh = ldh;
+  p.pool_src_route = pool_src_route;
+  p.route_weights = route_weights;
+  p.dh = reinterpret_cast<__nv_bfloat16*>(dh);
+  p.lddh = lddh;
+  p.aw = reinterpret_cast<__nv_bfloat16*>(aw);
+  p.ldaw = ldaw;
+  p.dt_part = dt_part;
+  p.dt_ld = (int32_t)dt_ld;
+  const int64_t max_units = ((m_total + 127) / 128 + num_groups) * n_blocks;
+  return launch_m_grouped<kBlockN, 4, false, false, false, false, false, false, true>(ma, mb, mb, p, max_units, sms,
+                                                                                     stream, err, err_len);
 }
 
 int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c, bool c_is_bf16,

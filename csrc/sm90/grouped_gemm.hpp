@@ -74,6 +74,17 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
                                int64_t m_total, int64_t k, float clamp_limit, const GroupedGemmConfig* config,
                                cudaStream_t stream, char* err, size_t err_len);
 
+// L2 dgrad with the SwiGLU backward in its epilogue (kSwiGLUBwd in m_grouped_gemm.cuh): da = dy_pool @ w2_g
+// ([E, hidden, intermediate], MN-major) per group, never stored; writes dh [m_total, 2I] and aw = w * s
+// [m_total, I] (bf16) and dt_part [m_total, dt_ld] (fp32 d topk_weights partials, one per 256-column
+// n-block, dt_ld >= ceil(I / 256)). Rows outside every group are not written.
+int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb, int64_t b_group_stride,
+                                   const void* h, int64_t ldh, const int32_t* pool_src_route,
+                                   const float* route_weights, void* dh, int64_t lddh, void* aw, int64_t ldaw,
+                                   float* dt_part, int64_t dt_ld, const int32_t* group_offsets, int num_groups,
+                                   int64_t m_total, int64_t intermediate, int64_t hidden, float clamp_limit,
+                                   cudaStream_t stream, char* err, size_t err_len);
+
 // k-grouped GEMM (weight gradients):  C_e = A_e^T @ B_e  (or C_e += ... when accumulate),
 // A_e = rows [group_offsets[e], group_offsets[e+1]) of A, likewise B_e.
 //

@@ -43,6 +43,10 @@
 // s = silu(gate) * up (fp32 math, bf16 out) straight from registers and, when asked, h = gate | up through
 // the staging tile and TMA stores into columns c and I + c of h.
 //
+// kSwiGLUBwd (L2 dgrad of the backward; MN-major B = w2): the accumulator is da = dy_pool @ w2_e for kBlockN
+// columns of I; the epilogue applies the SwiGLU backward to it (swiglu_bwd_epilogue: dh, w * s and the
+// d topk_weights partials), so da never goes to memory.
+//
 // kAsyncEpi: the consumers write their bf16 tile into a 128B-swizzled staging buffer and TMA-store it (see
 // gemm_common.cuh), so they go on with the next tile while the copy engine writes the tile out.
 #pragma once
@@ -80,6 +84,20 @@ struct MGroupedParams {
   __nv_bfloat16* s;
   int64_t lds;
   float clamp;
+  // SwiGLU backward epilogue only (kSwiGLUBwd, L2 dgrad: A = dy_pool, B = w2 MN-major, n = I): see
+  // swiglu_bwd_epilogue in gemm_common.cuh. h [M, 2I] (saved gate | up), route weights by route id
+  // (pool_src_route; < 0 = padding row), outputs dh [M, 2I], aw [M, I] (bf16) and dt_part [M, dt_ld] (fp32,
+  // one partial per n-block); d is not written.
+  const __nv_bfloat16* h;
+  int64_t ldh;
+  const int32_t* pool_src_route;
+  const float* route_weights;
+  __nv_bfloat16* dh;
+  int64_t lddh;
+  __nv_bfloat16* aw;
+  int64_t ldaw;
+  float* dt_part;
+  int32_t dt_ld;
 };
 
 template <int kBlockN, int kNumStages, bool kAsyncEpi>
@@ -102,7 +120,7 @@ struct MGroupedLayout {
 };
 
 template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2, bool kGatherA,
-          bool kSwiGLU = false, bool kGatherTma = false>
+          bool kSwiGLU = false, bool kGatherTma = false, bool kSwiGLUBwd = false>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                                const __grid_constant__ CUtensorMap tmap_b,
@@ -115,6 +133,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   using Mma = ptx::WgmmaBf16<kBlockN, 0, kBKMajor ? 0 : 1>;
   static_assert(!(kGatherA && kCluster2), "gathered A is implemented for single-CTA launches");
   static_assert(!kSwiGLU || (kBKMajor && kAsyncEpi && !kCluster2), "SwiGLU: K-major B, async epilogue, 1 CTA");
+  static_assert(!kSwiGLUBwd || (!kBKMajor && !kAsyncEpi && !kCluster2 && !kGatherA && !kSwiGLU),
+                "SwiGLU backward: MN-major B (w2), synchronous layout, 1 CTA, plain A");
   constexpr int kTileCols = kSwiGLU ? kBlockN / 2 : kBlockN;  // output columns per n-block (s columns)
   constexpr int kGatherWarps = 4;
   static_assert(!kGatherTma || kGatherA, "kGatherTma is a gather mode");
@@ -390,7 +410,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, kBStepBytes, kGatherA>(
           acc, active, num_k_blocks, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release);
 
-      if constexpr (kSwiGLU) {
+      if constexpr (kSwiGLUBwd) {
+        if (active)
+          swiglu_bwd_epilogue<kBlockN>(acc, wg_tid, w.row0 + 64 * wg, w.row_end, w.n0, p.n, p.h, p.ldh,
+                                       p.pool_src_route, p.route_weights, p.dh, p.lddh, p.aw, p.ldaw, p.dt_part,
+                                       p.dt_ld, p.clamp);
+      } else if constexpr (kSwiGLU) {
         const int hrow0 = w.row0 + 64 * wg;
         if (active) {
           if (p.d != nullptr) {

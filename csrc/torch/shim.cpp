@@ -366,6 +366,44 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tens
 }
 
 
+// L2 dgrad + SwiGLU backward (B2-B6, B9 in one GEMM): dh [M, 2I], aw = w * s [M, I], dt_part [M, ceil(I/256)].
+std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets,
+                                                                  Tensor h, Tensor pool_src_route, Tensor topk_weights,
+                                                                  double clamp) {
+  const char* op = "m_grouped_bf16_gemm_swiglu_bwd";
+  check_bf16_cuda(dy_pool, op, "dy_pool", 2);
+  check_bf16_cuda(w2, op, "w2", 3);
+  check_bf16_cuda(h, op, "h", 2);
+  const int32_t num_groups = check_offsets(group_offsets, dy_pool, op);
+  const int64_t m_total = dy_pool.size(0);
+  const int64_t hidden = dy_pool.size(1);
+  const int64_t inter = w2.size(2);
+  STD_TORCH_CHECK(w2.size(0) == num_groups && w2.size(1) == hidden && w2.stride(2) == 1, "deep_gemm.", op,
+                  ": w2 must be [num_groups, H, I] (I contiguous) with H = dy_pool's columns");
+  STD_TORCH_CHECK(h.size(0) >= m_total && h.size(1) == 2 * inter, "deep_gemm.", op,
+                  ": h must be [>= dy_pool's rows, 2I]");
+  STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.is_contiguous() &&
+                      pool_src_route.numel() >= m_total && pool_src_route.is_cuda(),
+                  "deep_gemm.", op, ": pool_src_route must be a contiguous CUDA int32 tensor with >= rows entries");
+  STD_TORCH_CHECK(topk_weights.scalar_type() == ScalarType::Float && topk_weights.is_contiguous() &&
+                      topk_weights.is_cuda(),
+                  "deep_gemm.", op, ": topk_weights must be a contiguous CUDA fp32 tensor");
+  torch::stable::accelerator::DeviceGuard guard(dy_pool.get_device_index());
+  const int64_t n_blocks = (inter + 255) / 256;
+  Tensor dh = new_tensor(dy_pool, {m_total, 2 * inter}, ScalarType::BFloat16);
+  Tensor aw = new_tensor(dy_pool, {m_total, inter}, ScalarType::BFloat16);
+  Tensor dt_part = new_tensor(dy_pool, {m_total, n_blocks}, ScalarType::Float);
+  check_core(pk_m_grouped_bf16_gemm_swiglu_bwd(
+                 dy_pool.data_ptr(), dy_pool.stride(0), w2.data_ptr(), w2.stride(1), w2.stride(0), h.data_ptr(),
+                 h.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
+                 static_cast<const float*>(topk_weights.data_ptr()), dh.data_ptr(), dh.stride(0), aw.data_ptr(),
+                 aw.stride(0), static_cast<float*>(dt_part.data_ptr()), n_blocks,
+                 static_cast<const int32_t*>(group_offsets.data_ptr()), num_groups, m_total, inter, hidden,
+                 static_cast<float>(clamp), current_cuda_stream(dy_pool.get_device_index())),
+             op);
+  return {dh, aw, dt_part};
+}
+
 // Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns s, h and o per pool row;
 // the combine over o is a separate op. The dispatched rows live in o's memory until L2 overwrites them.
 std::tuple<Tensor, Tensor, Tensor> mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets,
@@ -418,6 +456,8 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
         "float clamp=-1.0) -> (Tensor dh, Tensor a, Tensor dt)");
   m.def("m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tensor group_offsets, Tensor? a_row_index, int m_total, "
         "bool save_h, float clamp=0.0) -> (Tensor s, Tensor h)");
+  m.def("m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets, Tensor h, "
+        "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0) -> (Tensor, Tensor, Tensor)");
   m.def("mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
         "int top_k, bool save_h, float clamp=0.0) -> (Tensor s, Tensor h, Tensor o)");
   m.def("combine(Tensor slots, Tensor route_to_pool, Tensor? weights=None) -> Tensor");
@@ -439,6 +479,7 @@ STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CUDA, m) {
   m.impl("swiglu_fwd", TORCH_BOX(&swiglu_fwd));
   m.impl("m_grouped_bf16_gemm_swiglu", TORCH_BOX(&m_grouped_bf16_gemm_swiglu));
   m.impl("swiglu_bwd", TORCH_BOX(&swiglu_bwd));
+  m.impl("m_grouped_bf16_gemm_swiglu_bwd", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_bwd));
   m.impl("mega_moe_fused_fwd", TORCH_BOX(&mega_moe_fused_fwd));
   m.impl("k_grouped_bf16_gemm_tn", TORCH_BOX(&k_grouped_bf16_gemm_tn));
   m.impl("k_grouped_bf16_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_bf16_gemm_tn_accumulate_));

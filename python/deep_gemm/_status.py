@@ -29,11 +29,11 @@ def _entries() -> list[KernelEntry]:
         e.append(KernelEntry(f"combine.bf16.{fam}", "combine", fam))
         e.append(KernelEntry(f"swiglu.bf16.{fam}", "swiglu", fam))
     for name in ("m_grouped_gemm_nt", "m_grouped_gemm_nn", "m_grouped_gemm_nt_gather", "m_grouped_gemm_swiglu",
-                 "k_grouped_gemm_tn"):
+                 "m_grouped_gemm_swiglu_bwd", "k_grouped_gemm_tn"):
         compiled = name.replace("_gemm_", "_bf16_gemm_")
         e.append(KernelEntry(f"{name}.bf16.sm90", compiled, "sm90"))
     # The single-rank pipeline of our grouped GEMMs (deep_gemm.mega backend="grouped").
-    e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
+    e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu_bwd", "sm90"))
     todo = "not implemented yet"
     e += [
         KernelEntry("mega_moe.bf16.sm90", "mega_moe_fwd_bf16", "sm90"),

@@ -26,6 +26,7 @@ _KEYS = {"m_grouped_bf16_gemm_nt": "m_grouped_gemm_nt.bf16.sm90",
          "m_grouped_bf16_gemm_nn": "m_grouped_gemm_nn.bf16.sm90",
          "m_grouped_bf16_gemm_nt_gather": "m_grouped_gemm_nt_gather.bf16.sm90",
          "m_grouped_bf16_gemm_swiglu": "m_grouped_gemm_swiglu.bf16.sm90",
+         "m_grouped_bf16_gemm_swiglu_bwd": "m_grouped_gemm_swiglu_bwd.bf16.sm90",
          "k_grouped_bf16_gemm_tn": "k_grouped_gemm_tn.bf16.sm90",
          "k_grouped_bf16_gemm_tn_accumulate_": "k_grouped_gemm_tn.bf16.sm90"}
 
@@ -94,6 +95,22 @@ def m_grouped_bf16_gemm_swiglu(a: torch.Tensor, w13: torch.Tensor, group_offsets
                                                           0.0 if clamp is None else float(clamp))
 
 
+def m_grouped_bf16_gemm_swiglu_bwd(dy_pool: torch.Tensor, w2: torch.Tensor, group_offsets: torch.Tensor,
+                                   h: torch.Tensor, pool_src_route: torch.Tensor, topk_weights: torch.Tensor, *,
+                                   clamp: float | None = None):
+    """L2 dgrad with the SwiGLU backward in its epilogue (the fp32 da = dy_pool @ w2_g never goes to
+    memory). w2 [E, H, I], h [>= M, 2I] the saved gate | up, pool_src_route [>= M] route ids (< 0:
+    padding), topk_weights [T, K] fp32 (indexed by route id). Returns (dh [M, 2I], w * s [M, I],
+    dt_part [M, ceil(I / 256)] fp32): the row's d topk_weight is dt_part's row summed left to right.
+    Rows outside every group are not written."""
+    _ready("m_grouped_bf16_gemm_swiglu_bwd", dy_pool.device)
+    if clamp is not None and clamp <= 0:
+        raise ValueError(f"clamp must be > 0 (or None), got {clamp}")
+    return torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, group_offsets, h, pool_src_route,
+                                                              topk_weights.reshape(-1),
+                                                              0.0 if clamp is None else float(clamp))
+
+
 def k_grouped_bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
                            out_dtype: torch.dtype = torch.float32,
                            accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,6 +174,33 @@ def _register() -> None:
         I = w13.shape[1] // 2
         return a.new_empty(m_total, I), a.new_empty(m_total if save_h else 0, 2 * I)
 
+    def swiglu_bwd_cpu(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp=0.0):
+        _check_cpu(dy_pool, w2, group_offsets)
+        M, I = dy_pool.shape[0], w2.shape[2]
+        nb = (I + 255) // 256
+        da = m_grouped_gemm_reference(dy_pool, w2, group_offsets, False, torch.float32, round_output=False)
+        g, u = h[:M, :I].float(), h[:M, I:].float()
+        gc, uc = (g.clamp(max=clamp), u.clamp(-clamp, clamp)) if clamp > 0 else (g, u)
+        src = pool_src_route[:M].long()
+        w = torch.where(src >= 0, topk_weights.reshape(-1).float()[src.clamp(min=0)], torch.zeros(()))[:, None]
+        sig = torch.sigmoid(gc)
+        silu = gc * sig
+        sv = silu * uc
+        dg = w * da * uc * sig * (1 + gc * (1 - sig))
+        du = w * da * silu
+        if clamp > 0:
+            dg, du = dg * (g < clamp), du * ((u > -clamp) & (u < clamp))
+        prod = torch.nn.functional.pad(da * sv, (0, nb * 256 - I)).view(M, nb, 256).sum(-1)
+        dt_part = torch.where(src[:, None] >= 0, prod, torch.zeros(()))
+        return torch.cat([dg, du], 1).to(h.dtype), (w * sv).to(h.dtype), dt_part
+
+    def swiglu_bwd_fake(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp=0.0):
+        M, I = dy_pool.shape[0], w2.shape[2]
+        return (dy_pool.new_empty(M, 2 * I), dy_pool.new_empty(M, I),
+                dy_pool.new_empty(M, (I + 255) // 256, dtype=torch.float32))
+
+    torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu_bwd", "cpu", swiglu_bwd_cpu)
+    torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu_bwd", swiglu_bwd_fake)
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu", "cpu", swiglu_cpu)
     torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu", swiglu_fake)
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_nt_gather", "cpu", gather_cpu)
