@@ -406,6 +406,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if constexpr (kCluster2) ptx::mbar_arrive_cluster(&empty_bar[s_], cta_rank ^ 1);
         }
       };
+      if constexpr (kSwiGLUBwd) {
+        if (active) prefetch_swiglu_bwd_rows<kBlockN>(wg_tid, w.row0 + 64 * wg, w.row_end, w.n0, p.n, p.h, p.ldh);
+      }
       // cp.async wrote a gathered A through the generic proxy (the pure-TMA gather pays a needless fence)
       consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, kBStepBytes, kGatherA>(
           acc, active, num_k_blocks, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release);
