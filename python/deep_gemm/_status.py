@@ -33,7 +33,7 @@ def _entries() -> list[KernelEntry]:
         compiled = name.replace("_gemm_", "_bf16_gemm_")
         e.append(KernelEntry(f"{name}.bf16.sm90", compiled, "sm90"))
     # The single-rank pipeline of our grouped GEMMs (deep_gemm.mega backend="grouped").
-    e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu_bwd", "sm90"))
+    e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     todo = "not implemented yet"
     e += [
         KernelEntry("mega_moe.bf16.sm90", "mega_moe_fwd_bf16", "sm90"),
