@@ -37,7 +37,7 @@ for name in sys.argv[1:] or list(shapes):
         op(x, src, offs, w13, w2, K, False, 0.0)
         torch.cuda.synchronize()
         continue
-    s, _, o = op(x, src, offs, w13, w2, K, False, 0.0)
+    s, _, o, _ = op(x, src, offs, w13, w2, K, False, 0.0)
     xp = x.index_select(0, (src.clamp(min=0) // K).long())  # the pool rows, for the separate-GEMM timing
     row = {}
     for _ in range(2):  # interleaved rounds

@@ -27,12 +27,35 @@ def test_opcheck_forward(clamp, recompute):
 def test_opcheck_backward_with_and_without_accum():
     x, idx, w, w13, w2, dy = make_problem(9, H, I, E, K, seed=22, masked_frac=0.1)
     out = torch.ops.deep_gemm.mega_moe_fwd(*_fwd_args(x, idx, w, w13, w2))
-    _, h, counts, offsets, src, srank, r2p = out
+    _, h, counts, offsets, src, srank, r2p, _ = out
     base = (dy, x, idx, w, w13, w2, h, counts, offsets, src, srank, r2p)
     tail = (None, "", E, False, True, "reference", "bf16", 0)
     torch.library.opcheck(torch.ops.deep_gemm.mega_moe_bwd.default, base + (None, None) + tail)
     acc = (torch.randn(w13.shape), torch.randn(w2.shape))
     torch.library.opcheck(torch.ops.deep_gemm.mega_moe_bwd.default, base + acc + tail)
+
+
+def test_opcheck_forward_keeping_pooled_x():
+    x, idx, w, w13, w2, _ = make_problem(10, H, I, E, K, seed=25, masked_frac=0.2)
+    args = _fwd_args(x.requires_grad_(), idx, w.requires_grad_(), w13.requires_grad_(), w2.requires_grad_())
+    torch.library.opcheck(torch.ops.deep_gemm.mega_moe_fwd.default, args + (True,))
+    out = torch.ops.deep_gemm.mega_moe_fwd(*(args + (True,)))
+    src, x_pool = out[4], out[7]
+    assert x_pool.shape == (src.shape[0], H)
+    ok = src >= 0
+    assert torch.equal(x_pool[ok], x.detach()[src[ok].long() // K]) and not x_pool[~ok].any()
+
+
+def test_keep_pooled_x_gives_the_same_gradients():
+    x, idx, w, w13, w2, dy = make_problem(13, H, I, E, K, seed=26, masked_frac=0.1)
+    res = []
+    for keep in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
+        y = mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], backend="reference", num_experts=E,
+                     block_m=8, keep_pooled_x=keep)
+        res.append((y.detach(),) + torch.autograd.grad(y, leaves, dy))
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
 
 
 def test_opcheck_forward_with_accum_inputs():

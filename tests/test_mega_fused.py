@@ -161,7 +161,7 @@ def test_fused_saved_h_keeps_the_clamp_masks():
     plan = routing_plan(idx, E, 1, validate=False)
     src = plan.pool_src_route
     poison_allocator()
-    s, h, o = torch.ops.deep_gemm.mega_moe_fused_fwd(x, src, plan.expert_offsets, w13, w2, K, True, c)
+    s, h, o, _ = torch.ops.deep_gemm.mega_moe_fused_fwd(x, src, plan.expert_offsets, w13, w2, K, True, c)
     rows = int(plan.expert_offsets[-1])
     xp = x[(src[:rows] // K).long()].float()
     offs = plan.expert_offsets.tolist()
@@ -230,3 +230,32 @@ def test_autograd_layer_has_no_implicit_host_sync(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+@requires_sm90
+def test_fused_forward_keeps_pooled_x_for_the_backward(monkeypatch):
+    """keep_pooled_x: the fused forward returns its dispatched rows (exactly x's rows in pool order, NaN
+    poisoned buffers), y is unchanged, and the backward that uses them instead of gathering x again
+    gives the same gradients bit for bit."""
+    _require_fused()
+    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    from deep_gemm.mega import _ops, mega_moe
+
+    x, idx, w, w13, w2, dy = [t.cuda() for t in make_problem(999, 256, 256, 32, 4, routing="skewed", seed=23,
+                                                             masked_frac=0.05)]
+    T, K = idx.shape
+    poison_allocator()
+    out = _ops.mega_moe_fwd(x, idx, w, w13, w2, None, None, None, "", 32, 1, T, 128, True, "fused", "bf16", 0, True)
+    src, x_pool = out[4], out[7]
+    assert x_pool.shape == (src.shape[0], 256)
+    valid = src >= 0
+    assert torch.equal(x_pool[valid], x[(src[valid] // K).long()])
+    runs = {}
+    for keep in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
+        poison_allocator()
+        y = mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], backend="auto", keep_pooled_x=keep)
+        runs[keep] = (y.detach(),) + torch.autograd.grad(y, leaves, dy)
+    for name, a, b in zip(("y", "dx", "dtopk", "dw13", "dw2"), runs[False], runs[True]):
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(a, b), name

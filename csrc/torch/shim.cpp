@@ -404,11 +404,12 @@ std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool
   return {dh, aw, dt_part};
 }
 
-// Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns s, h and o per pool row;
-// the combine over o is a separate op. The dispatched rows live in o's memory until L2 overwrites them.
-std::tuple<Tensor, Tensor, Tensor> mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets,
+// Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns s, h, o and the dispatched
+// rows x_pool per pool row (x_pool only with keep_x_pool; h only with save_h); the combine over o is a
+// separate op.
+std::tuple<Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets,
                                                               Tensor w13, Tensor w2, int64_t top_k, bool save_h,
-                                                              double clamp) {
+                                                              double clamp, bool keep_x_pool) {
   const char* op = "mega_moe_fused_fwd";
   check_bf16_cuda(x, op, "x", 2);
   check_bf16_cuda(w13, op, "w13", 3);
@@ -430,16 +431,20 @@ std::tuple<Tensor, Tensor, Tensor> mega_moe_fused_fwd(Tensor x, Tensor pool_src_
   Tensor s = new_tensor(x, {m_total, inter}, ScalarType::BFloat16);
   Tensor h = new_tensor(x, {save_h ? m_total : 0, 2 * inter}, ScalarType::BFloat16);
   Tensor o = new_tensor(x, {m_total, hidden}, ScalarType::BFloat16);
+  // keep_x_pool: the dispatched rows get their own buffer (returned for the backward); otherwise they live
+  // in o's memory until L2 overwrites them, and an empty [0, hidden] tensor is returned.
+  Tensor x_pool = new_tensor(x, {keep_x_pool ? m_total : 0, hidden}, ScalarType::BFloat16);
   Tensor counters = new_tensor(x, {pk_mega_moe_fwd_counter_count(m_total, num_experts)}, ScalarType::Int);
   const void* x_ranks[1] = {x.data_ptr()};
   check_core(pk_mega_moe_fwd_bf16(x_ranks, 1, x.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
                                   nullptr, static_cast<int>(top_k),
                                   static_cast<const int32_t*>(expert_offsets.data_ptr()), num_experts, m_total, hidden,
-                                  inter, w13.data_ptr(), w2.data_ptr(), o.data_ptr(), s.data_ptr(),
+                                  inter, w13.data_ptr(), w2.data_ptr(), keep_x_pool ? x_pool.data_ptr() : o.data_ptr(),
+                                  s.data_ptr(),
                                   save_h ? h.data_ptr() : nullptr, o.data_ptr(), static_cast<float>(clamp),
                                   static_cast<int32_t*>(counters.data_ptr()), current_cuda_stream(x.get_device_index())),
              op);
-  return {s, h, o};
+  return {s, h, o, x_pool};
 }
 }  // namespace
 
@@ -459,7 +464,8 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
   m.def("m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets, Tensor h, "
         "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0) -> (Tensor, Tensor, Tensor)");
   m.def("mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
-        "int top_k, bool save_h, float clamp=0.0) -> (Tensor s, Tensor h, Tensor o)");
+        "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False) -> "
+        "(Tensor s, Tensor h, Tensor o, Tensor x_pool)");
   m.def("combine(Tensor slots, Tensor route_to_pool, Tensor? weights=None) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32=True) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor(c!) c) -> ()");

@@ -6,8 +6,9 @@ SwiGLU epilogue and L2, tiles released to each other through per-m-block counter
 deterministic combine kernel over the L2 rows. Same arguments, return tuple and rounding points as
 :func:`deep_gemm.mega.reference.forward`, F6 included (with a clamp the saved h keeps the clamp masks
 of the fp32 pre-activation). The plan is built with ``block_m = 1`` (no padding), so the saved state is
-the grouped pipeline's and its backward reads it. The dispatched pool rows are not kept: L2's output
-overwrites them (lower peak memory), and the backward gathers x again.
+the grouped pipeline's and its backward reads it. The dispatched pool rows are kept for the backward only when
+asked (``keep_pooled_x``: one more [capacity, H] buffer); otherwise L2's output overwrites them (lower
+peak memory) and the backward gathers x again.
 
 The fused backward is not written yet: ``deep_gemm.status()`` says so, and ``_backend`` never
 resolves "fused" for it.
@@ -26,8 +27,10 @@ STATUS_KEY_FWD = "mega_moe.bf16.sm90"
 
 
 def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", activation_clamp=None, group=None,
-            num_experts=None, max_tokens_per_rank=None, block_m, capacity, save_h=True, buffer=None):
-    """Same contract as :func:`deep_gemm.mega.reference.forward`."""
+            num_experts=None, max_tokens_per_rank=None, block_m, capacity, save_h=True, buffer=None,
+            keep_x_pool=False):
+    """The contract of :func:`deep_gemm.mega.reference.forward`, plus an 8th output: the dispatched
+    rows x_pool [capacity, H] with ``keep_x_pool`` (their own buffer instead of o's), else [0, H]."""
     if precision != "bf16":
         raise FusedKernelUnavailable(f"deep_gemm.mega: no fused {precision} forward kernel")
     if group is not None:
@@ -38,12 +41,12 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
         plan = routing_plan(topk_idx, num_experts, 1, validate=False)
         src = _pad(plan.pool_src_route, capacity, -1)
         srank = _pad(plan.pool_src_rank, capacity, -1)
-        _s, h, o = torch.ops.deep_gemm.mega_moe_fused_fwd(
+        _s, h, o, x_pool = torch.ops.deep_gemm.mega_moe_fused_fwd(
             x.contiguous(), src, plan.expert_offsets, w13.contiguous(), w2.contiguous(), K, save_h,
-            float(activation_clamp) if activation_clamp is not None else 0.0)
+            float(activation_clamp) if activation_clamp is not None else 0.0, keep_x_pool)
         y = combine(o, plan.route_to_pool, topk_weights.float())  # F5
     return (y, h, plan.expert_counts, plan.expert_offsets, src, srank,
-            plan.route_to_pool.view(T, K))
+            plan.route_to_pool.view(T, K), x_pool)
 
 
 def backward(*args, precision: str = "bf16", **kwargs):

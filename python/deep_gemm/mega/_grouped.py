@@ -74,7 +74,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
 
 def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, pool_src_route, pool_src_rank,
              route_to_pool, *, activation_clamp=None, group=None, num_experts=None, recompute=False,
-             need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None):
+             need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None):
     """Same contract as :func:`deep_gemm.mega.reference.backward`."""
     if group is not None:
         raise RuntimeError("deep_gemm.mega: the grouped backend runs on a single rank (group=None)")
@@ -100,7 +100,8 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     dtopk = dtopk.view_as(topk_weights).to(topk_weights.dtype)
     out13 = out2 = None
     if need_wgrad or dw13_accum is not None or dw2_accum is not None:
-        x_pool = x.index_select(0, gather)
+        if x_pool is None:  # the forward did not keep its pooled rows (padding rows: never read)
+            x_pool = x.index_select(0, gather)
         if dw2_accum is not None:
             k_grouped_bf16_gemm_tn(dy_pool, a, offsets, accumulate_into=dw2_accum)  # B10
         elif need_wgrad:

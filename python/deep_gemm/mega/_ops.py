@@ -46,11 +46,14 @@ def mega_moe_fwd(
     backend: str,
     precision: str,
     buffer_id: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    keep_pooled_x: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """y plus the state the backward reuses: (y, h, expert_counts, expert_offsets,
-    pool_src_route, pool_src_rank, route_to_pool). ``dw13_accum``/``dw2_accum`` are not read
+    pool_src_route, pool_src_rank, route_to_pool, x_pool). ``dw13_accum``/``dw2_accum`` are not read
     here; they ride along so that the backward can accumulate into them. ``buffer_id`` names the
-    staging buffer (:func:`deep_gemm.mega.buffer.get_buffer`; 0 = none) the fused kernels use."""
+    staging buffer (:func:`deep_gemm.mega.buffer.get_buffer`; 0 = none) the fused kernels use.
+    x_pool: the token rows in pool order [capacity, H] with ``keep_pooled_x`` (the fused forward
+    keeps its dispatched rows; the other backends gather them), else [0, H]."""
     T, H, I, K, El, E = _validate.check_inputs(
         x, topk_idx, topk_weights, w13, w2, num_experts=num_experts, ep_size=ep_size,
         max_tokens=max_tokens_per_rank if ep_size > 1 else None, activation_clamp=activation_clamp)
@@ -61,22 +64,34 @@ def mega_moe_fwd(
     cap = _capacity(T, K, El, ep_size, max_tokens_per_rank, block_m)
     kwargs = dict(activation_clamp=activation_clamp, group=reference.resolve_group(group_name), num_experts=E,
                   max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, capacity=cap, save_h=save_h)
+    x_pool = None
     if which == "fused":
         out = _fused.forward(x, topk_idx, topk_weights, w13, w2, precision=precision, buffer=get_buffer(buffer_id),
-                             **kwargs)
+                             keep_x_pool=keep_pooled_x, **kwargs)
+        out, x_pool = out[:7], out[7]
     elif which == "grouped":
         with torch.no_grad():
             out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=get_buffer(buffer_id), **kwargs)
     else:
         with torch.no_grad():
             out = reference.forward(x, topk_idx, topk_weights, w13, w2, **kwargs)
+    if x_pool is None:
+        with torch.no_grad():
+            x_pool = _gather_pool_rows(x, out[4], K) if keep_pooled_x else x.new_empty((0, H))
     ids.finish()
-    return tuple(out)
+    return tuple(out) + (x_pool,)
+
+
+def _gather_pool_rows(x: Tensor, pool_src_route: Tensor, top_k: int) -> Tensor:
+    """x rows in pool order (zero rows for padding), for backends whose forward does not keep them."""
+    tok = torch.div(pool_src_route.clamp(min=0), top_k, rounding_mode="floor").long()
+    rows = x.index_select(0, tok)
+    return rows.masked_fill_((pool_src_route < 0)[:, None], 0)
 
 
 @mega_moe_fwd.register_fake
 def _(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, group_name, num_experts,
-      ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id):
+      ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id, keep_pooled_x=False):
     T, H = x.shape
     K = topk_idx.shape[1]
     El, twoI = w13.shape[0], w13.shape[1]
@@ -90,6 +105,7 @@ def _(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clam
         torch.empty((cap,), **i32),
         torch.empty((cap,), **i32),
         torch.empty((T, K), **i32),
+        x.new_empty((cap if keep_pooled_x else 0, H)),
     )
 
 
@@ -117,8 +133,10 @@ def mega_moe_bwd(
     backend: str,
     precision: str,
     buffer_id: int,
+    x_pool: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, d topk_weights, dw13, dw2). dw13 (dw2) is an empty tensor when ``need_wgrad`` is False
+    """(dx, d topk_weights, dw13, dw2). ``x_pool`` (the forward's pooled token rows, when it kept
+    them) spares the grouped backward its gather of x. dw13 (dw2) is an empty tensor when ``need_wgrad`` is False
     or when it was added into ``dw13_accum`` (``dw2_accum``) instead."""
     ep_size = 1
     group = reference.resolve_group(group_name)
@@ -134,6 +152,8 @@ def mega_moe_bwd(
                                      ep_size=ep_size, activation_clamp=activation_clamp)
     kwargs = dict(activation_clamp=activation_clamp, group=group, num_experts=E, recompute=recompute,
                   need_wgrad=need_wgrad, dw13_accum=dw13_accum, dw2_accum=dw2_accum)
+    if x_pool is not None and x_pool.shape[0] == pool_src_route.shape[0] and x_pool.shape[0] > 0:
+        kwargs["x_pool"] = x_pool
     args = (dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
             pool_src_rank, route_to_pool)
     if which == "fused":
@@ -154,7 +174,7 @@ def mega_moe_bwd(
 @mega_moe_bwd.register_fake
 def _(dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route, pool_src_rank,
       route_to_pool, dw13_accum, dw2_accum, activation_clamp, group_name, num_experts, recompute, need_wgrad,
-      backend, precision, buffer_id):
+      backend, precision, buffer_id, x_pool=None):
     dw13 = w13.new_empty(w13.shape) if (need_wgrad and dw13_accum is None) else w13.new_empty((0,))
     dw2 = w2.new_empty(w2.shape) if (need_wgrad and dw2_accum is None) else w2.new_empty((0,))
     return x.new_empty(x.shape), topk_weights.new_empty(topk_weights.shape), dw13, dw2
@@ -176,18 +196,18 @@ def _check_accum(acc, w, name, x):
 
 def _setup_context(ctx, inputs, output):
     (x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, group_name, num_experts,
-     ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id) = inputs
-    y, h, counts, offsets, src, srank, r2p = output
+     ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id, *rest) = inputs
+    y, h, counts, offsets, src, srank, r2p, x_pool = output
     ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, h, counts, offsets, src, srank, r2p,
-                          dw13_accum, dw2_accum)
-    ctx.mark_non_differentiable(h)
+                          dw13_accum, dw2_accum, x_pool)
+    ctx.mark_non_differentiable(h, x_pool)
     ctx.set_materialize_grads(False)
     ctx.opts = (activation_clamp, group_name, num_experts, not save_h, backend, precision, buffer_id)
 
 
 def _backward(ctx, dy, *unused):
     (x, topk_idx, topk_weights, w13, w2, h, counts, offsets, src, srank, r2p,
-     dw13_accum, dw2_accum) = ctx.saved_tensors
+     dw13_accum, dw2_accum, x_pool) = ctx.saved_tensors
     activation_clamp, group_name, num_experts, recompute, backend, precision, buffer_id = ctx.opts
     needs = ctx.needs_input_grad
     if dy is None:
@@ -196,10 +216,10 @@ def _backward(ctx, dy, *unused):
     dx, dtopk, dw13, dw2 = torch.ops.deep_gemm.mega_moe_bwd(
         dy.contiguous(), x, topk_idx, topk_weights, w13, w2, h, counts, offsets, src, srank, r2p,
         dw13_accum, dw2_accum, activation_clamp, group_name, num_experts, recompute, need_wgrad, backend, precision,
-        buffer_id)
+        buffer_id, x_pool)
     g13 = dw13 if (needs[3] and dw13_accum is None) else None
     g2 = dw2 if (needs[4] and dw2_accum is None) else None
-    return (dx if needs[0] else None, None, dtopk if needs[2] else None, g13, g2) + (None,) * 12
+    return (dx if needs[0] else None, None, dtopk if needs[2] else None, g13, g2) + (None,) * 13
 
 
 mega_moe_fwd.register_autograd(_backward, setup_context=_setup_context)

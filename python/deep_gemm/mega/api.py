@@ -57,6 +57,7 @@ def mega_moe(
     wgrad_accum=None,
     block_m: int = BLOCK_M,
     return_plan: bool = False,
+    keep_pooled_x: bool = False,
 ):
     """Routed-experts MoE layer: ``y[t] = sum_k w[t,k] * W2[e] (silu(Wg[e] x_t) * (Wu[e] x_t))``.
 
@@ -82,6 +83,10 @@ def mega_moe(
         ``w13.grad`` / ``w2.grad`` are left untouched). Either entry may be None.
       block_m: pool m-block (rows per expert padded to a multiple of it).
       return_plan: also return the routing plan the forward built (and the backward reuses).
+      keep_pooled_x: keep the token rows in pool order ([T*K, H] bf16 for one rank, K times x's size)
+        from the forward for the backward, which then does not gather x again for dW13 (the fused
+        forward has them anyway: it dispatched them; the grouped and reference ones gather them).
+        Costs that memory from the forward to the backward; off by default.
 
     Returns y [T, H] (x's dtype), or (y, plan) with ``return_plan=True``.
     Gradients flow to x, topk_weights, w13 and w2 (not to topk_idx).
@@ -104,11 +109,12 @@ def mega_moe(
     clamp = None if activation_clamp is None else float(activation_clamp)
     out = _ops.mega_moe_fwd(
         x, topk_idx, topk_weights, w13, w2, a13, a2, clamp, group_name, E, ep_size, int(max_tokens),
-        int(block_m), not recompute, backend, precision, 0 if buffer is None else buffer.buffer_id)
+        int(block_m), not recompute, backend, precision, 0 if buffer is None else buffer.buffer_id,
+        bool(keep_pooled_x))
     y = out[0]
     if not return_plan:
         return y
-    counts, offsets, src, srank, r2p = out[2:]
+    counts, offsets, src, srank, r2p = out[2:7]
     plan = make_plan(expert_counts=counts, expert_offsets=offsets, pool_src_route=src, pool_src_rank=srank,
                      route_to_pool=r2p, block_m=int(block_m), num_experts=E, top_k=topk_idx.shape[1])
     return y, plan
@@ -120,6 +126,7 @@ class MegaMoE(nn.Module):
     Owns ``w13 [El, 2I, H]`` (gate rows then up rows) and ``w2 [El, H, I]``; ``forward(x, topk_idx,
     topk_weights)`` calls :func:`mega_moe`. With ``max_tokens_per_rank`` the staging buffer is
     allocated here, once, and shared with every layer of the same shape (never inside forward).
+    ``recompute`` and ``keep_pooled_x`` trade memory for backward time as in :func:`mega_moe`.
     """
 
     def __init__(
@@ -139,6 +146,7 @@ class MegaMoE(nn.Module):
         block_m: int = BLOCK_M,
         device=None,
         dtype: torch.dtype = torch.bfloat16,
+        keep_pooled_x: bool = False,
     ):
         super().__init__()
         _backend.check_backend(backend)
@@ -161,6 +169,7 @@ class MegaMoE(nn.Module):
         self.activation_clamp = activation_clamp
         self.backend = backend
         self.recompute = recompute
+        self.keep_pooled_x = bool(keep_pooled_x)
         self.block_m = int(block_m)
         self.max_tokens_per_rank = max_tokens_per_rank
         if buffer is None and max_tokens_per_rank is not None:
@@ -183,7 +192,7 @@ class MegaMoE(nn.Module):
             x, topk_idx, topk_weights, self.w13, self.w2, group=self.group, precision=self.precision,
             activation_clamp=self.activation_clamp, backend=self.backend, recompute=self.recompute,
             num_experts=self.num_experts, buffer=self.buffer, max_tokens_per_rank=self.max_tokens_per_rank,
-            wgrad_accum=wgrad_accum, block_m=self.block_m)
+            wgrad_accum=wgrad_accum, block_m=self.block_m, keep_pooled_x=self.keep_pooled_x)
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, local={self.num_local_experts}, hidden={self.hidden}, "
@@ -317,7 +326,7 @@ def bf16_mega_moe(
             out = _grouped.forward(x, topk_idx, topk_weights, l1, l2, buffer=buffer, **kwargs)
         else:
             out = reference.forward(x, topk_idx, topk_weights, l1, l2, **kwargs)
-        yy, h, counts, offsets, src, srank, r2p = out
+        yy, h, counts, offsets, src, srank, r2p = out[:7]
         ids.finish()
         if accumulate:
             y.add_(yy)

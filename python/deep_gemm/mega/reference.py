@@ -288,10 +288,12 @@ def backward(
     need_wgrad=True,
     dw13_accum=None,
     dw2_accum=None,
+    x_pool=None,
 ):
     """Reference backward (B1-B10). Returns (dx [T,H] io, dtopk [T,K] (topk_weights dtype),
     dw13 like w13 or None, dw2 like w2 or None); weight grads are None when accumulated into
-    the given buffers or when need_wgrad is False."""
+    the given buffers or when need_wgrad is False. ``x_pool`` (pooled rows kept by a forward) is
+    accepted and not used: the reference exchanges the rows itself."""
     io, acc = dtypes_for(x.dtype)
     T, H = x.shape
     K = topk_idx.shape[1]
