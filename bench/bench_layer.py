@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--check-max-tokens", type=int, default=0,
                    help="compute max_rel_err only at T <= this (0 = always)")
     p.add_argument("--recompute", action="store_true", help="deep_gemm backends recompute h in the backward")
+    p.add_argument("--keep-pooled-x", action="store_true",
+                   help="deep_gemm backends keep the pooled x rows from the forward for the backward")
     p.add_argument("--activation-clamp", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=10.0,
@@ -86,7 +88,8 @@ def _layer_fn(backend, group, E, args):
 
     which = {"deep_gemm": "auto", "deep_gemm_grouped": "grouped"}.get(backend, "reference")
     return lambda x, i, w, a, b: mega_moe(x, i, w, a, b, group=group, num_experts=E, backend=which,
-                                          recompute=args.recompute, activation_clamp=args.activation_clamp)
+                                          recompute=args.recompute, activation_clamp=args.activation_clamp,
+                                          keep_pooled_x=args.keep_pooled_x)
 
 
 def _free(device):
