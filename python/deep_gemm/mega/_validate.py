@@ -141,7 +141,7 @@ class ExpertIdCheck:
             self._lohi = _PINNED.pop() if _PINNED else torch.empty(2, dtype=torch.int64, pin_memory=True)
             self._lohi.copy_(lohi.to(torch.int64), non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(topk_idx.device))  # the copy's stream, any current device
         else:
             self._lohi = lohi
             self.finish()
