@@ -7,6 +7,7 @@
 
 #include "host_utils.hpp"
 #include "mega_moe_fwd.cuh"
+#include "mega_moe_fwd_pp.cuh"
 
 namespace deep_gemm {
 namespace sm90 {
@@ -17,6 +18,17 @@ namespace {
 // 4 KB; the three dispatch warps use 3 each.
 constexpr int kFwdStages = 3;
 constexpr int kFwdDispatchSlots = 9;
+// Ping-pong variant (work in progress, PK_MEGA_FWD_PP=1): 4 stages of 128x128x64 (32 KB each), 2 x 16 KB
+// staging, the same 9 dispatch slots.
+constexpr int kFwdPPStages = 4;
+// Development aid: PK_MEGA_FWD_PP=1 runs mega_moe_fwd_pp_kernel (mega_moe_fwd_pp.cuh) instead.
+bool use_pingpong() {
+  static const bool on = [] {
+    const char* v = std::getenv("PK_MEGA_FWD_PP");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
+}
 }  // namespace
 
 int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
@@ -69,7 +81,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   {
     const uint64_t dims[3] = {(uint64_t)hidden, (uint64_t)(2 * inter), (uint64_t)num_experts};
     const uint64_t strides[2] = {(uint64_t)hidden * 2, (uint64_t)(2 * inter * hidden * 2)};
-    const uint32_t box[3] = {64, 128, 1};
+    const uint32_t box[3] = {64, use_pingpong() ? 64u : 128u, 1};
     if (int r = make_map(&m_w13, w13, 3, dims, strides, box, err, err_len)) return r;
   }
   {
@@ -81,7 +93,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   {
     const uint64_t dims[3] = {(uint64_t)inter, (uint64_t)hidden, (uint64_t)num_experts};
     const uint64_t strides[2] = {(uint64_t)inter * 2, (uint64_t)(hidden * inter * 2)};
-    const uint32_t box[3] = {64, 256, 1};
+    const uint32_t box[3] = {64, use_pingpong() ? 128u : 256u, 1};
     if (int r = make_map(&m_w2, w2, 3, dims, strides, box, err, err_len)) return r;
   }
   if (h != nullptr) {
@@ -148,12 +160,20 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   cudaError_t e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * mega_moe_fwd_counter_count(m_total, num_experts),
                                   stream);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
-  constexpr auto kernel = &mega_moe_fwd_kernel<kFwdStages, kFwdDispatchSlots>;
-  constexpr int smem = MegaFwdLayout<kFwdStages, kFwdDispatchSlots>::kSmemBytes;
-  e = set_max_dynamic_smem<kernel>(smem);
-  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-  // Every CTA must be resident at once (tiles wait for tiles of other CTAs): one per SM at most.
-  kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);
+  if (use_pingpong()) {
+    constexpr auto kernel = &mega_moe_fwd_pp_kernel<kFwdPPStages, kFwdDispatchSlots>;
+    constexpr int smem = MegaFwdPPLayout<kFwdPPStages, kFwdDispatchSlots>::kSmemBytes;
+    e = set_max_dynamic_smem<kernel>(smem);
+    if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+    kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);
+  } else {
+    constexpr auto kernel = &mega_moe_fwd_kernel<kFwdStages, kFwdDispatchSlots>;
+    constexpr int smem = MegaFwdLayout<kFwdStages, kFwdDispatchSlots>::kSmemBytes;
+    e = set_max_dynamic_smem<kernel>(smem);
+    if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+    // Every CTA must be resident at once (tiles wait for tiles of other CTAs): one per SM at most.
+    kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);
+  }
   if (p.stats != nullptr && cudaStreamSynchronize(stream) == cudaSuccess) {
     std::vector<long long> st(static_cast<size_t>(sms) * kStatsPerCta);
     cudaMemcpy(st.data(), p.stats, st.size() * sizeof(long long), cudaMemcpyDeviceToHost);
