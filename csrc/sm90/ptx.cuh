@@ -104,6 +104,11 @@ __device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t num_threads
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
 
+// Arrive on a named barrier without waiting (the producer side of a bar.sync elsewhere).
+__device__ __forceinline__ void named_bar_arrive(uint32_t id, uint32_t num_threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
+
 // ------------------------------------------------------------------------------------------------
 // TMA (cp.async.bulk.tensor), completion through an mbarrier's transaction count
 // ------------------------------------------------------------------------------------------------
