@@ -247,7 +247,7 @@ def test_swiglu_bwd_gemm_matches_float64(E, kind, I, H, clamp):
     T, K = M, 2
     src = torch.randint(-1, T * K, (M,), generator=gen, dtype=torch.int32).cuda()  # -1: padding rows
     wts = (torch.rand(T, K, generator=gen) + 0.1).cuda()
-    nb = (I + 255) // 256
+    nb = (I + 127) // 128
     poison_next_alloc(M * 2 * I, torch.bfloat16)
     dh, aw, dt_part = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy, w2, offs, h, src, wts, clamp=clamp)
     assert dt_part.shape == (M, nb)

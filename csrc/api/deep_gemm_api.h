@@ -113,8 +113,8 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_r
 // L2 dgrad with the SwiGLU backward in its epilogue: per group g, da = dy_pool @ w2[g] (w2 [num_groups,
 // hidden, I], read MN-major) stays in registers; with h the saved gate | up [m_total, 2I] and w =
 // route_weights[pool_src_route[row]] (0 where the route is < 0), writes dh [m_total, 2I], aw = w * s
-// [m_total, I] (bf16) and dt_part [m_total, dt_ld] (fp32 partials of d topk_weights, one per 256-column
-// block of I; their sum in column-block order is the row's d weight). Rows outside every group are not
+// [m_total, I] (bf16) and dt_part [m_total, dt_ld >= ceil(I / 128)] (fp32 partials of d topk_weights;
+// their sum in column order is the row's d weight). Rows outside every group are not
 // written. I and hidden multiples of 8; clamp 0 = none.
 PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb,
                                              int64_t b_group_stride, const void* h, int64_t ldh,

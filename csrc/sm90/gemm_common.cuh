@@ -338,8 +338,9 @@ __device__ __forceinline__ void store_swiglu_from_acc(const float (&acc)[kBlockN
 // rows), with g = h[row, c], u = h[row, I + c] (bf16) and gc, uc their clamped values:
 //   sig = sigmoid(gc), silu = gc * sig, s = silu * uc
 //   dh[row, c] = w * da * uc * sig * (1 + gc * (1 - sig)) * [g < clamp],  dh[row, I + c] = w * da * silu * [|u| < clamp]
-//   aw[row, c] = w * s;   dt_part[row, col0 / kBlockN] = sum over the n-block's columns of da * s (a fixed
-//   shuffle tree: per-thread sums in column order, then lanes 1 and 2 apart)
+//   aw[row, c] = w * s;   dt_part[row, col0 / 128] = sum over the n-block's columns of da * s (a fixed
+//   shuffle tree: per-thread sums in column order, then lanes 1 and 2 apart); dt_part has one column per
+//   128 columns of I, a 256-column tile zeroes the second column of its pair
 // Loads and stores go straight from registers (bf16x2 per column pair; L2 merges a row's 16-byte pieces).
 // The h loads of kChunk column groups are issued together before any of their stores: one load-store
 // round trip per group (measured ~30 us per tile when every group waited for the previous group's stores).
@@ -412,7 +413,12 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const float (&acc)[kBlockN /
     }
     partial += __shfl_xor_sync(0xffffffffu, partial, 1);
     partial += __shfl_xor_sync(0xffffffffu, partial, 2);
-    if (valid && (lane & 3) == 0) dt_part[static_cast<int64_t>(row) * dt_ld + col0 / kBlockN] = route >= 0 ? partial : 0.f;
+    if (valid && (lane & 3) == 0) {
+      // one column per 128 columns of I; a 256-column tile fills its pair's first column and zeroes the second
+      float* dst = dt_part + static_cast<int64_t>(row) * dt_ld + col0 / 128;
+      dst[0] = route >= 0 ? partial : 0.f;
+      if (kBlockN == 256 && col0 / 128 + 1 < dt_ld) dst[1] = 0.f;
+    }
   }
 }
 

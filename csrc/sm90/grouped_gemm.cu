@@ -7,10 +7,12 @@
 
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 
 #include "host_utils.hpp"
 #include "k_grouped_gemm.cuh"
 #include "m_grouped_gemm.cuh"
+#include "swiglu_bwd_pp.cuh"
 
 namespace deep_gemm {
 namespace sm90 {
@@ -379,13 +381,14 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
                 "%s: bad sizes m_total=%lld intermediate=%lld hidden=%lld (multiples of 8, >= 8)", fn,
                 (long long)m_total, (long long)I, (long long)k);
   const int64_t n_blocks = (I + kBlockN - 1) / kBlockN;
+  const int64_t dt_cols = (I + 127) / 128;
   if (lda < k || lda % 8 != 0 || ldb < I || ldb % 8 != 0 || ldh < 2 * I || ldh % 8 != 0 || lddh < 2 * I ||
-      lddh % 8 != 0 || ldaw < I || ldaw % 8 != 0 || dt_ld < n_blocks)
+      lddh % 8 != 0 || ldaw < I || ldaw % 8 != 0 || dt_ld < dt_cols)
     return fail(kGemmInvalidArgument, err, err_len,
                 "%s: row strides must cover their rows and be multiples of 8 (lda %lld, ldb %lld, ldh %lld, "
                 "lddh %lld, ldaw %lld); dt_ld %lld must be >= %lld",
                 fn, (long long)lda, (long long)ldb, (long long)ldh, (long long)lddh, (long long)ldaw, (long long)dt_ld,
-                (long long)n_blocks);
+                (long long)dt_cols);
   if (num_groups > 1 && (b_group_stride < k * ldb || b_group_stride % 8 != 0))
     return fail(kGemmInvalidArgument, err, err_len, "%s: b_group_stride = %lld, must be >= hidden * ldb, multiple of 8",
                 fn, (long long)b_group_stride);
@@ -433,6 +436,23 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
   p.dt_part = dt_part;
   p.dt_ld = (int32_t)dt_ld;
   const int64_t max_units = ((m_total + 127) / 128 + num_groups) * n_blocks;
+  // Development aid: PK_SWIGLU_BWD_PP=1 runs the ping-pong kernel (swiglu_bwd_pp.cuh, work in progress).
+  static const bool kPingPong = [] {
+    const char* v = std::getenv("PK_SWIGLU_BWD_PP");
+    return v != nullptr && v[0] == '1';
+  }();
+  if (kPingPong) {
+    constexpr int kStages = 6;
+    constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages>;
+    constexpr int smem = SwigluBwdPPLayout<kStages>::kSmemBytes;
+    cudaError_t e = set_max_dynamic_smem<kernel>(smem);
+    if (e != cudaSuccess)
+      return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+    const int64_t tiles = ((m_total + 127) / 128 + num_groups) * ((I + 127) / 128);
+    const int grid = (int)(tiles < sms ? (tiles > 0 ? tiles : 1) : sms);
+    kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, p);
+    return check_launch(fn, err, err_len);
+  }
   return launch_m_grouped<kBlockN, 4, false, false, false, false, false, false, true>(ma, mb, mb, p, max_units, sms,
                                                                                      stream, err, err_len);
 }

@@ -76,8 +76,8 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
 
 // L2 dgrad with the SwiGLU backward in its epilogue (kSwiGLUBwd in m_grouped_gemm.cuh): da = dy_pool @ w2_g
 // ([E, hidden, intermediate], MN-major) per group, never stored; writes dh [m_total, 2I] and aw = w * s
-// [m_total, I] (bf16) and dt_part [m_total, dt_ld] (fp32 d topk_weights partials, one per 256-column
-// n-block, dt_ld >= ceil(I / 256)). Rows outside every group are not written.
+// [m_total, I] (bf16) and dt_part [m_total, dt_ld] (fp32 d topk_weights partials, dt_ld >= ceil(I / 128);
+// their row sum in column order is the d weight). Rows outside every group are not written.
 int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb, int64_t b_group_stride,
                                    const void* h, int64_t ldh, const int32_t* pool_src_route,
                                    const float* route_weights, void* dh, int64_t lddh, void* aw, int64_t ldaw,

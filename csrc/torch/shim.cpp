@@ -366,7 +366,7 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tens
 }
 
 
-// L2 dgrad + SwiGLU backward (B2-B6, B9 in one GEMM): dh [M, 2I], aw = w * s [M, I], dt_part [M, ceil(I/256)].
+// L2 dgrad + SwiGLU backward (B2-B6, B9 in one GEMM): dh [M, 2I], aw = w * s [M, I], dt_part [M, ceil(I/128)].
 std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets,
                                                                   Tensor h, Tensor pool_src_route, Tensor topk_weights,
                                                                   double clamp) {
@@ -389,7 +389,7 @@ std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool
                       topk_weights.is_cuda(),
                   "deep_gemm.", op, ": topk_weights must be a contiguous CUDA fp32 tensor");
   torch::stable::accelerator::DeviceGuard guard(dy_pool.get_device_index());
-  const int64_t n_blocks = (inter + 255) / 256;
+  const int64_t n_blocks = (inter + 127) / 128;  // d topk_weights partials: one per 128 columns of I
   Tensor dh = new_tensor(dy_pool, {m_total, 2 * inter}, ScalarType::BFloat16);
   Tensor aw = new_tensor(dy_pool, {m_total, inter}, ScalarType::BFloat16);
   Tensor dt_part = new_tensor(dy_pool, {m_total, n_blocks}, ScalarType::Float);

@@ -101,7 +101,7 @@ def m_grouped_bf16_gemm_swiglu_bwd(dy_pool: torch.Tensor, w2: torch.Tensor, grou
     """L2 dgrad with the SwiGLU backward in its epilogue (the fp32 da = dy_pool @ w2_g never goes to
     memory). w2 [E, H, I], h [>= M, 2I] the saved gate | up, pool_src_route [>= M] route ids (< 0:
     padding), topk_weights [T, K] fp32 (indexed by route id). Returns (dh [M, 2I], w * s [M, I],
-    dt_part [M, ceil(I / 256)] fp32): the row's d topk_weight is dt_part's row summed left to right.
+    dt_part [M, ceil(I / 128)] fp32): the row's d topk_weight is dt_part's row summed left to right.
     Rows outside every group are not written."""
     _ready("m_grouped_bf16_gemm_swiglu_bwd", dy_pool.device)
     if clamp is not None and clamp <= 0:
@@ -177,7 +177,7 @@ def _register() -> None:
     def swiglu_bwd_cpu(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp=0.0):
         _check_cpu(dy_pool, w2, group_offsets)
         M, I = dy_pool.shape[0], w2.shape[2]
-        nb = (I + 255) // 256
+        nb = (I + 127) // 128
         da = m_grouped_gemm_reference(dy_pool, w2, group_offsets, False, torch.float32, round_output=False)
         g, u = h[:M, :I].float(), h[:M, I:].float()
         gc, uc = (g.clamp(max=clamp), u.clamp(-clamp, clamp)) if clamp > 0 else (g, u)
@@ -190,14 +190,14 @@ def _register() -> None:
         du = w * da * silu
         if clamp > 0:
             dg, du = dg * (g < clamp), du * ((u > -clamp) & (u < clamp))
-        prod = torch.nn.functional.pad(da * sv, (0, nb * 256 - I)).view(M, nb, 256).sum(-1)
+        prod = torch.nn.functional.pad(da * sv, (0, nb * 128 - I)).view(M, nb, 128).sum(-1)
         dt_part = torch.where(src[:, None] >= 0, prod, torch.zeros(()))
         return torch.cat([dg, du], 1).to(h.dtype), (w * sv).to(h.dtype), dt_part
 
     def swiglu_bwd_fake(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp=0.0):
         M, I = dy_pool.shape[0], w2.shape[2]
         return (dy_pool.new_empty(M, 2 * I), dy_pool.new_empty(M, I),
-                dy_pool.new_empty(M, (I + 255) // 256, dtype=torch.float32))
+                dy_pool.new_empty(M, (I + 127) // 128, dtype=torch.float32))
 
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu_bwd", "cpu", swiglu_bwd_cpu)
     torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu_bwd", swiglu_bwd_fake)
