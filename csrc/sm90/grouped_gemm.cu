@@ -81,6 +81,14 @@ int launch_k_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtenso
 }
 
 
+// Every grouped entry point takes between 1 and kMaxGroups groups (the per-group starts live in shared memory).
+int check_num_groups(int num_groups, const char* fn, char* err, size_t err_len) {
+  if (num_groups < 1 || num_groups > kMaxGroups)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, num_groups,
+                kMaxGroups);
+  return kGemmOk;
+}
+
 }  // namespace
 
 namespace {
@@ -91,9 +99,7 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
                    const char* fn) {
   clear_err(err, err_len);
   const bool gather = a_row_index != nullptr;
-  if (num_groups < 1 || num_groups > kMaxGroups)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, num_groups,
-                kMaxGroups);
+  if (int r = check_num_groups(num_groups, fn, err, err_len)) return r;
   if (m_total < 0 || m_total > kMaxDim || n < 8 || n > kMaxDim || k < 0 || k > kMaxDim)
     return fail(kGemmInvalidArgument, err, err_len, "%s: bad sizes m_total=%lld n=%lld k=%lld", fn,
                 (long long)m_total, (long long)n, (long long)k);
@@ -258,9 +264,7 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
   const char* fn = "m_grouped_bf16_gemm_swiglu";
   const bool gather = a_row_index != nullptr;
   const int64_t I = intermediate;
-  if (num_groups < 1 || num_groups > kMaxGroups)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, num_groups,
-                kMaxGroups);
+  if (int r = check_num_groups(num_groups, fn, err, err_len)) return r;
   if (m_total < 0 || m_total > kMaxDim || I < 64 || 2 * I > kMaxDim || I % 64 != 0 || k < 8 || k > kMaxDim ||
       k % 8 != 0)
     return fail(kGemmInvalidArgument, err, err_len,
@@ -372,9 +376,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
   const char* fn = "m_grouped_bf16_gemm_swiglu_bwd";
   constexpr int kBlockN = 256;
   const int64_t I = intermediate, k = hidden;
-  if (num_groups < 1 || num_groups > kMaxGroups)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, num_groups,
-                kMaxGroups);
+  if (int r = check_num_groups(num_groups, fn, err, err_len)) return r;
   if (m_total < 0 || m_total > kMaxDim || I < 8 || 2 * I > kMaxDim || I % 8 != 0 || k < 8 || k > kMaxDim ||
       k % 8 != 0)
     return fail(kGemmInvalidArgument, err, err_len,
@@ -463,9 +465,7 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
                         size_t err_len) {
   clear_err(err, err_len);
   const char* fn = "k_grouped_bf16_gemm";
-  if (num_groups < 1 || num_groups > kMaxGroups)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, num_groups,
-                kMaxGroups);
+  if (int r = check_num_groups(num_groups, fn, err, err_len)) return r;
   if (p_total < 0 || p_total > kMaxDim || m < 8 || m > kMaxDim || n < 8 || n > kMaxDim)
     return fail(kGemmInvalidArgument, err, err_len, "%s: bad sizes p_total=%lld m=%lld n=%lld", fn,
                 (long long)p_total, (long long)m, (long long)n);

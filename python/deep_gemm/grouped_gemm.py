@@ -16,8 +16,11 @@ Rows of the m-grouped output that lie outside every group are left unspecified.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import _lib, _status
+from .swiglu import _parts as swiglu_parts
+from .swiglu import swiglu_bwd_reference
 
 __all__ = ["m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "m_grouped_bf16_gemm_swiglu", "k_grouped_bf16_gemm_tn",
            "m_grouped_gemm_reference", "k_grouped_gemm_reference"]
@@ -175,24 +178,17 @@ def _register() -> None:
         return a.new_empty(m_total, I), a.new_empty(m_total if save_h else 0, 2 * I)
 
     def swiglu_bwd_cpu(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp=0.0):
+        # the pool-row kernel's reference on the unrounded da, plus the per-128-column d weight partials
         _check_cpu(dy_pool, w2, group_offsets)
         M, I = dy_pool.shape[0], w2.shape[2]
         nb = (I + 127) // 128
         da = m_grouped_gemm_reference(dy_pool, w2, group_offsets, False, torch.float32, round_output=False)
-        g, u = h[:M, :I].float(), h[:M, I:].float()
-        gc, uc = (g.clamp(max=clamp), u.clamp(-clamp, clamp)) if clamp > 0 else (g, u)
-        src = pool_src_route[:M].long()
-        w = torch.where(src >= 0, topk_weights.reshape(-1).float()[src.clamp(min=0)], torch.zeros(()))[:, None]
-        sig = torch.sigmoid(gc)
-        silu = gc * sig
-        sv = silu * uc
-        dg = w * da * uc * sig * (1 + gc * (1 - sig))
-        du = w * da * silu
-        if clamp > 0:
-            dg, du = dg * (g < clamp), du * ((u > -clamp) & (u < clamp))
-        prod = torch.nn.functional.pad(da * sv, (0, nb * 128 - I)).view(M, nb, 128).sum(-1)
-        dt_part = torch.where(src[:, None] >= 0, prod, torch.zeros(()))
-        return torch.cat([dg, du], 1).to(h.dtype), (w * sv).to(h.dtype), dt_part
+        ref_clamp = clamp if clamp > 0 else -1.0  # the pool-row kernel's convention: < 0 = none
+        dh, aw, _ = swiglu_bwd_reference(h[:M], da, pool_src_route, topk_weights, torch.tensor([M]), ref_clamp)
+        _, _, gc, uc = swiglu_parts(h[:M], ref_clamp)
+        prod = torch.nn.functional.pad(da * F.silu(gc) * uc, (0, nb * 128 - I)).view(M, nb, 128).sum(-1)
+        dt_part = torch.where(pool_src_route[:M, None] >= 0, prod, torch.zeros(()))
+        return dh, aw, dt_part
 
     def swiglu_bwd_fake(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp=0.0):
         M, I = dy_pool.shape[0], w2.shape[2]

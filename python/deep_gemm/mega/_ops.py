@@ -84,9 +84,8 @@ def mega_moe_fwd(
 
 def _gather_pool_rows(x: Tensor, pool_src_route: Tensor, top_k: int) -> Tensor:
     """x rows in pool order (zero rows for padding), for backends whose forward does not keep them."""
-    tok = torch.div(pool_src_route.clamp(min=0), top_k, rounding_mode="floor").long()
-    rows = x.index_select(0, tok)
-    return rows.masked_fill_((pool_src_route < 0)[:, None], 0)
+    tok = _grouped._token_rows(pool_src_route, top_k)
+    return x.index_select(0, tok.clamp(min=0).long()).masked_fill_((tok < 0)[:, None], 0)
 
 
 @mega_moe_fwd.register_fake
