@@ -248,7 +248,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         for (int kk = 0; kk < kBlockK / 16; ++kk) {
           const uint64_t db = ptx::desc_from_halves(b_lo + kk * (32 >> 4), b_hi);
           Mma::mma(acc0, ptx::desc_from_halves(a_lo + kk * (32 >> 4), a_hi), db, 1u);
-          if (half1) Mma::mma(acc1, ptx::desc_from_halves(a_lo + kHalfADesc + kk * (32 >> 4), a_hi), db, 1u);
+          // unconditional: a divergent wgmma makes ptxas serialize every wgmma in the kernel (C7520); rows
+          // past the m-block's end compute on whatever the TMA box holds and are never stored
+          Mma::mma(acc1, ptx::desc_from_halves(a_lo + kHalfADesc + kk * (32 >> 4), a_hi), db, 1u);
         }
         ptx::wgmma_commit();
 #pragma unroll
