@@ -443,8 +443,21 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
     const char* v = std::getenv("PK_SWIGLU_BWD_PP");
     return v != nullptr && v[0] == '1';
   }();
-  if (kPingPong) {
-    constexpr int kStages = 6;
+  // (its epilogue moves 64-column TMA boxes of h, dh and aw: I a multiple of 64, 16-byte row strides)
+  if (kPingPong && I % 64 == 0 && ldh % 8 == 0 && lddh % 8 == 0 && ldaw % 8 == 0) {
+    constexpr int kStages = 4;
+    CUtensorMap mh, mdh, maw;
+    {
+      const uint64_t dims[2] = {(uint64_t)(2 * I), (uint64_t)m_total};
+      const uint32_t box[2] = {64, 64};
+      const uint64_t sh[1] = {(uint64_t)ldh * 2};
+      if (int r = make_map(&mh, h, 2, dims, sh, box, err, err_len)) return r;
+      const uint64_t sdh[1] = {(uint64_t)lddh * 2};
+      if (int r = make_map(&mdh, dh, 2, dims, sdh, box, err, err_len)) return r;
+      const uint64_t dims_aw[2] = {(uint64_t)I, (uint64_t)m_total};
+      const uint64_t saw[1] = {(uint64_t)ldaw * 2};
+      if (int r = make_map(&maw, aw, 2, dims_aw, saw, box, err, err_len)) return r;
+    }
     constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages>;
     constexpr int smem = SwigluBwdPPLayout<kStages>::kSmemBytes;
     cudaError_t e = set_max_dynamic_smem<kernel>(smem);
@@ -452,7 +465,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
       return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
     const int64_t tiles = ((m_total + 127) / 128 + num_groups) * ((I + 127) / 128);
     const int grid = (int)(tiles < sms ? (tiles > 0 ? tiles : 1) : sms);
-    kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, p);
+    kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, mh, mdh, maw, p);
     return check_launch(fn, err, err_len);
   }
   return launch_m_grouped<kBlockN, 4, false, false, false, false, false, false, true>(ma, mb, mb, p, max_units, sms,

@@ -1,12 +1,17 @@
 // prime-kernels: sm90a L2 dgrad with the SwiGLU backward in its epilogue, ping-pong consumers. WORK IN
-// PROGRESS: compiled, not yet run on a GPU (selected only with PK_SWIGLU_BWD_PP=1, see grouped_gemm.cu).
+// PROGRESS: compiled, not yet run on a GPU in this version (selected only with PK_SWIGLU_BWD_PP=1, see
+// grouped_gemm.cu).
 //
 // The work of m_grouped_bf16_gemm_kernel's kSwiGLUBwd mode (da = dy_pool @ w2_g for 128 columns of I, then
-// swiglu_bwd_epilogue), but each consumer warpgroup owns whole 128 x 128 tiles and the two take the tensor
-// cores in turn (named barriers), so the epilogue (64 KB of h read, 96 KB written per 128 x 128 tile)
-// runs while the other warpgroup's mainloop does. Why: in the cooperative kernel that epilogue made the
-// fused GEMM slower (1.22 ms at 30B, T=16384) than the nn GEMM plus the separate pool-row kernel (0.95 ms).
-// B = w2 [E, H, I] read MN-major (two 64-column TMA boxes per stage, wgmma's transpose bit).
+// the SwiGLU backward), but each consumer warpgroup owns whole 128 x 128 tiles and the two take the tensor
+// cores in turn (named barriers), so one's epilogue runs while the other's mainloop does. B = w2 [E, H, I]
+// read MN-major (two 64-column TMA boxes per stage, wgmma's transpose bit).
+// Epilogue through shared memory (version 2): the first measurement (session 4: 1.46 ms at 30B, T=16384,
+// against 0.97 ms for the nn GEMM plus the pool-row kernel) lost its time to 4-byte h loads and dh / w*s
+// stores in the accumulator's fragment layout. Now the tile's h comes in four 64 x 64 pieces (gate and up
+// boxes) by TMA into a two-slot ring per warpgroup, the first two issued before the mainloop; each thread
+// reads its fragment's g, u from the swizzled boxes, writes dg, du over them in place and w*s into a third
+// box, and one thread TMA-stores the three boxes (generic 16-byte stores for an m-block's last partial rows).
 #pragma once
 
 #include <cuda.h>
@@ -25,10 +30,15 @@ struct SwigluBwdPPLayout {
   static constexpr int kABytes = kBlockM * kBlockK * 2;
   static constexpr int kBBytes = kBlockN * kBlockK * 2;
   static constexpr int kMnBoxBytes = 64 * kBlockK * 2;  // one 64-column box of B per stage
+  static constexpr int kBoxBytes = 64 * 64 * 2;       // one 64 x 64 bf16 piece, 128-byte swizzle
+  static constexpr int kSlotBytes = 2 * kBoxBytes;     // gate and up boxes of one piece
   static constexpr int kAOff = 0;
   static constexpr int kBOff = kAOff + kNumStages * kABytes;
-  static constexpr int kBarOff = kBOff + kNumStages * kBBytes;
-  static constexpr int kOffsOff = kBarOff + 2 * kNumStages * 8;
+  static constexpr int kHOff = kBOff + kNumStages * kBBytes;  // per warpgroup: 2 slots
+  static constexpr int kAwOff = kHOff + 2 * 2 * kSlotBytes;   // per warpgroup: 1 w*s box
+  static constexpr int kBarOff = kAwOff + 2 * kBoxBytes;
+  static constexpr int kHBarOff = kBarOff + 2 * kNumStages * 8;  // per warpgroup: 2 slot barriers
+  static constexpr int kOffsOff = kHBarOff + 4 * 8;
   static constexpr int kTileOff = kOffsOff + (kMaxGroups + 1) * 4;
   static constexpr int kEnd = kTileOff + (kMaxGroups + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
@@ -40,7 +50,8 @@ constexpr uint32_t kBarSwigluTurnWg0 = 5;  // +wg
 template <int kNumStages>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_swiglu_bwd_pp_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                                   const MGroupedParams p) {
+                                   const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_dh,
+                                   const __grid_constant__ CUtensorMap tmap_aw, const MGroupedParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = SwigluBwdPPLayout<kNumStages>;
   constexpr int kBlockM = L::kBlockM;
@@ -68,11 +79,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ptx::mbar_init(&full_bar[s], 1);
       ptx::mbar_init(&empty_bar[s], 4);  // the 4 warps of the consuming warpgroup
     }
+    for (int s = 0; s < 4; ++s) ptx::mbar_init(reinterpret_cast<uint64_t*>(smem + L::kHBarOff) + s, 1);
     ptx::fence_mbar_init();
   }
   if (tid == 32) {
     ptx::tma_prefetch_desc(&tmap_a);
     ptx::tma_prefetch_desc(&tmap_b);
+    ptx::tma_prefetch_desc(&tmap_h);
+    ptx::tma_prefetch_desc(&tmap_dh);
+    ptx::tma_prefetch_desc(&tmap_aw);
   }
   for (int i = tid; i <= num_groups; i += kNumThreads) s_offs[i] = min(max(__ldg(p.group_offsets + i), 0), p.m_total);
   __syncthreads();
@@ -133,6 +148,20 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
     constexpr uint32_t kHalfADesc = (64 * 128) >> 4;
     constexpr uint32_t kBStepDesc = (16 * 128) >> 4;  // one k16 step of MN-major B
+    uint8_t* const hslots = smem + L::kHOff + wg * 2 * L::kSlotBytes;
+    const uint32_t hslots_addr = ptx::smem_addr(hslots);
+    const uint32_t aw_addr = ptx::smem_addr(smem + L::kAwOff) + wg * L::kBoxBytes;
+    uint64_t* const h_full = reinterpret_cast<uint64_t*>(smem + L::kHBarOff) + 2 * wg;
+    uint32_t h_phase = 0;  // bit q: parity of slot q's next fill
+    // piece = 2 * half + q: rows row0 + 64 * half, columns n0 + 64 * q of I (gate) and I + n0 + 64 * q (up)
+    auto load_piece = [&](int row0, int n0, int piece) {  // one thread
+      const int q = piece & 1;
+      uint8_t* dst = hslots + q * L::kSlotBytes;
+      ptx::mbar_arrive_expect_tx(&h_full[q], L::kSlotBytes);
+      ptx::tma_load_2d(dst, &tmap_h, &h_full[q], n0 + 64 * q, row0 + 64 * (piece >> 1));
+      ptx::tma_load_2d(dst + L::kBoxBytes, &tmap_h, &h_full[q], p.n + n0 + 64 * q, row0 + 64 * (piece >> 1));
+    };
+    const int frag_row = 16 * ((wg_tid >> 5) & 3) + (lane >> 2);  // + 8 * hh: this thread's rows of a 64-row half
 
     const int cta = (int)ptx::ctaid_x_volatile();
     const int step = (int)gridDim.x;
@@ -154,18 +183,25 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
         continue;
       }
-      const bool half1 = w.row0 + 64 < w.row_end;
-      // the tile's h lines into L2 while the mainloop runs: thread r takes row r's two gate and two up lines
-      if (w.row0 + wg_tid < w.row_end) {
-        const __nv_bfloat16* hrow = p.h + static_cast<int64_t>(w.row0 + wg_tid) * p.ldh;
-#pragma unroll
-        for (int c = 0; c < kBlockN; c += 64) {
-          if (w.n0 + c < p.n) {
-            ptx::prefetch_l2(hrow + w.n0 + c);
-            ptx::prefetch_l2(hrow + p.n + w.n0 + c);
-          }
-        }
+      // before the mainloop: the tile's first two h pieces (slots free once the last tile's stores have read
+      // them) and this thread's four rows' route weights
+      const bool q1 = w.n0 + 64 < p.n;  // the tile's second 64 columns exist (I is a multiple of 64)
+      if (wg_tid == 0) {
+        ptx::bulk_wait_group_read<0>();
+        load_piece(w.row0, w.n0, 0);
+        if (q1) load_piece(w.row0, w.n0, 1);
       }
+      float wgt[2][2];
+      bool routed[2][2];
+#pragma unroll
+      for (int hm = 0; hm < 2; ++hm)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = w.row0 + 64 * hm + frag_row + 8 * hh;
+          const int route = row < w.row_end ? __ldg(p.pool_src_route + row) : -1;
+          routed[hm][hh] = route >= 0;
+          wgt[hm][hh] = route >= 0 ? __ldg(p.route_weights + route) : 0.f;
+        }
       ptx::named_bar_sync(kBarSwigluTurnWg0 + wg, 256);
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) {
@@ -213,11 +249,96 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       __syncwarp();
       if (lane == 0 && num_k_blocks > 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
 
-      swiglu_bwd_epilogue<kBlockN>(acc0, wg_tid, w.row0, w.row_end, w.n0, p.n, p.h, p.ldh, p.pool_src_route,
-                                   p.route_weights, p.dh, p.lddh, p.aw, p.ldaw, p.dt_part, p.dt_ld, p.clamp);
-      if (half1)
-        swiglu_bwd_epilogue<kBlockN>(acc1, wg_tid, w.row0 + 64, w.row_end, w.n0, p.n, p.h, p.ldh, p.pool_src_route,
-                                     p.route_weights, p.dh, p.lddh, p.aw, p.ldaw, p.dt_part, p.dt_ld, p.clamp);
+      const bool has_clamp = p.clamp > 0.f;
+#pragma unroll
+      for (int hm = 0; hm < 2; ++hm) {
+        const float(&acc)[kAcc] = hm == 0 ? acc0 : acc1;
+        const int prow0 = w.row0 + 64 * hm;
+        const int rows = min(64, w.row_end - prow0);  // <= 0: no rows in this half (computed, not stored)
+        float partial[2] = {0.f, 0.f};
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          if (q == 1 && !q1) break;  // warpgroup-uniform
+          const int piece = 2 * hm + q;
+          const int col0 = w.n0 + 64 * q;
+          const uint32_t gb = hslots_addr + q * L::kSlotBytes;
+          const uint32_t ub = gb + L::kBoxBytes;
+          ptx::mbar_wait(&h_full[q], (h_phase >> q) & 1u);
+          h_phase ^= 1u << q;
+          if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the w*s box: the previous piece's store has read it
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = frag_row + 8 * hh;
+            const float wt = wgt[hm][hh];
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+              const uint32_t off = r * 128 + ((jj ^ (r & 7)) << 4) + 4 * (lane & 3);
+              const uint32_t g2 = ptx::ld_shared_u32(gb + off);
+              const uint32_t u2 = ptx::ld_shared_u32(ub + off);
+              float dg[2], du[2], av[2];
+#pragma unroll
+              for (int t = 0; t < 2; ++t) {
+                const float g = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? g2 >> 16 : g2 & 0xffffu));
+                const float u = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? u2 >> 16 : u2 & 0xffffu));
+                const float gc = has_clamp ? fminf(g, p.clamp) : g;
+                const float uc = has_clamp ? fminf(fmaxf(u, -p.clamp), p.clamp) : u;
+                const float sig = __fdividef(1.f, 1.f + __expf(-gc));
+                const float silu = gc * sig;
+                const float sv = silu * uc;
+                const float da = acc[4 * (8 * q + jj) + 2 * hh + t];
+                partial[hh] = fmaf(da, sv, partial[hh]);
+                const float ds = wt * da;
+                dg[t] = ds * uc * sig * (1.f + gc * (1.f - sig));
+                du[t] = ds * silu;
+                if (has_clamp) {
+                  dg[t] = g < p.clamp ? dg[t] : 0.f;
+                  du[t] = (u > -p.clamp && u < p.clamp) ? du[t] : 0.f;
+                }
+                av[t] = wt * sv;
+              }
+              ptx::st_shared_u32(gb + off, ptx::pack_bf16x2(dg[0], dg[1]));
+              ptx::st_shared_u32(ub + off, ptx::pack_bf16x2(du[0], du[1]));
+              ptx::st_shared_u32(aw_addr + off, ptx::pack_bf16x2(av[0], av[1]));
+            }
+          }
+          ptx::fence_proxy_async_smem();
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          if (rows == 64) {
+            if (wg_tid == 0) {
+              ptx::tma_store_2d(&tmap_dh, gb, col0, prow0);
+              ptx::tma_store_2d(&tmap_dh, ub, p.n + col0, prow0);
+              ptx::tma_store_2d(&tmap_aw, aw_addr, col0, prow0);
+              ptx::bulk_commit_group();
+            }
+          } else if (rows > 0) {
+            // the m-block's last rows: a TMA box would also write the next group's rows
+            for (int idx = wg_tid; idx < rows * 8; idx += 128) {
+              const int r = idx >> 3, ch = idx & 7;
+              const uint32_t off = r * 128 + ((ch ^ (r & 7)) << 4);
+              const int64_t row = prow0 + r;
+              const int c = col0 + ch * 8;
+              *reinterpret_cast<uint4*>(p.dh + row * p.lddh + c) = ptx::ld_shared_v4(gb + off);
+              *reinterpret_cast<uint4*>(p.dh + row * p.lddh + p.n + c) = ptx::ld_shared_v4(ub + off);
+              *reinterpret_cast<uint4*>(p.aw + row * p.ldaw + c) = ptx::ld_shared_v4(aw_addr + off);
+            }
+            ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);  // the slot is read before it is refilled
+          }
+          if (piece < 2 && wg_tid == 0) {  // refill this slot with the second half's piece of the same columns
+            ptx::bulk_wait_group_read<0>();
+            load_piece(w.row0, w.n0, piece + 2);
+          }
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          float v = partial[hh];
+          v += __shfl_xor_sync(0xffffffffu, v, 1);
+          v += __shfl_xor_sync(0xffffffffu, v, 2);
+          const int row = prow0 + frag_row + 8 * hh;
+          if (row < w.row_end && (lane & 3) == 0)
+            p.dt_part[static_cast<int64_t>(row) * p.dt_ld + w.n0 / kBlockN] = routed[hm][hh] ? v : 0.f;
+        }
+      }
     }
   }
 #endif
