@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Development timing of the fused forward kernel alone (no plan/combine) at the two layer shapes,
-beside our separate GEMMs on the same pool (plain-A SwiGLU L1 + L2) in the same process. With
+"""Development timing of the fused forward kernel (no plan; "+y": with the in-kernel combine) at the two
+layer shapes, ping-pong ("pp", the default) and cooperative ("coop", PK_MEGA_FWD_COOP=1: combine as a
+second launch) kernels interleaved, beside our separate GEMMs on the same pool (plain-A SwiGLU L1 + L2)
+in the same process. With
 PK_MEGA_FWD_STATS=1 the kernel prints its per-role clock figures once per shape."""
 
 import os
@@ -37,14 +39,20 @@ for name in sys.argv[1:] or list(shapes):
         op(x, src, offs, w13, w2, K, False, 0.0)
         torch.cuda.synchronize()
         continue
-    s, _, o, _ = op(x, src, offs, w13, w2, K, False, 0.0)
+    s, _, o, _, _ = op(x, src, offs, w13, w2, K, False, 0.0)
+    r2p, tw = plan.route_to_pool.view(T, K), torch.rand(T, K, device="cuda", generator=g)
     xp = x.index_select(0, (src.clamp(min=0) // K).long())  # the pool rows, for the separate-GEMM timing
     row = {}
-    for _ in range(2):  # interleaved rounds
-        row.setdefault("fused", []).append(bench(lambda: op(x, src, offs, w13, w2, K, False, 0.0)))
-        row.setdefault("fused+h", []).append(bench(lambda: op(x, src, offs, w13, w2, K, True, 0.0)))
+    for _ in range(2):  # interleaved rounds; PK_MEGA_FWD_COOP is read at every call
+        for kern, coop in (("pp", "0"), ("coop", "1")):
+            os.environ["PK_MEGA_FWD_COOP"] = coop
+            row.setdefault(f"{kern}", []).append(bench(lambda: op(x, src, offs, w13, w2, K, False, 0.0)))
+            row.setdefault(f"{kern}+h", []).append(bench(lambda: op(x, src, offs, w13, w2, K, True, 0.0)))
+            row.setdefault(f"{kern}+h+y", []).append(
+                bench(lambda: op(x, src, offs, w13, w2, K, True, 0.0, False, r2p, tw)))
+        os.environ["PK_MEGA_FWD_COOP"] = "0"
         row.setdefault("L1 plain", []).append(bench(lambda: m_grouped_bf16_gemm_swiglu(xp, w13, offs, save_h=False)))
         row.setdefault("L2", []).append(bench(lambda: m_grouped_bf16_gemm_nt(s, w2, offs)))
     out = " | ".join(f"{k} {min(v):.3f}" for k, v in row.items())
     both = min(row["L1 plain"]) + min(row["L2"])
-    print(f"{name}: {out} | L1+L2 {both:.3f} ms | fused {flops / min(row['fused']) / 1e9:.0f} TF", flush=True)
+    print(f"{name}: {out} | L1+L2 {both:.3f} ms | pp {flops / min(row['pp']) / 1e9:.0f} TF", flush=True)

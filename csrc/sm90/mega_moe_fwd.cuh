@@ -26,6 +26,7 @@
 
 #include <cuda.h>
 
+#include "common/combine.cuh"
 #include "gemm_common.cuh"
 
 namespace deep_gemm {
@@ -63,6 +64,14 @@ struct MegaFwdParams {
   // Readiness counters, zero before the launch: [num_m_blocks] dispatch, then [num_m_blocks] L1.
   int32_t* counters;
   int32_t max_m_blocks;  // length of each counter array (>= the plan's m-blocks)
+  // In-kernel combine (y null: none, o is the output): y[t] = sum over k in order of
+  // topk_weights[t, k] * o[route_to_pool[t, k]] (fp32, skipping routes < 0; rows with no route are zero).
+  // The last L2 tile to finish a token's 128 columns (token_ctr counts the arrivals) reduces them.
+  const int32_t* route_to_pool;  // [num_tokens * top_k]
+  const float* topk_weights;     // [num_tokens * top_k], or null (weights of 1)
+  __nv_bfloat16* y;              // [num_tokens, hidden], row stride hidden
+  int32_t num_tokens;
+  int32_t* token_ctr;  // [num_tokens * ceil(hidden / 128)], zero before the launch
   // Development aid (null in normal runs): per CTA, kStatsPerCta clock64 figures (see mega_moe.cu).
   long long* stats;
   // Development aid with stats (timing only, nothing is computed): bit 0 = no tiles, the dispatch alone;

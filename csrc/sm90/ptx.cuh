@@ -104,6 +104,11 @@ __device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t num_threads
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
 
+// Arrive on a named barrier without waiting (the producer side of a bar.sync elsewhere).
+__device__ __forceinline__ void named_bar_arrive(uint32_t id, uint32_t num_threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
+
 // ------------------------------------------------------------------------------------------------
 // TMA (cp.async.bulk.tensor), completion through an mbarrier's transaction count
 // ------------------------------------------------------------------------------------------------
@@ -239,6 +244,15 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 }
 __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// 16-byte load that skips L1 (.cg): rows another CTA wrote during this kernel, read after an acquire.
+__device__ __forceinline__ uint4 ld_global_cg_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
 }
 // Orders generic-proxy global accesses against later async-proxy (TMA) ones of this thread.
 __device__ __forceinline__ void fence_proxy_async_global() {

@@ -1,0 +1,420 @@
+// prime-kernels: sm90a fused Mega MoE forward (BF16), ping-pong consumers. WORK IN PROGRESS: compiled, not
+// yet run on a GPU (selected only with PK_MEGA_FWD_PP=1, see mega_moe.cu).
+//
+// Same work, sequence, dispatch and readiness counters as mega_moe_fwd.cuh, but each consumer warpgroup owns
+// whole 128 x 128 tiles (two m64n128 wgmma per k-step, 2 x 64 accumulator registers) and the two warpgroups
+// take this CTA's tiles in turn: while one runs its mainloop the other runs its epilogue. A pair of named
+// barriers passes the tensor cores from one warpgroup to the other once a warpgroup has issued all of its
+// tile's MMAs. Why: with one 128 x 256 tile shared by both warpgroups, the tensor cores idle during every
+// epilogue (~250 us per CTA at 30B, T=16384: bench/NOTES.md); here the epilogue hides behind the other
+// warpgroup's mainloop as long as it is shorter. Cost: 128-column tiles load B once per 128 x 128 instead of
+// 128 x 256 outputs (a third more shared-memory fill per FLOP).
+//   * L1 tile: 64 s columns: gate rows n0.. and up rows I + n0.. of w13 (two 64-row TMA boxes per stage).
+//     Each L1 tile adds one to its m-block's L1 counter; an L2 tile waits for I / 64 of them.
+//   * L2 tile: 128 o columns.
+//   * The stage ring is shared: the producer fills it in tile order; a warpgroup skips (without waiting) the
+//     stages of the other's tiles, and releases its own (the empty barriers count one warpgroup's 4 warps).
+#pragma once
+
+#include "mega_moe_fwd.cuh"
+
+namespace deep_gemm {
+namespace sm90 {
+
+template <int kNumStages, int kDispatchSlots>
+struct MegaFwdPPLayout {
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 128;
+  static constexpr int kBlockK = 64;
+  static constexpr int kABytes = kBlockM * kBlockK * 2;
+  static constexpr int kBBytes = kBlockN * kBlockK * 2;
+  static constexpr int kAOff = 0;
+  static constexpr int kBOff = kAOff + kNumStages * kABytes;
+  static constexpr int kCOff = kBOff + kNumStages * kBBytes;  // per warpgroup: 64 rows x 128 columns
+  static constexpr int kDispOff = kCOff + TmaStaging<kBlockN>::kBytes;
+  static constexpr int kBarOff = kDispOff + kDispatchSlots * kDispatchSlotBytes;
+  static constexpr int kOffsOff = kBarOff + 2 * kNumStages * 8;
+  static constexpr int kMbOff = kOffsOff + (kMegaMaxExperts + 1) * 4;
+  static constexpr int kEnd = kMbOff + (kMegaMaxExperts + 1) * 4;
+  static constexpr int kSmemBytes = kEnd + 1024;
+  static_assert(kSmemBytes <= 232448, "shared memory budget exceeded");
+};
+
+// Combine columns per arrival counter: one L2 tile's width.
+constexpr int kCombineCols = 128;
+
+// Called by one consumer warpgroup (wg_tid = 0..127, one pool row each) after its L2 tile's o rows
+// [row0, row0 + rows) x [n0, n0 + 128) are stored (generic stores) and fenced by every thread of the
+// warpgroup and a named barrier has passed. Each row counts itself in (token, column block); the row that
+// completes its token's count reduces the token's 128 columns over its routes in k order, with the same
+// arithmetic as the standalone combine kernel (common/combine.cuh), so y is bit-identical to it.
+__device__ __forceinline__ void mega_combine_rows(const MegaFwdParams& p, int wg_tid, int row0, int rows, int n0) {
+  const int lane = wg_tid & 31;
+  const int K = p.top_k;
+  const int col_blocks = (p.hidden + kCombineCols - 1) / kCombineCols;
+  int token = -1;
+  bool last = false;
+  if (wg_tid < rows) {
+    const int route = __ldg(p.pool_src_route + row0 + wg_tid);
+    if (route >= 0 && route / K < p.num_tokens) {
+      token = route / K;  // one rank: route ids are token * top_k + k
+      const int32_t* r2p = p.route_to_pool + static_cast<int64_t>(token) * K;
+      int routed = 0;
+      for (int k = 0; k < K; ++k) routed += __ldg(r2p + k) >= 0;
+      const int before = atomicAdd(p.token_ctr + static_cast<int64_t>(token) * col_blocks + n0 / kCombineCols, 1);
+      last = before == routed - 1;
+    }
+  }
+  uint32_t pending = __ballot_sync(0xffffffffu, last);
+  if (pending == 0) return;
+  // acquire: the other tiles' o rows of these tokens were fenced before their arrivals; the lanes that saw
+  // the last arrival fence, and the warp barrier orders the other lanes' loads after them
+  __threadfence();
+  __syncwarp();
+  const int half = lane >> 4;  // a half-warp per token, 16 lanes x 8 columns
+  const int col = n0 + (lane & 15) * 8;
+  while (pending != 0) {
+    const int la = __ffs(pending) - 1;
+    pending &= pending - 1;
+    int lb = -1;
+    if (pending != 0) {
+      lb = __ffs(pending) - 1;
+      pending &= pending - 1;
+    }
+    const int ta = __shfl_sync(0xffffffffu, token, la);
+    const int tb = __shfl_sync(0xffffffffu, token, lb < 0 ? la : lb);
+    if ((half == 1 && lb < 0) || col >= p.hidden) continue;
+    const int t = half == 0 ? ta : tb;
+    const int64_t route0 = static_cast<int64_t>(t) * K;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int k = 0; k < K; ++k) {
+      const int32_t row = __ldg(p.route_to_pool + route0 + k);
+      if (row < 0 || row >= p.m_total) continue;
+      const float w = p.topk_weights != nullptr ? __ldg(p.topk_weights + route0 + k) : 1.0f;
+      common::add_bf16x8(acc, ptx::ld_global_cg_v4(p.o + static_cast<int64_t>(row) * p.hidden + col), w);
+    }
+    uint4 packed;
+    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o2[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p.y + static_cast<int64_t>(t) * p.hidden + col) = packed;
+  }
+}
+
+// Tokens with no route get no arrival: their y rows are zeroed here (dispatch warps, once dispatch is done).
+__device__ __forceinline__ void mega_zero_unrouted_tokens(const MegaFwdParams& p, int dwarp, int lane) {
+  const int K = p.top_k;
+  for (int t = blockIdx.x * 3 + dwarp; t < p.num_tokens; t += gridDim.x * 3) {
+    bool routed = false;
+    for (int k = lane; k < K; k += 32) routed |= __ldg(p.route_to_pool + static_cast<int64_t>(t) * K + k) >= 0;
+    if (__any_sync(0xffffffffu, routed)) continue;
+    for (int c = lane * 8; c < p.hidden; c += 256)
+      *reinterpret_cast<uint4*>(p.y + static_cast<int64_t>(t) * p.hidden + c) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+constexpr uint32_t kBarTurnWg0 = 5;  // +wg: "the tensor cores are this warpgroup's"
+
+template <int kNumStages, int kDispatchSlots>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    mega_moe_fwd_pp_kernel(const __grid_constant__ CUtensorMap tmap_xpool, const __grid_constant__ CUtensorMap tmap_w13,
+                           const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_w2,
+                           const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_o,
+                           const __grid_constant__ MegaFwdParams p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using L = MegaFwdPPLayout<kNumStages, kDispatchSlots>;
+  static_assert(L::kBlockN == kCombineCols, "one arrival counter per L2 tile width");
+  constexpr int kBlockM = L::kBlockM;
+  constexpr int kBlockN = L::kBlockN;
+  constexpr int kBlockK = L::kBlockK;
+  constexpr int kL1Cols = kBlockN / 2;  // s columns per L1 n-block
+  using Mma = ptx::WgmmaBf16<kBlockN, 0, 0>;
+  constexpr int kAcc = kBlockN / 2;  // accumulator registers per 64-row half
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
+  uint64_t* empty_bar = full_bar + kNumStages;
+  int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
+  int32_t* s_mb = reinterpret_cast<int32_t*>(smem + L::kMbOff);
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int num_experts = p.num_experts;
+  const int n1 = ceil_div(p.inter, kL1Cols);
+  const int n2 = ceil_div(p.hidden, kBlockN);
+  const int kb1 = ceil_div(p.hidden, kBlockK);
+  const int kb2 = ceil_div(p.inter, kBlockK);
+
+  if (tid == 0) {
+    for (int s = 0; s < kNumStages; ++s) {
+      ptx::mbar_init(&full_bar[s], 1);
+      ptx::mbar_init(&empty_bar[s], 4);  // the 4 warps of the warpgroup that consumed the stage
+    }
+    ptx::fence_mbar_init();
+  }
+  if (tid == 32) {
+    ptx::tma_prefetch_desc(&tmap_xpool);
+    ptx::tma_prefetch_desc(&tmap_w13);
+    ptx::tma_prefetch_desc(&tmap_s);
+    ptx::tma_prefetch_desc(&tmap_w2);
+    ptx::tma_prefetch_desc(&tmap_o);
+    if (p.h != nullptr) ptx::tma_prefetch_desc(&tmap_h);
+  }
+  for (int i = tid; i <= num_experts; i += kNumThreads) s_offs[i] = min(max(__ldg(p.expert_offsets + i), 0), p.m_total);
+  __syncthreads();
+  if (warp == 0)
+    warp_exclusive_scan_groups(num_experts, lane, s_mb,
+                               [&](int e) { return ceil_div(max(s_offs[e + 1] - s_offs[e], 0), kBlockM); });
+  __syncthreads();
+
+  const int num_mb = min(s_mb[num_experts], p.max_m_blocks);
+  const int num_l1 = num_mb * n1;
+  const int num_tasks = (p.dispatch_only & 1) ? 0 : num_l1 + num_mb * n2;
+  int32_t* disp_ctr = p.counters;
+  int32_t* l1_ctr = p.counters + p.max_m_blocks;
+
+  struct Tile {
+    bool l1;
+    int mb;
+    int e;
+    int row0;
+    int row_end;
+    int n0;  // first output column (s columns for L1, o columns for L2)
+  };
+  auto locate = [&](int u, int& e, bool& in_l2) -> Tile {
+    Tile t;
+    t.l1 = u < num_l1;
+    int local = u, n = n1;
+    if (!t.l1) {
+      if (!in_l2) {
+        in_l2 = true;
+        e = 0;
+      }
+      local = u - num_l1;
+      n = n2;
+    }
+    while (s_mb[e + 1] * n <= local) ++e;
+    const int m_blocks = s_mb[e + 1] - s_mb[e];
+    const int in_e = local - s_mb[e] * n;
+    const int nb = in_e / m_blocks;
+    t.mb = s_mb[e] + (in_e - nb * m_blocks);
+    t.e = e;
+    t.row0 = s_offs[e] + (t.mb - s_mb[e]) * kBlockM;
+    t.row_end = max(s_offs[e + 1], s_offs[e]);
+    t.n0 = nb * (t.l1 ? kL1Cols : kBlockN);
+    return t;
+  };
+  auto mb_rows = [&](const Tile& t) -> int { return min(t.row_end - t.row0, kBlockM); };
+
+  if (warp < 4) {
+    ptx::setmaxnreg_dec<kMegaProducerRegs>();
+    if (warp == 0 && lane == 0) {
+      // ================= TMA producer (tile order, one shared ring) =================
+      int stage = 0;
+      uint32_t phase = 0;
+      int e = 0;
+      bool in_l2 = false;
+      const int chunks = ceil_div(p.hidden * 2, kDispatchSlotBytes);
+      long long wait_disp = 0, wait_l1 = 0, t_start = clock64();
+      for (int u = (int)ptx::ctaid_x_volatile(); u < num_tasks; u += (int)gridDim.x) {
+        const Tile t = locate(u, e, in_l2);
+        const long long t0 = p.stats != nullptr ? clock64() : 0;
+        if (t.l1) {
+          ptx::spin_until_at_least(disp_ctr + t.mb, mb_rows(t) * chunks);
+          if (p.stats != nullptr) wait_disp += clock64() - t0;
+        } else {
+          ptx::spin_until_at_least(l1_ctr + t.mb, n1);
+          if (p.stats != nullptr) wait_l1 += clock64() - t0;
+        }
+        ptx::fence_proxy_async_global();
+        const int kbs = t.l1 ? kb1 : kb2;
+        for (int kb = 0; kb < kbs; ++kb) {
+          ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+          uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
+          uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
+          ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
+          const int k0 = kb * kBlockK;
+          if (t.l1) {
+            ptx::tma_load_2d(sa, &tmap_xpool, &full_bar[stage], k0, t.row0);
+            ptx::tma_load_3d(sb, &tmap_w13, &full_bar[stage], k0, t.n0, t.e);
+            ptx::tma_load_3d(sb + kL1Cols * 128, &tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e);
+          } else {
+            ptx::tma_load_2d(sa, &tmap_s, &full_bar[stage], k0, t.row0);
+            ptx::tma_load_3d(sb, &tmap_w2, &full_bar[stage], k0, t.n0, t.e);
+          }
+          if (++stage == kNumStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+      if (p.stats != nullptr) {
+        long long* st = p.stats + blockIdx.x * kStatsPerCta;
+        st[0] = wait_disp;
+        st[1] = wait_l1;
+        st[2] = clock64() - t_start;
+      }
+    } else if (warp >= 1) {
+      mega_dispatch_role<kBlockM, kDispatchSlots>(p, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane, s_offs, s_mb,
+                                                  num_experts, disp_ctr);
+      if (p.y != nullptr) mega_zero_unrouted_tokens(p, warp - 1, lane);
+    }
+  } else {
+    // ================= consumer warpgroups: alternate tiles =================
+    ptx::setmaxnreg_inc<kMegaConsumerRegs>();
+    const int wg = (warp >> 2) - 1;
+    const int wg_tid = tid - 128 * (wg + 1);
+    const uint64_t desc_a0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kAOff), 0, 1024);
+    const uint64_t desc_b0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kBOff), 0, 1024);
+    const uint32_t a_lo0 = static_cast<uint32_t>(desc_a0), a_hi = static_cast<uint32_t>(desc_a0 >> 32);
+    const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
+    constexpr uint32_t kHalfADesc = (64 * 128) >> 4;  // rows 64..127 of the A stage
+    const uint32_t stg = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kBlockN>::kHalfBytes;
+    constexpr int kBox = TmaStaging<kBlockN>::kBoxBytes;
+    const bool f6 = p.clamp > 0.f;
+
+    const int cta = (int)ptx::ctaid_x_volatile();
+    const int step = (int)gridDim.x;
+    const int ntiles = cta < num_tasks ? ceil_div(num_tasks - cta, step) : 0;
+    // Turn passing, balanced: before each of its tiles a warpgroup waits for its turn; after issuing a tile's
+    // MMAs it passes the turn on only if the other warpgroup has a next tile (no arrival is left pending).
+    if (wg == 1 && ntiles > 0) ptx::named_bar_arrive(kBarTurnWg0, 256);
+
+    const long long t_start = clock64();
+    float acc0[kAcc], acc1[kAcc];
+    int stage = 0;
+    uint32_t phase = 0;
+    int e = 0;
+    bool in_l2 = false;
+    int k = 0;
+    for (int u = cta; u < num_tasks; u += step, ++k) {
+      const Tile t = locate(u, e, in_l2);
+      const int kbs = t.l1 ? kb1 : kb2;
+      if ((k & 1) != wg) {  // the other warpgroup's tile: its stages pass by
+        stage += kbs;
+        while (stage >= kNumStages) {
+          stage -= kNumStages;
+          phase ^= 1;
+        }
+        continue;
+      }
+      const bool half1 = t.row0 + 64 < t.row_end;  // rows 64..127 exist (uniform over the warpgroup)
+      ptx::named_bar_sync(kBarTurnWg0 + wg, 256);
+
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) {
+        acc0[i] = 0.f;
+        acc1[i] = 0.f;
+      }
+      int prev_stage = 0;
+      for (int kb = 0; kb < kbs; ++kb) {
+        ptx::mbar_wait(&full_bar[stage], phase);
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) {
+          ptx::reg_fence(acc0[i]);
+          ptx::reg_fence(acc1[i]);
+        }
+        ptx::wgmma_fence();
+        const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (L::kABytes >> 4);
+        const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (L::kBBytes >> 4);
+#pragma unroll
+        for (int kk = 0; kk < kBlockK / 16; ++kk) {
+          const uint64_t db = ptx::desc_from_halves(b_lo + kk * (32 >> 4), b_hi);
+          Mma::mma(acc0, ptx::desc_from_halves(a_lo + kk * (32 >> 4), a_hi), db, 1u);
+          // unconditional: a divergent wgmma makes ptxas serialize every wgmma in the kernel (C7520); rows
+          // past the m-block's end compute on whatever the TMA box holds and are never stored
+          Mma::mma(acc1, ptx::desc_from_halves(a_lo + kHalfADesc + kk * (32 >> 4), a_hi), db, 1u);
+        }
+        ptx::wgmma_commit();
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) {
+          ptx::reg_fence(acc0[i]);
+          ptx::reg_fence(acc1[i]);
+        }
+        if (kb > 0) {
+          ptx::wgmma_wait<1>();
+          __syncwarp();
+          if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
+        }
+        prev_stage = stage;
+        if (++stage == kNumStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      if (k + 1 < ntiles) ptx::named_bar_arrive(kBarTurnWg0 + (wg ^ 1), 256);
+      ptx::wgmma_wait<0>();
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
+
+      // Epilogue, one 64-row half at a time through this warpgroup's 64 x 128 staging tile.
+      // Boxes (64 columns each): L1 h = gate box -> h column n0, up box -> I + n0; L2 o = columns n0, n0 + 64.
+      auto staged_store = [&](const float (&acc)[kAcc], int hrow0, __nv_bfloat16* out, int64_t ld, int col_a,
+                              int col_b, int limit, const CUtensorMap* map, bool split, bool clamp_masks) {
+        if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        if (clamp_masks) {
+          write_acc_boxes_to_staging<kBlockN, 1>(acc, stg, wg_tid, 0,
+                                                 PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, false});
+          write_acc_boxes_to_staging<kBlockN, 1>(acc, stg + kBox, wg_tid, 1,
+                                                 PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, true});
+        } else {
+          write_acc_to_swizzled_staging<kBlockN>(acc, stg, wg_tid);
+        }
+        ptx::fence_proxy_async_smem();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        if (hrow0 + 64 <= t.row_end) {
+          if (wg_tid == 0) {
+            if (col_a < limit) ptx::tma_store_2d(map, stg, col_a, hrow0);
+            if (col_b < (split ? 2 * limit : limit)) ptx::tma_store_2d(map, stg + kBox, col_b, hrow0);
+            ptx::bulk_commit_group();
+          }
+        } else if (split) {
+          copy_swizzled_half_to_global<kBlockN, true>(stg, wg_tid, t.row_end - hrow0, out, ld, hrow0, col_a, limit);
+        } else {
+          copy_swizzled_half_to_global<kBlockN, false>(stg, wg_tid, t.row_end - hrow0, out, ld, hrow0, col_a, limit);
+        }
+      };
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        if (hh == 1 && !half1) break;
+        const float(&acc)[kAcc] = hh == 0 ? acc0 : acc1;
+        const int hrow0 = t.row0 + 64 * hh;
+        if (t.l1) {
+          if (p.h != nullptr)
+            staged_store(acc, hrow0, p.h, 2 * p.inter, t.n0, p.inter + t.n0, p.inter, &tmap_h, true, f6);
+          store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.inter, hrow0, t.row_end, t.n0, p.inter, p.clamp);
+        } else if (p.y != nullptr) {
+          // generic stores (not TMA): the reducing warp, in any CTA, reads them after one fence/atomic pair
+          if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          write_acc_to_swizzled_staging<kBlockN>(acc, stg, wg_tid);
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          copy_swizzled_half_to_global<kBlockN, false>(stg, wg_tid, min(64, t.row_end - hrow0), p.o, p.hidden,
+                                                       hrow0, t.n0, p.hidden);
+        } else {
+          staged_store(acc, hrow0, p.o, p.hidden, t.n0, t.n0 + 64, p.hidden, &tmap_o, false, false);
+        }
+      }
+      if (!t.l1 && p.y != nullptr) {
+        __threadfence();  // release: this thread's o stores, before the warpgroup's arrivals
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        mega_combine_rows(p, wg_tid, t.row0, mb_rows(t), t.n0);
+      }
+      if (t.l1) {
+        // s is read by TMA (async proxy) in whichever CTA runs the L2 tiles of this m-block
+        ptx::fence_proxy_async_global();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        if (wg_tid == 0) ptx::red_release_gpu_add(l1_ctr + t.mb, 1);
+      }
+    }
+    if (wg_tid == 0) ptx::bulk_wait_group<0>();
+    if (p.stats != nullptr && wg_tid == 0) p.stats[blockIdx.x * kStatsPerCta + 4 + wg] = clock64() - t_start;
+  }
+#endif
+}
+
+}  // namespace sm90
+}  // namespace deep_gemm
