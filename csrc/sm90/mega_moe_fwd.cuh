@@ -26,7 +26,7 @@
 
 #include <cuda.h>
 
-#include "common/combine.cuh"
+#include "common/combine_math.cuh"
 #include "gemm_common.cuh"
 
 namespace deep_gemm {
