@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Development timing of the fused forward kernel (no plan; "+y": with the in-kernel combine) at the two
 layer shapes, ping-pong ("pp", the default) and cooperative ("coop", PK_MEGA_FWD_COOP=1: combine as a
-second launch) kernels interleaved, beside our separate GEMMs on the same pool (plain-A SwiGLU L1 + L2)
+second launch; PK_MEGA_FWD_COMBINE=kernel|launch picks where the
+pp kernel's combine runs) kernels interleaved, beside our separate GEMMs on the same pool (plain-A SwiGLU L1 + L2)
 in the same process. With
 PK_MEGA_FWD_STATS=1 the kernel prints its per-role clock figures once per shape."""
 
@@ -48,8 +49,10 @@ for name in sys.argv[1:] or list(shapes):
             os.environ["PK_MEGA_FWD_COOP"] = coop
             row.setdefault(f"{kern}", []).append(bench(lambda: op(x, src, offs, w13, w2, K, False, 0.0)))
             row.setdefault(f"{kern}+h", []).append(bench(lambda: op(x, src, offs, w13, w2, K, True, 0.0)))
-            row.setdefault(f"{kern}+h+y", []).append(
-                bench(lambda: op(x, src, offs, w13, w2, K, True, 0.0, False, r2p, tw)))
+            for where in ("launch", "kernel") if kern == "pp" else ("launch",):
+                os.environ["PK_MEGA_FWD_COMBINE"] = where
+                row.setdefault(f"{kern}+h+y({where})", []).append(
+                    bench(lambda: op(x, src, offs, w13, w2, K, True, 0.0, False, r2p, tw)))
         os.environ["PK_MEGA_FWD_COOP"] = "0"
         row.setdefault("L1 plain", []).append(bench(lambda: m_grouped_bf16_gemm_swiglu(xp, w13, offs, save_h=False)))
         row.setdefault("L2", []).append(bench(lambda: m_grouped_bf16_gemm_nt(s, w2, offs)))

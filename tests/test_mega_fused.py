@@ -78,7 +78,7 @@ CASES = [  # T, E, H, I, K, routing, masked_frac, experts_used, clamp
     (4096, 128, 512, 256, 8, "uniform", 0.0, None, None),
     (4096, 64, 256, 128, 6, "skewed", 0.1, None, 0.75),
     (16384, 128, 256, 128, 8, "uniform", 0.0, None, None),
-    (999, 64, 192, 128, 2, "skewed", 0.3, None, None),  # hidden = 128 + 64 (a half-width L2 tile), dead tokens
+    (999, 64, 256, 128, 2, "skewed", 0.3, None, None),  # ~9% of the tokens have no route
     (16384, 256, 256, 128, 8, "skewed", 0.02, None, None),
 ]
 
@@ -149,17 +149,19 @@ def test_fused_forward_saves_h_and_auto_backward_runs(monkeypatch):
 
 
 @requires_sm90
-@pytest.mark.parametrize("T,E,H,K,masked,kernel", [(1, 8, 192, 2, 0.0, "pingpong"), (999, 64, 192, 2, 0.3, "pingpong"),
-                                                   (4096, 128, 512, 8, 0.05, "pingpong"),
-                                                   (999, 64, 192, 2, 0.3, "cooperative")])
-def test_in_kernel_combine_is_the_standalone_combine_bit_for_bit(monkeypatch, T, E, H, K, masked, kernel):
-    """y reduced inside the forward kernel (each token's last L2 tile per 128 columns reduces it) equals the
-    standalone combine kernel over the same o, bit for bit, over 3 runs; tokens with no route are zero.
-    PK_MEGA_FWD_COOP=1 (the cooperative kernel, the combine as a second launch) must agree the same way."""
+@pytest.mark.parametrize("T,E,H,K,masked,mode", [(1, 8, 192, 2, 0.0, "kernel"), (999, 64, 192, 2, 0.3, "kernel"),
+                                                 (4096, 128, 512, 8, 0.05, "kernel"), (999, 64, 192, 2, 0.3, "launch"),
+                                                 (999, 64, 192, 2, 0.3, "cooperative")])
+def test_fused_op_combine_is_the_standalone_combine_bit_for_bit(monkeypatch, T, E, H, K, masked, mode):
+    """The op's y equals the standalone combine kernel over the same o, bit for bit, over 3 runs, and tokens
+    with no route are zero, wherever the combine runs: "kernel" (PK_MEGA_FWD_COMBINE=kernel: inside the
+    forward, each token's last L2 tile per 128 columns reduces it; hidden = 192 has a half-width column
+    block), "launch" (a second launch, the default) or "cooperative" (PK_MEGA_FWD_COOP=1)."""
     _require_fused()
     from deep_gemm.routing import routing_plan
 
-    if kernel == "cooperative":
+    monkeypatch.setenv("PK_MEGA_FWD_COMBINE", "kernel" if mode == "kernel" else "launch")
+    if mode == "cooperative":
         monkeypatch.setenv("PK_MEGA_FWD_COOP", "1")
     x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, 128, E, K, routing="skewed", seed=T + H + K,
                                                             masked_frac=masked)]

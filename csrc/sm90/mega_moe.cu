@@ -29,6 +29,13 @@ bool use_cooperative() {
   const char* v = std::getenv("PK_MEGA_FWD_COOP");
   return v != nullptr && v[0] == '1';
 }
+// Where the combine runs (ping-pong kernel): PK_MEGA_FWD_COMBINE=kernel reduces each token inside the
+// forward kernel as its last L2 tile lands; otherwise (the default until it is measured faster) the
+// standalone combine kernel runs right after the forward, on the same stream. Read at every call.
+bool combine_in_kernel() {
+  const char* v = std::getenv("PK_MEGA_FWD_COMBINE");
+  return v != nullptr && std::strcmp(v, "kernel") == 0;
+}
 }  // namespace
 
 int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
@@ -87,6 +94,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
       (h != nullptr && !aligned16(h)))
     return fail(kGemmInvalidArgument, err, err_len, "%s: w13, w2, x_pool, s, h and o must be 16-byte aligned", fn);
   const bool cooperative = use_cooperative();
+  const bool fused_combine = combine && !cooperative && combine_in_kernel();
   int sms = 0;
   if (int r = device_sms(&sms, err, err_len)) return r;
   if (num_sms > 0 && num_sms < sms) sms = num_sms;
@@ -162,9 +170,9 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
     p.clamp_above = rf > clamp ? rf : from_bits(static_cast<uint16_t>(bits + 1));
   }
   p.num_tokens = combine ? static_cast<int32_t>(num_tokens) : 0;
-  p.route_to_pool = combine && !cooperative ? route_to_pool : nullptr;
+  p.route_to_pool = fused_combine ? route_to_pool : nullptr;
   p.topk_weights = topk_weights;
-  p.y = combine && !cooperative ? static_cast<__nv_bfloat16*>(y) : nullptr;
+  p.y = fused_combine ? static_cast<__nv_bfloat16*>(y) : nullptr;
   p.counters = counters;
   p.token_ctr = counters + 2 * mega_moe_max_m_blocks(m_total, num_experts);
   p.max_m_blocks = (int32_t)mega_moe_max_m_blocks(m_total, num_experts);
@@ -199,12 +207,12 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
     e = set_max_dynamic_smem<kernel>(smem);
     if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
     kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);
-    if (combine && num_tokens > 0) {
-      if (int r = check_launch(fn, err, err_len)) return r;
-      const common::CombineArgs c{o, hidden, route_to_pool, topk_weights, num_tokens, top_k, hidden, y, hidden};
-      e = common::launch_combine(c, stream);
-      if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: combine: %s", fn, cudaGetErrorString(e));
-    }
+  }
+  if (combine && !fused_combine && num_tokens > 0) {
+    if (int r = check_launch(fn, err, err_len)) return r;
+    const common::CombineArgs c{o, hidden, route_to_pool, topk_weights, num_tokens, top_k, hidden, y, hidden};
+    e = common::launch_combine(c, stream);
+    if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: combine: %s", fn, cudaGetErrorString(e));
   }
   if (p.stats != nullptr && cudaStreamSynchronize(stream) == cudaSuccess) {
     std::vector<long long> st(static_cast<size_t>(sms) * kStatsPerCta);

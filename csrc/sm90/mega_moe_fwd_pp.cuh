@@ -58,10 +58,12 @@ __device__ __forceinline__ void mega_combine_rows(const MegaFwdParams& p, int wg
     const int route = __ldg(p.pool_src_route + row0 + wg_tid);
     if (route >= 0 && route / K < p.num_tokens) {
       token = route / K;  // one rank: route ids are token * top_k + k
+      // the arrival first: its round trip overlaps the loads of the token's route count
+      const int before = atomicAdd(p.token_ctr + static_cast<int64_t>(token) * col_blocks + n0 / kCombineCols, 1);
       const int32_t* r2p = p.route_to_pool + static_cast<int64_t>(token) * K;
       int routed = 0;
+#pragma unroll 8
       for (int k = 0; k < K; ++k) routed += __ldg(r2p + k) >= 0;
-      const int before = atomicAdd(p.token_ctr + static_cast<int64_t>(token) * col_blocks + n0 / kCombineCols, 1);
       last = before == routed - 1;
     }
   }
@@ -71,9 +73,14 @@ __device__ __forceinline__ void mega_combine_rows(const MegaFwdParams& p, int wg
   // the last arrival fence, and the warp barrier orders the other lanes' loads after them
   __threadfence();
   __syncwarp();
-  const int half = lane >> 4;  // a half-warp per token, 16 lanes x 8 columns
-  const int col = n0 + (lane & 15) * 8;
-  while (pending != 0) {
+  // A half-warp per token (16 lanes x 8 columns). Routes go in batches of 8: lanes 0-7 of the half load the
+  // batch's pool rows and weights, then every lane issues its 8 row loads before the first fma, so a batch
+  // costs two memory latencies instead of two per route.
+  const int half = lane >> 4;
+  const int hl = lane & 15;
+  const int col = n0 + hl * 8;
+  const uint32_t all = 0xffffffffu;
+  while (pending != 0) {  // warp-uniform
     const int la = __ffs(pending) - 1;
     pending &= pending - 1;
     int lb = -1;
@@ -81,23 +88,40 @@ __device__ __forceinline__ void mega_combine_rows(const MegaFwdParams& p, int wg
       lb = __ffs(pending) - 1;
       pending &= pending - 1;
     }
-    const int ta = __shfl_sync(0xffffffffu, token, la);
-    const int tb = __shfl_sync(0xffffffffu, token, lb < 0 ? la : lb);
-    if ((half == 1 && lb < 0) || col >= p.hidden) continue;
-    const int t = half == 0 ? ta : tb;
-    const int64_t route0 = static_cast<int64_t>(t) * K;
+    const int ta = __shfl_sync(all, token, la);
+    const int tb = __shfl_sync(all, token, lb < 0 ? la : lb);
+    const bool active = (half == 0 || lb >= 0) && col < p.hidden;
+    const int64_t route0 = static_cast<int64_t>(half == 0 ? ta : tb) * K;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int k = 0; k < K; ++k) {
-      const int32_t row = __ldg(p.route_to_pool + route0 + k);
-      if (row < 0 || row >= p.m_total) continue;
-      const float w = p.topk_weights != nullptr ? __ldg(p.topk_weights + route0 + k) : 1.0f;
-      common::add_bf16x8(acc, ptx::ld_global_cg_v4(p.o + static_cast<int64_t>(row) * p.hidden + col), w);
-    }
-    uint4 packed;
-    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&packed);
+    for (int kb = 0; kb < K; kb += 8) {
+      int my_row = -1;
+      float my_w = 0.f;
+      if (hl < 8 && kb + hl < K) {
+        my_row = __ldg(p.route_to_pool + route0 + kb + hl);
+        if (my_row >= p.m_total) my_row = -1;
+        my_w = p.topk_weights != nullptr ? __ldg(p.topk_weights + route0 + kb + hl) : 1.0f;
+      }
+      uint4 v[8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) o2[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    *reinterpret_cast<uint4*>(p.y + static_cast<int64_t>(t) * p.hidden + col) = packed;
+      for (int j = 0; j < 8; ++j) {
+        const int row = __shfl_sync(all, my_row, (half << 4) + j);
+        v[j] = active && row >= 0 ? ptx::ld_global_cg_v4(p.o + static_cast<int64_t>(row) * p.hidden + col)
+                                  : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int row = __shfl_sync(all, my_row, (half << 4) + j);
+        const float w = __shfl_sync(all, my_w, (half << 4) + j);
+        if (row >= 0) common::add_bf16x8(acc, v[j], w);  // k order; skipped routes add nothing
+      }
+    }
+    if (active) {
+      uint4 packed;
+      __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o2[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+      *reinterpret_cast<uint4*>(p.y + route0 / K * p.hidden + col) = packed;
+    }
   }
 }
 
