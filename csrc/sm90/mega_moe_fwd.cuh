@@ -1,11 +1,15 @@
 // prime-kernels: sm90a fused Mega MoE forward (BF16): dispatch, L1 + SwiGLU and L2 in one persistent kernel.
+// This file: the shared pieces (parameters, dispatch role) and the cooperative kernel (both consumer
+// warpgroups on one 128 x 256 tile), kept for A/B with PK_MEGA_FWD_COOP=1; the default is the ping-pong
+// kernel of mega_moe_fwd_pp.cuh.
 //
 // Per pool row m of expert e (rows grouped by expert through offsets, no padding; the routing plan's order):
 //   x_pool[m] = x_{rank(m)}[token(m)]                                   (dispatch: cp.async + stores per 4 KB piece)
 //   h[m]      = [x_pool[m] @ w13_e[0:I]^T | x_pool[m] @ w13_e[I:2I]^T]  (fp32 accumulation; stored as bf16 when asked)
 //   s[m]      = silu(h_gate) * h_up                                     (fp32 math, bf16 out; optional clamp)
 //   o[m]      = s[m] @ w2_e^T                                           (bf16 out)
-// and the deterministic combine (a separate launch for now) sums o over each token's routes.
+// and the deterministic combine sums o over each token's routes (the ping-pong kernel can do it in-kernel,
+// see MegaFwdParams::y; by default it is a second launch).
 //
 // Work, in one static sequence every CTA walks with stride gridDim.x (the scheduling of DeepGEMM's Mega MoE,
 // rewritten for Hopper's register-resident accumulators): all L1 tiles (per expert: the I/128 n-blocks, each

@@ -1,5 +1,5 @@
-// prime-kernels: sm90a fused Mega MoE forward (BF16), ping-pong consumers. WORK IN PROGRESS: compiled, not
-// yet run on a GPU (selected only with PK_MEGA_FWD_PP=1, see mega_moe.cu).
+// prime-kernels: sm90a fused Mega MoE forward (BF16), ping-pong consumers: the default forward kernel
+// (mega_moe.cu; PK_MEGA_FWD_COOP=1 runs the cooperative one in mega_moe_fwd.cuh instead).
 //
 // Same work, sequence, dispatch and readiness counters as mega_moe_fwd.cuh, but each consumer warpgroup owns
 // whole 128 x 128 tiles (two m64n128 wgmma per k-step, 2 x 64 accumulator registers) and the two warpgroups
@@ -8,10 +8,12 @@
 // tile's MMAs. Why: with one 128 x 256 tile shared by both warpgroups, the tensor cores idle during every
 // epilogue (~250 us per CTA at 30B, T=16384: bench/NOTES.md); here the epilogue hides behind the other
 // warpgroup's mainloop as long as it is shorter. Cost: 128-column tiles load B once per 128 x 128 instead of
-// 128 x 256 outputs (a third more shared-memory fill per FLOP).
+// 128 x 256 outputs (a third more shared-memory fill per FLOP). Measured on the H200 (bench/NOTES.md,
+// session 4): kernel with h 2.21 vs 2.44 ms at 30B, T=16384.
 //   * L1 tile: 64 s columns: gate rows n0.. and up rows I + n0.. of w13 (two 64-row TMA boxes per stage).
 //     Each L1 tile adds one to its m-block's L1 counter; an L2 tile waits for I / 64 of them.
-//   * L2 tile: 128 o columns.
+//   * L2 tile: 128 o columns. With MegaFwdParams::y set, the tile also does its part of the combine
+//     (mega_combine_rows); otherwise the combine is a separate launch.
 //   * The stage ring is shared: the producer fills it in tile order; a warpgroup skips (without waiting) the
 //     stages of the other's tiles, and releases its own (the empty barriers count one warpgroup's 4 warps).
 #pragma once
