@@ -82,7 +82,7 @@ struct MegaFwdParams {
   // with bit 0, bit 1 = no proxy fence / release, bit 2 = no stores, bit 3 = no loads.
   int32_t dispatch_only;
 };
-constexpr int kStatsPerCta = 8;  // see the stats stores in the kernel
+constexpr int kStatsPerCta = 16;  // see the stats stores in the kernels (8..15: the ping-pong kernel only)
 
 template <int kNumStages, int kDispatchSlots>
 struct MegaFwdLayout {

@@ -309,6 +309,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (wg == 1 && ntiles > 0) ptx::named_bar_arrive(kBarTurnWg0, 256);
 
     const long long t_start = clock64();
+    // development stats (p.stats): per warpgroup, clocks waiting for the turn, in the mainloop, in epilogues
+    long long st_turn = 0, st_main = 0, st_epi_l1 = 0, st_epi_l2 = 0;
     float acc0[kAcc], acc1[kAcc];
     int stage = 0;
     uint32_t phase = 0;
@@ -327,7 +329,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         continue;
       }
       const bool half1 = t.row0 + 64 < t.row_end;  // rows 64..127 exist (uniform over the warpgroup)
+      const long long t_turn0 = p.stats != nullptr ? clock64() : 0;
       ptx::named_bar_sync(kBarTurnWg0 + wg, 256);
+      const long long t_turn1 = p.stats != nullptr ? clock64() : 0;
 
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) {
@@ -374,6 +378,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ptx::wgmma_wait<0>();
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
+      const long long t_main = p.stats != nullptr ? clock64() : 0;
 
       // Epilogue, one 64-row half at a time through this warpgroup's 64 x 128 staging tile.
       // Boxes (64 columns each): L1 h = gate box -> h column n0, up box -> I + n0; L2 o = columns n0, n0 + 64.
@@ -429,6 +434,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
         mega_combine_rows(p, wg_tid, t.row0, mb_rows(t), t.n0);
       }
+      if (p.stats != nullptr) {
+        const long long t_end = clock64();
+        st_turn += t_turn1 - t_turn0;
+        st_main += t_main - t_turn1;
+        (t.l1 ? st_epi_l1 : st_epi_l2) += t_end - t_main;
+      }
       if (t.l1) {
         // s is read by TMA (async proxy) in whichever CTA runs the L2 tiles of this m-block
         ptx::fence_proxy_async_global();
@@ -437,7 +448,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
     }
     if (wg_tid == 0) ptx::bulk_wait_group<0>();
-    if (p.stats != nullptr && wg_tid == 0) p.stats[blockIdx.x * kStatsPerCta + 4 + wg] = clock64() - t_start;
+    if (p.stats != nullptr && wg_tid == 0) {
+      long long* st = p.stats + blockIdx.x * kStatsPerCta;
+      st[4 + wg] = clock64() - t_start;
+      st[8 + wg] = st_turn;
+      st[10 + wg] = st_main;
+      st[12 + wg] = st_epi_l1;
+      st[14 + wg] = st_epi_l2;
+    }
   }
 #endif
 }
