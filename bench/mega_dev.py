@@ -36,9 +36,10 @@ for name in sys.argv[1:] or list(shapes):
     plan = routing_plan(idx, E, 1, validate=False)
     src, offs = plan.pool_src_route, plan.expert_offsets
     op = torch.ops.deep_gemm.mega_moe_fused_fwd
-    if stats:
-        op(x, src, offs, w13, w2, K, False, 0.0)
-        torch.cuda.synchronize()
+    if stats:  # one line set without h, then one with h saved
+        for save_h in (False, True):
+            op(x, src, offs, w13, w2, K, save_h, 0.0)
+            torch.cuda.synchronize()
         continue
     s, _, o, _, _ = op(x, src, offs, w13, w2, K, False, 0.0)
     r2p, tw = plan.route_to_pool.view(T, K), torch.rand(T, K, device="cuda", generator=g)
