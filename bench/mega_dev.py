@@ -46,8 +46,9 @@ for name in sys.argv[1:] or list(shapes):
     xp = x.index_select(0, (src.clamp(min=0) // K).long())  # the pool rows, for the separate-GEMM timing
     row = {}
     for _ in range(2):  # interleaved rounds; PK_MEGA_FWD_COOP is read at every call
-        for kern, coop in (("pp", "0"), ("coop", "1")):
+        for kern, coop, stages in (("pp", "0", "4"), ("pp5", "0", "5"), ("coop", "1", "4")):
             os.environ["PK_MEGA_FWD_COOP"] = coop
+            os.environ["PK_MEGA_FWD_PP_STAGES"] = stages
             row.setdefault(f"{kern}", []).append(bench(lambda: op(x, src, offs, w13, w2, K, False, 0.0)))
             row.setdefault(f"{kern}+h", []).append(bench(lambda: op(x, src, offs, w13, w2, K, True, 0.0)))
             for where in ("launch", "kernel") if kern == "pp" else ("launch",):

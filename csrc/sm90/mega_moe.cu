@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common/combine.hpp"
@@ -195,12 +196,20 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   cudaError_t e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * num_counters, stream);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
   // Every CTA must be resident at once (tiles wait for tiles of other CTAs): one per SM at most.
+  auto launch_pp = [&](auto stages, auto slots) -> cudaError_t {
+    constexpr auto kernel = &mega_moe_fwd_pp_kernel<decltype(stages)::value, decltype(slots)::value>;
+    constexpr int smem = MegaFwdPPLayout<decltype(stages)::value, decltype(slots)::value>::kSmemBytes;
+    const cudaError_t r = set_max_dynamic_smem<kernel>(smem);
+    if (r == cudaSuccess) kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);
+    return r;
+  };
   if (!cooperative) {
-    constexpr auto kernel = &mega_moe_fwd_pp_kernel<kFwdPPStages, kFwdDispatchSlots>;
-    constexpr int smem = MegaFwdPPLayout<kFwdPPStages, kFwdDispatchSlots>::kSmemBytes;
-    e = set_max_dynamic_smem<kernel>(smem);
+    // Development aid: PK_MEGA_FWD_PP_STAGES=5 trades 3 dispatch slots for a 5th stage (read at every call).
+    const char* st = std::getenv("PK_MEGA_FWD_PP_STAGES");
+    e = st != nullptr && st[0] == '5'
+            ? launch_pp(std::integral_constant<int, 5>{}, std::integral_constant<int, 6>{})
+            : launch_pp(std::integral_constant<int, kFwdPPStages>{}, std::integral_constant<int, kFwdDispatchSlots>{});
     if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-    kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);
   } else {
     constexpr auto kernel = &mega_moe_fwd_kernel<kFwdStages, kFwdDispatchSlots>;
     constexpr int smem = MegaFwdLayout<kFwdStages, kFwdDispatchSlots>::kSmemBytes;
