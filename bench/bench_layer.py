@@ -52,8 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--check-max-tokens", type=int, default=0,
                    help="compute max_rel_err only at T <= this (0 = always)")
     p.add_argument("--recompute", action="store_true", help="deep_gemm backends recompute h in the backward")
-    p.add_argument("--keep-pooled-x", action="store_true",
-                   help="deep_gemm backends keep the pooled x rows from the forward for the backward")
+    p.add_argument("--keep-pooled-x", choices=("auto", "on", "off"), default="auto",
+                   help="deep_gemm backends' keep_pooled_x: auto = the library default (None: kept when the "
+                        "fused forward runs and the backward needs them), on = True, off = False")
     p.add_argument("--activation-clamp", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=10.0,
@@ -91,7 +92,7 @@ def _layer_fn(backend, group, E, args):
     which = {"deep_gemm": "auto", "deep_gemm_grouped": "grouped"}.get(backend, "reference")
     return lambda x, i, w, a, b: mega_moe(x, i, w, a, b, group=group, num_experts=E, backend=which,
                                           recompute=args.recompute, activation_clamp=args.activation_clamp,
-                                          keep_pooled_x=args.keep_pooled_x)
+                                          keep_pooled_x={"auto": None, "on": True, "off": False}[args.keep_pooled_x])
 
 
 def _free(device):
@@ -258,7 +259,9 @@ def main(argv=None):
         log(f"[bench] --max-minutes={args.max_minutes} reached: later configurations were not run")
 
     doc = dict(header, timing={"warmup": args.warmup, "iters": args.iters, "rounds": args.rounds,
-                               "statistic": "best over rounds of the median of iters CUDA-event times"}, rows=rows)
+                               "statistic": "best over rounds of the median of iters CUDA-event times"},
+               options={"recompute": args.recompute, "keep_pooled_x": args.keep_pooled_x,
+                        "activation_clamp": args.activation_clamp}, rows=rows)
     if rank == 0:
         print(bc.format_table(rows))
         if args.out:

@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
-"""Development timing of the fused forward kernel alone (no plan/combine) at the two layer shapes,
-beside our separate GEMMs on the same pool (plain-A SwiGLU L1 + L2) in the same process. With
+"""Development timing of the fused forward kernel (no plan; "+y": with the in-kernel combine) at the two
+layer shapes, ping-pong ("pp", the default) and cooperative ("coop", PK_MEGA_FWD_COOP=1: combine as a
+second launch; PK_MEGA_FWD_COMBINE=kernel|launch picks where the
+pp kernel's combine runs) kernels interleaved, beside our separate GEMMs on the same pool (plain-A SwiGLU L1 + L2)
+in the same process. With
 PK_MEGA_FWD_STATS=1 the kernel prints its per-role clock figures once per shape."""
 
 import os
@@ -33,18 +36,28 @@ for name in sys.argv[1:] or list(shapes):
     plan = routing_plan(idx, E, 1, validate=False)
     src, offs = plan.pool_src_route, plan.expert_offsets
     op = torch.ops.deep_gemm.mega_moe_fused_fwd
-    if stats:
-        op(x, src, offs, w13, w2, K, False, 0.0)
-        torch.cuda.synchronize()
+    if stats:  # one line set without h, then one with h saved
+        for save_h in (False, True):
+            op(x, src, offs, w13, w2, K, save_h, 0.0)
+            torch.cuda.synchronize()
         continue
-    s, _, o, _ = op(x, src, offs, w13, w2, K, False, 0.0)
+    s, _, o, _, _ = op(x, src, offs, w13, w2, K, False, 0.0)
+    r2p, tw = plan.route_to_pool.view(T, K), torch.rand(T, K, device="cuda", generator=g)
     xp = x.index_select(0, (src.clamp(min=0) // K).long())  # the pool rows, for the separate-GEMM timing
     row = {}
-    for _ in range(2):  # interleaved rounds
-        row.setdefault("fused", []).append(bench(lambda: op(x, src, offs, w13, w2, K, False, 0.0)))
-        row.setdefault("fused+h", []).append(bench(lambda: op(x, src, offs, w13, w2, K, True, 0.0)))
+    for _ in range(2):  # interleaved rounds; PK_MEGA_FWD_COOP is read at every call
+        for kern, coop, stages in (("pp", "0", "4"), ("pp5", "0", "5"), ("coop", "1", "4")):
+            os.environ["PK_MEGA_FWD_COOP"] = coop
+            os.environ["PK_MEGA_FWD_PP_STAGES"] = stages
+            row.setdefault(f"{kern}", []).append(bench(lambda: op(x, src, offs, w13, w2, K, False, 0.0)))
+            row.setdefault(f"{kern}+h", []).append(bench(lambda: op(x, src, offs, w13, w2, K, True, 0.0)))
+            for where in ("launch", "kernel") if kern == "pp" else ("launch",):
+                os.environ["PK_MEGA_FWD_COMBINE"] = where
+                row.setdefault(f"{kern}+h+y({where})", []).append(
+                    bench(lambda: op(x, src, offs, w13, w2, K, True, 0.0, False, r2p, tw)))
+        os.environ["PK_MEGA_FWD_COOP"] = "0"
         row.setdefault("L1 plain", []).append(bench(lambda: m_grouped_bf16_gemm_swiglu(xp, w13, offs, save_h=False)))
         row.setdefault("L2", []).append(bench(lambda: m_grouped_bf16_gemm_nt(s, w2, offs)))
     out = " | ".join(f"{k} {min(v):.3f}" for k, v in row.items())
     both = min(row["L1 plain"]) + min(row["L2"])
-    print(f"{name}: {out} | L1+L2 {both:.3f} ms | fused {flops / min(row['fused']) / 1e9:.0f} TF", flush=True)
+    print(f"{name}: {out} | L1+L2 {both:.3f} ms | pp {flops / min(row['pp']) / 1e9:.0f} TF", flush=True)

@@ -20,6 +20,9 @@ echo "building prime-kernels for PRIME_KERNELS_CUDA_ARCHS=$PRIME_KERNELS_CUDA_AR
   -C build-dir=build/"${PRIME_KERNELS_CUDA_ARCHS//;/_}" > dist/build.log 2>&1 \
   || { tail -60 dist/build.log; echo "wheel build failed (full log: dist/build.log)"; exit 1; }
 grep -E "registers|spill|stack frame" dist/build.log | sort | uniq -c | sort -rn | head -20 || true
+# C7520: ptxas serialized a kernel's wgmma (e.g. a wgmma under a divergent branch): tensor-core throughput
+# halves with no other symptom, so it fails the build.
+if grep -q "C7520" dist/build.log; then grep "C7520" dist/build.log; echo "ptxas serialized wgmma (C7520)"; exit 1; fi
 whl=$(ls dist/prime_kernels-*.whl)
 # Repair: tag it manylinux where the host allows, keeping torch and the driver out of the wheel.
 rm -f wheelhouse/prime_kernels-*.whl

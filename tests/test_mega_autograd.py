@@ -58,6 +58,35 @@ def test_keep_pooled_x_gives_the_same_gradients():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("grad_mode,w13_grad,accum,resolved,expect", [
+    (True, True, False, "fused", True), (False, True, False, "fused", False), (True, False, False, "fused", False),
+    (True, False, True, "fused", True), (True, True, False, "grouped", False), (True, True, False, "reference", False)])
+def test_keep_pooled_x_default_keeps_the_rows_only_for_a_fused_forward_whose_backward_reads_them(
+        monkeypatch, grad_mode, w13_grad, accum, resolved, expect):
+    from deep_gemm.mega import _backend, _ops, api
+
+    x, idx, w, w13, w2, _ = make_problem(9, H, I, E, K, seed=27)
+    monkeypatch.setattr(_backend, "resolve_backend", lambda *a, **k: resolved)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(*args):  # the keep_pooled_x the forward op would get (last argument); nothing runs
+        seen.append(args[-1])
+        raise Stop
+
+    monkeypatch.setattr(_ops, "mega_moe_fwd", spy)
+    acc = (torch.zeros(w13.shape), None) if accum else None
+    with torch.set_grad_enabled(grad_mode), pytest.raises(Stop):
+        api.mega_moe(x, idx, w, w13.requires_grad_(w13_grad), w2, backend="reference", num_experts=E, block_m=8,
+                     wgrad_accum=acc)
+    assert seen == [expect]
+    with pytest.raises(Stop):  # an explicit choice is passed through
+        api.mega_moe(x, idx, w, w13, w2, backend="reference", num_experts=E, block_m=8, keep_pooled_x=not expect)
+    assert seen[-1] is (not expect)
+
+
 def test_opcheck_forward_with_accum_inputs():
     x, idx, w, w13, w2, _ = make_problem(7, H, I, E, K, seed=23)
     acc = (torch.randn(w13.shape), torch.randn(w2.shape))

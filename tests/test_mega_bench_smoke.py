@@ -6,7 +6,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
-TOP = {"gpu", "num_gpus", "torch", "cuda", "git_sha", "date", "peak_bf16_tflops", "timing", "rows"}
+TOP = {"gpu", "num_gpus", "torch", "cuda", "git_sha", "date", "peak_bf16_tflops", "timing", "options", "rows"}
 ROW = {"shape", "num_experts", "hidden", "intermediate", "top_k", "tokens", "ep", "routing", "precision",
        "backend", "direction", "ms", "tflops", "pct_peak", "ratio_vs_torch", "peak_mem_gib"}
 
@@ -23,6 +23,7 @@ def test_bench_layer_smoke(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert set(doc) == TOP
     assert doc["timing"]["iters"] == 2 and doc["timing"]["warmup"] == 1 and doc["timing"]["rounds"] >= 1
+    assert doc["options"] == {"recompute": False, "keep_pooled_x": "auto", "activation_clamp": None}
     rows = doc["rows"]
     assert {(r["backend"], r["direction"], r["routing"]) for r in rows} >= {
         (b, d, g) for b in ("torch", "deep_gemm_reference") for d in ("fwd", "bwd", "fwdbwd")

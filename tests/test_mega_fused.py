@@ -78,6 +78,7 @@ CASES = [  # T, E, H, I, K, routing, masked_frac, experts_used, clamp
     (4096, 128, 512, 256, 8, "uniform", 0.0, None, None),
     (4096, 64, 256, 128, 6, "skewed", 0.1, None, 0.75),
     (16384, 128, 256, 128, 8, "uniform", 0.0, None, None),
+    (999, 64, 256, 128, 2, "skewed", 0.3, None, None),  # ~9% of the tokens have no route
     (16384, 256, 256, 128, 8, "skewed", 0.02, None, None),
 ]
 
@@ -148,6 +149,45 @@ def test_fused_forward_saves_h_and_auto_backward_runs(monkeypatch):
 
 
 @requires_sm90
+@pytest.mark.parametrize("T,E,H,K,masked,mode", [(1, 8, 192, 2, 0.0, "kernel"), (999, 64, 192, 2, 0.3, "kernel"),
+                                                 (4096, 128, 512, 8, 0.05, "kernel"), (999, 64, 192, 2, 0.3, "launch"),
+                                                 (999, 64, 192, 2, 0.3, "cooperative")])
+def test_fused_op_combine_is_the_standalone_combine_bit_for_bit(monkeypatch, T, E, H, K, masked, mode):
+    """The op's y equals the standalone combine kernel over the same o, bit for bit, over 3 runs, and tokens
+    with no route are zero, wherever the combine runs: "kernel" (PK_MEGA_FWD_COMBINE=kernel: inside the
+    forward, each token's last L2 tile per 128 columns reduces it; hidden = 192 has a half-width column
+    block), "launch" (a second launch, the default) or "cooperative" (PK_MEGA_FWD_COOP=1)."""
+    _require_fused()
+    from deep_gemm.routing import routing_plan
+
+    monkeypatch.setenv("PK_MEGA_FWD_COMBINE", "kernel" if mode == "kernel" else "launch")
+    if mode == "cooperative":
+        monkeypatch.setenv("PK_MEGA_FWD_COOP", "1")
+    x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, 128, E, K, routing="skewed", seed=T + H + K,
+                                                            masked_frac=masked)]
+    plan = routing_plan(idx, E, 1, validate=False)
+    r2p = plan.route_to_pool.view(T, K)
+    ys = []
+    for _ in range(3):
+        poison_allocator()
+        _, _, o, _, y = torch.ops.deep_gemm.mega_moe_fused_fwd(x, plan.pool_src_route, plan.expert_offsets, w13, w2,
+                                                               K, False, 0.0, False, r2p, w)
+        ys.append(y)
+        assert torch.equal(y, torch.ops.deep_gemm.combine(o, r2p, w))
+    assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
+    dead = (idx < 0).all(1)
+    assert torch.count_nonzero(ys[0][dead]) == 0 and torch.isfinite(ys[0]).all()
+    if masked ** K * T > 20:
+        assert bool(dead.any()), "no token without a route: the zero-row path was not exercised"
+    with pytest.raises(RuntimeError, match="route_to_pool"):
+        torch.ops.deep_gemm.mega_moe_fused_fwd(x, plan.pool_src_route, plan.expert_offsets, w13, w2, K + 1, False,
+                                               0.0, False, r2p, w)
+    with pytest.raises(RuntimeError, match="only used with route_to_pool"):
+        torch.ops.deep_gemm.mega_moe_fused_fwd(x, plan.pool_src_route, plan.expert_offsets, w13, w2, K, False,
+                                               0.0, False, None, w)
+
+
+@requires_sm90
 def test_fused_saved_h_keeps_the_clamp_masks():
     """With a clamp, the saved h follows rounding point F6: a pre-activation strictly on one side of a bound
     stays strictly on that side in bf16 (plain rounding puts everything within half an ulp of c onto c; at
@@ -161,7 +201,7 @@ def test_fused_saved_h_keeps_the_clamp_masks():
     plan = routing_plan(idx, E, 1, validate=False)
     src = plan.pool_src_route
     poison_allocator()
-    s, h, o, _ = torch.ops.deep_gemm.mega_moe_fused_fwd(x, src, plan.expert_offsets, w13, w2, K, True, c)
+    s, h, o, _, _ = torch.ops.deep_gemm.mega_moe_fused_fwd(x, src, plan.expert_offsets, w13, w2, K, True, c)
     rows = int(plan.expert_offsets[-1])
     xp = x[(src[:rows] // K).long()].float()
     offs = plan.expert_offsets.tolist()

@@ -124,17 +124,19 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, c
                                              int64_t intermediate, int64_t hidden, float clamp, void* cuda_stream);
 
 // ---------------------------------------------------------------------------------------------
-// Fused Mega MoE forward (sm90, BF16): dispatch of the token rows into the pool, L1 with SwiGLU and L2
-// in one persistent kernel (csrc/sm90/mega_moe.hpp has the full contract). The combine is a separate
-// call (pk_combine_bf16_cuda over o). counters: device int32 scratch of
-// pk_mega_moe_fwd_counter_count(m_total, num_experts) entries (zeroed by the call itself).
+// Fused Mega MoE forward (sm90, BF16): dispatch of the token rows into the pool, L1 with SwiGLU, L2 and
+// (with route_to_pool) the weighted combine into y, in one persistent kernel (csrc/sm90/mega_moe.hpp has the
+// full contract). counters: device int32 scratch of pk_mega_moe_fwd_counter_count(m_total, num_experts,
+// num_tokens, hidden) entries (zeroed by the call itself).
 // ---------------------------------------------------------------------------------------------
-PK_API int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts);
+PK_API int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int64_t num_tokens, int64_t hidden);
 PK_API int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x,
                                 const int32_t* pool_src_route, const int32_t* pool_src_rank, int top_k,
                                 const int32_t* expert_offsets, int num_experts, int64_t m_total, int64_t hidden,
                                 int64_t inter, const void* w13, const void* w2, void* x_pool, void* s, void* h,
-                                void* o, float clamp, int32_t* counters, void* cuda_stream);
+                                void* o, int64_t num_tokens, const int32_t* route_to_pool,
+                                const float* topk_weights, void* y, float clamp, int32_t* counters,
+                                void* cuda_stream);
 
 PK_API int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c,
                                   int c_is_bf16, int accumulate, const int32_t* group_offsets,

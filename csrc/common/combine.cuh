@@ -10,19 +10,11 @@
 
 #include <cstdint>
 
+#include "common/combine_math.cuh"
+
 namespace deep_gemm::common {
 
 constexpr int kCombineThreads = 256;
-
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v, float w) {
-  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(p[i]);
-    acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
-    acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
-  }
-}
 
 // Grid: x = ceil(H / 8 / kCombineThreads) column chunks, y = tokens (grid-stride).
 __global__ void __launch_bounds__(kCombineThreads)

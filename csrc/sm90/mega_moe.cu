@@ -3,8 +3,10 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "common/combine.hpp"
 #include "host_utils.hpp"
 #include "mega_moe_fwd.cuh"
 #include "mega_moe_fwd_pp.cuh"
@@ -21,21 +23,28 @@ constexpr int kFwdDispatchSlots = 9;
 // Ping-pong variant (work in progress, PK_MEGA_FWD_PP=1): 4 stages of 128x128x64 (32 KB each), 2 x 16 KB
 // staging, the same 9 dispatch slots.
 constexpr int kFwdPPStages = 4;
-// Development aid: PK_MEGA_FWD_PP=1 runs mega_moe_fwd_pp_kernel (mega_moe_fwd_pp.cuh) instead.
-bool use_pingpong() {
-  static const bool on = [] {
-    const char* v = std::getenv("PK_MEGA_FWD_PP");
-    return v != nullptr && v[0] == '1';
-  }();
-  return on;
+// Development aid: PK_MEGA_FWD_COOP=1 runs the cooperative kernel (mega_moe_fwd.cuh: both consumer
+// warpgroups on one 128 x 256 tile) instead of the ping-pong one, with the standalone combine after it.
+// Read at every call, so that one process can time both.
+bool use_cooperative() {
+  const char* v = std::getenv("PK_MEGA_FWD_COOP");
+  return v != nullptr && v[0] == '1';
+}
+// Where the combine runs (ping-pong kernel): PK_MEGA_FWD_COMBINE=kernel reduces each token inside the
+// forward kernel as its last L2 tile lands; otherwise (the default until it is measured faster) the
+// standalone combine kernel runs right after the forward, on the same stream. Read at every call.
+bool combine_in_kernel() {
+  const char* v = std::getenv("PK_MEGA_FWD_COMBINE");
+  return v != nullptr && std::strcmp(v, "kernel") == 0;
 }
 }  // namespace
 
 int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
                       const int32_t* pool_src_rank, int top_k, const int32_t* expert_offsets, int num_experts,
                       int64_t m_total, int64_t hidden, int64_t inter, const void* w13, const void* w2, void* x_pool,
-                      void* s, void* h, void* o, float clamp, int32_t* counters, int num_sms, cudaStream_t stream,
-                      char* err, size_t err_len) {
+                      void* s, void* h, void* o, int64_t num_tokens, const int32_t* route_to_pool,
+                      const float* topk_weights, void* y, float clamp, int32_t* counters, int num_sms,
+                      cudaStream_t stream, char* err, size_t err_len) {
   clear_err(err, err_len);
   const char* fn = "mega_moe_fwd_bf16";
   if (num_ranks < 1 || num_ranks > kMegaMaxRanks || x_ranks == nullptr)
@@ -57,7 +66,25 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
     return fail(kGemmInvalidArgument, err, err_len, "%s: m_total = %lld is too large for this hidden size", fn,
                 (long long)m_total);
   if (!(clamp >= 0.f)) return fail(kGemmInvalidArgument, err, err_len, "%s: clamp must be >= 0 (0 = none)", fn);
-  if (m_total == 0) return kGemmOk;
+  const bool combine = route_to_pool != nullptr;
+  if (combine) {
+    if (num_tokens < 0 || num_tokens * top_k >= (int64_t(1) << 31))
+      return fail(kGemmInvalidArgument, err, err_len, "%s: num_tokens = %lld, num_tokens * top_k must be < 2^31",
+                  fn, (long long)num_tokens);
+    if (y == nullptr || !aligned16(y))
+      return fail(kGemmInvalidArgument, err, err_len, "%s: y is null or not 16-byte aligned", fn);
+    if (y == o || y == x_pool || y == s || (h != nullptr && y == h))
+      return fail(kGemmInvalidArgument, err, err_len, "%s: y must not alias x_pool, s, h or o", fn);
+  }
+  if (m_total == 0 || (combine && num_tokens == 0)) {
+    // no pool rows: every token of y (if asked) has no route
+    if (combine && num_tokens > 0) {
+      const cudaError_t e = cudaMemsetAsync(y, 0, static_cast<size_t>(num_tokens) * hidden * 2, stream);
+      if (e != cudaSuccess)
+        return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
+    }
+    if (m_total == 0) return kGemmOk;
+  }
   for (int r = 0; r < num_ranks; ++r)
     if (x_ranks[r] == nullptr || !aligned16(x_ranks[r]))
       return fail(kGemmInvalidArgument, err, err_len, "%s: x_ranks[%d] is null or not 16-byte aligned", fn, r);
@@ -67,6 +94,8 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   if (!aligned16(w13) || !aligned16(w2) || !aligned16(x_pool) || !aligned16(s) || !aligned16(o) ||
       (h != nullptr && !aligned16(h)))
     return fail(kGemmInvalidArgument, err, err_len, "%s: w13, w2, x_pool, s, h and o must be 16-byte aligned", fn);
+  const bool cooperative = use_cooperative();
+  const bool fused_combine = combine && !cooperative && combine_in_kernel();
   int sms = 0;
   if (int r = device_sms(&sms, err, err_len)) return r;
   if (num_sms > 0 && num_sms < sms) sms = num_sms;
@@ -81,7 +110,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   {
     const uint64_t dims[3] = {(uint64_t)hidden, (uint64_t)(2 * inter), (uint64_t)num_experts};
     const uint64_t strides[2] = {(uint64_t)hidden * 2, (uint64_t)(2 * inter * hidden * 2)};
-    const uint32_t box[3] = {64, use_pingpong() ? 64u : 128u, 1};
+    const uint32_t box[3] = {64, cooperative ? 128u : 64u, 1};
     if (int r = make_map(&m_w13, w13, 3, dims, strides, box, err, err_len)) return r;
   }
   {
@@ -93,7 +122,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   {
     const uint64_t dims[3] = {(uint64_t)inter, (uint64_t)hidden, (uint64_t)num_experts};
     const uint64_t strides[2] = {(uint64_t)inter * 2, (uint64_t)(hidden * inter * 2)};
-    const uint32_t box[3] = {64, use_pingpong() ? 128u : 256u, 1};
+    const uint32_t box[3] = {64, cooperative ? 256u : 128u, 1};
     if (int r = make_map(&m_w2, w2, 3, dims, strides, box, err, err_len)) return r;
   }
   if (h != nullptr) {
@@ -141,7 +170,12 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
     p.clamp_below = rf < clamp ? rf : from_bits(static_cast<uint16_t>(bits - 1));
     p.clamp_above = rf > clamp ? rf : from_bits(static_cast<uint16_t>(bits + 1));
   }
+  p.num_tokens = combine ? static_cast<int32_t>(num_tokens) : 0;
+  p.route_to_pool = fused_combine ? route_to_pool : nullptr;
+  p.topk_weights = topk_weights;
+  p.y = fused_combine ? static_cast<__nv_bfloat16*>(y) : nullptr;
   p.counters = counters;
+  p.token_ctr = counters + 2 * mega_moe_max_m_blocks(m_total, num_experts);
   p.max_m_blocks = (int32_t)mega_moe_max_m_blocks(m_total, num_experts);
   // Development aid: PK_MEGA_FWD_STATS=1 synchronizes after the launch and prints per-role clock figures
   // (average over CTAs, in microseconds at the SM clock of 1.98 GHz max) to stderr.
@@ -157,22 +191,37 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
                         ? 1 | (std::atoi(std::getenv("PK_MEGA_FWD_STATS") + 1) << 1)
                         : 0;
 
-  cudaError_t e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * mega_moe_fwd_counter_count(m_total, num_experts),
-                                  stream);
+  const int64_t num_counters = p.y != nullptr ? mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden)
+                                             : mega_moe_fwd_counter_count(m_total, num_experts, 0, hidden);
+  cudaError_t e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * num_counters, stream);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
-  if (use_pingpong()) {
-    constexpr auto kernel = &mega_moe_fwd_pp_kernel<kFwdPPStages, kFwdDispatchSlots>;
-    constexpr int smem = MegaFwdPPLayout<kFwdPPStages, kFwdDispatchSlots>::kSmemBytes;
-    e = set_max_dynamic_smem<kernel>(smem);
+  // Every CTA must be resident at once (tiles wait for tiles of other CTAs): one per SM at most.
+  auto launch_pp = [&](auto stages, auto slots) -> cudaError_t {
+    constexpr auto kernel = &mega_moe_fwd_pp_kernel<decltype(stages)::value, decltype(slots)::value>;
+    constexpr int smem = MegaFwdPPLayout<decltype(stages)::value, decltype(slots)::value>::kSmemBytes;
+    const cudaError_t r = set_max_dynamic_smem<kernel>(smem);
+    if (r == cudaSuccess) kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);
+    return r;
+  };
+  if (!cooperative) {
+    // Development aid: PK_MEGA_FWD_PP_STAGES=5 trades 3 dispatch slots for a 5th stage (read at every call).
+    const char* st = std::getenv("PK_MEGA_FWD_PP_STAGES");
+    e = st != nullptr && st[0] == '5'
+            ? launch_pp(std::integral_constant<int, 5>{}, std::integral_constant<int, 6>{})
+            : launch_pp(std::integral_constant<int, kFwdPPStages>{}, std::integral_constant<int, kFwdDispatchSlots>{});
     if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-    kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);
   } else {
     constexpr auto kernel = &mega_moe_fwd_kernel<kFwdStages, kFwdDispatchSlots>;
     constexpr int smem = MegaFwdLayout<kFwdStages, kFwdDispatchSlots>::kSmemBytes;
     e = set_max_dynamic_smem<kernel>(smem);
     if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-    // Every CTA must be resident at once (tiles wait for tiles of other CTAs): one per SM at most.
     kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);
+  }
+  if (combine && !fused_combine && num_tokens > 0) {
+    if (int r = check_launch(fn, err, err_len)) return r;
+    const common::CombineArgs c{o, hidden, route_to_pool, topk_weights, num_tokens, top_k, hidden, y, hidden};
+    e = common::launch_combine(c, stream);
+    if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: combine: %s", fn, cudaGetErrorString(e));
   }
   if (p.stats != nullptr && cudaStreamSynchronize(stream) == cudaSuccess) {
     std::vector<long long> st(static_cast<size_t>(sms) * kStatsPerCta);
@@ -188,6 +237,11 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
             "dispatch_end %.0f/%.0f consumer_end %.0f/%.0f %.0f/%.0f epilogue_l1 %.0f/%.0f epilogue_l2 %.0f/%.0f\n",
             avg[0], mx[0], avg[1], mx[1], avg[2], mx[2], avg[3], mx[3], avg[4], mx[4], avg[5], mx[5], avg[6], mx[6],
             avg[7], mx[7]);
+    if (!cooperative)
+      fprintf(stderr,
+              "mega_fwd pp stats (us avg per CTA, wg0 / wg1): turn wait %.0f / %.0f mainloop %.0f / %.0f "
+              "epilogue L1 %.0f / %.0f epilogue L2 %.0f / %.0f\n",
+              avg[8], avg[9], avg[10], avg[11], avg[12], avg[13], avg[14], avg[15]);
   }
   return check_launch(fn, err, err_len);
 }

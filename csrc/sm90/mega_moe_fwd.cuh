@@ -1,11 +1,15 @@
 // prime-kernels: sm90a fused Mega MoE forward (BF16): dispatch, L1 + SwiGLU and L2 in one persistent kernel.
+// This file: the shared pieces (parameters, dispatch role) and the cooperative kernel (both consumer
+// warpgroups on one 128 x 256 tile), kept for A/B with PK_MEGA_FWD_COOP=1; the default is the ping-pong
+// kernel of mega_moe_fwd_pp.cuh.
 //
 // Per pool row m of expert e (rows grouped by expert through offsets, no padding; the routing plan's order):
 //   x_pool[m] = x_{rank(m)}[token(m)]                                   (dispatch: cp.async + stores per 4 KB piece)
 //   h[m]      = [x_pool[m] @ w13_e[0:I]^T | x_pool[m] @ w13_e[I:2I]^T]  (fp32 accumulation; stored as bf16 when asked)
 //   s[m]      = silu(h_gate) * h_up                                     (fp32 math, bf16 out; optional clamp)
 //   o[m]      = s[m] @ w2_e^T                                           (bf16 out)
-// and the deterministic combine (a separate launch for now) sums o over each token's routes.
+// and the deterministic combine sums o over each token's routes (the ping-pong kernel can do it in-kernel,
+// see MegaFwdParams::y; by default it is a second launch).
 //
 // Work, in one static sequence every CTA walks with stride gridDim.x (the scheduling of DeepGEMM's Mega MoE,
 // rewritten for Hopper's register-resident accumulators): all L1 tiles (per expert: the I/128 n-blocks, each
@@ -26,6 +30,7 @@
 
 #include <cuda.h>
 
+#include "common/combine_math.cuh"
 #include "gemm_common.cuh"
 
 namespace deep_gemm {
@@ -63,13 +68,21 @@ struct MegaFwdParams {
   // Readiness counters, zero before the launch: [num_m_blocks] dispatch, then [num_m_blocks] L1.
   int32_t* counters;
   int32_t max_m_blocks;  // length of each counter array (>= the plan's m-blocks)
+  // In-kernel combine (y null: none, o is the output): y[t] = sum over k in order of
+  // topk_weights[t, k] * o[route_to_pool[t, k]] (fp32, skipping routes < 0; rows with no route are zero).
+  // The last L2 tile to finish a token's 128 columns (token_ctr counts the arrivals) reduces them.
+  const int32_t* route_to_pool;  // [num_tokens * top_k]
+  const float* topk_weights;     // [num_tokens * top_k], or null (weights of 1)
+  __nv_bfloat16* y;              // [num_tokens, hidden], row stride hidden
+  int32_t num_tokens;
+  int32_t* token_ctr;  // [num_tokens * ceil(hidden / 128)], zero before the launch
   // Development aid (null in normal runs): per CTA, kStatsPerCta clock64 figures (see mega_moe.cu).
   long long* stats;
   // Development aid with stats (timing only, nothing is computed): bit 0 = no tiles, the dispatch alone;
   // with bit 0, bit 1 = no proxy fence / release, bit 2 = no stores, bit 3 = no loads.
   int32_t dispatch_only;
 };
-constexpr int kStatsPerCta = 8;  // see the stats stores in the kernel
+constexpr int kStatsPerCta = 16;  // see the stats stores in the kernels (8..15: the ping-pong kernel only)
 
 template <int kNumStages, int kDispatchSlots>
 struct MegaFwdLayout {

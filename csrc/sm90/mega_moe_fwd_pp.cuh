@@ -1,5 +1,5 @@
-// prime-kernels: sm90a fused Mega MoE forward (BF16), ping-pong consumers. WORK IN PROGRESS: compiled, not
-// yet run on a GPU (selected only with PK_MEGA_FWD_PP=1, see mega_moe.cu).
+// prime-kernels: sm90a fused Mega MoE forward (BF16), ping-pong consumers: the default forward kernel
+// (mega_moe.cu; PK_MEGA_FWD_COOP=1 runs the cooperative one in mega_moe_fwd.cuh instead).
 //
 // Same work, sequence, dispatch and readiness counters as mega_moe_fwd.cuh, but each consumer warpgroup owns
 // whole 128 x 128 tiles (two m64n128 wgmma per k-step, 2 x 64 accumulator registers) and the two warpgroups
@@ -8,10 +8,12 @@
 // tile's MMAs. Why: with one 128 x 256 tile shared by both warpgroups, the tensor cores idle during every
 // epilogue (~250 us per CTA at 30B, T=16384: bench/NOTES.md); here the epilogue hides behind the other
 // warpgroup's mainloop as long as it is shorter. Cost: 128-column tiles load B once per 128 x 128 instead of
-// 128 x 256 outputs (a third more shared-memory fill per FLOP).
+// 128 x 256 outputs (a third more shared-memory fill per FLOP). Measured on the H200 (bench/NOTES.md,
+// session 4): kernel with h 2.21 vs 2.44 ms at 30B, T=16384.
 //   * L1 tile: 64 s columns: gate rows n0.. and up rows I + n0.. of w13 (two 64-row TMA boxes per stage).
 //     Each L1 tile adds one to its m-block's L1 counter; an L2 tile waits for I / 64 of them.
-//   * L2 tile: 128 o columns.
+//   * L2 tile: 128 o columns. With MegaFwdParams::y set, the tile also does its part of the combine
+//     (mega_combine_rows); otherwise the combine is a separate launch.
 //   * The stage ring is shared: the producer fills it in tile order; a warpgroup skips (without waiting) the
 //     stages of the other's tiles, and releases its own (the empty barriers count one warpgroup's 4 warps).
 #pragma once
@@ -40,6 +42,103 @@ struct MegaFwdPPLayout {
   static_assert(kSmemBytes <= 232448, "shared memory budget exceeded");
 };
 
+// Combine columns per arrival counter: one L2 tile's width.
+constexpr int kCombineCols = 128;
+
+// Called by one consumer warpgroup (wg_tid = 0..127, one pool row each) after its L2 tile's o rows
+// [row0, row0 + rows) x [n0, n0 + 128) are stored (generic stores) and fenced by every thread of the
+// warpgroup and a named barrier has passed. Each row counts itself in (token, column block); the row that
+// completes its token's count reduces the token's 128 columns over its routes in k order, with the same
+// arithmetic as the standalone combine kernel (common/combine.cuh), so y is bit-identical to it.
+__device__ __forceinline__ void mega_combine_rows(const MegaFwdParams& p, int wg_tid, int row0, int rows, int n0) {
+  const int lane = wg_tid & 31;
+  const int K = p.top_k;
+  const int col_blocks = (p.hidden + kCombineCols - 1) / kCombineCols;
+  int token = -1;
+  bool last = false;
+  if (wg_tid < rows) {
+    const int route = __ldg(p.pool_src_route + row0 + wg_tid);
+    if (route >= 0 && route / K < p.num_tokens) {
+      token = route / K;  // one rank: route ids are token * top_k + k
+      // the arrival first: its round trip overlaps the loads of the token's route count
+      const int before = atomicAdd(p.token_ctr + static_cast<int64_t>(token) * col_blocks + n0 / kCombineCols, 1);
+      const int32_t* r2p = p.route_to_pool + static_cast<int64_t>(token) * K;
+      int routed = 0;
+#pragma unroll 8
+      for (int k = 0; k < K; ++k) routed += __ldg(r2p + k) >= 0;
+      last = before == routed - 1;
+    }
+  }
+  uint32_t pending = __ballot_sync(0xffffffffu, last);
+  if (pending == 0) return;
+  // acquire: the other tiles' o rows of these tokens were fenced before their arrivals; the lanes that saw
+  // the last arrival fence, and the warp barrier orders the other lanes' loads after them
+  __threadfence();
+  __syncwarp();
+  // A half-warp per token (16 lanes x 8 columns). Routes go in batches of 8: lanes 0-7 of the half load the
+  // batch's pool rows and weights, then every lane issues its 8 row loads before the first fma, so a batch
+  // costs two memory latencies instead of two per route.
+  const int half = lane >> 4;
+  const int hl = lane & 15;
+  const int col = n0 + hl * 8;
+  const uint32_t all = 0xffffffffu;
+  while (pending != 0) {  // warp-uniform
+    const int la = __ffs(pending) - 1;
+    pending &= pending - 1;
+    int lb = -1;
+    if (pending != 0) {
+      lb = __ffs(pending) - 1;
+      pending &= pending - 1;
+    }
+    const int ta = __shfl_sync(all, token, la);
+    const int tb = __shfl_sync(all, token, lb < 0 ? la : lb);
+    const bool active = (half == 0 || lb >= 0) && col < p.hidden;
+    const int64_t route0 = static_cast<int64_t>(half == 0 ? ta : tb) * K;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int kb = 0; kb < K; kb += 8) {
+      int my_row = -1;
+      float my_w = 0.f;
+      if (hl < 8 && kb + hl < K) {
+        my_row = __ldg(p.route_to_pool + route0 + kb + hl);
+        if (my_row >= p.m_total) my_row = -1;
+        my_w = p.topk_weights != nullptr ? __ldg(p.topk_weights + route0 + kb + hl) : 1.0f;
+      }
+      uint4 v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int row = __shfl_sync(all, my_row, (half << 4) + j);
+        v[j] = active && row >= 0 ? ptx::ld_global_cg_v4(p.o + static_cast<int64_t>(row) * p.hidden + col)
+                                  : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int row = __shfl_sync(all, my_row, (half << 4) + j);
+        const float w = __shfl_sync(all, my_w, (half << 4) + j);
+        if (row >= 0) common::add_bf16x8(acc, v[j], w);  // k order; skipped routes add nothing
+      }
+    }
+    if (active) {
+      uint4 packed;
+      __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o2[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+      *reinterpret_cast<uint4*>(p.y + route0 / K * p.hidden + col) = packed;
+    }
+  }
+}
+
+// Tokens with no route get no arrival: their y rows are zeroed here (dispatch warps, once dispatch is done).
+__device__ __forceinline__ void mega_zero_unrouted_tokens(const MegaFwdParams& p, int dwarp, int lane) {
+  const int K = p.top_k;
+  for (int t = blockIdx.x * 3 + dwarp; t < p.num_tokens; t += gridDim.x * 3) {
+    bool routed = false;
+    for (int k = lane; k < K; k += 32) routed |= __ldg(p.route_to_pool + static_cast<int64_t>(t) * K + k) >= 0;
+    if (__any_sync(0xffffffffu, routed)) continue;
+    for (int c = lane * 8; c < p.hidden; c += 256)
+      *reinterpret_cast<uint4*>(p.y + static_cast<int64_t>(t) * p.hidden + c) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 constexpr uint32_t kBarTurnWg0 = 5;  // +wg: "the tensor cores are this warpgroup's"
 
 template <int kNumStages, int kDispatchSlots>
@@ -50,6 +149,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                            const __grid_constant__ MegaFwdParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = MegaFwdPPLayout<kNumStages, kDispatchSlots>;
+  static_assert(L::kBlockN == kCombineCols, "one arrival counter per L2 tile width");
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kBlockK = L::kBlockK;
@@ -185,6 +285,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     } else if (warp >= 1) {
       mega_dispatch_role<kBlockM, kDispatchSlots>(p, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane, s_offs, s_mb,
                                                   num_experts, disp_ctr);
+      if (p.y != nullptr) mega_zero_unrouted_tokens(p, warp - 1, lane);
     }
   } else {
     // ================= consumer warpgroups: alternate tiles =================
@@ -208,6 +309,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (wg == 1 && ntiles > 0) ptx::named_bar_arrive(kBarTurnWg0, 256);
 
     const long long t_start = clock64();
+    // development stats (p.stats): per warpgroup, clocks waiting for the turn, in the mainloop, in epilogues
+    long long st_turn = 0, st_main = 0, st_epi_l1 = 0, st_epi_l2 = 0;
     float acc0[kAcc], acc1[kAcc];
     int stage = 0;
     uint32_t phase = 0;
@@ -226,7 +329,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         continue;
       }
       const bool half1 = t.row0 + 64 < t.row_end;  // rows 64..127 exist (uniform over the warpgroup)
+      const long long t_turn0 = p.stats != nullptr ? clock64() : 0;
       ptx::named_bar_sync(kBarTurnWg0 + wg, 256);
+      const long long t_turn1 = p.stats != nullptr ? clock64() : 0;
 
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) {
@@ -273,6 +378,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ptx::wgmma_wait<0>();
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
+      const long long t_main = p.stats != nullptr ? clock64() : 0;
 
       // Epilogue, one 64-row half at a time through this warpgroup's 64 x 128 staging tile.
       // Boxes (64 columns each): L1 h = gate box -> h column n0, up box -> I + n0; L2 o = columns n0, n0 + 64.
@@ -311,9 +417,28 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (p.h != nullptr)
             staged_store(acc, hrow0, p.h, 2 * p.inter, t.n0, p.inter + t.n0, p.inter, &tmap_h, true, f6);
           store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.inter, hrow0, t.row_end, t.n0, p.inter, p.clamp);
+        } else if (p.y != nullptr) {
+          // generic stores (not TMA): the reducing warp, in any CTA, reads them after one fence/atomic pair
+          if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          write_acc_to_swizzled_staging<kBlockN>(acc, stg, wg_tid);
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          copy_swizzled_half_to_global<kBlockN, false>(stg, wg_tid, min(64, t.row_end - hrow0), p.o, p.hidden,
+                                                       hrow0, t.n0, p.hidden);
         } else {
           staged_store(acc, hrow0, p.o, p.hidden, t.n0, t.n0 + 64, p.hidden, &tmap_o, false, false);
         }
+      }
+      if (!t.l1 && p.y != nullptr) {
+        __threadfence();  // release: this thread's o stores, before the warpgroup's arrivals
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        mega_combine_rows(p, wg_tid, t.row0, mb_rows(t), t.n0);
+      }
+      if (p.stats != nullptr) {
+        const long long t_end = clock64();
+        st_turn += t_turn1 - t_turn0;
+        st_main += t_main - t_turn1;
+        (t.l1 ? st_epi_l1 : st_epi_l2) += t_end - t_main;
       }
       if (t.l1) {
         // s is read by TMA (async proxy) in whichever CTA runs the L2 tiles of this m-block
@@ -323,7 +448,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
     }
     if (wg_tid == 0) ptx::bulk_wait_group<0>();
-    if (p.stats != nullptr && wg_tid == 0) p.stats[blockIdx.x * kStatsPerCta + 4 + wg] = clock64() - t_start;
+    if (p.stats != nullptr && wg_tid == 0) {
+      long long* st = p.stats + blockIdx.x * kStatsPerCta;
+      st[4 + wg] = clock64() - t_start;
+      st[8 + wg] = st_turn;
+      st[10 + wg] = st_main;
+      st[12 + wg] = st_epi_l1;
+      st[14 + wg] = st_epi_l2;
+    }
   }
 #endif
 }

@@ -404,12 +404,12 @@ std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool
   return {dh, aw, dt_part};
 }
 
-// Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns s, h, o and the dispatched
-// rows x_pool per pool row (x_pool only with keep_x_pool; h only with save_h); the combine over o is a
-// separate op.
-std::tuple<Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets,
-                                                              Tensor w13, Tensor w2, int64_t top_k, bool save_h,
-                                                              double clamp, bool keep_x_pool) {
+// Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns s, h, o, the dispatched
+// rows x_pool per pool row (x_pool only with keep_x_pool; h only with save_h) and, with route_to_pool [T, K],
+// y = the weighted combine over o, computed inside the kernel (else an empty [0, hidden] tensor).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
+    Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, int64_t top_k, bool save_h,
+    double clamp, bool keep_x_pool, std::optional<Tensor> route_to_pool, std::optional<Tensor> topk_weights) {
   const char* op = "mega_moe_fused_fwd";
   check_bf16_cuda(x, op, "x", 2);
   check_bf16_cuda(w13, op, "w13", 3);
@@ -434,17 +434,33 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(Tensor x, Tensor p
   // keep_x_pool: the dispatched rows get their own buffer (returned for the backward); otherwise they live
   // in o's memory until L2 overwrites them, and an empty [0, hidden] tensor is returned.
   Tensor x_pool = new_tensor(x, {keep_x_pool ? m_total : 0, hidden}, ScalarType::BFloat16);
-  Tensor counters = new_tensor(x, {pk_mega_moe_fwd_counter_count(m_total, num_experts)}, ScalarType::Int);
+  const bool combine = route_to_pool.has_value();
+  STD_TORCH_CHECK(combine || !topk_weights.has_value(), "deep_gemm.", op,
+                  ": topk_weights is only used with route_to_pool");
+  const float* weights = nullptr;
+  int64_t num_tokens = 0;
+  if (combine) {
+    const CombineInput in = check_combine_input(o, *route_to_pool, topk_weights);
+    STD_TORCH_CHECK(in.top_k == top_k && route_to_pool->is_cuda(), "deep_gemm.", op,
+                    ": route_to_pool must be a CUDA int32 [T, top_k] tensor");
+    weights = in.weights;
+    num_tokens = in.num_tokens;
+  }
+  Tensor y = new_tensor(x, {num_tokens, hidden}, ScalarType::BFloat16);
+  Tensor counters = new_tensor(x, {pk_mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden)},
+                               ScalarType::Int);
   const void* x_ranks[1] = {x.data_ptr()};
   check_core(pk_mega_moe_fwd_bf16(x_ranks, 1, x.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
                                   nullptr, static_cast<int>(top_k),
                                   static_cast<const int32_t*>(expert_offsets.data_ptr()), num_experts, m_total, hidden,
                                   inter, w13.data_ptr(), w2.data_ptr(), keep_x_pool ? x_pool.data_ptr() : o.data_ptr(),
                                   s.data_ptr(),
-                                  save_h ? h.data_ptr() : nullptr, o.data_ptr(), static_cast<float>(clamp),
+                                  save_h ? h.data_ptr() : nullptr, o.data_ptr(), num_tokens,
+                                  combine ? static_cast<const int32_t*>(route_to_pool->data_ptr()) : nullptr, weights,
+                                  combine ? y.data_ptr() : nullptr, static_cast<float>(clamp),
                                   static_cast<int32_t*>(counters.data_ptr()), current_cuda_stream(x.get_device_index())),
              op);
-  return {s, h, o, x_pool};
+  return {s, h, o, x_pool, y};
 }
 }  // namespace
 
@@ -464,8 +480,8 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
   m.def("m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets, Tensor h, "
         "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0) -> (Tensor, Tensor, Tensor)");
   m.def("mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
-        "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False) -> "
-        "(Tensor s, Tensor h, Tensor o, Tensor x_pool)");
+        "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False, Tensor? route_to_pool=None, "
+        "Tensor? topk_weights=None) -> (Tensor s, Tensor h, Tensor o, Tensor x_pool, Tensor y)");
   m.def("combine(Tensor slots, Tensor route_to_pool, Tensor? weights=None) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32=True) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor(c!) c) -> ()");

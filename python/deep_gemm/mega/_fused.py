@@ -2,8 +2,9 @@
 
 Forward (sm90, BF16, single rank): the routing plan, then one persistent kernel
 (``torch.ops.deep_gemm.mega_moe_fused_fwd``: dispatch of the token rows into the pool, L1 with the
-SwiGLU epilogue and L2, tiles released to each other through per-m-block counters), then the
-deterministic combine kernel over the L2 rows. Same arguments, return tuple and rounding points as
+SwiGLU epilogue and L2, tiles released to each other through per-m-block counters, and the
+deterministic combine: the last L2 tile to finish a token's 128 columns reduces them over the token's
+routes in k order, bit-identical to the standalone combine kernel). Same arguments, return tuple and rounding points as
 :func:`deep_gemm.mega.reference.forward`, F6 included (with a clamp the saved h keeps the clamp masks
 of the fp32 pre-activation). The plan is built with ``block_m = 1`` (no padding), so the saved state is
 the grouped pipeline's and its backward reads it. The dispatched pool rows are kept for the backward only when
@@ -20,7 +21,6 @@ import torch
 
 from ._backend import FusedKernelUnavailable
 from ._grouped import _pad
-from ..combine import combine
 from ..routing import routing_plan
 
 STATUS_KEY_FWD = "mega_moe.bf16.sm90"
@@ -41,12 +41,13 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
         plan = routing_plan(topk_idx, num_experts, 1, validate=False)
         src = _pad(plan.pool_src_route, capacity, -1)
         srank = _pad(plan.pool_src_rank, capacity, -1)
-        _s, h, o, x_pool = torch.ops.deep_gemm.mega_moe_fused_fwd(
+        route_to_pool = plan.route_to_pool.view(T, K)
+        _s, h, _o, x_pool, y = torch.ops.deep_gemm.mega_moe_fused_fwd(
             x.contiguous(), src, plan.expert_offsets, w13.contiguous(), w2.contiguous(), K, save_h,
-            float(activation_clamp) if activation_clamp is not None else 0.0, keep_x_pool)
-        y = combine(o, plan.route_to_pool, topk_weights.float())  # F5
+            float(activation_clamp) if activation_clamp is not None else 0.0, keep_x_pool,
+            route_to_pool, topk_weights.float().contiguous())  # F5 (the combine) inside the kernel
     return (y, h, plan.expert_counts, plan.expert_offsets, src, srank,
-            plan.route_to_pool.view(T, K), x_pool)
+            route_to_pool, x_pool)
 
 
 def backward(*args, precision: str = "bf16", **kwargs):
