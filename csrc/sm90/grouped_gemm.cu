@@ -438,13 +438,11 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
   p.dt_part = dt_part;
   p.dt_ld = (int32_t)dt_ld;
   const int64_t max_units = ((m_total + 127) / 128 + num_groups) * n_blocks;
-  // Development aid: PK_SWIGLU_BWD_PP=1 runs the ping-pong kernel (swiglu_bwd_pp.cuh, work in progress).
-  static const bool kPingPong = [] {
-    const char* v = std::getenv("PK_SWIGLU_BWD_PP");
-    return v != nullptr && v[0] == '1';
-  }();
-  // (its epilogue moves 64-column TMA boxes of h, dh and aw: I a multiple of 64, 16-byte row strides)
-  if (kPingPong && I % 64 == 0 && ldh % 8 == 0 && lddh % 8 == 0 && ldaw % 8 == 0) {
+  // The ping-pong kernel (swiglu_bwd_pp.cuh) where its boxes fit; PK_SWIGLU_BWD_COOP=1 (development aid, read
+  // at every call) runs the cooperative kSwiGLUBwd kernel instead.
+  const char* coop_env = std::getenv("PK_SWIGLU_BWD_COOP");
+  const bool cooperative = coop_env != nullptr && coop_env[0] == '1';
+  if (!cooperative && I % 64 == 0 && ldh % 8 == 0 && lddh % 8 == 0 && ldaw % 8 == 0) {
     constexpr int kStages = 4;
     CUtensorMap mh, mdh, maw;
     {

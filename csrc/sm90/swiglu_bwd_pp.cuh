@@ -1,12 +1,13 @@
-// prime-kernels: sm90a L2 dgrad with the SwiGLU backward in its epilogue, ping-pong consumers. WORK IN
-// PROGRESS: compiled, not yet run on a GPU in this version (selected only with PK_SWIGLU_BWD_PP=1, see
-// grouped_gemm.cu).
+// prime-kernels: sm90a L2 dgrad with the SwiGLU backward in its epilogue, ping-pong consumers (the default
+// for m_grouped_bf16_gemm_swiglu_bwd when I is a multiple of 64; grouped_gemm.cu). Measured on the H200
+// (bench/NOTES.md, session 4): 0.80 ms at 30B, T=16384 (2.84 ms at 235B) against 0.94 (3.35) for the nn
+// GEMM plus the pool-row kernel.
 //
 // The work of m_grouped_bf16_gemm_kernel's kSwiGLUBwd mode (da = dy_pool @ w2_g for 128 columns of I, then
 // the SwiGLU backward), but each consumer warpgroup owns whole 128 x 128 tiles and the two take the tensor
 // cores in turn (named barriers), so one's epilogue runs while the other's mainloop does. B = w2 [E, H, I]
 // read MN-major (two 64-column TMA boxes per stage, wgmma's transpose bit).
-// Epilogue through shared memory (version 2): the first measurement (session 4: 1.46 ms at 30B, T=16384,
+// Epilogue through shared memory (version 2): the first version (session 4: 1.46 ms at 30B, T=16384,
 // against 0.97 ms for the nn GEMM plus the pool-row kernel) lost its time to 4-byte h loads and dh / w*s
 // stores in the accumulator's fragment layout. Now the tile's h comes in four 64 x 64 pieces (gate and up
 // boxes) by TMA into a two-slot ring per warpgroup, the first two issued before the mainloop; each thread

@@ -2,15 +2,15 @@
 
 Forward: routing plan -> L1 as an m-grouped GEMM that gathers the token rows itself and applies
 SwiGLU in its epilogue -> L2 as an m-grouped GEMM -> the deterministic combine. Backward: gathers of
-the dy and x rows -> L2 dgrad (weights read MN-major, no transposed copy) -> a pool-row SwiGLU
-backward kernel (d topk_weights partials, dh, w*s) -> L1 dgrad -> combine for dX, and the weight
-gradients as k-grouped GEMMs. It is the stepping stone to the persistent fused kernels (issues 5
+the dy rows (and of x, unless the fused forward kept them) -> L2 dgrad with the SwiGLU backward in its
+epilogue (weights read MN-major, no transposed copy; d topk_weights partials per 128 columns, dh, w*s)
+-> L1 dgrad -> combine for dX, and the weight gradients as k-grouped GEMMs. It is the stepping stone to the persistent fused kernels (issues 5
 and 6): every stage is one of our kernels, but the stages meet in HBM.
 
 Rounding points: those of :mod:`deep_gemm.mega.reference`, except where a pipeline stage has to
 store a tensor between kernels:
   * F6 with a clamp: the saved h is plainly rounded (the mask-preserving rule is the fused epilogue's);
-  * B2: da is rounded to bf16 before B3/B4.
+  * B2 with activation_clamp == 0 only: da is rounded to bf16 before B3/B4 (otherwise it stays in fp32).
 Each adds one bf16 rounding (relative 2^-9) at that point; the tests hold the pipeline to the same
 float64 tolerance as the reference. Single rank only (no expert-parallel group).
 """
@@ -21,7 +21,7 @@ import torch
 
 from ..combine import combine
 from ..grouped_gemm import (k_grouped_bf16_gemm_tn, m_grouped_bf16_gemm_nn, m_grouped_bf16_gemm_nt,
-                            m_grouped_bf16_gemm_swiglu)
+                            m_grouped_bf16_gemm_swiglu, m_grouped_bf16_gemm_swiglu_bwd)
 from ..routing import routing_plan
 from ..swiglu import swiglu_bwd
 
@@ -84,14 +84,19 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     gather = tok.clamp(min=0).long()
     h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity) if recompute else h_saved
     dy_pool = dy.to(torch.bfloat16).index_select(0, gather)  # B1 (padding rows: never read by a GEMM)
-    # B2, then B3-B6 and B9 in the pool-row kernel. (m_grouped_bf16_gemm_swiglu_bwd does both in one GEMM
-    # without storing da, but its epilogue does not overlap the mainloop: 1.22 ms against 0.95 ms for these
-    # two at 30B, T=16384 on the H200; bench/NOTES.md.)
-    num_rows = offsets[-1:]
-    da = m_grouped_bf16_gemm_nn(dy_pool, w2, offsets)  # B2 (rounded to bf16: see the module docstring)
-    dh, a, dt_pool = swiglu_bwd(h, da, pool_src_route, topk_weights.float().contiguous(), num_rows,
-                                activation_clamp)  # B3-B6, B9
-    del da, h  # pool-sized buffers are freed as soon as their last reader is queued (lower peak memory)
+    weights = topk_weights.float().contiguous()
+    if activation_clamp is None or activation_clamp > 0:
+        # B2-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn GEMM plus the
+        # pool-row kernel at 30B, T=16384 on the H200; bench/NOTES.md)
+        dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route, weights,
+                                                        clamp=activation_clamp)
+        dt_pool = dt_part.sum(1)  # per-128-column partials, in column order
+        del dt_part
+    else:  # activation_clamp == 0 (a clamp at zero, which the GEMM's "0 = none" cannot say)
+        da = m_grouped_bf16_gemm_nn(dy_pool, w2, offsets)  # B2, rounded to bf16 here
+        dh, a, dt_pool = swiglu_bwd(h, da, pool_src_route, weights, offsets[-1:], activation_clamp)  # B3-B6, B9
+        del da
+    del h  # pool-sized buffers are freed as soon as their last reader is queued (lower peak memory)
     dx_pool = m_grouped_bf16_gemm_nn(dh, w13, offsets)  # B7
     dx = combine(dx_pool, route_to_pool, None)  # B8
     del dx_pool
