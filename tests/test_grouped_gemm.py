@@ -234,9 +234,12 @@ def test_swiglu_bwd_gemm_cpu_opcheck():
 
 
 @requires_sm90
+@pytest.mark.parametrize("kernel", ["pingpong", "cooperative"])
 @pytest.mark.parametrize("E,kind,I,H,clamp", [(8, "special", 768, 256, None), (128, "skewed", 1536, 512, 0.75),
                                               (3, "skewed", 320, 128, None)])
-def test_swiglu_bwd_gemm_matches_float64(E, kind, I, H, clamp):
+def test_swiglu_bwd_gemm_matches_float64(monkeypatch, E, kind, I, H, clamp, kernel):
+    if kernel == "cooperative":  # read at every call (grouped_gemm.cu)
+        monkeypatch.setenv("PK_SWIGLU_BWD_COOP", "1")
     gen = torch.Generator().manual_seed(E + I + H)
     sizes = group_sizes(E, kind, gen)
     M = sum(sizes)
