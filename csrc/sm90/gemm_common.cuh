@@ -120,6 +120,66 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
   for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
 }
 
+// One tile's mainloop for a ping-pong consumer warpgroup that owns 128 rows: acc0 gets rows 0..63 and acc1
+// rows 64..127 of each A stage (two m64 wgmma per k16 step against the same B). Both wgmma are issued
+// unconditionally: a wgmma under a divergent branch makes ptxas serialize every wgmma of the kernel
+// (C7520), so rows past an m-block's end compute on whatever the box holds and are never stored. Stages
+// are released to the producer (empty_bar, one arrival per warp) as soon as the next k-block's MMAs are
+// issued; pass_turn() runs once all of the tile's MMAs are issued (the other warpgroup may then issue its
+// own), before the wait for them to finish.
+template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, uint32_t kBStepDesc,
+          int kAccRegs, typename PassTurn>
+__device__ __forceinline__ void pingpong_tile_mainloop(float (&acc0)[kAccRegs], float (&acc1)[kAccRegs],
+                                                       int num_k_blocks, uint64_t* full_bar, uint64_t* empty_bar,
+                                                       int& stage, uint32_t& phase, uint32_t a_lo0, uint32_t a_hi,
+                                                       uint32_t b_lo0, uint32_t b_hi, int lane,
+                                                       PassTurn&& pass_turn) {
+  constexpr uint32_t kHalfADesc = (64 * 128) >> 4;  // rows 64..127 of a 128-byte-swizzled A stage
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) {
+    acc0[i] = 0.f;
+    acc1[i] = 0.f;
+  }
+  int prev_stage = 0;
+  for (int kb = 0; kb < num_k_blocks; ++kb) {
+    ptx::mbar_wait(&full_bar[stage], phase);
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) {
+      ptx::reg_fence(acc0[i]);
+      ptx::reg_fence(acc1[i]);
+    }
+    ptx::wgmma_fence();
+    const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (kStageABytes >> 4);
+    const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (kStageBBytes >> 4);
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      const uint64_t db = ptx::desc_from_halves(b_lo + kk * kBStepDesc, b_hi);
+      Mma::mma(acc0, ptx::desc_from_halves(a_lo + kk * (32 >> 4), a_hi), db, 1u);
+      Mma::mma(acc1, ptx::desc_from_halves(a_lo + kHalfADesc + kk * (32 >> 4), a_hi), db, 1u);
+    }
+    ptx::wgmma_commit();
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) {
+      ptx::reg_fence(acc0[i]);
+      ptx::reg_fence(acc1[i]);
+    }
+    if (kb > 0) {
+      ptx::wgmma_wait<1>();
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
+    }
+    prev_stage = stage;
+    if (++stage == kNumStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+  pass_turn();
+  ptx::wgmma_wait<0>();
+  __syncwarp();
+  if (lane == 0 && num_k_blocks > 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
+}
+
 // Writes the 64 x kBlockN fp32 accumulator fragment of one consumer warpgroup (wgmma m64nN layout) as
 // bf16 to global memory, through a 64-column shared-memory staging tile, with 16-byte coalesced stores.
 // Rows >= row_limit and columns >= col_limit are not written.

@@ -296,7 +296,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const uint64_t desc_b0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kBOff), 0, 1024);
     const uint32_t a_lo0 = static_cast<uint32_t>(desc_a0), a_hi = static_cast<uint32_t>(desc_a0 >> 32);
     const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
-    constexpr uint32_t kHalfADesc = (64 * 128) >> 4;  // rows 64..127 of the A stage
     const uint32_t stg = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kBlockN>::kHalfBytes;
     constexpr int kBox = TmaStaging<kBlockN>::kBoxBytes;
     const bool f6 = p.clamp > 0.f;
@@ -333,51 +332,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ptx::named_bar_sync(kBarTurnWg0 + wg, 256);
       const long long t_turn1 = p.stats != nullptr ? clock64() : 0;
 
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) {
-        acc0[i] = 0.f;
-        acc1[i] = 0.f;
-      }
-      int prev_stage = 0;
-      for (int kb = 0; kb < kbs; ++kb) {
-        ptx::mbar_wait(&full_bar[stage], phase);
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) {
-          ptx::reg_fence(acc0[i]);
-          ptx::reg_fence(acc1[i]);
-        }
-        ptx::wgmma_fence();
-        const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (L::kABytes >> 4);
-        const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (L::kBBytes >> 4);
-#pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk) {
-          const uint64_t db = ptx::desc_from_halves(b_lo + kk * (32 >> 4), b_hi);
-          Mma::mma(acc0, ptx::desc_from_halves(a_lo + kk * (32 >> 4), a_hi), db, 1u);
-          // unconditional: a divergent wgmma makes ptxas serialize every wgmma in the kernel (C7520); rows
-          // past the m-block's end compute on whatever the TMA box holds and are never stored
-          Mma::mma(acc1, ptx::desc_from_halves(a_lo + kHalfADesc + kk * (32 >> 4), a_hi), db, 1u);
-        }
-        ptx::wgmma_commit();
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) {
-          ptx::reg_fence(acc0[i]);
-          ptx::reg_fence(acc1[i]);
-        }
-        if (kb > 0) {
-          ptx::wgmma_wait<1>();
-          __syncwarp();
-          if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
-        }
-        prev_stage = stage;
-        if (++stage == kNumStages) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-      if (k + 1 < ntiles) ptx::named_bar_arrive(kBarTurnWg0 + (wg ^ 1), 256);
-      ptx::wgmma_wait<0>();
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
+      pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, (32 >> 4)>(
+          acc0, acc1, kbs, full_bar, empty_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, lane, [&] {
+            if (k + 1 < ntiles) ptx::named_bar_arrive(kBarTurnWg0 + (wg ^ 1), 256);
+          });
       const long long t_main = p.stats != nullptr ? clock64() : 0;
 
       // Epilogue, one 64-row half at a time through this warpgroup's 64 x 128 staging tile.
