@@ -10,8 +10,7 @@ and 6): every stage is one of our kernels, but the stages meet in HBM.
 Rounding points: those of :mod:`deep_gemm.mega.reference`, except where a pipeline stage has to
 store a tensor between kernels:
   * F6 with a clamp: the saved h is plainly rounded (the mask-preserving rule is the fused epilogue's);
-  * B2 with activation_clamp == 0 only: da is rounded to bf16 before B3/B4 (otherwise it stays in fp32).
-Each adds one bf16 rounding (relative 2^-9) at that point; the tests hold the pipeline to the same
+It adds one bf16 rounding (relative 2^-9) at that point; the tests hold the pipeline to the same
 float64 tolerance as the reference. Single rank only (no expert-parallel group).
 """
 
@@ -23,7 +22,6 @@ from ..combine import combine
 from ..grouped_gemm import (k_grouped_bf16_gemm_tn, m_grouped_bf16_gemm_nn, m_grouped_bf16_gemm_nt,
                             m_grouped_bf16_gemm_swiglu, m_grouped_bf16_gemm_swiglu_bwd)
 from ..routing import routing_plan
-from ..swiglu import swiglu_bwd
 
 STATUS_KEY = "mega_moe_grouped.bf16.sm90"
 
@@ -84,18 +82,13 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     gather = tok.clamp(min=0).long()
     h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity) if recompute else h_saved
     dy_pool = dy.to(torch.bfloat16).index_select(0, gather)  # B1 (padding rows: never read by a GEMM)
-    weights = topk_weights.float().contiguous()
-    if activation_clamp is None or activation_clamp > 0:
-        # B2-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn GEMM plus the
-        # pool-row kernel at 30B, T=16384 on the H200; bench/NOTES.md)
-        dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route, weights,
-                                                        clamp=activation_clamp)
-        dt_pool = dt_part.sum(1)  # per-128-column partials, in column order
-        del dt_part
-    else:  # activation_clamp == 0 (a clamp at zero, which the GEMM's "0 = none" cannot say)
-        da = m_grouped_bf16_gemm_nn(dy_pool, w2, offsets)  # B2, rounded to bf16 here
-        dh, a, dt_pool = swiglu_bwd(h, da, pool_src_route, weights, offsets[-1:], activation_clamp)  # B3-B6, B9
-        del da
+    # B2-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn GEMM plus the
+    # pool-row kernel at 30B, T=16384 on the H200; bench/NOTES.md). (activation_clamp is None here: the
+    # grouped backend refuses a clamp, see _backend._grouped_reason.)
+    dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route,
+                                                    topk_weights.float().contiguous(), clamp=activation_clamp)
+    dt_pool = dt_part.sum(1)  # per-128-column partials, in column order
+    del dt_part
     del h  # pool-sized buffers are freed as soon as their last reader is queued (lower peak memory)
     dx_pool = m_grouped_bf16_gemm_nn(dh, w13, offsets)  # B7
     dx = combine(dx_pool, route_to_pool, None)  # B8
