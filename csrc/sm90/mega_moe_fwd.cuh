@@ -202,66 +202,13 @@ __device__ __forceinline__ void mega_dispatch_role(const MegaFwdParams& p, uint3
   }
 }
 
-template <int kNumStages, int kDispatchSlots>
-__global__ void __launch_bounds__(kNumThreads, 1)
-    mega_moe_fwd_kernel(const __grid_constant__ CUtensorMap tmap_xpool, const __grid_constant__ CUtensorMap tmap_w13,
-                        const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_w2,
-                        const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_o,
-                        const __grid_constant__ MegaFwdParams p) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using L = MegaFwdLayout<kNumStages, kDispatchSlots>;
-  constexpr int kBlockM = L::kBlockM;
-  constexpr int kBlockN = L::kBlockN;
-  constexpr int kBlockK = L::kBlockK;
-  constexpr int kL1Cols = kBlockN / 2;  // s columns per L1 n-block
-  using Mma = ptx::WgmmaBf16<kBlockN, 0, 0>;
-
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = align_smem_1024(smem_raw);
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
-  uint64_t* empty_bar = full_bar + kNumStages;
-  int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
-  int32_t* s_mb = reinterpret_cast<int32_t*>(smem + L::kMbOff);  // first m-block of each expert
-
-  const int tid = threadIdx.x;
-  const int warp = tid >> 5;
-  const int lane = tid & 31;
-  const int num_experts = p.num_experts;
-  const int n1 = ceil_div(p.inter, kL1Cols);
-  const int n2 = ceil_div(p.hidden, kBlockN);
-  const int kb1 = ceil_div(p.hidden, kBlockK);
-  const int kb2 = ceil_div(p.inter, kBlockK);
-
-  if (tid == 0) {
-    for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbar_init(&full_bar[s], 1);
-      ptx::mbar_init(&empty_bar[s], kNumConsumerThreads / 32);
-    }
-    ptx::fence_mbar_init();
-  }
-  if (tid == 32) {
-    ptx::tma_prefetch_desc(&tmap_xpool);
-    ptx::tma_prefetch_desc(&tmap_w13);
-    ptx::tma_prefetch_desc(&tmap_s);
-    ptx::tma_prefetch_desc(&tmap_w2);
-    ptx::tma_prefetch_desc(&tmap_o);
-    if (p.h != nullptr) ptx::tma_prefetch_desc(&tmap_h);
-  }
-  for (int i = tid; i <= num_experts; i += kNumThreads) s_offs[i] = min(max(__ldg(p.expert_offsets + i), 0), p.m_total);
-  __syncthreads();
-  if (warp == 0)  // s_mb[e] = first m-block of expert e
-    warp_exclusive_scan_groups(num_experts, lane, s_mb,
-                               [&](int e) { return ceil_div(max(s_offs[e + 1] - s_offs[e], 0), kBlockM); });
-  __syncthreads();
-
-  // The plan's m-blocks beyond the counters' length cannot be signalled: the host sizes the counters from
-  // the pool capacity (ceil(m_total / 128) + num_experts bounds every plan), so this only guards misuse.
-  const int num_mb = min(s_mb[num_experts], p.max_m_blocks);
-  const int num_l1 = num_mb * n1;
-  const int num_tasks = (p.dispatch_only & 1) ? 0 : num_l1 + num_mb * n2;
-  int32_t* disp_ctr = p.counters;
-  int32_t* l1_ctr = p.counters + p.max_m_blocks;
-
+// The forward's static tile sequence (see the file comment), shared by both forward kernels and all of
+// their roles: all L1 tiles (kBlockN / 2 s columns each), then all L2 tiles (kBlockN o columns each); within
+// an expert n-block major, m-block fastest (the grouped GEMM's order), so the CTAs of one wave share B
+// panels (m-block major / n fastest measured the same within noise at both layer shapes).
+template <int kBlockM, int kBlockN, int kBlockK>
+struct MegaTileSequence {
+  static constexpr int kL1Cols = kBlockN / 2;  // s columns per L1 n-block
   struct Tile {
     bool l1;
     int mb;     // global m-block
@@ -270,10 +217,30 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int row_end;
     int n0;     // first output column (s columns for L1, o columns for L2)
   };
-  // Tasks are walked in increasing order by every role; the expert cursor restarts at the L1 -> L2 switch.
-  // Within an expert: n-block major, m-block fastest (the grouped GEMM's order), so the CTAs of one wave share
-  // B panels. (m-block major / n fastest measured the same within noise at both layer shapes.)
-  auto locate = [&](int u, int& e, bool& in_l2) -> Tile {
+  const int32_t* s_offs;  // shared: pool row offsets per expert, clamped to [0, m_total]
+  const int32_t* s_mb;    // shared: first m-block of each expert
+  int n1, n2;             // L1 / L2 n-blocks per m-block
+  int kb1, kb2;           // L1 / L2 k-blocks per tile
+  int num_l1, num_tasks;
+  int32_t* disp_ctr;      // per m-block: dispatched 4 KB pieces
+  int32_t* l1_ctr;        // per m-block: finished L1 tile arrivals
+
+  __device__ __forceinline__ MegaTileSequence(const MegaFwdParams& p, const int32_t* offs, const int32_t* mb)
+      : s_offs(offs), s_mb(mb) {
+    n1 = ceil_div(p.inter, kL1Cols);
+    n2 = ceil_div(p.hidden, kBlockN);
+    kb1 = ceil_div(p.hidden, kBlockK);
+    kb2 = ceil_div(p.inter, kBlockK);
+    // The plan's m-blocks beyond the counters' length cannot be signalled: the host sizes the counters from
+    // the pool capacity (ceil(m_total / 128) + num_experts bounds every plan), so this only guards misuse.
+    const int num_mb = min(s_mb[p.num_experts], p.max_m_blocks);
+    num_l1 = num_mb * n1;
+    num_tasks = (p.dispatch_only & 1) ? 0 : num_l1 + num_mb * n2;
+    disp_ctr = p.counters;
+    l1_ctr = p.counters + p.max_m_blocks;
+  }
+  // Tasks are walked in increasing order by every role; the expert cursor e restarts at the L1 -> L2 switch.
+  __device__ __forceinline__ Tile locate(int u, int& e, bool& in_l2) const {
     Tile t;
     t.l1 = u < num_l1;
     int local = u, n = n1;
@@ -295,60 +262,136 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     t.row_end = max(s_offs[e + 1], s_offs[e]);
     t.n0 = nb * (t.l1 ? kL1Cols : kBlockN);
     return t;
-  };
-  auto mb_rows = [&](const Tile& t) -> int { return min(t.row_end - t.row0, kBlockM); };
+  }
+  __device__ __forceinline__ static int rows(const Tile& t) { return min(t.row_end - t.row0, kBlockM); }
+};
+
+// Start of both forward kernels: stage barriers (empty_arrivals consumer warps release a stage), the tensor
+// maps prefetched, the experts' pool offsets and first m-blocks in shared memory (ends with __syncthreads).
+template <int kNumStages, int kBlockM>
+__device__ __forceinline__ void mega_fwd_prologue(const MegaFwdParams& p, uint64_t* full_bar, uint64_t* empty_bar,
+                                                  uint32_t empty_arrivals, int32_t* s_offs, int32_t* s_mb,
+                                                  const CUtensorMap* tmap_xpool, const CUtensorMap* tmap_w13,
+                                                  const CUtensorMap* tmap_s, const CUtensorMap* tmap_w2,
+                                                  const CUtensorMap* tmap_h, const CUtensorMap* tmap_o) {
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < kNumStages; ++s) {
+      ptx::mbar_init(&full_bar[s], 1);
+      ptx::mbar_init(&empty_bar[s], empty_arrivals);
+    }
+    ptx::fence_mbar_init();
+  }
+  if (tid == 32) {
+    ptx::tma_prefetch_desc(tmap_xpool);
+    ptx::tma_prefetch_desc(tmap_w13);
+    ptx::tma_prefetch_desc(tmap_s);
+    ptx::tma_prefetch_desc(tmap_w2);
+    ptx::tma_prefetch_desc(tmap_o);
+    if (p.h != nullptr) ptx::tma_prefetch_desc(tmap_h);
+  }
+  for (int i = tid; i <= p.num_experts; i += kNumThreads)
+    s_offs[i] = min(max(__ldg(p.expert_offsets + i), 0), p.m_total);
+  __syncthreads();
+  if ((tid >> 5) == 0)  // s_mb[e] = first m-block of expert e
+    warp_exclusive_scan_groups(p.num_experts, tid & 31, s_mb,
+                               [&](int e) { return ceil_div(max(s_offs[e + 1] - s_offs[e], 0), kBlockM); });
+  __syncthreads();
+}
+
+// The TMA producer of both forward kernels (warp 0, lane 0): walks this CTA's tiles in order through one
+// stage ring. An L1 tile first waits until its m-block is dispatched, an L2 tile until its m-block's L1
+// counter reaches l2_ready (every s column of its rows written); then the A rows (x_pool or s) and B
+// (gate and up rows of w13, or w2) stream in kBlockK steps.
+template <typename L, int kNumStages, typename Seq>
+__device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const Seq& seq, int l2_ready, uint8_t* smem,
+                                                  uint64_t* full_bar, uint64_t* empty_bar,
+                                                  const CUtensorMap* tmap_xpool, const CUtensorMap* tmap_w13,
+                                                  const CUtensorMap* tmap_s, const CUtensorMap* tmap_w2) {
+  int stage = 0;
+  uint32_t phase = 0;
+  int e = 0;
+  bool in_l2 = false;
+  const int chunks = ceil_div(p.hidden * 2, kDispatchSlotBytes);
+  long long wait_disp = 0, wait_l1 = 0, t_start = clock64();
+  for (int u = (int)ptx::ctaid_x_volatile(); u < seq.num_tasks; u += (int)gridDim.x) {
+    const auto t = seq.locate(u, e, in_l2);
+    const long long t0 = p.stats != nullptr ? clock64() : 0;
+    if (t.l1) {
+      ptx::spin_until_at_least(seq.disp_ctr + t.mb, Seq::rows(t) * chunks);
+      if (p.stats != nullptr) wait_disp += clock64() - t0;
+    } else {
+      ptx::spin_until_at_least(seq.l1_ctr + t.mb, l2_ready);
+      if (p.stats != nullptr) wait_l1 += clock64() - t0;
+    }
+    ptx::fence_proxy_async_global();
+    const int kbs = t.l1 ? seq.kb1 : seq.kb2;
+    for (int kb = 0; kb < kbs; ++kb) {
+      ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+      uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
+      uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
+      ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
+      const int k0 = kb * L::kBlockK;
+      if (t.l1) {
+        ptx::tma_load_2d(sa, tmap_xpool, &full_bar[stage], k0, t.row0);
+        ptx::tma_load_3d(sb, tmap_w13, &full_bar[stage], k0, t.n0, t.e);
+        ptx::tma_load_3d(sb + Seq::kL1Cols * 128, tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e);
+      } else {
+        ptx::tma_load_2d(sa, tmap_s, &full_bar[stage], k0, t.row0);
+        ptx::tma_load_3d(sb, tmap_w2, &full_bar[stage], k0, t.n0, t.e);
+      }
+      if (++stage == kNumStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+  if (p.stats != nullptr) {
+    long long* st = p.stats + blockIdx.x * kStatsPerCta;
+    st[0] = wait_disp;
+    st[1] = wait_l1;
+    st[2] = clock64() - t_start;  // producer's last load issued
+  }
+}
+
+template <int kNumStages, int kDispatchSlots>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    mega_moe_fwd_kernel(const __grid_constant__ CUtensorMap tmap_xpool, const __grid_constant__ CUtensorMap tmap_w13,
+                        const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_w2,
+                        const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_o,
+                        const __grid_constant__ MegaFwdParams p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using L = MegaFwdLayout<kNumStages, kDispatchSlots>;
+  constexpr int kBlockM = L::kBlockM;
+  constexpr int kBlockN = L::kBlockN;
+  constexpr int kBlockK = L::kBlockK;
+  using Mma = ptx::WgmmaBf16<kBlockN, 0, 0>;
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
+  uint64_t* empty_bar = full_bar + kNumStages;
+  int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
+  int32_t* s_mb = reinterpret_cast<int32_t*>(smem + L::kMbOff);  // first m-block of each expert
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int num_experts = p.num_experts;
+  mega_fwd_prologue<kNumStages, kBlockM>(p, full_bar, empty_bar, kNumConsumerThreads / 32, s_offs, s_mb, &tmap_xpool,
+                                         &tmap_w13, &tmap_s, &tmap_w2, &tmap_h, &tmap_o);
+  using Seq = MegaTileSequence<kBlockM, kBlockN, kBlockK>;
+  const Seq seq(p, s_offs, s_mb);
 
   if (warp < 4) {
     ptx::setmaxnreg_dec<kMegaProducerRegs>();
     if (warp == 0 && lane == 0) {
-      // ================= TMA producer =================
-      int stage = 0;
-      uint32_t phase = 0;
-      int e = 0;
-      bool in_l2 = false;
-      const int chunks = ceil_div(p.hidden * 2, kDispatchSlotBytes);
-      long long wait_disp = 0, wait_l1 = 0, t_start = clock64();
-      for (int u = (int)ptx::ctaid_x_volatile(); u < num_tasks; u += (int)gridDim.x) {
-        const Tile t = locate(u, e, in_l2);
-        const long long t0 = p.stats != nullptr ? clock64() : 0;
-        if (t.l1) {
-          ptx::spin_until_at_least(disp_ctr + t.mb, mb_rows(t) * chunks);
-          if (p.stats != nullptr) wait_disp += clock64() - t0;
-        } else {
-          ptx::spin_until_at_least(l1_ctr + t.mb, 2 * n1);
-          if (p.stats != nullptr) wait_l1 += clock64() - t0;
-        }
-        ptx::fence_proxy_async_global();
-        const int kbs = t.l1 ? kb1 : kb2;
-        for (int kb = 0; kb < kbs; ++kb) {
-          ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
-          uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
-          uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
-          ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
-          const int k0 = kb * kBlockK;
-          if (t.l1) {
-            ptx::tma_load_2d(sa, &tmap_xpool, &full_bar[stage], k0, t.row0);
-            ptx::tma_load_3d(sb, &tmap_w13, &full_bar[stage], k0, t.n0, t.e);
-            ptx::tma_load_3d(sb + kL1Cols * 128, &tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e);
-          } else {
-            ptx::tma_load_2d(sa, &tmap_s, &full_bar[stage], k0, t.row0);
-            ptx::tma_load_3d(sb, &tmap_w2, &full_bar[stage], k0, t.n0, t.e);
-          }
-          if (++stage == kNumStages) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
-      }
-      if (p.stats != nullptr) {
-        long long* st = p.stats + blockIdx.x * kStatsPerCta;
-        st[0] = wait_disp;
-        st[1] = wait_l1;
-        st[2] = clock64() - t_start;  // producer's last load issued
-      }
+      // an L2 tile waits for both consumer warpgroups of each of its m-block's L1 tiles
+      mega_tma_producer<L, kNumStages>(p, seq, 2 * seq.n1, smem, full_bar, empty_bar, &tmap_xpool, &tmap_w13, &tmap_s,
+                                       &tmap_w2);
     } else if (warp >= 1) {
       mega_dispatch_role<kBlockM, kDispatchSlots>(p, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane, s_offs, s_mb,
-                                                  num_experts, disp_ctr);
+                                                  num_experts, seq.disp_ctr);
     }
   } else {
     // ================= consumer warpgroups =================
@@ -371,9 +414,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     uint32_t phase = 0;
     int e = 0;
     bool in_l2 = false;
-    for (int u = (int)ptx::ctaid_x_volatile(); u < num_tasks; u += (int)gridDim.x) {
-      const Tile t = locate(u, e, in_l2);
-      const int kbs = t.l1 ? kb1 : kb2;
+    for (int u = (int)ptx::ctaid_x_volatile(); u < seq.num_tasks; u += (int)gridDim.x) {
+      const auto t = seq.locate(u, e, in_l2);
+      const int kbs = t.l1 ? seq.kb1 : seq.kb2;
       const int hrow0 = t.row0 + 64 * wg;
       const bool active = hrow0 < t.row_end;
       auto release = [&](int s_) {
@@ -432,7 +475,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           ptx::fence_proxy_async_global();
         }
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        if (wg_tid == 0) ptx::red_release_gpu_add(l1_ctr + t.mb, 1);
+        if (wg_tid == 0) ptx::red_release_gpu_add(seq.l1_ctr + t.mb, 1);
       } else if (active) {
         staged_store(p.o, p.hidden, [&](int q) { return t.n0 + q * kStageCols; }, [&](int) { return p.hidden; },
                      &tmap_o, false);

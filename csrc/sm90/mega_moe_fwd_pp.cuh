@@ -153,7 +153,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kBlockK = L::kBlockK;
-  constexpr int kL1Cols = kBlockN / 2;  // s columns per L1 n-block
   using Mma = ptx::WgmmaBf16<kBlockN, 0, 0>;
   constexpr int kAcc = kBlockN / 2;  // accumulator registers per 64-row half
 
@@ -168,123 +167,21 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int num_experts = p.num_experts;
-  const int n1 = ceil_div(p.inter, kL1Cols);
-  const int n2 = ceil_div(p.hidden, kBlockN);
-  const int kb1 = ceil_div(p.hidden, kBlockK);
-  const int kb2 = ceil_div(p.inter, kBlockK);
-
-  if (tid == 0) {
-    for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbar_init(&full_bar[s], 1);
-      ptx::mbar_init(&empty_bar[s], 4);  // the 4 warps of the warpgroup that consumed the stage
-    }
-    ptx::fence_mbar_init();
-  }
-  if (tid == 32) {
-    ptx::tma_prefetch_desc(&tmap_xpool);
-    ptx::tma_prefetch_desc(&tmap_w13);
-    ptx::tma_prefetch_desc(&tmap_s);
-    ptx::tma_prefetch_desc(&tmap_w2);
-    ptx::tma_prefetch_desc(&tmap_o);
-    if (p.h != nullptr) ptx::tma_prefetch_desc(&tmap_h);
-  }
-  for (int i = tid; i <= num_experts; i += kNumThreads) s_offs[i] = min(max(__ldg(p.expert_offsets + i), 0), p.m_total);
-  __syncthreads();
-  if (warp == 0)
-    warp_exclusive_scan_groups(num_experts, lane, s_mb,
-                               [&](int e) { return ceil_div(max(s_offs[e + 1] - s_offs[e], 0), kBlockM); });
-  __syncthreads();
-
-  const int num_mb = min(s_mb[num_experts], p.max_m_blocks);
-  const int num_l1 = num_mb * n1;
-  const int num_tasks = (p.dispatch_only & 1) ? 0 : num_l1 + num_mb * n2;
-  int32_t* disp_ctr = p.counters;
-  int32_t* l1_ctr = p.counters + p.max_m_blocks;
-
-  struct Tile {
-    bool l1;
-    int mb;
-    int e;
-    int row0;
-    int row_end;
-    int n0;  // first output column (s columns for L1, o columns for L2)
-  };
-  auto locate = [&](int u, int& e, bool& in_l2) -> Tile {
-    Tile t;
-    t.l1 = u < num_l1;
-    int local = u, n = n1;
-    if (!t.l1) {
-      if (!in_l2) {
-        in_l2 = true;
-        e = 0;
-      }
-      local = u - num_l1;
-      n = n2;
-    }
-    while (s_mb[e + 1] * n <= local) ++e;
-    const int m_blocks = s_mb[e + 1] - s_mb[e];
-    const int in_e = local - s_mb[e] * n;
-    const int nb = in_e / m_blocks;
-    t.mb = s_mb[e] + (in_e - nb * m_blocks);
-    t.e = e;
-    t.row0 = s_offs[e] + (t.mb - s_mb[e]) * kBlockM;
-    t.row_end = max(s_offs[e + 1], s_offs[e]);
-    t.n0 = nb * (t.l1 ? kL1Cols : kBlockN);
-    return t;
-  };
-  auto mb_rows = [&](const Tile& t) -> int { return min(t.row_end - t.row0, kBlockM); };
+  // an empty barrier counts the 4 warps of the warpgroup that consumed the stage
+  mega_fwd_prologue<kNumStages, kBlockM>(p, full_bar, empty_bar, 4, s_offs, s_mb, &tmap_xpool, &tmap_w13, &tmap_s,
+                                         &tmap_w2, &tmap_h, &tmap_o);
+  using Seq = MegaTileSequence<kBlockM, kBlockN, kBlockK>;
+  const Seq seq(p, s_offs, s_mb);
 
   if (warp < 4) {
     ptx::setmaxnreg_dec<kMegaProducerRegs>();
     if (warp == 0 && lane == 0) {
-      // ================= TMA producer (tile order, one shared ring) =================
-      int stage = 0;
-      uint32_t phase = 0;
-      int e = 0;
-      bool in_l2 = false;
-      const int chunks = ceil_div(p.hidden * 2, kDispatchSlotBytes);
-      long long wait_disp = 0, wait_l1 = 0, t_start = clock64();
-      for (int u = (int)ptx::ctaid_x_volatile(); u < num_tasks; u += (int)gridDim.x) {
-        const Tile t = locate(u, e, in_l2);
-        const long long t0 = p.stats != nullptr ? clock64() : 0;
-        if (t.l1) {
-          ptx::spin_until_at_least(disp_ctr + t.mb, mb_rows(t) * chunks);
-          if (p.stats != nullptr) wait_disp += clock64() - t0;
-        } else {
-          ptx::spin_until_at_least(l1_ctr + t.mb, n1);
-          if (p.stats != nullptr) wait_l1 += clock64() - t0;
-        }
-        ptx::fence_proxy_async_global();
-        const int kbs = t.l1 ? kb1 : kb2;
-        for (int kb = 0; kb < kbs; ++kb) {
-          ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
-          uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
-          uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
-          ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
-          const int k0 = kb * kBlockK;
-          if (t.l1) {
-            ptx::tma_load_2d(sa, &tmap_xpool, &full_bar[stage], k0, t.row0);
-            ptx::tma_load_3d(sb, &tmap_w13, &full_bar[stage], k0, t.n0, t.e);
-            ptx::tma_load_3d(sb + kL1Cols * 128, &tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e);
-          } else {
-            ptx::tma_load_2d(sa, &tmap_s, &full_bar[stage], k0, t.row0);
-            ptx::tma_load_3d(sb, &tmap_w2, &full_bar[stage], k0, t.n0, t.e);
-          }
-          if (++stage == kNumStages) {
-            stage = 0;
-            phase ^= 1;
-          }
-        }
-      }
-      if (p.stats != nullptr) {
-        long long* st = p.stats + blockIdx.x * kStatsPerCta;
-        st[0] = wait_disp;
-        st[1] = wait_l1;
-        st[2] = clock64() - t_start;
-      }
+      // tile order, one shared ring; an L2 tile waits for each of its m-block's L1 tiles (one arrival each)
+      mega_tma_producer<L, kNumStages>(p, seq, seq.n1, smem, full_bar, empty_bar, &tmap_xpool, &tmap_w13, &tmap_s,
+                                       &tmap_w2);
     } else if (warp >= 1) {
       mega_dispatch_role<kBlockM, kDispatchSlots>(p, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane, s_offs, s_mb,
-                                                  num_experts, disp_ctr);
+                                                  num_experts, seq.disp_ctr);
       if (p.y != nullptr) mega_zero_unrouted_tokens(p, warp - 1, lane);
     }
   } else {
@@ -302,7 +199,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
     const int cta = (int)ptx::ctaid_x_volatile();
     const int step = (int)gridDim.x;
-    const int ntiles = cta < num_tasks ? ceil_div(num_tasks - cta, step) : 0;
+    const int ntiles = cta < seq.num_tasks ? ceil_div(seq.num_tasks - cta, step) : 0;
     // Turn passing, balanced: before each of its tiles a warpgroup waits for its turn; after issuing a tile's
     // MMAs it passes the turn on only if the other warpgroup has a next tile (no arrival is left pending).
     if (wg == 1 && ntiles > 0) ptx::named_bar_arrive(kBarTurnWg0, 256);
@@ -316,9 +213,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int e = 0;
     bool in_l2 = false;
     int k = 0;
-    for (int u = cta; u < num_tasks; u += step, ++k) {
-      const Tile t = locate(u, e, in_l2);
-      const int kbs = t.l1 ? kb1 : kb2;
+    for (int u = cta; u < seq.num_tasks; u += step, ++k) {
+      const auto t = seq.locate(u, e, in_l2);
+      const int kbs = t.l1 ? seq.kb1 : seq.kb2;
       if ((k & 1) != wg) {  // the other warpgroup's tile: its stages pass by
         stage += kbs;
         while (stage >= kNumStages) {
@@ -390,7 +287,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if (!t.l1 && p.y != nullptr) {
         __threadfence();  // release: this thread's o stores, before the warpgroup's arrivals
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        mega_combine_rows(p, wg_tid, t.row0, mb_rows(t), t.n0);
+        mega_combine_rows(p, wg_tid, t.row0, Seq::rows(t), t.n0);
       }
       if (p.stats != nullptr) {
         const long long t_end = clock64();
@@ -402,7 +299,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         // s is read by TMA (async proxy) in whichever CTA runs the L2 tiles of this m-block
         ptx::fence_proxy_async_global();
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        if (wg_tid == 0) ptx::red_release_gpu_add(l1_ctr + t.mb, 1);
+        if (wg_tid == 0) ptx::red_release_gpu_add(seq.l1_ctr + t.mb, 1);
       }
     }
     if (wg_tid == 0) ptx::bulk_wait_group<0>();
