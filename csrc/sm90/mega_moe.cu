@@ -20,8 +20,8 @@ namespace {
 // 4 KB; the three dispatch warps use 3 each.
 constexpr int kFwdStages = 3;
 constexpr int kFwdDispatchSlots = 9;
-// Ping-pong variant (work in progress, PK_MEGA_FWD_PP=1): 4 stages of 128x128x64 (32 KB each), 2 x 16 KB
-// staging, the same 9 dispatch slots.
+// The ping-pong kernel (the default): 4 stages of 128x128x64 (32 KB each), 2 x 16 KB staging, the same 9
+// dispatch slots.
 constexpr int kFwdPPStages = 4;
 // Development aid: PK_MEGA_FWD_COOP=1 runs the cooperative kernel (mega_moe_fwd.cuh: both consumer
 // warpgroups on one 128 x 256 tile) instead of the ping-pong one, with the standalone combine after it.
@@ -76,14 +76,13 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
     if (y == o || y == x_pool || y == s || (h != nullptr && y == h))
       return fail(kGemmInvalidArgument, err, err_len, "%s: y must not alias x_pool, s, h or o", fn);
   }
-  if (m_total == 0 || (combine && num_tokens == 0)) {
-    // no pool rows: every token of y (if asked) has no route
+  if (m_total == 0) {  // no pool rows: every token of y (if asked) has no route
     if (combine && num_tokens > 0) {
       const cudaError_t e = cudaMemsetAsync(y, 0, static_cast<size_t>(num_tokens) * hidden * 2, stream);
       if (e != cudaSuccess)
         return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
     }
-    if (m_total == 0) return kGemmOk;
+    return kGemmOk;
   }
   for (int r = 0; r < num_ranks; ++r)
     if (x_ranks[r] == nullptr || !aligned16(x_ranks[r]))
@@ -175,8 +174,8 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   p.topk_weights = topk_weights;
   p.y = fused_combine ? static_cast<__nv_bfloat16*>(y) : nullptr;
   p.counters = counters;
-  p.token_ctr = counters + 2 * mega_moe_max_m_blocks(m_total, num_experts);
   p.max_m_blocks = (int32_t)mega_moe_max_m_blocks(m_total, num_experts);
+  p.token_ctr = counters + 2 * p.max_m_blocks;  // after the dispatch and L1 counters
   // Development aid: PK_MEGA_FWD_STATS=1 synchronizes after the launch and prints per-role clock figures
   // (average over CTAs, in microseconds at the SM clock of 1.98 GHz max) to stderr.
   static const bool kStats = std::getenv("PK_MEGA_FWD_STATS") != nullptr;
@@ -191,8 +190,8 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
                         ? 1 | (std::atoi(std::getenv("PK_MEGA_FWD_STATS") + 1) << 1)
                         : 0;
 
-  const int64_t num_counters = p.y != nullptr ? mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden)
-                                             : mega_moe_fwd_counter_count(m_total, num_experts, 0, hidden);
+  const int64_t num_counters =
+      mega_moe_fwd_counter_count(m_total, num_experts, p.y != nullptr ? num_tokens : 0, hidden);
   cudaError_t e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * num_counters, stream);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
   // Every CTA must be resident at once (tiles wait for tiles of other CTAs): one per SM at most.
