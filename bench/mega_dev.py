@@ -1,10 +1,9 @@
 #!/usr/bin/env python3
-"""Development timing of the fused forward kernel (no plan; "+y": with the in-kernel combine) at the two
-layer shapes, ping-pong ("pp", the default) and cooperative ("coop", PK_MEGA_FWD_COOP=1: combine as a
-second launch; PK_MEGA_FWD_COMBINE=kernel|launch picks where the
-pp kernel's combine runs) kernels interleaved, beside our separate GEMMs on the same pool (plain-A SwiGLU L1 + L2)
-in the same process. With
-PK_MEGA_FWD_STATS=1 the kernel prints its per-role clock figures once per shape."""
+"""Development timing of the fused forward kernel (no plan; "+y": with the combine, "(launch)" as a second
+launch, "(kernel)" inside the kernel) at the two layer shapes: ping-pong ("pp", the default), ping-pong
+with 5 stages ("pp5") and cooperative ("coop", PK_MEGA_FWD_COOP=1) interleaved in one process, beside our
+separate GEMMs on the same pool (plain-A SwiGLU L1 + L2). With PK_MEGA_FWD_STATS=1 the kernel prints its
+per-role clock figures once per shape, without and with h."""
 
 import os
 import sys
@@ -45,7 +44,7 @@ for name in sys.argv[1:] or list(shapes):
     r2p, tw = plan.route_to_pool.view(T, K), torch.rand(T, K, device="cuda", generator=g)
     xp = x.index_select(0, (src.clamp(min=0) // K).long())  # the pool rows, for the separate-GEMM timing
     row = {}
-    for _ in range(2):  # interleaved rounds; PK_MEGA_FWD_COOP is read at every call
+    for _ in range(2):  # interleaved rounds; the PK_MEGA_FWD_* switches are read at every call
         for kern, coop, stages in (("pp", "0", "4"), ("pp5", "0", "5"), ("coop", "1", "4")):
             os.environ["PK_MEGA_FWD_COOP"] = coop
             os.environ["PK_MEGA_FWD_PP_STAGES"] = stages

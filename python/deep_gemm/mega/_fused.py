@@ -2,9 +2,10 @@
 
 Forward (sm90, BF16, single rank): the routing plan, then one persistent kernel
 (``torch.ops.deep_gemm.mega_moe_fused_fwd``: dispatch of the token rows into the pool, L1 with the
-SwiGLU epilogue and L2, tiles released to each other through per-m-block counters, and the
-deterministic combine: the last L2 tile to finish a token's 128 columns reduces them over the token's
-routes in k order, bit-identical to the standalone combine kernel). Same arguments, return tuple and rounding points as
+SwiGLU epilogue and L2, tiles released to each other through per-m-block counters), whose op also
+returns y: the deterministic combine over the L2 rows, by default the combine kernel launched right
+after the forward kernel (``PK_MEGA_FWD_COMBINE=kernel``: inside it, bit-identical and slower today;
+bench/NOTES.md). Same arguments, return tuple and rounding points as
 :func:`deep_gemm.mega.reference.forward`, F6 included (with a clamp the saved h keeps the clamp masks
 of the fp32 pre-activation). The plan is built with ``block_m = 1`` (no padding), so the saved state is
 the grouped pipeline's and its backward reads it. The dispatched pool rows are kept for the backward only when
@@ -45,7 +46,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
         _s, h, _o, x_pool, y = torch.ops.deep_gemm.mega_moe_fused_fwd(
             x.contiguous(), src, plan.expert_offsets, w13.contiguous(), w2.contiguous(), K, save_h,
             float(activation_clamp) if activation_clamp is not None else 0.0, keep_x_pool,
-            route_to_pool, topk_weights.float().contiguous())  # F5 (the combine) inside the kernel
+            route_to_pool, topk_weights.float().contiguous())  # F5: the op's combine
     return (y, h, plan.expert_counts, plan.expert_offsets, src, srank,
             route_to_pool, x_pool)
 

@@ -4,8 +4,9 @@ Forward: routing plan -> L1 as an m-grouped GEMM that gathers the token rows its
 SwiGLU in its epilogue -> L2 as an m-grouped GEMM -> the deterministic combine. Backward: gathers of
 the dy rows (and of x, unless the fused forward kept them) -> L2 dgrad with the SwiGLU backward in its
 epilogue (weights read MN-major, no transposed copy; d topk_weights partials per 128 columns, dh, w*s)
--> L1 dgrad -> combine for dX, and the weight gradients as k-grouped GEMMs. It is the stepping stone to the persistent fused kernels (issues 5
-and 6): every stage is one of our kernels, but the stages meet in HBM.
+-> L1 dgrad -> combine for dX, and the weight gradients as k-grouped GEMMs. It is the stepping stone to
+the persistent fused kernels (issues 5 and 6): every stage is one of our kernels, but the stages meet
+in HBM.
 
 Rounding points: those of :mod:`deep_gemm.mega.reference`, except where a pipeline stage has to
 store a tensor between kernels:
@@ -88,8 +89,7 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route,
                                                     topk_weights.float().contiguous(), clamp=activation_clamp)
     dt_pool = dt_part.sum(1)  # per-128-column partials, in column order
-    del dt_part
-    del h  # pool-sized buffers are freed as soon as their last reader is queued (lower peak memory)
+    del dt_part, h  # pool-sized buffers are freed as soon as their last reader is queued (lower peak memory)
     dx_pool = m_grouped_bf16_gemm_nn(dh, w13, offsets)  # B7
     dx = combine(dx_pool, route_to_pool, None)  # B8
     del dx_pool

@@ -89,8 +89,9 @@ def mega_moe(
         Costs that memory from the forward to the backward (the torch baseline's autograd keeps its
         gathered rows too). None (default): kept exactly when the forward runs the fused kernel and dW13
         will be needed (grad mode on and w13 requires grad, or ``wgrad_accum`` given), so inference and
-        the other backends are unchanged; at Qwen3-30B-A3B, T=16384 on an H200 the backward is ~0.3 ms
-        shorter with it and the forward+backward peak memory is the same (bench/NOTES.md).
+        the other backends are unchanged; at Qwen3-30B-A3B, T=16384 on an H200 the backward was 0.14 ms
+        shorter with it in one run (5.08 -> 4.94 ms) at the same forward+backward peak memory
+        (bench/NOTES.md).
 
     Returns y [T, H] (x's dtype), or (y, plan) with ``return_plan=True``.
     Gradients flow to x, topk_weights, w13 and w2 (not to topk_idx).
