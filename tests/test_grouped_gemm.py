@@ -263,6 +263,55 @@ def test_swiglu_bwd_gemm_matches_float64(monkeypatch, E, kind, I, H, clamp, kern
         assert torch.equal(a, b)  # deterministic
 
 
+def test_swiglu_bwd_gather_cpu_opcheck():
+    gen = torch.Generator().manual_seed(6)
+    dy = torch.randn(9, 64, generator=gen).bfloat16()
+    idx = torch.tensor([3, 8, -1, 0, 9, 2, 5, 1, 7, 4, 6, 0], dtype=torch.int32)  # 9: out of range, reads zeros
+    w2 = torch.randn(3, 64, 320, generator=gen).bfloat16()
+    h = torch.randn(12, 640, generator=gen).bfloat16()
+    src = torch.tensor([0, 5, -1, 7, 2, 9, 11, 3, -1, 4, 1, 6], dtype=torch.int32)
+    wts = torch.rand(12, generator=gen) + 0.1
+    offs = offsets_of([4, 0, 6], "cpu")
+    torch.library.opcheck(torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu_bwd_gather.default,
+                          (dy, idx, 12, w2, offs, h, src, wts, 0.0))
+
+
+@requires_sm90
+@pytest.mark.parametrize("E,kind,I,H,T", [(8, "special", 768, 256, 700), (128, "skewed", 1536, 2112, 3000),
+                                          (3, "skewed", 320, 4096, 257)])
+def test_swiglu_bwd_gemm_gathers_dy(E, kind, I, H, T):
+    """The gathering kernel (dy rows by token, dy_pool written while the tiles run) gives the gathered rows
+    exactly and the same dh / w*s / dt partials, bit for bit, as the plain kernel on those rows."""
+    gen = torch.Generator().manual_seed(E + I + H + T)
+    sizes = group_sizes(E, kind, gen)
+    M = sum(sizes)
+    m_total = M + 37  # capacity past the last group: not written, not read
+    offs = offsets_of(sizes, "cuda")
+    dy = torch.randn(T, H, generator=gen).bfloat16().cuda()
+    idx = torch.randint(-1, T + 3, (m_total,), generator=gen, dtype=torch.int32).cuda()  # -1, >= T: zero rows
+    w2 = (torch.randn(E, H, I, generator=gen) / H ** 0.5).bfloat16().cuda()
+    h = (torch.randn(m_total, 2 * I, generator=gen) * 2).bfloat16().cuda()
+    src = torch.randint(-1, T * 2, (m_total,), generator=gen, dtype=torch.int32).cuda()
+    wts = (torch.rand(T, 2, generator=gen) + 0.1).cuda()
+    f = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd
+    poison_next_alloc(m_total * H, torch.bfloat16)
+    dh, aw, dt_part, dy_pool = f(dy, w2, offs, h, src, wts, a_row_index=idx, m_total=m_total)
+    assert dy_pool.shape == (m_total, H) and dh.shape == (m_total, 2 * I)
+    i64 = idx[:M].long()
+    ok = (i64 >= 0) & (i64 < T)
+    rows = torch.where(ok[:, None], dy[i64.clamp(0, T - 1)], torch.zeros((), dtype=dy.dtype, device="cuda"))
+    assert torch.equal(dy_pool[:M], rows)
+    plain = f(rows, w2, offs, h, src, wts)
+    for name, out, ref in (("dh", dh, plain[0]), ("w*s", aw, plain[1]), ("dt_part", dt_part, plain[2])):
+        assert torch.equal(out[:M], ref[:M]), name
+    dh_ref, aw_ref, dt_ref = _swiglu_bwd_ref64(rows.cpu(), w2.cpu(), offs.cpu(), h.cpu(), src.cpu(), wts.cpu(), None)
+    for name, out, ref in (("dh", dh[:M], dh_ref), ("w*s", aw[:M], aw_ref), ("dt", dt_part[:M].sum(1), dt_ref)):
+        assert rel_err(out.cpu(), ref) < 1e-2, name
+    again = f(dy, w2, offs, h, src, wts, a_row_index=idx, m_total=m_total)
+    for a, b in zip((dh, aw, dt_part, dy_pool), again):
+        assert torch.equal(a[:M], b[:M])  # deterministic
+
+
 @requires_sm90
 def test_swiglu_bwd_gemm_bad_inputs_raise():
     dy = torch.randn(16, 128, device="cuda").bfloat16()
@@ -280,3 +329,10 @@ def test_swiglu_bwd_gemm_bad_inputs_raise():
         f(dy, w2, offs, h, src, wts.double())
     with pytest.raises(ValueError, match="clamp"):
         f(dy, w2, offs, h, src, wts, clamp=-1.0)
+    idx = torch.arange(16, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="m_total"):
+        f(dy, w2, offs, h, src, wts, a_row_index=idx)
+    with pytest.raises(RuntimeError, match="a_row_index"):
+        f(dy, w2, offs, h, src, wts, a_row_index=idx[:8], m_total=16)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        f(dy, w2[:, :, :96], offs, h[:, :192], src, wts, a_row_index=idx, m_total=16)

@@ -116,12 +116,18 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_r
 // [m_total, I] (bf16) and dt_part [m_total, dt_ld >= ceil(I / 128)] (fp32 partials of d topk_weights;
 // their sum in column order is the row's d weight). Rows outside every group are not
 // written. I and hidden multiples of 8; clamp 0 = none.
+// Gathered dy (a_row_index non-null): dy_pool is the source rows [a_rows, hidden] (row stride lda) and the kernel
+// also writes a_pool [m_total, hidden] (contiguous): pool row m = source row a_row_index[m] (zeros outside
+// [0, a_rows)), rows past the last group unwritten; counters: >= ceil(m_total / 128) + num_groups int32 of
+// scratch (zeroed by the call). Needs I a multiple of 64. a_row_index null: a_rows, a_pool, counters unused.
 PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb,
                                              int64_t b_group_stride, const void* h, int64_t ldh,
                                              const int32_t* pool_src_route, const float* route_weights, void* dh,
                                              int64_t lddh, void* aw, int64_t ldaw, float* dt_part, int64_t dt_ld,
                                              const int32_t* group_offsets, int num_groups, int64_t m_total,
-                                             int64_t intermediate, int64_t hidden, float clamp, void* cuda_stream);
+                                             int64_t intermediate, int64_t hidden, float clamp,
+                                             const int32_t* a_row_index, int64_t a_rows, void* a_pool,
+                                             int32_t* counters, int64_t num_counters, void* cuda_stream);
 
 // ---------------------------------------------------------------------------------------------
 // Fused Mega MoE forward (sm90, BF16): dispatch of the token rows into the pool, L1 with SwiGLU, L2 and

@@ -95,19 +95,21 @@ int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const vo
                                       const float* route_weights, void* dh, int64_t lddh, void* aw, int64_t ldaw,
                                       float* dt_part, int64_t dt_ld, const int32_t* group_offsets, int num_groups,
                                       int64_t m_total, int64_t intermediate, int64_t hidden, float clamp,
-                                      void* cuda_stream) {
+                                      const int32_t* a_row_index, int64_t a_rows, void* a_pool, int32_t* counters,
+                                      int64_t num_counters, void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90(); rc != PK_OK) return rc;
   char message[512] = {0};
   const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_swiglu_bwd(
       dy_pool, lda, w2, ldb, b_group_stride, h, ldh, pool_src_route, route_weights, dh, lddh, aw, ldaw, dt_part, dt_ld,
-      group_offsets, num_groups, m_total, intermediate, hidden, clamp, static_cast<cudaStream_t>(cuda_stream), message,
-      sizeof(message));
+      group_offsets, num_groups, m_total, intermediate, hidden, clamp, a_row_index, a_rows, a_pool, counters,
+      num_counters, static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
   return from_sm90(rc, message);
 #else
   (void)dy_pool, (void)lda, (void)w2, (void)ldb, (void)b_group_stride, (void)h, (void)ldh, (void)pool_src_route;
   (void)route_weights, (void)dh, (void)lddh, (void)aw, (void)ldaw, (void)dt_part, (void)dt_ld, (void)group_offsets;
   (void)num_groups, (void)m_total, (void)intermediate, (void)hidden, (void)clamp, (void)cuda_stream;
+  (void)a_row_index, (void)a_rows, (void)a_pool, (void)counters, (void)num_counters;
   return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE,
                               "m_grouped_bf16_gemm_swiglu_bwd is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif

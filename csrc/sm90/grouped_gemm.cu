@@ -371,7 +371,8 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
                                    const float* route_weights, void* dh, int64_t lddh, void* aw, int64_t ldaw,
                                    float* dt_part, int64_t dt_ld, const int32_t* group_offsets, int num_groups,
                                    int64_t m_total, int64_t intermediate, int64_t hidden, float clamp_limit,
-                                   cudaStream_t stream, char* err, size_t err_len) {
+                                   const int32_t* a_row_index, int64_t a_rows, void* a_pool, int32_t* counters,
+                                   int64_t num_counters, cudaStream_t stream, char* err, size_t err_len) {
   clear_err(err, err_len);
   const char* fn = "m_grouped_bf16_gemm_swiglu_bwd";
   constexpr int kBlockN = 256;
@@ -396,6 +397,20 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
                 fn, (long long)b_group_stride);
   if (!(clamp_limit >= 0.f))
     return fail(kGemmInvalidArgument, err, err_len, "%s: clamp_limit must be >= 0 (0 = no clamp)", fn);
+  // With a_row_index, dy_pool holds the source rows (a_rows of them) and the kernel gathers them into a_pool.
+  const bool dispatch = a_row_index != nullptr;
+  const int64_t max_m_blocks = (m_total + 127) / 128 + num_groups;  // bounds the m-blocks of every grouping
+  if (dispatch) {
+    if (a_rows < 0 || a_rows > kMaxDim || a_pool == nullptr || !aligned16(a_pool) || counters == nullptr ||
+        num_counters < max_m_blocks || m_total * ((k * 2 + 4095) / 4096) > kMaxDim)
+      return fail(kGemmInvalidArgument, err, err_len,
+                  "%s (gathered dy): a_rows = %lld, a_pool (16-byte aligned) and %lld counters are needed, got %lld",
+                  fn, (long long)a_rows, (long long)max_m_blocks, (long long)num_counters);
+    if (!(I % 64 == 0 && ldh % 8 == 0 && lddh % 8 == 0 && ldaw % 8 == 0))
+      return fail(kGemmInvalidArgument, err, err_len,
+                  "%s (gathered dy): intermediate must be a multiple of 64 (the ping-pong kernel's boxes), got %lld",
+                  fn, (long long)I);
+  }
   if (m_total == 0) return kGemmOk;
   if (dy_pool == nullptr || w2 == nullptr || h == nullptr || pool_src_route == nullptr || route_weights == nullptr ||
       dh == nullptr || aw == nullptr || dt_part == nullptr || group_offsets == nullptr)
@@ -407,9 +422,9 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
   CUtensorMap ma, mb;
   {
     const uint64_t dims[2] = {(uint64_t)k, (uint64_t)m_total};
-    const uint64_t strides[1] = {(uint64_t)lda * 2};
+    const uint64_t strides[1] = {(uint64_t)(dispatch ? k : lda) * 2};
     const uint32_t box[2] = {64, 128};
-    if (int r = make_map(&ma, dy_pool, 2, dims, strides, box, err, err_len)) return r;
+    if (int r = make_map(&ma, dispatch ? a_pool : dy_pool, 2, dims, strides, box, err, err_len)) return r;
   }
   {
     const int64_t gs = num_groups > 1 ? b_group_stride : k * ldb;
@@ -437,13 +452,19 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
   p.ldaw = ldaw;
   p.dt_part = dt_part;
   p.dt_ld = (int32_t)dt_ld;
+  if (dispatch) {
+    p.a_row_index = a_row_index;
+    p.a_rows = (int32_t)a_rows;
+    p.a_pool = reinterpret_cast<__nv_bfloat16*>(a_pool);
+    p.disp_ctr = counters;
+    p.max_m_blocks = (int32_t)max_m_blocks;
+  }
   const int64_t max_units = ((m_total + 127) / 128 + num_groups) * n_blocks;
   // The ping-pong kernel (swiglu_bwd_pp.cuh) where its boxes fit; PK_SWIGLU_BWD_COOP=1 (development aid, read
-  // at every call) runs the cooperative kSwiGLUBwd kernel instead.
+  // at every call) runs the cooperative kSwiGLUBwd kernel instead (not with a gathered dy).
   const char* coop_env = std::getenv("PK_SWIGLU_BWD_COOP");
-  const bool cooperative = coop_env != nullptr && coop_env[0] == '1';
+  const bool cooperative = !dispatch && coop_env != nullptr && coop_env[0] == '1';
   if (!cooperative && I % 64 == 0 && ldh % 8 == 0 && lddh % 8 == 0 && ldaw % 8 == 0) {
-    constexpr int kStages = 4;
     CUtensorMap mh, mdh, maw;
     {
       const uint64_t dims[2] = {(uint64_t)(2 * I), (uint64_t)m_total};
@@ -456,14 +477,27 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
       const uint64_t saw[1] = {(uint64_t)ldaw * 2};
       if (int r = make_map(&maw, aw, 2, dims_aw, saw, box, err, err_len)) return r;
     }
-    constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages>;
-    constexpr int smem = SwigluBwdPPLayout<kStages>::kSmemBytes;
-    cudaError_t e = set_max_dynamic_smem<kernel>(smem);
-    if (e != cudaSuccess)
-      return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
     const int64_t tiles = ((m_total + 127) / 128 + num_groups) * ((I + 127) / 128);
     const int grid = (int)(tiles < sms ? (tiles > 0 ? tiles : 1) : sms);
-    kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, mh, mdh, maw, p);
+    cudaError_t e = cudaSuccess;
+    if (dispatch) {
+      // Every CTA of the persistent grid must be resident at once, since a tile waits on rows another CTA
+      // dispatches: grid <= SMs, one CTA per SM (its shared memory).
+      constexpr int kStages = 3, kSlots = 9;  // 9 x 4 KB dispatch slots take the fourth stage's room
+      constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages, kSlots>;
+      constexpr int smem = SwigluBwdPPLayout<kStages, kSlots>::kSmemBytes;
+      e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * max_m_blocks, stream);
+      if (e == cudaSuccess) e = set_max_dynamic_smem<kernel>(smem);
+      if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
+      kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, mh, mdh, maw, p);
+    } else {
+      constexpr int kStages = 4;
+      constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages, 0>;
+      constexpr int smem = SwigluBwdPPLayout<kStages, 0>::kSmemBytes;
+      e = set_max_dynamic_smem<kernel>(smem);
+      if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
+      kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, mh, mdh, maw, p);
+    }
     return check_launch(fn, err, err_len);
   }
   return launch_m_grouped<kBlockN, 4, false, false, false, false, false, false, true>(ma, mb, mb, p, max_units, sms,

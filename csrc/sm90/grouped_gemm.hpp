@@ -83,7 +83,8 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
                                    const float* route_weights, void* dh, int64_t lddh, void* aw, int64_t ldaw,
                                    float* dt_part, int64_t dt_ld, const int32_t* group_offsets, int num_groups,
                                    int64_t m_total, int64_t intermediate, int64_t hidden, float clamp_limit,
-                                   cudaStream_t stream, char* err, size_t err_len);
+                                   const int32_t* a_row_index, int64_t a_rows, void* a_pool, int32_t* counters,
+                                   int64_t num_counters, cudaStream_t stream, char* err, size_t err_len);
 
 // k-grouped GEMM (weight gradients):  C_e = A_e^T @ B_e  (or C_e += ... when accumulate),
 // A_e = rows [group_offsets[e], group_offsets[e+1]) of A, likewise B_e.

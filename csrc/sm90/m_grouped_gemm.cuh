@@ -98,6 +98,13 @@ struct MGroupedParams {
   int64_t ldaw;
   float* dt_part;
   int32_t dt_ld;
+  // ... with dispatch (swiglu_bwd_pp.cuh, kDispatchSlots > 0): pool row m of a_pool [m_total, k] (row stride k)
+  // is copied from A row a_row_index[m] (a, lda, a_rows above; zeros for indices outside [0, a_rows)) and A is
+  // read from a_pool once its m-block's counter disp_ctr[mb] (zero before the launch, max_m_blocks entries) is
+  // complete. Rows past the last group are not written.
+  __nv_bfloat16* a_pool;
+  int32_t* disp_ctr;
+  int32_t max_m_blocks;
 };
 
 template <int kBlockN, int kNumStages, bool kAsyncEpi>

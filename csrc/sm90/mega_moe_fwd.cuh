@@ -31,6 +31,7 @@
 #include <cuda.h>
 
 #include "common/combine_math.cuh"
+#include "dispatch_rows.cuh"
 #include "gemm_common.cuh"
 
 namespace deep_gemm {
@@ -39,10 +40,8 @@ namespace sm90 {
 constexpr int kMegaMaxRanks = 8;
 constexpr int kMegaMaxExperts = 512;
 constexpr int kDispatchSlotBytes = 4096;
-constexpr int kDispatchRunRows = 32;
-// The dispatch warp needs more than the GEMM producer's 40 registers; 128 * 56 + 256 * 224 = 384 * 168.
-constexpr uint32_t kMegaProducerRegs = 56;
-constexpr uint32_t kMegaConsumerRegs = 224;
+constexpr uint32_t kMegaProducerRegs = kDispatchProducerRegs;
+constexpr uint32_t kMegaConsumerRegs = kDispatchConsumerRegs;
 
 struct MegaFwdParams {
   // Source token rows: rank r's x [*, hidden] bf16 (row stride ld_x elements) at x_ranks[r].
@@ -104,102 +103,22 @@ struct MegaFwdLayout {
   static_assert(kSmemBytes <= 232448, "shared memory budget exceeded");
 };
 
-// The dispatch role (producer warps 1-3 of every CTA; dwarp = 0..2): copies the pool's x rows into x_pool and
-// releases the per-m-block dispatch counters. Shared by the forward kernels.
+// The dispatch role of the forward kernels (producer warps 1-3 of every CTA; dwarp = 0..2): copies the pool's
+// x rows (token route / top_k of its source rank's x) into x_pool and releases the per-m-block dispatch counters.
 template <int kBlockM, int kDispatchSlots>
 __device__ __forceinline__ void mega_dispatch_role(const MegaFwdParams& p, uint32_t slots_addr, int dwarp, int lane,
                                                    const int32_t* s_offs, const int32_t* s_mb, int num_experts,
                                                    int32_t* disp_ctr) {
-  // Pool rows are handed out in runs of kDispatchRunRows (32) rows, round-robin over the CTAs and, within
-  // a CTA, over its three dispatch warps, so the first m-blocks fill first. A run is one lane per row:
-  // each lane looks up its row's source (token, rank) and m-block once; the run's pieces (a row is
-  // ceil(2H / 4 KB) pieces) then stream through this warp's kSlotsPerWarp shared-memory slots: every lane
-  // cp.asyncs its 16-byte parts of a piece kSlotsPerWarp - 1 pieces ahead and stores them to x_pool once
-  // they land (the LSU path: bulk copies queue behind the GEMM's TMA loads). After the run: proxy fence,
-  // and one release per m-block the run touches, by the lane holding that m-block's first row. (The
-  // earlier single-warp loop spent ~1.1 us of dependent index arithmetic per piece: bench/NOTES.md.)
-  constexpr int kDispatchWarps = 3;
-  constexpr int kSlotsPerWarp = kDispatchSlots / kDispatchWarps;
-  static_assert(kSlotsPerWarp >= 2, "each dispatch warp needs two slots");
-  const int row_bytes = p.hidden * 2;
-  const int chunks = ceil_div(row_bytes, kDispatchSlotBytes);
-  const int num_rows = s_offs[num_experts];
-  const int num_runs = ceil_div(num_rows, kDispatchRunRows);
-  const uint32_t slot0 = slots_addr + dwarp * kSlotsPerWarp * kDispatchSlotBytes;
-  const int cta = (int)ptx::ctaid_x_volatile();
-  const int step = (int)gridDim.x * kDispatchWarps;
-  const long long t_start = clock64();
-  constexpr int kPerLane = kDispatchSlotBytes / 16 / 32;
-  for (int run = cta + dwarp * (int)gridDim.x; run < num_runs; run += step) {
-    const int row0 = run * kDispatchRunRows;
-    const int rows = min(kDispatchRunRows, num_rows - row0);
-    // this lane's row: source and m-block (binary search of the expert offsets in shared memory)
-    const int my_row = row0 + min(lane, rows - 1);
-    const int route = __ldg(p.pool_src_route + my_row);
-    const int rank = p.pool_src_rank != nullptr ? min(max(__ldg(p.pool_src_rank + my_row), 0), p.num_ranks - 1) : 0;
-    const __nv_bfloat16* my_src = p.x_ranks[rank] + static_cast<int64_t>(max(route, 0) / p.top_k) * p.ld_x;
-    int lo = 0, hi = num_experts - 1;  // the expert e with s_offs[e] <= my_row < s_offs[e + 1]
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (s_offs[mid] <= my_row) lo = mid; else hi = mid - 1;
-    }
-    const int my_mb = lane < rows ? s_mb[lo] + (my_row - s_offs[lo]) / kBlockM : -1;
-    // pieces of the run: i = ri * chunks + c
-    const int pieces = rows * chunks;
-    auto issue = [&](int i) {  // every lane; one commit per piece index, empty past the end
-      if (i < pieces && !(p.dispatch_only & 8)) {
-        const int ri = i / chunks;  // chunks is 1 or 2 at the layer shapes: cheap
-        const int c = i - ri * chunks;
-        const uint8_t* src = reinterpret_cast<const uint8_t*>(
-                                 __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_src), ri)) +
-                             c * kDispatchSlotBytes;
-        const int bytes = min(kDispatchSlotBytes, row_bytes - c * kDispatchSlotBytes);
-        const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kDispatchSlotBytes;
-#pragma unroll 1
-        for (int k = 0; k < kPerLane; ++k) {
-          const int off = (lane + 32 * k) * 16;
-          if (off < bytes) ptx::cp_async_16(slot + off, src + off, 16u);
-        }
-      }
-      ptx::cp_async_commit();
-    };
-    for (int i = 0; i < kSlotsPerWarp - 1; ++i) issue(i);
-    for (int i = 0; i < pieces; ++i) {
-      issue(i + kSlotsPerWarp - 1);
-      ptx::cp_async_wait<kSlotsPerWarp - 1>();  // this lane's parts of piece i have landed
-      const int ri = i / chunks;
-      const int c = i - ri * chunks;
-      const int bytes = min(kDispatchSlotBytes, row_bytes - c * kDispatchSlotBytes);
-      uint8_t* dst = reinterpret_cast<uint8_t*>(p.x_pool + static_cast<int64_t>(row0 + ri) * p.hidden) +
-                     c * kDispatchSlotBytes;
-      const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kDispatchSlotBytes;
-#pragma unroll 1
-      for (int k = 0; k < kPerLane; ++k) {
-        const int off = (lane + 32 * k) * 16;
-        if (off < bytes && !(p.dispatch_only & 4)) ptx::st_global_v4(dst + off, ptx::ld_shared_v4(slot + off));
-      }
-    }
-    // release the run's rows per m-block: the lane with an m-block's first row in this run adds
-    // (its rows in the run) * chunks
-    const int prev_mb = __shfl_up_sync(0xffffffffu, my_mb, 1);
-    const bool first = my_mb >= 0 && (lane == 0 || prev_mb != my_mb);
-    const uint32_t firsts = __ballot_sync(0xffffffffu, first);
-    if (!(p.dispatch_only & 2)) {
-      ptx::fence_proxy_async_global();
-      __syncwarp();
-      if (first) {
-        const uint32_t later = firsts & ~((2u << lane) - 1u);  // segment starts after this lane
-        const int end = later ? __ffs(later) - 1 : rows;
-        ptx::red_release_gpu_add(disp_ctr + my_mb, (end - lane) * chunks);
-      }
-    }
-  }
-  ptx::cp_async_wait<0>();
-  if (lane == 0 && p.stats != nullptr) {
-    // dispatch end: the latest of the three warps (shared-memory max through an atomic on the stats slot)
-    atomicMax(reinterpret_cast<unsigned long long*>(p.stats + blockIdx.x * kStatsPerCta + 3),
-              static_cast<unsigned long long>(clock64() - t_start));
-  }
+  auto src_of = [&](int row) -> const __nv_bfloat16* {
+    const int route = __ldg(p.pool_src_route + row);
+    const int rank = p.pool_src_rank != nullptr ? min(max(__ldg(p.pool_src_rank + row), 0), p.num_ranks - 1) : 0;
+    return p.x_ranks[rank] + static_cast<int64_t>(max(route, 0) / p.top_k) * p.ld_x;
+  };
+  unsigned long long* stat_max =
+      p.stats != nullptr ? reinterpret_cast<unsigned long long*>(p.stats + blockIdx.x * kStatsPerCta + 3) : nullptr;
+  dispatch_rows_role<kBlockM, kDispatchSlots / kDispatchWarps, kDispatchSlotBytes>(
+      src_of, reinterpret_cast<uint8_t*>(p.x_pool), p.hidden * 2, slots_addr, dwarp, lane, s_offs, s_mb, num_experts,
+      disp_ctr, p.dispatch_only, stat_max);
 }
 
 // The forward's static tile sequence (see the file comment), shared by both forward kernels and all of

@@ -13,17 +13,24 @@
 // boxes) by TMA into a two-slot ring per warpgroup, the first two issued before the mainloop; each thread
 // reads its fragment's g, u from the swizzled boxes, writes dg, du over them in place and w*s into a third
 // box, and one thread TMA-stores the three boxes (generic 16-byte stores for an m-block's last partial rows).
+// With dispatch slots (the grouped backward's default), dy_pool is not an input: the kernel gathers the dy rows
+// into it itself (see SwigluBwdPPLayout) and the weight gradient reads it afterwards.
 #pragma once
 
 #include <cuda.h>
 
+#include "dispatch_rows.cuh"
 #include "gemm_common.cuh"
 #include "m_grouped_gemm.cuh"
 
 namespace deep_gemm {
 namespace sm90 {
 
-template <int kNumStages>
+// kDispatchSlots > 0 (gathered dy, MGroupedParams::a_pool): producer warps 1-3 copy the dy rows into dy_pool
+// through that many 4 KB shared-memory slots (dispatch_rows.cuh) while the tiles run; the TMA producer waits
+// for each m-block's rows before loading them. It replaces a separate gather kernel (a 0.28 ms pass over
+// [P, H] at 30B, T=16384: bench/NOTES.md); the slots cost one GEMM stage.
+template <int kNumStages, int kDispatchSlots>
 struct SwigluBwdPPLayout {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 128;
@@ -37,24 +44,28 @@ struct SwigluBwdPPLayout {
   static constexpr int kBOff = kAOff + kNumStages * kABytes;
   static constexpr int kHOff = kBOff + kNumStages * kBBytes;  // per warpgroup: 2 slots
   static constexpr int kAwOff = kHOff + 2 * 2 * kSlotBytes;   // per warpgroup: 1 w*s box
-  static constexpr int kBarOff = kAwOff + 2 * kBoxBytes;
+  static constexpr int kDispOff = kAwOff + 2 * kBoxBytes;
+  static constexpr int kDispatchSlotBytes = 4096;
+  static constexpr int kBarOff = kDispOff + kDispatchSlots * kDispatchSlotBytes;
   static constexpr int kHBarOff = kBarOff + 2 * kNumStages * 8;  // per warpgroup: 2 slot barriers
   static constexpr int kOffsOff = kHBarOff + 4 * 8;
-  static constexpr int kTileOff = kOffsOff + (kMaxGroups + 1) * 4;
-  static constexpr int kEnd = kTileOff + (kMaxGroups + 1) * 4;
+  static constexpr int kMbOff = kOffsOff + (kMaxGroups + 1) * 4;  // first m-block of each group
+  static constexpr int kEnd = kMbOff + (kMaxGroups + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
   static_assert(kSmemBytes <= 232448, "shared memory budget exceeded");
+  static_assert(kDispatchSlots % kDispatchWarps == 0, "dispatch slots are split evenly over the dispatch warps");
 };
 
 constexpr uint32_t kBarSwigluTurnWg0 = 5;  // +wg
 
-template <int kNumStages>
+template <int kNumStages, int kDispatchSlots>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_swiglu_bwd_pp_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                                    const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_dh,
                                    const __grid_constant__ CUtensorMap tmap_aw, const MGroupedParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using L = SwigluBwdPPLayout<kNumStages>;
+  using L = SwigluBwdPPLayout<kNumStages, kDispatchSlots>;
+  constexpr bool kDispatch = kDispatchSlots > 0;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kBlockK = L::kBlockK;
@@ -66,7 +77,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
   uint64_t* empty_bar = full_bar + kNumStages;
   int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
-  int32_t* s_tile = reinterpret_cast<int32_t*>(smem + L::kTileOff);
+  int32_t* s_mb = reinterpret_cast<int32_t*>(smem + L::kMbOff);
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -93,36 +104,47 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   for (int i = tid; i <= num_groups; i += kNumThreads) s_offs[i] = min(max(__ldg(p.group_offsets + i), 0), p.m_total);
   __syncthreads();
   if (warp == 0)
-    warp_exclusive_scan_groups(num_groups, lane, s_tile, [&](int g) {
-      return ceil_div(max(s_offs[g + 1] - s_offs[g], 0), kBlockM) * n_blocks;
-    });
+    warp_exclusive_scan_groups(num_groups, lane, s_mb,
+                               [&](int g) { return ceil_div(max(s_offs[g + 1] - s_offs[g], 0), kBlockM); });
   __syncthreads();
-  const int num_tiles = s_tile[num_groups];
+  // read by each role after its setmaxnreg (a volatile shared load): one copy live across the register
+  // reconfiguration gets spilled
+  auto num_tiles_now = [&]() -> int {
+    return static_cast<int>(ptx::ld_shared_u32(ptx::smem_addr(s_mb + num_groups))) * n_blocks;
+  };
 
   struct Work {
     int g;
     int row0;
     int row_end;
     int n0;
+    int mb;  // global m-block
   };
   auto locate = [&](int u, int& g) -> Work {  // group-major, then n-block, m-block fastest
-    while (s_tile[g + 1] <= u) ++g;
+    while (s_mb[g + 1] * n_blocks <= u) ++g;
     const int start = s_offs[g];
     const int end = max(s_offs[g + 1], start);
-    const int m_blocks = ceil_div(end - start, kBlockM);
-    const int local = u - s_tile[g];
+    const int m_blocks = s_mb[g + 1] - s_mb[g];
+    const int local = u - s_mb[g] * n_blocks;
     const int nb = local / m_blocks;
-    return Work{g, start + (local - nb * m_blocks) * kBlockM, end, nb * kBlockN};
+    const int mb = local - nb * m_blocks;
+    return Work{g, start + mb * kBlockM, end, nb * kBlockN, s_mb[g] + mb};
   };
 
   if (warp < 4) {
-    ptx::setmaxnreg_dec<kProducerRegs>();
+    if constexpr (kDispatch) ptx::setmaxnreg_dec<kDispatchProducerRegs>(); else ptx::setmaxnreg_dec<kProducerRegs>();
     if (warp == 0 && lane == 0) {
       int stage = 0;
       uint32_t phase = 0;
       int g = 0;
+      const int chunks = dispatch_pieces_per_row<L::kDispatchSlotBytes>(p.k * 2);
+      const int num_tiles = num_tiles_now();
       for (int u = (int)ptx::ctaid_x_volatile(); u < num_tiles; u += (int)gridDim.x) {
         const Work w = locate(u, g);
+        if constexpr (kDispatch) {  // this m-block's dy rows are in dy_pool (the dispatch warps' release)
+          if (w.mb < p.max_m_blocks) ptx::spin_until_at_least(p.disp_ctr + w.mb, min(w.row_end - w.row0, kBlockM) * chunks);
+          ptx::fence_proxy_async_global();
+        }
         for (int kb = 0; kb < num_k_blocks; ++kb) {
           ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
           uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
@@ -138,9 +160,20 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           }
         }
       }
+    } else if constexpr (kDispatch) {
+      if (warp >= 1) {
+        // pool row m <- dy[a_row_index[m]] (zeros for an index outside [0, a_rows))
+        auto src_of = [&](int row) -> const __nv_bfloat16* {
+          const int idx = __ldg(p.a_row_index + row);
+          return idx >= 0 && idx < p.a_rows ? p.a + static_cast<int64_t>(idx) * p.lda : nullptr;
+        };
+        dispatch_rows_role<kBlockM, kDispatchSlots / kDispatchWarps, L::kDispatchSlotBytes>(
+            src_of, reinterpret_cast<uint8_t*>(p.a_pool), p.k * 2, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane,
+            s_offs, s_mb, num_groups, p.disp_ctr, 0, nullptr);
+      }
     }
   } else {
-    ptx::setmaxnreg_inc<kConsumerRegs>();
+    if constexpr (kDispatch) ptx::setmaxnreg_inc<kDispatchConsumerRegs>(); else ptx::setmaxnreg_inc<kConsumerRegs>();
     const int wg = (warp >> 2) - 1;
     const int wg_tid = tid - 128 * (wg + 1);
     const uint64_t desc_a0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kAOff), 0, 1024);
@@ -165,6 +198,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
     const int cta = (int)ptx::ctaid_x_volatile();
     const int step = (int)gridDim.x;
+    const int num_tiles = num_tiles_now();
     const int ntiles = cta < num_tiles ? ceil_div(num_tiles - cta, step) : 0;
     if (wg == 1 && ntiles > 0) ptx::named_bar_arrive(kBarSwigluTurnWg0, 256);
 

@@ -367,41 +367,75 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tens
 
 
 // L2 dgrad + SwiGLU backward (B2-B6, B9 in one GEMM): dh [M, 2I], aw = w * s [M, I], dt_part [M, ceil(I/128)].
-std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets,
-                                                                  Tensor h, Tensor pool_src_route, Tensor topk_weights,
+// With a_row_index (the _gather op), a holds the dy rows by token and the kernel also returns dy_pool [M, H]
+// (pool row m = a[a_row_index[m]]), gathered while its tiles run; without, a is dy_pool and dy_pool is empty.
+static std::tuple<Tensor, Tensor, Tensor, Tensor> swiglu_bwd_gemm(const char* op, Tensor a,
+                                                                  std::optional<Tensor> a_row_index, int64_t m_total,
+                                                                  Tensor w2, Tensor group_offsets, Tensor h,
+                                                                  Tensor pool_src_route, Tensor topk_weights,
                                                                   double clamp) {
-  const char* op = "m_grouped_bf16_gemm_swiglu_bwd";
-  check_bf16_cuda(dy_pool, op, "dy_pool", 2);
+  check_bf16_cuda(a, op, a_row_index ? "dy" : "dy_pool", 2);
   check_bf16_cuda(w2, op, "w2", 3);
   check_bf16_cuda(h, op, "h", 2);
-  const int32_t num_groups = check_offsets(group_offsets, dy_pool, op);
-  const int64_t m_total = dy_pool.size(0);
-  const int64_t hidden = dy_pool.size(1);
+  const int32_t num_groups = check_offsets(group_offsets, a, op);
+  const int64_t hidden = a.size(1);
   const int64_t inter = w2.size(2);
+  if (a_row_index) {
+    const Tensor& idx = *a_row_index;
+    STD_TORCH_CHECK(m_total >= 0 && idx.scalar_type() == ScalarType::Int && idx.is_contiguous() && idx.is_cuda() &&
+                        idx.get_device_index() == a.get_device_index() && idx.numel() >= m_total,
+                    "deep_gemm.", op, ": a_row_index must be a contiguous int32 tensor on dy's device with >= m_total (",
+                    m_total, ") entries");
+    STD_TORCH_CHECK(inter % 64 == 0, "deep_gemm.", op, ": gathering dy needs I to be a multiple of 64, got ", inter);
+  } else {
+    m_total = a.size(0);
+  }
   STD_TORCH_CHECK(w2.size(0) == num_groups && w2.size(1) == hidden && w2.stride(2) == 1, "deep_gemm.", op,
-                  ": w2 must be [num_groups, H, I] (I contiguous) with H = dy_pool's columns");
+                  ": w2 must be [num_groups, H, I] (I contiguous) with H = dy's columns");
   STD_TORCH_CHECK(h.size(0) >= m_total && h.size(1) == 2 * inter, "deep_gemm.", op,
-                  ": h must be [>= dy_pool's rows, 2I]");
+                  ": h must be [>= pool rows, 2I]");
   STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.is_contiguous() &&
                       pool_src_route.numel() >= m_total && pool_src_route.is_cuda(),
                   "deep_gemm.", op, ": pool_src_route must be a contiguous CUDA int32 tensor with >= rows entries");
   STD_TORCH_CHECK(topk_weights.scalar_type() == ScalarType::Float && topk_weights.is_contiguous() &&
                       topk_weights.is_cuda(),
                   "deep_gemm.", op, ": topk_weights must be a contiguous CUDA fp32 tensor");
-  torch::stable::accelerator::DeviceGuard guard(dy_pool.get_device_index());
+  torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
   const int64_t n_blocks = (inter + 127) / 128;  // d topk_weights partials: one per 128 columns of I
-  Tensor dh = new_tensor(dy_pool, {m_total, 2 * inter}, ScalarType::BFloat16);
-  Tensor aw = new_tensor(dy_pool, {m_total, inter}, ScalarType::BFloat16);
-  Tensor dt_part = new_tensor(dy_pool, {m_total, n_blocks}, ScalarType::Float);
+  Tensor dh = new_tensor(a, {m_total, 2 * inter}, ScalarType::BFloat16);
+  Tensor aw = new_tensor(a, {m_total, inter}, ScalarType::BFloat16);
+  Tensor dt_part = new_tensor(a, {m_total, n_blocks}, ScalarType::Float);
+  Tensor a_pool = new_tensor(a, {a_row_index ? m_total : 0, hidden}, ScalarType::BFloat16);
+  const int64_t num_counters = a_row_index ? (m_total + 127) / 128 + num_groups : 0;
+  Tensor counters = new_tensor(a, {num_counters}, ScalarType::Int);  // scratch, zeroed by the call
   check_core(pk_m_grouped_bf16_gemm_swiglu_bwd(
-                 dy_pool.data_ptr(), dy_pool.stride(0), w2.data_ptr(), w2.stride(1), w2.stride(0), h.data_ptr(),
-                 h.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
+                 a.data_ptr(), a.stride(0), w2.data_ptr(), w2.stride(1), w2.stride(0), h.data_ptr(), h.stride(0),
+                 static_cast<const int32_t*>(pool_src_route.data_ptr()),
                  static_cast<const float*>(topk_weights.data_ptr()), dh.data_ptr(), dh.stride(0), aw.data_ptr(),
                  aw.stride(0), static_cast<float*>(dt_part.data_ptr()), n_blocks,
                  static_cast<const int32_t*>(group_offsets.data_ptr()), num_groups, m_total, inter, hidden,
-                 static_cast<float>(clamp), current_cuda_stream(dy_pool.get_device_index())),
+                 static_cast<float>(clamp),
+                 a_row_index ? static_cast<const int32_t*>(a_row_index->data_ptr()) : nullptr, a.size(0),
+                 a_row_index ? a_pool.data_ptr() : nullptr,
+                 a_row_index ? static_cast<int32_t*>(counters.data_ptr()) : nullptr, num_counters,
+                 current_cuda_stream(a.get_device_index())),
              op);
-  return {dh, aw, dt_part};
+  return {dh, aw, dt_part, a_pool};
+}
+
+std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets,
+                                                                  Tensor h, Tensor pool_src_route, Tensor topk_weights,
+                                                                  double clamp) {
+  auto r = swiglu_bwd_gemm("m_grouped_bf16_gemm_swiglu_bwd", dy_pool, std::nullopt, 0, w2, group_offsets, h,
+                           pool_src_route, topk_weights, clamp);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd_gather(
+    Tensor dy, Tensor a_row_index, int64_t m_total, Tensor w2, Tensor group_offsets, Tensor h, Tensor pool_src_route,
+    Tensor topk_weights, double clamp) {
+  return swiglu_bwd_gemm("m_grouped_bf16_gemm_swiglu_bwd_gather", dy, a_row_index, m_total, w2, group_offsets, h,
+                         pool_src_route, topk_weights, clamp);
 }
 
 // Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns s, h, o, the dispatched
@@ -479,6 +513,9 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
         "bool save_h, float clamp=0.0) -> (Tensor s, Tensor h)");
   m.def("m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets, Tensor h, "
         "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0) -> (Tensor, Tensor, Tensor)");
+  m.def("m_grouped_bf16_gemm_swiglu_bwd_gather(Tensor dy, Tensor a_row_index, int m_total, Tensor w2, "
+        "Tensor group_offsets, Tensor h, Tensor pool_src_route, Tensor topk_weights, float clamp=0.0) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
         "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False, Tensor? route_to_pool=None, "
         "Tensor? topk_weights=None) -> (Tensor s, Tensor h, Tensor o, Tensor x_pool, Tensor y)");
@@ -502,6 +539,7 @@ STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CUDA, m) {
   m.impl("m_grouped_bf16_gemm_swiglu", TORCH_BOX(&m_grouped_bf16_gemm_swiglu));
   m.impl("swiglu_bwd", TORCH_BOX(&swiglu_bwd));
   m.impl("m_grouped_bf16_gemm_swiglu_bwd", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_bwd));
+  m.impl("m_grouped_bf16_gemm_swiglu_bwd_gather", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_bwd_gather));
   m.impl("mega_moe_fused_fwd", TORCH_BOX(&mega_moe_fused_fwd));
   m.impl("k_grouped_bf16_gemm_tn", TORCH_BOX(&k_grouped_bf16_gemm_tn));
   m.impl("k_grouped_bf16_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_bf16_gemm_tn_accumulate_));

@@ -30,6 +30,7 @@ _KEYS = {"m_grouped_bf16_gemm_nt": "m_grouped_gemm_nt.bf16.sm90",
          "m_grouped_bf16_gemm_nt_gather": "m_grouped_gemm_nt_gather.bf16.sm90",
          "m_grouped_bf16_gemm_swiglu": "m_grouped_gemm_swiglu.bf16.sm90",
          "m_grouped_bf16_gemm_swiglu_bwd": "m_grouped_gemm_swiglu_bwd.bf16.sm90",
+         "m_grouped_bf16_gemm_swiglu_bwd_gather": "m_grouped_gemm_swiglu_bwd.bf16.sm90",
          "k_grouped_bf16_gemm_tn": "k_grouped_gemm_tn.bf16.sm90",
          "k_grouped_bf16_gemm_tn_accumulate_": "k_grouped_gemm_tn.bf16.sm90"}
 
@@ -100,18 +101,30 @@ def m_grouped_bf16_gemm_swiglu(a: torch.Tensor, w13: torch.Tensor, group_offsets
 
 def m_grouped_bf16_gemm_swiglu_bwd(dy_pool: torch.Tensor, w2: torch.Tensor, group_offsets: torch.Tensor,
                                    h: torch.Tensor, pool_src_route: torch.Tensor, topk_weights: torch.Tensor, *,
-                                   clamp: float | None = None):
+                                   clamp: float | None = None, a_row_index: torch.Tensor | None = None,
+                                   m_total: int | None = None):
     """L2 dgrad with the SwiGLU backward in its epilogue (the fp32 da = dy_pool @ w2_g never goes to
     memory). w2 [E, H, I], h [>= M, 2I] the saved gate | up, pool_src_route [>= M] route ids (< 0:
     padding), topk_weights [T, K] fp32 (indexed by route id). Returns (dh [M, 2I], w * s [M, I],
     dt_part [M, ceil(I / 128)] fp32): the row's d topk_weight is dt_part's row summed left to right.
-    Rows outside every group are not written."""
-    _ready("m_grouped_bf16_gemm_swiglu_bwd", dy_pool.device)
+    Rows outside every group are not written.
+
+    With ``a_row_index`` (int32 [>= m_total]) and ``m_total``, the first argument is the dy rows by token
+    [T, H] and the kernel gathers pool row m = dy[a_row_index[m]] (zeros for an index outside [0, T))
+    while its tiles run (no separate gather pass; I must be a multiple of 64); it returns that pooled copy
+    too, as a fourth output [m_total, H] (rows past the last group unspecified), for the weight gradient."""
     if clamp is not None and clamp <= 0:
         raise ValueError(f"clamp must be > 0 (or None), got {clamp}")
+    c = 0.0 if clamp is None else float(clamp)
+    if a_row_index is not None:
+        if m_total is None:
+            raise ValueError("a_row_index needs m_total (the pool rows)")
+        _ready("m_grouped_bf16_gemm_swiglu_bwd_gather", dy_pool.device)
+        return torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu_bwd_gather(
+            dy_pool, a_row_index, int(m_total), w2, group_offsets, h, pool_src_route, topk_weights.reshape(-1), c)
+    _ready("m_grouped_bf16_gemm_swiglu_bwd", dy_pool.device)
     return torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, group_offsets, h, pool_src_route,
-                                                              topk_weights.reshape(-1),
-                                                              0.0 if clamp is None else float(clamp))
+                                                              topk_weights.reshape(-1), c)
 
 
 def k_grouped_bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
@@ -195,8 +208,21 @@ def _register() -> None:
         return (dy_pool.new_empty(M, 2 * I), dy_pool.new_empty(M, I),
                 dy_pool.new_empty(M, (I + 127) // 128, dtype=torch.float32))
 
+    def swiglu_bwd_gather_cpu(dy, a_row_index, m_total, w2, group_offsets, h, pool_src_route, topk_weights,
+                              clamp=0.0):
+        dy_pool = gather_rows(dy, a_row_index, m_total)
+        return (*swiglu_bwd_cpu(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp), dy_pool)
+
+    def swiglu_bwd_gather_fake(dy, a_row_index, m_total, w2, group_offsets, h, pool_src_route, topk_weights,
+                               clamp=0.0):
+        I = w2.shape[2]
+        return (dy.new_empty(m_total, 2 * I), dy.new_empty(m_total, I),
+                dy.new_empty(m_total, (I + 127) // 128, dtype=torch.float32), dy.new_empty(m_total, dy.shape[1]))
+
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu_bwd", "cpu", swiglu_bwd_cpu)
     torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu_bwd", swiglu_bwd_fake)
+    torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu_bwd_gather", "cpu", swiglu_bwd_gather_cpu)
+    torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu_bwd_gather", swiglu_bwd_gather_fake)
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu", "cpu", swiglu_cpu)
     torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu", swiglu_fake)
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_nt_gather", "cpu", gather_cpu)

@@ -17,6 +17,8 @@ float64 tolerance as the reference. Single rank only (no expert-parallel group).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..combine import combine
@@ -82,12 +84,20 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     tok = _token_rows(pool_src_route, K)
     gather = tok.clamp(min=0).long()
     h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity) if recompute else h_saved
-    dy_pool = dy.to(torch.bfloat16).index_select(0, gather)  # B1 (padding rows: never read by a GEMM)
-    # B2-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn GEMM plus the
-    # pool-row kernel at 30B, T=16384 on the H200; bench/NOTES.md). (activation_clamp is None here: the
-    # grouped backend refuses a clamp, see _backend._grouped_reason.)
-    dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route,
-                                                    topk_weights.float().contiguous(), clamp=activation_clamp)
+    # B1-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn GEMM plus the
+    # pool-row kernel at 30B, T=16384 on the H200; bench/NOTES.md), and the kernel's idle producer warps gather
+    # the dy rows into dy_pool (for dW2) while its tiles run, instead of a separate gather pass (B1).
+    # PK_SWIGLU_BWD_DISPATCH=0 (development A/B, read at every call) gathers first. (activation_clamp is None
+    # here: the grouped backend refuses a clamp, see _backend._grouped_reason.)
+    weights = topk_weights.float().contiguous()
+    if w2.shape[2] % 64 == 0 and os.environ.get("PK_SWIGLU_BWD_DISPATCH", "1") != "0":
+        dh, a, dt_part, dy_pool = m_grouped_bf16_gemm_swiglu_bwd(
+            dy.to(torch.bfloat16).contiguous(), w2, offsets, h, pool_src_route, weights, clamp=activation_clamp,
+            a_row_index=tok, m_total=capacity)
+    else:
+        dy_pool = dy.to(torch.bfloat16).index_select(0, gather)  # B1 (padding rows: never read by a GEMM)
+        dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route, weights,
+                                                        clamp=activation_clamp)
     dt_pool = dt_part.sum(1)  # per-128-column partials, in column order
     del dt_part, h  # pool-sized buffers are freed as soon as their last reader is queued (lower peak memory)
     dx_pool = m_grouped_bf16_gemm_nn(dh, w13, offsets)  # B7

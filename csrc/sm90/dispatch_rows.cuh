@@ -1,0 +1,121 @@
+// prime-kernels: sm90a row dispatch inside a persistent GEMM kernel: three producer warps copy source rows into a
+// pool-ordered buffer while the consumers run tiles, and release one counter per 128-row m-block that the
+// TMA producer waits on (ld.acquire) before it loads the m-block's rows. Used by the fused forward (token rows
+// x -> x_pool) and by the L2 dgrad + SwiGLU backward (dy rows -> dy_pool).
+#pragma once
+
+#include "gemm_common.cuh"
+
+namespace deep_gemm {
+namespace sm90 {
+
+constexpr int kDispatchRunRows = 32;
+constexpr int kDispatchWarps = 3;
+// The dispatch warps need more than the GEMM producer's 40 registers; 128 * 56 + 256 * 224 = 384 * 168.
+constexpr uint32_t kDispatchProducerRegs = 56;
+constexpr uint32_t kDispatchConsumerRegs = 224;
+
+// Development switches of the dispatch (bench/NOTES.md): bit 1 = no proxy fence / release, bit 2 = no stores,
+// bit 3 = no loads (bit 0 is the forward's "no tiles").
+enum DispatchDevFlags : int { kDispatchNoRelease = 2, kDispatchNoStores = 4, kDispatchNoLoads = 8 };
+
+// Pieces (kSlotBytes each) a row of row_bytes is copied in; the counters count landed pieces.
+template <int kSlotBytes>
+__host__ __device__ __forceinline__ int dispatch_pieces_per_row(int row_bytes) {
+  return (row_bytes + kSlotBytes - 1) / kSlotBytes;
+}
+
+// One dispatch warp (dwarp = 0..kDispatchWarps-1) of a CTA. Pool rows [0, s_offs[num_groups]) are handed out in
+// runs of kDispatchRunRows rows, round-robin over the CTAs and, within a CTA, over the dispatch warps, so the
+// first m-blocks fill first. A run is one lane per row: each lane looks up its row's source (src_of(row): a
+// pointer to row_bytes bytes, or null for a row of zeros) and m-block once; the run's pieces then stream through
+// this warp's kSlotsPerWarp shared-memory slots: every lane cp.asyncs its 16-byte parts of a piece
+// kSlotsPerWarp - 1 pieces ahead and stores them to dst once they land (the LSU path: bulk copies would queue
+// behind the GEMM's TMA loads). After the run: proxy fence (the rows are read by TMA), and one release per
+// m-block the run touches, by the lane holding that m-block's first row. dst rows are row_bytes apart.
+// s_mb[g] = first m-block of group g; disp_ctr[mb] gains (rows of mb) * pieces per row in total.
+template <int kBlockM, int kSlotsPerWarp, int kSlotBytes, typename SrcOf>
+__device__ __forceinline__ void dispatch_rows_role(SrcOf&& src_of, uint8_t* dst, int row_bytes, uint32_t slots_addr,
+                                                   int dwarp, int lane, const int32_t* s_offs, const int32_t* s_mb,
+                                                   int num_groups, int32_t* disp_ctr, int dev_flags,
+                                                   unsigned long long* stat_max) {
+  static_assert(kSlotsPerWarp >= 2, "each dispatch warp needs two slots");
+  static_assert(kSlotBytes % 512 == 0, "a slot is whole 16-byte parts of every lane");
+  const int chunks = dispatch_pieces_per_row<kSlotBytes>(row_bytes);
+  const int num_rows = s_offs[num_groups];
+  const int num_runs = ceil_div(num_rows, kDispatchRunRows);
+  const uint32_t slot0 = slots_addr + dwarp * kSlotsPerWarp * kSlotBytes;
+  const int cta = (int)ptx::ctaid_x_volatile();
+  const int step = (int)gridDim.x * kDispatchWarps;
+  const long long t_start = clock64();
+  constexpr int kPerLane = kSlotBytes / 16 / 32;
+  for (int run = cta + dwarp * (int)gridDim.x; run < num_runs; run += step) {
+    const int row0 = run * kDispatchRunRows;
+    const int rows = min(kDispatchRunRows, num_rows - row0);
+    // this lane's row: source and m-block (binary search of the group offsets in shared memory)
+    const int my_row = row0 + min(lane, rows - 1);
+    const uint8_t* my_src = reinterpret_cast<const uint8_t*>(src_of(my_row));
+    int lo = 0, hi = num_groups - 1;  // the group g with s_offs[g] <= my_row < s_offs[g + 1]
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (s_offs[mid] <= my_row) lo = mid; else hi = mid - 1;
+    }
+    const int my_mb = lane < rows ? s_mb[lo] + (my_row - s_offs[lo]) / kBlockM : -1;
+    // pieces of the run: i = ri * chunks + c
+    const int pieces = rows * chunks;
+    auto issue = [&](int i) {  // every lane; one commit per piece index, empty past the end
+      if (i < pieces && !(dev_flags & kDispatchNoLoads)) {
+        const int ri = i / chunks;  // chunks is small at the layer shapes: cheap
+        const int c = i - ri * chunks;
+        const uint8_t* row_src = reinterpret_cast<const uint8_t*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_src), ri));
+        // a null source reads zeros (cp.async with 0 source bytes zero-fills; the address stays a valid one)
+        const uint8_t* src = row_src != nullptr ? row_src + c * kSlotBytes : dst;
+        const uint32_t src_bytes = row_src != nullptr ? 16u : 0u;
+        const int bytes = min(kSlotBytes, row_bytes - c * kSlotBytes);
+        const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kSlotBytes;
+#pragma unroll 1
+        for (int k = 0; k < kPerLane; ++k) {
+          const int off = (lane + 32 * k) * 16;
+          if (off < bytes) ptx::cp_async_16(slot + off, src + (row_src != nullptr ? off : 0), src_bytes);
+        }
+      }
+      ptx::cp_async_commit();
+    };
+    for (int i = 0; i < kSlotsPerWarp - 1; ++i) issue(i);
+    for (int i = 0; i < pieces; ++i) {
+      issue(i + kSlotsPerWarp - 1);
+      ptx::cp_async_wait<kSlotsPerWarp - 1>();  // this lane's parts of piece i have landed
+      const int ri = i / chunks;
+      const int c = i - ri * chunks;
+      const int bytes = min(kSlotBytes, row_bytes - c * kSlotBytes);
+      uint8_t* out = dst + static_cast<int64_t>(row0 + ri) * row_bytes + c * kSlotBytes;
+      const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kSlotBytes;
+#pragma unroll 1
+      for (int k = 0; k < kPerLane; ++k) {
+        const int off = (lane + 32 * k) * 16;
+        if (off < bytes && !(dev_flags & kDispatchNoStores)) ptx::st_global_v4(out + off, ptx::ld_shared_v4(slot + off));
+      }
+    }
+    // release the run's rows per m-block: the lane with an m-block's first row in this run adds
+    // (its rows in the run) * chunks
+    const int prev_mb = __shfl_up_sync(0xffffffffu, my_mb, 1);
+    const bool first = my_mb >= 0 && (lane == 0 || prev_mb != my_mb);
+    const uint32_t firsts = __ballot_sync(0xffffffffu, first);
+    if (!(dev_flags & kDispatchNoRelease)) {
+      ptx::fence_proxy_async_global();
+      __syncwarp();
+      if (first) {
+        const uint32_t later = firsts & ~((2u << lane) - 1u);  // segment starts after this lane
+        const int end = later ? __ffs(later) - 1 : rows;
+        ptx::red_release_gpu_add(disp_ctr + my_mb, (end - lane) * chunks);
+      }
+    }
+  }
+  ptx::cp_async_wait<0>();
+  // dispatch end: the latest of the warps (shared by all through an atomic max)
+  if (lane == 0 && stat_max != nullptr) atomicMax(stat_max, static_cast<unsigned long long>(clock64() - t_start));
+}
+
+}  // namespace sm90
+}  // namespace deep_gemm
