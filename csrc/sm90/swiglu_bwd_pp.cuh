@@ -13,8 +13,8 @@
 // boxes) by TMA into a two-slot ring per warpgroup, the first two issued before the mainloop; each thread
 // reads its fragment's g, u from the swizzled boxes, writes dg, du over them in place and w*s into a third
 // box, and one thread TMA-stores the three boxes (generic 16-byte stores for an m-block's last partial rows).
-// With dispatch slots (the grouped backward's default), dy_pool is not an input: the kernel gathers the dy rows
-// into it itself (see SwigluBwdPPLayout) and the weight gradient reads it afterwards.
+// With dispatch slots (PK_SWIGLU_BWD_DISPATCH=1), dy_pool is not an input: the kernel gathers the dy rows into it
+// itself (see SwigluBwdPPLayout) and the weight gradient reads it afterwards.
 #pragma once
 
 #include <cuda.h>
@@ -28,8 +28,10 @@ namespace sm90 {
 
 // kDispatchSlots > 0 (gathered dy, MGroupedParams::a_pool): producer warps 1-3 copy the dy rows into dy_pool
 // through that many 4 KB shared-memory slots (dispatch_rows.cuh) while the tiles run; the TMA producer waits
-// for each m-block's rows before loading them. It replaces a separate gather kernel (a 0.28 ms pass over
-// [P, H] at 30B, T=16384: bench/NOTES.md); the slots cost one GEMM stage.
+// for each m-block's rows before loading them. Meant to replace the separate gather (a 0.28 ms pass over
+// [P, H] at 30B, T=16384), but measured slower than gather + GEMM on the H200 (1.17 vs 1.08 ms at 30B,
+// 4.10 vs 3.43 at 235B; bench/NOTES.md, session 5): the slots cost one GEMM stage, and the copy's L2 traffic
+// lands on a kernel already at 83% of L2 throughput. Kept selectable (PK_SWIGLU_BWD_DISPATCH=1) for A/B.
 template <int kNumStages, int kDispatchSlots>
 struct SwigluBwdPPLayout {
   static constexpr int kBlockM = 128;

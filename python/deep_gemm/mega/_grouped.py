@@ -84,13 +84,14 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     tok = _token_rows(pool_src_route, K)
     gather = tok.clamp(min=0).long()
     h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity) if recompute else h_saved
-    # B1-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn GEMM plus the
-    # pool-row kernel at 30B, T=16384 on the H200; bench/NOTES.md), and the kernel's idle producer warps gather
-    # the dy rows into dy_pool (for dW2) while its tiles run, instead of a separate gather pass (B1).
-    # PK_SWIGLU_BWD_DISPATCH=0 (development A/B, read at every call) gathers first. (activation_clamp is None
-    # here: the grouped backend refuses a clamp, see _backend._grouped_reason.)
+    # B1 (gather), then B2-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn
+    # GEMM plus the pool-row kernel at 30B, T=16384 on the H200; bench/NOTES.md). PK_SWIGLU_BWD_DISPATCH=1
+    # (development A/B, read at every call) has the GEMM's idle producer warps gather the dy rows while its
+    # tiles run instead: bit-identical, but slower on the H200 (30B: 1.17 ms against 1.08 for gather + GEMM;
+    # bench/NOTES.md, session 5). (activation_clamp is None here: the grouped backend refuses a clamp, see
+    # _backend._grouped_reason.)
     weights = topk_weights.float().contiguous()
-    if w2.shape[2] % 64 == 0 and os.environ.get("PK_SWIGLU_BWD_DISPATCH", "1") != "0":
+    if w2.shape[2] % 64 == 0 and os.environ.get("PK_SWIGLU_BWD_DISPATCH", "0") == "1":
         dh, a, dt_part, dy_pool = m_grouped_bf16_gemm_swiglu_bwd(
             dy.to(torch.bfloat16).contiguous(), w2, offsets, h, pool_src_route, weights, clamp=activation_clamp,
             a_row_index=tok, m_total=capacity)
