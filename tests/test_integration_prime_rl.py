@@ -1,25 +1,33 @@
 """prime-rl's Mega MoE call sites, replayed on the DeepGEMM-shaped low-level API.
 
-The sequence (research/prime_and_ports.md 1.4, Gen A): one staging buffer allocated once for every
-layer of a shape (``get_symm_buffer_for_mega_moe(group, E, max_tokens, top_k, H, I,
-mma_type="bf16xbf16")``); per forward, x / topk_idx / topk_weights are copied into the buffer's
-views, then ``bf16_mega_moe(y, l1, l2, buffer, activation_clamp=, l1_natural_layout=True)``; per
-backward, the inputs are staged again (other layers overwrote the buffer meanwhile) and
-``bf16_mega_moe_backward(dx, dw1, dw2, dtopk, dy, l1, l2, buffer, activation_clamp=,
-dw_natural_layout=True, l1_natural_layout=True)`` writes dX, dW1, dW2 and d(topk_weights).
-No ``backend=`` is passed, as in prime-rl: on this CPU machine "auto" needs the fallback variable."""
+The sequence (../shared/research/prime_and_ports.md 1.4, Gen A; that file is outside this
+repository): one staging buffer allocated once for every layer of a shape
+(``get_symm_buffer_for_mega_moe(group, E, max_tokens, top_k, H, I, mma_type="bf16xbf16")``); per
+forward, x / topk_idx / topk_weights are copied into the buffer's views, then ``bf16_mega_moe(y,
+l1, l2, buffer, activation_clamp=, l1_natural_layout=True)``; per backward, the inputs are staged
+again (other layers overwrote the buffer meanwhile) and ``bf16_mega_moe_backward(dx, dw1, dw2,
+dtopk, dy, l1, l2, buffer, activation_clamp=, dw_natural_layout=True, l1_natural_layout=True)``
+writes dX, dW1, dW2 and d(topk_weights). No ``backend=`` is passed, as in prime-rl: on the CPU
+"auto" needs the fallback variable; on the GPU it runs our kernels and must not fall back. Every
+output buffer the caller passes starts as NaN, so an element a kernel fails to write shows."""
+
+from contextlib import nullcontext
 
 import pytest
 import torch
 
-from mega_helpers import loop_reference, make_problem, rel_err
+from mega_helpers import auto_kernel_skip_reason, loop_reference, make_problem, rel_err, run_layer
 
 import deep_gemm
 from deep_gemm.mega import _backend
 from deep_gemm.mega import buffer as buffer_mod
-from deep_gemm.mega import interleave_l1, mega_moe
+from deep_gemm.mega import interleave_l1
 
 E, H, I, K, TMAX = 8, 64, 32, 3, 48
+
+
+def _nan(shape, dtype, device="cpu"):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +46,7 @@ class PrimeRLRoutedExperts(torch.autograd.Function):
         buffer.x[:T].copy_(x)
         buffer.topk_idx[:T].copy_(topk_idx)
         buffer.topk_weights[:T].copy_(topk_weights)
-        y = torch.empty((T, x.shape[1]), dtype=torch.bfloat16, device=x.device)
+        y = _nan((T, x.shape[1]), torch.bfloat16, x.device)
         deep_gemm.bf16_mega_moe(y, l1, l2, buffer, activation_clamp=clamp, l1_natural_layout=True)
         ctx.save_for_backward(x, topk_idx, topk_weights, l1, l2)
         ctx.buffer, ctx.clamp = buffer, clamp
@@ -52,10 +60,10 @@ class PrimeRLRoutedExperts(torch.autograd.Function):
         buffer.topk_idx[:T].copy_(topk_idx)
         buffer.topk_weights[:T].copy_(topk_weights)
         dw_dtype = l1.dtype if l1.dtype in (torch.bfloat16, torch.float32) else torch.float32
-        dx = torch.empty_like(x)
-        dw1 = torch.empty(l1.shape, dtype=dw_dtype, device=l1.device)
-        dw2 = torch.empty(l2.shape, dtype=dw_dtype, device=l2.device)
-        dtopk = torch.empty(topk_weights.shape, dtype=torch.float32, device=x.device)
+        dx = _nan(x.shape, x.dtype, x.device)
+        dw1 = _nan(l1.shape, dw_dtype, l1.device)
+        dw2 = _nan(l2.shape, dw_dtype, l2.device)
+        dtopk = _nan(topk_weights.shape, torch.float32, x.device)
         deep_gemm.bf16_mega_moe_backward(dx, dw1, dw2, dtopk, dy.contiguous(), l1, l2, buffer,
                                          activation_clamp=ctx.clamp, dw_natural_layout=True, l1_natural_layout=True)
         return dx, dtopk, None, dw1, dw2, None, None
@@ -65,11 +73,22 @@ def _leaf(t):
     return t.detach().clone().requires_grad_()
 
 
-@pytest.mark.parametrize("clamp", [None, 0.75])
-def test_two_layers_share_one_buffer_over_steps(clamp, monkeypatch):
+def _one_step(buf, layers, clamp):
+    """prime-rl's order within a step: the forward of every layer, then the backwards in reverse
+    (each re-stages its inputs). Returns (y, dx, dtopk, dw1, dw2) per layer."""
+    outs = []
+    for x, idx, w, w13, w2, _ in layers:
+        xs, ws, a, b = _leaf(x), _leaf(w), _leaf(w13), _leaf(w2)
+        outs.append((PrimeRLRoutedExperts.apply(xs, ws, idx, a, b, buf, clamp), xs, ws, a, b))
+    for (y, *_), (*_, dy) in zip(reversed(outs), reversed(layers)):
+        y.backward(dy)
+    return [(y.detach(), xs.grad, ws.grad, a.grad, b.grad) for y, xs, ws, a, b in outs]
+
+
+def _check_call_sequence(monkeypatch, device, H, I, clamp, ref_tol):
     """Two layers, three steps of varying T <= max_tokens, one buffer for both (allocated once).
-    Forward of both layers, then backward in reverse (each re-stages its inputs): every output
-    equals mega_moe(backend="reference") exactly (same math) and is within 1e-2 of float64."""
+    Each step runs twice, bit-identical; every output is within ``ref_tol`` of
+    mega_moe(backend="reference") (0: equal bit for bit) and within 1e-2 of float64."""
     made = []
     real_init = buffer_mod.SymmBuffer.__init__
 
@@ -79,33 +98,45 @@ def test_two_layers_share_one_buffer_over_steps(clamp, monkeypatch):
 
     monkeypatch.setattr(buffer_mod.SymmBuffer, "__init__", counting_init)
     monkeypatch.setattr(buffer_mod, "_cache", {})
-    buf = deep_gemm.get_symm_buffer_for_mega_moe(None, E, TMAX, K, H, I, mma_type="bf16xbf16", device="cpu")
+    buf = deep_gemm.get_symm_buffer_for_mega_moe(None, E, TMAX, K, H, I, mma_type="bf16xbf16", device=device)
     seed = 0
     for T in (TMAX, 17, 33):
-        assert deep_gemm.get_symm_buffer_for_mega_moe(None, E, TMAX, K, H, I, mma_type="bf16xbf16", device="cpu") is buf
-        layers = []
-        for _ in range(2):
-            seed += 1
-            x, idx, w, w13, w2, dy = make_problem(T, H, I, E, K, seed=seed, masked_frac=0.1)
-            layers.append((x, idx, w, w13, w2, dy))
-        outs = []
-        with pytest.warns(RuntimeWarning, match="falling back") if seed <= 2 else _nullwarn():
-            for x, idx, w, w13, w2, dy in layers:  # forward of every layer first
-                xs, ws, a, b = _leaf(x), _leaf(w), _leaf(w13), _leaf(w2)
-                y = PrimeRLRoutedExperts.apply(xs, ws, idx, a, b, buf, clamp)
-                outs.append((y, xs, ws, a, b))
-            for (y, xs, ws, a, b), (*_, dy) in zip(reversed(outs), reversed(layers)):  # backward in reverse
-                y.backward(dy)
-        for (y, xs, ws, a, b), (x, idx, w, w13, w2, dy) in zip(outs, layers):
-            rx, rw, ra, rb = _leaf(x), _leaf(w), _leaf(w13), _leaf(w2)
-            ry = mega_moe(rx, idx, rw, ra, rb, activation_clamp=clamp, backend="reference", recompute=True)
-            ry.backward(dy)
-            exact = loop_reference(x, idx, w, w13, w2, dy, clamp=clamp)
-            for got, ref, ex in ((y, ry, exact[0]), (xs.grad, rx.grad, exact[1]), (ws.grad, rw.grad, exact[2]),
-                                 (a.grad, ra.grad, exact[3]), (b.grad, rb.grad, exact[4])):
-                assert torch.equal(got.detach(), ref.detach())
-                assert rel_err(got.detach(), ex) < 1e-2
+        assert deep_gemm.get_symm_buffer_for_mega_moe(None, E, TMAX, K, H, I, mma_type="bf16xbf16",
+                                                      device=device) is buf
+        layers = [make_problem(T, H, I, E, K, seed=seed + n, masked_frac=0.1, device=device) for n in (1, 2)]
+        seed += 2
+        # the CPU's "auto" falls back to the reference, saying so once
+        with pytest.warns(RuntimeWarning, match="falling back") if device == "cpu" and T == TMAX else nullcontext():
+            got = _one_step(buf, layers, clamp)
+        again = _one_step(buf, layers, clamp)
+        for outs, outs_again in zip(got, again):
+            for a, b in zip(outs, outs_again):
+                assert torch.equal(a, b)
+        for outs, layer in zip(got, layers):
+            ref = run_layer(*layer, activation_clamp=clamp, backend="reference", recompute=True)
+            exact = loop_reference(*[t.cpu() for t in layer], clamp=clamp)
+            for name, o, r, ex in zip(("y", "dx", "dtopk", "dw1", "dw2"), outs, ref, exact):
+                assert o.device == r.device and o.dtype == r.dtype, (T, name)
+                if ref_tol == 0:
+                    assert torch.equal(o, r), (T, name)
+                else:
+                    assert rel_err(o, r) <= ref_tol, (T, name)
+                assert rel_err(o.cpu(), ex) < 1e-2, (T, name)
     assert len(made) == 1
+
+
+@pytest.mark.parametrize("clamp", [None, 0.75])
+def test_two_layers_share_one_buffer_over_steps(clamp, monkeypatch):
+    """On the CPU "auto" is the reference: equal to it bit for bit (same math)."""
+    _check_call_sequence(monkeypatch, "cpu", H, I, clamp, ref_tol=0)
+
+
+@pytest.mark.skipif(auto_kernel_skip_reason() is not None, reason=str(auto_kernel_skip_reason()))
+def test_gpu_call_sequence_close_to_reference(monkeypatch):
+    """The same sequence on the GPU at sizes the fused sm90 kernels take (multiples of 128), no
+    clamp, as prime-rl calls it: "auto" runs our kernels (never the reference, hence no fallback)."""
+    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    _check_call_sequence(monkeypatch, "cuda", 256, 128, None, ref_tol=1e-2)
 
 
 @pytest.mark.filterwarnings("ignore:deep_gemm.mega. falling back:RuntimeWarning")
@@ -118,18 +149,18 @@ def test_fp32_weight_grads_and_interleaved_layout():
     buf.x[:T].copy_(x)
     buf.topk_idx[:T].copy_(idx)
     buf.topk_weights[:T].copy_(w)
-    y_nat = torch.empty(T, H, dtype=torch.bfloat16)
-    y_il = torch.empty(T, H, dtype=torch.bfloat16)
+    y_nat = _nan((T, H), torch.bfloat16)
+    y_il = _nan((T, H), torch.bfloat16)
     deep_gemm.bf16_mega_moe(y_nat, w13, w2, buf)
     deep_gemm.bf16_mega_moe(y_il, interleave_l1(w13), w2, buf, l1_natural_layout=False)
     assert torch.equal(y_nat, y_il)
     outs = {}
     for natural in (True, False):
         l1 = w13 if natural else interleave_l1(w13)
-        dx = torch.empty_like(x)
-        dw1 = torch.empty(w13.shape, dtype=torch.float32)
-        dw2 = torch.empty(w2.shape, dtype=torch.float32)
-        dtopk = torch.empty(T, K, dtype=torch.float32)
+        dx = _nan(x.shape, x.dtype)
+        dw1 = _nan(w13.shape, torch.float32)
+        dw2 = _nan(w2.shape, torch.float32)
+        dtopk = _nan((T, K), torch.float32)
         deep_gemm.bf16_mega_moe_backward(dx, dw1, dw2, dtopk, dy, l1, w2, buf, l1_natural_layout=natural,
                                          dw_natural_layout=natural)
         outs[natural] = (dx, dw1 if natural else _deinterleave(dw1), dw2, dtopk)
@@ -141,8 +172,9 @@ def test_fp32_weight_grads_and_interleaved_layout():
     assert rel_err(outs[True][1], exact[3]) < 1e-2
     assert rel_err(outs[True][2], exact[4]) < 1e-2
     # fp32 weight gradients are the unrounded sums: closer to float64 than bf16 ones
-    dw1_bf = torch.empty(w13.shape, dtype=torch.bfloat16)
-    deep_gemm.bf16_mega_moe_backward(torch.empty_like(x), dw1_bf, None, torch.empty(T, K), dy, w13, w2, buf)
+    dw1_bf = _nan(w13.shape, torch.bfloat16)
+    deep_gemm.bf16_mega_moe_backward(_nan(x.shape, x.dtype), dw1_bf, None, _nan((T, K), torch.float32), dy, w13, w2,
+                                     buf)
     assert rel_err(outs[True][1], exact[3]) < rel_err(dw1_bf, exact[3])
 
 
@@ -151,7 +183,7 @@ def test_too_many_tokens_for_the_buffer_raise():
     buf = deep_gemm.get_symm_buffer_for_mega_moe(None, E, TMAX, K, H, I, device="cpu")
     x, idx, w, w13, w2, _ = make_problem(TMAX + 1, H, I, E, K, seed=41)
     with pytest.raises(ValueError, match="exceed the buffer"):
-        deep_gemm.bf16_mega_moe(torch.empty(TMAX + 1, H, dtype=torch.bfloat16), w13, w2, buf)
+        deep_gemm.bf16_mega_moe(_nan((TMAX + 1, H), torch.bfloat16), w13, w2, buf)
 
 
 def _deinterleave(t):
@@ -159,10 +191,3 @@ def _deinterleave(t):
 
     return deinterleave_l1(t)
 
-
-class _nullwarn:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
