@@ -10,6 +10,9 @@ namespace deep_gemm {
 namespace sm90 {
 
 constexpr int kDispatchRunRows = 32;
+// The first round hands every dispatch warp of the grid one short run, so the m-blocks the first tiles wait for
+// land in about a quarter of a full run's time (the first wave of tiles reads the first ~25 m-blocks).
+constexpr int kDispatchHeadRunRows = 8;
 constexpr int kDispatchWarps = 3;
 // The dispatch warps need more than the GEMM producer's 40 registers; 128 * 56 + 256 * 224 = 384 * 168.
 constexpr uint32_t kDispatchProducerRegs = 56;
@@ -26,8 +29,8 @@ __host__ __device__ __forceinline__ int dispatch_pieces_per_row(int row_bytes) {
 }
 
 // One dispatch warp (dwarp = 0..kDispatchWarps-1) of a CTA. Pool rows [0, s_offs[num_groups]) are handed out in
-// runs of kDispatchRunRows rows, round-robin over the CTAs and, within a CTA, over the dispatch warps, so the
-// first m-blocks fill first. A run is one lane per row: each lane looks up its row's source (src_of(row): a
+// runs (one short run per warp of the grid, then runs of kDispatchRunRows rows), round-robin over the CTAs and,
+// within a CTA, over the dispatch warps, so the first m-blocks fill first. A run is one lane per row: each lane looks up its row's source (src_of(row): a
 // pointer to row_bytes bytes, or null for a row of zeros) and m-block once; the run's pieces then stream through
 // this warp's kSlotsPerWarp shared-memory slots: every lane cp.asyncs its 16-byte parts of a piece
 // kSlotsPerWarp - 1 pieces ahead and stores them to dst once they land (the LSU path: bulk copies would queue
@@ -43,15 +46,18 @@ __device__ __forceinline__ void dispatch_rows_role(SrcOf&& src_of, uint8_t* dst,
   static_assert(kSlotBytes % 512 == 0, "a slot is whole 16-byte parts of every lane");
   const int chunks = dispatch_pieces_per_row<kSlotBytes>(row_bytes);
   const int num_rows = s_offs[num_groups];
-  const int num_runs = ceil_div(num_rows, kDispatchRunRows);
   const uint32_t slot0 = slots_addr + dwarp * kSlotsPerWarp * kSlotBytes;
   const int cta = (int)ptx::ctaid_x_volatile();
   const int step = (int)gridDim.x * kDispatchWarps;
+  const int head_rows = min(num_rows, step * kDispatchHeadRunRows);
+  const int head_runs = ceil_div(head_rows, kDispatchHeadRunRows);
+  const int num_runs = head_runs + ceil_div(num_rows - head_rows, kDispatchRunRows);
   const long long t_start = clock64();
   constexpr int kPerLane = kSlotBytes / 16 / 32;
   for (int run = cta + dwarp * (int)gridDim.x; run < num_runs; run += step) {
-    const int row0 = run * kDispatchRunRows;
-    const int rows = min(kDispatchRunRows, num_rows - row0);
+    const bool head = run < head_runs;
+    const int row0 = head ? run * kDispatchHeadRunRows : head_rows + (run - head_runs) * kDispatchRunRows;
+    const int rows = head ? min(kDispatchHeadRunRows, head_rows - row0) : min(kDispatchRunRows, num_rows - row0);
     // this lane's row: source and m-block (binary search of the group offsets in shared memory)
     const int my_row = row0 + min(lane, rows - 1);
     const uint8_t* my_src = reinterpret_cast<const uint8_t*>(src_of(my_row));
