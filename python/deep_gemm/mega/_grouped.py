@@ -17,7 +17,6 @@ float64 tolerance as the reference. Single rank only (no expert-parallel group).
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -102,22 +101,14 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
                                                         clamp=activation_clamp)
     dt_pool = dt_part.sum(1)  # per-128-column partials, in column order
     del dt_part, h  # pool-sized buffers are freed as soon as their last reader is queued (lower peak memory)
-    wgrad = need_wgrad or dw13_accum is not None or dw2_accum is not None
-    # PK_BWD_WGRAD_STREAM=1 (development A/B, read at every call): the weight gradients go on a side stream
-    # forked here, so their CTAs can start on SMs the dgrad GEMM's last wave leaves idle (no two persistent
-    # GEMMs fit on one SM together, so this only fills tails; it keeps dx_pool and the weight gradients alive
-    # at once).
-    side = _side_stream(dy.device) if wgrad and dy.is_cuda and os.environ.get("PK_BWD_WGRAD_STREAM") == "1" else None
-    if side is not None:
-        main = torch.cuda.current_stream(dy.device)
-        side.wait_stream(main)
-        for t in (dy_pool, a, dh, x_pool, x, gather):
-            if t is not None:
-                t.record_stream(side)  # their blocks stay reserved until the side stream's work is done
-
-    def weight_grads():
-        nonlocal x_pool
-        out13 = out2 = None
+    dx_pool = m_grouped_bf16_gemm_nn(dh, w13, offsets)  # B7
+    dx = combine(dx_pool, route_to_pool, None)  # B8
+    del dx_pool
+    rows = route_to_pool.reshape(-1).long()
+    dtopk = torch.where(rows >= 0, dt_pool[rows.clamp(min=0)], torch.zeros((), device=dy.device))
+    dtopk = dtopk.view_as(topk_weights).to(topk_weights.dtype)
+    out13 = out2 = None
+    if need_wgrad or dw13_accum is not None or dw2_accum is not None:
         if x_pool is None:  # the forward did not keep its pooled rows (padding rows: never read)
             x_pool = x.index_select(0, gather)
         if dw2_accum is not None:
@@ -128,33 +119,4 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
             k_grouped_bf16_gemm_tn(dh, x_pool, offsets, accumulate_into=dw13_accum)
         elif need_wgrad:
             out13 = _wgrad(dh, x_pool, offsets, w13.dtype)
-        return out13, out2
-
-    out13 = out2 = None
-    if side is not None:
-        with torch.cuda.stream(side):
-            out13, out2 = weight_grads()
-    dx_pool = m_grouped_bf16_gemm_nn(dh, w13, offsets)  # B7
-    dx = combine(dx_pool, route_to_pool, None)  # B8
-    del dx_pool  # before the weight gradients are allocated (in stream order: lower peak memory)
-    rows = route_to_pool.reshape(-1).long()
-    dtopk = torch.where(rows >= 0, dt_pool[rows.clamp(min=0)], torch.zeros((), device=dy.device))
-    dtopk = dtopk.view_as(topk_weights).to(topk_weights.dtype)
-    if wgrad and side is None:
-        out13, out2 = weight_grads()
-    if side is not None:
-        main.wait_stream(side)
-        for t in (out13, out2):
-            if t is not None:
-                t.record_stream(main)  # allocated on the side stream, used and freed on the caller's
     return dx, dtopk, out13, out2
-
-
-_side_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index)
-    return _side_streams[index]
