@@ -60,6 +60,35 @@ __device__ __forceinline__ void warp_exclusive_scan_groups(int num_groups, int l
   if (lane == 0) out[num_groups] = running;
 }
 
+// The position in a kNumStages-deep mbarrier ring shared by a producer and its consumers: the stage index and
+// the parity its full / empty barriers are waited with (flips at every wrap).
+template <int kNumStages>
+__device__ __forceinline__ void advance_stage(int& stage, uint32_t& phase) {
+  if (++stage == kNumStages) {
+    stage = 0;
+    phase ^= 1;
+  }
+}
+template <int kNumStages>
+__device__ __forceinline__ void skip_stages(int& stage, uint32_t& phase, int n) {
+  stage += n;
+  while (stage >= kNumStages) {
+    stage -= kNumStages;
+    phase ^= 1;
+  }
+}
+// One thread: the ring's full barriers (full_arrivals each: the TMA thread's expect-tx, plus any cp.async
+// arrivals) and empty barriers (empty_arrivals: the consumer warps that release a stage), then the fence that
+// publishes the inits.
+__device__ __forceinline__ void init_stage_barriers(uint64_t* full_bar, uint64_t* empty_bar, int num_stages,
+                                                    uint32_t full_arrivals, uint32_t empty_arrivals) {
+  for (int s = 0; s < num_stages; ++s) {
+    ptx::mbar_init(&full_bar[s], full_arrivals);
+    ptx::mbar_init(&empty_bar[s], empty_arrivals);
+  }
+  ptx::fence_mbar_init();
+}
+
 // One tile's k-loop for a consumer warpgroup of the m-grouped kernels: waits for each stage of the mbarrier
 // ring, issues its kBlockK / 16 wgmma (one group kept in flight) and releases the stage once the group that
 // read it has completed (release(stage)); a warpgroup with no rows (active = false) only releases stages.
@@ -79,10 +108,7 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       ptx::mbar_wait(&full_bar[stage], phase);
       release(stage);
-      if (++stage == kNumStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      advance_stage<kNumStages>(stage, phase);
     }
   } else {
     for (int kb = 0; kb < num_k_blocks; ++kb) {
@@ -108,10 +134,7 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
         release(prev_stage);
       }
       prev_stage = stage;
-      if (++stage == kNumStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      advance_stage<kNumStages>(stage, phase);
     }
   }
   ptx::wgmma_wait<0>();  // unconditional: lets ptxas see every accumulator settled on all paths
@@ -169,10 +192,7 @@ __device__ __forceinline__ void pingpong_tile_mainloop(float (&acc0)[kAccRegs], 
       if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
     }
     prev_stage = stage;
-    if (++stage == kNumStages) {
-      stage = 0;
-      phase ^= 1;
-    }
+    advance_stage<kNumStages>(stage, phase);
   }
   pass_turn();
   ptx::wgmma_wait<0>();

@@ -82,13 +82,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int num_tiles = tiles_per_group * num_groups;
 
   // ---- prologue
-  if (tid == 0) {
-    for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbar_init(&full_bar[s], 1);
-      ptx::mbar_init(&empty_bar[s], kNumConsumerThreads / 32);
-    }
-    ptx::fence_mbar_init();
-  }
+  if (tid == 0) init_stage_barriers(full_bar, empty_bar, kNumStages, 1, kNumConsumerThreads / 32);
   if (tid == 32) {
     ptx::tma_prefetch_desc(&tmap_a);
     ptx::tma_prefetch_desc(&tmap_b);
@@ -154,10 +148,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
           for (int j = 0; j < kBlockN / 64; ++j)
             ptx::tma_load_2d(sb + j * kBoxBytes, &tmap_b, &full_bar[stage], tile.n0 + 64 * j, krow);
-          if (++stage == kNumStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+          advance_stage<kNumStages>(stage, phase);
         }
       }
     }
@@ -230,10 +221,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
         }
         prev_stage = stage;
-        if (++stage == kNumStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        advance_stage<kNumStages>(stage, phase);
       }
       ptx::wgmma_wait<0>();  // unconditional: lets ptxas see every accumulator settled on all paths
       if (num_k_blocks > 0) {

@@ -169,14 +169,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const uint32_t cta_rank = kCluster2 ? ptx::cluster_ctarank() : 0;
 
   // ---- prologue: barriers, offsets (clamped to [0, m_total]), per-group starts
-  if (tid == 0) {
-    for (int s = 0; s < kNumStages; ++s) {
-      // + one cp.async arrival per cp.async-gathering thread
-      ptx::mbar_init(&full_bar[s], kGatherA ? 1 + 32 * (kGatherWarps - gather_tma_warps()) : 1);
-      ptx::mbar_init(&empty_bar[s], (kCluster2 ? 2 : 1) * kNumConsumerThreads / 32);
-    }
-    ptx::fence_mbar_init();
-  }
+  if (tid == 0)  // full: + one cp.async arrival per cp.async-gathering thread
+    init_stage_barriers(full_bar, empty_bar, kNumStages, kGatherA ? 1 + 32 * (kGatherWarps - gather_tma_warps()) : 1,
+                        (kCluster2 ? 2 : 1) * kNumConsumerThreads / 32);
   if (tid == 32) {
     ptx::tma_prefetch_desc(&tmap_a);
     ptx::tma_prefetch_desc(&tmap_b);
@@ -328,10 +323,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                 ptx::tma_load_3d(sb + j * kMnBoxBytes, &tmap_b, &full_bar[stage], cur.n0 + 64 * j, k0, cur.b_group);
             }
           }
-          if (++stage == kNumStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+          advance_stage<kNumStages>(stage, phase);
         }
       }
     } else if (warp == 0 && lane == 0) {
@@ -372,10 +364,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
               ptx::tma_load_3d(sb + j * kMnBoxBytes, &tmap_b, &full_bar[stage], w.n0 + 64 * j, kb * kBlockK,
                                w.b_group);
           }
-          if (++stage == kNumStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+          advance_stage<kNumStages>(stage, phase);
         }
       }
     }

@@ -194,13 +194,7 @@ __device__ __forceinline__ void mega_fwd_prologue(const MegaFwdParams& p, uint64
                                                   const CUtensorMap* tmap_s, const CUtensorMap* tmap_w2,
                                                   const CUtensorMap* tmap_h, const CUtensorMap* tmap_o) {
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbar_init(&full_bar[s], 1);
-      ptx::mbar_init(&empty_bar[s], empty_arrivals);
-    }
-    ptx::fence_mbar_init();
-  }
+  if (tid == 0) init_stage_barriers(full_bar, empty_bar, kNumStages, 1, empty_arrivals);
   if (tid == 32) {
     ptx::tma_prefetch_desc(tmap_xpool);
     ptx::tma_prefetch_desc(tmap_w13);
@@ -259,10 +253,7 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
         ptx::tma_load_2d(sa, tmap_s, &full_bar[stage], k0, t.row0);
         ptx::tma_load_3d(sb, tmap_w2, &full_bar[stage], k0, t.n0, t.e);
       }
-      if (++stage == kNumStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      advance_stage<kNumStages>(stage, phase);
     }
   }
   if (p.stats != nullptr) {

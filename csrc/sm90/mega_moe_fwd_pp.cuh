@@ -217,11 +217,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const auto t = seq.locate(u, e, in_l2);
       const int kbs = t.l1 ? seq.kb1 : seq.kb2;
       if ((k & 1) != wg) {  // the other warpgroup's tile: its stages pass by
-        stage += kbs;
-        while (stage >= kNumStages) {
-          stage -= kNumStages;
-          phase ^= 1;
-        }
+        skip_stages<kNumStages>(stage, phase, kbs);
         continue;
       }
       const bool half1 = t.row0 + 64 < t.row_end;  // rows 64..127 exist (uniform over the warpgroup)

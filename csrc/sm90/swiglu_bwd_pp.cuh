@@ -89,12 +89,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int num_k_blocks = ceil_div(p.k, kBlockK);
 
   if (tid == 0) {
-    for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbar_init(&full_bar[s], 1);
-      ptx::mbar_init(&empty_bar[s], 4);  // the 4 warps of the consuming warpgroup
-    }
     for (int s = 0; s < 4; ++s) ptx::mbar_init(reinterpret_cast<uint64_t*>(smem + L::kHBarOff) + s, 1);
-    ptx::fence_mbar_init();
+    // empty: the 4 warps of the consuming warpgroup (the fence also publishes the h-slot barriers above)
+    init_stage_barriers(full_bar, empty_bar, kNumStages, 1, 4);
   }
   if (tid == 32) {
     ptx::tma_prefetch_desc(&tmap_a);
@@ -156,10 +153,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
           for (int j = 0; j < kBlockN / 64; ++j)
             ptx::tma_load_3d(sb + j * L::kMnBoxBytes, &tmap_b, &full_bar[stage], w.n0 + 64 * j, kb * kBlockK, w.g);
-          if (++stage == kNumStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+          advance_stage<kNumStages>(stage, phase);
         }
       }
     } else if constexpr (kDispatch) {
@@ -212,11 +206,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     for (int u = cta; u < num_tiles; u += step, ++k) {
       const Work w = locate(u, g);
       if ((k & 1) != wg) {
-        stage += num_k_blocks;
-        while (stage >= kNumStages) {
-          stage -= kNumStages;
-          phase ^= 1;
-        }
+        skip_stages<kNumStages>(stage, phase, num_k_blocks);
         continue;
       }
       // before the mainloop: the tile's first two h pieces (slots free once the last tile's stores have read
