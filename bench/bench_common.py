@@ -197,6 +197,30 @@ def time_ms(fn, device, warmup=5, iters=20) -> float:
     return statistics.median(times)
 
 
+def sustained_ms(fn, device, seconds: float, iters: int = 10) -> float:
+    """Mean milliseconds of ``fn()`` over ``iters`` back-to-back calls (one timer pair), after ``seconds`` of
+    back-to-back calls: the steady state of a training loop, at the clock the GPU settles at under its power
+    limit (an H200 runs our kernels at its 700 W cap within ~100 ms: bench/NOTES.md, session 5), where
+    time_ms's short bursts see a higher clock."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(iters):
+            fn()
+        sync(device)
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+    t1 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t1) * 1e3 / iters
+
+
 def peak_mem_gib(fn, device):
     """Peak allocated GiB while running ``fn`` once (reset_peak_memory_stats first); None on CPU."""
     if torch.device(device).type != "cuda":
@@ -287,6 +311,8 @@ def format_table(rows: list[dict]) -> str:
     cols = [("shape", "{}"), ("tokens", "{}"), ("ep", "{}"), ("routing", "{}"), ("backend", "{}"),
             ("direction", "{}"), ("ms", "{:.3f}"), ("tflops", "{:.1f}"), ("pct_peak", "{:.1f}"),
             ("ratio_vs_torch", "{:.2f}"), ("peak_mem_gib", "{:.2f}"), ("max_rel_err", "{:.2e}")]
+    if any("ms_sustained" in r for r in rows):
+        cols[7:7] = [("ms_sustained", "{:.3f}"), ("ratio_sustained", "{:.2f}")]
     cells = [[c for c, _ in cols]]
     for r in rows:
         cells.append([("-" if r.get(c) is None else f.format(r[c])) for c, f in cols])

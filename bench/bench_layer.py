@@ -48,6 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2,
                    help="timing rounds interleaved over the backends; the best median of the rounds is reported")
+    p.add_argument("--sustained-seconds", type=float, default=0.0,
+                   help="also time each backend's fwd and fwd+bwd in the steady state: after this many seconds of "
+                        "back-to-back calls, the mean of 10 more (rows gain ms_sustained, ratio_sustained); 0 = off")
     p.add_argument("--no-check", action="store_true", help="skip max_rel_err (the float64 evaluation)")
     p.add_argument("--check-max-tokens", type=int, default=0,
                    help="compute max_rel_err only at T <= this (0 = always)")
@@ -140,6 +143,16 @@ def bench_config(shape, T, routing, backends, args, device, group, peak):
             res["fwdbwd"] = min(res["fwdbwd"], bc.time_ms(fwdbwd, device, args.warmup, args.iters))
             res["bwd"] = res["fwdbwd"] - res["fwd"]
             _free(device)
+    if args.sustained_seconds > 0:
+        for backend in backends:
+            fn = _layer_fn(backend, group, E, args)
+            fwd = lambda: fn(xl, idx, wl, w13l, w2l)  # noqa: E731
+            fwdbwd = lambda: torch.autograd.grad(fwd(), leaves, dy)  # noqa: E731
+            res = results[backend]
+            res["fwd_sustained"] = bc.sustained_ms(fwd, device, args.sustained_seconds)
+            res["fwdbwd_sustained"] = bc.sustained_ms(fwdbwd, device, args.sustained_seconds)
+            res["bwd_sustained"] = res["fwdbwd_sustained"] - res["fwd_sustained"]
+            _free(device)
 
     errs = {}
     if outputs:
@@ -175,16 +188,23 @@ def bench_config(shape, T, routing, backends, args, device, group, peak):
                 "ratio_vs_torch": None,
                 "peak_mem_gib": None if mem is None else round(mem, 3),
             }
+            if f"{direction}_sustained" in res:
+                row["ms_sustained"] = round(bc.reduce_max(res[f"{direction}_sustained"], device), 4)
+                row["ratio_sustained"] = None
             if backend != "torch":
                 e = errs.get(backend)
                 err = None if e is None else (e[0] if direction == "fwd" else e[1])
                 row["max_rel_err"] = bc.reduce_max(err, device)
             rows.append(row)
     torch_ms = {r["direction"]: r["ms"] for r in rows if r["backend"] == "torch"}
+    torch_sus = {r["direction"]: r.get("ms_sustained") for r in rows if r["backend"] == "torch"}
     for r in rows:
         t = torch_ms.get(r["direction"])
         if t and r["ms"] > 0:
             r["ratio_vs_torch"] = round(t / r["ms"], 3)  # > 1: faster than the torch baseline
+        t = torch_sus.get(r["direction"])
+        if t and r.get("ms_sustained"):
+            r["ratio_sustained"] = round(t / r["ms_sustained"], 3)
     return rows
 
 
@@ -258,8 +278,12 @@ def main(argv=None):
     if stopped:
         log(f"[bench] --max-minutes={args.max_minutes} reached: later configurations were not run")
 
-    doc = dict(header, timing={"warmup": args.warmup, "iters": args.iters, "rounds": args.rounds,
-                               "statistic": "best over rounds of the median of iters CUDA-event times"},
+    timing = {"warmup": args.warmup, "iters": args.iters, "rounds": args.rounds,
+              "statistic": "best over rounds of the median of iters CUDA-event times"}
+    if args.sustained_seconds > 0:
+        timing["sustained"] = (f"ms_sustained: mean of 10 back-to-back calls after {args.sustained_seconds:g} s of "
+                               "back-to-back calls (one event pair)")
+    doc = dict(header, timing=timing,
                options={"recompute": args.recompute, "keep_pooled_x": args.keep_pooled_x,
                         "activation_clamp": args.activation_clamp}, rows=rows)
     if rank == 0:

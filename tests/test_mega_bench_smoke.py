@@ -39,3 +39,22 @@ def test_bench_layer_smoke(tmp_path, capsys):
         assert "matplotlib is not installed" in capsys.readouterr().out
     else:
         assert Path(png).exists() and Path(png).stat().st_size > 0
+
+
+def test_bench_layer_sustained_smoke(tmp_path):
+    """--sustained-seconds adds a steady-state time and its ratio to the torch baseline to every row."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_layer
+    finally:
+        sys.path.remove(str(BENCH))
+    out = tmp_path / "sustained.json"
+    bench_layer.main(["--smoke", "--tokens", "40", "--routings", "uniform", "--out", str(out), "--no-plot",
+                      "--iters", "2", "--warmup", "1", "--rounds", "1", "--sustained-seconds", "0.05", "--no-check"])
+    doc = json.loads(out.read_text())
+    assert "sustained" in doc["timing"]
+    for r in doc["rows"]:
+        if r["direction"] == "bwd":  # a difference of two timings: may be <= 0 at this size on the CPU
+            continue
+        assert r["ms_sustained"] > 0, r
+        assert r["ratio_sustained"] == 1.0 if r["backend"] == "torch" else r["ratio_sustained"] > 0, r
