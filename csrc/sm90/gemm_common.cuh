@@ -60,6 +60,21 @@ __device__ __forceinline__ void warp_exclusive_scan_groups(int num_groups, int l
   if (lane == 0) out[num_groups] = running;
 }
 
+// Whole CTA (kNumThreads threads): the groups' first pool rows, clamped to [0, m_total], into s_offs[0..num_groups]
+// and each group's first kBlockM-row m-block into s_mb[0..num_groups] (s_mb[num_groups]: all m-blocks), both in
+// shared memory; ends with a __syncthreads.
+template <int kBlockM>
+__device__ __forceinline__ void load_group_offsets_and_mblocks(const int32_t* group_offsets, int num_groups,
+                                                               int m_total, int32_t* s_offs, int32_t* s_mb) {
+  const int tid = threadIdx.x;
+  for (int i = tid; i <= num_groups; i += kNumThreads) s_offs[i] = min(max(__ldg(group_offsets + i), 0), m_total);
+  __syncthreads();
+  if ((tid >> 5) == 0)
+    warp_exclusive_scan_groups(num_groups, tid & 31, s_mb,
+                               [&](int g) { return ceil_div(max(s_offs[g + 1] - s_offs[g], 0), kBlockM); });
+  __syncthreads();
+}
+
 // The position in a kNumStages-deep mbarrier ring shared by a producer and its consumers: the stage index and
 // the parity its full / empty barriers are waited with (flips at every wrap).
 template <int kNumStages>

@@ -203,13 +203,7 @@ __device__ __forceinline__ void mega_fwd_prologue(const MegaFwdParams& p, uint64
     ptx::tma_prefetch_desc(tmap_o);
     if (p.h != nullptr) ptx::tma_prefetch_desc(tmap_h);
   }
-  for (int i = tid; i <= p.num_experts; i += kNumThreads)
-    s_offs[i] = min(max(__ldg(p.expert_offsets + i), 0), p.m_total);
-  __syncthreads();
-  if ((tid >> 5) == 0)  // s_mb[e] = first m-block of expert e
-    warp_exclusive_scan_groups(p.num_experts, tid & 31, s_mb,
-                               [&](int e) { return ceil_div(max(s_offs[e + 1] - s_offs[e], 0), kBlockM); });
-  __syncthreads();
+  load_group_offsets_and_mblocks<kBlockM>(p.expert_offsets, p.num_experts, p.m_total, s_offs, s_mb);
 }
 
 // The TMA producer of both forward kernels (warp 0, lane 0): walks this CTA's tiles in order through one

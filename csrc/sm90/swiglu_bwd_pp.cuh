@@ -100,12 +100,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::tma_prefetch_desc(&tmap_dh);
     ptx::tma_prefetch_desc(&tmap_aw);
   }
-  for (int i = tid; i <= num_groups; i += kNumThreads) s_offs[i] = min(max(__ldg(p.group_offsets + i), 0), p.m_total);
-  __syncthreads();
-  if (warp == 0)
-    warp_exclusive_scan_groups(num_groups, lane, s_mb,
-                               [&](int g) { return ceil_div(max(s_offs[g + 1] - s_offs[g], 0), kBlockM); });
-  __syncthreads();
+  load_group_offsets_and_mblocks<kBlockM>(p.group_offsets, num_groups, p.m_total, s_offs, s_mb);
   // read by each role after its setmaxnreg (a volatile shared load): one copy live across the register
   // reconfiguration gets spilled
   auto num_tiles_now = [&]() -> int {

@@ -91,12 +91,13 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     # bench/NOTES.md, session 5). (activation_clamp is None here: the grouped backend refuses a clamp, see
     # _backend._grouped_reason.)
     weights = topk_weights.float().contiguous()
+    dy = dy.to(torch.bfloat16)
     if w2.shape[2] % 64 == 0 and os.environ.get("PK_SWIGLU_BWD_DISPATCH", "0") == "1":
         dh, a, dt_part, dy_pool = m_grouped_bf16_gemm_swiglu_bwd(
-            dy.to(torch.bfloat16).contiguous(), w2, offsets, h, pool_src_route, weights, clamp=activation_clamp,
-            a_row_index=tok, m_total=capacity)
+            dy.contiguous(), w2, offsets, h, pool_src_route, weights, clamp=activation_clamp, a_row_index=tok,
+            m_total=capacity)
     else:
-        dy_pool = dy.to(torch.bfloat16).index_select(0, gather)  # B1 (padding rows: never read by a GEMM)
+        dy_pool = dy.index_select(0, gather)  # B1 (padding rows: never read by a GEMM)
         dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route, weights,
                                                         clamp=activation_clamp)
     dt_pool = dt_part.sum(1)  # per-128-column partials, in column order
