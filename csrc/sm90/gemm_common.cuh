@@ -110,16 +110,26 @@ __device__ __forceinline__ void init_stage_barriers(uint64_t* full_bar, uint64_t
 // acc is zeroed first and settled on return. Descriptors: stage s, k-step kk adds s * kStageA/BBytes and
 // kk * 32 (A) / kBStepBytes (B) bytes (>> 4) to the low halves a_lo0 / b_lo0. kProxyFence: A was written
 // through the generic proxy (cp.async gather), fence before wgmma reads it.
+// hook (optional): work of the previous tile that may wait until this tile's first MMAs are queued (see
+// NoTileStartHook); before_first_wait(bar, parity) runs before the first k-block's wait, after_first_issue()
+// once that k-block's MMAs are issued (an inactive warpgroup: right after before_first_wait).
+struct NoTileStartHook {
+  __device__ __forceinline__ void before_first_wait(uint64_t*, uint32_t) const {}
+  __device__ __forceinline__ void after_first_issue() const {}
+};
+
 template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, uint32_t kBStepBytes,
-          bool kProxyFence, int kAccRegs, typename ReleaseFn>
+          bool kProxyFence, int kAccRegs, typename ReleaseFn, typename Hook = NoTileStartHook>
 __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], bool active, int num_k_blocks,
                                                        uint64_t* full_bar, int& stage, uint32_t& phase,
                                                        uint32_t a_lo0, uint32_t a_hi, uint32_t b_lo0,
-                                                       uint32_t b_hi, ReleaseFn&& release) {
+                                                       uint32_t b_hi, ReleaseFn&& release, Hook&& hook = Hook{}) {
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.f;
   int prev_stage = 0;
+  hook.before_first_wait(&full_bar[stage], phase);
   if (!active) {
+    hook.after_first_issue();
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       ptx::mbar_wait(&full_bar[stage], phase);
       release(stage);
@@ -144,6 +154,7 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
       ptx::wgmma_commit();
 #pragma unroll
       for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
+      if (kb == 0) hook.after_first_issue();
       if (kb > 0) {
         ptx::wgmma_wait<1>();
         release(prev_stage);
@@ -393,6 +404,24 @@ __device__ __forceinline__ void store_acc_bf16_tma_ring(const float (&acc)[kBloc
 // columns are gate columns col0.. and right ones the matching up columns; fp32 math, bf16x2 stores straight
 // from registers (s is a third of the tile's output bytes; L2 merges the 16-byte row pieces). Rows >= row_end
 // and columns >= col_limit are not written. clamp > 0: gate <= clamp and -clamp <= up <= clamp first.
+// s = silu(g) * u in fp32 (clamp > 0: g <= clamp and -clamp <= u <= clamp first), the one formula of every
+// forward epilogue, so that all of them round s identically.
+__device__ __forceinline__ float swiglu_value(float g, float u, float clamp) {
+  if (clamp > 0.f) {
+    g = fminf(g, clamp);
+    u = fmaxf(fminf(u, clamp), -clamp);
+  }
+  return __fdividef(g, 1.f + __expf(-g)) * u;  // fast reciprocal: an IEEE division costs a slow-path check per element
+}
+
+// In place: the left kBlockN / 4 accumulator registers (the gate half's fragment) become s of the fragment's
+// 64 x kBlockN / 2 columns, in the same fragment layout, so write_acc_boxes_to_staging can stage them.
+template <int kBlockN>
+__device__ __forceinline__ void swiglu_in_place(float (&acc)[kBlockN / 2], float clamp) {
+#pragma unroll
+  for (int i = 0; i < kBlockN / 4; ++i) acc[i] = swiglu_value(acc[i], acc[i + kBlockN / 4], clamp);
+}
+
 template <int kBlockN>
 __device__ __forceinline__ void store_swiglu_from_acc(const float (&acc)[kBlockN / 2], int wg_tid, __nv_bfloat16* s,
                                                       int64_t lds, int row0, int row_end, int col0, int col_limit,
@@ -401,14 +430,7 @@ __device__ __forceinline__ void store_swiglu_from_acc(const float (&acc)[kBlockN
   const int lane = wg_tid & 31;
   const int r0 = row0 + (wg_tid >> 5) * 16 + (lane >> 2);
   const int cbase = col0 + 2 * (lane & 3);
-  const bool do_clamp = clamp > 0.f;
-  auto f = [&](float g, float u) -> float {
-    if (do_clamp) {
-      g = fminf(g, clamp);
-      u = fmaxf(fminf(u, clamp), -clamp);
-    }
-    return __fdividef(g, 1.f + __expf(-g)) * u;  // fast reciprocal: an IEEE division costs a slow-path check per element
-  };
+  auto f = [&](float g, float u) -> float { return swiglu_value(g, u, clamp); };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = r0 + 8 * h;

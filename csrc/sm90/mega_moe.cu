@@ -137,6 +137,13 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
     if (int r = make_map(&m_o, o, 2, dims, strides, box, err, err_len)) return r;
   }
   if (h == nullptr) m_h = m_o;  // never used
+  CUtensorMap m_s_st;  // s as the cooperative kernel's L1 epilogue stores it: 64-row boxes
+  {
+    const uint64_t dims[2] = {(uint64_t)inter, (uint64_t)m_total};
+    const uint64_t strides[1] = {(uint64_t)inter * 2};
+    const uint32_t box[2] = {64, 64};
+    if (int r = make_map(&m_s_st, s, 2, dims, strides, box, err, err_len)) return r;
+  }
 
   MegaFwdParams p{};
   for (int r = 0; r < num_ranks; ++r) p.x_ranks[r] = static_cast<const __nv_bfloat16*>(x_ranks[r]);
@@ -214,7 +221,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
     constexpr int smem = MegaFwdLayout<kFwdStages, kFwdDispatchSlots>::kSmemBytes;
     e = set_max_dynamic_smem<kernel>(smem);
     if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-    kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, p);
+    kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, m_s_st, p);
   }
   if (combine && !fused_combine && num_tokens > 0) {
     if (int r = check_launch(fn, err, err_len)) return r;

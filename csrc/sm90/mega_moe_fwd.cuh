@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     mega_moe_fwd_kernel(const __grid_constant__ CUtensorMap tmap_xpool, const __grid_constant__ CUtensorMap tmap_w13,
                         const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_w2,
                         const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_o,
-                        const __grid_constant__ MegaFwdParams p) {
+                        const __grid_constant__ CUtensorMap tmap_s_st, const __grid_constant__ MegaFwdParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = MegaFwdLayout<kNumStages, kDispatchSlots>;
   constexpr int kBlockM = L::kBlockM;
@@ -318,76 +318,102 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     uint32_t phase = 0;
     int e = 0;
     bool in_l2 = false;
+    // An L1 tile's s leaves by TMA store; its L1-counter arrival (the L2 tiles' go) must wait until that store
+    // has landed, which takes a few microseconds. Rather than hold the tensor cores for it, thread 0 of the
+    // warpgroup arrives once the next tile's first MMAs are queued, or before that tile's first wait if its
+    // stage is not ready yet (the stage may be waiting for this very arrival: an L2 tile of the same m-block).
+    int pending_mb = -1;  // meaningful in wg_tid 0 only
+    auto arrive_pending = [&] {
+      if (wg_tid == 0 && pending_mb >= 0) {
+        ptx::bulk_wait_group<0>();         // this thread's TMA stores (s, h) are complete
+        ptx::fence_proxy_async_global();   // async-proxy writes, before the generic release
+        ptx::red_release_gpu_add(seq.l1_ctr + pending_mb, 1);
+        pending_mb = -1;
+      }
+    };
+    struct PendingArrival {
+      decltype(arrive_pending)& arrive;
+      int wg_tid;
+      int pending_mb;
+      __device__ __forceinline__ void before_first_wait(uint64_t* bar, uint32_t parity) const {
+        if (wg_tid == 0 && pending_mb >= 0 && !ptx::mbar_test_wait(bar, parity)) arrive();
+      }
+      __device__ __forceinline__ void after_first_issue() const { arrive(); }
+    };
     for (int u = (int)ptx::ctaid_x_volatile(); u < seq.num_tasks; u += (int)gridDim.x) {
       const auto t = seq.locate(u, e, in_l2);
       const int kbs = t.l1 ? seq.kb1 : seq.kb2;
       const int hrow0 = t.row0 + 64 * wg;
       const bool active = hrow0 < t.row_end;
+      const bool full_half = hrow0 + 64 <= t.row_end;  // all 64 rows inside the expert: TMA stores
       auto release = [&](int s_) {
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
       };
       consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 32, false>(
-          acc, active, kbs, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release);
+          acc, active, kbs, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release,
+          PendingArrival{arrive_pending, wg_tid, pending_mb});
       const long long t_epi = p.stats != nullptr ? clock64() : 0;
 
-      // Epilogue through a half-width staging tile (kStageCols columns per pass; the shared memory it leaves
-      // free holds the dispatch slots): pass q writes accumulator columns [q * kStageCols, +kStageCols) of
-      // this warpgroup's 64 rows, then TMA-stores them (full halves) or copies them out (halves crossing the
-      // expert's end). Pass q + 1 first waits until pass q's TMA store has read the tile.
-      // out/ld: destination; col_of(q): its first column for pass q; limit_of(q): columns >= it are not
-      // written; map: the destination's tensor map.
-      // f6: the saved h with a clamp, rounded by PackBf16x2ClampMasks (pass 0 = gate, pass 1 = up columns).
-      auto staged_store = [&](__nv_bfloat16* out, int64_t ld, auto col_of, auto limit_of, const CUtensorMap* map,
-                              bool f6) {
+      // Epilogue through a half-width staging tile (the shared memory it leaves free holds the dispatch slots):
+      // one pass writes accumulator boxes [box0, box0 + kStageCols / 64) of this warpgroup's 64 rows, then
+      // TMA-stores them (full halves) or copies them out (halves crossing the expert's end). A pass first waits
+      // until the previous pass's TMA store has read the tile.
+      // out/ld: destination; c0: its first column; limit: columns >= it are not written; map: its tensor map.
+      auto staged_pass = [&](int box0, __nv_bfloat16* out, int64_t ld, int c0, int limit, const CUtensorMap* map,
+                             auto pack) {
+        if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        write_acc_boxes_to_staging<kBlockN, kStageCols / 64>(acc, stg_half, wg_tid, box0, pack);
+        ptx::fence_proxy_async_smem();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        if (full_half) {
+          if (wg_tid == 0) {
 #pragma unroll
-        for (int q = 0; q < kBlockN / kStageCols; ++q) {
-          if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
-          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-          if (f6)
-            write_acc_boxes_to_staging<kBlockN, kStageCols / 64>(
-                acc, stg_half, wg_tid, q * (kStageCols / 64),
-                PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, q == 1});
-          else
-            write_acc_boxes_to_staging<kBlockN, kStageCols / 64>(acc, stg_half, wg_tid, q * (kStageCols / 64));
-          ptx::fence_proxy_async_smem();
-          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-          const int c0 = col_of(q);
-          const int limit = limit_of(q);
-          if (hrow0 + 64 <= t.row_end) {
-            if (wg_tid == 0) {
-#pragma unroll
-              for (int b = 0; b < kStageCols / 64; ++b)
-                if (c0 + 64 * b < limit)
-                  ptx::tma_store_2d(map, stg_half + b * TmaStaging<kStageCols>::kBoxBytes, c0 + 64 * b, hrow0);
-              ptx::bulk_commit_group();
-            }
-          } else {
-            copy_swizzled_half_to_global<kStageCols>(stg_half, wg_tid, t.row_end - hrow0, out, ld, hrow0, c0, limit);
+            for (int b = 0; b < kStageCols / 64; ++b)
+              if (c0 + 64 * b < limit)
+                ptx::tma_store_2d(map, stg_half + b * TmaStaging<kStageCols>::kBoxBytes, c0 + 64 * b, hrow0);
+            ptx::bulk_commit_group();
           }
+        } else {
+          copy_swizzled_half_to_global<kStageCols>(stg_half, wg_tid, t.row_end - hrow0, out, ld, hrow0, c0, limit);
         }
       };
+      constexpr int kPassBoxes = kStageCols / 64;
       if (t.l1) {
         if (active) {
           if (p.h != nullptr) {
-            // pass 0 = gate columns n0.. of h, pass 1 = the matching up columns I + n0..
-            staged_store(p.h, 2 * p.inter, [&](int q) { return (q == 0 ? 0 : p.inter) + t.n0; },
-                         [&](int q) { return (q == 0 ? 1 : 2) * p.inter; }, &tmap_h, p.clamp > 0.f);
+            // gate columns n0.. of h, then the matching up columns I + n0.. (F6 rounding with a clamp)
+            if (p.clamp > 0.f) {
+              staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h,
+                          PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, false});
+              staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h,
+                          PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, true});
+            } else {
+              staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, PackBf16x2{});
+              staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h, PackBf16x2{});
+            }
           }
-          store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.inter, hrow0, t.row_end, t.n0, p.inter, p.clamp);
-          // s is read by TMA (async proxy) in whichever CTA runs the L2 tiles of this m-block
-          ptx::fence_proxy_async_global();
+          swiglu_in_place<kBlockN>(acc, p.clamp);
+          staged_pass(0, p.s, p.inter, t.n0, p.inter, &tmap_s_st, PackBf16x2{});
         }
-        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        if (wg_tid == 0) ptx::red_release_gpu_add(seq.l1_ctr + t.mb, 1);
+        if (full_half) {
+          pending_mb = t.mb;  // arrives after the next tile's first MMAs (arrive_pending)
+        } else {
+          // generic stores (or none): s is read by TMA (async proxy) in whichever CTA runs the L2 tiles
+          if (active) ptx::fence_proxy_async_global();
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          if (wg_tid == 0) ptx::red_release_gpu_add(seq.l1_ctr + t.mb, 1);
+        }
       } else if (active) {
-        staged_store(p.o, p.hidden, [&](int q) { return t.n0 + q * kStageCols; }, [&](int) { return p.hidden; },
-                     &tmap_o, false);
+        staged_pass(0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, PackBf16x2{});
+        staged_pass(kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o, PackBf16x2{});
       }
       if (p.stats != nullptr) {
         if (t.l1) epi_l1 += clock64() - t_epi; else epi_l2 += clock64() - t_epi;
       }
     }
+    arrive_pending();
     if (wg_tid == 0) ptx::bulk_wait_group<0>();
     if (p.stats != nullptr && wg_tid == 0) {
       p.stats[blockIdx.x * kStatsPerCta + 4 + wg] = clock64() - t_start;
