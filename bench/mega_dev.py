@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Development timing of the fused forward kernel (no plan; "+y": with the combine, "(launch)" as a second
-launch, "(kernel)" inside the kernel) at the two layer shapes: ping-pong ("pp", the default), ping-pong
-with 5 stages ("pp5") and cooperative ("coop", PK_MEGA_FWD_COOP=1) interleaved in one process, beside our
+launch, "(kernel)" inside the kernel) at the two layer shapes: ping-pong ("pp"), ping-pong
+with 5 stages ("pp5") and cooperative ("coop", the default) interleaved in one process, beside our
 separate GEMMs on the same pool (plain-A SwiGLU L1 + L2). With PK_MEGA_FWD_STATS=1 the kernel prints its
 per-role clock figures once per shape, without and with h."""
 
@@ -45,8 +45,8 @@ for name in sys.argv[1:] or list(shapes):
     xp = x.index_select(0, (src.clamp(min=0) // K).long())  # the pool rows, for the separate-GEMM timing
     row = {}
     for _ in range(2):  # interleaved rounds; the PK_MEGA_FWD_* switches are read at every call
-        for kern, coop, stages in (("pp", "0", "4"), ("pp5", "0", "5"), ("coop", "1", "4")):
-            os.environ["PK_MEGA_FWD_COOP"] = coop
+        for kern, which, stages in (("pp", "pingpong", "4"), ("pp5", "pingpong", "5"), ("coop", "cooperative", "4")):
+            os.environ["PK_MEGA_FWD_KERNEL"] = which
             os.environ["PK_MEGA_FWD_PP_STAGES"] = stages
             row.setdefault(f"{kern}", []).append(bench(lambda: op(x, src, offs, w13, w2, K, False, 0.0)))
             row.setdefault(f"{kern}+h", []).append(bench(lambda: op(x, src, offs, w13, w2, K, True, 0.0)))
@@ -54,7 +54,7 @@ for name in sys.argv[1:] or list(shapes):
                 os.environ["PK_MEGA_FWD_COMBINE"] = where
                 row.setdefault(f"{kern}+h+y({where})", []).append(
                     bench(lambda: op(x, src, offs, w13, w2, K, True, 0.0, False, r2p, tw)))
-        os.environ["PK_MEGA_FWD_COOP"] = "0"
+        os.environ["PK_MEGA_FWD_KERNEL"] = "cooperative"
         row.setdefault("L1 plain", []).append(bench(lambda: m_grouped_bf16_gemm_swiglu(xp, w13, offs, save_h=False)))
         row.setdefault("L2", []).append(bench(lambda: m_grouped_bf16_gemm_nt(s, w2, offs)))
     out = " | ".join(f"{k} {min(v):.3f}" for k, v in row.items())

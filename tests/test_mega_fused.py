@@ -14,6 +14,8 @@ from conftest import requires_sm90
 from mega_helpers import make_problem, rel_err
 
 FUSED_KEY = "mega_moe.bf16.sm90"
+# The two forward kernels (PK_MEGA_FWD_KERNEL, read at every call): the cooperative one is the default.
+KERNELS = ["cooperative", "pingpong"]
 
 
 def _require_fused():
@@ -84,9 +86,11 @@ CASES = [  # T, E, H, I, K, routing, masked_frac, experts_used, clamp
 
 
 @requires_sm90
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("T,E,H,I,K,routing,masked,used,clamp", CASES)
-def test_fused_forward_matches_float64(T, E, H, I, K, routing, masked, used, clamp):
+def test_fused_forward_matches_float64(monkeypatch, T, E, H, I, K, routing, masked, used, clamp, kernel):
     _require_fused()
+    monkeypatch.setenv("PK_MEGA_FWD_KERNEL", kernel)
     seed = 1000 + T + E + H + I
     prob = make_problem(T, H, I, E, K, routing="skewed" if routing == "skewed" else "uniform", seed=seed,
                         masked_frac=masked, experts_used=used)
@@ -116,8 +120,10 @@ def test_fused_forward_all_masked_is_zero():
 
 
 @requires_sm90
-def test_fused_forward_is_bitwise_deterministic_and_matches_grouped_rounding():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fused_forward_is_bitwise_deterministic_and_matches_grouped_rounding(monkeypatch, kernel):
     _require_fused()
+    monkeypatch.setenv("PK_MEGA_FWD_KERNEL", kernel)
     prob = [t.cuda() for t in make_problem(4096, 256, 256, 64, 8, routing="skewed", seed=11, masked_frac=0.1)]
     x, idx, w, w13, w2, _ = prob
     runs = [fused_forward(x, idx, w, w13, w2) for _ in range(3)]
@@ -156,13 +162,13 @@ def test_fused_op_combine_is_the_standalone_combine_bit_for_bit(monkeypatch, T, 
     """The op's y equals the standalone combine kernel over the same o, bit for bit, over 3 runs, and tokens
     with no route are zero, wherever the combine runs: "kernel" (PK_MEGA_FWD_COMBINE=kernel: inside the
     forward, each token's last L2 tile per 128 columns reduces it; hidden = 192 has a half-width column
-    block), "launch" (a second launch, the default) or "cooperative" (PK_MEGA_FWD_COOP=1)."""
+    block; the ping-pong kernel), "launch" (a second launch, the default, after the ping-pong kernel) or
+    "cooperative" (the default kernel, combine as a second launch)."""
     _require_fused()
     from deep_gemm.routing import routing_plan
 
     monkeypatch.setenv("PK_MEGA_FWD_COMBINE", "kernel" if mode == "kernel" else "launch")
-    if mode == "cooperative":
-        monkeypatch.setenv("PK_MEGA_FWD_COOP", "1")
+    monkeypatch.setenv("PK_MEGA_FWD_KERNEL", "cooperative" if mode == "cooperative" else "pingpong")
     x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, 128, E, K, routing="skewed", seed=T + H + K,
                                                             masked_frac=masked)]
     plan = routing_plan(idx, E, 1, validate=False)
@@ -188,12 +194,14 @@ def test_fused_op_combine_is_the_standalone_combine_bit_for_bit(monkeypatch, T, 
 
 
 @requires_sm90
-def test_fused_saved_h_keeps_the_clamp_masks():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fused_saved_h_keeps_the_clamp_masks(monkeypatch, kernel):
     """With a clamp, the saved h follows rounding point F6: a pre-activation strictly on one side of a bound
     stays strictly on that side in bf16 (plain rounding puts everything within half an ulp of c onto c; at
     c = 0.75 that is ~0.2% of unit-variance values, and each loses its gradient). Checked against an fp32
     matmul of the same pool rows, away from the bound by more than the fp32 accumulation-order noise."""
     _require_fused()
+    monkeypatch.setenv("PK_MEGA_FWD_KERNEL", kernel)
     from deep_gemm.routing import routing_plan
 
     T, E, H, I, K, c = 4096, 16, 512, 256, 4, 0.75

@@ -16,26 +16,26 @@ namespace sm90 {
 using namespace host;
 
 namespace {
-// 3 stages of 128x256x64 (48 KB each) + the 32 KB half-width staging tile leave room for 11 dispatch slots of
-// 4 KB; the three dispatch warps use 3 each.
+// The cooperative kernel (the default): 3 stages of 128x256x64 (48 KB each) + the 32 KB half-width staging
+// tile leave room for 11 dispatch slots of 4 KB; the three dispatch warps use 3 each.
 constexpr int kFwdStages = 3;
 constexpr int kFwdDispatchSlots = 9;
-// The ping-pong kernel (the default): 4 stages of 128x128x64 (32 KB each), 2 x 16 KB staging, the same 9
-// dispatch slots.
+// The ping-pong kernel: 4 stages of 128x128x64 (32 KB each), 2 x 16 KB staging, the same 9 dispatch slots.
 constexpr int kFwdPPStages = 4;
-// Development aid: PK_MEGA_FWD_COOP=1 runs the cooperative kernel (mega_moe_fwd.cuh: both consumer
-// warpgroups on one 128 x 256 tile) instead of the ping-pong one, with the standalone combine after it.
-// Read at every call, so that one process can time both.
-bool use_cooperative() {
-  const char* v = std::getenv("PK_MEGA_FWD_COOP");
-  return v != nullptr && v[0] == '1';
-}
-// Where the combine runs (ping-pong kernel): PK_MEGA_FWD_COMBINE=kernel reduces each token inside the
-// forward kernel as its last L2 tile lands; otherwise (the default until it is measured faster) the
-// standalone combine kernel runs right after the forward, on the same stream. Read at every call.
+// Where the combine runs: PK_MEGA_FWD_COMBINE=kernel reduces each token inside the ping-pong forward kernel as
+// its last L2 tile lands (measured slower: bench/NOTES.md, f10); otherwise the standalone combine kernel runs
+// right after the forward, on the same stream. Development aid, read at every call.
 bool combine_in_kernel() {
   const char* v = std::getenv("PK_MEGA_FWD_COMBINE");
   return v != nullptr && std::strcmp(v, "kernel") == 0;
+}
+// Which kernel runs: the cooperative one (mega_moe_fwd.cuh: both consumer warpgroups on one 128 x 256 tile;
+// measured faster with h and in the steady state, bench/NOTES.md session 6), or the ping-pong one
+// (mega_moe_fwd_pp.cuh) with PK_MEGA_FWD_KERNEL=pingpong or the in-kernel combine, which only it has.
+// Development aid, read at every call, so that one process can time both.
+bool use_cooperative() {
+  const char* v = std::getenv("PK_MEGA_FWD_KERNEL");
+  return !(v != nullptr && std::strcmp(v, "pingpong") == 0) && !combine_in_kernel();
 }
 }  // namespace
 
@@ -94,7 +94,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
       (h != nullptr && !aligned16(h)))
     return fail(kGemmInvalidArgument, err, err_len, "%s: w13, w2, x_pool, s, h and o must be 16-byte aligned", fn);
   const bool cooperative = use_cooperative();
-  const bool fused_combine = combine && !cooperative && combine_in_kernel();
+  const bool fused_combine = combine && !cooperative;
   int sms = 0;
   if (int r = device_sms(&sms, err, err_len)) return r;
   if (num_sms > 0 && num_sms < sms) sms = num_sms;

@@ -1,7 +1,8 @@
 // prime-kernels: sm90a fused Mega MoE forward (BF16): dispatch, L1 + SwiGLU and L2 in one persistent kernel.
 // This file: the shared pieces (parameters, dispatch role) and the cooperative kernel (both consumer
-// warpgroups on one 128 x 256 tile), kept for A/B with PK_MEGA_FWD_COOP=1; the default is the ping-pong
-// kernel of mega_moe_fwd_pp.cuh.
+// warpgroups on one 128 x 256 tile), the default; PK_MEGA_FWD_KERNEL=pingpong runs the ping-pong kernel of
+// mega_moe_fwd_pp.cuh instead (bench/NOTES.md, session 6: the cooperative kernel's epilogues now cost half as
+// much, and with h or in the steady state it is the faster one).
 //
 // Per pool row m of expert e (rows grouped by expert through offsets, no padding; the routing plan's order):
 //   x_pool[m] = x_{rank(m)}[token(m)]                                   (dispatch: cp.async + stores per 4 KB piece)
@@ -20,12 +21,16 @@
 //   * dispatch (producer warps 1-3 of every CTA): copy x rows into x_pool in pool order (see the role below);
 //     per-m-block dispatch counters count the 4 KB pieces that have landed.
 //   * L1 tile: the TMA thread waits (ld.acquire) until its m-block's dispatch counter is complete, then
-//     streams x_pool and w13 like the grouped GEMM. Epilogue: s from registers (and h through the staging
-//     tile and TMA stores), then each consumer warpgroup adds one to the m-block's L1 counter (release).
+//     streams x_pool and w13 like the grouped GEMM. Epilogue (cooperative kernel): h (when asked) and s go out
+//     through the staging tile by TMA stores; each consumer warpgroup then adds one to the m-block's L1 counter
+//     (release) once its stores are complete, which it checks only after the next tile's first MMAs are queued,
+//     or before that tile's first wait if the wait cannot be passed yet: an arrival is never held behind a
+//     blocking wait, so the no-deadlock argument above still holds.
 //   * L2 tile: waits until the m-block's L1 counter reaches 2 * (I/128 n-blocks) (every s column of the rows
 //     it reads), then streams s and w2; its epilogue TMA-stores o (pool order) for the combine.
-// Generic-proxy writes (x_pool, s) read later by TMA in another CTA: writer fence.proxy.async.global, then a
-// release; reader acquire, then fence.proxy.async.global before its TMA loads.
+// Writes read later by TMA in another CTA: generic-proxy ones (x_pool; s rows of an expert's last m-block) get
+// a writer fence.proxy.async.global, then a release; TMA-stored s is waited for (bulk wait_group) and fenced
+// the same way; the reader acquires, then fence.proxy.async.global before its TMA loads.
 #pragma once
 
 #include <cuda.h>
@@ -94,13 +99,19 @@ struct MegaFwdLayout {
   static constexpr int kBOff = kAOff + kNumStages * kABytes;
   static constexpr int kCOff = kBOff + kNumStages * kBBytes;
   static constexpr int kStageCols = 128;  // epilogue staging: half the tile's columns per pass
+  // The dispatch slots: once this CTA's dispatch warps are done, L2 epilogues use them as a second staging
+  // tile (kStageBOff), so that a tile's two passes need not wait for each other's TMA store.
   static constexpr int kDispOff = kCOff + TmaStaging<kStageCols>::kBytes;
+  static constexpr int kStageBOff = kDispOff;
   static constexpr int kBarOff = kDispOff + kDispatchSlots * kDispatchSlotBytes;
-  static constexpr int kOffsOff = kBarOff + 2 * kNumStages * 8;
+  static constexpr int kDispDoneOff = kBarOff + 2 * kNumStages * 8;  // mbarrier: the dispatch warps are done
+  static constexpr int kOffsOff = kDispDoneOff + 8;
   static constexpr int kMbOff = kOffsOff + (kMegaMaxExperts + 1) * 4;
   static constexpr int kEnd = kMbOff + (kMegaMaxExperts + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
   static_assert(kSmemBytes <= 232448, "shared memory budget exceeded");
+  static_assert(kDispatchSlots * kDispatchSlotBytes >= TmaStaging<kStageCols>::kBytes, "second staging tile");
+  static_assert(kDispOff % 1024 == 0, "a 128B-swizzled staging tile is 1024-byte aligned");
 };
 
 // The dispatch role of the forward kernels (producer warps 1-3 of every CTA; dwarp = 0..2): copies the pool's
@@ -282,6 +293,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int num_experts = p.num_experts;
+  uint64_t* disp_done = reinterpret_cast<uint64_t*>(smem + L::kDispDoneOff);
+  if (tid == 0) {
+    ptx::mbar_init(disp_done, kDispatchWarps);
+    ptx::fence_mbar_init();  // published to the CTA by the prologue's __syncthreads
+  }
   mega_fwd_prologue<kNumStages, kBlockM>(p, full_bar, empty_bar, kNumConsumerThreads / 32, s_offs, s_mb, &tmap_xpool,
                                          &tmap_w13, &tmap_s, &tmap_w2, &tmap_h, &tmap_o);
   using Seq = MegaTileSequence<kBlockM, kBlockN, kBlockK>;
@@ -296,6 +312,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     } else if (warp >= 1) {
       mega_dispatch_role<kBlockM, kDispatchSlots>(p, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane, s_offs, s_mb,
                                                   num_experts, seq.disp_ctr);
+      // the slots' last reads fed this warp's stores, which have issued: the slots are free (release, CTA scope)
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(disp_done);
     }
   } else {
     // ================= consumer warpgroups =================
@@ -310,6 +329,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
     constexpr int kStageCols = L::kStageCols;
     const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kStageCols>::kHalfBytes;
+    constexpr uint32_t kToStageB = L::kStageBOff - L::kCOff;  // stg_half + this: the second staging tile
+    // bit 0: the dispatch is done, the second staging tile may be used; bit 1: the latest committed bulk
+    // group read the second staging tile (one register: the consumers have none to spare)
+    uint32_t stage_b_state = 0;
 
     const long long t_start = clock64();
     long long epi_l1 = 0, epi_l2 = 0;  // stats: time in L1 / L2 epilogues
@@ -355,16 +378,19 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           PendingArrival{arrive_pending, wg_tid, pending_mb});
       const long long t_epi = p.stats != nullptr ? clock64() : 0;
 
-      // Epilogue through a half-width staging tile (the shared memory it leaves free holds the dispatch slots):
-      // one pass writes accumulator boxes [box0, box0 + kStageCols / 64) of this warpgroup's 64 rows, then
-      // TMA-stores them (full halves) or copies them out (halves crossing the expert's end). A pass first waits
-      // until the previous pass's TMA store has read the tile.
+      // Epilogue through half-width staging tiles (the shared memory left holds the dispatch slots): one pass
+      // writes accumulator boxes [box0, box0 + kStageCols / 64) of this warpgroup's 64 rows to a staging tile,
+      // then TMA-stores them (full halves) or copies them out (halves crossing the expert's end). Every pass
+      // commits one bulk group (empty for a copy), and first waits until the tile it writes has been read:
+      // with one tile, by the latest group; with alternating tiles (wait_one), by all but the latest.
       // out/ld: destination; c0: its first column; limit: columns >= it are not written; map: its tensor map.
-      auto staged_pass = [&](int box0, __nv_bfloat16* out, int64_t ld, int c0, int limit, const CUtensorMap* map,
-                             auto pack) {
-        if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+      auto staged_pass = [&](uint32_t stg, bool wait_one, int box0, __nv_bfloat16* out, int64_t ld, int c0,
+                             int limit, const CUtensorMap* map, auto pack) {
+        if (wg_tid == 0) {
+          if (wait_one) ptx::bulk_wait_group_read<1>(); else ptx::bulk_wait_group_read<0>();
+        }
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        write_acc_boxes_to_staging<kBlockN, kStageCols / 64>(acc, stg_half, wg_tid, box0, pack);
+        write_acc_boxes_to_staging<kBlockN, kStageCols / 64>(acc, stg, wg_tid, box0, pack);
         ptx::fence_proxy_async_smem();
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
         if (full_half) {
@@ -372,12 +398,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
             for (int b = 0; b < kStageCols / 64; ++b)
               if (c0 + 64 * b < limit)
-                ptx::tma_store_2d(map, stg_half + b * TmaStaging<kStageCols>::kBoxBytes, c0 + 64 * b, hrow0);
-            ptx::bulk_commit_group();
+                ptx::tma_store_2d(map, stg + b * TmaStaging<kStageCols>::kBoxBytes, c0 + 64 * b, hrow0);
           }
         } else {
-          copy_swizzled_half_to_global<kStageCols>(stg_half, wg_tid, t.row_end - hrow0, out, ld, hrow0, c0, limit);
+          copy_swizzled_half_to_global<kStageCols>(stg, wg_tid, t.row_end - hrow0, out, ld, hrow0, c0, limit);
         }
+        if (wg_tid == 0) ptx::bulk_commit_group();
       };
       constexpr int kPassBoxes = kStageCols / 64;
       if (t.l1) {
@@ -385,17 +411,19 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (p.h != nullptr) {
             // gate columns n0.. of h, then the matching up columns I + n0.. (F6 rounding with a clamp)
             if (p.clamp > 0.f) {
-              staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h,
+              staged_pass(stg_half, false, 0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h,
                           PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, false});
-              staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h,
+              staged_pass(stg_half, false, kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h,
                           PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, true});
             } else {
-              staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, PackBf16x2{});
-              staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h, PackBf16x2{});
+              staged_pass(stg_half, false, 0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, PackBf16x2{});
+              staged_pass(stg_half, false, kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h,
+                          PackBf16x2{});
             }
           }
           swiglu_in_place<kBlockN>(acc, p.clamp);
-          staged_pass(0, p.s, p.inter, t.n0, p.inter, &tmap_s_st, PackBf16x2{});
+          staged_pass(stg_half, false, 0, p.s, p.inter, t.n0, p.inter, &tmap_s_st, PackBf16x2{});
+          stage_b_state &= 1u;
         }
         if (full_half) {
           pending_mb = t.mb;  // arrives after the next tile's first MMAs (arrive_pending)
@@ -406,8 +434,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (wg_tid == 0) ptx::red_release_gpu_add(seq.l1_ctr + t.mb, 1);
         }
       } else if (active) {
-        staged_pass(0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, PackBf16x2{});
-        staged_pass(kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o, PackBf16x2{});
+        if (!(stage_b_state & 1u)) {  // once per CTA; the dispatch ends long before the first L2 tile can start
+          ptx::mbar_wait(reinterpret_cast<uint64_t*>(smem + L::kDispDoneOff), 0);
+          stage_b_state = 1u;
+        }
+        staged_pass(stg_half, (stage_b_state & 2u) != 0, 0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, PackBf16x2{});
+        staged_pass(stg_half + kToStageB, true, kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o,
+                    PackBf16x2{});
+        stage_b_state = 3u;
       }
       if (p.stats != nullptr) {
         if (t.l1) epi_l1 += clock64() - t_epi; else epi_l2 += clock64() - t_epi;

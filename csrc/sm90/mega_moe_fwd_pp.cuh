@@ -1,5 +1,5 @@
-// prime-kernels: sm90a fused Mega MoE forward (BF16), ping-pong consumers: the default forward kernel
-// (mega_moe.cu; PK_MEGA_FWD_COOP=1 runs the cooperative one in mega_moe_fwd.cuh instead).
+// prime-kernels: sm90a fused Mega MoE forward (BF16), ping-pong consumers: run with PK_MEGA_FWD_KERNEL=pingpong
+// or the in-kernel combine (mega_moe.cu); the default is the cooperative kernel of mega_moe_fwd.cuh.
 //
 // Same work, sequence, dispatch and readiness counters as mega_moe_fwd.cuh, but each consumer warpgroup owns
 // whole 128 x 128 tiles (two m64n128 wgmma per k-step, 2 x 64 accumulator registers) and the two warpgroups
