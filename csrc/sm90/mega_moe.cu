@@ -240,9 +240,10 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
       }
     fprintf(stderr,
             "mega_fwd stats (us avg/max): wait_dispatch %.0f/%.0f wait_l1 %.0f/%.0f producer_end %.0f/%.0f "
-            "dispatch_end %.0f/%.0f consumer_end %.0f/%.0f %.0f/%.0f epilogue_l1 %.0f/%.0f epilogue_l2 %.0f/%.0f\n",
+            "dispatch_end %.0f/%.0f consumer_end %.0f/%.0f %.0f/%.0f epilogue_l1 %.0f/%.0f epilogue_l2 %.0f/%.0f "
+            "producer_wait_free_stage %.0f/%.0f\n",
             avg[0], mx[0], avg[1], mx[1], avg[2], mx[2], avg[3], mx[3], avg[4], mx[4], avg[5], mx[5], avg[6], mx[6],
-            avg[7], mx[7]);
+            avg[7], mx[7], avg[16], mx[16]);
     if (!cooperative)
       fprintf(stderr,
               "mega_fwd pp stats (us avg per CTA, wg0 / wg1): turn wait %.0f / %.0f mainloop %.0f / %.0f "

@@ -86,7 +86,7 @@ struct MegaFwdParams {
   // with bit 0, bit 1 = no proxy fence / release, bit 2 = no stores, bit 3 = no loads.
   int32_t dispatch_only;
 };
-constexpr int kStatsPerCta = 16;  // see the stats stores in the kernels (8..15: the ping-pong kernel only)
+constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only)
 
 template <int kNumStages, int kDispatchSlots>
 struct MegaFwdLayout {
@@ -231,7 +231,7 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
   int e = 0;
   bool in_l2 = false;
   const int chunks = ceil_div(p.hidden * 2, kDispatchSlotBytes);
-  long long wait_disp = 0, wait_l1 = 0, t_start = clock64();
+  long long wait_disp = 0, wait_l1 = 0, wait_empty = 0, t_start = clock64();
   for (int u = (int)ptx::ctaid_x_volatile(); u < seq.num_tasks; u += (int)gridDim.x) {
     const auto t = seq.locate(u, e, in_l2);
     const long long t0 = p.stats != nullptr ? clock64() : 0;
@@ -245,7 +245,9 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
     ptx::fence_proxy_async_global();
     const int kbs = t.l1 ? seq.kb1 : seq.kb2;
     for (int kb = 0; kb < kbs; ++kb) {
+      const long long te = p.stats != nullptr ? clock64() : 0;
       ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+      if (p.stats != nullptr) wait_empty += clock64() - te;
       uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
       uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
       ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
@@ -266,6 +268,7 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
     st[0] = wait_disp;
     st[1] = wait_l1;
     st[2] = clock64() - t_start;  // producer's last load issued
+    st[16] = wait_empty;          // waiting for a free stage: the ring was full (the consumers are behind)
   }
 }
 
@@ -330,9 +333,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     constexpr int kStageCols = L::kStageCols;
     const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kStageCols>::kHalfBytes;
     constexpr uint32_t kToStageB = L::kStageBOff - L::kCOff;  // stg_half + this: the second staging tile
-    // bit 0: the dispatch is done, the second staging tile may be used; bit 1: the latest committed bulk
-    // group read the second staging tile (one register: the consumers have none to spare)
+    // bit 0: this CTA's dispatch is done, the second staging tile may be used; bit 1: the latest committed
+    // bulk group read the second staging tile (one register: the consumers have none to spare)
     uint32_t stage_b_state = 0;
+    const uint64_t* disp_done = reinterpret_cast<const uint64_t*>(smem + L::kDispDoneOff);
 
     const long long t_start = clock64();
     long long epi_l1 = 0, epi_l2 = 0;  // stats: time in L1 / L2 epilogues
@@ -378,16 +382,28 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           PendingArrival{arrive_pending, wg_tid, pending_mb});
       const long long t_epi = p.stats != nullptr ? clock64() : 0;
 
-      // Epilogue through half-width staging tiles (the shared memory left holds the dispatch slots): one pass
-      // writes accumulator boxes [box0, box0 + kStageCols / 64) of this warpgroup's 64 rows to a staging tile,
-      // then TMA-stores them (full halves) or copies them out (halves crossing the expert's end). Every pass
-      // commits one bulk group (empty for a copy), and first waits until the tile it writes has been read:
-      // with one tile, by the latest group; with alternating tiles (wait_one), by all but the latest.
+      // Epilogue through half-width staging tiles: one pass writes accumulator boxes [box0, box0 + kStageCols
+      // / 64) of this warpgroup's 64 rows to a staging tile, then TMA-stores them (full halves) or copies them
+      // out (halves crossing the expert's end). Every pass commits one bulk group (empty for a copy) and first
+      // waits until the tile it writes has been read. Until this CTA's dispatch is done, every pass uses the
+      // first tile and waits for the latest group; after, passes alternate between the two tiles and wait
+      // for all but the latest group (which read the other tile).
       // out/ld: destination; c0: its first column; limit: columns >= it are not written; map: its tensor map.
-      auto staged_pass = [&](uint32_t stg, bool wait_one, int box0, __nv_bfloat16* out, int64_t ld, int c0,
-                             int limit, const CUtensorMap* map, auto pack) {
+      if (active && !(stage_b_state & 1u)) {
+        // uniform over the warpgroup: every thread saw the dispatch done (an L2 tile waits for it: it is done
+        // long before any L2 tile can start, and the dispatch waits for nothing)
+        const bool done = t.l1 ? ptx::named_bar_sync_and(kBarEpilogueWg0 + wg, 128,
+                                                         ptx::mbar_test_wait(const_cast<uint64_t*>(disp_done), 0))
+                               : (ptx::mbar_wait(const_cast<uint64_t*>(disp_done), 0), true);
+        if (done) stage_b_state = 1u;  // the latest group read the first tile
+      }
+      auto staged_pass = [&](int box0, __nv_bfloat16* out, int64_t ld, int c0, int limit, const CUtensorMap* map,
+                             auto pack) {
+        const bool alternate = (stage_b_state & 1u) != 0;
+        const bool use_b = alternate && !(stage_b_state & 2u);
+        const uint32_t stg = stg_half + (use_b ? kToStageB : 0u);
         if (wg_tid == 0) {
-          if (wait_one) ptx::bulk_wait_group_read<1>(); else ptx::bulk_wait_group_read<0>();
+          if (alternate) ptx::bulk_wait_group_read<1>(); else ptx::bulk_wait_group_read<0>();
         }
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
         write_acc_boxes_to_staging<kBlockN, kStageCols / 64>(acc, stg, wg_tid, box0, pack);
@@ -404,6 +420,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           copy_swizzled_half_to_global<kStageCols>(stg, wg_tid, t.row_end - hrow0, out, ld, hrow0, c0, limit);
         }
         if (wg_tid == 0) ptx::bulk_commit_group();
+        stage_b_state = (stage_b_state & 1u) | (use_b ? 2u : 0u);
       };
       constexpr int kPassBoxes = kStageCols / 64;
       if (t.l1) {
@@ -411,19 +428,17 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (p.h != nullptr) {
             // gate columns n0.. of h, then the matching up columns I + n0.. (F6 rounding with a clamp)
             if (p.clamp > 0.f) {
-              staged_pass(stg_half, false, 0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h,
+              staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h,
                           PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, false});
-              staged_pass(stg_half, false, kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h,
+              staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h,
                           PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, true});
             } else {
-              staged_pass(stg_half, false, 0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, PackBf16x2{});
-              staged_pass(stg_half, false, kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h,
-                          PackBf16x2{});
+              staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, PackBf16x2{});
+              staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h, PackBf16x2{});
             }
           }
           swiglu_in_place<kBlockN>(acc, p.clamp);
-          staged_pass(stg_half, false, 0, p.s, p.inter, t.n0, p.inter, &tmap_s_st, PackBf16x2{});
-          stage_b_state &= 1u;
+          staged_pass(0, p.s, p.inter, t.n0, p.inter, &tmap_s_st, PackBf16x2{});
         }
         if (full_half) {
           pending_mb = t.mb;  // arrives after the next tile's first MMAs (arrive_pending)
@@ -434,14 +449,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (wg_tid == 0) ptx::red_release_gpu_add(seq.l1_ctr + t.mb, 1);
         }
       } else if (active) {
-        if (!(stage_b_state & 1u)) {  // once per CTA; the dispatch ends long before the first L2 tile can start
-          ptx::mbar_wait(reinterpret_cast<uint64_t*>(smem + L::kDispDoneOff), 0);
-          stage_b_state = 1u;
-        }
-        staged_pass(stg_half, (stage_b_state & 2u) != 0, 0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, PackBf16x2{});
-        staged_pass(stg_half + kToStageB, true, kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o,
-                    PackBf16x2{});
-        stage_b_state = 3u;
+        staged_pass(0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, PackBf16x2{});
+        staged_pass(kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o, PackBf16x2{});
       }
       if (p.stats != nullptr) {
         if (t.l1) epi_l1 += clock64() - t_epi; else epi_l2 += clock64() - t_epi;

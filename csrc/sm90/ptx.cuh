@@ -116,6 +116,18 @@ __device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t num_threads
 }
 
 // Arrive on a named barrier without waiting (the producer side of a bar.sync elsewhere).
+// named_bar_sync that also returns, to every participating thread, the AND of their predicates (a uniform
+// decision from per-thread observations).
+__device__ __forceinline__ bool named_bar_sync_and(uint32_t id, uint32_t num_threads, bool pred) {
+  uint32_t r;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.and.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(num_threads)
+      : "memory");
+  return r != 0;
+}
+
 __device__ __forceinline__ void named_bar_arrive(uint32_t id, uint32_t num_threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
