@@ -193,13 +193,16 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   if (p.stats != nullptr) cudaMemsetAsync(p.stats, 0, sizeof(long long) * 1024 * kStatsPerCta, stream);
   // PK_MEGA_FWD_STATS=dispatch: the dispatch alone, no GEMM tiles (results are not computed; timing only)
   // PK_MEGA_FWD_STATS=d<bits>: bits 1-3 of MegaFwdParams::dispatch_only (d0 = the dispatch alone)
+  // PK_MEGA_FWD_STATS=nodispatch: the tiles alone, every m-block marked dispatched (x_pool not written)
   p.dispatch_only = kStats && std::getenv("PK_MEGA_FWD_STATS")[0] == 'd'
                         ? 1 | (std::atoi(std::getenv("PK_MEGA_FWD_STATS") + 1) << 1)
-                        : 0;
+                        : (kStats && std::strcmp(std::getenv("PK_MEGA_FWD_STATS"), "nodispatch") == 0 ? 16 : 0);
 
   const int64_t num_counters =
       mega_moe_fwd_counter_count(m_total, num_experts, p.y != nullptr ? num_tokens : 0, hidden);
   cudaError_t e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * num_counters, stream);
+  if (e == cudaSuccess && (p.dispatch_only & 16))
+    e = cudaMemsetAsync(counters, 0x7f, sizeof(int32_t) * p.max_m_blocks, stream);  // every m-block "dispatched"
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
   // Every CTA must be resident at once (tiles wait for tiles of other CTAs): one per SM at most.
   auto launch_pp = [&](auto stages, auto slots) -> cudaError_t {

@@ -83,7 +83,8 @@ struct MegaFwdParams {
   // Development aid (null in normal runs): per CTA, kStatsPerCta clock64 figures (see mega_moe.cu).
   long long* stats;
   // Development aid with stats (timing only, nothing is computed): bit 0 = no tiles, the dispatch alone;
-  // with bit 0, bit 1 = no proxy fence / release, bit 2 = no stores, bit 3 = no loads.
+  // with bit 0, bit 1 = no proxy fence / release, bit 2 = no stores, bit 3 = no loads; bit 4 = the tiles alone
+  // (no dispatch: the host marks every m-block dispatched, x_pool holds whatever it held).
   int32_t dispatch_only;
 };
 constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only)
@@ -120,6 +121,7 @@ template <int kBlockM, int kDispatchSlots>
 __device__ __forceinline__ void mega_dispatch_role(const MegaFwdParams& p, uint32_t slots_addr, int dwarp, int lane,
                                                    const int32_t* s_offs, const int32_t* s_mb, int num_experts,
                                                    int32_t* disp_ctr) {
+  if (p.dispatch_only & 16) return;
   auto src_of = [&](int row) -> const __nv_bfloat16* {
     const int route = __ldg(p.pool_src_route + row);
     const int rank = p.pool_src_rank != nullptr ? min(max(__ldg(p.pool_src_rank + row), 0), p.num_ranks - 1) : 0;
