@@ -20,13 +20,7 @@ constexpr uint32_t kDispatchConsumerRegs = 224;
 
 // Development switches of the dispatch (bench/NOTES.md): bit 1 = no proxy fence / release, bit 2 = no stores,
 // bit 3 = no loads (bit 0 is the forward's "no tiles").
-// bit 5 = pieces leave their slot by one bulk copy (cp.async.bulk, lane 0) instead of the lanes' stores.
-enum DispatchDevFlags : int {
-  kDispatchNoRelease = 2,
-  kDispatchNoStores = 4,
-  kDispatchNoLoads = 8,
-  kDispatchBulkStores = 32
-};
+enum DispatchDevFlags : int { kDispatchNoRelease = 2, kDispatchNoStores = 4, kDispatchNoLoads = 8 };
 
 // Pieces (kSlotBytes each) a row of row_bytes is copied in; the counters count landed pieces.
 template <int kSlotBytes>
@@ -95,30 +89,7 @@ __device__ __forceinline__ void dispatch_rows_role(SrcOf&& src_of, uint8_t* dst,
       ptx::cp_async_commit();
     };
     for (int i = 0; i < kSlotsPerWarp - 1; ++i) issue(i);
-    if (dev_flags & kDispatchBulkStores) {
-      // piece i lands, leaves by one bulk copy, then its slot's previous piece (i - 1, copied out one step
-      // earlier) is refilled with piece i + kSlotsPerWarp - 1
-      for (int i = 0; i < pieces; ++i) {
-        ptx::cp_async_wait<kSlotsPerWarp - 2>();  // this lane's parts of piece i have landed
-        ptx::fence_proxy_async_smem();            // ... and are visible to the bulk copy
-        __syncwarp();
-        if (lane == 0) {
-          const int ri = i / chunks;
-          const int c = i - ri * chunks;
-          const int bytes = min(kSlotBytes, row_bytes - c * kSlotBytes);
-          uint8_t* out = dst + static_cast<int64_t>(row0 + ri) * row_bytes + c * kSlotBytes;
-          if (!(dev_flags & kDispatchNoStores))
-            ptx::bulk_store_s2g(out, slot0 + (i % kSlotsPerWarp) * kSlotBytes, static_cast<uint32_t>(bytes));
-          ptx::bulk_commit_group();
-          ptx::bulk_wait_group_read<1>();  // piece i - 1's slot has been read
-        }
-        __syncwarp();
-        issue(i + kSlotsPerWarp - 1);
-      }
-      if (lane == 0) ptx::bulk_wait_group<0>();  // the run's rows are written
-      __syncwarp();
-    }
-    for (int i = 0; i < pieces && !(dev_flags & kDispatchBulkStores); ++i) {
+    for (int i = 0; i < pieces; ++i) {
       issue(i + kSlotsPerWarp - 1);
       ptx::cp_async_wait<kSlotsPerWarp - 1>();  // this lane's parts of piece i have landed
       const int ri = i / chunks;

@@ -197,11 +197,6 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   p.dispatch_only = kStats && std::getenv("PK_MEGA_FWD_STATS")[0] == 'd'
                         ? 1 | (std::atoi(std::getenv("PK_MEGA_FWD_STATS") + 1) << 1)
                         : (kStats && std::strcmp(std::getenv("PK_MEGA_FWD_STATS"), "nodispatch") == 0 ? 16 : 0);
-  // Development aid: PK_MEGA_FWD_DISPATCH=bulk copies dispatched pieces out by bulk copies (read at every call)
-  {
-    const char* d = std::getenv("PK_MEGA_FWD_DISPATCH");
-    if (d != nullptr && std::strcmp(d, "bulk") == 0) p.dispatch_only |= kDispatchBulkStores;
-  }
 
   const int64_t num_counters =
       mega_moe_fwd_counter_count(m_total, num_experts, p.y != nullptr ? num_tokens : 0, hidden);

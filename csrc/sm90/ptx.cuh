@@ -171,12 +171,6 @@ __device__ __forceinline__ void tma_store_3d(const void* desc, uint32_t src_smem
                "r"(src_smem), "r"(c0), "r"(c1), "r"(c2)
                : "memory");
 }
-// Bulk copy (no tensor map) of bytes (a multiple of 16) from shared to global memory, bulk-group completion.
-__device__ __forceinline__ void bulk_store_s2g(void* gdst, uint32_t src_smem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(reinterpret_cast<uint64_t>(gdst)),
-               "r"(src_smem), "r"(bytes)
-               : "memory");
-}
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Waits until at most N bulk groups of this thread are pending reads of their shared-memory source.
 template <int N>
