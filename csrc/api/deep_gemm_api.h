@@ -118,8 +118,10 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_r
 // written. I and hidden multiples of 8; clamp 0 = none.
 // Gathered dy (a_row_index non-null): dy_pool is the source rows [a_rows, hidden] (row stride lda) and the kernel
 // also writes a_pool [m_total, hidden] (contiguous): pool row m = source row a_row_index[m] (zeros outside
-// [0, a_rows)), rows past the last group unwritten; counters: >= ceil(m_total / 128) + num_groups int32 of
-// scratch (zeroed by the call). Needs I a multiple of 64. a_row_index null: a_rows, a_pool, counters unused.
+// [0, a_rows)), rows past the last group unwritten; counters: pk_m_grouped_dispatch_counter_count(m_total,
+// num_groups) int32 of scratch (zeroed by the call). Needs I a multiple of 64. a_row_index null: a_rows, a_pool,
+// counters unused.
+PK_API int64_t pk_m_grouped_dispatch_counter_count(int64_t m_total, int num_groups);
 PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb,
                                              int64_t b_group_stride, const void* h, int64_t ldh,
                                              const int32_t* pool_src_route, const float* route_weights, void* dh,

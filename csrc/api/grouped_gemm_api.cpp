@@ -135,6 +135,10 @@ int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ld
 }
 
 
+int64_t pk_m_grouped_dispatch_counter_count(int64_t m_total, int num_groups) {
+  return deep_gemm::sm90::max_m_blocks(m_total, num_groups);
+}
+
 int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int64_t num_tokens, int64_t hidden) {
   return deep_gemm::sm90::mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden);
 }

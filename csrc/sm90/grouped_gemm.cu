@@ -399,13 +399,13 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
     return fail(kGemmInvalidArgument, err, err_len, "%s: clamp_limit must be >= 0 (0 = no clamp)", fn);
   // With a_row_index, dy_pool holds the source rows (a_rows of them) and the kernel gathers them into a_pool.
   const bool dispatch = a_row_index != nullptr;
-  const int64_t max_m_blocks = (m_total + 127) / 128 + num_groups;  // bounds the m-blocks of every grouping
+  const int64_t num_m_blocks = max_m_blocks(m_total, num_groups);  // bounds the m-blocks of every grouping
   if (dispatch) {
     if (a_rows < 0 || a_rows > kMaxDim || a_pool == nullptr || !aligned16(a_pool) || counters == nullptr ||
-        num_counters < max_m_blocks || m_total * ((k * 2 + 4095) / 4096) > kMaxDim)
+        num_counters < num_m_blocks || m_total * ((k * 2 + 4095) / 4096) > kMaxDim)
       return fail(kGemmInvalidArgument, err, err_len,
                   "%s (gathered dy): a_rows = %lld, a_pool (16-byte aligned) and %lld counters are needed, got %lld",
-                  fn, (long long)a_rows, (long long)max_m_blocks, (long long)num_counters);
+                  fn, (long long)a_rows, (long long)num_m_blocks, (long long)num_counters);
     if (!(I % 64 == 0 && ldh % 8 == 0 && lddh % 8 == 0 && ldaw % 8 == 0))
       return fail(kGemmInvalidArgument, err, err_len,
                   "%s (gathered dy): intermediate must be a multiple of 64 (the ping-pong kernel's boxes), got %lld",
@@ -457,7 +457,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
     p.a_rows = (int32_t)a_rows;
     p.a_pool = reinterpret_cast<__nv_bfloat16*>(a_pool);
     p.disp_ctr = counters;
-    p.max_m_blocks = (int32_t)max_m_blocks;
+    p.max_m_blocks = (int32_t)num_m_blocks;
   }
   const int64_t max_units = ((m_total + 127) / 128 + num_groups) * n_blocks;
   // The ping-pong kernel (swiglu_bwd_pp.cuh) where its boxes fit; PK_SWIGLU_BWD_COOP=1 (development aid, read
@@ -486,7 +486,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
       constexpr int kStages = 3, kSlots = 9;  // 9 x 4 KB dispatch slots take the fourth stage's room
       constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages, kSlots>;
       constexpr int smem = SwigluBwdPPLayout<kStages, kSlots>::kSmemBytes;
-      e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * max_m_blocks, stream);
+      e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * num_m_blocks, stream);
       if (e == cudaSuccess) e = set_max_dynamic_smem<kernel>(smem);
       if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
       kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, mh, mdh, maw, p);

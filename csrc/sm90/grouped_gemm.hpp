@@ -19,6 +19,12 @@
 namespace deep_gemm {
 namespace sm90 {
 
+// 128-row m-blocks (never across a group) that any grouping of m_total rows into num_groups groups can have:
+// the length of every per-m-block counter array (the dispatching kernels' readiness counters).
+inline int64_t max_m_blocks(int64_t m_total, int num_groups) {
+  return (m_total > 0 ? (m_total + 127) / 128 : 0) + (num_groups > 0 ? num_groups : 0);
+}
+
 enum GroupedGemmStatus : int {
   kGemmOk = 0,
   kGemmInvalidArgument = 1,

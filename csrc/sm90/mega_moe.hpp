@@ -9,13 +9,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include "grouped_gemm.hpp"
+
 namespace deep_gemm {
 namespace sm90 {
 
 // m-blocks (128 pool rows, never across an expert) any plan over m_total rows can have.
-inline int64_t mega_moe_max_m_blocks(int64_t m_total, int num_experts) {
-  return (m_total > 0 ? (m_total + 127) / 128 : 0) + (num_experts > 0 ? num_experts : 0);
-}
+inline int64_t mega_moe_max_m_blocks(int64_t m_total, int num_experts) { return max_m_blocks(m_total, num_experts); }
 // int32 counters the forward needs (zeroed by the launch itself, on `stream`): dispatch and L1 per m-block,
 // then the in-kernel combine's arrivals per (token, 128 columns of hidden).
 inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int64_t num_tokens, int64_t hidden) {

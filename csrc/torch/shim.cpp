@@ -406,7 +406,7 @@ static std::tuple<Tensor, Tensor, Tensor, Tensor> swiglu_bwd_gemm(const char* op
   Tensor aw = new_tensor(a, {m_total, inter}, ScalarType::BFloat16);
   Tensor dt_part = new_tensor(a, {m_total, n_blocks}, ScalarType::Float);
   Tensor a_pool = new_tensor(a, {a_row_index ? m_total : 0, hidden}, ScalarType::BFloat16);
-  const int64_t num_counters = a_row_index ? (m_total + 127) / 128 + num_groups : 0;
+  const int64_t num_counters = a_row_index ? pk_m_grouped_dispatch_counter_count(m_total, num_groups) : 0;
   Tensor counters = new_tensor(a, {num_counters}, ScalarType::Int);  // scratch, zeroed by the call
   check_core(pk_m_grouped_bf16_gemm_swiglu_bwd(
                  a.data_ptr(), a.stride(0), w2.data_ptr(), w2.stride(1), w2.stride(0), h.data_ptr(), h.stride(0),
