@@ -110,16 +110,19 @@ __device__ __forceinline__ void init_stage_barriers(uint64_t* full_bar, uint64_t
 // acc is zeroed first and settled on return. Descriptors: stage s, k-step kk adds s * kStageA/BBytes and
 // kk * 32 (A) / kBStepBytes (B) bytes (>> 4) to the low halves a_lo0 / b_lo0. kProxyFence: A was written
 // through the generic proxy (cp.async gather), fence before wgmma reads it.
-// hook (optional): work of the previous tile that may wait until this tile's first MMAs are queued (see
-// NoTileStartHook); before_first_wait(bar, parity) runs before the first k-block's wait, after_first_issue()
-// once that k-block's MMAs are issued (an inactive warpgroup: right after before_first_wait).
-struct NoTileStartHook {
+// kAStepBytes: A's k16 step (32 bytes for K-major A; 16 rows of 128 bytes for MN-major A).
+// hook (optional, NoTileHook shows the interface): before_first_wait(bar, parity) runs before the first
+// k-block's wait and after_first_issue() once that k-block's MMAs are issued (an inactive warpgroup: right
+// after before_first_wait): work of the previous tile that may wait until this tile's MMAs are queued;
+// on_stage(kb, stage) runs once k-block kb's stage has landed, before its MMAs (e.g. to patch the stage).
+struct NoTileHook {
   __device__ __forceinline__ void before_first_wait(uint64_t*, uint32_t) const {}
   __device__ __forceinline__ void after_first_issue() const {}
+  __device__ __forceinline__ void on_stage(int, int) const {}
 };
 
 template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, uint32_t kBStepBytes,
-          bool kProxyFence, int kAccRegs, typename ReleaseFn, typename Hook = NoTileStartHook>
+          bool kProxyFence, uint32_t kAStepBytes = 32, int kAccRegs, typename ReleaseFn, typename Hook = NoTileHook>
 __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], bool active, int num_k_blocks,
                                                        uint64_t* full_bar, int& stage, uint32_t& phase,
                                                        uint32_t a_lo0, uint32_t a_hi, uint32_t b_lo0,
@@ -138,6 +141,7 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
   } else {
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       ptx::mbar_wait(&full_bar[stage], phase);
+      hook.on_stage(kb, stage);
       // (compile-time: a runtime test here costs the consumers registers they do not have at 224)
       if constexpr (kProxyFence) ptx::fence_proxy_async_smem();
 #pragma unroll
@@ -147,7 +151,7 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
       const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (kStageBBytes >> 4);
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        const uint64_t da = ptx::desc_from_halves(a_lo + kk * (32 >> 4), a_hi);
+        const uint64_t da = ptx::desc_from_halves(a_lo + kk * (kAStepBytes >> 4), a_hi);
         const uint64_t db = ptx::desc_from_halves(b_lo + kk * (kBStepBytes >> 4), b_hi);
         Mma::mma(acc, da, db, 1u);
       }

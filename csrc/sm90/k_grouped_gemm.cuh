@@ -177,18 +177,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const Tile tile = locate(t);
       const int num_k_blocks = ceil_div(tile.rows, kBlockK);
       if (kOut == kOutF32Accumulate && num_k_blocks == 0) continue;
-#pragma unroll
-      for (int r = 0; r < kBlockN / 2; ++r) acc[r] = 0.f;
-
-      int prev_stage = 0;
-      for (int kb = 0; kb < num_k_blocks; ++kb) {
-        ptx::mbar_wait(&full_bar[stage], phase);
-        const int valid = tile.rows - kb * kBlockK;
-        if (valid < kBlockK) {
-          // Last, partial k-block: zero k-rows [valid, 64) of every box of this stage (whole 128-byte rows,
-          // so the swizzle does not matter), then hand the writes to the async proxy.
-          const int zrows = kBlockK - valid;
-          const int per_box = zrows * 8;
+      // Last, partial k-block: zero k-rows [valid, 64) of every box of the stage before the MMAs read it (whole
+      // 128-byte rows, so the swizzle does not matter), then hand the writes to the async proxy.
+      struct ZeroPartialKBlock : NoTileHook {
+        uint8_t* smem;
+        int rows, ctid;
+        __device__ __forceinline__ void on_stage(int kb, int stage) const {
+          const int valid = rows - kb * kBlockK;
+          if (valid >= kBlockK) return;
+          const int per_box = (kBlockK - valid) * 8;
           const uint32_t sa = ptx::smem_addr(smem + L::kAOff + stage * L::kABytes);
           const uint32_t sb = ptx::smem_addr(smem + L::kBOff + stage * L::kBBytes);
           for (int idx = ctid; idx < per_box * kNumBoxes; idx += kNumConsumerThreads) {
@@ -201,35 +198,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           ptx::fence_proxy_async_smem();
           ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
         }
-#pragma unroll
-        for (int r = 0; r < kBlockN / 2; ++r) ptx::reg_fence(acc[r]);
-        ptx::wgmma_fence();
-        const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (L::kABytes >> 4);
-        const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (L::kBBytes >> 4);
-#pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk) {
-          const uint64_t da = ptx::desc_from_halves(a_lo + kk * (16 * 128 >> 4), a_hi);
-          const uint64_t db = ptx::desc_from_halves(b_lo + kk * (16 * 128 >> 4), b_hi);
-          Mma::mma(acc, da, db, 1u);
-        }
-        ptx::wgmma_commit();
-#pragma unroll
-        for (int r = 0; r < kBlockN / 2; ++r) ptx::reg_fence(acc[r]);
-        if (kb > 0) {
-          ptx::wgmma_wait<1>();
-          __syncwarp();
-          if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
-        }
-        prev_stage = stage;
-        advance_stage<kNumStages>(stage, phase);
-      }
-      ptx::wgmma_wait<0>();  // unconditional: lets ptxas see every accumulator settled on all paths
-      if (num_k_blocks > 0) {
+      };
+      auto release = [&](int s_) {
         __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
-      }
-#pragma unroll
-      for (int r = 0; r < kBlockN / 2; ++r) ptx::reg_fence(acc[r]);
+        if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
+      };
+      // both operands MN-major: a k16 step is 16 rows of 128 bytes in A and B
+      consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 16 * 128, false, 16 * 128>(
+          acc, true, num_k_blocks, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release,
+          ZeroPartialKBlock{{}, smem, tile.rows, ctid});
 
       const int64_t group_elems = static_cast<int64_t>(p.m) * p.n;
       const int row0 = tile.m0 + 64 * wg;

@@ -368,6 +368,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (wg_tid == 0 && pending_mb >= 0 && !ptx::mbar_test_wait(bar, parity)) arrive();
       }
       __device__ __forceinline__ void after_first_issue() const { arrive(); }
+      __device__ __forceinline__ void on_stage(int, int) const {}
     };
     for (int u = (int)ptx::ctaid_x_volatile(); u < seq.num_tasks; u += (int)gridDim.x) {
       const auto t = seq.locate(u, e, in_l2);
