@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""A/B of the two fused forward kernels (PK_MEGA_FWD_KERNEL = cooperative, the default, or pingpong) at the two
+layer shapes, T=16384, uniform routing, kernel op alone (no plan, no combine), without and with h saved:
+checks the two kernels agree bit for bit, then times 15-iteration bursts (best of 3 interleaved rounds) and the
+steady state (bench_common.sustained_ms: the mean of 10 calls after `--sustained-seconds` back to back).
+Prints one burst and one sustained line per shape (ms and TFLOP/s). Development tool (bench/NOTES.md, session 6)."""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as bc  # noqa: E402
+import deep_gemm  # noqa: F401,E402
+from deep_gemm.routing import routing_plan  # noqa: E402
+
+SHAPES = {"30B": (128, 2048, 768, 8), "235B": (128, 4096, 1536, 8)}
+KERNELS = ("pingpong", "cooperative")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--sustained-seconds", type=float, default=2.0)
+    args = ap.parse_args()
+    for name in args.shapes:
+        E, H, I, K = SHAPES[name]
+        T = 16384
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        idx = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :K].contiguous()
+        w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
+        w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
+        flops = 6 * T * K * H * I
+        plan = routing_plan(idx, E, 1, validate=False)
+        src, offs = plan.pool_src_route, plan.expert_offsets
+        op = torch.ops.deep_gemm.mega_moe_fused_fwd
+
+        def run(save_h: bool):
+            return op(x, src, offs, w13, w2, K, save_h, 0.0)
+
+        outs = {}
+        for kern in KERNELS:
+            os.environ["PK_MEGA_FWD_KERNEL"] = kern
+            outs[kern] = run(True)
+        same = all(torch.equal(a, b) for a, b in zip(*outs.values()) if a is not None and a.numel() > 0)
+        burst: dict = {}
+        for _ in range(3):
+            for kern in KERNELS:
+                os.environ["PK_MEGA_FWD_KERNEL"] = kern
+                for suffix, save_h in (("", False), ("+h", True)):
+                    burst.setdefault(kern + suffix, []).append(
+                        bc.time_ms(lambda: run(save_h), "cuda", warmup=3, iters=15))
+        sustained = {}
+        for kern in KERNELS:
+            os.environ["PK_MEGA_FWD_KERNEL"] = kern
+            for suffix, save_h in (("", False), ("+h", True)):
+                sustained[kern + suffix] = bc.sustained_ms(lambda: run(save_h), "cuda", args.sustained_seconds)
+        os.environ.pop("PK_MEGA_FWD_KERNEL", None)
+        print(f"{name}: kernels agree bit for bit: {same}")
+        print(f"{name} burst: " + " | ".join(f"{k} {min(v):.3f} ({flops / min(v) / 1e9:.0f} TF)"
+                                             for k, v in burst.items()))
+        print(f"{name} sustained: " + " | ".join(f"{k} {v:.3f} ({flops / v / 1e9:.0f} TF)"
+                                                 for k, v in sustained.items()), flush=True)
+        del x, w13, w2, outs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
