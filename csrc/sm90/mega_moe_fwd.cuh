@@ -100,8 +100,8 @@ struct MegaFwdLayout {
   static constexpr int kBOff = kAOff + kNumStages * kABytes;
   static constexpr int kCOff = kBOff + kNumStages * kBBytes;
   static constexpr int kStageCols = 128;  // epilogue staging: half the tile's columns per pass
-  // The dispatch slots: once this CTA's dispatch warps are done, L2 epilogues use them as a second staging
-  // tile (kStageBOff), so that a tile's two passes need not wait for each other's TMA store.
+  // The dispatch slots: once this CTA's dispatch warps are done, the epilogues use them as a second staging
+  // tile (kStageBOff), so that consecutive passes need not wait for each other's TMA store.
   static constexpr int kDispOff = kCOff + TmaStaging<kStageCols>::kBytes;
   static constexpr int kStageBOff = kDispOff;
   static constexpr int kBarOff = kDispOff + kDispatchSlots * kDispatchSlotBytes;
