@@ -94,7 +94,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
       (h != nullptr && !aligned16(h)))
     return fail(kGemmInvalidArgument, err, err_len, "%s: w13, w2, x_pool, s, h and o must be 16-byte aligned", fn);
   const bool cooperative = use_cooperative();
-  const bool fused_combine = combine && !cooperative;
+  const bool fused_combine = combine && combine_in_kernel();  // implies the ping-pong kernel (use_cooperative)
   int sms = 0;
   if (int r = device_sms(&sms, err, err_len)) return r;
   if (num_sms > 0 && num_sms < sms) sms = num_sms;
