@@ -194,6 +194,34 @@ def test_fused_op_combine_is_the_standalone_combine_bit_for_bit(monkeypatch, T, 
 
 
 @requires_sm90
+@pytest.mark.parametrize("kernel,combine,combine_launched", [("cooperative", "launch", True),
+                                                             ("pingpong", "launch", True),
+                                                             ("pingpong", "kernel", False)])
+def test_fused_op_runs_the_kernels_its_switches_name(monkeypatch, kernel, combine, combine_launched):
+    """PK_MEGA_FWD_KERNEL picks the forward kernel and PK_MEGA_FWD_COMBINE where the combine runs (results are
+    bit-identical either way, so only the launched kernels tell them apart: the profiler's kernel names)."""
+    _require_fused()
+    from deep_gemm.routing import routing_plan
+
+    monkeypatch.setenv("PK_MEGA_FWD_KERNEL", kernel)
+    monkeypatch.setenv("PK_MEGA_FWD_COMBINE", combine)
+    T, E, H, K = 257, 16, 256, 4
+    x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, 128, E, K, seed=31)]
+    plan = routing_plan(idx, E, 1, validate=False)
+    r2p = plan.route_to_pool.view(T, K)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.ops.deep_gemm.mega_moe_fused_fwd(x, plan.pool_src_route, plan.expert_offsets, w13, w2, K, False, 0.0,
+                                               False, r2p, w)
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    forward = [n for n in names if "mega_moe_fwd" in n]
+    assert len(forward) == 1, names
+    assert ("mega_moe_fwd_pp_kernel" in forward[0]) == (kernel == "pingpong"), forward
+    assert any("combine_bf16_kernel" in n for n in names) == combine_launched, names
+
+
+@requires_sm90
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_fused_saved_h_keeps_the_clamp_masks(monkeypatch, kernel):
     """With a clamp, the saved h follows rounding point F6: a pre-activation strictly on one side of a bound
