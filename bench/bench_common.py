@@ -168,6 +168,22 @@ def torch_moe(x, topk_idx, topk_weights, w13, w2, group=None):
 # ------------------------------------------------------------------------------------------------
 
 
+# Fused-forward development problems (bench/mega_dev.py, bench/fwd_ab.py): the two layer shapes, uniform
+# routing from a fixed seed, weights scaled by 1/sqrt(fan-in).
+FWD_DEV_SHAPES = {"30B": (128, 2048, 768, 8), "235B": (128, 4096, 1536, 8)}
+
+
+def fused_fwd_problem(name: str, T: int = 16384):
+    """(E, H, I, K, T, x, topk_idx, w13, w2, generator) on CUDA; the generator continues the seeded stream."""
+    E, H, I, K = FWD_DEV_SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    idx = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :K].contiguous()
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
+    return E, H, I, K, T, x, idx, w13, w2, g
+
+
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()

@@ -16,23 +16,16 @@ import bench_common as bc  # noqa: E402
 import deep_gemm  # noqa: F401,E402
 from deep_gemm.routing import routing_plan  # noqa: E402
 
-SHAPES = {"30B": (128, 2048, 768, 8), "235B": (128, 4096, 1536, 8)}
 KERNELS = ("pingpong", "cooperative")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("shapes", nargs="*", default=list(bc.FWD_DEV_SHAPES), choices=list(bc.FWD_DEV_SHAPES))
     ap.add_argument("--sustained-seconds", type=float, default=2.0)
     args = ap.parse_args()
     for name in args.shapes:
-        E, H, I, K = SHAPES[name]
-        T = 16384
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-        idx = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :K].contiguous()
-        w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
-        w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
+        E, H, I, K, T, x, idx, w13, w2, _ = bc.fused_fwd_problem(name)
         flops = 6 * T * K * H * I
         plan = routing_plan(idx, E, 1, validate=False)
         src, offs = plan.pool_src_route, plan.expert_offsets

@@ -22,15 +22,8 @@ def bench(fn, iters=15):
 
 
 stats = os.environ.get("PK_MEGA_FWD_STATS") is not None
-shapes = {"30B": (128, 2048, 768, 8), "235B": (128, 4096, 1536, 8)}
-for name in sys.argv[1:] or list(shapes):
-    E, H, I, K = shapes[name]
-    T = 16384
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    idx = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :K].contiguous()
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
+for name in sys.argv[1:] or list(bc.FWD_DEV_SHAPES):
+    E, H, I, K, T, x, idx, w13, w2, g = bc.fused_fwd_problem(name)
     flops = 6 * T * K * H * I
     plan = routing_plan(idx, E, 1, validate=False)
     src, offs = plan.pool_src_route, plan.expert_offsets
