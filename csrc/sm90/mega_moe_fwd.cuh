@@ -87,7 +87,8 @@ struct MegaFwdParams {
   // (no dispatch: the host marks every m-block dispatched, x_pool holds whatever it held).
   int32_t dispatch_only;
 };
-constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only)
+constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only;
+                                  // 16: the TMA producer's wait for a free stage, both kernels)
 
 template <int kNumStages, int kDispatchSlots>
 struct MegaFwdLayout {
@@ -338,7 +339,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // bit 0: this CTA's dispatch is done, the second staging tile may be used; bit 1: the latest committed
     // bulk group read the second staging tile (one register: the consumers have none to spare)
     uint32_t stage_b_state = 0;
-    const uint64_t* disp_done = reinterpret_cast<const uint64_t*>(smem + L::kDispDoneOff);
 
     const long long t_start = clock64();
     long long epi_l1 = 0, epi_l2 = 0;  // stats: time in L1 / L2 epilogues
@@ -396,8 +396,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         // uniform over the warpgroup: every thread saw the dispatch done (an L2 tile waits for it: it is done
         // long before any L2 tile can start, and the dispatch waits for nothing)
         const bool done = t.l1 ? ptx::named_bar_sync_and(kBarEpilogueWg0 + wg, 128,
-                                                         ptx::mbar_test_wait(const_cast<uint64_t*>(disp_done), 0))
-                               : (ptx::mbar_wait(const_cast<uint64_t*>(disp_done), 0), true);
+                                                         ptx::mbar_test_wait(disp_done, 0))
+                               : (ptx::mbar_wait(disp_done, 0), true);
         if (done) stage_b_state = 1u;  // the latest group read the first tile
       }
       auto staged_pass = [&](int box0, __nv_bfloat16* out, int64_t ld, int c0, int limit, const CUtensorMap* map,

@@ -440,7 +440,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd_gather
 
 // Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns s, h, o, the dispatched
 // rows x_pool per pool row (x_pool only with keep_x_pool; h only with save_h) and, with route_to_pool [T, K],
-// y = the weighted combine over o, computed inside the kernel (else an empty [0, hidden] tensor).
+// y = the weighted combine over o (the combine kernel right after the forward kernel, or inside the ping-pong
+// kernel with PK_MEGA_FWD_COMBINE=kernel; else an empty [0, hidden] tensor).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
     Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, int64_t top_k, bool save_h,
     double clamp, bool keep_x_pool, std::optional<Tensor> route_to_pool, std::optional<Tensor> topk_weights) {
