@@ -32,36 +32,7 @@ int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtenso
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-  cudaLaunchConfig_t lc = {};
-  cudaLaunchAttribute attr[1];
-  lc.blockDim = dim3(kNumThreads, 1, 1);
-  lc.dynamicSmemBytes = smem;
-  lc.stream = stream;
-  int grid = 0;
-  if constexpr (kCluster2) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    lc.attrs = attr;
-    lc.numAttrs = 1;
-    // A persistent grid must fit at once: ask how many 2-CTA clusters can be resident.
-    lc.gridDim = dim3(2 * (sms / 2), 1, 1);
-    int max_clusters = 0;
-    e = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &lc);
-    if (e != cudaSuccess || max_clusters < 1)
-      return fail(kGemmCudaError, err, err_len, "cudaOccupancyMaxActiveClusters: %s (%d)", cudaGetErrorString(e),
-                  max_clusters);
-    int64_t clusters = max_clusters < sms / 2 ? max_clusters : sms / 2;
-    if (max_units < clusters) clusters = max_units;
-    grid = (int)(2 * (clusters > 0 ? clusters : 1));
-  } else {
-    lc.attrs = nullptr;
-    lc.numAttrs = 0;
-    grid = (int)(max_units < sms ? (max_units > 0 ? max_units : 1) : sms);
-  }
-  lc.gridDim = dim3(grid, 1, 1);
-  e = cudaLaunchKernelEx(&lc, kernel, ma, mb, md, p);
+  e = launch_persistent<kernel, kCluster2>(smem, max_units, sms, stream, ma, mb, md, p);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "m_grouped_bf16_gemm launch: %s", cudaGetErrorString(e));
   return check_launch("m_grouped_bf16_gemm", err, err_len);
@@ -87,6 +58,13 @@ int check_num_groups(int num_groups, const char* fn, char* err, size_t err_len) 
     return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, num_groups,
                 kMaxGroups);
   return kGemmOk;
+}
+
+// PK_SWIGLU_BWD_CLUSTER=1 / 0 (read at every call): the ping-pong SwiGLU backward in 2-CTA clusters with B
+// multicast (swiglu_bwd_pp.cuh), or one CTA per tile. Default: off (development A/B, bench/NOTES.md session 7).
+bool swiglu_bwd_cluster() {
+  const char* env = std::getenv("PK_SWIGLU_BWD_CLUSTER");
+  return env != nullptr && env[0] == '1';
 }
 
 }  // namespace
@@ -477,8 +455,8 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
       const uint64_t saw[1] = {(uint64_t)ldaw * 2};
       if (int r = make_map(&maw, aw, 2, dims_aw, saw, box, err, err_len)) return r;
     }
-    const int64_t tiles = ((m_total + 127) / 128 + num_groups) * ((I + 127) / 128);
-    const int grid = (int)(tiles < sms ? (tiles > 0 ? tiles : 1) : sms);
+    const int64_t m_blocks = (m_total + 127) / 128 + num_groups;  // bounds the m-blocks of every grouping
+    const int64_t tiles = m_blocks * ((I + 127) / 128);
     cudaError_t e = cudaSuccess;
     if (dispatch) {
       // Every CTA of the persistent grid must be resident at once, since a tile waits on rows another CTA
@@ -488,16 +466,22 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
       constexpr int smem = SwigluBwdPPLayout<kStages, kSlots>::kSmemBytes;
       e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * num_m_blocks, stream);
       if (e == cudaSuccess) e = set_max_dynamic_smem<kernel>(smem);
-      if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
-      kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, mh, mdh, maw, p);
+      if (e == cudaSuccess) e = launch_persistent<kernel, false>(smem, tiles, sms, stream, ma, mb, mh, mdh, maw, p);
+    } else if (swiglu_bwd_cluster()) {
+      constexpr int kStages = 4;
+      constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages, 0, true>;
+      constexpr int smem = SwigluBwdPPLayout<kStages, 0>::kSmemBytes;
+      e = set_max_dynamic_smem<kernel>(smem);
+      const int64_t units = (m_blocks + 1) / 2 * ((I + 127) / 128);
+      if (e == cudaSuccess) e = launch_persistent<kernel, true>(smem, units, sms, stream, ma, mb, mh, mdh, maw, p);
     } else {
       constexpr int kStages = 4;
       constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages, 0>;
       constexpr int smem = SwigluBwdPPLayout<kStages, 0>::kSmemBytes;
       e = set_max_dynamic_smem<kernel>(smem);
-      if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
-      kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, mh, mdh, maw, p);
+      if (e == cudaSuccess) e = launch_persistent<kernel, false>(smem, tiles, sms, stream, ma, mb, mh, mdh, maw, p);
     }
+    if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
     return check_launch(fn, err, err_len);
   }
   return launch_m_grouped<kBlockN, 4, false, false, false, false, false, false, true>(ma, mb, mb, p, max_units, sms,
