@@ -32,7 +32,7 @@ int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtenso
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-  e = launch_persistent<kernel, kCluster2>(smem, max_units, sms, stream, ma, mb, md, p);
+  e = launch_persistent<kernel, kCluster2>(kNumThreads, smem, max_units, sms, stream, ma, mb, md, p);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "m_grouped_bf16_gemm launch: %s", cudaGetErrorString(e));
   return check_launch("m_grouped_bf16_gemm", err, err_len);
@@ -466,20 +466,20 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
       constexpr int smem = SwigluBwdPPLayout<kStages, kSlots>::kSmemBytes;
       e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * num_m_blocks, stream);
       if (e == cudaSuccess) e = set_max_dynamic_smem<kernel>(smem);
-      if (e == cudaSuccess) e = launch_persistent<kernel, false>(smem, tiles, sms, stream, ma, mb, mh, mdh, maw, p);
+      if (e == cudaSuccess) e = launch_persistent<kernel, false>(kNumThreads, smem, tiles, sms, stream, ma, mb, mh, mdh, maw, p);
     } else if (swiglu_bwd_cluster()) {
       constexpr int kStages = 4;
       constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages, 0, true>;
       constexpr int smem = SwigluBwdPPLayout<kStages, 0>::kSmemBytes;
       e = set_max_dynamic_smem<kernel>(smem);
       const int64_t units = (m_blocks + 1) / 2 * ((I + 127) / 128);
-      if (e == cudaSuccess) e = launch_persistent<kernel, true>(smem, units, sms, stream, ma, mb, mh, mdh, maw, p);
+      if (e == cudaSuccess) e = launch_persistent<kernel, true>(kNumThreads, smem, units, sms, stream, ma, mb, mh, mdh, maw, p);
     } else {
       constexpr int kStages = 4;
       constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages, 0>;
       constexpr int smem = SwigluBwdPPLayout<kStages, 0>::kSmemBytes;
       e = set_max_dynamic_smem<kernel>(smem);
-      if (e == cudaSuccess) e = launch_persistent<kernel, false>(smem, tiles, sms, stream, ma, mb, mh, mdh, maw, p);
+      if (e == cudaSuccess) e = launch_persistent<kernel, false>(kNumThreads, smem, tiles, sms, stream, ma, mb, mh, mdh, maw, p);
     }
     if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
     return check_launch(fn, err, err_len);
