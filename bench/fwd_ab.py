@@ -21,10 +21,10 @@ KERNELS = ("pingpong", "cooperative")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("shapes", nargs="*", default=list(bc.FWD_DEV_SHAPES), choices=list(bc.FWD_DEV_SHAPES))
+    ap.add_argument("shapes", nargs="*", choices=[*bc.FWD_DEV_SHAPES, []], help="default: all")
     ap.add_argument("--sustained-seconds", type=float, default=2.0)
     args = ap.parse_args()
-    for name in args.shapes:
+    for name in args.shapes or list(bc.FWD_DEV_SHAPES):
         E, H, I, K, T, x, idx, w13, w2, _ = bc.fused_fwd_problem(name)
         flops = 6 * T * K * H * I
         plan = routing_plan(idx, E, 1, validate=False)

@@ -179,19 +179,14 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
 // (C7520), so rows past an m-block's end compute on whatever the box holds and are never stored. Stages
 // are released to the producer (empty_bar, one arrival per warp) as soon as the next k-block's MMAs are
 // issued; pass_turn() runs once all of the tile's MMAs are issued (the other warpgroup may then issue its
-// own), before the wait for them to finish. kReleasePeer (clusters of 2 that multicast into each other's
-// stages): a stage is also released in CTA `peer` of the cluster, whose producer writes into this CTA's copy.
+// own), before the wait for them to finish.
 template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, uint32_t kBStepDesc,
-          bool kReleasePeer = false, int kAccRegs, typename PassTurn>
+          int kAccRegs, typename PassTurn>
 __device__ __forceinline__ void pingpong_tile_mainloop(float (&acc0)[kAccRegs], float (&acc1)[kAccRegs],
                                                        int num_k_blocks, uint64_t* full_bar, uint64_t* empty_bar,
                                                        int& stage, uint32_t& phase, uint32_t a_lo0, uint32_t a_hi,
                                                        uint32_t b_lo0, uint32_t b_hi, int lane,
-                                                       PassTurn&& pass_turn, uint32_t peer = 0) {
-  auto release = [&](int s) {
-    ptx::mbar_arrive(&empty_bar[s]);
-    if constexpr (kReleasePeer) ptx::mbar_arrive_cluster(&empty_bar[s], peer);
-  };
+                                                       PassTurn&& pass_turn) {
   constexpr uint32_t kHalfADesc = (64 * 128) >> 4;  // rows 64..127 of a 128-byte-swizzled A stage
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) {
@@ -224,7 +219,7 @@ __device__ __forceinline__ void pingpong_tile_mainloop(float (&acc0)[kAccRegs], 
     if (kb > 0) {
       ptx::wgmma_wait<1>();
       __syncwarp();
-      if (lane == 0) release(prev_stage);
+      if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
     }
     prev_stage = stage;
     advance_stage<kNumStages>(stage, phase);
@@ -232,7 +227,7 @@ __device__ __forceinline__ void pingpong_tile_mainloop(float (&acc0)[kAccRegs], 
   pass_turn();
   ptx::wgmma_wait<0>();
   __syncwarp();
-  if (lane == 0 && num_k_blocks > 0) release(prev_stage);
+  if (lane == 0 && num_k_blocks > 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
 }
 
 // Writes the 64 x kBlockN fp32 accumulator fragment of one consumer warpgroup (wgmma m64nN layout) as

@@ -60,13 +60,6 @@ int check_num_groups(int num_groups, const char* fn, char* err, size_t err_len) 
   return kGemmOk;
 }
 
-// PK_SWIGLU_BWD_CLUSTER=1 / 0 (read at every call): the ping-pong SwiGLU backward in 2-CTA clusters with B
-// multicast (swiglu_bwd_pp.cuh), or one CTA per tile. Default: off (development A/B, bench/NOTES.md session 7).
-bool swiglu_bwd_cluster() {
-  const char* env = std::getenv("PK_SWIGLU_BWD_CLUSTER");
-  return env != nullptr && env[0] == '1';
-}
-
 }  // namespace
 
 namespace {
@@ -455,8 +448,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
       const uint64_t saw[1] = {(uint64_t)ldaw * 2};
       if (int r = make_map(&maw, aw, 2, dims_aw, saw, box, err, err_len)) return r;
     }
-    const int64_t m_blocks = (m_total + 127) / 128 + num_groups;  // bounds the m-blocks of every grouping
-    const int64_t tiles = m_blocks * ((I + 127) / 128);
+    const int64_t tiles = ((m_total + 127) / 128 + num_groups) * ((I + 127) / 128);
     cudaError_t e = cudaSuccess;
     if (dispatch) {
       // Every CTA of the persistent grid must be resident at once, since a tile waits on rows another CTA
@@ -466,20 +458,15 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
       constexpr int smem = SwigluBwdPPLayout<kStages, kSlots>::kSmemBytes;
       e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * num_m_blocks, stream);
       if (e == cudaSuccess) e = set_max_dynamic_smem<kernel>(smem);
-      if (e == cudaSuccess) e = launch_persistent<kernel, false>(kNumThreads, smem, tiles, sms, stream, ma, mb, mh, mdh, maw, p);
-    } else if (swiglu_bwd_cluster()) {
-      constexpr int kStages = 4;
-      constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages, 0, true>;
-      constexpr int smem = SwigluBwdPPLayout<kStages, 0>::kSmemBytes;
-      e = set_max_dynamic_smem<kernel>(smem);
-      const int64_t units = (m_blocks + 1) / 2 * ((I + 127) / 128);
-      if (e == cudaSuccess) e = launch_persistent<kernel, true>(kNumThreads, smem, units, sms, stream, ma, mb, mh, mdh, maw, p);
+      if (e == cudaSuccess) e = launch_persistent<kernel, false>(kNumThreads, smem, tiles, sms, stream, ma, mb, mh,
+                                                                    mdh, maw, p);
     } else {
       constexpr int kStages = 4;
       constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages, 0>;
       constexpr int smem = SwigluBwdPPLayout<kStages, 0>::kSmemBytes;
       e = set_max_dynamic_smem<kernel>(smem);
-      if (e == cudaSuccess) e = launch_persistent<kernel, false>(kNumThreads, smem, tiles, sms, stream, ma, mb, mh, mdh, maw, p);
+      if (e == cudaSuccess) e = launch_persistent<kernel, false>(kNumThreads, smem, tiles, sms, stream, ma, mb, mh,
+                                                                    mdh, maw, p);
     }
     if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
     return check_launch(fn, err, err_len);

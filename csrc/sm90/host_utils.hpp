@@ -103,10 +103,9 @@ inline cudaError_t set_max_dynamic_smem(int smem) {
 }
 
 // Launches a persistent kernel of `threads`-thread CTAs (set_max_dynamic_smem first): one CTA per SM and at
-// most max_units CTAs, or
-// with kCluster2 clusters of 2 CTAs, at most max_units clusters and never more than can be resident at once
-// (a persistent grid's CTAs wait on each other; the GPCs' SM counts may leave some SMs unpaired). The
-// residency query is a driver call, so its answer is kept per device.
+// most max_units CTAs, or with kCluster2 clusters of 2 CTAs, at most max_units clusters and never more than
+// can be resident at once (a persistent grid's CTAs may wait on each other; the GPCs' SM counts may leave
+// some SMs unpaired). The residency query is a driver call, so its answer is kept per device.
 template <auto kKernel, bool kCluster2, typename... Args>
 inline cudaError_t launch_persistent(int threads, int smem, int64_t max_units, int sms, cudaStream_t stream,
                                      const Args&... args) {

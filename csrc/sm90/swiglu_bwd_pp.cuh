@@ -60,14 +60,7 @@ struct SwigluBwdPPLayout {
 
 constexpr uint32_t kBarSwigluTurnWg0 = 5;  // +wg
 
-// kCluster2: CTAs run in clusters of 2 that take adjacent m-blocks (of the global m-block list, group order)
-// for the same n-block. When both m-blocks belong to one group, each CTA loads one of B's two 64-column boxes
-// and multicasts it to both, cutting the L2->SM bytes per k-block from 32 to 24 KB (this kernel runs at 83%
-// of L2 throughput with 128 x 128 tiles; the cooperative 128 x 256 GEMM, at 48 B/clock, did not gain from
-// it). A pair that straddles two groups loads B per CTA; rank 1 of an odd last m-block recomputes rank 0's
-// rows and stores none. Both CTAs walk the same units with the same k-block count, so their rings and the
-// warpgroups' turns stay in step; a consumer warp releases a stage in both CTAs.
-template <int kNumStages, int kDispatchSlots, bool kCluster2 = false>
+template <int kNumStages, int kDispatchSlots>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_swiglu_bwd_pp_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                                    const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_dh,
@@ -75,7 +68,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = SwigluBwdPPLayout<kNumStages, kDispatchSlots>;
   constexpr bool kDispatch = kDispatchSlots > 0;
-  static_assert(!(kDispatch && kCluster2), "the gathering kernel runs without clusters");
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kBlockK = L::kBlockK;
@@ -95,12 +87,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int num_groups = p.num_groups;
   const int n_blocks = ceil_div(p.n, kBlockN);
   const int num_k_blocks = ceil_div(p.k, kBlockK);
-  const uint32_t cta_rank = kCluster2 ? ptx::cluster_ctarank() : 0;
 
   if (tid == 0) {
     for (int s = 0; s < 4; ++s) ptx::mbar_init(reinterpret_cast<uint64_t*>(smem + L::kHBarOff) + s, 1);
     // empty: the 4 warps of the consuming warpgroup (the fence also publishes the h-slot barriers above)
-    init_stage_barriers(full_bar, empty_bar, kNumStages, 1, kCluster2 ? 8 : 4);
+    init_stage_barriers(full_bar, empty_bar, kNumStages, 1, 4);
   }
   if (tid == 32) {
     ptx::tma_prefetch_desc(&tmap_a);
@@ -110,51 +101,28 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::tma_prefetch_desc(&tmap_aw);
   }
   load_group_offsets_and_mblocks<kBlockM>(p.group_offsets, num_groups, p.m_total, s_offs, s_mb);
-  if constexpr (kCluster2) ptx::cluster_sync();  // the peer's barriers are initialized before any multicast
-  // Work units: tiles, or (m-block pair, n-block) with clusters. Read by each role after its setmaxnreg (a
-  // volatile shared load): one copy live across the register reconfiguration gets spilled.
-  auto num_units_now = [&]() -> int {
-    const int total = static_cast<int>(ptx::ld_shared_u32(ptx::smem_addr(s_mb + num_groups)));
-    return (kCluster2 ? ceil_div(total, 2) : total) * n_blocks;
+  // read by each role after its setmaxnreg (a volatile shared load): one copy live across the register
+  // reconfiguration gets spilled
+  auto num_tiles_now = [&]() -> int {
+    return static_cast<int>(ptx::ld_shared_u32(ptx::smem_addr(s_mb + num_groups))) * n_blocks;
   };
-  auto first_unit = [&]() -> int { return (int)(kCluster2 ? ptx::ctaid_x_volatile() >> 1 : ptx::ctaid_x_volatile()); };
-  auto unit_step = [&]() -> int { return (int)(kCluster2 ? gridDim.x >> 1 : gridDim.x); };
 
   struct Work {
-    int g;  // group whose B is loaded
+    int g;
     int row0;
     int row_end;
     int n0;
-    int mb;      // global m-block
-    bool mcast;  // B boxes multicast within the cluster
+    int mb;  // global m-block
   };
-  auto locate = [&](int u, int& g) -> Work {
-    if constexpr (!kCluster2) {  // group-major, then n-block, m-block fastest
-      while (s_mb[g + 1] * n_blocks <= u) ++g;
-      const int start = s_offs[g];
-      const int end = max(s_offs[g + 1], start);
-      const int m_blocks = s_mb[g + 1] - s_mb[g];
-      const int local = u - s_mb[g] * n_blocks;
-      const int nb = local / m_blocks;
-      const int mb = local - nb * m_blocks;
-      return Work{g, start + mb * kBlockM, end, nb * kBlockN, s_mb[g] + mb, false};
-    } else {  // m-block pairs in order, n-block fastest within a pair; g follows the pair's first m-block
-      const int pair = u / n_blocks;
-      const int nb = u - pair * n_blocks;
-      const int mb0 = 2 * pair, mb1 = mb0 + 1;
-      const int total = s_mb[num_groups];
-      while (s_mb[g + 1] <= mb0) ++g;
-      const bool has1 = mb1 < total;
-      const bool same = !has1 || mb1 < s_mb[g + 1];
-      if (cta_rank == 0 || !has1) {
-        const int row0 = s_offs[g] + (mb0 - s_mb[g]) * kBlockM;
-        return Work{g, row0, cta_rank == 0 ? max(s_offs[g + 1], s_offs[g]) : row0, nb * kBlockN, mb0, same};
-      }
-      int g1 = g;
-      while (s_mb[g1 + 1] <= mb1) ++g1;
-      return Work{g1, s_offs[g1] + (mb1 - s_mb[g1]) * kBlockM, max(s_offs[g1 + 1], s_offs[g1]), nb * kBlockN, mb1,
-                  same};
-    }
+  auto locate = [&](int u, int& g) -> Work {  // group-major, then n-block, m-block fastest
+    while (s_mb[g + 1] * n_blocks <= u) ++g;
+    const int start = s_offs[g];
+    const int end = max(s_offs[g + 1], start);
+    const int m_blocks = s_mb[g + 1] - s_mb[g];
+    const int local = u - s_mb[g] * n_blocks;
+    const int nb = local / m_blocks;
+    const int mb = local - nb * m_blocks;
+    return Work{g, start + mb * kBlockM, end, nb * kBlockN, s_mb[g] + mb};
   };
 
   if (warp < 4) {
@@ -164,8 +132,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       uint32_t phase = 0;
       int g = 0;
       const int chunks = dispatch_pieces_per_row<L::kDispatchSlotBytes>(p.k * 2);
-      const int num_units = num_units_now();
-      for (int u = first_unit(); u < num_units; u += unit_step()) {
+      const int num_tiles = num_tiles_now();
+      for (int u = (int)ptx::ctaid_x_volatile(); u < num_tiles; u += (int)gridDim.x) {
         const Work w = locate(u, g);
         if constexpr (kDispatch) {  // this m-block's dy rows are in dy_pool (the dispatch warps' release)
           if (w.mb < p.max_m_blocks) ptx::spin_until_at_least(p.disp_ctr + w.mb, min(w.row_end - w.row0, kBlockM) * chunks);
@@ -177,15 +145,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
           ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
           ptx::tma_load_2d(sa, &tmap_a, &full_bar[stage], kb * kBlockK, w.row0);
-          if (kCluster2 && w.mcast) {  // this CTA's box, for both (the stage's expect-tx counts both boxes)
-            const int j = (int)cta_rank;
-            ptx::tma_load_3d_multicast(sb + j * L::kMnBoxBytes, &tmap_b, &full_bar[stage], w.n0 + 64 * j,
-                                       kb * kBlockK, w.g, 0x3);
-          } else {
 #pragma unroll
-            for (int j = 0; j < kBlockN / 64; ++j)
-              ptx::tma_load_3d(sb + j * L::kMnBoxBytes, &tmap_b, &full_bar[stage], w.n0 + 64 * j, kb * kBlockK, w.g);
-          }
+          for (int j = 0; j < kBlockN / 64; ++j)
+            ptx::tma_load_3d(sb + j * L::kMnBoxBytes, &tmap_b, &full_bar[stage], w.n0 + 64 * j, kb * kBlockK, w.g);
           advance_stage<kNumStages>(stage, phase);
         }
       }
@@ -225,10 +187,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     };
     const int frag_row = 16 * ((wg_tid >> 5) & 3) + (lane >> 2);  // + 8 * hh: this thread's rows of a 64-row half
 
-    const int cta = first_unit();
-    const int step = unit_step();
-    const int num_units = num_units_now();
-    const int ntiles = cta < num_units ? ceil_div(num_units - cta, step) : 0;
+    const int cta = (int)ptx::ctaid_x_volatile();
+    const int step = (int)gridDim.x;
+    const int num_tiles = num_tiles_now();
+    const int ntiles = cta < num_tiles ? ceil_div(num_tiles - cta, step) : 0;
     if (wg == 1 && ntiles > 0) ptx::named_bar_arrive(kBarSwigluTurnWg0, 256);
 
     float acc0[kAcc], acc1[kAcc];
@@ -236,7 +198,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     uint32_t phase = 0;
     int g = 0;
     int k = 0;
-    for (int u = cta; u < num_units; u += step, ++k) {
+    for (int u = cta; u < num_tiles; u += step, ++k) {
       const Work w = locate(u, g);
       if ((k & 1) != wg) {
         skip_stages<kNumStages>(stage, phase, num_k_blocks);
@@ -262,12 +224,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           wgt[hm][hh] = route >= 0 ? __ldg(p.route_weights + route) : 0.f;
         }
       ptx::named_bar_sync(kBarSwigluTurnWg0 + wg, 256);
-      pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, kBStepDesc, kCluster2>(
-          acc0, acc1, num_k_blocks, full_bar, empty_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, lane,
-          [&] {
+      pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, kBStepDesc>(
+          acc0, acc1, num_k_blocks, full_bar, empty_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, lane, [&] {
             if (k + 1 < ntiles) ptx::named_bar_arrive(kBarSwigluTurnWg0 + (wg ^ 1), 256);
-          },
-          cta_rank ^ 1);
+          });
 
       const bool has_clamp = p.clamp > 0.f;
 #pragma unroll
@@ -360,11 +320,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       }
     }
-  }
-  if constexpr (kCluster2) {
-    // Neither CTA may exit while the other can still multicast into it or arrive on its barriers.
-    __syncwarp();
-    ptx::cluster_sync();
   }
 #endif
 }
