@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""A/B of the two fused forward kernels (PK_MEGA_FWD_KERNEL = cooperative, the default, or pingpong) at the two
-layer shapes, T=16384, uniform routing, kernel op alone (no plan, no combine), without and with h saved:
-checks the two kernels agree bit for bit, then times 15-iteration bursts (best of 3 interleaved rounds) and the
+"""A/B of the fused forward under the values of one switch (default: PK_MEGA_FWD_KERNEL = pingpong, cooperative;
+`--switch NAME=v1,v2,...` for another, e.g. PK_MEGA_FWD_STORE_HINT=0,1) at the two layer shapes, T=16384, uniform
+routing, kernel op alone (no plan, no combine), without and with h saved: checks the variants agree bit for bit,
+then times 15-iteration bursts (best of 3 interleaved rounds) and the
 steady state (bench_common.sustained_ms: the mean of 10 calls after `--sustained-seconds` back to back).
 Prints one burst and one sustained line per shape (ms and TFLOP/s). Development tool (bench/NOTES.md, session 6)."""
 
@@ -16,14 +17,17 @@ import bench_common as bc  # noqa: E402
 import deep_gemm  # noqa: F401,E402
 from deep_gemm.routing import routing_plan  # noqa: E402
 
-KERNELS = ("pingpong", "cooperative")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("shapes", nargs="*", choices=[*bc.FWD_DEV_SHAPES, []], help="default: all")
     ap.add_argument("--sustained-seconds", type=float, default=2.0)
+    ap.add_argument("--switch", default="PK_MEGA_FWD_KERNEL=pingpong,cooperative",
+                    help="NAME=v1,v2,...: the environment switch (read by the library at every call) and its values")
     args = ap.parse_args()
+    env, values = args.switch.split("=", 1)
+    variants = tuple(values.split(","))
     for name in args.shapes or list(bc.FWD_DEV_SHAPES):
         E, H, I, K, T, x, idx, w13, w2, _ = bc.fused_fwd_problem(name)
         flops = 6 * T * K * H * I
@@ -35,24 +39,24 @@ def main() -> None:
             return op(x, src, offs, w13, w2, K, save_h, 0.0)
 
         outs = {}
-        for kern in KERNELS:
-            os.environ["PK_MEGA_FWD_KERNEL"] = kern
-            outs[kern] = run(True)
+        for value in variants:
+            os.environ[env] = value
+            outs[value] = run(True)
         same = all(torch.equal(a, b) for a, b in zip(*outs.values()) if a is not None and a.numel() > 0)
         burst: dict = {}
         for _ in range(3):
-            for kern in KERNELS:
-                os.environ["PK_MEGA_FWD_KERNEL"] = kern
+            for value in variants:
+                os.environ[env] = value
                 for suffix, save_h in (("", False), ("+h", True)):
-                    burst.setdefault(kern + suffix, []).append(
+                    burst.setdefault(value + suffix, []).append(
                         bc.time_ms(lambda: run(save_h), "cuda", warmup=3, iters=15))
         sustained = {}
-        for kern in KERNELS:
-            os.environ["PK_MEGA_FWD_KERNEL"] = kern
+        for value in variants:
+            os.environ[env] = value
             for suffix, save_h in (("", False), ("+h", True)):
-                sustained[kern + suffix] = bc.sustained_ms(lambda: run(save_h), "cuda", args.sustained_seconds)
-        os.environ.pop("PK_MEGA_FWD_KERNEL", None)
-        print(f"{name}: kernels agree bit for bit: {same}")
+                sustained[value + suffix] = bc.sustained_ms(lambda: run(save_h), "cuda", args.sustained_seconds)
+        os.environ.pop(env, None)
+        print(f"{name} ({env}): variants agree bit for bit: {same}")
         print(f"{name} burst: " + " | ".join(f"{k} {min(v):.3f} ({flops / min(v) / 1e9:.0f} TF)"
                                              for k, v in burst.items()))
         print(f"{name} sustained: " + " | ".join(f"{k} {v:.3f} ({flops / v / 1e9:.0f} TF)"
