@@ -37,12 +37,6 @@ bool use_cooperative() {
   const char* v = std::getenv("PK_MEGA_FWD_KERNEL");
   return !(v != nullptr && std::strcmp(v, "pingpong") == 0) && !combine_in_kernel();
 }
-// PK_MEGA_FWD_STORE_HINT=1 / 0: the cooperative kernel's h and o stores carry an L2 evict_first policy
-// (MegaFwdParams::evict_first_stores). Development aid for the A/B, read at every call; default off.
-bool evict_first_stores() {
-  const char* v = std::getenv("PK_MEGA_FWD_STORE_HINT");
-  return v != nullptr && v[0] == '1';
-}
 }  // namespace
 
 int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
@@ -187,7 +181,6 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   p.topk_weights = topk_weights;
   p.y = fused_combine ? static_cast<__nv_bfloat16*>(y) : nullptr;
   p.counters = counters;
-  p.evict_first_stores = evict_first_stores() ? 1 : 0;
   p.max_m_blocks = (int32_t)mega_moe_max_m_blocks(m_total, num_experts);
   p.token_ctr = counters + 2 * p.max_m_blocks;  // after the dispatch and L1 counters
   // Development aid: PK_MEGA_FWD_STATS=1 synchronizes after the launch and prints per-role clock figures

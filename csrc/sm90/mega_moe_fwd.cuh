@@ -80,10 +80,6 @@ struct MegaFwdParams {
   __nv_bfloat16* y;              // [num_tokens, hidden], row stride hidden
   int32_t num_tokens;
   int32_t* token_ctr;  // [num_tokens * ceil(hidden / 128)], zero before the launch
-  // Cooperative kernel: 1 = h and o leave with an L2 evict_first policy (written once, read by no tile of this
-  // kernel: the backward and the combine read them later, from HBM at these sizes), so they do not push the
-  // tiles' A / B / s lines out of L2; 0 = default policy.
-  int32_t evict_first_stores;
   // Development aid (null in normal runs): per CTA, kStatsPerCta clock64 figures (see mega_moe.cu).
   long long* stats;
   // Development aid with stats (timing only, nothing is computed): bit 0 = no tiles, the dispatch alone;
@@ -405,7 +401,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (done) stage_b_state = 1u;  // the latest group read the first tile
       }
       auto staged_pass = [&](int box0, __nv_bfloat16* out, int64_t ld, int c0, int limit, const CUtensorMap* map,
-                             bool streamed, auto pack) {
+                             auto pack) {
         const bool alternate = (stage_b_state & 1u) != 0;
         const bool use_b = alternate && !(stage_b_state & 2u);
         const uint32_t stg = stg_half + (use_b ? kToStageB : 0u);
@@ -418,13 +414,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
         if (full_half) {
           if (wg_tid == 0) {
-            // made here, by the storing thread only: the consumers have no registers to keep a policy in
-            const uint64_t policy = streamed && p.evict_first_stores ? ptx::l2_policy_evict_first()
-                                                                     : ptx::l2_policy_evict_normal();
 #pragma unroll
             for (int b = 0; b < kStageCols / 64; ++b)
               if (c0 + 64 * b < limit)
-                ptx::tma_store_2d_hint(map, stg + b * TmaStaging<kStageCols>::kBoxBytes, c0 + 64 * b, hrow0, policy);
+                ptx::tma_store_2d(map, stg + b * TmaStaging<kStageCols>::kBoxBytes, c0 + 64 * b, hrow0);
           }
         } else {
           copy_swizzled_half_to_global<kStageCols>(stg, wg_tid, t.row_end - hrow0, out, ld, hrow0, c0, limit);
@@ -438,18 +431,17 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (p.h != nullptr) {
             // gate columns n0.. of h, then the matching up columns I + n0.. (F6 rounding with a clamp)
             if (p.clamp > 0.f) {
-              staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, true,
+              staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h,
                           PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, false});
-              staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h, true,
+              staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h,
                           PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, true});
             } else {
-              staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, true, PackBf16x2{});
-              staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h, true,
-                          PackBf16x2{});
+              staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, PackBf16x2{});
+              staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h, PackBf16x2{});
             }
           }
           swiglu_in_place<kBlockN>(acc, p.clamp);
-          staged_pass(0, p.s, p.inter, t.n0, p.inter, &tmap_s_st, false, PackBf16x2{});
+          staged_pass(0, p.s, p.inter, t.n0, p.inter, &tmap_s_st, PackBf16x2{});
         }
         if (full_half) {
           pending_mb = t.mb;  // arrives after the next tile's first MMAs (arrive_pending)
@@ -460,9 +452,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (wg_tid == 0) ptx::red_release_gpu_add(seq.l1_ctr + t.mb, 1);
         }
       } else if (active) {
-        staged_pass(0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, true, PackBf16x2{});
-        staged_pass(kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o, true,
-                    PackBf16x2{});
+        staged_pass(0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, PackBf16x2{});
+        staged_pass(kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o, PackBf16x2{});
       }
       if (p.stats != nullptr) {
         if (t.l1) epi_l1 += clock64() - t_epi; else epi_l2 += clock64() - t_epi;

@@ -164,26 +164,6 @@ __device__ __forceinline__ void tma_store_2d(const void* desc, uint32_t src_smem
                "r"(src_smem), "r"(c0), "r"(c1)
                : "memory");
 }
-// The same with an L2 cache policy (l2_policy_*) for the written lines.
-__device__ __forceinline__ void tma_store_2d_hint(const void* desc, uint32_t src_smem, int32_t c0, int32_t c1,
-                                                  uint64_t policy) {
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3}], [%1], %4;" ::"l"(
-                   reinterpret_cast<uint64_t>(desc)),
-               "r"(src_smem), "r"(c0), "r"(c1), "l"(policy)
-               : "memory");
-}
-// L2 cache policies for every line an access touches: evict_first (streamed data nobody re-reads soon) or
-// evict_normal (the default behaviour, for a runtime choice between the two).
-__device__ __forceinline__ uint64_t l2_policy_evict_first() {
-  uint64_t p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-__device__ __forceinline__ uint64_t l2_policy_evict_normal() {
-  uint64_t p;
-  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
 __device__ __forceinline__ void tma_store_3d(const void* desc, uint32_t src_smem, int32_t c0, int32_t c1,
                                              int32_t c2) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
