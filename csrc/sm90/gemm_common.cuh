@@ -35,6 +35,23 @@ static_assert(kSyncStageStride >= kStageBytesPerWg && kSyncStageStride % 1024 ==
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int align_up(int a, int b) { return ceil_div(a, b) * b; }
 
+// The start of every sm90 kernel's shared-memory layout here: the mbarrier ring's kNumStages A tiles
+// (kBlockM x kBlockK bf16), then its kNumStages B tiles (kBlockN x kBlockK); stage s of each at s times its
+// tile's bytes, so the consumers' descriptors step by a constant. A layout continues at kRingEnd and ends
+// with kSmemBytes = its end + 1024 (slack for aligning the dynamic base), at most kSmemLimit.
+template <int kBlockM_, int kBlockN_, int kBlockK_, int kNumStages>
+struct StageRingLayout {
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kBlockK = kBlockK_;
+  static constexpr int kABytes = kBlockM * kBlockK * 2;
+  static constexpr int kBBytes = kBlockN * kBlockK * 2;
+  static constexpr int kAOff = 0;
+  static constexpr int kBOff = kAOff + kNumStages * kABytes;
+  static constexpr int kRingEnd = kBOff + kNumStages * kBBytes;
+  static constexpr int kSmemLimit = 232448;  // sm90: 227 KB of dynamic shared memory per block
+};
+
 __device__ __forceinline__ uint8_t* align_smem_1024(uint8_t* p) {
   const uint32_t a = ptx::smem_addr(p);
   return p + ((1024 - (a & 1023)) & 1023);

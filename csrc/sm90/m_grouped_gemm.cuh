@@ -108,21 +108,16 @@ struct MGroupedParams {
 };
 
 template <int kBlockN, int kNumStages, bool kAsyncEpi>
-struct MGroupedLayout {
-  static constexpr int kBlockM = 128;
-  static constexpr int kBlockK = 64;
-  static constexpr int kABytes = kBlockM * kBlockK * 2;
-  static constexpr int kBBytes = kBlockN * kBlockK * 2;
-  static constexpr int kAOff = 0;
-  static constexpr int kBOff = kAOff + kNumStages * kABytes;
-  static constexpr int kCOff = kBOff + kNumStages * kBBytes;
+struct MGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
+  using Ring = StageRingLayout<128, kBlockN, 64, kNumStages>;
+  static constexpr int kCOff = Ring::kRingEnd;
   static constexpr int kCBytes = kAsyncEpi ? TmaStaging<kBlockN>::kBytes : 2 * kSyncStageStride;
   static constexpr int kBarOff = kCOff + kCBytes;
   static constexpr int kOffsOff = kBarOff + (2 * kNumStages + 2) * 8;
   static constexpr int kTileOff = kOffsOff + (kMaxGroups + 1) * 4;
   static constexpr int kEnd = kTileOff + (kMaxGroups + 1) * 4;
-  static constexpr int kSmemBytes = kEnd + 1024;  // slack for aligning the base to 1024 B
-  static_assert(kSmemBytes <= 232448, "shared memory budget exceeded");
+  static constexpr int kSmemBytes = kEnd + 1024;
+  static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
   static_assert(kBlockN % 128 == 0 && kBlockN <= 256, "kBlockN must be 128 or 256");
 };
 

@@ -91,15 +91,9 @@ constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15:
                                   // 16: the TMA producer's wait for a free stage, both kernels)
 
 template <int kNumStages, int kDispatchSlots>
-struct MegaFwdLayout {
-  static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = 256;
-  static constexpr int kBlockK = 64;
-  static constexpr int kABytes = kBlockM * kBlockK * 2;
-  static constexpr int kBBytes = kBlockN * kBlockK * 2;
-  static constexpr int kAOff = 0;
-  static constexpr int kBOff = kAOff + kNumStages * kABytes;
-  static constexpr int kCOff = kBOff + kNumStages * kBBytes;
+struct MegaFwdLayout : StageRingLayout<128, 256, 64, kNumStages> {
+  using Ring = StageRingLayout<128, 256, 64, kNumStages>;
+  static constexpr int kCOff = Ring::kRingEnd;
   static constexpr int kStageCols = 128;  // epilogue staging: half the tile's columns per pass
   // The dispatch slots: once this CTA's dispatch warps are done, the epilogues use them as a second staging
   // tile (kStageBOff), so that consecutive passes need not wait for each other's TMA store.
@@ -111,7 +105,7 @@ struct MegaFwdLayout {
   static constexpr int kMbOff = kOffsOff + (kMegaMaxExperts + 1) * 4;
   static constexpr int kEnd = kMbOff + (kMegaMaxExperts + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
-  static_assert(kSmemBytes <= 232448, "shared memory budget exceeded");
+  static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
   static_assert(kDispatchSlots * kDispatchSlotBytes >= TmaStaging<kStageCols>::kBytes, "second staging tile");
   static_assert(kDispOff % 1024 == 0, "a 128B-swizzled staging tile is 1024-byte aligned");
 };

@@ -24,22 +24,16 @@ namespace deep_gemm {
 namespace sm90 {
 
 template <int kNumStages, int kDispatchSlots>
-struct MegaFwdPPLayout {
-  static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = 128;
-  static constexpr int kBlockK = 64;
-  static constexpr int kABytes = kBlockM * kBlockK * 2;
-  static constexpr int kBBytes = kBlockN * kBlockK * 2;
-  static constexpr int kAOff = 0;
-  static constexpr int kBOff = kAOff + kNumStages * kABytes;
-  static constexpr int kCOff = kBOff + kNumStages * kBBytes;  // per warpgroup: 64 rows x 128 columns
-  static constexpr int kDispOff = kCOff + TmaStaging<kBlockN>::kBytes;
+struct MegaFwdPPLayout : StageRingLayout<128, 128, 64, kNumStages> {
+  using Ring = StageRingLayout<128, 128, 64, kNumStages>;
+  static constexpr int kCOff = Ring::kRingEnd;  // per warpgroup: 64 rows x 128 columns
+  static constexpr int kDispOff = kCOff + TmaStaging<Ring::kBlockN>::kBytes;
   static constexpr int kBarOff = kDispOff + kDispatchSlots * kDispatchSlotBytes;
   static constexpr int kOffsOff = kBarOff + 2 * kNumStages * 8;
   static constexpr int kMbOff = kOffsOff + (kMegaMaxExperts + 1) * 4;
   static constexpr int kEnd = kMbOff + (kMegaMaxExperts + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
-  static_assert(kSmemBytes <= 232448, "shared memory budget exceeded");
+  static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
 };
 
 // Combine columns per arrival counter: one L2 tile's width.

@@ -13,6 +13,8 @@
 // boxes) by TMA into a two-slot ring per warpgroup, the first two issued before the mainloop; each thread
 // reads its fragment's g, u from the swizzled boxes, writes dg, du over them in place and w*s into a third
 // box, and one thread TMA-stores the three boxes (generic 16-byte stores for an m-block's last partial rows).
+// It runs at ~81% of L2 throughput (B and A re-read per 128 x 128 tile), but 2-CTA clusters that multicast B
+// measured slower (bench/NOTES.md, session 7: 30B 0.84 vs 0.82 ms, 235B 3.30 vs 2.86).
 // With dispatch slots (PK_SWIGLU_BWD_DISPATCH=1), dy_pool is not an input: the kernel gathers the dy rows into it
 // itself (see SwigluBwdPPLayout) and the weight gradient reads it afterwards.
 #pragma once
@@ -33,18 +35,12 @@ namespace sm90 {
 // 4.10 vs 3.43 at 235B; bench/NOTES.md, session 5): the slots cost one GEMM stage, and the copy's L2 traffic
 // lands on a kernel already at 83% of L2 throughput. Kept selectable (PK_SWIGLU_BWD_DISPATCH=1) for A/B.
 template <int kNumStages, int kDispatchSlots>
-struct SwigluBwdPPLayout {
-  static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = 128;
-  static constexpr int kBlockK = 64;
-  static constexpr int kABytes = kBlockM * kBlockK * 2;
-  static constexpr int kBBytes = kBlockN * kBlockK * 2;
-  static constexpr int kMnBoxBytes = 64 * kBlockK * 2;  // one 64-column box of B per stage
+struct SwigluBwdPPLayout : StageRingLayout<128, 128, 64, kNumStages> {
+  using Ring = StageRingLayout<128, 128, 64, kNumStages>;
+  static constexpr int kMnBoxBytes = 64 * Ring::kBlockK * 2;  // one 64-column box of B per stage
   static constexpr int kBoxBytes = 64 * 64 * 2;       // one 64 x 64 bf16 piece, 128-byte swizzle
   static constexpr int kSlotBytes = 2 * kBoxBytes;     // gate and up boxes of one piece
-  static constexpr int kAOff = 0;
-  static constexpr int kBOff = kAOff + kNumStages * kABytes;
-  static constexpr int kHOff = kBOff + kNumStages * kBBytes;  // per warpgroup: 2 slots
+  static constexpr int kHOff = Ring::kRingEnd;  // per warpgroup: 2 slots
   static constexpr int kAwOff = kHOff + 2 * 2 * kSlotBytes;   // per warpgroup: 1 w*s box
   static constexpr int kDispOff = kAwOff + 2 * kBoxBytes;
   static constexpr int kDispatchSlotBytes = 4096;
@@ -54,7 +50,7 @@ struct SwigluBwdPPLayout {
   static constexpr int kMbOff = kOffsOff + (kMaxGroups + 1) * 4;  // first m-block of each group
   static constexpr int kEnd = kMbOff + (kMaxGroups + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
-  static_assert(kSmemBytes <= 232448, "shared memory budget exceeded");
+  static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
   static_assert(kDispatchSlots % kDispatchWarps == 0, "dispatch slots are split evenly over the dispatch warps");
 };
 
