@@ -97,6 +97,7 @@ def test_bad_inputs_raise():
 def test_opcheck_and_fake():
     idx = make_topk(33, 16, 4, "masked", torch.Generator().manual_seed(0))
     torch.library.opcheck(torch.ops.deep_gemm.routing_plan.default, (idx, 16, 32, 0))
+    torch.library.opcheck(torch.ops.deep_gemm.routing_plan.default, (idx, 16, 32, 0, 33 * 4 + 16 * 31 + 5))
     compiled = torch.compile(lambda t: torch.ops.deep_gemm.routing_plan(t, 16, 32, 0), backend="aot_eager",
                              fullgraph=True)
     ref = routing_plan_reference(idx, 16, 32)
@@ -108,7 +109,9 @@ def test_opcheck_and_fake():
                                                         (16384, 128, 8, "zipf", 128),
                                                         (4097, 256, 8, "masked", 64),
                                                         # scan slices: 3 per expert (E=300), 1 (E=3000)
-                                                        (20000, 300, 8, "zipf", 1), (6000, 3000, 4, "uniform", 16)])
+                                                        (20000, 300, 8, "zipf", 1), (6000, 3000, 4, "uniform", 16),
+                                                        # the most experts (the scan's shared memory bound)
+                                                        (5000, 4096, 2, "uniform", 8)])
 def test_cuda_matches_reference_and_is_deterministic(T, E, K, kind, block_m):
     gen = torch.Generator().manual_seed(T + 7 * E)
     idx = make_topk(T, E, K, kind, gen).cuda()
@@ -118,6 +121,28 @@ def test_cuda_matches_reference_and_is_deterministic(T, E, K, kind, block_m):
         for p in plans:
             assert torch.equal(getattr(p, f).cpu(), getattr(ref, f)), f
     check_invariants(plans[0], idx)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_gpu)])
+def test_capacity_lays_the_plan_into_more_rows(device):
+    """A caller's fixed capacity: the same plan, the rows past it padding; below the minimum raises."""
+    idx = make_topk(129, 16, 4, "masked", torch.Generator().manual_seed(11)).to(device)
+    need = pool_capacity(129, 4, 16, 8)
+    base = routing_plan(idx, 16, 8)
+    assert base.pool_src_route.numel() == need
+    for cap in (need, need + 77):
+        plan = routing_plan(idx, 16, 8, capacity=cap)
+        for f in ("pool_src_route", "pool_src_rank"):
+            t = getattr(plan, f).cpu()
+            assert t.shape == (cap,), f
+            assert torch.equal(t[:need], getattr(base, f).cpu()), f
+            assert bool((t[need:] == -1).all()), f
+        for f in ("expert_counts", "expert_offsets", "route_to_pool"):
+            assert torch.equal(getattr(plan, f).cpu(), getattr(base, f).cpu()), f
+    with pytest.raises(ValueError, match="capacity"):
+        routing_plan(idx, 16, 8, capacity=need - 1)
+    with pytest.raises(RuntimeError, match="capacity"):
+        torch.ops.deep_gemm.routing_plan(idx, 16, 8, 0, need - 1)
 
 
 @requires_gpu

@@ -49,17 +49,53 @@ routing_count_kernel(const IdxT* __restrict__ topk_idx, int64_t num_routes, int 
   for (int i = threadIdx.x; i < num_experts; i += blockDim.x) out[i] = hist[i];
 }
 
+// Exclusive scan of one int per thread over the whole block (blockDim.x a multiple of 32, at most 1024);
+// warp_sums: 33 ints of shared memory. Returns the thread's exclusive prefix; *total gets the block's sum.
+__device__ __forceinline__ int32_t block_exclusive_scan(int32_t v, int32_t* warp_sums, int32_t* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, num_warps = blockDim.x / 32;
+  int32_t incl = v;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int32_t up = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += up;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int32_t w = lane < num_warps ? warp_sums[lane] : 0;
+    int32_t wincl = w;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int32_t up = __shfl_up_sync(0xffffffffu, wincl, d);
+      if (lane >= d) wincl += up;
+    }
+    warp_sums[lane] = wincl - w;  // exclusive prefix of warp `lane`
+    if (lane == 31) warp_sums[32] = wincl;
+  }
+  __syncthreads();
+  const int32_t out = warp_sums[warp] + incl - v;
+  *total = warp_sums[32];
+  __syncthreads();  // warp_sums may be reused by the caller
+  return out;
+}
+
 // One block. The [chunk, expert] counts become exclusive prefixes per expert in two passes over the chunk
 // axis, split into routing_scan_slices() slices per expert (thread = (slice, expert), expert fastest: coalesced rows) so
 // that no thread walks all chunks with a dependent load per chunk (a single pass per expert took ~65 us
-// at 131072 routes and 128 experts).
+// at 131072 routes and 128 experts). The expert offsets are a block-wide shuffle scan, and the padding rows
+// are written by all warps at once (a serial scan by one thread and a per-expert loop reading the counts
+// back from global memory took ~20 of the kernel's 29 us at that size).
 __global__ void __launch_bounds__(kPlanScanThreads)
 routing_scan_kernel(int32_t* __restrict__ chunk_counts, int num_chunks, int num_experts, int block_m,
                     int32_t* __restrict__ expert_counts, int32_t* __restrict__ expert_offsets,
                     int32_t* __restrict__ pool_src_route, int32_t* __restrict__ pool_src_rank,
                     int64_t pool_capacity) {
-  extern __shared__ int32_t padded[];  // [num_experts + 1], then slice sums [slices * num_experts]
+  // [num_experts + 1] offsets (the counts until the scan), then the slice sums [slices * num_experts], whose
+  // first num_experts entries keep the counts once the chunk passes are done
+  extern __shared__ int32_t padded[];
   int32_t* slice_sum = padded + num_experts + 1;
+  int32_t* counts = slice_sum;
+  __shared__ int32_t warp_sums[33];
   const int slices = routing_scan_slices(num_experts);
   const int per_slice = (num_chunks + slices - 1) / slices;
   for (int task = threadIdx.x; task < slices * num_experts; task += blockDim.x) {
@@ -92,44 +128,33 @@ routing_scan_kernel(int32_t* __restrict__ chunk_counts, int num_chunks, int num_
     }
     if (slice == 0) {
       expert_counts[e] = total;
-      padded[e] = (total + block_m - 1) / block_m * block_m;
+      padded[e] = total;
     }
   }
   __syncthreads();
-  // Exclusive scan of the padded sizes. E <= kMaxPlanExperts, so a serial pass over the
-  // per-thread partial sums is cheap next to the chunk loop above.
-  __shared__ int32_t partial[kPlanScanThreads + 1];
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = padded[e];
+  __syncthreads();
+  // Exclusive scan of the padded sizes: each thread sums a contiguous run of experts, one block scan of the
+  // runs, then each thread writes its run's offsets.
   const int per_thread = (num_experts + blockDim.x - 1) / blockDim.x;
   const int begin = min(num_experts, static_cast<int>(threadIdx.x) * per_thread);
   const int end = min(num_experts, begin + per_thread);
   int32_t local = 0;
-  for (int e = begin; e < end; ++e) local += padded[e];
-  partial[threadIdx.x] = local;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t acc = 0;
-    for (int i = 0; i < static_cast<int>(blockDim.x); ++i) {
-      const int32_t v = partial[i];
-      partial[i] = acc;
-      acc += v;
-    }
-    partial[blockDim.x] = acc;
-  }
-  __syncthreads();
-  int32_t acc = partial[threadIdx.x];
+  for (int e = begin; e < end; ++e) local += (counts[e] + block_m - 1) / block_m * block_m;
+  int32_t all = 0;
+  int32_t acc = block_exclusive_scan(local, warp_sums, &all);
   for (int e = begin; e < end; ++e) {
-    const int32_t size = padded[e];
     padded[e] = acc;
-    acc += size;
+    acc += (counts[e] + block_m - 1) / block_m * block_m;
   }
-  __syncthreads();
-  if (threadIdx.x == 0) padded[num_experts] = partial[blockDim.x];
+  if (threadIdx.x == 0) padded[num_experts] = all;
   __syncthreads();
   for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) expert_offsets[e] = padded[e];
-  // Padding rows inside each expert's range, then everything past the last expert.
-  for (int e = 0; e < num_experts; ++e) {
-    const int64_t first_pad = static_cast<int64_t>(padded[e]) + expert_counts[e];
-    for (int64_t row = first_pad + threadIdx.x; row < padded[e + 1]; row += blockDim.x) {
+  // Padding rows inside each expert's range (fewer than block_m each: a warp per expert, a lane per row),
+  // then everything past the last expert.
+  const int lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+  for (int e = threadIdx.x / 32; e < num_experts; e += num_warps) {
+    for (int64_t row = static_cast<int64_t>(padded[e]) + counts[e] + lane; row < padded[e + 1]; row += 32) {
       pool_src_route[row] = -1;
       pool_src_rank[row] = -1;
     }

@@ -62,9 +62,15 @@ PlanInput check_plan_input(const Tensor& topk_idx, int64_t num_experts, int64_t 
 
 using PlanOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-PlanOutputs allocate_plan(const Tensor& like, const PlanInput& in, int64_t num_experts, int64_t block_m) {
-  const int64_t capacity = pk_routing_plan_pool_capacity(in.num_tokens, in.top_k, num_experts, block_m);
-  STD_TORCH_CHECK(capacity >= 0, "deep_gemm.routing_plan: invalid sizes");
+// capacity: pool rows to allocate, -1 for the fewest the plan can need (a caller that keeps a larger fixed
+// capacity gets the rows past the plan's end as padding, -1, with no separate copy).
+PlanOutputs allocate_plan(const Tensor& like, const PlanInput& in, int64_t num_experts, int64_t block_m,
+                          int64_t capacity) {
+  const int64_t needed = pk_routing_plan_pool_capacity(in.num_tokens, in.top_k, num_experts, block_m);
+  STD_TORCH_CHECK(needed >= 0, "deep_gemm.routing_plan: invalid sizes");
+  STD_TORCH_CHECK(capacity == -1 || capacity >= needed, "deep_gemm.routing_plan: capacity = ", capacity,
+                  " is below the ", needed, " pool rows this plan may need (-1: exactly those)");
+  if (capacity == -1) capacity = needed;
   auto i32 = [&](std::vector<int64_t> sizes) {
     return torch::stable::new_empty(like, torch::headeronly::IntHeaderOnlyArrayRef(sizes.data(), sizes.size()),
                                     ScalarType::Int);
@@ -73,9 +79,9 @@ PlanOutputs allocate_plan(const Tensor& like, const PlanInput& in, int64_t num_e
           i32({in.num_tokens, in.top_k}), i32({1})};
 }
 
-PlanOutputs routing_plan_cpu(Tensor topk_idx, int64_t num_experts, int64_t block_m, int64_t rank) {
+PlanOutputs routing_plan_cpu(Tensor topk_idx, int64_t num_experts, int64_t block_m, int64_t rank, int64_t capacity) {
   const PlanInput in = check_plan_input(topk_idx, num_experts, block_m);
-  PlanOutputs out = allocate_plan(topk_idx, in, num_experts, block_m);
+  PlanOutputs out = allocate_plan(topk_idx, in, num_experts, block_m, capacity);
   auto& [counts, offsets, src_route, src_rank, route_to_pool, num_invalid] = out;
   check_core(pk_routing_plan_cpu(topk_idx.data_ptr(), in.is_int64, in.num_tokens, in.top_k, num_experts, block_m,
                                  static_cast<int32_t>(rank), static_cast<int32_t*>(counts.data_ptr()),
@@ -88,11 +94,12 @@ PlanOutputs routing_plan_cpu(Tensor topk_idx, int64_t num_experts, int64_t block
   return out;
 }
 
-PlanOutputs routing_plan_cuda(Tensor topk_idx, int64_t num_experts, int64_t block_m, int64_t rank) {
+PlanOutputs routing_plan_cuda(Tensor topk_idx, int64_t num_experts, int64_t block_m, int64_t rank,
+                              int64_t capacity) {
   const PlanInput in = check_plan_input(topk_idx, num_experts, block_m);
   const int32_t device = topk_idx.get_device_index();
   torch::stable::accelerator::DeviceGuard guard(device);
-  PlanOutputs out = allocate_plan(topk_idx, in, num_experts, block_m);
+  PlanOutputs out = allocate_plan(topk_idx, in, num_experts, block_m, capacity);
   auto& [counts, offsets, src_route, src_rank, route_to_pool, num_invalid] = out;
   const int64_t ws_bytes = pk_routing_plan_workspace_bytes(in.num_tokens, in.top_k, num_experts);
   STD_TORCH_CHECK(ws_bytes >= 0, "deep_gemm.routing_plan: invalid sizes");
@@ -501,7 +508,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
 
 STABLE_TORCH_LIBRARY(deep_gemm, m) {
   m.def(
-      "routing_plan(Tensor topk_idx, int num_experts, int block_m, int rank=0) -> "
+      "routing_plan(Tensor topk_idx, int num_experts, int block_m, int rank=0, int capacity=-1) -> "
       "(Tensor expert_counts, Tensor expert_offsets, Tensor pool_src_route, Tensor pool_src_rank, "
       "Tensor route_to_pool, Tensor num_invalid)");
   m.def("m_grouped_bf16_gemm_nt(Tensor a, Tensor b, Tensor group_offsets) -> Tensor");

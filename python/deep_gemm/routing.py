@@ -84,21 +84,29 @@ def routing_plan_reference(topk_idx: torch.Tensor, num_experts: int, block_m: in
 
 
 def routing_plan(topk_idx: torch.Tensor, num_experts: int, block_m: int, rank: int = 0,
-                 validate: bool = True) -> RoutingPlan:
+                 validate: bool = True, capacity: int | None = None) -> RoutingPlan:
     """The plan from our kernel (CUDA) or the core's host loop (CPU).
 
     Expert ids outside [-1, num_experts) are errors. With ``validate=True`` (the default) they raise
     here, which on CUDA reads one int back from the device; ``validate=False`` skips that sync and
     treats such routes as masked.
+
+    ``capacity`` (>= :func:`pool_capacity` of the shapes; default: exactly that) sizes the per-pool-row
+    outputs; rows past the plan's end are padding (-1).
     """
     _check(topk_idx, num_experts, block_m)
+    if capacity is not None:
+        needed = pool_capacity(topk_idx.size(0), topk_idx.size(1), num_experts, block_m)
+        if capacity < needed:
+            raise ValueError(f"capacity = {capacity} is below the {needed} pool rows this plan may need")
     if topk_idx.is_cuda:
         _status.require(f"routing_plan.int32.{_status.family_of_device(topk_idx.device.index) or 'sm90'}")
     else:
         res = _lib.load()
         if not res.shim_loaded:
             raise RuntimeError(f"deep_gemm: routing_plan is not available: {res.reason}")
-    outs = torch.ops.deep_gemm.routing_plan(topk_idx.contiguous(), num_experts, block_m, rank)
+    outs = torch.ops.deep_gemm.routing_plan(topk_idx.contiguous(), num_experts, block_m, rank,
+                                            -1 if capacity is None else int(capacity))
     counts, offsets, src_route, src_rank, route_to_pool, num_invalid = outs
     if validate:
         n = int(num_invalid.item())
@@ -111,8 +119,8 @@ def routing_plan(topk_idx: torch.Tensor, num_experts: int, block_m: int, rank: i
 def _register_fake() -> None:
     """Shapes of the op's outputs depend on input shapes only, so torch.compile can trace it."""
     @torch.library.register_fake("deep_gemm::routing_plan")
-    def _(topk_idx, num_experts, block_m, rank=0):
+    def _(topk_idx, num_experts, block_m, rank=0, capacity=-1):
         T, K = topk_idx.shape
-        cap = pool_capacity(T, K, num_experts, block_m)
+        cap = pool_capacity(T, K, num_experts, block_m) if capacity == -1 else capacity
         new = lambda *s: topk_idx.new_empty(s, dtype=torch.int32)  # noqa: E731
         return new(num_experts), new(num_experts + 1), new(cap), new(cap), new(T, K), new(1)

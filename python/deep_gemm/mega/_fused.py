@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from ._backend import FusedKernelUnavailable
-from ._grouped import _pad
 from ..routing import routing_plan
 
 STATUS_KEY_FWD = "mega_moe.bf16.sm90"
@@ -39,9 +38,9 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
     T = x.shape[0]
     K = topk_idx.shape[1]
     with torch.no_grad():
-        plan = routing_plan(topk_idx, num_experts, 1, validate=False)
-        src = _pad(plan.pool_src_route, capacity, -1)
-        srank = _pad(plan.pool_src_rank, capacity, -1)
+        plan = routing_plan(topk_idx, num_experts, 1, validate=False, capacity=capacity)
+        src = plan.pool_src_route
+        srank = plan.pool_src_rank
         route_to_pool = plan.route_to_pool.view(T, K)
         _s, h, _o, x_pool, y = torch.ops.deep_gemm.mega_moe_fused_fwd(
             x.contiguous(), src, plan.expert_offsets, w13.contiguous(), w2.contiguous(), K, save_h,

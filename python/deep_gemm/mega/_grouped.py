@@ -29,14 +29,6 @@ from ..routing import routing_plan
 STATUS_KEY = "mega_moe_grouped.bf16.sm90"
 
 
-def _pad(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
-    if t.shape[0] == length:
-        return t
-    out = t.new_full((length,), value)
-    out[: t.shape[0]] = t
-    return out
-
-
 def _token_rows(pool_src_route: torch.Tensor, top_k: int) -> torch.Tensor:
     """Token row of every pool row, -1 (reads as a zero row) for padding."""
     return torch.where(pool_src_route >= 0, torch.div(pool_src_route, top_k, rounding_mode="floor"),
@@ -60,9 +52,9 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
     K = topk_idx.shape[1]
     # The grouped GEMMs need no padding, so the plan is built with block_m = 1 (rows = routes) and
     # laid into the caller's capacity; the backward reads it back the same way.
-    plan = routing_plan(topk_idx, num_experts, 1, validate=False)
-    src = _pad(plan.pool_src_route, capacity, -1)
-    srank = _pad(plan.pool_src_rank, capacity, -1)
+    plan = routing_plan(topk_idx, num_experts, 1, validate=False, capacity=capacity)
+    src = plan.pool_src_route
+    srank = plan.pool_src_rank
     tok = _token_rows(src, K)
     offsets = plan.expert_offsets
     # F1-F3 in one kernel: SwiGLU on the fp32 accumulators, s and (if saved) h rounded to bf16.
