@@ -97,7 +97,7 @@ def test_bad_inputs_raise():
 def test_opcheck_and_fake():
     idx = make_topk(33, 16, 4, "masked", torch.Generator().manual_seed(0))
     torch.library.opcheck(torch.ops.deep_gemm.routing_plan.default, (idx, 16, 32, 0))
-    torch.library.opcheck(torch.ops.deep_gemm.routing_plan.default, (idx, 16, 32, 0, 33 * 4 + 16 * 31 + 5))
+    torch.library.opcheck(torch.ops.deep_gemm.routing_plan.default, (idx, 16, 32, 0, pool_capacity(33, 4, 16, 32) + 5))
     compiled = torch.compile(lambda t: torch.ops.deep_gemm.routing_plan(t, 16, 32, 0), backend="aot_eager",
                              fullgraph=True)
     ref = routing_plan_reference(idx, 16, 32)
