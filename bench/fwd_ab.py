@@ -2,8 +2,9 @@
 """A/B of the fused forward under the values of one switch (default: PK_MEGA_FWD_KERNEL = pingpong, cooperative;
 `--switch NAME=v1,v2,...` for any other switch the library reads at every call) at the two layer shapes,
 T=16384, uniform routing, kernel op alone (no plan, no combine), without and with h saved: checks the variants
-agree bit for bit, then times 15-iteration bursts (best of 3 interleaved rounds) and the steady state (bench_common.sustained_ms: the mean of 10 calls after `--sustained-seconds` back to back).
-Prints one burst and one sustained line per shape (ms and TFLOP/s). Development tool (bench/NOTES.md, session 6)."""
+agree bit for bit, then times 15-iteration bursts (best of 3 interleaved rounds) and the steady state
+(bench_common.sustained_ms: the mean of 10 calls after `--sustained-seconds` back to back). Prints one burst
+and one sustained line per shape (ms and TFLOP/s). Development tool (bench/NOTES.md, sessions 6 and 7)."""
 
 import argparse
 import os
