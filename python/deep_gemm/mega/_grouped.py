@@ -65,6 +65,11 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
     return (y, h_saved, plan.expert_counts, offsets, src, srank, plan.route_to_pool.view(T, K))
 
 
+def _dispatching_dy(w2: torch.Tensor) -> bool:
+    """PK_SWIGLU_BWD_DISPATCH=1 (development A/B, read at every call): the L2 dgrad GEMM gathers dy itself."""
+    return w2.shape[2] % 64 == 0 and os.environ.get("PK_SWIGLU_BWD_DISPATCH", "0") == "1"
+
+
 def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, pool_src_route, pool_src_rank,
              route_to_pool, *, activation_clamp=None, group=None, num_experts=None, recompute=False,
              need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None):
@@ -73,8 +78,11 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         raise RuntimeError("deep_gemm.mega: the grouped backend runs on a single rank (group=None)")
     K = topk_idx.shape[1]
     capacity = pool_src_route.shape[0]
-    tok = _token_rows(pool_src_route, K)
-    gather = tok.clamp(min=0).long()
+    # Token row of every pool row for the gathers; padding rows (-1 // K = -1) read row 0, never used by a GEMM.
+    # Two small kernels instead of _token_rows' four plus a clamp and a copy: launches are what this
+    # bookkeeping costs (bench/NOTES.md, session 7).
+    gather = torch.div(pool_src_route, K, rounding_mode="floor").clamp_(min=0)
+    tok = _token_rows(pool_src_route, K) if recompute or _dispatching_dy(w2) else None
     h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity) if recompute else h_saved
     # B1 (gather), then B2-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn
     # GEMM plus the pool-row kernel at 30B, T=16384 on the H200; bench/NOTES.md). PK_SWIGLU_BWD_DISPATCH=1
@@ -84,7 +92,7 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     # _backend._grouped_reason.)
     weights = topk_weights.float().contiguous()
     dy = dy.to(torch.bfloat16)
-    if w2.shape[2] % 64 == 0 and os.environ.get("PK_SWIGLU_BWD_DISPATCH", "0") == "1":
+    if _dispatching_dy(w2):
         dh, a, dt_part, dy_pool = m_grouped_bf16_gemm_swiglu_bwd(
             dy.contiguous(), w2, offsets, h, pool_src_route, weights, clamp=activation_clamp, a_row_index=tok,
             m_total=capacity)
@@ -92,14 +100,16 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         dy_pool = dy.index_select(0, gather)  # B1 (padding rows: never read by a GEMM)
         dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route, weights,
                                                         clamp=activation_clamp)
-    dt_pool = dt_part.sum(1)  # per-128-column partials, in column order
+    # d topk_weights per pool row: the per-128-column partials summed in column order, into a buffer whose last
+    # entry is a zero that masked routes (route_to_pool = -1, which indexes the last entry) read.
+    dt_pool = dt_part.new_empty(capacity + 1)
+    dt_pool[capacity:].zero_()
+    torch.sum(dt_part, 1, out=dt_pool[:capacity])
     del dt_part, h  # pool-sized buffers are freed as soon as their last reader is queued (lower peak memory)
     dx_pool = m_grouped_bf16_gemm_nn(dh, w13, offsets)  # B7
     dx = combine(dx_pool, route_to_pool, None)  # B8
     del dx_pool
-    rows = route_to_pool.reshape(-1).long()
-    dtopk = torch.where(rows >= 0, dt_pool[rows.clamp(min=0)], torch.zeros((), device=dy.device))
-    dtopk = dtopk.view_as(topk_weights).to(topk_weights.dtype)
+    dtopk = dt_pool[route_to_pool.reshape(-1)].view_as(topk_weights).to(topk_weights.dtype)
     out13 = out2 = None
     if need_wgrad or dw13_accum is not None or dw2_accum is not None:
         if x_pool is None:  # the forward did not keep its pooled rows (padding rows: never read)
