@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""A/B of the k-grouped weight-gradient GEMMs (dW2 = dy_pool^T @ (w*s) and dW13 = dh^T @ x_pool, bf16 out) under the
+values of one switch (default: PK_K_GROUPED_BK32 = 0, 1; `--switch NAME=v1,v2,...` for any other the library reads
+at every call) at the two layer shapes, T=16384, uniform routing, op alone: checks the variants agree bit for bit,
+then times 15-iteration bursts (best of 3 interleaved rounds) and the steady state (bench_common.sustained_ms).
+Prints one burst and one sustained line per shape and GEMM (ms and TFLOP/s). Development tool (bench/NOTES.md,
+session 7)."""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as bc  # noqa: E402
+import deep_gemm  # noqa: E402
+from deep_gemm.routing import routing_plan  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("shapes", nargs="*", choices=[*bc.FWD_DEV_SHAPES, []], help="default: all")
+    ap.add_argument("--sustained-seconds", type=float, default=2.0)
+    ap.add_argument("--switch", default="PK_K_GROUPED_BK32=0,1",
+                    help="NAME=v1,v2,...: the environment switch (read by the library at every call) and its values")
+    args = ap.parse_args()
+    env, values = args.switch.split("=", 1)
+    variants = tuple(values.split(","))
+    f = deep_gemm.grouped_gemm.k_grouped_bf16_gemm_tn
+    for name in args.shapes or list(bc.FWD_DEV_SHAPES):
+        E, H, I, K, T, x, idx, w13, w2, g = bc.fused_fwd_problem(name)
+        del x, w13, w2
+        offs = routing_plan(idx, E, 1, validate=False).expert_offsets
+        P = T * K
+        gemms = {  # name: (a, b) with C_e = a_e^T @ b_e, as the grouped backward calls them
+            "dW2": (torch.randn(P, H, device="cuda", generator=g).bfloat16(),   # dy_pool
+                    torch.randn(P, I, device="cuda", generator=g).bfloat16()),  # w * s
+            "dW13": (torch.randn(P, 2 * I, device="cuda", generator=g).bfloat16(),
+                     torch.randn(P, H, device="cuda", generator=g).bfloat16()),
+        }
+        for gname, (a, b) in gemms.items():
+            flops = 2 * P * a.shape[1] * b.shape[1]
+
+            def run():
+                return f(a, b, offs, out_dtype=torch.bfloat16)
+
+            outs = {}
+            for value in variants:
+                os.environ[env] = value
+                outs[value] = run()
+            same = all(torch.equal(outs[variants[0]], o) for o in outs.values())
+            burst: dict = {}
+            for _ in range(3):
+                for value in variants:
+                    os.environ[env] = value
+                    burst.setdefault(value, []).append(bc.time_ms(run, "cuda", warmup=3, iters=15))
+            sustained = {}
+            for value in variants:
+                os.environ[env] = value
+                sustained[value] = bc.sustained_ms(run, "cuda", args.sustained_seconds)
+            os.environ.pop(env, None)
+            print(f"{name} {gname} ({env}): variants agree bit for bit: {same}")
+            print(f"{name} {gname} burst: " + " | ".join(f"{k} {min(v):.3f} ({flops / min(v) / 1e9:.0f} TF)"
+                                                          for k, v in burst.items()))
+            print(f"{name} {gname} sustained: " + " | ".join(f"{k} {v:.3f} ({flops / v / 1e9:.0f} TF)"
+                                                              for k, v in sustained.items()), flush=True)
+            del outs
+        del gemms
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
