@@ -565,20 +565,21 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
   if (tiles > kMaxDim) return fail(kGemmInvalidArgument, err, err_len, "%s: too many tiles", fn);
   const int grid = (int)(tiles < sms ? tiles : sms);
   const int out = c_is_bf16 ? kOutBf16Store : (accumulate ? kOutF32Accumulate : kOutF32Store);
-#define PK_K_LAUNCH(BN, ST, OUT, ASYNC) return launch_k_grouped<BN, ST, OUT, ASYNC>(ma, mb, mc, p, grid, stream, err, err_len)
+#define PK_K_LAUNCH(BN, ST, OUT, ASYNC, BK) \
+  return launch_k_grouped<BN, ST, OUT, ASYNC, BK>(ma, mb, mc, p, grid, stream, err, err_len)
   if (cfg.async_epilogue) {
-    if (cfg.block_k == 32) return launch_k_grouped<256, 6, kOutBf16Store, true, 32>(ma, mb, mc, p, grid, stream, err, err_len);
-    if (cfg.block_n == 256) PK_K_LAUNCH(256, 3, kOutBf16Store, true);
-    PK_K_LAUNCH(128, 5, kOutBf16Store, true);
+    if (cfg.block_k == 32) PK_K_LAUNCH(256, 6, kOutBf16Store, true, 32);
+    if (cfg.block_n == 256) PK_K_LAUNCH(256, 3, kOutBf16Store, true, 64);
+    PK_K_LAUNCH(128, 5, kOutBf16Store, true, 64);
   }
   if (cfg.block_n == 256) {
-    if (out == kOutBf16Store) PK_K_LAUNCH(256, 4, kOutBf16Store, false);
-    if (out == kOutF32Store) PK_K_LAUNCH(256, 4, kOutF32Store, false);
-    PK_K_LAUNCH(256, 4, kOutF32Accumulate, false);
+    if (out == kOutBf16Store) PK_K_LAUNCH(256, 4, kOutBf16Store, false, 64);
+    if (out == kOutF32Store) PK_K_LAUNCH(256, 4, kOutF32Store, false, 64);
+    PK_K_LAUNCH(256, 4, kOutF32Accumulate, false, 64);
   }
-  if (out == kOutBf16Store) PK_K_LAUNCH(128, 6, kOutBf16Store, false);
-  if (out == kOutF32Store) PK_K_LAUNCH(128, 6, kOutF32Store, false);
-  PK_K_LAUNCH(128, 6, kOutF32Accumulate, false);
+  if (out == kOutBf16Store) PK_K_LAUNCH(128, 6, kOutBf16Store, false, 64);
+  if (out == kOutF32Store) PK_K_LAUNCH(128, 6, kOutF32Store, false, 64);
+  PK_K_LAUNCH(128, 6, kOutF32Accumulate, false, 64);
 #undef PK_K_LAUNCH
 }
 

@@ -82,7 +82,8 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     # Two small kernels instead of _token_rows' four plus a clamp and a copy: launches are what this
     # bookkeeping costs (bench/NOTES.md, session 7).
     gather = torch.div(pool_src_route, K, rounding_mode="floor").clamp_(min=0)
-    tok = _token_rows(pool_src_route, K) if recompute or _dispatching_dy(w2) else None
+    dispatch_dy = _dispatching_dy(w2)
+    tok = _token_rows(pool_src_route, K) if recompute or dispatch_dy else None
     h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity) if recompute else h_saved
     # B1 (gather), then B2-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn
     # GEMM plus the pool-row kernel at 30B, T=16384 on the H200; bench/NOTES.md). PK_SWIGLU_BWD_DISPATCH=1
@@ -92,7 +93,7 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     # _backend._grouped_reason.)
     weights = topk_weights.float().contiguous()
     dy = dy.to(torch.bfloat16)
-    if _dispatching_dy(w2):
+    if dispatch_dy:
         dh, a, dt_part, dy_pool = m_grouped_bf16_gemm_swiglu_bwd(
             dy.contiguous(), w2, offsets, h, pool_src_route, weights, clamp=activation_clamp, a_row_index=tok,
             m_total=capacity)
