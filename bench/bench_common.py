@@ -237,6 +237,55 @@ def sustained_ms(fn, device, seconds: float, iters: int = 10) -> float:
     return (time.perf_counter() - t1) * 1e3 / iters
 
 
+def add_switch_arg(ap, default: str) -> None:
+    """The ``--switch NAME=v1,v2,...`` option of the A/B scripts (fwd_ab.py, wgrad_ab.py)."""
+    ap.add_argument("--switch", default=default,
+                    help="NAME=v1,v2,...: the environment switch (read by the library at every call) and its values")
+
+
+def parse_switch(spec: str) -> tuple[str, tuple[str, ...]]:
+    """``NAME=v1,v2`` -> (NAME, (v1, v2))."""
+    env, values = spec.split("=", 1)
+    return env, tuple(values.split(","))
+
+
+def outputs_per_variant(env: str, variants, fn) -> dict:
+    """fn()'s result under every value of the environment switch ``env`` (unset afterwards), for a bit-for-bit
+    comparison of the variants."""
+    outs = {}
+    for value in variants:
+        os.environ[env] = value
+        outs[value] = fn()
+    os.environ.pop(env, None)
+    return outs
+
+
+def switch_ab(env: str, variants, cases: dict, sustained_seconds: float) -> tuple[dict, dict]:
+    """Times every case (suffix -> fn) under every value of the environment switch ``env``: 15-iteration bursts,
+    best of 3 rounds interleaved over the values, then the steady state (sustained_ms). Returns (burst, sustained),
+    keyed by value + suffix; the switch is unset afterwards."""
+    burst: dict = {}
+    for _ in range(3):
+        for value in variants:
+            os.environ[env] = value
+            for suffix, fn in cases.items():
+                burst.setdefault(value + suffix, []).append(time_ms(fn, "cuda", warmup=3, iters=15))
+    sustained = {}
+    for value in variants:
+        os.environ[env] = value
+        for suffix, fn in cases.items():
+            sustained[value + suffix] = sustained_ms(fn, "cuda", sustained_seconds)
+    os.environ.pop(env, None)
+    return {k: min(v) for k, v in burst.items()}, sustained
+
+
+def print_ab(label: str, burst: dict, sustained: dict, flops: float) -> None:
+    """One burst and one sustained line: ms and TFLOP/s per variant."""
+    for name, res in (("burst", burst), ("sustained", sustained)):
+        print(f"{label} {name}: " + " | ".join(f"{k} {v:.3f} ({flops / v / 1e9:.0f} TF)" for k, v in res.items()),
+              flush=True)
+
+
 def peak_mem_gib(fn, device):
     """Peak allocated GiB while running ``fn`` once (reset_peak_memory_stats first); None on CPU."""
     if torch.device(device).type != "cuda":

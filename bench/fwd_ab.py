@@ -23,11 +23,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("shapes", nargs="*", choices=[*bc.FWD_DEV_SHAPES, []], help="default: all")
     ap.add_argument("--sustained-seconds", type=float, default=2.0)
-    ap.add_argument("--switch", default="PK_MEGA_FWD_KERNEL=pingpong,cooperative",
-                    help="NAME=v1,v2,...: the environment switch (read by the library at every call) and its values")
+    bc.add_switch_arg(ap, "PK_MEGA_FWD_KERNEL=pingpong,cooperative")
     args = ap.parse_args()
-    env, values = args.switch.split("=", 1)
-    variants = tuple(values.split(","))
+    env, variants = bc.parse_switch(args.switch)
     for name in args.shapes or list(bc.FWD_DEV_SHAPES):
         E, H, I, K, T, x, idx, w13, w2, _ = bc.fused_fwd_problem(name)
         flops = 6 * T * K * H * I
@@ -38,29 +36,12 @@ def main() -> None:
         def run(save_h: bool):
             return op(x, src, offs, w13, w2, K, save_h, 0.0)
 
-        outs = {}
-        for value in variants:
-            os.environ[env] = value
-            outs[value] = run(True)
+        outs = bc.outputs_per_variant(env, variants, lambda: run(True))
         same = all(torch.equal(a, b) for a, b in zip(*outs.values()) if a is not None and a.numel() > 0)
-        burst: dict = {}
-        for _ in range(3):
-            for value in variants:
-                os.environ[env] = value
-                for suffix, save_h in (("", False), ("+h", True)):
-                    burst.setdefault(value + suffix, []).append(
-                        bc.time_ms(lambda: run(save_h), "cuda", warmup=3, iters=15))
-        sustained = {}
-        for value in variants:
-            os.environ[env] = value
-            for suffix, save_h in (("", False), ("+h", True)):
-                sustained[value + suffix] = bc.sustained_ms(lambda: run(save_h), "cuda", args.sustained_seconds)
-        os.environ.pop(env, None)
+        burst, sustained = bc.switch_ab(env, variants, {"": lambda: run(False), "+h": lambda: run(True)},
+                                        args.sustained_seconds)
         print(f"{name} ({env}): variants agree bit for bit: {same}")
-        print(f"{name} burst: " + " | ".join(f"{k} {min(v):.3f} ({flops / min(v) / 1e9:.0f} TF)"
-                                             for k, v in burst.items()))
-        print(f"{name} sustained: " + " | ".join(f"{k} {v:.3f} ({flops / v / 1e9:.0f} TF)"
-                                                 for k, v in sustained.items()), flush=True)
+        bc.print_ab(name, burst, sustained, flops)
         del x, w13, w2, outs
         torch.cuda.empty_cache()
 

@@ -22,11 +22,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("shapes", nargs="*", choices=[*bc.FWD_DEV_SHAPES, []], help="default: all")
     ap.add_argument("--sustained-seconds", type=float, default=2.0)
-    ap.add_argument("--switch", default="PK_K_GROUPED_BK32=0,1",
-                    help="NAME=v1,v2,...: the environment switch (read by the library at every call) and its values")
+    bc.add_switch_arg(ap, "PK_K_GROUPED_BK32=0,1")
     args = ap.parse_args()
-    env, values = args.switch.split("=", 1)
-    variants = tuple(values.split(","))
+    env, variants = bc.parse_switch(args.switch)
     f = deep_gemm.grouped_gemm.k_grouped_bf16_gemm_tn
     for name in args.shapes or list(bc.FWD_DEV_SHAPES):
         E, H, I, K, T, x, idx, w13, w2, g = bc.fused_fwd_problem(name)
@@ -45,26 +43,11 @@ def main() -> None:
             def run():
                 return f(a, b, offs, out_dtype=torch.bfloat16)
 
-            outs = {}
-            for value in variants:
-                os.environ[env] = value
-                outs[value] = run()
+            outs = bc.outputs_per_variant(env, variants, run)
             same = all(torch.equal(outs[variants[0]], o) for o in outs.values())
-            burst: dict = {}
-            for _ in range(3):
-                for value in variants:
-                    os.environ[env] = value
-                    burst.setdefault(value, []).append(bc.time_ms(run, "cuda", warmup=3, iters=15))
-            sustained = {}
-            for value in variants:
-                os.environ[env] = value
-                sustained[value] = bc.sustained_ms(run, "cuda", args.sustained_seconds)
-            os.environ.pop(env, None)
+            burst, sustained = bc.switch_ab(env, variants, {"": run}, args.sustained_seconds)
             print(f"{name} {gname} ({env}): variants agree bit for bit: {same}")
-            print(f"{name} {gname} burst: " + " | ".join(f"{k} {min(v):.3f} ({flops / min(v) / 1e9:.0f} TF)"
-                                                          for k, v in burst.items()))
-            print(f"{name} {gname} sustained: " + " | ".join(f"{k} {v:.3f} ({flops / v / 1e9:.0f} TF)"
-                                                              for k, v in sustained.items()), flush=True)
+            bc.print_ab(f"{name} {gname}", burst, sustained, flops)
             del outs
         del gemms
         torch.cuda.empty_cache()
