@@ -237,9 +237,10 @@ def sustained_ms(fn, device, seconds: float, iters: int = 10) -> float:
     return (time.perf_counter() - t1) * 1e3 / iters
 
 
-def add_switch_arg(ap, default: str) -> None:
-    """The ``--switch NAME=v1,v2,...`` option of the A/B scripts (fwd_ab.py, wgrad_ab.py)."""
-    ap.add_argument("--switch", default=default,
+def add_switch_arg(ap, default: str | None) -> None:
+    """The ``--switch NAME=v1,v2,...`` option of the A/B scripts (fwd_ab.py, wgrad_ab.py); required without a
+    default."""
+    ap.add_argument("--switch", default=default, required=default is None,
                     help="NAME=v1,v2,...: the environment switch (read by the library at every call) and its values")
 
 

@@ -139,27 +139,6 @@ def test_k_grouped_matches_float64(E, kind, Mdim, Ndim, mode):
 
 
 @requires_sm90
-@pytest.mark.parametrize("sizes,Mdim,Ndim", [([0, 1, 31, 33, 64, 65, 1000, 0, 127], 256, 512),
-                                             ([5, 0, 300], 128, 192)])  # N = 192: a 256-wide tile, clipped
-def test_k_grouped_bk32_is_bitwise_the_default(monkeypatch, sizes, Mdim, Ndim):
-    """32-row k-blocks (PK_K_GROUPED_BK32=1) issue the same k16 MMAs in the same order: equal bit for bit."""
-    gen = torch.Generator().manual_seed(sum(sizes) + Mdim)
-    E, P = len(sizes), sum(sizes)
-    offs = offsets_of(sizes, "cuda")
-    a = torch.randn(P, Mdim, generator=gen).bfloat16().cuda()
-    b = torch.randn(P, Ndim, generator=gen).bfloat16().cuda()
-    outs = {}
-    for v in ("0", "1"):
-        monkeypatch.setenv("PK_K_GROUPED_BK32", v)  # read at every call (grouped_gemm.cu)
-        poison_next_alloc(E * Mdim * Ndim, torch.bfloat16)
-        outs[v] = deep_gemm.k_grouped_bf16_gemm_tn(a, b, offs, out_dtype=torch.bfloat16)
-    assert not torch.isnan(outs["1"]).any(), "output left unwritten"
-    assert torch.equal(outs["0"], outs["1"])
-    ref = k_grouped_gemm_reference(a.cpu(), b.cpu(), offs.cpu(), torch.float64)
-    assert rel_err(outs["1"].cpu(), ref) < 1e-2
-
-
-@requires_sm90
 def test_bad_gemm_inputs_raise_before_launch():
     a = torch.randn(64, 128, device="cuda").bfloat16()
     b = torch.randn(2, 64, 128, device="cuda").bfloat16()

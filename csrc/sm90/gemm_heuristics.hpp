@@ -7,9 +7,8 @@
 namespace deep_gemm {
 namespace sm90 {
 
-// One kernel instantiation. block_m is fixed at 128 and block_k at 64 (the k-grouped kernel also has 32, see
-// k_grouped_gemm_config_supported); block_n and num_stages pick the instantiation. num_sms = 0 means "all
-// multiprocessors of the device".
+// One kernel instantiation. block_m and block_k are fixed at 128 and 64 today; block_n and num_stages pick
+// the instantiation. num_sms = 0 means "all multiprocessors of the device".
 struct GroupedGemmConfig {
   int block_m = 128;
   int block_n = 256;
@@ -41,15 +40,6 @@ inline bool grouped_gemm_config_supported(const GroupedGemmConfig& c) {
   if (c.async_epilogue == 0) return (c.block_n == 128 && c.num_stages == 6) || (c.block_n == 256 && c.num_stages == 4);
   if (c.async_epilogue == 1) return (c.block_n == 128 && c.num_stages == 5) || (c.block_n == 256 && c.num_stages == 3);
   return false;
-}
-
-// The k-grouped kernel also has 32-row k-blocks with 6 stages in the 256-wide asynchronous config (a development
-// variant, PK_K_GROUPED_BK32=1).
-inline bool k_grouped_gemm_config_supported(const GroupedGemmConfig& c) {
-  if (c.block_m == 128 && c.block_k == 32 && c.block_n == 256 && c.num_stages == 6 && c.async_epilogue == 1 &&
-      c.num_sms >= 0 && c.cluster_m == 1)
-    return true;
-  return grouped_gemm_config_supported(c);
 }
 
 // Shared rule for both kernels. Measured on H200 (bench/NOTES.md, issue 3): 128x256 tiles beat 128x128 at

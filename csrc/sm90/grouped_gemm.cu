@@ -38,12 +38,12 @@ int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtenso
   return check_launch("m_grouped_bf16_gemm", err, err_len);
 }
 
-template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi, int kBlockK = 64>
+template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi>
 int launch_k_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mc, const KGroupedParams& p,
                      int grid,
                      cudaStream_t stream, char* err, size_t err_len) {
-  constexpr auto kernel = &k_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kOut, kAsyncEpi, kBlockK>;
-  constexpr int smem = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi, kBlockK>::kSmemBytes;
+  constexpr auto kernel = &k_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kOut, kAsyncEpi>;
+  constexpr int smem = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
@@ -58,13 +58,6 @@ int check_num_groups(int num_groups, const char* fn, char* err, size_t err_len) 
     return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, num_groups,
                 kMaxGroups);
   return kGemmOk;
-}
-
-// PK_K_GROUPED_BK32=1 (development A/B, read at every call): the k-grouped weight-gradient GEMM with 32-row
-// k-blocks and 6 stages where the default is the 256-wide asynchronous 3-stage config (k_grouped_gemm.cuh).
-bool k_grouped_bk32() {
-  const char* v = std::getenv("PK_K_GROUPED_BK32");
-  return v != nullptr && v[0] == '1';
 }
 
 }  // namespace
@@ -518,15 +511,11 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
                 "%s: lda = %lld, ldb = %lld must be >= m, n and multiples of 8", fn, (long long)lda,
                 (long long)ldb);
   GroupedGemmConfig cfg = config ? *config : k_grouped_gemm_config(m, n, p_total, num_groups, c_is_bf16);
-  if (config == nullptr && k_grouped_bk32() && cfg.block_n == 256 && cfg.async_epilogue == 1) {
-    cfg.block_k = 32;
-    cfg.num_stages = 6;
-  }
   if (cfg.cluster_m != 1)
     return fail(kGemmInvalidArgument, err, err_len, "%s: clusters are not implemented for the k-grouped kernel", fn);
   if (cfg.async_epilogue && !c_is_bf16)
     return fail(kGemmInvalidArgument, err, err_len, "%s: the asynchronous epilogue needs a bf16 output", fn);
-  if (!k_grouped_gemm_config_supported(cfg))
+  if (!grouped_gemm_config_supported(cfg))
     return fail(kGemmInvalidArgument, err, err_len, "%s: unsupported config block_m=%d block_n=%d block_k=%d stages=%d",
                 fn, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages);
   int sms = 0;
@@ -534,17 +523,16 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
   if (cfg.num_sms > 0 && cfg.num_sms < sms) sms = cfg.num_sms;
 
   CUtensorMap ma, mb;
-  const uint32_t box_k = static_cast<uint32_t>(cfg.block_k);  // token rows per box
   {
     const uint64_t dims[2] = {(uint64_t)m, (uint64_t)p_total};
     const uint64_t strides[1] = {(uint64_t)lda * 2};
-    const uint32_t box[2] = {64, box_k};
+    const uint32_t box[2] = {64, 64};
     if (int r = make_map(&ma, a, 2, dims, strides, box, err, err_len)) return r;
   }
   {
     const uint64_t dims[2] = {(uint64_t)n, (uint64_t)p_total};
     const uint64_t strides[1] = {(uint64_t)ldb * 2};
-    const uint32_t box[2] = {64, box_k};
+    const uint32_t box[2] = {64, 64};
     if (int r = make_map(&mb, b, 2, dims, strides, box, err, err_len)) return r;
   }
   CUtensorMap mc = mb;  // output map (bf16 output only): [E, m, n] bf16, 64 x 64 boxes
@@ -565,21 +553,19 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
   if (tiles > kMaxDim) return fail(kGemmInvalidArgument, err, err_len, "%s: too many tiles", fn);
   const int grid = (int)(tiles < sms ? tiles : sms);
   const int out = c_is_bf16 ? kOutBf16Store : (accumulate ? kOutF32Accumulate : kOutF32Store);
-#define PK_K_LAUNCH(BN, ST, OUT, ASYNC, BK) \
-  return launch_k_grouped<BN, ST, OUT, ASYNC, BK>(ma, mb, mc, p, grid, stream, err, err_len)
+#define PK_K_LAUNCH(BN, ST, OUT, ASYNC) return launch_k_grouped<BN, ST, OUT, ASYNC>(ma, mb, mc, p, grid, stream, err, err_len)
   if (cfg.async_epilogue) {
-    if (cfg.block_k == 32) PK_K_LAUNCH(256, 6, kOutBf16Store, true, 32);
-    if (cfg.block_n == 256) PK_K_LAUNCH(256, 3, kOutBf16Store, true, 64);
-    PK_K_LAUNCH(128, 5, kOutBf16Store, true, 64);
+    if (cfg.block_n == 256) PK_K_LAUNCH(256, 3, kOutBf16Store, true);
+    PK_K_LAUNCH(128, 5, kOutBf16Store, true);
   }
   if (cfg.block_n == 256) {
-    if (out == kOutBf16Store) PK_K_LAUNCH(256, 4, kOutBf16Store, false, 64);
-    if (out == kOutF32Store) PK_K_LAUNCH(256, 4, kOutF32Store, false, 64);
-    PK_K_LAUNCH(256, 4, kOutF32Accumulate, false, 64);
+    if (out == kOutBf16Store) PK_K_LAUNCH(256, 4, kOutBf16Store, false);
+    if (out == kOutF32Store) PK_K_LAUNCH(256, 4, kOutF32Store, false);
+    PK_K_LAUNCH(256, 4, kOutF32Accumulate, false);
   }
-  if (out == kOutBf16Store) PK_K_LAUNCH(128, 6, kOutBf16Store, false, 64);
-  if (out == kOutF32Store) PK_K_LAUNCH(128, 6, kOutF32Store, false, 64);
-  PK_K_LAUNCH(128, 6, kOutF32Accumulate, false, 64);
+  if (out == kOutBf16Store) PK_K_LAUNCH(128, 6, kOutBf16Store, false);
+  if (out == kOutF32Store) PK_K_LAUNCH(128, 6, kOutF32Store, false);
+  PK_K_LAUNCH(128, 6, kOutF32Accumulate, false);
 #undef PK_K_LAUNCH
 }
 

@@ -32,9 +32,9 @@ struct KGroupedParams {
   int32_t num_groups;
 };
 
-template <int kBlockN, int kNumStages, bool kAsyncEpi, int kBlockK = 64>
-struct KGroupedLayout : StageRingLayout<128, kBlockN, kBlockK, kNumStages> {
-  using Ring = StageRingLayout<128, kBlockN, kBlockK, kNumStages>;
+template <int kBlockN, int kNumStages, bool kAsyncEpi>
+struct KGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
+  using Ring = StageRingLayout<128, kBlockN, 64, kNumStages>;
   static constexpr int kCOff = Ring::kRingEnd;
   static constexpr int kCBytes = kAsyncEpi ? TmaStaging<kBlockN>::kBytes : 2 * kSyncStageStride;
   static constexpr int kBarOff = kCOff + kCBytes;
@@ -46,19 +46,14 @@ struct KGroupedLayout : StageRingLayout<128, kBlockN, kBlockK, kNumStages> {
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "kBlockN must be 64..256, a multiple of 64");
 };
 
-// kBlockK: token rows per stage. 32 (with twice the stages in the same shared memory) is a development variant
-// (PK_K_GROUPED_BK32=1, grouped_gemm.cu): finer stages release and refill sooner, for a kernel whose consumers
-// mostly wait on landed stages (ncu source counters, bench/NOTES.md session 7). Both operands are MN-major, so a
-// 32-row box keeps the 128-byte rows and swizzle of the 64-row one.
-template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi, int kBlockK_ = 64>
+template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi>
 __global__ void __launch_bounds__(kNumThreads, 1)
     k_grouped_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                                const __grid_constant__ CUtensorMap tmap_b,
                                const __grid_constant__ CUtensorMap tmap_c, const KGroupedParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   static_assert(!kAsyncEpi || kOut == kOutBf16Store, "the asynchronous epilogue stores bf16 only");
-  static_assert(kBlockK_ == 64 || kBlockK_ == 32, "k-blocks of 64 or 32 token rows");
-  using L = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi, kBlockK_>;
+  using L = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockK = L::kBlockK;
   constexpr int kBoxBytes = 64 * kBlockK * 2;  // one 64-wide MN block of one stage
