@@ -335,3 +335,40 @@ def test_fused_forward_keeps_pooled_x_for_the_backward(monkeypatch):
     for name, a, b in zip(("y", "dx", "dtopk", "dw13", "dw2"), runs[False], runs[True]):
         assert torch.isfinite(b).all(), name
         assert torch.equal(a, b), name
+
+
+@requires_sm90
+@pytest.mark.parametrize("T,E,H,I,K,masked", [(1, 8, 256, 128, 2, 0.0), (7, 256, 192, 128, 8, 0.0),
+                                              (999, 64, 256, 384, 8, 0.3), (4096, 128, 512, 256, 8, 0.05)])
+@pytest.mark.parametrize("keep_x_pool", [False, True])
+def test_fused_gather_is_the_dispatch_bit_for_bit(monkeypatch, T, E, H, I, K, masked, keep_x_pool):
+    """PK_MEGA_FWD_GATHER=1: the cooperative kernel's L1 tiles read their A rows straight from x (one TMA box per
+    row, rows past an expert's end not loaded) instead of from the dispatched x_pool. The MMAs are the same, in
+    the same order, so s, h, o, x_pool (when kept: then the dispatch still runs, in the background) and y
+    equal the dispatch path's bit for bit, over 2 runs each from NaN-poisoned memory; y also against float64.
+    T = 7 with 256 experts leaves most experts empty; hidden = 192 is 3 k-blocks; masked routes (-1)."""
+    _require_fused()
+    from deep_gemm.routing import routing_plan
+
+    monkeypatch.setenv("PK_MEGA_FWD_KERNEL", "cooperative")
+    x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, routing="skewed", seed=T + E + H,
+                                                            masked_frac=masked)]
+    plan = routing_plan(idx, E, 1, validate=False)
+    rows = int(plan.expert_offsets[-1])
+    r2p = plan.route_to_pool.view(T, K)
+    runs = {}
+    for gather in ("0", "1"):
+        monkeypatch.setenv("PK_MEGA_FWD_GATHER", gather)
+        for rep in range(2):
+            poison_allocator()
+            s, h, o, x_pool, y = torch.ops.deep_gemm.mega_moe_fused_fwd(
+                x, plan.pool_src_route, plan.expert_offsets, w13, w2, K, True, 0.0, keep_x_pool, r2p, w)
+            out = (s[:rows], h[:rows], o[:rows], x_pool[:rows] if keep_x_pool else x_pool, y)
+            for name, t in zip(("s", "h", "o", "x_pool", "y"), out):
+                assert torch.isfinite(t).all(), f"gather={gather} run {rep}: {name} has unwritten (NaN) rows"
+            runs[(gather, rep)] = out
+    for key in runs:
+        for name, a, b in zip(("s", "h", "o", "x_pool", "y"), runs[("0", 0)], runs[key]):
+            assert torch.equal(a, b), f"{key}: {name} differs from the dispatch path"
+    ref = float64_forward(x, idx, w, w13, w2)
+    assert rel_err(runs[("1", 0)][4], ref) < 1e-2
