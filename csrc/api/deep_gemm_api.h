@@ -138,7 +138,7 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, c
 // num_tokens, hidden) entries (zeroed by the call itself).
 // ---------------------------------------------------------------------------------------------
 PK_API int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int64_t num_tokens, int64_t hidden);
-PK_API int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, int64_t x_rows,
+PK_API int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x,
                                 const int32_t* pool_src_route, const int32_t* pool_src_rank, int top_k,
                                 const int32_t* expert_offsets, int num_experts, int64_t m_total, int64_t hidden,
                                 int64_t inter, const void* w13, const void* w2, void* x_pool, void* s, void* h,

@@ -143,8 +143,7 @@ int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int64_t 
   return deep_gemm::sm90::mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden);
 }
 
-int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, int64_t x_rows,
-                         const int32_t* pool_src_route,
+int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
                          const int32_t* pool_src_rank, int top_k, const int32_t* expert_offsets, int num_experts,
                          int64_t m_total, int64_t hidden, int64_t inter, const void* w13, const void* w2, void* x_pool,
                          void* s, void* h, void* o, int64_t num_tokens, const int32_t* route_to_pool,
@@ -152,14 +151,14 @@ int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90(); rc != PK_OK) return rc;
   char message[512] = {0};
-  const int rc = deep_gemm::sm90::mega_moe_fwd_bf16(x_ranks, num_ranks, ld_x, x_rows, pool_src_route, pool_src_rank, top_k,
+  const int rc = deep_gemm::sm90::mega_moe_fwd_bf16(x_ranks, num_ranks, ld_x, pool_src_route, pool_src_rank, top_k,
                                                     expert_offsets, num_experts, m_total, hidden, inter, w13, w2,
                                                     x_pool, s, h, o, num_tokens, route_to_pool, topk_weights, y,
                                                     clamp, counters, 0,
                                                     static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
   return from_sm90(rc, message);
 #else
-  (void)x_ranks, (void)num_ranks, (void)ld_x, (void)x_rows, (void)pool_src_route, (void)pool_src_rank, (void)top_k;
+  (void)x_ranks, (void)num_ranks, (void)ld_x, (void)pool_src_route, (void)pool_src_rank, (void)top_k;
   (void)expert_offsets, (void)num_experts, (void)m_total, (void)hidden, (void)inter, (void)w13, (void)w2;
   (void)x_pool, (void)s, (void)h, (void)o, (void)num_tokens, (void)route_to_pool, (void)topk_weights, (void)y;
   (void)clamp, (void)counters, (void)cuda_stream;

@@ -37,16 +37,9 @@ bool use_cooperative() {
   const char* v = std::getenv("PK_MEGA_FWD_KERNEL");
   return !(v != nullptr && std::strcmp(v, "pingpong") == 0) && !combine_in_kernel();
 }
-// PK_MEGA_FWD_GATHER=1: the cooperative kernel's L1 tiles read their A rows straight from x (one TMA box per row
-// and k-block) instead of from x_pool after the dispatch (single rank only). Development aid, read at every call.
-bool gather_requested() {
-  const char* v = std::getenv("PK_MEGA_FWD_GATHER");
-  return v != nullptr && v[0] == '1' && v[1] == 0;
-}
 }  // namespace
 
-int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, int64_t x_rows,
-                      const int32_t* pool_src_route,
+int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
                       const int32_t* pool_src_rank, int top_k, const int32_t* expert_offsets, int num_experts,
                       int64_t m_total, int64_t hidden, int64_t inter, const void* w13, const void* w2, void* x_pool,
                       void* s, void* h, void* o, int64_t num_tokens, const int32_t* route_to_pool,
@@ -66,8 +59,6 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, i
     return fail(kGemmInvalidArgument, err, err_len,
                 "%s: bad sizes m_total=%lld hidden=%lld inter=%lld (hidden and inter multiples of 64)", fn,
                 (long long)m_total, (long long)hidden, (long long)inter);
-  if (x_rows < 0 || x_rows >= (int64_t(1) << 28))
-    return fail(kGemmInvalidArgument, err, err_len, "%s: x_rows = %lld, must be in [0, 2^28)", fn, (long long)x_rows);
   if (ld_x < hidden || ld_x % 8 != 0)
     return fail(kGemmInvalidArgument, err, err_len, "%s: ld_x = %lld, must be >= hidden and a multiple of 8", fn,
                 (long long)ld_x);
@@ -146,15 +137,6 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, i
     if (int r = make_map(&m_o, o, 2, dims, strides, box, err, err_len)) return r;
   }
   if (h == nullptr) m_h = m_o;  // never used
-  // x (rank 0) by single rows: the gathering L1 producer's boxes (128 bytes, the A stage's swizzled rows)
-  const bool gather = cooperative && gather_requested() && num_ranks == 1 && pool_src_rank == nullptr && x_rows > 0;
-  CUtensorMap m_x = m_xpool;  // never used without gather
-  if (gather) {
-    const uint64_t dims[2] = {(uint64_t)hidden, (uint64_t)x_rows};
-    const uint64_t strides[1] = {(uint64_t)ld_x * 2};
-    const uint32_t box[2] = {64, 1};
-    if (int r = make_map(&m_x, x_ranks[0], 2, dims, strides, box, err, err_len)) return r;
-  }
   CUtensorMap m_s_st;  // s as the cooperative kernel's L1 epilogue stores it: 64-row boxes
   {
     const uint64_t dims[2] = {(uint64_t)inter, (uint64_t)m_total};
@@ -222,8 +204,6 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, i
     const char* dw = std::getenv("PK_MEGA_FWD_DISPATCH_WARPS");
     p.dispatch_warps = dw != nullptr && (dw[0] == '1' || dw[0] == '2') && dw[1] == 0 ? dw[0] - '0' : kDispatchWarps;
   }
-  p.gather_x = gather ? 1 : 0;
-  if (gather && x_pool == o) p.dispatch_warps = 0;  // nobody reads x_pool: no dispatch at all
   const int64_t num_counters =
       mega_moe_fwd_counter_count(m_total, num_experts, p.y != nullptr ? num_tokens : 0, hidden);
   cudaError_t e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * num_counters, stream);
@@ -250,7 +230,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, i
     constexpr int smem = MegaFwdLayout<kFwdStages, kFwdDispatchSlots>::kSmemBytes;
     e = set_max_dynamic_smem<kernel>(smem);
     if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-    kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, m_s_st, m_x, p);
+    kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, m_s_st, p);
   }
   if (combine && !fused_combine && num_tokens > 0) {
     if (int r = check_launch(fn, err, err_len)) return r;

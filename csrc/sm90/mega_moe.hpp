@@ -25,8 +25,6 @@ inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int6
 // One forward of the layer's routed experts over a routing plan (pool rows grouped by expert, no padding
 // needed):
 //   x_ranks      num_ranks (1..8) pointers to bf16 token rows [< 2^28, hidden], row stride ld_x (>= hidden, % 8)
-//   x_rows       rows of each x (0: not known; then L1 cannot read x rows directly, see PK_MEGA_FWD_GATHER in
-//                mega_moe.cu)
 //   pool_src_route / pool_src_rank  device int32 [m_total]: token * top_k + k and source rank per pool row
 //                (pool_src_rank may be null: rank 0)
 //   expert_offsets device int32 [num_experts + 1] (1..512 experts), non-decreasing, last <= m_total
@@ -46,8 +44,7 @@ inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int6
 //   counters     device int32 [mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden)] scratch
 //   hidden, inter multiples of 64; clamp >= 0 (0 = none). All pointers 16-byte aligned.
 // Rows of the outputs outside [0, expert_offsets[num_experts]) are not written.
-int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, int64_t x_rows,
-                      const int32_t* pool_src_route,
+int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
                       const int32_t* pool_src_rank, int top_k, const int32_t* expert_offsets, int num_experts,
                       int64_t m_total, int64_t hidden, int64_t inter, const void* w13, const void* w2, void* x_pool,
                       void* s, void* h, void* o, int64_t num_tokens, const int32_t* route_to_pool,

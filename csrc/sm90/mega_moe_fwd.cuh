@@ -86,13 +86,8 @@ struct MegaFwdParams {
   // with bit 0, bit 1 = no proxy fence / release, bit 2 = no stores, bit 3 = no loads; bit 4 = the tiles alone
   // (no dispatch: the host marks every m-block dispatched, x_pool holds whatever it held).
   int32_t dispatch_only;
-  // Dispatch warps per CTA that copy (0..3; the others idle): PK_MEGA_FWD_DISPATCH_WARPS, a development switch;
-  // 0 when L1 gathers x itself and nobody wants x_pool.
+  // Dispatch warps per CTA that copy (1..3; the others idle): PK_MEGA_FWD_DISPATCH_WARPS, a development switch.
   int32_t dispatch_warps;
-  // 1: L1 tiles load their A rows straight from x (rank 0) by one 128-byte TMA box per row and k-block (the
-  // cooperative kernel's tmap_x), so they wait for no dispatch; the dispatch, if x_pool is wanted, runs in the
-  // background. 0: A comes from x_pool once the m-block's rows are dispatched.
-  int32_t gather_x;
 };
 constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only;
                                   // 16: the TMA producer's wait for a free stage, both kernels)
@@ -229,13 +224,7 @@ template <typename L, int kNumStages, typename Seq>
 __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const Seq& seq, int l2_ready, uint8_t* smem,
                                                   uint64_t* full_bar, uint64_t* empty_bar,
                                                   const CUtensorMap* tmap_xpool, const CUtensorMap* tmap_w13,
-                                                  const CUtensorMap* tmap_s, const CUtensorMap* tmap_w2, int lane = 0,
-                                                  const CUtensorMap* tmap_x = nullptr) {
-  // Gathering L1 A rows from x takes the whole warp (each lane issues the boxes of 4 rows); otherwise lane 0
-  // alone issues every load.
-  const bool gather = tmap_x != nullptr && p.gather_x != 0;
-  if (!gather && lane != 0) return;
-  const bool leader = lane == 0;
+                                                  const CUtensorMap* tmap_s, const CUtensorMap* tmap_w2) {
   int stage = 0;
   uint32_t phase = 0;
   int e = 0;
@@ -245,63 +234,34 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
   for (int u = (int)ptx::ctaid_x_volatile(); u < seq.num_tasks; u += (int)gridDim.x) {
     const auto t = seq.locate(u, e, in_l2);
     const long long t0 = p.stats != nullptr ? clock64() : 0;
-    if (leader) {
-      if (t.l1) {
-        if (!gather) ptx::spin_until_at_least(seq.disp_ctr + t.mb, Seq::rows(t) * chunks);
-        if (p.stats != nullptr) wait_disp += clock64() - t0;
-      } else {
-        ptx::spin_until_at_least(seq.l1_ctr + t.mb, l2_ready);
-        if (p.stats != nullptr) wait_l1 += clock64() - t0;
-      }
-      ptx::fence_proxy_async_global();
+    if (t.l1) {
+      ptx::spin_until_at_least(seq.disp_ctr + t.mb, Seq::rows(t) * chunks);
+      if (p.stats != nullptr) wait_disp += clock64() - t0;
+    } else {
+      ptx::spin_until_at_least(seq.l1_ctr + t.mb, l2_ready);
+      if (p.stats != nullptr) wait_l1 += clock64() - t0;
     }
-    // Gathered L1 tile: this lane's rows lane + 32 i of the m-block and their token rows in x (< 0: a row past
-    // the expert's end, not loaded: its accumulator rows are never stored). The A bytes the stage expects
-    // are the loaded rows' 128 bytes each.
-    constexpr int kRowsPerLane = L::kBlockM / 32;
-    int32_t tok[kRowsPerLane];
-    uint32_t a_bytes = L::kABytes;
-    if (gather && t.l1) {
-      const int rows = Seq::rows(t);
-      int loaded = 0;
-#pragma unroll
-      for (int i = 0; i < kRowsPerLane; ++i) {
-        const int r = lane + 32 * i;
-        const int route = r < rows ? __ldg(p.pool_src_route + t.row0 + r) : -1;
-        tok[i] = route >= 0 ? route / p.top_k : -1;
-        loaded += __popc(__ballot_sync(0xffffffffu, tok[i] >= 0));
-      }
-      a_bytes = static_cast<uint32_t>(loaded) * 128u;
-    }
+    ptx::fence_proxy_async_global();
     const int kbs = t.l1 ? seq.kb1 : seq.kb2;
     for (int kb = 0; kb < kbs; ++kb) {
+      const long long te = p.stats != nullptr ? clock64() : 0;
+      ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+      if (p.stats != nullptr) wait_empty += clock64() - te;
       uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
       uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
+      ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
       const int k0 = kb * L::kBlockK;
-      if (leader) {
-        const long long te = p.stats != nullptr ? clock64() : 0;
-        ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
-        if (p.stats != nullptr) wait_empty += clock64() - te;
-        ptx::mbar_arrive_expect_tx(&full_bar[stage], a_bytes + L::kBBytes);
-        if (t.l1) {
-          if (!gather) ptx::tma_load_2d(sa, tmap_xpool, &full_bar[stage], k0, t.row0);
-          ptx::tma_load_3d(sb, tmap_w13, &full_bar[stage], k0, t.n0, t.e);
-          ptx::tma_load_3d(sb + Seq::kL1Cols * 128, tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e);
-        } else {
-          ptx::tma_load_2d(sa, tmap_s, &full_bar[stage], k0, t.row0);
-          ptx::tma_load_3d(sb, tmap_w2, &full_bar[stage], k0, t.n0, t.e);
-        }
-      }
-      if (gather && t.l1) {
-        __syncwarp();  // the stage is free and its bytes are expected (the leader's wait and arrival come first)
-#pragma unroll
-        for (int i = 0; i < kRowsPerLane; ++i)
-          if (tok[i] >= 0) ptx::tma_load_2d(sa + (lane + 32 * i) * 128, tmap_x, &full_bar[stage], k0, tok[i]);
+      if (t.l1) {
+        ptx::tma_load_2d(sa, tmap_xpool, &full_bar[stage], k0, t.row0);
+        ptx::tma_load_3d(sb, tmap_w13, &full_bar[stage], k0, t.n0, t.e);
+        ptx::tma_load_3d(sb + Seq::kL1Cols * 128, tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e);
+      } else {
+        ptx::tma_load_2d(sa, tmap_s, &full_bar[stage], k0, t.row0);
+        ptx::tma_load_3d(sb, tmap_w2, &full_bar[stage], k0, t.n0, t.e);
       }
       advance_stage<kNumStages>(stage, phase);
     }
   }
-  if (!leader) return;
   if (p.stats != nullptr) {
     long long* st = p.stats + blockIdx.x * kStatsPerCta;
     st[0] = wait_disp;
@@ -316,8 +276,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     mega_moe_fwd_kernel(const __grid_constant__ CUtensorMap tmap_xpool, const __grid_constant__ CUtensorMap tmap_w13,
                         const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_w2,
                         const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_o,
-                        const __grid_constant__ CUtensorMap tmap_s_st, const __grid_constant__ CUtensorMap tmap_x,
-                        const __grid_constant__ MegaFwdParams p) {
+                        const __grid_constant__ CUtensorMap tmap_s_st, const __grid_constant__ MegaFwdParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = MegaFwdLayout<kNumStages, kDispatchSlots>;
   constexpr int kBlockM = L::kBlockM;
@@ -348,10 +307,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (warp < 4) {
     ptx::setmaxnreg_dec<kMegaProducerRegs>();
-    if (warp == 0) {
+    if (warp == 0 && lane == 0) {
       // an L2 tile waits for both consumer warpgroups of each of its m-block's L1 tiles
       mega_tma_producer<L, kNumStages>(p, seq, 2 * seq.n1, smem, full_bar, empty_bar, &tmap_xpool, &tmap_w13, &tmap_s,
-                                       &tmap_w2, lane, &tmap_x);
+                                       &tmap_w2);
     } else if (warp >= 1) {
       mega_dispatch_role<kBlockM, kDispatchSlots>(p, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane, s_offs, s_mb,
                                                   num_experts, seq.disp_ctr);

@@ -492,7 +492,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
   Tensor counters = new_tensor(x, {pk_mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden)},
                                ScalarType::Int);
   const void* x_ranks[1] = {x.data_ptr()};
-  check_core(pk_mega_moe_fwd_bf16(x_ranks, 1, x.stride(0), x.size(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
+  check_core(pk_mega_moe_fwd_bf16(x_ranks, 1, x.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
                                   nullptr, static_cast<int>(top_k),
                                   static_cast<const int32_t*>(expert_offsets.data_ptr()), num_experts, m_total, hidden,
                                   inter, w13.data_ptr(), w2.data_ptr(), keep_x_pool ? x_pool.data_ptr() : o.data_ptr(),
