@@ -37,21 +37,18 @@ __host__ __device__ __forceinline__ int dispatch_pieces_per_row(int row_bytes) {
 // behind the GEMM's TMA loads). After the run: proxy fence (the rows are read by TMA), and one release per
 // m-block the run touches, by the lane holding that m-block's first row. dst rows are row_bytes apart.
 // s_mb[g] = first m-block of group g; disp_ctr[mb] gains (rows of mb) * pieces per row in total.
-// active_warps (1..kDispatchWarps): how many of the CTA's dispatch warps copy; the others return at once (a
-// throttle: fewer bytes in flight at a time, the copy spread over more of the GEMM's time).
 template <int kBlockM, int kSlotsPerWarp, int kSlotBytes, typename SrcOf>
 __device__ __forceinline__ void dispatch_rows_role(SrcOf&& src_of, uint8_t* dst, int row_bytes, uint32_t slots_addr,
-                                                   int dwarp, int active_warps, int lane, const int32_t* s_offs,
-                                                   const int32_t* s_mb, int num_groups, int32_t* disp_ctr,
-                                                   int dev_flags, unsigned long long* stat_max) {
+                                                   int dwarp, int lane, const int32_t* s_offs, const int32_t* s_mb,
+                                                   int num_groups, int32_t* disp_ctr, int dev_flags,
+                                                   unsigned long long* stat_max) {
   static_assert(kSlotsPerWarp >= 2, "each dispatch warp needs two slots");
   static_assert(kSlotBytes % 512 == 0, "a slot is whole 16-byte parts of every lane");
   const int chunks = dispatch_pieces_per_row<kSlotBytes>(row_bytes);
   const int num_rows = s_offs[num_groups];
   const uint32_t slot0 = slots_addr + dwarp * kSlotsPerWarp * kSlotBytes;
   const int cta = (int)ptx::ctaid_x_volatile();
-  if (dwarp >= active_warps) return;
-  const int step = (int)gridDim.x * active_warps;
+  const int step = (int)gridDim.x * kDispatchWarps;
   const int head_rows = min(num_rows, step * kDispatchHeadRunRows);
   const int head_runs = ceil_div(head_rows, kDispatchHeadRunRows);
   const int num_runs = head_runs + ceil_div(num_rows - head_rows, kDispatchRunRows);

@@ -198,12 +198,6 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
                         ? 1 | (std::atoi(std::getenv("PK_MEGA_FWD_STATS") + 1) << 1)
                         : (kStats && std::strcmp(std::getenv("PK_MEGA_FWD_STATS"), "nodispatch") == 0 ? 16 : 0);
 
-  // Development aid: PK_MEGA_FWD_DISPATCH_WARPS=1|2 copies with that many of the 3 dispatch warps per CTA (read at
-  // every call; anything else: 3).
-  {
-    const char* dw = std::getenv("PK_MEGA_FWD_DISPATCH_WARPS");
-    p.dispatch_warps = dw != nullptr && (dw[0] == '1' || dw[0] == '2') && dw[1] == 0 ? dw[0] - '0' : kDispatchWarps;
-  }
   const int64_t num_counters =
       mega_moe_fwd_counter_count(m_total, num_experts, p.y != nullptr ? num_tokens : 0, hidden);
   cudaError_t e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * num_counters, stream);

@@ -86,8 +86,6 @@ struct MegaFwdParams {
   // with bit 0, bit 1 = no proxy fence / release, bit 2 = no stores, bit 3 = no loads; bit 4 = the tiles alone
   // (no dispatch: the host marks every m-block dispatched, x_pool holds whatever it held).
   int32_t dispatch_only;
-  // Dispatch warps per CTA that copy (1..3; the others idle): PK_MEGA_FWD_DISPATCH_WARPS, a development switch.
-  int32_t dispatch_warps;
 };
 constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only;
                                   // 16: the TMA producer's wait for a free stage, both kernels)
@@ -127,8 +125,8 @@ __device__ __forceinline__ void mega_dispatch_role(const MegaFwdParams& p, uint3
   unsigned long long* stat_max =
       p.stats != nullptr ? reinterpret_cast<unsigned long long*>(p.stats + blockIdx.x * kStatsPerCta + 3) : nullptr;
   dispatch_rows_role<kBlockM, kDispatchSlots / kDispatchWarps, kDispatchSlotBytes>(
-      src_of, reinterpret_cast<uint8_t*>(p.x_pool), p.hidden * 2, slots_addr, dwarp, p.dispatch_warps, lane, s_offs,
-      s_mb, num_experts, disp_ctr, p.dispatch_only, stat_max);
+      src_of, reinterpret_cast<uint8_t*>(p.x_pool), p.hidden * 2, slots_addr, dwarp, lane, s_offs, s_mb, num_experts,
+      disp_ctr, p.dispatch_only, stat_max);
 }
 
 // The forward's static tile sequence (see the file comment), shared by both forward kernels and all of

@@ -155,8 +155,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           return idx >= 0 && idx < p.a_rows ? p.a + static_cast<int64_t>(idx) * p.lda : nullptr;
         };
         dispatch_rows_role<kBlockM, kDispatchSlots / kDispatchWarps, L::kDispatchSlotBytes>(
-            src_of, reinterpret_cast<uint8_t*>(p.a_pool), p.k * 2, ptx::smem_addr(smem + L::kDispOff), warp - 1,
-            kDispatchWarps, lane,
+            src_of, reinterpret_cast<uint8_t*>(p.a_pool), p.k * 2, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane,
             s_offs, s_mb, num_groups, p.disp_ctr, 0, nullptr);
       }
     }
