@@ -138,6 +138,10 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, c
 // num_tokens, hidden) entries (zeroed by the call itself).
 // ---------------------------------------------------------------------------------------------
 PK_API int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int64_t num_tokens, int64_t hidden);
+// 1 when pk_mega_moe_fwd_bf16 would reduce y inside the forward kernel (the PK_MEGA_FWD_COMBINE=kernel development
+// switch), 0 when its combine is a second launch (the default) or the sm90 kernels are not built. A caller that
+// combines with pk_combine_bf16_cuda itself in the second case gets the same bits.
+PK_API int pk_mega_moe_fwd_combines_in_kernel(void);
 PK_API int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x,
                                 const int32_t* pool_src_route, const int32_t* pool_src_rank, int top_k,
                                 const int32_t* expert_offsets, int num_experts, int64_t m_total, int64_t hidden,

@@ -139,6 +139,14 @@ int64_t pk_m_grouped_dispatch_counter_count(int64_t m_total, int num_groups) {
   return deep_gemm::sm90::max_m_blocks(m_total, num_groups);
 }
 
+int pk_mega_moe_fwd_combines_in_kernel(void) {
+#if PK_HAS_SM90_KERNELS
+  return deep_gemm::sm90::mega_moe_fwd_combines_in_kernel() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
 int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int64_t num_tokens, int64_t hidden) {
   return deep_gemm::sm90::mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden);
 }

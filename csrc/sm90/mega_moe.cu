@@ -39,6 +39,8 @@ bool use_cooperative() {
 }
 }  // namespace
 
+bool mega_moe_fwd_combines_in_kernel() { return combine_in_kernel(); }
+
 int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
                       const int32_t* pool_src_rank, int top_k, const int32_t* expert_offsets, int num_experts,
                       int64_t m_total, int64_t hidden, int64_t inter, const void* w13, const void* w2, void* x_pool,

@@ -44,6 +44,9 @@ inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int6
 //   counters     device int32 [mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden)] scratch
 //   hidden, inter multiples of 64; clamp >= 0 (0 = none). All pointers 16-byte aligned.
 // Rows of the outputs outside [0, expert_offsets[num_experts]) are not written.
+// Whether mega_moe_fwd_bf16 reduces y inside the kernel (PK_MEGA_FWD_COMBINE=kernel, read at every call).
+bool mega_moe_fwd_combines_in_kernel();
+
 int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
                       const int32_t* pool_src_rank, int top_k, const int32_t* expert_offsets, int num_experts,
                       int64_t m_total, int64_t hidden, int64_t inter, const void* w13, const void* w2, void* x_pool,

@@ -448,7 +448,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd_gather
 // Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns s, h, o, the dispatched
 // rows x_pool per pool row (x_pool only with keep_x_pool; h only with save_h) and, with route_to_pool [T, K],
 // y = the weighted combine over o (the combine kernel right after the forward kernel, or inside the ping-pong
-// kernel with PK_MEGA_FWD_COMBINE=kernel; else an empty [0, hidden] tensor).
+// kernel with PK_MEGA_FWD_COMBINE=kernel; else an empty [0, hidden] tensor). With the combine as a second
+// launch, s (dead once the forward kernel is queued) is freed before y is allocated, so y can take its memory
+// and the op's peak is lower by y's size; s is then returned empty ([0, I]).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
     Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, int64_t top_k, bool save_h,
     double clamp, bool keep_x_pool, std::optional<Tensor> route_to_pool, std::optional<Tensor> topk_weights) {
@@ -487,6 +489,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
                     ": route_to_pool must be a CUDA int32 [T, top_k] tensor");
     weights = in.weights;
     num_tokens = in.num_tokens;
+  }
+  const bool combine_after = combine && num_tokens > 0 && m_total > 0 && pk_mega_moe_fwd_combines_in_kernel() == 0;
+  if (combine_after) {
+    Tensor counters = new_tensor(x, {pk_mega_moe_fwd_counter_count(m_total, num_experts, 0, hidden)},
+                                 ScalarType::Int);
+    const void* x_ranks[1] = {x.data_ptr()};
+    check_core(pk_mega_moe_fwd_bf16(x_ranks, 1, x.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
+                                    nullptr, static_cast<int>(top_k),
+                                    static_cast<const int32_t*>(expert_offsets.data_ptr()), num_experts, m_total,
+                                    hidden, inter, w13.data_ptr(), w2.data_ptr(),
+                                    keep_x_pool ? x_pool.data_ptr() : o.data_ptr(), s.data_ptr(),
+                                    save_h ? h.data_ptr() : nullptr, o.data_ptr(), 0, nullptr, nullptr, nullptr,
+                                    static_cast<float>(clamp), static_cast<int32_t*>(counters.data_ptr()),
+                                    current_cuda_stream(x.get_device_index())),
+               op);
+    s = new_tensor(x, {0, inter}, ScalarType::BFloat16);  // frees the pool-sized s (stream-ordered)
+    Tensor y = new_tensor(x, {num_tokens, hidden}, ScalarType::BFloat16);
+    check_core(pk_combine_bf16_cuda(o.data_ptr(), o.stride(0), static_cast<const int32_t*>(route_to_pool->data_ptr()),
+                                    weights, num_tokens, top_k, hidden, y.data_ptr(), y.stride(0),
+                                    current_cuda_stream(x.get_device_index())),
+               op);
+    return {s, h, o, x_pool, y};
   }
   Tensor y = new_tensor(x, {num_tokens, hidden}, ScalarType::BFloat16);
   Tensor counters = new_tensor(x, {pk_mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden)},
