@@ -341,14 +341,16 @@ def test_fused_forward_keeps_pooled_x_for_the_backward(monkeypatch):
 @pytest.mark.parametrize("save_h,keep_x_pool", [(True, True), (False, False)])
 def test_fused_op_combine_does_not_raise_the_peak(monkeypatch, save_h, keep_x_pool):
     """With the combine as a second launch, the op frees s (dead once the forward kernel is queued) before it
-    allocates y, so asking for y costs no peak memory: the op's peak with route_to_pool is at most its peak
-    without (where y is never allocated), not that plus y's bytes. s comes back empty in that case."""
+    allocates y, so asking for y costs no peak memory: the op's peak with route_to_pool is about its peak
+    without (where y is never allocated), not that plus y's bytes. s comes back empty in that case. Each
+    measured call starts from an emptied allocator cache so both see the same block rounding (a cached block
+    reused without a split counts whole: up to 1 MB of noise per tensor otherwise)."""
     _require_fused()
     from deep_gemm.routing import routing_plan
 
     monkeypatch.setenv("PK_MEGA_FWD_KERNEL", "cooperative")
     monkeypatch.delenv("PK_MEGA_FWD_COMBINE", raising=False)
-    T, E, H, I, K = 999, 32, 256, 256, 4
+    T, E, H, I, K = 2047, 32, 512, 512, 4
     x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, routing="skewed", seed=5, masked_frac=0.1)]
     plan = routing_plan(idx, E, 1, validate=False)
     r2p = plan.route_to_pool.view(T, K)
@@ -357,16 +359,17 @@ def test_fused_op_combine_does_not_raise_the_peak(monkeypatch, save_h, keep_x_po
 
     def peak(*extra):
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         out = op(*args, *extra)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base, out
 
-    peak(), peak(r2p, w)  # warm the allocator
-    without, _ = peak()
+    without, out = peak()
+    del out
     with_y, (s, _, o, _, y) = peak(r2p, w)
-    y_bytes = T * H * 2
+    y_bytes = T * H * 2  # 2 MB; before the change the peak with y was the peak without plus this
     assert s.shape == (0, I)
     assert torch.equal(y, torch.ops.deep_gemm.combine(o, r2p, w))
-    assert with_y <= without, f"peak with y {with_y} B > without {without} B (y is {y_bytes} B)"
+    assert with_y <= without + y_bytes // 4, f"peak with y {with_y} B, without {without} B (y is {y_bytes} B)"
