@@ -114,9 +114,20 @@ def _reason(key: str) -> str:
     return f"device sm_{cc[0]}{cc[1]} needs a rebuild with PRIME_KERNELS_CUDA_ARCHS={want}"
 
 
+# CUDA device -> the whole status() answer, once CUDA is up (as _answers): deep_gemm.mega resolves its backend
+# through status() two or three times per layer call, and asking reason() per key costs ~20 device queries each.
+_status_by_device: dict = {}
+
+
 def status() -> dict[str, str]:
     """Every kernel x precision x arch: "available" or the exact reason it is not."""
-    return {key: reason(key) for key in KERNELS}
+    dev = _current_cuda_device()
+    answer = _status_by_device.get(dev) if dev is not None else None
+    if answer is None:
+        answer = {key: reason(key) for key in KERNELS}
+        if dev is not None:
+            _status_by_device[dev] = answer
+    return dict(answer)
 
 
 def require(key: str) -> None:

@@ -54,13 +54,23 @@ def _status() -> dict:
         return {"__error__": f"deep_gemm.status() failed: {exc}"}
 
 
+# current CUDA device -> "sm90" / "sm100" (a device's arch cannot change; get_device_capability costs a
+# properties query, and every layer call asks two or three times)
+_ARCH_BY_DEVICE: dict = {}
+
+
 def _device_arch() -> str:
     """"sm100" on a Blackwell current device, else "sm90" (also without any GPU)."""
     try:
         import torch  # noqa: PLC0415
 
-        if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10:
-            return "sm100"
+        if torch.cuda.is_available():
+            dev = torch.cuda.current_device()
+            arch = _ARCH_BY_DEVICE.get(dev)
+            if arch is None:
+                arch = "sm100" if torch.cuda.get_device_capability(dev)[0] == 10 else "sm90"
+                _ARCH_BY_DEVICE[dev] = arch
+            return arch
     except Exception:
         pass
     return "sm90"
