@@ -490,42 +490,33 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
     weights = in.weights;
     num_tokens = in.num_tokens;
   }
+  // The combine runs in the forward kernel only with PK_MEGA_FWD_COMBINE=kernel; otherwise it is a second launch
+  // after s is freed (y then takes s's memory).
   const bool combine_after = combine && num_tokens > 0 && m_total > 0 && pk_mega_moe_fwd_combines_in_kernel() == 0;
-  if (combine_after) {
-    Tensor counters = new_tensor(x, {pk_mega_moe_fwd_counter_count(m_total, num_experts, 0, hidden)},
-                                 ScalarType::Int);
-    const void* x_ranks[1] = {x.data_ptr()};
-    check_core(pk_mega_moe_fwd_bf16(x_ranks, 1, x.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
-                                    nullptr, static_cast<int>(top_k),
-                                    static_cast<const int32_t*>(expert_offsets.data_ptr()), num_experts, m_total,
-                                    hidden, inter, w13.data_ptr(), w2.data_ptr(),
-                                    keep_x_pool ? x_pool.data_ptr() : o.data_ptr(), s.data_ptr(),
-                                    save_h ? h.data_ptr() : nullptr, o.data_ptr(), 0, nullptr, nullptr, nullptr,
-                                    static_cast<float>(clamp), static_cast<int32_t*>(counters.data_ptr()),
-                                    current_cuda_stream(x.get_device_index())),
-               op);
-    s = new_tensor(x, {0, inter}, ScalarType::BFloat16);  // frees the pool-sized s (stream-ordered)
-    Tensor y = new_tensor(x, {num_tokens, hidden}, ScalarType::BFloat16);
-    check_core(pk_combine_bf16_cuda(o.data_ptr(), o.stride(0), static_cast<const int32_t*>(route_to_pool->data_ptr()),
-                                    weights, num_tokens, top_k, hidden, y.data_ptr(), y.stride(0),
-                                    current_cuda_stream(x.get_device_index())),
-               op);
-    return {s, h, o, x_pool, y};
-  }
-  Tensor y = new_tensor(x, {num_tokens, hidden}, ScalarType::BFloat16);
-  Tensor counters = new_tensor(x, {pk_mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden)},
+  const int64_t kernel_tokens = combine_after ? 0 : num_tokens;
+  const bool kernel_combines = combine && !combine_after;
+  Tensor y = new_tensor(x, {kernel_tokens, hidden}, ScalarType::BFloat16);
+  Tensor counters = new_tensor(x, {pk_mega_moe_fwd_counter_count(m_total, num_experts, kernel_tokens, hidden)},
                                ScalarType::Int);
   const void* x_ranks[1] = {x.data_ptr()};
   check_core(pk_mega_moe_fwd_bf16(x_ranks, 1, x.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
                                   nullptr, static_cast<int>(top_k),
                                   static_cast<const int32_t*>(expert_offsets.data_ptr()), num_experts, m_total, hidden,
                                   inter, w13.data_ptr(), w2.data_ptr(), keep_x_pool ? x_pool.data_ptr() : o.data_ptr(),
-                                  s.data_ptr(),
-                                  save_h ? h.data_ptr() : nullptr, o.data_ptr(), num_tokens,
-                                  combine ? static_cast<const int32_t*>(route_to_pool->data_ptr()) : nullptr, weights,
-                                  combine ? y.data_ptr() : nullptr, static_cast<float>(clamp),
-                                  static_cast<int32_t*>(counters.data_ptr()), current_cuda_stream(x.get_device_index())),
+                                  s.data_ptr(), save_h ? h.data_ptr() : nullptr, o.data_ptr(), kernel_tokens,
+                                  kernel_combines ? static_cast<const int32_t*>(route_to_pool->data_ptr()) : nullptr,
+                                  kernel_combines ? weights : nullptr, kernel_combines ? y.data_ptr() : nullptr,
+                                  static_cast<float>(clamp), static_cast<int32_t*>(counters.data_ptr()),
+                                  current_cuda_stream(x.get_device_index())),
              op);
+  if (combine_after) {
+    s = new_tensor(x, {0, inter}, ScalarType::BFloat16);  // frees the pool-sized s (stream-ordered)
+    y = new_tensor(x, {num_tokens, hidden}, ScalarType::BFloat16);
+    check_core(pk_combine_bf16_cuda(o.data_ptr(), o.stride(0), static_cast<const int32_t*>(route_to_pool->data_ptr()),
+                                    weights, num_tokens, top_k, hidden, y.data_ptr(), y.stride(0),
+                                    current_cuda_stream(x.get_device_index())),
+               op);
+  }
   return {s, h, o, x_pool, y};
 }
 }  // namespace
