@@ -139,6 +139,39 @@ def test_fused_forward_is_bitwise_deterministic_and_matches_grouped_rounding(mon
 
 
 @requires_sm90
+@pytest.mark.parametrize("save_h,clamp", [(True, 0.0), (False, 0.0), (True, 0.75)])
+def test_fused_epilogue_handoff_is_bit_identical(monkeypatch, save_h, clamp):
+    """Once a CTA's dispatch is done, the cooperative kernel hands whole L1 tiles (bf16 gate | up) to the
+    dispatch warps, which compute s and store h and s (PK_MEGA_FWD_HANDOFF=0 keeps every L1 epilogue in the
+    consumer warpgroups). Both compute s from h rounded as it is saved (reference F3), so s, h and o agree bit
+    for bit. Skewed routing: tiles crossing an expert's end keep the consumers' path in the same run; I = 320
+    leaves the last n-block half empty (a 64-column box past I is not stored)."""
+    _require_fused()
+    from deep_gemm.routing import routing_plan
+
+    monkeypatch.setenv("PK_MEGA_FWD_KERNEL", "cooperative")
+    T, E, H, I, K = 4097, 32, 512, 320, 8
+    x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, routing="skewed", seed=31, masked_frac=0.05)]
+    plan = routing_plan(idx, E, 1, validate=False)
+    rows = int(plan.expert_offsets[-1])
+    op = torch.ops.deep_gemm.mega_moe_fused_fwd
+    outs = {}
+    for mode in ("0", "1", "1"):
+        monkeypatch.setenv("PK_MEGA_FWD_HANDOFF", mode)
+        poison_allocator()
+        s, h, o, _, _ = op(x, plan.pool_src_route, plan.expert_offsets, w13, w2, K, save_h, clamp)
+        got = (s[:rows], h[:rows] if save_h else h, o[:rows])
+        for name, t in zip("sho", got):
+            assert torch.isfinite(t.float()).all(), f"{name} (handoff={mode}) has rows the kernel did not write"
+        if mode in outs:
+            for name, a, b in zip("sho", outs[mode], got):
+                assert torch.equal(a, b), f"{name}: handoff={mode} is not deterministic"
+        outs[mode] = got
+    for name, a, b in zip("sho", outs["0"], outs["1"]):
+        assert torch.equal(a, b), f"{name} differs between the consumers' epilogue and the hand-off"
+
+
+@requires_sm90
 def test_fused_forward_saves_h_and_auto_backward_runs(monkeypatch):
     """backend="auto": the fused forward, then the grouped backward from the state it saved."""
     _require_fused()

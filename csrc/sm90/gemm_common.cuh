@@ -421,12 +421,11 @@ __device__ __forceinline__ void store_acc_bf16_tma_ring(const float (&acc)[kBloc
   }
 }
 
-// SwiGLU epilogue: s[row, c] = silu(gate) * up for one warpgroup's 64 x kBlockN fragment whose left kBlockN / 2
-// columns are gate columns col0.. and right ones the matching up columns; fp32 math, bf16x2 stores straight
-// from registers (s is a third of the tile's output bytes; L2 merges the 16-byte row pieces). Rows >= row_end
-// and columns >= col_limit are not written. clamp > 0: gate <= clamp and -clamp <= up <= clamp first.
 // s = silu(g) * u in fp32 (clamp > 0: g <= clamp and -clamp <= u <= clamp first), the one formula of every
-// forward epilogue, so that all of them round s identically.
+// forward epilogue, so that all of them round s identically. Its g and u are the pre-activations as the
+// backward sees them (reference F3): h rounded to bf16 the way it is saved (RoundH below), so that s is exactly
+// the bf16 rounding of the backward's s, and an epilogue that only holds bf16 h (the cooperative forward's
+// hand-off) computes the same s as one that holds the fp32 accumulators.
 __device__ __forceinline__ float swiglu_value(float g, float u, float clamp) {
   if (clamp > 0.f) {
     g = fminf(g, clamp);
@@ -435,23 +434,47 @@ __device__ __forceinline__ float swiglu_value(float g, float u, float clamp) {
   return __fdividef(g, 1.f + __expf(-g)) * u;  // fast reciprocal: an IEEE division costs a slow-path check per element
 }
 
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// The saved h's rounding of a gate (gate()) or up (up()) value: with a clamp (c > 0), rounding point F6
+// (PackBf16x2ClampMasks); without one, or where h is saved plainly (the grouped pipeline), RoundHPlain.
+struct RoundHMasks {
+  float c, below, above;
+  __device__ __forceinline__ float gate(float v) const { return PackBf16x2ClampMasks{c, below, above, false}.round1(v); }
+  __device__ __forceinline__ float up(float v) const { return PackBf16x2ClampMasks{c, below, above, true}.round1(v); }
+};
+struct RoundHPlain {
+  __device__ __forceinline__ float gate(float v) const { return round_bf16(v); }
+  __device__ __forceinline__ float up(float v) const { return round_bf16(v); }
+};
+
 // In place: the left kBlockN / 4 accumulator registers (the gate half's fragment) become s of the fragment's
 // 64 x kBlockN / 2 columns, in the same fragment layout, so write_acc_boxes_to_staging can stage them.
 template <int kBlockN>
-__device__ __forceinline__ void swiglu_in_place(float (&acc)[kBlockN / 2], float clamp) {
+__device__ __forceinline__ void swiglu_in_place(float (&acc)[kBlockN / 2], float clamp, float below, float above) {
+  if (clamp > 0.f) {
+    const PackBf16x2ClampMasks rg{clamp, below, above, false}, ru{clamp, below, above, true};
 #pragma unroll
-  for (int i = 0; i < kBlockN / 4; ++i) acc[i] = swiglu_value(acc[i], acc[i + kBlockN / 4], clamp);
+    for (int i = 0; i < kBlockN / 4; ++i) acc[i] = swiglu_value(rg.round1(acc[i]), ru.round1(acc[i + kBlockN / 4]), clamp);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBlockN / 4; ++i) acc[i] = swiglu_value(round_bf16(acc[i]), round_bf16(acc[i + kBlockN / 4]), 0.f);
+  }
 }
 
-template <int kBlockN>
+// SwiGLU epilogue: s[row, c] = silu(gate) * up for one warpgroup's 64 x kBlockN fragment whose left kBlockN / 2
+// columns are gate columns col0.. and right ones the matching up columns; gate and up rounded as the kernel saves
+// h (Round), fp32 math, bf16x2 stores straight from registers (s is a third of the tile's output bytes; L2 merges
+// the 16-byte row pieces). Rows >= row_end and columns >= col_limit are not written.
+template <int kBlockN, typename Round>
 __device__ __forceinline__ void store_swiglu_from_acc(const float (&acc)[kBlockN / 2], int wg_tid, __nv_bfloat16* s,
                                                       int64_t lds, int row0, int row_end, int col0, int col_limit,
-                                                      float clamp) {
+                                                      float clamp, const Round& round) {
   constexpr int kUp = kBlockN / 16;  // accumulator column group of the up half
   const int lane = wg_tid & 31;
   const int r0 = row0 + (wg_tid >> 5) * 16 + (lane >> 2);
   const int cbase = col0 + 2 * (lane & 3);
-  auto f = [&](float g, float u) -> float { return swiglu_value(g, u, clamp); };
+  auto f = [&](float g, float u) -> float { return swiglu_value(round.gate(g), round.up(u), clamp); };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = r0 + 8 * h;

@@ -435,7 +435,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                                           w.n0, p.n);
             }
           }
-          store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.lds, hrow0, w.row_end, w.n0, p.n, p.clamp);
+          store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.lds, hrow0, w.row_end, w.n0, p.n, p.clamp,
+                                         RoundHPlain{});  // its h is saved plainly
         }
       } else if constexpr (kAsyncEpi) {
         const int hrow0 = w.row0 + 64 * wg;

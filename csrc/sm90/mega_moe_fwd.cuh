@@ -86,6 +86,9 @@ struct MegaFwdParams {
   // with bit 0, bit 1 = no proxy fence / release, bit 2 = no stores, bit 3 = no loads; bit 4 = the tiles alone
   // (no dispatch: the host marks every m-block dispatched, x_pool holds whatever it held).
   int32_t dispatch_only;
+  // Cooperative kernel: 1 = once this CTA's dispatch is done, the L1 epilogue of a whole 128-row tile hands the
+  // bf16 gate | up tile to the dispatch warps, which compute s and issue the h and s stores (see the kernel).
+  int32_t handoff;
 };
 constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only;
                                   // 16: the TMA producer's wait for a free stage, both kernels)
@@ -101,7 +104,12 @@ struct MegaFwdLayout : StageRingLayout<128, 256, 64, kNumStages> {
   static constexpr int kStageBOff = kDispOff;
   static constexpr int kBarOff = kDispOff + kDispatchSlots * kDispatchSlotBytes;
   static constexpr int kDispDoneOff = kBarOff + 2 * kNumStages * 8;  // mbarrier: the dispatch warps are done
-  static constexpr int kOffsOff = kDispDoneOff + 8;
+  // L1 epilogue hand-off (MegaFwdParams::handoff): mbarriers "tile staged" (one arrival per consumer warpgroup)
+  // and "staging free again" (one arrival by the helper), and the staged tile's MegaHandoff record.
+  static constexpr int kHoFullOff = kDispDoneOff + 8;
+  static constexpr int kHoFreeOff = kHoFullOff + 8;
+  static constexpr int kHoInfoOff = kHoFreeOff + 8;
+  static constexpr int kOffsOff = kHoInfoOff + 16;
   static constexpr int kMbOff = kOffsOff + (kMegaMaxExperts + 1) * 4;
   static constexpr int kEnd = kMbOff + (kMegaMaxExperts + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
@@ -269,6 +277,88 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
   }
 }
 
+// The L1 epilogue hand-off (MegaFwdParams::handoff). The consumers' L1 epilogue is mostly SwiGLU (two MUFU
+// operations per element: about as long as the h and s stores together, and the tensor cores idle through it),
+// while the dispatch warps are idle once this CTA's dispatch is done. From then on, a tile whose 128 rows are all
+// inside the expert is staged whole as bf16 (gate boxes in staging tile A, up boxes in tile B, each rounded as h
+// is saved) and the consumers go on with the next tile; the helpers (the dispatch warps) store h from there when
+// asked, compute s = silu(g) * u in place over the gate boxes (from the same bf16 values the other epilogues
+// round first: bit-identical s), store s, hand the tiles back, and once s has landed give the m-block's L1
+// counter both warpgroups' arrivals. The consumers write the record before their arrival on ho_full; last = 1
+// (after the consumers' last tile) ends the helpers' loop.
+struct MegaHandoff {
+  int32_t mb, row0, n0, last;
+};
+constexpr uint32_t kBarHelpers = 4;  // named barrier of the 96 helper threads (ids 1-3: the consumers')
+
+__device__ __forceinline__ uint32_t swiglu_bf16x2(uint32_t g2, uint32_t u2, float clamp) {
+  const float g0 = __uint_as_float(g2 << 16), g1 = __uint_as_float(g2 & 0xffff0000u);
+  const float u0 = __uint_as_float(u2 << 16), u1 = __uint_as_float(u2 & 0xffff0000u);
+  return ptx::pack_bf16x2(swiglu_value(g0, u0, clamp), swiglu_value(g1, u1, clamp));
+}
+
+template <typename L>
+__device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int32_t* l1_ctr, uint8_t* smem, int htid,
+                                                    const CUtensorMap* tmap_h, const CUtensorMap* tmap_s_st) {
+  uint64_t* ho_full = reinterpret_cast<uint64_t*>(smem + L::kHoFullOff);
+  uint64_t* ho_free = reinterpret_cast<uint64_t*>(smem + L::kHoFreeOff);
+  const volatile MegaHandoff* info = reinterpret_cast<const volatile MegaHandoff*>(smem + L::kHoInfoOff);
+  const uint32_t stg_a = ptx::smem_addr(smem + L::kCOff);
+  const uint32_t stg_b = ptx::smem_addr(smem + L::kStageBOff);
+  using Stg = TmaStaging<L::kStageCols>;
+  constexpr int kChunks = Stg::kBytes / 16;
+  constexpr int kHelperThreads = 32 * kDispatchWarps;
+  uint32_t phase = 0;
+  for (;;) {
+    ptx::mbar_wait(ho_full, phase);
+    phase ^= 1u;
+    if (info->last) break;
+    const int mb = info->mb, row0 = info->row0, n0 = info->n0;
+    if (htid == 0 && p.h != nullptr) {
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+#pragma unroll
+        for (int b = 0; b < L::kStageCols / 64; ++b) {
+          if (n0 + 64 * b < p.inter) {
+            const uint32_t off = w * Stg::kHalfBytes + b * Stg::kBoxBytes;
+            ptx::tma_store_2d(tmap_h, stg_a + off, n0 + 64 * b, row0 + 64 * w);
+            ptx::tma_store_2d(tmap_h, stg_b + off, p.inter + n0 + 64 * b, row0 + 64 * w);
+          }
+        }
+      }
+      ptx::bulk_commit_group();
+      ptx::bulk_wait_group_read<0>();  // s overwrites the gate boxes next
+    }
+    ptx::named_bar_sync(kBarHelpers, kHelperThreads);
+    for (int c = htid; c < kChunks; c += kHelperThreads) {
+      uint4 g = ptx::ld_shared_v4(stg_a + 16 * c);
+      const uint4 u = ptx::ld_shared_v4(stg_b + 16 * c);
+      g.x = swiglu_bf16x2(g.x, u.x, p.clamp);
+      g.y = swiglu_bf16x2(g.y, u.y, p.clamp);
+      g.z = swiglu_bf16x2(g.z, u.z, p.clamp);
+      g.w = swiglu_bf16x2(g.w, u.w, p.clamp);
+      ptx::st_shared_v4(stg_a + 16 * c, g);
+    }
+    ptx::fence_proxy_async_smem();
+    ptx::named_bar_sync(kBarHelpers, kHelperThreads);
+    if (htid == 0) {
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+#pragma unroll
+        for (int b = 0; b < L::kStageCols / 64; ++b)
+          if (n0 + 64 * b < p.inter)
+            ptx::tma_store_2d(tmap_s_st, stg_a + w * Stg::kHalfBytes + b * Stg::kBoxBytes, n0 + 64 * b, row0 + 64 * w);
+      }
+      ptx::bulk_commit_group();
+      ptx::bulk_wait_group_read<0>();
+      ptx::mbar_arrive(ho_free);         // both staging tiles are free for the consumers' next epilogue
+      ptx::bulk_wait_group<0>();         // s (and h) are in global memory
+      ptx::fence_proxy_async_global();   // async-proxy writes, before the generic release
+      ptx::red_release_gpu_add(l1_ctr + mb, 2);
+    }
+  }
+}
+
 template <int kNumStages, int kDispatchSlots>
 __global__ void __launch_bounds__(kNumThreads, 1)
     mega_moe_fwd_kernel(const __grid_constant__ CUtensorMap tmap_xpool, const __grid_constant__ CUtensorMap tmap_w13,
@@ -296,29 +386,34 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint64_t* disp_done = reinterpret_cast<uint64_t*>(smem + L::kDispDoneOff);
   if (tid == 0) {
     ptx::mbar_init(disp_done, kDispatchWarps);
+    ptx::mbar_init(reinterpret_cast<uint64_t*>(smem + L::kHoFullOff), 2);
+    ptx::mbar_init(reinterpret_cast<uint64_t*>(smem + L::kHoFreeOff), 1);
     ptx::fence_mbar_init();  // published to the CTA by the prologue's __syncthreads
   }
   mega_fwd_prologue<kNumStages, kBlockM>(p, full_bar, empty_bar, kNumConsumerThreads / 32, s_offs, s_mb, &tmap_xpool,
                                          &tmap_w13, &tmap_s, &tmap_w2, &tmap_h, &tmap_o);
   using Seq = MegaTileSequence<kBlockM, kBlockN, kBlockK>;
-  const Seq seq(p, s_offs, s_mb);
+  // Each role builds its own Seq after its setmaxnreg: values live across the register reallocation were spilled.
 
   if (warp < 4) {
     ptx::setmaxnreg_dec<kMegaProducerRegs>();
     if (warp == 0 && lane == 0) {
+      const Seq seq(p, s_offs, s_mb);
       // an L2 tile waits for both consumer warpgroups of each of its m-block's L1 tiles
       mega_tma_producer<L, kNumStages>(p, seq, 2 * seq.n1, smem, full_bar, empty_bar, &tmap_xpool, &tmap_w13, &tmap_s,
                                        &tmap_w2);
     } else if (warp >= 1) {
       mega_dispatch_role<kBlockM, kDispatchSlots>(p, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane, s_offs, s_mb,
-                                                  num_experts, seq.disp_ctr);
+                                                  num_experts, p.counters);
       // the slots' last reads fed this warp's stores, which have issued: the slots are free (release, CTA scope)
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(disp_done);
+      if (p.handoff) mega_handoff_helper<L>(p, p.counters + p.max_m_blocks, smem, tid - 32, &tmap_h, &tmap_s_st);
     }
   } else {
     // ================= consumer warpgroups =================
     ptx::setmaxnreg_inc<kMegaConsumerRegs>();
+    const Seq seq(p, s_offs, s_mb);
     const int wg = (warp >> 2) - 1;
     const int wg_tid = tid - 128 * (wg + 1);
     const uint32_t a_base = ptx::smem_addr(smem + L::kAOff) + wg * (64 * 128);
@@ -331,8 +426,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kStageCols>::kHalfBytes;
     constexpr uint32_t kToStageB = L::kStageBOff - L::kCOff;  // stg_half + this: the second staging tile
     // bit 0: this CTA's dispatch is done, the second staging tile may be used; bit 1: the latest committed
-    // bulk group read the second staging tile (one register: the consumers have none to spare)
+    // bulk group read the second staging tile; bit 2: the hand-off's phase (tiles handed off, mod 2) (one
+    // register: the consumers have none to spare)
     uint32_t stage_b_state = 0;
+    uint64_t* ho_full = reinterpret_cast<uint64_t*>(smem + L::kHoFullOff);
+    uint64_t* ho_free = reinterpret_cast<uint64_t*>(smem + L::kHoFreeOff);
+    volatile MegaHandoff* ho_info = reinterpret_cast<volatile MegaHandoff*>(smem + L::kHoInfoOff);
+    // waits until the helpers have handed back the staging tiles of the latest hand-off (at once if none)
+    auto wait_handoff_free = [&] { ptx::mbar_wait(ho_free, ((stage_b_state >> 2) & 1u) ^ 1u); };
 
     const long long t_start = clock64();
     long long epi_l1 = 0, epi_l2 = 0;  // stats: time in L1 / L2 epilogues
@@ -386,10 +487,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // first tile and waits for the latest group; after, passes alternate between the two tiles and wait
       // for all but the latest group (which read the other tile).
       // out/ld: destination; c0: its first column; limit: columns >= it are not written; map: its tensor map.
-      if (active && !(stage_b_state & 1u)) {
-        // uniform over the warpgroup: every thread saw the dispatch done (an L2 tile waits for it: it is done
-        // long before any L2 tile can start, and the dispatch waits for nothing)
-        const bool done = t.l1 ? ptx::named_bar_sync_and(kBarEpilogueWg0 + wg, 128,
+      if (!(stage_b_state & 1u)) {
+        // uniform over both consumer warpgroups (a hand-off needs both): every thread saw the dispatch done (an
+        // L2 tile waits for it: it is done long before any L2 tile can start, and the dispatch waits for nothing)
+        const bool done = t.l1 ? ptx::named_bar_sync_and(kBarConsumers, kNumConsumerThreads,
                                                          ptx::mbar_test_wait(disp_done, 0))
                                : (ptx::mbar_wait(disp_done, 0), true);
         if (done) stage_b_state = 1u;  // the latest group read the first tile
@@ -399,6 +500,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const bool alternate = (stage_b_state & 1u) != 0;
         const bool use_b = alternate && !(stage_b_state & 2u);
         const uint32_t stg = stg_half + (use_b ? kToStageB : 0u);
+        if (alternate && p.handoff) wait_handoff_free();
         if (wg_tid == 0) {
           if (alternate) ptx::bulk_wait_group_read<1>(); else ptx::bulk_wait_group_read<0>();
         }
@@ -417,10 +519,37 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           copy_swizzled_half_to_global<kStageCols>(stg, wg_tid, t.row_end - hrow0, out, ld, hrow0, c0, limit);
         }
         if (wg_tid == 0) ptx::bulk_commit_group();
-        stage_b_state = (stage_b_state & 1u) | (use_b ? 2u : 0u);
+        stage_b_state = (stage_b_state & 5u) | (use_b ? 2u : 0u);
       };
       constexpr int kPassBoxes = kStageCols / 64;
-      if (t.l1) {
+      if (p.handoff && t.l1 && (stage_b_state & 1u) && t.row0 + 2 * 64 <= t.row_end) {
+        // hand-off: gate boxes to this warpgroup's half of tile A, up boxes to its half of tile B
+        if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // this warpgroup's own stores have read both tiles
+        wait_handoff_free();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        if (p.clamp > 0.f) {
+          write_acc_boxes_to_staging<kBlockN, kPassBoxes>(
+              acc, stg_half, wg_tid, 0, PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, false});
+          write_acc_boxes_to_staging<kBlockN, kPassBoxes>(
+              acc, stg_half + kToStageB, wg_tid, kPassBoxes,
+              PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, true});
+        } else {
+          write_acc_boxes_to_staging<kBlockN, kPassBoxes>(acc, stg_half, wg_tid, 0, PackBf16x2{});
+          write_acc_boxes_to_staging<kBlockN, kPassBoxes>(acc, stg_half + kToStageB, wg_tid, kPassBoxes, PackBf16x2{});
+        }
+        ptx::fence_proxy_async_smem();  // the helper's TMA stores read these
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        if (wg_tid == 0) {
+          if (wg == 0) {
+            ho_info->mb = t.mb;
+            ho_info->row0 = t.row0;
+            ho_info->n0 = t.n0;
+            ho_info->last = 0;
+          }
+          ptx::mbar_arrive(ho_full);
+        }
+        stage_b_state ^= 4u;
+      } else if (t.l1) {
         if (active) {
           if (p.h != nullptr) {
             // gate columns n0.. of h, then the matching up columns I + n0.. (F6 rounding with a clamp)
@@ -434,7 +563,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
               staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h, PackBf16x2{});
             }
           }
-          swiglu_in_place<kBlockN>(acc, p.clamp);
+          swiglu_in_place<kBlockN>(acc, p.clamp, p.clamp_below, p.clamp_above);
           staged_pass(0, p.s, p.inter, t.n0, p.inter, &tmap_s_st, PackBf16x2{});
         }
         if (full_half) {
@@ -455,6 +584,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
     arrive_pending();
     if (wg_tid == 0) ptx::bulk_wait_group<0>();
+    if (p.handoff) {  // the helpers' last record
+      wait_handoff_free();
+      if (wg_tid == 0) {
+        if (wg == 0) ho_info->last = 1;
+        ptx::mbar_arrive(ho_full);
+      }
+    }
     if (p.stats != nullptr && wg_tid == 0) {
       p.stats[blockIdx.x * kStatsPerCta + 4 + wg] = clock64() - t_start;
       if (wg == 0) {

@@ -261,7 +261,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (t.l1) {
           if (p.h != nullptr)
             staged_store(acc, hrow0, p.h, 2 * p.inter, t.n0, p.inter + t.n0, p.inter, &tmap_h, true, f6);
-          store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.inter, hrow0, t.row_end, t.n0, p.inter, p.clamp);
+          if (f6)
+            store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.inter, hrow0, t.row_end, t.n0, p.inter, p.clamp,
+                                           RoundHMasks{p.clamp, p.clamp_below, p.clamp_above});
+          else
+            store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.inter, hrow0, t.row_end, t.n0, p.inter, p.clamp,
+                                           RoundHPlain{});
         } else if (p.y != nullptr) {
           // generic stores (not TMA): the reducing warp, in any CTA, reads them after one fence/atomic pair
           if (wg_tid == 0) ptx::bulk_wait_group_read<0>();

@@ -88,8 +88,9 @@ def m_grouped_bf16_gemm_swiglu(a: torch.Tensor, w13: torch.Tensor, group_offsets
                                a_row_index: torch.Tensor | None = None, m_total: int | None = None,
                                save_h: bool = False, clamp: float | None = None):
     """L1 with the SwiGLU epilogue. w13 [E, 2I, K] in its natural layout (gate rows, then up rows).
-    Returns (s [m_total, I], h [m_total, 2I] or [0, 2I]): s = bf16(silu(min(g, c)) * clamp(u, -c, c))
-    from the fp32 accumulators, h = bf16(g|u) when ``save_h``."""
+    Returns (s [m_total, I], h [m_total, 2I] or [0, 2I]): h = bf16(g|u) from the fp32 accumulators (returned
+    when ``save_h``), and s = bf16(silu(min(g~, c)) * clamp(u~, -c, c)) on those bf16 values g~, u~ in fp32
+    (the reference's F3: s is the rounding of what the backward differentiates)."""
     _ready("m_grouped_bf16_gemm_swiglu", a.device)
     if m_total is None:
         m_total = a_row_index.shape[0] if a_row_index is not None else a.shape[0]
@@ -180,11 +181,12 @@ def _register() -> None:
         rows = gather_rows(a, a_row_index, m_total) if a_row_index is not None else a[:m_total]
         h = m_grouped_gemm_reference(rows, w13, group_offsets, True, torch.float32, round_output=False)
         I = w13.shape[1] // 2
-        g, u = h[:, :I], h[:, I:]
+        hb = h.to(a.dtype)  # SwiGLU on h rounded as it is saved (reference F3)
+        g, u = hb[:, :I].float(), hb[:, I:].float()
         if clamp > 0:
             g, u = torch.clamp(g, max=clamp), torch.clamp(u, min=-clamp, max=clamp)
         s = (torch.nn.functional.silu(g) * u).to(a.dtype)
-        return s, (h.to(a.dtype) if save_h else a.new_empty(0, 2 * I))
+        return s, (hb if save_h else a.new_empty(0, 2 * I))
 
     def swiglu_fake(a, w13, group_offsets, a_row_index, m_total, save_h, clamp=0.0):
         I = w13.shape[1] // 2

@@ -57,7 +57,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
     srank = plan.pool_src_rank
     tok = _token_rows(src, K)
     offsets = plan.expert_offsets
-    # F1-F3 in one kernel: SwiGLU on the fp32 accumulators, s and (if saved) h rounded to bf16.
+    # F1-F3 in one kernel: SwiGLU on the accumulators rounded to bf16 (as h is saved), s and h in bf16.
     s, h_saved = m_grouped_bf16_gemm_swiglu(x, w13, offsets, a_row_index=tok, m_total=capacity, save_h=save_h,
                                             clamp=activation_clamp)
     o = m_grouped_bf16_gemm_nt(s, w2, offsets)  # F4

@@ -10,9 +10,11 @@ identity, so the reference *is* the unrounded formula.
 Forward, per route p = (t, k) of expert e, with gate/up weights Wg = w13[e, :I], Wu = w13[e, I:]:
 
   F1. h_p = x_t @ w13[e]^T                 acc GEMM (products exact, acc accumulation)  [2I]
-      g = h_p[:I], u = h_p[I:]             (the fp32 accumulators; not rounded before SwiGLU)
-  F2. clamp c (optional): g <- min(g, c), u <- clamp(u, -c, c), in acc
-  F3. s_p = round_io(silu(g) * u)          SwiGLU in acc, rounded to bf16 once: the L2 operand
+      g~, u~ = round_h(h_p) split           (h rounded to bf16 the way F6 saves it, before SwiGLU)
+  F2. clamp c (optional): g~ <- min(g~, c), u~ <- clamp(u~, -c, c), in acc
+  F3. s_p = round_io(silu(g~) * u~)        SwiGLU in acc, rounded to bf16: the L2 operand. From the
+                                           rounded h, so that s_p is exactly round_io of the backward's
+                                           s, and an epilogue that holds only bf16 h computes it too
   F4. o_p = round_io(s_p @ w2[e]^T)        acc GEMM, rounded to bf16: the combine slot [H]
   F5. y_t = round_io(sum_{k=0..K-1} w[t,k] * o_{t,k})
                                            topk weight in fp32 (not rounded), products and the
@@ -30,7 +32,7 @@ Forward, per route p = (t, k) of expert e, with gate/up weights Wg = w13[e, :I],
 Backward, given dy [T, H] (bf16). h~ = the saved round_h(h_p) (F6; recompute=True recomputes
 F1 and rounds the same way, so the values are identical); g~, u~ = h~ split; gc, uc the
 clamped g~, u~ (F2); sig = sigmoid(gc); silu = gc * sig; s = silu * uc, all in acc (s is *not*
-rounded here, so it may differ from the forward's F3 value by the bf16 rounding of h):
+rounded here; the forward's F3 value is its bf16 rounding):
 
   B1. dispatch: dy_p = dy_t (bf16, no weight factor); w_p = topk_weights[t, k] (fp32).
   B2. da_p = dy_p @ w2[e]                  acc GEMM  [I]
@@ -253,9 +255,10 @@ def forward(
                 continue
             rows = slice(off[e], off[e] + cnt[e])
             h = xp[rows].to(acc) @ w13[e].to(acc).t()  # F1
+            hr = round_h(h, activation_clamp, io)  # F6 (and F3's operands)
             if save_h:
-                h_saved[rows] = round_h(h, activation_clamp, io)  # F6
-            _, _, gc, uc = _swiglu_parts(h, activation_clamp)  # F2
+                h_saved[rows] = hr
+            _, _, gc, uc = _swiglu_parts(hr.to(acc), activation_clamp)  # F2
             s = (F.silu(gc) * uc).to(io).to(acc)  # F3
             op[rows] = (s @ w2[e].to(acc).t()).to(io)  # F4
     (slots,) = ex.to_routes([op], T * K)
