@@ -434,47 +434,77 @@ __device__ __forceinline__ float swiglu_value(float g, float u, float clamp) {
   return __fdividef(g, 1.f + __expf(-g)) * u;  // fast reciprocal: an IEEE division costs a slow-path check per element
 }
 
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+// The saved h's rounding (round to nearest even) of a pair of values, in place: one conversion instruction for
+// both (conversions issue at a quarter of the FMA rate: one per value cost the cooperative forward's L1 epilogue
+// ~45 us per CTA at 30B).
+__device__ __forceinline__ void round_bf16_pair(float& a, float& b) {
+  const uint32_t p = ptx::pack_bf16x2(a, b);
+  a = __uint_as_float(p << 16);
+  b = __uint_as_float(p & 0xffff0000u);
+}
 
-// The saved h's rounding of a gate (gate()) or up (up()) value: with a clamp (c > 0), rounding point F6
-// (PackBf16x2ClampMasks); without one, or where h is saved plainly (the grouped pipeline), RoundHPlain.
+// Packs two values that are already bf16 values (their low 16 bits are zero) into one bf16x2 word, exactly and
+// without a conversion instruction.
+struct PackBf16x2Exact {
+  __device__ __forceinline__ uint32_t operator()(float lo, float hi) const {
+    return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632);
+  }
+};
+
+// The saved h's rounding of a pair of gate (gate()) or up (up()) values, in place: with a clamp (c > 0), rounding
+// point F6 (PackBf16x2ClampMasks); without one, or where h is saved plainly (the grouped pipeline), RoundHPlain.
 struct RoundHMasks {
   float c, below, above;
-  __device__ __forceinline__ float gate(float v) const { return PackBf16x2ClampMasks{c, below, above, false}.round1(v); }
-  __device__ __forceinline__ float up(float v) const { return PackBf16x2ClampMasks{c, below, above, true}.round1(v); }
+  __device__ __forceinline__ void gate(float& a, float& b) const {
+    const PackBf16x2ClampMasks r{c, below, above, false};
+    a = r.round1(a);
+    b = r.round1(b);
+  }
+  __device__ __forceinline__ void up(float& a, float& b) const {
+    const PackBf16x2ClampMasks r{c, below, above, true};
+    a = r.round1(a);
+    b = r.round1(b);
+  }
 };
 struct RoundHPlain {
-  __device__ __forceinline__ float gate(float v) const { return round_bf16(v); }
-  __device__ __forceinline__ float up(float v) const { return round_bf16(v); }
+  __device__ __forceinline__ void gate(float& a, float& b) const { round_bf16_pair(a, b); }
+  __device__ __forceinline__ void up(float& a, float& b) const { round_bf16_pair(a, b); }
 };
 
-// In place: the left kBlockN / 4 accumulator registers (the gate half's fragment) become s of the fragment's
-// 64 x kBlockN / 2 columns, in the same fragment layout, so write_acc_boxes_to_staging can stage them.
-template <int kBlockN>
-__device__ __forceinline__ void swiglu_in_place(float (&acc)[kBlockN / 2], float clamp, float below, float above) {
-  if (clamp > 0.f) {
-    const PackBf16x2ClampMasks rg{clamp, below, above, false}, ru{clamp, below, above, true};
+// In place: a warpgroup's 64 x kBlockN fragment (left half gate columns, right half up columns) rounded to the
+// bf16 values h is saved as (Round); then PackBf16x2Exact stages them and swiglu_in_place needs no rounding.
+// Adjacent registers 2i, 2i + 1 are adjacent columns of one row (the wgmma accumulator layout).
+template <int kBlockN, typename Round>
+__device__ __forceinline__ void round_acc_as_saved_h(float (&acc)[kBlockN / 2], const Round& round) {
 #pragma unroll
-    for (int i = 0; i < kBlockN / 4; ++i) acc[i] = swiglu_value(rg.round1(acc[i]), ru.round1(acc[i + kBlockN / 4]), clamp);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kBlockN / 4; ++i) acc[i] = swiglu_value(round_bf16(acc[i]), round_bf16(acc[i + kBlockN / 4]), 0.f);
+  for (int i = 0; i < kBlockN / 4; i += 2) {
+    round.gate(acc[i], acc[i + 1]);
+    round.up(acc[kBlockN / 4 + i], acc[kBlockN / 4 + i + 1]);
   }
 }
 
+// In place: the left kBlockN / 4 accumulator registers (the gate half's fragment) become s of the fragment's
+// 64 x kBlockN / 2 columns, in the same fragment layout, so write_acc_boxes_to_staging can stage them. The
+// fragment holds h as saved already (round_acc_as_saved_h).
+template <int kBlockN>
+__device__ __forceinline__ void swiglu_in_place(float (&acc)[kBlockN / 2], float clamp) {
+#pragma unroll
+  for (int i = 0; i < kBlockN / 4; ++i) acc[i] = swiglu_value(acc[i], acc[i + kBlockN / 4], clamp);
+}
+
 // SwiGLU epilogue: s[row, c] = silu(gate) * up for one warpgroup's 64 x kBlockN fragment whose left kBlockN / 2
-// columns are gate columns col0.. and right ones the matching up columns; gate and up rounded as the kernel saves
-// h (Round), fp32 math, bf16x2 stores straight from registers (s is a third of the tile's output bytes; L2 merges
+// columns are gate columns col0.. and right ones the matching up columns, already rounded as the kernel saves h
+// (round_acc_as_saved_h); fp32 math, bf16x2 stores straight from registers (s is a third of the tile's output bytes; L2 merges
 // the 16-byte row pieces). Rows >= row_end and columns >= col_limit are not written.
-template <int kBlockN, typename Round>
+template <int kBlockN>
 __device__ __forceinline__ void store_swiglu_from_acc(const float (&acc)[kBlockN / 2], int wg_tid, __nv_bfloat16* s,
                                                       int64_t lds, int row0, int row_end, int col0, int col_limit,
-                                                      float clamp, const Round& round) {
+                                                      float clamp) {
   constexpr int kUp = kBlockN / 16;  // accumulator column group of the up half
   const int lane = wg_tid & 31;
   const int r0 = row0 + (wg_tid >> 5) * 16 + (lane >> 2);
   const int cbase = col0 + 2 * (lane & 3);
-  auto f = [&](float g, float u) -> float { return swiglu_value(round.gate(g), round.up(u), clamp); };
+  auto f = [&](float g, float u) -> float { return swiglu_value(g, u, clamp); };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = r0 + 8 * h;

@@ -412,6 +412,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       } else if constexpr (kSwiGLU) {
         const int hrow0 = w.row0 + 64 * wg;
         if (active) {
+          round_acc_as_saved_h<kBlockN>(acc, RoundHPlain{});  // s from h as saved (reference F3); h saved plainly
           if (p.d != nullptr) {
             if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
             ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
@@ -435,8 +436,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                                           w.n0, p.n);
             }
           }
-          store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.lds, hrow0, w.row_end, w.n0, p.n, p.clamp,
-                                         RoundHPlain{});  // its h is saved plainly
+          store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.lds, hrow0, w.row_end, w.n0, p.n, p.clamp);
         }
       } else if constexpr (kAsyncEpi) {
         const int hrow0 = w.row0 + 64 * wg;

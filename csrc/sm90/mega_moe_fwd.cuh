@@ -551,19 +551,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         stage_b_state ^= 4u;
       } else if (t.l1) {
         if (active) {
+          // h as saved (F6 rounding with a clamp), in place: the h passes pack it exactly, and s is computed
+          // from it (reference F3)
+          if (p.clamp > 0.f)
+            round_acc_as_saved_h<kBlockN>(acc, RoundHMasks{p.clamp, p.clamp_below, p.clamp_above});
+          else
+            round_acc_as_saved_h<kBlockN>(acc, RoundHPlain{});
           if (p.h != nullptr) {
-            // gate columns n0.. of h, then the matching up columns I + n0.. (F6 rounding with a clamp)
-            if (p.clamp > 0.f) {
-              staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h,
-                          PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, false});
-              staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h,
-                          PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, true});
-            } else {
-              staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, PackBf16x2{});
-              staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h, PackBf16x2{});
-            }
+            // gate columns n0.. of h, then the matching up columns I + n0..
+            staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, PackBf16x2Exact{});
+            staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h, PackBf16x2Exact{});
           }
-          swiglu_in_place<kBlockN>(acc, p.clamp, p.clamp_below, p.clamp_above);
+          swiglu_in_place<kBlockN>(acc, p.clamp);
           staged_pass(0, p.s, p.inter, t.n0, p.inter, &tmap_s_st, PackBf16x2{});
         }
         if (full_half) {

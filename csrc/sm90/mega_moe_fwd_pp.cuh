@@ -259,14 +259,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const float(&acc)[kAcc] = hh == 0 ? acc0 : acc1;
         const int hrow0 = t.row0 + 64 * hh;
         if (t.l1) {
-          if (p.h != nullptr)
-            staged_store(acc, hrow0, p.h, 2 * p.inter, t.n0, p.inter + t.n0, p.inter, &tmap_h, true, f6);
+          // h as saved (F6), in place: the h store packs it exactly and s is computed from it (reference F3)
+          float(&hacc)[kAcc] = hh == 0 ? acc0 : acc1;
           if (f6)
-            store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.inter, hrow0, t.row_end, t.n0, p.inter, p.clamp,
-                                           RoundHMasks{p.clamp, p.clamp_below, p.clamp_above});
+            round_acc_as_saved_h<kBlockN>(hacc, RoundHMasks{p.clamp, p.clamp_below, p.clamp_above});
           else
-            store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.inter, hrow0, t.row_end, t.n0, p.inter, p.clamp,
-                                           RoundHPlain{});
+            round_acc_as_saved_h<kBlockN>(hacc, RoundHPlain{});
+          if (p.h != nullptr)
+            staged_store(acc, hrow0, p.h, 2 * p.inter, t.n0, p.inter + t.n0, p.inter, &tmap_h, true, false);
+          store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.inter, hrow0, t.row_end, t.n0, p.inter, p.clamp);
         } else if (p.y != nullptr) {
           // generic stores (not TMA): the reducing warp, in any CTA, reads them after one fence/atomic pair
           if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
