@@ -7,7 +7,8 @@
 // Per pool row m of expert e (rows grouped by expert through offsets, no padding; the routing plan's order):
 //   x_pool[m] = x_{rank(m)}[token(m)]                                   (dispatch: cp.async + stores per 4 KB piece)
 //   h[m]      = [x_pool[m] @ w13_e[0:I]^T | x_pool[m] @ w13_e[I:2I]^T]  (fp32 accumulation; stored as bf16 when asked)
-//   s[m]      = silu(h_gate) * h_up                                     (fp32 math, bf16 out; optional clamp)
+//   s[m]      = silu(h~_gate) * h~_up                                   (h~: h rounded as saved; fp32 math, bf16 out;
+//                                                                       optional clamp)
 //   o[m]      = s[m] @ w2_e^T                                           (bf16 out)
 // and the deterministic combine sums o over each token's routes (the ping-pong kernel can do it in-kernel,
 // see MegaFwdParams::y; by default it is a second launch).
@@ -26,6 +27,10 @@
 //     (release) once its stores are complete, which it checks only after the next tile's first MMAs are queued,
 //     or before that tile's first wait if the wait cannot be passed yet: an arrival is never held behind a
 //     blocking wait, so the no-deadlock argument above still holds.
+//     Once the CTA's dispatch is done, a tile whose 128 rows all belong to the expert is instead handed to the
+//     dispatch warps (MegaHandoff below): the consumers stage bf16 gate | up and go on; the helpers store h and
+//     s and give the L1 counter both arrivals. The helpers wait only for their own CTA's consumers and their
+//     own stores, and the consumers only for the helpers, so the argument holds with them too.
 //   * L2 tile: waits until the m-block's L1 counter reaches 2 * (I/128 n-blocks) (every s column of the rows
 //     it reads), then streams s and w2; its epilogue TMA-stores o (pool order) for the combine.
 // Writes read later by TMA in another CTA: generic-proxy ones (x_pool; s rows of an expert's last m-block) get
