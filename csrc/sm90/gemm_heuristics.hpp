@@ -25,23 +25,16 @@ struct GroupedGemmConfig {
   // 3 = cp.async rows plus an L2 prefetch of each row gather_prefetch_kblocks_default() k-blocks ahead,
   // 4 / 5 / 6 = hybrid: the rows of 1 / 2 / 3 of the 4 gathering warps by TMA boxes, the rest by cp.async.
   int gather_mode = 0;
-  // k-grouped only, bf16 output: 1 = the ping-pong kernel (k_grouped_gemm_pp.cuh: 128 x 128 tiles owned by one
-  // consumer warpgroup each, kKGroupedPPStages stages; block_n 128, the other fields ignored).
-  int pingpong = 0;
 };
-
-constexpr int kKGroupedPPStages = 4;
 
 // Measured on H200 (bench/NOTES.md, GEMM core v6, 30B/235B l1_fwd): cp.async rows (1) were the fastest mode;
 // per-row TMA boxes (2) 1.4x slower, the hybrids (4-6) 1.25-1.4x slower, the L2 prefetch (3) 4-6% slower.
 inline int gather_mode_default() { return 1; }
 inline int gather_prefetch_kblocks_default() { return 4; }
 
-// Instantiated (block_n, num_stages, async_epilogue): (128, 6, 0), (256, 4, 0), (128, 5, 1), (256, 3, 1); k-grouped
-// ping-pong: (128, kKGroupedPPStages).
+// Instantiated (block_n, num_stages, async_epilogue): (128, 6, 0), (256, 4, 0), (128, 5, 1), (256, 3, 1).
 inline bool grouped_gemm_config_supported(const GroupedGemmConfig& c) {
   if (c.block_m != 128 || c.block_k != 64 || c.num_sms < 0) return false;
-  if (c.pingpong) return c.block_n == 128 && c.num_stages == kKGroupedPPStages && c.cluster_m == 1;
   if (c.cluster_m != 1 && c.cluster_m != 2) return false;
   if (c.gather_mode < 0 || c.gather_mode > 6) return false;
   if (c.async_epilogue == 0) return (c.block_n == 128 && c.num_stages == 6) || (c.block_n == 256 && c.num_stages == 4);
@@ -78,14 +71,6 @@ inline GroupedGemmConfig m_grouped_gemm_config(int64_t m_total, int64_t n, int64
 // v6: bf16 weight gradients keep the asynchronous 3-stage config. (One run before the v6 descriptor change had
 // the 4-stage synchronous config, epilogue a TMA-store ring, 1-3% ahead at the 30B shape; with the final
 // kernels the asynchronous one led on 7 of 8 wgrad passes, by 2-5% at 235B. bench/NOTES.md, v6.)
-inline GroupedGemmConfig k_grouped_pp_config() {
-  GroupedGemmConfig c;
-  c.block_n = 128;
-  c.num_stages = kKGroupedPPStages;
-  c.pingpong = 1;
-  return c;
-}
-
 inline GroupedGemmConfig k_grouped_gemm_config(int64_t m, int64_t n, int64_t p_total, int num_groups,
                                                bool c_is_bf16) {
   (void)m;

@@ -11,7 +11,6 @@
 
 #include "host_utils.hpp"
 #include "k_grouped_gemm.cuh"
-#include "k_grouped_gemm_pp.cuh"
 #include "m_grouped_gemm.cuh"
 #include "swiglu_bwd_pp.cuh"
 
@@ -45,17 +44,6 @@ int launch_k_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtenso
                      cudaStream_t stream, char* err, size_t err_len) {
   constexpr auto kernel = &k_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kOut, kAsyncEpi>;
   constexpr int smem = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
-  cudaError_t e = set_max_dynamic_smem<kernel>(smem);
-  if (e != cudaSuccess)
-    return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-  kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, mc, p);
-  return check_launch("k_grouped_bf16_gemm", err, err_len);
-}
-
-int launch_k_grouped_pp(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mc, const KGroupedParams& p,
-                        int grid, cudaStream_t stream, char* err, size_t err_len) {
-  constexpr auto kernel = &k_grouped_bf16_gemm_pp_kernel<kKGroupedPPStages>;
-  constexpr int smem = KGroupedPPLayout<kKGroupedPPStages>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
@@ -523,13 +511,6 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
                 "%s: lda = %lld, ldb = %lld must be >= m, n and multiples of 8", fn, (long long)lda,
                 (long long)ldb);
   GroupedGemmConfig cfg = config ? *config : k_grouped_gemm_config(m, n, p_total, num_groups, c_is_bf16);
-  if (config == nullptr && c_is_bf16) {
-    // Development aid (read at every call, for A/B timing): PK_K_GROUPED_PP=1 / 0 forces the ping-pong kernel on / off.
-    const char* pp = std::getenv("PK_K_GROUPED_PP");
-    if (pp != nullptr && (pp[0] == '0' || pp[0] == '1')) cfg = pp[0] == '1' ? k_grouped_pp_config() : grouped_gemm_config_for_n(n, true);
-  }
-  if (cfg.pingpong && !c_is_bf16)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: the ping-pong kernel stores bf16 only", fn);
   if (cfg.cluster_m != 1)
     return fail(kGemmInvalidArgument, err, err_len, "%s: clusters are not implemented for the k-grouped kernel", fn);
   if (cfg.async_epilogue && !c_is_bf16)
@@ -571,7 +552,6 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
   const int64_t tiles = (int64_t)num_groups * ((m + 127) / 128) * ((n + cfg.block_n - 1) / cfg.block_n);
   if (tiles > kMaxDim) return fail(kGemmInvalidArgument, err, err_len, "%s: too many tiles", fn);
   const int grid = (int)(tiles < sms ? tiles : sms);
-  if (cfg.pingpong) return launch_k_grouped_pp(ma, mb, mc, p, grid, stream, err, err_len);
   const int out = c_is_bf16 ? kOutBf16Store : (accumulate ? kOutF32Accumulate : kOutF32Store);
 #define PK_K_LAUNCH(BN, ST, OUT, ASYNC) return launch_k_grouped<BN, ST, OUT, ASYNC>(ma, mb, mc, p, grid, stream, err, err_len)
   if (cfg.async_epilogue) {
