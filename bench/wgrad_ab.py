@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A/B of the k-grouped weight-gradient GEMMs (dW2 = dy_pool^T @ (w*s) and dW13 = dh^T @ x_pool, bf16 out) under the
 values of one switch (`--switch NAME=v1,v2,...`, required: an environment switch the library reads at every call;
-session 7's PK_K_GROUPED_BK32 was measured and removed, bench/NOTES.md) at the two layer shapes, T=16384, uniform routing, op alone: checks the variants agree bit for bit,
+session 7's PK_K_GROUPED_BK32 was measured and removed, bench/NOTES.md) at the two layer shapes, T=16384 (or --tokens), uniform routing, op alone: checks the variants agree bit for bit,
 then times 15-iteration bursts (best of 3 interleaved rounds) and the steady state (bench_common.sustained_ms).
 Prints one burst and one sustained line per shape and GEMM (ms and TFLOP/s). Development tool (bench/NOTES.md,
 session 7)."""
@@ -22,12 +22,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("shapes", nargs="*", choices=[*bc.FWD_DEV_SHAPES, []], help="default: all")
     ap.add_argument("--sustained-seconds", type=float, default=2.0)
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens per rank (default 16384)")
     bc.add_switch_arg(ap, None)
     args = ap.parse_args()
     env, variants = bc.parse_switch(args.switch)
     f = deep_gemm.grouped_gemm.k_grouped_bf16_gemm_tn
     for name in args.shapes or list(bc.FWD_DEV_SHAPES):
-        E, H, I, K, T, x, idx, w13, w2, g = bc.fused_fwd_problem(name)
+        E, H, I, K, T, x, idx, w13, w2, g = bc.fused_fwd_problem(name, args.tokens)
         del x, w13, w2
         offs = routing_plan(idx, E, 1, validate=False).expert_offsets
         P = T * K
