@@ -227,18 +227,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
       // Epilogue, one 64-row half at a time through this warpgroup's 64 x 128 staging tile.
       // Boxes (64 columns each): L1 h = gate box -> h column n0, up box -> I + n0; L2 o = columns n0, n0 + 64.
+      // (L1's h is rounded as saved before it gets here, so plain rounding packs it exactly.)
       auto staged_store = [&](const float (&acc)[kAcc], int hrow0, __nv_bfloat16* out, int64_t ld, int col_a,
-                              int col_b, int limit, const CUtensorMap* map, bool split, bool clamp_masks) {
+                              int col_b, int limit, const CUtensorMap* map, bool split) {
         if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        if (clamp_masks) {
-          write_acc_boxes_to_staging<kBlockN, 1>(acc, stg, wg_tid, 0,
-                                                 PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, false});
-          write_acc_boxes_to_staging<kBlockN, 1>(acc, stg + kBox, wg_tid, 1,
-                                                 PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, true});
-        } else {
-          write_acc_to_swizzled_staging<kBlockN>(acc, stg, wg_tid);
-        }
+        write_acc_to_swizzled_staging<kBlockN>(acc, stg, wg_tid);
         ptx::fence_proxy_async_smem();
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
         if (hrow0 + 64 <= t.row_end) {
@@ -256,17 +250,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         if (hh == 1 && !half1) break;
-        const float(&acc)[kAcc] = hh == 0 ? acc0 : acc1;
+        float(&acc)[kAcc] = hh == 0 ? acc0 : acc1;
         const int hrow0 = t.row0 + 64 * hh;
         if (t.l1) {
           // h as saved (F6), in place: the h store packs it exactly and s is computed from it (reference F3)
-          float(&hacc)[kAcc] = hh == 0 ? acc0 : acc1;
           if (f6)
-            round_acc_as_saved_h<kBlockN>(hacc, RoundHMasks{p.clamp, p.clamp_below, p.clamp_above});
+            round_acc_as_saved_h<kBlockN>(acc, RoundHMasks{p.clamp, p.clamp_below, p.clamp_above});
           else
-            round_acc_as_saved_h<kBlockN>(hacc, RoundHPlain{});
+            round_acc_as_saved_h<kBlockN>(acc, RoundHPlain{});
           if (p.h != nullptr)
-            staged_store(acc, hrow0, p.h, 2 * p.inter, t.n0, p.inter + t.n0, p.inter, &tmap_h, true, false);
+            staged_store(acc, hrow0, p.h, 2 * p.inter, t.n0, p.inter + t.n0, p.inter, &tmap_h, true);
           store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.inter, hrow0, t.row_end, t.n0, p.inter, p.clamp);
         } else if (p.y != nullptr) {
           // generic stores (not TMA): the reducing warp, in any CTA, reads them after one fence/atomic pair
@@ -277,7 +270,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           copy_swizzled_half_to_global<kBlockN, false>(stg, wg_tid, min(64, t.row_end - hrow0), p.o, p.hidden,
                                                        hrow0, t.n0, p.hidden);
         } else {
-          staged_store(acc, hrow0, p.o, p.hidden, t.n0, t.n0 + 64, p.hidden, &tmap_o, false, false);
+          staged_store(acc, hrow0, p.o, p.hidden, t.n0, t.n0 + 64, p.hidden, &tmap_o, false);
         }
       }
       if (!t.l1 && p.y != nullptr) {
