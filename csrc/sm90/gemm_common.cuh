@@ -423,9 +423,9 @@ __device__ __forceinline__ void store_acc_bf16_tma_ring(const float (&acc)[kBloc
 
 // s = silu(g) * u in fp32 (clamp > 0: g <= clamp and -clamp <= u <= clamp first), the one formula of every
 // forward epilogue, so that all of them round s identically. Its g and u are the pre-activations as the
-// backward sees them (reference F3): h rounded to bf16 the way it is saved (RoundH below), so that s is exactly
-// the bf16 rounding of the backward's s, and an epilogue that only holds bf16 h (the cooperative forward's
-// hand-off) computes the same s as one that holds the fp32 accumulators.
+// backward sees them (reference F3): h rounded to bf16 the way it is saved (round_acc_as_saved_h), so that s is
+// exactly the bf16 rounding of the backward's s, and an epilogue that only holds bf16 h (the cooperative
+// forward's hand-off) computes the same s as one that holds the fp32 accumulators.
 __device__ __forceinline__ float swiglu_value(float g, float u, float clamp) {
   if (clamp > 0.f) {
     g = fminf(g, clamp);
@@ -494,8 +494,8 @@ __device__ __forceinline__ void swiglu_in_place(float (&acc)[kBlockN / 2], float
 
 // SwiGLU epilogue: s[row, c] = silu(gate) * up for one warpgroup's 64 x kBlockN fragment whose left kBlockN / 2
 // columns are gate columns col0.. and right ones the matching up columns, already rounded as the kernel saves h
-// (round_acc_as_saved_h); fp32 math, bf16x2 stores straight from registers (s is a third of the tile's output bytes; L2 merges
-// the 16-byte row pieces). Rows >= row_end and columns >= col_limit are not written.
+// (round_acc_as_saved_h); fp32 math, bf16x2 stores straight from registers (s is a third of the tile's output
+// bytes; L2 merges the 16-byte row pieces). Rows >= row_end and columns >= col_limit are not written.
 template <int kBlockN>
 __device__ __forceinline__ void store_swiglu_from_acc(const float (&acc)[kBlockN / 2], int wg_tid, __nv_bfloat16* s,
                                                       int64_t lds, int row0, int row_end, int col0, int col_limit,

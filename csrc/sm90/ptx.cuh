@@ -115,7 +115,6 @@ __device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t num_threads
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
 
-// Arrive on a named barrier without waiting (the producer side of a bar.sync elsewhere).
 // named_bar_sync that also returns, to every participating thread, the AND of their predicates (a uniform
 // decision from per-thread observations).
 __device__ __forceinline__ bool named_bar_sync_and(uint32_t id, uint32_t num_threads, bool pred) {
@@ -128,6 +127,7 @@ __device__ __forceinline__ bool named_bar_sync_and(uint32_t id, uint32_t num_thr
   return r != 0;
 }
 
+// Arrive on a named barrier without waiting (the producer side of a bar.sync elsewhere).
 __device__ __forceinline__ void named_bar_arrive(uint32_t id, uint32_t num_threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
