@@ -177,7 +177,7 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
   p.lds = 0;
   p.clamp = 0.f;
   const int64_t n_blocks = (n + cfg.block_n - 1) / cfg.block_n;
-  const int64_t max_mblocks = (m_total + 127) / 128 + num_groups;
+  const int64_t max_mblocks = max_m_blocks(m_total, num_groups);
   const int64_t max_units = (cfg.cluster_m == 2 ? (max_mblocks + 1) / 2 : max_mblocks) * n_blocks;
 #define PK_M_LAUNCH2(BN, ST, ASYNC, CL, GA)                                                                    \
   return b_k_major ? launch_m_grouped<BN, ST, true, ASYNC, CL, GA>(ma, mb, md, p, max_units, sms, stream, err, err_len) \
@@ -320,7 +320,7 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
   p.lds = lds;
   p.clamp = clamp_limit;
   const int64_t n_blocks = (I + cfg.block_n / 2 - 1) / (cfg.block_n / 2);
-  const int64_t max_units = ((m_total + 127) / 128 + num_groups) * n_blocks;
+  const int64_t max_units = max_m_blocks(m_total, num_groups) * n_blocks;
   if (cfg.block_n == 256) {
     if (gather_tma)
       return launch_m_grouped<256, 3, true, true, false, true, true, true>(ma, mb, md, p, max_units, sms, stream, err,
@@ -430,7 +430,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
     p.disp_ctr = counters;
     p.max_m_blocks = (int32_t)num_m_blocks;
   }
-  const int64_t max_units = ((m_total + 127) / 128 + num_groups) * n_blocks;
+  const int64_t max_units = num_m_blocks * n_blocks;
   // The ping-pong kernel (swiglu_bwd_pp.cuh) where its boxes fit; PK_SWIGLU_BWD_COOP=1 (development aid, read
   // at every call) runs the cooperative kSwiGLUBwd kernel instead (not with a gathered dy).
   const char* coop_env = std::getenv("PK_SWIGLU_BWD_COOP");
@@ -448,7 +448,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
       const uint64_t saw[1] = {(uint64_t)ldaw * 2};
       if (int r = make_map(&maw, aw, 2, dims_aw, saw, box, err, err_len)) return r;
     }
-    const int64_t tiles = ((m_total + 127) / 128 + num_groups) * ((I + 127) / 128);
+    const int64_t tiles = num_m_blocks * ((I + 127) / 128);
     cudaError_t e = cudaSuccess;
     if (dispatch) {
       // Every CTA of the persistent grid must be resident at once, since a tile waits on rows another CTA

@@ -189,7 +189,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   p.topk_weights = topk_weights;
   p.y = fused_combine ? static_cast<__nv_bfloat16*>(y) : nullptr;
   p.counters = counters;
-  p.max_m_blocks = (int32_t)mega_moe_max_m_blocks(m_total, num_experts);
+  p.max_m_blocks = (int32_t)max_m_blocks(m_total, num_experts);
   p.token_ctr = counters + 2 * p.max_m_blocks;  // after the dispatch and L1 counters
   // Development aid: PK_MEGA_FWD_STATS=1 synchronizes after the launch and prints per-role clock figures
   // (average over CTAs, in microseconds at the SM clock of 1.98 GHz max) to stderr.

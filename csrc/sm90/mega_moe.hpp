@@ -14,12 +14,10 @@
 namespace deep_gemm {
 namespace sm90 {
 
-// m-blocks (128 pool rows, never across an expert) any plan over m_total rows can have.
-inline int64_t mega_moe_max_m_blocks(int64_t m_total, int num_experts) { return max_m_blocks(m_total, num_experts); }
 // int32 counters the forward needs (zeroed by the launch itself, on `stream`): dispatch and L1 per m-block,
 // then the in-kernel combine's arrivals per (token, 128 columns of hidden).
 inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int64_t num_tokens, int64_t hidden) {
-  return 2 * mega_moe_max_m_blocks(m_total, num_experts) + (num_tokens > 0 ? num_tokens : 0) * ((hidden + 127) / 128);
+  return 2 * max_m_blocks(m_total, num_experts) + (num_tokens > 0 ? num_tokens : 0) * ((hidden + 127) / 128);
 }
 
 // One forward of the layer's routed experts over a routing plan (pool rows grouped by expert, no padding
