@@ -8,10 +8,12 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "host_utils.hpp"
 #include "k_grouped_gemm.cuh"
 #include "m_grouped_gemm.cuh"
+#include "swiglu_bwd_ho.cuh"
 #include "swiglu_bwd_pp.cuh"
 
 namespace deep_gemm {
@@ -435,6 +437,18 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
   // at every call) runs the cooperative kSwiGLUBwd kernel instead (not with a gathered dy).
   const char* coop_env = std::getenv("PK_SWIGLU_BWD_COOP");
   const bool cooperative = !dispatch && coop_env != nullptr && coop_env[0] == '1';
+  // PK_SWIGLU_BWD_KERNEL=handoff (development switch, read at every call): the cooperative 128 x 256 kernel whose
+  // SwiGLU backward runs in helper warps (swiglu_bwd_ho.cuh; da rounded to bf16 first).
+  const char* ho_env = std::getenv("PK_SWIGLU_BWD_KERNEL");
+  if (!dispatch && !cooperative && ho_env != nullptr && std::strcmp(ho_env, "handoff") == 0) {
+    constexpr int kStages = 3;
+    constexpr auto kernel = &m_grouped_swiglu_bwd_ho_kernel<kStages>;
+    constexpr int smem = SwigluBwdHoLayout<kStages>::kSmemBytes;
+    cudaError_t e = set_max_dynamic_smem<kernel>(smem);
+    if (e == cudaSuccess) e = launch_persistent<kernel, false>(kNumThreads, smem, max_units, sms, stream, ma, mb, p);
+    if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
+    return check_launch(fn, err, err_len);
+  }
   if (!cooperative && I % 64 == 0 && ldh % 8 == 0 && lddh % 8 == 0 && ldaw % 8 == 0) {
     CUtensorMap mh, mdh, maw;
     {
