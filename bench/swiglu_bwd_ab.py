@@ -64,8 +64,11 @@ def main() -> None:
         for v, (dh, aw, dt) in outs.items():
             print(f"{name} {env}={v}: rel err dh {_rel(dh[:rows].cpu(), dh_ref):.2e} w*s {_rel(aw[:rows].cpu(), aw_ref):.2e}"
                   f" dt {_rel(dt[:rows].sum(1).cpu(), dt_ref):.2e}", flush=True)
-        again = run()
-        print(f"{name}: repeat bit-identical: {all(torch.equal(a, b) for a, b in zip(outs[variants[-1]], again))}")
+        for v in variants:
+            os.environ[env] = v
+            again = run()
+            print(f"{name} {env}={v}: a second run is bit-identical: {all(torch.equal(a, b) for a, b in zip(outs[v], again))}")
+        del os.environ[env]
         del outs, again
         burst, sustained = bc.switch_ab(env, variants, {"": run}, args.sustained_seconds)
         bc.print_ab(name, burst, sustained, 2.0 * T * K * H * I)

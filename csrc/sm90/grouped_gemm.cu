@@ -441,6 +441,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
   // SwiGLU backward runs in helper warps (swiglu_bwd_ho.cuh; da rounded to bf16 first).
   const char* ho_env = std::getenv("PK_SWIGLU_BWD_KERNEL");
   if (!dispatch && !cooperative && ho_env != nullptr && std::strcmp(ho_env, "handoff") == 0) {
+    if (const char* dev = std::getenv("PK_SWIGLU_BWD_HO_DEV")) p.ho_dev = std::atoi(dev);
     constexpr int kStages = 3;
     constexpr auto kernel = &m_grouped_swiglu_bwd_ho_kernel<kStages>;
     constexpr int smem = SwigluBwdHoLayout<kStages>::kSmemBytes;

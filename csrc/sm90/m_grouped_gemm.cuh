@@ -105,6 +105,9 @@ struct MGroupedParams {
   __nv_bfloat16* a_pool;
   int32_t* disp_ctr;
   int32_t max_m_blocks;
+  // Development aid of swiglu_bwd_ho.cuh (0 in normal runs; PK_SWIGLU_BWD_HO_DEV): bit 0 = the helpers hand each
+  // tile back at once (no SwiGLU backward), bit 1 = no h loads (zeros), bit 2 = no dh / w*s stores.
+  int32_t ho_dev;
 };
 
 template <int kBlockN, int kNumStages, bool kAsyncEpi>

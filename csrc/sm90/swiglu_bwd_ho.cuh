@@ -179,15 +179,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const int dt_col = w.n0 / 128 + half;
         ptx::mbar_wait(ho_full, ho_phase);
         ho_phase ^= 1u;
+        const int steps = (p.ho_dev & 1) ? 0 : kSteps;
 #pragma unroll 1
-        for (int s0 = 0; s0 < kSteps; s0 += kHelperBatch) {
+        for (int s0 = 0; s0 < steps; s0 += kHelperBatch) {
           uint4 g4[kHelperBatch], u4[kHelperBatch];
 #pragma unroll
           for (int b = 0; b < kHelperBatch; ++b) {
             const int r = hw + kSwigluHelperWarps * (s0 + b);
             g4[b] = make_uint4(0u, 0u, 0u, 0u);
             u4[b] = g4[b];
-            if (r < w.rows && col_ok) {
+            if (r < w.rows && col_ok && !(p.ho_dev & 2)) {
               const __nv_bfloat16* hp = p.h + static_cast<int64_t>(w.row0 + r) * p.ldh + col;
               g4[b] = ptx::ld_global_nc_v4(hp);
               u4[b] = ptx::ld_global_nc_v4(hp + inter);
@@ -225,6 +226,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                 av2[q] = ptx::pack_bf16x2(lo.av, hi.av);
               }
               const int64_t row = w.row0 + r;
+              if (p.ho_dev & 4) continue;
               __nv_bfloat16* dhp = p.dh + row * p.lddh + col;
               ptx::st_global_v4(dhp, make_uint4(dg2[0], dg2[1], dg2[2], dg2[3]));
               ptx::st_global_v4(dhp + inter, make_uint4(du2[0], du2[1], du2[2], du2[3]));
