@@ -46,10 +46,98 @@ struct SwigluBwdHoLayout : StageRingLayout<128, 256, 64, kNumStages> {
 
 constexpr int kSwigluHelperWarps = 3;
 constexpr int kHelperBatch = 4;
-// The helpers hold kHelperBatch steps of h (32 registers) plus their math: 128 * 96 + 256 * 200 <= 384 * 168.
-constexpr uint32_t kSwigluHelperRegs = 96;
-constexpr uint32_t kSwigluHoConsumerRegs = 200;
+// The helpers hold two batches of kHelperBatch steps of h (64 registers) plus their math: 128 * 136 + 256 * 184 =
+// 384 * 168.
+constexpr uint32_t kSwigluHelperRegs = 136;
+constexpr uint32_t kSwigluHoConsumerRegs = 184;
 static_assert(128 * kSwigluHelperRegs + 256 * kSwigluHoConsumerRegs <= 384 * 168, "register split");
+
+// One handed-off tile's SwiGLU backward by helper warp hw (tile rows hw, hw + 3, ...; see the file comment). The
+// h loads are double-buffered: batch i + 1's loads are in flight while batch i is computed.
+template <bool kClamp, typename Stg>
+__device__ __forceinline__ void swiglu_bwd_helper_tile(const MGroupedParams& p, int row0, int rows, int n0, int hw,
+                                                       int lane, uint32_t da_addr, float wt_lo, float wt_hi,
+                                                       uint32_t routed_lo, uint32_t routed_hi) {
+  constexpr int kSteps = ceil_div(128, kSwigluHelperWarps);  // rows per helper warp
+  constexpr int kB = kHelperBatch;
+  const int half = lane >> 4;  // which 128 columns of the tile this lane covers
+  const int cl = lane & 15;    // its 16-byte chunk within them
+  const int inter = p.n;
+  const float clamp = kClamp ? p.clamp : 0.f;  // 0: swiglu_bwd_value's clamp code folds away
+  const int col = n0 + 128 * half + 8 * cl;
+  const bool col_ok = col < inter;  // inter is a multiple of 8: a chunk is whole or absent
+  const int dt_col = n0 / 128 + half;
+  const bool dt_ok = 128 * dt_col < inter;
+  const int64_t row_step = static_cast<int64_t>(kSwigluHelperWarps) * p.ldh;
+  const __nv_bfloat16* hp0 = p.h + static_cast<int64_t>(row0 + hw) * p.ldh + col;
+  const bool loads = col_ok && !(p.ho_dev & 2);
+  auto load = [&](int s0, uint4(&g4)[kB], uint4(&u4)[kB]) {
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      g4[b] = make_uint4(0u, 0u, 0u, 0u);
+      u4[b] = g4[b];
+      if (hw + kSwigluHelperWarps * (s0 + b) < rows && loads) {
+        const __nv_bfloat16* hp = hp0 + (s0 + b) * row_step;
+        g4[b] = ptx::ld_global_nc_v4(hp);
+        u4[b] = ptx::ld_global_nc_v4(hp + inter);
+      }
+    }
+  };
+  auto compute = [&](int s0, const uint4(&g4)[kB], const uint4(&u4)[kB]) {
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      const int step = s0 + b;
+      const int r = hw + kSwigluHelperWarps * step;
+      const float wt = __shfl_sync(0xffffffffu, step < 32 ? wt_lo : wt_hi, step & 31);
+      const bool routed = (((step < 32 ? routed_lo : routed_hi) >> (step & 31)) & 1u) != 0;
+      if (r >= rows) continue;  // warp-uniform
+      float partial = 0.f;
+      if (col_ok) {
+        // chunk (16 * half + cl) of tile row r in the swizzled hand-off tile
+        const int rr = r & 63, chunk = 16 * half + cl;
+        const uint32_t off = (r >> 6) * Stg::kHalfBytes + (chunk >> 3) * Stg::kBoxBytes + rr * 128 +
+                             (static_cast<uint32_t>((chunk & 7) ^ (rr & 7)) << 4);
+        const uint4 d4 = ptx::ld_shared_v4(da_addr + off);
+        const uint32_t gw[4] = {g4[b].x, g4[b].y, g4[b].z, g4[b].w};
+        const uint32_t uw[4] = {u4[b].x, u4[b].y, u4[b].z, u4[b].w};
+        const uint32_t dw[4] = {d4.x, d4.y, d4.z, d4.w};
+        uint32_t dg2[4], du2[4], av2[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const SwigluBwdValue lo = swiglu_bwd_value(__uint_as_float(gw[q] << 16), __uint_as_float(uw[q] << 16),
+                                                     __uint_as_float(dw[q] << 16), wt, clamp);
+          const SwigluBwdValue hi =
+              swiglu_bwd_value(__uint_as_float(gw[q] & 0xffff0000u), __uint_as_float(uw[q] & 0xffff0000u),
+                               __uint_as_float(dw[q] & 0xffff0000u), wt, clamp);
+          partial += lo.prod;
+          partial += hi.prod;
+          dg2[q] = ptx::pack_bf16x2(lo.dg, hi.dg);
+          du2[q] = ptx::pack_bf16x2(lo.du, hi.du);
+          av2[q] = ptx::pack_bf16x2(lo.av, hi.av);
+        }
+        if (!(p.ho_dev & 4)) {
+          const int64_t row = row0 + r;
+          __nv_bfloat16* dhp = p.dh + row * p.lddh + col;
+          ptx::st_global_v4(dhp, make_uint4(dg2[0], dg2[1], dg2[2], dg2[3]));
+          ptx::st_global_v4(dhp + inter, make_uint4(du2[0], du2[1], du2[2], du2[3]));
+          ptx::st_global_v4(p.aw + row * p.ldaw + col, make_uint4(av2[0], av2[1], av2[2], av2[3]));
+        }
+      }
+#pragma unroll
+      for (int x = 8; x >= 1; x >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, x);
+      if (cl == 0 && dt_ok) p.dt_part[static_cast<int64_t>(row0 + r) * p.dt_ld + dt_col] = routed ? partial : 0.f;
+    }
+  };
+  uint4 ga[kB], ua[kB], gb[kB], ub[kB];
+  load(0, ga, ua);
+#pragma unroll 1
+  for (int s0 = 0; s0 < kSteps; s0 += 2 * kB) {
+    load(s0 + kB, gb, ub);
+    compute(s0, ga, ua);
+    load(s0 + 2 * kB, ga, ua);
+    compute(s0 + kB, gb, ub);
+  }
+}
 
 template <int kNumStages>
 __global__ void __launch_bounds__(kNumThreads, 1)
@@ -137,13 +225,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     } else {
       // ================= helpers: the SwiGLU backward of each handed-off tile =================
       const int hw = warp - 1;
-      const int half = lane >> 4;  // which 128 columns of the tile this lane's pairs cover
-      const int cl = lane & 15;    // 16-byte chunk within them
       const int inter = p.n;
       const float clamp = p.clamp;
       const uint32_t da_addr = ptx::smem_addr(smem + L::kDaOff);
-      using Stg = typename L::Stg;
-      constexpr int kSteps = ceil_div(kBlockM, kSwigluHelperWarps);  // rows per helper warp
       const int n_blocks = ceil_div(p.n, kBlockN);
       const int num_tiles = num_tiles_now(n_blocks);
       auto prefetch_h = [&](const Work& w) {  // the tile's gate and up pieces into L2, one piece per thread
@@ -159,7 +243,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       Work w{};
       if (u < num_tiles) {
         w = locate(u, g, n_blocks);
-        prefetch_h(w);
+        if (!(p.ho_dev & 8)) prefetch_h(w);
       }
       for (; u < num_tiles; u += (int)gridDim.x) {
         // this warp's rows' route weights (lane l: rows hw + 3 l and hw + 3 (l + 32)) and routed bits
@@ -174,75 +258,21 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           routed_lo = __ballot_sync(0xffffffffu, route_lo >= 0);
           routed_hi = __ballot_sync(0xffffffffu, route_hi >= 0);
         }
-        const int col = w.n0 + 128 * half + 8 * cl;
-        const bool col_ok = col < inter;  // inter is a multiple of 8: a chunk is whole or absent
-        const int dt_col = w.n0 / 128 + half;
         ptx::mbar_wait(ho_full, ho_phase);
         ho_phase ^= 1u;
-        const int steps = (p.ho_dev & 1) ? 0 : kSteps;
-#pragma unroll 1
-        for (int s0 = 0; s0 < steps; s0 += kHelperBatch) {
-          uint4 g4[kHelperBatch], u4[kHelperBatch];
-#pragma unroll
-          for (int b = 0; b < kHelperBatch; ++b) {
-            const int r = hw + kSwigluHelperWarps * (s0 + b);
-            g4[b] = make_uint4(0u, 0u, 0u, 0u);
-            u4[b] = g4[b];
-            if (r < w.rows && col_ok && !(p.ho_dev & 2)) {
-              const __nv_bfloat16* hp = p.h + static_cast<int64_t>(w.row0 + r) * p.ldh + col;
-              g4[b] = ptx::ld_global_nc_v4(hp);
-              u4[b] = ptx::ld_global_nc_v4(hp + inter);
-            }
-          }
-#pragma unroll
-          for (int b = 0; b < kHelperBatch; ++b) {
-            const int step = s0 + b;
-            const int r = hw + kSwigluHelperWarps * step;
-            const float wt = __shfl_sync(0xffffffffu, step < 32 ? wt_lo : wt_hi, step & 31);
-            const bool routed = (((step < 32 ? routed_lo : routed_hi) >> (step & 31)) & 1u) != 0;
-            if (r >= w.rows) continue;  // warp-uniform
-            float partial = 0.f;
-            if (col_ok) {
-              // chunk (16 * half + cl) of tile row r in the swizzled hand-off tile
-              const int rr = r & 63, chunk = 16 * half + cl;
-              const uint32_t off = (r >> 6) * Stg::kHalfBytes + (chunk >> 3) * Stg::kBoxBytes + rr * 128 +
-                                   (static_cast<uint32_t>((chunk & 7) ^ (rr & 7)) << 4);
-              const uint4 d4 = ptx::ld_shared_v4(da_addr + off);
-              const uint32_t gw[4] = {g4[b].x, g4[b].y, g4[b].z, g4[b].w};
-              const uint32_t uw[4] = {u4[b].x, u4[b].y, u4[b].z, u4[b].w};
-              const uint32_t dw[4] = {d4.x, d4.y, d4.z, d4.w};
-              uint32_t dg2[4], du2[4], av2[4];
-#pragma unroll
-              for (int q = 0; q < 4; ++q) {
-                const SwigluBwdValue lo = swiglu_bwd_value(__uint_as_float(gw[q] << 16), __uint_as_float(uw[q] << 16),
-                                                           __uint_as_float(dw[q] << 16), wt, clamp);
-                const SwigluBwdValue hi =
-                    swiglu_bwd_value(__uint_as_float(gw[q] & 0xffff0000u), __uint_as_float(uw[q] & 0xffff0000u),
-                                     __uint_as_float(dw[q] & 0xffff0000u), wt, clamp);
-                partial += lo.prod;
-                partial += hi.prod;
-                dg2[q] = ptx::pack_bf16x2(lo.dg, hi.dg);
-                du2[q] = ptx::pack_bf16x2(lo.du, hi.du);
-                av2[q] = ptx::pack_bf16x2(lo.av, hi.av);
-              }
-              const int64_t row = w.row0 + r;
-              if (p.ho_dev & 4) continue;
-              __nv_bfloat16* dhp = p.dh + row * p.lddh + col;
-              ptx::st_global_v4(dhp, make_uint4(dg2[0], dg2[1], dg2[2], dg2[3]));
-              ptx::st_global_v4(dhp + inter, make_uint4(du2[0], du2[1], du2[2], du2[3]));
-              ptx::st_global_v4(p.aw + row * p.ldaw + col, make_uint4(av2[0], av2[1], av2[2], av2[3]));
-            }
-#pragma unroll
-            for (int x = 8; x >= 1; x >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, x);
-            if (cl == 0 && 128 * dt_col < inter)
-              p.dt_part[static_cast<int64_t>(w.row0 + r) * p.dt_ld + dt_col] = routed ? partial : 0.f;
-          }
+        if (!(p.ho_dev & 1)) {
+          if (clamp > 0.f)
+            swiglu_bwd_helper_tile<true, typename L::Stg>(p, w.row0, w.rows, w.n0, hw, lane, da_addr, wt_lo, wt_hi,
+                                                          routed_lo, routed_hi);
+          else
+            swiglu_bwd_helper_tile<false, typename L::Stg>(p, w.row0, w.rows, w.n0, hw, lane, da_addr, wt_lo, wt_hi,
+                                                           routed_lo, routed_hi);
         }
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(ho_free);  // this warp's reads of the hand-off tile are done
         if (u + (int)gridDim.x < num_tiles) {
           w = locate(u + (int)gridDim.x, g, n_blocks);
-          prefetch_h(w);
+          if (!(p.ho_dev & 8)) prefetch_h(w);
         }
       }
     }
