@@ -435,7 +435,8 @@ __device__ __forceinline__ float swiglu_value(float g, float u, float clamp) {
 }
 
 // The SwiGLU backward of one element (swiglu_bwd_epilogue's formulas, below): g, u the saved pre-activations,
-// da the L2 dgrad, w the route's weight; prod = da * s is the element's term of d topk_weights.
+// da the L2 dgrad, w the route's weight; prod = da * s is the element's term of d topk_weights. The sigmoid takes
+// two flushed MUFU approximations (the helper warps of swiglu_bwd_ho.cuh are bound by instruction issue).
 struct SwigluBwdValue {
   float dg, du, av, prod;
 };
@@ -443,7 +444,7 @@ __device__ __forceinline__ SwigluBwdValue swiglu_bwd_value(float g, float u, flo
   const bool has_clamp = clamp > 0.f;
   const float gc = has_clamp ? fminf(g, clamp) : g;
   const float uc = has_clamp ? fminf(fmaxf(u, -clamp), clamp) : u;
-  const float sig = __fdividef(1.f, 1.f + __expf(-gc));
+  const float sig = ptx::rcp_approx_ftz(1.f + ptx::ex2_approx_ftz(gc * -1.4426950408889634f));
   const float silu = gc * sig;
   const float sv = silu * uc;
   const float ds = w * da;

@@ -70,6 +70,9 @@ __device__ __forceinline__ void swiglu_bwd_helper_tile(const MGroupedParams& p, 
   const bool dt_ok = 128 * dt_col < inter;
   const int64_t row_step = static_cast<int64_t>(kSwigluHelperWarps) * p.ldh;
   const __nv_bfloat16* hp0 = p.h + static_cast<int64_t>(row0 + hw) * p.ldh + col;
+  __nv_bfloat16* const dhp0 = p.dh + static_cast<int64_t>(row0 + hw) * p.lddh + col;
+  __nv_bfloat16* const awp0 = p.aw + static_cast<int64_t>(row0 + hw) * p.ldaw + col;
+  float* const dtp0 = p.dt_part + static_cast<int64_t>(row0 + hw) * p.dt_ld + dt_col;
   const bool loads = col_ok && !(p.ho_dev & 2);
   auto load = [&](int s0, uint4(&g4)[kB], uint4(&u4)[kB]) {
 #pragma unroll
@@ -116,16 +119,15 @@ __device__ __forceinline__ void swiglu_bwd_helper_tile(const MGroupedParams& p, 
           av2[q] = ptx::pack_bf16x2(lo.av, hi.av);
         }
         if (!(p.ho_dev & 4)) {
-          const int64_t row = row0 + r;
-          __nv_bfloat16* dhp = p.dh + row * p.lddh + col;
+          __nv_bfloat16* dhp = dhp0 + step * (kSwigluHelperWarps * p.lddh);
           ptx::st_global_v4(dhp, make_uint4(dg2[0], dg2[1], dg2[2], dg2[3]));
           ptx::st_global_v4(dhp + inter, make_uint4(du2[0], du2[1], du2[2], du2[3]));
-          ptx::st_global_v4(p.aw + row * p.ldaw + col, make_uint4(av2[0], av2[1], av2[2], av2[3]));
+          ptx::st_global_v4(awp0 + step * (kSwigluHelperWarps * p.ldaw), make_uint4(av2[0], av2[1], av2[2], av2[3]));
         }
       }
 #pragma unroll
       for (int x = 8; x >= 1; x >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, x);
-      if (cl == 0 && dt_ok) p.dt_part[static_cast<int64_t>(row0 + r) * p.dt_ld + dt_col] = routed ? partial : 0.f;
+      if (cl == 0 && dt_ok) dtp0[step * (kSwigluHelperWarps * p.dt_ld)] = routed ? partial : 0.f;
     }
   };
   uint4 ga[kB], ua[kB], gb[kB], ub[kB];
