@@ -188,14 +188,24 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int rows;  // rows of the tile inside the group (1..128)
     int n0;
   };
-  auto locate = [&](int u, int& g, int n_blocks) -> Work {  // group-major, then n-block, m-block fastest
+  // Tile order: group-major, then m-block, n-block fastest: the n-blocks of an m-block run at about the same time
+  // in neighbouring CTAs, so its dy rows come from DRAM once (the ping-pong kernel's m-fastest order re-read them:
+  // with 256-column tiles a wave spans twice as many experts, and their dy and w2 panels no longer fit in L2).
+  auto locate = [&](int u, int& g, int n_blocks) -> Work {
     while (s_mb[g + 1] * n_blocks <= u) ++g;
     const int start = s_offs[g];
     const int end = max(s_offs[g + 1], start);
-    const int m_blocks = s_mb[g + 1] - s_mb[g];
     const int local = u - s_mb[g] * n_blocks;
-    const int nb = local / m_blocks;
-    const int row0 = start + (local - nb * m_blocks) * kBlockM;
+    int mb, nb;
+    if (p.ho_dev & 16) {  // n-block major, m-block fastest (the ping-pong kernel's order)
+      const int m_blocks = s_mb[g + 1] - s_mb[g];
+      nb = local / m_blocks;
+      mb = local - nb * m_blocks;
+    } else {
+      mb = local / n_blocks;
+      nb = local - mb * n_blocks;
+    }
+    const int row0 = start + mb * kBlockM;
     return Work{g, row0, min(end - row0, kBlockM), nb * kBlockN};
   };
 
