@@ -108,6 +108,7 @@ struct MGroupedParams {
   // Development aid of swiglu_bwd_ho.cuh (0 in normal runs; PK_SWIGLU_BWD_HO_DEV): bit 0 = the helpers hand each
   // tile back at once (no SwiGLU backward), bit 1 = no h loads (zeros), bit 2 = no dh / w*s stores.
   int32_t ho_dev;
+  long long* ho_stats;  // development aid (PK_SWIGLU_BWD_HO_STATS=1): 8 clock64 sums per CTA
 };
 
 template <int kBlockN, int kNumStages, bool kAsyncEpi>

@@ -270,7 +270,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           routed_lo = __ballot_sync(0xffffffffu, route_lo >= 0);
           routed_hi = __ballot_sync(0xffffffffu, route_hi >= 0);
         }
+        const long long t_w0 = clock64();
         ptx::mbar_wait(ho_full, ho_phase);
+        const long long t_w1 = clock64();
         ho_phase ^= 1u;
         if (!(p.ho_dev & 1)) {
           if (clamp > 0.f)
@@ -282,6 +284,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(ho_free);  // this warp's reads of the hand-off tile are done
+        if (p.ho_stats != nullptr && lane == 0) {
+          atomicAdd(reinterpret_cast<unsigned long long*>(p.ho_stats + blockIdx.x * 8 + 3 + hw), t_w1 - t_w0);
+          if (hw == 0) atomicAdd(reinterpret_cast<unsigned long long*>(p.ho_stats + blockIdx.x * 8 + 6), clock64() - t_w1);
+        }
         if (u + (int)gridDim.x < num_tiles) {
           w = locate(u + (int)gridDim.x, g, n_blocks);
           if (!(p.ho_dev & 8)) prefetch_h(w);
@@ -315,13 +321,21 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
       };
+      const long long t0 = clock64();
       consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, kBStepBytes, false>(
           acc, active, num_k_blocks, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release);
+      const long long t1 = clock64();
       ptx::mbar_wait(ho_free, ho_phase ^ 1u);  // the helpers are done with the previous tile's da
+      const long long t2 = clock64();
       if (active) write_acc_to_swizzled_staging<kBlockN>(acc, da_half, wg_tid);  // da rounded to bf16 (B2)
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(ho_full);
       ho_phase ^= 1u;
+      if (p.ho_stats != nullptr && wg_tid == 0 && wg == 0) {
+        p.ho_stats[blockIdx.x * 8 + 0] += t1 - t0;
+        p.ho_stats[blockIdx.x * 8 + 1] += t2 - t1;
+        p.ho_stats[blockIdx.x * 8 + 2] += clock64() - t2;
+      }
     }
   }
 #endif
