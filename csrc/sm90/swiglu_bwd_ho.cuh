@@ -91,7 +91,7 @@ __device__ __forceinline__ void swiglu_bwd_helper_tile(const MGroupedParams& p, 
     for (int b = 0; b < kB; ++b) {
       const int step = s0 + b;
       const int r = hw + kSwigluHelperWarps * step;
-      const float wt = __shfl_sync(0xffffffffu, step < 32 ? wt_lo : wt_hi, step & 31);
+      const float wt = (p.ho_dev & 32) ? wt_lo : __shfl_sync(0xffffffffu, step < 32 ? wt_lo : wt_hi, step & 31);
       const bool routed = (((step < 32 ? routed_lo : routed_hi) >> (step & 31)) & 1u) != 0;
       if (r >= rows) continue;  // warp-uniform
       float partial = 0.f;
@@ -100,7 +100,7 @@ __device__ __forceinline__ void swiglu_bwd_helper_tile(const MGroupedParams& p, 
         const int rr = r & 63, chunk = 16 * half + cl;
         const uint32_t off = (r >> 6) * Stg::kHalfBytes + (chunk >> 3) * Stg::kBoxBytes + rr * 128 +
                              (static_cast<uint32_t>((chunk & 7) ^ (rr & 7)) << 4);
-        const uint4 d4 = ptx::ld_shared_v4(da_addr + off);
+        const uint4 d4 = (p.ho_dev & 64) ? g4[b] : ptx::ld_shared_v4(da_addr + off);
         const uint32_t gw[4] = {g4[b].x, g4[b].y, g4[b].z, g4[b].w};
         const uint32_t uw[4] = {u4[b].x, u4[b].y, u4[b].z, u4[b].w};
         const uint32_t dw[4] = {d4.x, d4.y, d4.z, d4.w};
@@ -125,8 +125,10 @@ __device__ __forceinline__ void swiglu_bwd_helper_tile(const MGroupedParams& p, 
           ptx::st_global_v4(awp0 + step * (kSwigluHelperWarps * p.ldaw), make_uint4(av2[0], av2[1], av2[2], av2[3]));
         }
       }
+      if (!(p.ho_dev & 32)) {
 #pragma unroll
-      for (int x = 8; x >= 1; x >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, x);
+        for (int x = 8; x >= 1; x >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, x);
+      }
       if (cl == 0 && dt_ok) dtp0[step * (kSwigluHelperWarps * p.dt_ld)] = routed ? partial : 0.f;
     }
   };
