@@ -54,12 +54,11 @@ static_assert(128 * kSwigluHelperRegs + 256 * kSwigluHoConsumerRegs <= 384 * 168
 
 // One handed-off tile's SwiGLU backward by helper warp hw (tile rows hw, hw + 3, ...; see the file comment). The
 // h loads are double-buffered: batch i + 1's loads are in flight while batch i is computed.
-template <bool kClamp, typename Stg>
+template <bool kClamp, int kB, typename Stg>
 __device__ __forceinline__ void swiglu_bwd_helper_tile(const MGroupedParams& p, int row0, int rows, int n0, int hw,
                                                        int lane, uint32_t da_addr, float wt_lo, float wt_hi,
                                                        uint32_t routed_lo, uint32_t routed_hi) {
   constexpr int kSteps = ceil_div(128, kSwigluHelperWarps);  // rows per helper warp
-  constexpr int kB = kHelperBatch;
   const int half = lane >> 4;  // which 128 columns of the tile this lane covers
   const int cl = lane & 15;    // its 16-byte chunk within them
   const int inter = p.n;
@@ -132,14 +131,26 @@ __device__ __forceinline__ void swiglu_bwd_helper_tile(const MGroupedParams& p, 
       if (cl == 0 && dt_ok) dtp0[step * (kSwigluHelperWarps * p.dt_ld)] = routed ? partial : 0.f;
     }
   };
-  uint4 ga[kB], ua[kB], gb[kB], ub[kB];
-  load(0, ga, ua);
+  if constexpr (kB == 1) {  // compact loop body: one step, the next step's loads in flight
+    uint4 gc[1], uc[1], gn[1], un[1];
+    load(0, gc, uc);
 #pragma unroll 1
-  for (int s0 = 0; s0 < kSteps; s0 += 2 * kB) {
-    load(s0 + kB, gb, ub);
-    compute(s0, ga, ua);
-    load(s0 + 2 * kB, ga, ua);
-    compute(s0 + kB, gb, ub);
+    for (int s = 0; s < kSteps; ++s) {
+      load(s + 1, gn, un);
+      compute(s, gc, uc);
+      gc[0] = gn[0];
+      uc[0] = un[0];
+    }
+  } else {
+    uint4 ga[kB], ua[kB], gb[kB], ub[kB];
+    load(0, ga, ua);
+#pragma unroll 1
+    for (int s0 = 0; s0 < kSteps; s0 += 2 * kB) {
+      load(s0 + kB, gb, ub);
+      compute(s0, ga, ua);
+      load(s0 + 2 * kB, ga, ua);
+      compute(s0 + kB, gb, ub);
+    }
   }
 }
 
@@ -277,12 +288,20 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const long long t_w1 = clock64();
         ho_phase ^= 1u;
         if (!(p.ho_dev & 1)) {
-          if (clamp > 0.f)
-            swiglu_bwd_helper_tile<true, typename L::Stg>(p, w.row0, w.rows, w.n0, hw, lane, da_addr, wt_lo, wt_hi,
-                                                          routed_lo, routed_hi);
-          else
-            swiglu_bwd_helper_tile<false, typename L::Stg>(p, w.row0, w.rows, w.n0, hw, lane, da_addr, wt_lo, wt_hi,
-                                                           routed_lo, routed_hi);
+          if (p.ho_dev & 128) {
+            if (clamp > 0.f)
+              swiglu_bwd_helper_tile<true, 1, typename L::Stg>(p, w.row0, w.rows, w.n0, hw, lane, da_addr, wt_lo,
+                                                               wt_hi, routed_lo, routed_hi);
+            else
+              swiglu_bwd_helper_tile<false, 1, typename L::Stg>(p, w.row0, w.rows, w.n0, hw, lane, da_addr, wt_lo,
+                                                                wt_hi, routed_lo, routed_hi);
+          } else if (clamp > 0.f) {
+            swiglu_bwd_helper_tile<true, kHelperBatch, typename L::Stg>(p, w.row0, w.rows, w.n0, hw, lane, da_addr,
+                                                                        wt_lo, wt_hi, routed_lo, routed_hi);
+          } else {
+            swiglu_bwd_helper_tile<false, kHelperBatch, typename L::Stg>(p, w.row0, w.rows, w.n0, hw, lane, da_addr,
+                                                                         wt_lo, wt_hi, routed_lo, routed_hi);
+          }
         }
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(ho_free);  // this warp's reads of the hand-off tile are done
