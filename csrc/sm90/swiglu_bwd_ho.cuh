@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int g = 0;
     for (int u = (int)ptx::ctaid_x_volatile(); u < num_tiles; u += (int)gridDim.x) {
       const Work w = locate(u, g, n_blocks);
-      const bool active = 64 * wg < w.rows;
+      const bool active = 64 * wg < w.rows && !(p.ho_dev & 256);
       auto release = [&](int s_) {
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
