@@ -443,6 +443,11 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
   const char* ho_env = std::getenv("PK_SWIGLU_BWD_KERNEL");
   if (!dispatch && !cooperative && ho_env != nullptr && std::strcmp(ho_env, "handoff") == 0) {
     if (const char* dev = std::getenv("PK_SWIGLU_BWD_HO_DEV")) p.ho_dev = std::atoi(dev);
+    // The consumers' share of each handed-off tile (rows): the helpers' part should fit in one mainloop, whose length
+    // grows with hidden (bench/NOTES.md, session 10); PK_SWIGLU_BWD_HO_SHARE overrides (development aid).
+    int64_t share = hidden >= 3072 ? 0 : 40;
+    if (const char* sh = std::getenv("PK_SWIGLU_BWD_HO_SHARE")) share = std::atoi(sh);
+    p.ho_share = (int32_t)std::min<int64_t>(std::max<int64_t>(share, 0) / 8 * 8, 128);
     constexpr int kStages = 3;
     constexpr auto kernel = &m_grouped_swiglu_bwd_ho_kernel<kStages>;
     constexpr int smem = SwigluBwdHoLayout<kStages>::kSmemBytes;

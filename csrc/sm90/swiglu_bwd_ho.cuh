@@ -52,13 +52,31 @@ constexpr uint32_t kSwigluHelperRegs = 136;
 constexpr uint32_t kSwigluHoConsumerRegs = 184;
 static_assert(128 * kSwigluHelperRegs + 256 * kSwigluHoConsumerRegs <= 384 * 168, "register split");
 
-// One handed-off tile's SwiGLU backward by helper warp hw (tile rows hw, hw + 3, ...; see the file comment). The
-// h loads are double-buffered: batch i + 1's loads are in flight while batch i is computed.
-template <bool kClamp, int kB, typename Stg>
-__device__ __forceinline__ void swiglu_bwd_helper_tile(const MGroupedParams& p, int row0, int rows, int n0, int hw,
-                                                       int lane, uint32_t da_addr, float wt_lo, float wt_hi,
-                                                       uint32_t routed_lo, uint32_t routed_hi) {
-  constexpr int kSteps = ceil_div(128, kSwigluHelperWarps);  // rows per helper warp
+// The route weights of a worker's rows r_first + kWorkers * i of a tile (lane l holds i = l and i = l + 32) and
+// their routed bits (route >= 0; a padding row's partial is written as 0).
+template <int kWorkers>
+struct RowWeights {
+  float lo = 0.f, hi = 0.f;
+  uint32_t routed_lo = 0u, routed_hi = 0u;
+  __device__ __forceinline__ void load(const MGroupedParams& p, int row0, int r_first, int r_end, int lane) {
+    const int r_lo = r_first + kWorkers * lane, r_hi = r_lo + 32 * kWorkers;
+    const int route_lo = r_lo < r_end ? __ldg(p.pool_src_route + row0 + r_lo) : -1;
+    const int route_hi = r_hi < r_end ? __ldg(p.pool_src_route + row0 + r_hi) : -1;
+    lo = route_lo >= 0 ? __ldg(p.route_weights + route_lo) : 0.f;
+    hi = route_hi >= 0 ? __ldg(p.route_weights + route_hi) : 0.f;
+    routed_lo = __ballot_sync(0xffffffffu, route_lo >= 0);
+    routed_hi = __ballot_sync(0xffffffffu, route_hi >= 0);
+  }
+};
+
+// The SwiGLU backward of tile rows r_first, r_first + kWorkers, ... (< r_end) by one warp (see the file comment):
+// a step is one row, lanes 0-15 its first 128 columns and lanes 16-31 the other 128, 16 bytes each. The h loads are
+// double-buffered: batch i + 1's loads are in flight while batch i is computed.
+template <bool kClamp, int kWorkers, typename Stg>
+__device__ __forceinline__ void swiglu_bwd_rows(const MGroupedParams& p, int row0, int n0, int r_first, int r_end,
+                                                int lane, uint32_t da_addr, const RowWeights<kWorkers>& wts) {
+  constexpr int kB = kHelperBatch;
+  const int steps = ceil_div(max(r_end - r_first, 0), kWorkers);
   const int half = lane >> 4;  // which 128 columns of the tile this lane covers
   const int cl = lane & 15;    // its 16-byte chunk within them
   const int inter = p.n;
@@ -67,19 +85,19 @@ __device__ __forceinline__ void swiglu_bwd_helper_tile(const MGroupedParams& p, 
   const bool col_ok = col < inter;  // inter is a multiple of 8: a chunk is whole or absent
   const int dt_col = n0 / 128 + half;
   const bool dt_ok = 128 * dt_col < inter;
-  const int64_t row_step = static_cast<int64_t>(kSwigluHelperWarps) * p.ldh;
-  const __nv_bfloat16* hp0 = p.h + static_cast<int64_t>(row0 + hw) * p.ldh + col;
-  __nv_bfloat16* const dhp0 = p.dh + static_cast<int64_t>(row0 + hw) * p.lddh + col;
-  __nv_bfloat16* const awp0 = p.aw + static_cast<int64_t>(row0 + hw) * p.ldaw + col;
-  float* const dtp0 = p.dt_part + static_cast<int64_t>(row0 + hw) * p.dt_ld + dt_col;
+  const int64_t first = row0 + r_first;
+  const __nv_bfloat16* hp0 = p.h + first * p.ldh + col;
+  __nv_bfloat16* const dhp0 = p.dh + first * p.lddh + col;
+  __nv_bfloat16* const awp0 = p.aw + first * p.ldaw + col;
+  float* const dtp0 = p.dt_part + first * p.dt_ld + dt_col;
   const bool loads = col_ok && !(p.ho_dev & 2);
   auto load = [&](int s0, uint4(&g4)[kB], uint4(&u4)[kB]) {
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
       g4[b] = make_uint4(0u, 0u, 0u, 0u);
       u4[b] = g4[b];
-      if (hw + kSwigluHelperWarps * (s0 + b) < rows && loads) {
-        const __nv_bfloat16* hp = hp0 + (s0 + b) * row_step;
+      if (s0 + b < steps && loads) {
+        const __nv_bfloat16* hp = hp0 + (s0 + b) * (kWorkers * p.ldh);
         g4[b] = ptx::ld_global_nc_v4(hp);
         u4[b] = ptx::ld_global_nc_v4(hp + inter);
       }
@@ -89,17 +107,17 @@ __device__ __forceinline__ void swiglu_bwd_helper_tile(const MGroupedParams& p, 
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
       const int step = s0 + b;
-      const int r = hw + kSwigluHelperWarps * step;
-      const float wt = (p.ho_dev & 32) ? wt_lo : __shfl_sync(0xffffffffu, step < 32 ? wt_lo : wt_hi, step & 31);
-      const bool routed = (((step < 32 ? routed_lo : routed_hi) >> (step & 31)) & 1u) != 0;
-      if (r >= rows) continue;  // warp-uniform
+      const float wt = __shfl_sync(0xffffffffu, step < 32 ? wts.lo : wts.hi, step & 31);
+      const bool routed = (((step < 32 ? wts.routed_lo : wts.routed_hi) >> (step & 31)) & 1u) != 0;
+      if (step >= steps) continue;  // warp-uniform
+      const int r = r_first + kWorkers * step;
       float partial = 0.f;
       if (col_ok) {
         // chunk (16 * half + cl) of tile row r in the swizzled hand-off tile
         const int rr = r & 63, chunk = 16 * half + cl;
         const uint32_t off = (r >> 6) * Stg::kHalfBytes + (chunk >> 3) * Stg::kBoxBytes + rr * 128 +
                              (static_cast<uint32_t>((chunk & 7) ^ (rr & 7)) << 4);
-        const uint4 d4 = (p.ho_dev & 64) ? g4[b] : ptx::ld_shared_v4(da_addr + off);
+        const uint4 d4 = ptx::ld_shared_v4(da_addr + off);
         const uint32_t gw[4] = {g4[b].x, g4[b].y, g4[b].z, g4[b].w};
         const uint32_t uw[4] = {u4[b].x, u4[b].y, u4[b].z, u4[b].w};
         const uint32_t dw[4] = {d4.x, d4.y, d4.z, d4.w};
@@ -118,40 +136,36 @@ __device__ __forceinline__ void swiglu_bwd_helper_tile(const MGroupedParams& p, 
           av2[q] = ptx::pack_bf16x2(lo.av, hi.av);
         }
         if (!(p.ho_dev & 4)) {
-          __nv_bfloat16* dhp = dhp0 + step * (kSwigluHelperWarps * p.lddh);
+          __nv_bfloat16* dhp = dhp0 + step * (kWorkers * p.lddh);
           ptx::st_global_v4(dhp, make_uint4(dg2[0], dg2[1], dg2[2], dg2[3]));
           ptx::st_global_v4(dhp + inter, make_uint4(du2[0], du2[1], du2[2], du2[3]));
-          ptx::st_global_v4(awp0 + step * (kSwigluHelperWarps * p.ldaw), make_uint4(av2[0], av2[1], av2[2], av2[3]));
+          ptx::st_global_v4(awp0 + step * (kWorkers * p.ldaw), make_uint4(av2[0], av2[1], av2[2], av2[3]));
         }
       }
-      if (!(p.ho_dev & 32)) {
 #pragma unroll
-        for (int x = 8; x >= 1; x >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, x);
-      }
-      if (cl == 0 && dt_ok) dtp0[step * (kSwigluHelperWarps * p.dt_ld)] = routed ? partial : 0.f;
+      for (int x = 8; x >= 1; x >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, x);
+      if (cl == 0 && dt_ok) dtp0[step * (kWorkers * p.dt_ld)] = routed ? partial : 0.f;
     }
   };
-  if constexpr (kB == 1) {  // compact loop body: one step, the next step's loads in flight
-    uint4 gc[1], uc[1], gn[1], un[1];
-    load(0, gc, uc);
+  uint4 ga[kB], ua[kB], gb[kB], ub[kB];
+  load(0, ga, ua);
 #pragma unroll 1
-    for (int s = 0; s < kSteps; ++s) {
-      load(s + 1, gn, un);
-      compute(s, gc, uc);
-      gc[0] = gn[0];
-      uc[0] = un[0];
-    }
-  } else {
-    uint4 ga[kB], ua[kB], gb[kB], ub[kB];
-    load(0, ga, ua);
-#pragma unroll 1
-    for (int s0 = 0; s0 < kSteps; s0 += 2 * kB) {
-      load(s0 + kB, gb, ub);
-      compute(s0, ga, ua);
-      load(s0 + 2 * kB, ga, ua);
-      compute(s0 + kB, gb, ub);
-    }
+  for (int s0 = 0; s0 < steps; s0 += 2 * kB) {
+    load(s0 + kB, gb, ub);
+    compute(s0, ga, ua);
+    load(s0 + 2 * kB, ga, ua);
+    compute(s0 + kB, gb, ub);
   }
+}
+
+template <int kWorkers, typename Stg>
+__device__ __forceinline__ void swiglu_bwd_rows_any_clamp(const MGroupedParams& p, int row0, int n0, int r_first,
+                                                          int r_end, int lane, uint32_t da_addr,
+                                                          const RowWeights<kWorkers>& wts) {
+  if (p.clamp > 0.f)
+    swiglu_bwd_rows<true, kWorkers, Stg>(p, row0, n0, r_first, r_end, lane, da_addr, wts);
+  else
+    swiglu_bwd_rows<false, kWorkers, Stg>(p, row0, n0, r_first, r_end, lane, da_addr, wts);
 }
 
 template <int kNumStages>
@@ -209,15 +223,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int start = s_offs[g];
     const int end = max(s_offs[g + 1], start);
     const int local = u - s_mb[g] * n_blocks;
-    int mb, nb;
-    if (p.ho_dev & 16) {  // n-block major, m-block fastest (the ping-pong kernel's order)
-      const int m_blocks = s_mb[g + 1] - s_mb[g];
-      nb = local / m_blocks;
-      mb = local - nb * m_blocks;
-    } else {
-      mb = local / n_blocks;
-      nb = local - mb * n_blocks;
-    }
+    const int mb = local / n_blocks;
+    const int nb = local - mb * n_blocks;
     const int row0 = start + mb * kBlockM;
     return Work{g, row0, min(end - row0, kBlockM), nb * kBlockN};
   };
@@ -251,7 +258,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // ================= helpers: the SwiGLU backward of each handed-off tile =================
       const int hw = warp - 1;
       const int inter = p.n;
-      const float clamp = p.clamp;
       const uint32_t da_addr = ptx::smem_addr(smem + L::kDaOff);
       const int n_blocks = ceil_div(p.n, kBlockN);
       const int num_tiles = num_tiles_now(n_blocks);
@@ -268,41 +274,19 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       Work w{};
       if (u < num_tiles) {
         w = locate(u, g, n_blocks);
-        if (!(p.ho_dev & 8)) prefetch_h(w);
+        if (p.ho_dev & 8) prefetch_h(w);
       }
       for (; u < num_tiles; u += (int)gridDim.x) {
-        // this warp's rows' route weights (lane l: rows hw + 3 l and hw + 3 (l + 32)) and routed bits
-        float wt_lo = 0.f, wt_hi = 0.f;
-        uint32_t routed_lo, routed_hi;
-        {
-          const int r_lo = hw + kSwigluHelperWarps * lane, r_hi = r_lo + 32 * kSwigluHelperWarps;
-          const int route_lo = r_lo < w.rows ? __ldg(p.pool_src_route + w.row0 + r_lo) : -1;
-          const int route_hi = r_hi < w.rows ? __ldg(p.pool_src_route + w.row0 + r_hi) : -1;
-          if (route_lo >= 0) wt_lo = __ldg(p.route_weights + route_lo);
-          if (route_hi >= 0) wt_hi = __ldg(p.route_weights + route_hi);
-          routed_lo = __ballot_sync(0xffffffffu, route_lo >= 0);
-          routed_hi = __ballot_sync(0xffffffffu, route_hi >= 0);
-        }
+        // rows [share, 128) of the tile; the consumers take [0, share) (MGroupedParams::ho_share)
+        RowWeights<kSwigluHelperWarps> wts;
+        wts.load(p, w.row0, p.ho_share + hw, w.rows, lane);
         const long long t_w0 = clock64();
         ptx::mbar_wait(ho_full, ho_phase);
         const long long t_w1 = clock64();
         ho_phase ^= 1u;
-        if (!(p.ho_dev & 1)) {
-          if (p.ho_dev & 128) {
-            if (clamp > 0.f)
-              swiglu_bwd_helper_tile<true, 1, typename L::Stg>(p, w.row0, w.rows, w.n0, hw, lane, da_addr, wt_lo,
-                                                               wt_hi, routed_lo, routed_hi);
-            else
-              swiglu_bwd_helper_tile<false, 1, typename L::Stg>(p, w.row0, w.rows, w.n0, hw, lane, da_addr, wt_lo,
-                                                                wt_hi, routed_lo, routed_hi);
-          } else if (clamp > 0.f) {
-            swiglu_bwd_helper_tile<true, kHelperBatch, typename L::Stg>(p, w.row0, w.rows, w.n0, hw, lane, da_addr,
-                                                                        wt_lo, wt_hi, routed_lo, routed_hi);
-          } else {
-            swiglu_bwd_helper_tile<false, kHelperBatch, typename L::Stg>(p, w.row0, w.rows, w.n0, hw, lane, da_addr,
-                                                                         wt_lo, wt_hi, routed_lo, routed_hi);
-          }
-        }
+        if (!(p.ho_dev & 1))
+          swiglu_bwd_rows_any_clamp<kSwigluHelperWarps, typename L::Stg>(p, w.row0, w.n0, p.ho_share + hw, w.rows,
+                                                                         lane, da_addr, wts);
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(ho_free);  // this warp's reads of the hand-off tile are done
         if (p.ho_stats != nullptr && lane == 0) {
@@ -311,7 +295,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
         if (u + (int)gridDim.x < num_tiles) {
           w = locate(u + (int)gridDim.x, g, n_blocks);
-          if (!(p.ho_dev & 8)) prefetch_h(w);
+          if (p.ho_dev & 8) prefetch_h(w);
         }
       }
     }
@@ -326,7 +310,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const uint32_t a_lo0 = static_cast<uint32_t>(desc_a0), a_hi = static_cast<uint32_t>(desc_a0 >> 32);
     const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
     constexpr uint32_t kBStepBytes = 16 * 128;  // one k16 step of MN-major B
-    const uint32_t da_half = ptx::smem_addr(smem + L::kDaOff) + wg * L::Stg::kHalfBytes;
+    const uint32_t da_addr = ptx::smem_addr(smem + L::kDaOff);
+    const uint32_t da_half = da_addr + wg * L::Stg::kHalfBytes;
     const int n_blocks = ceil_div(p.n, kBlockN);
     const int num_k_blocks = ceil_div(p.k, kBlockK);
     const int num_tiles = num_tiles_now(n_blocks);
@@ -337,7 +322,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int g = 0;
     for (int u = (int)ptx::ctaid_x_volatile(); u < num_tiles; u += (int)gridDim.x) {
       const Work w = locate(u, g, n_blocks);
-      const bool active = 64 * wg < w.rows && !(p.ho_dev & 256);
+      const bool active = 64 * wg < w.rows;
       auto release = [&](int s_) {
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
@@ -347,11 +332,23 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           acc, active, num_k_blocks, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release);
       const long long t1 = clock64();
       ptx::mbar_wait(ho_free, ho_phase ^ 1u);  // the helpers are done with the previous tile's da
+      // ... and the other consumer warpgroup with its share (it may still be at it with few k-blocks per tile)
+      if (p.ho_share > 0) ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
       const long long t2 = clock64();
       if (active) write_acc_to_swizzled_staging<kBlockN>(acc, da_half, wg_tid);  // da rounded to bf16 (B2)
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(ho_full);
       ho_phase ^= 1u;
+      if (p.ho_share > 0) {
+        // the consumers' share of the tile just handed off: its first rows, before the next mainloop (whose first
+        // stages are already loading), so that the helpers' part fits in one mainloop
+        const int cw = warp - 4;
+        RowWeights<kNumConsumerThreads / 32> wts;
+        const int r_end = min(p.ho_share, w.rows);
+        wts.load(p, w.row0, cw, r_end, lane);
+        swiglu_bwd_rows_any_clamp<kNumConsumerThreads / 32, typename L::Stg>(p, w.row0, w.n0, cw, r_end, lane,
+                                                                            da_addr, wts);
+      }
       if (p.ho_stats != nullptr && wg_tid == 0 && wg == 0) {
         p.ho_stats[blockIdx.x * 8 + 0] += t1 - t0;
         p.ho_stats[blockIdx.x * 8 + 1] += t2 - t1;
