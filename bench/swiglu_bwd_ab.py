@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """A/B of the L2 dgrad + SwiGLU backward op (m_grouped_bf16_gemm_swiglu_bwd: da = dy_pool @ w2_e, then dh, w * s and
-the d topk_weights partials) under the values of one switch (`--switch NAME=v1,v2,...`; default
-PK_SWIGLU_BWD_KERNEL=pingpong,handoff) at the two layer shapes, T=16384 (or --tokens), uniform routing, op alone.
-Prints each variant's error against a float64 reference on the first 2048 pool rows (da rounded to bf16 or not,
-the variants need not agree bit for bit), then 15-iteration bursts (best of 3 interleaved rounds) and the steady
-state (bench_common.sustained_ms), ms and TFLOP/s (2 * P * H * I). Development tool (bench/NOTES.md, session 10)."""
+the d topk_weights partials) under the values of one switch (`--switch NAME=v1,v2,...`; default PK_SWIGLU_BWD_COOP=0,1:
+the ping-pong kernel against the cooperative one) at the two layer shapes, T=16384 (or --tokens), uniform routing, op
+alone. Prints each variant's error against a float64 reference on the first 2048 pool rows (variants may round da
+differently, so they need not agree bit for bit) and whether a second run repeats it bit for bit, then 15-iteration
+bursts (best of 3 interleaved rounds) and the steady state (bench_common.sustained_ms), ms and TFLOP/s (2 * P * H * I).
+Development tool (bench/NOTES.md, session 10: written for the helper-warp kernel measured there)."""
 
 import argparse
 import os
@@ -27,7 +28,7 @@ def main() -> None:
     ap.add_argument("shapes", nargs="*", choices=[*bc.FWD_DEV_SHAPES, []], help="default: all")
     ap.add_argument("--sustained-seconds", type=float, default=2.0)
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per rank (default 16384)")
-    bc.add_switch_arg(ap, "PK_SWIGLU_BWD_KERNEL=pingpong,handoff")
+    bc.add_switch_arg(ap, "PK_SWIGLU_BWD_COOP=0,1")
     args = ap.parse_args()
     env, variants = bc.parse_switch(args.switch)
     f = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd

@@ -234,16 +234,12 @@ def test_swiglu_bwd_gemm_cpu_opcheck():
 
 
 @requires_sm90
-@pytest.mark.parametrize("kernel", ["pingpong", "cooperative", "handoff", "handoff-share0", "handoff-share128"])
+@pytest.mark.parametrize("kernel", ["pingpong", "cooperative"])
 @pytest.mark.parametrize("E,kind,I,H,clamp", [(8, "special", 768, 256, None), (128, "skewed", 1536, 512, 0.75),
                                               (3, "skewed", 320, 128, None), (5, "skewed", 200, 136, 0.5)])
 def test_swiglu_bwd_gemm_matches_float64(monkeypatch, E, kind, I, H, clamp, kernel):
     if kernel == "cooperative":  # read at every call (grouped_gemm.cu)
         monkeypatch.setenv("PK_SWIGLU_BWD_COOP", "1")
-    elif kernel.startswith("handoff"):
-        monkeypatch.setenv("PK_SWIGLU_BWD_KERNEL", "handoff")
-        if "share" in kernel:  # rows of each tile the consumers take (the rest: the helper warps)
-            monkeypatch.setenv("PK_SWIGLU_BWD_HO_SHARE", kernel.split("share")[1])
     elif I % 64:
         pytest.skip("the ping-pong kernel needs I % 64 == 0 (the op runs the cooperative one)")
     gen = torch.Generator().manual_seed(E + I + H)

@@ -434,32 +434,6 @@ __device__ __forceinline__ float swiglu_value(float g, float u, float clamp) {
   return __fdividef(g, 1.f + __expf(-g)) * u;  // fast reciprocal: an IEEE division costs a slow-path check per element
 }
 
-// The SwiGLU backward of one element (swiglu_bwd_epilogue's formulas, below): g, u the saved pre-activations,
-// da the L2 dgrad, w the route's weight; prod = da * s is the element's term of d topk_weights. The sigmoid takes
-// two flushed MUFU approximations (the helper warps of swiglu_bwd_ho.cuh are bound by instruction issue).
-struct SwigluBwdValue {
-  float dg, du, av, prod;
-};
-__device__ __forceinline__ SwigluBwdValue swiglu_bwd_value(float g, float u, float da, float w, float clamp) {
-  const bool has_clamp = clamp > 0.f;
-  const float gc = has_clamp ? fminf(g, clamp) : g;
-  const float uc = has_clamp ? fminf(fmaxf(u, -clamp), clamp) : u;
-  const float sig = ptx::rcp_approx_ftz(1.f + ptx::ex2_approx_ftz(gc * -1.4426950408889634f));
-  const float silu = gc * sig;
-  const float sv = silu * uc;
-  const float ds = w * da;
-  SwigluBwdValue r;
-  r.dg = ds * uc * sig * (1.f + gc * (1.f - sig));
-  r.du = ds * silu;
-  if (has_clamp) {
-    r.dg = g < clamp ? r.dg : 0.f;
-    r.du = (u > -clamp && u < clamp) ? r.du : 0.f;
-  }
-  r.av = w * sv;
-  r.prod = da * sv;
-  return r;
-}
-
 // The saved h's rounding (round to nearest even) of a pair of values, in place: one conversion instruction for
 // both (conversions issue at a quarter of the FMA rate: one per value cost the cooperative forward's L1 epilogue
 // ~45 us per CTA at 30B).

@@ -5,16 +5,13 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 
 #include "host_utils.hpp"
 #include "k_grouped_gemm.cuh"
 #include "m_grouped_gemm.cuh"
-#include "swiglu_bwd_ho.cuh"
 #include "swiglu_bwd_pp.cuh"
 
 namespace deep_gemm {
@@ -438,45 +435,6 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
   // at every call) runs the cooperative kSwiGLUBwd kernel instead (not with a gathered dy).
   const char* coop_env = std::getenv("PK_SWIGLU_BWD_COOP");
   const bool cooperative = !dispatch && coop_env != nullptr && coop_env[0] == '1';
-  // PK_SWIGLU_BWD_KERNEL=handoff (development switch, read at every call): the cooperative 128 x 256 kernel whose
-  // SwiGLU backward runs in helper warps (swiglu_bwd_ho.cuh; da rounded to bf16 first).
-  const char* ho_env = std::getenv("PK_SWIGLU_BWD_KERNEL");
-  if (!dispatch && !cooperative && ho_env != nullptr && std::strcmp(ho_env, "handoff") == 0) {
-    if (const char* dev = std::getenv("PK_SWIGLU_BWD_HO_DEV")) p.ho_dev = std::atoi(dev);
-    // The consumers' share of each handed-off tile (rows): the helpers' part should fit in one mainloop, whose length
-    // grows with hidden (bench/NOTES.md, session 10); PK_SWIGLU_BWD_HO_SHARE overrides (development aid).
-    int64_t share = hidden >= 3072 ? 0 : 40;
-    if (const char* sh = std::getenv("PK_SWIGLU_BWD_HO_SHARE")) share = std::atoi(sh);
-    p.ho_share = (int32_t)std::min<int64_t>(std::max<int64_t>(share, 0) / 8 * 8, 128);
-    constexpr int kStages = 3;
-    constexpr auto kernel = &m_grouped_swiglu_bwd_ho_kernel<kStages>;
-    constexpr int smem = SwigluBwdHoLayout<kStages>::kSmemBytes;
-    cudaError_t e = set_max_dynamic_smem<kernel>(smem);
-    static long long* stats = nullptr;
-    const char* st_env = std::getenv("PK_SWIGLU_BWD_HO_STATS");
-    const bool want_stats = st_env != nullptr && st_env[0] == '1';
-    if (want_stats) {
-      if (stats == nullptr && cudaMalloc(&stats, 8 * 1024 * sizeof(long long)) != cudaSuccess) stats = nullptr;
-      if (stats != nullptr) cudaMemsetAsync(stats, 0, 8 * 1024 * sizeof(long long), stream);
-      p.ho_stats = stats;
-    }
-    if (e == cudaSuccess) e = launch_persistent<kernel, false>(kNumThreads, smem, max_units, sms, stream, ma, mb, p);
-    if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
-    if (want_stats && stats != nullptr) {
-      long long h[8 * 1024];
-      const int n = (int)std::min<int64_t>(sms, max_units);
-      cudaMemcpyAsync(h, stats, sizeof(long long) * 8 * n, cudaMemcpyDeviceToHost, stream);
-      cudaStreamSynchronize(stream);
-      double sum[8] = {};
-      for (int c = 0; c < n; ++c)
-        for (int i = 0; i < 8; ++i) sum[i] += (double)h[c * 8 + i] / n / 1000.0;
-      std::fprintf(stderr,
-                   "ho stats (kcycles per CTA): consumer mainloop %.1f, wait free %.1f, write %.1f; helper wait full "
-                   "%.1f %.1f %.1f, helper0 busy %.1f\n",
-                   sum[0], sum[1], sum[2], sum[3], sum[4], sum[5], sum[6]);
-    }
-    return check_launch(fn, err, err_len);
-  }
   if (!cooperative && I % 64 == 0 && ldh % 8 == 0 && lddh % 8 == 0 && ldaw % 8 == 0) {
     CUtensorMap mh, mdh, maw;
     {

@@ -105,14 +105,6 @@ struct MGroupedParams {
   __nv_bfloat16* a_pool;
   int32_t* disp_ctr;
   int32_t max_m_blocks;
-  // swiglu_bwd_ho.cuh only: rows [0, ho_share) of each handed-off tile are done by the consumers (a multiple of 8,
-  // <= 128), the rest by the helper warps.
-  int32_t ho_share;
-  // Development aid of swiglu_bwd_ho.cuh (0 in normal runs; PK_SWIGLU_BWD_HO_DEV): bit 0 = the helpers hand each
-  // tile back at once (no SwiGLU backward), bit 1 = no h loads (zeros), bit 2 = no dh / w*s stores, bit 3 = the
-  // helpers prefetch each next tile's h rows into L2 (bulk prefetch; measured slower).
-  int32_t ho_dev;
-  long long* ho_stats;  // development aid (PK_SWIGLU_BWD_HO_STATS=1): 8 clock64 sums per CTA
 };
 
 template <int kBlockN, int kNumStages, bool kAsyncEpi>
