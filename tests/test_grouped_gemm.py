@@ -221,6 +221,21 @@ def _swiglu_bwd_ref64(dy_pool, w2, offs, h, src, weights, clamp):
     return torch.cat([dg, du], 1), w[:, None] * sv, dt
 
 
+def _swiglu_bwd_inputs(E: int, kind: str, I: int, H: int, seed: int):
+    """(M, offsets, dy_pool, w2, h, pool_src_route, topk_weights) on CUDA for the L2 dgrad + SwiGLU backward op: top-2
+    routes of M tokens, some pool rows padding (route -1)."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = group_sizes(E, kind, gen)
+    M = sum(sizes)
+    offs = offsets_of(sizes, "cuda")
+    dy = torch.randn(M, H, generator=gen).bfloat16().cuda()
+    w2 = (torch.randn(E, H, I, generator=gen) / H ** 0.5).bfloat16().cuda()
+    h = (torch.randn(M, 2 * I, generator=gen) * 2).bfloat16().cuda()
+    src = torch.randint(-1, 2 * M, (M,), generator=gen, dtype=torch.int32).cuda()  # -1: padding rows
+    wts = (torch.rand(M, 2, generator=gen) + 0.1).cuda()
+    return M, offs, dy, w2, h, src, wts
+
+
 def test_swiglu_bwd_gemm_cpu_opcheck():
     gen = torch.Generator().manual_seed(5)
     dy = torch.randn(10, 64, generator=gen).bfloat16()
@@ -244,16 +259,7 @@ def test_swiglu_bwd_gemm_matches_float64(monkeypatch, E, kind, I, H, clamp, kern
         pytest.skip(f"the {kernel} kernel needs I % 64 == 0 (the op runs the cooperative one)")
     elif kernel == "tma256":
         monkeypatch.setenv("PK_SWIGLU_BWD_KERNEL", "tma256")
-    gen = torch.Generator().manual_seed(E + I + H)
-    sizes = group_sizes(E, kind, gen)
-    M = sum(sizes)
-    offs = offsets_of(sizes, "cuda")
-    dy = torch.randn(M, H, generator=gen).bfloat16().cuda()
-    w2 = (torch.randn(E, H, I, generator=gen) / H ** 0.5).bfloat16().cuda()
-    h = (torch.randn(M, 2 * I, generator=gen) * 2).bfloat16().cuda()
-    T, K = M, 2
-    src = torch.randint(-1, T * K, (M,), generator=gen, dtype=torch.int32).cuda()  # -1: padding rows
-    wts = (torch.rand(T, K, generator=gen) + 0.1).cuda()
+    M, offs, dy, w2, h, src, wts = _swiglu_bwd_inputs(E, kind, I, H, seed=E + I + H)
     nb = (I + 127) // 128
     poison_next_alloc(M * 2 * I, torch.bfloat16)
     dh, aw, dt_part = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy, w2, offs, h, src, wts, clamp=clamp)
@@ -275,15 +281,7 @@ def test_swiglu_bwd_tma256_matches_pingpong_bitwise(monkeypatch, E, kind, I, H, 
     """The cooperative 128 x 256 kernel (PK_SWIGLU_BWD_KERNEL=tma256) computes every output bit for bit as the
     ping-pong kernel does (same k16 order per element, same epilogue math and partial order); E = 160 is past its
     group tables and runs the ping-pong kernel itself."""
-    gen = torch.Generator().manual_seed(7 * E + I + H)
-    sizes = group_sizes(E, kind, gen)
-    M = sum(sizes)
-    offs = offsets_of(sizes, "cuda")
-    dy = torch.randn(M, H, generator=gen).bfloat16().cuda()
-    w2 = (torch.randn(E, H, I, generator=gen) / H ** 0.5).bfloat16().cuda()
-    h = (torch.randn(M, 2 * I, generator=gen) * 2).bfloat16().cuda()
-    src = torch.randint(-1, 2 * M, (M,), generator=gen, dtype=torch.int32).cuda()  # -1: padding rows
-    wts = (torch.rand(M, 2, generator=gen) + 0.1).cuda()
+    M, offs, dy, w2, h, src, wts = _swiglu_bwd_inputs(E, kind, I, H, seed=7 * E + I + H)
     outs = {}
     for kernel in ("pingpong", "tma256"):
         monkeypatch.setenv("PK_SWIGLU_BWD_KERNEL", kernel)  # read at every call (grouped_gemm.cu)

@@ -54,6 +54,96 @@ struct SwigluBwdPPLayout : StageRingLayout<128, 128, 64, kNumStages> {
   static_assert(kDispatchSlots % kDispatchWarps == 0, "dispatch slots are split evenly over the dispatch warps");
 };
 
+// The epilogue of both L2-dgrad kernels here (this one and swiglu_bwd_tma256.cuh), one 64 x 64 piece at a time:
+// the SwiGLU backward of this thread's fragment rows frag_row and frag_row + 8, accumulator column groups
+// [8 q, 8 q + 8) (da, fp32), against g and u in the 128B-swizzled boxes at gb and ub; dg and du overwrite g and u,
+// w * s goes to the box at aw, and partial[hh] += da * s in column order (the d topk_weights partials).
+template <int kAcc>
+__device__ __forceinline__ void swiglu_bwd_piece(const float (&acc)[kAcc], int q, uint32_t gb, uint32_t ub,
+                                                 uint32_t aw, int frag_row, int lane, const float (&wgt)[2],
+                                                 float (&partial)[2], float clamp) {
+  const bool has_clamp = clamp > 0.f;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = frag_row + 8 * hh;
+    const float wt = wgt[hh];
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const uint32_t off = r * 128 + ((jj ^ (r & 7)) << 4) + 4 * (lane & 3);
+      const uint32_t g2 = ptx::ld_shared_u32(gb + off);
+      const uint32_t u2 = ptx::ld_shared_u32(ub + off);
+      float dg[2], du[2], av[2];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const float g = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? g2 >> 16 : g2 & 0xffffu));
+        const float u = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? u2 >> 16 : u2 & 0xffffu));
+        const float gc = has_clamp ? fminf(g, clamp) : g;
+        const float uc = has_clamp ? fminf(fmaxf(u, -clamp), clamp) : u;
+        const float sig = __fdividef(1.f, 1.f + __expf(-gc));
+        const float silu = gc * sig;
+        const float sv = silu * uc;
+        const float da = acc[4 * (8 * q + jj) + 2 * hh + t];
+        partial[hh] = fmaf(da, sv, partial[hh]);
+        const float ds = wt * da;
+        dg[t] = ds * uc * sig * (1.f + gc * (1.f - sig));
+        du[t] = ds * silu;
+        if (has_clamp) {
+          dg[t] = g < clamp ? dg[t] : 0.f;
+          du[t] = (u > -clamp && u < clamp) ? du[t] : 0.f;
+        }
+        av[t] = wt * sv;
+      }
+      ptx::st_shared_u32(gb + off, ptx::pack_bf16x2(dg[0], dg[1]));
+      ptx::st_shared_u32(ub + off, ptx::pack_bf16x2(du[0], du[1]));
+      ptx::st_shared_u32(aw + off, ptx::pack_bf16x2(av[0], av[1]));
+    }
+  }
+}
+
+// The piece's stores (rows prow0.., columns col0.. of I): one thread TMA-stores the three boxes when all 64 rows
+// belong to the expert; otherwise the warpgroup copies its first `rows` rows (a box would also write the next
+// group's rows) and meets at bar_id, so that the slot is read before it is refilled.
+__device__ __forceinline__ void swiglu_bwd_piece_store(const MGroupedParams& p, const CUtensorMap* tmap_dh,
+                                                       const CUtensorMap* tmap_aw, uint32_t gb, uint32_t ub,
+                                                       uint32_t aw, int col0, int prow0, int rows, int wg_tid,
+                                                       uint32_t bar_id) {
+  if (rows == 64) {
+    if (wg_tid == 0) {
+      ptx::tma_store_2d(tmap_dh, gb, col0, prow0);
+      ptx::tma_store_2d(tmap_dh, ub, p.n + col0, prow0);
+      ptx::tma_store_2d(tmap_aw, aw, col0, prow0);
+      ptx::bulk_commit_group();
+    }
+  } else if (rows > 0) {
+    for (int idx = wg_tid; idx < rows * 8; idx += 128) {
+      const int r = idx >> 3, ch = idx & 7;
+      const uint32_t off = r * 128 + ((ch ^ (r & 7)) << 4);
+      const int64_t row = prow0 + r;
+      const int c = col0 + ch * 8;
+      *reinterpret_cast<uint4*>(p.dh + row * p.lddh + c) = ptx::ld_shared_v4(gb + off);
+      *reinterpret_cast<uint4*>(p.dh + row * p.lddh + p.n + c) = ptx::ld_shared_v4(ub + off);
+      *reinterpret_cast<uint4*>(p.aw + row * p.ldaw + c) = ptx::ld_shared_v4(aw + off);
+    }
+    ptx::named_bar_sync(bar_id, 128);
+  }
+}
+
+// The d topk_weights partials of this thread's two fragment rows (prow0 + frag_row + 8 hh) for dt_part column
+// dt_col: each quad's sum (lanes 1 and 2 apart, a fixed order), 0 for padding rows; rows >= row_end are skipped.
+__device__ __forceinline__ void write_dt_partials(const MGroupedParams& p, const float (&partial)[2],
+                                                  const bool (&routed)[2], int prow0, int frag_row, int row_end,
+                                                  int dt_col, int lane) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float v = partial[hh];
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    const int row = prow0 + frag_row + 8 * hh;
+    if (row < row_end && (lane & 3) == 0)
+      p.dt_part[static_cast<int64_t>(row) * p.dt_ld + dt_col] = routed[hh] ? v : 0.f;
+  }
+}
+
 constexpr uint32_t kBarSwigluTurnWg0 = 5;  // +wg
 
 template <int kNumStages, int kDispatchSlots>
@@ -225,7 +315,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             if (k + 1 < ntiles) ptx::named_bar_arrive(kBarSwigluTurnWg0 + (wg ^ 1), 256);
           });
 
-      const bool has_clamp = p.clamp > 0.f;
 #pragma unroll
       for (int hm = 0; hm < 2; ++hm) {
         const float(&acc)[kAcc] = hm == 0 ? acc0 : acc1;
@@ -236,84 +325,23 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         for (int q = 0; q < 2; ++q) {
           if (q == 1 && !q1) break;  // warpgroup-uniform
           const int piece = 2 * hm + q;
-          const int col0 = w.n0 + 64 * q;
           const uint32_t gb = hslots_addr + q * L::kSlotBytes;
           const uint32_t ub = gb + L::kBoxBytes;
           ptx::mbar_wait(&h_full[q], (h_phase >> q) & 1u);
           h_phase ^= 1u << q;
           if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the w*s box: the previous piece's store has read it
           ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = frag_row + 8 * hh;
-            const float wt = wgt[hm][hh];
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-              const uint32_t off = r * 128 + ((jj ^ (r & 7)) << 4) + 4 * (lane & 3);
-              const uint32_t g2 = ptx::ld_shared_u32(gb + off);
-              const uint32_t u2 = ptx::ld_shared_u32(ub + off);
-              float dg[2], du[2], av[2];
-#pragma unroll
-              for (int t = 0; t < 2; ++t) {
-                const float g = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? g2 >> 16 : g2 & 0xffffu));
-                const float u = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? u2 >> 16 : u2 & 0xffffu));
-                const float gc = has_clamp ? fminf(g, p.clamp) : g;
-                const float uc = has_clamp ? fminf(fmaxf(u, -p.clamp), p.clamp) : u;
-                const float sig = __fdividef(1.f, 1.f + __expf(-gc));
-                const float silu = gc * sig;
-                const float sv = silu * uc;
-                const float da = acc[4 * (8 * q + jj) + 2 * hh + t];
-                partial[hh] = fmaf(da, sv, partial[hh]);
-                const float ds = wt * da;
-                dg[t] = ds * uc * sig * (1.f + gc * (1.f - sig));
-                du[t] = ds * silu;
-                if (has_clamp) {
-                  dg[t] = g < p.clamp ? dg[t] : 0.f;
-                  du[t] = (u > -p.clamp && u < p.clamp) ? du[t] : 0.f;
-                }
-                av[t] = wt * sv;
-              }
-              ptx::st_shared_u32(gb + off, ptx::pack_bf16x2(dg[0], dg[1]));
-              ptx::st_shared_u32(ub + off, ptx::pack_bf16x2(du[0], du[1]));
-              ptx::st_shared_u32(aw_addr + off, ptx::pack_bf16x2(av[0], av[1]));
-            }
-          }
+          swiglu_bwd_piece(acc, q, gb, ub, aw_addr, frag_row, lane, wgt[hm], partial, p.clamp);
           ptx::fence_proxy_async_smem();
           ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-          if (rows == 64) {
-            if (wg_tid == 0) {
-              ptx::tma_store_2d(&tmap_dh, gb, col0, prow0);
-              ptx::tma_store_2d(&tmap_dh, ub, p.n + col0, prow0);
-              ptx::tma_store_2d(&tmap_aw, aw_addr, col0, prow0);
-              ptx::bulk_commit_group();
-            }
-          } else if (rows > 0) {
-            // the m-block's last rows: a TMA box would also write the next group's rows
-            for (int idx = wg_tid; idx < rows * 8; idx += 128) {
-              const int r = idx >> 3, ch = idx & 7;
-              const uint32_t off = r * 128 + ((ch ^ (r & 7)) << 4);
-              const int64_t row = prow0 + r;
-              const int c = col0 + ch * 8;
-              *reinterpret_cast<uint4*>(p.dh + row * p.lddh + c) = ptx::ld_shared_v4(gb + off);
-              *reinterpret_cast<uint4*>(p.dh + row * p.lddh + p.n + c) = ptx::ld_shared_v4(ub + off);
-              *reinterpret_cast<uint4*>(p.aw + row * p.ldaw + c) = ptx::ld_shared_v4(aw_addr + off);
-            }
-            ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);  // the slot is read before it is refilled
-          }
+          swiglu_bwd_piece_store(p, &tmap_dh, &tmap_aw, gb, ub, aw_addr, w.n0 + 64 * q, prow0, rows, wg_tid,
+                                 kBarEpilogueWg0 + wg);
           if (piece < 2 && wg_tid == 0) {  // refill this slot with the second half's piece of the same columns
             ptx::bulk_wait_group_read<0>();
             load_piece(w.row0, w.n0, piece + 2);
           }
         }
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          float v = partial[hh];
-          v += __shfl_xor_sync(0xffffffffu, v, 1);
-          v += __shfl_xor_sync(0xffffffffu, v, 2);
-          const int row = prow0 + frag_row + 8 * hh;
-          if (row < w.row_end && (lane & 3) == 0)
-            p.dt_part[static_cast<int64_t>(row) * p.dt_ld + w.n0 / kBlockN] = routed[hm][hh] ? v : 0.f;
-        }
+        write_dt_partials(p, partial, routed[hm], prow0, frag_row, w.row_end, w.n0 / kBlockN, lane);
       }
     }
   }

@@ -25,6 +25,7 @@
 
 #include "gemm_common.cuh"
 #include "m_grouped_gemm.cuh"
+#include "swiglu_bwd_pp.cuh"
 
 namespace deep_gemm {
 namespace sm90 {
@@ -196,97 +197,33 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           routed[hh] = route[hh] >= 0;
           wgt[hh] = route[hh] >= 0 ? __ldg(p.route_weights + route[hh]) : 0.f;
         }
-
-      const bool has_clamp = p.clamp > 0.f;
-      float partial[2] = {0.f, 0.f};
+        float partial[2] = {0.f, 0.f};
 #pragma unroll
-      for (int q = 0; q < kPieces; ++q) {
-        if (q < pieces) {  // warpgroup-uniform
-          const int col0 = w.n0 + 64 * q;
-          const uint32_t gb = hslots_addr + (q & 1) * L::kSlotBytes;
-          const uint32_t ub = gb + L::kBoxBytes;
-          ptx::mbar_wait(&h_full[q & 1], (h_phase >> (q & 1)) & 1u);
-          h_phase ^= 1u << (q & 1);
-          if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the w*s box: the previous piece's store has read it
-          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = frag_row + 8 * hh;
-            const float wt = wgt[hh];
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-              const uint32_t off = r * 128 + ((jj ^ (r & 7)) << 4) + 4 * (lane & 3);
-              const uint32_t g2 = ptx::ld_shared_u32(gb + off);
-              const uint32_t u2 = ptx::ld_shared_u32(ub + off);
-              float dg[2], du[2], av[2];
-#pragma unroll
-              for (int t = 0; t < 2; ++t) {
-                const float gv = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? g2 >> 16 : g2 & 0xffffu));
-                const float uv = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? u2 >> 16 : u2 & 0xffffu));
-                const float gc = has_clamp ? fminf(gv, p.clamp) : gv;
-                const float uc = has_clamp ? fminf(fmaxf(uv, -p.clamp), p.clamp) : uv;
-                const float sig = __fdividef(1.f, 1.f + __expf(-gc));
-                const float silu = gc * sig;
-                const float sv = silu * uc;
-                const float da = acc[4 * (8 * q + jj) + 2 * hh + t];
-                partial[hh] = fmaf(da, sv, partial[hh]);
-                const float ds = wt * da;
-                dg[t] = ds * uc * sig * (1.f + gc * (1.f - sig));
-                du[t] = ds * silu;
-                if (has_clamp) {
-                  dg[t] = gv < p.clamp ? dg[t] : 0.f;
-                  du[t] = (uv > -p.clamp && uv < p.clamp) ? du[t] : 0.f;
-                }
-                av[t] = wt * sv;
-              }
-              ptx::st_shared_u32(gb + off, ptx::pack_bf16x2(dg[0], dg[1]));
-              ptx::st_shared_u32(ub + off, ptx::pack_bf16x2(du[0], du[1]));
-              ptx::st_shared_u32(aw_addr + off, ptx::pack_bf16x2(av[0], av[1]));
+        for (int q = 0; q < kPieces; ++q) {
+          if (q < pieces) {  // warpgroup-uniform
+            const uint32_t gb = hslots_addr + (q & 1) * L::kSlotBytes;
+            const uint32_t ub = gb + L::kBoxBytes;
+            ptx::mbar_wait(&h_full[q & 1], (h_phase >> (q & 1)) & 1u);
+            h_phase ^= 1u << (q & 1);
+            if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the w*s box: the previous piece's store has read it
+            ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+            swiglu_bwd_piece(acc, q, gb, ub, aw_addr, frag_row, lane, wgt, partial, p.clamp);
+            ptx::fence_proxy_async_smem();
+            ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+            swiglu_bwd_piece_store(p, &tmap_dh, &tmap_aw, gb, ub, aw_addr, w.n0 + 64 * q, hrow0, rows, wg_tid,
+                                   kBarEpilogueWg0 + wg);
+            if (q + 2 < pieces && wg_tid == 0) {  // refill this slot with the piece two columns on
+              ptx::bulk_wait_group_read<0>();
+              load_piece(hrow0, w.n0, q + 2);
             }
           }
-          ptx::fence_proxy_async_smem();
-          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-          if (rows == 64) {
-            if (wg_tid == 0) {
-              ptx::tma_store_2d(&tmap_dh, gb, col0, hrow0);
-              ptx::tma_store_2d(&tmap_dh, ub, p.n + col0, hrow0);
-              ptx::tma_store_2d(&tmap_aw, aw_addr, col0, hrow0);
-              ptx::bulk_commit_group();
-            }
-          } else {
-            // the m-block's last rows: a TMA box would also write the next group's rows
-            for (int idx = wg_tid; idx < rows * 8; idx += 128) {
-              const int r = idx >> 3, ch = idx & 7;
-              const uint32_t off = r * 128 + ((ch ^ (r & 7)) << 4);
-              const int64_t row = hrow0 + r;
-              const int c = col0 + ch * 8;
-              *reinterpret_cast<uint4*>(p.dh + row * p.lddh + c) = ptx::ld_shared_v4(gb + off);
-              *reinterpret_cast<uint4*>(p.dh + row * p.lddh + p.n + c) = ptx::ld_shared_v4(ub + off);
-              *reinterpret_cast<uint4*>(p.aw + row * p.ldaw + c) = ptx::ld_shared_v4(aw_addr + off);
-            }
-            ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);  // the slot is read before it is refilled
-          }
-          if (q + 2 < pieces && wg_tid == 0) {  // refill this slot with the piece two columns on
-            ptx::bulk_wait_group_read<0>();
-            load_piece(hrow0, w.n0, q + 2);
+          if ((q & 1) && q - 1 < pieces) {
+            // the partials of columns [n0 + 128 (q / 2), + 128): one per 128 columns, as the ping-pong kernel sums
+            // them (its tile is these 128 columns)
+            write_dt_partials(p, partial, routed, hrow0, frag_row, w.row_end, w.n0 / 128 + q / 2, lane);
+            partial[0] = partial[1] = 0.f;
           }
         }
-        if (q & 1) {
-          // the d topk_weights partial of columns [n0 + 128 (q / 2), + 128): one per 128 columns, as the ping-pong
-          // kernel sums them (its tile is these 128 columns)
-          const int dt_col = w.n0 / 128 + q / 2;
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            float v = partial[hh];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            const int row = hrow0 + frag_row + 8 * hh;
-            if (q - 1 < pieces && row < w.row_end && (lane & 3) == 0)
-              p.dt_part[static_cast<int64_t>(row) * p.dt_ld + dt_col] = routed[hh] ? v : 0.f;
-            partial[hh] = 0.f;
-          }
-        }
-      }
       }
     }
     if (wg_tid == 0) ptx::bulk_wait_group<0>();  // stores complete before the CTA's shared memory goes away
