@@ -2,10 +2,11 @@
 """A/B of the L2 dgrad + SwiGLU backward op (m_grouped_bf16_gemm_swiglu_bwd: da = dy_pool @ w2_e, then dh, w * s and
 the d topk_weights partials) under the values of one switch (`--switch NAME=v1,v2,...`; default PK_SWIGLU_BWD_COOP=0,1:
 the ping-pong kernel against the cooperative one) at the two layer shapes, T=16384 (or --tokens), uniform routing, op
-alone. Prints each variant's error against a float64 reference on the first 2048 pool rows (variants may round da
-differently, so they need not agree bit for bit) and whether a second run repeats it bit for bit, then 15-iteration
-bursts (best of 3 interleaved rounds) and the steady state (bench_common.sustained_ms), ms and TFLOP/s (2 * P * H * I).
-Development tool (bench/NOTES.md, session 10: written for the helper-warp kernel measured there)."""
+alone. Prints each variant's error against a float64 reference on the first 2048 pool rows (variants may sum the
+d topk_weights partials differently, so they need not agree bit for bit) and whether a second run repeats it bit
+for bit, then 15-iteration bursts (best of 3 interleaved rounds) and the steady state (bench_common.sustained_ms),
+ms and TFLOP/s (2 * P * H * I). Development tool (bench/NOTES.md, session 10: written for the helper-warp kernel
+measured there)."""
 
 import argparse
 import os

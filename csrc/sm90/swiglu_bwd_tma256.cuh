@@ -12,13 +12,13 @@
 // and one thread TMA-stores the three boxes. The epilogue is not overlapped with tensor work (the price of the
 // larger tile); the prediction in bench/NOTES.md weighs it.
 //
-// Every output is bit-identical to the ping-pong kernel's: each da element sums the same k16 steps in the same
-// order, the epilogue math is the same code path per element, and the d topk_weights partial of each 128 columns
-// is summed in the same order (per thread: pieces in column order, rows' fragment columns in order; then lanes 1
-// and 2 apart).
+// Meant to be bit-identical to the ping-pong kernel (test_swiglu_bwd_tma256_matches_pingpong_bitwise; not yet run):
+// each da element sums the same k16 steps in the same order, the epilogue is the same code (swiglu_bwd_piece and
+// its neighbours in swiglu_bwd_pp.cuh), and the d topk_weights partial of each 128 columns is summed in the same
+// order (per thread: pieces in column order, rows' fragment columns in order; then lanes 1 and 2 apart).
 //
 // Shared memory: 3 x 48 KB stages + 2 warpgroups x (2 h slots of 16 KB + an 8 KB w * s box) = 224 KB, which leaves
-// room for the group tables of at most kTma256MaxGroups experts (the host falls back to the ping-pong kernel above).
+// room for the group tables of at most kTma256MaxGroups experts (with more, the host runs the ping-pong kernel).
 #pragma once
 
 #include <cuda.h>
