@@ -309,9 +309,10 @@ struct PackBf16x2 {
   __device__ __forceinline__ uint32_t operator()(float lo, float hi) const { return ptx::pack_bf16x2(lo, hi); }
 };
 
-template <int kBlockN, int kBoxes, typename Pack = PackBf16x2>
-__device__ __forceinline__ void write_acc_boxes_to_staging(const float (&acc)[kBlockN / 2], uint32_t stg_half,
-                                                           int wg_tid, int box0, const Pack& pack = Pack{}) {
+// Boxes [box0, box0 + kBoxes) of one warpgroup's 64 x kBlockN fragment (wgmma m64nN layout), given as bf16x2
+// words, into its swizzled staging half: word(i) packs fragment values 2i and 2i + 1.
+template <int kBoxes, typename WordFn>
+__device__ __forceinline__ void write_words_to_staging(const WordFn& word, uint32_t stg_half, int wg_tid, int box0) {
   const int lane = wg_tid & 31;
   const int mi = lane >> 3;
   const int ri = lane & 7;
@@ -324,9 +325,14 @@ __device__ __forceinline__ void write_acc_boxes_to_staging(const float (&acc)[kB
     const int j0 = 2 * jp;
     const uint32_t addr = base + (jq >> 2) * TmaStaging<64 * kBoxes>::kBoxBytes +
                           ((static_cast<uint32_t>((jq & 3) * 2) << 4) ^ x);
-    ptx::stmatrix_x4(addr, pack(acc[4 * j0 + 0], acc[4 * j0 + 1]), pack(acc[4 * j0 + 2], acc[4 * j0 + 3]),
-                     pack(acc[4 * j0 + 4], acc[4 * j0 + 5]), pack(acc[4 * j0 + 6], acc[4 * j0 + 7]));
+    ptx::stmatrix_x4(addr, word(2 * j0), word(2 * j0 + 1), word(2 * j0 + 2), word(2 * j0 + 3));
   }
+}
+
+template <int kBlockN, int kBoxes, typename Pack = PackBf16x2>
+__device__ __forceinline__ void write_acc_boxes_to_staging(const float (&acc)[kBlockN / 2], uint32_t stg_half,
+                                                           int wg_tid, int box0, const Pack& pack = Pack{}) {
+  write_words_to_staging<kBoxes>([&](int i) { return pack(acc[2 * i], acc[2 * i + 1]); }, stg_half, wg_tid, box0);
 }
 
 // One warpgroup's 64 x kBlockN fp32 fragment (wgmma m64nN layout) -> bf16 into its swizzled staging half.

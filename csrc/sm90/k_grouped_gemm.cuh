@@ -46,13 +46,14 @@ struct KGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "kBlockN must be 64..256, a multiple of 64");
 };
 
-template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi>
+template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi, bool kDeferEpi = false>
 __global__ void __launch_bounds__(kNumThreads, 1)
     k_grouped_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                                const __grid_constant__ CUtensorMap tmap_b,
                                const __grid_constant__ CUtensorMap tmap_c, const KGroupedParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   static_assert(!kAsyncEpi || kOut == kOutBf16Store, "the asynchronous epilogue stores bf16 only");
+  static_assert(!kDeferEpi || kAsyncEpi, "the deferred epilogue is a form of the asynchronous one");
   using L = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockK = L::kBlockK;
@@ -166,6 +167,31 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int stage = 0;
     uint32_t phase = 0;
     const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + (kAsyncEpi ? wg * TmaStaging<kBlockN>::kHalfBytes : 0);
+    // Deferred epilogue (kDeferEpi): a tile's accumulators are rounded to bf16 words (pend) as soon as its MMAs
+    // are done, and staged and TMA-stored only once the next tile's first k-block of MMAs is queued, so the
+    // tensor cores do not idle through the staging (with ~4 k-blocks per tile, T = 4096, it was a third of
+    // each tile). pend_row0 < 0: nothing pending.
+    uint32_t pend[kDeferEpi ? kBlockN / 4 : 1] = {};
+    int pend_row0 = -1, pend_n0 = 0, pend_group = 0;
+    auto store_pending = [&]() {
+      if constexpr (kDeferEpi) {
+        if (pend_row0 < 0) return;
+        if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        write_words_to_staging<kBlockN / 64>([&](int i) { return pend[i]; }, stg_half, wg_tid, 0);
+        ptx::fence_proxy_async_smem();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        if (wg_tid == 0) {
+#pragma unroll
+          for (int b = 0; b < kBlockN / 64; ++b)
+            if (pend_n0 + 64 * b < p.n)
+              ptx::tma_store_3d(&tmap_c, stg_half + b * TmaStaging<kBlockN>::kBoxBytes, pend_n0 + 64 * b, pend_row0,
+                                pend_group);
+          ptx::bulk_commit_group();
+        }
+        pend_row0 = -1;
+      }
+    };
     for (int i = 0; i * grid < num_tiles; ++i) {
       const int t = tile_of(i);
       if (t >= num_tiles) continue;
@@ -174,9 +200,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if (kOut == kOutF32Accumulate && num_k_blocks == 0) continue;
       // Last, partial k-block: zero k-rows [valid, 64) of every box of the stage before the MMAs read it (whole
       // 128-byte rows, so the swizzle does not matter), then hand the writes to the async proxy.
+      // (after_first_issue: the deferred epilogue's store of the previous tile)
       struct ZeroPartialKBlock : NoTileHook {
         uint8_t* smem;
         int rows, ctid;
+        const decltype(store_pending)& after_first;
+        __device__ __forceinline__ void after_first_issue() const { after_first(); }
         __device__ __forceinline__ void on_stage(int kb, int stage) const {
           const int valid = rows - kb * kBlockK;
           if (valid >= kBlockK) return;
@@ -201,11 +230,20 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // both operands MN-major: a k16 step is 16 rows of 128 bytes in A and B
       consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 16 * 128, false, 16 * 128>(
           acc, true, num_k_blocks, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release,
-          ZeroPartialKBlock{{}, smem, tile.rows, ctid});
+          ZeroPartialKBlock{{}, smem, tile.rows, ctid, store_pending});
 
       const int64_t group_elems = static_cast<int64_t>(p.m) * p.n;
       const int row0 = tile.m0 + 64 * wg;
-      if constexpr (kAsyncEpi) {
+      if constexpr (kDeferEpi) {
+        store_pending();  // still pending when the mainloop had no k-block (an expert without rows)
+        if (row0 < p.m) {
+#pragma unroll
+          for (int i = 0; i < kBlockN / 4; ++i) pend[i] = ptx::pack_bf16x2(acc[2 * i], acc[2 * i + 1]);
+          pend_row0 = row0;
+          pend_n0 = tile.n0;
+          pend_group = tile.group;
+        }
+      } else if constexpr (kAsyncEpi) {
         // C is [E, M, N]: the 3-D map clips rows >= M and columns >= N, so every half goes out by TMA.
         if (row0 < p.m) {
           if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
@@ -252,6 +290,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       }
     }
+    store_pending();
     if constexpr (kOut == kOutBf16Store) {
       if (wg_tid == 0) ptx::bulk_wait_group<0>();
     }
