@@ -1,6 +1,8 @@
 // prime-kernels: pieces shared by the sm90 grouped-GEMM kernels (no __global__ here).
 #pragma once
 
+#include <type_traits>
+
 #include <cstdint>
 #include <cuda_bf16.h>
 
@@ -131,10 +133,12 @@ __device__ __forceinline__ void init_stage_barriers(uint64_t* full_bar, uint64_t
 // hook (optional, NoTileHook shows the interface): before_first_wait(bar, parity) runs before the first
 // k-block's wait and after_first_issue() once that k-block's MMAs are issued (an inactive warpgroup: right
 // after before_first_wait): work of the previous tile that may wait until this tile's MMAs are queued;
+// after_issue(kb) once k-block kb's MMAs are issued (active warpgroups only);
 // on_stage(kb, stage) runs once k-block kb's stage has landed, before its MMAs (e.g. to patch the stage).
 struct NoTileHook {
   __device__ __forceinline__ void before_first_wait(uint64_t*, uint32_t) const {}
   __device__ __forceinline__ void after_first_issue() const {}
+  __device__ __forceinline__ void after_issue(int) const {}
   __device__ __forceinline__ void on_stage(int, int) const {}
 };
 
@@ -176,6 +180,7 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
 #pragma unroll
       for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
       if (kb == 0) hook.after_first_issue();
+      hook.after_issue(kb);
       if (kb > 0) {
         ptx::wgmma_wait<1>();
         release(prev_stage);
@@ -303,6 +308,16 @@ struct TmaStaging {
   static constexpr int kHalfBytes = (kBlockN / 64) * kBoxBytes;  // one warpgroup's 64 rows
   static constexpr int kBytes = 2 * kHalfBytes;
 };
+
+// f(std::integral_constant<int, I>{}) for I = kBegin .. kEnd - 1: a loop whose index is a compile-time constant
+// (register-array indices must be).
+template <int kBegin, int kEnd, typename F>
+__device__ __forceinline__ void for_each_index(F&& f) {
+  if constexpr (kBegin < kEnd) {
+    f(std::integral_constant<int, kBegin>{});
+    for_each_index<kBegin + 1, kEnd>(f);
+  }
+}
 
 // Plain bf16 rounding (round to nearest even) of two fp32 values into one bf16x2 word.
 struct PackBf16x2 {

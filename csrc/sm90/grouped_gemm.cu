@@ -45,7 +45,7 @@ int launch_k_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtenso
                      int grid,
                      cudaStream_t stream, char* err, size_t err_len) {
   constexpr auto kernel = &k_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kOut, kAsyncEpi, kDeferEpi>;
-  constexpr int smem = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
+  constexpr int smem = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi, kDeferEpi>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
@@ -572,8 +572,8 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
     // PK_K_GROUPED_DEFER=1 (development switch, read at every call): the deferred epilogue
     const char* defer_env = std::getenv("PK_K_GROUPED_DEFER");
     if (defer_env != nullptr && defer_env[0] == '1') {
-      if (cfg.block_n == 256) return launch_k_grouped<256, 3, kOutBf16Store, true, true>(ma, mb, mc, p, grid, stream, err, err_len);
-      return launch_k_grouped<128, 5, kOutBf16Store, true, true>(ma, mb, mc, p, grid, stream, err, err_len);
+      if (cfg.block_n == 256) return launch_k_grouped<256, 4, kOutBf16Store, true, true>(ma, mb, mc, p, grid, stream, err, err_len);
+      return launch_k_grouped<128, 6, kOutBf16Store, true, true>(ma, mb, mc, p, grid, stream, err, err_len);
     }
     if (cfg.block_n == 256) PK_K_LAUNCH(256, 3, kOutBf16Store, true);
     PK_K_LAUNCH(128, 5, kOutBf16Store, true);

@@ -16,6 +16,8 @@
 
 #include <cuda.h>
 
+#include <type_traits>
+
 #include "gemm_common.cuh"
 
 namespace deep_gemm {
@@ -32,11 +34,14 @@ struct KGroupedParams {
   int32_t num_groups;
 };
 
-template <int kBlockN, int kNumStages, bool kAsyncEpi>
+template <int kBlockN, int kNumStages, bool kAsyncEpi, bool kDeferEpi = false>
 struct KGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
   using Ring = StageRingLayout<128, kBlockN, 64, kNumStages>;
   static constexpr int kCOff = Ring::kRingEnd;
-  static constexpr int kCBytes = kAsyncEpi ? TmaStaging<kBlockN>::kBytes : 2 * kSyncStageStride;
+  // deferred: one 64 x 64 bf16 box per warpgroup
+  static constexpr int kCBytes = kDeferEpi   ? 2 * TmaStaging<64>::kBoxBytes
+                                 : kAsyncEpi ? TmaStaging<kBlockN>::kBytes
+                                             : 2 * kSyncStageStride;
   static constexpr int kBarOff = kCOff + kCBytes;
   static constexpr int kOffsOff = kBarOff + (2 * kNumStages + 2) * 8;
   static constexpr int kOrderOff = kOffsOff + (kMaxGroups + 1) * 4;
@@ -54,7 +59,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   static_assert(!kAsyncEpi || kOut == kOutBf16Store, "the asynchronous epilogue stores bf16 only");
   static_assert(!kDeferEpi || kAsyncEpi, "the deferred epilogue is a form of the asynchronous one");
-  using L = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi>;
+  using L = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi, kDeferEpi>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockK = L::kBlockK;
   constexpr int kBoxBytes = 64 * kBlockK * 2;  // one 64-wide MN block of one stage
@@ -167,30 +172,40 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int stage = 0;
     uint32_t phase = 0;
     const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + (kAsyncEpi ? wg * TmaStaging<kBlockN>::kHalfBytes : 0);
-    // Deferred epilogue (kDeferEpi): a tile's accumulators are rounded to bf16 words (pend) as soon as its MMAs
-    // are done, and staged and TMA-stored only once the next tile's first k-block of MMAs is queued, so the
-    // tensor cores do not idle through the staging (with ~4 k-blocks per tile, T = 4096, it was a third of
-    // each tile). pend_row0 < 0: nothing pending.
+    // Deferred epilogue (kDeferEpi): a tile's accumulators become bf16 words (pend) as soon as its MMAs are done;
+    // box b (64 columns) of them is staged and TMA-stored right after the next tile's k-block b of MMAs is
+    // queued (boxes left when that tile has fewer k-blocks: before its own words are taken), through one 8 KB
+    // box per warpgroup, whose last store had a k-block's time to read it. The tensor cores then never wait for
+    // the staging, and the staging's 64 KB goes to a fourth stage. pend_row0 < 0: nothing pending.
+    constexpr int kOutBoxes = kBlockN / 64;
     uint32_t pend[kDeferEpi ? kBlockN / 4 : 1] = {};
     int pend_row0 = -1, pend_n0 = 0, pend_group = 0;
-    auto store_pending = [&]() {
+    const uint32_t box_addr = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<64>::kBoxBytes;
+    auto store_box = [&](auto box_const) {
       if constexpr (kDeferEpi) {
-        if (pend_row0 < 0) return;
-        if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+        constexpr int b = decltype(box_const)::value;
+        if (pend_row0 < 0 || pend_n0 + 64 * b >= p.n) return;  // uniform across the warpgroup
+        if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the box's last store has read it
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        write_words_to_staging<kBlockN / 64>([&](int i) { return pend[i]; }, stg_half, wg_tid, 0);
+        write_words_to_staging<1>([&](int i) { return pend[i]; }, box_addr, wg_tid, b);
         ptx::fence_proxy_async_smem();
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
         if (wg_tid == 0) {
-#pragma unroll
-          for (int b = 0; b < kBlockN / 64; ++b)
-            if (pend_n0 + 64 * b < p.n)
-              ptx::tma_store_3d(&tmap_c, stg_half + b * TmaStaging<kBlockN>::kBoxBytes, pend_n0 + 64 * b, pend_row0,
-                                pend_group);
+          ptx::tma_store_3d(&tmap_c, box_addr, pend_n0 + 64 * b, pend_row0, pend_group);
           ptx::bulk_commit_group();
         }
-        pend_row0 = -1;
       }
+    };
+    // boxes [from, kOutBoxes) of the pending tile; box kb (runtime values, compile-time box indices)
+    auto store_boxes_from = [&](int from) {
+      for_each_index<0, kOutBoxes>([&](auto b) {
+        if (decltype(b)::value >= from) store_box(b);
+      });
+    };
+    auto store_box_of_k_block = [&](int kb) {
+      for_each_index<0, kOutBoxes>([&](auto b) {
+        if (decltype(b)::value == kb) store_box(b);
+      });
     };
     for (int i = 0; i * grid < num_tiles; ++i) {
       const int t = tile_of(i);
@@ -200,12 +215,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if (kOut == kOutF32Accumulate && num_k_blocks == 0) continue;
       // Last, partial k-block: zero k-rows [valid, 64) of every box of the stage before the MMAs read it (whole
       // 128-byte rows, so the swizzle does not matter), then hand the writes to the async proxy.
-      // (after_first_issue: the deferred epilogue's store of the previous tile)
+      // (after_issue: the deferred epilogue's box of the previous tile)
       struct ZeroPartialKBlock : NoTileHook {
         uint8_t* smem;
         int rows, ctid;
-        const decltype(store_pending)& after_first;
-        __device__ __forceinline__ void after_first_issue() const { after_first(); }
+        const decltype(store_box_of_k_block)& store_box_of;
+        __device__ __forceinline__ void after_issue(int kb) const { store_box_of(kb); }
         __device__ __forceinline__ void on_stage(int kb, int stage) const {
           const int valid = rows - kb * kBlockK;
           if (valid >= kBlockK) return;
@@ -230,12 +245,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // both operands MN-major: a k16 step is 16 rows of 128 bytes in A and B
       consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 16 * 128, false, 16 * 128>(
           acc, true, num_k_blocks, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release,
-          ZeroPartialKBlock{{}, smem, tile.rows, ctid, store_pending});
+          ZeroPartialKBlock{{}, smem, tile.rows, ctid, store_box_of_k_block});
 
       const int64_t group_elems = static_cast<int64_t>(p.m) * p.n;
       const int row0 = tile.m0 + 64 * wg;
       if constexpr (kDeferEpi) {
-        store_pending();  // still pending when the mainloop had no k-block (an expert without rows)
+        store_boxes_from(num_k_blocks);  // boxes this tile's k-blocks did not take
+        pend_row0 = -1;
         if (row0 < p.m) {
 #pragma unroll
           for (int i = 0; i < kBlockN / 4; ++i) pend[i] = ptx::pack_bf16x2(acc[2 * i], acc[2 * i + 1]);
@@ -290,7 +306,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       }
     }
-    store_pending();
+    store_boxes_from(0);
     if constexpr (kOut == kOutBf16Store) {
       if (wg_tid == 0) ptx::bulk_wait_group<0>();
     }
