@@ -38,8 +38,8 @@ template <int kBlockN, int kNumStages, bool kAsyncEpi, bool kDeferEpi = false>
 struct KGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
   using Ring = StageRingLayout<128, kBlockN, 64, kNumStages>;
   static constexpr int kCOff = Ring::kRingEnd;
-  // deferred: one 64 x 64 bf16 box per warpgroup
-  static constexpr int kCBytes = kDeferEpi   ? 2 * TmaStaging<64>::kBoxBytes
+  // deferred: no staging
+  static constexpr int kCBytes = kDeferEpi   ? 0
                                  : kAsyncEpi ? TmaStaging<kBlockN>::kBytes
                                              : 2 * kSyncStageStride;
   static constexpr int kBarOff = kCOff + kCBytes;
@@ -173,26 +173,28 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     uint32_t phase = 0;
     const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + (kAsyncEpi ? wg * TmaStaging<kBlockN>::kHalfBytes : 0);
     // Deferred epilogue (kDeferEpi): a tile's accumulators become bf16 words (pend) as soon as its MMAs are done;
-    // box b (64 columns) of them is staged and TMA-stored right after the next tile's k-block b of MMAs is
-    // queued (boxes left when that tile has fewer k-blocks: before its own words are taken), through one 8 KB
-    // box per warpgroup, whose last store had a k-block's time to read it. The tensor cores then never wait for
-    // the staging, and the staging's 64 KB goes to a fourth stage. pend_row0 < 0: nothing pending.
+    // their 64-column box b goes straight from registers to global memory right after the next tile's k-block b
+    // of MMAs is queued (boxes left when that tile has fewer k-blocks: before its own words are taken). No
+    // staging: shared-memory bandwidth is what the 128 x 256 mainloop runs out of (bench/NOTES.md, session 11),
+    // and the staging's 64 KB becomes a fourth stage. pend_row0 < 0: nothing pending.
     constexpr int kOutBoxes = kBlockN / 64;
     uint32_t pend[kDeferEpi ? kBlockN / 4 : 1] = {};
-    int pend_row0 = -1, pend_n0 = 0, pend_group = 0;
-    const uint32_t box_addr = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<64>::kBoxBytes;
+    int pend_row0 = -1, pend_n0 = 0;
+    bool pend_row_ok[2] = {false, false};
+    __nv_bfloat16* pend_out = nullptr;  // this thread's first element: row fr, column pend_n0 + 2 * (lane & 3)
     auto store_box = [&](auto box_const) {
       if constexpr (kDeferEpi) {
         constexpr int b = decltype(box_const)::value;
-        if (pend_row0 < 0 || pend_n0 + 64 * b >= p.n) return;  // uniform across the warpgroup
-        if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the box's last store has read it
-        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        write_words_to_staging<1>([&](int i) { return pend[i]; }, box_addr, wg_tid, b);
-        ptx::fence_proxy_async_smem();
-        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        if (wg_tid == 0) {
-          ptx::tma_store_3d(&tmap_c, box_addr, pend_n0 + 64 * b, pend_row0, pend_group);
-          ptx::bulk_commit_group();
+        if (pend_row0 < 0) return;
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const int j = 8 * b + jj;  // 8-column group of the fragment (p.n % 8 == 0: a group is all in or out)
+          if (pend_n0 + 8 * j < p.n) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              if (pend_row_ok[h])
+                *reinterpret_cast<uint32_t*>(pend_out + static_cast<int64_t>(8 * h) * p.n + 8 * j) = pend[2 * j + h];
+          }
         }
       }
     };
@@ -255,9 +257,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (row0 < p.m) {
 #pragma unroll
           for (int i = 0; i < kBlockN / 4; ++i) pend[i] = ptx::pack_bf16x2(acc[2 * i], acc[2 * i + 1]);
+          const int fr = row0 + warp_in_wg * 16 + (lane >> 2);
           pend_row0 = row0;
           pend_n0 = tile.n0;
-          pend_group = tile.group;
+          pend_row_ok[0] = fr < p.m;
+          pend_row_ok[1] = fr + 8 < p.m;
+          pend_out = reinterpret_cast<__nv_bfloat16*>(p.c) + tile.group * group_elems + static_cast<int64_t>(fr) * p.n +
+                     tile.n0 + 2 * (lane & 3);
         }
       } else if constexpr (kAsyncEpi) {
         // C is [E, M, N]: the 3-D map clips rows >= M and columns >= N, so every half goes out by TMA.
