@@ -176,24 +176,43 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // their 64-column box b goes straight from registers to global memory right after the next tile's k-block b
     // of MMAs is queued (boxes left when that tile has fewer k-blocks: before its own words are taken). No
     // staging: shared-memory bandwidth is what the 128 x 256 mainloop runs out of (bench/NOTES.md, session 11),
-    // and the staging's 64 KB becomes a fourth stage. pend_row0 < 0: nothing pending.
+    // and the staging's 64 KB becomes a fourth stage. pend_rows / pend_cols: this thread's rows (from its first)
+    // and columns (from its first group) inside C; pend_rows <= 0 also means nothing pending.
     constexpr int kOutBoxes = kBlockN / 64;
     uint32_t pend[kDeferEpi ? kBlockN / 4 : 1] = {};
-    int pend_row0 = -1, pend_n0 = 0;
-    bool pend_row_ok[2] = {false, false};
-    __nv_bfloat16* pend_out = nullptr;  // this thread's first element: row fr, column pend_n0 + 2 * (lane & 3)
+    int pend_rows = 0, pend_cols = 0;
+    __nv_bfloat16* pend_out = nullptr;  // this thread's first element: row fr, column pend_n0 + 8 * (lane & 3)
     auto store_box = [&](auto box_const) {
       if constexpr (kDeferEpi) {
         constexpr int b = decltype(box_const)::value;
-        if (pend_row0 < 0) return;
+        if (!__any_sync(0xffffffffu, pend_rows > 0)) return;  // warp-uniform: the shuffles need every lane
+        // A quad (lanes 4r..4r+3) holds each row's 8-column groups j as one bf16x2 word per lane; a 4 x 4
+        // transpose over groups 4g..4g+3 (two xor-shuffle stages) gives lane q the 16 bytes of group 4g+q, so
+        // every store writes whole 32-byte sectors (4-byte stores of half sectors ran at half the speed).
+        const int q = lane & 3;
+        const bool q1 = (q & 2) != 0, q0 = (q & 1) != 0;
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const int j = 8 * b + jj;  // 8-column group of the fragment (p.n % 8 == 0: a group is all in or out)
-          if (pend_n0 + 8 * j < p.n) {
+        for (int gg = 0; gg < 2; ++gg) {
+          const int g = 2 * b + gg;
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-              if (pend_row_ok[h])
-                *reinterpret_cast<uint32_t*>(pend_out + static_cast<int64_t>(8 * h) * p.n + 8 * j) = pend[2 * j + h];
+          for (int h = 0; h < 2; ++h) {
+            uint32_t w[4], u[4], y[4];
+#pragma unroll
+            for (int t = 0; t < 4; ++t) w[t] = pend[2 * (4 * g + t) + h];
+#pragma unroll
+            for (int t0 = 0; t0 < 2; ++t0) {  // stage 1: lane bit 1 <-> group bit 1
+              const uint32_t r = __shfl_xor_sync(0xffffffffu, q1 ? w[t0] : w[2 + t0], 2);
+              u[t0] = q1 ? r : w[t0];
+              u[2 + t0] = q1 ? w[2 + t0] : r;
+            }
+#pragma unroll
+            for (int a1 = 0; a1 < 2; ++a1) {  // stage 2: lane bit 0 <-> group bit 0
+              const uint32_t r = __shfl_xor_sync(0xffffffffu, q0 ? u[2 * a1] : u[2 * a1 + 1], 1);
+              y[2 * a1] = q0 ? r : u[2 * a1];
+              y[2 * a1 + 1] = q0 ? u[2 * a1 + 1] : r;
+            }
+            if (8 * h < pend_rows && 32 * g < pend_cols)
+              ptx::st_global_v4(pend_out + static_cast<int64_t>(8 * h) * p.n + 32 * g, make_uint4(y[0], y[1], y[2], y[3]));
           }
         }
       }
@@ -253,17 +272,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const int row0 = tile.m0 + 64 * wg;
       if constexpr (kDeferEpi) {
         store_boxes_from(num_k_blocks);  // boxes this tile's k-blocks did not take
-        pend_row0 = -1;
+        pend_rows = 0;
         if (row0 < p.m) {
 #pragma unroll
           for (int i = 0; i < kBlockN / 4; ++i) pend[i] = ptx::pack_bf16x2(acc[2 * i], acc[2 * i + 1]);
           const int fr = row0 + warp_in_wg * 16 + (lane >> 2);
-          pend_row0 = row0;
-          pend_n0 = tile.n0;
-          pend_row_ok[0] = fr < p.m;
-          pend_row_ok[1] = fr + 8 < p.m;
+          pend_rows = p.m - fr;
+          pend_cols = p.n - tile.n0 - 8 * (lane & 3);
           pend_out = reinterpret_cast<__nv_bfloat16*>(p.c) + tile.group * group_elems + static_cast<int64_t>(fr) * p.n +
-                     tile.n0 + 2 * (lane & 3);
+                     tile.n0 + 8 * (lane & 3);
         }
       } else if constexpr (kAsyncEpi) {
         // C is [E, M, N]: the 3-D map clips rows >= M and columns >= N, so every half goes out by TMA.
