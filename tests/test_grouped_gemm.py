@@ -139,28 +139,6 @@ def test_k_grouped_matches_float64(E, kind, Mdim, Ndim, mode):
 
 
 @requires_sm90
-@pytest.mark.parametrize("E,kind,Mdim,Ndim", K_CASES + [(64, "special", 1536, 2048), (33, "skewed", 200, 136)])
-def test_k_grouped_deferred_epilogue_matches_default_bitwise(monkeypatch, E, kind, Mdim, Ndim):
-    """The deferred epilogue (PK_K_GROUPED_DEFER=1: a tile's bf16 words are staged and stored after the next
-    tile's first MMAs are queued) writes every bf16 output bit as the default epilogue does, empty groups
-    (zeros) and partial tiles included, and again on a second run."""
-    gen = torch.Generator().manual_seed(3 * E + Mdim + 5 * Ndim)
-    sizes = group_sizes(E, kind, gen)
-    P = sum(sizes)
-    offs = offsets_of(sizes, "cuda")
-    a = torch.randn(max(P, 1), Mdim, generator=gen).bfloat16().cuda()
-    b = torch.randn(max(P, 1), Ndim, generator=gen).bfloat16().cuda()
-    outs = []
-    for defer in ("0", "1", "1"):
-        monkeypatch.setenv("PK_K_GROUPED_DEFER", defer)  # read at every call (grouped_gemm.cu)
-        poison_next_alloc(E * Mdim * Ndim, torch.bfloat16)
-        outs.append(deep_gemm.k_grouped_bf16_gemm_tn(a, b, offs, out_dtype=torch.bfloat16))
-    assert not torch.isnan(outs[1]).any(), "output left unwritten"
-    assert torch.equal(outs[0], outs[1])
-    assert torch.equal(outs[1], outs[2])
-
-
-@requires_sm90
 def test_bad_gemm_inputs_raise_before_launch():
     a = torch.randn(64, 128, device="cuda").bfloat16()
     b = torch.randn(2, 64, 128, device="cuda").bfloat16()

@@ -1,8 +1,6 @@
 // prime-kernels: pieces shared by the sm90 grouped-GEMM kernels (no __global__ here).
 #pragma once
 
-#include <type_traits>
-
 #include <cstdint>
 #include <cuda_bf16.h>
 
@@ -133,12 +131,10 @@ __device__ __forceinline__ void init_stage_barriers(uint64_t* full_bar, uint64_t
 // hook (optional, NoTileHook shows the interface): before_first_wait(bar, parity) runs before the first
 // k-block's wait and after_first_issue() once that k-block's MMAs are issued (an inactive warpgroup: right
 // after before_first_wait): work of the previous tile that may wait until this tile's MMAs are queued;
-// after_issue(kb) once k-block kb's MMAs are issued (active warpgroups only);
 // on_stage(kb, stage) runs once k-block kb's stage has landed, before its MMAs (e.g. to patch the stage).
 struct NoTileHook {
   __device__ __forceinline__ void before_first_wait(uint64_t*, uint32_t) const {}
   __device__ __forceinline__ void after_first_issue() const {}
-  __device__ __forceinline__ void after_issue(int) const {}
   __device__ __forceinline__ void on_stage(int, int) const {}
 };
 
@@ -180,7 +176,6 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
 #pragma unroll
       for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
       if (kb == 0) hook.after_first_issue();
-      hook.after_issue(kb);
       if (kb > 0) {
         ptx::wgmma_wait<1>();
         release(prev_stage);
@@ -309,25 +304,14 @@ struct TmaStaging {
   static constexpr int kBytes = 2 * kHalfBytes;
 };
 
-// f(std::integral_constant<int, I>{}) for I = kBegin .. kEnd - 1: a loop whose index is a compile-time constant
-// (register-array indices must be).
-template <int kBegin, int kEnd, typename F>
-__device__ __forceinline__ void for_each_index(F&& f) {
-  if constexpr (kBegin < kEnd) {
-    f(std::integral_constant<int, kBegin>{});
-    for_each_index<kBegin + 1, kEnd>(f);
-  }
-}
-
 // Plain bf16 rounding (round to nearest even) of two fp32 values into one bf16x2 word.
 struct PackBf16x2 {
   __device__ __forceinline__ uint32_t operator()(float lo, float hi) const { return ptx::pack_bf16x2(lo, hi); }
 };
 
-// Boxes [box0, box0 + kBoxes) of one warpgroup's 64 x kBlockN fragment (wgmma m64nN layout), given as bf16x2
-// words, into its swizzled staging half: word(i) packs fragment values 2i and 2i + 1.
-template <int kBoxes, typename WordFn>
-__device__ __forceinline__ void write_words_to_staging(const WordFn& word, uint32_t stg_half, int wg_tid, int box0) {
+template <int kBlockN, int kBoxes, typename Pack = PackBf16x2>
+__device__ __forceinline__ void write_acc_boxes_to_staging(const float (&acc)[kBlockN / 2], uint32_t stg_half,
+                                                           int wg_tid, int box0, const Pack& pack = Pack{}) {
   const int lane = wg_tid & 31;
   const int mi = lane >> 3;
   const int ri = lane & 7;
@@ -340,14 +324,9 @@ __device__ __forceinline__ void write_words_to_staging(const WordFn& word, uint3
     const int j0 = 2 * jp;
     const uint32_t addr = base + (jq >> 2) * TmaStaging<64 * kBoxes>::kBoxBytes +
                           ((static_cast<uint32_t>((jq & 3) * 2) << 4) ^ x);
-    ptx::stmatrix_x4(addr, word(2 * j0), word(2 * j0 + 1), word(2 * j0 + 2), word(2 * j0 + 3));
+    ptx::stmatrix_x4(addr, pack(acc[4 * j0 + 0], acc[4 * j0 + 1]), pack(acc[4 * j0 + 2], acc[4 * j0 + 3]),
+                     pack(acc[4 * j0 + 4], acc[4 * j0 + 5]), pack(acc[4 * j0 + 6], acc[4 * j0 + 7]));
   }
-}
-
-template <int kBlockN, int kBoxes, typename Pack = PackBf16x2>
-__device__ __forceinline__ void write_acc_boxes_to_staging(const float (&acc)[kBlockN / 2], uint32_t stg_half,
-                                                           int wg_tid, int box0, const Pack& pack = Pack{}) {
-  write_words_to_staging<kBoxes>([&](int i) { return pack(acc[2 * i], acc[2 * i + 1]); }, stg_half, wg_tid, box0);
 }
 
 // One warpgroup's 64 x kBlockN fp32 fragment (wgmma m64nN layout) -> bf16 into its swizzled staging half.

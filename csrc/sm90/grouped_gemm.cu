@@ -40,12 +40,12 @@ int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtenso
   return check_launch("m_grouped_bf16_gemm", err, err_len);
 }
 
-template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi, bool kDeferEpi = false>
+template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi>
 int launch_k_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mc, const KGroupedParams& p,
                      int grid,
                      cudaStream_t stream, char* err, size_t err_len) {
-  constexpr auto kernel = &k_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kOut, kAsyncEpi, kDeferEpi>;
-  constexpr int smem = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi, kDeferEpi>::kSmemBytes;
+  constexpr auto kernel = &k_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kOut, kAsyncEpi>;
+  constexpr int smem = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
@@ -569,12 +569,6 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
   const int out = c_is_bf16 ? kOutBf16Store : (accumulate ? kOutF32Accumulate : kOutF32Store);
 #define PK_K_LAUNCH(BN, ST, OUT, ASYNC) return launch_k_grouped<BN, ST, OUT, ASYNC>(ma, mb, mc, p, grid, stream, err, err_len)
   if (cfg.async_epilogue) {
-    // PK_K_GROUPED_DEFER=1 (development switch, read at every call): the deferred epilogue
-    const char* defer_env = std::getenv("PK_K_GROUPED_DEFER");
-    if (defer_env != nullptr && defer_env[0] == '1') {
-      if (cfg.block_n == 256) return launch_k_grouped<256, 4, kOutBf16Store, true, true>(ma, mb, mc, p, grid, stream, err, err_len);
-      return launch_k_grouped<128, 6, kOutBf16Store, true, true>(ma, mb, mc, p, grid, stream, err, err_len);
-    }
     if (cfg.block_n == 256) PK_K_LAUNCH(256, 3, kOutBf16Store, true);
     PK_K_LAUNCH(128, 5, kOutBf16Store, true);
   }

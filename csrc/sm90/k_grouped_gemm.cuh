@@ -16,8 +16,6 @@
 
 #include <cuda.h>
 
-#include <type_traits>
-
 #include "gemm_common.cuh"
 
 namespace deep_gemm {
@@ -34,14 +32,11 @@ struct KGroupedParams {
   int32_t num_groups;
 };
 
-template <int kBlockN, int kNumStages, bool kAsyncEpi, bool kDeferEpi = false>
+template <int kBlockN, int kNumStages, bool kAsyncEpi>
 struct KGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
   using Ring = StageRingLayout<128, kBlockN, 64, kNumStages>;
   static constexpr int kCOff = Ring::kRingEnd;
-  // deferred: no staging
-  static constexpr int kCBytes = kDeferEpi   ? 0
-                                 : kAsyncEpi ? TmaStaging<kBlockN>::kBytes
-                                             : 2 * kSyncStageStride;
+  static constexpr int kCBytes = kAsyncEpi ? TmaStaging<kBlockN>::kBytes : 2 * kSyncStageStride;
   static constexpr int kBarOff = kCOff + kCBytes;
   static constexpr int kOffsOff = kBarOff + (2 * kNumStages + 2) * 8;
   static constexpr int kOrderOff = kOffsOff + (kMaxGroups + 1) * 4;
@@ -51,15 +46,14 @@ struct KGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "kBlockN must be 64..256, a multiple of 64");
 };
 
-template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi, bool kDeferEpi = false>
+template <int kBlockN, int kNumStages, int kOut, bool kAsyncEpi>
 __global__ void __launch_bounds__(kNumThreads, 1)
     k_grouped_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                                const __grid_constant__ CUtensorMap tmap_b,
                                const __grid_constant__ CUtensorMap tmap_c, const KGroupedParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   static_assert(!kAsyncEpi || kOut == kOutBf16Store, "the asynchronous epilogue stores bf16 only");
-  static_assert(!kDeferEpi || kAsyncEpi, "the deferred epilogue is a form of the asynchronous one");
-  using L = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi, kDeferEpi>;
+  using L = KGroupedLayout<kBlockN, kNumStages, kAsyncEpi>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockK = L::kBlockK;
   constexpr int kBoxBytes = 64 * kBlockK * 2;  // one 64-wide MN block of one stage
@@ -172,62 +166,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int stage = 0;
     uint32_t phase = 0;
     const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + (kAsyncEpi ? wg * TmaStaging<kBlockN>::kHalfBytes : 0);
-    // Deferred epilogue (kDeferEpi): a tile's accumulators become bf16 words (pend) as soon as its MMAs are done;
-    // their 64-column box b goes straight from registers to global memory right after the next tile's k-block b
-    // of MMAs is queued (boxes left when that tile has fewer k-blocks: before its own words are taken). No
-    // staging: shared-memory bandwidth is what the 128 x 256 mainloop runs out of (bench/NOTES.md, session 11),
-    // and the staging's 64 KB becomes a fourth stage. pend_rows / pend_cols: this thread's rows (from its first)
-    // and columns (from its first group) inside C; pend_rows <= 0 also means nothing pending.
-    constexpr int kOutBoxes = kBlockN / 64;
-    uint32_t pend[kDeferEpi ? kBlockN / 4 : 1] = {};
-    int pend_rows = 0, pend_cols = 0;
-    __nv_bfloat16* pend_out = nullptr;  // this thread's first element: row fr, column pend_n0 + 8 * (lane & 3)
-    auto store_box = [&](auto box_const) {
-      if constexpr (kDeferEpi) {
-        constexpr int b = decltype(box_const)::value;
-        if (!__any_sync(0xffffffffu, pend_rows > 0)) return;  // warp-uniform: the shuffles need every lane
-        // A quad (lanes 4r..4r+3) holds each row's 8-column groups j as one bf16x2 word per lane; a 4 x 4
-        // transpose over groups 4g..4g+3 (two xor-shuffle stages) gives lane q the 16 bytes of group 4g+q, so
-        // every store writes whole 32-byte sectors (4-byte stores of half sectors ran at half the speed).
-        const int q = lane & 3;
-        const bool q1 = (q & 2) != 0, q0 = (q & 1) != 0;
-#pragma unroll
-        for (int gg = 0; gg < 2; ++gg) {
-          const int g = 2 * b + gg;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            uint32_t w[4], u[4], y[4];
-#pragma unroll
-            for (int t = 0; t < 4; ++t) w[t] = pend[2 * (4 * g + t) + h];
-#pragma unroll
-            for (int t0 = 0; t0 < 2; ++t0) {  // stage 1: lane bit 1 <-> group bit 1
-              const uint32_t r = __shfl_xor_sync(0xffffffffu, q1 ? w[t0] : w[2 + t0], 2);
-              u[t0] = q1 ? r : w[t0];
-              u[2 + t0] = q1 ? w[2 + t0] : r;
-            }
-#pragma unroll
-            for (int a1 = 0; a1 < 2; ++a1) {  // stage 2: lane bit 0 <-> group bit 0
-              const uint32_t r = __shfl_xor_sync(0xffffffffu, q0 ? u[2 * a1] : u[2 * a1 + 1], 1);
-              y[2 * a1] = q0 ? r : u[2 * a1];
-              y[2 * a1 + 1] = q0 ? u[2 * a1 + 1] : r;
-            }
-            if (8 * h < pend_rows && 32 * g < pend_cols)
-              ptx::st_global_v4(pend_out + static_cast<int64_t>(8 * h) * p.n + 32 * g, make_uint4(y[0], y[1], y[2], y[3]));
-          }
-        }
-      }
-    };
-    // boxes [from, kOutBoxes) of the pending tile; box kb (runtime values, compile-time box indices)
-    auto store_boxes_from = [&](int from) {
-      for_each_index<0, kOutBoxes>([&](auto b) {
-        if (decltype(b)::value >= from) store_box(b);
-      });
-    };
-    auto store_box_of_k_block = [&](int kb) {
-      for_each_index<0, kOutBoxes>([&](auto b) {
-        if (decltype(b)::value == kb) store_box(b);
-      });
-    };
     for (int i = 0; i * grid < num_tiles; ++i) {
       const int t = tile_of(i);
       if (t >= num_tiles) continue;
@@ -236,12 +174,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if (kOut == kOutF32Accumulate && num_k_blocks == 0) continue;
       // Last, partial k-block: zero k-rows [valid, 64) of every box of the stage before the MMAs read it (whole
       // 128-byte rows, so the swizzle does not matter), then hand the writes to the async proxy.
-      // (after_issue: the deferred epilogue's box of the previous tile)
       struct ZeroPartialKBlock : NoTileHook {
         uint8_t* smem;
         int rows, ctid;
-        const decltype(store_box_of_k_block)& store_box_of;
-        __device__ __forceinline__ void after_issue(int kb) const { store_box_of(kb); }
         __device__ __forceinline__ void on_stage(int kb, int stage) const {
           const int valid = rows - kb * kBlockK;
           if (valid >= kBlockK) return;
@@ -266,23 +201,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // both operands MN-major: a k16 step is 16 rows of 128 bytes in A and B
       consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 16 * 128, false, 16 * 128>(
           acc, true, num_k_blocks, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release,
-          ZeroPartialKBlock{{}, smem, tile.rows, ctid, store_box_of_k_block});
+          ZeroPartialKBlock{{}, smem, tile.rows, ctid});
 
       const int64_t group_elems = static_cast<int64_t>(p.m) * p.n;
       const int row0 = tile.m0 + 64 * wg;
-      if constexpr (kDeferEpi) {
-        store_boxes_from(num_k_blocks);  // boxes this tile's k-blocks did not take
-        pend_rows = 0;
-        if (row0 < p.m) {
-#pragma unroll
-          for (int i = 0; i < kBlockN / 4; ++i) pend[i] = ptx::pack_bf16x2(acc[2 * i], acc[2 * i + 1]);
-          const int fr = row0 + warp_in_wg * 16 + (lane >> 2);
-          pend_rows = p.m - fr;
-          pend_cols = p.n - tile.n0 - 8 * (lane & 3);
-          pend_out = reinterpret_cast<__nv_bfloat16*>(p.c) + tile.group * group_elems + static_cast<int64_t>(fr) * p.n +
-                     tile.n0 + 8 * (lane & 3);
-        }
-      } else if constexpr (kAsyncEpi) {
+      if constexpr (kAsyncEpi) {
         // C is [E, M, N]: the 3-D map clips rows >= M and columns >= N, so every half goes out by TMA.
         if (row0 < p.m) {
           if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
@@ -329,7 +252,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       }
     }
-    store_boxes_from(0);
     if constexpr (kOut == kOutBf16Store) {
       if (wg_tid == 0) ptx::bulk_wait_group<0>();
     }

@@ -469,7 +469,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
       __device__ __forceinline__ void after_first_issue() const { arrive(); }
       __device__ __forceinline__ void on_stage(int, int) const {}
-      __device__ __forceinline__ void after_issue(int) const {}
     };
     for (int u = (int)ptx::ctaid_x_volatile(); u < seq.num_tasks; u += (int)gridDim.x) {
       const auto t = seq.locate(u, e, in_l2);
