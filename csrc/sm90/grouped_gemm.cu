@@ -8,13 +8,11 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 
 #include "host_utils.hpp"
 #include "k_grouped_gemm.cuh"
 #include "m_grouped_gemm.cuh"
 #include "swiglu_bwd_pp.cuh"
-#include "swiglu_bwd_tma256.cuh"
 
 namespace deep_gemm {
 namespace sm90 {
@@ -437,11 +435,6 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
   // at every call) runs the cooperative kSwiGLUBwd kernel instead (not with a gathered dy).
   const char* coop_env = std::getenv("PK_SWIGLU_BWD_COOP");
   const bool cooperative = !dispatch && coop_env != nullptr && coop_env[0] == '1';
-  // PK_SWIGLU_BWD_KERNEL=tma256 (development switch, read at every call; not run on a GPU yet): the cooperative
-  // 128 x 256 kernel with the ping-pong kernel's TMA epilogue (swiglu_bwd_tma256.cuh), where its tables fit.
-  const char* kernel_env = std::getenv("PK_SWIGLU_BWD_KERNEL");
-  const bool tma256 = !dispatch && !cooperative && kernel_env != nullptr && std::strcmp(kernel_env, "tma256") == 0 &&
-                      num_groups <= kTma256MaxGroups;
   if (!cooperative && I % 64 == 0 && ldh % 8 == 0 && lddh % 8 == 0 && ldaw % 8 == 0) {
     CUtensorMap mh, mdh, maw;
     {
@@ -457,14 +450,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
     }
     const int64_t tiles = num_m_blocks * ((I + 127) / 128);
     cudaError_t e = cudaSuccess;
-    if (tma256) {
-      constexpr int kStages = 3;
-      constexpr auto kernel = &m_grouped_swiglu_bwd_tma256_kernel<kStages>;
-      constexpr int smem = SwigluBwdTma256Layout<kStages>::kSmemBytes;
-      e = set_max_dynamic_smem<kernel>(smem);
-      if (e == cudaSuccess) e = launch_persistent<kernel, false>(kNumThreads, smem, num_m_blocks * n_blocks, sms, stream,
-                                                                    ma, mb, mh, mdh, maw, p);
-    } else if (dispatch) {
+    if (dispatch) {
       // Every CTA of the persistent grid must be resident at once, since a tile waits on rows another CTA
       // dispatches: grid <= SMs, one CTA per SM (its shared memory).
       constexpr int kStages = 3, kSlots = 9;  // 9 x 4 KB dispatch slots take the fourth stage's room

@@ -54,7 +54,7 @@ struct SwigluBwdPPLayout : StageRingLayout<128, 128, 64, kNumStages> {
   static_assert(kDispatchSlots % kDispatchWarps == 0, "dispatch slots are split evenly over the dispatch warps");
 };
 
-// The epilogue of both L2-dgrad kernels here (this one and swiglu_bwd_tma256.cuh), one 64 x 64 piece at a time:
+// The ping-pong kernel's epilogue, one 64 x 64 piece at a time:
 // the SwiGLU backward of this thread's fragment rows frag_row and frag_row + 8, accumulator column groups
 // [8 q, 8 q + 8) (da, fp32), against g and u in the 128B-swizzled boxes at gb and ub; dg and du overwrite g and u,
 // w * s goes to the box at aw, and partial[hh] += da * s in column order (the d topk_weights partials).
