@@ -167,6 +167,17 @@ PK_API int pk_combine_bf16_cpu(const void* slots, int64_t ld_slots, const int32_
                                const float* weights, int64_t num_tokens, int64_t top_k, int64_t hidden,
                                void* out, int64_t ld_out);
 
+// Dispatch, the combine's transpose: out[route_to_pool[t,k]] = src[t] (bf16 rows copied as they are) for every
+// route; routes of -1 or naming a row outside [0, num_rows) write nothing, and rows no route names keep their
+// contents. src bf16 [num_tokens, >= hidden] (ld_src), out bf16 [num_rows, >= hidden] (ld_out); hidden, ld_src
+// and ld_out multiples of 8; src and out 16-byte aligned.
+PK_API int pk_dispatch_rows_bf16_cuda(const void* src, int64_t ld_src, const int32_t* route_to_pool,
+                                      int64_t num_tokens, int64_t top_k, int64_t hidden, void* out, int64_t ld_out,
+                                      int64_t num_rows, void* cuda_stream);
+PK_API int pk_dispatch_rows_bf16_cpu(const void* src, int64_t ld_src, const int32_t* route_to_pool,
+                                     int64_t num_tokens, int64_t top_k, int64_t hidden, void* out, int64_t ld_out,
+                                     int64_t num_rows);
+
 // ---------------------------------------------------------------------------------------------
 // SwiGLU over pool rows (the grouped pipeline's epilogues). Rows below *num_rows (device int32)
 // only; I, the row strides multiples of 8; pointers 16-byte aligned. clamp < 0 means no clamp.

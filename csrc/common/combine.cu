@@ -36,4 +36,25 @@ void combine_host(const CombineArgs& a) {
   }
 }
 
+cudaError_t launch_dispatch_rows(const DispatchArgs& a, cudaStream_t stream) {
+  if (a.num_tokens == 0 || a.hidden == 0) return cudaSuccess;
+  const int64_t chunks = (a.hidden / 8 + kCombineThreads - 1) / kCombineThreads;
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min<int64_t>(a.num_tokens, 65535)));
+  dispatch_rows_bf16_kernel<<<grid, kCombineThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(a.src), a.ld_src, a.route_to_pool, a.num_tokens, static_cast<int>(a.top_k),
+      a.hidden, static_cast<__nv_bfloat16*>(a.out), a.ld_out, a.num_rows);
+  return cudaGetLastError();
+}
+
+void dispatch_rows_host(const DispatchArgs& a) {
+  const auto* src = static_cast<const __nv_bfloat16*>(a.src);
+  auto* out = static_cast<__nv_bfloat16*>(a.out);
+  for (int64_t t = 0; t < a.num_tokens; ++t)
+    for (int64_t k = 0; k < a.top_k; ++k) {
+      const int32_t row = a.route_to_pool[t * a.top_k + k];
+      if (row < 0 || row >= a.num_rows) continue;
+      std::memcpy(out + row * a.ld_out, src + t * a.ld_src, static_cast<size_t>(a.hidden) * sizeof(__nv_bfloat16));
+    }
+}
+
 }  // namespace deep_gemm::common

@@ -1,4 +1,5 @@
 // Combine: y[t] = round_bf16( sum_{k in 0..K-1, in order} w[t,k] * slot[route_to_pool[t,k]] ).
+// Dispatch, its transpose: out[route_to_pool[t,k]] = src[t] for every route (the backward's dy pool rows).
 //
 // The deterministic reduction of the forward (F5: fp32 top-k weights, fp32 sum in increasing k) and,
 // with no weights, of the backward's per-route dx slots (B8). Masked routes (row -1) add nothing;
@@ -38,6 +39,25 @@ combine_bf16_kernel(const __nv_bfloat16* __restrict__ slots, int64_t ld_slots,
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
     *reinterpret_cast<uint4*>(out + t * ld_out + col) = packed;
+  }
+}
+
+// Dispatch: every token row is read once and written to each of its routes' pool rows. Token-major, so a
+// row is read from HBM once (a pool-row-major gather re-reads rows that fell out of L2: 0.26 vs 0.17 ms for
+// 30B, T=16384 on the H200, the latter the card's fill rate; bench/NOTES.md, session 11). Routes of -1, or
+// naming a row outside [0, num_rows), write nothing. Same grid as the combine.
+__global__ void __launch_bounds__(kCombineThreads)
+dispatch_rows_bf16_kernel(const __nv_bfloat16* __restrict__ src, int64_t ld_src,
+                          const int32_t* __restrict__ route_to_pool, int64_t num_tokens, int top_k, int64_t hidden,
+                          __nv_bfloat16* __restrict__ out, int64_t ld_out, int64_t num_rows) {
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * kCombineThreads + threadIdx.x) * 8;
+  if (col >= hidden) return;
+  for (int64_t t = blockIdx.y; t < num_tokens; t += gridDim.y) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + t * ld_src + col));
+    for (int k = 0; k < top_k; ++k) {
+      const int32_t row = __ldg(route_to_pool + t * top_k + k);
+      if (row >= 0 && row < num_rows) *reinterpret_cast<uint4*>(out + row * ld_out + col) = v;
+    }
   }
 }
 

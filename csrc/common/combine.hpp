@@ -21,4 +21,21 @@ struct CombineArgs {
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
 void combine_host(const CombineArgs& args);  // same order and rounding, on the CPU
 
+// out[route_to_pool[t, k]] = src[t] (bf16 rows copied as they are); routes of -1 or outside [0, num_rows) write
+// nothing, and rows no route names keep their contents.
+struct DispatchArgs {
+  const void* src;  // bf16 [num_tokens, >= hidden], row stride ld_src (elements)
+  int64_t ld_src;
+  const int32_t* route_to_pool;  // [num_tokens, top_k]
+  int64_t num_tokens;
+  int64_t top_k;
+  int64_t hidden;
+  void* out;  // bf16 [num_rows, >= hidden], row stride ld_out
+  int64_t ld_out;
+  int64_t num_rows;
+};
+
+cudaError_t launch_dispatch_rows(const DispatchArgs& args, cudaStream_t stream);
+void dispatch_rows_host(const DispatchArgs& args);
+
 }  // namespace deep_gemm::common

@@ -286,6 +286,41 @@ Tensor combine_cuda(Tensor slots, Tensor route_to_pool, std::optional<Tensor> we
   return out;
 }
 
+// Dispatch, the combine's transpose: out[route_to_pool[t, k]] = src[t]; other rows of out keep their contents.
+void check_dispatch_input(const Tensor& src, const Tensor& route_to_pool, const Tensor& out) {
+  const char* op = "dispatch_rows_";
+  STD_TORCH_CHECK(src.scalar_type() == ScalarType::BFloat16 && src.dim() == 2 && src.stride(1) == 1, "deep_gemm.",
+                  op, ": src must be a bfloat16 [T, H] tensor with unit column stride");
+  STD_TORCH_CHECK(out.scalar_type() == ScalarType::BFloat16 && out.dim() == 2 && out.stride(1) == 1 &&
+                      out.size(1) == src.size(1),
+                  "deep_gemm.", op, ": out must be a bfloat16 [rows, H] tensor with src's H and unit column stride");
+  STD_TORCH_CHECK(route_to_pool.scalar_type() == ScalarType::Int && route_to_pool.dim() == 2 &&
+                      route_to_pool.is_contiguous() && route_to_pool.size(0) == src.size(0),
+                  "deep_gemm.", op, ": route_to_pool must be a contiguous int32 [T, K] tensor with src's T rows");
+  STD_TORCH_CHECK(route_to_pool.is_cuda() == src.is_cuda() && out.is_cuda() == src.is_cuda() &&
+                      route_to_pool.get_device_index() == src.get_device_index() &&
+                      out.get_device_index() == src.get_device_index(),
+                  "deep_gemm.", op, ": src, route_to_pool and out must be on one device");
+}
+
+void dispatch_rows_cpu(Tensor src, Tensor route_to_pool, Tensor out) {
+  check_dispatch_input(src, route_to_pool, out);
+  check_core(pk_dispatch_rows_bf16_cpu(src.data_ptr(), src.stride(0),
+                                       static_cast<const int32_t*>(route_to_pool.data_ptr()), route_to_pool.size(0),
+                                       route_to_pool.size(1), src.size(1), out.data_ptr(), out.stride(0), out.size(0)),
+             "dispatch_rows_");
+}
+
+void dispatch_rows_cuda(Tensor src, Tensor route_to_pool, Tensor out) {
+  check_dispatch_input(src, route_to_pool, out);
+  torch::stable::accelerator::DeviceGuard guard(src.get_device_index());
+  check_core(pk_dispatch_rows_bf16_cuda(src.data_ptr(), src.stride(0),
+                                        static_cast<const int32_t*>(route_to_pool.data_ptr()), route_to_pool.size(0),
+                                        route_to_pool.size(1), src.size(1), out.data_ptr(), out.stride(0),
+                                        out.size(0), current_cuda_stream(src.get_device_index())),
+             "dispatch_rows_");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Pool-row SwiGLU (CUDA; the CPU kernels are the Python reference in deep_gemm/mega/_grouped.py).
 // ---------------------------------------------------------------------------------------------
@@ -543,6 +578,7 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
         "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False, Tensor? route_to_pool=None, "
         "Tensor? topk_weights=None) -> (Tensor s, Tensor h, Tensor o, Tensor x_pool, Tensor y)");
   m.def("combine(Tensor slots, Tensor route_to_pool, Tensor? weights=None) -> Tensor");
+  m.def("dispatch_rows_(Tensor src, Tensor route_to_pool, Tensor(a!) out) -> ()");
   m.def("k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32=True) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor(c!) c) -> ()");
 }
@@ -550,6 +586,7 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
 STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CPU, m) {
   m.impl("routing_plan", TORCH_BOX(&routing_plan_cpu));
   m.impl("combine", TORCH_BOX(&combine_cpu));
+  m.impl("dispatch_rows_", TORCH_BOX(&dispatch_rows_cpu));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CUDA, m) {
@@ -558,6 +595,7 @@ STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CUDA, m) {
   m.impl("m_grouped_bf16_gemm_nn", TORCH_BOX(&m_grouped_bf16_gemm_nn));
   m.impl("m_grouped_bf16_gemm_nt_gather", TORCH_BOX(&m_grouped_bf16_gemm_nt_gather));
   m.impl("combine", TORCH_BOX(&combine_cuda));
+  m.impl("dispatch_rows_", TORCH_BOX(&dispatch_rows_cuda));
   m.impl("swiglu_fwd", TORCH_BOX(&swiglu_fwd));
   m.impl("m_grouped_bf16_gemm_swiglu", TORCH_BOX(&m_grouped_bf16_gemm_swiglu));
   m.impl("swiglu_bwd", TORCH_BOX(&swiglu_bwd));

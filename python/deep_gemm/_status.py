@@ -27,6 +27,7 @@ def _entries() -> list[KernelEntry]:
     for fam in ("sm90", "sm100"):
         e.append(KernelEntry(f"routing_plan.int32.{fam}", "routing_plan", fam))
         e.append(KernelEntry(f"combine.bf16.{fam}", "combine", fam))
+        e.append(KernelEntry(f"dispatch_rows.bf16.{fam}", "dispatch_rows", fam))
         e.append(KernelEntry(f"swiglu.bf16.{fam}", "swiglu", fam))
     for name in ("m_grouped_gemm_nt", "m_grouped_gemm_nn", "m_grouped_gemm_nt_gather", "m_grouped_gemm_swiglu",
                  "m_grouped_gemm_swiglu_bwd", "k_grouped_gemm_tn"):

@@ -3,6 +3,9 @@
 Top-k weights are fp32 and the sum is fp32 in increasing k (no atomics), so the result does not
 depend on scheduling. Without weights it is the plain sum the backward's dX needs. Masked routes
 (row -1) add nothing; a token whose routes are all masked gets zeros.
+
+Its transpose, the dispatch: out[route_to_pool[t,k]] = src[t] (rows copied as they are), which builds
+the backward's dy pool rows.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import torch
 
 from . import _lib, _status
 
-__all__ = ["combine", "combine_reference"]
+__all__ = ["combine", "combine_reference", "dispatch_rows"]
 
 
 def combine_reference(slots: torch.Tensor, route_to_pool: torch.Tensor,
@@ -34,7 +37,27 @@ def combine(slots: torch.Tensor, route_to_pool: torch.Tensor, weights: torch.Ten
     return torch.ops.deep_gemm.combine(slots, route_to_pool, weights)
 
 
+def dispatch_rows(src: torch.Tensor, route_to_pool: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[route_to_pool[t, k]] = src[t] for every route, in place; returns out.
+
+    src: bf16 [T, H]; route_to_pool: int32 [T, K] (a routing plan's); out: bf16 [rows, H]. Routes of -1,
+    or naming a row outside [0, rows), write nothing, and rows no route names keep their contents (a
+    plan's padding rows, which no GEMM reads). Each src row is read once (token-major), so this runs at
+    the card's write rate where ``src.index_select`` by pool row re-reads rows from HBM.
+    """
+    if src.is_cuda:
+        _status.require(f"dispatch_rows.bf16.{_status.family_of_device(src.device.index) or 'sm90'}")
+    elif not _lib.load().shim_loaded:
+        raise RuntimeError(f"deep_gemm: dispatch_rows is not available: {_lib.load().reason}")
+    torch.ops.deep_gemm.dispatch_rows_(src, route_to_pool, out)
+    return out
+
+
 def _register() -> None:
     @torch.library.register_fake("deep_gemm::combine")
     def _(slots, route_to_pool, weights=None):
         return slots.new_empty(route_to_pool.shape[0], slots.shape[1])
+
+    @torch.library.register_fake("deep_gemm::dispatch_rows_")
+    def _(src, route_to_pool, out):
+        return None

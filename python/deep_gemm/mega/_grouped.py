@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from ..combine import combine
+from ..combine import combine, dispatch_rows
 from ..grouped_gemm import (k_grouped_bf16_gemm_tn, m_grouped_bf16_gemm_nn, m_grouped_bf16_gemm_nt,
                             m_grouped_bf16_gemm_swiglu, m_grouped_bf16_gemm_swiglu_bwd)
 from ..routing import routing_plan
@@ -33,6 +33,13 @@ def _token_rows(pool_src_route: torch.Tensor, top_k: int) -> torch.Tensor:
     """Token row of every pool row, -1 (reads as a zero row) for padding."""
     return torch.where(pool_src_route >= 0, torch.div(pool_src_route, top_k, rounding_mode="floor"),
                        torch.full_like(pool_src_route, -1))
+
+
+def _rows_for_kernels(t: torch.Tensor) -> torch.Tensor:
+    """t as the row kernels take it: contiguous and 16-byte aligned (autograd may hand dy over as a broadcast
+    or an offset view)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -78,10 +85,7 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         raise RuntimeError("deep_gemm.mega: the grouped backend runs on a single rank (group=None)")
     K = topk_idx.shape[1]
     capacity = pool_src_route.shape[0]
-    # Token row of every pool row for the gathers; padding rows (-1 // K = -1) read row 0, never used by a GEMM.
-    # Two small kernels instead of _token_rows' four plus a clamp and a copy: launches are what this
-    # bookkeeping costs (bench/NOTES.md, session 7).
-    gather = torch.div(pool_src_route, K, rounding_mode="floor").clamp_(min=0)
+    route_to_pool = route_to_pool.contiguous()
     dispatch_dy = _dispatching_dy(w2)
     tok = _token_rows(pool_src_route, K) if recompute or dispatch_dy else None
     h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity) if recompute else h_saved
@@ -92,13 +96,15 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     # bench/NOTES.md, session 5). (activation_clamp is None here: the grouped backend refuses a clamp, see
     # _backend._grouped_reason.)
     weights = topk_weights.float().contiguous()
-    dy = dy.to(torch.bfloat16)
+    dy = _rows_for_kernels(dy.to(torch.bfloat16))
     if dispatch_dy:
         dh, a, dt_part, dy_pool = m_grouped_bf16_gemm_swiglu_bwd(
             dy.contiguous(), w2, offsets, h, pool_src_route, weights, clamp=activation_clamp, a_row_index=tok,
             m_total=capacity)
     else:
-        dy_pool = dy.index_select(0, gather)  # B1 (padding rows: never read by a GEMM)
+        # B1, token-major: each dy row read once (an index_select by pool row re-read rows from HBM: 0.26 vs
+        # 0.17 ms at 30B, T=16384; bench/NOTES.md, session 11). Padding rows stay unwritten: no GEMM reads them.
+        dy_pool = dispatch_rows(dy, route_to_pool, dy.new_empty(capacity, dy.shape[1]))
         dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route, weights,
                                                         clamp=activation_clamp)
     # d topk_weights per pool row: the per-128-column partials summed in column order, into a buffer whose last
@@ -120,8 +126,8 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         # dy_pool and w*s are dead once dW2 is queued: freed before dW13 (and a re-gathered x_pool) are allocated,
         # the backward's peak drops by P * (H + I) * 2 bytes (30B, T=16384: 0.7 GiB; 235B: 1.4 GiB)
         del dy_pool, a
-        if x_pool is None:  # the forward did not keep its pooled rows (padding rows: never read)
-            x_pool = x.index_select(0, gather)
+        if x_pool is None:  # the forward did not keep its pooled rows (padding rows: never read, left unwritten)
+            x_pool = dispatch_rows(x, route_to_pool, x.new_empty(capacity, x.shape[1]))
         if dw13_accum is not None:
             k_grouped_bf16_gemm_tn(dh, x_pool, offsets, accumulate_into=dw13_accum)
         elif need_wgrad:
