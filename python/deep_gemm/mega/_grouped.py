@@ -127,7 +127,7 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         # the backward's peak drops by P * (H + I) * 2 bytes (30B, T=16384: 0.7 GiB; 235B: 1.4 GiB)
         del dy_pool, a
         if x_pool is None:  # the forward did not keep its pooled rows (padding rows: never read, left unwritten)
-            x_pool = dispatch_rows(x, route_to_pool, x.new_empty(capacity, x.shape[1]))
+            x_pool = dispatch_rows(_rows_for_kernels(x), route_to_pool, x.new_empty(capacity, x.shape[1]))
         if dw13_accum is not None:
             k_grouped_bf16_gemm_tn(dh, x_pool, offsets, accumulate_into=dw13_accum)
         elif need_wgrad:
