@@ -523,6 +523,38 @@ __device__ __forceinline__ void store_swiglu_from_acc(const float (&acc)[kBlockN
   }
 }
 
+// The SwiGLU backward of one column pair (the per-element math of both L2-dgrad epilogues): g2 / u2 hold the
+// pair's gate and up values as saved (bf16x2, first column in the low half), da0 / da1 its fp32 accumulators, w
+// the route's weight. Returns dg, du and w * s as bf16x2 words and adds da * s to partial in column order.
+struct SwigluBwdWords {
+  uint32_t dg, du, aw;
+};
+__device__ __forceinline__ SwigluBwdWords swiglu_bwd_pair(uint32_t g2, uint32_t u2, float da0, float da1, float w,
+                                                          float clamp, bool has_clamp, float& partial) {
+  float dg[2], du[2], av[2];
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const float g = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? g2 >> 16 : g2 & 0xffffu));
+    const float u = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? u2 >> 16 : u2 & 0xffffu));
+    const float gc = has_clamp ? fminf(g, clamp) : g;
+    const float uc = has_clamp ? fminf(fmaxf(u, -clamp), clamp) : u;
+    const float sig = __fdividef(1.f, 1.f + __expf(-gc));
+    const float silu = gc * sig;
+    const float sv = silu * uc;
+    const float da = t ? da1 : da0;
+    partial = fmaf(da, sv, partial);
+    const float ds = w * da;
+    dg[t] = ds * uc * sig * (1.f + gc * (1.f - sig));
+    du[t] = ds * silu;
+    if (has_clamp) {
+      dg[t] = g < clamp ? dg[t] : 0.f;
+      du[t] = (u > -clamp && u < clamp) ? du[t] : 0.f;
+    }
+    av[t] = w * sv;
+  }
+  return SwigluBwdWords{ptx::pack_bf16x2(dg[0], dg[1]), ptx::pack_bf16x2(du[0], du[1]), ptx::pack_bf16x2(av[0], av[1])};
+}
+
 // SwiGLU backward epilogue of L2's dgrad (B3-B6, B9 of deep_gemm.mega.reference, on the fp32 da in registers:
 // no bf16 rounding of da, unlike the separate pool-row kernel). One warpgroup's 64 x kBlockN fragment holds
 // da[row, c] for columns col0.. of I. Per pool row (route r, weight w = topk_weights[r]; w = 0 for padding
@@ -574,30 +606,11 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const float (&acc)[kBlockN /
           const int j = j0 + jj;  // constant after unrolling: acc is indexed by constants only
           const int col = cbase + 8 * j;
           if (col < inter) {
-            float dg[2], du[2], av[2];
-#pragma unroll
-            for (int t = 0; t < 2; ++t) {
-              const float g = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? g2[jj] >> 16 : g2[jj] & 0xffffu));
-              const float u = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? u2[jj] >> 16 : u2[jj] & 0xffffu));
-              const float gc = has_clamp ? fminf(g, clamp) : g;
-              const float uc = has_clamp ? fminf(fmaxf(u, -clamp), clamp) : u;
-              const float sig = __fdividef(1.f, 1.f + __expf(-gc));
-              const float silu = gc * sig;
-              const float sv = silu * uc;
-              const float da = acc[4 * j + 2 * hh + t];
-              partial = fmaf(da, sv, partial);
-              const float ds = w * da;
-              dg[t] = ds * uc * sig * (1.f + gc * (1.f - sig));
-              du[t] = ds * silu;
-              if (has_clamp) {
-                dg[t] = g < clamp ? dg[t] : 0.f;
-                du[t] = (u > -clamp && u < clamp) ? du[t] : 0.f;
-              }
-              av[t] = w * sv;
-            }
-            *reinterpret_cast<uint32_t*>(dhrow + col) = ptx::pack_bf16x2(dg[0], dg[1]);
-            *reinterpret_cast<uint32_t*>(dhrow + inter + col) = ptx::pack_bf16x2(du[0], du[1]);
-            *reinterpret_cast<uint32_t*>(awrow + col) = ptx::pack_bf16x2(av[0], av[1]);
+            const SwigluBwdWords o = swiglu_bwd_pair(g2[jj], u2[jj], acc[4 * j + 2 * hh], acc[4 * j + 2 * hh + 1],
+                                                     w, clamp, has_clamp, partial);
+            *reinterpret_cast<uint32_t*>(dhrow + col) = o.dg;
+            *reinterpret_cast<uint32_t*>(dhrow + inter + col) = o.du;
+            *reinterpret_cast<uint32_t*>(awrow + col) = o.aw;
           }
         }
       }

@@ -72,30 +72,11 @@ __device__ __forceinline__ void swiglu_bwd_piece(const float (&acc)[kAcc], int q
       const uint32_t off = r * 128 + ((jj ^ (r & 7)) << 4) + 4 * (lane & 3);
       const uint32_t g2 = ptx::ld_shared_u32(gb + off);
       const uint32_t u2 = ptx::ld_shared_u32(ub + off);
-      float dg[2], du[2], av[2];
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const float g = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? g2 >> 16 : g2 & 0xffffu));
-        const float u = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? u2 >> 16 : u2 & 0xffffu));
-        const float gc = has_clamp ? fminf(g, clamp) : g;
-        const float uc = has_clamp ? fminf(fmaxf(u, -clamp), clamp) : u;
-        const float sig = __fdividef(1.f, 1.f + __expf(-gc));
-        const float silu = gc * sig;
-        const float sv = silu * uc;
-        const float da = acc[4 * (8 * q + jj) + 2 * hh + t];
-        partial[hh] = fmaf(da, sv, partial[hh]);
-        const float ds = wt * da;
-        dg[t] = ds * uc * sig * (1.f + gc * (1.f - sig));
-        du[t] = ds * silu;
-        if (has_clamp) {
-          dg[t] = g < clamp ? dg[t] : 0.f;
-          du[t] = (u > -clamp && u < clamp) ? du[t] : 0.f;
-        }
-        av[t] = wt * sv;
-      }
-      ptx::st_shared_u32(gb + off, ptx::pack_bf16x2(dg[0], dg[1]));
-      ptx::st_shared_u32(ub + off, ptx::pack_bf16x2(du[0], du[1]));
-      ptx::st_shared_u32(aw + off, ptx::pack_bf16x2(av[0], av[1]));
+      const float* da = &acc[4 * (8 * q + jj) + 2 * hh];
+      const SwigluBwdWords o = swiglu_bwd_pair(g2, u2, da[0], da[1], wt, clamp, has_clamp, partial[hh]);
+      ptx::st_shared_u32(gb + off, o.dg);
+      ptx::st_shared_u32(ub + off, o.du);
+      ptx::st_shared_u32(aw + off, o.aw);
     }
   }
 }
