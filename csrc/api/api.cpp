@@ -87,6 +87,12 @@ int check_device(int device, ArchFamily family) {
               major, minor, want, PK_BUILT_ARCHS_CSV);
 }
 
+int check_current_device(ArchFamily family) {
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return fail_cuda(err, "cudaGetDevice");
+  return check_device(device, family);
+}
+
 }  // namespace deep_gemm::api
 
 extern "C" {

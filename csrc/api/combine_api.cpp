@@ -56,10 +56,7 @@ int pk_combine_bf16_cuda(const void* slots, int64_t ld_slots, const int32_t* rou
                          void* cuda_stream) {
   const CombineArgs a{slots, ld_slots, route_to_pool, weights, num_tokens, top_k, hidden, out, ld_out};
   if (const int rc = check_combine(a, true); rc != PK_OK) return rc;
-  int device = 0;
-  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
-    return deep_gemm::api::fail_cuda(err, "cudaGetDevice");
-  if (const int rc = deep_gemm::api::check_device(device, deep_gemm::api::ArchFamily::kAny); rc != PK_OK) return rc;
+  if (const int rc = deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kAny); rc != PK_OK) return rc;
   if (a.num_tokens == 0 || a.hidden == 0) return deep_gemm::api::ok();
   const cudaError_t err = deep_gemm::common::launch_combine(a, static_cast<cudaStream_t>(cuda_stream));
   if (err != cudaSuccess) return deep_gemm::api::fail_cuda(err, "combine launch");
@@ -79,10 +76,7 @@ int pk_dispatch_rows_bf16_cuda(const void* src, int64_t ld_src, const int32_t* r
                                void* cuda_stream) {
   const DispatchArgs a{src, ld_src, route_to_pool, num_tokens, top_k, hidden, out, ld_out, num_rows};
   if (const int rc = check_dispatch(a, true); rc != PK_OK) return rc;
-  int device = 0;
-  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
-    return deep_gemm::api::fail_cuda(err, "cudaGetDevice");
-  if (const int rc = deep_gemm::api::check_device(device, deep_gemm::api::ArchFamily::kAny); rc != PK_OK) return rc;
+  if (const int rc = deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kAny); rc != PK_OK) return rc;
   if (a.num_tokens == 0 || a.hidden == 0 || a.num_rows == 0) return deep_gemm::api::ok();
   const cudaError_t err = deep_gemm::common::launch_dispatch_rows(a, static_cast<cudaStream_t>(cuda_stream));
   if (err != cudaSuccess) return deep_gemm::api::fail_cuda(err, "dispatch_rows launch");

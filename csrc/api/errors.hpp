@@ -16,6 +16,8 @@ enum class ArchFamily { kAny, kSm90, kSm100 };
 
 // PK_OK when `device` can run kernels of `family` from this build; otherwise the reason.
 int check_device(int device, ArchFamily family);
+// check_device on the calling thread's current CUDA device.
+int check_current_device(ArchFamily family);
 
 }  // namespace deep_gemm::api
 

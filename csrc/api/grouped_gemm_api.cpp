@@ -10,10 +10,7 @@
 namespace {
 
 int current_device_is_sm90() {
-  int device = 0;
-  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
-    return deep_gemm::api::fail_cuda(err, "cudaGetDevice");
-  return deep_gemm::api::check_device(device, deep_gemm::api::ArchFamily::kSm90);
+  return deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kSm90);
 }
 
 #if PK_HAS_SM90_KERNELS

@@ -70,10 +70,7 @@ int pk_routing_plan_cuda(const void* topk_idx, int topk_idx_is_int64, int64_t nu
   PK_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,
                "routing_plan: workspace of %lld bytes is too small, need %lld",
                static_cast<long long>(workspace_bytes), static_cast<long long>(need));
-  int device = 0;
-  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
-    return deep_gemm::api::fail_cuda(err, "cudaGetDevice");
-  if (const int rc = deep_gemm::api::check_device(device, deep_gemm::api::ArchFamily::kAny); rc != PK_OK)
+  if (const int rc = deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kAny); rc != PK_OK)
     return rc;
   const cudaError_t err =
       deep_gemm::common::launch_routing_plan(a, workspace, static_cast<cudaStream_t>(cuda_stream));

@@ -16,10 +16,7 @@ int check_common(const deep_gemm::common::SwigluArgs& a, const char* op) {
                "%s: h must be [rows, >= 2I] with a row stride that is a multiple of 8", op);
   PK_CHECK_ARG(a.num_rows != nullptr && (a.max_rows == 0 || (a.h != nullptr && aligned16(a.h))),
                "%s: h / num_rows null or h not 16-byte aligned", op);
-  int device = 0;
-  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
-    return deep_gemm::api::fail_cuda(err, "cudaGetDevice");
-  return deep_gemm::api::check_device(device, deep_gemm::api::ArchFamily::kAny);
+  return deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kAny);
 }
 
 }  // namespace

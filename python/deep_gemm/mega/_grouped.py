@@ -99,7 +99,7 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     dy = _rows_for_kernels(dy.to(torch.bfloat16))
     if dispatch_dy:
         dh, a, dt_part, dy_pool = m_grouped_bf16_gemm_swiglu_bwd(
-            dy.contiguous(), w2, offsets, h, pool_src_route, weights, clamp=activation_clamp, a_row_index=tok,
+            dy, w2, offsets, h, pool_src_route, weights, clamp=activation_clamp, a_row_index=tok,
             m_total=capacity)
     else:
         # B1, token-major: each dy row read once (an index_select by pool row re-read rows from HBM: 0.26 vs
