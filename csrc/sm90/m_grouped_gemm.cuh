@@ -14,8 +14,8 @@
 // and issuing m64nNk16 wgmma on the full kBlockN width. The per-group tile starts come from a prologue scan of offs in shared
 // memory; every role walks the same static tile sequence, so no tile ids travel between roles.
 //
-// Tile order: group-major, then n-block, then m-block (m fastest), so CTAs running at the same time share
-// the expert's B panel in L2.
+// Tile order: group-major, then n-block, then m-block (m fastest; in bands of kMBand m-blocks, see band_tile), so
+// CTAs running at the same time share the expert's B panel in L2.
 //
 // kCluster2: CTAs run in clusters of 2 that take adjacent m-blocks (of the global list of m-blocks, in
 // group order) for the same n-block. When both m-blocks belong to the same group, each CTA loads half of
@@ -214,9 +214,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const int start = s_offs[g];
       const int end = max(s_offs[g + 1], start);
       const int m_blocks = ceil_div(end - start, kBlockM);
-      const int local = u - s_tile[g];
-      const int nb = local / m_blocks;
-      const int mb = local - nb * m_blocks;
+      int nb, mb;
+      band_tile(u - s_tile[g], m_blocks, n_blocks, nb, mb);
       w = Work{g, start + mb * kBlockM, end, nb * kTileCols, false};
     } else {
       const int pair = u / n_blocks;

@@ -15,10 +15,10 @@
 //
 // Work, in one static sequence every CTA walks with stride gridDim.x (the scheduling of DeepGEMM's Mega MoE,
 // rewritten for Hopper's register-resident accumulators): all L1 tiles (per expert: the I/128 n-blocks, each
-// pairing gate rows c.. and up rows I + c.. of the natural w13 layout, m-blocks fastest), then all L2 tiles
-// (per expert: H/256 n-blocks, m-blocks fastest). A tile only ever waits for work earlier in the sequence or
-// for the dispatch (which waits for nothing), and every CTA processes its tiles in increasing order, so with
-// the whole grid resident (one CTA per SM, grid <= SMs) the waits cannot deadlock.
+// pairing gate rows c.. and up rows I + c.. of the natural w13 layout, m-blocks fastest within bands of 16),
+// then all L2 tiles (per expert: H/256 n-blocks, the same order). A tile only ever waits for work earlier in the
+// sequence or for the dispatch (which waits for nothing), and every CTA processes its tiles in increasing order, so
+// with the whole grid resident (one CTA per SM, grid <= SMs) the waits cannot deadlock.
 //   * dispatch (producer warps 1-3 of every CTA): copy x rows into x_pool in pool order (see the role below);
 //     per-m-block dispatch counters count the 4 KB pieces that have landed.
 //   * L1 tile: the TMA thread waits (ld.acquire) until its m-block's dispatch counter is complete, then
@@ -144,8 +144,9 @@ __device__ __forceinline__ void mega_dispatch_role(const MegaFwdParams& p, uint3
 
 // The forward's static tile sequence (see the file comment), shared by both forward kernels and all of
 // their roles: all L1 tiles (kBlockN / 2 s columns each), then all L2 tiles (kBlockN o columns each); within
-// an expert n-block major, m-block fastest (the grouped GEMM's order), so the CTAs of one wave share B
-// panels (m-block major / n fastest measured the same within noise at both layer shapes).
+// an expert the grouped GEMM's order (band_tile: n-block major, m-block fastest within bands of kMBand m-blocks),
+// so the CTAs of one wave share B panels (m-block major / n fastest measured the same within noise at both layer
+// shapes).
 template <int kBlockM, int kBlockN, int kBlockK>
 struct MegaTileSequence {
   static constexpr int kL1Cols = kBlockN / 2;  // s columns per L1 n-block
@@ -193,10 +194,9 @@ struct MegaTileSequence {
       n = n2;
     }
     while (s_mb[e + 1] * n <= local) ++e;
-    const int m_blocks = s_mb[e + 1] - s_mb[e];
-    const int in_e = local - s_mb[e] * n;
-    const int nb = in_e / m_blocks;
-    t.mb = s_mb[e] + (in_e - nb * m_blocks);
+    int nb, mb_in_e;
+    band_tile(local - s_mb[e] * n, s_mb[e + 1] - s_mb[e], n, nb, mb_in_e);
+    t.mb = s_mb[e] + mb_in_e;
     t.e = e;
     t.row0 = s_offs[e] + (t.mb - s_mb[e]) * kBlockM;
     t.row_end = max(s_offs[e + 1], s_offs[e]);

@@ -181,14 +181,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int n0;
     int mb;  // global m-block
   };
-  auto locate = [&](int u, int& g) -> Work {  // group-major, then n-block, m-block fastest
+  auto locate = [&](int u, int& g) -> Work {  // group-major, then band_tile's order
     while (s_mb[g + 1] * n_blocks <= u) ++g;
     const int start = s_offs[g];
     const int end = max(s_offs[g + 1], start);
-    const int m_blocks = s_mb[g + 1] - s_mb[g];
-    const int local = u - s_mb[g] * n_blocks;
-    const int nb = local / m_blocks;
-    const int mb = local - nb * m_blocks;
+    int nb, mb;
+    band_tile(u - s_mb[g] * n_blocks, s_mb[g + 1] - s_mb[g], n_blocks, nb, mb);
     return Work{g, start + mb * kBlockM, end, nb * kBlockN, s_mb[g] + mb};
   };
 
