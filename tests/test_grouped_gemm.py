@@ -18,6 +18,10 @@ def group_sizes(E: int, kind: str, gen: torch.Generator) -> list[int]:
         pop = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.1
         pop = pop[torch.randperm(E, generator=gen)]
         return torch.round(pop / pop.sum() * 300 * min(E, 32)).long().tolist()
+    if kind == "hot":  # one group of 40 m-blocks (two full bands of 16 and a partial one, see band_tile), others small
+        sizes = torch.randint(0, 200, (E,), generator=gen).tolist()
+        sizes[E // 2] = 5000
+        return sizes
     raise ValueError(kind)
 
 
@@ -76,7 +80,7 @@ def test_cpu_reference_matches_float64():
 
 M_CASES = [  # (E, kind, N, K)
     (1, "special", 192, 320), (8, "special", 448, 192), (8, "skewed", 256, 256), (128, "special", 192, 576),
-    (128, "skewed", 1536, 256), (256, "special", 320, 192), (256, "skewed", 64, 128),
+    (128, "skewed", 1536, 256), (256, "special", 320, 192), (256, "skewed", 64, 128), (4, "hot", 320, 256),
 ]
 
 
@@ -177,7 +181,8 @@ def test_swiglu_gemm_cpu_opcheck():
 @requires_sm90
 @pytest.mark.parametrize("E,kind,I,K,gathered,clamp", [(8, "special", 192, 256, True, None),
                                                        (128, "skewed", 768, 512, True, 0.75),
-                                                       (1, "skewed", 64, 320, False, None)])
+                                                       (1, "skewed", 64, 320, False, None),
+                                                       (4, "hot", 256, 128, False, None)])
 def test_swiglu_gemm_matches_float64(E, kind, I, K, gathered, clamp):
     gen = torch.Generator().manual_seed(E + I + K)
     sizes = group_sizes(E, kind, gen)
@@ -251,7 +256,8 @@ def test_swiglu_bwd_gemm_cpu_opcheck():
 @requires_sm90
 @pytest.mark.parametrize("kernel", ["pingpong", "cooperative"])
 @pytest.mark.parametrize("E,kind,I,H,clamp", [(8, "special", 768, 256, None), (128, "skewed", 1536, 512, 0.75),
-                                              (3, "skewed", 320, 128, None), (5, "skewed", 200, 136, 0.5)])
+                                              (3, "skewed", 320, 128, None), (5, "skewed", 200, 136, 0.5),
+                                              (4, "hot", 256, 128, None)])
 def test_swiglu_bwd_gemm_matches_float64(monkeypatch, E, kind, I, H, clamp, kernel):
     if kernel == "cooperative":  # read at every call (grouped_gemm.cu)
         monkeypatch.setenv("PK_SWIGLU_BWD_COOP", "1")
