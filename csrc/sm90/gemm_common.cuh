@@ -35,10 +35,10 @@ static_assert(kSyncStageStride >= kStageBytesPerWg && kSyncStageStride % 1024 ==
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int align_up(int a, int b) { return ceil_div(a, b) * b; }
 
-// The tile order within one expert of the m-grouped kernels: n-block major, m-block fastest, in bands of at most
-// kMBand m-blocks (every n-block of a band runs before the next band). Concurrent tiles share the expert's B slice
-// and a band's A rows, and a band's A (16 x 128 rows: 4-8 MB at the layer shapes) stays in L2 while each of its
-// n-blocks reads it. Without bands, an expert with far more rows than L2 holds (Zipf routing: one expert with
+// The tile order within one expert of the m-grouped kernels and the fused forward: n-block major, m-block fastest,
+// in bands of at most kMBand m-blocks (every n-block of a band runs before the next band). Concurrent tiles share
+// the expert's B slice and a band's A rows, and a band's A (16 x 128 rows: 3-16 MB at the layer shapes) stays in
+// L2 while each of its n-blocks reads it. Without bands, an expert with far more rows than L2 holds (Zipf routing: one expert with
 // ~15K of 16K tokens) had its A rows re-read from HBM once per n-block. An expert of at most kMBand m-blocks (every
 // expert under uniform routing at the layer shapes) keeps the plain order.
 constexpr int kMBand = 16;
