@@ -39,6 +39,12 @@ class EnergyCounter:
         if self._lib.nvmlDeviceGetHandleByIndex_v2(device_index, ctypes.byref(self._handle)) != 0:
             raise RuntimeError(f"no NVML handle for device {device_index}")
 
+    @classmethod
+    def for_current_device(cls) -> "EnergyCounter":
+        dev = torch.cuda.current_device()
+        get_index = getattr(torch.cuda, "_get_nvml_device_index", None)  # CUDA_VISIBLE_DEVICES -> NVML index
+        return cls(get_index(dev) if get_index is not None else dev)
+
     def mj(self) -> int:
         v = ctypes.c_ulonglong()
         rc = self._lib.nvmlDeviceGetTotalEnergyConsumption(self._handle, ctypes.byref(v))
@@ -62,6 +68,13 @@ def measure(fn, counter: EnergyCounter, seconds: float, chunk: int) -> tuple[flo
     return de / n, dt * 1e3 / n, de / dt
 
 
+def write_energy_results(path: str, rows: list, **extra) -> None:
+    """The run header (no peak figure: these tools measure none), `extra`, and the rows, as JSON at path."""
+    doc = {**bc.run_header("cuda", 0.0), **extra, "rows": rows}
+    doc.pop("peak_bf16_tflops", None)
+    print(f"wrote {bc.write_results(doc, bc.Path(path))}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen3-30b-a3b,qwen3-235b-a22b")
@@ -76,9 +89,7 @@ def main() -> None:
         return
     from deep_gemm.mega import mega_moe
 
-    dev = torch.cuda.current_device()
-    nvml_index = torch.cuda._get_nvml_device_index(dev) if hasattr(torch.cuda, "_get_nvml_device_index") else dev
-    counter = EnergyCounter(nvml_index)
+    counter = EnergyCounter.for_current_device()
     rows = []
     for shape in args.shapes.split(","):
         E, H, I, K = bc.SHAPES[shape]
@@ -97,16 +108,17 @@ def main() -> None:
             for key, fn in calls.items():
                 got.setdefault(key, []).append(measure(fn, counter, args.seconds, chunk=10))
         med = {k: tuple(statistics.median(v[i] for v in vals) for i in range(3)) for k, vals in got.items()}
+        per_backend = {}
         for b in layers:
             f, fb = med[(b, "fwd")], med[(b, "fwdbwd")]
-            per = {"fwd": f, "fwdbwd": fb, "bwd": (fb[0] - f[0], fb[1] - f[1], None)}
+            per_backend[b] = {"fwd": f, "fwdbwd": fb, "bwd": (fb[0] - f[0], fb[1] - f[1], None)}
+        for b, per in per_backend.items():
             for d, (j, ms, watts) in per.items():
-                tj = {"fwd": med[("torch", "fwd")][0], "fwdbwd": med[("torch", "fwdbwd")][0]}
-                tj["bwd"] = tj["fwdbwd"] - tj["fwd"]
+                tj = per_backend["torch"][d][0]
                 rows.append({"shape": shape, "tokens": args.tokens, "routing": args.routing, "backend": b,
                              "direction": d, "joules": round(j, 4), "ms": round(ms, 4),
                              "watts": None if watts is None else round(watts, 1),
-                             "torch_joules_over_these": round(tj[d] / j, 3)})
+                             "torch_joules_over_these": round(tj / j, 3)})
         del leaves, calls, x, dy, w13, w2
         torch.cuda.empty_cache()
     print(f"{'shape':16s} {'T':>6s} {'backend':10s} {'dir':7s} {'J/call':>8s} {'ms':>8s} {'W':>6s} {'torch J / J':>11s}")
@@ -115,9 +127,7 @@ def main() -> None:
         print(f"{r['shape']:16s} {r['tokens']:6d} {r['backend']:10s} {r['direction']:7s} {r['joules']:8.4f} "
               f"{r['ms']:8.3f} {w_:>6s} {r['torch_joules_over_these']:11.3f}")
     if args.out:
-        doc = {**bc.run_header("cuda", 0.0), "seconds": args.seconds, "rounds": args.rounds, "rows": rows}
-        doc.pop("peak_bf16_tflops", None)
-        print(f"wrote {bc.write_results(doc, bc.Path(args.out))}")
+        write_energy_results(args.out, rows, seconds=args.seconds, rounds=args.rounds)
 
 
 if __name__ == "__main__":

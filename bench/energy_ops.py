@@ -19,8 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_common as bc  # noqa: E402
-from energy_layer import EnergyCounter, measure  # noqa: E402
+from energy_layer import EnergyCounter, measure, write_energy_results  # noqa: E402
 
 
 def main() -> None:
@@ -34,9 +33,7 @@ def main() -> None:
     import deep_gemm
     from deep_gemm.routing import routing_plan
 
-    dev = torch.cuda.current_device()
-    nvml_index = torch.cuda._get_nvml_device_index(dev) if hasattr(torch.cuda, "_get_nvml_device_index") else dev
-    counter = EnergyCounter(nvml_index)
+    counter = EnergyCounter.for_current_device()
     T, K, H, E = 16384, 8, 2048, 128
     P = T * K
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -77,9 +74,7 @@ def main() -> None:
         print(f"{r['op']:36s} {r['joules']:8.4f} {r['idle_joules']:7.4f} {r['ms']:8.3f} {r['watts']:6.0f} {jt:>8s} "
               f"{jg:>7s}")
     if args.out:
-        doc = {**bc.run_header("cuda", 0.0), "seconds": args.seconds, "idle_watts": idle_w, "rows": rows}
-        doc.pop("peak_bf16_tflops", None)
-        print(f"wrote {bc.write_results(doc, bc.Path(args.out))}")
+        write_energy_results(args.out, rows, seconds=args.seconds, idle_watts=idle_w)
 
 
 if __name__ == "__main__":
