@@ -15,7 +15,6 @@ Development tool: prints a table; --out writes the rows as JSON (results under b
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -25,14 +24,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 from energy_layer import EnergyCounter, measure, write_energy_results  # noqa: E402
-
-NVML_CLOCK_SM = 1
-
-
-def sm_mhz(counter: EnergyCounter) -> int:
-    v = ctypes.c_uint()
-    return v.value if counter._lib.nvmlDeviceGetClockInfo(counter._handle, NVML_CLOCK_SM, ctypes.byref(v)) == 0 else -1
-
 
 def gemm_calls(E: int, H: int, I: int, rows_per_group: int, g: torch.Generator) -> dict:
     """{gemm: (TFLOP, {backend: fn})} on one set of random operands (never zeros)."""
@@ -102,7 +93,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 for bk, fn in fns.items():
                     j, ms, watts = measure(fn, counter, args.seconds, chunk=20)
-                    got[bk].append((j, ms, watts, sm_mhz(counter)))
+                    got[bk].append((j, ms, watts, counter.sm_mhz()))
             for bk, vals in got.items():
                 j, ms, watts, mhz = (statistics.median(v[i] for v in vals) for i in range(4))
                 rows.append({"shape": shape, "tokens": args.tokens, "gemm": name, "backend": bk, "tflop": tflop,

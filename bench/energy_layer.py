@@ -45,6 +45,11 @@ class EnergyCounter:
         get_index = getattr(torch.cuda, "_get_nvml_device_index", None)  # CUDA_VISIBLE_DEVICES -> NVML index
         return cls(get_index(dev) if get_index is not None else dev)
 
+    def sm_mhz(self) -> int:
+        """The SM clock now (NVML_CLOCK_SM; an instantaneous reading), -1 if NVML does not say."""
+        v = ctypes.c_uint()
+        return v.value if self._lib.nvmlDeviceGetClockInfo(self._handle, 1, ctypes.byref(v)) == 0 else -1
+
     def mj(self) -> int:
         v = ctypes.c_ulonglong()
         rc = self._lib.nvmlDeviceGetTotalEnergyConsumption(self._handle, ctypes.byref(v))
