@@ -9,11 +9,18 @@
 
 namespace deep_gemm::common {
 
+namespace {
+// The row kernels' grid: x covers a row's 8-column chunks, one per thread; y one token per block row, capped at
+// the grid's y limit (the kernels stride over the rest).
+dim3 row_kernel_grid(int64_t hidden, int64_t num_tokens) {
+  const int64_t chunks = (hidden / 8 + kCombineThreads - 1) / kCombineThreads;
+  return dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min<int64_t>(num_tokens, 65535)));
+}
+}  // namespace
+
 cudaError_t launch_combine(const CombineArgs& a, cudaStream_t stream) {
   if (a.num_tokens == 0) return cudaSuccess;
-  const int64_t chunks = (a.hidden / 8 + kCombineThreads - 1) / kCombineThreads;
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min<int64_t>(a.num_tokens, 65535)));
-  combine_bf16_kernel<<<grid, kCombineThreads, 0, stream>>>(
+  combine_bf16_kernel<<<row_kernel_grid(a.hidden, a.num_tokens), kCombineThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(a.slots), a.ld_slots, a.route_to_pool, a.weights, a.num_tokens,
       static_cast<int>(a.top_k), a.hidden, static_cast<__nv_bfloat16*>(a.out), a.ld_out);
   return cudaGetLastError();
@@ -38,9 +45,7 @@ void combine_host(const CombineArgs& a) {
 
 cudaError_t launch_dispatch_rows(const DispatchArgs& a, cudaStream_t stream) {
   if (a.num_tokens == 0 || a.hidden == 0) return cudaSuccess;
-  const int64_t chunks = (a.hidden / 8 + kCombineThreads - 1) / kCombineThreads;
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min<int64_t>(a.num_tokens, 65535)));
-  dispatch_rows_bf16_kernel<<<grid, kCombineThreads, 0, stream>>>(
+  dispatch_rows_bf16_kernel<<<row_kernel_grid(a.hidden, a.num_tokens), kCombineThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(a.src), a.ld_src, a.route_to_pool, a.num_tokens, static_cast<int>(a.top_k),
       a.hidden, static_cast<__nv_bfloat16*>(a.out), a.ld_out, a.num_rows);
   return cudaGetLastError();
