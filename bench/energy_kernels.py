@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
-from energy_layer import EnergyCounter, measure, write_energy_results  # noqa: E402
+from energy_layer import EnergyCounter, measure, print_table, write_energy_results  # noqa: E402
 
 def gemm_calls(E: int, H: int, I: int, rows_per_group: int, g: torch.Generator) -> dict:
     """{gemm: (TFLOP, {backend: fn})} on one set of random operands (never zeros)."""
@@ -100,10 +100,9 @@ def main() -> None:
                              "joules": j, "ms": ms, "watts": watts, "sm_mhz": mhz, "j_per_tflop": j / tflop,
                              "tflops": tflop / ms * 1e3})
             torch.cuda.empty_cache()
-    print(f"{'shape':16s} {'gemm':22s} {'backend':7s} {'J/TFLOP':>8s} {'TFLOP/s':>8s} {'ms':>8s} {'W':>5s} {'MHz':>5s}")
-    for r in rows:
-        print(f"{r['shape']:16s} {r['gemm']:22s} {r['backend']:7s} {r['j_per_tflop']:8.3f} {r['tflops']:8.1f} "
-              f"{r['ms']:8.3f} {r['watts']:5.0f} {r['sm_mhz']:5.0f}")
+    print_table(rows, [("shape", "shape", 16, "s"), ("gemm", "gemm", 22, "s"), ("backend", "backend", 7, "s"),
+                       ("J/TFLOP", "j_per_tflop", 8, ".3f"), ("TFLOP/s", "tflops", 8, ".1f"), ("ms", "ms", 8, ".3f"),
+                       ("W", "watts", 5, ".0f"), ("MHz", "sm_mhz", 5, ".0f")])
     if args.out:
         write_energy_results(args.out, rows, seconds=args.seconds, rounds=args.rounds)
 

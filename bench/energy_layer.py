@@ -73,6 +73,17 @@ def measure(fn, counter: EnergyCounter, seconds: float, chunk: int) -> tuple[flo
     return de / n, dt * 1e3 / n, de / dt
 
 
+def print_table(rows: list, columns: list) -> None:
+    """rows as a text table; columns: (header, key, width, format spec) each, "-" for a None value, headers of
+    text columns (format "s") left-aligned."""
+    def cell(value, width: int, spec: str) -> str:
+        text = "-" if value is None else format(value, spec)
+        return f"{text:{width}s}" if spec == "s" else f"{text:>{width}s}"
+    print(" ".join(f"{h:{w}s}" if spec == "s" else f"{h:>{w}s}" for h, _, w, spec in columns))
+    for r in rows:
+        print(" ".join(cell(r[key], w, spec) for _, key, w, spec in columns))
+
+
 def write_energy_results(path: str, rows: list, **extra) -> None:
     """The run header (no peak figure: these tools measure none), `extra`, and the rows, as JSON at path."""
     doc = {**bc.run_header("cuda", 0.0), **extra, "rows": rows}
@@ -126,11 +137,9 @@ def main() -> None:
                              "torch_joules_over_these": round(tj / j, 3)})
         del leaves, calls, x, dy, w13, w2
         torch.cuda.empty_cache()
-    print(f"{'shape':16s} {'T':>6s} {'backend':10s} {'dir':7s} {'J/call':>8s} {'ms':>8s} {'W':>6s} {'torch J / J':>11s}")
-    for r in rows:
-        w_ = "-" if r["watts"] is None else f"{r['watts']:.0f}"
-        print(f"{r['shape']:16s} {r['tokens']:6d} {r['backend']:10s} {r['direction']:7s} {r['joules']:8.4f} "
-              f"{r['ms']:8.3f} {w_:>6s} {r['torch_joules_over_these']:11.3f}")
+    print_table(rows, [("shape", "shape", 16, "s"), ("T", "tokens", 6, "d"), ("backend", "backend", 10, "s"),
+                       ("dir", "direction", 7, "s"), ("J/call", "joules", 8, ".4f"), ("ms", "ms", 8, ".3f"),
+                       ("W", "watts", 6, ".0f"), ("torch J / J", "torch_joules_over_these", 11, ".3f")])
     if args.out:
         write_energy_results(args.out, rows, seconds=args.seconds, rounds=args.rounds)
 

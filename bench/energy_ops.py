@@ -19,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from energy_layer import EnergyCounter, measure, write_energy_results  # noqa: E402
+from energy_layer import EnergyCounter, measure, print_table, write_energy_results  # noqa: E402
 
 
 def main() -> None:
@@ -67,12 +67,9 @@ def main() -> None:
         rows.append({"op": name, "joules": j, "ms": ms, "watts": watts, "idle_joules": idle_w * ms / 1e3,
                      "j_per_tflop": j / tflop if tflop else None, "j_per_gb": j / gb if gb else None})
     print(f"board at rest: {idle_w:.0f} W")
-    print(f"{'op':36s} {'J/call':>8s} {'idle J':>7s} {'ms':>8s} {'W':>6s} {'J/TFLOP':>8s} {'J/GB':>7s}")
-    for r in rows:
-        jt = "-" if r["j_per_tflop"] is None else f"{r['j_per_tflop']:.3f}"
-        jg = "-" if r["j_per_gb"] is None else f"{r['j_per_gb']:.3f}"
-        print(f"{r['op']:36s} {r['joules']:8.4f} {r['idle_joules']:7.4f} {r['ms']:8.3f} {r['watts']:6.0f} {jt:>8s} "
-              f"{jg:>7s}")
+    print_table(rows, [("op", "op", 36, "s"), ("J/call", "joules", 8, ".4f"), ("idle J", "idle_joules", 7, ".4f"),
+                       ("ms", "ms", 8, ".3f"), ("W", "watts", 6, ".0f"), ("J/TFLOP", "j_per_tflop", 8, ".3f"),
+                       ("J/GB", "j_per_gb", 7, ".3f")])
     if args.out:
         write_energy_results(args.out, rows, seconds=args.seconds, idle_watts=idle_w)
 
