@@ -442,12 +442,15 @@ __device__ __forceinline__ void store_acc_bf16_tma_ring(const float (&acc)[kBloc
 // backward sees them (reference F3): h rounded to bf16 the way it is saved (round_acc_as_saved_h), so that s is
 // exactly the bf16 rounding of the backward's s, and an epilogue that only holds bf16 h (the cooperative
 // forward's hand-off) computes the same s as one that holds the fp32 accumulators.
+constexpr float kLog2e = 1.4426950408889634f;  // the factor __expf applies before its 2^x
+
 __device__ __forceinline__ float swiglu_value(float g, float u, float clamp) {
   if (clamp > 0.f) {
     g = fminf(g, clamp);
     u = fmaxf(fminf(u, clamp), -clamp);
   }
-  return __fdividef(g, 1.f + __expf(-g)) * u;  // fast reciprocal: an IEEE division costs a slow-path check per element
+  // fast reciprocal: an IEEE division costs a slow-path check per element
+  return g * ptx::rcp_approx_ftz(1.f + ptx::ex2_approx_ftz(-g * kLog2e)) * u;
 }
 
 // The saved h's rounding (round to nearest even) of a pair of values, in place: one conversion instruction for
@@ -545,8 +548,14 @@ __device__ __forceinline__ void store_swiglu_from_acc(const float (&acc)[kBlockN
 struct SwigluBwdWords {
   uint32_t dg, du, aw;
 };
+// kClamp: kClampOff / kClampOn (clamp > 0) decide at compile time (the clamp's min / max / masks, computed and
+// discarded at run time, were 8 of the ~33 instructions per element); kClampRuntime tests clamp > 0 per element
+// (one copy of the code, for an epilogue that cannot spare the registers of two).
+constexpr int kClampOff = 0, kClampOn = 1, kClampRuntime = 2;
+template <int kClamp>
 __device__ __forceinline__ SwigluBwdWords swiglu_bwd_pair(uint32_t g2, uint32_t u2, float da0, float da1, float w,
-                                                          float clamp, bool has_clamp, float& partial) {
+                                                          float clamp, float& partial) {
+  const bool has_clamp = kClamp == kClampOn || (kClamp == kClampRuntime && clamp > 0.f);
   float dg[2], du[2], av[2];
 #pragma unroll
   for (int t = 0; t < 2; ++t) {
@@ -554,7 +563,7 @@ __device__ __forceinline__ SwigluBwdWords swiglu_bwd_pair(uint32_t g2, uint32_t 
     const float u = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? u2 >> 16 : u2 & 0xffffu));
     const float gc = has_clamp ? fminf(g, clamp) : g;
     const float uc = has_clamp ? fminf(fmaxf(u, -clamp), clamp) : u;
-    const float sig = __fdividef(1.f, 1.f + __expf(-gc));
+    const float sig = ptx::rcp_approx_ftz(1.f + ptx::ex2_approx_ftz(-gc * kLog2e));
     const float silu = gc * sig;
     const float sv = silu * uc;
     const float da = t ? da1 : da0;
@@ -596,7 +605,6 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const float (&acc)[kBlockN /
   const int lane = wg_tid & 31;
   const int r0 = row0 + (wg_tid >> 5) * 16 + (lane >> 2);
   const int cbase = col0 + 2 * (lane & 3);
-  const bool has_clamp = clamp > 0.f;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int row = r0 + 8 * hh;
@@ -622,8 +630,8 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(const float (&acc)[kBlockN /
           const int j = j0 + jj;  // constant after unrolling: acc is indexed by constants only
           const int col = cbase + 8 * j;
           if (col < inter) {
-            const SwigluBwdWords o = swiglu_bwd_pair(g2[jj], u2[jj], acc[4 * j + 2 * hh], acc[4 * j + 2 * hh + 1],
-                                                     w, clamp, has_clamp, partial);
+            const SwigluBwdWords o = swiglu_bwd_pair<kClampRuntime>(g2[jj], u2[jj], acc[4 * j + 2 * hh],
+                                                                    acc[4 * j + 2 * hh + 1], w, clamp, partial);
             *reinterpret_cast<uint32_t*>(dhrow + col) = o.dg;
             *reinterpret_cast<uint32_t*>(dhrow + inter + col) = o.du;
             *reinterpret_cast<uint32_t*>(awrow + col) = o.aw;

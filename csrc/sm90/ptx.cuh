@@ -397,6 +397,21 @@ struct WgmmaBf16<256, kTransA, kTransB> {
 // ------------------------------------------------------------------------------------------------
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
 
+// 2^x and 1 / x on the special-function unit, flushing denormal inputs and results to zero. For the SwiGLU
+// epilogues these give exactly what __expf(x) = 2^(x log2 e) and __fdividef(a, y) = a * (1 / y) give there (a
+// denormal e^-g only meets 1 + e^-g = 1, and __fdividef returns 0 for |y| > 2^126 as a flushed 1 / y does),
+// without the denormal-range checks those two compile to (~5 instructions per element in the epilogue math).
+__device__ __forceinline__ float ex2_approx_ftz(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float rcp_approx_ftz(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);

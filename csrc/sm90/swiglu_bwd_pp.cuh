@@ -58,11 +58,10 @@ struct SwigluBwdPPLayout : StageRingLayout<128, 128, 64, kNumStages> {
 // the SwiGLU backward of this thread's fragment rows frag_row and frag_row + 8, accumulator column groups
 // [8 q, 8 q + 8) (da, fp32), against g and u in the 128B-swizzled boxes at gb and ub; dg and du overwrite g and u,
 // w * s goes to the box at aw, and partial[hh] += da * s in column order (the d topk_weights partials).
-template <int kAcc>
-__device__ __forceinline__ void swiglu_bwd_piece(const float (&acc)[kAcc], int q, uint32_t gb, uint32_t ub,
-                                                 uint32_t aw, int frag_row, int lane, const float (&wgt)[2],
-                                                 float (&partial)[2], float clamp) {
-  const bool has_clamp = clamp > 0.f;
+template <int kClamp, int kAcc>
+__device__ __forceinline__ void swiglu_bwd_piece_impl(const float (&acc)[kAcc], int q, uint32_t gb, uint32_t ub,
+                                                      uint32_t aw, int frag_row, int lane, const float (&wgt)[2],
+                                                      float (&partial)[2], float clamp) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int r = frag_row + 8 * hh;
@@ -73,12 +72,21 @@ __device__ __forceinline__ void swiglu_bwd_piece(const float (&acc)[kAcc], int q
       const uint32_t g2 = ptx::ld_shared_u32(gb + off);
       const uint32_t u2 = ptx::ld_shared_u32(ub + off);
       const float* da = &acc[4 * (8 * q + jj) + 2 * hh];
-      const SwigluBwdWords o = swiglu_bwd_pair(g2, u2, da[0], da[1], wt, clamp, has_clamp, partial[hh]);
+      const SwigluBwdWords o = swiglu_bwd_pair<kClamp>(g2, u2, da[0], da[1], wt, clamp, partial[hh]);
       ptx::st_shared_u32(gb + off, o.dg);
       ptx::st_shared_u32(ub + off, o.du);
       ptx::st_shared_u32(aw + off, o.aw);
     }
   }
+}
+template <int kAcc>
+__device__ __forceinline__ void swiglu_bwd_piece(const float (&acc)[kAcc], int q, uint32_t gb, uint32_t ub,
+                                                 uint32_t aw, int frag_row, int lane, const float (&wgt)[2],
+                                                 float (&partial)[2], float clamp) {
+  if (clamp > 0.f)
+    swiglu_bwd_piece_impl<kClampOn>(acc, q, gb, ub, aw, frag_row, lane, wgt, partial, clamp);
+  else
+    swiglu_bwd_piece_impl<kClampOff>(acc, q, gb, ub, aw, frag_row, lane, wgt, partial, clamp);
 }
 
 // The piece's stores (rows prow0.., columns col0.. of I): one thread TMA-stores the three boxes when all 64 rows
