@@ -437,13 +437,13 @@ __device__ __forceinline__ void store_acc_bf16_tma_ring(const float (&acc)[kBloc
   }
 }
 
+constexpr float kLog2e = 1.4426950408889634f;  // the factor __expf applies before its 2^x
+
 // s = silu(g) * u in fp32 (clamp > 0: g <= clamp and -clamp <= u <= clamp first), the one formula of every
 // forward epilogue, so that all of them round s identically. Its g and u are the pre-activations as the
 // backward sees them (reference F3): h rounded to bf16 the way it is saved (round_acc_as_saved_h), so that s is
 // exactly the bf16 rounding of the backward's s, and an epilogue that only holds bf16 h (the cooperative
 // forward's hand-off) computes the same s as one that holds the fp32 accumulators.
-constexpr float kLog2e = 1.4426950408889634f;  // the factor __expf applies before its 2^x
-
 __device__ __forceinline__ float swiglu_value(float g, float u, float clamp) {
   if (clamp > 0.f) {
     g = fminf(g, clamp);
