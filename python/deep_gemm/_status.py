@@ -138,6 +138,17 @@ def require(key: str) -> None:
         raise RuntimeError(f"deep_gemm: {key} is not available: {why}")
 
 
+def require_on(device, key_stem: str, op: str) -> None:
+    """The check before an op that runs on CUDA and on the CPU: on CUDA, ``require`` of ``<key_stem>.<family of
+    the tensor's device>`` (sm90 when the family is unknown); on the CPU, the shim must be loaded."""
+    if device.type == "cuda":
+        require(f"{key_stem}.{family_of_device(device.index) or 'sm90'}")
+        return
+    res = _lib.load()
+    if not res.shim_loaded:
+        raise RuntimeError(f"deep_gemm: {op} is not available: {res.reason}")
+
+
 def family_of_device(device_index: int | None = None) -> str | None:
     """'sm90' / 'sm100' for the current (or given) CUDA device, None otherwise."""
     try:

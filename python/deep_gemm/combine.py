@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _lib, _status
+from . import _status
 
 __all__ = ["combine", "combine_reference", "dispatch_rows"]
 
@@ -30,10 +30,7 @@ def combine_reference(slots: torch.Tensor, route_to_pool: torch.Tensor,
 
 
 def combine(slots: torch.Tensor, route_to_pool: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    if slots.is_cuda:
-        _status.require(f"combine.bf16.{_status.family_of_device(slots.device.index) or 'sm90'}")
-    elif not _lib.load().shim_loaded:
-        raise RuntimeError(f"deep_gemm: combine is not available: {_lib.load().reason}")
+    _status.require_on(slots.device, "combine.bf16", "combine")
     return torch.ops.deep_gemm.combine(slots, route_to_pool, weights)
 
 
@@ -45,10 +42,7 @@ def dispatch_rows(src: torch.Tensor, route_to_pool: torch.Tensor, out: torch.Ten
     plan's padding rows, which no GEMM reads). Each src row is read once (token-major), so this runs at
     the card's write rate where ``src.index_select`` by pool row re-reads rows from HBM.
     """
-    if src.is_cuda:
-        _status.require(f"dispatch_rows.bf16.{_status.family_of_device(src.device.index) or 'sm90'}")
-    elif not _lib.load().shim_loaded:
-        raise RuntimeError(f"deep_gemm: dispatch_rows is not available: {_lib.load().reason}")
+    _status.require_on(src.device, "dispatch_rows.bf16", "dispatch_rows")
     torch.ops.deep_gemm.dispatch_rows_(src, route_to_pool, out)
     return out
 

@@ -99,12 +99,7 @@ def routing_plan(topk_idx: torch.Tensor, num_experts: int, block_m: int, rank: i
         needed = pool_capacity(topk_idx.size(0), topk_idx.size(1), num_experts, block_m)
         if capacity < needed:
             raise ValueError(f"capacity = {capacity} is below the {needed} pool rows this plan may need")
-    if topk_idx.is_cuda:
-        _status.require(f"routing_plan.int32.{_status.family_of_device(topk_idx.device.index) or 'sm90'}")
-    else:
-        res = _lib.load()
-        if not res.shim_loaded:
-            raise RuntimeError(f"deep_gemm: routing_plan is not available: {res.reason}")
+    _status.require_on(topk_idx.device, "routing_plan.int32", "routing_plan")
     outs = torch.ops.deep_gemm.routing_plan(topk_idx.contiguous(), num_experts, block_m, rank,
                                             -1 if capacity is None else int(capacity))
     counts, offsets, src_route, src_rank, route_to_pool, num_invalid = outs
