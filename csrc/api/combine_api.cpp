@@ -10,22 +10,32 @@ namespace {
 using deep_gemm::common::CombineArgs;
 using deep_gemm::common::DispatchArgs;
 
+// The row ops' shared checks (op: "combine" / "dispatch_rows"; in_name: their input rows, "slots" / "src").
+int check_row_layout(const char* op, int64_t hidden, int64_t ld_in, int64_t ld_out) {
+  PK_CHECK_ARG(hidden % 8 == 0 && ld_in % 8 == 0 && ld_out % 8 == 0,
+               "%s: hidden (%lld) and the row strides (%lld, %lld) must be multiples of 8", op,
+               static_cast<long long>(hidden), static_cast<long long>(ld_in), static_cast<long long>(ld_out));
+  PK_CHECK_ARG(ld_in >= hidden && ld_out >= hidden, "%s: a row stride is smaller than hidden", op);
+  return PK_OK;
+}
+
+int check_row_pointers(const char* op, const char* in_name, const void* in, const int32_t* route_to_pool,
+                       const void* out, bool on_device) {
+  PK_CHECK_ARG(in && route_to_pool && out, "%s: a pointer is null", op);
+  if (on_device)
+    PK_CHECK_ARG((reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) % 16 == 0,
+                 "%s: %s and out must be 16-byte aligned", op, in_name);
+  return PK_OK;
+}
+
 int check_combine(const CombineArgs& a, bool on_device) {
   PK_CHECK_ARG(a.num_tokens >= 0 && a.top_k >= 1 && a.hidden >= 0,
                "combine: need num_tokens >= 0, top_k >= 1, hidden >= 0 (got %lld, %lld, %lld)",
                static_cast<long long>(a.num_tokens), static_cast<long long>(a.top_k),
                static_cast<long long>(a.hidden));
-  PK_CHECK_ARG(a.hidden % 8 == 0 && a.ld_slots % 8 == 0 && a.ld_out % 8 == 0,
-               "combine: hidden (%lld) and the row strides (%lld, %lld) must be multiples of 8",
-               static_cast<long long>(a.hidden), static_cast<long long>(a.ld_slots),
-               static_cast<long long>(a.ld_out));
-  PK_CHECK_ARG(a.ld_slots >= a.hidden && a.ld_out >= a.hidden, "combine: a row stride is smaller than hidden");
+  if (const int rc = check_row_layout("combine", a.hidden, a.ld_slots, a.ld_out); rc != PK_OK) return rc;
   if (a.num_tokens == 0 || a.hidden == 0) return PK_OK;
-  PK_CHECK_ARG(a.slots && a.route_to_pool && a.out, "combine: a pointer is null");
-  if (on_device)
-    PK_CHECK_ARG((reinterpret_cast<uintptr_t>(a.slots) | reinterpret_cast<uintptr_t>(a.out)) % 16 == 0,
-                 "combine: slots and out must be 16-byte aligned");
-  return PK_OK;
+  return check_row_pointers("combine", "slots", a.slots, a.route_to_pool, a.out, on_device);
 }
 
 int check_dispatch(const DispatchArgs& a, bool on_device) {
@@ -34,17 +44,9 @@ int check_dispatch(const DispatchArgs& a, bool on_device) {
                "%lld)",
                static_cast<long long>(a.num_tokens), static_cast<long long>(a.top_k),
                static_cast<long long>(a.hidden), static_cast<long long>(a.num_rows));
-  PK_CHECK_ARG(a.hidden % 8 == 0 && a.ld_src % 8 == 0 && a.ld_out % 8 == 0,
-               "dispatch_rows: hidden (%lld) and the row strides (%lld, %lld) must be multiples of 8",
-               static_cast<long long>(a.hidden), static_cast<long long>(a.ld_src),
-               static_cast<long long>(a.ld_out));
-  PK_CHECK_ARG(a.ld_src >= a.hidden && a.ld_out >= a.hidden, "dispatch_rows: a row stride is smaller than hidden");
+  if (const int rc = check_row_layout("dispatch_rows", a.hidden, a.ld_src, a.ld_out); rc != PK_OK) return rc;
   if (a.num_tokens == 0 || a.hidden == 0 || a.num_rows == 0) return PK_OK;
-  PK_CHECK_ARG(a.src && a.route_to_pool && a.out, "dispatch_rows: a pointer is null");
-  if (on_device)
-    PK_CHECK_ARG((reinterpret_cast<uintptr_t>(a.src) | reinterpret_cast<uintptr_t>(a.out)) % 16 == 0,
-                 "dispatch_rows: src and out must be 16-byte aligned");
-  return PK_OK;
+  return check_row_pointers("dispatch_rows", "src", a.src, a.route_to_pool, a.out, on_device);
 }
 
 }  // namespace
