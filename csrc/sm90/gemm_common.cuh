@@ -38,8 +38,8 @@ __host__ __device__ constexpr int align_up(int a, int b) { return ceil_div(a, b)
 // The tile order within one expert of the m-grouped kernels and the fused forward: n-block major, m-block fastest,
 // in bands of at most kMBand m-blocks (every n-block of a band runs before the next band). Concurrent tiles share
 // the expert's B slice and a band's A rows, and a band's A (16 x 128 rows: 3-16 MB at the layer shapes) stays in
-// L2 while each of its n-blocks reads it. Without bands, an expert with far more rows than L2 holds (Zipf routing: one expert with
-// ~15K of 16K tokens) had its A rows re-read from HBM once per n-block. An expert of at most kMBand m-blocks (every
+// L2 while each of its n-blocks reads it. Without bands, an expert with far more rows than L2 holds (Zipf routing:
+// one expert with ~15K of 16K tokens) had its A rows re-read from HBM once per n-block. An expert of at most kMBand m-blocks (every
 // expert under uniform routing at the layer shapes) keeps the plain order.
 constexpr int kMBand = 16;
 __device__ __forceinline__ void band_tile(int local, int m_blocks, int n_blocks, int& nb, int& mb) {
@@ -437,7 +437,12 @@ __device__ __forceinline__ void store_acc_bf16_tma_ring(const float (&acc)[kBloc
   }
 }
 
-constexpr float kLog2e = 1.4426950408889634f;  // the factor __expf applies before its 2^x
+// 1 / (1 + e^-x) from 2^x and 1/x on the SFU (ptx::ex2_approx_ftz, rcp_approx_ftz: the values __expf and
+// __fdividef give here, without their denormal-range checks), the sigmoid of every SwiGLU epilogue.
+__device__ __forceinline__ float sigmoid_sfu(float x) {
+  constexpr float kLog2e = 1.4426950408889634f;  // the factor __expf applies before its 2^x
+  return ptx::rcp_approx_ftz(1.f + ptx::ex2_approx_ftz(-x * kLog2e));
+}
 
 // s = silu(g) * u in fp32 (clamp > 0: g <= clamp and -clamp <= u <= clamp first), the one formula of every
 // forward epilogue, so that all of them round s identically. Its g and u are the pre-activations as the
@@ -449,8 +454,7 @@ __device__ __forceinline__ float swiglu_value(float g, float u, float clamp) {
     g = fminf(g, clamp);
     u = fmaxf(fminf(u, clamp), -clamp);
   }
-  // fast reciprocal: an IEEE division costs a slow-path check per element
-  return g * ptx::rcp_approx_ftz(1.f + ptx::ex2_approx_ftz(-g * kLog2e)) * u;
+  return g * sigmoid_sfu(g) * u;  // an IEEE division would cost a slow-path check per element
 }
 
 // The saved h's rounding (round to nearest even) of a pair of values, in place: one conversion instruction for
@@ -563,7 +567,7 @@ __device__ __forceinline__ SwigluBwdWords swiglu_bwd_pair(uint32_t g2, uint32_t 
     const float u = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? u2 >> 16 : u2 & 0xffffu));
     const float gc = has_clamp ? fminf(g, clamp) : g;
     const float uc = has_clamp ? fminf(fmaxf(u, -clamp), clamp) : u;
-    const float sig = ptx::rcp_approx_ftz(1.f + ptx::ex2_approx_ftz(-gc * kLog2e));
+    const float sig = sigmoid_sfu(gc);
     const float silu = gc * sig;
     const float sv = silu * uc;
     const float da = t ? da1 : da0;
