@@ -94,7 +94,13 @@ struct MegaFwdParams {
   // Cooperative kernel: 1 = once this CTA's dispatch is done, the L1 epilogue of a whole 128-row tile hands the
   // bf16 gate | up tile to the dispatch warps, which compute s and issue the h and s stores (see the kernel).
   int32_t handoff;
+  // L2 cache hints (kMegaFwdL2Hints; bench/NOTES.md, session 14): bit 0, 1, 2: the h, s, o stores evict_first
+  // (no later access in this kernel reads them back soon: s is read in the L2 phase, after the whole L1 phase);
+  // bit 3: the w13 / w2 loads evict_last (16 m-blocks of a band read each B tile in turn, while the x_pool, h, s
+  // and o streams would push it out between them). A clear bit: no hint. The ping-pong kernel reads bit 3 only.
+  int32_t l2_hints;
 };
+constexpr int32_t kMegaFwdL2Hints = 15;  // measured on the H200: -2 to -4% in steady state at both layer shapes
 constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only;
                                   // 16: the TMA producer's wait for a free stage, both kernels)
 
@@ -242,6 +248,7 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
   bool in_l2 = false;
   const int chunks = ceil_div(p.hidden * 2, kDispatchSlotBytes);
   long long wait_disp = 0, wait_l1 = 0, wait_empty = 0, t_start = clock64();
+  const uint64_t pol_w = (p.l2_hints & 8) ? ptx::l2_policy_evict_last() : ptx::l2_policy_evict_normal();
   for (int u = (int)ptx::ctaid_x_volatile(); u < seq.num_tasks; u += (int)gridDim.x) {
     const auto t = seq.locate(u, e, in_l2);
     const long long t0 = p.stats != nullptr ? clock64() : 0;
@@ -264,11 +271,11 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
       const int k0 = kb * L::kBlockK;
       if (t.l1) {
         ptx::tma_load_2d(sa, tmap_xpool, &full_bar[stage], k0, t.row0);
-        ptx::tma_load_3d(sb, tmap_w13, &full_bar[stage], k0, t.n0, t.e);
-        ptx::tma_load_3d(sb + Seq::kL1Cols * 128, tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e);
+        ptx::tma_load_3d_hint(sb, tmap_w13, &full_bar[stage], k0, t.n0, t.e, pol_w);
+        ptx::tma_load_3d_hint(sb + Seq::kL1Cols * 128, tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e, pol_w);
       } else {
         ptx::tma_load_2d(sa, tmap_s, &full_bar[stage], k0, t.row0);
-        ptx::tma_load_3d(sb, tmap_w2, &full_bar[stage], k0, t.n0, t.e);
+        ptx::tma_load_3d_hint(sb, tmap_w2, &full_bar[stage], k0, t.n0, t.e, pol_w);
       }
       advance_stage<kNumStages>(stage, phase);
     }
@@ -326,8 +333,9 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
         for (int b = 0; b < L::kStageCols / 64; ++b) {
           if (n0 + 64 * b < p.inter) {
             const uint32_t off = w * Stg::kHalfBytes + b * Stg::kBoxBytes;
-            ptx::tma_store_2d(tmap_h, stg_a + off, n0 + 64 * b, row0 + 64 * w);
-            ptx::tma_store_2d(tmap_h, stg_b + off, p.inter + n0 + 64 * b, row0 + 64 * w);
+            const uint64_t pol = (p.l2_hints & 1) ? ptx::l2_policy_evict_first() : ptx::l2_policy_evict_normal();
+            ptx::tma_store_2d_hint(tmap_h, stg_a + off, n0 + 64 * b, row0 + 64 * w, pol);
+            ptx::tma_store_2d_hint(tmap_h, stg_b + off, p.inter + n0 + 64 * b, row0 + 64 * w, pol);
           }
         }
       }
@@ -352,7 +360,9 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
 #pragma unroll
         for (int b = 0; b < L::kStageCols / 64; ++b)
           if (n0 + 64 * b < p.inter)
-            ptx::tma_store_2d(tmap_s_st, stg_a + w * Stg::kHalfBytes + b * Stg::kBoxBytes, n0 + 64 * b, row0 + 64 * w);
+            ptx::tma_store_2d_hint(tmap_s_st, stg_a + w * Stg::kHalfBytes + b * Stg::kBoxBytes, n0 + 64 * b,
+                                   row0 + 64 * w,
+                                   (p.l2_hints & 2) ? ptx::l2_policy_evict_first() : ptx::l2_policy_evict_normal());
       }
       ptx::bulk_commit_group();
       ptx::bulk_wait_group_read<0>();
@@ -501,7 +511,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (done) stage_b_state = 1u;  // the latest group read the first tile
       }
       auto staged_pass = [&](int box0, __nv_bfloat16* out, int64_t ld, int c0, int limit, const CUtensorMap* map,
-                             auto pack) {
+                             auto pack, int hint_bit) {
         const bool alternate = (stage_b_state & 1u) != 0;
         const bool use_b = alternate && !(stage_b_state & 2u);
         const uint32_t stg = stg_half + (use_b ? kToStageB : 0u);
@@ -515,10 +525,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
         if (full_half) {
           if (wg_tid == 0) {
+            const uint64_t pol =
+                (p.l2_hints & hint_bit) ? ptx::l2_policy_evict_first() : ptx::l2_policy_evict_normal();
 #pragma unroll
             for (int b = 0; b < kStageCols / 64; ++b)
               if (c0 + 64 * b < limit)
-                ptx::tma_store_2d(map, stg + b * TmaStaging<kStageCols>::kBoxBytes, c0 + 64 * b, hrow0);
+                ptx::tma_store_2d_hint(map, stg + b * TmaStaging<kStageCols>::kBoxBytes, c0 + 64 * b, hrow0, pol);
           }
         } else {
           copy_swizzled_half_to_global<kStageCols>(stg, wg_tid, t.row_end - hrow0, out, ld, hrow0, c0, limit);
@@ -564,11 +576,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             round_acc_as_saved_h<kBlockN>(acc, RoundHPlain{});
           if (p.h != nullptr) {
             // gate columns n0.. of h, then the matching up columns I + n0..
-            staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, PackBf16x2Exact{});
-            staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h, PackBf16x2Exact{});
+            staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, PackBf16x2Exact{}, 1);
+            staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h, PackBf16x2Exact{}, 1);
           }
           swiglu_in_place<kBlockN>(acc, p.clamp);
-          staged_pass(0, p.s, p.inter, t.n0, p.inter, &tmap_s_st, PackBf16x2{});
+          staged_pass(0, p.s, p.inter, t.n0, p.inter, &tmap_s_st, PackBf16x2{}, 2);
         }
         if (full_half) {
           pending_mb = t.mb;  // arrives after the next tile's first MMAs (arrive_pending)
@@ -579,8 +591,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (wg_tid == 0) ptx::red_release_gpu_add(seq.l1_ctr + t.mb, 1);
         }
       } else if (active) {
-        staged_pass(0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, PackBf16x2{});
-        staged_pass(kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o, PackBf16x2{});
+        staged_pass(0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, PackBf16x2{}, 4);
+        staged_pass(kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o, PackBf16x2{}, 4);
       }
       if (p.stats != nullptr) {
         if (t.l1) epi_l1 += clock64() - t_epi; else epi_l2 += clock64() - t_epi;
