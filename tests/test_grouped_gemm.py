@@ -350,3 +350,44 @@ def test_swiglu_bwd_gemm_bad_inputs_raise():
         f(dy, w2, offs, h, src, wts, a_row_index=idx[:8], m_total=16)
     with pytest.raises(RuntimeError, match="multiple of 64"):
         f(dy, w2[:, :, :96], offs, h[:, :192], src, wts, a_row_index=idx, m_total=16)
+
+
+@requires_sm90
+def test_l2_cache_hints_change_no_value(monkeypatch):
+    """The m-grouped kernels' L2 cache hints (PK_GEMM_L2HINT, read at every call; default 9) only move lines
+    between cache priorities: nt, nn, the SwiGLU GEMM (h saved) and both SwiGLU backward kernels give the same
+    bits with every hint off, with each alone and with the default, and leave no row unwritten."""
+    gen = torch.Generator().manual_seed(5)
+    E, I, H = 6, 256, 192
+    sizes = group_sizes(E, "skewed", gen)
+    offs = offsets_of(sizes, "cuda")
+    M = sum(sizes)
+    a = torch.randn(M, H, generator=gen).bfloat16().cuda()
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5).bfloat16().cuda()
+    w2 = (torch.randn(E, H, I, generator=gen) / I ** 0.5).bfloat16().cuda()
+    M2, offs2, dy, w2b, h, src, wts = _swiglu_bwd_inputs(E, "skewed", I, H, seed=17)
+    gg = deep_gemm.grouped_gemm
+
+    def run_all():
+        outs = [gg.m_grouped_bf16_gemm_nt(a, w13, offs), gg.m_grouped_bf16_gemm_nn(a, w2, offs)]
+        outs += list(gg.m_grouped_bf16_gemm_swiglu(a, w13, offs, save_h=True))
+        for coop in ("0", "1"):
+            monkeypatch.setenv("PK_SWIGLU_BWD_COOP", coop)
+            outs += list(gg.m_grouped_bf16_gemm_swiglu_bwd(dy, w2b, offs2, h, src, wts))
+        monkeypatch.delenv("PK_SWIGLU_BWD_COOP")
+        return outs
+
+    results = {}
+    for hints in ("0", "1", "8", None):
+        if hints is None:
+            monkeypatch.delenv("PK_GEMM_L2HINT", raising=False)
+        else:
+            monkeypatch.setenv("PK_GEMM_L2HINT", hints)
+        for n in (M * 2 * I, M * I, M * H, M2 * 2 * I):
+            poison_next_alloc(n, torch.bfloat16)
+        results[hints] = run_all()
+    for i, out in enumerate(results["0"]):
+        assert torch.isfinite(out.float()).all(), f"output {i} has unwritten rows"
+    for hints, outs in results.items():
+        for i, (x, y) in enumerate(zip(results["0"], outs)):
+            assert torch.equal(x, y), f"output {i}: hints={hints} differs from no hints"

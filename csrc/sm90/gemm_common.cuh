@@ -437,6 +437,16 @@ __device__ __forceinline__ void store_acc_bf16_tma_ring(const float (&acc)[kBloc
   }
 }
 
+// L2 cache policies for the kernels' hint bits (MGroupedParams::l2_hints, MegaFwdParams::l2_hints): bit 3 asks
+// evict_last for the weight (B) loads; bit `bit` (0-2) evict_first for one kind of output store. A clear bit gives
+// evict_normal, i.e. no preference.
+__device__ __forceinline__ uint64_t l2_policy_weights(int32_t hints) {
+  return (hints & 8) ? ptx::l2_policy_evict_last() : ptx::l2_policy_evict_normal();
+}
+__device__ __forceinline__ uint64_t l2_policy_store(int32_t hints, int bit) {
+  return ((hints >> bit) & 1) ? ptx::l2_policy_evict_first() : ptx::l2_policy_evict_normal();
+}
+
 // 1 / (1 + e^-x) from 2^x and 1/x on the SFU (ptx::ex2_approx_ftz, rcp_approx_ftz: the values __expf and
 // __fdividef give here, without their denormal-range checks), the sigmoid of every SwiGLU epilogue.
 __device__ __forceinline__ float sigmoid_sfu(float x) {

@@ -60,6 +60,13 @@ int check_num_groups(int num_groups, const char* fn, char* err, size_t err_len) 
   return kGemmOk;
 }
 
+// The m-grouped kernels' L2 cache hints (MGroupedParams::l2_hints): kGemmL2Hints unless PK_GEMM_L2HINT=<bits>
+// (development aid, read at every call, for A/B timing; 0: none).
+int32_t gemm_l2_hints() {
+  const char* v = std::getenv("PK_GEMM_L2HINT");
+  return v != nullptr ? std::atoi(v) : kGemmL2Hints;
+}
+
 }  // namespace
 
 namespace {
@@ -160,6 +167,7 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
     if (int r = make_map(&md, d, 2, dims, strides, box, err, err_len)) return r;
   }
   MGroupedParams p{};
+  p.l2_hints = gemm_l2_hints();
   p.a = reinterpret_cast<const __nv_bfloat16*>(a_ptr);
   p.lda = lda_;
   p.a_row_index = a_row_index;
@@ -303,6 +311,7 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
     if (int r = make_map(&md, h, 2, dims, strides, box, err, err_len)) return r;
   }
   MGroupedParams p{};
+  p.l2_hints = gemm_l2_hints();
   p.a = reinterpret_cast<const __nv_bfloat16*>(a);
   p.lda = lda;
   p.a_row_index = a_row_index;
@@ -405,6 +414,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
     if (int r = make_map(&mb, w2, 3, dims, strides, box, err, err_len)) return r;
   }
   MGroupedParams p{};
+  p.l2_hints = gemm_l2_hints();
   p.a = reinterpret_cast<const __nv_bfloat16*>(dy_pool);
   p.lda = lda;
   p.group_offsets = group_offsets;

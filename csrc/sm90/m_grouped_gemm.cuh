@@ -58,7 +58,13 @@
 namespace deep_gemm {
 namespace sm90 {
 
+constexpr int32_t kGemmL2Hints = 9;  // MGroupedParams::l2_hints: output stores evict_first, weight loads evict_last
+
 struct MGroupedParams {
+  // L2 cache hints (kGemmL2Hints, bench/NOTES.md session 14): bit 0: the outputs' TMA stores (d, dh, aw) evict_first
+  // (a later kernel reads them, after far more than L2 holds has streamed through); bit 3: the B (weight) loads
+  // evict_last (every m-block of a band reads each B tile in turn). A clear bit: no hint.
+  int32_t l2_hints;
   // Gathered A only (kGatherA): A [a_rows, K] row stride lda; pool row m reads A row a_row_index[m]
   // (indices outside [0, a_rows) read zeros).
   const __nv_bfloat16* a;
@@ -246,6 +252,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warp < 4) {
     // ================= producer warpgroup =================
     ptx::setmaxnreg_dec<kProdRegs>();
+    const uint64_t pol_b = l2_policy_weights(p.l2_hints);
     if constexpr (kGatherA) {
       // Gathering producer: warps 0..3 copy A rows; lane 0 of warp 0 also issues B.
       int stage = 0;
@@ -307,14 +314,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
             ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kBBytes + tma_warps * 32 * 128);
             if constexpr (kSwiGLU) {
-              ptx::tma_load_3d(sb, &tmap_b, &full_bar[stage], k0, cur.n0, cur.b_group);
-              ptx::tma_load_3d(sb + kTileCols * 128, &tmap_b, &full_bar[stage], k0, p.n + cur.n0, cur.b_group);
+              ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], k0, cur.n0, cur.b_group, pol_b);
+              ptx::tma_load_3d_hint(sb + kTileCols * 128, &tmap_b, &full_bar[stage], k0, p.n + cur.n0, cur.b_group, pol_b);
             } else if constexpr (kBKMajor) {
-              ptx::tma_load_3d(sb, &tmap_b, &full_bar[stage], k0, cur.n0, cur.b_group);
+              ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], k0, cur.n0, cur.b_group, pol_b);
             } else {
 #pragma unroll
               for (int j = 0; j < kBlockN / 64; ++j)
-                ptx::tma_load_3d(sb + j * kMnBoxBytes, &tmap_b, &full_bar[stage], cur.n0 + 64 * j, k0, cur.b_group);
+                ptx::tma_load_3d_hint(sb + j * kMnBoxBytes, &tmap_b, &full_bar[stage], cur.n0 + 64 * j, k0, cur.b_group, pol_b);
             }
           }
           advance_stage<kNumStages>(stage, phase);
@@ -345,18 +352,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
               if (w.mcast)
                 ptx::tma_load_3d_multicast(sb + j * kBoxBytes, &tmap_b, &full_bar[stage], c0, c1, w.b_group, 0x3);
               else
-                ptx::tma_load_3d(sb + j * kBoxBytes, &tmap_b, &full_bar[stage], c0, c1, w.b_group);
+                ptx::tma_load_3d_hint(sb + j * kBoxBytes, &tmap_b, &full_bar[stage], c0, c1, w.b_group, pol_b);
             }
           } else if constexpr (kSwiGLU) {
-            ptx::tma_load_3d(sb, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0, w.b_group);
-            ptx::tma_load_3d(sb + kTileCols * 128, &tmap_b, &full_bar[stage], kb * kBlockK, p.n + w.n0, w.b_group);
+            ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0, w.b_group, pol_b);
+            ptx::tma_load_3d_hint(sb + kTileCols * 128, &tmap_b, &full_bar[stage], kb * kBlockK, p.n + w.n0, w.b_group, pol_b);
           } else if constexpr (kBKMajor) {
-            ptx::tma_load_3d(sb, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0, w.b_group);
+            ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0, w.b_group, pol_b);
           } else {
 #pragma unroll
             for (int j = 0; j < kBlockN / 64; ++j)
-              ptx::tma_load_3d(sb + j * kMnBoxBytes, &tmap_b, &full_bar[stage], w.n0 + 64 * j, kb * kBlockK,
-                               w.b_group);
+              ptx::tma_load_3d_hint(sb + j * kMnBoxBytes, &tmap_b, &full_bar[stage], w.n0 + 64 * j, kb * kBlockK,
+                               w.b_group, pol_b);
           }
           advance_stage<kNumStages>(stage, phase);
         }
@@ -425,8 +432,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                   constexpr int kGateBoxes = kBlockN / 128;
                   const int c = w.n0 + 64 * (b % kGateBoxes);  // column within gate (and within up)
                   if (c < p.n)
-                    ptx::tma_store_2d(&tmap_d, stg_half + b * TmaStaging<kBlockN>::kBoxBytes,
-                                      (b >= kGateBoxes ? p.n : 0) + c, hrow0);
+                    ptx::tma_store_2d_hint(&tmap_d, stg_half + b * TmaStaging<kBlockN>::kBoxBytes,
+                                           (b >= kGateBoxes ? p.n : 0) + c, hrow0, l2_policy_store(p.l2_hints, 0));
                 }
                 ptx::bulk_commit_group();
               }
@@ -451,7 +458,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
               for (int b = 0; b < kBlockN / 64; ++b)
                 if (w.n0 + 64 * b < p.n)
-                  ptx::tma_store_2d(&tmap_d, stg_half + b * TmaStaging<kBlockN>::kBoxBytes, w.n0 + 64 * b, hrow0);
+                  ptx::tma_store_2d_hint(&tmap_d, stg_half + b * TmaStaging<kBlockN>::kBoxBytes, w.n0 + 64 * b, hrow0,
+                                         l2_policy_store(p.l2_hints, 0));
               ptx::bulk_commit_group();
             }
           } else {
@@ -463,7 +471,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (active) {
           if (hrow0 + 64 <= w.row_end) {
             store_acc_bf16_tma_ring<kBlockN>(acc, stage_c, kBarEpilogueWg0 + wg, wg_tid, w.n0, p.n,
-                                             [&](uint32_t src, int col) { ptx::tma_store_2d(&tmap_d, src, col, hrow0); });
+                                             [&](uint32_t src, int col) {
+                                               ptx::tma_store_2d_hint(&tmap_d, src, col, hrow0, l2_policy_store(p.l2_hints, 0));
+                                             });
           } else {
             if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the staging tile is also the TMA ring's box
             store_acc_bf16_staged<kBlockN>(acc, stage_c, kBarEpilogueWg0 + wg, wg_tid, p.d, p.ldd, hrow0, w.row_end,

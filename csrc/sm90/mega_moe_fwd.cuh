@@ -248,7 +248,7 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
   bool in_l2 = false;
   const int chunks = ceil_div(p.hidden * 2, kDispatchSlotBytes);
   long long wait_disp = 0, wait_l1 = 0, wait_empty = 0, t_start = clock64();
-  const uint64_t pol_w = (p.l2_hints & 8) ? ptx::l2_policy_evict_last() : ptx::l2_policy_evict_normal();
+  const uint64_t pol_w = l2_policy_weights(p.l2_hints);
   for (int u = (int)ptx::ctaid_x_volatile(); u < seq.num_tasks; u += (int)gridDim.x) {
     const auto t = seq.locate(u, e, in_l2);
     const long long t0 = p.stats != nullptr ? clock64() : 0;
@@ -333,7 +333,7 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
         for (int b = 0; b < L::kStageCols / 64; ++b) {
           if (n0 + 64 * b < p.inter) {
             const uint32_t off = w * Stg::kHalfBytes + b * Stg::kBoxBytes;
-            const uint64_t pol = (p.l2_hints & 1) ? ptx::l2_policy_evict_first() : ptx::l2_policy_evict_normal();
+            const uint64_t pol = l2_policy_store(p.l2_hints, 0);
             ptx::tma_store_2d_hint(tmap_h, stg_a + off, n0 + 64 * b, row0 + 64 * w, pol);
             ptx::tma_store_2d_hint(tmap_h, stg_b + off, p.inter + n0 + 64 * b, row0 + 64 * w, pol);
           }
@@ -362,7 +362,7 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
           if (n0 + 64 * b < p.inter)
             ptx::tma_store_2d_hint(tmap_s_st, stg_a + w * Stg::kHalfBytes + b * Stg::kBoxBytes, n0 + 64 * b,
                                    row0 + 64 * w,
-                                   (p.l2_hints & 2) ? ptx::l2_policy_evict_first() : ptx::l2_policy_evict_normal());
+                                   l2_policy_store(p.l2_hints, 1));
       }
       ptx::bulk_commit_group();
       ptx::bulk_wait_group_read<0>();
@@ -525,8 +525,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
         if (full_half) {
           if (wg_tid == 0) {
-            const uint64_t pol =
-                (p.l2_hints & hint_bit) ? ptx::l2_policy_evict_first() : ptx::l2_policy_evict_normal();
+            const uint64_t pol = l2_policy_store(p.l2_hints, hint_bit);
 #pragma unroll
             for (int b = 0; b < kStageCols / 64; ++b)
               if (c0 + 64 * b < limit)
@@ -576,11 +575,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             round_acc_as_saved_h<kBlockN>(acc, RoundHPlain{});
           if (p.h != nullptr) {
             // gate columns n0.. of h, then the matching up columns I + n0..
-            staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, PackBf16x2Exact{}, 1);
-            staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h, PackBf16x2Exact{}, 1);
+            staged_pass(0, p.h, 2 * p.inter, t.n0, p.inter, &tmap_h, PackBf16x2Exact{}, 0);
+            staged_pass(kPassBoxes, p.h, 2 * p.inter, p.inter + t.n0, 2 * p.inter, &tmap_h, PackBf16x2Exact{}, 0);
           }
           swiglu_in_place<kBlockN>(acc, p.clamp);
-          staged_pass(0, p.s, p.inter, t.n0, p.inter, &tmap_s_st, PackBf16x2{}, 2);
+          staged_pass(0, p.s, p.inter, t.n0, p.inter, &tmap_s_st, PackBf16x2{}, 1);
         }
         if (full_half) {
           pending_mb = t.mb;  // arrives after the next tile's first MMAs (arrive_pending)
@@ -591,8 +590,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (wg_tid == 0) ptx::red_release_gpu_add(seq.l1_ctr + t.mb, 1);
         }
       } else if (active) {
-        staged_pass(0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, PackBf16x2{}, 4);
-        staged_pass(kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o, PackBf16x2{}, 4);
+        staged_pass(0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, PackBf16x2{}, 2);
+        staged_pass(kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o, PackBf16x2{}, 2);
       }
       if (p.stats != nullptr) {
         if (t.l1) epi_l1 += clock64() - t_epi; else epi_l2 += clock64() - t_epi;

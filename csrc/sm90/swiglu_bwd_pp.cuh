@@ -98,9 +98,10 @@ __device__ __forceinline__ void swiglu_bwd_piece_store(const MGroupedParams& p, 
                                                        uint32_t bar_id) {
   if (rows == 64) {
     if (wg_tid == 0) {
-      ptx::tma_store_2d(tmap_dh, gb, col0, prow0);
-      ptx::tma_store_2d(tmap_dh, ub, p.n + col0, prow0);
-      ptx::tma_store_2d(tmap_aw, aw, col0, prow0);
+      const uint64_t pol = l2_policy_store(p.l2_hints, 0);
+      ptx::tma_store_2d_hint(tmap_dh, gb, col0, prow0, pol);
+      ptx::tma_store_2d_hint(tmap_dh, ub, p.n + col0, prow0, pol);
+      ptx::tma_store_2d_hint(tmap_aw, aw, col0, prow0, pol);
       ptx::bulk_commit_group();
     }
   } else if (rows > 0) {
@@ -201,6 +202,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warp < 4) {
     if constexpr (kDispatch) ptx::setmaxnreg_dec<kDispatchProducerRegs>(); else ptx::setmaxnreg_dec<kProducerRegs>();
     if (warp == 0 && lane == 0) {
+      const uint64_t pol_b = l2_policy_weights(p.l2_hints);
       int stage = 0;
       uint32_t phase = 0;
       int g = 0;
@@ -220,7 +222,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           ptx::tma_load_2d(sa, &tmap_a, &full_bar[stage], kb * kBlockK, w.row0);
 #pragma unroll
           for (int j = 0; j < kBlockN / 64; ++j)
-            ptx::tma_load_3d(sb + j * L::kMnBoxBytes, &tmap_b, &full_bar[stage], w.n0 + 64 * j, kb * kBlockK, w.g);
+            ptx::tma_load_3d_hint(sb + j * L::kMnBoxBytes, &tmap_b, &full_bar[stage], w.n0 + 64 * j, kb * kBlockK, w.g,
+                                  pol_b);
           advance_stage<kNumStages>(stage, phase);
         }
       }
