@@ -67,6 +67,13 @@ int32_t gemm_l2_hints() {
   return v != nullptr ? std::atoi(v) : kGemmL2Hints;
 }
 
+// The k-grouped kernel's L2 cache hints (KGroupedParams::l2_hints): kKGroupedL2Hints unless
+// PK_KGROUPED_L2HINT=<bits> (development aid, read at every call, for A/B timing; 0: none).
+int32_t k_grouped_l2_hints() {
+  const char* v = std::getenv("PK_KGROUPED_L2HINT");
+  return v != nullptr ? std::atoi(v) : kKGroupedL2Hints;
+}
+
 }  // namespace
 
 namespace {
@@ -559,6 +566,7 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
   p.m = (int32_t)m;
   p.n = (int32_t)n;
   p.num_groups = num_groups;
+  p.l2_hints = k_grouped_l2_hints();
   const int64_t tiles = (int64_t)num_groups * ((m + 127) / 128) * ((n + cfg.block_n - 1) / cfg.block_n);
   if (tiles > kMaxDim) return fail(kGemmInvalidArgument, err, err_len, "%s: too many tiles", fn);
   const int grid = (int)(tiles < sms ? tiles : sms);

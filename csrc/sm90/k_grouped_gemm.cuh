@@ -23,6 +23,8 @@ namespace sm90 {
 
 enum KGroupedOut : int { kOutF32Store = 0, kOutF32Accumulate = 1, kOutBf16Store = 2 };
 
+constexpr int32_t kKGroupedL2Hints = 0;  // KGroupedParams::l2_hints
+
 struct KGroupedParams {
   void* c;  // [E, M, N]
   const int32_t* group_offsets;
@@ -30,6 +32,9 @@ struct KGroupedParams {
   int32_t m;
   int32_t n;
   int32_t num_groups;
+  // L2 cache hints (kKGroupedL2Hints; bench/NOTES.md, session 14): bit 0: the C stores evict_first; bit 3: the A and
+  // B loads evict_last (every tile of an expert reads its rows again). A clear bit: no hint.
+  int32_t l2_hints;
 };
 
 template <int kBlockN, int kNumStages, bool kAsyncEpi>
@@ -124,6 +129,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // ================= producer warpgroup =================
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (warp == 0 && lane == 0) {
+      const uint64_t pol = l2_policy_weights(p.l2_hints);
       int stage = 0;
       uint32_t phase = 0;
       for (int i = 0; i * grid < num_tiles; ++i) {
@@ -139,10 +145,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
 #pragma unroll
           for (int j = 0; j < kBlockM / 64; ++j)
-            ptx::tma_load_2d(sa + j * kBoxBytes, &tmap_a, &full_bar[stage], tile.m0 + 64 * j, krow);
+            ptx::tma_load_2d_hint(sa + j * kBoxBytes, &tmap_a, &full_bar[stage], tile.m0 + 64 * j, krow, pol);
 #pragma unroll
           for (int j = 0; j < kBlockN / 64; ++j)
-            ptx::tma_load_2d(sb + j * kBoxBytes, &tmap_b, &full_bar[stage], tile.n0 + 64 * j, krow);
+            ptx::tma_load_2d_hint(sb + j * kBoxBytes, &tmap_b, &full_bar[stage], tile.n0 + 64 * j, krow, pol);
           advance_stage<kNumStages>(stage, phase);
         }
       }
@@ -217,8 +223,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
             for (int b = 0; b < kBlockN / 64; ++b)
               if (tile.n0 + 64 * b < p.n)
-                ptx::tma_store_3d(&tmap_c, stg_half + b * TmaStaging<kBlockN>::kBoxBytes, tile.n0 + 64 * b, row0,
-                                  tile.group);
+                ptx::tma_store_3d_hint(&tmap_c, stg_half + b * TmaStaging<kBlockN>::kBoxBytes, tile.n0 + 64 * b,
+                                       row0, tile.group, l2_policy_store(p.l2_hints, 0));
             ptx::bulk_commit_group();
           }
         }
@@ -226,7 +232,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         // the 3-D map clips rows >= M and columns >= N
         if (row0 < p.m)
           store_acc_bf16_tma_ring<kBlockN>(acc, stage_c, kBarEpilogueWg0 + wg, wg_tid, tile.n0, p.n,
-                                           [&](uint32_t src, int col) { ptx::tma_store_3d(&tmap_c, src, col, row0, tile.group); });
+                                           [&](uint32_t src, int col) {
+                                             ptx::tma_store_3d_hint(&tmap_c, src, col, row0, tile.group,
+                                                                    l2_policy_store(p.l2_hints, 0));
+                                           });
       } else {
         float* out = reinterpret_cast<float*>(p.c) + tile.group * group_elems;
         const int fr = row0 + warp_in_wg * 16 + (lane >> 2);
