@@ -354,9 +354,10 @@ def test_swiglu_bwd_gemm_bad_inputs_raise():
 
 @requires_sm90
 def test_l2_cache_hints_change_no_value(monkeypatch):
-    """The m-grouped kernels' L2 cache hints (PK_GEMM_L2HINT, read at every call; default 9) only move lines
-    between cache priorities: nt, nn, the SwiGLU GEMM (h saved) and both SwiGLU backward kernels give the same
-    bits with every hint off, with each alone and with the default, and leave no row unwritten."""
+    """The GEMMs' L2 cache hints (PK_GEMM_L2HINT and PK_KGROUPED_L2HINT, read at every call) only move lines
+    between cache priorities: nt, nn, the SwiGLU GEMM (h saved), both SwiGLU backward kernels and the k-grouped
+    GEMM (bf16 and fp32 out) give the same bits with every hint off, with each alone and with the defaults, and
+    leave no element unwritten."""
     gen = torch.Generator().manual_seed(5)
     E, I, H = 6, 256, 192
     sizes = group_sizes(E, "skewed", gen)
@@ -365,6 +366,7 @@ def test_l2_cache_hints_change_no_value(monkeypatch):
     a = torch.randn(M, H, generator=gen).bfloat16().cuda()
     w13 = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5).bfloat16().cuda()
     w2 = (torch.randn(E, H, I, generator=gen) / I ** 0.5).bfloat16().cuda()
+    b_k = torch.randn(M, I, generator=gen).bfloat16().cuda()  # the k-grouped GEMM's second operand
     M2, offs2, dy, w2b, h, src, wts = _swiglu_bwd_inputs(E, "skewed", I, H, seed=17)
     gg = deep_gemm.grouped_gemm
 
@@ -375,16 +377,20 @@ def test_l2_cache_hints_change_no_value(monkeypatch):
             monkeypatch.setenv("PK_SWIGLU_BWD_COOP", coop)
             outs += list(gg.m_grouped_bf16_gemm_swiglu_bwd(dy, w2b, offs2, h, src, wts))
         monkeypatch.delenv("PK_SWIGLU_BWD_COOP")
+        outs.append(gg.k_grouped_bf16_gemm_tn(a, b_k, offs, out_dtype=torch.bfloat16))
+        outs.append(gg.k_grouped_bf16_gemm_tn(a, b_k, offs))
         return outs
 
     results = {}
     for hints in ("0", "1", "8", None):
-        if hints is None:
-            monkeypatch.delenv("PK_GEMM_L2HINT", raising=False)
-        else:
-            monkeypatch.setenv("PK_GEMM_L2HINT", hints)
-        for n in (M * 2 * I, M * I, M * H, M2 * 2 * I):
+        for env in ("PK_GEMM_L2HINT", "PK_KGROUPED_L2HINT"):
+            if hints is None:
+                monkeypatch.delenv(env, raising=False)
+            else:
+                monkeypatch.setenv(env, hints)
+        for n in (M * 2 * I, M * I, M * H, M2 * 2 * I, E * H * I):
             poison_next_alloc(n, torch.bfloat16)
+        poison_next_alloc(E * H * I, torch.float32)
         results[hints] = run_all()
     for i, out in enumerate(results["0"]):
         assert torch.isfinite(out.float()).all(), f"output {i} has unwritten rows"

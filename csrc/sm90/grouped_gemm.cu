@@ -60,20 +60,6 @@ int check_num_groups(int num_groups, const char* fn, char* err, size_t err_len) 
   return kGemmOk;
 }
 
-// The m-grouped kernels' L2 cache hints (MGroupedParams::l2_hints): kGemmL2Hints unless PK_GEMM_L2HINT=<bits>
-// (development aid, read at every call, for A/B timing; 0: none).
-int32_t gemm_l2_hints() {
-  const char* v = std::getenv("PK_GEMM_L2HINT");
-  return v != nullptr ? std::atoi(v) : kGemmL2Hints;
-}
-
-// The k-grouped kernel's L2 cache hints (KGroupedParams::l2_hints): kKGroupedL2Hints unless
-// PK_KGROUPED_L2HINT=<bits> (development aid, read at every call, for A/B timing; 0: none).
-int32_t k_grouped_l2_hints() {
-  const char* v = std::getenv("PK_KGROUPED_L2HINT");
-  return v != nullptr ? std::atoi(v) : kKGroupedL2Hints;
-}
-
 }  // namespace
 
 namespace {
@@ -174,7 +160,7 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
     if (int r = make_map(&md, d, 2, dims, strides, box, err, err_len)) return r;
   }
   MGroupedParams p{};
-  p.l2_hints = gemm_l2_hints();
+  p.l2_hints = l2_hints_from_env("PK_GEMM_L2HINT", kGemmL2Hints);
   p.a = reinterpret_cast<const __nv_bfloat16*>(a_ptr);
   p.lda = lda_;
   p.a_row_index = a_row_index;
@@ -318,7 +304,7 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
     if (int r = make_map(&md, h, 2, dims, strides, box, err, err_len)) return r;
   }
   MGroupedParams p{};
-  p.l2_hints = gemm_l2_hints();
+  p.l2_hints = l2_hints_from_env("PK_GEMM_L2HINT", kGemmL2Hints);
   p.a = reinterpret_cast<const __nv_bfloat16*>(a);
   p.lda = lda;
   p.a_row_index = a_row_index;
@@ -421,7 +407,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
     if (int r = make_map(&mb, w2, 3, dims, strides, box, err, err_len)) return r;
   }
   MGroupedParams p{};
-  p.l2_hints = gemm_l2_hints();
+  p.l2_hints = l2_hints_from_env("PK_GEMM_L2HINT", kGemmL2Hints);
   p.a = reinterpret_cast<const __nv_bfloat16*>(dy_pool);
   p.lda = lda;
   p.group_offsets = group_offsets;
@@ -566,7 +552,7 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
   p.m = (int32_t)m;
   p.n = (int32_t)n;
   p.num_groups = num_groups;
-  p.l2_hints = k_grouped_l2_hints();
+  p.l2_hints = l2_hints_from_env("PK_KGROUPED_L2HINT", kKGroupedL2Hints);
   const int64_t tiles = (int64_t)num_groups * ((m + 127) / 128) * ((n + cfg.block_n - 1) / cfg.block_n);
   if (tiles > kMaxDim) return fail(kGemmInvalidArgument, err, err_len, "%s: too many tiles", fn);
   const int grid = (int)(tiles < sms ? tiles : sms);

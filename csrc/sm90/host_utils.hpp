@@ -9,6 +9,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 
 #include "grouped_gemm.hpp"
 
@@ -30,6 +31,13 @@ inline int fail(int code, char* err, size_t err_len, const char* fmt, ...) {
 
 inline void clear_err(char* err, size_t err_len) {
   if (err != nullptr && err_len > 0) err[0] = '\0';
+}
+
+// A kernel's L2 cache-hint bits: the environment variable `name` when set (development aid, read at every call,
+// for A/B timing; 0: no hints), else the kernel's default.
+inline int32_t l2_hints_from_env(const char* name, int32_t default_bits) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? static_cast<int32_t>(std::atoi(v)) : default_bits;
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }

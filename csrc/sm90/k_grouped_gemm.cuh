@@ -23,7 +23,8 @@ namespace sm90 {
 
 enum KGroupedOut : int { kOutF32Store = 0, kOutF32Accumulate = 1, kOutBf16Store = 2 };
 
-constexpr int32_t kKGroupedL2Hints = 0;  // KGroupedParams::l2_hints
+constexpr int32_t kKGroupedL2Hints = 8;  // KGroupedParams::l2_hints: A / B loads evict_last (H200, layer fwd+bwd -1.4 to
+                                          // -1.9% steady; C stores evict_first measured no change, so off)
 
 struct KGroupedParams {
   void* c;  // [E, M, N]

@@ -43,12 +43,6 @@ bool handoff_enabled() {
   const char* v = std::getenv("PK_MEGA_FWD_HANDOFF");
   return !(v != nullptr && std::strcmp(v, "0") == 0);
 }
-// The fused forward's L2 cache hints (MegaFwdParams::l2_hints): kMegaFwdL2Hints unless PK_MEGA_FWD_L2HINT=<bits>
-// (development aid, read at every call, for A/B timing; 0: none).
-int32_t l2_hints() {
-  const char* v = std::getenv("PK_MEGA_FWD_L2HINT");
-  return v != nullptr ? std::atoi(v) : kMegaFwdL2Hints;
-}
 }  // namespace
 
 bool mega_moe_fwd_combines_in_kernel() { return combine_in_kernel(); }
@@ -205,7 +199,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
     stats_buf = nullptr;
   p.stats = kStats ? stats_buf : nullptr;
   p.handoff = cooperative && handoff_enabled() ? 1 : 0;
-  p.l2_hints = l2_hints();
+  p.l2_hints = l2_hints_from_env("PK_MEGA_FWD_L2HINT", kMegaFwdL2Hints);
   if (p.stats != nullptr) cudaMemsetAsync(p.stats, 0, sizeof(long long) * 1024 * kStatsPerCta, stream);
   // PK_MEGA_FWD_STATS=dispatch: the dispatch alone, no GEMM tiles (results are not computed; timing only)
   // PK_MEGA_FWD_STATS=d<bits>: bits 1-3 of MegaFwdParams::dispatch_only (d0 = the dispatch alone)
