@@ -190,15 +190,9 @@ __device__ __forceinline__ void tma_load_3d_hint(void* dst, const void* desc, ui
       "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
       : "memory");
 }
-__device__ __forceinline__ void tma_store_2d_hint(const void* desc, uint32_t src_smem, int32_t c0, int32_t c1,
-                                                  uint64_t policy) {
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3}], [%1], %4;" ::"l"(
-                   reinterpret_cast<uint64_t>(desc)),
-               "r"(src_smem), "r"(c0), "r"(c1), "l"(policy)
-               : "memory");
-}
 
-// TMA stores (shared -> global), bulk-group completion. Out-of-bounds box elements are not written.
+// TMA stores (shared -> global), bulk-group completion. Out-of-bounds box elements are not written. The _hint
+// forms take an L2 cache policy (above).
 __device__ __forceinline__ void tma_store_2d(const void* desc, uint32_t src_smem, int32_t c0, int32_t c1) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
                    reinterpret_cast<uint64_t>(desc)),
@@ -210,6 +204,13 @@ __device__ __forceinline__ void tma_store_3d(const void* desc, uint32_t src_smem
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
                    reinterpret_cast<uint64_t>(desc)),
                "r"(src_smem), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+__device__ __forceinline__ void tma_store_2d_hint(const void* desc, uint32_t src_smem, int32_t c0, int32_t c1,
+                                                  uint64_t policy) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3}], [%1], %4;" ::"l"(
+                   reinterpret_cast<uint64_t>(desc)),
+               "r"(src_smem), "r"(c0), "r"(c1), "l"(policy)
                : "memory");
 }
 __device__ __forceinline__ void tma_store_3d_hint(const void* desc, uint32_t src_smem, int32_t c0, int32_t c1,
