@@ -138,6 +138,28 @@ def test_fused_forward_is_bitwise_deterministic_and_matches_grouped_rounding(mon
     assert torch.equal(runs[0], grouped)
 
 
+def _skewed_fused_fwd(T: int, E: int, H: int, I: int, K: int, seed: int):
+    """A skewed routing with masked routes, on CUDA. Returns run(save_h, clamp, label) -> (s, h, o) of the fused
+    forward op over the plan's pool rows (h: empty without save_h), each run on NaN-poisoned memory and checked to
+    leave no pool row unwritten (label names the variant in the message)."""
+    from deep_gemm.routing import routing_plan
+
+    x, idx, _, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, routing="skewed", seed=seed, masked_frac=0.05)]
+    plan = routing_plan(idx, E, 1, validate=False)
+    rows = int(plan.expert_offsets[-1])
+    op = torch.ops.deep_gemm.mega_moe_fused_fwd
+
+    def run(save_h: bool, clamp: float, label: str):
+        poison_allocator()
+        s, h, o, _, _ = op(x, plan.pool_src_route, plan.expert_offsets, w13, w2, K, save_h, clamp)
+        got = (s[:rows], h[:rows] if save_h else h, o[:rows])
+        for name, t in zip("sho", got):
+            assert torch.isfinite(t.float()).all(), f"{name} ({label}) has rows the kernel did not write"
+        return got
+
+    return run
+
+
 @requires_sm90
 @pytest.mark.parametrize("save_h,clamp", [(True, 0.0), (False, 0.0), (True, 0.75)])
 def test_fused_epilogue_handoff_is_bit_identical(monkeypatch, save_h, clamp):
@@ -147,22 +169,12 @@ def test_fused_epilogue_handoff_is_bit_identical(monkeypatch, save_h, clamp):
     for bit. Skewed routing: tiles crossing an expert's end keep the consumers' path in the same run; I = 320
     leaves the last n-block half empty (a 64-column box past I is not stored)."""
     _require_fused()
-    from deep_gemm.routing import routing_plan
-
     monkeypatch.setenv("PK_MEGA_FWD_KERNEL", "cooperative")
-    T, E, H, I, K = 4097, 32, 512, 320, 8
-    x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, routing="skewed", seed=31, masked_frac=0.05)]
-    plan = routing_plan(idx, E, 1, validate=False)
-    rows = int(plan.expert_offsets[-1])
-    op = torch.ops.deep_gemm.mega_moe_fused_fwd
+    run = _skewed_fused_fwd(4097, 32, 512, 320, 8, seed=31)
     outs = {}
     for mode in ("0", "1", "1"):
         monkeypatch.setenv("PK_MEGA_FWD_HANDOFF", mode)
-        poison_allocator()
-        s, h, o, _, _ = op(x, plan.pool_src_route, plan.expert_offsets, w13, w2, K, save_h, clamp)
-        got = (s[:rows], h[:rows] if save_h else h, o[:rows])
-        for name, t in zip("sho", got):
-            assert torch.isfinite(t.float()).all(), f"{name} (handoff={mode}) has rows the kernel did not write"
+        got = run(save_h, clamp, f"handoff={mode}")
         if mode in outs:
             for name, a, b in zip("sho", outs[mode], got):
                 assert torch.equal(a, b), f"{name}: handoff={mode} is not deterministic"
@@ -178,26 +190,15 @@ def test_fused_l2_cache_hints_are_bit_identical(monkeypatch, kernel):
     and o agree bit for bit with every hint off, with each one alone, and with the default, and no row is left
     unwritten (NaN-poisoned memory). Skewed routing, I = 320, masked routes."""
     _require_fused()
-    from deep_gemm.routing import routing_plan
-
     monkeypatch.setenv("PK_MEGA_FWD_KERNEL", kernel)
-    T, E, H, I, K = 2049, 16, 384, 320, 8
-    x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, routing="skewed", seed=47, masked_frac=0.05)]
-    plan = routing_plan(idx, E, 1, validate=False)
-    rows = int(plan.expert_offsets[-1])
-    op = torch.ops.deep_gemm.mega_moe_fused_fwd
+    run = _skewed_fused_fwd(2049, 16, 384, 320, 8, seed=47)
     outs = {}
     for hints in ("0", "1", "2", "4", "8", None):
         if hints is None:
             monkeypatch.delenv("PK_MEGA_FWD_L2HINT", raising=False)
         else:
             monkeypatch.setenv("PK_MEGA_FWD_L2HINT", hints)
-        poison_allocator()
-        s, h, o, _, _ = op(x, plan.pool_src_route, plan.expert_offsets, w13, w2, K, True, 0.0)
-        got = (s[:rows], h[:rows], o[:rows])
-        for name, t in zip("sho", got):
-            assert torch.isfinite(t.float()).all(), f"{name} (hints={hints}) has rows the kernel did not write"
-        outs[hints] = got
+        outs[hints] = run(True, 0.0, f"hints={hints}")
     for hints, got in outs.items():
         for name, a, b in zip("sho", outs["0"], got):
             assert torch.equal(a, b), f"{name}: hints={hints} differs from no hints"
