@@ -224,3 +224,36 @@ def test_low_level_rejects_shared_experts():
     buf = get_symm_buffer_for_mega_moe(None, E, 40, K, H, I, device="cpu")
     with pytest.raises(NotImplementedError, match="shared experts"):
         bf16_mega_moe(torch.empty(4, H, dtype=torch.bfloat16), w13, w2, buf, shared_l1_weights=w13[0])
+
+
+def test_h_is_saved_only_when_a_backward_can_follow(monkeypatch):
+    """mega_moe asks the forward op for h only when autograd can call the backward (grad mode on and an input
+    that takes a gradient, and no recompute): inference neither computes nor keeps it. y is the same bits either
+    way, and the backward after a saving forward still runs."""
+    from deep_gemm.mega import _ops
+
+    asked = []
+    op = _ops.mega_moe_fwd
+
+    def spy(*args):
+        asked.append(args[13])  # save_h
+        out = op(*args)
+        asked.append(out[1].shape[0] > 0)  # h came back
+        return out
+
+    monkeypatch.setattr(_ops, "mega_moe_fwd", spy)
+    x, idx, w, w13, w2, dy = make_problem(9, H, I, E, K, seed=53, masked_frac=0.1)
+    leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
+
+    y_train = mega_moe(leaves[0], idx, *leaves[1:], backend="reference")
+    assert asked == [True, True]
+    torch.autograd.grad(y_train, leaves, dy)
+    with torch.no_grad():
+        y_infer = mega_moe(*leaves[:1], idx, *leaves[1:], backend="reference")
+    assert asked[2:] == [False, False]
+    with torch.inference_mode():
+        mega_moe(x, idx, w, w13, w2, backend="reference")
+    y_plain = mega_moe(x, idx, w, w13, w2, backend="reference")  # grad mode on, nothing requires grad
+    mega_moe(leaves[0], idx, *leaves[1:], backend="reference", recompute=True)
+    assert asked[4:] == [False, False, False, False, False, False]
+    assert torch.equal(y_train.detach(), y_infer) and torch.equal(y_infer, y_plain)

@@ -73,7 +73,9 @@ def mega_moe(
       precision: "bf16" (others report through ``deep_gemm.status()`` and raise for now).
       activation_clamp: None or c >= 0: gate <= c and -c <= up <= c before SiLU (DeepSeek-V4).
       backend: "auto" | "fused" | "reference" (see :mod:`deep_gemm.mega._backend`).
-      recompute: recompute the gate/up pre-activation h in the backward instead of saving it.
+      recompute: recompute the gate/up pre-activation h in the backward instead of saving it. Without
+        a possible backward (grad mode off, or no input that takes a gradient) h is never saved, so
+        inference does not pay for it.
       num_experts: E over the group (default El * group size); checked against the group.
       buffer: a :class:`SymmBuffer`; bounds the tokens per rank (the fused kernels stage into it).
       max_tokens_per_rank: with EP and no buffer, the largest T of any rank (default: this T,
@@ -114,9 +116,10 @@ def mega_moe(
     clamp = None if activation_clamp is None else float(activation_clamp)
     if keep_pooled_x is None:
         keep_pooled_x = _keep_pooled_x_by_default(x, w13, a13, backend, precision, ep_size, clamp)
+    save_h = not recompute and _backward_possible(x, topk_weights, w13, w2)
     out = _ops.mega_moe_fwd(
         x, topk_idx, topk_weights, w13, w2, a13, a2, clamp, group_name, E, ep_size, int(max_tokens),
-        int(block_m), not recompute, backend, precision, 0 if buffer is None else buffer.buffer_id,
+        int(block_m), save_h, backend, precision, 0 if buffer is None else buffer.buffer_id,
         bool(keep_pooled_x))
     y = out[0]
     if not return_plan:
@@ -125,6 +128,12 @@ def mega_moe(
     plan = make_plan(expert_counts=counts, expert_offsets=offsets, pool_src_route=src, pool_src_rank=srank,
                      route_to_pool=r2p, block_m=int(block_m), num_experts=E, top_k=topk_idx.shape[1])
     return y, plan
+
+
+def _backward_possible(x, topk_weights, w13, w2) -> bool:
+    """Whether autograd can call this call's backward: grad mode on and an input that takes a gradient. Else the
+    forward saves nothing for it (h: [T*K, 2I] bf16, and the fused kernel's stores of it)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
 
 
 def _keep_pooled_x_by_default(x, w13, dw13_accum, backend, precision, ep_size, clamp) -> bool:
