@@ -308,9 +308,10 @@ def bf16_peak_tflops(device, n=8192, warmup=5, iters=20) -> float:
 
 
 def layer_flops(routes: int, H: int, I: int, direction: str) -> float:
-    """Useful FLOPs of unmasked routes: 6*P*H*I forward, 12*P*H*I backward (never recompute)."""
+    """Useful FLOPs of unmasked routes: 6*P*H*I forward (with or without grad: fwd, infer), 12*P*H*I backward
+    (never recompute)."""
     fwd = 6.0 * routes * H * I
-    return {"fwd": fwd, "bwd": 2 * fwd, "fwdbwd": 3 * fwd}[direction]
+    return {"fwd": fwd, "infer": fwd, "bwd": 2 * fwd, "fwdbwd": 3 * fwd}[direction]
 
 
 def rel_err(out, ref) -> float:

@@ -10,11 +10,12 @@ Backends: "torch" (baseline), "deep_gemm" (backend="auto", what a user gets: the
 direction where deep_gemm.status() says it is available, else the grouped pipeline; the log says which), "deep_gemm_grouped" (the single-rank pipeline of our grouped GEMMs, deep_gemm.mega._grouped),
 "deep_gemm_reference" (the pure-PyTorch reference; by default timed only at
 T <= --reference-max-tokens because it is slow). Timing: CUDA events, --warmup runs then the median
-of --iters; fwd with autograd on, fwdbwd = forward + torch.autograd.grad, bwd = fwdbwd - fwd. Peak
-memory: reset_peak_memory_stats before a grad-enabled forward (fwd rows) or forward+backward (bwd,
-fwdbwd rows), inputs and weights resident. max_rel_err (non-torch rows): the largest
-||out - ref|| / ||ref|| against the reference evaluated in float64 on the same inputs, over y (fwd)
-and also dX, d topk_weights, dW13, dW2 (bwd, fwdbwd). With EP every number is the slowest (largest)
+of --iters; fwd with autograd on, fwdbwd = forward + torch.autograd.grad, bwd = fwdbwd - fwd; with
+--inference also infer = the forward under torch.no_grad() (nothing saved for a backward). Peak
+memory: reset_peak_memory_stats before a grad-enabled forward (fwd rows), a no-grad one (infer rows) or
+forward+backward (bwd, fwdbwd rows), inputs and weights resident. max_rel_err (non-torch rows): the largest
+||out - ref|| / ||ref|| against the reference evaluated in float64 on the same inputs, over y (fwd,
+infer) and also dX, d topk_weights, dW13, dW2 (bwd, fwdbwd). With EP every number is the slowest (largest)
 over the ranks. Results: JSON in bench/results/ (DESIGN section 7 fields), a table, and a PNG.
 """
 
@@ -51,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--sustained-seconds", type=float, default=0.0,
                    help="also time each backend's fwd and fwd+bwd in the steady state: after this many seconds of "
                         "back-to-back calls, the mean of 10 more (rows gain ms_sustained, ratio_sustained); 0 = off")
+    p.add_argument("--inference", action="store_true",
+                   help="also time every backend's forward under torch.no_grad() (direction 'infer')")
     p.add_argument("--no-check", action="store_true", help="skip max_rel_err (the float64 evaluation)")
     p.add_argument("--check-max-tokens", type=int, default=0,
                    help="compute max_rel_err only at T <= this (0 = always)")
@@ -98,6 +101,14 @@ def _layer_fn(backend, group, E, args):
                                           keep_pooled_x={"auto": None, "on": True, "off": False}[args.keep_pooled_x])
 
 
+def _no_grad(fn):
+    """fn called under torch.no_grad(): the layer as inference calls it (no state saved for a backward)."""
+    def call():
+        with torch.no_grad():
+            return fn()
+    return call
+
+
 def _free(device):
     if torch.device(device).type == "cuda":
         gc.collect()
@@ -118,9 +129,13 @@ def bench_config(shape, T, routing, backends, args, device, group, peak):
         fwd = lambda: fn(xl, idx, wl, w13l, w2l)  # noqa: E731
         with_bwd = True
         fwdbwd = lambda: torch.autograd.grad(fwd(), leaves, dy)  # noqa: E731
+        infer = _no_grad(fwd)
         _free(device)
         res = {"fwd": bc.time_ms(fwd, device, args.warmup, args.iters)}
         res["mem_fwd"] = bc.peak_mem_gib(fwd, device)
+        if args.inference:
+            res["infer"] = bc.time_ms(infer, device, args.warmup, args.iters)
+            res["mem_infer"] = bc.peak_mem_gib(infer, device)
         if with_bwd:
             res["fwdbwd"] = bc.time_ms(fwdbwd, device, args.warmup, args.iters)
             res["bwd"] = res["fwdbwd"] - res["fwd"]
@@ -128,7 +143,7 @@ def bench_config(shape, T, routing, backends, args, device, group, peak):
         if backend != "torch" and not args.no_check and (not args.check_max_tokens or T <= args.check_max_tokens):
             y = fwd()
             grads = torch.autograd.grad(y, leaves, dy) if with_bwd else None
-            outputs[backend] = (y.detach(), grads)
+            outputs[backend] = (y.detach(), grads, infer() if args.inference else None)
         results[backend] = res
         _free(device)
     # Further rounds, interleaved over the backends: each figure is the best median of its rounds, so a
@@ -142,6 +157,8 @@ def bench_config(shape, T, routing, backends, args, device, group, peak):
             res["fwd"] = min(res["fwd"], bc.time_ms(fwd, device, args.warmup, args.iters))
             res["fwdbwd"] = min(res["fwdbwd"], bc.time_ms(fwdbwd, device, args.warmup, args.iters))
             res["bwd"] = res["fwdbwd"] - res["fwd"]
+            if args.inference:
+                res["infer"] = min(res["infer"], bc.time_ms(_no_grad(fwd), device, args.warmup, args.iters))
             _free(device)
     if args.sustained_seconds > 0:
         for backend in backends:
@@ -152,6 +169,8 @@ def bench_config(shape, T, routing, backends, args, device, group, peak):
             res["fwd_sustained"] = bc.sustained_ms(fwd, device, args.sustained_seconds)
             res["fwdbwd_sustained"] = bc.sustained_ms(fwdbwd, device, args.sustained_seconds)
             res["bwd_sustained"] = res["fwdbwd_sustained"] - res["fwd_sustained"]
+            if args.inference:
+                res["infer_sustained"] = bc.sustained_ms(_no_grad(fwd), device, args.sustained_seconds)
             _free(device)
 
     errs = {}
@@ -162,22 +181,23 @@ def bench_config(shape, T, routing, backends, args, device, group, peak):
         y64 = mega_moe(ref_leaves[0], idx, ref_leaves[1], ref_leaves[2], ref_leaves[3], group=group, num_experts=E,
                        backend="reference", activation_clamp=args.activation_clamp)
         g64 = torch.autograd.grad(y64, ref_leaves, dy.double())
-        for backend, (y, grads) in outputs.items():
+        for backend, (y, grads, y_infer) in outputs.items():
             e_fwd = bc.rel_err(y, y64)
             e_bwd = None
             if grads is not None:
                 e_bwd = max([e_fwd] + [bc.rel_err(g, r) for g, r in zip(grads, g64)])
-            errs[backend] = (e_fwd, e_bwd)
+            errs[backend] = {"fwd": e_fwd, "bwd": e_bwd, "fwdbwd": e_bwd,
+                             "infer": None if y_infer is None else bc.rel_err(y_infer, y64)}
         del y64, g64, ref_leaves, outputs
         _free(device)
 
     rows = []
     for backend, res in results.items():
-        for direction in ("fwd", "bwd", "fwdbwd"):
+        for direction in ("fwd", "bwd", "fwdbwd", "infer"):
             if direction not in res:
                 continue
             ms = bc.reduce_max(res[direction], device)
-            mem = bc.reduce_max(res["mem_fwd" if direction == "fwd" else "mem_fwdbwd"], device)
+            mem = bc.reduce_max(res[{"fwd": "mem_fwd", "infer": "mem_infer"}.get(direction, "mem_fwdbwd")], device)
             tflops = bc.layer_flops(routes, H, I, direction) / (ms * 1e-3) / 1e12 if ms > 0 else None
             tflops = bc.reduce_max(tflops, device)  # per rank; with EP the slowest rank sets ms anyway
             row = {
@@ -193,7 +213,7 @@ def bench_config(shape, T, routing, backends, args, device, group, peak):
                 row["ratio_sustained"] = None
             if backend != "torch":
                 e = errs.get(backend)
-                err = None if e is None else (e[0] if direction == "fwd" else e[1])
+                err = None if e is None else e[direction]
                 row["max_rel_err"] = bc.reduce_max(err, device)
             rows.append(row)
     torch_ms = {r["direction"]: r["ms"] for r in rows if r["backend"] == "torch"}
@@ -285,7 +305,7 @@ def main(argv=None):
                                "back-to-back calls (one event pair)")
     doc = dict(header, timing=timing,
                options={"recompute": args.recompute, "keep_pooled_x": args.keep_pooled_x,
-                        "activation_clamp": args.activation_clamp}, rows=rows)
+                        "activation_clamp": args.activation_clamp, "inference": args.inference}, rows=rows)
     if rank == 0:
         print(bc.format_table(rows))
         if args.out:

@@ -32,7 +32,7 @@ def plot(path) -> Path | None:
     keys = sorted({(r["shape"], r["tokens"], r["ep"], r["routing"]) for r in rows},
                   key=lambda k: (k[0], k[1], k[2], k[3]))
     backends = [b for b in ("torch", "deep_gemm", "deep_gemm_reference") if any(r["backend"] == b for r in rows)]
-    directions = ("fwd", "bwd", "fwdbwd")
+    directions = tuple(d for d in ("fwd", "infer", "bwd", "fwdbwd") if any(r["direction"] == d for r in rows))
     ncol = min(4, len(keys))
     nrow = (len(keys) + ncol - 1) // ncol
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)

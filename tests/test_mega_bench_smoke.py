@@ -23,7 +23,9 @@ def test_bench_layer_smoke(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert set(doc) == TOP
     assert doc["timing"]["iters"] == 2 and doc["timing"]["warmup"] == 1 and doc["timing"]["rounds"] >= 1
-    assert doc["options"] == {"recompute": False, "keep_pooled_x": "auto", "activation_clamp": None}
+    assert doc["options"] == {"recompute": False, "keep_pooled_x": "auto", "activation_clamp": None,
+                              "inference": False}
+    assert not any(r["direction"] == "infer" for r in doc["rows"])
     rows = doc["rows"]
     assert {(r["backend"], r["direction"], r["routing"]) for r in rows} >= {
         (b, d, g) for b in ("torch", "deep_gemm_reference") for d in ("fwd", "bwd", "fwdbwd")
@@ -58,3 +60,25 @@ def test_bench_layer_sustained_smoke(tmp_path):
             continue
         assert r["ms_sustained"] > 0, r
         assert r["ratio_sustained"] == 1.0 if r["backend"] == "torch" else r["ratio_sustained"] > 0, r
+
+
+def test_bench_layer_inference_smoke(tmp_path):
+    """--inference adds an 'infer' row per backend (the forward under no_grad) with its time, TFLOP/s, ratio to the
+    torch baseline, peak memory and, for ours, the error against float64."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_layer
+    finally:
+        sys.path.remove(str(BENCH))
+    out = tmp_path / "infer.json"
+    bench_layer.main(["--smoke", "--tokens", "40", "--routings", "uniform", "--out", str(out), "--no-plot",
+                      "--iters", "2", "--warmup", "1", "--rounds", "2", "--inference"])
+    doc = json.loads(out.read_text())
+    assert doc["options"]["inference"] is True
+    infer = {r["backend"]: r for r in doc["rows"] if r["direction"] == "infer"}
+    assert set(infer) == {"torch", "deep_gemm_reference"}
+    for b, r in infer.items():
+        assert set(r) == ROW | ({"max_rel_err"} if b != "torch" else set()), r
+        assert r["ms"] > 0 and r["tflops"] > 0 and r["ratio_vs_torch"] > 0, r
+    assert infer["torch"]["ratio_vs_torch"] == 1.0
+    assert infer["deep_gemm_reference"]["max_rel_err"] < 1e-2
