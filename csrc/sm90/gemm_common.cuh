@@ -437,10 +437,10 @@ __device__ __forceinline__ void store_acc_bf16_tma_ring(const float (&acc)[kBloc
   }
 }
 
-// L2 cache policies for the kernels' hint bits (MGroupedParams::l2_hints, MegaFwdParams::l2_hints): bit 3 asks
-// evict_last for the weight (B) loads; bit `bit` (0-2) evict_first for one kind of output store. A clear bit gives
-// evict_normal, i.e. no preference.
-__device__ __forceinline__ uint64_t l2_policy_weights(int32_t hints) {
+// L2 cache policies for the kernels' hint bits (MegaFwdParams, MGroupedParams, KGroupedParams::l2_hints): bit 3
+// asks evict_last for the loads that many tiles read again (the weights; the k-grouped GEMM's operands); bit `bit`
+// (0-2) evict_first for one kind of output store. A clear bit gives evict_normal, i.e. no preference.
+__device__ __forceinline__ uint64_t l2_policy_reused_loads(int32_t hints) {
   return (hints & 8) ? ptx::l2_policy_evict_last() : ptx::l2_policy_evict_normal();
 }
 __device__ __forceinline__ uint64_t l2_policy_store(int32_t hints, int bit) {

@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warp < 4) {
     // ================= producer warpgroup =================
     ptx::setmaxnreg_dec<kProdRegs>();
-    const uint64_t pol_b = l2_policy_weights(p.l2_hints);
+    const uint64_t pol_b = l2_policy_reused_loads(p.l2_hints);
     if constexpr (kGatherA) {
       // Gathering producer: warps 0..3 copy A rows; lane 0 of warp 0 also issues B.
       int stage = 0;
@@ -315,13 +315,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kBBytes + tma_warps * 32 * 128);
             if constexpr (kSwiGLU) {
               ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], k0, cur.n0, cur.b_group, pol_b);
-              ptx::tma_load_3d_hint(sb + kTileCols * 128, &tmap_b, &full_bar[stage], k0, p.n + cur.n0, cur.b_group, pol_b);
+              ptx::tma_load_3d_hint(sb + kTileCols * 128, &tmap_b, &full_bar[stage], k0, p.n + cur.n0, cur.b_group,
+                                    pol_b);
             } else if constexpr (kBKMajor) {
               ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], k0, cur.n0, cur.b_group, pol_b);
             } else {
 #pragma unroll
               for (int j = 0; j < kBlockN / 64; ++j)
-                ptx::tma_load_3d_hint(sb + j * kMnBoxBytes, &tmap_b, &full_bar[stage], cur.n0 + 64 * j, k0, cur.b_group, pol_b);
+                ptx::tma_load_3d_hint(sb + j * kMnBoxBytes, &tmap_b, &full_bar[stage], cur.n0 + 64 * j, k0,
+                                      cur.b_group, pol_b);
             }
           }
           advance_stage<kNumStages>(stage, phase);
@@ -356,14 +358,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             }
           } else if constexpr (kSwiGLU) {
             ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0, w.b_group, pol_b);
-            ptx::tma_load_3d_hint(sb + kTileCols * 128, &tmap_b, &full_bar[stage], kb * kBlockK, p.n + w.n0, w.b_group, pol_b);
+            ptx::tma_load_3d_hint(sb + kTileCols * 128, &tmap_b, &full_bar[stage], kb * kBlockK, p.n + w.n0,
+                                  w.b_group, pol_b);
           } else if constexpr (kBKMajor) {
             ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0, w.b_group, pol_b);
           } else {
 #pragma unroll
             for (int j = 0; j < kBlockN / 64; ++j)
               ptx::tma_load_3d_hint(sb + j * kMnBoxBytes, &tmap_b, &full_bar[stage], w.n0 + 64 * j, kb * kBlockK,
-                               w.b_group, pol_b);
+                                    w.b_group, pol_b);
           }
           advance_stage<kNumStages>(stage, phase);
         }
@@ -472,7 +475,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (hrow0 + 64 <= w.row_end) {
             store_acc_bf16_tma_ring<kBlockN>(acc, stage_c, kBarEpilogueWg0 + wg, wg_tid, w.n0, p.n,
                                              [&](uint32_t src, int col) {
-                                               ptx::tma_store_2d_hint(&tmap_d, src, col, hrow0, l2_policy_store(p.l2_hints, 0));
+                                               ptx::tma_store_2d_hint(&tmap_d, src, col, hrow0,
+                                                                      l2_policy_store(p.l2_hints, 0));
                                              });
           } else {
             if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the staging tile is also the TMA ring's box

@@ -248,7 +248,7 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
   bool in_l2 = false;
   const int chunks = ceil_div(p.hidden * 2, kDispatchSlotBytes);
   long long wait_disp = 0, wait_l1 = 0, wait_empty = 0, t_start = clock64();
-  const uint64_t pol_w = l2_policy_weights(p.l2_hints);
+  const uint64_t pol_w = l2_policy_reused_loads(p.l2_hints);
   for (int u = (int)ptx::ctaid_x_volatile(); u < seq.num_tasks; u += (int)gridDim.x) {
     const auto t = seq.locate(u, e, in_l2);
     const long long t0 = p.stats != nullptr ? clock64() : 0;

@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warp < 4) {
     if constexpr (kDispatch) ptx::setmaxnreg_dec<kDispatchProducerRegs>(); else ptx::setmaxnreg_dec<kProducerRegs>();
     if (warp == 0 && lane == 0) {
-      const uint64_t pol_b = l2_policy_weights(p.l2_hints);
+      const uint64_t pol_b = l2_policy_reused_loads(p.l2_hints);
       int stage = 0;
       uint32_t phase = 0;
       int g = 0;
