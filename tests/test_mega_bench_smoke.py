@@ -1,5 +1,6 @@
 """bench/bench_layer.py --smoke runs on the CPU and writes DESIGN section 7's results file."""
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -11,16 +12,26 @@ ROW = {"shape", "num_experts", "hidden", "intermediate", "top_k", "tokens", "ep"
        "backend", "direction", "ms", "tflops", "pct_peak", "ratio_vs_torch", "peak_mem_gib"}
 
 
-def test_bench_layer_smoke(tmp_path, capsys):
+def _bench_module(name: str):
+    """A module of bench/ (bench/ is on sys.path for the import only)."""
     sys.path.insert(0, str(BENCH))
     try:
-        import bench_layer
-        import plot_results
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH))
+
+
+def _run_smoke(out: Path, *extra: str) -> dict:
+    """bench_layer.py --smoke at T=40 (2 iterations after 1 warm-up, no plot) plus `extra`; its results JSON."""
+    _bench_module("bench_layer").main(["--smoke", "--tokens", "40", "--out", str(out), "--no-plot", "--iters", "2",
+                                       "--warmup", "1", *extra])
+    return json.loads(out.read_text())
+
+
+def test_bench_layer_smoke(tmp_path, capsys):
+    plot_results = _bench_module("plot_results")
     out = tmp_path / "smoke.json"
-    bench_layer.main(["--smoke", "--tokens", "40", "--out", str(out), "--no-plot", "--iters", "2", "--warmup", "1"])
-    doc = json.loads(out.read_text())
+    doc = _run_smoke(out)
     assert set(doc) == TOP
     assert doc["timing"]["iters"] == 2 and doc["timing"]["warmup"] == 1 and doc["timing"]["rounds"] >= 1
     assert doc["options"] == {"recompute": False, "keep_pooled_x": "auto", "activation_clamp": None,
@@ -45,15 +56,8 @@ def test_bench_layer_smoke(tmp_path, capsys):
 
 def test_bench_layer_sustained_smoke(tmp_path):
     """--sustained-seconds adds a steady-state time and its ratio to the torch baseline to every row."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_layer
-    finally:
-        sys.path.remove(str(BENCH))
-    out = tmp_path / "sustained.json"
-    bench_layer.main(["--smoke", "--tokens", "40", "--routings", "uniform", "--out", str(out), "--no-plot",
-                      "--iters", "2", "--warmup", "1", "--rounds", "1", "--sustained-seconds", "0.05", "--no-check"])
-    doc = json.loads(out.read_text())
+    doc = _run_smoke(tmp_path / "sustained.json", "--routings", "uniform", "--rounds", "1", "--sustained-seconds",
+                     "0.05", "--no-check")
     assert "sustained" in doc["timing"]
     for r in doc["rows"]:
         if r["direction"] == "bwd":  # a difference of two timings: may be <= 0 at this size on the CPU
@@ -65,15 +69,7 @@ def test_bench_layer_sustained_smoke(tmp_path):
 def test_bench_layer_inference_smoke(tmp_path):
     """--inference adds an 'infer' row per backend (the forward under no_grad) with its time, TFLOP/s, ratio to the
     torch baseline, peak memory and, for ours, the error against float64."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_layer
-    finally:
-        sys.path.remove(str(BENCH))
-    out = tmp_path / "infer.json"
-    bench_layer.main(["--smoke", "--tokens", "40", "--routings", "uniform", "--out", str(out), "--no-plot",
-                      "--iters", "2", "--warmup", "1", "--rounds", "2", "--inference"])
-    doc = json.loads(out.read_text())
+    doc = _run_smoke(tmp_path / "infer.json", "--routings", "uniform", "--rounds", "2", "--inference")
     assert doc["options"]["inference"] is True
     infer = {r["backend"]: r for r in doc["rows"] if r["direction"] == "infer"}
     assert set(infer) == {"torch", "deep_gemm_reference"}
