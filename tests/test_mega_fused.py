@@ -223,26 +223,18 @@ def test_fused_forward_saves_h_and_auto_backward_runs(monkeypatch):
 @requires_sm90
 @pytest.mark.parametrize("T,E,H,K,masked,mode", [(1, 8, 192, 2, 0.0, "kernel"), (999, 64, 192, 2, 0.3, "kernel"),
                                                  (4096, 128, 512, 8, 0.05, "kernel"), (999, 64, 192, 2, 0.3, "launch"),
-                                                 (999, 64, 192, 2, 0.3, "cooperative"),
-                                                 (1, 8, 192, 2, 0.0, "helpers"), (999, 64, 192, 2, 0.3, "helpers"),
-                                                 (4096, 128, 512, 8, 0.05, "helpers"),
-                                                 (3001, 32, 320, 4, 0.2, "helpers_h"),
-                                                 (3001, 32, 320, 4, 0.2, "helpers_no_handoff")])
+                                                 (999, 64, 192, 2, 0.3, "cooperative")])
 def test_fused_op_combine_is_the_standalone_combine_bit_for_bit(monkeypatch, T, E, H, K, masked, mode):
     """The op's y equals the standalone combine kernel over the same o, bit for bit, over 3 runs, and tokens
     with no route are zero, wherever the combine runs: "kernel" (PK_MEGA_FWD_COMBINE=kernel: inside the
     forward, each token's last L2 tile per 128 columns reduces it; hidden = 192 has a half-width column
-    block; the ping-pong kernel), "launch" (a second launch, the default, after the ping-pong kernel),
-    "cooperative" (the default kernel, combine as a second launch) or "helpers" (PK_MEGA_FWD_COMBINE=helpers:
-    inside the cooperative kernel, by its helper warps, 256 columns per count; hidden = 192 and 320 end in a
-    partial block; "_h": h saved too; "_no_handoff": without the L1 hand-off, PK_MEGA_FWD_HANDOFF=0)."""
+    block; the ping-pong kernel), "launch" (a second launch, the default, after the ping-pong kernel) or
+    "cooperative" (the default kernel, combine as a second launch)."""
     _require_fused()
     from deep_gemm.routing import routing_plan
 
-    combine = {"kernel": "kernel", "launch": "launch", "cooperative": "launch"}.get(mode, "helpers")
-    monkeypatch.setenv("PK_MEGA_FWD_COMBINE", combine)
-    monkeypatch.setenv("PK_MEGA_FWD_KERNEL", "pingpong" if mode in ("kernel", "launch") else "cooperative")
-    monkeypatch.setenv("PK_MEGA_FWD_HANDOFF", "0" if mode == "helpers_no_handoff" else "1")
+    monkeypatch.setenv("PK_MEGA_FWD_COMBINE", "kernel" if mode == "kernel" else "launch")
+    monkeypatch.setenv("PK_MEGA_FWD_KERNEL", "cooperative" if mode == "cooperative" else "pingpong")
     x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, 128, E, K, routing="skewed", seed=T + H + K,
                                                             masked_frac=masked)]
     plan = routing_plan(idx, E, 1, validate=False)
@@ -251,7 +243,7 @@ def test_fused_op_combine_is_the_standalone_combine_bit_for_bit(monkeypatch, T, 
     for _ in range(3):
         poison_allocator()
         _, _, o, _, y = torch.ops.deep_gemm.mega_moe_fused_fwd(x, plan.pool_src_route, plan.expert_offsets, w13, w2,
-                                                               K, mode == "helpers_h", 0.0, False, r2p, w)
+                                                               K, False, 0.0, False, r2p, w)
         ys.append(y)
         assert torch.equal(y, torch.ops.deep_gemm.combine(o, r2p, w))
     assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
@@ -270,8 +262,7 @@ def test_fused_op_combine_is_the_standalone_combine_bit_for_bit(monkeypatch, T, 
 @requires_sm90
 @pytest.mark.parametrize("kernel,combine,combine_launched", [("cooperative", "launch", True),
                                                              ("pingpong", "launch", True),
-                                                             ("pingpong", "kernel", False),
-                                                             ("cooperative", "helpers", False)])
+                                                             ("pingpong", "kernel", False)])
 def test_fused_op_runs_the_kernels_its_switches_name(monkeypatch, kernel, combine, combine_launched):
     """PK_MEGA_FWD_KERNEL picks the forward kernel and PK_MEGA_FWD_COMBINE where the combine runs (results are
     bit-identical either way, so only the launched kernels tell them apart: the profiler's kernel names)."""

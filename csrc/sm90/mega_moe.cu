@@ -22,26 +22,20 @@ constexpr int kFwdStages = 3;
 constexpr int kFwdDispatchSlots = 9;
 // The ping-pong kernel: 4 stages of 128x128x64 (32 KB each), 2 x 16 KB staging, the same 9 dispatch slots.
 constexpr int kFwdPPStages = 4;
-// Where the combine runs (development aid, read at every call): PK_MEGA_FWD_COMBINE=kernel reduces each token
-// inside the ping-pong forward kernel as its last L2 tile lands, in the consumers (measured slower:
-// bench/NOTES.md, f10); =helpers inside the cooperative kernel, in the helper warps (mega_combine_helper);
-// otherwise the standalone combine kernel runs right after the forward, on the same stream.
-enum class CombineMode { kLaunch, kPingPongKernel, kHelpers };
-CombineMode combine_mode() {
+// Where the combine runs: PK_MEGA_FWD_COMBINE=kernel reduces each token inside the ping-pong forward kernel as
+// its last L2 tile lands (measured slower: bench/NOTES.md, f10); otherwise the standalone combine kernel runs
+// right after the forward, on the same stream. Development aid, read at every call.
+bool combine_in_kernel() {
   const char* v = std::getenv("PK_MEGA_FWD_COMBINE");
-  if (v != nullptr && std::strcmp(v, "kernel") == 0) return CombineMode::kPingPongKernel;
-  if (v != nullptr && std::strcmp(v, "helpers") == 0) return CombineMode::kHelpers;
-  return CombineMode::kLaunch;
+  return v != nullptr && std::strcmp(v, "kernel") == 0;
 }
-bool combine_in_kernel() { return combine_mode() != CombineMode::kLaunch; }
 // Which kernel runs: the cooperative one (mega_moe_fwd.cuh: both consumer warpgroups on one 128 x 256 tile;
 // measured faster with h and in the steady state, bench/NOTES.md session 6), or the ping-pong one
-// (mega_moe_fwd_pp.cuh) with PK_MEGA_FWD_KERNEL=pingpong or PK_MEGA_FWD_COMBINE=kernel (the consumers'
-// in-kernel combine, which only it has; =helpers is the cooperative kernel's). Development aid, read at every
-// call, so that one process can time both.
+// (mega_moe_fwd_pp.cuh) with PK_MEGA_FWD_KERNEL=pingpong or the in-kernel combine, which only it has.
+// Development aid, read at every call, so that one process can time both.
 bool use_cooperative() {
   const char* v = std::getenv("PK_MEGA_FWD_KERNEL");
-  return !(v != nullptr && std::strcmp(v, "pingpong") == 0) && combine_mode() != CombineMode::kPingPongKernel;
+  return !(v != nullptr && std::strcmp(v, "pingpong") == 0) && !combine_in_kernel();
 }
 // The cooperative kernel's L1 epilogue hand-off to the dispatch warps once they are done (MegaFwdParams::handoff;
 // bench/NOTES.md, session 9): on unless PK_MEGA_FWD_HANDOFF=0 (development aid, read at every call, for A/B timing).
@@ -108,8 +102,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
       (h != nullptr && !aligned16(h)))
     return fail(kGemmInvalidArgument, err, err_len, "%s: w13, w2, x_pool, s, h and o must be 16-byte aligned", fn);
   const bool cooperative = use_cooperative();
-  // with the ping-pong kernel: its consumers' combine; with the cooperative kernel: its helpers'
-  const bool fused_combine = combine && combine_in_kernel();
+  const bool fused_combine = combine && combine_in_kernel();  // implies the ping-pong kernel (use_cooperative)
   int sms = 0;
   if (int r = device_sms(&sms, err, err_len)) return r;
   if (num_sms > 0 && num_sms < sms) sms = num_sms;
@@ -264,8 +257,6 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
             "producer_wait_free_stage %.0f/%.0f\n",
             avg[0], mx[0], avg[1], mx[1], avg[2], mx[2], avg[3], mx[3], avg[4], mx[4], avg[5], mx[5], avg[6], mx[6],
             avg[7], mx[7], avg[16], mx[16]);
-    if (cooperative && fused_combine)
-      fprintf(stderr, "mega_fwd helpers (in-kernel combine) end %.0f/%.0f\n", avg[8], mx[8]);
     if (!cooperative)
       fprintf(stderr,
               "mega_fwd pp stats (us avg per CTA, wg0 / wg1): turn wait %.0f / %.0f mainloop %.0f / %.0f "

@@ -42,8 +42,7 @@ inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int6
 //   counters     device int32 [mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden)] scratch
 //   hidden, inter multiples of 64; clamp >= 0 (0 = none). All pointers 16-byte aligned.
 // Rows of the outputs outside [0, expert_offsets[num_experts]) are not written.
-// Whether mega_moe_fwd_bf16 reduces y inside the kernel (PK_MEGA_FWD_COMBINE=kernel or =helpers, read at every
-// call).
+// Whether mega_moe_fwd_bf16 reduces y inside the kernel (PK_MEGA_FWD_COMBINE=kernel, read at every call).
 bool mega_moe_fwd_combines_in_kernel();
 
 int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,

@@ -79,9 +79,7 @@ struct MegaFwdParams {
   int32_t max_m_blocks;  // length of each counter array (>= the plan's m-blocks)
   // In-kernel combine (y null: none, o is the output): y[t] = sum over k in order of
   // topk_weights[t, k] * o[route_to_pool[t, k]] (fp32, skipping routes < 0; rows with no route are zero).
-  // The last L2 tile to finish a token's columns (token_ctr counts the arrivals per 128 columns; the
-  // cooperative kernel's 256-column tiles count in the first block of theirs) reduces them: the consumers
-  // in the ping-pong kernel (mega_combine_rows), the helpers in the cooperative one (mega_combine_helper).
+  // The last L2 tile to finish a token's 128 columns (token_ctr counts the arrivals) reduces them.
   const int32_t* route_to_pool;  // [num_tokens * top_k]
   const float* topk_weights;     // [num_tokens * top_k], or null (weights of 1)
   __nv_bfloat16* y;              // [num_tokens, hidden], row stride hidden
@@ -103,11 +101,8 @@ struct MegaFwdParams {
   int32_t l2_hints;
 };
 constexpr int32_t kMegaFwdL2Hints = 15;  // measured on the H200: -2 to -4% in steady state at both layer shapes
-constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel, 8 also the
-                                  // cooperative kernel's helpers' end with its in-kernel combine; 16: the TMA
-                                  // producer's wait for a free stage, both kernels)
-
-constexpr int kL2Records = 4;  // depth of the cooperative kernel's L2-record ring (in-kernel combine)
+constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only;
+                                  // 16: the TMA producer's wait for a free stage, both kernels)
 
 template <int kNumStages, int kDispatchSlots>
 struct MegaFwdLayout : StageRingLayout<128, 256, 64, kNumStages> {
@@ -125,12 +120,7 @@ struct MegaFwdLayout : StageRingLayout<128, 256, 64, kNumStages> {
   static constexpr int kHoFullOff = kDispDoneOff + 8;
   static constexpr int kHoFreeOff = kHoFullOff + 8;
   static constexpr int kHoInfoOff = kHoFreeOff + 8;
-  // In-kernel combine by the helpers (MegaFwdParams::y set): a ring of kL2Records L2-tile records (full
-  // mbarrier: one arrival per consumer warpgroup; empty: one by the helpers), then the records themselves.
-  static constexpr int kL2FullOff = kHoInfoOff + 16;
-  static constexpr int kL2EmptyOff = kL2FullOff + kL2Records * 8;
-  static constexpr int kL2RecOff = kL2EmptyOff + kL2Records * 8;
-  static constexpr int kOffsOff = kL2RecOff + kL2Records * 16;
+  static constexpr int kOffsOff = kHoInfoOff + 16;
   static constexpr int kMbOff = kOffsOff + (kMegaMaxExperts + 1) * 4;
   static constexpr int kEnd = kMbOff + (kMegaMaxExperts + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
@@ -384,129 +374,6 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
   }
 }
 
-// The cooperative kernel's in-kernel combine (MegaFwdParams::y set). The consumers store o as without it;
-// once a tile's o has landed (thread 0's bulk wait, deferred like the L1-counter arrival: after the next
-// tile's first MMAs are queued) each consumer warpgroup posts its 64 rows to a ring of records, and the
-// helpers (the dispatch warps, idle in the L2 phase) count every row into its token's column block. The row
-// that completes a token's count reduces the token's 256 columns over its routes in k order with the combine
-// kernel's arithmetic (common/combine_math.cuh): y is bit-identical to the standalone combine. The helpers
-// wait only for their own CTA's consumers and never for another CTA, and the consumers wait for a free
-// record only while the helpers work, so the sequence's no-deadlock argument holds.
-// rows: rows of the warpgroup's half in the tile (0: none), -1 on both halves: the consumers are done.
-struct MegaL2Record {
-  int32_t row0[2];  // first pool row of each consumer warpgroup's half
-  int16_t rows[2];
-  int32_t n0;       // first o column
-};
-static_assert(sizeof(MegaL2Record) == 16, "record size");
-
-// One warp reduces columns [n0, n0 + 256) of token's y row (8 columns per lane), routes in batches of 4:
-// lanes 0-3 read the batch's pool rows and weights, then every lane issues the batch's row loads before its
-// first fma (the helpers' 56 registers hold 4 loads in flight, not 8).
-__device__ __forceinline__ void mega_reduce_token_cols(const MegaFwdParams& p, int token, int n0, int lane) {
-  const uint32_t all = 0xffffffffu;
-  const int K = p.top_k;
-  const int col = n0 + lane * 8;
-  const bool active = col < p.hidden;
-  const int64_t route0 = static_cast<int64_t>(token) * K;
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int kb = 0; kb < K; kb += 4) {
-    int my_row = -1;
-    float my_w = 0.f;
-    if (lane < 4 && kb + lane < K) {
-      my_row = __ldg(p.route_to_pool + route0 + kb + lane);
-      if (my_row >= p.m_total) my_row = -1;
-      my_w = p.topk_weights != nullptr ? __ldg(p.topk_weights + route0 + kb + lane) : 1.0f;
-    }
-    uint4 v[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int row = __shfl_sync(all, my_row, j);
-      v[j] = active && row >= 0 ? ptx::ld_global_cg_v4(p.o + static_cast<int64_t>(row) * p.hidden + col)
-                                : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int row = __shfl_sync(all, my_row, j);
-      const float w = __shfl_sync(all, my_w, j);
-      if (row >= 0) common::add_bf16x8(acc, v[j], w);  // k order; skipped routes add nothing
-    }
-  }
-  if (active) {
-    uint4 packed;
-    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o2[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    *reinterpret_cast<uint4*>(p.y + static_cast<int64_t>(token) * p.hidden + col) = packed;
-  }
-}
-
-// Tokens with no route get no arrival: the helpers zero their y rows (32 tokens per warp and step).
-__device__ __forceinline__ void mega_zero_unrouted_token_rows(const MegaFwdParams& p, int dwarp, int lane) {
-  const int K = p.top_k;
-  const int step = static_cast<int>(gridDim.x) * kDispatchWarps * 32;
-  for (int t0 = (static_cast<int>(blockIdx.x) * kDispatchWarps + dwarp) * 32; t0 < p.num_tokens; t0 += step) {
-    const int t = t0 + lane;
-    bool dead = t < p.num_tokens;
-    for (int k = 0; dead && k < K; ++k) dead = __ldg(p.route_to_pool + static_cast<int64_t>(t) * K + k) < 0;
-    for (uint32_t m = __ballot_sync(0xffffffffu, dead); m != 0; m &= m - 1) {
-      const int64_t row = t0 + __ffs(m) - 1;
-      for (int c = lane * 8; c < p.hidden; c += 256)
-        *reinterpret_cast<uint4*>(p.y + row * p.hidden + c) = make_uint4(0, 0, 0, 0);
-    }
-  }
-}
-
-template <typename L>
-__device__ __forceinline__ void mega_combine_helper(const MegaFwdParams& p, uint8_t* smem, int htid) {
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kL2FullOff);
-  uint64_t* empty = reinterpret_cast<uint64_t*>(smem + L::kL2EmptyOff);
-  const volatile MegaL2Record* recs = reinterpret_cast<const volatile MegaL2Record*>(smem + L::kL2RecOff);
-  constexpr int kHelperThreads = 32 * kDispatchWarps;
-  const int lane = htid & 31;
-  const int K = p.top_k;
-  const int col_blocks = ceil_div(p.hidden, 128);
-  for (uint32_t n = 0;; ++n) {  // records taken (one loop-carried register: the helpers have 56)
-    const uint32_t slot = n % kL2Records;
-    ptx::mbar_wait(&full[slot], (n / kL2Records) & 1u);
-    const int n0 = recs[slot].n0;
-    const int row0_a = recs[slot].row0[0], row0_b = recs[slot].row0[1];
-    const int rows_a = recs[slot].rows[0], rows_b = recs[slot].rows[1];
-    ptx::named_bar_sync(kBarHelpers, kHelperThreads);  // every helper has read the record: hand the slot back
-    if (htid == 0) ptx::mbar_arrive(&empty[slot]);
-    if (rows_a < 0) break;
-    // release: the o rows of the record (this CTA's stores, complete and acquired through the ring) are ordered
-    // before this thread's arrivals
-    __threadfence();
-    for (int i = htid; i < 128; i += kHelperThreads) {  // warp-uniform trip count (warp 0: 2, the others: 1)
-      const int r = i & 63;
-      const bool second = i >= 64;
-      int token = -1;
-      bool last = false;
-      if (r < (second ? rows_b : rows_a)) {
-        const int route = __ldg(p.pool_src_route + (second ? row0_b : row0_a) + r);
-        if (route >= 0 && route / K < p.num_tokens) {
-          token = route / K;  // one rank: route ids are token * top_k + k
-          // the arrival first: its round trip overlaps the loads of the token's route count
-          const int before = atomicAdd(p.token_ctr + static_cast<int64_t>(token) * col_blocks + n0 / 128, 1);
-          const int32_t* r2p = p.route_to_pool + static_cast<int64_t>(token) * K;
-          int routed = 0;
-          for (int k = 0; k < K; ++k) routed += __ldg(r2p + k) >= 0;
-          last = before == routed - 1;
-        }
-      }
-      uint32_t pending = __ballot_sync(0xffffffffu, last);
-      if (pending == 0) continue;
-      // acquire: the other tiles' o rows of these tokens were released before their arrivals; the lanes that
-      // saw the last arrival fence, and the warp barrier orders the other lanes' loads after them
-      __threadfence();
-      __syncwarp();
-      for (; pending != 0; pending &= pending - 1)
-        mega_reduce_token_cols(p, __shfl_sync(0xffffffffu, token, __ffs(pending) - 1), n0, lane);
-    }
-  }
-}
-
 template <int kNumStages, int kDispatchSlots>
 __global__ void __launch_bounds__(kNumThreads, 1)
     mega_moe_fwd_kernel(const __grid_constant__ CUtensorMap tmap_xpool, const __grid_constant__ CUtensorMap tmap_w13,
@@ -536,10 +403,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::mbar_init(disp_done, kDispatchWarps);
     ptx::mbar_init(reinterpret_cast<uint64_t*>(smem + L::kHoFullOff), 2);
     ptx::mbar_init(reinterpret_cast<uint64_t*>(smem + L::kHoFreeOff), 1);
-    for (int i = 0; i < kL2Records; ++i) {
-      ptx::mbar_init(reinterpret_cast<uint64_t*>(smem + L::kL2FullOff) + i, 2);
-      ptx::mbar_init(reinterpret_cast<uint64_t*>(smem + L::kL2EmptyOff) + i, 1);
-    }
     ptx::fence_mbar_init();  // published to the CTA by the prologue's __syncthreads
   }
   mega_fwd_prologue<kNumStages, kBlockM>(p, full_bar, empty_bar, kNumConsumerThreads / 32, s_offs, s_mb, &tmap_xpool,
@@ -555,20 +418,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       mega_tma_producer<L, kNumStages>(p, seq, 2 * seq.n1, smem, full_bar, empty_bar, &tmap_xpool, &tmap_w13, &tmap_s,
                                        &tmap_w2);
     } else if (warp >= 1) {
-      // stats: the helpers' start, read back at their end (a 64-bit value live across the roles would spill)
-      if (p.stats != nullptr && tid == 32) p.stats[blockIdx.x * kStatsPerCta + 8] = clock64();
       mega_dispatch_role<kBlockM, kDispatchSlots>(p, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane, s_offs, s_mb,
                                                   num_experts, p.counters);
       // the slots' last reads fed this warp's stores, which have issued: the slots are free (release, CTA scope)
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(disp_done);
-      if (p.y != nullptr) mega_zero_unrouted_token_rows(p, warp - 1, lane);
       if (p.handoff) mega_handoff_helper<L>(p, p.counters + p.max_m_blocks, smem, tid - 32, &tmap_h, &tmap_s_st);
-      if (p.y != nullptr) {
-        mega_combine_helper<L>(p, smem, tid - 32);
-        if (p.stats != nullptr && tid == 32)
-          p.stats[blockIdx.x * kStatsPerCta + 8] = clock64() - p.stats[blockIdx.x * kStatsPerCta + 8];
-      }
     }
   } else {
     // ================= consumer warpgroups =================
@@ -586,8 +441,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kStageCols>::kHalfBytes;
     constexpr uint32_t kToStageB = L::kStageBOff - L::kCOff;  // stg_half + this: the second staging tile
     // bit 0: this CTA's dispatch is done, the second staging tile may be used; bit 1: the latest committed
-    // bulk group read the second staging tile; bit 2: the hand-off's phase (tiles handed off, mod 2); bit 3:
-    // the helpers' hand-off loop has been ended; bits 8..: L2 records posted (in-kernel combine) (one
+    // bulk group read the second staging tile; bit 2: the hand-off's phase (tiles handed off, mod 2) (one
     // register: the consumers have none to spare)
     uint32_t stage_b_state = 0;
     uint64_t* ho_full = reinterpret_cast<uint64_t*>(smem + L::kHoFullOff);
@@ -595,32 +449,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     volatile MegaHandoff* ho_info = reinterpret_cast<volatile MegaHandoff*>(smem + L::kHoInfoOff);
     // waits until the helpers have handed back the staging tiles of the latest hand-off (at once if none)
     auto wait_handoff_free = [&] { ptx::mbar_wait(ho_free, ((stage_b_state >> 2) & 1u) ^ 1u); };
-    uint64_t* l2_full = reinterpret_cast<uint64_t*>(smem + L::kL2FullOff);
-    uint64_t* l2_empty = reinterpret_cast<uint64_t*>(smem + L::kL2EmptyOff);
-    volatile MegaL2Record* l2_recs = reinterpret_cast<volatile MegaL2Record*>(smem + L::kL2RecOff);
-    // ends the helpers' hand-off loop (once): the same record protocol as a hand-off, with last = 1
-    auto end_handoffs = [&] {
-      if (p.handoff && !(stage_b_state & 8u)) {
-        wait_handoff_free();
-        if (wg_tid == 0) {
-          if (wg == 0) ho_info->last = 1;
-          ptx::mbar_arrive(ho_full);
-        }
-      }
-      stage_b_state |= 8u;
-    };
-    // writes this warpgroup's half of the next L2 record (thread 0; rows < 0: the consumers are done) once its
-    // slot is free; the post (full arrival) follows separately
-    auto write_l2_record = [&](int row0, int rows, int n0) {
-      if (wg_tid == 0) {
-        const uint32_t n = stage_b_state >> 8;
-        ptx::mbar_wait(&l2_empty[n % kL2Records], ((n / kL2Records) & 1u) ^ 1u);
-        l2_recs[n % kL2Records].row0[wg] = row0;
-        l2_recs[n % kL2Records].rows[wg] = static_cast<int16_t>(rows);
-        l2_recs[n % kL2Records].n0 = n0;
-      }
-      stage_b_state += 256u;
-    };
 
     const long long t_start = clock64();
     long long epi_l1 = 0, epi_l2 = 0;  // stats: time in L1 / L2 epilogues
@@ -633,16 +461,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // has landed, which takes a few microseconds. Rather than hold the tensor cores for it, thread 0 of the
     // warpgroup arrives once the next tile's first MMAs are queued, or before that tile's first wait if its
     // stage is not ready yet (the stage may be waiting for this very arrival: an L2 tile of the same m-block).
-    // An L2 tile's record (in-kernel combine) is posted the same way, once its o stores have landed.
-    int pending_mb = -1;  // meaningful in wg_tid 0 only: >= 0 an L1 arrival, -2 the latest L2 record's post
+    int pending_mb = -1;  // meaningful in wg_tid 0 only
     auto arrive_pending = [&] {
-      if (wg_tid == 0 && pending_mb != -1) {
-        ptx::bulk_wait_group<0>();         // this thread's TMA stores (s, h, o) are complete
+      if (wg_tid == 0 && pending_mb >= 0) {
+        ptx::bulk_wait_group<0>();         // this thread's TMA stores (s, h) are complete
         ptx::fence_proxy_async_global();   // async-proxy writes, before the generic release
-        if (pending_mb >= 0)
-          ptx::red_release_gpu_add(seq.l1_ctr + pending_mb, 1);
-        else
-          ptx::mbar_arrive(&l2_full[((stage_b_state >> 8) - 1u) % kL2Records]);
+        ptx::red_release_gpu_add(seq.l1_ctr + pending_mb, 1);
         pending_mb = -1;
       }
     };
@@ -651,7 +475,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       int wg_tid;
       int pending_mb;
       __device__ __forceinline__ void before_first_wait(uint64_t* bar, uint32_t parity) const {
-        if (wg_tid == 0 && pending_mb != -1 && !ptx::mbar_test_wait(bar, parity)) arrive();
+        if (wg_tid == 0 && pending_mb >= 0 && !ptx::mbar_test_wait(bar, parity)) arrive();
       }
       __device__ __forceinline__ void after_first_issue() const { arrive(); }
       __device__ __forceinline__ void on_stage(int, int) const {}
@@ -684,7 +508,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const bool done = t.l1 ? ptx::named_bar_sync_and(kBarConsumers, kNumConsumerThreads,
                                                          ptx::mbar_test_wait(disp_done, 0))
                                : (ptx::mbar_wait(disp_done, 0), true);
-        if (done) stage_b_state |= 1u;  // the latest group read the first tile
+        if (done) stage_b_state = 1u;  // the latest group read the first tile
       }
       auto staged_pass = [&](int box0, __nv_bfloat16* out, int64_t ld, int c0, int limit, const CUtensorMap* map,
                              auto pack, int hint_bit) {
@@ -711,7 +535,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           copy_swizzled_half_to_global<kStageCols>(stg, wg_tid, t.row_end - hrow0, out, ld, hrow0, c0, limit);
         }
         if (wg_tid == 0) ptx::bulk_commit_group();
-        stage_b_state = (stage_b_state & ~2u) | (use_b ? 2u : 0u);
+        stage_b_state = (stage_b_state & 5u) | (use_b ? 2u : 0u);
       };
       constexpr int kPassBoxes = kStageCols / 64;
       if (p.handoff && t.l1 && (stage_b_state & 1u) && t.row0 + 2 * 64 <= t.row_end) {
@@ -765,18 +589,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
           if (wg_tid == 0) ptx::red_release_gpu_add(seq.l1_ctr + t.mb, 1);
         }
-      } else {
-        if (active) {
-          staged_pass(0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, PackBf16x2{}, 2);
-          staged_pass(kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o, PackBf16x2{}, 2);
-        }
-        if (p.y != nullptr) {
-          // every thread's generic o stores (a half crossing the expert's end) before thread 0's post
-          if (active && !full_half) ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-          end_handoffs();  // the helpers turn to the L2 records
-          write_l2_record(hrow0, active ? min(t.row_end - hrow0, 64) : 0, t.n0);
-          if (wg_tid == 0) pending_mb = -2;  // posted after the next tile's first MMAs (arrive_pending)
-        }
+      } else if (active) {
+        staged_pass(0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, PackBf16x2{}, 2);
+        staged_pass(kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o, PackBf16x2{}, 2);
       }
       if (p.stats != nullptr) {
         if (t.l1) epi_l1 += clock64() - t_epi; else epi_l2 += clock64() - t_epi;
@@ -784,10 +599,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
     arrive_pending();
     if (wg_tid == 0) ptx::bulk_wait_group<0>();
-    end_handoffs();  // the helpers' last hand-off record, unless an L2 tile sent it
-    if (p.y != nullptr) {  // the helpers' last L2 record
-      write_l2_record(0, -1, 0);
-      if (wg_tid == 0) ptx::mbar_arrive(&l2_full[((stage_b_state >> 8) - 1u) % kL2Records]);
+    if (p.handoff) {  // the helpers' last record
+      wait_handoff_free();
+      if (wg_tid == 0) {
+        if (wg == 0) ho_info->last = 1;
+        ptx::mbar_arrive(ho_full);
+      }
     }
     if (p.stats != nullptr && wg_tid == 0) {
       p.stats[blockIdx.x * kStatsPerCta + 4 + wg] = clock64() - t_start;
