@@ -72,9 +72,12 @@ def test_bench_layer_inference_smoke(tmp_path):
     doc = _run_smoke(tmp_path / "infer.json", "--routings", "uniform", "--rounds", "2", "--inference")
     assert doc["options"]["inference"] is True
     infer = {r["backend"]: r for r in doc["rows"] if r["direction"] == "infer"}
-    assert set(infer) == {"torch", "deep_gemm_reference"}
+    # one row per backend that ran (torch and the reference on a CPU; the kernels' backends on a GPU)
+    assert set(infer) == {r["backend"] for r in doc["rows"] if r["direction"] == "fwd"}
+    assert "torch" in infer and len(infer) >= 2, infer
     for b, r in infer.items():
         assert set(r) == ROW | ({"max_rel_err"} if b != "torch" else set()), r
         assert r["ms"] > 0 and r["tflops"] is not None and r["ratio_vs_torch"] > 0, r  # (tflops rounds to 0 here)
+        if b != "torch":
+            assert r["max_rel_err"] < 1e-2, r
     assert infer["torch"]["ratio_vs_torch"] == 1.0
-    assert infer["deep_gemm_reference"]["max_rel_err"] < 1e-2

@@ -164,23 +164,25 @@ def _skewed_fused_fwd(T: int, E: int, H: int, I: int, K: int, seed: int):
 @pytest.mark.parametrize("save_h,clamp", [(True, 0.0), (False, 0.0), (True, 0.75)])
 def test_fused_epilogue_handoff_is_bit_identical(monkeypatch, save_h, clamp):
     """Once a CTA's dispatch is done, the cooperative kernel hands whole L1 tiles (bf16 gate | up) to the
-    dispatch warps, which compute s and store h and s (PK_MEGA_FWD_HANDOFF=0 keeps every L1 epilogue in the
-    consumer warpgroups). Both compute s from h rounded as it is saved (reference F3), so s, h and o agree bit
-    for bit. Skewed routing: tiles crossing an expert's end keep the consumers' path in the same run; I = 320
-    leaves the last n-block half empty (a 64-column box past I is not stored)."""
+    dispatch warps, which compute s and store h and s (PK_MEGA_FWD_HANDOFF bit 0), and whole L2 tiles (bf16 o),
+    whose stores they issue (bit 1); 0 keeps every epilogue in the consumer warpgroups. Both compute s from h
+    rounded as it is saved (reference F3), so s, h and o agree bit for bit. Skewed routing: tiles crossing an
+    expert's end keep the consumers' path in the same run; I = 320 leaves the last L1 n-block half empty and
+    H = 448 the last L2 n-block a quarter empty (a 64-column box past the end is not stored)."""
     _require_fused()
     monkeypatch.setenv("PK_MEGA_FWD_KERNEL", "cooperative")
-    run = _skewed_fused_fwd(4097, 32, 512, 320, 8, seed=31)
+    run = _skewed_fused_fwd(4097, 32, 448, 320, 8, seed=31)
     outs = {}
-    for mode in ("0", "1", "1"):
+    for mode in ("0", "1", "2", "3", "3"):
         monkeypatch.setenv("PK_MEGA_FWD_HANDOFF", mode)
         got = run(save_h, clamp, f"handoff={mode}")
         if mode in outs:
             for name, a, b in zip("sho", outs[mode], got):
                 assert torch.equal(a, b), f"{name}: handoff={mode} is not deterministic"
         outs[mode] = got
-    for name, a, b in zip("sho", outs["0"], outs["1"]):
-        assert torch.equal(a, b), f"{name} differs between the consumers' epilogue and the hand-off"
+    for mode in ("1", "2", "3"):
+        for name, a, b in zip("sho", outs["0"], outs[mode]):
+            assert torch.equal(a, b), f"{name} differs between the consumers' epilogue and hand-off {mode}"
 
 
 @requires_sm90

@@ -37,11 +37,12 @@ bool use_cooperative() {
   const char* v = std::getenv("PK_MEGA_FWD_KERNEL");
   return !(v != nullptr && std::strcmp(v, "pingpong") == 0) && !combine_in_kernel();
 }
-// The cooperative kernel's L1 epilogue hand-off to the dispatch warps once they are done (MegaFwdParams::handoff;
-// bench/NOTES.md, session 9): on unless PK_MEGA_FWD_HANDOFF=0 (development aid, read at every call, for A/B timing).
-bool handoff_enabled() {
+// The cooperative kernel's epilogue hand-offs to the dispatch warps once they are done (MegaFwdParams::handoff
+// bits; bench/NOTES.md, sessions 9 and 15): kMegaFwdHandoff unless PK_MEGA_FWD_HANDOFF names other bits
+// (development aid, read at every call, for A/B timing).
+int32_t handoff_bits() {
   const char* v = std::getenv("PK_MEGA_FWD_HANDOFF");
-  return !(v != nullptr && std::strcmp(v, "0") == 0);
+  return v != nullptr ? static_cast<int32_t>(std::atoi(v)) & 3 : kMegaFwdHandoff;
 }
 }  // namespace
 
@@ -198,7 +199,7 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   if (kStats && stats_buf == nullptr && cudaMalloc(&stats_buf, sizeof(long long) * 1024 * kStatsPerCta) != cudaSuccess)
     stats_buf = nullptr;
   p.stats = kStats ? stats_buf : nullptr;
-  p.handoff = cooperative && handoff_enabled() ? 1 : 0;
+  p.handoff = cooperative ? handoff_bits() : 0;
   p.l2_hints = l2_hints_from_env("PK_MEGA_FWD_L2HINT", kMegaFwdL2Hints);
   if (p.stats != nullptr) cudaMemsetAsync(p.stats, 0, sizeof(long long) * 1024 * kStatsPerCta, stream);
   // PK_MEGA_FWD_STATS=dispatch: the dispatch alone, no GEMM tiles (results are not computed; timing only)

@@ -91,8 +91,11 @@ struct MegaFwdParams {
   // with bit 0, bit 1 = no proxy fence / release, bit 2 = no stores, bit 3 = no loads; bit 4 = the tiles alone
   // (no dispatch: the host marks every m-block dispatched, x_pool holds whatever it held).
   int32_t dispatch_only;
-  // Cooperative kernel: 1 = once this CTA's dispatch is done, the L1 epilogue of a whole 128-row tile hands the
-  // bf16 gate | up tile to the dispatch warps, which compute s and issue the h and s stores (see the kernel).
+  // Cooperative kernel, hand-offs to the dispatch warps once this CTA's dispatch is done (kMegaFwdHandoff): bit 0:
+  // the L1 epilogue of a whole 128-row tile hands the bf16 gate | up tile over, and they compute s and issue the h
+  // and s stores; bit 1: an L2 tile of 128 rows hands its bf16 o tile over, and they issue the o stores (a TMA
+  // store's issue holds its thread for hundreds of cycles behind the producer's loads: bench/NOTES.md, session
+  // 15). 0: every epilogue stays in the consumers.
   int32_t handoff;
   // L2 cache hints (kMegaFwdL2Hints; bench/NOTES.md, session 14): bit 0, 1, 2: the h, s, o stores evict_first
   // (no later access in this kernel reads them back soon: s is read in the L2 phase, after the whole L1 phase);
@@ -100,6 +103,7 @@ struct MegaFwdParams {
   // and o streams would push it out between them). A clear bit: no hint. The ping-pong kernel reads bit 3 only.
   int32_t l2_hints;
 };
+constexpr int32_t kMegaFwdHandoff = 1;  // MegaFwdParams::handoff: the L1 hand-off (session 9)
 constexpr int32_t kMegaFwdL2Hints = 15;  // measured on the H200: -2 to -4% in steady state at both layer shapes
 constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only;
                                   // 16: the TMA producer's wait for a free stage, both kernels)
@@ -299,7 +303,7 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
 // counter both warpgroups' arrivals. The consumers write the record before their arrival on ho_full; last = 1
 // (after the consumers' last tile) ends the helpers' loop.
 struct MegaHandoff {
-  int32_t mb, row0, n0, last;
+  int32_t mb, row0, n0, last;  // mb < 0: an L2 tile (o columns n0.. in tile A, n0 + kStageCols.. in tile B)
 };
 constexpr uint32_t kBarHelpers = 4;  // named barrier of the 96 helper threads (ids 1-3: the consumers')
 
@@ -311,7 +315,8 @@ __device__ __forceinline__ uint32_t swiglu_bf16x2(uint32_t g2, uint32_t u2, floa
 
 template <typename L>
 __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int32_t* l1_ctr, uint8_t* smem, int htid,
-                                                    const CUtensorMap* tmap_h, const CUtensorMap* tmap_s_st) {
+                                                    const CUtensorMap* tmap_h, const CUtensorMap* tmap_s_st,
+                                                    const CUtensorMap* tmap_o) {
   uint64_t* ho_full = reinterpret_cast<uint64_t*>(smem + L::kHoFullOff);
   uint64_t* ho_free = reinterpret_cast<uint64_t*>(smem + L::kHoFreeOff);
   const volatile MegaHandoff* info = reinterpret_cast<const volatile MegaHandoff*>(smem + L::kHoInfoOff);
@@ -326,6 +331,25 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
     phase ^= 1u;
     if (info->last) break;
     const int mb = info->mb, row0 = info->row0, n0 = info->n0;
+    if (mb < 0) {  // an L2 tile: only the stores; the other helpers go on to the next record
+      if (htid == 0) {
+        const uint64_t pol = l2_policy_store(p.l2_hints, 2);
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+#pragma unroll
+          for (int b = 0; b < L::kStageCols / 64; ++b) {
+            const uint32_t off = w * Stg::kHalfBytes + b * Stg::kBoxBytes;
+            if (n0 + 64 * b < p.hidden) ptx::tma_store_2d_hint(tmap_o, stg_a + off, n0 + 64 * b, row0 + 64 * w, pol);
+            if (n0 + L::kStageCols + 64 * b < p.hidden)
+              ptx::tma_store_2d_hint(tmap_o, stg_b + off, n0 + L::kStageCols + 64 * b, row0 + 64 * w, pol);
+          }
+        }
+        ptx::bulk_commit_group();
+        ptx::bulk_wait_group_read<0>();
+        ptx::mbar_arrive(ho_free);  // both staging tiles are free for the consumers' next epilogue
+      }
+      continue;
+    }
     if (htid == 0 && p.h != nullptr) {
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
@@ -372,6 +396,7 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
       ptx::red_release_gpu_add(l1_ctr + mb, 2);
     }
   }
+  if (htid == 0) ptx::bulk_wait_group<0>();  // the last L2 tiles' o stores are complete before the CTA exits
 }
 
 template <int kNumStages, int kDispatchSlots>
@@ -423,7 +448,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // the slots' last reads fed this warp's stores, which have issued: the slots are free (release, CTA scope)
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(disp_done);
-      if (p.handoff) mega_handoff_helper<L>(p, p.counters + p.max_m_blocks, smem, tid - 32, &tmap_h, &tmap_s_st);
+      if (p.handoff)
+        mega_handoff_helper<L>(p, p.counters + p.max_m_blocks, smem, tid - 32, &tmap_h, &tmap_s_st, &tmap_o);
     }
   } else {
     // ================= consumer warpgroups =================
@@ -538,12 +564,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         stage_b_state = (stage_b_state & 5u) | (use_b ? 2u : 0u);
       };
       constexpr int kPassBoxes = kStageCols / 64;
-      if (p.handoff && t.l1 && (stage_b_state & 1u) && t.row0 + 2 * 64 <= t.row_end) {
-        // hand-off: gate boxes to this warpgroup's half of tile A, up boxes to its half of tile B
+      if ((p.handoff & (t.l1 ? 1 : 2)) && (stage_b_state & 1u) && t.row0 + 2 * 64 <= t.row_end) {
+        // hand-off: gate boxes (L2: o columns 0..127) to this warpgroup's half of tile A, up boxes (o columns
+        // 128..255) to its half of tile B
         if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // this warpgroup's own stores have read both tiles
         wait_handoff_free();
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        if (p.clamp > 0.f) {
+        if (t.l1 && p.clamp > 0.f) {
           write_acc_boxes_to_staging<kBlockN, kPassBoxes>(
               acc, stg_half, wg_tid, 0, PackBf16x2ClampMasks{p.clamp, p.clamp_below, p.clamp_above, false});
           write_acc_boxes_to_staging<kBlockN, kPassBoxes>(
@@ -557,7 +584,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
         if (wg_tid == 0) {
           if (wg == 0) {
-            ho_info->mb = t.mb;
+            ho_info->mb = t.l1 ? t.mb : -1;
             ho_info->row0 = t.row0;
             ho_info->n0 = t.n0;
             ho_info->last = 0;
