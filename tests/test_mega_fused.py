@@ -180,7 +180,9 @@ def test_fused_epilogue_handoff_is_bit_identical(monkeypatch, save_h, clamp):
             for name, a, b in zip("sho", outs[mode], got):
                 assert torch.equal(a, b), f"{name}: handoff={mode} is not deterministic"
         outs[mode] = got
-    for mode in ("1", "2", "3"):
+    monkeypatch.delenv("PK_MEGA_FWD_HANDOFF")
+    outs["default"] = run(save_h, clamp, "handoff default")
+    for mode in ("1", "2", "3", "default"):
         for name, a, b in zip("sho", outs["0"], outs[mode]):
             assert torch.equal(a, b), f"{name} differs between the consumers' epilogue and hand-off {mode}"
 

@@ -103,7 +103,9 @@ struct MegaFwdParams {
   // and o streams would push it out between them). A clear bit: no hint. The ping-pong kernel reads bit 3 only.
   int32_t l2_hints;
 };
-constexpr int32_t kMegaFwdHandoff = 1;  // MegaFwdParams::handoff: the L1 hand-off (session 9)
+// MegaFwdParams::handoff: both hand-offs. The L2 one, measured on the H200 (bench/NOTES.md, session 15): L2
+// epilogues -46%, consumer cycles -1.1% (30B) / -1.2% (235B), layer forward -0.3 to -2%.
+constexpr int32_t kMegaFwdHandoff = 3;
 constexpr int32_t kMegaFwdL2Hints = 15;  // measured on the H200: -2 to -4% in steady state at both layer shapes
 constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only;
                                   // 16: the TMA producer's wait for a free stage, both kernels)
