@@ -32,7 +32,9 @@
 //     s and give the L1 counter both arrivals. The helpers wait only for their own CTA's consumers and their
 //     own stores, and the consumers only for the helpers, so the argument holds with them too.
 //   * L2 tile: waits until the m-block's L1 counter reaches 2 * (I/128 n-blocks) (every s column of the rows
-//     it reads), then streams s and w2; its epilogue TMA-stores o (pool order) for the combine.
+//     it reads), then streams s and w2; its epilogue TMA-stores o (pool order) for the combine. Once the CTA's
+//     dispatch is done, a tile of 128 rows stages bf16 o for the dispatch warps instead, which issue the stores
+//     (the issue of a TMA store holds its thread for hundreds of cycles; the consumers go on at once).
 // Writes read later by TMA in another CTA: generic-proxy ones (x_pool; s rows of an expert's last m-block) get
 // a writer fence.proxy.async.global, then a release; TMA-stored s is waited for (bulk wait_group) and fenced
 // the same way; the reader acquires, then fence.proxy.async.global before its TMA loads.
