@@ -329,6 +329,22 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
   using Stg = TmaStaging<L::kStageCols>;
   constexpr int kChunks = Stg::kBytes / 16;
   constexpr int kHelperThreads = 32 * kDispatchWarps;
+  // (thread 0) TMA-stores the staged tile's rows row0.. (both warpgroups' halves): tile A's boxes to columns
+  // col_a.., tile B's to col_b.., each box whose first column is below its tile's limit (0: tile B not stored)
+  auto store_staged = [&](const CUtensorMap* map, int row0, int col_a, int limit_a, int col_b, int limit_b,
+                          int hint_bit) {
+    const uint64_t pol = l2_policy_store(p.l2_hints, hint_bit);
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+#pragma unroll
+      for (int b = 0; b < L::kStageCols / 64; ++b) {
+        const uint32_t off = w * Stg::kHalfBytes + b * Stg::kBoxBytes;
+        if (col_a + 64 * b < limit_a) ptx::tma_store_2d_hint(map, stg_a + off, col_a + 64 * b, row0 + 64 * w, pol);
+        if (col_b + 64 * b < limit_b) ptx::tma_store_2d_hint(map, stg_b + off, col_b + 64 * b, row0 + 64 * w, pol);
+      }
+    }
+    ptx::bulk_commit_group();
+  };
   uint32_t phase = 0;
   for (;;) {
     ptx::mbar_wait(ho_full, phase);
@@ -337,37 +353,14 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
     const int mb = info->mb, row0 = info->row0, n0 = info->n0;
     if (mb < 0) {  // an L2 tile: only the stores; the other helpers go on to the next record
       if (htid == 0) {
-        const uint64_t pol = l2_policy_store(p.l2_hints, 2);
-#pragma unroll
-        for (int w = 0; w < 2; ++w) {
-#pragma unroll
-          for (int b = 0; b < L::kStageCols / 64; ++b) {
-            const uint32_t off = w * Stg::kHalfBytes + b * Stg::kBoxBytes;
-            if (n0 + 64 * b < p.hidden) ptx::tma_store_2d_hint(tmap_o, stg_a + off, n0 + 64 * b, row0 + 64 * w, pol);
-            if (n0 + L::kStageCols + 64 * b < p.hidden)
-              ptx::tma_store_2d_hint(tmap_o, stg_b + off, n0 + L::kStageCols + 64 * b, row0 + 64 * w, pol);
-          }
-        }
-        ptx::bulk_commit_group();
+        store_staged(tmap_o, row0, n0, p.hidden, n0 + L::kStageCols, p.hidden, 2);
         ptx::bulk_wait_group_read<0>();
         ptx::mbar_arrive(ho_free);  // both staging tiles are free for the consumers' next epilogue
       }
       continue;
     }
     if (htid == 0 && p.h != nullptr) {
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {
-#pragma unroll
-        for (int b = 0; b < L::kStageCols / 64; ++b) {
-          if (n0 + 64 * b < p.inter) {
-            const uint32_t off = w * Stg::kHalfBytes + b * Stg::kBoxBytes;
-            const uint64_t pol = l2_policy_store(p.l2_hints, 0);
-            ptx::tma_store_2d_hint(tmap_h, stg_a + off, n0 + 64 * b, row0 + 64 * w, pol);
-            ptx::tma_store_2d_hint(tmap_h, stg_b + off, p.inter + n0 + 64 * b, row0 + 64 * w, pol);
-          }
-        }
-      }
-      ptx::bulk_commit_group();
+      store_staged(tmap_h, row0, n0, p.inter, p.inter + n0, 2 * p.inter, 0);  // gate columns, then up columns
       ptx::bulk_wait_group_read<0>();  // s overwrites the gate boxes next
     }
     ptx::named_bar_sync(kBarHelpers, kHelperThreads);
@@ -383,16 +376,7 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
     ptx::fence_proxy_async_smem();
     ptx::named_bar_sync(kBarHelpers, kHelperThreads);
     if (htid == 0) {
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {
-#pragma unroll
-        for (int b = 0; b < L::kStageCols / 64; ++b)
-          if (n0 + 64 * b < p.inter)
-            ptx::tma_store_2d_hint(tmap_s_st, stg_a + w * Stg::kHalfBytes + b * Stg::kBoxBytes, n0 + 64 * b,
-                                   row0 + 64 * w,
-                                   l2_policy_store(p.l2_hints, 1));
-      }
-      ptx::bulk_commit_group();
+      store_staged(tmap_s_st, row0, n0, p.inter, 0, 0, 1);  // s (tile A only)
       ptx::bulk_wait_group_read<0>();
       ptx::mbar_arrive(ho_free);         // both staging tiles are free for the consumers' next epilogue
       ptx::bulk_wait_group<0>();         // s (and h) are in global memory
