@@ -247,11 +247,14 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
       return r;
     };
     const char* er = std::getenv("PK_MEGA_FWD_EARLY_RELEASE");
-    const bool early = er != nullptr && er[0] == '1';
+    const int early = er != nullptr ? std::atoi(er) : 0;
     using BK32 = std::integral_constant<int, 32>;
     using BK64 = std::integral_constant<int, 64>;
-    e = early ? (bk32 ? launch_coop(std::true_type{}, BK32{}) : launch_coop(std::true_type{}, BK64{}))
-              : (bk32 ? launch_coop(std::false_type{}, BK32{}) : launch_coop(std::false_type{}, BK64{}));
+    using E0 = std::integral_constant<int, 0>;
+    using E1 = std::integral_constant<int, 1>;
+    using E2 = std::integral_constant<int, 2>;
+    e = bk32 ? launch_coop(E0{}, BK32{})
+             : (early == 1 ? launch_coop(E1{}, BK64{}) : early == 2 ? launch_coop(E2{}, BK64{}) : launch_coop(E0{}, BK64{}));
     if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
   }
   if (combine && !fused_combine && num_tokens > 0) {

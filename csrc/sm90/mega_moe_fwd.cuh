@@ -388,7 +388,7 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
   if (htid == 0) ptx::bulk_wait_group<0>();  // the last L2 tiles' o stores are complete before the CTA exits
 }
 
-template <int kNumStages, int kDispatchSlots, int kBlockKT, bool kEarlyRelease>
+template <int kNumStages, int kDispatchSlots, int kBlockKT, int kEarlyRelease>
 __global__ void __launch_bounds__(kNumThreads, 1)
     mega_moe_fwd_kernel(const __grid_constant__ CUtensorMap tmap_xpool, const __grid_constant__ CUtensorMap tmap_w13,
                         const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_w2,
@@ -506,9 +506,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
       };
-      consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 32, false, 32, kEarlyRelease>(
-          acc, active, kbs, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release,
-          PendingArrival{arrive_pending, wg_tid, pending_mb});
+      // kEarlyRelease: 0 never, 1 every tile, 2 L1 tiles only
+      if (kEarlyRelease == 2 && t.l1)
+        consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 32, false, 32, true>(
+            acc, active, kbs, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release,
+            PendingArrival{arrive_pending, wg_tid, pending_mb});
+      else
+        consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 32, false, 32, kEarlyRelease == 1>(
+            acc, active, kbs, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release,
+            PendingArrival{arrive_pending, wg_tid, pending_mb});
       const long long t_epi = p.stats != nullptr ? clock64() : 0;
 
       // Epilogue through half-width staging tiles: one pass writes accumulator boxes [box0, box0 + kStageCols
