@@ -155,8 +155,7 @@ struct NoTileHook {
 };
 
 template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, uint32_t kBStepBytes,
-          bool kProxyFence, uint32_t kAStepBytes = 32, bool kEarlyRelease = false, int kAccRegs, typename ReleaseFn,
-          typename Hook = NoTileHook>
+          bool kProxyFence, uint32_t kAStepBytes = 32, int kAccRegs, typename ReleaseFn, typename Hook = NoTileHook>
 __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], bool active, int num_k_blocks,
                                                        uint64_t* full_bar, int& stage, uint32_t& phase,
                                                        uint32_t a_lo0, uint32_t a_hi, uint32_t b_lo0,
@@ -174,19 +173,6 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
     }
   } else {
     for (int kb = 0; kb < num_k_blocks; ++kb) {
-      // kEarlyRelease: if this stage has not landed yet, first retire the previous k-block's MMAs and release
-      // its stage, so the producer's next load is not held behind this wait (warp-uniform: lane 0 decides)
-      bool released = false;
-      if constexpr (kEarlyRelease) {
-        if (kb > 0) {
-          const bool landed = __shfl_sync(0xffffffffu, ptx::mbar_test_wait(&full_bar[stage], phase), 0);
-          if (!landed) {
-            ptx::wgmma_wait<0>();
-            release(prev_stage);
-            released = true;
-          }
-        }
-      }
       ptx::mbar_wait(&full_bar[stage], phase);
       hook.on_stage(kb, stage);
       // (compile-time: a runtime test here costs the consumers registers they do not have at 224)
@@ -206,7 +192,7 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
 #pragma unroll
       for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
       if (kb == 0) hook.after_first_issue();
-      if (kb > 0 && !released) {
+      if (kb > 0) {
         ptx::wgmma_wait<1>();
         release(prev_stage);
       }

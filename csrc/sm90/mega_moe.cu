@@ -108,36 +108,30 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   if (int r = device_sms(&sms, err, err_len)) return r;
   if (num_sms > 0 && num_sms < sms) sms = num_sms;
 
-  // Development switch PK_MEGA_FWD_BK=32 (read at every call): the cooperative kernel with k-blocks of 32 (64-byte
-  // rows, 64-byte swizzle) and 6 stages in the same ring bytes.
-  const char* bk_env = std::getenv("PK_MEGA_FWD_BK");
-  const bool bk32 = cooperative && bk_env != nullptr && std::strcmp(bk_env, "32") == 0;
-  const uint32_t load_box_k = bk32 ? 32u : 64u;
-  const CUtensorMapSwizzle load_swizzle = bk32 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B;
   CUtensorMap m_xpool, m_w13, m_s, m_w2, m_h, m_o;
   {
     const uint64_t dims[2] = {(uint64_t)hidden, (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)hidden * 2};
-    const uint32_t box[2] = {load_box_k, 128};
-    if (int r = make_map(&m_xpool, x_pool, 2, dims, strides, box, err, err_len, load_swizzle)) return r;
+    const uint32_t box[2] = {64, 128};
+    if (int r = make_map(&m_xpool, x_pool, 2, dims, strides, box, err, err_len)) return r;
   }
   {
     const uint64_t dims[3] = {(uint64_t)hidden, (uint64_t)(2 * inter), (uint64_t)num_experts};
     const uint64_t strides[2] = {(uint64_t)hidden * 2, (uint64_t)(2 * inter * hidden * 2)};
-    const uint32_t box[3] = {load_box_k, cooperative ? 128u : 64u, 1};
-    if (int r = make_map(&m_w13, w13, 3, dims, strides, box, err, err_len, load_swizzle)) return r;
+    const uint32_t box[3] = {64, cooperative ? 128u : 64u, 1};
+    if (int r = make_map(&m_w13, w13, 3, dims, strides, box, err, err_len)) return r;
   }
   {
     const uint64_t dims[2] = {(uint64_t)inter, (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)inter * 2};
-    const uint32_t box[2] = {load_box_k, 128};
-    if (int r = make_map(&m_s, s, 2, dims, strides, box, err, err_len, load_swizzle)) return r;
+    const uint32_t box[2] = {64, 128};
+    if (int r = make_map(&m_s, s, 2, dims, strides, box, err, err_len)) return r;
   }
   {
     const uint64_t dims[3] = {(uint64_t)inter, (uint64_t)hidden, (uint64_t)num_experts};
     const uint64_t strides[2] = {(uint64_t)inter * 2, (uint64_t)(hidden * inter * 2)};
-    const uint32_t box[3] = {load_box_k, cooperative ? 256u : 128u, 1};
-    if (int r = make_map(&m_w2, w2, 3, dims, strides, box, err, err_len, load_swizzle)) return r;
+    const uint32_t box[3] = {64, cooperative ? 256u : 128u, 1};
+    if (int r = make_map(&m_w2, w2, 3, dims, strides, box, err, err_len)) return r;
   }
   if (h != nullptr) {
     const uint64_t dims[2] = {(uint64_t)(2 * inter), (uint64_t)m_total};
@@ -237,25 +231,11 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
             : launch_pp(std::integral_constant<int, kFwdPPStages>{}, std::integral_constant<int, kFwdDispatchSlots>{});
     if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
   } else {
-    auto launch_coop = [&](auto early, auto bk) -> cudaError_t {
-      constexpr int kBK = decltype(bk)::value;
-      constexpr int kStages = kFwdStages * 64 / kBK;
-      constexpr auto kernel = &mega_moe_fwd_kernel<kStages, kFwdDispatchSlots, kBK, decltype(early)::value>;
-      constexpr int smem = MegaFwdLayout<kStages, kFwdDispatchSlots, kBK>::kSmemBytes;
-      const cudaError_t r = set_max_dynamic_smem<kernel>(smem);
-      if (r == cudaSuccess) kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, m_s_st, p);
-      return r;
-    };
-    const char* er = std::getenv("PK_MEGA_FWD_EARLY_RELEASE");
-    const int early = er != nullptr ? std::atoi(er) : 0;
-    using BK32 = std::integral_constant<int, 32>;
-    using BK64 = std::integral_constant<int, 64>;
-    using E0 = std::integral_constant<int, 0>;
-    using E1 = std::integral_constant<int, 1>;
-    using E2 = std::integral_constant<int, 2>;
-    e = bk32 ? launch_coop(E0{}, BK32{})
-             : (early == 1 ? launch_coop(E1{}, BK64{}) : early == 2 ? launch_coop(E2{}, BK64{}) : launch_coop(E0{}, BK64{}));
+    constexpr auto kernel = &mega_moe_fwd_kernel<kFwdStages, kFwdDispatchSlots>;
+    constexpr int smem = MegaFwdLayout<kFwdStages, kFwdDispatchSlots>::kSmemBytes;
+    e = set_max_dynamic_smem<kernel>(smem);
     if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+    kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, m_s_st, p);
   }
   if (combine && !fused_combine && num_tokens > 0) {
     if (int r = check_launch(fn, err, err_len)) return r;

@@ -112,9 +112,9 @@ constexpr int32_t kMegaFwdL2Hints = 15;  // measured on the H200: -2 to -4% in s
 constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only;
                                   // 16: the TMA producer's wait for a free stage, both kernels)
 
-template <int kNumStages, int kDispatchSlots, int kBlockK_ = 64>
-struct MegaFwdLayout : StageRingLayout<128, 256, kBlockK_, kNumStages> {
-  using Ring = StageRingLayout<128, 256, kBlockK_, kNumStages>;
+template <int kNumStages, int kDispatchSlots>
+struct MegaFwdLayout : StageRingLayout<128, 256, 64, kNumStages> {
+  using Ring = StageRingLayout<128, 256, 64, kNumStages>;
   static constexpr int kCOff = Ring::kRingEnd;
   static constexpr int kStageCols = 128;  // epilogue staging: half the tile's columns per pass
   // The dispatch slots: once this CTA's dispatch warps are done, the epilogues use them as a second staging
@@ -280,8 +280,7 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
       if (t.l1) {
         ptx::tma_load_2d(sa, tmap_xpool, &full_bar[stage], k0, t.row0);
         ptx::tma_load_3d_hint(sb, tmap_w13, &full_bar[stage], k0, t.n0, t.e, pol_w);
-        ptx::tma_load_3d_hint(sb + Seq::kL1Cols * L::kBlockK * 2, tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e,
-                              pol_w);
+        ptx::tma_load_3d_hint(sb + Seq::kL1Cols * 128, tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e, pol_w);
       } else {
         ptx::tma_load_2d(sa, tmap_s, &full_bar[stage], k0, t.row0);
         ptx::tma_load_3d_hint(sb, tmap_w2, &full_bar[stage], k0, t.n0, t.e, pol_w);
@@ -388,14 +387,14 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
   if (htid == 0) ptx::bulk_wait_group<0>();  // the last L2 tiles' o stores are complete before the CTA exits
 }
 
-template <int kNumStages, int kDispatchSlots, int kBlockKT, int kEarlyRelease>
+template <int kNumStages, int kDispatchSlots>
 __global__ void __launch_bounds__(kNumThreads, 1)
     mega_moe_fwd_kernel(const __grid_constant__ CUtensorMap tmap_xpool, const __grid_constant__ CUtensorMap tmap_w13,
                         const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_w2,
                         const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_o,
                         const __grid_constant__ CUtensorMap tmap_s_st, const __grid_constant__ MegaFwdParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using L = MegaFwdLayout<kNumStages, kDispatchSlots, kBlockKT>;
+  using L = MegaFwdLayout<kNumStages, kDispatchSlots>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kBlockK = L::kBlockK;
@@ -446,11 +445,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const Seq seq(p, s_offs, s_mb);
     const int wg = (warp >> 2) - 1;
     const int wg_tid = tid - 128 * (wg + 1);
-    const uint32_t a_base = ptx::smem_addr(smem + L::kAOff) + wg * (64 * kBlockK * 2);
+    const uint32_t a_base = ptx::smem_addr(smem + L::kAOff) + wg * (64 * 128);
     const uint32_t b_base = ptx::smem_addr(smem + L::kBOff);
-    // K-major rows of kBlockK bf16: 128-byte rows (swizzle 128) for 64, 64-byte rows (swizzle 64) for 32
-    const uint64_t desc_a0 = kBlockK == 64 ? ptx::make_desc_sw128(a_base, 0, 1024) : ptx::make_desc_sw64(a_base, 512);
-    const uint64_t desc_b0 = kBlockK == 64 ? ptx::make_desc_sw128(b_base, 0, 1024) : ptx::make_desc_sw64(b_base, 512);
+    const uint64_t desc_a0 = ptx::make_desc_sw128(a_base, 0, 1024);
+    const uint64_t desc_b0 = ptx::make_desc_sw128(b_base, 0, 1024);
     const uint32_t a_lo0 = static_cast<uint32_t>(desc_a0), a_hi = static_cast<uint32_t>(desc_a0 >> 32);
     const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
     constexpr int kStageCols = L::kStageCols;
@@ -506,15 +504,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
       };
-      // kEarlyRelease: 0 never, 1 every tile, 2 L1 tiles only
-      if (kEarlyRelease == 2 && t.l1)
-        consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 32, false, 32, true>(
-            acc, active, kbs, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release,
-            PendingArrival{arrive_pending, wg_tid, pending_mb});
-      else
-        consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 32, false, 32, kEarlyRelease == 1>(
-            acc, active, kbs, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release,
-            PendingArrival{arrive_pending, wg_tid, pending_mb});
+      consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 32, false>(
+          acc, active, kbs, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release,
+          PendingArrival{arrive_pending, wg_tid, pending_mb});
       const long long t_epi = p.stats != nullptr ? clock64() : 0;
 
       // Epilogue through half-width staging tiles: one pass writes accumulator boxes [box0, box0 + kStageCols
