@@ -16,7 +16,8 @@ def _routes(T: int, rows: int, K: int, masked: float, gen: torch.Generator) -> t
     return r2p
 
 
-# K = 10 and 12 cross the kernel's batch of 8 slot rows; T odd; H = 136 is not a multiple of 256 columns.
+# K from 1 to 12 (past the layers' top-8), T odd, H = 136 not a multiple of the kernel's 2048-column blocks, all routes
+# of a token masked.
 @requires_gpu
 @pytest.mark.parametrize("T,K,H,masked,weighted", [(1, 1, 8, 0.0, True), (7, 8, 136, 0.3, True),
                                                    (333, 10, 520, 0.3, True), (129, 12, 2048, 0.0, False),
