@@ -16,6 +16,17 @@ def rel_err(out, ref) -> float:
     return (out - ref).norm().item() / den
 
 
+def random_route_to_pool(T: int, E: int, K: int, masked_frac: float, gen: torch.Generator) -> torch.Tensor:
+    """A routing plan's route_to_pool [T, K] (int32) for random top-K experts of E per token, a share masked_frac
+    of the routes masked (-1): every live route names its own pool row."""
+    from deep_gemm.routing import routing_plan_reference
+
+    idx = torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :K]
+    if masked_frac > 0:
+        idx[torch.rand(T, K, generator=gen) < masked_frac] = -1
+    return routing_plan_reference(idx, E, 1).route_to_pool.contiguous()
+
+
 def make_problem(T, H, I, E, K, *, routing="uniform", seed=0, dtype=torch.bfloat16, masked_frac=0.0,
                  experts_used=None, device="cpu"):
     """Fresh random inputs (never zeros). routing: "uniform" (K distinct experts per token),

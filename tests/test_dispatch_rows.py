@@ -7,16 +7,13 @@ import torch
 
 import deep_gemm
 from conftest import requires_gpu
-from deep_gemm.routing import routing_plan_reference
+from mega_helpers import random_route_to_pool
 
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_gpu)]
 
 
 def _route_to_pool(T: int, E: int, K: int, masked: bool, gen: torch.Generator) -> torch.Tensor:
-    idx = torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :K]
-    if masked:
-        idx[torch.rand(T, K, generator=gen) < 0.3] = -1
-    return routing_plan_reference(idx, E, 1).route_to_pool.contiguous()
+    return random_route_to_pool(T, E, K, 0.3 if masked else 0.0, gen)
 
 
 def _expected(src: torch.Tensor, r2p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
