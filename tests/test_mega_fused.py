@@ -144,7 +144,8 @@ def _skewed_fused_fwd(T: int, E: int, H: int, I: int, K: int, seed: int):
     leave no pool row unwritten (label names the variant in the message)."""
     from deep_gemm.routing import routing_plan
 
-    x, idx, _, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, routing="skewed", seed=seed, masked_frac=0.05)]
+    x, idx, _, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, routing="skewed", seed=seed,
+                                                            masked_frac=0.05)]
     plan = routing_plan(idx, E, 1, validate=False)
     rows = int(plan.expert_offsets[-1])
     op = torch.ops.deep_gemm.mega_moe_fused_fwd

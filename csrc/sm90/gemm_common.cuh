@@ -39,8 +39,8 @@ __host__ __device__ constexpr int align_up(int a, int b) { return ceil_div(a, b)
 // in bands of at most kMBand m-blocks (every n-block of a band runs before the next band). Concurrent tiles share
 // the expert's B slice and a band's A rows, and a band's A (16 x 128 rows: 3-16 MB at the layer shapes) stays in
 // L2 while each of its n-blocks reads it. Without bands, an expert with far more rows than L2 holds (Zipf routing:
-// one expert with ~15K of 16K tokens) had its A rows re-read from HBM once per n-block. An expert of at most kMBand m-blocks (every
-// expert under uniform routing at the layer shapes) keeps the plain order.
+// one expert with ~15K of 16K tokens) had its A rows re-read from HBM once per n-block. An expert of at most
+// kMBand m-blocks (every expert under uniform routing at the layer shapes) keeps the plain order.
 constexpr int kMBand = 16;
 __device__ __forceinline__ void band_tile(int local, int m_blocks, int n_blocks, int& nb, int& mb) {
   const int band = local / (kMBand * n_blocks);
