@@ -211,3 +211,25 @@ def test_float64_needs_reference_backend():
     x, idx, w, w13, w2, _ = make_problem(T, H, I, E, K, seed=42, dtype=torch.float64)
     with pytest.raises(ValueError, match="float64 inputs .* backend='reference' only"):
         mega_moe(x, idx, w, w13, w2, backend="auto")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+def test_expert_id_check_from_plan_without_a_count_checks_synchronously():
+    """An ExpertIdCheck that waits for the routing plan's count (from_plan=True) still raises in finish() when
+    no count was handed to it (a backend path that built no plan), and passes clean ids either way."""
+    from deep_gemm.mega import _validate
+
+    idx = torch.randint(0, E, (T, K), device="cuda")
+    for backend in ("fused", "grouped"):
+        _validate.ExpertIdCheck(idx, E, backend, from_plan=True).finish()
+        bad = idx.clone()
+        bad[1, 0] = E
+        with pytest.raises(ValueError, match=r"must lie in \[-1, 3\]"):
+            _validate.ExpertIdCheck(bad, E, backend, from_plan=True).finish()
+        check = _validate.ExpertIdCheck(bad, E, backend, from_plan=True)
+        check.watch(torch.ones(1, dtype=torch.int32, device="cuda"))
+        with pytest.raises(ValueError, match=r"must lie in \[-1, 3\]"):
+            check.finish()
+        check = _validate.ExpertIdCheck(idx, E, backend, from_plan=True)
+        check.watch(torch.zeros(1, dtype=torch.int32, device="cuda"))
+        check.finish()

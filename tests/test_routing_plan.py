@@ -161,3 +161,24 @@ def test_cuda_invalid_ids_and_streams():
 def test_status_keys_for_routing():
     st = deep_gemm.status()
     assert "routing_plan.int32.sm90" in st and "routing_plan.int32.sm100" in st
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_gpu)])
+@pytest.mark.parametrize("T,E,K", [(1000, 16, 4), (9000, 128, 8)])
+def test_num_invalid_counts_out_of_range_ids(device, T, E, K):
+    """validate=False plans an out-of-range id as a masked route and counts it in num_invalid (the count the
+    kernel backends' expert-id check reads instead of a min/max pass); the rest of the plan is the reference's
+    for the same ids with those routes masked."""
+    gen = torch.Generator().manual_seed(T + E)
+    idx = make_topk(T, E, K, "masked", gen)
+    pos = torch.randperm(T * K, generator=gen)[:37]
+    bad = torch.tensor([E, E + 1, 999, -2, -100])[torch.randint(0, 5, (37,), generator=gen)]
+    idx.view(-1)[pos] = bad.to(idx.dtype)
+    plan = routing_plan(idx.to(device), E, 8, validate=False)
+    assert plan.num_invalid.shape == (1,) and int(plan.num_invalid[0]) == 37
+    clean = idx.clone()
+    clean.view(-1)[pos] = -1
+    ref = routing_plan_reference(clean, E, 8)
+    for f in FIELDS:
+        assert torch.equal(getattr(plan, f).cpu(), getattr(ref, f)), f
+    assert int(routing_plan(clean.to(device), E, 8, validate=False).num_invalid[0]) == 0

@@ -10,40 +10,39 @@ int64_t routing_plan_num_chunks(int64_t num_routes) {
   return std::max<int64_t>(1, (num_routes + kRoutesPerChunk - 1) / kRoutesPerChunk);
 }
 
+// [chunk, expert] counts, then [chunk] invalid ids.
 int64_t routing_plan_workspace_bytes(int64_t num_routes, int64_t num_experts) {
-  return routing_plan_num_chunks(num_routes) * num_experts * static_cast<int64_t>(sizeof(int32_t));
+  return routing_plan_num_chunks(num_routes) * (num_experts + 1) * static_cast<int64_t>(sizeof(int32_t));
 }
 
 int64_t routing_plan_max_experts() { return kMaxPlanExperts; }
 
 template <typename IdxT>
-static cudaError_t launch_typed(const RoutingPlanArgs& a, int32_t* chunk_counts, cudaStream_t stream) {
+static cudaError_t launch_typed(const RoutingPlanArgs& a, int32_t* workspace, cudaStream_t stream) {
   const int64_t num_routes = a.num_tokens * a.top_k;
   const int num_chunks = static_cast<int>(routing_plan_num_chunks(num_routes));
   const int num_experts = static_cast<int>(a.num_experts);
   const auto* idx = static_cast<const IdxT*>(a.topk_idx);
+  int32_t* chunk_counts = workspace;
+  int32_t* chunk_invalid = workspace + static_cast<int64_t>(num_chunks) * num_experts;
   const size_t hist_bytes = sizeof(int32_t) * num_experts;
 
-  cudaError_t err = cudaMemsetAsync(a.num_invalid, 0, sizeof(int32_t), stream);
-  if (err != cudaSuccess) return err;
   routing_count_kernel<IdxT><<<num_chunks, kRoutesPerChunk, hist_bytes, stream>>>(
-      idx, num_routes, num_experts, chunk_counts, a.num_invalid);
+      idx, num_routes, num_experts, chunk_counts, chunk_invalid);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  routing_scan_kernel<<<num_experts, kPlanScanThreads, 0, stream>>>(chunk_counts, chunk_invalid, num_chunks,
+                                                                    num_experts, a.expert_counts, a.num_invalid);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  const size_t scan_bytes = hist_bytes + sizeof(int32_t) + hist_bytes * routing_scan_slices(num_experts);
-  routing_scan_kernel<<<1, kPlanScanThreads, scan_bytes, stream>>>(
-      chunk_counts, num_chunks, num_experts, static_cast<int>(a.block_m), a.expert_counts,
-      a.expert_offsets, a.pool_src_route, a.pool_src_rank, a.pool_capacity);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  routing_place_kernel<IdxT><<<num_chunks, kRoutesPerChunk, hist_bytes, stream>>>(
-      idx, num_routes, num_experts, chunk_counts, a.expert_offsets, a.rank, a.pool_src_route,
-      a.pool_src_rank, a.route_to_pool);
+  routing_place_kernel<IdxT><<<num_chunks, kRoutesPerChunk, 2 * hist_bytes + sizeof(int32_t), stream>>>(
+      idx, num_routes, num_experts, static_cast<int>(a.block_m), chunk_counts, a.expert_counts, a.rank,
+      a.expert_offsets, a.pool_src_route, a.pool_src_rank, a.pool_capacity, a.route_to_pool);
   return cudaGetLastError();
 }
 
 cudaError_t launch_routing_plan(const RoutingPlanArgs& a, void* workspace, cudaStream_t stream) {
-  auto* chunk_counts = static_cast<int32_t*>(workspace);
-  return a.topk_idx_is_int64 ? launch_typed<int64_t>(a, chunk_counts, stream)
-                             : launch_typed<int32_t>(a, chunk_counts, stream);
+  auto* ws = static_cast<int32_t*>(workspace);
+  return a.topk_idx_is_int64 ? launch_typed<int64_t>(a, ws, stream) : launch_typed<int32_t>(a, ws, stream);
 }
 
 void routing_plan_host(const RoutingPlanArgs& a) {

@@ -27,6 +27,9 @@ class RoutingPlan:
     block_m: int
     num_experts: int
     top_k: int
+    # [1] int32: routes whose expert id lay outside [-1, num_experts) (planned as masked routes); None from
+    # routing_plan_reference, which raises on such ids instead
+    num_invalid: torch.Tensor | None = None
 
     @property
     def pool_capacity(self) -> int:
@@ -108,7 +111,7 @@ def routing_plan(topk_idx: torch.Tensor, num_experts: int, block_m: int, rank: i
         if n:
             raise ValueError(f"topk_idx holds {n} expert id(s) outside [-1, {num_experts})")
     return RoutingPlan(counts, offsets, src_route, src_rank, route_to_pool, block_m, num_experts,
-                       topk_idx.size(1))
+                       topk_idx.size(1), num_invalid)
 
 
 def _register_fake() -> None:

@@ -28,9 +28,11 @@ STATUS_KEY_FWD = "mega_moe.bf16.sm90"
 
 def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", activation_clamp=None, group=None,
             num_experts=None, max_tokens_per_rank=None, block_m, capacity, save_h=True, buffer=None,
-            keep_x_pool=False):
+            keep_x_pool=False, id_check=None):
     """The contract of :func:`deep_gemm.mega.reference.forward`, plus an 8th output: the dispatched
-    rows x_pool [capacity, H] with ``keep_x_pool`` (their own buffer instead of o's), else [0, H]."""
+    rows x_pool [capacity, H] with ``keep_x_pool`` (their own buffer instead of o's), else [0, H].
+    ``id_check`` (a :class:`deep_gemm.mega._validate.ExpertIdCheck` made with ``from_plan=True``) gets the
+    plan's count of out-of-range expert ids."""
     if precision != "bf16":
         raise FusedKernelUnavailable(f"deep_gemm.mega: no fused {precision} forward kernel")
     if group is not None:
@@ -39,6 +41,8 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
     K = topk_idx.shape[1]
     with torch.no_grad():
         plan = routing_plan(topk_idx, num_experts, 1, validate=False, capacity=capacity)
+        if id_check is not None:
+            id_check.watch(plan.num_invalid)
         src = plan.pool_src_route
         srank = plan.pool_src_rank
         route_to_pool = plan.route_to_pool.view(T, K)

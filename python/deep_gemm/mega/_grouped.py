@@ -51,8 +51,9 @@ def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, dtype: torch
 
 
 def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=None, num_experts=None,
-            max_tokens_per_rank=None, block_m, capacity, save_h=True, buffer=None):
-    """Same contract as :func:`deep_gemm.mega.reference.forward`."""
+            max_tokens_per_rank=None, block_m, capacity, save_h=True, buffer=None, id_check=None):
+    """Same contract as :func:`deep_gemm.mega.reference.forward`; ``id_check`` as in
+    :func:`deep_gemm.mega._fused.forward`."""
     if group is not None:
         raise RuntimeError("deep_gemm.mega: the grouped backend runs on a single rank (group=None)")
     T = x.shape[0]
@@ -60,6 +61,8 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
     # The grouped GEMMs need no padding, so the plan is built with block_m = 1 (rows = routes) and
     # laid into the caller's capacity; the backward reads it back the same way.
     plan = routing_plan(topk_idx, num_experts, 1, validate=False, capacity=capacity)
+    if id_check is not None:
+        id_check.watch(plan.num_invalid)
     src = plan.pool_src_route
     srank = plan.pool_src_rank
     tok = _token_rows(src, K)

@@ -60,18 +60,20 @@ def mega_moe_fwd(
     _validate.check_exact_mode(x, backend)
     which = _backend.resolve_backend(backend, precision, "fwd", device_type=x.device.type, hidden=H, intermediate=I,
                                      ep_size=ep_size, activation_clamp=activation_clamp)
-    ids = _validate.ExpertIdCheck(topk_idx, E, which)  # raises before returning (see its docstring)
+    # raises before returning (see its docstring); the kernel backends hand it their plan's count
+    ids = _validate.ExpertIdCheck(topk_idx, E, which, from_plan=ep_size == 1)
     cap = _capacity(T, K, El, ep_size, max_tokens_per_rank, block_m)
     kwargs = dict(activation_clamp=activation_clamp, group=reference.resolve_group(group_name), num_experts=E,
                   max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, capacity=cap, save_h=save_h)
     x_pool = None
     if which == "fused":
         out = _fused.forward(x, topk_idx, topk_weights, w13, w2, precision=precision, buffer=get_buffer(buffer_id),
-                             keep_x_pool=keep_pooled_x, **kwargs)
+                             keep_x_pool=keep_pooled_x, id_check=ids, **kwargs)
         out, x_pool = out[:7], out[7]
     elif which == "grouped":
         with torch.no_grad():
-            out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=get_buffer(buffer_id), **kwargs)
+            out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=get_buffer(buffer_id), id_check=ids,
+                                   **kwargs)
     else:
         with torch.no_grad():
             out = reference.forward(x, topk_idx, topk_weights, w13, w2, **kwargs)

@@ -110,50 +110,97 @@ def check_exact_mode(x, backend):
               f"pass backend='reference' or use bfloat16 inputs")
 
 
-# Pinned 2-element buffers for ExpertIdCheck, reused: allocating pinned memory per call cost ~100-350 us
-# of host time each forward (measured as GPU idle gaps next to the copy by bench/profile_layer.py).
-_PINNED: list = []
+# Pinned host buffers for ExpertIdCheck, reused: allocating pinned memory per call cost ~100-350 us of host
+# time each forward (measured as GPU idle gaps next to the copy by bench/profile_layer.py). One pool per form:
+# int64 [2] (min, max) and int32 [1] (the routing plan's count of bad ids).
+_PINNED: dict = {"lohi": [], "count": []}
 
 
 class ExpertIdCheck:
     """The expert-id value check of one call, in two halves so that it costs no GPU idle time.
 
-    ``start`` queues one min/max reduction and its copy to pinned host memory; the caller then queues
-    its kernels (the routing plan treats an out-of-range id as a masked route, so nothing is read out
-    of bounds and only this call's fresh outputs are written) and calls ``finish`` before it returns or
-    touches caller-owned memory: ``finish`` waits for the copy only (already done, or next in the
-    queue) and raises if an id is out of range. A synchronous read before the launches instead left
-    the GPU idle while the host queued the rest of the layer (~0.8 ms per forward at 30B, T=16384).
-    The reference backend checks before it computes (it indexes with the ids on the host's terms)."""
+    ``start`` (the constructor) queues one min/max reduction and its copy to pinned host memory; the
+    caller then queues its kernels (the routing plan treats an out-of-range id as a masked route, so
+    nothing is read out of bounds and only this call's fresh outputs are written) and calls ``finish``
+    before it returns or touches caller-owned memory: ``finish`` waits for the copy only (already done,
+    or next in the queue) and raises if an id is out of range. A synchronous read before the launches
+    instead left the GPU idle while the host queued the rest of the layer (~0.8 ms per forward at 30B,
+    T=16384). The reference backend checks before it computes (it indexes with the ids on the host's
+    terms).
 
-    def __init__(self, topk_idx, num_experts, backend=None):
+    With ``from_plan=True`` (a kernel backend that builds the routing plan on the GPU) nothing is queued
+    at first: the backend hands the plan's count of out-of-range ids to :meth:`watch`, which copies that
+    count instead (the plan kernels count them anyway; the min/max reduction, its stack and its copy cost
+    ~10 us of GPU time per forward at 30B, T=16384: bench/NOTES.md, session 17). The min and max for the
+    message are read only when the count is not zero. If no count was handed over, ``finish`` checks
+    synchronously."""
+
+    def __init__(self, topk_idx, num_experts, backend=None, from_plan=False):
         self.num_experts = num_experts
         self._lohi = None
+        self._count = None
         self._event = None
+        self._idx = None
         if topk_idx.numel() == 0:
             return
         if backend in ("fused", "grouped") and os.environ.get(SKIP_VALUE_CHECKS_ENV, "") == "1":
             return
         if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
             return  # no host read is possible inside a CUDA graph capture; ids are masked routes there
+        if from_plan and topk_idx.is_cuda and backend in ("fused", "grouped"):
+            self._idx = topk_idx  # waits for watch()
+            return
         lohi = torch.stack(torch.aminmax(topk_idx))
         if topk_idx.is_cuda and backend in ("fused", "grouped"):
-            self._lohi = _PINNED.pop() if _PINNED else torch.empty(2, dtype=torch.int64, pin_memory=True)
+            self._lohi = self._pinned("lohi", torch.int64, 2)
             self._lohi.copy_(lohi.to(torch.int64), non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(topk_idx.device))  # the copy's stream, any current device
+            self._record(topk_idx.device)
         else:
             self._lohi = lohi
             self.finish()
 
+    @staticmethod
+    def _pinned(kind, dtype, n):
+        pool = _PINNED[kind]
+        return pool.pop() if pool else torch.empty(n, dtype=dtype, pin_memory=True)
+
+    def _record(self, device):
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(device))  # the copy's stream, any current device
+
+    def watch(self, num_invalid) -> None:
+        """Queue the copy of the routing plan's count of out-of-range ids ([1] int32, on the plan's stream)."""
+        if self._idx is None:
+            return
+        self._count = self._pinned("count", torch.int32, 1)
+        self._count.copy_(num_invalid.reshape(1), non_blocking=True)
+        self._record(num_invalid.device)
+
     def finish(self) -> None:
+        if self._idx is not None:
+            idx, self._idx = self._idx, None
+            if self._count is None:  # no count was handed over: the whole check, synchronously
+                self._lohi = torch.stack(torch.aminmax(idx))
+            else:
+                self._event.synchronize()
+                bad = int(self._count[0])
+                _PINNED["count"].append(self._count)
+                self._count = None
+                self._event = None
+                if bad == 0:
+                    return
+                lo, hi = torch.stack(torch.aminmax(idx)).tolist()  # only for the message
+                if lo >= -1 and hi < self.num_experts:  # the ids changed since the plan read them
+                    _fail(f"topk_idx held {bad} expert id(s) outside [-1, {self.num_experts - 1}] when the routing "
+                          f"plan read it; fix the router output")
+                self._lohi = torch.tensor([lo, hi])
         if self._lohi is None:
             return
         if self._event is not None:
             self._event.synchronize()
         lo, hi = self._lohi.tolist()
         if self._event is not None:
-            _PINNED.append(self._lohi)  # read: free for the next check
+            _PINNED["lohi"].append(self._lohi)  # read: free for the next check
         self._lohi = None
         self._event = None
         if lo < -1 or hi >= self.num_experts:

@@ -342,16 +342,17 @@ def bf16_mega_moe(
         _check_out(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", (El,), (torch.int32,), x.device)
     which = _backend.resolve_backend(backend, "bf16", "fwd", device_type=x.device.type, hidden=H, intermediate=I,
                                      ep_size=buffer.num_ranks, activation_clamp=activation_clamp)
-    ids = _validate.ExpertIdCheck(topk_idx, E, which)  # finished before y is touched
+    ids = _validate.ExpertIdCheck(topk_idx, E, which, from_plan=buffer.num_ranks == 1)  # finished before y is touched
     cap = _ops._capacity(T, K, El, buffer.num_ranks, buffer.num_max_tokens_per_rank, block_m)
     kwargs = dict(activation_clamp=activation_clamp, group=buffer.group if buffer.num_ranks > 1 else None,
                   num_experts=E, max_tokens_per_rank=buffer.num_max_tokens_per_rank, block_m=block_m,
                   capacity=cap, save_h=save_h)
     with torch.no_grad():
         if which == "fused":
-            out = _fused.forward(x, topk_idx, topk_weights, l1, l2, precision="bf16", buffer=buffer, **kwargs)
+            out = _fused.forward(x, topk_idx, topk_weights, l1, l2, precision="bf16", buffer=buffer, id_check=ids,
+                                 **kwargs)
         elif which == "grouped":
-            out = _grouped.forward(x, topk_idx, topk_weights, l1, l2, buffer=buffer, **kwargs)
+            out = _grouped.forward(x, topk_idx, topk_weights, l1, l2, buffer=buffer, id_check=ids, **kwargs)
         else:
             out = reference.forward(x, topk_idx, topk_weights, l1, l2, **kwargs)
         yy, h, counts, offsets, src, srank, r2p = out[:7]
