@@ -190,6 +190,76 @@ def test_fused_epilogue_handoff_is_bit_identical(monkeypatch, save_h, clamp):
 
 @requires_sm90
 @pytest.mark.parametrize("kernel", ["cooperative", "pingpong"])
+@pytest.mark.parametrize("H", [448, 2112])
+def test_token_major_dispatch_is_bit_identical(monkeypatch, kernel, H):
+    """The pool rows past PK_MEGA_FWD_DISPATCH_SPLIT percent are dispatched token by token (each x row read once,
+    stored to all its routes' rows): x_pool, s, h, o and y agree bit for bit with the all-pool-order dispatch
+    (100) for every split, x_pool holds exactly x's rows in pool order (NaN-poisoned memory), and repeats are
+    deterministic. H = 2112: a row is two dispatch pieces, the second partial. Skewed routing, masked routes."""
+    _require_fused()
+    from deep_gemm.routing import routing_plan
+
+    monkeypatch.setenv("PK_MEGA_FWD_KERNEL", kernel)
+    x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(3001, H, 192, 32, 8, routing="skewed", seed=53,
+                                                            masked_frac=0.05)]
+    T, K = idx.shape
+    plan = routing_plan(idx, 32, 1, validate=False)
+    rows = int(plan.expert_offsets[-1])
+    src = plan.pool_src_route[:rows].long()
+    op = torch.ops.deep_gemm.mega_moe_fused_fwd
+
+    def run(split):
+        if split is None:
+            monkeypatch.delenv("PK_MEGA_FWD_DISPATCH_SPLIT", raising=False)
+        else:
+            monkeypatch.setenv("PK_MEGA_FWD_DISPATCH_SPLIT", split)
+        poison_allocator()
+        s, h, o, x_pool, y = op(x, plan.pool_src_route, plan.expert_offsets, w13, w2, K, True, 0.0, True,
+                                plan.route_to_pool, w.float())
+        got = (s[:rows], h[:rows], o[:rows], x_pool[:rows], y)
+        assert torch.equal(got[3], x[src // K]), f"x_pool (split {split}) is not x's rows in pool order"
+        return got
+
+    ref = run("100")
+    for split in ("0", "27", "50", "99", "0", None):
+        for name, a, b in zip(("s", "h", "o", "x_pool", "y"), ref, run(split)):
+            assert torch.equal(a, b), f"{name}: split {split} differs from the pool-order dispatch"
+
+
+@requires_sm90
+def test_token_major_dispatch_survives_an_inconsistent_route_map(monkeypatch):
+    """route_to_pool that does not invert pool_src_route (routes masked, two routes' rows swapped, two routes
+    naming one row) cannot hang or skip the token-major dispatch: the rows it does not name back are copied from
+    pool_src_route, so x_pool is still x's rows in pool order and s, h, o match the pool-order dispatch."""
+    _require_fused()
+    from deep_gemm.routing import routing_plan
+
+    x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(1001, 256, 128, 16, 4, seed=59)]
+    T, K = idx.shape
+    plan = routing_plan(idx, 16, 1, validate=False)
+    rows = int(plan.expert_offsets[-1])
+    src = plan.pool_src_route[:rows].long()
+    bad = plan.route_to_pool.clone().view(-1)
+    bad[7] = -1
+    bad[[100, 2000]] = bad[[2000, 100]].clone()
+    bad[3001] = bad[3002]
+    op = torch.ops.deep_gemm.mega_moe_fused_fwd
+    outs = {}
+    for split, r2p in (("100", plan.route_to_pool), ("0", bad.view(T, K)), ("40", bad.view(T, K))):
+        monkeypatch.setenv("PK_MEGA_FWD_DISPATCH_SPLIT", split)
+        poison_allocator()
+        s, h, o, x_pool, _ = op(x, plan.pool_src_route, plan.expert_offsets, w13, w2, K, True, 0.0, True, r2p,
+                                w.float())
+        torch.cuda.synchronize()
+        assert torch.equal(x_pool[:rows], x[src // K]), f"x_pool (split {split}, bad map)"
+        outs[split] = (s[:rows], h[:rows], o[:rows])
+    for split in ("0", "40"):
+        for name, a, b in zip("sho", outs["100"], outs[split]):
+            assert torch.equal(a, b), f"{name}: split {split} with an inconsistent map"
+
+
+@requires_sm90
+@pytest.mark.parametrize("kernel", ["cooperative", "pingpong"])
 def test_fused_l2_cache_hints_are_bit_identical(monkeypatch, kernel):
     """The forward's L2 cache hints (PK_MEGA_FWD_L2HINT; default 15) change where lines live, never a value: s, h
     and o agree bit for bit with every hint off, with each one alone, and with the default, and no row is left

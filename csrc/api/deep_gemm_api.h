@@ -133,8 +133,8 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, c
 
 // ---------------------------------------------------------------------------------------------
 // Fused Mega MoE forward (sm90, BF16): dispatch of the token rows into the pool, L1 with SwiGLU, L2 and
-// (with route_to_pool) the weighted combine into y, in one persistent kernel (csrc/sm90/mega_moe.hpp has the
-// full contract). counters: device int32 scratch of pk_mega_moe_fwd_counter_count(m_total, num_experts,
+// (with y and route_to_pool) the weighted combine into y, in one persistent kernel (csrc/sm90/mega_moe.hpp has the
+// full contract; route_to_pool without y serves the dispatch only). counters: device int32 scratch of pk_mega_moe_fwd_counter_count(m_total, num_experts,
 // num_tokens, hidden) entries (zeroed by the call itself).
 // ---------------------------------------------------------------------------------------------
 PK_API int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int64_t num_tokens, int64_t hidden);

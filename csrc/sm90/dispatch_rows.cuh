@@ -37,15 +37,16 @@ __host__ __device__ __forceinline__ int dispatch_pieces_per_row(int row_bytes) {
 // behind the GEMM's TMA loads). After the run: proxy fence (the rows are read by TMA), and one release per
 // m-block the run touches, by the lane holding that m-block's first row. dst rows are row_bytes apart.
 // s_mb[g] = first m-block of group g; disp_ctr[mb] gains (rows of mb) * pieces per row in total.
+// Only rows below row_limit are copied (the fused forward copies the rest token by token).
 template <int kBlockM, int kSlotsPerWarp, int kSlotBytes, typename SrcOf>
 __device__ __forceinline__ void dispatch_rows_role(SrcOf&& src_of, uint8_t* dst, int row_bytes, uint32_t slots_addr,
                                                    int dwarp, int lane, const int32_t* s_offs, const int32_t* s_mb,
                                                    int num_groups, int32_t* disp_ctr, int dev_flags,
-                                                   unsigned long long* stat_max) {
+                                                   unsigned long long* stat_max, int row_limit = 0x7fffffff) {
   static_assert(kSlotsPerWarp >= 2, "each dispatch warp needs two slots");
   static_assert(kSlotBytes % 512 == 0, "a slot is whole 16-byte parts of every lane");
   const int chunks = dispatch_pieces_per_row<kSlotBytes>(row_bytes);
-  const int num_rows = s_offs[num_groups];
+  const int num_rows = min(s_offs[num_groups], row_limit);
   const uint32_t slot0 = slots_addr + dwarp * kSlotsPerWarp * kSlotBytes;
   const int cta = (int)ptx::ctaid_x_volatile();
   const int step = (int)gridDim.x * kDispatchWarps;

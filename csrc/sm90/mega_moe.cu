@@ -44,6 +44,17 @@ int32_t handoff_bits() {
   const char* v = std::getenv("PK_MEGA_FWD_HANDOFF");
   return v != nullptr ? static_cast<int32_t>(std::atoi(v)) & 3 : kMegaFwdHandoff;
 }
+// The share of the pool (percent of m_total, first rows) dispatched in pool order; the rest goes token by token
+// (MegaFwdParams::disp_split_row). The token-major rows all land near the end of the dispatch, so the L1 tiles must
+// not reach them sooner: the tiles' time per dispatched row grows with inter, hence the default share
+// kMegaFwdDispatchSplitAt768 * 768 / inter (at least kMegaFwdDispatchSplitMin; 100 = all in pool order).
+// PK_MEGA_FWD_DISPATCH_SPLIT names another share (development aid, read at every call).
+int dispatch_split_pct(int64_t inter) {
+  const char* v = std::getenv("PK_MEGA_FWD_DISPATCH_SPLIT");
+  int64_t pct = v != nullptr ? std::atoi(v) : (kMegaFwdDispatchSplitAt768 * 768 + inter - 1) / inter;
+  if (v == nullptr && pct < kMegaFwdDispatchSplitMin) pct = kMegaFwdDispatchSplitMin;
+  return static_cast<int>(pct < 0 ? 0 : (pct > 100 ? 100 : pct));
+}
 }  // namespace
 
 bool mega_moe_fwd_combines_in_kernel() { return combine_in_kernel(); }
@@ -75,13 +86,14 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
     return fail(kGemmInvalidArgument, err, err_len, "%s: m_total = %lld is too large for this hidden size", fn,
                 (long long)m_total);
   if (!(clamp >= 0.f)) return fail(kGemmInvalidArgument, err, err_len, "%s: clamp must be >= 0 (0 = none)", fn);
-  const bool combine = route_to_pool != nullptr;
+  if (route_to_pool != nullptr && (num_tokens < 0 || num_tokens * top_k >= (int64_t(1) << 31)))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_tokens = %lld, num_tokens * top_k must be < 2^31", fn,
+                (long long)num_tokens);
+  if (y != nullptr && route_to_pool == nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: y needs route_to_pool", fn);
+  const bool combine = y != nullptr;
   if (combine) {
-    if (num_tokens < 0 || num_tokens * top_k >= (int64_t(1) << 31))
-      return fail(kGemmInvalidArgument, err, err_len, "%s: num_tokens = %lld, num_tokens * top_k must be < 2^31",
-                  fn, (long long)num_tokens);
-    if (y == nullptr || !aligned16(y))
-      return fail(kGemmInvalidArgument, err, err_len, "%s: y is null or not 16-byte aligned", fn);
+    if (!aligned16(y)) return fail(kGemmInvalidArgument, err, err_len, "%s: y is not 16-byte aligned", fn);
     if (y == o || y == x_pool || y == s || (h != nullptr && y == h))
       return fail(kGemmInvalidArgument, err, err_len, "%s: y must not alias x_pool, s, h or o", fn);
   }
@@ -185,6 +197,13 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
     p.clamp_below = rf < clamp ? rf : from_bits(static_cast<uint16_t>(bits - 1));
     p.clamp_above = rf > clamp ? rf : from_bits(static_cast<uint16_t>(bits + 1));
   }
+  // The rows past disp_split_row are dispatched token by token (single rank; MegaFwdParams::disp_split_row).
+  const int split_pct = dispatch_split_pct(inter);
+  const bool token_major = route_to_pool != nullptr && num_ranks == 1 && pool_src_rank == nullptr && top_k <= 32 &&
+                           split_pct < 100;
+  p.disp_route_to_pool = token_major ? route_to_pool : nullptr;
+  p.disp_num_tokens = route_to_pool != nullptr ? static_cast<int32_t>(num_tokens) : 0;
+  p.disp_split_row = static_cast<int32_t>(m_total * split_pct / 100);
   p.num_tokens = combine ? static_cast<int32_t>(num_tokens) : 0;
   p.route_to_pool = fused_combine ? route_to_pool : nullptr;
   p.topk_weights = topk_weights;

@@ -34,9 +34,11 @@ inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int6
 //   o            bf16 [m_total, hidden] out: s @ w2^T per pool row (the combine's input). o may be x_pool itself
 //                (the rows of an m-block are overwritten only after every L1 tile of it has read them; the
 //                dispatched rows are then gone): the forward's peak memory drops by m_total * hidden * 2 bytes.
-//   route_to_pool device int32 [num_tokens * top_k] (pool row per route, < 0: none), or null: no combine
+//   route_to_pool device int32 [num_tokens * top_k] (pool row per route, < 0: none), or null. With one rank the
+//                dispatch walks the tokens through it for the pool rows past a split (each x row read once);
+//                a row it does not name consistently with pool_src_route is copied from pool_src_route.
 //   topk_weights device fp32 [num_tokens * top_k], or null (weights of 1)
-//   y            bf16 [num_tokens, hidden] out with route_to_pool: sum over k in order of
+//   y            bf16 [num_tokens, hidden] out, or null: no combine (needs route_to_pool): sum over k in order of
 //                topk_weights[t, k] * o[route_to_pool[t, k]] in fp32 (bit-identical to the combine kernel);
 //                reduced inside the kernel as each token's L2 tiles complete. Rows with no route are zero.
 //   counters     device int32 [mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden)] scratch

@@ -19,8 +19,9 @@
 // then all L2 tiles (per expert: H/256 n-blocks, the same order). A tile only ever waits for work earlier in the
 // sequence or for the dispatch (which waits for nothing), and every CTA processes its tiles in increasing order, so
 // with the whole grid resident (one CTA per SM, grid <= SMs) the waits cannot deadlock.
-//   * dispatch (producer warps 1-3 of every CTA): copy x rows into x_pool in pool order (see the role below);
-//     per-m-block dispatch counters count the 4 KB pieces that have landed.
+//   * dispatch (producer warps 1-3 of every CTA): copy x rows into x_pool, the first rows in pool order, the
+//     rest token by token (see the roles below); per-m-block dispatch counters count the 4 KB pieces that have
+//     landed. Neither part waits for anything, so the argument holds.
 //   * L1 tile: the TMA thread waits (ld.acquire) until its m-block's dispatch counter is complete, then
 //     streams x_pool and w13 like the grouped GEMM. Epilogue (cooperative kernel): h (when asked) and s go out
 //     through the staging tile by TMA stores; each consumer warpgroup then adds one to the m-block's L1 counter
@@ -99,6 +100,11 @@ struct MegaFwdParams {
   // store's issue holds its thread for hundreds of cycles behind the producer's loads: bench/NOTES.md, session
   // 15). 0: every epilogue stays in the consumers.
   int32_t handoff;
+  // Token-major dispatch of the pool rows >= disp_split_row (mega_dispatch_tokens; bench/NOTES.md, session 17):
+  // disp_route_to_pool [disp_num_tokens * top_k], the plan's pool row per route; null: every row in pool order.
+  const int32_t* disp_route_to_pool;
+  int32_t disp_num_tokens;
+  int32_t disp_split_row;
   // L2 cache hints (kMegaFwdL2Hints; bench/NOTES.md, session 14): bit 0, 1, 2: the h, s, o stores evict_first
   // (no later access in this kernel reads them back soon: s is read in the L2 phase, after the whole L1 phase);
   // bit 3: the w13 / w2 loads evict_last (16 m-blocks of a band read each B tile in turn, while the x_pool, h, s
@@ -108,6 +114,11 @@ struct MegaFwdParams {
 // MegaFwdParams::handoff: both hand-offs. The L2 one, measured on the H200 (bench/NOTES.md, session 15): L2
 // epilogues -46%, consumer cycles -1.1% (30B) / -1.2% (235B), layer forward -0.3 to -2%.
 constexpr int32_t kMegaFwdHandoff = 3;
+// MegaFwdParams::disp_split_row as a percentage of the pool at inter = 768, scaled by 768 / inter (mega_moe.cu), and
+// its floor. Measured on the H200 (bench/NOTES.md, session 17): 30B (I = 768) stalls at 25, gains at 35-50;
+// 235B (I = 1536) stalls at 15, gains at 25-50 (the floor keeps a margin at T = 4096).
+constexpr int kMegaFwdDispatchSplitAt768 = 50;
+constexpr int kMegaFwdDispatchSplitMin = 35;
 constexpr int32_t kMegaFwdL2Hints = 15;  // measured on the H200: -2 to -4% in steady state at both layer shapes
 constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only;
                                   // 16: the TMA producer's wait for a free stage, both kernels)
@@ -137,8 +148,115 @@ struct MegaFwdLayout : StageRingLayout<128, 256, 64, kNumStages> {
   static_assert(kDispOff % 1024 == 0, "a 128B-swizzled staging tile is 1024-byte aligned");
 };
 
+// The token-major part of the dispatch (MegaFwdParams::disp_split_row): pool rows [split_row, num_rows) are
+// written by walking the tokens: each x row is read once and stored to every row of its routes in that range,
+// where walking the pool rows reads it once per route (x is larger than L2 at the layer shapes, so most of those
+// reads went to HBM: bench/NOTES.md, session 17). A route's row r counts only if pool_src_route[r] names that
+// route back; the rows that fail this (none in a plan's pool) are copied afterwards from pool_src_route as the
+// pool-order dispatch would, so every row in the range is written and counted exactly once whatever the inputs.
+// Single rank only (the host leaves disp_route_to_pool null otherwise). Counters gain one per (row, piece).
+template <int kBlockM, int kSlotsPerWarp, int kSlotBytes>
+__device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uint32_t slots_addr, int dwarp, int lane,
+                                                     const int32_t* s_offs, const int32_t* s_mb, int num_experts,
+                                                     int32_t* disp_ctr, int split_row, int num_rows) {
+  const int top_k = p.top_k;
+  const int num_tokens = p.disp_num_tokens;
+  const int row_bytes = p.hidden * 2;
+  const int chunks = dispatch_pieces_per_row<kSlotBytes>(row_bytes);
+  uint8_t* dst = reinterpret_cast<uint8_t*>(p.x_pool);
+  const uint8_t* x = reinterpret_cast<const uint8_t*>(p.x_ranks[0]);
+  const int64_t x_row_bytes = p.ld_x * 2;
+  const uint32_t slot0 = slots_addr + dwarp * kSlotsPerWarp * kSlotBytes;
+  const int warp_id = (int)ptx::ctaid_x_volatile() + dwarp * (int)gridDim.x;
+  const int step = (int)gridDim.x * kDispatchWarps;
+  constexpr int kPerLane = kSlotBytes / 16 / 32;
+  auto mblock_of = [&](int row) {
+    int lo = 0, hi = num_experts - 1;  // the expert e with s_offs[e] <= row < s_offs[e + 1]
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (s_offs[mid] <= row) lo = mid; else hi = mid - 1;
+    }
+    return s_mb[lo] + (row - s_offs[lo]) / kBlockM;
+  };
+  // the route's row of this lane (lanes < top_k) for token t, if it is in range and names the route back
+  auto my_row = [&](int t) {
+    if (lane >= top_k) return -1;
+    const int route = t * top_k + lane;
+    const int r = __ldg(p.disp_route_to_pool + route);
+    return (r >= split_row && r < num_rows && __ldg(p.pool_src_route + r) == route) ? r : -1;
+  };
+  // this warp's tokens t = warp_id + j * step; items i = j * chunks + c
+  const int my_tokens = num_tokens > warp_id ? (num_tokens - warp_id + step - 1) / step : 0;
+  const int items = my_tokens * chunks;
+  auto issue = [&](int i) {  // every lane; one commit per item, empty past the end
+    if (i < items) {
+      const int j = i / chunks, c = i - j * chunks;
+      const uint8_t* src = x + static_cast<int64_t>(warp_id + j * step) * x_row_bytes + c * kSlotBytes;
+      const int bytes = min(kSlotBytes, row_bytes - c * kSlotBytes);
+      const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kSlotBytes;
+#pragma unroll 1
+      for (int k = 0; k < kPerLane; ++k) {
+        const int off = (lane + 32 * k) * 16;
+        if (off < bytes) ptx::cp_async_16(slot + off, src + off, 16u);
+      }
+    }
+    ptx::cp_async_commit();
+  };
+  for (int i = 0; i < kSlotsPerWarp - 1; ++i) issue(i);
+  int row = -1, row_mb = -1;
+  for (int i = 0; i < items; ++i) {
+    issue(i + kSlotsPerWarp - 1);
+    const int j = i / chunks, c = i - j * chunks;
+    if (c == 0) {
+      row = my_row(warp_id + j * step);
+      row_mb = row >= 0 ? mblock_of(row) : -1;
+    }
+    ptx::cp_async_wait<kSlotsPerWarp - 1>();  // this lane's parts of item i have landed
+    __syncwarp();                               // and every other lane's
+    const int bytes = min(kSlotBytes, row_bytes - c * kSlotBytes);
+    const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kSlotBytes;
+    for (uint32_t dests = __ballot_sync(0xffffffffu, row >= 0); dests != 0; dests &= dests - 1) {
+      const int r = __shfl_sync(0xffffffffu, row, __ffs(dests) - 1);
+      uint8_t* out = dst + static_cast<int64_t>(r) * row_bytes + c * kSlotBytes;
+#pragma unroll 1
+      for (int k = 0; k < kPerLane; ++k) {
+        const int off = (lane + 32 * k) * 16;
+        if (off < bytes) ptx::st_global_v4(out + off, ptx::ld_shared_v4(slot + off));
+      }
+    }
+    ptx::fence_proxy_async_global();
+    __syncwarp();
+    if (row >= 0) ptx::red_release_gpu_add(disp_ctr + row_mb, 1);
+  }
+  ptx::cp_async_wait<0>();
+  // Rows of the range that no route named back: copied from their pool_src_route (token row of route / top_k;
+  // a negative route reads token 0, as the pool-order dispatch does), lane per row, 16 bytes at a time.
+  for (int base = split_row + warp_id * 32; base < num_rows; base += step * 32) {
+    const int r = base + lane;
+    bool orphan = false;
+    int route = 0;
+    if (r < num_rows) {
+      route = __ldg(p.pool_src_route + r);
+      orphan = !(route >= 0 && route < num_tokens * top_k && __ldg(p.disp_route_to_pool + route) == r);
+    }
+    for (uint32_t rows = __ballot_sync(0xffffffffu, orphan); rows != 0; rows &= rows - 1) {
+      const int src_lane = __ffs(rows) - 1;
+      const int orow = __shfl_sync(0xffffffffu, r, src_lane);
+      const int oroute = __shfl_sync(0xffffffffu, route, src_lane);
+      const uint8_t* src = x + static_cast<int64_t>(max(oroute, 0) / top_k) * x_row_bytes;
+      uint8_t* out = dst + static_cast<int64_t>(orow) * row_bytes;
+      for (int off = lane * 16; off < row_bytes; off += 32 * 16)
+        ptx::st_global_v4(out + off, __ldg(reinterpret_cast<const uint4*>(src + off)));
+    }
+    ptx::fence_proxy_async_global();
+    __syncwarp();
+    if (orphan) ptx::red_release_gpu_add(disp_ctr + mblock_of(r), chunks);
+  }
+}
+
 // The dispatch role of the forward kernels (producer warps 1-3 of every CTA; dwarp = 0..2): copies the pool's
-// x rows (token route / top_k of its source rank's x) into x_pool and releases the per-m-block dispatch counters.
+// x rows (token route / top_k of its source rank's x) into x_pool and releases the per-m-block dispatch counters:
+// rows below disp_split_row in pool order (the first tiles' rows land first), the rest token by token.
 template <int kBlockM, int kDispatchSlots>
 __device__ __forceinline__ void mega_dispatch_role(const MegaFwdParams& p, uint32_t slots_addr, int dwarp, int lane,
                                                    const int32_t* s_offs, const int32_t* s_mb, int num_experts,
@@ -149,11 +267,19 @@ __device__ __forceinline__ void mega_dispatch_role(const MegaFwdParams& p, uint3
     const int rank = p.pool_src_rank != nullptr ? min(max(__ldg(p.pool_src_rank + row), 0), p.num_ranks - 1) : 0;
     return p.x_ranks[rank] + static_cast<int64_t>(max(route, 0) / p.top_k) * p.ld_x;
   };
-  unsigned long long* stat_max =
-      p.stats != nullptr ? reinterpret_cast<unsigned long long*>(p.stats + blockIdx.x * kStatsPerCta + 3) : nullptr;
+  const long long t_start = clock64();
+  const int num_rows = s_offs[num_experts];
+  const int split_row = p.disp_route_to_pool != nullptr ? min(max(p.disp_split_row, 0), num_rows) : num_rows;
   dispatch_rows_role<kBlockM, kDispatchSlots / kDispatchWarps, kDispatchSlotBytes>(
       src_of, reinterpret_cast<uint8_t*>(p.x_pool), p.hidden * 2, slots_addr, dwarp, lane, s_offs, s_mb, num_experts,
-      disp_ctr, p.dispatch_only, stat_max);
+      disp_ctr, p.dispatch_only, nullptr, split_row);
+  if (split_row < num_rows)
+    mega_dispatch_tokens<kBlockM, kDispatchSlots / kDispatchWarps, kDispatchSlotBytes>(
+        p, slots_addr, dwarp, lane, s_offs, s_mb, num_experts, disp_ctr, split_row, num_rows);
+  // dispatch end: the latest of the warps (shared by all through an atomic max)
+  if (lane == 0 && p.stats != nullptr)
+    atomicMax(reinterpret_cast<unsigned long long*>(p.stats + blockIdx.x * kStatsPerCta + 3),
+              static_cast<unsigned long long>(clock64() - t_start));
 }
 
 // The forward's static tile sequence (see the file comment), shared by both forward kernels and all of
