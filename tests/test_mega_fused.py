@@ -190,19 +190,20 @@ def test_fused_epilogue_handoff_is_bit_identical(monkeypatch, save_h, clamp):
 
 @requires_sm90
 @pytest.mark.parametrize("kernel", ["cooperative", "pingpong"])
-@pytest.mark.parametrize("H", [448, 2112])
-def test_token_major_dispatch_is_bit_identical(monkeypatch, kernel, H):
+@pytest.mark.parametrize("T,H", [(3001, 448), (3001, 2112), (7, 448)])
+def test_token_major_dispatch_is_bit_identical(monkeypatch, kernel, T, H):
     """The pool rows past PK_MEGA_FWD_DISPATCH_SPLIT percent are dispatched token by token (each x row read once,
     stored to all its routes' rows): x_pool, s, h, o and y agree bit for bit with the all-pool-order dispatch
     (100) for every split, x_pool holds exactly x's rows in pool order (NaN-poisoned memory), and repeats are
-    deterministic. H = 2112: a row is two dispatch pieces, the second partial. Skewed routing, masked routes."""
+    deterministic. H = 2112: a row is two dispatch pieces, the second partial; T = 7: fewer tokens than dispatch
+    warps. Skewed routing, masked routes."""
     _require_fused()
     from deep_gemm.routing import routing_plan
 
     monkeypatch.setenv("PK_MEGA_FWD_KERNEL", kernel)
-    x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(3001, H, 192, 32, 8, routing="skewed", seed=53,
+    x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, 192, 32, 8, routing="skewed", seed=53 + T,
                                                             masked_frac=0.05)]
-    T, K = idx.shape
+    K = idx.shape[1]
     plan = routing_plan(idx, 32, 1, validate=False)
     rows = int(plan.expert_offsets[-1])
     src = plan.pool_src_route[:rows].long()

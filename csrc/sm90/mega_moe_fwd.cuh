@@ -211,8 +211,7 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
       row = my_row(warp_id + j * step);
       row_mb = row >= 0 ? mblock_of(row) : -1;
     }
-    ptx::cp_async_wait<kSlotsPerWarp - 1>();  // this lane's parts of item i have landed
-    __syncwarp();                               // and every other lane's
+    ptx::cp_async_wait<kSlotsPerWarp - 1>();  // this lane's parts of item i have landed (it stores only those)
     const int bytes = min(kSlotBytes, row_bytes - c * kSlotBytes);
     const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kSlotBytes;
     for (uint32_t dests = __ballot_sync(0xffffffffu, row >= 0); dests != 0; dests &= dests - 1) {
