@@ -22,6 +22,17 @@ constexpr uint32_t kDispatchConsumerRegs = 224;
 // bit 3 = no loads (bit 0 is the forward's "no tiles").
 enum DispatchDevFlags : int { kDispatchNoRelease = 2, kDispatchNoStores = 4, kDispatchNoLoads = 8 };
 
+// The group g of pool row `row` (s_offs[g] <= row < s_offs[g + 1]): binary search of the group offsets in shared
+// memory. Its m-block is s_mb[g] + (row - s_offs[g]) / kBlockM.
+__device__ __forceinline__ int pool_row_group(int row, const int32_t* s_offs, int num_groups) {
+  int lo = 0, hi = num_groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (s_offs[mid] <= row) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // Pieces (kSlotBytes each) a row of row_bytes is copied in; the counters count landed pieces.
 template <int kSlotBytes>
 __host__ __device__ __forceinline__ int dispatch_pieces_per_row(int row_bytes) {
@@ -62,12 +73,8 @@ __device__ __forceinline__ void dispatch_rows_role(SrcOf&& src_of, uint8_t* dst,
     // this lane's row: source and m-block (binary search of the group offsets in shared memory)
     const int my_row = row0 + min(lane, rows - 1);
     const uint8_t* my_src = reinterpret_cast<const uint8_t*>(src_of(my_row));
-    int lo = 0, hi = num_groups - 1;  // the group g with s_offs[g] <= my_row < s_offs[g + 1]
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (s_offs[mid] <= my_row) lo = mid; else hi = mid - 1;
-    }
-    const int my_mb = lane < rows ? s_mb[lo] + (my_row - s_offs[lo]) / kBlockM : -1;
+    const int g = pool_row_group(my_row, s_offs, num_groups);
+    const int my_mb = lane < rows ? s_mb[g] + (my_row - s_offs[g]) / kBlockM : -1;
     // pieces of the run: i = ri * chunks + c
     const int pieces = rows * chunks;
     auto issue = [&](int i) {  // every lane; one commit per piece index, empty past the end

@@ -171,12 +171,8 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
   const int step = (int)gridDim.x * kDispatchWarps;
   constexpr int kPerLane = kSlotBytes / 16 / 32;
   auto mblock_of = [&](int row) {
-    int lo = 0, hi = num_experts - 1;  // the expert e with s_offs[e] <= row < s_offs[e + 1]
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (s_offs[mid] <= row) lo = mid; else hi = mid - 1;
-    }
-    return s_mb[lo] + (row - s_offs[lo]) / kBlockM;
+    const int e = pool_row_group(row, s_offs, num_experts);
+    return s_mb[e] + (row - s_offs[e]) / kBlockM;
   };
   // the route's row of this lane (lanes < top_k) for token t, if it is in range and names the route back
   auto my_row = [&](int t) {
