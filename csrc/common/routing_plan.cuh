@@ -129,13 +129,18 @@ routing_place_kernel(const IdxT* __restrict__ topk_idx, int64_t num_routes, int 
   const int per_thread = (num_experts + blockDim.x - 1) / blockDim.x;
   const int begin = min(num_experts, static_cast<int>(threadIdx.x) * per_thread);
   const int end = min(num_experts, begin + per_thread);
+  // each thread's experts: padded counts into offs (one read of expert_counts), then offsets in place
   int32_t local = 0;
-  for (int e = begin; e < end; ++e) local += padded(e);
+  for (int e = begin; e < end; ++e) {
+    offs[e] = padded(e);
+    local += offs[e];
+  }
   int32_t all = 0;
   int32_t acc = block_exclusive_scan(local, warp_sums, &all);
   for (int e = begin; e < end; ++e) {
+    const int32_t rows = offs[e];
     offs[e] = acc;
-    acc += padded(e);
+    acc += rows;
   }
   if (threadIdx.x == 0) offs[num_experts] = all;
   __syncthreads();

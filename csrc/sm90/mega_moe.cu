@@ -201,11 +201,9 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   const int split_pct = dispatch_split_pct(inter);
   const bool token_major = route_to_pool != nullptr && num_ranks == 1 && pool_src_rank == nullptr && top_k <= 32 &&
                            split_pct < 100;
-  p.disp_route_to_pool = token_major ? route_to_pool : nullptr;
-  p.disp_num_tokens = route_to_pool != nullptr ? static_cast<int32_t>(num_tokens) : 0;
-  p.disp_split_row = static_cast<int32_t>(m_total * split_pct / 100);
-  p.num_tokens = combine ? static_cast<int32_t>(num_tokens) : 0;
-  p.route_to_pool = fused_combine ? route_to_pool : nullptr;
+  p.disp_split_row = token_major ? static_cast<int32_t>(m_total * split_pct / 100) : INT32_MAX;
+  p.route_to_pool = route_to_pool;
+  p.num_tokens = route_to_pool != nullptr ? static_cast<int32_t>(num_tokens) : 0;
   p.topk_weights = topk_weights;
   p.y = fused_combine ? static_cast<__nv_bfloat16*>(y) : nullptr;
   p.counters = counters;

@@ -80,13 +80,15 @@ struct MegaFwdParams {
   // Readiness counters, zero before the launch: [num_m_blocks] dispatch, then [num_m_blocks] L1.
   int32_t* counters;
   int32_t max_m_blocks;  // length of each counter array (>= the plan's m-blocks)
-  // In-kernel combine (y null: none, o is the output): y[t] = sum over k in order of
+  // The plan's pool row per route, [num_tokens * top_k] (< 0: none), or null. Read by the token-major part of
+  // the dispatch (disp_split_row) and by the in-kernel combine.
+  const int32_t* route_to_pool;
+  int32_t num_tokens;
+  // In-kernel combine (ping-pong kernel; y null: none, o is the output): y[t] = sum over k in order of
   // topk_weights[t, k] * o[route_to_pool[t, k]] (fp32, skipping routes < 0; rows with no route are zero).
   // The last L2 tile to finish a token's 128 columns (token_ctr counts the arrivals) reduces them.
-  const int32_t* route_to_pool;  // [num_tokens * top_k]
   const float* topk_weights;     // [num_tokens * top_k], or null (weights of 1)
   __nv_bfloat16* y;              // [num_tokens, hidden], row stride hidden
-  int32_t num_tokens;
   int32_t* token_ctr;  // [num_tokens * ceil(hidden / 128)], zero before the launch
   // Development aid (null in normal runs): per CTA, kStatsPerCta clock64 figures (see mega_moe.cu).
   long long* stats;
@@ -100,10 +102,9 @@ struct MegaFwdParams {
   // store's issue holds its thread for hundreds of cycles behind the producer's loads: bench/NOTES.md, session
   // 15). 0: every epilogue stays in the consumers.
   int32_t handoff;
-  // Token-major dispatch of the pool rows >= disp_split_row (mega_dispatch_tokens; bench/NOTES.md, session 17):
-  // disp_route_to_pool [disp_num_tokens * top_k], the plan's pool row per route; null: every row in pool order.
-  const int32_t* disp_route_to_pool;
-  int32_t disp_num_tokens;
+  // Token-major dispatch of the pool rows >= disp_split_row through route_to_pool (mega_dispatch_tokens;
+  // bench/NOTES.md, session 17); the host sets it past the pool (every row in pool order) when route_to_pool is
+  // null or the rows come from several ranks.
   int32_t disp_split_row;
   // L2 cache hints (kMegaFwdL2Hints; bench/NOTES.md, session 14): bit 0, 1, 2: the h, s, o stores evict_first
   // (no later access in this kernel reads them back soon: s is read in the L2 phase, after the whole L1 phase);
@@ -154,13 +155,13 @@ struct MegaFwdLayout : StageRingLayout<128, 256, 64, kNumStages> {
 // reads went to HBM: bench/NOTES.md, session 17). A route's row r counts only if pool_src_route[r] names that
 // route back; the rows that fail this (none in a plan's pool) are copied afterwards from pool_src_route as the
 // pool-order dispatch would, so every row in the range is written and counted exactly once whatever the inputs.
-// Single rank only (the host leaves disp_route_to_pool null otherwise). Counters gain one per (row, piece).
+// Single rank only (the host sets disp_split_row past the pool otherwise). Counters gain one per (row, piece).
 template <int kBlockM, int kSlotsPerWarp, int kSlotBytes>
 __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uint32_t slots_addr, int dwarp, int lane,
                                                      const int32_t* s_offs, const int32_t* s_mb, int num_experts,
                                                      int32_t* disp_ctr, int split_row, int num_rows) {
   const int top_k = p.top_k;
-  const int num_tokens = p.disp_num_tokens;
+  const int num_tokens = p.num_tokens;
   const int row_bytes = p.hidden * 2;
   const int chunks = dispatch_pieces_per_row<kSlotBytes>(row_bytes);
   uint8_t* dst = reinterpret_cast<uint8_t*>(p.x_pool);
@@ -178,7 +179,7 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
   auto my_row = [&](int t) {
     if (lane >= top_k) return -1;
     const int route = t * top_k + lane;
-    const int r = __ldg(p.disp_route_to_pool + route);
+    const int r = __ldg(p.route_to_pool + route);
     return (r >= split_row && r < num_rows && __ldg(p.pool_src_route + r) == route) ? r : -1;
   };
   // this warp's tokens t = warp_id + j * step; items i = j * chunks + c
@@ -232,7 +233,7 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
     int route = 0;
     if (r < num_rows) {
       route = __ldg(p.pool_src_route + r);
-      orphan = !(route >= 0 && route < num_tokens * top_k && __ldg(p.disp_route_to_pool + route) == r);
+      orphan = !(route >= 0 && route < num_tokens * top_k && __ldg(p.route_to_pool + route) == r);
     }
     for (uint32_t rows = __ballot_sync(0xffffffffu, orphan); rows != 0; rows &= rows - 1) {
       const int src_lane = __ffs(rows) - 1;
@@ -264,7 +265,7 @@ __device__ __forceinline__ void mega_dispatch_role(const MegaFwdParams& p, uint3
   };
   const long long t_start = clock64();
   const int num_rows = s_offs[num_experts];
-  const int split_row = p.disp_route_to_pool != nullptr ? min(max(p.disp_split_row, 0), num_rows) : num_rows;
+  const int split_row = min(max(p.disp_split_row, 0), num_rows);
   dispatch_rows_role<kBlockM, kDispatchSlots / kDispatchWarps, kDispatchSlotBytes>(
       src_of, reinterpret_cast<uint8_t*>(p.x_pool), p.hidden * 2, slots_addr, dwarp, lane, s_offs, s_mb, num_experts,
       disp_ctr, p.dispatch_only, nullptr, split_row);
