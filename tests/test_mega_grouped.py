@@ -87,6 +87,29 @@ def test_grouped_refuses_the_clamp_with_its_reason():
                         activation_clamp=0.5)
 
 
+def test_zero_padding_rows_touches_only_the_padding_rows():
+    """The grouped backward zeroes a padded plan's padding rows in the pools it gathers (the fused forward pads its
+    plan; the GEMMs read those rows): exactly rows [offsets[e] + counts[e], offsets[e + 1]) become zero, every
+    other row keeps its contents (NaN here), an unpadded plan changes nothing but the scratch row."""
+    from deep_gemm.mega import _grouped
+    from deep_gemm.mega._plan import pool_capacity
+    from deep_gemm.routing import routing_plan
+
+    T, E, K, H = 37, 6, 3, 16
+    idx = make_problem(T, H, 32, E, K, routing="skewed", seed=5, masked_frac=0.2)[1]
+    for block_m in (8, 1):
+        cap = pool_capacity(T * K, E, 8)
+        plan = routing_plan(idx, E, block_m, validate=False, capacity=cap)
+        buf = torch.full((cap + 1, H), float("nan"), dtype=torch.bfloat16)
+        _grouped._zero_padding_rows(buf, plan.expert_counts, plan.expert_offsets, T * K)
+        off, cnt = plan.expert_offsets.long(), plan.expert_counts.long()
+        pad = torch.zeros(cap, dtype=torch.bool)
+        for e in range(E):
+            pad[off[e] + cnt[e]:off[e + 1]] = True
+        assert bool(pad.any()) == (block_m == 8)
+        assert (buf[:cap][pad] == 0).all() and buf[:cap][~pad].isnan().all()
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_pipeline_logic_on_cpu(recompute):
     """The pipeline's own logic (plan layout, gathers, SwiGLU and its backward, combine) through the

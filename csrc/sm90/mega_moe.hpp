@@ -28,7 +28,8 @@ inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int6
 //   expert_offsets device int32 [num_experts + 1] (1..512 experts), non-decreasing, last <= m_total
 //   w13          bf16 [num_experts, 2 * inter, hidden] contiguous (gate rows, then up rows)
 //   w2           bf16 [num_experts, hidden, inter] contiguous
-//   x_pool       bf16 [m_total, hidden] out: the dispatched rows (the backward's pooled x)
+//   x_pool       bf16 [m_total, hidden] out: the dispatched rows (the backward's pooled x; zeros where
+//                pool_src_route < 0, e.g. a padded plan's padding rows, whose h, s and o rows are then zeros)
 //   s            bf16 [m_total, inter] out: silu(gate) * up
 //   h            bf16 [m_total, 2 * inter] out, or null: gate | up pre-activation
 //   o            bf16 [m_total, hidden] out: s @ w2^T per pool row (the combine's input). o may be x_pool itself

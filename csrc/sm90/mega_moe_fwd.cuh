@@ -226,7 +226,8 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
   }
   ptx::cp_async_wait<0>();
   // Rows of the range that no route named back: copied from their pool_src_route (token row of route / top_k;
-  // a negative route reads token 0, as the pool-order dispatch does), lane per row, 16 bytes at a time.
+  // a negative route, a plan's padding row, is a row of zeros, as in the pool-order dispatch), lane per row, 16
+  // bytes at a time.
   for (int base = split_row + warp_id * 32; base < num_rows; base += step * 32) {
     const int r = base + lane;
     bool orphan = false;
@@ -242,7 +243,8 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
       const uint8_t* src = x + static_cast<int64_t>(max(oroute, 0) / top_k) * x_row_bytes;
       uint8_t* out = dst + static_cast<int64_t>(orow) * row_bytes;
       for (int off = lane * 16; off < row_bytes; off += 32 * 16)
-        ptx::st_global_v4(out + off, __ldg(reinterpret_cast<const uint4*>(src + off)));
+        ptx::st_global_v4(out + off, oroute >= 0 ? __ldg(reinterpret_cast<const uint4*>(src + off))
+                                                 : make_uint4(0, 0, 0, 0));
     }
     ptx::fence_proxy_async_global();
     __syncwarp();
@@ -251,8 +253,9 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
 }
 
 // The dispatch role of the forward kernels (producer warps 1-3 of every CTA; dwarp = 0..2): copies the pool's
-// x rows (token route / top_k of its source rank's x) into x_pool and releases the per-m-block dispatch counters:
-// rows below disp_split_row in pool order (the first tiles' rows land first), the rest token by token.
+// x rows (token route / top_k of its source rank's x; zeros for a route < 0, a padded plan's padding rows, so
+// that their h, s and o rows are zeros too) into x_pool and releases the per-m-block dispatch counters: rows
+// below disp_split_row in pool order (the first tiles' rows land first), the rest token by token.
 template <int kBlockM, int kDispatchSlots>
 __device__ __forceinline__ void mega_dispatch_role(const MegaFwdParams& p, uint32_t slots_addr, int dwarp, int lane,
                                                    const int32_t* s_offs, const int32_t* s_mb, int num_experts,
@@ -260,8 +263,9 @@ __device__ __forceinline__ void mega_dispatch_role(const MegaFwdParams& p, uint3
   if (p.dispatch_only & 16) return;
   auto src_of = [&](int row) -> const __nv_bfloat16* {
     const int route = __ldg(p.pool_src_route + row);
+    if (route < 0) return nullptr;  // a row of zeros
     const int rank = p.pool_src_rank != nullptr ? min(max(__ldg(p.pool_src_rank + row), 0), p.num_ranks - 1) : 0;
-    return p.x_ranks[rank] + static_cast<int64_t>(max(route, 0) / p.top_k) * p.ld_x;
+    return p.x_ranks[rank] + static_cast<int64_t>(route / p.top_k) * p.ld_x;
   };
   const long long t_start = clock64();
   const int num_rows = s_offs[num_experts];

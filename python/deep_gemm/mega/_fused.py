@@ -7,8 +7,11 @@ returns y: the deterministic combine over the L2 rows, by default the combine ke
 after the forward kernel (``PK_MEGA_FWD_COMBINE=kernel``: inside it, bit-identical and slower today;
 bench/NOTES.md). Same arguments, return tuple and rounding points as
 :func:`deep_gemm.mega.reference.forward`, F6 included (with a clamp the saved h keeps the clamp masks
-of the fp32 pre-activation). The plan is built with ``block_m = 1`` (no padding), so the saved state is
-the grouped pipeline's and its backward reads it. The dispatched pool rows are kept for the backward only when
+of the fp32 pre-activation). The plan pads every expert's rows to a multiple of ``block_m`` (128 by default:
+the kernel's m-block, so that no tile straddles two experts; a partly filled tile cost as much as two full ones
+on the H200, bench/NOTES.md session 18); the padding rows are dispatched as zeros, so their h, s and o rows are
+zeros, and the grouped backward reads this state (it zeroes the padding rows of the pools it gathers itself).
+The dispatched pool rows are kept for the backward only when
 asked (``keep_pooled_x``: one more [capacity, H] buffer); otherwise L2's output overwrites them (lower
 peak memory) and the backward gathers x again.
 
@@ -40,7 +43,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
     T = x.shape[0]
     K = topk_idx.shape[1]
     with torch.no_grad():
-        plan = routing_plan(topk_idx, num_experts, 1, validate=False, capacity=capacity)
+        plan = routing_plan(topk_idx, num_experts, block_m, validate=False, capacity=capacity)
         if id_check is not None:
             id_check.watch(plan.num_invalid)
         src = plan.pool_src_route

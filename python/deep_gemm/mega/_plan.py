@@ -63,10 +63,12 @@ def make_plan(**fields) -> "RoutingPlan":
 def pool_capacity(num_routes: int, num_experts: int, block_m: int):
     """Rows reserved for a pool of ``num_routes`` routes over ``num_experts`` experts.
 
-    sum_e round_up(c_e, block_m) <= sum_e c_e + num_experts * (block_m - 1).
+    sum_e round_up(c_e, block_m) <= sum_e c_e + num_experts * (block_m - 1), rounded up to a multiple of
+    block_m as :func:`deep_gemm.routing.pool_capacity` rounds it (the fused forward builds the kernel plan of
+    its padded pool in these rows, and the plan kernel asks for that many).
     Works on SymInts (no data dependence), so fake kernels can use it.
     """
-    return num_routes + num_experts * (block_m - 1)
+    return (num_routes + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
 
 
 def _plan_local(topk_idx: torch.Tensor, num_experts: int, block_m: int):
