@@ -8,12 +8,12 @@ after the forward kernel (``PK_MEGA_FWD_COMBINE=kernel``: inside it, bit-identic
 bench/NOTES.md). Same arguments, return tuple and rounding points as
 :func:`deep_gemm.mega.reference.forward`, F6 included (with a clamp the saved h keeps the clamp masks
 of the fp32 pre-activation). The plan pads every expert's rows to a multiple of ``block_m`` (128 by default:
-the kernel's m-block, so that no tile straddles two experts; a partly filled tile cost as much as two full ones
-on the H200, bench/NOTES.md session 18); the padding rows are dispatched as zeros, so their h, s and o rows are
-zeros, and the grouped backward reads this state (it zeroes the padding rows of the pools it gathers itself).
-The dispatched pool rows are kept for the backward only when
-asked (``keep_pooled_x``: one more [capacity, H] buffer); otherwise L2's output overwrites them (lower
-peak memory) and the backward gathers x again.
+the kernel's m-block, so that no tile straddles two experts: at the H200's power cap a partly filled tile cost
+about as much time as two full ones, bench/NOTES.md session 18); the padding rows are dispatched as zeros, so
+their h, s and o rows are zeros, and the grouped backward reads this state (it zeroes the padding rows of the
+pools it gathers itself). The dispatched pool rows are kept for the backward only when asked
+(``keep_pooled_x``: one more [capacity, H] buffer); otherwise L2's output overwrites them (lower peak memory)
+and the backward gathers x again.
 
 The fused backward is not written yet: ``deep_gemm.status()`` says so, and ``_backend`` never
 resolves "fused" for it.
