@@ -153,8 +153,9 @@ struct MegaFwdLayout : StageRingLayout<128, 256, 64, kNumStages> {
 // written by walking the tokens: each x row is read once and stored to every row of its routes in that range,
 // where walking the pool rows reads it once per route (x is larger than L2 at the layer shapes, so most of those
 // reads went to HBM: bench/NOTES.md, session 17). A route's row r counts only if pool_src_route[r] names that
-// route back; the rows that fail this (none in a plan's pool) are copied afterwards from pool_src_route as the
-// pool-order dispatch would, so every row in the range is written and counted exactly once whatever the inputs.
+// route back; the rows that fail this (in a plan's pool: only a padded plan's padding rows, route -1) are written
+// afterwards from pool_src_route as the pool-order dispatch would (zeros for route -1), so every row in the range
+// is written and counted exactly once whatever the inputs.
 // Single rank only (the host sets disp_split_row past the pool otherwise). Counters gain one per (row, piece).
 template <int kBlockM, int kSlotsPerWarp, int kSlotBytes>
 __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uint32_t slots_addr, int dwarp, int lane,
