@@ -51,7 +51,7 @@ def _pool_buffer(like: torch.Tensor, capacity: int) -> torch.Tensor:
 def _zero_padding_rows(buf: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor, num_routes: int) -> None:
     """Zero the padding rows [offsets[e] + counts[e], offsets[e + 1]) of a padded plan's pool in ``buf``
     (:func:`_pool_buffer`), without a host sync. The grouped GEMMs read them as part of their expert's m-blocks
-    (the fused forward pads its plan), so they must be finite: zero rows add nothing to any gradient. An expert
+    (both forwards pad their plans), so they must be finite: zero rows add nothing to any gradient. An expert
     has at most (capacity - num_routes) / E of them (the capacity reserves block_m - 1 per expert); index slots
     past an expert's padding name the scratch row."""
     capacity = buf.shape[0] - 1
@@ -81,9 +81,11 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
         raise RuntimeError("deep_gemm.mega: the grouped backend runs on a single rank (group=None)")
     T = x.shape[0]
     K = topk_idx.shape[1]
-    # The grouped GEMMs need no padding, so the plan is built with block_m = 1 (rows = routes) and
-    # laid into the caller's capacity; the backward reads it back the same way.
-    plan = routing_plan(topk_idx, num_experts, 1, validate=False, capacity=capacity)
+    # The plan is padded to the caller's block_m like the fused forward's (one plan layout for both backends, as
+    # the MegaMoEState's plan says): the GEMMs need no padding, but whole m-blocks are cheaper than ragged groups
+    # (partly filled tiles between full ones cost ~5% at the H200's power cap; bench/NOTES.md, sessions 18-19).
+    # Padding rows gather no token (a zero row), so their h, s and o rows are zeros.
+    plan = routing_plan(topk_idx, num_experts, block_m, validate=False, capacity=capacity)
     if id_check is not None:
         id_check.watch(plan.num_invalid)
     src = plan.pool_src_route
