@@ -124,6 +124,8 @@ def test_pipeline_logic_on_cpu(recompute):
     y, h, counts, offsets, src, srank, r2p = _grouped.forward(
         x, idx, w, w13, w2, activation_clamp=clamp, num_experts=E, block_m=128, capacity=cap, save_h=not recompute)
     assert src.shape == (cap,) and h.shape[0] == (0 if recompute else cap)
+    # one plan layout for both kernel backends: every expert starts on an m-block, as the fused forward's plan
+    assert (offsets.long() % 128 == 0).all() and (offsets[1:] - offsets[:-1] >= counts).all()
     dx, dtopk, dw13, dw2 = _grouped.backward(
         dy, x, idx, w, w13, w2, h, counts, offsets, src, srank, r2p, activation_clamp=clamp, num_experts=E,
         recompute=recompute)
