@@ -33,6 +33,27 @@ __device__ __forceinline__ int pool_row_group(int row, const int32_t* s_offs, in
   return lo;
 }
 
+// One dispatch piece (at most kSlotBytes of a row) through a warp's shared-memory slot: every lane moves its 16-byte
+// parts, lane + 32 k. Load: cp.async from src, or zeros when src is null (cp.async with 0 source bytes zero-fills;
+// its address must stay a valid one: zero_src). Store: the landed parts to out with 16-byte generic stores.
+template <int kSlotBytes>
+__device__ __forceinline__ void dispatch_load_piece(uint32_t slot, const uint8_t* src, const uint8_t* zero_src,
+                                                    int bytes, int lane) {
+#pragma unroll 1
+  for (int k = 0; k < kSlotBytes / 16 / 32; ++k) {
+    const int off = (lane + 32 * k) * 16;
+    if (off < bytes) ptx::cp_async_16(slot + off, src != nullptr ? src + off : zero_src, src != nullptr ? 16u : 0u);
+  }
+}
+template <int kSlotBytes>
+__device__ __forceinline__ void dispatch_store_piece(uint8_t* out, uint32_t slot, int bytes, int lane) {
+#pragma unroll 1
+  for (int k = 0; k < kSlotBytes / 16 / 32; ++k) {
+    const int off = (lane + 32 * k) * 16;
+    if (off < bytes) ptx::st_global_v4(out + off, ptx::ld_shared_v4(slot + off));
+  }
+}
+
 // Pieces (kSlotBytes each) a row of row_bytes is copied in; the counters count landed pieces.
 template <int kSlotBytes>
 __host__ __device__ __forceinline__ int dispatch_pieces_per_row(int row_bytes) {
@@ -53,7 +74,7 @@ template <int kBlockM, int kSlotsPerWarp, int kSlotBytes, typename SrcOf>
 __device__ __forceinline__ void dispatch_rows_role(SrcOf&& src_of, uint8_t* dst, int row_bytes, uint32_t slots_addr,
                                                    int dwarp, int lane, const int32_t* s_offs, const int32_t* s_mb,
                                                    int num_groups, int32_t* disp_ctr, int dev_flags,
-                                                   unsigned long long* stat_max, int row_limit = 0x7fffffff) {
+                                                   int row_limit = 0x7fffffff) {
   static_assert(kSlotsPerWarp >= 2, "each dispatch warp needs two slots");
   static_assert(kSlotBytes % 512 == 0, "a slot is whole 16-byte parts of every lane");
   const int chunks = dispatch_pieces_per_row<kSlotBytes>(row_bytes);
@@ -64,8 +85,6 @@ __device__ __forceinline__ void dispatch_rows_role(SrcOf&& src_of, uint8_t* dst,
   const int head_rows = min(num_rows, step * kDispatchHeadRunRows);
   const int head_runs = ceil_div(head_rows, kDispatchHeadRunRows);
   const int num_runs = head_runs + ceil_div(num_rows - head_rows, kDispatchRunRows);
-  const long long t_start = clock64();
-  constexpr int kPerLane = kSlotBytes / 16 / 32;
   for (int run = cta + dwarp * (int)gridDim.x; run < num_runs; run += step) {
     const bool head = run < head_runs;
     const int row0 = head ? run * kDispatchHeadRunRows : head_rows + (run - head_runs) * kDispatchRunRows;
@@ -83,16 +102,9 @@ __device__ __forceinline__ void dispatch_rows_role(SrcOf&& src_of, uint8_t* dst,
         const int c = i - ri * chunks;
         const uint8_t* row_src = reinterpret_cast<const uint8_t*>(
             __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_src), ri));
-        // a null source reads zeros (cp.async with 0 source bytes zero-fills; the address stays a valid one)
-        const uint8_t* src = row_src != nullptr ? row_src + c * kSlotBytes : dst;
-        const uint32_t src_bytes = row_src != nullptr ? 16u : 0u;
-        const int bytes = min(kSlotBytes, row_bytes - c * kSlotBytes);
-        const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kSlotBytes;
-#pragma unroll 1
-        for (int k = 0; k < kPerLane; ++k) {
-          const int off = (lane + 32 * k) * 16;
-          if (off < bytes) ptx::cp_async_16(slot + off, src + (row_src != nullptr ? off : 0), src_bytes);
-        }
+        dispatch_load_piece<kSlotBytes>(slot0 + (i % kSlotsPerWarp) * kSlotBytes,
+                                        row_src != nullptr ? row_src + c * kSlotBytes : nullptr, dst,
+                                        min(kSlotBytes, row_bytes - c * kSlotBytes), lane);
       }
       ptx::cp_async_commit();
     };
@@ -102,14 +114,10 @@ __device__ __forceinline__ void dispatch_rows_role(SrcOf&& src_of, uint8_t* dst,
       ptx::cp_async_wait<kSlotsPerWarp - 1>();  // this lane's parts of piece i have landed
       const int ri = i / chunks;
       const int c = i - ri * chunks;
-      const int bytes = min(kSlotBytes, row_bytes - c * kSlotBytes);
-      uint8_t* out = dst + static_cast<int64_t>(row0 + ri) * row_bytes + c * kSlotBytes;
-      const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kSlotBytes;
-#pragma unroll 1
-      for (int k = 0; k < kPerLane; ++k) {
-        const int off = (lane + 32 * k) * 16;
-        if (off < bytes && !(dev_flags & kDispatchNoStores)) ptx::st_global_v4(out + off, ptx::ld_shared_v4(slot + off));
-      }
+      if (!(dev_flags & kDispatchNoStores))
+        dispatch_store_piece<kSlotBytes>(dst + static_cast<int64_t>(row0 + ri) * row_bytes + c * kSlotBytes,
+                                         slot0 + (i % kSlotsPerWarp) * kSlotBytes,
+                                         min(kSlotBytes, row_bytes - c * kSlotBytes), lane);
     }
     // release the run's rows per m-block: the lane with an m-block's first row in this run adds
     // (its rows in the run) * chunks
@@ -127,8 +135,6 @@ __device__ __forceinline__ void dispatch_rows_role(SrcOf&& src_of, uint8_t* dst,
     }
   }
   ptx::cp_async_wait<0>();
-  // dispatch end: the latest of the warps (shared by all through an atomic max)
-  if (lane == 0 && stat_max != nullptr) atomicMax(stat_max, static_cast<unsigned long long>(clock64() - t_start));
 }
 
 }  // namespace sm90

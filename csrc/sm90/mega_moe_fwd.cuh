@@ -171,7 +171,6 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
   const uint32_t slot0 = slots_addr + dwarp * kSlotsPerWarp * kSlotBytes;
   const int warp_id = (int)ptx::ctaid_x_volatile() + dwarp * (int)gridDim.x;
   const int step = (int)gridDim.x * kDispatchWarps;
-  constexpr int kPerLane = kSlotBytes / 16 / 32;
   auto mblock_of = [&](int row) {
     const int e = pool_row_group(row, s_offs, num_experts);
     return s_mb[e] + (row - s_offs[e]) / kBlockM;
@@ -190,13 +189,8 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
     if (i < items) {
       const int j = i / chunks, c = i - j * chunks;
       const uint8_t* src = x + static_cast<int64_t>(warp_id + j * step) * x_row_bytes + c * kSlotBytes;
-      const int bytes = min(kSlotBytes, row_bytes - c * kSlotBytes);
-      const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kSlotBytes;
-#pragma unroll 1
-      for (int k = 0; k < kPerLane; ++k) {
-        const int off = (lane + 32 * k) * 16;
-        if (off < bytes) ptx::cp_async_16(slot + off, src + off, 16u);
-      }
+      dispatch_load_piece<kSlotBytes>(slot0 + (i % kSlotsPerWarp) * kSlotBytes, src, src,
+                                      min(kSlotBytes, row_bytes - c * kSlotBytes), lane);
     }
     ptx::cp_async_commit();
   };
@@ -214,12 +208,7 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
     const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kSlotBytes;
     for (uint32_t dests = __ballot_sync(0xffffffffu, row >= 0); dests != 0; dests &= dests - 1) {
       const int r = __shfl_sync(0xffffffffu, row, __ffs(dests) - 1);
-      uint8_t* out = dst + static_cast<int64_t>(r) * row_bytes + c * kSlotBytes;
-#pragma unroll 1
-      for (int k = 0; k < kPerLane; ++k) {
-        const int off = (lane + 32 * k) * 16;
-        if (off < bytes) ptx::st_global_v4(out + off, ptx::ld_shared_v4(slot + off));
-      }
+      dispatch_store_piece<kSlotBytes>(dst + static_cast<int64_t>(r) * row_bytes + c * kSlotBytes, slot, bytes, lane);
     }
     ptx::fence_proxy_async_global();
     __syncwarp();
@@ -273,7 +262,7 @@ __device__ __forceinline__ void mega_dispatch_role(const MegaFwdParams& p, uint3
   const int split_row = min(max(p.disp_split_row, 0), num_rows);
   dispatch_rows_role<kBlockM, kDispatchSlots / kDispatchWarps, kDispatchSlotBytes>(
       src_of, reinterpret_cast<uint8_t*>(p.x_pool), p.hidden * 2, slots_addr, dwarp, lane, s_offs, s_mb, num_experts,
-      disp_ctr, p.dispatch_only, nullptr, split_row);
+      disp_ctr, p.dispatch_only, split_row);
   if (split_row < num_rows)
     mega_dispatch_tokens<kBlockM, kDispatchSlots / kDispatchWarps, kDispatchSlotBytes>(
         p, slots_addr, dwarp, lane, s_offs, s_mb, num_experts, disp_ctr, split_row, num_rows);

@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         };
         dispatch_rows_role<kBlockM, kDispatchSlots / kDispatchWarps, L::kDispatchSlotBytes>(
             src_of, reinterpret_cast<uint8_t*>(p.a_pool), p.k * 2, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane,
-            s_offs, s_mb, num_groups, p.disp_ctr, 0, nullptr);
+            s_offs, s_mb, num_groups, p.disp_ctr, 0);
       }
     }
   } else {
