@@ -42,18 +42,12 @@ def _rows_for_kernels(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _pool_buffer(like: torch.Tensor, capacity: int) -> torch.Tensor:
-    """An uninitialised [capacity + 1, H] buffer for a gathered pool: rows [0, capacity) are the pool, the last
-    row is scratch for :func:`_zero_padding_rows`."""
-    return like.new_empty(capacity + 1, like.shape[1])
-
-
 def _zero_padding_rows(buf: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor, num_routes: int) -> None:
     """Zero the padding rows [offsets[e] + counts[e], offsets[e + 1]) of a padded plan's pool in ``buf``
-    (:func:`_pool_buffer`), without a host sync. The grouped GEMMs read them as part of their expert's m-blocks
-    (both forwards pad their plans), so they must be finite: zero rows add nothing to any gradient. An expert
-    has at most (capacity - num_routes) / E of them (the capacity reserves block_m - 1 per expert); index slots
-    past an expert's padding name the scratch row."""
+    ([capacity + 1, H], the last row scratch: :func:`_gathered_pool`), without a host sync. The grouped GEMMs
+    read them as part of their expert's m-blocks (both forwards pad their plans), so they must be finite: zero
+    rows add nothing to any gradient. An expert has at most (capacity - num_routes) / E of them (the capacity
+    reserves block_m - 1 per expert); index slots past an expert's padding name the scratch row."""
     capacity = buf.shape[0] - 1
     num_experts = counts.shape[0]
     span = (capacity - num_routes) // num_experts
@@ -63,6 +57,17 @@ def _zero_padding_rows(buf: torch.Tensor, counts: torch.Tensor, offsets: torch.T
     rows = first[:, None] + torch.arange(span, device=buf.device)[None, :]
     rows = torch.where(rows < offsets[1:, None].long(), rows, capacity)
     buf.index_fill_(0, rows.view(-1), 0)
+
+
+def _gathered_pool(rows: torch.Tensor, route_to_pool: torch.Tensor, counts: torch.Tensor,
+                   offsets: torch.Tensor, capacity: int) -> torch.Tensor:
+    """rows (token-major, as :func:`_rows_for_kernels` gives them) dispatched into a [capacity, H] pool in plan
+    order, each row read once, with the plan's padding rows zeroed. The pool is a view of a [capacity + 1, H]
+    buffer whose last row is scratch for :func:`_zero_padding_rows`."""
+    buf = rows.new_empty(capacity + 1, rows.shape[1])
+    pool = dispatch_rows(rows, route_to_pool, buf[:capacity])
+    _zero_padding_rows(buf, counts, offsets, route_to_pool.numel())
+    return pool
 
 
 def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -132,10 +137,7 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     else:
         # B1, token-major: each dy row read once (an index_select by pool row re-read rows from HBM: 0.26 vs
         # 0.17 ms at 30B, T=16384; bench/NOTES.md, session 11). A padded plan's padding rows are zeroed.
-        dy_buf = _pool_buffer(dy, capacity)
-        dy_pool = dispatch_rows(dy, route_to_pool, dy_buf[:capacity])
-        _zero_padding_rows(dy_buf, counts, offsets, route_to_pool.numel())
-        del dy_buf
+        dy_pool = _gathered_pool(dy, route_to_pool, counts, offsets, capacity)
         dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route, weights,
                                                         clamp=activation_clamp)
     # d topk_weights per pool row: the per-128-column partials summed in column order, into a buffer whose last
@@ -158,10 +160,7 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         # the backward's peak drops by P * (H + I) * 2 bytes (30B, T=16384: 0.7 GiB; 235B: 1.4 GiB)
         del dy_pool, a
         if x_pool is None:  # the forward did not keep its pooled rows
-            x_buf = _pool_buffer(x, capacity)
-            x_pool = dispatch_rows(_rows_for_kernels(x), route_to_pool, x_buf[:capacity])
-            _zero_padding_rows(x_buf, counts, offsets, route_to_pool.numel())
-            del x_buf
+            x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity)
         if dw13_accum is not None:
             k_grouped_bf16_gemm_tn(dh, x_pool, offsets, accumulate_into=dw13_accum)
         elif need_wgrad:
