@@ -42,7 +42,7 @@ __host__ __device__ constexpr int align_up(int a, int b) { return ceil_div(a, b)
 // one expert with ~15K of 16K tokens) had its A rows re-read from HBM once per n-block. An expert of at most
 // kMBand m-blocks (every expert under uniform routing at the layer shapes) keeps the plain order.
 constexpr int kMBand = 16;
-__device__ __forceinline__ void band_tile(int local, int m_blocks, int n_blocks, int& nb, int& mb) {
+__host__ __device__ __forceinline__ void band_tile(int local, int m_blocks, int n_blocks, int& nb, int& mb) {
   const int band = local / (kMBand * n_blocks);
   const int m0 = band * kMBand;
   const int band_rows = min(kMBand, m_blocks - m0);
@@ -408,26 +408,12 @@ template <int kBlockN, typename IssueFn>
 __device__ __forceinline__ void store_acc_bf16_tma_ring(const float (&acc)[kBlockN / 2], uint32_t box_addr,
                                                         uint32_t bar_id, int wg_tid, int col0, int col_limit,
                                                         IssueFn&& issue) {
-  const int lane = wg_tid & 31;
-  const int mi = lane >> 3;
-  const int ri = lane & 7;
-  const int row = (wg_tid >> 5) * 16 + ((mi & 1) << 3) + ri;
-  const uint32_t base = box_addr + row * 128;
-  const uint32_t x = static_cast<uint32_t>(((mi >> 1) ^ ri) << 4);
 #pragma unroll
   for (int c = 0; c < kBlockN / 64; ++c) {
     if (col0 + c * 64 >= col_limit) break;  // uniform across the warpgroup
     if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
     ptx::named_bar_sync(bar_id, 128);
-#pragma unroll
-    for (int jp = 0; jp < 4; ++jp) {
-      const int j0 = 8 * c + 2 * jp;
-      ptx::stmatrix_x4(base + ((static_cast<uint32_t>(2 * jp) << 4) ^ x),
-                       ptx::pack_bf16x2(acc[4 * j0 + 0], acc[4 * j0 + 1]),
-                       ptx::pack_bf16x2(acc[4 * j0 + 2], acc[4 * j0 + 3]),
-                       ptx::pack_bf16x2(acc[4 * j0 + 4], acc[4 * j0 + 5]),
-                       ptx::pack_bf16x2(acc[4 * j0 + 6], acc[4 * j0 + 7]));
-    }
+    write_acc_boxes_to_staging<kBlockN, 1>(acc, box_addr, wg_tid, c);
     ptx::fence_proxy_async_smem();
     ptx::named_bar_sync(bar_id, 128);
     if (wg_tid == 0) {
