@@ -163,11 +163,6 @@ __device__ __forceinline__ void store_fragment(const float (&acc)[kBlockN / 2], 
                                                uint32_t bar_id, int wg_tid, const CUtensorMap* tmap_d,
                                                const BigTileParams& p, int hrow0, int row_end, int n0) {
   const bool whole = hrow0 + 64 <= row_end;
-  const int lane = wg_tid & 31;
-  const int mi = lane >> 3;
-  const int ri = lane & 7;
-  const int row = (wg_tid >> 5) * 16 + ((mi & 1) << 3) + ri;
-  const uint32_t x = static_cast<uint32_t>(((mi >> 1) ^ ri) << 4);
 #pragma unroll
   for (int c = 0; c < kBlockN / 64; ++c) {
     const int col = n0 + 64 * c;
@@ -180,16 +175,7 @@ __device__ __forceinline__ void store_fragment(const float (&acc)[kBlockN / 2], 
         ptx::bulk_wait_group_read<0>();
     }
     ptx::named_bar_sync(bar_id, 128);
-    const uint32_t base = slot + row * 128;
-#pragma unroll
-    for (int jp = 0; jp < 4; ++jp) {
-      const int j0 = 8 * c + 2 * jp;
-      ptx::stmatrix_x4(base + ((static_cast<uint32_t>(2 * jp) << 4) ^ x),
-                       ptx::pack_bf16x2(acc[4 * j0 + 0], acc[4 * j0 + 1]),
-                       ptx::pack_bf16x2(acc[4 * j0 + 2], acc[4 * j0 + 3]),
-                       ptx::pack_bf16x2(acc[4 * j0 + 4], acc[4 * j0 + 5]),
-                       ptx::pack_bf16x2(acc[4 * j0 + 6], acc[4 * j0 + 7]));
-    }
+    deep_gemm::sm90::write_acc_boxes_to_staging<kBlockN, 1>(acc, slot, wg_tid, c);
     if (whole) {
       ptx::fence_proxy_async_smem();  // generic-proxy writes -> visible to the TMA engine
       ptx::named_bar_sync(bar_id, 128);

@@ -44,16 +44,6 @@ __host__ __device__ __forceinline__ int vt_main_tiles(int c, bool tall_last, int
   return (vt_m_tiles(c) - ((tall_last && vt_has_tall(c)) ? 1 : 0)) * n_blocks;
 }
 
-// deep_gemm::sm90::band_tile, host and device (the host test in vt_host_test.cu walks the same code)
-__host__ __device__ __forceinline__ void vt_band_tile(int local, int m_blocks, int n_blocks, int& nb, int& mb) {
-  constexpr int kMBand = deep_gemm::sm90::kMBand;
-  const int band = local / (kMBand * n_blocks);
-  const int m0 = band * kMBand;
-  const int band_rows = min(kMBand, m_blocks - m0);
-  const int rem = local - band * kMBand * n_blocks;
-  nb = rem / band_rows;
-  mb = m0 + (rem - nb * band_rows);
-}
 
 struct VtWork {
   int row0;     // first row of the tile
@@ -84,7 +74,7 @@ __host__ __device__ __forceinline__ VtWork vt_locate(int u, VtCursor& cur, const
     const int mt = vt_m_tiles(c);
     const int m_main = (s_tile[g + 1] - s_tile[g]) / n_blocks;  // mt, or mt - 1 when the tall tile comes last
     int nb, mb;
-    vt_band_tile(u - s_tile[g], m_main, n_blocks, nb, mb);
+    deep_gemm::sm90::band_tile(u - s_tile[g], m_main, n_blocks, nb, mb);
     w.row0 = start + mb * 128;
     w.row_end = min(w.row0 + ((tall && mb == mt - 1) ? 192 : 128), end);
     w.g = g;
