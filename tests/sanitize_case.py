@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""The small workload that ci/sanitize.sh runs under compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
+
+    python3 tests/sanitize_case.py [--part all|layer|ops]
+
+layer: the layer forward + backward with backend="auto" (the fused forward where status() has it, the grouped
+backward) at E=8, H=256, I=128, T=300, K=2, ~10% of the routes masked; then a no-grad forward (nothing saved for
+a backward) and, where the fused forward exists, a clamped one. ops: every raw op on groups that include an empty
+one and sizes that are not multiples of 128 rows (77, 0, 200, 1, 130): the m-grouped GEMMs (nt, nn, nt with
+gathered rows, SwiGLU L1 with and without gathered rows, the SwiGLU backward L2 with and without a dy gather),
+the k-grouped GEMM (fp32 and bf16 out, and accumulating), combine (with and without weights), dispatch_rows_,
+swiglu_fwd and swiglu_bwd, routing_plan.
+
+Every group of the m-grouped calls covers the whole M so that every output row is written: reading rows a kernel
+leaves unspecified would be this script's uninitialised read, not the library's. Results are compared with the
+CPU references loosely (the point is that the work really ran, not the numerics, which other tests check). The
+last line, "sanitize_case: done", tells ci/sanitize.sh that the run finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+SIZES = (77, 0, 200, 1, 130)  # an empty group, and none a multiple of 128 rows
+
+
+def _offsets(sizes, device):
+    offs = [0]
+    for s in sizes:
+        offs.append(offs[-1] + s)
+    return torch.tensor(offs, dtype=torch.int32, device=device)
+
+
+def _close(name, got, ref, tol=3e-2):
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
+    den = ref.norm().item()
+    err = (got - ref).norm().item() / (den if den > 0 else 1.0)
+    if not err <= tol:
+        raise AssertionError(f"{name}: relative error {err:.3e} > {tol}")
+
+
+DEVICE = "cuda"
+
+
+def _done(name):
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    print(f"[case] {name} ok", flush=True)
+
+
+def layer_part():
+    from deep_gemm.mega import mega_moe
+    from deep_gemm.mega._backend import _fused_reason
+
+    E, H, I, T, K = 8, 256, 128, 300, 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    idx[torch.rand(T, K, generator=g) < 0.1] = -1
+    w = torch.rand(T, K, generator=g) + 0.1
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
+    dy = torch.randn(T, H, generator=g).bfloat16()
+    x, idx, w, w13, w2, dy = (t.to(DEVICE) for t in (x, idx, w, w13, w2, dy))
+    auto = "auto" if DEVICE == "cuda" else "reference"  # the CPU dry run has no kernel backend
+    leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
+    y = mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], backend=auto)
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
+    y_ref = mega_moe(ref[0], idx, ref[1], ref[2], ref[3], backend="reference")
+    g_ref = torch.autograd.grad(y_ref, ref, dy)
+    for name, a, b in zip(("y", "dx", "dtopk", "dw13", "dw2"), (y, *grads), (y_ref, *g_ref)):
+        _close(f"layer {name}", a, b)
+    _done("layer fwd+bwd (auto)")
+    with torch.no_grad():
+        y2 = mega_moe(x, idx, w, w13, w2, backend=auto)
+    _close("layer no-grad y", y2, y_ref)
+    _done("layer fwd no_grad (auto)")
+    if DEVICE == "cuda" and _fused_reason("bf16", "fwd") is None:
+        with torch.no_grad():
+            yc = mega_moe(x, idx, w, w13, w2, backend="fused", activation_clamp=0.5)
+            yc_ref = mega_moe(x, idx, w, w13, w2, backend="reference", activation_clamp=0.5)
+        _close("layer clamped y", yc, yc_ref)
+        _done("layer fwd clamp=0.5 (fused)")
+
+
+def ops_part():
+    import deep_gemm
+    from deep_gemm import grouped_gemm as gg
+    from deep_gemm.combine import combine_reference
+    from deep_gemm.swiglu import swiglu_bwd, swiglu_bwd_reference, swiglu_fwd, swiglu_fwd_reference
+
+    dev = DEVICE
+    G, M = len(SIZES), sum(SIZES)
+    offs = _offsets(SIZES, dev)
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).bfloat16().to(dev)
+
+    Kd, N = 256, 256
+    a = rnd(M, Kd)
+    b_nt = rnd(G, N, Kd, scale=Kd ** -0.5)
+    _close("m_grouped nt", gg.m_grouped_bf16_gemm_nt(a, b_nt, offs),
+           gg.m_grouped_gemm_reference(a.cpu(), b_nt.cpu(), offs.cpu(), True))
+    _done("m_grouped_bf16_gemm_nt")
+    b_nn = rnd(G, Kd, N, scale=Kd ** -0.5)
+    _close("m_grouped nn", gg.m_grouped_bf16_gemm_nn(a, b_nn, offs),
+           gg.m_grouped_gemm_reference(a.cpu(), b_nn.cpu(), offs.cpu(), False))
+    _done("m_grouped_bf16_gemm_nn")
+
+    # gathered rows: a source of Ts rows, every pool row names one of them or -1 (a zero row)
+    Ts = 150
+    src = rnd(Ts, Kd)
+    row_index = torch.randint(0, Ts, (M,), generator=g, dtype=torch.int32)
+    row_index[torch.rand(M, generator=g) < 0.1] = -1
+    row_index = row_index.to(dev)
+    gathered = torch.where((row_index >= 0)[:, None].cpu(), src.cpu()[row_index.cpu().clamp(min=0).long()],
+                           torch.zeros((), dtype=torch.bfloat16))
+    _close("m_grouped nt gather", gg.m_grouped_bf16_gemm_nt(src, b_nt, offs, a_row_index=row_index, m_total=M),
+           gg.m_grouped_gemm_reference(gathered, b_nt.cpu(), offs.cpu(), True))
+    _done("m_grouped_bf16_gemm_nt_gather")
+
+    H, I = 256, 128
+    w13 = rnd(G, 2 * I, H, scale=H ** -0.5)
+    w2 = rnd(G, H, I, scale=I ** -0.5)
+    xs = rnd(M, H)
+    s, h = gg.m_grouped_bf16_gemm_swiglu(xs, w13, offs, save_h=True)
+    h_ref = gg.m_grouped_gemm_reference(xs.cpu(), w13.cpu(), offs.cpu(), True)
+    _close("swiglu L1 h", h, h_ref)
+    _close("swiglu L1 s", s, swiglu_fwd_reference(h.cpu(), torch.tensor([M], dtype=torch.int32)))
+    _done("m_grouped_bf16_gemm_swiglu")
+    srcx = rnd(Ts, H)
+    sg, hg = gg.m_grouped_bf16_gemm_swiglu(srcx, w13, offs, a_row_index=row_index, m_total=M, save_h=True,
+                                           clamp=0.5)
+    _close("swiglu L1 gather h", hg, gg.m_grouped_bf16_gemm_nt(srcx, w13, offs, a_row_index=row_index, m_total=M))
+    _done("m_grouped_bf16_gemm_swiglu (gathered rows, clamp)")
+
+    Tk, Kk = 120, 4
+    topk_weights = torch.rand(Tk, Kk, generator=g).to(dev)
+    route = torch.randint(0, Tk * Kk, (M,), generator=g, dtype=torch.int32)
+    route[torch.rand(M, generator=g) < 0.1] = -1
+    route = route.to(dev)
+    dy_pool = rnd(M, H)
+    dh, aw, dt_part = gg.m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offs, h, route, topk_weights)
+    da = gg.m_grouped_gemm_reference(dy_pool.cpu(), w2.cpu(), offs.cpu(), False, torch.float32, round_output=False)
+    dh_ref, aw_ref, dt_ref = swiglu_bwd_reference(h.cpu(), da, route.cpu(), topk_weights.cpu(),
+                                                  torch.tensor([M], dtype=torch.int32))
+    _close("swiglu bwd dh", dh, dh_ref)
+    _close("swiglu bwd w*s", aw, aw_ref)
+    _close("swiglu bwd dt", dt_part.sum(1), dt_ref)
+    _done("m_grouped_bf16_gemm_swiglu_bwd")
+    dy_tok = rnd(Ts, H)
+    dhg, awg, dtg, pooled = gg.m_grouped_bf16_gemm_swiglu_bwd(dy_tok, w2, offs, h, route, topk_weights,
+                                                              a_row_index=row_index, m_total=M)
+    dh2, _, _ = gg.m_grouped_bf16_gemm_swiglu_bwd(pooled, w2, offs, h, route, topk_weights)
+    _close("swiglu bwd gather dh", dhg, dh2, tol=1e-6)
+    _done("m_grouped_bf16_gemm_swiglu_bwd_gather")
+
+    ka, kb = rnd(M, 128), rnd(M, 256)
+    k_ref = gg.k_grouped_gemm_reference(ka.cpu(), kb.cpu(), offs.cpu())
+    _close("k_grouped fp32", gg.k_grouped_bf16_gemm_tn(ka, kb, offs), k_ref)
+    _close("k_grouped bf16", gg.k_grouped_bf16_gemm_tn(ka, kb, offs, out_dtype=torch.bfloat16), k_ref)
+    acc = torch.ones(G, 128, 256, device=dev)
+    gg.k_grouped_bf16_gemm_tn(ka, kb, offs, accumulate_into=acc)
+    _close("k_grouped accumulate", acc, k_ref + 1)
+    _done("k_grouped_bf16_gemm_tn (fp32, bf16, accumulate)")
+
+    # combine / dispatch over a routing plan with padded rows: slots fully written (randn), routes masked ~10%
+    E, T, K = 8, 300, 2
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    idx[torch.rand(T, K, generator=g) < 0.1] = -1
+    plan = deep_gemm.routing_plan(idx.to(dev), num_experts=E, block_m=128)
+    r2p = plan.route_to_pool
+    slots = rnd(plan.pool_capacity, H)
+    wts = torch.rand(T, K, generator=g).to(dev)
+    _close("combine weighted", deep_gemm.combine(slots, r2p, wts), combine_reference(slots.cpu(), r2p.cpu(), wts.cpu()))
+    _close("combine plain", deep_gemm.combine(slots, r2p), combine_reference(slots.cpu(), r2p.cpu()))
+    _done("routing_plan + combine")
+    tok = rnd(T, H)
+    out = torch.zeros(plan.pool_capacity, H, dtype=torch.bfloat16, device=dev)
+    deep_gemm.dispatch_rows(tok, r2p, out)
+    _close("dispatch_rows", combine_reference(out.cpu(), r2p.cpu()),
+           tok.cpu() * (r2p >= 0).sum(1, keepdim=True).cpu())
+    _done("dispatch_rows_")
+
+    hh = rnd(M, 2 * I)
+    n = torch.tensor([M], dtype=torch.int32, device=dev)
+    _close("swiglu_fwd", swiglu_fwd(hh, n), swiglu_fwd_reference(hh.cpu(), n.cpu()))
+    da2 = rnd(M, I)
+    got = swiglu_bwd(hh, da2, route, topk_weights, n)
+    ref = swiglu_bwd_reference(hh.cpu(), da2.cpu(), route.cpu(), topk_weights.cpu(), n.cpu())
+    for name, u, v in zip(("dh", "a", "dt"), got, ref):
+        _close(f"swiglu_bwd {name}", u, v)
+    _done("swiglu_fwd + swiglu_bwd")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=("all", "layer", "ops"), default="all")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a dry run of this script on the CPU references (no kernel runs)")
+    args = p.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("sanitize_case: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import deep_gemm
+
+    print(f"sanitize_case: deep_gemm from {deep_gemm.__file__}, {deep_gemm.build_info()}", flush=True)
+    if args.part in ("all", "layer"):
+        layer_part()
+    if args.part in ("all", "ops"):
+        ops_part()
+    print("sanitize_case: done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
