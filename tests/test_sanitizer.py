@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import find_tool
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "ci" / "sanitize.sh"
@@ -29,13 +28,16 @@ TIMEOUT_S = int(os.environ.get("PK_SANITIZE_TIMEOUT", "900"))
 
 
 def _sanitizer() -> str | None:
-    found = os.environ.get("COMPUTE_SANITIZER") or find_tool("compute-sanitizer")
+    """COMPUTE_SANITIZER, PATH, the folder of the nvcc on PATH, or an installed CUDA toolkit. (Not conftest's
+    find_tool: at collection time it could start a toolkit download on a machine without nvcc.)"""
+    found = os.environ.get("COMPUTE_SANITIZER") or shutil.which("compute-sanitizer")
     if found:
         return found
-    for cand in [Path("/usr/local/cuda/bin/compute-sanitizer"), *sorted(Path("/usr/local").glob("cuda-*/bin/compute-sanitizer"))]:
-        if cand.exists():
-            return str(cand)
-    return None
+    nvcc = shutil.which("nvcc")
+    cands = [Path(nvcc).parent / "compute-sanitizer"] if nvcc else []
+    cands += [Path("/usr/local/cuda/bin/compute-sanitizer"),
+              *sorted(Path("/usr/local").glob("cuda-*/bin/compute-sanitizer"), reverse=True)]
+    return next((str(c) for c in cands if c.exists()), None)
 
 
 def _count(tool: str, text: str, tmp_path: Path) -> str:
