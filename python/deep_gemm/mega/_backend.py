@@ -10,6 +10,10 @@ Rules (the same for every entry point):
   that is available (bf16, single rank); otherwise it falls back to the reference only when the
   environment variable ``DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1`` is set, with a one-time warning,
   and raises the reason otherwise. Never silently.
+* A forward with more local experts than the fused kernel takes (``FUSED_MAX_EXPERTS``) is a ValueError
+  under ``backend="fused"`` and runs the grouped pipeline under ``"auto"`` (:func:`choose_backend` says why).
+* The kernel backends take ``block_m`` in ``KERNEL_BLOCK_MS`` only: another value is a ValueError listing
+  them whenever one of them would run (the reference takes any block_m up to ``MAX_BLOCK_M``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import os
 import warnings
 
-from .constants import ALLOW_FALLBACK_ENV, BACKENDS, HIDDEN_ALIGN, INTERMEDIATE_ALIGN, PRECISIONS
+from . import _validate
+from .constants import (ALLOW_FALLBACK_ENV, BACKENDS, FUSED_MAX_EXPERTS, GROUPED_MAX_EXPERTS, HIDDEN_ALIGN,
+                        INTERMEDIATE_ALIGN, PRECISIONS)
 
 # (precision, direction) -> kernel name in deep_gemm.status().
 # "fp8_bwd" is a BF16 forward with an FP8 backward.
@@ -105,7 +111,16 @@ def _fused_reason(precision: str, direction: str) -> str | None:
 GROUPED_KEY = "mega_moe_grouped.bf16.sm90"
 
 
-def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None = None) -> str | None:
+def fused_experts_reason(num_local_experts: int | None) -> str | None:
+    """None when the fused forward kernel takes this many local experts, else why not."""
+    if num_local_experts is not None and num_local_experts > FUSED_MAX_EXPERTS:
+        return (f"{num_local_experts} local experts exceed the fused forward kernel's limit of "
+                f"FUSED_MAX_EXPERTS={FUSED_MAX_EXPERTS} (deep_gemm.mega.constants)")
+    return None
+
+
+def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None = None,
+                    num_local_experts: int | None = None) -> str | None:
     """None when the grouped pipeline can run this call, else why not."""
     if activation_clamp is not None:
         # Its h is stored as plain bf16, so values within half an ulp of the bound land on it and
@@ -116,6 +131,9 @@ def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None
         return f"the grouped pipeline is bf16 only (precision={precision!r})"
     if ep_size != 1:
         return "the grouped pipeline runs on a single rank (no expert-parallel group)"
+    if num_local_experts is not None and num_local_experts > GROUPED_MAX_EXPERTS:
+        return (f"{num_local_experts} local experts exceed the grouped GEMMs' limit of "
+                f"GROUPED_MAX_EXPERTS={GROUPED_MAX_EXPERTS} (deep_gemm.mega.constants)")
     reason = _status().get(GROUPED_KEY, f"{_NOT_IMPLEMENTED}")
     return None if reason == "available" else f"{GROUPED_KEY}: {reason}"
 
@@ -148,7 +166,19 @@ def alignment_reason(hidden: int, intermediate: int) -> str | None:
     return None
 
 
-def resolve_backend(
+def resolve_backend(backend: str, precision: str, direction: str, **shape) -> str:
+    """Return "fused", "grouped" or "reference", or raise with the reason (see the module docstring); the
+    keyword arguments are those of :func:`choose_backend`."""
+    return choose_backend(backend, precision, direction, **shape)[0]
+
+
+def _require_kernel_block_m(block_m) -> None:
+    why = None if block_m is None else _validate.kernel_block_m_reason(block_m)
+    if why is not None:
+        raise ValueError(f"deep_gemm.mega: {why}")
+
+
+def choose_backend(
     backend: str,
     precision: str,
     direction: str,
@@ -158,8 +188,14 @@ def resolve_backend(
     intermediate: int | None = None,
     ep_size: int = 1,
     activation_clamp: float | None = None,
-) -> str:
-    """Return "fused", "grouped" or "reference", or raise with the reason (see the module docstring)."""
+    num_local_experts: int | None = None,
+    block_m: int | None = None,
+) -> tuple[str, str | None]:
+    """(the backend that runs this call, why the fused kernel does not run it or None when it does), or raise
+    with the reason. Shape limits of the kernels (H and I alignment, the fused kernel's expert count, block_m)
+    are ValueErrors when a kernel backend was named; under "auto" a shape the fused kernel cannot take runs the
+    grouped pipeline where that can, and a block_m the kernel backends do not take is a ValueError whenever one
+    of them would run."""
     check_backend(backend)
     check_precision(precision)
     if backend == "reference":
@@ -168,27 +204,35 @@ def resolve_backend(
                 f"deep_gemm.mega: the reference implements precision='bf16' only; "
                 f"precision={precision!r} has no reference numerics yet: use precision='bf16'"
             )
-        return "reference"
+        return "reference", "backend='reference' was asked for"
 
-    reason = None
-    if hidden is not None and intermediate is not None:
-        reason = alignment_reason(hidden, intermediate)
-        if reason is not None and backend == "fused":
-            raise ValueError(f"deep_gemm.mega: {reason}")
-    if reason is None and device_type != "cuda":
-        reason = f"tensors are on {device_type}; the fused kernels need CUDA tensors"
+    if backend in ("fused", "grouped"):  # a named kernel backend: the call is wrong on any device
+        _require_kernel_block_m(block_m)
+    align = alignment_reason(hidden, intermediate) if hidden is not None and intermediate is not None else None
+    if align is not None and backend == "fused":
+        raise ValueError(f"deep_gemm.mega: {align}")
+    too_many = fused_experts_reason(num_local_experts) if direction == "fwd" else None
+    if too_many is not None and backend == "fused":
+        raise ValueError(f"deep_gemm.mega: backend='fused' cannot run: {too_many}; use backend='auto' or "
+                         f"'grouped' (the grouped pipeline takes up to {GROUPED_MAX_EXPERTS})")
+    off_device = None if device_type == "cuda" else f"tensors are on {device_type}; the fused kernels need CUDA tensors"
+    common = align or off_device
     if backend == "grouped":
-        why = reason or _grouped_reason(precision, ep_size, activation_clamp)
+        why = common or _grouped_reason(precision, ep_size, activation_clamp, num_local_experts)
         if why is not None:
             raise FusedKernelUnavailable(f"deep_gemm.mega: backend='grouped' cannot run: {why}")
-        return "grouped"
+        return "grouped", "backend='grouped' was asked for"
+    reason = common or too_many or _fused_reason(precision, direction)
     if reason is None:
-        reason = _fused_reason(precision, direction)
-    if reason is None:
-        return "fused"
-    if backend == "auto" and device_type == "cuda" and alignment_reason(hidden or 0, intermediate or 0) is None \
-            and _grouped_reason(precision, ep_size, activation_clamp) is None:
-        return "grouped"
+        _require_kernel_block_m(block_m)
+        return "fused", None
+    if backend == "auto" and common is None:
+        grouped_why = _grouped_reason(precision, ep_size, activation_clamp, num_local_experts)
+        if grouped_why is None:
+            _require_kernel_block_m(block_m)
+            return "grouped", reason
+        if too_many is not None:  # the reason the fused kernel cannot run is not the only one
+            reason = f"{reason}, and the grouped pipeline cannot run either: {grouped_why}"
 
     advice = (
         "use backend='reference', or set "
@@ -215,6 +259,6 @@ def resolve_backend(
             f"deep_gemm.mega: falling back to the pure-PyTorch reference for {precision} {direction} "
             f"({reason}); it is slow. Unset {ALLOW_FALLBACK_ENV} to make this an error.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-    return "reference"
+    return "reference", reason

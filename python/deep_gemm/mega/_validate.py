@@ -4,11 +4,13 @@ value checks (expert ids), which need the data and so run inside the op implemen
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 
 import torch
 
-from .constants import SKIP_VALUE_CHECKS_ENV
+from .constants import KERNEL_BLOCK_MS, MAX_BLOCK_M, SKIP_VALUE_CHECKS_ENV
 
 PREFIX = "deep_gemm.mega: "
 
@@ -19,6 +21,65 @@ def _fail(msg, exc=ValueError):
 
 def _shape(t):
     return list(t.shape)
+
+
+def check_tensor_types(**tensors):
+    """Each argument is a torch.Tensor (before anything reads its shape)."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+
+
+def check_activation_clamp(activation_clamp):
+    """None (no clamp) or a finite number > 0. The kernels encode "no clamp" as 0, so a 0 that reached them
+    would silently mean something else than the reference's clamp to 0; a bound <= 0 zeroes every gate anyway."""
+    if activation_clamp is None:
+        return None
+    if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, numbers.Real):
+        _fail(f"activation_clamp must be None (no clamp) or a finite number > 0, got {activation_clamp!r}", TypeError)
+    c = float(activation_clamp)
+    if not (math.isfinite(c) and c > 0.0):
+        _fail(f"activation_clamp must be None (no clamp) or a finite number > 0, got {activation_clamp!r}")
+    return c
+
+
+def check_block_m(block_m):
+    """An int in [1, MAX_BLOCK_M] (the routing plan's bound); which values the kernel backends take is
+    :func:`kernel_block_m_reason`'s part, checked once the backend is known."""
+    if isinstance(block_m, bool) or not isinstance(block_m, numbers.Integral) or not 1 <= int(block_m) <= MAX_BLOCK_M:
+        _fail(f"block_m must be one of {KERNEL_BLOCK_MS} for the kernel backends ('fused', 'grouped') or an int in "
+              f"[1, {MAX_BLOCK_M}] for backend='reference', got {block_m!r}")
+    return int(block_m)
+
+
+def kernel_block_m_reason(block_m):
+    """None when the kernel backends take ``block_m``, else the one-line reason listing the values they take."""
+    if int(block_m) in KERNEL_BLOCK_MS:
+        return None
+    return (f"block_m={block_m} is not accepted by the kernel backends ('fused', 'grouped'): accepted values are "
+            f"{KERNEL_BLOCK_MS}; pass one of them, or backend='reference' (any block_m in [1, {MAX_BLOCK_M}])")
+
+
+def num_sms_arg(num_sms) -> int:
+    """The public ``num_sms`` (None = every SM, else an int >= 1) as the ops take it (0 = every SM)."""
+    if num_sms is None:
+        return 0
+    if isinstance(num_sms, bool) or not isinstance(num_sms, numbers.Integral) or int(num_sms) < 1:
+        _fail(f"num_sms must be None (every SM) or an int >= 1, got {num_sms!r}")
+    return int(num_sms)
+
+
+def check_op_num_sms(num_sms) -> int:
+    """``num_sms`` as the custom ops take it: an int >= 0 (0 = every SM)."""
+    if isinstance(num_sms, bool) or not isinstance(num_sms, numbers.Integral) or int(num_sms) < 0:
+        _fail(f"num_sms must be an int >= 0 (0 = every SM), got {num_sms!r}")
+    return int(num_sms)
+
+
+def check_buffer_shape(buffer, hidden, top_k):
+    if buffer is not None and (buffer.hidden != hidden or buffer.num_topk != top_k):
+        _fail(f"the buffer was allocated for H={buffer.hidden}, K={buffer.num_topk} but the inputs have "
+              f"H={hidden}, K={top_k}; allocate one for this shape")
 
 
 def check_inputs(
@@ -32,12 +93,14 @@ def check_inputs(
     ep_size=1,
     max_tokens=None,
     activation_clamp=None,
+    block_m=None,
     dy=None,
 ):
-    """Metadata checks of the layer's inputs. Returns (T, H, I, K, El, E)."""
-    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
-        if not isinstance(t, torch.Tensor):
-            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    """Metadata checks of the layer's inputs (and of ``activation_clamp`` and ``block_m`` when given). Returns
+    (T, H, I, K, El, E)."""
+    check_tensor_types(x=x, topk_idx=topk_idx, topk_weights=topk_weights, w13=w13, w2=w2)
+    if dy is not None:
+        check_tensor_types(dy=dy)
     exact = x.dtype == torch.float64
     if x.dtype not in (torch.bfloat16, torch.float64):
         _fail(f"x must be bfloat16 (float64 only for exactness tests), got {x.dtype}; cast with x.to(torch.bfloat16)", TypeError)
@@ -96,10 +159,9 @@ def check_inputs(
         _fail(f"w13 holds {El} local experts but num_experts={E} over {ep_size} ranks needs {E // ep_size}")
     if max_tokens is not None and T > max_tokens:
         _fail(f"{T} tokens exceed the buffer's num_max_tokens_per_rank={max_tokens}; allocate the buffer with a larger max")
-    if activation_clamp is not None:
-        c = float(activation_clamp)
-        if not (c >= 0.0):
-            _fail(f"activation_clamp must be None or >= 0, got {activation_clamp}")
+    check_activation_clamp(activation_clamp)
+    if block_m is not None:
+        check_block_m(block_m)
     return T, H, I, K, El, E
 
 
