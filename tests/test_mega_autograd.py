@@ -72,8 +72,8 @@ def test_keep_pooled_x_default_keeps_the_rows_only_for_a_fused_forward_whose_bac
     class Stop(Exception):
         pass
 
-    def spy(*args):  # the keep_pooled_x the forward op would get (last argument); nothing runs
-        seen.append(args[-1])
+    def spy(*args):  # the keep_pooled_x the forward op would get; nothing runs
+        seen.append(args[17])
         raise Stop
 
     monkeypatch.setattr(_ops, "mega_moe_fwd", spy)

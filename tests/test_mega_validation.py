@@ -176,7 +176,7 @@ def test_num_experts_not_matching_local_weights(prob):
 
 
 def test_negative_clamp(prob):
-    with pytest.raises(ValueError, match="activation_clamp must be None or >= 0"):
+    with pytest.raises(ValueError, match=r"activation_clamp must be None \(no clamp\) or a finite number > 0"):
         _call(prob, activation_clamp=-1.0)
 
 

@@ -31,11 +31,12 @@ STATUS_KEY_FWD = "mega_moe.bf16.sm90"
 
 def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", activation_clamp=None, group=None,
             num_experts=None, max_tokens_per_rank=None, block_m, capacity, save_h=True, buffer=None,
-            keep_x_pool=False, id_check=None):
+            keep_x_pool=False, id_check=None, num_sms=0):
     """The contract of :func:`deep_gemm.mega.reference.forward`, plus an 8th output: the dispatched
     rows x_pool [capacity, H] with ``keep_x_pool`` (their own buffer instead of o's), else [0, H].
     ``id_check`` (a :class:`deep_gemm.mega._validate.ExpertIdCheck` made with ``from_plan=True``) gets the
-    plan's count of out-of-range expert ids."""
+    plan's count of out-of-range expert ids. ``num_sms``: the SMs the kernels may use (0 = all), so that a
+    trainer can leave some to its communication kernels."""
     if precision != "bf16":
         raise FusedKernelUnavailable(f"deep_gemm.mega: no fused {precision} forward kernel")
     if group is not None:
@@ -49,10 +50,13 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
         src = plan.pool_src_route
         srank = plan.pool_src_rank
         route_to_pool = plan.route_to_pool.view(T, K)
+        # The kernels read clamp 0 as "no clamp": the public boundary rejects a clamp <= 0, so 0 can only
+        # come from None here.
+        clamp = 0.0 if activation_clamp is None else float(activation_clamp)
         _s, h, _o, x_pool, y = torch.ops.deep_gemm.mega_moe_fused_fwd(
-            x.contiguous(), src, plan.expert_offsets, w13.contiguous(), w2.contiguous(), K, save_h,
-            float(activation_clamp) if activation_clamp is not None else 0.0, keep_x_pool,
-            route_to_pool, topk_weights.float().contiguous())  # F5: the op's combine
+            x.contiguous(), src, plan.expert_offsets, w13.contiguous(), w2.contiguous(), K, save_h, clamp,
+            keep_x_pool, route_to_pool, topk_weights.float().contiguous(),  # F5: the op's combine
+            num_sms=int(num_sms))
     return (y, h, plan.expert_counts, plan.expert_offsets, src, srank,
             route_to_pool, x_pool)
 

@@ -8,6 +8,11 @@ resolves the backend (fused kernel or reference, see :mod:`deep_gemm.mega._backe
 The routing plan is an output of the forward op and is saved for the backward, which reuses it.
 When the caller passes fp32 weight-gradient accumulation buffers (``dw13_accum``/``dw2_accum``),
 the backward op adds the weight gradients into them and autograd returns None for w13 and w2.
+
+The forward op is where :func:`deep_gemm.mega.mega_moe` (and so :class:`~deep_gemm.mega.MegaMoE`) has its
+inputs validated: it checks everything before any routing or GEMM. A single-rank call with no tokens (T = 0)
+returns its empty and zero outputs without running a backend (the kernels take no empty operands).
+``num_sms`` (0 = every SM) bounds the SMs the kernel backends use; the reference ignores it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,23 @@ from .buffer import get_buffer
 def _capacity(T, K, El, ep_size, max_tokens_per_rank, block_m):
     tmax = T if ep_size == 1 else max_tokens_per_rank
     return pool_capacity(ep_size * tmax * K, El, block_m)
+
+
+def _check_forward_args(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, num_experts,
+                        ep_size, max_tokens_per_rank, block_m, backend, buffer_id, num_sms):
+    """The forward op's metadata checks, run by its implementation and by its fake (which is what runs for meta
+    tensors and while torch.compile traces). Returns ((T, H, I, K, El, E), the staging buffer or None)."""
+    buffer = get_buffer(buffer_id)
+    dims = _validate.check_inputs(
+        x, topk_idx, topk_weights, w13, w2, num_experts=None if num_experts < 0 else num_experts, ep_size=ep_size,
+        max_tokens=max_tokens_per_rank if (ep_size > 1 or buffer is not None) else None,
+        activation_clamp=activation_clamp, block_m=block_m)
+    _validate.check_buffer_shape(buffer, dims[1], dims[3])
+    _check_accum(dw13_accum, w13, "dw13_accum (wgrad_accum[0])", x)
+    _check_accum(dw2_accum, w2, "dw2_accum (wgrad_accum[1])", x)
+    _validate.check_op_num_sms(num_sms)
+    _validate.check_exact_mode(x, backend)
+    return dims, buffer
 
 
 @torch.library.custom_op("deep_gemm::mega_moe_fwd", mutates_args=())
@@ -47,33 +69,37 @@ def mega_moe_fwd(
     precision: str,
     buffer_id: int,
     keep_pooled_x: bool = False,
+    num_sms: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """y plus the state the backward reuses: (y, h, expert_counts, expert_offsets,
     pool_src_route, pool_src_rank, route_to_pool, x_pool). ``dw13_accum``/``dw2_accum`` are not read
-    here; they ride along so that the backward can accumulate into them. ``buffer_id`` names the
-    staging buffer (:func:`deep_gemm.mega.buffer.get_buffer`; 0 = none) the fused kernels use.
-    x_pool: the token rows in pool order [capacity, H] with ``keep_pooled_x`` (the fused forward
-    keeps its dispatched rows; the other backends gather them), else [0, H]."""
-    T, H, I, K, El, E = _validate.check_inputs(
-        x, topk_idx, topk_weights, w13, w2, num_experts=num_experts, ep_size=ep_size,
-        max_tokens=max_tokens_per_rank if ep_size > 1 else None, activation_clamp=activation_clamp)
-    _validate.check_exact_mode(x, backend)
+    here; they ride along so that the backward can accumulate into them. ``num_experts`` < 0 means
+    El * ep_size. ``buffer_id`` names the staging buffer (:func:`deep_gemm.mega.buffer.get_buffer`; 0 = none)
+    the fused kernels use; it bounds T. x_pool: the token rows in pool order [capacity, H] with
+    ``keep_pooled_x`` (the fused forward keeps its dispatched rows; the other backends gather them), else [0, H].
+    ``num_sms``: the SMs the kernel backends may use (0 = every SM)."""
+    (T, H, I, K, El, E), buffer = _check_forward_args(
+        x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, num_experts, ep_size,
+        max_tokens_per_rank, block_m, backend, buffer_id, num_sms)
     which = _backend.resolve_backend(backend, precision, "fwd", device_type=x.device.type, hidden=H, intermediate=I,
-                                     ep_size=ep_size, activation_clamp=activation_clamp)
+                                     ep_size=ep_size, activation_clamp=activation_clamp, num_local_experts=El,
+                                     block_m=block_m)
+    cap = _capacity(T, K, El, ep_size, max_tokens_per_rank, block_m)
+    if T == 0 and ep_size == 1:
+        return empty_forward(x, topk_idx, w13, cap, save_h, keep_pooled_x)
     # raises before returning (see its docstring); the kernel backends hand it their plan's count
     ids = _validate.ExpertIdCheck(topk_idx, E, which, from_plan=ep_size == 1)
-    cap = _capacity(T, K, El, ep_size, max_tokens_per_rank, block_m)
     kwargs = dict(activation_clamp=activation_clamp, group=reference.resolve_group(group_name), num_experts=E,
                   max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, capacity=cap, save_h=save_h)
     x_pool = None
     if which == "fused":
-        out = _fused.forward(x, topk_idx, topk_weights, w13, w2, precision=precision, buffer=get_buffer(buffer_id),
-                             keep_x_pool=keep_pooled_x, id_check=ids, **kwargs)
+        out = _fused.forward(x, topk_idx, topk_weights, w13, w2, precision=precision, buffer=buffer,
+                             keep_x_pool=keep_pooled_x, id_check=ids, num_sms=num_sms, **kwargs)
         out, x_pool = out[:7], out[7]
     elif which == "grouped":
         with torch.no_grad():
-            out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=get_buffer(buffer_id), id_check=ids,
-                                   **kwargs)
+            out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=buffer, id_check=ids,
+                                   num_sms=num_sms, **kwargs)
     else:
         with torch.no_grad():
             out = reference.forward(x, topk_idx, topk_weights, w13, w2, **kwargs)
@@ -84,6 +110,26 @@ def mega_moe_fwd(
     return tuple(out) + (x_pool,)
 
 
+def empty_forward(x: Tensor, topk_idx: Tensor, w13: Tensor, capacity: int, save_h: bool, keep_pooled_x: bool):
+    """The forward op's outputs for T = 0 on one rank: y [0, H], zero counts and offsets (every expert empty),
+    all-padding pool rows, and zero h / x_pool rows where they are kept (the shapes the fake gives)."""
+    H = x.shape[1]
+    El, twoI = w13.shape[0], w13.shape[1]
+    i32 = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty((0, H)), x.new_zeros((capacity if save_h else 0, twoI)), torch.zeros((El,), **i32),
+            torch.zeros((El + 1,), **i32), torch.full((capacity,), -1, **i32), torch.full((capacity,), -1, **i32),
+            torch.empty((0, topk_idx.shape[1]), **i32), x.new_zeros((capacity if keep_pooled_x else 0, H)))
+
+
+def empty_backward(x: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, need_wgrad: bool, dw13_accum,
+                   dw2_accum):
+    """The backward op's outputs for T = 0 on one rank: empty dx and d topk_weights; zero weight gradients where
+    they are returned (no route reached an expert), accumulation buffers left as they are."""
+    dw13 = torch.zeros_like(w13) if (need_wgrad and dw13_accum is None) else w13.new_empty((0,))
+    dw2 = torch.zeros_like(w2) if (need_wgrad and dw2_accum is None) else w2.new_empty((0,))
+    return x.new_empty(x.shape), topk_weights.new_empty(topk_weights.shape), dw13, dw2
+
+
 def _gather_pool_rows(x: Tensor, pool_src_route: Tensor, top_k: int) -> Tensor:
     """x rows in pool order (zero rows for padding), for backends whose forward does not keep them."""
     tok = _grouped._token_rows(pool_src_route, top_k)
@@ -92,7 +138,9 @@ def _gather_pool_rows(x: Tensor, pool_src_route: Tensor, top_k: int) -> Tensor:
 
 @mega_moe_fwd.register_fake
 def _(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, group_name, num_experts,
-      ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id, keep_pooled_x=False):
+      ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id, keep_pooled_x=False, num_sms=0):
+    _check_forward_args(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, num_experts,
+                        ep_size, max_tokens_per_rank, block_m, backend, buffer_id, num_sms)
     T, H = x.shape
     K = topk_idx.shape[1]
     El, twoI = w13.shape[0], w13.shape[1]
@@ -135,22 +183,26 @@ def mega_moe_bwd(
     precision: str,
     buffer_id: int,
     x_pool: Optional[Tensor] = None,
+    num_sms: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d topk_weights, dw13, dw2). ``x_pool`` (the forward's pooled token rows, when it kept
     them) spares the grouped backward its gather of x. dw13 (dw2) is an empty tensor when ``need_wgrad`` is False
-    or when it was added into ``dw13_accum`` (``dw2_accum``) instead."""
+    or when it was added into ``dw13_accum`` (``dw2_accum``) instead. ``num_sms`` as in the forward op."""
     ep_size = 1
     group = reference.resolve_group(group_name)
     if group is not None:
         ep_size = torch.distributed.get_world_size(group)
     T, H, I, K, El, E = _validate.check_inputs(
-        x, topk_idx, topk_weights, w13, w2, num_experts=num_experts, ep_size=ep_size,
+        x, topk_idx, topk_weights, w13, w2, num_experts=None if num_experts < 0 else num_experts, ep_size=ep_size,
         activation_clamp=activation_clamp, dy=dy)
     _check_accum(dw13_accum, w13, "dw13_accum", x)
     _check_accum(dw2_accum, w2, "dw2_accum", x)
+    num_sms = _validate.check_op_num_sms(num_sms)
     _validate.check_exact_mode(x, backend)
     which = _backend.resolve_backend(backend, precision, "bwd", device_type=x.device.type, hidden=H, intermediate=I,
-                                     ep_size=ep_size, activation_clamp=activation_clamp)
+                                     ep_size=ep_size, activation_clamp=activation_clamp, num_local_experts=El)
+    if T == 0 and ep_size == 1:
+        return empty_backward(x, topk_weights, w13, w2, need_wgrad, dw13_accum, dw2_accum)
     kwargs = dict(activation_clamp=activation_clamp, group=group, num_experts=E, recompute=recompute,
                   need_wgrad=need_wgrad, dw13_accum=dw13_accum, dw2_accum=dw2_accum)
     if x_pool is not None and x_pool.shape[0] == pool_src_route.shape[0] and x_pool.shape[0] > 0:
@@ -158,10 +210,11 @@ def mega_moe_bwd(
     args = (dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
             pool_src_rank, route_to_pool)
     if which == "fused":
-        dx, dtopk, dw13, dw2 = _fused.backward(*args, precision=precision, buffer=get_buffer(buffer_id), **kwargs)
+        dx, dtopk, dw13, dw2 = _fused.backward(*args, precision=precision, buffer=get_buffer(buffer_id),
+                                               num_sms=num_sms, **kwargs)
     elif which == "grouped":
         with torch.no_grad():
-            dx, dtopk, dw13, dw2 = _grouped.backward(*args, buffer=get_buffer(buffer_id), **kwargs)
+            dx, dtopk, dw13, dw2 = _grouped.backward(*args, buffer=get_buffer(buffer_id), num_sms=num_sms, **kwargs)
     else:
         with torch.no_grad():
             dx, dtopk, dw13, dw2 = reference.backward(*args, **kwargs)
@@ -175,7 +228,7 @@ def mega_moe_bwd(
 @mega_moe_bwd.register_fake
 def _(dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route, pool_src_rank,
       route_to_pool, dw13_accum, dw2_accum, activation_clamp, group_name, num_experts, recompute, need_wgrad,
-      backend, precision, buffer_id, x_pool=None):
+      backend, precision, buffer_id, x_pool=None, num_sms=0):
     dw13 = w13.new_empty(w13.shape) if (need_wgrad and dw13_accum is None) else w13.new_empty((0,))
     dw2 = w2.new_empty(w2.shape) if (need_wgrad and dw2_accum is None) else w2.new_empty((0,))
     return x.new_empty(x.shape), topk_weights.new_empty(topk_weights.shape), dw13, dw2
@@ -198,18 +251,19 @@ def _check_accum(acc, w, name, x):
 def _setup_context(ctx, inputs, output):
     (x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, group_name, num_experts,
      ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id, *rest) = inputs
+    num_sms = rest[1] if len(rest) > 1 else 0
     y, h, counts, offsets, src, srank, r2p, x_pool = output
     ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, h, counts, offsets, src, srank, r2p,
                           dw13_accum, dw2_accum, x_pool)
     ctx.mark_non_differentiable(h, x_pool)
     ctx.set_materialize_grads(False)
-    ctx.opts = (activation_clamp, group_name, num_experts, not save_h, backend, precision, buffer_id)
+    ctx.opts = (activation_clamp, group_name, num_experts, not save_h, backend, precision, buffer_id, num_sms)
 
 
 def _backward(ctx, dy, *unused):
     (x, topk_idx, topk_weights, w13, w2, h, counts, offsets, src, srank, r2p,
      dw13_accum, dw2_accum, x_pool) = ctx.saved_tensors
-    activation_clamp, group_name, num_experts, recompute, backend, precision, buffer_id = ctx.opts
+    activation_clamp, group_name, num_experts, recompute, backend, precision, buffer_id, num_sms = ctx.opts
     needs = ctx.needs_input_grad
     if dy is None:
         dy = torch.zeros_like(x)
@@ -217,10 +271,10 @@ def _backward(ctx, dy, *unused):
     dx, dtopk, dw13, dw2 = torch.ops.deep_gemm.mega_moe_bwd(
         dy.contiguous(), x, topk_idx, topk_weights, w13, w2, h, counts, offsets, src, srank, r2p,
         dw13_accum, dw2_accum, activation_clamp, group_name, num_experts, recompute, need_wgrad, backend, precision,
-        buffer_id, x_pool)
+        buffer_id, x_pool, num_sms)
     g13 = dw13 if (needs[3] and dw13_accum is None) else None
     g2 = dw2 if (needs[4] and dw2_accum is None) else None
-    return (dx if needs[0] else None, None, dtopk if needs[2] else None, g13, g2) + (None,) * 13
+    return (dx if needs[0] else None, None, dtopk if needs[2] else None, g13, g2) + (None,) * 14
 
 
 mega_moe_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -17,7 +17,10 @@ Views (all aliasing one byte allocation):
   topk_weights  [Tmax, K]  fp32
   dy            [Tmax, H]  bf16 (the backward's staging area)
 Callers copy their inputs into ``buffer.x[:T]``, ``buffer.topk_idx[:T]``, ``buffer.topk_weights[:T]``
-before a forward call, and again before a backward call (as upstream).
+(or call :meth:`SymmBuffer.stage`) before a forward call, and again before a backward call that gets no
+``state`` (as upstream). ``SymmBuffer.generation`` counts the stagings: a forward's state records it, and a
+backward given that state refuses to run once the buffer has been staged again (its plan and h would belong to
+other inputs).
 """
 
 from __future__ import annotations
@@ -122,6 +125,8 @@ class SymmBuffer:
             n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
             setattr(self, name, raw[off : off + n].view(dt).view(shape))
         self.topk_idx.fill_(-1)
+        self._generation = 0
+        self._seen_version = self._raw_version()
         if self.num_ranks > 1:
             import torch.distributed as dist  # noqa: PLC0415
 
@@ -133,16 +138,38 @@ class SymmBuffer:
     def group_name(self) -> str:
         return "" if self.group is None or self.num_ranks == 1 else self.group.group_name
 
+    def _raw_version(self):
+        """The version counter every view of the allocation shares (any in-place write bumps it), or None for a
+        buffer allocated under inference mode, whose tensors keep no counter (only stage() counts there)."""
+        try:
+            return self.raw._version
+        except RuntimeError:
+            return None
+
+    @property
+    def generation(self) -> int:
+        """The staging count: one more after every :meth:`stage`, and one more at the first read after any other
+        in-place write into the views (a caller's ``buffer.x[:T].copy_(x)``), however many writes that staging
+        took."""
+        v = self._raw_version()
+        if v != self._seen_version:
+            self._seen_version = v
+            self._generation += 1
+        return self._generation
+
     def stage(self, x, topk_idx, topk_weights):
-        """Copy a step's inputs into the staging views (rows [0, T))."""
+        """Copy a step's inputs into the staging views (rows [0, T)); a new generation."""
         T = x.shape[0]
         if T > self.num_max_tokens_per_rank:
             from ._validate import _fail  # noqa: PLC0415
 
             _fail(f"{T} tokens exceed the buffer's num_max_tokens_per_rank={self.num_max_tokens_per_rank}; allocate the buffer with a larger max")
+        self.generation  # noqa: B018  (folds earlier direct writes into the previous generation)
         self.x[:T].copy_(x)
         self.topk_idx[:T].copy_(topk_idx)
         self.topk_weights[:T].copy_(topk_weights)
+        self._generation += 1
+        self._seen_version = self._raw_version()
 
     def __repr__(self):
         return (f"SymmBuffer(ranks={self.num_ranks}, E={self.num_experts}, Tmax={self.num_max_tokens_per_rank}, "
