@@ -1,9 +1,10 @@
-"""Shared pieces of the benchmarks: shapes, routing, the TorchTitan-style torch baseline,
-timing, FLOP counts, provenance and the results file (DESIGN section 7)."""
+"""Shared pieces of the benchmarks: shapes, routing, the TorchTitan-style torch baseline, timing (bursts,
+steady state, energy per call), FLOP counts, provenance and the results file (docs/performance.md)."""
 
 from __future__ import annotations
 
 import datetime as _dt
+import ctypes
 import json
 import os
 import statistics
@@ -127,7 +128,7 @@ def _a2a(t, out_splits, in_splits, group):
 
 
 def torch_moe(x, topk_idx, topk_weights, w13, w2, group=None):
-    """The baseline layer (DESIGN section 6). Differentiable in x, topk_weights, w13, w2."""
+    """The baseline layer (what a TorchTitan MoE layer runs on one rank). Differentiable in x, topk_weights, w13, w2."""
     T, K = topk_idx.shape
     El, twoI, H = w13.shape
     flat = topk_idx.reshape(-1)
@@ -168,22 +169,6 @@ def torch_moe(x, topk_idx, topk_weights, w13, w2, group=None):
 # ------------------------------------------------------------------------------------------------
 
 
-# Fused-forward development problems (bench/mega_dev.py, bench/fwd_ab.py): the two layer shapes, uniform
-# routing from a fixed seed, weights scaled by 1/sqrt(fan-in).
-FWD_DEV_SHAPES = {"30B": (128, 2048, 768, 8), "235B": (128, 4096, 1536, 8)}
-
-
-def fused_fwd_problem(name: str, T: int = 16384):
-    """(E, H, I, K, T, x, topk_idx, w13, w2, generator) on CUDA; the generator continues the seeded stream."""
-    E, H, I, K = FWD_DEV_SHAPES[name]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    idx = torch.argsort(torch.rand(T, E, device="cuda", generator=g), dim=1)[:, :K].contiguous()
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
-    return E, H, I, K, T, x, idx, w13, w2, g
-
-
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -216,8 +201,8 @@ def time_ms(fn, device, warmup=5, iters=20) -> float:
 def sustained_ms(fn, device, seconds: float, iters: int = 10) -> float:
     """Mean milliseconds of ``fn()`` over ``iters`` back-to-back calls (one timer pair), after ``seconds`` of
     back-to-back calls: the steady state of a training loop, at the clock the GPU settles at under its power
-    limit (an H200 runs our kernels at its 700 W cap within ~100 ms: bench/NOTES.md, session 5), where
-    time_ms's short bursts see a higher clock."""
+    limit (an H200 runs our kernels at its 700 W cap within ~100 ms: docs/performance.md), where time_ms's
+    short bursts see a higher clock."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         for _ in range(iters):
@@ -237,54 +222,47 @@ def sustained_ms(fn, device, seconds: float, iters: int = 10) -> float:
     return (time.perf_counter() - t1) * 1e3 / iters
 
 
-def add_switch_arg(ap, default: str | None) -> None:
-    """The ``--switch NAME=v1,v2,...`` option of the A/B scripts (fwd_ab.py, wgrad_ab.py); required without a
-    default."""
-    ap.add_argument("--switch", default=default, required=default is None,
-                    help="NAME=v1,v2,...: the environment switch (read by the library at every call) and its values")
+class EnergyCounter:
+    """Millijoules the board has consumed since the driver loaded (NVML's total energy counter)."""
+
+    def __init__(self, device_index: int):
+        self._lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if self._lib.nvmlInit_v2() != 0:
+            raise RuntimeError("nvmlInit_v2 failed")
+        self._handle = ctypes.c_void_p()
+        if self._lib.nvmlDeviceGetHandleByIndex_v2(device_index, ctypes.byref(self._handle)) != 0:
+            raise RuntimeError(f"no NVML handle for device {device_index}")
+
+    @classmethod
+    def for_current_device(cls) -> "EnergyCounter":
+        dev = torch.cuda.current_device()
+        get_index = getattr(torch.cuda, "_get_nvml_device_index", None)  # CUDA_VISIBLE_DEVICES -> NVML index
+        return cls(get_index(dev) if get_index is not None else dev)
+
+    def mj(self) -> int:
+        v = ctypes.c_ulonglong()
+        rc = self._lib.nvmlDeviceGetTotalEnergyConsumption(self._handle, ctypes.byref(v))
+        if rc != 0:
+            raise RuntimeError(f"nvmlDeviceGetTotalEnergyConsumption returned {rc}")
+        return v.value
 
 
-def parse_switch(spec: str) -> tuple[str, tuple[str, ...]]:
-    """``NAME=v1,v2`` -> (NAME, (v1, v2))."""
-    env, values = spec.split("=", 1)
-    return env, tuple(values.split(","))
-
-
-def outputs_per_variant(env: str, variants, fn) -> dict:
-    """fn()'s result under every value of the environment switch ``env`` (unset afterwards), for a bit-for-bit
-    comparison of the variants."""
-    outs = {}
-    for value in variants:
-        os.environ[env] = value
-        outs[value] = fn()
-    os.environ.pop(env, None)
-    return outs
-
-
-def switch_ab(env: str, variants, cases: dict, sustained_seconds: float) -> tuple[dict, dict]:
-    """Times every case (suffix -> fn) under every value of the environment switch ``env``: 15-iteration bursts,
-    best of 3 rounds interleaved over the values, then the steady state (sustained_ms). Returns (burst, sustained),
-    keyed by value + suffix; the switch is unset afterwards."""
-    burst: dict = {}
+def energy_per_call(fn, counter: EnergyCounter, seconds: float, chunk: int = 10) -> tuple[float, float, float]:
+    """(joules per call, ms per call, mean watts) of ``fn`` over about ``seconds`` of back-to-back calls. At a
+    power cap a call's steady-state time is about its energy over the capped power, so J per call is what a
+    change must lower to move a steady-state figure. The counter covers the whole board (idle power included)
+    and is read after a synchronize, so chunks are long to keep host gaps small."""
     for _ in range(3):
-        for value in variants:
-            os.environ[env] = value
-            for suffix, fn in cases.items():
-                burst.setdefault(value + suffix, []).append(time_ms(fn, "cuda", warmup=3, iters=15))
-    sustained = {}
-    for value in variants:
-        os.environ[env] = value
-        for suffix, fn in cases.items():
-            sustained[value + suffix] = sustained_ms(fn, "cuda", sustained_seconds)
-    os.environ.pop(env, None)
-    return {k: min(v) for k, v in burst.items()}, sustained
-
-
-def print_ab(label: str, burst: dict, sustained: dict, flops: float) -> None:
-    """One burst and one sustained line: ms and TFLOP/s per variant."""
-    for name, res in (("burst", burst), ("sustained", sustained)):
-        print(f"{label} {name}: " + " | ".join(f"{k} {v:.3f} ({flops / v / 1e9:.0f} TF)" for k, v in res.items()),
-              flush=True)
+        fn()
+    torch.cuda.synchronize()
+    e0, t0, n = counter.mj(), time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(chunk):
+            fn()
+        n += chunk
+        torch.cuda.synchronize()
+    dt, de = time.perf_counter() - t0, (counter.mj() - e0) / 1e3
+    return de / n, dt * 1e3 / n, de / dt
 
 
 def peak_mem_gib(fn, device):

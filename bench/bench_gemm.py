@@ -65,7 +65,7 @@ def peak_bf16_tflops(reps: int) -> float:
 
 def expert_counts(T: int, E: int, K: int, routing: str, seed: int) -> torch.Tensor:
     """uniform: topk(softmax(randn(T, E)), K); zipf: K distinct experts per token drawn with popularity
-    ~ 1/rank^1.1 over a random permutation of the experts (DESIGN section 7)."""
+    ~ 1/rank^1.1 over a random permutation of the experts (bench_common.make_routing's rule)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     if routing == "zipf":
         perm = torch.randperm(E, device="cuda", generator=gen)

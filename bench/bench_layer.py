@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Time one MoE layer: the TorchTitan-style torch baseline and every available deep_gemm backend,
-on the same inputs in the same run (DESIGN sections 6 and 7).
+on the same inputs in the same run.
 
     python bench/bench_layer.py                       # default GPU run (H200: a few minutes)
     python bench/bench_layer.py --smoke               # tiny CPU-runnable check of every code path
@@ -16,7 +16,7 @@ memory: reset_peak_memory_stats before a grad-enabled forward (fwd rows), a no-g
 forward+backward (bwd, fwdbwd rows), inputs and weights resident. max_rel_err (non-torch rows): the largest
 ||out - ref|| / ||ref|| against the reference evaluated in float64 on the same inputs, over y (fwd,
 infer) and also dX, d topk_weights, dW13, dW2 (bwd, fwdbwd). With EP every number is the slowest (largest)
-over the ranks. Results: JSON in bench/results/ (DESIGN section 7 fields), a table, and a PNG.
+over the ranks. Results: JSON in bench/results/ (fields: docs/performance.md), a table, and a PNG.
 """
 
 from __future__ import annotations

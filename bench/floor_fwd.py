@@ -2,11 +2,10 @@
 """The forward's dense-GEMM floor under bench_layer.py's own timing: how long cuBLAS takes for the layer
 forward's useful FLOPs as two dense GEMMs, next to the torch baseline and our fused forward, in one run.
 
-Why: issue 5's bars are ratios of bench_layer's burst times (warmup, then the median of 20 calls), and on the
-H200 those bursts already run into the card's 700 W cap (bench/NOTES.md, sessions 5-13). What can any forward
-reach on this card? Its FLOPs cannot run faster than the fastest GEMM this card has: cuBLAS on one dense
-problem of the same size, with no routing, no ragged groups, no dispatch, no SwiGLU, no saved h and no
-combine. Per shape, P = T * top_k rows:
+Why: the forward targets are ratios of bench_layer's burst times (warm-up, then the median of 20 calls), and on
+the H200 those bursts already run into the card's 700 W cap (docs/performance.md). No routed forward can beat
+the fastest GEMM this card has on the same FLOPs: cuBLAS on one dense problem of the same size, with no routing,
+no ragged groups, no dispatch, no SwiGLU, no saved h and no combine. Per shape, P = T * top_k rows:
   * dense      L1 [P, H] @ [H, 2I] then L2 [P, I] @ [I, H] (torch.mm, out= preallocated): 2 P H 3I FLOPs, the
                forward's useful work;
   * combine    our combine kernel on a [P, H] bf16 pool: the reduction every forward must end with;
@@ -15,11 +14,10 @@ combine. Per shape, P = T * top_k rows:
   * ours       mega_moe (backend "auto", the fused kernel), autograd on.
 Each is timed as bench_layer.py times it (burst: time_ms) and over `--seconds` of back-to-back calls (steady
 state: ms, J per call from the board's energy counter, watts), rounds interleaved over the five; the best
-burst median and the median steady figures count. The table sets each against the bar (torch / ratio).
+burst median and the median steady figures count. The table sets each against the target (torch / ratio).
 
     python bench/floor_fwd.py --out bench/results/floor_fwd_h200_DATE_SHA.json
-
-Development tool: prints a table; --out writes the rows as JSON (results under bench/results/)."""
+"""
 
 from __future__ import annotations
 
@@ -32,9 +30,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
-from energy_layer import EnergyCounter, measure, print_table, write_energy_results  # noqa: E402
 
-BARS = {"qwen3-30b-a3b": 3.0, "qwen3-235b-a22b": 2.0}  # issue 5's forward bars at T = 16384
+BARS = {"qwen3-30b-a3b": 3.0, "qwen3-235b-a22b": 2.0}  # the forward targets (x torch) at T = 16384
 
 
 def forward_calls(shape: str, T: int, routing: str) -> tuple[float, dict]:
@@ -90,7 +87,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("floor_fwd: no CUDA device, nothing to measure")
         return
-    counter = EnergyCounter.for_current_device()
+    counter = bc.EnergyCounter.for_current_device()
     rows = []
     for shape in args.shapes.split(","):
         for T in (int(t) for t in args.tokens.split(",")):
@@ -100,7 +97,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 for name, fn in calls.items():
                     burst.setdefault(name, []).append(bc.time_ms(fn, "cuda"))
-                    steady.setdefault(name, []).append(measure(fn, counter, args.seconds, chunk=10))
+                    steady.setdefault(name, []).append(bc.energy_per_call(fn, counter, args.seconds))
             torch_ms = min(burst["torch"])
             bar = BARS.get(shape)
             for name in calls:
@@ -114,12 +111,19 @@ def main() -> None:
                              "torch_over_this_burst": round(torch_ms / b, 3)})
             del calls
             torch.cuda.empty_cache()
-    print_table(rows, [("shape", "shape", 16, "s"), ("T", "tokens", 6, "d"), ("what", "what", 11, "s"),
-                       ("burst ms", "burst_ms", 9, ".3f"), ("steady ms", "steady_ms", 9, ".3f"),
-                       ("J/call", "joules", 7, ".3f"), ("W", "watts", 6, ".0f"), ("TFLOP/s", "tflops_burst", 8, ".0f"),
-                       ("bar ms", "bar_ms", 7, ".3f"), ("torch/this", "torch_over_this_burst", 10, ".2f")])
+    cols = [("shape", "shape", 16, "s"), ("T", "tokens", 6, "d"), ("what", "what", 11, "s"),
+            ("burst ms", "burst_ms", 9, ".3f"), ("steady ms", "steady_ms", 9, ".3f"), ("J/call", "joules", 7, ".3f"),
+            ("W", "watts", 6, ".0f"), ("TFLOP/s", "tflops_burst", 8, ".0f"), ("bar ms", "bar_ms", 7, ".3f"),
+            ("torch/this", "torch_over_this_burst", 10, ".2f")]
+    print(" ".join(f"{h:{w}s}" if f == "s" else f"{h:>{w}s}" for h, _, w, f in cols))
+    for r in rows:
+        cells = ("-" if r[k] is None else format(r[k], f) for _, k, _, f in cols)
+        print(" ".join(f"{c:{w}s}" if f == "s" else f"{c:>{w}s}" for c, (_, _, w, f) in zip(cells, cols)))
     if args.out:
-        write_energy_results(args.out, rows, seconds=args.seconds, rounds=args.rounds, bars=BARS)
+        doc = {**bc.run_header("cuda", 0.0), "seconds": args.seconds, "rounds": args.rounds, "bars": BARS,
+               "rows": rows}
+        doc.pop("peak_bf16_tflops", None)  # this tool measures no peak figure
+        print(f"wrote {bc.write_results(doc, bc.Path(args.out))}")
 
 
 if __name__ == "__main__":

@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
-# One device call on the lent H200: install the carried wheel, run the whole test suite (GPU tests
-# included), then the GEMM-core and layer benchmarks. Results and logs go to $OUT.
-# usage (device tool, carry .devbuild/wheels and .whl): bash bench/run_h200.sh [tests|gemm|layer|parity]...
+# The official runs in one call on a GPU machine that already has torch (e.g. the lent H200): install a
+# wheel built elsewhere into /tmp/site, then run the chosen steps. Results and logs go to $OUT.
+#
+# usage: bash bench/run_h200.sh [tests|gemm|layer|floor|parity]...     (default: tests gemm layer floor)
+# environment:
+#   WHEEL_DIR    where prime_kernels-*.whl is (default wheelhouse)
+#   OUT          results folder (default /tmp/pk_out)
+#   PYTEST_ARGS  extra pytest arguments for "tests"
+#   LAYER_ARGS   bench_layer.py arguments (default: the official run, --sustained-seconds 2 --inference)
+#   PARITY_ARGS  extra examples/train_parity.py arguments
+# .whl/ (ci/device_wheels.sh, carried) holds the integration tests' packages; without it those tests skip.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/pk_out}"; mkdir -p "$OUT"
-# .whl/ (ci/device_wheels.sh, carried) holds the integration tests' packages; without it they skip.
-python3 -m pip install -q --no-deps --no-index --target /tmp/site .devbuild/wheels/prime_kernels-*.whl \
+WHEEL_DIR="${WHEEL_DIR:-wheelhouse}"
+python3 -m pip install -q --no-deps --no-index --target /tmp/site "$WHEEL_DIR"/prime_kernels-*.whl \
   $(ls .whl/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PRIME_KERNELS_TEST_PYPI_NVCC=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw --format=csv,noheader
-steps="${*:-tests gemm layer}"
+steps="${*:-tests gemm layer floor}"
 for step in $steps; do
   case "$step" in
-    tests) (cd tests && timeout 360 python3 -m pytest -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25) ;;
-    gemm)  timeout 300 python3 bench/bench_gemm.py --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.log" | grep -v "^$" ;;
-    layer) timeout 400 python3 bench/bench_layer.py --out "$OUT/layer.json" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layer.log" | tail -40 ;;
-    parity) timeout 500 python3 bench/train_parity.py --out "$OUT/train_parity.json" ${PARITY_ARGS:-} 2>&1 | tee "$OUT/train_parity.log" | tail -30 ;;
+    tests)  (cd tests && timeout 400 python3 -m pytest -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+               | tee "$OUT/tests.log" | tail -25) ;;
+    gemm)   timeout 300 python3 bench/bench_gemm.py --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.log" | grep -v "^$" ;;
+    layer)  timeout 500 python3 bench/bench_layer.py --out "$OUT/layer.json" ${LAYER_ARGS:---sustained-seconds 2 --inference} \
+               2>&1 | tee "$OUT/bench_layer.log" | tail -40 ;;
+    floor)  timeout 300 python3 bench/floor_fwd.py --tokens 16384 --out "$OUT/floor_fwd.json" 2>&1 \
+               | tee "$OUT/floor_fwd.log" | tail -15 ;;
+    parity) timeout 500 python3 examples/train_parity.py --out "$OUT/train_parity.json" ${PARITY_ARGS:-} 2>&1 \
+               | tee "$OUT/train_parity.log" | tail -30 ;;
+    *) echo "unknown step $step: choose from tests gemm layer floor parity"; exit 2 ;;
   esac
 done
 ls "$OUT"
