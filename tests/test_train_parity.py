@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(BENCH))
 try:
     import train_parity as tp

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training parity of the MoE layer's kernel backends (issue 6, item 6).
+"""Training parity of the MoE layer's kernel backends: a trained model's loss curve against the reference's.
 
 A small byte-level MoE language model is trained from one fixed initialisation on a corpus that
 needs no download (the Python standard library's own ``*.py`` sources, found through
@@ -12,9 +12,9 @@ needs no download (the Python standard library's own ``*.py`` sources, found thr
   the first reference seed (``--candidate-seed``), so that candidate and reference 0 see the same
   batches and differ only by the layer's numerics.
 
-    python bench/train_parity.py                       # GPU check (H200: a few minutes)
-    python bench/train_parity.py --backend grouped     # a named kernel backend
-    python bench/train_parity.py --tiny --device cpu --backend reference   # CPU smoke, seconds
+    python examples/train_parity.py                       # GPU check (H200: a few minutes)
+    python examples/train_parity.py --backend grouped     # a named kernel backend
+    python examples/train_parity.py --tiny --device cpu --backend reference   # CPU smoke, seconds
 
 Model: token embedding (256 byte values) -> ``--layers`` pre-norm blocks, each with causal
 multi-head attention (RoPE, ``scaled_dot_product_attention``) and an MoE feed-forward (an fp32
@@ -67,9 +67,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench_common import git_sha  # bench/ is on sys.path (the script's folder, or the test's insert)
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))  # bench_common: the provenance fields every results file carries
+from bench_common import git_sha  # noqa: E402
+
 RESULTS_DIR = REPO / "bench" / "results"
 VOCAB = 256
 CHECK_BACKENDS = ("auto", "fused", "grouped", "reference")
@@ -625,7 +626,7 @@ def run_parity(args) -> dict:
     import deep_gemm  # noqa: PLC0415
 
     return {
-        "script": "bench/train_parity.py", "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "script": "examples/train_parity.py", "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "git_sha": git_sha(), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__, "cuda": torch.version.cuda, "deep_gemm_build": deep_gemm.build_info(),
         "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
