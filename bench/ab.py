@@ -114,7 +114,8 @@ def child(args) -> dict:
         grads = torch.autograd.grad(y, leaves, dy)
         res["fingerprint"] = {n: _fingerprint(t) for n, t in zip(("y", "dx", "dtopk", "dw13", "dw2"), (y, *grads))}
         out["shapes"][short] = res
-        del w13, w2, x, leaves, y, grads
+        leaves.clear()
+        del w13, w2, x, y, grads
         if device == "cuda":
             torch.cuda.empty_cache()
     return out
