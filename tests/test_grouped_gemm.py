@@ -60,6 +60,54 @@ def test_cpu_ops_pass_opcheck():
     torch.library.opcheck(ops.k_grouped_bf16_gemm_tn_accumulate_.default, (a, bk, offs, c))
 
 
+@pytest.mark.parametrize("offs", [[0, 5, 3], [0, 2, 9], [-1, 2, 8], [0, 8, 8, 9], [3, 2, 8]])
+def test_cpu_ops_reject_bad_group_offsets(offs):
+    """Offsets must be non-decreasing within [0, rows] (8 rows here); the CPU kernels check them at once."""
+    gen = torch.Generator().manual_seed(2)
+    E = len(offs) - 1
+    o = torch.tensor(offs, dtype=torch.int32)
+    a = torch.randn(8, 64, generator=gen).bfloat16()
+    with pytest.raises(RuntimeError, match="group_offsets must be non-decreasing"):
+        deep_gemm.m_grouped_bf16_gemm_nt(a, torch.randn(E, 32, 64).bfloat16(), o)
+    with pytest.raises(RuntimeError, match="group_offsets must be non-decreasing"):
+        deep_gemm.m_grouped_bf16_gemm_nn(a, torch.randn(E, 64, 32).bfloat16(), o)
+    with pytest.raises(RuntimeError, match="group_offsets must be non-decreasing"):
+        deep_gemm.k_grouped_bf16_gemm_tn(a, torch.randn(8, 16).bfloat16(), o)
+
+
+def test_cpu_ops_accept_a_first_offset_past_zero():
+    """Rows before offsets[0] belong to no group (not an error)."""
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(8, 64, generator=gen).bfloat16()
+    b = torch.randn(2, 32, 64, generator=gen).bfloat16()
+    offs = torch.tensor([2, 5, 8], dtype=torch.int32)
+    out = deep_gemm.m_grouped_bf16_gemm_nt(a, b, offs)
+    ref = m_grouped_gemm_reference(a, b, offs, True, torch.float64)
+    assert rel_err(out[2:], ref[2:]) < 1e-2
+
+
+def test_cpu_gather_rejects_row_indices_outside_a():
+    a = torch.randn(12, 64).bfloat16()
+    w13 = torch.randn(2, 128, 64).bfloat16()
+    offs = offsets_of([4, 6], "cpu")
+    for bad in (12, 40, -2):
+        idx = torch.tensor([3, -1, 0, 11, 5, 7, 2, 2, 9, bad], dtype=torch.int32)
+        with pytest.raises(RuntimeError, match=r"a_row_index holds .*, outside \[-1, 12\)"):
+            deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu(a, w13, offs, a_row_index=idx, m_total=10)
+        with pytest.raises(RuntimeError, match=r"a_row_index holds"):
+            deep_gemm.m_grouped_bf16_gemm_nt(a, w13, offs, a_row_index=idx, m_total=10)
+
+
+def test_num_sms_argument_is_checked():
+    a = torch.randn(8, 64).bfloat16()
+    b = torch.randn(1, 32, 64).bfloat16()
+    offs = offsets_of([8], "cpu")
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="num_sms"):
+            deep_gemm.m_grouped_bf16_gemm_nt(a, b, offs, num_sms=bad)
+    assert torch.equal(deep_gemm.m_grouped_bf16_gemm_nt(a, b, offs, num_sms=3), deep_gemm.m_grouped_bf16_gemm_nt(a, b, offs))
+
+
 def test_cpu_reference_matches_float64():
     gen = torch.Generator().manual_seed(1)
     sizes = [5, 0, 17, 1]
@@ -173,7 +221,7 @@ def test_swiglu_gemm_cpu_opcheck():
     a = torch.randn(12, 64, generator=gen).bfloat16()
     w13 = torch.randn(3, 128, 64, generator=gen).bfloat16()
     offs = offsets_of([4, 0, 6], "cpu")
-    idx = torch.tensor([3, -1, 0, 11, 5, 7, 2, 2, 9, 40, 1, 6], dtype=torch.int32)
+    idx = torch.tensor([3, -1, 0, 11, 5, 7, 2, 2, 9, 4, 1, 6], dtype=torch.int32)
     torch.library.opcheck(torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu.default, (a, w13, offs, idx, 10, True, 0.5))
     torch.library.opcheck(torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu.default, (a, w13, offs, None, 10, False, 0.0))
 
@@ -254,15 +302,10 @@ def test_swiglu_bwd_gemm_cpu_opcheck():
 
 
 @requires_sm90
-@pytest.mark.parametrize("kernel", ["pingpong", "cooperative"])
 @pytest.mark.parametrize("E,kind,I,H,clamp", [(8, "special", 768, 256, None), (128, "skewed", 1536, 512, 0.75),
-                                              (3, "skewed", 320, 128, None), (5, "skewed", 200, 136, 0.5),
+                                              (3, "skewed", 320, 128, None), (5, "skewed", 192, 136, 0.5),
                                               (4, "hot", 256, 128, None)])
-def test_swiglu_bwd_gemm_matches_float64(monkeypatch, E, kind, I, H, clamp, kernel):
-    if kernel == "cooperative":  # read at every call (grouped_gemm.cu)
-        monkeypatch.setenv("PK_SWIGLU_BWD_COOP", "1")
-    elif I % 64:
-        pytest.skip(f"the {kernel} kernel needs I % 64 == 0 (the op runs the cooperative one)")
+def test_swiglu_bwd_gemm_matches_float64(E, kind, I, H, clamp):
     M, offs, dy, w2, h, src, wts = _swiglu_bwd_inputs(E, kind, I, H, seed=E + I + H)
     nb = (I + 127) // 128
     poison_next_alloc(M * 2 * I, torch.bfloat16)
@@ -275,55 +318,6 @@ def test_swiglu_bwd_gemm_matches_float64(monkeypatch, E, kind, I, H, clamp, kern
     again = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy, w2, offs, h, src, wts, clamp=clamp)
     for a, b in zip((dh, aw, dt_part), again):
         assert torch.equal(a, b)  # deterministic
-
-
-def test_swiglu_bwd_gather_cpu_opcheck():
-    gen = torch.Generator().manual_seed(6)
-    dy = torch.randn(9, 64, generator=gen).bfloat16()
-    idx = torch.tensor([3, 8, -1, 0, 9, 2, 5, 1, 7, 4, 6, 0], dtype=torch.int32)  # 9: out of range, reads zeros
-    w2 = torch.randn(3, 64, 320, generator=gen).bfloat16()
-    h = torch.randn(12, 640, generator=gen).bfloat16()
-    src = torch.tensor([0, 5, -1, 7, 2, 9, 11, 3, -1, 4, 1, 6], dtype=torch.int32)
-    wts = torch.rand(12, generator=gen) + 0.1
-    offs = offsets_of([4, 0, 6], "cpu")
-    torch.library.opcheck(torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu_bwd_gather.default,
-                          (dy, idx, 12, w2, offs, h, src, wts, 0.0))
-
-
-@requires_sm90
-@pytest.mark.parametrize("E,kind,I,H,T", [(8, "special", 768, 256, 700), (128, "skewed", 1536, 2112, 3000),
-                                          (3, "skewed", 320, 4096, 257)])
-def test_swiglu_bwd_gemm_gathers_dy(E, kind, I, H, T):
-    """The gathering kernel (dy rows by token, dy_pool written while the tiles run) gives the gathered rows
-    exactly and the same dh / w*s / dt partials, bit for bit, as the plain kernel on those rows."""
-    gen = torch.Generator().manual_seed(E + I + H + T)
-    sizes = group_sizes(E, kind, gen)
-    M = sum(sizes)
-    m_total = M + 37  # capacity past the last group: not written, not read
-    offs = offsets_of(sizes, "cuda")
-    dy = torch.randn(T, H, generator=gen).bfloat16().cuda()
-    idx = torch.randint(-1, T + 3, (m_total,), generator=gen, dtype=torch.int32).cuda()  # -1, >= T: zero rows
-    w2 = (torch.randn(E, H, I, generator=gen) / H ** 0.5).bfloat16().cuda()
-    h = (torch.randn(m_total, 2 * I, generator=gen) * 2).bfloat16().cuda()
-    src = torch.randint(-1, T * 2, (m_total,), generator=gen, dtype=torch.int32).cuda()
-    wts = (torch.rand(T, 2, generator=gen) + 0.1).cuda()
-    f = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd
-    poison_next_alloc(m_total * H, torch.bfloat16)
-    dh, aw, dt_part, dy_pool = f(dy, w2, offs, h, src, wts, a_row_index=idx, m_total=m_total)
-    assert dy_pool.shape == (m_total, H) and dh.shape == (m_total, 2 * I)
-    i64 = idx[:M].long()
-    ok = (i64 >= 0) & (i64 < T)
-    rows = torch.where(ok[:, None], dy[i64.clamp(0, T - 1)], torch.zeros((), dtype=dy.dtype, device="cuda"))
-    assert torch.equal(dy_pool[:M], rows)
-    plain = f(rows, w2, offs, h, src, wts)
-    for name, out, ref in (("dh", dh, plain[0]), ("w*s", aw, plain[1]), ("dt_part", dt_part, plain[2])):
-        assert torch.equal(out[:M], ref[:M]), name
-    dh_ref, aw_ref, dt_ref = _swiglu_bwd_ref64(rows.cpu(), w2.cpu(), offs.cpu(), h.cpu(), src.cpu(), wts.cpu(), None)
-    for name, out, ref in (("dh", dh[:M], dh_ref), ("w*s", aw[:M], aw_ref), ("dt", dt_part[:M].sum(1), dt_ref)):
-        assert rel_err(out.cpu(), ref) < 1e-2, name
-    again = f(dy, w2, offs, h, src, wts, a_row_index=idx, m_total=m_total)
-    for a, b in zip((dh, aw, dt_part, dy_pool), again):
-        assert torch.equal(a[:M], b[:M])  # deterministic
 
 
 @requires_sm90
@@ -343,57 +337,175 @@ def test_swiglu_bwd_gemm_bad_inputs_raise():
         f(dy, w2, offs, h, src, wts.double())
     with pytest.raises(ValueError, match="clamp"):
         f(dy, w2, offs, h, src, wts, clamp=-1.0)
-    idx = torch.arange(16, dtype=torch.int32, device="cuda")
-    with pytest.raises(ValueError, match="m_total"):
-        f(dy, w2, offs, h, src, wts, a_row_index=idx)
-    with pytest.raises(RuntimeError, match="a_row_index"):
-        f(dy, w2, offs, h, src, wts, a_row_index=idx[:8], m_total=16)
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        f(dy, w2[:, :, :96], offs, h[:, :192], src, wts, a_row_index=idx, m_total=16)
+    with pytest.raises(RuntimeError, match="multiple of 64"):  # the one kernel's 64-column boxes
+        f(dy, w2[:, :, :200].contiguous(), offs, h[:, :400], src, wts)
 
 
-@requires_sm90
-def test_l2_cache_hints_change_no_value(monkeypatch):
-    """The GEMMs' L2 cache hints (PK_GEMM_L2HINT and PK_KGROUPED_L2HINT, read at every call) only move lines
-    between cache priorities: nt, nn, the SwiGLU GEMM (h saved), both SwiGLU backward kernels and the k-grouped
-    GEMM (bf16 and fp32 out) give the same bits with every hint off, with each alone and with the defaults, and
-    leave no element unwritten."""
-    gen = torch.Generator().manual_seed(5)
+def _all_grouped_ops(seed: int = 5):
+    """Every grouped op on one skewed grouping (an empty group, groups not a multiple of 128 rows): a list of
+    calls f(num_sms) -> list of outputs, and the output sizes to poison (bf16, then fp32)."""
+    gen = torch.Generator().manual_seed(seed)
     E, I, H = 6, 256, 192
     sizes = group_sizes(E, "skewed", gen)
+    sizes[1] = 0
     offs = offsets_of(sizes, "cuda")
     M = sum(sizes)
     a = torch.randn(M, H, generator=gen).bfloat16().cuda()
+    idx = torch.randint(-1, M, (M,), generator=gen, dtype=torch.int32).cuda()
     w13 = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5).bfloat16().cuda()
     w2 = (torch.randn(E, H, I, generator=gen) / I ** 0.5).bfloat16().cuda()
     b_k = torch.randn(M, I, generator=gen).bfloat16().cuda()  # the k-grouped GEMM's second operand
-    M2, offs2, dy, w2b, h, src, wts = _swiglu_bwd_inputs(E, "skewed", I, H, seed=17)
+    M2, offs2, dy, w2b, h, src, wts = _swiglu_bwd_inputs(E, "skewed", I, H, seed=seed + 12)
     gg = deep_gemm.grouped_gemm
+    acc0 = torch.randn(E, H, I, generator=gen).cuda()
+    calls = {
+        "nt": lambda n: [gg.m_grouped_bf16_gemm_nt(a, w13, offs, num_sms=n)],
+        "nt_gather": lambda n: [gg.m_grouped_bf16_gemm_nt(a, w13, offs, a_row_index=idx, m_total=M, num_sms=n)],
+        "nn": lambda n: [gg.m_grouped_bf16_gemm_nn(a, w2, offs, num_sms=n)],
+        "swiglu": lambda n: list(gg.m_grouped_bf16_gemm_swiglu(a, w13, offs, a_row_index=idx, m_total=M, save_h=True,
+                                                               num_sms=n)),
+        "swiglu_bwd": lambda n: list(gg.m_grouped_bf16_gemm_swiglu_bwd(dy, w2b, offs2, h, src, wts, num_sms=n)),
+        "k_bf16": lambda n: [gg.k_grouped_bf16_gemm_tn(a, b_k, offs, out_dtype=torch.bfloat16, num_sms=n)],
+        "k_fp32": lambda n: [gg.k_grouped_bf16_gemm_tn(a, b_k, offs, num_sms=n)],
+        "k_acc": lambda n: [gg.k_grouped_bf16_gemm_tn(a, b_k, offs, accumulate_into=acc0.clone(), num_sms=n)],
+    }
+    return calls, M, offs
 
-    def run_all():
-        outs = [gg.m_grouped_bf16_gemm_nt(a, w13, offs), gg.m_grouped_bf16_gemm_nn(a, w2, offs)]
-        outs += list(gg.m_grouped_bf16_gemm_swiglu(a, w13, offs, save_h=True))
-        for coop in ("0", "1"):
-            monkeypatch.setenv("PK_SWIGLU_BWD_COOP", coop)
-            outs += list(gg.m_grouped_bf16_gemm_swiglu_bwd(dy, w2b, offs2, h, src, wts))
-        monkeypatch.delenv("PK_SWIGLU_BWD_COOP")
-        outs.append(gg.k_grouped_bf16_gemm_tn(a, b_k, offs, out_dtype=torch.bfloat16))
-        outs.append(gg.k_grouped_bf16_gemm_tn(a, b_k, offs))
-        return outs
 
-    results = {}
-    for hints in ("0", "1", "8", None):
-        for env in ("PK_GEMM_L2HINT", "PK_KGROUPED_L2HINT"):
-            if hints is None:
-                monkeypatch.delenv(env, raising=False)
-            else:
-                monkeypatch.setenv(env, hints)
-        for n in (M * 2 * I, M * I, M * H, M2 * 2 * I, E * H * I):
-            poison_next_alloc(n, torch.bfloat16)
-        poison_next_alloc(E * H * I, torch.float32)
-        results[hints] = run_all()
-    for i, out in enumerate(results["0"]):
-        assert torch.isfinite(out.float()).all(), f"output {i} has unwritten rows"
-    for hints, outs in results.items():
-        for i, (x, y) in enumerate(zip(results["0"], outs)):
-            assert torch.equal(x, y), f"output {i}: hints={hints} differs from no hints"
+@requires_sm90
+@pytest.mark.parametrize("op", ["nt", "nt_gather", "nn", "swiglu", "swiglu_bwd", "k_bf16", "k_fp32", "k_acc"])
+def test_num_sms_gives_the_same_bits(op):
+    """No grouped kernel assumes grid == SMs: the tiles are fixed, so every cap (one SM included, which makes one
+    CTA run every tile) gives the bits of the default."""
+    calls, M, _ = _all_grouped_ops()
+    f = calls[op]
+    base = f(None)
+    for n in (1, 7, 66, 131, 132, 100000):
+        for x, y in zip(base, f(n)):
+            rows = min(M, x.shape[0]) if x.dim() == 2 and op not in ("k_bf16", "k_fp32", "k_acc") else x.shape[0]
+            assert torch.equal(x[:rows], y[:rows]), f"{op}: num_sms={n} differs from every SM"
+
+
+def _finding(match: str) -> None:
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match=match):
+        deep_gemm.grouped_gemm.check_device()
+    deep_gemm.grouped_gemm.check_device()  # reported once, then cleared
+
+
+BAD_OFFSETS = {"decreasing": lambda o, M: [0, o[2], o[1]] + o[3:],  # groups 1 and 2 overlap if run
+               "past_rows": lambda o, M: o[:-1] + [M + 1],
+               "negative": lambda o, M: [-128] + o[1:],
+               "first_past_second": lambda o, M: [o[2] + 1] + o[1:]}
+
+
+@requires_sm90
+@pytest.mark.parametrize("bad", list(BAD_OFFSETS))
+@pytest.mark.parametrize("op", ["nt", "nt_gather", "nn", "swiglu", "k_bf16", "k_fp32", "k_acc"])
+def test_bad_group_offsets_write_nothing_and_are_reported(op, bad):
+    """Offsets that are not non-decreasing within [0, rows] make every CTA leave before its first store (output
+    poisoned with NaN stays NaN; an accumulated buffer keeps its bits), and the finding is raised once."""
+    gen = torch.Generator().manual_seed(11)
+    E, H, N = 4, 128, 256
+    sizes = [100, 0, 300, 57]
+    M = sum(sizes)
+    good = offsets_of(sizes, "cpu").tolist()
+    offs = torch.tensor(BAD_OFFSETS[bad](good, M), dtype=torch.int32, device="cuda")
+    a = torch.randn(M, H, generator=gen).bfloat16().cuda()
+    idx = torch.arange(M, dtype=torch.int32, device="cuda")
+    gg = deep_gemm.grouped_gemm
+    if op.startswith("k_"):
+        b = torch.randn(M, N, generator=gen).bfloat16().cuda()
+        if op == "k_acc":
+            c = torch.randn(E, H, N, generator=gen).cuda()
+            before = c.clone()
+            gg.k_grouped_bf16_gemm_tn(a, b, offs, accumulate_into=c)
+            torch.cuda.synchronize()
+            assert torch.equal(c, before)
+        else:
+            dtype = torch.bfloat16 if op == "k_bf16" else torch.float32
+            poison_next_alloc(E * H * N, dtype)
+            out = gg.k_grouped_bf16_gemm_tn(a, b, offs, out_dtype=dtype)
+            torch.cuda.synchronize()
+            assert out.isnan().all(), "a k-grouped GEMM with bad offsets wrote something"
+        _finding("k-grouped GEMM's group_offsets are not non-decreasing")
+        return
+    if op == "swiglu":
+        w13 = torch.randn(E, 2 * N, H, generator=gen).bfloat16().cuda()
+        poison_next_alloc(M * N, torch.bfloat16)
+        s, _ = gg.m_grouped_bf16_gemm_swiglu(a, w13, offs, a_row_index=idx, m_total=M)
+        outs = [s]
+    else:
+        b = torch.randn(E, N, H, generator=gen).bfloat16().cuda() if op != "nn" else \
+            torch.randn(E, H, N, generator=gen).bfloat16().cuda()
+        poison_next_alloc(M * N, torch.bfloat16)
+        if op == "nt":
+            outs = [gg.m_grouped_bf16_gemm_nt(a, b, offs)]
+        elif op == "nt_gather":
+            outs = [gg.m_grouped_bf16_gemm_nt(a, b, offs, a_row_index=idx, m_total=M)]
+        else:
+            outs = [gg.m_grouped_bf16_gemm_nn(a, b, offs)]
+    torch.cuda.synchronize()
+    for out in outs:
+        assert out.isnan().all(), f"{op} with bad offsets wrote something"
+    _finding("m-grouped GEMM's group_offsets are not non-decreasing")
+
+
+@requires_sm90
+def test_bad_offsets_of_the_swiglu_backward_write_nothing():
+    M, offs, dy, w2, h, src, wts = _swiglu_bwd_inputs(4, "special", 256, 128, seed=9)
+    bad = offs.clone()
+    bad[1] = M + 5
+    poison_next_alloc(M * 2 * 256, torch.bfloat16)
+    dh, aw, dt = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy, w2, bad, h, src, wts)
+    torch.cuda.synchronize()
+    assert dh.isnan().all()
+    _finding("m-grouped GEMM's group_offsets are not non-decreasing")
+
+
+@requires_sm90
+def test_gather_index_outside_a_reads_zeros_and_is_reported():
+    gen = torch.Generator().manual_seed(12)
+    E, K, N, T = 3, 128, 256, 50
+    sizes = [70, 0, 90]
+    M = sum(sizes)
+    offs = offsets_of(sizes, "cuda")
+    x = torch.randn(T, K, generator=gen).bfloat16().cuda()
+    idx = torch.randint(-1, T, (M,), generator=gen, dtype=torch.int32)
+    bad = idx.clone()
+    bad[3], bad[100], bad[150] = T, -7, 1 << 30
+    masked = torch.where((bad >= -1) & (bad < T), bad, torch.full_like(bad, -1))
+    b = (torch.randn(E, N, K, generator=gen) / K ** 0.5).bfloat16().cuda()
+    w13 = (torch.randn(E, 2 * N, K, generator=gen) / K ** 0.5).bfloat16().cuda()
+    gg = deep_gemm.grouped_gemm
+    want = gg.m_grouped_bf16_gemm_nt(x, b, offs, a_row_index=masked.cuda(), m_total=M)
+    got = gg.m_grouped_bf16_gemm_nt(x, b, offs, a_row_index=bad.cuda(), m_total=M)
+    assert torch.equal(got, want)
+    _finding("a_row_index names a row outside A")
+    want_s, _ = gg.m_grouped_bf16_gemm_swiglu(x, w13, offs, a_row_index=masked.cuda(), m_total=M)
+    got_s, _ = gg.m_grouped_bf16_gemm_swiglu(x, w13, offs, a_row_index=bad.cuda(), m_total=M)
+    assert torch.equal(got_s, want_s)
+    _finding("a_row_index names a row outside A")
+
+
+@requires_sm90
+def test_swiglu_bwd_route_without_a_weight_gets_zero_and_is_reported():
+    M, offs, dy, w2, h, src, wts = _swiglu_bwd_inputs(4, "special", 256, 128, seed=10)
+    n_routes = wts.numel()
+    bad = src.clone()
+    bad[0], bad[M // 2] = n_routes, n_routes + 1000
+    masked = torch.where(bad < n_routes, bad, torch.full_like(bad, -1))
+    f = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd
+    want = f(dy, w2, offs, h, masked, wts)
+    got = f(dy, w2, offs, h, bad, wts)
+    for x, y in zip(want, got):
+        assert torch.equal(x, y)
+    _finding("pool_src_route names a route without a weight")
+    # the pool-row kernel: the same rule
+    rows = torch.tensor([M], dtype=torch.int32, device="cuda")
+    da = torch.randn(M, 256, device="cuda").bfloat16()
+    want = deep_gemm.swiglu.swiglu_bwd(h[:M], da, masked, wts, rows)
+    got = deep_gemm.swiglu.swiglu_bwd(h[:M], da, bad, wts, rows)
+    for x, y in zip(want, got):
+        assert torch.equal(x, y)
+    _finding("pool_src_route names a route without a weight")

@@ -87,18 +87,34 @@ PK_API int pk_routing_plan_cpu(const void* topk_idx, int topk_idx_is_int64, int6
 //   b_k_major = 0: [k, n] (row stride ldb), "nn", dy @ W, read MN-major (no transposed copy).
 // k-grouped:  C_g = A_g^T @ B_g with A_g, B_g the group's rows of A [p_total, m] and B [p_total, n].
 //   C [num_groups, m, n] contiguous: fp32 (store, or += when accumulate) or bf16 (store only).
+// group_offsets must satisfy 0 <= offsets[0] <= ... <= offsets[num_groups] <= m_total (p_total); rows before
+// offsets[0] belong to no group. num_sms: the most CTAs (one per SM) the kernel runs (0 = every SM); every value
+// gives the same bits (no CTA waits on another, so any subset of SMs makes progress).
+//
+// Device-side value checks (this block, the combine and dispatch, and the SwiGLU kernels below): values these ops
+// read from device memory are checked by the kernels, so no call synchronises. Offsets that break the rule above
+// make the GEMM write nothing; an index outside its range (a_row_index past A's rows, a route past the rows or
+// route weights it indexes; -1 is always a valid "masked") is treated as masked (a zero row, weight 0, a skipped
+// route). Either way the kernel records the finding in mapped pinned host memory, and the next call of any of these
+// entry points fails with PK_ERR_INVALID_ARGUMENT, saying what was found, before it launches anything (the finding
+// is then cleared). pk_device_check reports (and clears) findings on request: call it after synchronising the
+// stream to check a given call.
 // ---------------------------------------------------------------------------------------------
+PK_API int pk_device_check(void);
+
 PK_API int pk_m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int b_k_major, int64_t ldb,
                                   int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
-                                  int num_groups, int64_t m_total, int64_t n, int64_t k, void* cuda_stream);
+                                  int num_groups, int64_t m_total, int64_t n, int64_t k, int num_sms,
+                                  void* cuda_stream);
 
-// m-grouped with A gathered: pool row r reads row a_row_index[r] of A [a_rows, k] (an index outside
-// [0, a_rows) reads zeros), so a token gather needs no materialised copy. D is [m_total, n].
+// m-grouped with A gathered: pool row r reads row a_row_index[r] of A [a_rows, k] (-1 reads zeros; another index
+// outside [0, a_rows) reads zeros too and is a device finding), so a token gather needs no materialised copy. D is
+// [m_total, n].
 PK_API int pk_m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows,
                                            const int32_t* a_row_index, const void* b, int b_k_major,
                                            int64_t ldb, int64_t b_group_stride, void* d, int64_t ldd,
                                            const int32_t* group_offsets, int num_groups, int64_t m_total,
-                                           int64_t n, int64_t k, void* cuda_stream);
+                                           int64_t n, int64_t k, int num_sms, void* cuda_stream);
 
 // L1 with the SwiGLU epilogue: for the rows of group g (A read through a_row_index when non-null),
 // gate|up = A @ w13[g]^T in fp32 (w13 [num_groups, 2I, k], natural layout: gate rows then up rows),
@@ -108,28 +124,21 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_r
                                          const void* w13, int64_t ldb, int64_t b_group_stride,
                                          int64_t intermediate, void* s, int64_t lds, void* h, int64_t ldh,
                                          const int32_t* group_offsets, int num_groups, int64_t m_total,
-                                         int64_t k, float clamp, void* cuda_stream);
+                                         int64_t k, float clamp, int num_sms, void* cuda_stream);
 
 // L2 dgrad with the SwiGLU backward in its epilogue: per group g, da = dy_pool @ w2[g] (w2 [num_groups,
 // hidden, I], read MN-major) stays in registers; with h the saved gate | up [m_total, 2I] and w =
-// route_weights[pool_src_route[row]] (0 where the route is < 0), writes dh [m_total, 2I], aw = w * s
-// [m_total, I] (bf16) and dt_part [m_total, dt_ld >= ceil(I / 128)] (fp32 partials of d topk_weights;
-// their sum in column order is the row's d weight). Rows outside every group are not
-// written. I and hidden multiples of 8; clamp 0 = none.
-// Gathered dy (a_row_index non-null): dy_pool is the source rows [a_rows, hidden] (row stride lda) and the kernel
-// also writes a_pool [m_total, hidden] (contiguous): pool row m = source row a_row_index[m] (zeros outside
-// [0, a_rows)), rows past the last group unwritten; counters: pk_m_grouped_dispatch_counter_count(m_total,
-// num_groups) int32 of scratch (zeroed by the call). Needs I a multiple of 64. a_row_index null: a_rows, a_pool,
-// counters unused.
-PK_API int64_t pk_m_grouped_dispatch_counter_count(int64_t m_total, int num_groups);
+// route_weights[pool_src_route[row]] (route_weights has num_routes entries; route -1 = padding, weight 0), writes
+// dh [m_total, 2I], aw = w * s [m_total, I] (bf16) and dt_part [m_total, dt_ld >= ceil(I / 128)] (fp32 partials
+// of d topk_weights; their sum in column order is the row's d weight). Rows outside every group are not
+// written. I a multiple of 64, hidden a multiple of 8; clamp 0 = none.
 PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb,
                                              int64_t b_group_stride, const void* h, int64_t ldh,
-                                             const int32_t* pool_src_route, const float* route_weights, void* dh,
-                                             int64_t lddh, void* aw, int64_t ldaw, float* dt_part, int64_t dt_ld,
-                                             const int32_t* group_offsets, int num_groups, int64_t m_total,
-                                             int64_t intermediate, int64_t hidden, float clamp,
-                                             const int32_t* a_row_index, int64_t a_rows, void* a_pool,
-                                             int32_t* counters, int64_t num_counters, void* cuda_stream);
+                                             const int32_t* pool_src_route, const float* route_weights,
+                                             int64_t num_routes, void* dh, int64_t lddh, void* aw, int64_t ldaw,
+                                             float* dt_part, int64_t dt_ld, const int32_t* group_offsets,
+                                             int num_groups, int64_t m_total, int64_t intermediate, int64_t hidden,
+                                             float clamp, int num_sms, void* cuda_stream);
 
 // ---------------------------------------------------------------------------------------------
 // Fused Mega MoE forward (sm90, BF16): dispatch of the token rows into the pool, L1 with SwiGLU, L2 and
@@ -152,24 +161,27 @@ PK_API int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64
 
 PK_API int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c,
                                   int c_is_bf16, int accumulate, const int32_t* group_offsets,
-                                  int num_groups, int64_t p_total, int64_t m, int64_t n, void* cuda_stream);
+                                  int num_groups, int64_t p_total, int64_t m, int64_t n, int num_sms,
+                                  void* cuda_stream);
 
 // ---------------------------------------------------------------------------------------------
 // Combine: out[t] = bf16( sum over k = 0..top_k-1, in order, of w[t,k] * slots[route_to_pool[t,k]] )
 // in fp32 (w = 1 when weights is null); routes with row -1 are skipped, an all-masked token gets 0.
-// slots bf16 [rows, >= hidden] (row stride ld_slots), out bf16 [num_tokens, >= hidden] (ld_out);
-// hidden, ld_slots and ld_out multiples of 8; slots and out 16-byte aligned.
+// slots bf16 [num_slot_rows, >= hidden] (row stride ld_slots), out bf16 [num_tokens, >= hidden] (ld_out);
+// hidden, ld_slots and ld_out multiples of 8; slots and out 16-byte aligned. A route outside
+// [-1, num_slot_rows) is skipped and is a device finding (CUDA; see the grouped GEMMs' block) or fails the call
+// before anything is written (CPU).
 // ---------------------------------------------------------------------------------------------
-PK_API int pk_combine_bf16_cuda(const void* slots, int64_t ld_slots, const int32_t* route_to_pool,
-                                const float* weights, int64_t num_tokens, int64_t top_k, int64_t hidden,
-                                void* out, int64_t ld_out, void* cuda_stream);
-PK_API int pk_combine_bf16_cpu(const void* slots, int64_t ld_slots, const int32_t* route_to_pool,
-                               const float* weights, int64_t num_tokens, int64_t top_k, int64_t hidden,
-                               void* out, int64_t ld_out);
+PK_API int pk_combine_bf16_cuda(const void* slots, int64_t ld_slots, int64_t num_slot_rows,
+                                const int32_t* route_to_pool, const float* weights, int64_t num_tokens,
+                                int64_t top_k, int64_t hidden, void* out, int64_t ld_out, void* cuda_stream);
+PK_API int pk_combine_bf16_cpu(const void* slots, int64_t ld_slots, int64_t num_slot_rows,
+                               const int32_t* route_to_pool, const float* weights, int64_t num_tokens,
+                               int64_t top_k, int64_t hidden, void* out, int64_t ld_out);
 
 // Dispatch, the combine's transpose: out[route_to_pool[t,k]] = src[t] (bf16 rows copied as they are) for every
-// route; routes of -1 or naming a row outside [0, num_rows) write nothing, and rows no route names keep their
-// contents. src bf16 [num_tokens, >= hidden] (ld_src), out bf16 [num_rows, >= hidden] (ld_out); hidden, ld_src
+// route; routes of -1 write nothing, and rows no route names keep their contents. A route outside [-1, num_rows)
+// writes nothing and is a device finding (CUDA) or fails the call before anything is written (CPU). src bf16 [num_tokens, >= hidden] (ld_src), out bf16 [num_rows, >= hidden] (ld_out); hidden, ld_src
 // and ld_out multiples of 8; src and out 16-byte aligned.
 PK_API int pk_dispatch_rows_bf16_cuda(const void* src, int64_t ld_src, const int32_t* route_to_pool,
                                       int64_t num_tokens, int64_t top_k, int64_t hidden, void* out, int64_t ld_out,
@@ -182,16 +194,19 @@ PK_API int pk_dispatch_rows_bf16_cpu(const void* src, int64_t ld_src, const int3
 // SwiGLU over pool rows (the grouped pipeline's epilogues). Rows below *num_rows (device int32)
 // only; I, the row strides multiples of 8; pointers 16-byte aligned. clamp < 0 means no clamp.
 //   fwd: s = bf16(silu(min(g, c)) * clamp(u, -c, c))            h [rows, 2I] = gate | up
-//   bwd: with w = topk_weights[pool_src_route[r]] (0 if < 0): dt[r] = sum da*s; dh = bf16(SwiGLU
+//   bwd: with w = topk_weights[pool_src_route[r]] (topk_weights has num_routes entries; route -1: w = 0; a route
+//        outside [-1, num_routes) also gets w = 0 and is a device finding): dt[r] = sum da*s; dh = bf16(SwiGLU
 //        backward of w*da); a = bf16(w*s)                        (deep_gemm.mega.reference B3-B6, B9)
 // ---------------------------------------------------------------------------------------------
 PK_API int pk_swiglu_fwd_bf16_cuda(const void* h, int64_t ld_h, void* s, int64_t ld_s, int64_t inter,
                                    const int32_t* num_rows, int64_t max_rows, float clamp, void* cuda_stream);
 PK_API int pk_swiglu_bwd_bf16_cuda(const void* h, int64_t ld_h, const void* da, int64_t ld_da,
-                                   const int32_t* pool_src_route, const float* topk_weights, int64_t inter,
+                                   const int32_t* pool_src_route, const float* topk_weights, int64_t num_routes,
+                                   int64_t inter,
                                    const int32_t* num_rows, int64_t max_rows, float clamp, void* dh,
                                    int64_t ld_dh, void* a, int64_t ld_a, float* dt, void* cuda_stream);
 
 #ifdef __cplusplus
 }  // extern "C"
 #endif
+// *num_rows is clamped to [0, max_rows].

@@ -3,6 +3,7 @@
 
 #include "api/deep_gemm_api.h"
 #include "api/errors.hpp"
+#include "common/device_check.hpp"
 #include "common/swiglu.hpp"
 
 namespace {
@@ -10,6 +11,12 @@ namespace {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 int check_common(const deep_gemm::common::SwigluArgs& a, const char* op) {
+  char found[1024];
+  if (deep_gemm::common::take_device_checks(found, sizeof(found)))
+    return deep_gemm::api::fail(PK_ERR_INVALID_ARGUMENT,
+                                "%s: not run, since an earlier launch found invalid values on the device (its "
+                                "outputs are not what was asked for): %s",
+                                op, found);
   PK_CHECK_ARG(a.inter > 0 && a.inter % 8 == 0, "%s: I must be a positive multiple of 8, got %lld", op,
                static_cast<long long>(a.inter));
   PK_CHECK_ARG(a.max_rows >= 0 && a.ld_h % 8 == 0 && a.ld_h >= 2 * a.inter,
@@ -38,15 +45,16 @@ int pk_swiglu_fwd_bf16_cuda(const void* h, int64_t ld_h, void* s, int64_t ld_s, 
 }
 
 int pk_swiglu_bwd_bf16_cuda(const void* h, int64_t ld_h, const void* da, int64_t ld_da, const int32_t* pool_src_route,
-                            const float* topk_weights, int64_t inter, const int32_t* num_rows, int64_t max_rows,
-                            float clamp, void* dh, int64_t ld_dh, void* a_out, int64_t ld_a, float* dt,
+                            const float* topk_weights, int64_t num_routes, int64_t inter, const int32_t* num_rows,
+                            int64_t max_rows, float clamp, void* dh, int64_t ld_dh, void* a_out, int64_t ld_a, float* dt,
                             void* cuda_stream) {
   deep_gemm::common::SwigluArgs a{};
   a.h = h, a.ld_h = ld_h, a.inter = inter, a.num_rows = num_rows, a.max_rows = max_rows;
   a.has_clamp = clamp >= 0.0f, a.clamp = clamp, a.da = da, a.ld_da = ld_da, a.pool_src_route = pool_src_route;
-  a.topk_weights = topk_weights, a.dh = dh, a.ld_dh = ld_dh, a.a = a_out, a.ld_a = ld_a, a.dt = dt;
+  a.topk_weights = topk_weights, a.num_routes = num_routes, a.dh = dh, a.ld_dh = ld_dh, a.a = a_out, a.ld_a = ld_a, a.dt = dt;
   if (const int rc = check_common(a, "swiglu_bwd"); rc != PK_OK) return rc;
-  PK_CHECK_ARG(max_rows == 0 || (da && pool_src_route && topk_weights && dh && a_out && dt),
+  PK_CHECK_ARG(num_routes >= 0, "swiglu_bwd: num_routes = %lld, must be >= 0", static_cast<long long>(num_routes));
+  PK_CHECK_ARG(max_rows == 0 || (da && pool_src_route && (topk_weights || num_routes == 0) && dh && a_out && dt),
                "swiglu_bwd: a pointer is null");
   PK_CHECK_ARG(max_rows == 0 || (aligned16(da) && aligned16(dh) && aligned16(a_out)),
                "swiglu_bwd: da, dh and a must be 16-byte aligned");

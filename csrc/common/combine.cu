@@ -21,8 +21,8 @@ dim3 row_kernel_grid(int64_t hidden, int64_t num_tokens) {
 cudaError_t launch_combine(const CombineArgs& a, cudaStream_t stream) {
   if (a.num_tokens == 0) return cudaSuccess;
   combine_bf16_kernel<<<row_kernel_grid(a.hidden, a.num_tokens), kCombineThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(a.slots), a.ld_slots, a.route_to_pool, a.weights, a.num_tokens,
-      static_cast<int>(a.top_k), a.hidden, static_cast<__nv_bfloat16*>(a.out), a.ld_out);
+      static_cast<const __nv_bfloat16*>(a.slots), a.ld_slots, a.num_rows, a.route_to_pool, a.weights, a.num_tokens,
+      static_cast<int>(a.top_k), a.hidden, static_cast<__nv_bfloat16*>(a.out), a.ld_out, device_check_record());
   return cudaGetLastError();
 }
 
@@ -47,7 +47,7 @@ cudaError_t launch_dispatch_rows(const DispatchArgs& a, cudaStream_t stream) {
   if (a.num_tokens == 0 || a.hidden == 0) return cudaSuccess;
   dispatch_rows_bf16_kernel<<<row_kernel_grid(a.hidden, a.num_tokens), kCombineThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(a.src), a.ld_src, a.route_to_pool, a.num_tokens, static_cast<int>(a.top_k),
-      a.hidden, static_cast<__nv_bfloat16*>(a.out), a.ld_out, a.num_rows);
+      a.hidden, static_cast<__nv_bfloat16*>(a.out), a.ld_out, a.num_rows, device_check_record());
   return cudaGetLastError();
 }
 
@@ -57,9 +57,15 @@ void dispatch_rows_host(const DispatchArgs& a) {
   for (int64_t t = 0; t < a.num_tokens; ++t)
     for (int64_t k = 0; k < a.top_k; ++k) {
       const int32_t row = a.route_to_pool[t * a.top_k + k];
-      if (row < 0 || row >= a.num_rows) continue;
+      if (row < 0) continue;
       std::memcpy(out + row * a.ld_out, src + t * a.ld_src, static_cast<size_t>(a.hidden) * sizeof(__nv_bfloat16));
     }
+}
+
+int64_t invalid_route(const int32_t* route_to_pool, int64_t count, int64_t num_rows) {
+  for (int64_t i = 0; i < count; ++i)
+    if (route_to_pool[i] < -1 || route_to_pool[i] >= num_rows) return i;
+  return -1;
 }
 
 }  // namespace deep_gemm::common

@@ -6,8 +6,10 @@
 
 namespace deep_gemm::common {
 
+// Routes are -1 (masked) or a row in [0, num_rows). The CUDA kernels skip any other route and note it in the
+// device-check record (common/device_check.hpp); the host loops are run only after invalid_route found none.
 struct CombineArgs {
-  const void* slots;  // bf16 [rows, >= hidden], row stride ld_slots (elements)
+  const void* slots;  // bf16 [num_rows, >= hidden], row stride ld_slots (elements)
   int64_t ld_slots;
   const int32_t* route_to_pool;  // [num_tokens, top_k]
   const float* weights;          // [num_tokens, top_k] fp32, or null for plain sums
@@ -16,13 +18,14 @@ struct CombineArgs {
   int64_t hidden;
   void* out;  // bf16 [num_tokens, >= hidden], row stride ld_out
   int64_t ld_out;
+  int64_t num_rows = INT64_MAX;  // slot rows; every entry point of the library passes it
 };
 
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream);
 void combine_host(const CombineArgs& args);  // same order and rounding, on the CPU
 
-// out[route_to_pool[t, k]] = src[t] (bf16 rows copied as they are); routes of -1 or outside [0, num_rows) write
-// nothing, and rows no route names keep their contents.
+// out[route_to_pool[t, k]] = src[t] (bf16 rows copied as they are); routes of -1 write nothing, and rows no route
+// names keep their contents.
 struct DispatchArgs {
   const void* src;  // bf16 [num_tokens, >= hidden], row stride ld_src (elements)
   int64_t ld_src;
@@ -37,5 +40,8 @@ struct DispatchArgs {
 
 cudaError_t launch_dispatch_rows(const DispatchArgs& args, cudaStream_t stream);
 void dispatch_rows_host(const DispatchArgs& args);
+
+// The first entry of route_to_pool[0, count) (host memory) that is neither -1 nor in [0, num_rows), or -1 if none.
+int64_t invalid_route(const int32_t* route_to_pool, int64_t count, int64_t num_rows);
 
 }  // namespace deep_gemm::common

@@ -16,7 +16,7 @@ cudaError_t launch_swiglu_fwd(const SwigluArgs& a, cudaStream_t stream) {
   if (a.max_rows == 0) return cudaSuccess;
   swiglu_fwd_kernel<<<grid_for(a.max_rows), kSwigluThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(a.h), a.ld_h, static_cast<__nv_bfloat16*>(a.s), a.ld_s, a.inter, a.num_rows,
-      SwigluMath{a.clamp, a.has_clamp});
+      a.max_rows, SwigluMath{a.clamp, a.has_clamp});
   return cudaGetLastError();
 }
 
@@ -24,8 +24,9 @@ cudaError_t launch_swiglu_bwd(const SwigluArgs& a, cudaStream_t stream) {
   if (a.max_rows == 0) return cudaSuccess;
   swiglu_bwd_kernel<<<grid_for(a.max_rows), kSwigluThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(a.h), a.ld_h, static_cast<const __nv_bfloat16*>(a.da), a.ld_da,
-      a.pool_src_route, a.topk_weights, a.inter, a.num_rows, SwigluMath{a.clamp, a.has_clamp},
-      static_cast<__nv_bfloat16*>(a.dh), a.ld_dh, static_cast<__nv_bfloat16*>(a.a), a.ld_a, a.dt);
+      a.pool_src_route, a.topk_weights, a.num_routes, a.inter, a.num_rows, a.max_rows,
+      SwigluMath{a.clamp, a.has_clamp}, static_cast<__nv_bfloat16*>(a.dh), a.ld_dh, static_cast<__nv_bfloat16*>(a.a),
+      a.ld_a, a.dt, device_check_record());
   return cudaGetLastError();
 }
 

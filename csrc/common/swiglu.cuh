@@ -1,7 +1,7 @@
 // SwiGLU over pool rows, forward and backward, for the grouped pipeline (reference F2-F3, B3-B6, B9).
 //
 // h [rows, 2I] holds gate | up per pool row. Only rows below *num_rows (a device scalar: the pool
-// rows in use, so no host sync) are touched. One block per row (grid-stride), each thread 8
+// rows in use, so no host sync; clamped to the rows allocated) are touched. One block per row (grid-stride), each thread 8
 // consecutive columns per step; the backward's per-row dot product is reduced in a fixed order
 // (per-thread partials, then a fixed shuffle tree, then warps in order), so it is deterministic.
 #pragma once
@@ -9,6 +9,8 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+
+#include "common/device_check.hpp"
 
 namespace deep_gemm::common {
 
@@ -46,8 +48,8 @@ __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf
 // s = bf16(silu(gate_c) * up_c)
 __global__ void __launch_bounds__(kSwigluThreads)
 swiglu_fwd_kernel(const __nv_bfloat16* __restrict__ h, int64_t ld_h, __nv_bfloat16* __restrict__ s, int64_t ld_s,
-                  int64_t inter, const int32_t* __restrict__ num_rows, SwigluMath m) {
-  const int64_t rows = __ldg(num_rows);
+                  int64_t inter, const int32_t* __restrict__ num_rows, int64_t max_rows, SwigluMath m) {
+  const int64_t rows = min(max(static_cast<int64_t>(__ldg(num_rows)), int64_t(0)), max_rows);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const __nv_bfloat16* hr = h + r * ld_h;
     for (int64_t c = threadIdx.x * 8; c < inter; c += kSwigluThreads * 8) {
@@ -64,20 +66,24 @@ swiglu_fwd_kernel(const __nv_bfloat16* __restrict__ h, int64_t ld_h, __nv_bfloat
   }
 }
 
-// For pool row r with weight w (0 for padding rows, pool_src_route < 0):
+// For pool row r with weight w = topk_weights[pool_src_route[r]] (0 for padding rows, route -1; a route outside
+// [0, num_routes) also gets 0 and is noted in the device-check record):
 //   dt[r] = sum_i da*s;  ds = w*da;  dg = ds*uc*sig*(1+gc*(1-sig)) * [g < c];  du = ds*silu * [-c < u < c]
 //   dh = bf16([dg, du]);  a = bf16(w*s)      (s = silu(gc)*uc in fp32, not rounded)
 __global__ void __launch_bounds__(kSwigluThreads)
 swiglu_bwd_kernel(const __nv_bfloat16* __restrict__ h, int64_t ld_h, const __nv_bfloat16* __restrict__ da,
                   int64_t ld_da, const int32_t* __restrict__ pool_src_route, const float* __restrict__ topk_weights,
-                  int64_t inter, const int32_t* __restrict__ num_rows, SwigluMath m,
-                  __nv_bfloat16* __restrict__ dh, int64_t ld_dh, __nv_bfloat16* __restrict__ a, int64_t ld_a,
-                  float* __restrict__ dt) {
+                  int64_t num_routes, int64_t inter, const int32_t* __restrict__ num_rows, int64_t max_rows,
+                  SwigluMath m, __nv_bfloat16* __restrict__ dh, int64_t ld_dh, __nv_bfloat16* __restrict__ a,
+                  int64_t ld_a, float* __restrict__ dt, DeviceCheckRecord* check) {
   __shared__ float warp_sums[kSwigluThreads / 32];
-  const int64_t rows = __ldg(num_rows);
+  const int64_t rows = min(max(static_cast<int64_t>(__ldg(num_rows)), int64_t(0)), max_rows);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int32_t route = __ldg(pool_src_route + r);
-    const float w = route >= 0 ? __ldg(topk_weights + route) : 0.0f;
+    const bool routed = route >= 0 && route < num_routes;
+    if (threadIdx.x == 0 && (route < -1 || route >= num_routes))
+      report_device_check(check, kCheckPoolRoute, route, num_routes);
+    const float w = routed ? __ldg(topk_weights + route) : 0.0f;
     const __nv_bfloat16* hr = h + r * ld_h;
     float partial = 0.0f;
     for (int64_t c = threadIdx.x * 8; c < inter; c += kSwigluThreads * 8) {
@@ -114,7 +120,7 @@ swiglu_bwd_kernel(const __nv_bfloat16* __restrict__ h, int64_t ld_h, const __nv_
       float total = 0.0f;
 #pragma unroll
       for (int i = 0; i < kSwigluThreads / 32; ++i) total += warp_sums[i];
-      dt[r] = route >= 0 ? total : 0.0f;
+      dt[r] = routed ? total : 0.0f;
     }
     __syncthreads();
   }

@@ -27,6 +27,27 @@ struct GroupedGemmConfig {
   int gather_mode = 0;
 };
 
+// L2 cache-hint bits of the grouped GEMMs (bit 0: output stores evict_first; bit 3: the reused operand loads
+// evict_last; a clear bit: no hint). Measured on the H200, layer forward + backward steady state, 4 rounds
+// (bench/NOTES.md): the m-grouped GEMMs and the L2 dgrad + SwiGLU backward with 9 (weight loads evict_last: every
+// m-block of a band reads each B tile in turn; output stores evict_first: a later kernel reads them only after far
+// more than L2 holds has streamed through) against 0: 30B 7.48-7.53 -> 7.42-7.43 ms, 235B 27.56-27.58 ->
+// 26.99-27.04 ms. The k-grouped GEMM with 8 (A and B loads evict_last: every tile of an expert re-reads its rows)
+// against 0: 30B 7.71-7.76 -> 7.57-7.59 ms, 235B 27.88-27.96 -> 27.49-27.56 ms; its C stores evict_first (bit 0)
+// changed nothing, so that bit stays clear.
+constexpr int32_t kGemmL2Hints = 9;
+constexpr int32_t kKGroupedL2Hints = 8;
+
+// The SwiGLU GEMM's default tiles (m_grouped_bf16_gemm_swiglu): 128 x 256 (gate | up of 128 columns of I), 3
+// stages, the asynchronous epilogue, as the shared rule below picks for a bf16 output.
+inline GroupedGemmConfig swiglu_gemm_config() {
+  GroupedGemmConfig c;
+  c.block_n = 256;
+  c.num_stages = 3;
+  c.async_epilogue = 1;
+  return c;
+}
+
 // Measured on H200 (bench/NOTES.md, GEMM core v6, 30B/235B l1_fwd): cp.async rows (1) were the fastest mode;
 // per-row TMA boxes (2) 1.4x slower, the hybrids (4-6) 1.25-1.4x slower, the L2 prefetch (3) 4-6% slower.
 inline int gather_mode_default() { return 1; }

@@ -7,7 +7,6 @@
 
 #include <cstdarg>
 #include <cstdio>
-#include <cstdlib>
 
 #include "host_utils.hpp"
 #include "k_grouped_gemm.cuh"
@@ -21,13 +20,12 @@ using namespace host;
 namespace {
 
 template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2, bool kGatherA,
-          bool kSwiGLU = false, bool kGatherTma = false, bool kSwiGLUBwd = false>
+          bool kSwiGLU = false, bool kGatherTma = false>
 int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& md, const MGroupedParams& p,
                      int64_t max_units,
                      int sms, cudaStream_t stream, char* err, size_t err_len) {
   constexpr auto kernel =
-      &m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kAsyncEpi, kCluster2, kGatherA, kSwiGLU, kGatherTma,
-                                  kSwiGLUBwd>;
+      &m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kAsyncEpi, kCluster2, kGatherA, kSwiGLU, kGatherTma>;
   constexpr int smem = MGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
@@ -160,7 +158,8 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
     if (int r = make_map(&md, d, 2, dims, strides, box, err, err_len)) return r;
   }
   MGroupedParams p{};
-  p.l2_hints = l2_hints_from_env("PK_GEMM_L2HINT", kGemmL2Hints);
+  p.l2_hints = kGemmL2Hints;
+  p.check = common::device_check_record();
   p.a = reinterpret_cast<const __nv_bfloat16*>(a_ptr);
   p.lda = lda_;
   p.a_row_index = a_row_index;
@@ -263,11 +262,7 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
   if (num_groups > 1 && (b_group_stride < 2 * I * ldb || b_group_stride % 8 != 0))
     return fail(kGemmInvalidArgument, err, err_len, "%s: b_group_stride = %lld, must be >= 2I * ldb, multiple of 8",
                 fn, (long long)b_group_stride);
-  GroupedGemmConfig cfg;
-  cfg.block_n = 256;
-  cfg.num_stages = 3;
-  cfg.async_epilogue = 1;
-  if (config) cfg = *config;
+  const GroupedGemmConfig cfg = config ? *config : swiglu_gemm_config();
   if (cfg.block_m != 128 || cfg.block_k != 64 || cfg.cluster_m != 1 || cfg.async_epilogue != 1 ||
       !((cfg.block_n == 256 && cfg.num_stages == 3) || (cfg.block_n == 128 && cfg.num_stages == 5)))
     return fail(kGemmInvalidArgument, err, err_len,
@@ -304,7 +299,8 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
     if (int r = make_map(&md, h, 2, dims, strides, box, err, err_len)) return r;
   }
   MGroupedParams p{};
-  p.l2_hints = l2_hints_from_env("PK_GEMM_L2HINT", kGemmL2Hints);
+  p.l2_hints = kGemmL2Hints;
+  p.check = common::device_check_record();
   p.a = reinterpret_cast<const __nv_bfloat16*>(a);
   p.lda = lda;
   p.a_row_index = a_row_index;
@@ -341,22 +337,19 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
 
 int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb, int64_t b_group_stride,
                                    const void* h, int64_t ldh, const int32_t* pool_src_route,
-                                   const float* route_weights, void* dh, int64_t lddh, void* aw, int64_t ldaw,
-                                   float* dt_part, int64_t dt_ld, const int32_t* group_offsets, int num_groups,
-                                   int64_t m_total, int64_t intermediate, int64_t hidden, float clamp_limit,
-                                   const int32_t* a_row_index, int64_t a_rows, void* a_pool, int32_t* counters,
-                                   int64_t num_counters, cudaStream_t stream, char* err, size_t err_len) {
+                                   const float* route_weights, int64_t num_routes, void* dh, int64_t lddh, void* aw,
+                                   int64_t ldaw, float* dt_part, int64_t dt_ld, const int32_t* group_offsets,
+                                   int num_groups, int64_t m_total, int64_t intermediate, int64_t hidden,
+                                   float clamp_limit, int num_sms, cudaStream_t stream, char* err, size_t err_len) {
   clear_err(err, err_len);
   const char* fn = "m_grouped_bf16_gemm_swiglu_bwd";
-  constexpr int kBlockN = 256;
   const int64_t I = intermediate, k = hidden;
   if (int r = check_num_groups(num_groups, fn, err, err_len)) return r;
-  if (m_total < 0 || m_total > kMaxDim || I < 8 || 2 * I > kMaxDim || I % 8 != 0 || k < 8 || k > kMaxDim ||
+  if (m_total < 0 || m_total > kMaxDim || I < 64 || 2 * I > kMaxDim || I % 64 != 0 || k < 8 || k > kMaxDim ||
       k % 8 != 0)
     return fail(kGemmInvalidArgument, err, err_len,
-                "%s: bad sizes m_total=%lld intermediate=%lld hidden=%lld (multiples of 8, >= 8)", fn,
-                (long long)m_total, (long long)I, (long long)k);
-  const int64_t n_blocks = (I + kBlockN - 1) / kBlockN;
+                "%s: bad sizes m_total=%lld intermediate=%lld (a multiple of 64) hidden=%lld (a multiple of 8, >= 8)",
+                fn, (long long)m_total, (long long)I, (long long)k);
   const int64_t dt_cols = (I + 127) / 128;
   if (lda < k || lda % 8 != 0 || ldb < I || ldb % 8 != 0 || ldh < 2 * I || ldh % 8 != 0 || lddh < 2 * I ||
       lddh % 8 != 0 || ldaw < I || ldaw % 8 != 0 || dt_ld < dt_cols)
@@ -370,34 +363,26 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
                 fn, (long long)b_group_stride);
   if (!(clamp_limit >= 0.f))
     return fail(kGemmInvalidArgument, err, err_len, "%s: clamp_limit must be >= 0 (0 = no clamp)", fn);
-  // With a_row_index, dy_pool holds the source rows (a_rows of them) and the kernel gathers them into a_pool.
-  const bool dispatch = a_row_index != nullptr;
-  const int64_t num_m_blocks = max_m_blocks(m_total, num_groups);  // bounds the m-blocks of every grouping
-  if (dispatch) {
-    if (a_rows < 0 || a_rows > kMaxDim || a_pool == nullptr || !aligned16(a_pool) || counters == nullptr ||
-        num_counters < num_m_blocks || m_total * ((k * 2 + 4095) / 4096) > kMaxDim)
-      return fail(kGemmInvalidArgument, err, err_len,
-                  "%s (gathered dy): a_rows = %lld, a_pool (16-byte aligned) and %lld counters are needed, got %lld",
-                  fn, (long long)a_rows, (long long)num_m_blocks, (long long)num_counters);
-    if (!(I % 64 == 0 && ldh % 8 == 0 && lddh % 8 == 0 && ldaw % 8 == 0))
-      return fail(kGemmInvalidArgument, err, err_len,
-                  "%s (gathered dy): intermediate must be a multiple of 64 (the ping-pong kernel's boxes), got %lld",
-                  fn, (long long)I);
-  }
+  if (num_routes < 0 || num_routes > kMaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_routes = %lld, must be in [0, 2^31)", fn,
+                (long long)num_routes);
+  if (num_sms < 0) return fail(kGemmInvalidArgument, err, err_len, "%s: num_sms = %d, must be >= 0", fn, num_sms);
   if (m_total == 0) return kGemmOk;
-  if (dy_pool == nullptr || w2 == nullptr || h == nullptr || pool_src_route == nullptr || route_weights == nullptr ||
-      dh == nullptr || aw == nullptr || dt_part == nullptr || group_offsets == nullptr)
+  if (dy_pool == nullptr || w2 == nullptr || h == nullptr || pool_src_route == nullptr ||
+      (route_weights == nullptr && num_routes > 0) || dh == nullptr || aw == nullptr || dt_part == nullptr ||
+      group_offsets == nullptr)
     return fail(kGemmInvalidArgument, err, err_len, "%s: a pointer is null", fn);
   if (!aligned16(dy_pool) || !aligned16(w2) || !aligned16(h) || !aligned16(dh) || !aligned16(aw))
     return fail(kGemmInvalidArgument, err, err_len, "%s: dy_pool, w2, h, dh and aw must be 16-byte aligned", fn);
   int sms = 0;
   if (int r = device_sms(&sms, err, err_len)) return r;
-  CUtensorMap ma, mb;
+  if (num_sms > 0 && num_sms < sms) sms = num_sms;
+  CUtensorMap ma, mb, mh, mdh, maw;
   {
     const uint64_t dims[2] = {(uint64_t)k, (uint64_t)m_total};
-    const uint64_t strides[1] = {(uint64_t)(dispatch ? k : lda) * 2};
+    const uint64_t strides[1] = {(uint64_t)lda * 2};
     const uint32_t box[2] = {64, 128};
-    if (int r = make_map(&ma, dispatch ? a_pool : dy_pool, 2, dims, strides, box, err, err_len)) return r;
+    if (int r = make_map(&ma, dy_pool, 2, dims, strides, box, err, err_len)) return r;
   }
   {
     const int64_t gs = num_groups > 1 ? b_group_stride : k * ldb;
@@ -406,8 +391,20 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
     const uint32_t box[3] = {64, 64, 1};
     if (int r = make_map(&mb, w2, 3, dims, strides, box, err, err_len)) return r;
   }
+  {
+    const uint64_t dims[2] = {(uint64_t)(2 * I), (uint64_t)m_total};
+    const uint32_t box[2] = {64, 64};
+    const uint64_t sh[1] = {(uint64_t)ldh * 2};
+    if (int r = make_map(&mh, h, 2, dims, sh, box, err, err_len)) return r;
+    const uint64_t sdh[1] = {(uint64_t)lddh * 2};
+    if (int r = make_map(&mdh, dh, 2, dims, sdh, box, err, err_len)) return r;
+    const uint64_t dims_aw[2] = {(uint64_t)I, (uint64_t)m_total};
+    const uint64_t saw[1] = {(uint64_t)ldaw * 2};
+    if (int r = make_map(&maw, aw, 2, dims_aw, saw, box, err, err_len)) return r;
+  }
   MGroupedParams p{};
-  p.l2_hints = l2_hints_from_env("PK_GEMM_L2HINT", kGemmL2Hints);
+  p.l2_hints = kGemmL2Hints;
+  p.check = common::device_check_record();
   p.a = reinterpret_cast<const __nv_bfloat16*>(dy_pool);
   p.lda = lda;
   p.group_offsets = group_offsets;
@@ -420,62 +417,22 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
   p.ldh = ldh;
   p.pool_src_route = pool_src_route;
   p.route_weights = route_weights;
+  p.num_routes = (int32_t)num_routes;
   p.dh = reinterpret_cast<__nv_bfloat16*>(dh);
   p.lddh = lddh;
   p.aw = reinterpret_cast<__nv_bfloat16*>(aw);
   p.ldaw = ldaw;
   p.dt_part = dt_part;
   p.dt_ld = (int32_t)dt_ld;
-  if (dispatch) {
-    p.a_row_index = a_row_index;
-    p.a_rows = (int32_t)a_rows;
-    p.a_pool = reinterpret_cast<__nv_bfloat16*>(a_pool);
-    p.disp_ctr = counters;
-    p.max_m_blocks = (int32_t)num_m_blocks;
-  }
-  const int64_t max_units = num_m_blocks * n_blocks;
-  // The ping-pong kernel (swiglu_bwd_pp.cuh) where its boxes fit; PK_SWIGLU_BWD_COOP=1 (development aid, read
-  // at every call) runs the cooperative kSwiGLUBwd kernel instead (not with a gathered dy).
-  const char* coop_env = std::getenv("PK_SWIGLU_BWD_COOP");
-  const bool cooperative = !dispatch && coop_env != nullptr && coop_env[0] == '1';
-  if (!cooperative && I % 64 == 0 && ldh % 8 == 0 && lddh % 8 == 0 && ldaw % 8 == 0) {
-    CUtensorMap mh, mdh, maw;
-    {
-      const uint64_t dims[2] = {(uint64_t)(2 * I), (uint64_t)m_total};
-      const uint32_t box[2] = {64, 64};
-      const uint64_t sh[1] = {(uint64_t)ldh * 2};
-      if (int r = make_map(&mh, h, 2, dims, sh, box, err, err_len)) return r;
-      const uint64_t sdh[1] = {(uint64_t)lddh * 2};
-      if (int r = make_map(&mdh, dh, 2, dims, sdh, box, err, err_len)) return r;
-      const uint64_t dims_aw[2] = {(uint64_t)I, (uint64_t)m_total};
-      const uint64_t saw[1] = {(uint64_t)ldaw * 2};
-      if (int r = make_map(&maw, aw, 2, dims_aw, saw, box, err, err_len)) return r;
-    }
-    const int64_t tiles = num_m_blocks * ((I + 127) / 128);
-    cudaError_t e = cudaSuccess;
-    if (dispatch) {
-      // Every CTA of the persistent grid must be resident at once, since a tile waits on rows another CTA
-      // dispatches: grid <= SMs, one CTA per SM (its shared memory).
-      constexpr int kStages = 3, kSlots = 9;  // 9 x 4 KB dispatch slots take the fourth stage's room
-      constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages, kSlots>;
-      constexpr int smem = SwigluBwdPPLayout<kStages, kSlots>::kSmemBytes;
-      e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * num_m_blocks, stream);
-      if (e == cudaSuccess) e = set_max_dynamic_smem<kernel>(smem);
-      if (e == cudaSuccess) e = launch_persistent<kernel, false>(kNumThreads, smem, tiles, sms, stream, ma, mb, mh,
-                                                                    mdh, maw, p);
-    } else {
-      constexpr int kStages = 4;
-      constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages, 0>;
-      constexpr int smem = SwigluBwdPPLayout<kStages, 0>::kSmemBytes;
-      e = set_max_dynamic_smem<kernel>(smem);
-      if (e == cudaSuccess) e = launch_persistent<kernel, false>(kNumThreads, smem, tiles, sms, stream, ma, mb, mh,
-                                                                    mdh, maw, p);
-    }
-    if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
-    return check_launch(fn, err, err_len);
-  }
-  return launch_m_grouped<kBlockN, 4, false, false, false, false, false, false, true>(ma, mb, mb, p, max_units, sms,
-                                                                                     stream, err, err_len);
+  const int64_t tiles = max_m_blocks(m_total, num_groups) * ((I + 127) / 128);
+  constexpr int kStages = 4;
+  constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages>;
+  constexpr int smem = SwigluBwdPPLayout<kStages>::kSmemBytes;
+  cudaError_t e = set_max_dynamic_smem<kernel>(smem);
+  if (e == cudaSuccess)
+    e = launch_persistent<kernel, false>(kNumThreads, smem, tiles, sms, stream, ma, mb, mh, mdh, maw, p);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
+  return check_launch(fn, err, err_len);
 }
 
 int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c, bool c_is_bf16,
@@ -552,7 +509,8 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
   p.m = (int32_t)m;
   p.n = (int32_t)n;
   p.num_groups = num_groups;
-  p.l2_hints = l2_hints_from_env("PK_KGROUPED_L2HINT", kKGroupedL2Hints);
+  p.l2_hints = kKGroupedL2Hints;
+  p.check = common::device_check_record();
   const int64_t tiles = (int64_t)num_groups * ((m + 127) / 128) * ((n + cfg.block_n - 1) / cfg.block_n);
   if (tiles > kMaxDim) return fail(kGemmInvalidArgument, err, err_len, "%s: too many tiles", fn);
   const int grid = (int)(tiles < sms ? tiles : sms);

@@ -12,20 +12,25 @@
 // tiles but not the same cost (cost ~ its row count), so the prologue orders experts by decreasing row
 // count and CTAs take tiles in a serpentine order over rounds of gridDim.x tiles (heavy tiles first,
 // spread over all CTAs).
+//
+// offs: device int32 [E+1], non-decreasing within [0, P]. Every CTA checks that in its prologue, before any
+// store: offsets that break it make the whole kernel write nothing (and note it in the device-check record,
+// common/device_check.hpp).
+//
+// Forward progress: a CTA never waits on another CTA. Its tiles are fixed by its index and gridDim.x alone, each
+// computed start to end (all of its expert's rows, in order) by that CTA, so any grid size (the num_sms cap)
+// gives the same bits, whichever CTAs are resident at a time.
 #pragma once
 
 #include <cuda.h>
 
+#include "common/device_check.hpp"
 #include "gemm_common.cuh"
 
 namespace deep_gemm {
 namespace sm90 {
 
 enum KGroupedOut : int { kOutF32Store = 0, kOutF32Accumulate = 1, kOutBf16Store = 2 };
-
-// KGroupedParams::l2_hints: A / B loads evict_last (H200, layer fwd+bwd -1.4 to -1.9% steady); the C stores
-// evict_first measured no change, so it stays off.
-constexpr int32_t kKGroupedL2Hints = 8;
 
 struct KGroupedParams {
   void* c;  // [E, M, N]
@@ -34,9 +39,11 @@ struct KGroupedParams {
   int32_t m;
   int32_t n;
   int32_t num_groups;
-  // L2 cache hints (kKGroupedL2Hints; bench/NOTES.md, session 14): bit 0: the C stores evict_first; bit 3: the A and
-  // B loads evict_last (every tile of an expert reads its rows again). A clear bit: no hint.
+  // L2 cache hints (kKGroupedL2Hints in gemm_heuristics.hpp): bit 0: the C stores evict_first; bit 3: the A and B
+  // loads evict_last. A clear bit: no hint.
   int32_t l2_hints;
+  // Where the kernel notes invalid offsets (may be null: they still make it write nothing).
+  common::DeviceCheckRecord* check;
 };
 
 template <int kBlockN, int kNumStages, bool kAsyncEpi>
@@ -83,17 +90,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int tiles_per_group = m_blocks * n_blocks;
   const int num_tiles = tiles_per_group * num_groups;
 
-  // ---- prologue
+  // ---- prologue: offsets check (before anything is stored: bad offsets write nothing), barriers, expert order
+  if (common::group_offsets_invalid(p.group_offsets, num_groups, p.p_total, p.check, common::kCheckKGroupedOffsets))
+    return;
   if (tid == 0) init_stage_barriers(full_bar, empty_bar, kNumStages, 1, kNumConsumerThreads / 32);
   if (tid == 32) {
     ptx::tma_prefetch_desc(&tmap_a);
     ptx::tma_prefetch_desc(&tmap_b);
     if constexpr (kOut == kOutBf16Store) ptx::tma_prefetch_desc(&tmap_c);
   }
-  for (int i = tid; i <= num_groups; i += kNumThreads) {
-    const int v = __ldg(p.group_offsets + i);
-    s_offs[i] = min(max(v, 0), p.p_total);
-  }
+  for (int i = tid; i <= num_groups; i += kNumThreads) s_offs[i] = __ldg(p.group_offsets + i);
   __syncthreads();
   // Rank experts by decreasing row count (ties by index): order[rank] = expert.
   for (int e = tid; e < num_groups; e += kNumThreads) {

@@ -6,13 +6,21 @@
 //   B  K-major  [E, N, K] ("nt", forward passes)   or   MN-major [E, K, N] ("nn", dgrad passes; read
 //      through wgmma's transpose bit, no transposed copy).
 //   D  [M_total, N] bf16 (row stride ldd). Rows outside every group are not written.
-//   offs: device int32 [E+1], non-decreasing, no padding required, empty groups allowed.
+//   offs: device int32 [E+1], non-decreasing within [0, M_total], no padding required, empty groups allowed.
+//   Every CTA checks that in its prologue, before any store: offsets that break it make the whole kernel write
+//   nothing (and note it in the device-check record, common/device_check.hpp), so bad offsets cannot make tiles
+//   overlap.
 //
-// Persistent and warp-specialized: one CTA per SM, 384 threads. Warpgroup 0 is the producer (one thread
+// Persistent and warp-specialized: at most one CTA per SM, 384 threads. Warpgroup 0 is the producer (one thread
 // issues TMA into a kNumStages-deep mbarrier ring; with kGatherA its four warps copy A rows), warpgroups 1
 // and 2 are consumers (they also TMA-store their finished tiles), each owning 64 of the 128 rows of a tile
 // and issuing m64nNk16 wgmma on the full kBlockN width. The per-group tile starts come from a prologue scan of offs in shared
 // memory; every role walks the same static tile sequence, so no tile ids travel between roles.
+//
+// Forward progress: a CTA never waits on another CTA. Its tiles are a fixed stride of the static tile list (CTA b
+// takes b, b + gridDim.x, ...), each computed start to end by that CTA alone, so any grid size (the num_sms cap)
+// gives the same tiles with the same bits, whichever CTAs are resident at a time. The only cross-CTA waits are a
+// kCluster2 pair's, and the two CTAs of a cluster are scheduled together by the hardware.
 //
 // Tile order: group-major, then n-block, then m-block (m fastest; in bands of kMBand m-blocks, see band_tile), so
 // CTAs running at the same time share the expert's B panel in L2.
@@ -43,30 +51,26 @@
 // s = silu(gate) * up (fp32 math, bf16 out) straight from registers and, when asked, h = gate | up through
 // the staging tile and TMA stores into columns c and I + c of h.
 //
-// kSwiGLUBwd (L2 dgrad of the backward; MN-major B = w2): the accumulator is da = dy_pool @ w2_e for kBlockN
-// columns of I; the epilogue applies the SwiGLU backward to it (swiglu_bwd_epilogue: dh, w * s and the
-// d topk_weights partials), so da never goes to memory.
-//
 // kAsyncEpi: the consumers write their bf16 tile into a 128B-swizzled staging buffer and TMA-store it (see
 // gemm_common.cuh), so they go on with the next tile while the copy engine writes the tile out.
 #pragma once
 
 #include <cuda.h>
 
+#include "common/device_check.hpp"
 #include "gemm_common.cuh"
 
 namespace deep_gemm {
 namespace sm90 {
 
-constexpr int32_t kGemmL2Hints = 9;  // MGroupedParams::l2_hints: output stores evict_first, weight loads evict_last
-
 struct MGroupedParams {
-  // L2 cache hints (kGemmL2Hints, bench/NOTES.md session 14): bit 0: the outputs' TMA stores (d, dh, aw) evict_first
-  // (a later kernel reads them, after far more than L2 holds has streamed through); bit 3: the B (weight) loads
-  // evict_last (every m-block of a band reads each B tile in turn). A clear bit: no hint.
+  // L2 cache hints (kGemmL2Hints in gemm_heuristics.hpp): bit 0: the outputs' TMA stores (d, dh, aw) evict_first;
+  // bit 3: the B (weight) loads evict_last. A clear bit: no hint.
   int32_t l2_hints;
+  // Where the kernel notes invalid offsets and indices (may be null: they are still handled, not noted).
+  common::DeviceCheckRecord* check;
   // Gathered A only (kGatherA): A [a_rows, K] row stride lda; pool row m reads A row a_row_index[m]
-  // (indices outside [0, a_rows) read zeros).
+  // (-1 reads zeros; any other index outside [0, a_rows) reads zeros too and is noted as invalid).
   const __nv_bfloat16* a;
   int64_t lda;
   const int32_t* a_row_index;
@@ -90,27 +94,21 @@ struct MGroupedParams {
   __nv_bfloat16* s;
   int64_t lds;
   float clamp;
-  // SwiGLU backward epilogue only (kSwiGLUBwd, L2 dgrad: A = dy_pool, B = w2 MN-major, n = I): see
-  // swiglu_bwd_epilogue in gemm_common.cuh. h [M, 2I] (saved gate | up), route weights by route id
-  // (pool_src_route; < 0 = padding row), outputs dh [M, 2I], aw [M, I] (bf16) and dt_part [M, dt_ld] (fp32,
-  // one partial per n-block); d is not written.
+  // SwiGLU backward only (swiglu_bwd_pp.cuh, L2 dgrad: A = dy_pool, B = w2 MN-major, n = I): h [M, 2I] (saved
+  // gate | up), route weights [num_routes] by route id (pool_src_route; -1 = padding row, weight 0; any other id
+  // outside [0, num_routes) also gets weight 0 and is noted as invalid), outputs dh [M, 2I], aw [M, I] (bf16) and
+  // dt_part [M, dt_ld] (fp32, one partial per 128 columns of I); d is not written.
   const __nv_bfloat16* h;
   int64_t ldh;
   const int32_t* pool_src_route;
   const float* route_weights;
+  int32_t num_routes;
   __nv_bfloat16* dh;
   int64_t lddh;
   __nv_bfloat16* aw;
   int64_t ldaw;
   float* dt_part;
   int32_t dt_ld;
-  // ... with dispatch (swiglu_bwd_pp.cuh, kDispatchSlots > 0): pool row m of a_pool [m_total, k] (row stride k)
-  // is copied from A row a_row_index[m] (a, lda, a_rows above; zeros for indices outside [0, a_rows)) and A is
-  // read from a_pool once its m-block's counter disp_ctr[mb] (zero before the launch, max_m_blocks entries) is
-  // complete. Rows past the last group are not written.
-  __nv_bfloat16* a_pool;
-  int32_t* disp_ctr;
-  int32_t max_m_blocks;
 };
 
 template <int kBlockN, int kNumStages, bool kAsyncEpi>
@@ -128,7 +126,7 @@ struct MGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
 };
 
 template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2, bool kGatherA,
-          bool kSwiGLU = false, bool kGatherTma = false, bool kSwiGLUBwd = false>
+          bool kSwiGLU = false, bool kGatherTma = false>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                                const __grid_constant__ CUtensorMap tmap_b,
@@ -141,8 +139,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   using Mma = ptx::WgmmaBf16<kBlockN, 0, kBKMajor ? 0 : 1>;
   static_assert(!(kGatherA && kCluster2), "gathered A is implemented for single-CTA launches");
   static_assert(!kSwiGLU || (kBKMajor && kAsyncEpi && !kCluster2), "SwiGLU: K-major B, async epilogue, 1 CTA");
-  static_assert(!kSwiGLUBwd || (!kBKMajor && !kAsyncEpi && !kCluster2 && !kGatherA && !kSwiGLU),
-                "SwiGLU backward: MN-major B (w2), synchronous layout, 1 CTA, plain A");
   constexpr int kTileCols = kSwiGLU ? kBlockN / 2 : kBlockN;  // output columns per n-block (s columns)
   constexpr int kGatherWarps = 4;
   static_assert(!kGatherTma || kGatherA, "kGatherTma is a gather mode");
@@ -169,7 +165,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int num_k_blocks = ceil_div(p.k, kBlockK);
   const uint32_t cta_rank = kCluster2 ? ptx::cluster_ctarank() : 0;
 
-  // ---- prologue: barriers, offsets (clamped to [0, m_total]), per-group starts
+  // ---- prologue: offsets check, barriers, per-group starts. Bad offsets leave the tile list empty (set below), so
+  // no role stores anything; every CTA of the grid, a cluster's two included, sees the same offsets. (An early
+  // return instead made ptxas spill in the gathering producer.)
+  const bool bad_offsets =
+      common::group_offsets_invalid(p.group_offsets, num_groups, p.m_total, p.check, common::kCheckMGroupedOffsets);
   if (tid == 0)  // full: + one cp.async arrival per cp.async-gathering thread
     init_stage_barriers(full_bar, empty_bar, kNumStages, kGatherA ? 1 + 32 * (kGatherWarps - gather_tma_warps()) : 1,
                         (kCluster2 ? 2 : 1) * kNumConsumerThreads / 32);
@@ -178,16 +178,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::tma_prefetch_desc(&tmap_b);
     if constexpr (kAsyncEpi) ptx::tma_prefetch_desc(&tmap_d);
   }
-  for (int i = tid; i <= num_groups; i += kNumThreads) {
-    const int v = __ldg(p.group_offsets + i);
-    s_offs[i] = min(max(v, 0), p.m_total);
-  }
+  for (int i = tid; i <= num_groups; i += kNumThreads) s_offs[i] = __ldg(p.group_offsets + i);
   __syncthreads();
   if (warp == 0) {
     // s_tile[g] = sum over g' < g of (m-blocks of g') * (kCluster2 ? 1 : n_blocks)
     warp_exclusive_scan_groups(num_groups, lane, s_tile, [&](int g) {
       return ceil_div(max(s_offs[g + 1] - s_offs[g], 0), kBlockM) * (kCluster2 ? 1 : n_blocks);
     });
+    if (bad_offsets && lane == 0) s_tile[num_groups] = 0;
   }
   if constexpr (kCluster2) {
     ptx::cluster_sync();  // also publishes the barrier inits to the peer CTA
@@ -262,10 +260,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const int my_row = warp * 32 + lane;  // tile row whose source index this lane holds
       const int sub_row = lane >> 3;        // row within a copy instruction's 4 rows
       const int chunk = lane & 7;           // 16-byte chunk of that row
+      // The source row, -1 for none (a masked index, or a row past the group), -2 for an index outside
+      // [-1, a_rows): read as zeros like -1 (every use tests >= 0) and noted when its tile starts.
       auto row_source = [&](const Work& w_) -> int {
         const int prow = w_.row0 + my_row;
         const int sr = prow < w_.row_end ? __ldg(p.a_row_index + prow) : -1;  // rows past the group: unused
-        return (sr >= 0 && sr < p.a_rows) ? sr : -1;
+        return (sr >= 0 && sr < p.a_rows) ? sr : (sr == -1 ? -1 : -2);
       };
       int u = unit_begin_of_cta();
       Work w{};
@@ -276,6 +276,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
       for (; u < num_units; u += unit_step) {
         const int src = src_next;
+        if (src == -2) common::note_device_check(p.check, common::kCheckGatherIndex);
         const Work cur = w;
         if (u + unit_step < num_units) {  // next tile's index, loaded while this tile streams
           w = locate(u + unit_step, g);
@@ -406,19 +407,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if constexpr (kCluster2) ptx::mbar_arrive_cluster(&empty_bar[s_], cta_rank ^ 1);
         }
       };
-      if constexpr (kSwiGLUBwd) {
-        if (active) prefetch_swiglu_bwd_rows<kBlockN>(wg_tid, w.row0 + 64 * wg, w.row_end, w.n0, p.n, p.h, p.ldh);
-      }
       // cp.async wrote a gathered A through the generic proxy (the pure-TMA gather pays a needless fence)
       consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, kBStepBytes, kGatherA>(
           acc, active, num_k_blocks, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release);
 
-      if constexpr (kSwiGLUBwd) {
-        if (active)
-          swiglu_bwd_epilogue<kBlockN>(acc, wg_tid, w.row0 + 64 * wg, w.row_end, w.n0, p.n, p.h, p.ldh,
-                                       p.pool_src_route, p.route_weights, p.dh, p.lddh, p.aw, p.ldaw, p.dt_part,
-                                       p.dt_ld, p.clamp);
-      } else if constexpr (kSwiGLU) {
+      if constexpr (kSwiGLU) {
         const int hrow0 = w.row0 + 64 * wg;
         if (active) {
           round_acc_as_saved_h<kBlockN>(acc, RoundHPlain{});  // s from h as saved (reference F3); h saved plainly

@@ -1,12 +1,11 @@
-// prime-kernels: sm90a L2 dgrad with the SwiGLU backward in its epilogue, ping-pong consumers (the default
-// for m_grouped_bf16_gemm_swiglu_bwd when I is a multiple of 64; grouped_gemm.cu). Measured on the H200
-// (bench/NOTES.md, session 4): 0.80 ms at 30B, T=16384 (2.84 ms at 235B) against 0.94 (3.35) for the nn
-// GEMM plus the pool-row kernel.
+// prime-kernels: sm90a L2 dgrad with the SwiGLU backward in its epilogue, ping-pong consumers (the kernel of
+// m_grouped_bf16_gemm_swiglu_bwd; I a multiple of 64). Measured on the H200 (bench/NOTES.md, session 4): 0.80 ms at
+// 30B, T=16384 (2.84 ms at 235B) against 0.94 (3.35) for the nn GEMM plus the pool-row kernel, and ahead of a
+// cooperative variant with the same epilogue in one warpgroup pair (removed; bench/NOTES.md keeps its figures).
 //
-// The work of m_grouped_bf16_gemm_kernel's kSwiGLUBwd mode (da = dy_pool @ w2_g for 128 columns of I, then
-// the SwiGLU backward), but each consumer warpgroup owns whole 128 x 128 tiles and the two take the tensor
-// cores in turn (named barriers), so one's epilogue runs while the other's mainloop does. B = w2 [E, H, I]
-// read MN-major (two 64-column TMA boxes per stage, wgmma's transpose bit).
+// da = dy_pool @ w2_g for 128 columns of I, then the SwiGLU backward; each consumer warpgroup owns whole 128 x 128
+// tiles and the two take the tensor cores in turn (named barriers), so one's epilogue runs while the other's
+// mainloop does. B = w2 [E, H, I] read MN-major (two 64-column TMA boxes per stage, wgmma's transpose bit).
 // Epilogue through shared memory (version 2): the first version (session 4: 1.46 ms at 30B, T=16384,
 // against 0.97 ms for the nn GEMM plus the pool-row kernel) lost its time to 4-byte h loads and dh / w*s
 // stores in the accumulator's fragment layout. Now the tile's h comes in four 64 x 64 pieces (gate and up
@@ -14,27 +13,28 @@
 // reads its fragment's g, u from the swizzled boxes, writes dg, du over them in place and w*s into a third
 // box, and one thread TMA-stores the three boxes (generic 16-byte stores for an m-block's last partial rows).
 // It runs at ~81% of L2 throughput (B and A re-read per 128 x 128 tile), but 2-CTA clusters that multicast B
-// measured slower (bench/NOTES.md, session 7: 30B 0.84 vs 0.82 ms, 235B 3.30 vs 2.86).
-// With dispatch slots (PK_SWIGLU_BWD_DISPATCH=1), dy_pool is not an input: the kernel gathers the dy rows into it
-// itself (see SwigluBwdPPLayout) and the weight gradient reads it afterwards.
+// measured slower (bench/NOTES.md, session 7: 30B 0.84 vs 0.82 ms, 235B 3.30 vs 2.86). A variant that gathered
+// the dy rows itself while its tiles ran was slower than the separate gather plus this kernel (1.17 vs 1.08 ms at
+// 30B, 4.10 vs 3.43 at 235B; bench/NOTES.md, session 5) and was removed.
+//
+// group_offsets: non-decreasing within [0, m_total]; every CTA checks that in its prologue, before any store, and
+// the whole kernel writes nothing when they break it (noted in the device-check record, common/device_check.hpp).
+//
+// Forward progress: a CTA never waits on another CTA. Its tiles are a fixed stride of the static tile list, each
+// computed start to end by that CTA, so any grid size (the num_sms cap) gives the same bits, whichever CTAs are
+// resident at a time.
 #pragma once
 
 #include <cuda.h>
 
-#include "dispatch_rows.cuh"
+#include "common/device_check.hpp"
 #include "gemm_common.cuh"
 #include "m_grouped_gemm.cuh"
 
 namespace deep_gemm {
 namespace sm90 {
 
-// kDispatchSlots > 0 (gathered dy, MGroupedParams::a_pool): producer warps 1-3 copy the dy rows into dy_pool
-// through that many 4 KB shared-memory slots (dispatch_rows.cuh) while the tiles run; the TMA producer waits
-// for each m-block's rows before loading them. Meant to replace the separate gather (a 0.28 ms pass over
-// [P, H] at 30B, T=16384), but measured slower than gather + GEMM on the H200 (1.17 vs 1.08 ms at 30B,
-// 4.10 vs 3.43 at 235B; bench/NOTES.md, session 5): the slots cost one GEMM stage, and the copy's L2 traffic
-// lands on a kernel already at 83% of L2 throughput. Kept selectable (PK_SWIGLU_BWD_DISPATCH=1) for A/B.
-template <int kNumStages, int kDispatchSlots>
+template <int kNumStages>
 struct SwigluBwdPPLayout : StageRingLayout<128, 128, 64, kNumStages> {
   using Ring = StageRingLayout<128, 128, 64, kNumStages>;
   static constexpr int kMnBoxBytes = 64 * Ring::kBlockK * 2;  // one 64-column box of B per stage
@@ -42,16 +42,13 @@ struct SwigluBwdPPLayout : StageRingLayout<128, 128, 64, kNumStages> {
   static constexpr int kSlotBytes = 2 * kBoxBytes;     // gate and up boxes of one piece
   static constexpr int kHOff = Ring::kRingEnd;  // per warpgroup: 2 slots
   static constexpr int kAwOff = kHOff + 2 * 2 * kSlotBytes;   // per warpgroup: 1 w*s box
-  static constexpr int kDispOff = kAwOff + 2 * kBoxBytes;
-  static constexpr int kDispatchSlotBytes = 4096;
-  static constexpr int kBarOff = kDispOff + kDispatchSlots * kDispatchSlotBytes;
+  static constexpr int kBarOff = kAwOff + 2 * kBoxBytes;
   static constexpr int kHBarOff = kBarOff + 2 * kNumStages * 8;  // per warpgroup: 2 slot barriers
   static constexpr int kOffsOff = kHBarOff + 4 * 8;
   static constexpr int kMbOff = kOffsOff + (kMaxGroups + 1) * 4;  // first m-block of each group
   static constexpr int kEnd = kMbOff + (kMaxGroups + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
   static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
-  static_assert(kDispatchSlots % kDispatchWarps == 0, "dispatch slots are split evenly over the dispatch warps");
 };
 
 // The ping-pong kernel's epilogue, one 64 x 64 piece at a time:
@@ -136,14 +133,13 @@ __device__ __forceinline__ void write_dt_partials(const MGroupedParams& p, const
 
 constexpr uint32_t kBarSwigluTurnWg0 = 5;  // +wg
 
-template <int kNumStages, int kDispatchSlots>
+template <int kNumStages>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_swiglu_bwd_pp_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                                    const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_dh,
                                    const __grid_constant__ CUtensorMap tmap_aw, const MGroupedParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using L = SwigluBwdPPLayout<kNumStages, kDispatchSlots>;
-  constexpr bool kDispatch = kDispatchSlots > 0;
+  using L = SwigluBwdPPLayout<kNumStages>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kBlockK = L::kBlockK;
@@ -164,6 +160,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int n_blocks = ceil_div(p.n, kBlockN);
   const int num_k_blocks = ceil_div(p.k, kBlockK);
 
+  // offsets check first: bad offsets write nothing
+  if (common::group_offsets_invalid(p.group_offsets, num_groups, p.m_total, p.check, common::kCheckMGroupedOffsets))
+    return;
   if (tid == 0) {
     for (int s = 0; s < 4; ++s) ptx::mbar_init(reinterpret_cast<uint64_t*>(smem + L::kHBarOff) + s, 1);
     // empty: the 4 warps of the consuming warpgroup (the fence also publishes the h-slot barriers above)
@@ -188,7 +187,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int row0;
     int row_end;
     int n0;
-    int mb;  // global m-block
   };
   auto locate = [&](int u, int& g) -> Work {  // group-major, then band_tile's order
     while (s_mb[g + 1] * n_blocks <= u) ++g;
@@ -196,24 +194,19 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int end = max(s_offs[g + 1], start);
     int nb, mb;
     band_tile(u - s_mb[g] * n_blocks, s_mb[g + 1] - s_mb[g], n_blocks, nb, mb);
-    return Work{g, start + mb * kBlockM, end, nb * kBlockN, s_mb[g] + mb};
+    return Work{g, start + mb * kBlockM, end, nb * kBlockN};
   };
 
   if (warp < 4) {
-    if constexpr (kDispatch) ptx::setmaxnreg_dec<kDispatchProducerRegs>(); else ptx::setmaxnreg_dec<kProducerRegs>();
+    ptx::setmaxnreg_dec<kProducerRegs>();
     if (warp == 0 && lane == 0) {
       const uint64_t pol_b = l2_policy_reused_loads(p.l2_hints);
       int stage = 0;
       uint32_t phase = 0;
       int g = 0;
-      const int chunks = dispatch_pieces_per_row<L::kDispatchSlotBytes>(p.k * 2);
       const int num_tiles = num_tiles_now();
       for (int u = (int)ptx::ctaid_x_volatile(); u < num_tiles; u += (int)gridDim.x) {
         const Work w = locate(u, g);
-        if constexpr (kDispatch) {  // this m-block's dy rows are in dy_pool (the dispatch warps' release)
-          if (w.mb < p.max_m_blocks) ptx::spin_until_at_least(p.disp_ctr + w.mb, min(w.row_end - w.row0, kBlockM) * chunks);
-          ptx::fence_proxy_async_global();
-        }
         for (int kb = 0; kb < num_k_blocks; ++kb) {
           ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
           uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
@@ -227,20 +220,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           advance_stage<kNumStages>(stage, phase);
         }
       }
-    } else if constexpr (kDispatch) {
-      if (warp >= 1) {
-        // pool row m <- dy[a_row_index[m]] (zeros for an index outside [0, a_rows))
-        auto src_of = [&](int row) -> const __nv_bfloat16* {
-          const int idx = __ldg(p.a_row_index + row);
-          return idx >= 0 && idx < p.a_rows ? p.a + static_cast<int64_t>(idx) * p.lda : nullptr;
-        };
-        dispatch_rows_role<kBlockM, kDispatchSlots / kDispatchWarps, L::kDispatchSlotBytes>(
-            src_of, reinterpret_cast<uint8_t*>(p.a_pool), p.k * 2, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane,
-            s_offs, s_mb, num_groups, p.disp_ctr, 0);
-      }
     }
   } else {
-    if constexpr (kDispatch) ptx::setmaxnreg_inc<kDispatchConsumerRegs>(); else ptx::setmaxnreg_inc<kConsumerRegs>();
+    ptx::setmaxnreg_inc<kConsumerRegs>();
     const int wg = (warp >> 2) - 1;
     const int wg_tid = tid - 128 * (wg + 1);
     const uint64_t desc_a0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kAOff), 0, 1024);
@@ -296,8 +278,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         for (int hh = 0; hh < 2; ++hh) {
           const int row = w.row0 + 64 * hm + frag_row + 8 * hh;
           const int route = row < w.row_end ? __ldg(p.pool_src_route + row) : -1;
-          routed[hm][hh] = route >= 0;
-          wgt[hm][hh] = route >= 0 ? __ldg(p.route_weights + route) : 0.f;
+          const bool ok = route >= 0 && route < p.num_routes;
+          if (route < -1 || route >= p.num_routes) common::note_device_check(p.check, common::kCheckPoolRoute);
+          routed[hm][hh] = ok;
+          wgt[hm][hh] = ok ? __ldg(p.route_weights + route) : 0.f;
         }
       ptx::named_bar_sync(kBarSwigluTurnWg0 + wg, 256);
       pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, kBStepDesc>(

@@ -139,11 +139,20 @@ int32_t check_offsets(const Tensor& offsets, const Tensor& like, const char* op)
 }
 
 Tensor new_tensor(const Tensor& like, std::vector<int64_t> sizes, ScalarType dtype) {
+// The grouped ops' num_sms: the most SMs the kernel may use, 0 = every SM.
+int check_num_sms(int64_t num_sms, const char* op) {
+  STD_TORCH_CHECK(num_sms >= 0 && num_sms <= (int64_t(1) << 20), "deep_gemm.", op, ": num_sms = ", num_sms,
+                  ", must be >= 1 (or 0: every SM)");
+  return static_cast<int>(num_sms);
+}
+
   return torch::stable::new_empty(like, torch::headeronly::IntHeaderOnlyArrayRef(sizes.data(), sizes.size()),
                                   dtype);
 }
 
-Tensor m_grouped_gemm(const Tensor& a, const Tensor& b, const Tensor& offsets, bool b_k_major, const char* op) {
+Tensor m_grouped_gemm(const Tensor& a, const Tensor& b, const Tensor& offsets, bool b_k_major, int64_t num_sms,
+                      const char* op) {
+  const int sms = check_num_sms(num_sms, op);
   check_bf16_cuda(a, op, "a", 2);
   check_bf16_cuda(b, op, "b", 3);
   STD_TORCH_CHECK(b.get_device_index() == a.get_device_index(), "deep_gemm.", op, ": a and b on different devices");
@@ -158,22 +167,23 @@ Tensor m_grouped_gemm(const Tensor& a, const Tensor& b, const Tensor& offsets, b
   Tensor d = new_tensor(a, {a.size(0), n}, ScalarType::BFloat16);
   check_core(pk_m_grouped_bf16_gemm(a.data_ptr(), a.stride(0), b.data_ptr(), b_k_major ? 1 : 0, b.stride(1),
                                     b.stride(0), d.data_ptr(), d.stride(0),
-                                    static_cast<const int32_t*>(offsets.data_ptr()), num_groups, a.size(0), n, k,
+                                    static_cast<const int32_t*>(offsets.data_ptr()), num_groups, a.size(0), n, k, sms,
                                     current_cuda_stream(a.get_device_index())),
              op);
   return d;
 }
 
-Tensor m_grouped_bf16_gemm_nt(Tensor a, Tensor b, Tensor group_offsets) {
-  return m_grouped_gemm(a, b, group_offsets, true, "m_grouped_bf16_gemm_nt");
+Tensor m_grouped_bf16_gemm_nt(Tensor a, Tensor b, Tensor group_offsets, int64_t num_sms) {
+  return m_grouped_gemm(a, b, group_offsets, true, num_sms, "m_grouped_bf16_gemm_nt");
 }
 
-Tensor m_grouped_bf16_gemm_nn(Tensor a, Tensor b, Tensor group_offsets) {
-  return m_grouped_gemm(a, b, group_offsets, false, "m_grouped_bf16_gemm_nn");
+Tensor m_grouped_bf16_gemm_nn(Tensor a, Tensor b, Tensor group_offsets, int64_t num_sms) {
+  return m_grouped_gemm(a, b, group_offsets, false, num_sms, "m_grouped_bf16_gemm_nn");
 }
 
 void k_grouped_launch(const Tensor& a, const Tensor& b, const Tensor& offsets, const Tensor& c, bool accumulate,
-                      const char* op) {
+                      int64_t num_sms, const char* op) {
+  const int sms = check_num_sms(num_sms, op);
   check_bf16_cuda(a, op, "a", 2);
   check_bf16_cuda(b, op, "b", 2);
   STD_TORCH_CHECK(a.size(0) == b.size(0), "deep_gemm.", op, ": a and b must have the same rows (tokens), got ",
@@ -184,21 +194,21 @@ void k_grouped_launch(const Tensor& a, const Tensor& b, const Tensor& offsets, c
   check_core(pk_k_grouped_bf16_gemm(a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), c.data_ptr(),
                                     c.scalar_type() == ScalarType::BFloat16 ? 1 : 0, accumulate ? 1 : 0,
                                     static_cast<const int32_t*>(offsets.data_ptr()), num_groups, a.size(0), a.size(1),
-                                    b.size(1), current_cuda_stream(a.get_device_index())),
+                                    b.size(1), sms, current_cuda_stream(a.get_device_index())),
              op);
 }
 
-Tensor k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32) {
+Tensor k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32, int64_t num_sms) {
   const char* op = "k_grouped_bf16_gemm_tn";
   STD_TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && group_offsets.dim() == 1, "deep_gemm.", op,
                   ": a [P, M], b [P, N], group_offsets [E + 1] expected");
   Tensor c = new_tensor(a, {group_offsets.size(0) - 1, a.size(1), b.size(1)},
                         out_fp32 ? ScalarType::Float : ScalarType::BFloat16);
-  k_grouped_launch(a, b, group_offsets, c, false, op);
+  k_grouped_launch(a, b, group_offsets, c, false, num_sms, op);
   return c;
 }
 
-void k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor c) {
+void k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor c, int64_t num_sms) {
   const char* op = "k_grouped_bf16_gemm_tn_accumulate_";
   STD_TORCH_CHECK(c.scalar_type() == ScalarType::Float && c.is_contiguous() && c.dim() == 3, "deep_gemm.", op,
                   ": c must be a contiguous fp32 [E, M, N] tensor");
@@ -207,13 +217,14 @@ void k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets
   STD_TORCH_CHECK(c.size(0) == group_offsets.size(0) - 1 && c.size(1) == a.size(1) && c.size(2) == b.size(1),
                   "deep_gemm.", op, ": c must be [E, M, N] = [", group_offsets.size(0) - 1, ", ", a.size(1), ", ",
                   b.size(1), "]");
-  k_grouped_launch(a, b, group_offsets, c, true, op);
+  k_grouped_launch(a, b, group_offsets, c, true, num_sms, op);
 }
 
 Tensor m_grouped_bf16_gemm_nt_gather(Tensor a, Tensor b, Tensor group_offsets, Tensor a_row_index,
-                                     int64_t m_total) {
+                                     int64_t m_total, int64_t num_sms) {
   const char* op = "m_grouped_bf16_gemm_nt_gather";
   check_bf16_cuda(a, op, "a", 2);
+  const int sms = check_num_sms(num_sms, op);
   check_bf16_cuda(b, op, "b", 3);
   const int32_t num_groups = check_offsets(group_offsets, a, op);
   STD_TORCH_CHECK(b.size(0) == num_groups && b.size(2) == a.size(1), "deep_gemm.", op,
@@ -227,7 +238,8 @@ Tensor m_grouped_bf16_gemm_nt_gather(Tensor a, Tensor b, Tensor group_offsets, T
                                              static_cast<const int32_t*>(a_row_index.data_ptr()), b.data_ptr(), 1,
                                              b.stride(1), b.stride(0), d.data_ptr(), d.stride(0),
                                              static_cast<const int32_t*>(group_offsets.data_ptr()), num_groups,
-                                             m_total, b.size(1), a.size(1), current_cuda_stream(a.get_device_index())),
+                                             m_total, b.size(1), a.size(1), sms,
+                                             current_cuda_stream(a.get_device_index())),
              op);
   return d;
 }
@@ -267,7 +279,7 @@ CombineInput check_combine_input(const Tensor& slots, const Tensor& route_to_poo
 Tensor combine_cpu(Tensor slots, Tensor route_to_pool, std::optional<Tensor> weights) {
   const CombineInput in = check_combine_input(slots, route_to_pool, weights);
   Tensor out = new_tensor(slots, {in.num_tokens, in.hidden}, ScalarType::BFloat16);
-  check_core(pk_combine_bf16_cpu(slots.data_ptr(), slots.stride(0),
+  check_core(pk_combine_bf16_cpu(slots.data_ptr(), slots.stride(0), slots.size(0),
                                  static_cast<const int32_t*>(route_to_pool.data_ptr()), in.weights, in.num_tokens,
                                  in.top_k, in.hidden, out.data_ptr(), out.stride(0)),
              "combine");
@@ -278,7 +290,7 @@ Tensor combine_cuda(Tensor slots, Tensor route_to_pool, std::optional<Tensor> we
   const CombineInput in = check_combine_input(slots, route_to_pool, weights);
   torch::stable::accelerator::DeviceGuard guard(slots.get_device_index());
   Tensor out = new_tensor(slots, {in.num_tokens, in.hidden}, ScalarType::BFloat16);
-  check_core(pk_combine_bf16_cuda(slots.data_ptr(), slots.stride(0),
+  check_core(pk_combine_bf16_cuda(slots.data_ptr(), slots.stride(0), slots.size(0),
                                   static_cast<const int32_t*>(route_to_pool.data_ptr()), in.weights, in.num_tokens,
                                   in.top_k, in.hidden, out.data_ptr(), out.stride(0),
                                   current_cuda_stream(slots.get_device_index())),
@@ -366,7 +378,7 @@ std::tuple<Tensor, Tensor, Tensor> swiglu_bwd(Tensor h, Tensor da, Tensor pool_s
   Tensor dt = new_tensor(h, {h.size(0)}, ScalarType::Float);
   check_core(pk_swiglu_bwd_bf16_cuda(h.data_ptr(), h.stride(0), da.data_ptr(), da.stride(0),
                                      static_cast<const int32_t*>(pool_src_route.data_ptr()),
-                                     static_cast<const float*>(topk_weights.data_ptr()), inter,
+                                     static_cast<const float*>(topk_weights.data_ptr()), topk_weights.numel(), inter,
                                      static_cast<const int32_t*>(num_rows.data_ptr()), h.size(0),
                                      static_cast<float>(clamp), dh.data_ptr(), dh.stride(0), a.data_ptr(), a.stride(0),
                                      static_cast<float*>(dt.data_ptr()), current_cuda_stream(h.get_device_index())),
@@ -376,9 +388,10 @@ std::tuple<Tensor, Tensor, Tensor> swiglu_bwd(Tensor h, Tensor da, Tensor pool_s
 
 std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tensor group_offsets,
                                                       std::optional<Tensor> a_row_index, int64_t m_total,
-                                                      bool save_h, double clamp) {
+                                                      bool save_h, double clamp, int64_t num_sms) {
   const char* op = "m_grouped_bf16_gemm_swiglu";
   check_bf16_cuda(a, op, "a", 2);
+  const int sms = check_num_sms(num_sms, op);
   check_bf16_cuda(w13, op, "w13", 3);
   const int32_t num_groups = check_offsets(group_offsets, a, op);
   STD_TORCH_CHECK(w13.size(0) == num_groups && w13.size(2) == a.size(1) && w13.size(1) % 2 == 0, "deep_gemm.", op,
@@ -401,40 +414,31 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tens
                                            w13.stride(0), inter, s.data_ptr(), s.stride(0),
                                            save_h ? h.data_ptr() : nullptr, 2 * inter,
                                            static_cast<const int32_t*>(group_offsets.data_ptr()), num_groups, m_total,
-                                           a.size(1), static_cast<float>(clamp),
+                                           a.size(1), static_cast<float>(clamp), sms,
                                            current_cuda_stream(a.get_device_index())),
              op);
   return {s, h};
 }
 
 
-// L2 dgrad + SwiGLU backward (B2-B6, B9 in one GEMM): dh [M, 2I], aw = w * s [M, I], dt_part [M, ceil(I/128)].
-// With a_row_index (the _gather op), a holds the dy rows by token and the kernel also returns dy_pool [M, H]
-// (pool row m = a[a_row_index[m]]), gathered while its tiles run; without, a is dy_pool and dy_pool is empty.
-static std::tuple<Tensor, Tensor, Tensor, Tensor> swiglu_bwd_gemm(const char* op, Tensor a,
-                                                                  std::optional<Tensor> a_row_index, int64_t m_total,
-                                                                  Tensor w2, Tensor group_offsets, Tensor h,
-                                                                  Tensor pool_src_route, Tensor topk_weights,
-                                                                  double clamp) {
-  check_bf16_cuda(a, op, a_row_index ? "dy" : "dy_pool", 2);
+// L2 dgrad + SwiGLU backward (B2-B6, B9 in one GEMM): dh [M, 2I], aw = w * s [M, I], dt_part [M, ceil(I/128)],
+// M = dy_pool's rows; route weights are topk_weights flattened (every entry indexable by a route id).
+std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets,
+                                                                  Tensor h, Tensor pool_src_route, Tensor topk_weights,
+                                                                  double clamp, int64_t num_sms) {
+  const char* op = "m_grouped_bf16_gemm_swiglu_bwd";
+  const int sms = check_num_sms(num_sms, op);
+  check_bf16_cuda(dy_pool, op, "dy_pool", 2);
   check_bf16_cuda(w2, op, "w2", 3);
   check_bf16_cuda(h, op, "h", 2);
-  const int32_t num_groups = check_offsets(group_offsets, a, op);
-  const int64_t hidden = a.size(1);
+  const int32_t num_groups = check_offsets(group_offsets, dy_pool, op);
+  const int64_t m_total = dy_pool.size(0);
+  const int64_t hidden = dy_pool.size(1);
   const int64_t inter = w2.size(2);
-  if (a_row_index) {
-    const Tensor& idx = *a_row_index;
-    STD_TORCH_CHECK(m_total >= 0 && idx.scalar_type() == ScalarType::Int && idx.is_contiguous() && idx.is_cuda() &&
-                        idx.get_device_index() == a.get_device_index() && idx.numel() >= m_total,
-                    "deep_gemm.", op, ": a_row_index must be a contiguous int32 tensor on dy's device with >= m_total (",
-                    m_total, ") entries");
-    STD_TORCH_CHECK(inter % 64 == 0, "deep_gemm.", op, ": gathering dy needs I to be a multiple of 64, got ", inter);
-  } else {
-    m_total = a.size(0);
-  }
   STD_TORCH_CHECK(w2.size(0) == num_groups && w2.size(1) == hidden && w2.stride(2) == 1, "deep_gemm.", op,
                   ": w2 must be [num_groups, H, I] (I contiguous) with H = dy's columns");
   STD_TORCH_CHECK(h.size(0) >= m_total && h.size(1) == 2 * inter, "deep_gemm.", op,
+  STD_TORCH_CHECK(inter % 64 == 0, "deep_gemm.", op, ": I (w2's last dim) must be a multiple of 64, got ", inter);
                   ": h must be [>= pool rows, 2I]");
   STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.is_contiguous() &&
                       pool_src_route.numel() >= m_total && pool_src_route.is_cuda(),
@@ -442,42 +446,20 @@ static std::tuple<Tensor, Tensor, Tensor, Tensor> swiglu_bwd_gemm(const char* op
   STD_TORCH_CHECK(topk_weights.scalar_type() == ScalarType::Float && topk_weights.is_contiguous() &&
                       topk_weights.is_cuda(),
                   "deep_gemm.", op, ": topk_weights must be a contiguous CUDA fp32 tensor");
-  torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
+  torch::stable::accelerator::DeviceGuard guard(dy_pool.get_device_index());
   const int64_t n_blocks = (inter + 127) / 128;  // d topk_weights partials: one per 128 columns of I
-  Tensor dh = new_tensor(a, {m_total, 2 * inter}, ScalarType::BFloat16);
-  Tensor aw = new_tensor(a, {m_total, inter}, ScalarType::BFloat16);
-  Tensor dt_part = new_tensor(a, {m_total, n_blocks}, ScalarType::Float);
-  Tensor a_pool = new_tensor(a, {a_row_index ? m_total : 0, hidden}, ScalarType::BFloat16);
-  const int64_t num_counters = a_row_index ? pk_m_grouped_dispatch_counter_count(m_total, num_groups) : 0;
-  Tensor counters = new_tensor(a, {num_counters}, ScalarType::Int);  // scratch, zeroed by the call
+  Tensor dh = new_tensor(dy_pool, {m_total, 2 * inter}, ScalarType::BFloat16);
+  Tensor aw = new_tensor(dy_pool, {m_total, inter}, ScalarType::BFloat16);
+  Tensor dt_part = new_tensor(dy_pool, {m_total, n_blocks}, ScalarType::Float);
   check_core(pk_m_grouped_bf16_gemm_swiglu_bwd(
-                 a.data_ptr(), a.stride(0), w2.data_ptr(), w2.stride(1), w2.stride(0), h.data_ptr(), h.stride(0),
-                 static_cast<const int32_t*>(pool_src_route.data_ptr()),
-                 static_cast<const float*>(topk_weights.data_ptr()), dh.data_ptr(), dh.stride(0), aw.data_ptr(),
-                 aw.stride(0), static_cast<float*>(dt_part.data_ptr()), n_blocks,
+                 dy_pool.data_ptr(), dy_pool.stride(0), w2.data_ptr(), w2.stride(1), w2.stride(0), h.data_ptr(),
+                 h.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
+                 static_cast<const float*>(topk_weights.data_ptr()), topk_weights.numel(), dh.data_ptr(),
+                 dh.stride(0), aw.data_ptr(), aw.stride(0), static_cast<float*>(dt_part.data_ptr()), n_blocks,
                  static_cast<const int32_t*>(group_offsets.data_ptr()), num_groups, m_total, inter, hidden,
-                 static_cast<float>(clamp),
-                 a_row_index ? static_cast<const int32_t*>(a_row_index->data_ptr()) : nullptr, a.size(0),
-                 a_row_index ? a_pool.data_ptr() : nullptr,
-                 a_row_index ? static_cast<int32_t*>(counters.data_ptr()) : nullptr, num_counters,
-                 current_cuda_stream(a.get_device_index())),
+                 static_cast<float>(clamp), sms, current_cuda_stream(dy_pool.get_device_index())),
              op);
-  return {dh, aw, dt_part, a_pool};
-}
-
-std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets,
-                                                                  Tensor h, Tensor pool_src_route, Tensor topk_weights,
-                                                                  double clamp) {
-  auto r = swiglu_bwd_gemm("m_grouped_bf16_gemm_swiglu_bwd", dy_pool, std::nullopt, 0, w2, group_offsets, h,
-                           pool_src_route, topk_weights, clamp);
-  return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd_gather(
-    Tensor dy, Tensor a_row_index, int64_t m_total, Tensor w2, Tensor group_offsets, Tensor h, Tensor pool_src_route,
-    Tensor topk_weights, double clamp) {
-  return swiglu_bwd_gemm("m_grouped_bf16_gemm_swiglu_bwd_gather", dy, a_row_index, m_total, w2, group_offsets, h,
-                         pool_src_route, topk_weights, clamp);
+  return {dh, aw, dt_part};
 }
 
 // Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns s, h, o, the dispatched
@@ -547,7 +529,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
   if (combine_after) {
     s = new_tensor(x, {0, inter}, ScalarType::BFloat16);  // frees the pool-sized s (stream-ordered)
     y = new_tensor(x, {num_tokens, hidden}, ScalarType::BFloat16);
-    check_core(pk_combine_bf16_cuda(o.data_ptr(), o.stride(0), static_cast<const int32_t*>(route_to_pool->data_ptr()),
+    check_core(pk_combine_bf16_cuda(o.data_ptr(), o.stride(0), o.size(0),
+                                    static_cast<const int32_t*>(route_to_pool->data_ptr()),
                                     weights, num_tokens, top_k, hidden, y.data_ptr(), y.stride(0),
                                     current_cuda_stream(x.get_device_index())),
                op);
@@ -561,26 +544,24 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
       "routing_plan(Tensor topk_idx, int num_experts, int block_m, int rank=0, int capacity=-1) -> "
       "(Tensor expert_counts, Tensor expert_offsets, Tensor pool_src_route, Tensor pool_src_rank, "
       "Tensor route_to_pool, Tensor num_invalid)");
-  m.def("m_grouped_bf16_gemm_nt(Tensor a, Tensor b, Tensor group_offsets) -> Tensor");
-  m.def("m_grouped_bf16_gemm_nn(Tensor a, Tensor b, Tensor group_offsets) -> Tensor");
-  m.def("m_grouped_bf16_gemm_nt_gather(Tensor a, Tensor b, Tensor group_offsets, Tensor a_row_index, int m_total) -> Tensor");
+  m.def("m_grouped_bf16_gemm_nt(Tensor a, Tensor b, Tensor group_offsets, int num_sms=0) -> Tensor");
+  m.def("m_grouped_bf16_gemm_nn(Tensor a, Tensor b, Tensor group_offsets, int num_sms=0) -> Tensor");
+  m.def("m_grouped_bf16_gemm_nt_gather(Tensor a, Tensor b, Tensor group_offsets, Tensor a_row_index, int m_total, "
+        "int num_sms=0) -> Tensor");
   m.def("swiglu_fwd(Tensor h, Tensor num_rows, float clamp=-1.0) -> Tensor");
   m.def("swiglu_bwd(Tensor h, Tensor da, Tensor pool_src_route, Tensor topk_weights, Tensor num_rows, "
         "float clamp=-1.0) -> (Tensor dh, Tensor a, Tensor dt)");
   m.def("m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tensor group_offsets, Tensor? a_row_index, int m_total, "
-        "bool save_h, float clamp=0.0) -> (Tensor s, Tensor h)");
+        "bool save_h, float clamp=0.0, int num_sms=0) -> (Tensor s, Tensor h)");
   m.def("m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets, Tensor h, "
-        "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0) -> (Tensor, Tensor, Tensor)");
-  m.def("m_grouped_bf16_gemm_swiglu_bwd_gather(Tensor dy, Tensor a_row_index, int m_total, Tensor w2, "
-        "Tensor group_offsets, Tensor h, Tensor pool_src_route, Tensor topk_weights, float clamp=0.0) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0, int num_sms=0) -> (Tensor, Tensor, Tensor)");
   m.def("mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
         "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False, Tensor? route_to_pool=None, "
         "Tensor? topk_weights=None) -> (Tensor s, Tensor h, Tensor o, Tensor x_pool, Tensor y)");
   m.def("combine(Tensor slots, Tensor route_to_pool, Tensor? weights=None) -> Tensor");
   m.def("dispatch_rows_(Tensor src, Tensor route_to_pool, Tensor(a!) out) -> ()");
-  m.def("k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32=True) -> Tensor");
-  m.def("k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor(c!) c) -> ()");
+  m.def("k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32=True, int num_sms=0) -> Tensor");
+  m.def("k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor(c!) c, int num_sms=0) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CPU, m) {
@@ -600,7 +581,6 @@ STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CUDA, m) {
   m.impl("m_grouped_bf16_gemm_swiglu", TORCH_BOX(&m_grouped_bf16_gemm_swiglu));
   m.impl("swiglu_bwd", TORCH_BOX(&swiglu_bwd));
   m.impl("m_grouped_bf16_gemm_swiglu_bwd", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_bwd));
-  m.impl("m_grouped_bf16_gemm_swiglu_bwd_gather", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_bwd_gather));
   m.impl("mega_moe_fused_fwd", TORCH_BOX(&mega_moe_fused_fwd));
   m.impl("k_grouped_bf16_gemm_tn", TORCH_BOX(&k_grouped_bf16_gemm_tn));
   m.impl("k_grouped_bf16_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_bf16_gemm_tn_accumulate_));

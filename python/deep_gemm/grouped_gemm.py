@@ -11,9 +11,20 @@ no padding needed, empty groups allowed).
   (the weight gradients), fp32 or bf16 out, or accumulated into a given fp32 buffer.
 
 Rows of the m-grouped output that lie outside every group are left unspecified.
+
+``group_offsets`` must satisfy 0 <= offs[0] <= ... <= offs[E] <= rows. Index arrays (``a_row_index``,
+``pool_src_route``) hold -1 (masked) or an index in range. On CUDA these values are checked by the kernels
+themselves (no host synchronisation): bad offsets make the GEMM write nothing, an out-of-range index is read as
+masked, and the finding is raised as a RuntimeError by the next call into the library, or by
+:func:`check_device` (call it after synchronising to check the calls before). On the CPU they raise at once.
+
+``num_sms`` (every op): the most SMs the kernel may use (None: all of them), for leaving SMs to other work;
+every value gives the same bits.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
@@ -23,14 +34,13 @@ from .swiglu import _parts as swiglu_parts
 from .swiglu import swiglu_bwd_reference
 
 __all__ = ["m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "m_grouped_bf16_gemm_swiglu", "k_grouped_bf16_gemm_tn",
-           "m_grouped_gemm_reference", "k_grouped_gemm_reference"]
+           "m_grouped_gemm_reference", "k_grouped_gemm_reference", "check_device"]
 
 _KEYS = {"m_grouped_bf16_gemm_nt": "m_grouped_gemm_nt.bf16.sm90",
          "m_grouped_bf16_gemm_nn": "m_grouped_gemm_nn.bf16.sm90",
          "m_grouped_bf16_gemm_nt_gather": "m_grouped_gemm_nt_gather.bf16.sm90",
          "m_grouped_bf16_gemm_swiglu": "m_grouped_gemm_swiglu.bf16.sm90",
          "m_grouped_bf16_gemm_swiglu_bwd": "m_grouped_gemm_swiglu_bwd.bf16.sm90",
-         "m_grouped_bf16_gemm_swiglu_bwd_gather": "m_grouped_gemm_swiglu_bwd.bf16.sm90",
          "k_grouped_bf16_gemm_tn": "k_grouped_gemm_tn.bf16.sm90",
          "k_grouped_bf16_gemm_tn_accumulate_": "k_grouped_gemm_tn.bf16.sm90"}
 
@@ -40,6 +50,40 @@ def _ready(op: str, device: torch.device) -> None:
         _status.require(_KEYS[op])
     elif not _lib.load().shim_loaded:
         raise RuntimeError(f"deep_gemm: {op} is not available: {_lib.load().reason}")
+
+
+def _sms(num_sms: int | None) -> int:
+    if num_sms is None:
+        return 0
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
+        raise ValueError(f"num_sms must be a positive int or None (every SM), got {num_sms!r}")
+    return num_sms
+
+
+def check_device() -> None:
+    """Raise the values the kernels found invalid on the device since the last report (bad group_offsets, indices
+    out of range), as a RuntimeError; then they are cleared. Reads host memory only: synchronise first to include
+    the calls still running."""
+    core = _lib.load().core
+    if core is None:
+        return
+    core.pk_device_check.restype = ctypes.c_int
+    if core.pk_device_check() != 0:
+        raise RuntimeError(f"deep_gemm: {core.pk_last_error().decode()}")
+
+
+def check_offsets_cpu(offs: torch.Tensor, rows: int) -> None:
+    """The kernels' rule for group_offsets, on a CPU tensor: 0 <= offs[0] <= ... <= offs[-1] <= rows."""
+    o = offs.to(torch.int64)
+    if o.numel() and (bool((o[1:] < o[:-1]).any()) or int(o[0]) < 0 or int(o[-1]) > rows):
+        raise RuntimeError(f"group_offsets must be non-decreasing within [0, {rows}], got {offs.tolist()}")
+
+
+def check_index_cpu(idx: torch.Tensor, bound: int, name: str) -> None:
+    """-1 or [0, bound) for every entry of a CPU index tensor."""
+    bad = (idx < -1) | (idx >= bound)
+    if bool(bad.any()):
+        raise RuntimeError(f"{name} holds {int(idx[bad][0])}, outside [-1, {bound})")
 
 
 def m_grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, b_k_major: bool,
@@ -68,116 +112,113 @@ def k_grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, group_offsets: to
 
 
 def m_grouped_bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
-                           a_row_index: torch.Tensor | None = None, m_total: int | None = None) -> torch.Tensor:
-    """With ``a_row_index`` (int32 [>= m_total]), output row r is a[a_row_index[r]] @ b[g]^T (an index
-    outside [0, a.shape[0]) reads a zero row): a token gather without a materialised copy."""
+                           a_row_index: torch.Tensor | None = None, m_total: int | None = None,
+                           num_sms: int | None = None) -> torch.Tensor:
+    """With ``a_row_index`` (int32 [>= m_total]), output row r is a[a_row_index[r]] @ b[g]^T (-1 reads a zero
+    row): a token gather without a materialised copy."""
+    sms = _sms(num_sms)
     if a_row_index is None:
         _ready("m_grouped_bf16_gemm_nt", a.device)
-        return torch.ops.deep_gemm.m_grouped_bf16_gemm_nt(a, b, group_offsets)
+        return torch.ops.deep_gemm.m_grouped_bf16_gemm_nt(a, b, group_offsets, sms)
     _ready("m_grouped_bf16_gemm_nt_gather", a.device)
     m_total = a_row_index.shape[0] if m_total is None else m_total
-    return torch.ops.deep_gemm.m_grouped_bf16_gemm_nt_gather(a, b, group_offsets, a_row_index, m_total)
+    return torch.ops.deep_gemm.m_grouped_bf16_gemm_nt_gather(a, b, group_offsets, a_row_index, m_total, sms)
 
 
-def m_grouped_bf16_gemm_nn(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+def m_grouped_bf16_gemm_nn(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
+                           num_sms: int | None = None) -> torch.Tensor:
+    sms = _sms(num_sms)
     _ready("m_grouped_bf16_gemm_nn", a.device)
-    return torch.ops.deep_gemm.m_grouped_bf16_gemm_nn(a, b, group_offsets)
+    return torch.ops.deep_gemm.m_grouped_bf16_gemm_nn(a, b, group_offsets, sms)
 
 
 def m_grouped_bf16_gemm_swiglu(a: torch.Tensor, w13: torch.Tensor, group_offsets: torch.Tensor, *,
                                a_row_index: torch.Tensor | None = None, m_total: int | None = None,
-                               save_h: bool = False, clamp: float | None = None):
+                               save_h: bool = False, clamp: float | None = None, num_sms: int | None = None):
     """L1 with the SwiGLU epilogue. w13 [E, 2I, K] in its natural layout (gate rows, then up rows).
     Returns (s [m_total, I], h [m_total, 2I] or [0, 2I]): h = bf16(g|u) from the fp32 accumulators (returned
     when ``save_h``), and s = bf16(silu(min(g~, c)) * clamp(u~, -c, c)) on those bf16 values g~, u~ in fp32
     (the reference's F3: s is the rounding of what the backward differentiates)."""
+    sms = _sms(num_sms)
     _ready("m_grouped_bf16_gemm_swiglu", a.device)
     if m_total is None:
         m_total = a_row_index.shape[0] if a_row_index is not None else a.shape[0]
     if clamp is not None and clamp <= 0:
         raise ValueError(f"clamp must be > 0 (or None), got {clamp}")
     return torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu(a, w13, group_offsets, a_row_index, m_total, save_h,
-                                                          0.0 if clamp is None else float(clamp))
+                                                          0.0 if clamp is None else float(clamp), sms)
 
 
 def m_grouped_bf16_gemm_swiglu_bwd(dy_pool: torch.Tensor, w2: torch.Tensor, group_offsets: torch.Tensor,
                                    h: torch.Tensor, pool_src_route: torch.Tensor, topk_weights: torch.Tensor, *,
-                                   clamp: float | None = None, a_row_index: torch.Tensor | None = None,
-                                   m_total: int | None = None):
+                                   clamp: float | None = None, num_sms: int | None = None):
     """L2 dgrad with the SwiGLU backward in its epilogue (the fp32 da = dy_pool @ w2_g never goes to
-    memory). w2 [E, H, I], h [>= M, 2I] the saved gate | up, pool_src_route [>= M] route ids (< 0:
-    padding), topk_weights [T, K] fp32 (indexed by route id). Returns (dh [M, 2I], w * s [M, I],
-    dt_part [M, ceil(I / 128)] fp32): the row's d topk_weight is dt_part's row summed left to right.
-    Rows outside every group are not written.
-
-    With ``a_row_index`` (int32 [>= m_total]) and ``m_total``, the first argument is the dy rows by token
-    [T, H] and the kernel gathers pool row m = dy[a_row_index[m]] (zeros for an index outside [0, T))
-    while its tiles run (no separate gather pass; I must be a multiple of 64); it returns that pooled copy
-    too, as a fourth output [m_total, H] (rows past the last group unspecified), for the weight gradient."""
+    memory). w2 [E, H, I] (I a multiple of 64), h [>= M, 2I] the saved gate | up, pool_src_route [>= M] route
+    ids (-1: padding), topk_weights [T, K] fp32 (indexed by route id, so every id must be < T * K). Returns
+    (dh [M, 2I], w * s [M, I], dt_part [M, ceil(I / 128)] fp32): the row's d topk_weight is dt_part's row summed
+    left to right. Rows outside every group are not written."""
     if clamp is not None and clamp <= 0:
         raise ValueError(f"clamp must be > 0 (or None), got {clamp}")
-    c = 0.0 if clamp is None else float(clamp)
-    if a_row_index is not None:
-        if m_total is None:
-            raise ValueError("a_row_index needs m_total (the pool rows)")
-        _ready("m_grouped_bf16_gemm_swiglu_bwd_gather", dy_pool.device)
-        return torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu_bwd_gather(
-            dy_pool, a_row_index, int(m_total), w2, group_offsets, h, pool_src_route, topk_weights.reshape(-1), c)
+    sms = _sms(num_sms)
     _ready("m_grouped_bf16_gemm_swiglu_bwd", dy_pool.device)
     return torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, group_offsets, h, pool_src_route,
-                                                              topk_weights.reshape(-1), c)
+                                                              topk_weights.reshape(-1),
+                                                              0.0 if clamp is None else float(clamp), sms)
 
 
 def k_grouped_bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
                            out_dtype: torch.dtype = torch.float32,
-                           accumulate_into: torch.Tensor | None = None) -> torch.Tensor:
+                           accumulate_into: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
     """C_g = a_g^T @ b_g. With ``accumulate_into`` (fp32 [E, M, N]) adds into it and returns it."""
+    sms = _sms(num_sms)
     if accumulate_into is not None:
         _ready("k_grouped_bf16_gemm_tn_accumulate_", a.device)
-        torch.ops.deep_gemm.k_grouped_bf16_gemm_tn_accumulate_(a, b, group_offsets, accumulate_into)
+        torch.ops.deep_gemm.k_grouped_bf16_gemm_tn_accumulate_(a, b, group_offsets, accumulate_into, sms)
         return accumulate_into
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     _ready("k_grouped_bf16_gemm_tn", a.device)
-    return torch.ops.deep_gemm.k_grouped_bf16_gemm_tn(a, b, group_offsets, out_dtype == torch.float32)
+    return torch.ops.deep_gemm.k_grouped_bf16_gemm_tn(a, b, group_offsets, out_dtype == torch.float32, sms)
 
 
 def _register() -> None:
     """CPU kernels (the reference) and fake kernels, so opcheck and torch.compile run anywhere."""
     lib = "deep_gemm::"
 
-    def _check_cpu(a, b, offs):
+    def _check_cpu(a, b, offs, rows):
         if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
             raise TypeError("deep_gemm grouped GEMMs take bfloat16 operands")
         if offs.dtype != torch.int32 or offs.dim() != 1:
             raise TypeError("group_offsets must be a 1-D int32 tensor [num_groups + 1]")
+        check_offsets_cpu(offs, rows)
 
     for name, k_major in (("m_grouped_bf16_gemm_nt", True), ("m_grouped_bf16_gemm_nn", False)):
-        def cpu(a, b, group_offsets, _k_major=k_major):
-            _check_cpu(a, b, group_offsets)
+        def cpu(a, b, group_offsets, num_sms=0, _k_major=k_major):
+            _check_cpu(a, b, group_offsets, a.shape[0])
             return m_grouped_gemm_reference(a, b, group_offsets, _k_major)
 
-        def fake(a, b, group_offsets, _k_major=k_major):
+        def fake(a, b, group_offsets, num_sms=0, _k_major=k_major):
             return a.new_empty(a.shape[0], b.shape[1] if _k_major else b.shape[2])
 
         torch.library.register_kernel(lib + name, "cpu", cpu)
         torch.library.register_fake(lib + name, fake)
 
     def gather_rows(a, a_row_index, m_total):
+        check_index_cpu(a_row_index[:m_total], a.shape[0], "a_row_index")
         idx = a_row_index[:m_total].long()
         ok = (idx >= 0) & (idx < a.shape[0])
         rows = a[idx.clamp(0, max(a.shape[0] - 1, 0))] if a.shape[0] else a.new_zeros(m_total, a.shape[1])
         return torch.where(ok[:, None], rows, torch.zeros((), dtype=a.dtype))
 
-    def gather_cpu(a, b, group_offsets, a_row_index, m_total):
-        _check_cpu(a, b, group_offsets)
+    def gather_cpu(a, b, group_offsets, a_row_index, m_total, num_sms=0):
+        _check_cpu(a, b, group_offsets, m_total)
         return m_grouped_gemm_reference(gather_rows(a, a_row_index, m_total), b, group_offsets, True)
 
-    def gather_fake(a, b, group_offsets, a_row_index, m_total):
+    def gather_fake(a, b, group_offsets, a_row_index, m_total, num_sms=0):
         return a.new_empty(m_total, b.shape[1])
 
-    def swiglu_cpu(a, w13, group_offsets, a_row_index, m_total, save_h, clamp=0.0):
-        _check_cpu(a, w13, group_offsets)
+    def swiglu_cpu(a, w13, group_offsets, a_row_index, m_total, save_h, clamp=0.0, num_sms=0):
+        _check_cpu(a, w13, group_offsets, m_total)
         rows = gather_rows(a, a_row_index, m_total) if a_row_index is not None else a[:m_total]
         h = m_grouped_gemm_reference(rows, w13, group_offsets, True, torch.float32, round_output=False)
         I = w13.shape[1] // 2
@@ -188,13 +229,13 @@ def _register() -> None:
         s = (torch.nn.functional.silu(g) * u).to(a.dtype)
         return s, (hb if save_h else a.new_empty(0, 2 * I))
 
-    def swiglu_fake(a, w13, group_offsets, a_row_index, m_total, save_h, clamp=0.0):
+    def swiglu_fake(a, w13, group_offsets, a_row_index, m_total, save_h, clamp=0.0, num_sms=0):
         I = w13.shape[1] // 2
         return a.new_empty(m_total, I), a.new_empty(m_total if save_h else 0, 2 * I)
 
-    def swiglu_bwd_cpu(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp=0.0):
+    def swiglu_bwd_cpu(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp=0.0, num_sms=0):
         # the pool-row kernel's reference on the unrounded da, plus the per-128-column d weight partials
-        _check_cpu(dy_pool, w2, group_offsets)
+        _check_cpu(dy_pool, w2, group_offsets, dy_pool.shape[0])
         M, I = dy_pool.shape[0], w2.shape[2]
         nb = (I + 127) // 128
         da = m_grouped_gemm_reference(dy_pool, w2, group_offsets, False, torch.float32, round_output=False)
@@ -205,45 +246,32 @@ def _register() -> None:
         dt_part = torch.where(pool_src_route[:M, None] >= 0, prod, torch.zeros(()))
         return dh, aw, dt_part
 
-    def swiglu_bwd_fake(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp=0.0):
+    def swiglu_bwd_fake(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp=0.0, num_sms=0):
         M, I = dy_pool.shape[0], w2.shape[2]
         return (dy_pool.new_empty(M, 2 * I), dy_pool.new_empty(M, I),
                 dy_pool.new_empty(M, (I + 127) // 128, dtype=torch.float32))
 
-    def swiglu_bwd_gather_cpu(dy, a_row_index, m_total, w2, group_offsets, h, pool_src_route, topk_weights,
-                              clamp=0.0):
-        dy_pool = gather_rows(dy, a_row_index, m_total)
-        return (*swiglu_bwd_cpu(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp), dy_pool)
-
-    def swiglu_bwd_gather_fake(dy, a_row_index, m_total, w2, group_offsets, h, pool_src_route, topk_weights,
-                               clamp=0.0):
-        I = w2.shape[2]
-        return (dy.new_empty(m_total, 2 * I), dy.new_empty(m_total, I),
-                dy.new_empty(m_total, (I + 127) // 128, dtype=torch.float32), dy.new_empty(m_total, dy.shape[1]))
-
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu_bwd", "cpu", swiglu_bwd_cpu)
     torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu_bwd", swiglu_bwd_fake)
-    torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu_bwd_gather", "cpu", swiglu_bwd_gather_cpu)
-    torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu_bwd_gather", swiglu_bwd_gather_fake)
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu", "cpu", swiglu_cpu)
     torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu", swiglu_fake)
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_nt_gather", "cpu", gather_cpu)
     torch.library.register_fake(lib + "m_grouped_bf16_gemm_nt_gather", gather_fake)
 
-    def k_cpu(a, b, group_offsets, out_fp32=True):
-        _check_cpu(a, b, group_offsets)
+    def k_cpu(a, b, group_offsets, out_fp32=True, num_sms=0):
+        _check_cpu(a, b, group_offsets, a.shape[0])
         out = k_grouped_gemm_reference(a, b, group_offsets)
         return out if out_fp32 else out.to(torch.bfloat16)
 
-    def k_fake(a, b, group_offsets, out_fp32=True):
+    def k_fake(a, b, group_offsets, out_fp32=True, num_sms=0):
         return a.new_empty(group_offsets.shape[0] - 1, a.shape[1], b.shape[1],
                            dtype=torch.float32 if out_fp32 else torch.bfloat16)
 
-    def k_acc_cpu(a, b, group_offsets, c):
-        _check_cpu(a, b, group_offsets)
+    def k_acc_cpu(a, b, group_offsets, c, num_sms=0):
+        _check_cpu(a, b, group_offsets, a.shape[0])
         c.add_(k_grouped_gemm_reference(a, b, group_offsets))
 
-    def k_acc_fake(a, b, group_offsets, c):
+    def k_acc_fake(a, b, group_offsets, c, num_sms=0):
         return None
 
     torch.library.register_kernel(lib + "k_grouped_bf16_gemm_tn", "cpu", k_cpu)

@@ -5,7 +5,10 @@
 a [rows, I], dt [rows]) with w = topk_weights.flatten()[pool_src_route] (0 for padding rows),
 dt = sum(da * s), dh = bf16 of the SwiGLU backward of w * da, a = bf16(w * s), s in fp32 (the rounding
 points B3-B6 and B9 of deep_gemm.mega.reference). Only rows below ``num_rows`` (a one-element int32
-device tensor, so no host sync) are written. ``clamp < 0`` means no clamp.
+device tensor, so no host sync; at most the rows of h) are written. ``clamp < 0`` means no clamp.
+``pool_src_route`` holds -1 (padding) or a route id < topk_weights.numel(): on CUDA the kernel reads any other
+id as weight 0 and the next call into the library raises it (see :mod:`deep_gemm.grouped_gemm`); on the CPU it
+raises at once.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ def swiglu_bwd_reference(h, da, pool_src_route, topk_weights, num_rows, clamp=-1
     rows, I = h.shape[0], h.shape[1] // 2
     g, u, gc, uc = _parts(h[:n], clamp)
     src = pool_src_route[:n].long()
+    bad = (src < -1) | (src >= topk_weights.numel())
+    if bool(bad.any()):
+        raise RuntimeError(f"pool_src_route holds {int(src[bad][0])}, outside [-1, {topk_weights.numel()})")
     w = torch.where(src >= 0, topk_weights.reshape(-1).float()[src.clamp(min=0)], torch.zeros((), device=h.device))
     sig = torch.sigmoid(gc)
     silu = gc * sig

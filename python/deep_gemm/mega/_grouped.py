@@ -17,8 +17,6 @@ float64 tolerance as the reference. Single rank only (no expert-parallel group).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..combine import combine, dispatch_rows
@@ -70,18 +68,24 @@ def _gathered_pool(rows: torch.Tensor, route_to_pool: torch.Tensor, counts: torc
     return pool
 
 
-def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, sms) -> torch.Tensor:
     """a_g^T b_g in the parameter's dtype. A bf16 weight gets its gradient rounded in the GEMM's epilogue
     (the same single fp32 -> bf16 rounding as a cast, without writing and re-reading an fp32 copy)."""
     if dtype == torch.bfloat16:
-        return k_grouped_bf16_gemm_tn(a, b, offsets, out_dtype=torch.bfloat16)
-    return k_grouped_bf16_gemm_tn(a, b, offsets).to(dtype)
+        return k_grouped_bf16_gemm_tn(a, b, offsets, out_dtype=torch.bfloat16, num_sms=sms)
+    return k_grouped_bf16_gemm_tn(a, b, offsets, num_sms=sms).to(dtype)
+
+
+def _sms(num_sms):
+    """The backends' num_sms (0 or None: every SM) as the grouped GEMMs take it."""
+    return num_sms if num_sms else None
 
 
 def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=None, num_experts=None,
-            max_tokens_per_rank=None, block_m, capacity, save_h=True, buffer=None, id_check=None):
+            max_tokens_per_rank=None, block_m, capacity, save_h=True, buffer=None, id_check=None, num_sms=0):
     """Same contract as :func:`deep_gemm.mega.reference.forward`; ``id_check`` as in
-    :func:`deep_gemm.mega._fused.forward`."""
+    :func:`deep_gemm.mega._fused.forward`; ``num_sms`` caps every GEMM's grid (0: every SM)."""
+    sms = _sms(num_sms)
     if group is not None:
         raise RuntimeError("deep_gemm.mega: the grouped backend runs on a single rank (group=None)")
     T = x.shape[0]
@@ -99,70 +103,57 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
     offsets = plan.expert_offsets
     # F1-F3 in one kernel: SwiGLU on the accumulators rounded to bf16 (as h is saved), s and h in bf16.
     s, h_saved = m_grouped_bf16_gemm_swiglu(x, w13, offsets, a_row_index=tok, m_total=capacity, save_h=save_h,
-                                            clamp=activation_clamp)
-    o = m_grouped_bf16_gemm_nt(s, w2, offsets)  # F4
+                                            clamp=activation_clamp, num_sms=sms)
+    o = m_grouped_bf16_gemm_nt(s, w2, offsets, num_sms=sms)  # F4
     y = combine(o, plan.route_to_pool, topk_weights.float())  # F5
     return (y, h_saved, plan.expert_counts, offsets, src, srank, plan.route_to_pool.view(T, K))
 
 
-def _dispatching_dy(w2: torch.Tensor) -> bool:
-    """PK_SWIGLU_BWD_DISPATCH=1 (development A/B, read at every call): the L2 dgrad GEMM gathers dy itself."""
-    return w2.shape[2] % 64 == 0 and os.environ.get("PK_SWIGLU_BWD_DISPATCH", "0") == "1"
-
-
 def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, pool_src_route, pool_src_rank,
              route_to_pool, *, activation_clamp=None, group=None, num_experts=None, recompute=False,
-             need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None):
-    """Same contract as :func:`deep_gemm.mega.reference.backward`."""
+             need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None, num_sms=0):
+    """Same contract as :func:`deep_gemm.mega.reference.backward`; ``num_sms`` as in :func:`forward`."""
+    sms = _sms(num_sms)
     if group is not None:
         raise RuntimeError("deep_gemm.mega: the grouped backend runs on a single rank (group=None)")
     K = topk_idx.shape[1]
     capacity = pool_src_route.shape[0]
     route_to_pool = route_to_pool.contiguous()
-    dispatch_dy = _dispatching_dy(w2)
-    tok = _token_rows(pool_src_route, K) if recompute or dispatch_dy else None
-    h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity) if recompute else h_saved
+    tok = _token_rows(pool_src_route, K) if recompute else None
+    h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity, num_sms=sms) if recompute else h_saved
     # B1 (gather), then B2-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn
-    # GEMM plus the pool-row kernel at 30B, T=16384 on the H200; bench/NOTES.md). PK_SWIGLU_BWD_DISPATCH=1
-    # (development A/B, read at every call) has the GEMM's idle producer warps gather the dy rows while its
-    # tiles run instead: bit-identical, but slower on the H200 (30B: 1.17 ms against 1.08 for gather + GEMM;
-    # bench/NOTES.md, session 5). (activation_clamp is None here: the grouped backend refuses a clamp, see
-    # _backend._grouped_reason.)
+    # GEMM plus the pool-row kernel at 30B, T=16384 on the H200; bench/NOTES.md). (activation_clamp is None here:
+    # the grouped backend refuses a clamp, see _backend._grouped_reason.)
     weights = topk_weights.float().contiguous()
     dy = _rows_for_kernels(dy.to(torch.bfloat16))
-    if dispatch_dy:
-        dh, a, dt_part, dy_pool = m_grouped_bf16_gemm_swiglu_bwd(
-            dy, w2, offsets, h, pool_src_route, weights, clamp=activation_clamp, a_row_index=tok,
-            m_total=capacity)
-    else:
-        # B1, token-major: each dy row read once (an index_select by pool row re-read rows from HBM: 0.26 vs
-        # 0.17 ms at 30B, T=16384; bench/NOTES.md, session 11). A padded plan's padding rows are zeroed.
-        dy_pool = _gathered_pool(dy, route_to_pool, counts, offsets, capacity)
-        dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route, weights,
-                                                        clamp=activation_clamp)
+    # B1, token-major: each dy row read once (an index_select by pool row re-read rows from HBM: 0.26 vs
+    # 0.17 ms at 30B, T=16384; bench/NOTES.md, session 11). A padded plan's padding rows are zeroed.
+    dy_pool = _gathered_pool(dy, route_to_pool, counts, offsets, capacity)
+    dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route, weights,
+                                                    clamp=activation_clamp, num_sms=sms)
     # d topk_weights per pool row: the per-128-column partials summed in column order, into a buffer whose last
     # entry is a zero that masked routes (route_to_pool = -1, which indexes the last entry) read.
     dt_pool = dt_part.new_empty(capacity + 1)
     dt_pool[capacity:].zero_()
     torch.sum(dt_part, 1, out=dt_pool[:capacity])
     del dt_part, h  # pool-sized buffers are freed as soon as their last reader is queued (lower peak memory)
-    dx_pool = m_grouped_bf16_gemm_nn(dh, w13, offsets)  # B7
+    dx_pool = m_grouped_bf16_gemm_nn(dh, w13, offsets, num_sms=sms)  # B7
     dx = combine(dx_pool, route_to_pool, None)  # B8
     del dx_pool
     dtopk = dt_pool[route_to_pool.reshape(-1)].view_as(topk_weights).to(topk_weights.dtype)
     out13 = out2 = None
     if need_wgrad or dw13_accum is not None or dw2_accum is not None:
         if dw2_accum is not None:
-            k_grouped_bf16_gemm_tn(dy_pool, a, offsets, accumulate_into=dw2_accum)  # B10
+            k_grouped_bf16_gemm_tn(dy_pool, a, offsets, accumulate_into=dw2_accum, num_sms=sms)  # B10
         elif need_wgrad:
-            out2 = _wgrad(dy_pool, a, offsets, w2.dtype)
+            out2 = _wgrad(dy_pool, a, offsets, w2.dtype, sms)
         # dy_pool and w*s are dead once dW2 is queued: freed before dW13 (and a re-gathered x_pool) are allocated,
         # the backward's peak drops by P * (H + I) * 2 bytes (30B, T=16384: 0.7 GiB; 235B: 1.4 GiB)
         del dy_pool, a
         if x_pool is None:  # the forward did not keep its pooled rows
             x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity)
         if dw13_accum is not None:
-            k_grouped_bf16_gemm_tn(dh, x_pool, offsets, accumulate_into=dw13_accum)
+            k_grouped_bf16_gemm_tn(dh, x_pool, offsets, accumulate_into=dw13_accum, num_sms=sms)
         elif need_wgrad:
-            out13 = _wgrad(dh, x_pool, offsets, w13.dtype)
+            out13 = _wgrad(dh, x_pool, offsets, w13.dtype, sms)
     return dx, dtopk, out13, out2

@@ -1,0 +1,149 @@
+// prime-kernels: values a kernel reads from device memory and finds out of range (group offsets, row and route
+// indices), recorded without a host synchronisation.
+//
+// Those arrays live on the device, so a host-side check would cost a synchronisation per call. The kernels check
+// them instead and handle a bad value safely: group offsets that are not non-decreasing within [0, rows] make the
+// GEMM write nothing at all (every CTA checks them in its prologue, before any store, and exits); an index outside
+// its range is treated as masked (a zero row, a zero weight, a skipped route). The kernel then notes what it found
+// in a DeviceCheckRecord: one per process, in mapped pinned host memory (the same address on every device under
+// unified addressing), written with plain stores (device atomics on host memory would need PCIe atomics). The
+// host reads it without synchronising: every entry point of the checked ops reads it before it launches anything
+// and fails with the finding (then clears it), and pk_device_check reads it on request. A finding therefore
+// surfaces at the first such read after the faulty kernel ran: the next call, or pk_device_check after a
+// synchronisation.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+
+namespace deep_gemm::common {
+
+enum DeviceCheck : int {
+  kCheckMGroupedOffsets = 0,  // an m-grouped GEMM's group_offsets (bound: m_total); nothing written
+  kCheckKGroupedOffsets,      // a k-grouped GEMM's group_offsets (bound: p_total); nothing written
+  kCheckGatherIndex,          // a gathered GEMM's a_row_index (bound: a's rows); read as a zero row
+  kCheckPoolRoute,            // a SwiGLU backward's pool_src_route (bound: routes with a weight); weight 0
+  kCheckCombineRoute,         // combine's route_to_pool (bound: slot rows); route skipped
+  kCheckDispatchRoute,        // dispatch_rows' route_to_pool (bound: out rows); nothing written for it
+  kNumDeviceChecks,
+};
+
+struct DeviceCheckRecord {
+  int32_t flag[kNumDeviceChecks];   // 0: nothing found; 1: found; 2: found, and the two fields below hold an example
+  int64_t value[kNumDeviceChecks];  // the offending value
+  int64_t bound[kNumDeviceChecks];  // the size it was checked against
+};
+
+#ifdef __CUDACC__
+// Notes one offending value (the first writer of a kind wins; concurrent writers may mix their example fields,
+// which only the message shows). For kernels with registers to spare (the prologue, the row kernels).
+__device__ __forceinline__ void report_device_check(DeviceCheckRecord* rec, int kind, long long value, long long bound) {
+  if (rec == nullptr) return;
+  volatile DeviceCheckRecord* r = rec;
+  if (r->flag[kind] != 0) return;
+  r->value[kind] = value;
+  r->bound[kind] = bound;
+  __threadfence_system();  // the example is visible before the flag that announces it
+  r->flag[kind] = 2;
+}
+
+// Notes a finding without an example: one store of a constant through the kernel parameter, so a GEMM's tile
+// loop keeps its registers.
+__device__ __forceinline__ void note_device_check(DeviceCheckRecord* rec, int kind) {
+  if (rec != nullptr) reinterpret_cast<volatile int32_t*>(rec->flag)[kind] = 1;
+}
+
+// Whole CTA (every thread calls it; ends with a barrier): whether offsets[0..num_groups] fails
+// 0 <= offsets[0] <= offsets[1] <= ... <= offsets[num_groups] <= rows. CTA 0 records the finding under `kind`.
+__device__ __forceinline__ bool group_offsets_invalid(const int32_t* offsets, int num_groups, int rows,
+                                                      DeviceCheckRecord* rec, int kind) {
+  int bad_value = 0;
+  bool bad = false;
+  for (int i = threadIdx.x; i <= num_groups; i += blockDim.x) {
+    const int v = __ldg(offsets + i);
+    const int prev = i > 0 ? __ldg(offsets + i - 1) : 0;
+    if (v < prev || v > rows) {
+      bad = true;
+      bad_value = v;
+    }
+  }
+  const bool any = __syncthreads_or(bad) != 0;
+  if (bad && blockIdx.x == 0) report_device_check(rec, kind, bad_value, rows);
+  return any;
+}
+#endif
+
+// The process's record (allocated on first use; null if the allocation failed, and then kernels check their
+// values as before but record nothing).
+inline std::atomic<DeviceCheckRecord*>& device_check_slot() {
+  static std::atomic<DeviceCheckRecord*> slot{nullptr};
+  return slot;
+}
+
+inline DeviceCheckRecord* device_check_record() {
+  DeviceCheckRecord* rec = device_check_slot().load(std::memory_order_acquire);
+  if (rec != nullptr) return rec;
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  rec = device_check_slot().load(std::memory_order_acquire);
+  if (rec != nullptr) return rec;
+  // A pinned allocation is not stream-ordered: allowed from this thread even while a CUDA graph is being
+  // captured (relaxed capture mode for the call), so a first call inside a capture still gets its record.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  void* p = nullptr;
+  const cudaError_t e = cudaHostAlloc(&p, sizeof(DeviceCheckRecord), cudaHostAllocMapped | cudaHostAllocPortable);
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not this call's error to report
+    return nullptr;
+  }
+  std::memset(p, 0, sizeof(DeviceCheckRecord));
+  rec = static_cast<DeviceCheckRecord*>(p);
+  device_check_slot().store(rec, std::memory_order_release);
+  return rec;
+}
+
+// The findings recorded so far, formatted into out, and cleared; false (out untouched) if there are none. Never
+// allocates or touches the device.
+inline bool take_device_checks(char* out, size_t out_len) {
+  DeviceCheckRecord* rec = device_check_slot().load(std::memory_order_acquire);
+  if (rec == nullptr) return false;
+  volatile DeviceCheckRecord* r = rec;
+  static const char* const kWhat[kNumDeviceChecks] = {
+      "an m-grouped GEMM's group_offsets are not non-decreasing within [0, m_total]; that GEMM wrote nothing",
+      "a k-grouped GEMM's group_offsets are not non-decreasing within [0, rows]; that GEMM wrote nothing",
+      "a gathered GEMM's a_row_index names a row outside A (only -1 and [0, rows) are valid); that row was read as "
+      "zeros",
+      "a SwiGLU backward's pool_src_route names a route without a weight (only -1 and [0, routes) are valid); that "
+      "row got weight 0",
+      "combine's route_to_pool names a row outside the slots (only -1 and [0, rows) are valid); that route was "
+      "skipped",
+      "dispatch_rows' route_to_pool names a row outside out (only -1 and [0, rows) are valid); nothing was written "
+      "for that route",
+  };
+  size_t used = 0;
+  bool any = false;
+  for (int k = 0; k < kNumDeviceChecks; ++k) {
+    const int32_t state = r->flag[k];
+    if (state == 0) continue;
+    const long long value = r->value[k], bound = r->bound[k];
+    r->flag[k] = 0;
+    if (used + 2 < out_len) {
+      if (any) used += std::snprintf(out + used, out_len - used, "; ");
+      if (used < out_len) used += std::snprintf(out + used, out_len - used, "%s", kWhat[k]);
+      if (state == 2 && used < out_len)
+        used += std::snprintf(out + used, out_len - used, " (e.g. %lld against a size of %lld)", value, bound);
+    }
+    any = true;
+  }
+  if (any && out_len > 0) out[out_len - 1] = '\0';
+  return any;
+}
+
+}  // namespace deep_gemm::common
