@@ -197,6 +197,7 @@ PK_API int pk_dispatch_rows_bf16_cpu(const void* src, int64_t ld_src, const int3
 //   bwd: with w = topk_weights[pool_src_route[r]] (topk_weights has num_routes entries; route -1: w = 0; a route
 //        outside [-1, num_routes) also gets w = 0 and is a device finding): dt[r] = sum da*s; dh = bf16(SwiGLU
 //        backward of w*da); a = bf16(w*s)                        (deep_gemm.mega.reference B3-B6, B9)
+// *num_rows is clamped to [0, max_rows].
 // ---------------------------------------------------------------------------------------------
 PK_API int pk_swiglu_fwd_bf16_cuda(const void* h, int64_t ld_h, void* s, int64_t ld_s, int64_t inter,
                                    const int32_t* num_rows, int64_t max_rows, float clamp, void* cuda_stream);
@@ -209,4 +210,3 @@ PK_API int pk_swiglu_bwd_bf16_cuda(const void* h, int64_t ld_h, const void* da, 
 #ifdef __cplusplus
 }  // extern "C"
 #endif
-// *num_rows is clamped to [0, max_rows].
