@@ -913,7 +913,7 @@ def attempt(label, fn):
         texts.append(f"{label}: {type(exc).__name__}: {exc}")
 if {set_timeout}:
     deep_gemm.set_wait_timeout(1.0)
-attempt("probe", lambda: torch.ops.deep_gemm.wait_timeout_probe(1.0))
+attempt("probe", lambda: deep_gemm._watchdog._wait_timeout_probe(1.0))
 time.sleep(3.0)
 if {sync}:
     attempt("synchronize", torch.cuda.synchronize)
@@ -927,8 +927,10 @@ print("\n".join(texts), file=sys.stderr, flush=True)
 
 def _probe(sync: bool, set_timeout: bool):
     _need_cuda()
-    if not hasattr(torch.ops.deep_gemm, "wait_timeout_probe"):
-        raise AssertionError("torch.ops.deep_gemm.wait_timeout_probe does not exist in this build")
+    import deep_gemm
+
+    if not hasattr(deep_gemm, "set_wait_timeout"):
+        raise AssertionError("deep_gemm.set_wait_timeout does not exist in this build")
     code = _PROBE_CHILD.replace("{sync}", str(sync)).replace("{set_timeout}", str(set_timeout))
     t0 = time.monotonic()
     try:

@@ -7,6 +7,7 @@
 #include "api/deep_gemm_api.h"
 #include "api/errors.hpp"
 #include "build_config.h"
+#include "common/watchdog.hpp"
 
 namespace deep_gemm::api {
 
@@ -58,6 +59,16 @@ int fail_cuda(cudaError_t err, const char* what) {
   return fail(PK_ERR_CUDA, "%s failed: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
 }
 
+int from_status(int status, const char* message) {
+  switch (status) {
+    case 0: return ok();
+    case 1: return fail(PK_ERR_INVALID_ARGUMENT, "%s", message);
+    case 2: return fail(PK_ERR_NOT_AVAILABLE, "%s", message);
+    case 3: return fail(PK_ERR_CUDA, "%s", message);
+    default: return fail(PK_ERR_INTERNAL, "%s", message);
+  }
+}
+
 int check_device(int device, ArchFamily family) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
@@ -88,6 +99,10 @@ int check_device(int device, ArchFamily family) {
 }
 
 int check_current_device(ArchFamily family) {
+  // After a wait timed out, the context is lost: say why before anything else can fail with a vaguer error.
+  char message[768];
+  if (wait_record_message(message, sizeof(message))) return fail(PK_ERR_CUDA, "%s", message);
+  if (input_error_message(message, sizeof(message))) return fail(PK_ERR_INVALID_ARGUMENT, "%s", message);
   int device = 0;
   if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return fail_cuda(err, "cudaGetDevice");
   return check_device(device, family);

@@ -141,23 +141,34 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, c
                                              float clamp, int num_sms, void* cuda_stream);
 
 // ---------------------------------------------------------------------------------------------
-// Fused Mega MoE forward (sm90, BF16): dispatch of the token rows into the pool, L1 with SwiGLU, L2 and
-// (with y and route_to_pool) the weighted combine into y, in one persistent kernel (csrc/sm90/mega_moe.hpp has the
-// full contract; route_to_pool without y serves the dispatch only). counters: device int32 scratch of pk_mega_moe_fwd_counter_count(m_total, num_experts,
-// num_tokens, hidden) entries (zeroed by the call itself).
+// Fused Mega MoE forward (sm90, BF16): dispatch of the token rows into the pool, L1 with SwiGLU and L2 in one
+// persistent kernel (csrc/sm90/mega_moe.hpp has the full contract; the combine is pk_combine_bf16_cuda).
+// counters: device int32 scratch of pk_mega_moe_fwd_counter_count(m_total, num_experts) entries (zeroed by the call
+// itself). num_sms: CTAs (one per SM; 0 = every SM), any value gives the same bits. Invalid plan values found on
+// the device (expert_offsets not a plan, routes past num_tokens * top_k) are not read and are reported by the
+// next call into the library (PK_ERR_INVALID_ARGUMENT).
 // ---------------------------------------------------------------------------------------------
-PK_API int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int64_t num_tokens, int64_t hidden);
-// 1 when pk_mega_moe_fwd_bf16 would reduce y inside the forward kernel (the PK_MEGA_FWD_COMBINE=kernel development
-// switch), 0 when its combine is a second launch (the default) or the sm90 kernels are not built. A caller that
-// combines with pk_combine_bf16_cuda itself in the second case gets the same bits.
-PK_API int pk_mega_moe_fwd_combines_in_kernel(void);
+PK_API int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts);
 PK_API int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x,
                                 const int32_t* pool_src_route, const int32_t* pool_src_rank, int top_k,
                                 const int32_t* expert_offsets, int num_experts, int64_t m_total, int64_t hidden,
                                 int64_t inter, const void* w13, const void* w2, void* x_pool, void* s, void* h,
-                                void* o, int64_t num_tokens, const int32_t* route_to_pool,
-                                const float* topk_weights, void* y, float clamp, int32_t* counters,
-                                void* cuda_stream);
+                                void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
+                                int32_t* counters, int num_sms, void* cuda_stream);
+
+// ---------------------------------------------------------------------------------------------
+// Bounded waits (csrc/common/watchdog.cuh). A kernel wait on another CTA that lasts longer than the timeout
+// (default 5 s) records what it waited for in host-mapped memory and traps; the CUDA context is then lost, and
+// every later call into the library fails with that record as its message (pk_check_wait_record too).
+// ---------------------------------------------------------------------------------------------
+PK_API int pk_set_wait_timeout(double seconds);  // (0, 3600]
+PK_API double pk_get_wait_timeout(void);
+// PK_OK, or the record of a timed-out wait (PK_ERR_CUDA) or of invalid inputs a kernel found on the device
+// (PK_ERR_INVALID_ARGUMENT, reported once), as the last error.
+PK_API int pk_check_wait_record(void);
+// Launches one CTA that waits, with the given timeout, on a counter nothing releases: it times out on purpose
+// (tests of the path above). The CUDA context is lost afterwards.
+PK_API int pk_wait_timeout_probe(double timeout_s, void* cuda_stream);
 
 PK_API int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c,
                                   int c_is_bf16, int accumulate, const int32_t* group_offsets,

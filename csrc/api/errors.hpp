@@ -11,6 +11,9 @@ namespace deep_gemm::api {
 int fail(int code, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 int ok();
 int fail_cuda(cudaError_t err, const char* what);
+// A launcher's status (0 ok, 1 invalid argument, 2 not available, 3 CUDA error, else internal) and its message,
+// as this ABI's code and last error.
+int from_status(int status, const char* message);
 
 enum class ArchFamily { kAny, kSm90, kSm100 };
 

@@ -1,12 +1,12 @@
-// C ABI of the sm90 kernels (grouped GEMMs, fused Mega MoE forward): device check, then the sm90 launchers (which validate shapes).
+// C ABI of the sm90 grouped GEMMs: earlier device findings and the device check, then the sm90 launchers (which validate shapes).
 #include "api/deep_gemm_api.h"
 #include "api/errors.hpp"
 #include "common/device_check.hpp"
+#include "sm90/grouped_gemm.hpp"  // header-only sizes, also without the kernels
 
 #if PK_HAS_SM90_KERNELS
 #include "sm90/grouped_gemm.hpp"
 #endif
-#include "sm90/mega_moe.hpp"  // header-only sizes, also without the kernels
 
 namespace {
 
@@ -151,43 +151,6 @@ int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ld
   (void)num_groups, (void)p_total, (void)m, (void)n, (void)num_sms, (void)cuda_stream;
   return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE,
                               "k_grouped_bf16_gemm is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
-#endif
-}
-
-
-int pk_mega_moe_fwd_combines_in_kernel(void) {
-#if PK_HAS_SM90_KERNELS
-  return deep_gemm::sm90::mega_moe_fwd_combines_in_kernel() ? 1 : 0;
-#else
-  return 0;
-#endif
-}
-
-int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int64_t num_tokens, int64_t hidden) {
-  return deep_gemm::sm90::mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden);
-}
-
-int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
-                         const int32_t* pool_src_rank, int top_k, const int32_t* expert_offsets, int num_experts,
-                         int64_t m_total, int64_t hidden, int64_t inter, const void* w13, const void* w2, void* x_pool,
-                         void* s, void* h, void* o, int64_t num_tokens, const int32_t* route_to_pool,
-                         const float* topk_weights, void* y, float clamp, int32_t* counters, void* cuda_stream) {
-#if PK_HAS_SM90_KERNELS
-  if (const int rc = current_device_is_sm90(); rc != PK_OK) return rc;
-  char message[512] = {0};
-  const int rc = deep_gemm::sm90::mega_moe_fwd_bf16(x_ranks, num_ranks, ld_x, pool_src_route, pool_src_rank, top_k,
-                                                    expert_offsets, num_experts, m_total, hidden, inter, w13, w2,
-                                                    x_pool, s, h, o, num_tokens, route_to_pool, topk_weights, y,
-                                                    clamp, counters, 0,
-                                                    static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
-  return from_sm90(rc, message);
-#else
-  (void)x_ranks, (void)num_ranks, (void)ld_x, (void)pool_src_route, (void)pool_src_rank, (void)top_k;
-  (void)expert_offsets, (void)num_experts, (void)m_total, (void)hidden, (void)inter, (void)w13, (void)w2;
-  (void)x_pool, (void)s, (void)h, (void)o, (void)num_tokens, (void)route_to_pool, (void)topk_weights, (void)y;
-  (void)clamp, (void)counters, (void)cuda_stream;
-  return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE,
-                              "mega_moe_fwd_bf16 is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif
 }
 

@@ -14,10 +14,11 @@
 namespace deep_gemm {
 namespace sm90 {
 
-// int32 counters the forward needs (zeroed by the launch itself, on `stream`): dispatch and L1 per m-block,
-// then the in-kernel combine's arrivals per (token, 128 columns of hidden).
-inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int64_t num_tokens, int64_t hidden) {
-  return 2 * max_m_blocks(m_total, num_experts) + (num_tokens > 0 ? num_tokens : 0) * ((hidden + 127) / 128);
+// int32 counters the forward needs (zeroed by the launch itself, on `stream`): dispatch and L1 per m-block, then
+// the work-claim counters (mega_moe_fwd.cuh, MegaFwdClaim).
+constexpr int64_t kMegaFwdClaimCounters = 4;
+inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts) {
+  return 2 * max_m_blocks(m_total, num_experts) + kMegaFwdClaimCounters;
 }
 
 // One forward of the layer's routed experts over a routing plan (pool rows grouped by expert, no padding
@@ -35,25 +36,22 @@ inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts, int6
 //   o            bf16 [m_total, hidden] out: s @ w2^T per pool row (the combine's input). o may be x_pool itself
 //                (the rows of an m-block are overwritten only after every L1 tile of it has read them; the
 //                dispatched rows are then gone): the forward's peak memory drops by m_total * hidden * 2 bytes.
+//   num_tokens   rows of x (of every rank's x: each has at least this many); pool_src_route values must be
+//                < num_tokens * top_k: a larger one is not read (its row is dispatched as zeros) and is reported
+//                at the next call into the library (common/watchdog.hpp, input flags)
 //   route_to_pool device int32 [num_tokens * top_k] (pool row per route, < 0: none), or null. With one rank the
 //                dispatch walks the tokens through it for the pool rows past a split (each x row read once);
 //                a row it does not name consistently with pool_src_route is copied from pool_src_route.
-//   topk_weights device fp32 [num_tokens * top_k], or null (weights of 1)
-//   y            bf16 [num_tokens, hidden] out, or null: no combine (needs route_to_pool): sum over k in order of
-//                topk_weights[t, k] * o[route_to_pool[t, k]] in fp32 (bit-identical to the combine kernel);
-//                reduced inside the kernel as each token's L2 tiles complete. Rows with no route are zero.
-//   counters     device int32 [mega_moe_fwd_counter_count(m_total, num_experts, num_tokens, hidden)] scratch
+//   counters     device int32 [mega_moe_fwd_counter_count(m_total, num_experts)] scratch
+//   num_sms      CTAs to launch (one per SM), 0: every SM of the device. The result is the same at every value.
 //   hidden, inter multiples of 64; clamp >= 0 (0 = none). All pointers 16-byte aligned.
-// Rows of the outputs outside [0, expert_offsets[num_experts]) are not written.
-// Whether mega_moe_fwd_bf16 reduces y inside the kernel (PK_MEGA_FWD_COMBINE=kernel, read at every call).
-bool mega_moe_fwd_combines_in_kernel();
-
+// Rows of the outputs outside [0, expert_offsets[num_experts]) are not written; nothing is written when
+// expert_offsets is not a plan (reported like a bad route). The combine is a separate launch (common/combine.hpp).
 int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
                       const int32_t* pool_src_rank, int top_k, const int32_t* expert_offsets, int num_experts,
                       int64_t m_total, int64_t hidden, int64_t inter, const void* w13, const void* w2, void* x_pool,
-                      void* s, void* h, void* o, int64_t num_tokens, const int32_t* route_to_pool,
-                      const float* topk_weights, void* y, float clamp, int32_t* counters, int num_sms,
-                      cudaStream_t stream, char* err, size_t err_len);
+                      void* s, void* h, void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
+                      int32_t* counters, int num_sms, cudaStream_t stream, char* err, size_t err_len);
 
 }  // namespace sm90
 }  // namespace deep_gemm

@@ -1,41 +1,54 @@
-// prime-kernels: sm90a fused Mega MoE forward (BF16): dispatch, L1 + SwiGLU and L2 in one persistent kernel.
-// This file: the shared pieces (parameters, dispatch role) and the cooperative kernel (both consumer
-// warpgroups on one 128 x 256 tile), the default; PK_MEGA_FWD_KERNEL=pingpong runs the ping-pong kernel of
-// mega_moe_fwd_pp.cuh instead (bench/NOTES.md, session 6: the cooperative kernel's epilogues now cost half as
-// much, and with h or in the steady state it is the faster one).
+// prime-kernels: sm90a fused Mega MoE forward (BF16): dispatch, L1 + SwiGLU and L2 in one persistent kernel
+// (both consumer warpgroups on one 128 x 256 tile).
 //
-// Per pool row m of expert e (rows grouped by expert through offsets, no padding; the routing plan's order):
+// Per pool row m of expert e (rows grouped by expert through offsets; the routing plan's order):
 //   x_pool[m] = x_{rank(m)}[token(m)]                                   (dispatch: cp.async + stores per 4 KB piece)
 //   h[m]      = [x_pool[m] @ w13_e[0:I]^T | x_pool[m] @ w13_e[I:2I]^T]  (fp32 accumulation; stored as bf16 when asked)
 //   s[m]      = silu(h~_gate) * h~_up                                   (h~: h rounded as saved; fp32 math, bf16 out;
 //                                                                       optional clamp)
 //   o[m]      = s[m] @ w2_e^T                                           (bf16 out)
-// and the deterministic combine sums o over each token's routes (the ping-pong kernel can do it in-kernel,
-// see MegaFwdParams::y; by default it is a second launch).
+// and the deterministic combine (a second launch) sums o over each token's routes.
 //
-// Work, in one static sequence every CTA walks with stride gridDim.x (the scheduling of DeepGEMM's Mega MoE,
-// rewritten for Hopper's register-resident accumulators): all L1 tiles (per expert: the I/128 n-blocks, each
-// pairing gate rows c.. and up rows I + c.. of the natural w13 layout, m-blocks fastest within bands of 16),
-// then all L2 tiles (per expert: H/256 n-blocks, the same order). A tile only ever waits for work earlier in the
-// sequence or for the dispatch (which waits for nothing), and every CTA processes its tiles in increasing order, so
-// with the whole grid resident (one CTA per SM, grid <= SMs) the waits cannot deadlock.
+// Work: one task sequence (the scheduling of DeepGEMM's Mega MoE, rewritten for Hopper's register-resident
+// accumulators): all L1 tiles (per expert: the I/128 n-blocks, each pairing gate rows c.. and up rows I + c.. of
+// the natural w13 layout, m-blocks fastest within bands of 16), then all L2 tiles (per expert: H/256 n-blocks, the
+// same order). A tile waits only for tasks earlier in the sequence (an L2 tile for its m-block's L1 tiles) and for
+// the dispatch of its m-block's rows.
+//
+// Forward progress, without assuming that the grid is resident: beside NCCL, another stream's kernels or a second
+// forward of ours, some CTAs may not start until others exit. So no work is tied to a CTA index:
+//   * each CTA's TMA thread claims tasks from a global counter (atomicAdd), so tasks are handed out in sequence
+//     order, and only to CTAs that are running. A claimed task waits only for lower tasks, all of which are
+//     claimed already by running CTAs, and every CTA finishes its tasks in the order it claimed them. By
+//     induction on the task index the lowest unfinished task can always proceed: its dependencies are finished,
+//     and everything its CTA claimed before it is finished (the consumers' deferred L1 arrival is made before
+//     they block on the next task, see arrive_pending), so the producer and the consumers of its CTA are on it
+//     (that CTA may hold one more claimed task, a higher one, which changes none of this).
+//   * the dispatch warps of every running CTA claim pieces of the dispatch the same way (dispatch_rows.cuh) until
+//     none are left; the dispatch waits for nothing, so every claimed piece lands and every piece is claimed.
+//   * within a CTA, the dispatch warps (the hand-off helpers once their dispatch is done) wait only for their own
+//     CTA's consumers and their own stores, and the consumers only for them, for their producer and for the
+//     dispatch being done; none of those waits for anything unfinished in another CTA.
+// A grid of any size therefore completes with any subset of its CTAs running, and the result is bitwise the
+// same (a task's output does not depend on which CTA ran it). Each wait on another CTA is still bounded
+// (common/watchdog.cuh): past the timeout it records what it waited for and traps.
 //   * dispatch (producer warps 1-3 of every CTA): copy x rows into x_pool, the first rows in pool order, the
 //     rest token by token (see the roles below); per-m-block dispatch counters count the 4 KB pieces that have
-//     landed. Neither part waits for anything, so the argument holds.
+//     landed.
 //   * L1 tile: the TMA thread waits (ld.acquire) until its m-block's dispatch counter is complete, then
-//     streams x_pool and w13 like the grouped GEMM. Epilogue (cooperative kernel): h (when asked) and s go out
-//     through the staging tile by TMA stores; each consumer warpgroup then adds one to the m-block's L1 counter
-//     (release) once its stores are complete, which it checks only after the next tile's first MMAs are queued,
-//     or before that tile's first wait if the wait cannot be passed yet: an arrival is never held behind a
-//     blocking wait, so the no-deadlock argument above still holds.
+//     streams x_pool and w13 like the grouped GEMM. Epilogue: h (when asked) and s go out through the staging
+//     tile by TMA stores; each consumer warpgroup then adds one to the m-block's L1 counter (release) once its
+//     stores are complete, which it checks only after the next tile's first MMAs are queued, or before that
+//     tile's first wait if the wait cannot be passed yet: an arrival is never held behind a blocking wait.
 //     Once the CTA's dispatch is done, a tile whose 128 rows all belong to the expert is instead handed to the
 //     dispatch warps (MegaHandoff below): the consumers stage bf16 gate | up and go on; the helpers store h and
-//     s and give the L1 counter both arrivals. The helpers wait only for their own CTA's consumers and their
-//     own stores, and the consumers only for the helpers, so the argument holds with them too.
+//     s and give the L1 counter both arrivals.
 //   * L2 tile: waits until the m-block's L1 counter reaches 2 * (I/128 n-blocks) (every s column of the rows
 //     it reads), then streams s and w2; its epilogue TMA-stores o (pool order) for the combine. Once the CTA's
 //     dispatch is done, a tile of 128 rows stages bf16 o for the dispatch warps instead, which issue the stores
 //     (the issue of a TMA store holds its thread for hundreds of cycles; the consumers go on at once).
+//   * the producer hands each claimed task to its consumers with the tile's first stage (MegaFwdLayout::kTaskOff);
+//     -1 there, with no loads, ends them.
 // Writes read later by TMA in another CTA: generic-proxy ones (x_pool; s rows of an expert's last m-block) get
 // a writer fence.proxy.async.global, then a release; TMA-stored s is waited for (bulk wait_group) and fenced
 // the same way; the reader acquires, then fence.proxy.async.global before its TMA loads.
@@ -43,7 +56,7 @@
 
 #include <cuda.h>
 
-#include "common/combine_math.cuh"
+#include "common/watchdog.cuh"
 #include "dispatch_rows.cuh"
 #include "gemm_common.cuh"
 
@@ -77,52 +90,51 @@ struct MegaFwdParams {
   float clamp;
   float clamp_below;  // the largest bf16 value < clamp and the smallest > clamp (F6 rounding of the saved h)
   float clamp_above;
-  // Readiness counters, zero before the launch: [num_m_blocks] dispatch, then [num_m_blocks] L1.
+  // Counters, zero before the launch: [max_m_blocks] dispatch, [max_m_blocks] L1, then kMegaFwdNumClaims claim
+  // counters (MegaFwdClaim).
   int32_t* counters;
   int32_t max_m_blocks;  // length of each counter array (>= the plan's m-blocks)
   // The plan's pool row per route, [num_tokens * top_k] (< 0: none), or null. Read by the token-major part of
-  // the dispatch (disp_split_row) and by the in-kernel combine.
+  // the dispatch (disp_split_row).
   const int32_t* route_to_pool;
-  int32_t num_tokens;
-  // In-kernel combine (ping-pong kernel; y null: none, o is the output): y[t] = sum over k in order of
-  // topk_weights[t, k] * o[route_to_pool[t, k]] (fp32, skipping routes < 0; rows with no route are zero).
-  // The last L2 tile to finish a token's 128 columns (token_ctr counts the arrivals) reduces them.
-  const float* topk_weights;     // [num_tokens * top_k], or null (weights of 1)
-  __nv_bfloat16* y;              // [num_tokens, hidden], row stride hidden
-  int32_t* token_ctr;  // [num_tokens * ceil(hidden / 128)], zero before the launch
-  // Development aid (null in normal runs): per CTA, kStatsPerCta clock64 figures (see mega_moe.cu).
-  long long* stats;
-  // Development aid with stats (timing only, nothing is computed): bit 0 = no tiles, the dispatch alone;
-  // with bit 0, bit 1 = no proxy fence / release, bit 2 = no stores, bit 3 = no loads; bit 4 = the tiles alone
-  // (no dispatch: the host marks every m-block dispatched, x_pool holds whatever it held).
-  int32_t dispatch_only;
-  // Cooperative kernel, hand-offs to the dispatch warps once this CTA's dispatch is done (kMegaFwdHandoff): bit 0:
-  // the L1 epilogue of a whole 128-row tile hands the bf16 gate | up tile over, and they compute s and issue the h
-  // and s stores; bit 1: an L2 tile of 128 rows hands its bf16 o tile over, and they issue the o stores (a TMA
-  // store's issue holds its thread for hundreds of cycles behind the producer's loads: bench/NOTES.md, session
-  // 15). 0: every epilogue stays in the consumers.
+  int32_t num_tokens;  // rows of x (every rank's x has at least this many); pool_src_route < num_tokens * top_k
+  // Epilogue hand-offs to the dispatch warps once this CTA's dispatch is done (kMegaFwdHandoff): bit 0: the L1
+  // epilogue of a whole 128-row tile hands the bf16 gate | up tile over, and they compute s and issue the h and s
+  // stores; bit 1: an L2 tile of 128 rows hands its bf16 o tile over, and they issue the o stores.
   int32_t handoff;
-  // Token-major dispatch of the pool rows >= disp_split_row through route_to_pool (mega_dispatch_tokens;
-  // bench/NOTES.md, session 17); the host sets it past the pool (every row in pool order) when route_to_pool is
-  // null or the rows come from several ranks.
+  // Token-major dispatch of the pool rows >= disp_split_row through route_to_pool (mega_dispatch_tokens); the
+  // host sets it past the pool (every row in pool order) when route_to_pool is null or the rows come from several
+  // ranks.
   int32_t disp_split_row;
-  // L2 cache hints (kMegaFwdL2Hints; bench/NOTES.md, session 14): bit 0, 1, 2: the h, s, o stores evict_first
-  // (no later access in this kernel reads them back soon: s is read in the L2 phase, after the whole L1 phase);
-  // bit 3: the w13 / w2 loads evict_last (16 m-blocks of a band read each B tile in turn, while the x_pool, h, s
-  // and o streams would push it out between them). A clear bit: no hint. The ping-pong kernel reads bit 3 only.
+  // L2 cache hints (kMegaFwdL2Hints): bit 0, 1, 2: the h, s, o stores evict_first; bit 3: the w13 / w2 loads
+  // evict_last. A clear bit: no hint.
   int32_t l2_hints;
+  // The bound on every wait for another CTA's work (common/watchdog.cuh).
+  WaitGuard wait_guard;
+  // Set to 1 (and the kernel writes nothing) when expert_offsets is not a plan: offsets[0] != 0, decreasing, or
+  // past m_total. Host-mapped; may be null.
+  int32_t* bad_offsets;
+  // Set to 1 when a pool row names a route >= num_tokens * top_k: the row is dispatched as zeros. Host-mapped.
+  int32_t* bad_routes;
 };
-// MegaFwdParams::handoff: both hand-offs. The L2 one, measured on the H200 (bench/NOTES.md, session 15): L2
-// epilogues -46%, consumer cycles -1.1% (30B) / -1.2% (235B), layer forward -0.3 to -2%.
+// The claim counters after the dispatch and L1 counters (see the file comment): tasks, pool-order dispatch runs,
+// virtual warps of the token-major dispatch, 32-row blocks of its second pass.
+enum MegaFwdClaim : int { kClaimTask = 0, kClaimDispatchRun = 1, kClaimTokenWarp = 2, kClaimOrphanRows = 3 };
+constexpr int kMegaFwdNumClaims = 4;
+// Both hand-offs. The L2 one, measured on the H200: L2 epilogues -46%, consumer cycles -1.1% (30B) / -1.2%
+// (235B), layer forward -0.3 to -2% (docs/performance.md).
 constexpr int32_t kMegaFwdHandoff = 3;
-// MegaFwdParams::disp_split_row as a percentage of the pool at inter = 768, scaled by 768 / inter (mega_moe.cu), and
-// its floor. Measured on the H200 (bench/NOTES.md, session 17): 30B (I = 768) stalls at 25, gains at 35-50;
-// 235B (I = 1536) stalls at 15, gains at 25-50 (the floor keeps a margin at T = 4096).
+// MegaFwdParams::disp_split_row as a percentage of the pool at inter = 768, scaled by 768 / inter (mega_moe.cu),
+// and its floor. The token-major rows land near the end of the dispatch, so the L1 tiles must not reach them
+// sooner, and the tiles' time per dispatched row grows with inter. Measured on the H200: 30B (I = 768) stalls at
+// 25, gains at 35-50; 235B (I = 1536) stalls at 15, gains at 25-50 (the floor keeps a margin at T = 4096).
 constexpr int kMegaFwdDispatchSplitAt768 = 50;
 constexpr int kMegaFwdDispatchSplitMin = 35;
-constexpr int32_t kMegaFwdL2Hints = 15;  // measured on the H200: -2 to -4% in steady state at both layer shapes
-constexpr int kStatsPerCta = 17;  // see the stats stores in the kernels (8..15: the ping-pong kernel only;
-                                  // 16: the TMA producer's wait for a free stage, both kernels)
+// h, s, o stores evict-first (nothing in this kernel reads them back soon: s is read in the L2 phase, after the
+// whole L1 phase); w13 / w2 loads evict-last (16 m-blocks of a band read each B tile in turn, while the x_pool,
+// h, s and o streams would push it out between them). Measured on the H200: -2 to -4% in steady state at both
+// layer shapes.
+constexpr int32_t kMegaFwdL2Hints = 15;
 
 template <int kNumStages, int kDispatchSlots>
 struct MegaFwdLayout : StageRingLayout<128, 256, 64, kNumStages> {
@@ -140,10 +152,13 @@ struct MegaFwdLayout : StageRingLayout<128, 256, 64, kNumStages> {
   static constexpr int kHoFullOff = kDispDoneOff + 8;
   static constexpr int kHoFreeOff = kHoFullOff + 8;
   static constexpr int kHoInfoOff = kHoFreeOff + 8;
-  static constexpr int kOffsOff = kHoInfoOff + 16;
+  // The task index of each stage's tile (written by the producer with the tile's first stage; -1: no more tasks).
+  static constexpr int kTaskOff = kHoInfoOff + 16;
+  static constexpr int kOffsOff = kTaskOff + 4 * kNumStages;
   static constexpr int kMbOff = kOffsOff + (kMegaMaxExperts + 1) * 4;
   static constexpr int kEnd = kMbOff + (kMegaMaxExperts + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
+  static_assert(kOffsOff % 4 == 0, "int32 offsets");
   static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
   static_assert(kDispatchSlots * kDispatchSlotBytes >= TmaStaging<kStageCols>::kBytes, "second staging tile");
   static_assert(kDispOff % 1024 == 0, "a 128B-swizzled staging tile is 1024-byte aligned");
@@ -152,15 +167,15 @@ struct MegaFwdLayout : StageRingLayout<128, 256, 64, kNumStages> {
 // The token-major part of the dispatch (MegaFwdParams::disp_split_row): pool rows [split_row, num_rows) are
 // written by walking the tokens: each x row is read once and stored to every row of its routes in that range,
 // where walking the pool rows reads it once per route (x is larger than L2 at the layer shapes, so most of those
-// reads went to HBM: bench/NOTES.md, session 17). A route's row r counts only if pool_src_route[r] names that
-// route back; the rows that fail this (in a plan's pool: only a padded plan's padding rows, route -1) are written
-// afterwards from pool_src_route as the pool-order dispatch would (zeros for route -1), so every row in the range
-// is written and counted exactly once whatever the inputs.
+// reads went to HBM). A route's row r counts only if pool_src_route[r] names that route back; the rows that fail
+// this (in a plan's pool: only a padded plan's padding rows, route -1) are written afterwards from pool_src_route
+// as the pool-order dispatch would (zeros for route -1), so every row in the range is written and counted exactly
+// once whatever the inputs. The second pass claims 32 rows at a time (claims[kClaimOrphanRows]).
 // Single rank only (the host sets disp_split_row past the pool otherwise). Counters gain one per (row, piece).
 template <int kBlockM, int kSlotsPerWarp, int kSlotBytes>
 __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uint32_t slots_addr, int dwarp, int lane,
                                                      const int32_t* s_offs, const int32_t* s_mb, int num_experts,
-                                                     int32_t* disp_ctr, int split_row, int num_rows) {
+                                                     int32_t* disp_ctr, int32_t* claims, int split_row, int num_rows) {
   const int top_k = p.top_k;
   const int num_tokens = p.num_tokens;
   const int row_bytes = p.hidden * 2;
@@ -169,8 +184,6 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
   const uint8_t* x = reinterpret_cast<const uint8_t*>(p.x_ranks[0]);
   const int64_t x_row_bytes = p.ld_x * 2;
   const uint32_t slot0 = slots_addr + dwarp * kSlotsPerWarp * kSlotBytes;
-  const int warp_id = (int)ptx::ctaid_x_volatile() + dwarp * (int)gridDim.x;
-  const int step = (int)gridDim.x * kDispatchWarps;
   auto mblock_of = [&](int row) {
     const int e = pool_row_group(row, s_offs, num_experts);
     return s_mb[e] + (row - s_offs[e]) / kBlockM;
@@ -182,43 +195,53 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
     const int r = __ldg(p.route_to_pool + route);
     return (r >= split_row && r < num_rows && __ldg(p.pool_src_route + r) == route) ? r : -1;
   };
-  // this warp's tokens t = warp_id + j * step; items i = j * chunks + c
-  const int my_tokens = num_tokens > warp_id ? (num_tokens - warp_id + step - 1) / step : 0;
-  const int items = my_tokens * chunks;
-  auto issue = [&](int i) {  // every lane; one commit per item, empty past the end
-    if (i < items) {
+  // The tokens are dealt to kDispatchWarps * gridDim.x virtual warps, virtual warp v taking tokens v, v + step, ...
+  // (so that, with every CTA running, the warps sweep the tokens in order and the m-blocks of the range fill from
+  // their first rows). The virtual warps are claimed (claims[kClaimTokenWarp]) until none is left: a warp whose
+  // CTA never runs holds none.
+  const int step = (int)gridDim.x * kDispatchWarps;
+  for (int v = warp_claim(claims + kClaimTokenWarp, lane); v < step; v = warp_claim(claims + kClaimTokenWarp, lane)) {
+    // this virtual warp's tokens t = v + j * step; items i = j * chunks + c
+    const int my_tokens = num_tokens > v ? (num_tokens - v + step - 1) / step : 0;
+    const int items = my_tokens * chunks;
+    auto issue = [&](int i) {  // every lane; one commit per item, empty past the end
+      if (i < items) {
+        const int j = i / chunks, c = i - j * chunks;
+        const uint8_t* src = x + static_cast<int64_t>(v + j * step) * x_row_bytes + c * kSlotBytes;
+        dispatch_load_piece<kSlotBytes>(slot0 + (i % kSlotsPerWarp) * kSlotBytes, src, src,
+                                        min(kSlotBytes, row_bytes - c * kSlotBytes), lane);
+      }
+      ptx::cp_async_commit();
+    };
+    for (int i = 0; i < kSlotsPerWarp - 1; ++i) issue(i);
+    int row = -1, row_mb = -1;
+    for (int i = 0; i < items; ++i) {
+      issue(i + kSlotsPerWarp - 1);
       const int j = i / chunks, c = i - j * chunks;
-      const uint8_t* src = x + static_cast<int64_t>(warp_id + j * step) * x_row_bytes + c * kSlotBytes;
-      dispatch_load_piece<kSlotBytes>(slot0 + (i % kSlotsPerWarp) * kSlotBytes, src, src,
-                                      min(kSlotBytes, row_bytes - c * kSlotBytes), lane);
+      if (c == 0) {
+        row = my_row(v + j * step);
+        row_mb = row >= 0 ? mblock_of(row) : -1;
+      }
+      ptx::cp_async_wait<kSlotsPerWarp - 1>();  // this lane's parts of item i have landed (it stores only those)
+      const int bytes = min(kSlotBytes, row_bytes - c * kSlotBytes);
+      const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kSlotBytes;
+      for (uint32_t dests = __ballot_sync(0xffffffffu, row >= 0); dests != 0; dests &= dests - 1) {
+        const int r = __shfl_sync(0xffffffffu, row, __ffs(dests) - 1);
+        dispatch_store_piece<kSlotBytes>(dst + static_cast<int64_t>(r) * row_bytes + c * kSlotBytes, slot, bytes,
+                                         lane);
+      }
+      ptx::fence_proxy_async_global();
+      __syncwarp();
+      if (row >= 0) ptx::red_release_gpu_add(disp_ctr + row_mb, 1);
     }
-    ptx::cp_async_commit();
-  };
-  for (int i = 0; i < kSlotsPerWarp - 1; ++i) issue(i);
-  int row = -1, row_mb = -1;
-  for (int i = 0; i < items; ++i) {
-    issue(i + kSlotsPerWarp - 1);
-    const int j = i / chunks, c = i - j * chunks;
-    if (c == 0) {
-      row = my_row(warp_id + j * step);
-      row_mb = row >= 0 ? mblock_of(row) : -1;
-    }
-    ptx::cp_async_wait<kSlotsPerWarp - 1>();  // this lane's parts of item i have landed (it stores only those)
-    const int bytes = min(kSlotBytes, row_bytes - c * kSlotBytes);
-    const uint32_t slot = slot0 + (i % kSlotsPerWarp) * kSlotBytes;
-    for (uint32_t dests = __ballot_sync(0xffffffffu, row >= 0); dests != 0; dests &= dests - 1) {
-      const int r = __shfl_sync(0xffffffffu, row, __ffs(dests) - 1);
-      dispatch_store_piece<kSlotBytes>(dst + static_cast<int64_t>(r) * row_bytes + c * kSlotBytes, slot, bytes, lane);
-    }
-    ptx::fence_proxy_async_global();
-    __syncwarp();
-    if (row >= 0) ptx::red_release_gpu_add(disp_ctr + row_mb, 1);
+    ptx::cp_async_wait<0>();
   }
   ptx::cp_async_wait<0>();
   // Rows of the range that no route named back: copied from their pool_src_route (token row of route / top_k;
   // a negative route, a plan's padding row, is a row of zeros, as in the pool-order dispatch), lane per row, 16
   // bytes at a time.
-  for (int base = split_row + warp_id * 32; base < num_rows; base += step * 32) {
+  for (int base = split_row + 32 * warp_claim(claims + kClaimOrphanRows, lane); base < num_rows;
+       base = split_row + 32 * warp_claim(claims + kClaimOrphanRows, lane)) {
     const int r = base + lane;
     bool orphan = false;
     int route = 0;
@@ -230,11 +253,13 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
       const int src_lane = __ffs(rows) - 1;
       const int orow = __shfl_sync(0xffffffffu, r, src_lane);
       const int oroute = __shfl_sync(0xffffffffu, route, src_lane);
-      const uint8_t* src = x + static_cast<int64_t>(max(oroute, 0) / top_k) * x_row_bytes;
+      // a route past the tokens is not one of theirs: zeros, and the host is told
+      const bool valid = oroute >= 0 && oroute < num_tokens * top_k;
+      if (oroute >= num_tokens * top_k && lane == 0) *reinterpret_cast<volatile int32_t*>(p.bad_routes) = 1;
+      const uint8_t* src = x + static_cast<int64_t>(valid ? oroute / top_k : 0) * x_row_bytes;
       uint8_t* out = dst + static_cast<int64_t>(orow) * row_bytes;
       for (int off = lane * 16; off < row_bytes; off += 32 * 16)
-        ptx::st_global_v4(out + off, oroute >= 0 ? __ldg(reinterpret_cast<const uint4*>(src + off))
-                                                 : make_uint4(0, 0, 0, 0));
+        ptx::st_global_v4(out + off, valid ? __ldg(reinterpret_cast<const uint4*>(src + off)) : make_uint4(0, 0, 0, 0));
     }
     ptx::fence_proxy_async_global();
     __syncwarp();
@@ -242,41 +267,39 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
   }
 }
 
-// The dispatch role of the forward kernels (producer warps 1-3 of every CTA; dwarp = 0..2): copies the pool's
+// The dispatch role of the forward kernel (producer warps 1-3 of every CTA; dwarp = 0..2): copies the pool's
 // x rows (token route / top_k of its source rank's x; zeros for a route < 0, a padded plan's padding rows, so
 // that their h, s and o rows are zeros too) into x_pool and releases the per-m-block dispatch counters: rows
 // below disp_split_row in pool order (the first tiles' rows land first), the rest token by token.
 template <int kBlockM, int kDispatchSlots>
 __device__ __forceinline__ void mega_dispatch_role(const MegaFwdParams& p, uint32_t slots_addr, int dwarp, int lane,
-                                                   const int32_t* s_offs, const int32_t* s_mb, int num_experts,
-                                                   int32_t* disp_ctr) {
-  if (p.dispatch_only & 16) return;
+                                                   const int32_t* s_offs, const int32_t* s_mb, int num_experts) {
   auto src_of = [&](int row) -> const __nv_bfloat16* {
     const int route = __ldg(p.pool_src_route + row);
     if (route < 0) return nullptr;  // a row of zeros
+    if (route >= p.num_tokens * p.top_k) {  // not a route of these tokens: zeros, and the host is told
+      *reinterpret_cast<volatile int32_t*>(p.bad_routes) = 1;
+      return nullptr;
+    }
     const int rank = p.pool_src_rank != nullptr ? min(max(__ldg(p.pool_src_rank + row), 0), p.num_ranks - 1) : 0;
     return p.x_ranks[rank] + static_cast<int64_t>(route / p.top_k) * p.ld_x;
   };
-  const long long t_start = clock64();
+  int32_t* disp_ctr = p.counters;
+  int32_t* claims = p.counters + 2 * p.max_m_blocks;
   const int num_rows = s_offs[num_experts];
   const int split_row = min(max(p.disp_split_row, 0), num_rows);
   dispatch_rows_role<kBlockM, kDispatchSlots / kDispatchWarps, kDispatchSlotBytes>(
       src_of, reinterpret_cast<uint8_t*>(p.x_pool), p.hidden * 2, slots_addr, dwarp, lane, s_offs, s_mb, num_experts,
-      disp_ctr, p.dispatch_only, split_row);
+      disp_ctr, claims + kClaimDispatchRun, split_row);
   if (split_row < num_rows)
     mega_dispatch_tokens<kBlockM, kDispatchSlots / kDispatchWarps, kDispatchSlotBytes>(
-        p, slots_addr, dwarp, lane, s_offs, s_mb, num_experts, disp_ctr, split_row, num_rows);
-  // dispatch end: the latest of the warps (shared by all through an atomic max)
-  if (lane == 0 && p.stats != nullptr)
-    atomicMax(reinterpret_cast<unsigned long long*>(p.stats + blockIdx.x * kStatsPerCta + 3),
-              static_cast<unsigned long long>(clock64() - t_start));
+        p, slots_addr, dwarp, lane, s_offs, s_mb, num_experts, disp_ctr, claims, split_row, num_rows);
 }
 
-// The forward's static tile sequence (see the file comment), shared by both forward kernels and all of
-// their roles: all L1 tiles (kBlockN / 2 s columns each), then all L2 tiles (kBlockN o columns each); within
-// an expert the grouped GEMM's order (band_tile: n-block major, m-block fastest within bands of kMBand m-blocks),
-// so the CTAs of one wave share B panels (m-block major / n fastest measured the same within noise at both layer
-// shapes).
+// The forward's task sequence (see the file comment), shared by all roles of the kernel: all L1 tiles (kBlockN / 2
+// s columns each), then all L2 tiles (kBlockN o columns each); within an expert the grouped GEMM's order
+// (band_tile: n-block major, m-block fastest within bands of kMBand m-blocks), so the CTAs of one wave share B
+// panels (m-block major / n fastest measured the same within noise at both layer shapes).
 template <int kBlockM, int kBlockN, int kBlockK>
 struct MegaTileSequence {
   static constexpr int kL1Cols = kBlockN / 2;  // s columns per L1 n-block
@@ -295,6 +318,7 @@ struct MegaTileSequence {
   int num_l1, num_tasks;
   int32_t* disp_ctr;      // per m-block: dispatched 4 KB pieces
   int32_t* l1_ctr;        // per m-block: finished L1 tile arrivals
+  int32_t* task_claim;    // the next unclaimed task
 
   __device__ __forceinline__ MegaTileSequence(const MegaFwdParams& p, const int32_t* offs, const int32_t* mb)
       : s_offs(offs), s_mb(mb) {
@@ -306,11 +330,12 @@ struct MegaTileSequence {
     // the pool capacity (ceil(m_total / 128) + num_experts bounds every plan), so this only guards misuse.
     const int num_mb = min(s_mb[p.num_experts], p.max_m_blocks);
     num_l1 = num_mb * n1;
-    num_tasks = (p.dispatch_only & 1) ? 0 : num_l1 + num_mb * n2;
+    num_tasks = num_l1 + num_mb * n2;
     disp_ctr = p.counters;
     l1_ctr = p.counters + p.max_m_blocks;
+    task_claim = p.counters + 2 * p.max_m_blocks + kClaimTask;
   }
-  // Tasks are walked in increasing order by every role; the expert cursor e restarts at the L1 -> L2 switch.
+  // Each role sees its CTA's tasks in increasing order; the expert cursor e restarts at the L1 -> L2 switch.
   __device__ __forceinline__ Tile locate(int u, int& e, bool& in_l2) const {
     Tile t;
     t.l1 = u < num_l1;
@@ -336,10 +361,13 @@ struct MegaTileSequence {
   __device__ __forceinline__ static int rows(const Tile& t) { return min(t.row_end - t.row0, kBlockM); }
 };
 
-// Start of both forward kernels: stage barriers (empty_arrivals consumer warps release a stage), the tensor
-// maps prefetched, the experts' pool offsets and first m-blocks in shared memory (ends with __syncthreads).
+// Start of the kernel: stage barriers (empty_arrivals consumer warps release a stage), the tensor maps prefetched,
+// the experts' pool offsets and first m-blocks in shared memory (ends with __syncthreads). False, in every thread
+// of every CTA alike, when expert_offsets is not a plan (offsets[0] != 0, decreasing, or past m_total): the
+// dispatch would count rows to the wrong m-blocks and the tiles would wait for counts that never come, so the
+// kernel then writes nothing and flags it (MegaFwdParams::bad_offsets).
 template <int kNumStages, int kBlockM>
-__device__ __forceinline__ void mega_fwd_prologue(const MegaFwdParams& p, uint64_t* full_bar, uint64_t* empty_bar,
+__device__ __forceinline__ bool mega_fwd_prologue(const MegaFwdParams& p, uint64_t* full_bar, uint64_t* empty_bar,
                                                   uint32_t empty_arrivals, int32_t* s_offs, int32_t* s_mb,
                                                   const CUtensorMap* tmap_xpool, const CUtensorMap* tmap_w13,
                                                   const CUtensorMap* tmap_s, const CUtensorMap* tmap_w2,
@@ -354,43 +382,54 @@ __device__ __forceinline__ void mega_fwd_prologue(const MegaFwdParams& p, uint64
     ptx::tma_prefetch_desc(tmap_o);
     if (p.h != nullptr) ptx::tma_prefetch_desc(tmap_h);
   }
+  bool bad = false;
+  for (int i = tid; i <= p.num_experts; i += kNumThreads) {
+    const int32_t v = __ldg(p.expert_offsets + i);
+    bad |= i == 0 ? v != 0 : v < __ldg(p.expert_offsets + i - 1);
+    bad |= i == p.num_experts && v > p.m_total;
+  }
+  if (__syncthreads_or(bad)) {
+    if (blockIdx.x == 0 && tid == 0 && p.bad_offsets != nullptr) *reinterpret_cast<volatile int32_t*>(p.bad_offsets) = 1;
+    return false;
+  }
   load_group_offsets_and_mblocks<kBlockM>(p.expert_offsets, p.num_experts, p.m_total, s_offs, s_mb);
+  return true;
 }
 
-// The TMA producer of both forward kernels (warp 0, lane 0): walks this CTA's tiles in order through one
-// stage ring. An L1 tile first waits until its m-block is dispatched, an L2 tile until its m-block's L1
-// counter reaches l2_ready (every s column of its rows written); then the A rows (x_pool or s) and B
-// (gate and up rows of w13, or w2) stream in kBlockK steps.
+// The TMA producer (warp 0, lane 0): claims tasks in sequence order until none is left, through one stage ring.
+// An L1 tile first waits until its m-block is dispatched, an L2 tile until its m-block's L1 counter reaches
+// l2_ready (every s column of its rows written); then the A rows (x_pool or s) and B (gate and up rows of w13, or
+// w2) stream in kBlockK steps. The task index goes to the consumers with the tile's first stage; after the last
+// task, a stage with task -1 and no loads ends them.
 template <typename L, int kNumStages, typename Seq>
 __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const Seq& seq, int l2_ready, uint8_t* smem,
                                                   uint64_t* full_bar, uint64_t* empty_bar,
                                                   const CUtensorMap* tmap_xpool, const CUtensorMap* tmap_w13,
                                                   const CUtensorMap* tmap_s, const CUtensorMap* tmap_w2) {
+  volatile int32_t* stage_task = reinterpret_cast<volatile int32_t*>(smem + L::kTaskOff);
   int stage = 0;
   uint32_t phase = 0;
   int e = 0;
   bool in_l2 = false;
   const int chunks = ceil_div(p.hidden * 2, kDispatchSlotBytes);
-  long long wait_disp = 0, wait_l1 = 0, wait_empty = 0, t_start = clock64();
   const uint64_t pol_w = l2_policy_reused_loads(p.l2_hints);
-  for (int u = (int)ptx::ctaid_x_volatile(); u < seq.num_tasks; u += (int)gridDim.x) {
+  // The next task is claimed as this one starts, so the atomic's round trip hides behind this tile's loads. A CTA
+  // then holds one task it has not started: a higher one, which the forward-progress argument allows.
+  for (int u = atomicAdd(seq.task_claim, 1), next; u < seq.num_tasks; u = next) {
+    next = atomicAdd(seq.task_claim, 1);
     const auto t = seq.locate(u, e, in_l2);
-    const long long t0 = p.stats != nullptr ? clock64() : 0;
-    if (t.l1) {
-      ptx::spin_until_at_least(seq.disp_ctr + t.mb, Seq::rows(t) * chunks);
-      if (p.stats != nullptr) wait_disp += clock64() - t0;
-    } else {
-      ptx::spin_until_at_least(seq.l1_ctr + t.mb, l2_ready);
-      if (p.stats != nullptr) wait_l1 += clock64() - t0;
-    }
+    if (t.l1)
+      wait_counter_at_least(seq.disp_ctr + t.mb, Seq::rows(t) * chunks, p.wait_guard, kWaitKernelMegaFwd,
+                            kWaitMegaFwdDispatch, t.mb);
+    else
+      wait_counter_at_least(seq.l1_ctr + t.mb, l2_ready, p.wait_guard, kWaitKernelMegaFwd, kWaitMegaFwdL1, t.mb);
     ptx::fence_proxy_async_global();
     const int kbs = t.l1 ? seq.kb1 : seq.kb2;
     for (int kb = 0; kb < kbs; ++kb) {
-      const long long te = p.stats != nullptr ? clock64() : 0;
       ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
-      if (p.stats != nullptr) wait_empty += clock64() - te;
       uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
       uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
+      if (kb == 0) stage_task[stage] = u;  // published by the arrive below (release), read after the consumers' wait
       ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
       const int k0 = kb * L::kBlockK;
       if (t.l1) {
@@ -404,13 +443,9 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
       advance_stage<kNumStages>(stage, phase);
     }
   }
-  if (p.stats != nullptr) {
-    long long* st = p.stats + blockIdx.x * kStatsPerCta;
-    st[0] = wait_disp;
-    st[1] = wait_l1;
-    st[2] = clock64() - t_start;  // producer's last load issued
-    st[16] = wait_empty;          // waiting for a free stage: the ring was full (the consumers are behind)
-  }
+  ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+  stage_task[stage] = -1;
+  ptx::mbar_arrive(&full_bar[stage]);
 }
 
 // The L1 epilogue hand-off (MegaFwdParams::handoff). The consumers' L1 epilogue is mostly SwiGLU (two MUFU
@@ -534,8 +569,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::mbar_init(reinterpret_cast<uint64_t*>(smem + L::kHoFreeOff), 1);
     ptx::fence_mbar_init();  // published to the CTA by the prologue's __syncthreads
   }
-  mega_fwd_prologue<kNumStages, kBlockM>(p, full_bar, empty_bar, kNumConsumerThreads / 32, s_offs, s_mb, &tmap_xpool,
-                                         &tmap_w13, &tmap_s, &tmap_w2, &tmap_h, &tmap_o);
+  if (!mega_fwd_prologue<kNumStages, kBlockM>(p, full_bar, empty_bar, kNumConsumerThreads / 32, s_offs, s_mb,
+                                              &tmap_xpool, &tmap_w13, &tmap_s, &tmap_w2, &tmap_h, &tmap_o))
+    return;
   using Seq = MegaTileSequence<kBlockM, kBlockN, kBlockK>;
   // Each role builds its own Seq after its setmaxnreg: values live across the register reallocation were spilled.
 
@@ -548,7 +584,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                        &tmap_w2);
     } else if (warp >= 1) {
       mega_dispatch_role<kBlockM, kDispatchSlots>(p, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane, s_offs, s_mb,
-                                                  num_experts, p.counters);
+                                                  num_experts);
       // the slots' last reads fed this warp's stores, which have issued: the slots are free (release, CTA scope)
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(disp_done);
@@ -580,8 +616,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // waits until the helpers have handed back the staging tiles of the latest hand-off (at once if none)
     auto wait_handoff_free = [&] { ptx::mbar_wait(ho_free, ((stage_b_state >> 2) & 1u) ^ 1u); };
 
-    const long long t_start = clock64();
-    long long epi_l1 = 0, epi_l2 = 0;  // stats: time in L1 / L2 epilogues
     float acc[kBlockN / 2];
     int stage = 0;
     uint32_t phase = 0;
@@ -610,7 +644,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       __device__ __forceinline__ void after_first_issue() const { arrive(); }
       __device__ __forceinline__ void on_stage(int, int) const {}
     };
-    for (int u = (int)ptx::ctaid_x_volatile(); u < seq.num_tasks; u += (int)gridDim.x) {
+    const volatile int32_t* stage_task = reinterpret_cast<const volatile int32_t*>(smem + L::kTaskOff);
+    for (;;) {
+      // The next task, as this CTA's producer claimed it (with the tile's first stage). The pending arrival goes
+      // first if that stage is not ready: the producer may be waiting for it.
+      if (wg_tid == 0 && pending_mb >= 0 && !ptx::mbar_test_wait(&full_bar[stage], phase)) arrive_pending();
+      ptx::mbar_wait(&full_bar[stage], phase);
+      const int u = stage_task[stage];
+      if (u < 0) break;
       const auto t = seq.locate(u, e, in_l2);
       const int kbs = t.l1 ? seq.kb1 : seq.kb2;
       const int hrow0 = t.row0 + 64 * wg;
@@ -623,7 +664,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, 32, false>(
           acc, active, kbs, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release,
           PendingArrival{arrive_pending, wg_tid, pending_mb});
-      const long long t_epi = p.stats != nullptr ? clock64() : 0;
 
       // Epilogue through half-width staging tiles: one pass writes accumulator boxes [box0, box0 + kStageCols
       // / 64) of this warpgroup's 64 rows to a staging tile, then TMA-stores them (full halves) or copies them
@@ -724,9 +764,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         staged_pass(0, p.o, p.hidden, t.n0, p.hidden, &tmap_o, PackBf16x2{}, 2);
         staged_pass(kPassBoxes, p.o, p.hidden, t.n0 + kStageCols, p.hidden, &tmap_o, PackBf16x2{}, 2);
       }
-      if (p.stats != nullptr) {
-        if (t.l1) epi_l1 += clock64() - t_epi; else epi_l2 += clock64() - t_epi;
-      }
     }
     arrive_pending();
     if (wg_tid == 0) ptx::bulk_wait_group<0>();
@@ -735,13 +772,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if (wg_tid == 0) {
         if (wg == 0) ho_info->last = 1;
         ptx::mbar_arrive(ho_full);
-      }
-    }
-    if (p.stats != nullptr && wg_tid == 0) {
-      p.stats[blockIdx.x * kStatsPerCta + 4 + wg] = clock64() - t_start;
-      if (wg == 0) {
-        p.stats[blockIdx.x * kStatsPerCta + 6] = epi_l1;
-        p.stats[blockIdx.x * kStatsPerCta + 7] = epi_l2;
       }
     }
   }

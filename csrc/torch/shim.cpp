@@ -96,6 +96,7 @@ PlanOutputs routing_plan_cpu(Tensor topk_idx, int64_t num_experts, int64_t block
 
 PlanOutputs routing_plan_cuda(Tensor topk_idx, int64_t num_experts, int64_t block_m, int64_t rank,
                               int64_t capacity) {
+  check_core(pk_check_wait_record(), "routing_plan");  // a lost context or an earlier call's bad inputs first
   const PlanInput in = check_plan_input(topk_idx, num_experts, block_m);
   const int32_t device = topk_idx.get_device_index();
   torch::stable::accelerator::DeviceGuard guard(device);
@@ -138,7 +139,6 @@ int32_t check_offsets(const Tensor& offsets, const Tensor& like, const char* op)
   return static_cast<int32_t>(offsets.size(0) - 1);
 }
 
-Tensor new_tensor(const Tensor& like, std::vector<int64_t> sizes, ScalarType dtype) {
 // The grouped ops' num_sms: the most SMs the kernel may use, 0 = every SM.
 int check_num_sms(int64_t num_sms, const char* op) {
   STD_TORCH_CHECK(num_sms >= 0 && num_sms <= (int64_t(1) << 20), "deep_gemm.", op, ": num_sms = ", num_sms,
@@ -146,6 +146,7 @@ int check_num_sms(int64_t num_sms, const char* op) {
   return static_cast<int>(num_sms);
 }
 
+Tensor new_tensor(const Tensor& like, std::vector<int64_t> sizes, ScalarType dtype) {
   return torch::stable::new_empty(like, torch::headeronly::IntHeaderOnlyArrayRef(sizes.data(), sizes.size()),
                                   dtype);
 }
@@ -223,8 +224,8 @@ void k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets
 Tensor m_grouped_bf16_gemm_nt_gather(Tensor a, Tensor b, Tensor group_offsets, Tensor a_row_index,
                                      int64_t m_total, int64_t num_sms) {
   const char* op = "m_grouped_bf16_gemm_nt_gather";
-  check_bf16_cuda(a, op, "a", 2);
   const int sms = check_num_sms(num_sms, op);
+  check_bf16_cuda(a, op, "a", 2);
   check_bf16_cuda(b, op, "b", 3);
   const int32_t num_groups = check_offsets(group_offsets, a, op);
   STD_TORCH_CHECK(b.size(0) == num_groups && b.size(2) == a.size(1), "deep_gemm.", op,
@@ -390,8 +391,8 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tens
                                                       std::optional<Tensor> a_row_index, int64_t m_total,
                                                       bool save_h, double clamp, int64_t num_sms) {
   const char* op = "m_grouped_bf16_gemm_swiglu";
-  check_bf16_cuda(a, op, "a", 2);
   const int sms = check_num_sms(num_sms, op);
+  check_bf16_cuda(a, op, "a", 2);
   check_bf16_cuda(w13, op, "w13", 3);
   const int32_t num_groups = check_offsets(group_offsets, a, op);
   STD_TORCH_CHECK(w13.size(0) == num_groups && w13.size(2) == a.size(1) && w13.size(1) % 2 == 0, "deep_gemm.", op,
@@ -437,8 +438,8 @@ std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool
   const int64_t inter = w2.size(2);
   STD_TORCH_CHECK(w2.size(0) == num_groups && w2.size(1) == hidden && w2.stride(2) == 1, "deep_gemm.", op,
                   ": w2 must be [num_groups, H, I] (I contiguous) with H = dy's columns");
-  STD_TORCH_CHECK(h.size(0) >= m_total && h.size(1) == 2 * inter, "deep_gemm.", op,
   STD_TORCH_CHECK(inter % 64 == 0, "deep_gemm.", op, ": I (w2's last dim) must be a multiple of 64, got ", inter);
+  STD_TORCH_CHECK(h.size(0) >= m_total && h.size(1) == 2 * inter, "deep_gemm.", op,
                   ": h must be [>= pool rows, 2I]");
   STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.is_contiguous() &&
                       pool_src_route.numel() >= m_total && pool_src_route.is_cuda(),
@@ -464,14 +465,15 @@ std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool
 
 // Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns s, h, o, the dispatched
 // rows x_pool per pool row (x_pool only with keep_x_pool; h only with save_h) and, with route_to_pool [T, K],
-// y = the weighted combine over o (the combine kernel right after the forward kernel, or inside the ping-pong
-// kernel with PK_MEGA_FWD_COMBINE=kernel; else an empty [0, hidden] tensor). With the combine as a second
-// launch, s (dead once the forward kernel is queued) is freed before y is allocated, so y can take its memory
-// and the op's peak is lower by y's size; s is then returned empty ([0, I]).
+// y = the weighted combine over o (the combine kernel right after the forward kernel; else an empty [0, hidden]
+// tensor). With the combine, s (dead once the forward kernel is queued) is freed before y is allocated, so y can
+// take its memory and the op's peak is lower by y's size; s is then returned empty ([0, I]).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
     Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, int64_t top_k, bool save_h,
-    double clamp, bool keep_x_pool, std::optional<Tensor> route_to_pool, std::optional<Tensor> topk_weights) {
+    double clamp, bool keep_x_pool, std::optional<Tensor> route_to_pool, std::optional<Tensor> topk_weights,
+    int64_t num_sms) {
   const char* op = "mega_moe_fused_fwd";
+  check_core(pk_check_wait_record(), op);  // a lost context or an earlier call's bad inputs, said plainly first
   check_bf16_cuda(x, op, "x", 2);
   check_bf16_cuda(w13, op, "w13", 3);
   check_bf16_cuda(w2, op, "w2", 3);
@@ -486,8 +488,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
   STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.dim() == 1 &&
                       pool_src_route.is_contiguous() && pool_src_route.is_cuda(),
                   "deep_gemm.", op, ": pool_src_route must be a contiguous CUDA int32 [m_total] tensor");
+  STD_TORCH_CHECK(num_sms >= 0 && num_sms <= (int64_t(1) << 20), "deep_gemm.", op, ": num_sms = ", num_sms,
+                  ", must be >= 1 (or 0: every SM)");
   const int64_t m_total = pool_src_route.size(0);
-  STD_TORCH_CHECK(x.size(0) < (int64_t(1) << 28), "deep_gemm.", op, ": at most 2^28 - 1 tokens");
+  const int64_t num_tokens = x.size(0);
+  STD_TORCH_CHECK(num_tokens < (int64_t(1) << 28), "deep_gemm.", op, ": at most 2^28 - 1 tokens");
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   Tensor s = new_tensor(x, {m_total, inter}, ScalarType::BFloat16);
   Tensor h = new_tensor(x, {save_h ? m_total : 0, 2 * inter}, ScalarType::BFloat16);
@@ -499,22 +504,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
   STD_TORCH_CHECK(combine || !topk_weights.has_value(), "deep_gemm.", op,
                   ": topk_weights is only used with route_to_pool");
   const float* weights = nullptr;
-  int64_t num_tokens = 0;
   if (combine) {
     const CombineInput in = check_combine_input(o, *route_to_pool, topk_weights);
-    STD_TORCH_CHECK(in.top_k == top_k && route_to_pool->is_cuda(), "deep_gemm.", op,
-                    ": route_to_pool must be a CUDA int32 [T, top_k] tensor");
+    STD_TORCH_CHECK(in.top_k == top_k && in.num_tokens == num_tokens && route_to_pool->is_cuda(), "deep_gemm.", op,
+                    ": route_to_pool must be a CUDA int32 [T, top_k] tensor (T = x.size(0))");
     weights = in.weights;
-    num_tokens = in.num_tokens;
   }
-  // The combine runs in the forward kernel only with PK_MEGA_FWD_COMBINE=kernel; otherwise it is a second launch
-  // after s is freed (y then takes s's memory).
-  const bool combine_after = combine && num_tokens > 0 && m_total > 0 && pk_mega_moe_fwd_combines_in_kernel() == 0;
-  const int64_t kernel_tokens = combine_after ? 0 : num_tokens;
-  const bool kernel_combines = combine && !combine_after;
-  Tensor y = new_tensor(x, {kernel_tokens, hidden}, ScalarType::BFloat16);
-  Tensor counters = new_tensor(x, {pk_mega_moe_fwd_counter_count(m_total, num_experts, kernel_tokens, hidden)},
-                               ScalarType::Int);
+  Tensor counters = new_tensor(x, {pk_mega_moe_fwd_counter_count(m_total, num_experts)}, ScalarType::Int);
   const void* x_ranks[1] = {x.data_ptr()};
   check_core(pk_mega_moe_fwd_bf16(x_ranks, 1, x.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
                                   nullptr, static_cast<int>(top_k),
@@ -522,11 +518,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
                                   inter, w13.data_ptr(), w2.data_ptr(), keep_x_pool ? x_pool.data_ptr() : o.data_ptr(),
                                   s.data_ptr(), save_h ? h.data_ptr() : nullptr, o.data_ptr(), num_tokens,
                                   combine ? static_cast<const int32_t*>(route_to_pool->data_ptr()) : nullptr,
-                                  kernel_combines ? weights : nullptr, kernel_combines ? y.data_ptr() : nullptr,
                                   static_cast<float>(clamp), static_cast<int32_t*>(counters.data_ptr()),
-                                  current_cuda_stream(x.get_device_index())),
+                                  static_cast<int>(num_sms), current_cuda_stream(x.get_device_index())),
              op);
-  if (combine_after) {
+  Tensor y = new_tensor(x, {0, hidden}, ScalarType::BFloat16);
+  if (combine) {
     s = new_tensor(x, {0, inter}, ScalarType::BFloat16);  // frees the pool-sized s (stream-ordered)
     y = new_tensor(x, {num_tokens, hidden}, ScalarType::BFloat16);
     check_core(pk_combine_bf16_cuda(o.data_ptr(), o.stride(0), o.size(0),
@@ -537,6 +533,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
   }
   return {s, h, o, x_pool, y};
 }
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY(deep_gemm, m) {
@@ -557,7 +554,7 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
         "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0, int num_sms=0) -> (Tensor, Tensor, Tensor)");
   m.def("mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
         "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False, Tensor? route_to_pool=None, "
-        "Tensor? topk_weights=None) -> (Tensor s, Tensor h, Tensor o, Tensor x_pool, Tensor y)");
+        "Tensor? topk_weights=None, int num_sms=0) -> (Tensor s, Tensor h, Tensor o, Tensor x_pool, Tensor y)");
   m.def("combine(Tensor slots, Tensor route_to_pool, Tensor? weights=None) -> Tensor");
   m.def("dispatch_rows_(Tensor src, Tensor route_to_pool, Tensor(a!) out) -> ()");
   m.def("k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32=True, int num_sms=0) -> Tensor");

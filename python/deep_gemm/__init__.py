@@ -68,8 +68,11 @@ from .grouped_gemm import (  # noqa: E402
 from .combine import combine, dispatch_rows  # noqa: E402
 from .routing import RoutingPlan, pool_capacity, routing_plan, routing_plan_reference  # noqa: E402
 
+from . import _watchdog  # noqa: E402
+from ._watchdog import check_device_errors, set_wait_timeout, wait_timeout  # noqa: E402
 from . import mega  # noqa: E402
 from .mega import *  # noqa: E402,F401,F403  (upstream's top-level names: bf16_mega_moe, ...)
 
 __all__ = list(mega.__all__) + ["status", "build_info", "__version__", "RoutingPlan", "routing_plan", "routing_plan_reference",
-           "pool_capacity", "combine", "dispatch_rows", "m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "k_grouped_bf16_gemm_tn"]
+           "pool_capacity", "combine", "dispatch_rows", "m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "k_grouped_bf16_gemm_tn",
+           "set_wait_timeout", "wait_timeout", "check_device_errors"]

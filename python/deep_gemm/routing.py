@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _lib, _status
+from . import _lib, _status, _watchdog
 
 __all__ = ["RoutingPlan", "routing_plan", "routing_plan_reference", "pool_capacity"]
 
@@ -97,6 +97,8 @@ def routing_plan(topk_idx: torch.Tensor, num_experts: int, block_m: int, rank: i
     ``capacity`` (>= :func:`pool_capacity` of the shapes; default: exactly that) sizes the per-pool-row
     outputs; rows past the plan's end are padding (-1).
     """
+    if topk_idx.is_cuda:
+        _watchdog.check_device_errors()  # a lost context says why before a vaguer CUDA error can
     _check(topk_idx, num_experts, block_m)
     if capacity is not None:
         needed = pool_capacity(topk_idx.size(0), topk_idx.size(1), num_experts, block_m)

@@ -2,14 +2,13 @@
 
 Forward (sm90, BF16, single rank): the routing plan, then one persistent kernel
 (``torch.ops.deep_gemm.mega_moe_fused_fwd``: dispatch of the token rows into the pool, L1 with the
-SwiGLU epilogue and L2, tiles released to each other through per-m-block counters), whose op also
-returns y: the deterministic combine over the L2 rows, by default the combine kernel launched right
-after the forward kernel (``PK_MEGA_FWD_COMBINE=kernel``: inside it, bit-identical and slower today;
-bench/NOTES.md). Same arguments, return tuple and rounding points as
-:func:`deep_gemm.mega.reference.forward`, F6 included (with a clamp the saved h keeps the clamp masks
-of the fp32 pre-activation). The plan pads every expert's rows to a multiple of ``block_m`` (128 by default:
+SwiGLU epilogue and L2, tiles released to each other through per-m-block counters, work claimed from
+counters so that any number of its CTAs may run), whose op also returns y: the deterministic combine over
+the L2 rows, a second kernel launched right after the forward kernel. Same arguments, return tuple and
+rounding points as :func:`deep_gemm.mega.reference.forward`, F6 included (with a clamp the saved h keeps the
+clamp masks of the fp32 pre-activation). The plan pads every expert's rows to a multiple of ``block_m`` (128:
 the kernel's m-block, so that no tile straddles two experts: at the H200's power cap a partly filled tile cost
-about as much time as two full ones, bench/NOTES.md session 18); the padding rows are dispatched as zeros, so
+about as much time as two full ones, docs/performance.md); the padding rows are dispatched as zeros, so
 their h, s and o rows are zeros, and the grouped backward reads this state (it zeroes the padding rows of the
 pools it gathers itself). The dispatched pool rows are kept for the backward only when asked
 (``keep_pooled_x``: one more [capacity, H] buffer); otherwise L2's output overwrites them (lower peak memory)

@@ -1,0 +1,17 @@
+// prime-kernels: a kernel whose only wait can never end, so that the timeout path (record, trap, report) can be
+// provoked on purpose by a test.
+#include "common/watchdog.hpp"
+
+namespace deep_gemm {
+namespace {
+__global__ void wait_probe_kernel(const __grid_constant__ WaitGuard guard, const int32_t* counter) {
+  if (threadIdx.x == 0) wait_counter_at_least(counter, 1, guard, kWaitKernelProbe, kWaitProbe, 0);
+}
+}  // namespace
+
+cudaError_t launch_wait_probe(const WaitGuard& guard, const int32_t* counter, cudaStream_t stream) {
+  wait_probe_kernel<<<1, 32, 0, stream>>>(guard, counter);
+  return cudaGetLastError();
+}
+
+}  // namespace deep_gemm
