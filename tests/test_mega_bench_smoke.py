@@ -1,4 +1,4 @@
-"""bench/bench_layer.py --smoke runs on the CPU and writes DESIGN section 7's results file."""
+"""bench/bench_layer.py --smoke runs on the CPU and writes a results file with the documented fields (docs/performance.md)."""
 
 import importlib
 import json

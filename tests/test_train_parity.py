@@ -1,4 +1,4 @@
-"""Training parity of a small MoE language model (issue 6, item 6): bench/train_parity.py.
+"""Training parity of a small MoE language model: examples/train_parity.py.
 
 CPU tests run the script's own code path at a tiny size with the reference backend as the
 candidate (the harness, the rule and the outputs; seconds). The GPU test runs the short version of

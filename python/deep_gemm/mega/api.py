@@ -96,7 +96,7 @@ def mega_moe(
         will be needed (grad mode on and w13 requires grad, or ``wgrad_accum`` given), so inference and
         the other backends are unchanged; at Qwen3-30B-A3B, T=16384 on an H200 the backward was 0.14 ms
         shorter with it in one run (5.08 -> 4.94 ms) at the same forward+backward peak memory
-        (bench/NOTES.md).
+        (docs/performance.md).
       num_sms: the most SMs the kernels of this call (forward and backward) may use, so that a trainer can leave
         SMs to its communication kernels; None (default) = all of them. The reference ignores it.
 
