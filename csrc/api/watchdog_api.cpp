@@ -101,7 +101,7 @@ bool wait_record_message(char* out, size_t out_len) {
     if (r->state != 2) continue;
     std::snprintf(out, out_len,
                   "a wait inside %s timed out on CUDA device %d after %.2f s (%s; CTA %d, thread %d, index %d: "
-                  "waited for a value >= %lld, observed %lld). The kernel trapped and the CUDA context is lost: "
+                  "expected a value >= %lld, observed %lld). The kernel trapped and the CUDA context is lost: "
                   "restart the process. A wait this long means a bug or corrupted inputs; please report it",
                   kernel_name(r->kernel), d, static_cast<double>(r->waited_ns) * 1e-9, wait_name(r->wait), r->cta,
                   r->thread, r->index, static_cast<long long>(r->expected), static_cast<long long>(r->observed));
