@@ -271,10 +271,12 @@ def _stale_buffer():
     return "rejected, nothing written"
 
 
-@case("state_restaged_accepted", 60)
-def _state_ok():
-    """The documented flow still works: forward, re-stage the same inputs, backward with the forward's state; it
-    equals the backward without a state."""
+@case("state_after_restaging", 60)
+def _state_restaged():
+    """A state belongs to the staging it was made from: after the same inputs are staged again, the backward with
+    the old state is refused (the buffer cannot tell equal inputs from new ones without reading them), and the
+    backward without a state, which plans again from what is staged, runs and equals the backward with the state
+    made right before it."""
     _need_cuda()
     import deep_gemm
 
@@ -282,14 +284,17 @@ def _state_ok():
     x, i, w, w13, w2, dy = _problem(200, E0, H0, I0, K0, seed=6)
     _stage(buf, x, i, w)
     st = deep_gemm.bf16_mega_moe(torch.empty(200, H0, dtype=torch.bfloat16, device="cuda"), w13, w2, buf, save_h=True)
-    _stage(buf, x, i, w)
     a = _bwd_outputs(200, w13, w2)
     deep_gemm.bf16_mega_moe_backward(*a, dy, w13, w2, buf, state=st)
+    _stage(buf, x, i, w)
+    stale = _bwd_outputs(200, w13, w2)
+    _rejects(lambda: deep_gemm.bf16_mega_moe_backward(*stale, dy, w13, w2, buf, state=st), "state",
+             what="a state from before the inputs were staged again")
     b = _bwd_outputs(200, w13, w2)
     deep_gemm.bf16_mega_moe_backward(*b, dy, w13, w2, buf)
     for u, v, n in zip(a, b, ("dx", "dw1", "dw2", "dtopk")):
-        assert _rel(u, v) < 1e-2, f"{n}: with state {_rel(u, v):.3e} from without"
-    return "accepted, equal to the stateless backward"
+        assert _rel(u, v) < 1e-2, f"{n}: without a state {_rel(u, v):.3e} from with it"
+    return "old state refused after re-staging; the stateless backward equals the stateful one"
 
 
 @case("expert_id_out_of_range", 60)
