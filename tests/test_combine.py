@@ -58,8 +58,8 @@ def test_dispatch_rows_cpu_rejects_routes_outside_out():
 
 
 def _device_finding(match: str) -> None:
-    """The kernels' device-side finding is raised by check_device after a synchronisation, once."""
-    from deep_gemm.grouped_gemm import check_device
+    """The kernels' device-side finding is raised by check_device_errors after a synchronisation, once."""
+    from deep_gemm import check_device_errors as check_device
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match=match):
         check_device()

@@ -389,7 +389,7 @@ def test_num_sms_gives_the_same_bits(op):
 def _finding(match: str) -> None:
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match=match):
-        deep_gemm.grouped_gemm.check_device()
+        deep_gemm.check_device_errors()
     deep_gemm.grouped_gemm.check_device()  # reported once, then cleared
 
 

@@ -7,6 +7,7 @@
 #include "api/deep_gemm_api.h"
 #include "api/errors.hpp"
 #include "build_config.h"
+#include "common/device_check.hpp"
 #include "common/watchdog.hpp"
 
 namespace deep_gemm::api {
@@ -98,11 +99,19 @@ int check_device(int device, ArchFamily family) {
               major, minor, want, PK_BUILT_ARCHS_CSV);
 }
 
-int check_current_device(ArchFamily family) {
+int check_device_findings(const char* op) {
   // After a wait timed out, the context is lost: say why before anything else can fail with a vaguer error.
-  char message[768];
-  if (wait_record_message(message, sizeof(message))) return fail(PK_ERR_CUDA, "%s", message);
-  if (input_error_message(message, sizeof(message))) return fail(PK_ERR_INVALID_ARGUMENT, "%s", message);
+  char found[1024];
+  if (wait_record_message(found, sizeof(found))) return fail(PK_ERR_CUDA, "%s: %s", op, found);
+  if (common::take_device_checks(found, sizeof(found)))
+    return fail(PK_ERR_INVALID_ARGUMENT,
+                "%s: not run, since an earlier launch found invalid values on the device (its outputs are not what "
+                "was asked for): %s",
+                op, found);
+  return ok();
+}
+
+int check_current_device(ArchFamily family) {
   int device = 0;
   if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return fail_cuda(err, "cudaGetDevice");
   return check_device(device, family);

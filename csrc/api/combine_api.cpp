@@ -33,14 +33,6 @@ int check_row_pointers(const char* op, const char* in_name, const void* in, cons
 }
 
 // Fails with what an earlier kernel found invalid on the device (and clears it), before this call launches anything.
-int check_earlier_device_findings(const char* op) {
-  char found[1024];
-  if (!deep_gemm::common::take_device_checks(found, sizeof(found))) return PK_OK;
-  return deep_gemm::api::fail(PK_ERR_INVALID_ARGUMENT,
-                              "%s: not run, since an earlier launch found invalid values on the device (its outputs "
-                              "are not what was asked for): %s",
-                              op, found);
-}
 
 // The host loops run only on valid routes (the same rule as the kernels, which skip and note an invalid one).
 int check_routes_on_host(const char* op, const char* rows_name, const int32_t* route_to_pool, int64_t count,
@@ -77,16 +69,11 @@ int check_dispatch(const DispatchArgs& a, bool on_device) {
 
 extern "C" {
 
-int pk_device_check(void) {
-  if (const int rc = check_earlier_device_findings("device check"); rc != PK_OK) return rc;
-  return deep_gemm::api::ok();
-}
-
 int pk_combine_bf16_cuda(const void* slots, int64_t ld_slots, int64_t num_slot_rows, const int32_t* route_to_pool,
                          const float* weights, int64_t num_tokens, int64_t top_k, int64_t hidden, void* out,
                          int64_t ld_out, void* cuda_stream) {
   const CombineArgs a{slots, ld_slots, route_to_pool, weights, num_tokens, top_k, hidden, out, ld_out, num_slot_rows};
-  if (const int rc = check_earlier_device_findings("combine"); rc != PK_OK) return rc;
+  if (const int rc = deep_gemm::api::check_device_findings("combine"); rc != PK_OK) return rc;
   if (const int rc = check_combine(a, true); rc != PK_OK) return rc;
   if (const int rc = deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kAny); rc != PK_OK) return rc;
   if (a.num_tokens == 0 || a.hidden == 0) return deep_gemm::api::ok();
@@ -112,7 +99,7 @@ int pk_dispatch_rows_bf16_cuda(const void* src, int64_t ld_src, const int32_t* r
                                int64_t top_k, int64_t hidden, void* out, int64_t ld_out, int64_t num_rows,
                                void* cuda_stream) {
   const DispatchArgs a{src, ld_src, route_to_pool, num_tokens, top_k, hidden, out, ld_out, num_rows};
-  if (const int rc = check_earlier_device_findings("dispatch_rows"); rc != PK_OK) return rc;
+  if (const int rc = deep_gemm::api::check_device_findings("dispatch_rows"); rc != PK_OK) return rc;
   if (const int rc = check_dispatch(a, true); rc != PK_OK) return rc;
   if (const int rc = deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kAny); rc != PK_OK) return rc;
   if (a.num_tokens == 0 || a.hidden == 0) return deep_gemm::api::ok();

@@ -98,7 +98,7 @@ PK_API int pk_routing_plan_cpu(const void* topk_idx, int topk_idx_is_int64, int6
 // route). Either way the kernel records the finding in mapped pinned host memory, and the next call of any of these
 // entry points fails with PK_ERR_INVALID_ARGUMENT, saying what was found, before it launches anything (the finding
 // is then cleared). pk_device_check reports (and clears) findings on request: call it after synchronising the
-// stream to check a given call.
+// stream to check a given call. It also reports a wait that timed out (PK_ERR_CUDA: the context is lost).
 // ---------------------------------------------------------------------------------------------
 PK_API int pk_device_check(void);
 
@@ -159,13 +159,10 @@ PK_API int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64
 // ---------------------------------------------------------------------------------------------
 // Bounded waits (csrc/common/watchdog.cuh). A kernel wait on another CTA that lasts longer than the timeout
 // (default 5 s) records what it waited for in host-mapped memory and traps; the CUDA context is then lost, and
-// every later call into the library fails with that record as its message (pk_check_wait_record too).
+// every later call into the library fails with that record as its message (pk_device_check too).
 // ---------------------------------------------------------------------------------------------
 PK_API int pk_set_wait_timeout(double seconds);  // (0, 3600]
 PK_API double pk_get_wait_timeout(void);
-// PK_OK, or the record of a timed-out wait (PK_ERR_CUDA) or of invalid inputs a kernel found on the device
-// (PK_ERR_INVALID_ARGUMENT, reported once), as the last error.
-PK_API int pk_check_wait_record(void);
 // Launches one CTA that waits, with the given timeout, on a counter nothing releases: it times out on purpose
 // (tests of the path above). The CUDA context is lost afterwards.
 PK_API int pk_wait_timeout_probe(double timeout_s, void* cuda_stream);

@@ -17,6 +17,11 @@ int from_status(int status, const char* message);
 
 enum class ArchFamily { kAny, kSm90, kSm100 };
 
+// PK_OK, or what an earlier launch left behind, as the error of `op`: a wait that timed out (the CUDA context is
+// lost: PK_ERR_CUDA) or invalid values a kernel found on the device (common/device_check.hpp, reported once:
+// PK_ERR_INVALID_ARGUMENT). Every entry point that launches calls it first; it reads host memory only.
+int check_device_findings(const char* op);
+
 // PK_OK when `device` can run kernels of `family` from this build; otherwise the reason.
 int check_device(int device, ArchFamily family);
 // check_device on the calling thread's current CUDA device.

@@ -13,12 +13,7 @@ namespace {
 // What an earlier kernel found invalid on the device (reported once, before this call launches anything), then
 // the device check.
 int current_device_is_sm90(const char* op) {
-  char found[1024];
-  if (deep_gemm::common::take_device_checks(found, sizeof(found)))
-    return deep_gemm::api::fail(PK_ERR_INVALID_ARGUMENT,
-                                "%s: not run, since an earlier launch found invalid values on the device (its "
-                                "outputs are not what was asked for): %s",
-                                op, found);
+  if (const int rc = deep_gemm::api::check_device_findings(op); rc != PK_OK) return rc;
   return deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kSm90);
 }
 

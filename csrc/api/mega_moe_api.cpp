@@ -15,6 +15,7 @@ int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x
                          void* s, void* h, void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
                          int32_t* counters, int num_sms, void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
+  if (const int rc = deep_gemm::api::check_device_findings("mega_moe_fwd_bf16"); rc != PK_OK) return rc;
   if (const int rc = deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kSm90); rc != PK_OK) return rc;
   char message[512] = {0};
   const int rc = deep_gemm::sm90::mega_moe_fwd_bf16(x_ranks, num_ranks, ld_x, pool_src_route, pool_src_rank, top_k,

@@ -65,6 +65,7 @@ int pk_routing_plan_cuda(const void* topk_idx, int topk_idx_is_int64, int64_t nu
   const RoutingPlanArgs a = make_args(topk_idx, topk_idx_is_int64, num_tokens, top_k, num_experts, block_m,
                                       rank, expert_counts, expert_offsets, pool_src_route, pool_src_rank,
                                       pool_capacity, route_to_pool, num_invalid);
+  if (const int rc = deep_gemm::api::check_device_findings("routing_plan"); rc != PK_OK) return rc;
   if (const int rc = check_plan_args(a); rc != PK_OK) return rc;
   const int64_t need = pk_routing_plan_workspace_bytes(num_tokens, top_k, num_experts);
   PK_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,

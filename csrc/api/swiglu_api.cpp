@@ -11,12 +11,7 @@ namespace {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 int check_common(const deep_gemm::common::SwigluArgs& a, const char* op) {
-  char found[1024];
-  if (deep_gemm::common::take_device_checks(found, sizeof(found)))
-    return deep_gemm::api::fail(PK_ERR_INVALID_ARGUMENT,
-                                "%s: not run, since an earlier launch found invalid values on the device (its "
-                                "outputs are not what was asked for): %s",
-                                op, found);
+  if (const int rc = deep_gemm::api::check_device_findings(op); rc != PK_OK) return rc;
   PK_CHECK_ARG(a.inter > 0 && a.inter % 8 == 0, "%s: I must be a positive multiple of 8, got %lld", op,
                static_cast<long long>(a.inter));
   PK_CHECK_ARG(a.max_rows >= 0 && a.ld_h % 8 == 0 && a.ld_h >= 2 * a.inter,

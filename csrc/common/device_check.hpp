@@ -30,6 +30,8 @@ enum DeviceCheck : int {
   kCheckPoolRoute,            // a SwiGLU backward's pool_src_route (bound: routes with a weight); weight 0
   kCheckCombineRoute,         // combine's route_to_pool (bound: slot rows); route skipped
   kCheckDispatchRoute,        // dispatch_rows' route_to_pool (bound: out rows); nothing written for it
+  kCheckMegaFwdOffsets,       // the fused forward's expert_offsets (0 first, bound: m_total); nothing written
+  kCheckMegaFwdRoute,         // the fused forward's pool_src_route (bound: num_tokens * top_k); read as zeros
   kNumDeviceChecks,
 };
 
@@ -126,6 +128,10 @@ inline bool take_device_checks(char* out, size_t out_len) {
       "skipped",
       "dispatch_rows' route_to_pool names a row outside out (only -1 and [0, rows) are valid); nothing was written "
       "for that route",
+      "the fused forward's expert_offsets are not a routing plan (offsets[0] must be 0, non-decreasing, the last "
+      "<= the pool rows); that forward wrote nothing",
+      "the fused forward's pool_src_route names a route past num_tokens * top_k (only values < 0 and [0, routes) "
+      "are valid); that pool row was computed from zeros",
   };
   size_t used = 0;
   bool any = false;

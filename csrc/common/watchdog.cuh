@@ -20,9 +20,10 @@ enum WaitSite : int32_t {
   kWaitProbe = 3,            // the test probe's wait on a counter nobody releases
 };
 
-// Host-mapped pinned memory, one per device; written once by the first wait that times out.
+// Host-mapped pinned memory, one per process; written once by the first wait that times out.
 struct WaitRecord {
   int32_t state;  // 0: nothing happened; 2: the fields below are complete
+  int32_t device;
   int32_t kernel;
   int32_t wait;
   int32_t cta;
@@ -33,12 +34,11 @@ struct WaitRecord {
   uint64_t waited_ns;
 };
 
-// Handed to a kernel in its parameters. claim: a device word (zero until a wait times out) that elects the one
-// thread writing the record: device atomics on host memory need PCIe atomics, a device word does not.
+// Handed to a kernel in its parameters.
 struct WaitGuard {
-  WaitRecord* record;  // device pointer of the host-mapped record
-  int32_t* claim;
+  WaitRecord* record;  // device pointer of the host-mapped record (one per process)
   uint64_t timeout_ns;
+  int32_t device;      // the launch's device ordinal, for the record
 };
 
 #ifdef __CUDACC__
@@ -54,11 +54,16 @@ __device__ __forceinline__ int32_t ld_acquire_gpu_s32(const int32_t* p) {
   return v;
 }
 
-// Cold path: records what was waited for (first timed-out thread of the device only) and traps.
+// Elects the one thread that writes the record (per translation unit; the record's state keeps a second unit's
+// thread out): device atomics on host memory would need PCIe atomics, a word in device memory does not.
+static __device__ int32_t g_wait_record_claim = 0;
+
+// Cold path: records what was waited for (the first timed-out thread only) and traps.
 static __device__ __noinline__ void wait_timed_out(const WaitGuard& g, int32_t kernel, int32_t wait, int32_t index,
                                             int64_t expected, int64_t observed, uint64_t waited_ns) {
-  if (g.record != nullptr && g.claim != nullptr && atomicCAS(g.claim, 0, 1) == 0) {
-    volatile WaitRecord* r = g.record;
+  volatile WaitRecord* r = g.record;
+  if (r != nullptr && atomicCAS(&g_wait_record_claim, 0, 1) == 0 && r->state == 0) {
+    r->device = g.device;
     r->kernel = kernel;
     r->wait = wait;
     r->cta = static_cast<int32_t>(blockIdx.x);

@@ -4,13 +4,15 @@
 
 namespace deep_gemm {
 namespace {
-__global__ void wait_probe_kernel(const __grid_constant__ WaitGuard guard, const int32_t* counter) {
-  if (threadIdx.x == 0) wait_counter_at_least(counter, 1, guard, kWaitKernelProbe, kWaitProbe, 0);
+__device__ int32_t g_probe_counter = 0;  // nothing ever releases it
+
+__global__ void wait_probe_kernel(const __grid_constant__ WaitGuard guard) {
+  if (threadIdx.x == 0) wait_counter_at_least(&g_probe_counter, 1, guard, kWaitKernelProbe, kWaitProbe, 0);
 }
 }  // namespace
 
-cudaError_t launch_wait_probe(const WaitGuard& guard, const int32_t* counter, cudaStream_t stream) {
-  wait_probe_kernel<<<1, 32, 0, stream>>>(guard, counter);
+cudaError_t launch_wait_probe(const WaitGuard& guard, cudaStream_t stream) {
+  wait_probe_kernel<<<1, 32, 0, stream>>>(guard);
   return cudaGetLastError();
 }
 

@@ -162,12 +162,9 @@ int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, c
   p.handoff = kMegaFwdHandoff;
   p.l2_hints = kMegaFwdL2Hints;
   cudaError_t e = wait_guard_for_current_device(&p.wait_guard);
-  int32_t* input_flags = nullptr;
-  if (e == cudaSuccess) e = input_flags_for_current_device(&input_flags);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "%s: allocating the wait record: %s", fn, cudaGetErrorString(e));
-  p.bad_offsets = input_flags + kInputMegaFwdOffsets;
-  p.bad_routes = input_flags + kInputMegaFwdRoutes;
+  p.check = common::device_check_record();
 
   const int64_t num_counters = mega_moe_fwd_counter_count(m_total, num_experts);
   e = cudaMemsetAsync(counters, 0, sizeof(int32_t) * num_counters, stream);

@@ -56,6 +56,7 @@
 
 #include <cuda.h>
 
+#include "common/device_check.hpp"
 #include "common/watchdog.cuh"
 #include "dispatch_rows.cuh"
 #include "gemm_common.cuh"
@@ -111,11 +112,10 @@ struct MegaFwdParams {
   int32_t l2_hints;
   // The bound on every wait for another CTA's work (common/watchdog.cuh).
   WaitGuard wait_guard;
-  // Set to 1 (and the kernel writes nothing) when expert_offsets is not a plan: offsets[0] != 0, decreasing, or
-  // past m_total. Host-mapped; may be null.
-  int32_t* bad_offsets;
-  // Set to 1 when a pool row names a route >= num_tokens * top_k: the row is dispatched as zeros. Host-mapped.
-  int32_t* bad_routes;
+  // Where the kernel notes invalid plan values (common/device_check.hpp; may be null): expert_offsets that are not
+  // a plan (offsets[0] != 0, decreasing, or past m_total: the kernel then writes nothing), and pool rows naming a
+  // route >= num_tokens * top_k (dispatched as zeros).
+  common::DeviceCheckRecord* check;
 };
 // The claim counters after the dispatch and L1 counters (see the file comment): tasks, pool-order dispatch runs,
 // virtual warps of the token-major dispatch, 32-row blocks of its second pass.
@@ -255,7 +255,8 @@ __device__ __forceinline__ void mega_dispatch_tokens(const MegaFwdParams& p, uin
       const int oroute = __shfl_sync(0xffffffffu, route, src_lane);
       // a route past the tokens is not one of theirs: zeros, and the host is told
       const bool valid = oroute >= 0 && oroute < num_tokens * top_k;
-      if (oroute >= num_tokens * top_k && lane == 0) *reinterpret_cast<volatile int32_t*>(p.bad_routes) = 1;
+      if (oroute >= num_tokens * top_k && lane == 0)
+        common::report_device_check(p.check, common::kCheckMegaFwdRoute, oroute, num_tokens * top_k);
       const uint8_t* src = x + static_cast<int64_t>(valid ? oroute / top_k : 0) * x_row_bytes;
       uint8_t* out = dst + static_cast<int64_t>(orow) * row_bytes;
       for (int off = lane * 16; off < row_bytes; off += 32 * 16)
@@ -278,7 +279,7 @@ __device__ __forceinline__ void mega_dispatch_role(const MegaFwdParams& p, uint3
     const int route = __ldg(p.pool_src_route + row);
     if (route < 0) return nullptr;  // a row of zeros
     if (route >= p.num_tokens * p.top_k) {  // not a route of these tokens: zeros, and the host is told
-      *reinterpret_cast<volatile int32_t*>(p.bad_routes) = 1;
+      common::note_device_check(p.check, common::kCheckMegaFwdRoute);
       return nullptr;
     }
     const int rank = p.pool_src_rank != nullptr ? min(max(__ldg(p.pool_src_rank + row), 0), p.num_ranks - 1) : 0;
@@ -383,13 +384,16 @@ __device__ __forceinline__ bool mega_fwd_prologue(const MegaFwdParams& p, uint64
     if (p.h != nullptr) ptx::tma_prefetch_desc(tmap_h);
   }
   bool bad = false;
+  int32_t bad_value = 0;
   for (int i = tid; i <= p.num_experts; i += kNumThreads) {
     const int32_t v = __ldg(p.expert_offsets + i);
-    bad |= i == 0 ? v != 0 : v < __ldg(p.expert_offsets + i - 1);
-    bad |= i == p.num_experts && v > p.m_total;
+    if (i == 0 ? v != 0 : (v < __ldg(p.expert_offsets + i - 1) || v > p.m_total)) {
+      bad = true;
+      bad_value = v;
+    }
   }
   if (__syncthreads_or(bad)) {
-    if (blockIdx.x == 0 && tid == 0 && p.bad_offsets != nullptr) *reinterpret_cast<volatile int32_t*>(p.bad_offsets) = 1;
+    if (bad && blockIdx.x == 0) common::report_device_check(p.check, common::kCheckMegaFwdOffsets, bad_value, p.m_total);
     return false;
   }
   load_group_offsets_and_mblocks<kBlockM>(p.expert_offsets, p.num_experts, p.m_total, s_offs, s_mb);

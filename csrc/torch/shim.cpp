@@ -96,7 +96,7 @@ PlanOutputs routing_plan_cpu(Tensor topk_idx, int64_t num_experts, int64_t block
 
 PlanOutputs routing_plan_cuda(Tensor topk_idx, int64_t num_experts, int64_t block_m, int64_t rank,
                               int64_t capacity) {
-  check_core(pk_check_wait_record(), "routing_plan");  // a lost context or an earlier call's bad inputs first
+  check_core(pk_device_check(), "routing_plan");  // a lost context or an earlier call's findings, said first
   const PlanInput in = check_plan_input(topk_idx, num_experts, block_m);
   const int32_t device = topk_idx.get_device_index();
   torch::stable::accelerator::DeviceGuard guard(device);
@@ -473,7 +473,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
     double clamp, bool keep_x_pool, std::optional<Tensor> route_to_pool, std::optional<Tensor> topk_weights,
     int64_t num_sms) {
   const char* op = "mega_moe_fused_fwd";
-  check_core(pk_check_wait_record(), op);  // a lost context or an earlier call's bad inputs, said plainly first
+  check_core(pk_device_check(), op);  // a lost context or an earlier call's findings, said first
   check_bf16_cuda(x, op, "x", 2);
   check_bf16_cuda(w13, op, "w13", 3);
   check_bf16_cuda(w2, op, "w2", 3);

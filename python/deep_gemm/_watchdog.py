@@ -23,8 +23,8 @@ def _core() -> ctypes.CDLL:
         core.pk_set_wait_timeout.restype = ctypes.c_int
         core.pk_get_wait_timeout.argtypes = []
         core.pk_get_wait_timeout.restype = ctypes.c_double
-        core.pk_check_wait_record.argtypes = []
-        core.pk_check_wait_record.restype = ctypes.c_int
+        core.pk_device_check.argtypes = []
+        core.pk_device_check.restype = ctypes.c_int
         core.pk_wait_timeout_probe.argtypes = [ctypes.c_double, ctypes.c_void_p]
         core.pk_wait_timeout_probe.restype = ctypes.c_int
         core._pk_watchdog_declared = True
@@ -52,9 +52,11 @@ def wait_timeout() -> float:
 
 def check_device_errors() -> None:
     """Raises ``RuntimeError`` if a kernel wait timed out (the CUDA context is lost) or a kernel found invalid
-    inputs since the last check; cheap (a read of host memory), never synchronises."""
+    values on the device since the last check (bad group_offsets or expert_offsets, indices out of range: that
+    launch wrote nothing or read them as masked; the finding is then cleared). Cheap (a read of host memory), never
+    synchronises: synchronise first to include the launches still running."""
     core = _core()
-    if core.pk_check_wait_record() != 0:
+    if core.pk_device_check() != 0:
         _raise(core, "check_device_errors")
 
 

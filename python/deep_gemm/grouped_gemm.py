@@ -16,7 +16,7 @@ Rows of the m-grouped output that lie outside every group are left unspecified.
 ``pool_src_route``) hold -1 (masked) or an index in range. On CUDA these values are checked by the kernels
 themselves (no host synchronisation): bad offsets make the GEMM write nothing, an out-of-range index is read as
 masked, and the finding is raised as a RuntimeError by the next call into the library, or by
-:func:`check_device` (call it after synchronising to check the calls before). On the CPU they raise at once.
+:func:`deep_gemm.check_device_errors` (call it after synchronising to check the calls before). On the CPU they raise at once.
 
 ``num_sms`` (every op): the most SMs the kernel may use (None: all of them), for leaving SMs to other work;
 every value gives the same bits.
@@ -34,7 +34,7 @@ from .swiglu import _parts as swiglu_parts
 from .swiglu import swiglu_bwd_reference
 
 __all__ = ["m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "m_grouped_bf16_gemm_swiglu", "k_grouped_bf16_gemm_tn",
-           "m_grouped_gemm_reference", "k_grouped_gemm_reference", "check_device"]
+           "m_grouped_gemm_reference", "k_grouped_gemm_reference"]
 
 _KEYS = {"m_grouped_bf16_gemm_nt": "m_grouped_gemm_nt.bf16.sm90",
          "m_grouped_bf16_gemm_nn": "m_grouped_gemm_nn.bf16.sm90",
@@ -58,18 +58,6 @@ def _sms(num_sms: int | None) -> int:
     if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
         raise ValueError(f"num_sms must be a positive int or None (every SM), got {num_sms!r}")
     return num_sms
-
-
-def check_device() -> None:
-    """Raise the values the kernels found invalid on the device since the last report (bad group_offsets, indices
-    out of range), as a RuntimeError; then they are cleared. Reads host memory only: synchronise first to include
-    the calls still running."""
-    core = _lib.load().core
-    if core is None:
-        return
-    core.pk_device_check.restype = ctypes.c_int
-    if core.pk_device_check() != 0:
-        raise RuntimeError(f"deep_gemm: {core.pk_last_error().decode()}")
 
 
 def check_offsets_cpu(offs: torch.Tensor, rows: int) -> None:
