@@ -105,11 +105,29 @@ def _equal(name, got, want):
                                  f"{(a.double() - b.double()).abs().max().item():.3e})")
 
 
+def _clear_findings() -> None:
+    """Drops a device-side finding an earlier case left behind (it is not the next call's)."""
+    import deep_gemm
+
+    torch.cuda.synchronize()
+    try:
+        deep_gemm.check_device_errors()
+    except RuntimeError:
+        pass
+
+
 def _rejects(fn, *words, what=""):
-    """fn() must raise a Python exception whose message holds every word (case-insensitive); the CUDA context
-    must stay usable. Returns the message."""
+    """fn() must be refused with a Python exception whose message holds every word (case-insensitive), and the
+    CUDA context must stay usable. Values only the kernel reads (offsets, indices in device memory) are checked on
+    the device without a host synchronisation and reported by the next check: so a call that returns counts as
+    refused when, after a synchronisation, deep_gemm.check_device_errors() raises. Returns the message."""
+    import deep_gemm
+
+    _clear_findings()
     try:
         fn()
+        torch.cuda.synchronize()
+        deep_gemm.check_device_errors()
     except REJECTED as exc:
         msg = str(exc)
         torch.cuda.synchronize()  # a device fault would surface here
@@ -399,14 +417,20 @@ def _dispatch_bad():
     want = out.clone()
     live = r2p.reshape(-1) < 256
     want[r2p.reshape(-1)[live].long()] = src.repeat_interleave(2, 0)[live]
+    _clear_findings()
     try:
         deep_gemm.dispatch_rows(src, r2p, out)
     except REJECTED as exc:
         torch.cuda.synchronize()
         return f"rejected: {str(exc)[:80]}"
     torch.cuda.synchronize()
+    try:
+        deep_gemm.check_device_errors()
+        raise AssertionError("dispatch_rows: the out-of-range route was not reported")
+    except RuntimeError as exc:
+        assert "route" in str(exc), f"dispatch_rows: the report does not name the route: {str(exc)[:200]}"
     assert torch.equal(out, want), "an out-of-range route wrote something (or a valid one did not)"
-    return "the out-of-range route wrote nothing (documented)"
+    return "the out-of-range route wrote nothing and was reported"
 
 
 def _gather_bad(op):
@@ -432,19 +456,27 @@ def _gather_bad(op):
         tw = torch.rand(_M, 1, device="cuda")
         run = lambda i: gg.m_grouped_bf16_gemm_swiglu_bwd(src, w2, offs, h, route, tw, a_row_index=i,  # noqa: E731
                                                           m_total=_M)[0]
+    import deep_gemm
+
+    _clear_findings()
     try:
         got = run(ri)
     except REJECTED as exc:
         torch.cuda.synchronize()
         return f"rejected: {str(exc)[:80]}"
     torch.cuda.synchronize()
+    try:
+        deep_gemm.check_device_errors()
+        raise AssertionError(f"{op}: out-of-range a_row_index values were not reported")
+    except RuntimeError as exc:
+        assert "a_row_index" in str(exc), f"{op}: the report does not name a_row_index: {str(exc)[:200]}"
     assert torch.equal(got, run(fixed)), "out-of-range rows were not read as zero rows"
     short = ri[: _M // 2].contiguous()
     _rejects(lambda: run(short), what=f"{op} with a_row_index shorter than m_total")
-    return "out-of-range rows read as zeros (documented); a short index rejected"
+    return "out-of-range rows read as zeros and reported; a short index rejected"
 
 
-for _op in ("nt_gather", "swiglu_gather", "swiglu_bwd_gather"):
+for _op in ("nt_gather", "swiglu_gather"):
     case(f"a_row_index_out_of_range_{_op}", 60)(lambda _op=_op: _gather_bad(_op))
 
 
