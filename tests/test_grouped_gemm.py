@@ -393,7 +393,7 @@ def _finding(match: str) -> None:
     deep_gemm.grouped_gemm.check_device()  # reported once, then cleared
 
 
-BAD_OFFSETS = {"decreasing": lambda o, M: [0, o[2], o[1]] + o[3:],  # groups 1 and 2 overlap if run
+BAD_OFFSETS = {"decreasing": lambda o, M: [0, o[3], o[1]] + o[3:],  # groups 0 and 2 overlap if run
                "past_rows": lambda o, M: o[:-1] + [M + 1],
                "negative": lambda o, M: [-128] + o[1:],
                "first_past_second": lambda o, M: [o[2] + 1] + o[1:]}
