@@ -5,7 +5,7 @@
 // for nothing, so a tile's wait for its rows always ends (csrc/sm90/mega_moe_fwd.cuh states the whole argument).
 #pragma once
 
-#include "gemm_common.cuh"
+#include "kernel_common.cuh"
 
 namespace deep_gemm {
 namespace sm90 {

@@ -25,7 +25,10 @@
 #include <cuda.h>
 
 #include "common/device_check.hpp"
-#include "gemm_common.cuh"
+#include "epilogue.cuh"
+#include "kernel_common.cuh"
+#include "mainloop.cuh"
+#include "pipeline.cuh"
 
 namespace deep_gemm {
 namespace sm90 {
@@ -93,14 +96,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // ---- prologue: offsets check (before anything is stored: bad offsets write nothing), barriers, expert order
   if (common::group_offsets_invalid(p.group_offsets, num_groups, p.p_total, p.check, common::kCheckKGroupedOffsets))
     return;
-  if (tid == 0) init_stage_barriers(full_bar, empty_bar, kNumStages, 1, kNumConsumerThreads / 32);
-  if (tid == 32) {
-    ptx::tma_prefetch_desc(&tmap_a);
-    ptx::tma_prefetch_desc(&tmap_b);
-    if constexpr (kOut == kOutBf16Store) ptx::tma_prefetch_desc(&tmap_c);
-  }
-  for (int i = tid; i <= num_groups; i += kNumThreads) s_offs[i] = __ldg(p.group_offsets + i);
-  __syncthreads();
+  kernel_prologue<kNumStages>(full_bar, empty_bar, 1, kNumConsumerThreads / 32, &tmap_a, &tmap_b,
+                              kOut == kOutBf16Store ? &tmap_c : nullptr);
+  load_group_offsets(p.group_offsets, num_groups, s_offs);
   // Rank experts by decreasing row count (ties by index): order[rank] = expert.
   for (int e = tid; e < num_groups; e += kNumThreads) {
     const int rows_e = max(s_offs[e + 1] - s_offs[e], 0);

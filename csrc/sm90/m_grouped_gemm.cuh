@@ -52,13 +52,17 @@
 // the staging tile and TMA stores into columns c and I + c of h.
 //
 // kAsyncEpi: the consumers write their bf16 tile into a 128B-swizzled staging buffer and TMA-store it (see
-// gemm_common.cuh), so they go on with the next tile while the copy engine writes the tile out.
+// epilogue.cuh), so they go on with the next tile while the copy engine writes the tile out.
 #pragma once
 
 #include <cuda.h>
 
 #include "common/device_check.hpp"
-#include "gemm_common.cuh"
+#include "epilogue.cuh"
+#include "kernel_common.cuh"
+#include "mainloop.cuh"
+#include "pipeline.cuh"
+#include "swiglu_math.cuh"
 
 namespace deep_gemm {
 namespace sm90 {
@@ -170,16 +174,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // return instead made ptxas spill in the gathering producer.)
   const bool bad_offsets =
       common::group_offsets_invalid(p.group_offsets, num_groups, p.m_total, p.check, common::kCheckMGroupedOffsets);
-  if (tid == 0)  // full: + one cp.async arrival per cp.async-gathering thread
-    init_stage_barriers(full_bar, empty_bar, kNumStages, kGatherA ? 1 + 32 * (kGatherWarps - gather_tma_warps()) : 1,
-                        (kCluster2 ? 2 : 1) * kNumConsumerThreads / 32);
-  if (tid == 32) {
-    ptx::tma_prefetch_desc(&tmap_a);
-    ptx::tma_prefetch_desc(&tmap_b);
-    if constexpr (kAsyncEpi) ptx::tma_prefetch_desc(&tmap_d);
-  }
-  for (int i = tid; i <= num_groups; i += kNumThreads) s_offs[i] = __ldg(p.group_offsets + i);
-  __syncthreads();
+  // full: + one cp.async arrival per cp.async-gathering thread
+  kernel_prologue<kNumStages>(full_bar, empty_bar, kGatherA ? 1 + 32 * (kGatherWarps - gather_tma_warps()) : 1,
+                              (kCluster2 ? 2 : 1) * kNumConsumerThreads / 32, &tmap_a, &tmap_b,
+                              kAsyncEpi ? &tmap_d : nullptr);
+  load_group_offsets(p.group_offsets, num_groups, s_offs);
   if (warp == 0) {
     // s_tile[g] = sum over g' < g of (m-blocks of g') * (kCluster2 ? 1 : n_blocks)
     warp_exclusive_scan_groups(num_groups, lane, s_tile, [&](int g) {

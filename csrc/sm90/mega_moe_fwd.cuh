@@ -59,7 +59,11 @@
 #include "common/device_check.hpp"
 #include "common/watchdog.cuh"
 #include "dispatch_rows.cuh"
-#include "gemm_common.cuh"
+#include "epilogue.cuh"
+#include "kernel_common.cuh"
+#include "mainloop.cuh"
+#include "pipeline.cuh"
+#include "swiglu_math.cuh"
 
 namespace deep_gemm {
 namespace sm90 {
@@ -374,15 +378,8 @@ __device__ __forceinline__ bool mega_fwd_prologue(const MegaFwdParams& p, uint64
                                                   const CUtensorMap* tmap_s, const CUtensorMap* tmap_w2,
                                                   const CUtensorMap* tmap_h, const CUtensorMap* tmap_o) {
   const int tid = threadIdx.x;
-  if (tid == 0) init_stage_barriers(full_bar, empty_bar, kNumStages, 1, empty_arrivals);
-  if (tid == 32) {
-    ptx::tma_prefetch_desc(tmap_xpool);
-    ptx::tma_prefetch_desc(tmap_w13);
-    ptx::tma_prefetch_desc(tmap_s);
-    ptx::tma_prefetch_desc(tmap_w2);
-    ptx::tma_prefetch_desc(tmap_o);
-    if (p.h != nullptr) ptx::tma_prefetch_desc(tmap_h);
-  }
+  kernel_prologue<kNumStages>(full_bar, empty_bar, 1, empty_arrivals, tmap_xpool, tmap_w13, tmap_s, tmap_w2, tmap_o,
+                              [&] { return p.h != nullptr ? tmap_h : nullptr; });
   bool bad = false;
   int32_t bad_value = 0;
   for (int i = tid; i <= p.num_experts; i += kNumThreads) {

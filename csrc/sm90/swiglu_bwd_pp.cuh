@@ -28,8 +28,12 @@
 #include <cuda.h>
 
 #include "common/device_check.hpp"
-#include "gemm_common.cuh"
+#include "epilogue.cuh"
+#include "kernel_common.cuh"
 #include "m_grouped_gemm.cuh"
+#include "mainloop.cuh"
+#include "pipeline.cuh"
+#include "swiglu_math.cuh"
 
 namespace deep_gemm {
 namespace sm90 {
@@ -163,18 +167,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // offsets check first: bad offsets write nothing
   if (common::group_offsets_invalid(p.group_offsets, num_groups, p.m_total, p.check, common::kCheckMGroupedOffsets))
     return;
-  if (tid == 0) {
+  // the h-slot barriers; the stage barriers' init fence (same thread, next) publishes them too
+  if (tid == 0)
     for (int s = 0; s < 4; ++s) ptx::mbar_init(reinterpret_cast<uint64_t*>(smem + L::kHBarOff) + s, 1);
-    // empty: the 4 warps of the consuming warpgroup (the fence also publishes the h-slot barriers above)
-    init_stage_barriers(full_bar, empty_bar, kNumStages, 1, 4);
-  }
-  if (tid == 32) {
-    ptx::tma_prefetch_desc(&tmap_a);
-    ptx::tma_prefetch_desc(&tmap_b);
-    ptx::tma_prefetch_desc(&tmap_h);
-    ptx::tma_prefetch_desc(&tmap_dh);
-    ptx::tma_prefetch_desc(&tmap_aw);
-  }
+  // empty: the 4 warps of the consuming warpgroup
+  kernel_prologue<kNumStages>(full_bar, empty_bar, 1, 4, &tmap_a, &tmap_b, &tmap_h, &tmap_dh, &tmap_aw);
   load_group_offsets_and_mblocks<kBlockM>(p.group_offsets, num_groups, p.m_total, s_offs, s_mb);
   // read by each role after its setmaxnreg (a volatile shared load): one copy live across the register
   // reconfiguration gets spilled

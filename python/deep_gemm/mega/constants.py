@@ -17,7 +17,7 @@ the alignment is enforced whenever a fused kernel would run.
 * ``FUSED_MAX_EXPERTS``: the most local experts the fused forward kernel takes (its per-expert tables live in
   shared memory: ``kMegaMaxExperts`` in csrc/sm90/mega_moe_fwd.cuh); more run the grouped pipeline under
   ``backend="auto"``.
-* ``GROUPED_MAX_EXPERTS``: the most groups the grouped GEMMs take (``kMaxGroups`` in csrc/sm90/gemm_common.cuh).
+* ``GROUPED_MAX_EXPERTS``: the most groups the grouped GEMMs take (``kMaxGroups`` in csrc/sm90/kernel_common.cuh).
 """
 
 HIDDEN_ALIGN = 128

@@ -1,0 +1,294 @@
+// prime-kernels: the sm90 kernels' epilogues: accumulator fragments staged in shared memory and stored to global
+// memory (plain stores or TMA stores), the SwiGLU epilogues' stores, and the L2 cache policies of the hint bits
+// (no __global__ here).
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include "ptx.cuh"
+#include "swiglu_math.cuh"
+
+namespace deep_gemm {
+namespace sm90 {
+
+// Epilogue staging: each consumer warpgroup owns 64 rows x 64 columns of bf16 with a 16-byte row pad
+// (pitch 144 B keeps both the fragment writes and the 16-byte row reads free of bank conflicts).
+constexpr int kStagePitchBytes = (64 + 8) * 2;
+constexpr int kStageBytesPerWg = 64 * kStagePitchBytes;
+// Synchronous epilogue: each warpgroup's staging region starts 1024-byte aligned (it also serves as one
+// 128B-swizzled 64 x 64 TMA-store box, see store_acc_bf16_tma_ring).
+constexpr int kSyncStageStride = 10240;
+static_assert(kSyncStageStride >= kStageBytesPerWg && kSyncStageStride % 1024 == 0, "sync staging stride");
+
+// Writes the 64 x kBlockN fp32 accumulator fragment of one consumer warpgroup (wgmma m64nN layout) as
+// bf16 to global memory, through a 64-column shared-memory staging tile, with 16-byte coalesced stores.
+// Rows >= row_limit and columns >= col_limit are not written.
+//   out:        pointer to element (row 0, col 0) of the output matrix, row stride ldo elements.
+//   row0/col0:  first row/column of this warpgroup's 64 x kBlockN block.
+template <int kBlockN>
+__device__ __forceinline__ void store_acc_bf16_staged(const float (&acc)[kBlockN / 2], uint32_t stage_addr,
+                                                      uint32_t bar_id, int wg_tid, __nv_bfloat16* out,
+                                                      int64_t ldo, int row0, int row_limit, int col0,
+                                                      int col_limit) {
+  const int warp_in_wg = wg_tid >> 5;
+  const int lane = wg_tid & 31;
+  const int frag_row = warp_in_wg * 16 + (lane >> 2);
+  const int frag_col = (lane & 3) * 2;
+#pragma unroll
+  for (int c = 0; c < kBlockN / 64; ++c) {
+    if (col0 + c * 64 >= col_limit) break;  // uniform across the warpgroup
+    ptx::named_bar_sync(bar_id, 128);       // earlier reads of the staging tile are done
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int j = c * 8 + jj;
+      const uint32_t a0 = stage_addr + frag_row * kStagePitchBytes + (jj * 8 + frag_col) * 2;
+      ptx::st_shared_b32(a0, ptx::pack_bf16x2(acc[4 * j + 0], acc[4 * j + 1]));
+      ptx::st_shared_b32(a0 + 8 * kStagePitchBytes, ptx::pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]));
+    }
+    ptx::named_bar_sync(bar_id, 128);
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+      const int idx = it * 128 + wg_tid;
+      const int r = idx >> 3;
+      const int ch = idx & 7;
+      const int grow = row0 + r;
+      const int gcol = col0 + c * 64 + ch * 8;
+      if (grow < row_limit && gcol < col_limit) {
+        const uint4 v = ptx::ld_shared_v4(stage_addr + r * kStagePitchBytes + ch * 16);
+        *reinterpret_cast<uint4*>(out + static_cast<int64_t>(grow) * ldo + gcol) = v;
+      }
+    }
+  }
+}
+
+// ---- asynchronous epilogue: TMA stores from a 128B-swizzled staging tile ---------------------------
+// Each consumer warpgroup owns a 64-row half of a full-tile staging buffer, laid out as kBlockN / 64 boxes
+// of 64 rows x 64 columns (8 KB each, 128-byte rows, 16-byte chunks XOR-swizzled by row % 8: the layout a
+// 128B-swizzled tensor map reads). The warpgroup writes its fp32 fragment there as bf16 with stmatrix, and
+// one elected thread issues one TMA store per box and goes on with the next tile's mainloop; the store's
+// shared-memory read is waited for only before the next tile's epilogue rewrites the half. Halves whose
+// rows are not all inside the group (a group's tail m-block: the rows after it belong to the next group,
+// and a TMA store writes whole boxes) are copied out by the warpgroup's threads instead.
+template <int kBlockN>
+struct TmaStaging {
+  static constexpr int kBoxBytes = 64 * 128;               // 64 rows x 64 bf16 columns
+  static constexpr int kHalfBytes = (kBlockN / 64) * kBoxBytes;  // one warpgroup's 64 rows
+  static constexpr int kBytes = 2 * kHalfBytes;
+};
+
+// Plain bf16 rounding (round to nearest even) of two fp32 values into one bf16x2 word.
+struct PackBf16x2 {
+  __device__ __forceinline__ uint32_t operator()(float lo, float hi) const { return ptx::pack_bf16x2(lo, hi); }
+};
+
+template <int kBlockN, int kBoxes, typename Pack = PackBf16x2>
+__device__ __forceinline__ void write_acc_boxes_to_staging(const float (&acc)[kBlockN / 2], uint32_t stg_half,
+                                                           int wg_tid, int box0, const Pack& pack = Pack{}) {
+  const int lane = wg_tid & 31;
+  const int mi = lane >> 3;
+  const int ri = lane & 7;
+  const int row = (wg_tid >> 5) * 16 + ((mi & 1) << 3) + ri;
+  const uint32_t base = stg_half + row * 128;
+  const uint32_t x = static_cast<uint32_t>(((mi >> 1) ^ ri) << 4);
+#pragma unroll
+  for (int jq = 0; jq < kBoxes * 4; ++jq) {
+    const int jp = box0 * 4 + jq;  // 16-column group of the fragment
+    const int j0 = 2 * jp;
+    const uint32_t addr = base + (jq >> 2) * TmaStaging<64 * kBoxes>::kBoxBytes +
+                          ((static_cast<uint32_t>((jq & 3) * 2) << 4) ^ x);
+    ptx::stmatrix_x4(addr, pack(acc[4 * j0 + 0], acc[4 * j0 + 1]), pack(acc[4 * j0 + 2], acc[4 * j0 + 3]),
+                     pack(acc[4 * j0 + 4], acc[4 * j0 + 5]), pack(acc[4 * j0 + 6], acc[4 * j0 + 7]));
+  }
+}
+
+// One warpgroup's 64 x kBlockN fp32 fragment (wgmma m64nN layout) -> bf16 into its swizzled staging half.
+template <int kBlockN>
+__device__ __forceinline__ void write_acc_to_swizzled_staging(const float (&acc)[kBlockN / 2], uint32_t stg_half,
+                                                              int wg_tid) {
+  write_acc_boxes_to_staging<kBlockN, kBlockN / 64>(acc, stg_half, wg_tid, 0);
+}
+
+// Copies rows [0, rows) of a swizzled staging half to out (row stride ldo), columns col0.. below col_limit,
+// with the warpgroup's 128 threads (16-byte loads and stores). kSplit (SwiGLU h): the left half of the
+// tile's columns goes to out columns col0.., the right half to col_limit + col0.., each below col_limit.
+template <int kBlockN, bool kSplit = false>
+__device__ __forceinline__ void copy_swizzled_half_to_global(uint32_t stg_half, int wg_tid, int rows,
+                                                             __nv_bfloat16* out, int64_t ldo, int row0,
+                                                             int col0, int col_limit) {
+  constexpr int kChunksPerRow = kBlockN / 8;
+  const int total = rows * kChunksPerRow;
+#pragma unroll 2
+  for (int idx = wg_tid; idx < total; idx += 128) {
+    const int r = idx / kChunksPerRow;
+    const int ch = idx - r * kChunksPerRow;
+    const bool right = kSplit && ch >= kChunksPerRow / 2;
+    const int c = col0 + (right ? ch - kChunksPerRow / 2 : ch) * 8;
+    const int gcol = c + (right ? col_limit : 0);
+    if (c < col_limit) {
+      const uint32_t a = stg_half + (ch >> 3) * TmaStaging<kBlockN>::kBoxBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
+      const uint4 v = ptx::ld_shared_v4(a);
+      *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row0 + r) * ldo + gcol) = v;
+    }
+  }
+}
+
+// Synchronous epilogue through TMA stores: one warpgroup's 64 x kBlockN fragment goes out as kBlockN / 64 boxes of
+// 64 x 64 through a single 8 KB 128B-swizzled staging box (box_addr, 1024-byte aligned): write a box with
+// stmatrix, one elected thread TMA-stores it (issue(box_addr, column)), and the next box waits only for that
+// store's shared-memory read. The last store's read overlaps the next tile's mainloop. Boxes at or past
+// col_limit are skipped (the tensor map clips the rest).
+template <int kBlockN, typename IssueFn>
+__device__ __forceinline__ void store_acc_bf16_tma_ring(const float (&acc)[kBlockN / 2], uint32_t box_addr,
+                                                        uint32_t bar_id, int wg_tid, int col0, int col_limit,
+                                                        IssueFn&& issue) {
+#pragma unroll
+  for (int c = 0; c < kBlockN / 64; ++c) {
+    if (col0 + c * 64 >= col_limit) break;  // uniform across the warpgroup
+    if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+    ptx::named_bar_sync(bar_id, 128);
+    write_acc_boxes_to_staging<kBlockN, 1>(acc, box_addr, wg_tid, c);
+    ptx::fence_proxy_async_smem();
+    ptx::named_bar_sync(bar_id, 128);
+    if (wg_tid == 0) {
+      issue(box_addr, col0 + c * 64);
+      ptx::bulk_commit_group();
+    }
+  }
+}
+
+// L2 cache policies for the kernels' hint bits (MegaFwdParams, MGroupedParams, KGroupedParams::l2_hints): bit 3
+// asks evict_last for the loads that many tiles read again (the weights; the k-grouped GEMM's operands); bit `bit`
+// (0-2) evict_first for one kind of output store. A clear bit gives evict_normal, i.e. no preference.
+__device__ __forceinline__ uint64_t l2_policy_reused_loads(int32_t hints) {
+  return (hints & 8) ? ptx::l2_policy_evict_last() : ptx::l2_policy_evict_normal();
+}
+__device__ __forceinline__ uint64_t l2_policy_store(int32_t hints, int bit) {
+  return ((hints >> bit) & 1) ? ptx::l2_policy_evict_first() : ptx::l2_policy_evict_normal();
+}
+
+// SwiGLU epilogue: s[row, c] = silu(gate) * up for one warpgroup's 64 x kBlockN fragment whose left kBlockN / 2
+// columns are gate columns col0.. and right ones the matching up columns, already rounded as the kernel saves h
+// (round_acc_as_saved_h); fp32 math, bf16x2 stores straight from registers (s is a third of the tile's output
+// bytes; L2 merges the 16-byte row pieces). Rows >= row_end and columns >= col_limit are not written.
+template <int kBlockN>
+__device__ __forceinline__ void store_swiglu_from_acc(const float (&acc)[kBlockN / 2], int wg_tid, __nv_bfloat16* s,
+                                                      int64_t lds, int row0, int row_end, int col0, int col_limit,
+                                                      float clamp) {
+  constexpr int kUp = kBlockN / 16;  // accumulator column group of the up half
+  const int lane = wg_tid & 31;
+  const int r0 = row0 + (wg_tid >> 5) * 16 + (lane >> 2);
+  const int cbase = col0 + 2 * (lane & 3);
+  auto f = [&](float g, float u) -> float { return swiglu_value(g, u, clamp); };
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + 8 * h;
+    if (row < row_end) {
+      __nv_bfloat16* srow = s + static_cast<int64_t>(row) * lds;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 16; ++j) {
+        const int col = cbase + 8 * j;
+        if (col < col_limit) {
+          const uint32_t v = ptx::pack_bf16x2(f(acc[4 * j + 2 * h], acc[4 * (j + kUp) + 2 * h]),
+                                              f(acc[4 * j + 2 * h + 1], acc[4 * (j + kUp) + 2 * h + 1]));
+          *reinterpret_cast<uint32_t*>(srow + col) = v;
+        }
+      }
+    }
+  }
+}
+
+// SwiGLU backward epilogue of L2's dgrad (B3-B6, B9 of deep_gemm.mega.reference, on the fp32 da in registers:
+// no bf16 rounding of da, unlike the separate pool-row kernel). One warpgroup's 64 x kBlockN fragment holds
+// da[row, c] for columns col0.. of I. Per pool row (route r, weight w = topk_weights[r]; w = 0 for padding
+// rows), with g = h[row, c], u = h[row, I + c] (bf16) and gc, uc their clamped values:
+//   sig = sigmoid(gc), silu = gc * sig, s = silu * uc
+//   dh[row, c] = w * da * uc * sig * (1 + gc * (1 - sig)) * [g < clamp],  dh[row, I + c] = w * da * silu * [|u| < clamp]
+//   aw[row, c] = w * s;   dt_part[row, col0 / 128] = sum over the n-block's columns of da * s (a fixed
+//   shuffle tree: per-thread sums in column order, then lanes 1 and 2 apart); dt_part has one column per
+//   128 columns of I, a 256-column tile zeroes the second column of its pair
+// Loads and stores go straight from registers (bf16x2 per column pair; L2 merges a row's 16-byte pieces).
+// The h loads of kChunk column groups are issued together before any of their stores: one load-store
+// round trip per group (measured ~30 us per tile when every group waited for the previous group's stores).
+template <int kBlockN>
+__device__ __forceinline__ void swiglu_bwd_epilogue(const float (&acc)[kBlockN / 2], int wg_tid, int row0, int row_end,
+                                                    int col0, int inter, const __nv_bfloat16* __restrict__ h,
+                                                    int64_t ldh, const int32_t* __restrict__ pool_src_route,
+                                                    const float* __restrict__ route_weights,
+                                                    __nv_bfloat16* __restrict__ dh, int64_t lddh,
+                                                    __nv_bfloat16* __restrict__ aw, int64_t ldaw,
+                                                    float* __restrict__ dt_part, int dt_ld, float clamp) {
+  constexpr int kGroups = kBlockN / 8;  // column groups of 8 per row fragment (2 columns per lane)
+  constexpr int kChunk = 16;
+  const int lane = wg_tid & 31;
+  const int r0 = row0 + (wg_tid >> 5) * 16 + (lane >> 2);
+  const int cbase = col0 + 2 * (lane & 3);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = r0 + 8 * hh;
+    const bool valid = row < row_end;
+    const int route = valid ? __ldg(pool_src_route + row) : -1;
+    const float w = route >= 0 ? __ldg(route_weights + route) : 0.f;
+    float partial = 0.f;
+    if (valid) {
+      const __nv_bfloat16* hrow = h + static_cast<int64_t>(row) * ldh;
+      __nv_bfloat16* dhrow = dh + static_cast<int64_t>(row) * lddh;
+      __nv_bfloat16* awrow = aw + static_cast<int64_t>(row) * ldaw;
+#pragma unroll
+      for (int j0 = 0; j0 < kGroups; j0 += kChunk) {
+        uint32_t g2[kChunk], u2[kChunk];
+#pragma unroll
+        for (int jj = 0; jj < kChunk; ++jj) {
+          const int col = cbase + 8 * (j0 + jj);
+          g2[jj] = col < inter ? __ldg(reinterpret_cast<const unsigned int*>(hrow + col)) : 0u;
+          u2[jj] = col < inter ? __ldg(reinterpret_cast<const unsigned int*>(hrow + inter + col)) : 0u;
+        }
+#pragma unroll
+        for (int jj = 0; jj < kChunk; ++jj) {
+          const int j = j0 + jj;  // constant after unrolling: acc is indexed by constants only
+          const int col = cbase + 8 * j;
+          if (col < inter) {
+            const SwigluBwdWords o = swiglu_bwd_pair<kClampRuntime>(g2[jj], u2[jj], acc[4 * j + 2 * hh],
+                                                                    acc[4 * j + 2 * hh + 1], w, clamp, partial);
+            *reinterpret_cast<uint32_t*>(dhrow + col) = o.dg;
+            *reinterpret_cast<uint32_t*>(dhrow + inter + col) = o.du;
+            *reinterpret_cast<uint32_t*>(awrow + col) = o.aw;
+          }
+        }
+      }
+    }
+    partial += __shfl_xor_sync(0xffffffffu, partial, 1);
+    partial += __shfl_xor_sync(0xffffffffu, partial, 2);
+    if (valid && (lane & 3) == 0) {
+      // one column per 128 columns of I; a 256-column tile fills its pair's first column and zeroes the second
+      float* dst = dt_part + static_cast<int64_t>(row) * dt_ld + col0 / 128;
+      dst[0] = route >= 0 ? partial : 0.f;
+      if (kBlockN == 256 && col0 / 128 + 1 < dt_ld) dst[1] = 0.f;
+    }
+  }
+}
+
+// Pulls the h rows a swiglu_bwd_epilogue will read into L2 while the tile's mainloop runs: the four lanes
+// of a row fragment each take one 128-byte line of the gate and of the up columns (kBlockN = 256 columns =
+// 4 lines per half).
+template <int kBlockN>
+__device__ __forceinline__ void prefetch_swiglu_bwd_rows(int wg_tid, int row0, int row_end, int col0, int inter,
+                                                         const __nv_bfloat16* h, int64_t ldh) {
+  static_assert(kBlockN == 256, "one 128-byte line per lane and half");
+  const int lane = wg_tid & 31;
+  const int r0 = row0 + (wg_tid >> 5) * 16 + (lane >> 2);
+  const int col = col0 + 64 * (lane & 3);
+  if (col >= inter) return;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = r0 + 8 * hh;
+    if (row < row_end) {
+      const __nv_bfloat16* hrow = h + static_cast<int64_t>(row) * ldh;
+      ptx::prefetch_l2(hrow + col);
+      ptx::prefetch_l2(hrow + inter + col);
+    }
+  }
+}
+
+}  // namespace sm90
+}  // namespace deep_gemm

@@ -1,0 +1,140 @@
+// prime-kernels: the consumer warpgroups' k-loops of the sm90 kernels: wgmma over the stage ring's descriptors,
+// each stage released once the MMAs that read it have completed (no __global__ here).
+#pragma once
+
+#include <cstdint>
+
+#include "pipeline.cuh"
+#include "ptx.cuh"
+
+namespace deep_gemm {
+namespace sm90 {
+
+// One tile's k-loop for a consumer warpgroup of the m-grouped kernels: waits for each stage of the mbarrier
+// ring, issues its kBlockK / 16 wgmma (one group kept in flight) and releases the stage once the group that
+// read it has completed (release(stage)); a warpgroup with no rows (active = false) only releases stages.
+// acc is zeroed first and settled on return. Descriptors: stage s, k-step kk adds s * kStageA/BBytes and
+// kk * 32 (A) / kBStepBytes (B) bytes (>> 4) to the low halves a_lo0 / b_lo0. kProxyFence: A was written
+// through the generic proxy (cp.async gather), fence before wgmma reads it.
+// kAStepBytes: A's k16 step (32 bytes for K-major A; 16 rows of 128 bytes for MN-major A).
+// hook (optional, NoTileHook shows the interface): before_first_wait(bar, parity) runs before the first
+// k-block's wait and after_first_issue() once that k-block's MMAs are issued (an inactive warpgroup: right
+// after before_first_wait): work of the previous tile that may wait until this tile's MMAs are queued;
+// on_stage(kb, stage) runs once k-block kb's stage has landed, before its MMAs (e.g. to patch the stage).
+struct NoTileHook {
+  __device__ __forceinline__ void before_first_wait(uint64_t*, uint32_t) const {}
+  __device__ __forceinline__ void after_first_issue() const {}
+  __device__ __forceinline__ void on_stage(int, int) const {}
+};
+
+template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, uint32_t kBStepBytes,
+          bool kProxyFence, uint32_t kAStepBytes = 32, int kAccRegs, typename ReleaseFn, typename Hook = NoTileHook>
+__device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], bool active, int num_k_blocks,
+                                                       uint64_t* full_bar, int& stage, uint32_t& phase,
+                                                       uint32_t a_lo0, uint32_t a_hi, uint32_t b_lo0,
+                                                       uint32_t b_hi, ReleaseFn&& release, Hook&& hook = Hook{}) {
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.f;
+  int prev_stage = 0;
+  hook.before_first_wait(&full_bar[stage], phase);
+  if (!active) {
+    hook.after_first_issue();
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      ptx::mbar_wait(&full_bar[stage], phase);
+      release(stage);
+      advance_stage<kNumStages>(stage, phase);
+    }
+  } else {
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      ptx::mbar_wait(&full_bar[stage], phase);
+      hook.on_stage(kb, stage);
+      // (compile-time: a runtime test here costs the consumers registers they do not have at 224)
+      if constexpr (kProxyFence) ptx::fence_proxy_async_smem();
+#pragma unroll
+      for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
+      ptx::wgmma_fence();
+      const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (kStageABytes >> 4);
+      const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (kStageBBytes >> 4);
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        const uint64_t da = ptx::desc_from_halves(a_lo + kk * (kAStepBytes >> 4), a_hi);
+        const uint64_t db = ptx::desc_from_halves(b_lo + kk * (kBStepBytes >> 4), b_hi);
+        Mma::mma(acc, da, db, 1u);
+      }
+      ptx::wgmma_commit();
+#pragma unroll
+      for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
+      if (kb == 0) hook.after_first_issue();
+      if (kb > 0) {
+        ptx::wgmma_wait<1>();
+        release(prev_stage);
+      }
+      prev_stage = stage;
+      advance_stage<kNumStages>(stage, phase);
+    }
+  }
+  ptx::wgmma_wait<0>();  // unconditional: lets ptxas see every accumulator settled on all paths
+  if (active && num_k_blocks > 0) release(prev_stage);
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
+}
+
+// One tile's mainloop for a ping-pong consumer warpgroup that owns 128 rows: acc0 gets rows 0..63 and acc1
+// rows 64..127 of each A stage (two m64 wgmma per k16 step against the same B). Both wgmma are issued
+// unconditionally: a wgmma under a divergent branch makes ptxas serialize every wgmma of the kernel
+// (C7520), so rows past an m-block's end compute on whatever the box holds and are never stored. Stages
+// are released to the producer (empty_bar, one arrival per warp) as soon as the next k-block's MMAs are
+// issued; pass_turn() runs once all of the tile's MMAs are issued (the other warpgroup may then issue its
+// own), before the wait for them to finish.
+template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, uint32_t kBStepDesc,
+          int kAccRegs, typename PassTurn>
+__device__ __forceinline__ void pingpong_tile_mainloop(float (&acc0)[kAccRegs], float (&acc1)[kAccRegs],
+                                                       int num_k_blocks, uint64_t* full_bar, uint64_t* empty_bar,
+                                                       int& stage, uint32_t& phase, uint32_t a_lo0, uint32_t a_hi,
+                                                       uint32_t b_lo0, uint32_t b_hi, int lane,
+                                                       PassTurn&& pass_turn) {
+  constexpr uint32_t kHalfADesc = (64 * 128) >> 4;  // rows 64..127 of a 128-byte-swizzled A stage
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) {
+    acc0[i] = 0.f;
+    acc1[i] = 0.f;
+  }
+  int prev_stage = 0;
+  for (int kb = 0; kb < num_k_blocks; ++kb) {
+    ptx::mbar_wait(&full_bar[stage], phase);
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) {
+      ptx::reg_fence(acc0[i]);
+      ptx::reg_fence(acc1[i]);
+    }
+    ptx::wgmma_fence();
+    const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (kStageABytes >> 4);
+    const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (kStageBBytes >> 4);
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      const uint64_t db = ptx::desc_from_halves(b_lo + kk * kBStepDesc, b_hi);
+      Mma::mma(acc0, ptx::desc_from_halves(a_lo + kk * (32 >> 4), a_hi), db, 1u);
+      Mma::mma(acc1, ptx::desc_from_halves(a_lo + kHalfADesc + kk * (32 >> 4), a_hi), db, 1u);
+    }
+    ptx::wgmma_commit();
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) {
+      ptx::reg_fence(acc0[i]);
+      ptx::reg_fence(acc1[i]);
+    }
+    if (kb > 0) {
+      ptx::wgmma_wait<1>();
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
+    }
+    prev_stage = stage;
+    advance_stage<kNumStages>(stage, phase);
+  }
+  pass_turn();
+  ptx::wgmma_wait<0>();
+  __syncwarp();
+  if (lane == 0 && num_k_blocks > 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
+}
+
+}  // namespace sm90
+}  // namespace deep_gemm
