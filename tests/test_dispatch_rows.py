@@ -46,11 +46,24 @@ def test_dispatch_rows_copies_every_route_and_nothing_else(device, T, E, K, H, m
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_dispatch_rows_ignores_routes_outside_out(device):
+def test_dispatch_rows_reports_routes_outside_out(device):
+    """Routes that are not rows of out (7, -5, 100; -1 is a masked route) write nothing there, and are an error:
+    at once on the CPU; on the GPU (checked by the kernel, no synchronisation) by check_device_errors after a
+    synchronisation, once."""
     src = torch.randn(3, 16).bfloat16().to(device)
-    r2p = torch.tensor([[0, 7], [-1, 2], [-5, 100]], dtype=torch.int32, device=device)  # 7, -5, 100: not rows of out
+    r2p = torch.tensor([[0, 7], [-1, 2], [-5, 100]], dtype=torch.int32, device=device)
     out = torch.full((4, 16), float("nan"), dtype=torch.bfloat16, device=device)
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match="route_to_pool"):
+            deep_gemm.dispatch_rows(src, r2p, out)
+        assert out.isnan().all(), "a refused call wrote rows"
+        return
+    deep_gemm.check_device_errors()  # nothing pending from earlier tests
     deep_gemm.dispatch_rows(src, r2p, out)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="route_to_pool"):
+        deep_gemm.check_device_errors()
+    deep_gemm.check_device_errors()  # reported once
     assert torch.equal(out[0], src[0]) and torch.equal(out[2], src[1])
     assert out[1].isnan().all() and out[3].isnan().all()
 

@@ -5,7 +5,7 @@
 // still leave a counter short, and an unbounded spin would hang the whole job without a word. So every such wait
 // is bounded in release builds too: past WaitGuard::timeout_ns it writes a WaitRecord to host-mapped pinned
 // memory and traps. The trap ends the kernel (the CUDA context is lost); the host finds the record at the next
-// call into the library and reports it (csrc/api/watchdog_api.cpp).
+// call into the library and reports it (csrc/api/findings_api.cpp).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,5 @@
-// prime-kernels: the process's wait record, the wait timeout, and their C ABI (csrc/common/watchdog.cuh).
+// prime-kernels: what kernels leave behind for the host, in one place: the wait record and the wait timeout
+// (csrc/common/watchdog.cuh), the device-check findings (csrc/common/device_check.hpp), and their C ABI.
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -7,6 +8,7 @@
 
 #include "api/deep_gemm_api.h"
 #include "api/errors.hpp"
+#include "common/device_check.hpp"
 #include "common/watchdog.hpp"
 
 namespace deep_gemm {
@@ -87,6 +89,81 @@ bool wait_record_message(char* out, size_t out_len) {
                 r->cta, r->thread, r->index, static_cast<long long>(r->expected), static_cast<long long>(r->observed));
   return true;
 }
+
+namespace common {
+// The process's record (allocated on first use; null if the allocation failed, and then kernels check their
+// values as before but record nothing).
+static std::atomic<DeviceCheckRecord*>& device_check_slot() {
+  static std::atomic<DeviceCheckRecord*> slot{nullptr};
+  return slot;
+}
+
+DeviceCheckRecord* device_check_record() {
+  DeviceCheckRecord* rec = device_check_slot().load(std::memory_order_acquire);
+  if (rec != nullptr) return rec;
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  rec = device_check_slot().load(std::memory_order_acquire);
+  if (rec != nullptr) return rec;
+  // A pinned allocation is not stream-ordered: allowed from this thread even while a CUDA graph is being
+  // captured (relaxed capture mode for the call), so a first call inside a capture still gets its record.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  void* p = nullptr;
+  const cudaError_t e = cudaHostAlloc(&p, sizeof(DeviceCheckRecord), cudaHostAllocMapped | cudaHostAllocPortable);
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not this call's error to report
+    return nullptr;
+  }
+  std::memset(p, 0, sizeof(DeviceCheckRecord));
+  rec = static_cast<DeviceCheckRecord*>(p);
+  device_check_slot().store(rec, std::memory_order_release);
+  return rec;
+}
+
+// The findings recorded so far, formatted into out, and cleared; false (out untouched) if there are none. Never
+// allocates or touches the device.
+bool take_device_checks(char* out, size_t out_len) {
+  DeviceCheckRecord* rec = device_check_slot().load(std::memory_order_acquire);
+  if (rec == nullptr) return false;
+  volatile DeviceCheckRecord* r = rec;
+  static const char* const kWhat[kNumDeviceChecks] = {
+      "an m-grouped GEMM's group_offsets are not non-decreasing within [0, m_total]; that GEMM wrote nothing",
+      "a k-grouped GEMM's group_offsets are not non-decreasing within [0, rows]; that GEMM wrote nothing",
+      "a gathered GEMM's a_row_index names a row outside A (only -1 and [0, rows) are valid); that row was read as "
+      "zeros",
+      "a SwiGLU backward's pool_src_route names a route without a weight (only -1 and [0, routes) are valid); that "
+      "row got weight 0",
+      "combine's route_to_pool names a row outside the slots (only -1 and [0, rows) are valid); that route was "
+      "skipped",
+      "dispatch_rows' route_to_pool names a row outside out (only -1 and [0, rows) are valid); nothing was written "
+      "for that route",
+      "the fused forward's expert_offsets are not a routing plan (offsets[0] must be 0, non-decreasing, the last "
+      "<= the pool rows); that forward wrote nothing",
+      "the fused forward's pool_src_route names a route past num_tokens * top_k (only values < 0 and [0, routes) "
+      "are valid); that pool row was computed from zeros",
+  };
+  size_t used = 0;
+  bool any = false;
+  for (int k = 0; k < kNumDeviceChecks; ++k) {
+    const int32_t state = r->flag[k];
+    if (state == 0) continue;
+    const long long value = r->value[k], bound = r->bound[k];
+    r->flag[k] = 0;
+    if (used + 2 < out_len) {
+      if (any) used += std::snprintf(out + used, out_len - used, "; ");
+      if (used < out_len) used += std::snprintf(out + used, out_len - used, "%s", kWhat[k]);
+      if (state == 2 && used < out_len)
+        used += std::snprintf(out + used, out_len - used, " (e.g. %lld against a size of %lld)", value, bound);
+    }
+    any = true;
+  }
+  if (any && out_len > 0) out[out_len - 1] = '\0';
+  return any;
+}
+
+}  // namespace common
 
 }  // namespace deep_gemm
 
