@@ -28,7 +28,7 @@ enum {
 };
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatch.
-#define PK_ABI_VERSION 1
+#define PK_ABI_VERSION 2
 PK_API int pk_abi_version(void);
 
 // The message of the last failed call on this thread ("" if none).

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 _HERE = os.path.dirname(os.path.abspath(__file__))
 CORE_NAME = "libdeep_gemm_core.so"
 SHIM_NAME = "libdeep_gemm_torch.so"
-ABI_VERSION = 1  # must equal PK_ABI_VERSION in csrc/api/deep_gemm_api.h
+ABI_VERSION = 2  # must equal PK_ABI_VERSION in csrc/api/deep_gemm_api.h
 MIN_TORCH = (2, 10)
 
 
