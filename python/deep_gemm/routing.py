@@ -36,9 +36,19 @@ class RoutingPlan:
         return self.pool_src_route.numel()
 
 
-def pool_capacity(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> int:
-    """The most pool rows a plan can use: T*K routes plus at most block_m - 1 padding rows per expert."""
-    return _lib.pool_capacity(num_tokens, top_k, num_experts, block_m)
+def pool_capacity(num_tokens, top_k: int, num_experts: int, block_m: int):
+    """The most pool rows a plan can use: T*K routes plus at most block_m - 1 padding rows per expert, rounded up
+    to a multiple of block_m. This is the one capacity rule of the package: the C ABI's
+    ``pk_routing_plan_pool_capacity`` (which the plan kernel checks its output size against) for plain ints, and
+    the same expression spelled out for symbolic sizes (a fake kernel traced with dynamic shapes passes SymInts,
+    which a C call would specialize to one value) or when the core library is not loaded."""
+    args = (num_tokens, top_k, num_experts, block_m)
+    if not any(isinstance(a, torch.SymInt) for a in args):
+        core = _lib.load().core
+        if core is not None:
+            return int(core.pk_routing_plan_pool_capacity(*(int(a) for a in args)))
+    rows = num_tokens * top_k + num_experts * (block_m - 1)
+    return (rows + block_m - 1) // block_m * block_m
 
 
 def _check(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> None:
