@@ -92,13 +92,12 @@ def test_zero_padding_rows_touches_only_the_padding_rows():
     plan; the GEMMs read those rows): exactly rows [offsets[e] + counts[e], offsets[e + 1]) become zero, every
     other row keeps its contents (NaN here), an unpadded plan changes nothing but the scratch row."""
     from deep_gemm.mega import _grouped
-    from deep_gemm.mega._plan import pool_capacity
-    from deep_gemm.routing import routing_plan
+    from deep_gemm.routing import pool_capacity, routing_plan
 
     T, E, K, H = 37, 6, 3, 16
     idx = make_problem(T, H, 32, E, K, routing="skewed", seed=5, masked_frac=0.2)[1]
     for block_m in (8, 1):
-        cap = pool_capacity(T * K, E, 8)
+        cap = pool_capacity(T, K, E, 8)
         plan = routing_plan(idx, E, block_m, validate=False, capacity=cap)
         buf = torch.full((cap + 1, H), float("nan"), dtype=torch.bfloat16)
         _grouped._zero_padding_rows(buf, plan.expert_counts, plan.expert_offsets, T * K)
@@ -115,12 +114,12 @@ def test_pipeline_logic_on_cpu(recompute):
     """The pipeline's own logic (plan layout, gathers, SwiGLU and its backward, combine) through the
     ops' CPU kernels, so CI checks it without a GPU; the GPU tests above check the CUDA kernels."""
     from deep_gemm.mega import _grouped
-    from deep_gemm.mega._plan import pool_capacity
+    from deep_gemm.routing import pool_capacity
 
     T, E, H, I, K = 61, 8, 64, 32, 3
     clamp = None
     x, idx, w, w13, w2, dy = make_problem(T, H, I, E, K, routing="skewed", seed=3 + recompute, masked_frac=0.15)
-    cap = pool_capacity(T * K, E, 128)
+    cap = pool_capacity(T, K, E, 128)
     y, h, counts, offsets, src, srank, r2p = _grouped.forward(
         x, idx, w, w13, w2, activation_clamp=clamp, num_experts=E, block_m=128, capacity=cap, save_h=not recompute)
     assert src.shape == (cap,) and h.shape[0] == (0 if recompute else cap)

@@ -14,7 +14,7 @@ from conftest import requires_sm90
 from mega_helpers import make_problem, run_layer
 
 import deep_gemm.mega as mega
-from deep_gemm.mega import (MegaMoE, _backend, _fused, _grouped, _ops, bf16_mega_moe, bf16_mega_moe_backward,
+from deep_gemm.mega import (MegaMoE, _backend, _fused, _grouped, bf16_mega_moe, bf16_mega_moe_backward,
                             constants, get_symm_buffer_for_mega_moe, mega_moe, reference)
 
 E, H, I, K = 6, 32, 16, 3
@@ -224,7 +224,7 @@ def test_fused_op_reads_no_clamp_as_zero_and_gets_num_sms(monkeypatch, clamp, wa
     num_sms reaches the op as an int (0 = every SM)."""
     op = _FusedOp(monkeypatch)
     x, idx, w, w13, w2, _ = make_problem(7, H, I, E, K, seed=64)
-    cap = _ops._capacity(7, K, E, 1, 7, 128)
+    cap = _backend.capacity(7, K, E, 1, 7, 128)
     for sms in (0, 5):
         _fused.forward(x, idx, w, w13, w2, activation_clamp=clamp, num_experts=E, block_m=128, capacity=cap,
                        num_sms=sms)

@@ -139,19 +139,21 @@ def test_gradcheck_float64(clamp):
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
-def test_local_plan_matches_lead_routing_plan():
-    """If deep_gemm.routing exists, our plan use agrees with its reference on pool layout."""
-    routing = pytest.importorskip("deep_gemm.routing")
-    from deep_gemm.mega._plan import _plan_local
+def test_reference_plan_is_the_routing_plan_in_the_call_capacity():
+    """The reference backend's single-rank plan is deep_gemm.routing's, laid into the call's pool capacity
+    (rows past the plan's end are padding: source route and rank -1)."""
+    from deep_gemm import routing
+    from deep_gemm.mega._plan import build_plan
 
     _, idx, *_ = make_problem(77, 8, 8, 10, 3, routing="skewed", seed=13, masked_frac=0.2)
     p = routing.routing_plan_reference(idx, 10, 16)
-    counts, offsets, src, r2p = _plan_local(idx, 10, 16)
-    assert torch.equal(p.expert_counts.long(), counts)
-    assert torch.equal(p.expert_offsets.long(), offsets)
+    cap = routing.pool_capacity(77, 3, 10, 16) + 16
+    counts, offsets, src, srank, r2p = build_plan(idx, 10, 16, cap)
+    assert torch.equal(p.expert_counts, counts) and torch.equal(p.expert_offsets, offsets)
     n = int(offsets[-1])
-    assert torch.equal(p.pool_src_route[:n].long(), src)
-    assert torch.equal(p.route_to_pool.long().view(77, 3), r2p)
+    assert src.shape == (cap,) and torch.equal(p.pool_src_route[:n], src[:n]) and (src[n:] == -1).all()
+    assert torch.equal(srank, torch.where(src >= 0, 0, -1).int())
+    assert torch.equal(p.route_to_pool.view(77, 3), r2p)
 
 
 def test_saved_h_rounding_keeps_clamp_masks():

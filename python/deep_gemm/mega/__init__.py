@@ -1,19 +1,19 @@
 """Fused Mixture-of-Experts layer (``deep_gemm.mega``).
 
-High level: :func:`mega_moe` (autograd) and :class:`MegaMoE` (an ``nn.Module``). Low level,
-DeepGEMM-shaped: :func:`get_symm_buffer_for_mega_moe`, :func:`transform_weights_for_mega_moe`,
-:func:`bf16_mega_moe`, :func:`bf16_mega_moe_backward`, and the fp8 / fp8_bwd / mxfp8 names
-(which report through ``deep_gemm.status()`` why they cannot run yet).
+Layer API (:mod:`deep_gemm.mega.api`): :func:`mega_moe` (autograd) and :class:`MegaMoE` (an ``nn.Module``).
+DeepGEMM-shaped calls (:mod:`deep_gemm.mega.deepgemm_compat`): :func:`get_symm_buffer_for_mega_moe`,
+:func:`transform_weights_for_mega_moe`, :func:`bf16_mega_moe`, :func:`bf16_mega_moe_backward`, and the fp8 /
+fp8_bwd / mxfp8 names (which report through ``deep_gemm.status()`` why they cannot run yet).
 
-Semantics and every rounding point: :mod:`deep_gemm.mega.reference`. Backend selection:
-:mod:`deep_gemm.mega._backend`. Alignment constants: :mod:`deep_gemm.mega.constants`.
+Semantics and every rounding point: :mod:`deep_gemm.mega.reference`. Backend selection and the call path every
+entry point shares: :mod:`deep_gemm.mega._backend`. Alignment constants: :mod:`deep_gemm.mega.constants`.
 """
 
 from . import constants
 from ._backend import FusedKernelUnavailable, _fused_reason
-from ._plan import RoutingPlan
-from .api import (
-    MegaMoE,
+from ..routing import RoutingPlan
+from .api import MegaMoE, mega_moe
+from .deepgemm_compat import (
     MegaMoEState,
     bf16_mega_moe,
     bf16_mega_moe_backward,
@@ -24,7 +24,6 @@ from .api import (
     fp8_mega_moe_backward,
     fp8_mega_moe_weight_grads,
     interleave_l1,
-    mega_moe,
     mxfp8_mega_moe,
     mxfp8_mega_moe_backward,
     transform_weights_for_mega_moe,

@@ -1,4 +1,10 @@
-"""Backend selection: fused kernel, reference, or an error that says why.
+"""The one call path of ``deep_gemm.mega``: which backend runs a call, per direction, and running it.
+
+Every entry point (the custom ops behind :func:`~deep_gemm.mega.mega_moe` and :class:`~deep_gemm.mega.MegaMoE`,
+and the DeepGEMM-shaped ``bf16_mega_moe`` / ``bf16_mega_moe_backward``) validates its inputs at its own boundary,
+then calls :func:`resolve` for the direction it runs and :func:`forward` / :func:`backward` here, which call the
+backend modules: :mod:`deep_gemm.mega._fused` ("fused"), :mod:`deep_gemm.mega._grouped` ("grouped") and
+:mod:`deep_gemm.mega.reference` ("reference"). The pool capacity of a call is :func:`capacity`.
 
 Rules (the same for every entry point):
 
@@ -21,7 +27,11 @@ from __future__ import annotations
 import os
 import warnings
 
-from . import _validate
+import torch
+
+from . import _fused, _grouped, _validate, reference
+from ..routing import pool_capacity
+from ._validate import FusedKernelUnavailable
 from .constants import (ALLOW_FALLBACK_ENV, BACKENDS, FUSED_MAX_EXPERTS, GROUPED_MAX_EXPERTS, HIDDEN_ALIGN,
                         INTERMEDIATE_ALIGN, PRECISIONS)
 
@@ -40,10 +50,6 @@ KERNEL_NAMES = {
 
 _NOT_IMPLEMENTED = "not implemented yet"
 _warned: set = set()
-
-
-class FusedKernelUnavailable(RuntimeError):
-    """Raised when a fused kernel was asked for (or needed) and does not exist here."""
 
 
 def _status() -> dict:
@@ -68,8 +74,6 @@ _ARCH_BY_DEVICE: dict = {}
 def _device_arch() -> str:
     """"sm100" on a Blackwell current device, else "sm90" (also without any GPU)."""
     try:
-        import torch  # noqa: PLC0415
-
         if torch.cuda.is_available():
             dev = torch.cuda.current_device()
             arch = _ARCH_BY_DEVICE.get(dev)
@@ -108,7 +112,7 @@ def _fused_reason(precision: str, direction: str) -> str | None:
     return f"{name}: {reason}"
 
 
-GROUPED_KEY = "mega_moe_grouped.bf16.sm90"
+GROUPED_KEY = _grouped.STATUS_KEY
 
 
 def fused_experts_reason(num_local_experts: int | None) -> str | None:
@@ -262,3 +266,97 @@ def choose_backend(
             stacklevel=4,
         )
     return "reference", reason
+
+
+# ----------------------------------------------------------------------------------------------
+# The call path every entry point shares
+# ----------------------------------------------------------------------------------------------
+
+
+def resolve(direction: str, backend: str, precision: str, x, w13, *, ep_size: int = 1, activation_clamp=None,
+            block_m: int | None = None) -> str:
+    """The backend that runs this call's ``direction`` ("fwd" or "bwd"), or raise with the reason: the shape
+    arguments of :func:`resolve_backend` read from the (validated) tokens ``x [T, H]`` and ``w13 [El, 2I, H]``."""
+    return resolve_backend(backend, precision, direction, device_type=x.device.type, hidden=x.shape[1],
+                           intermediate=w13.shape[1] // 2, ep_size=ep_size, activation_clamp=activation_clamp,
+                           num_local_experts=w13.shape[0], block_m=block_m)
+
+
+def capacity(num_tokens, top_k: int, num_local_experts: int, ep_size: int, max_tokens_per_rank, block_m: int):
+    """Pool rows of a call (its plan tensors, h and the pooled rows have this many): the capacity of every route
+    that can reach this rank's experts, T*K on one rank and R * max_tokens_per_rank * K under expert parallelism.
+    A pure function of the shapes (SymInts included), so the fake kernels give the same sizes."""
+    tmax = num_tokens if ep_size == 1 else max_tokens_per_rank
+    return pool_capacity(ep_size * tmax, top_k, num_local_experts, block_m)
+
+
+def empty_forward(x, topk_idx, w13, capacity: int, save_h: bool, keep_pooled_x: bool):
+    """The forward's outputs for T = 0 on one rank: y [0, H], zero counts and offsets (every expert empty),
+    all-padding pool rows, and zero h / x_pool rows where they are kept (the shapes the fake gives). No backend
+    runs: the kernels take no empty operands."""
+    H = x.shape[1]
+    El, twoI = w13.shape[0], w13.shape[1]
+    i32 = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty((0, H)), x.new_zeros((capacity if save_h else 0, twoI)), torch.zeros((El,), **i32),
+            torch.zeros((El + 1,), **i32), torch.full((capacity,), -1, **i32), torch.full((capacity,), -1, **i32),
+            torch.empty((0, topk_idx.shape[1]), **i32), x.new_zeros((capacity if keep_pooled_x else 0, H)))
+
+
+def _gather_pool_rows(x, pool_src_route, top_k: int):
+    """x rows in pool order (zero rows for padding), for backends whose forward does not keep them."""
+    tok = _grouped._token_rows(pool_src_route, top_k)
+    return x.index_select(0, tok.clamp(min=0).long()).masked_fill_((tok < 0)[:, None], 0)
+
+
+def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, activation_clamp, group,
+            num_experts: int, ep_size: int, max_tokens_per_rank, block_m: int, save_h: bool, buffer=None,
+            keep_pooled_x: bool = False, num_sms: int = 0):
+    """Run the forward on backend ``which`` (from :func:`resolve`) with validated inputs. Returns (y, h,
+    expert_counts, expert_offsets, pool_src_route, pool_src_rank, route_to_pool, x_pool): x_pool holds the token
+    rows in pool order [capacity, H] with ``keep_pooled_x`` (the fused forward keeps its dispatched rows, the
+    other backends gather them), else [0, H]. T = 0 on one rank runs no backend (:func:`empty_forward`). The
+    expert ids are checked before this returns, and so before the caller touches any memory of its own."""
+    T, K = topk_idx.shape
+    cap = capacity(T, K, w13.shape[0], ep_size, max_tokens_per_rank, block_m)
+    if T == 0 and ep_size == 1:
+        return empty_forward(x, topk_idx, w13, cap, save_h, keep_pooled_x)
+    # raises in finish() (see its docstring); the kernel backends hand it their plan's count
+    ids = _validate.ExpertIdCheck(topk_idx, num_experts, which, from_plan=ep_size == 1)
+    kwargs = dict(activation_clamp=activation_clamp, group=group, num_experts=num_experts,
+                  max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, capacity=cap, save_h=save_h)
+    x_pool = None
+    with torch.no_grad():
+        if which == "fused":
+            out = _fused.forward(x, topk_idx, topk_weights, w13, w2, precision=precision, buffer=buffer,
+                                 keep_x_pool=keep_pooled_x, id_check=ids, num_sms=num_sms, **kwargs)
+            out, x_pool = out[:7], out[7]
+        elif which == "grouped":
+            out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=buffer, id_check=ids,
+                                   num_sms=num_sms, **kwargs)
+        else:
+            out = reference.forward(x, topk_idx, topk_weights, w13, w2, **kwargs)
+        if x_pool is None:
+            x_pool = _gather_pool_rows(x, out[4], K) if keep_pooled_x else x.new_empty((0, x.shape[1]))
+    ids.finish()
+    return tuple(out) + (x_pool,)
+
+
+def backward(which: str, dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
+             pool_src_rank, route_to_pool, *, precision: str, activation_clamp, group, num_experts: int,
+             recompute: bool, need_wgrad: bool, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None,
+             num_sms: int = 0):
+    """Run the backward on backend ``which`` (from :func:`resolve`) with validated inputs and the forward's plan.
+    Returns (dx, d topk_weights, dw13, dw2); a weight gradient is None where it was not asked for or was added
+    into its accumulation buffer. ``x_pool`` (the forward's pooled rows) is used when it covers the pool."""
+    args = (dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
+            pool_src_rank, route_to_pool)
+    kwargs = dict(activation_clamp=activation_clamp, group=group, num_experts=num_experts, recompute=recompute,
+                  need_wgrad=need_wgrad, dw13_accum=dw13_accum, dw2_accum=dw2_accum)
+    if x_pool is not None and x_pool.shape[0] == pool_src_route.shape[0] and x_pool.shape[0] > 0:
+        kwargs["x_pool"] = x_pool
+    with torch.no_grad():
+        if which == "fused":
+            return _fused.backward(*args, precision=precision, buffer=buffer, num_sms=num_sms, **kwargs)
+        if which == "grouped":
+            return _grouped.backward(*args, buffer=buffer, num_sms=num_sms, **kwargs)
+        return reference.backward(*args, **kwargs)

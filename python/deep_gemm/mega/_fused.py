@@ -14,15 +14,15 @@ pools it gathers itself). The dispatched pool rows are kept for the backward onl
 (``keep_pooled_x``: one more [capacity, H] buffer); otherwise L2's output overwrites them (lower peak memory)
 and the backward gathers x again.
 
-The fused backward is not written yet: ``deep_gemm.status()`` says so, and ``_backend`` never
-resolves "fused" for it.
+The fused backward is not written yet: ``deep_gemm.status()`` says so, and :mod:`deep_gemm.mega._backend`
+never resolves "fused" for it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._backend import FusedKernelUnavailable
+from ._validate import FusedKernelUnavailable
 from ..routing import routing_plan
 
 STATUS_KEY_FWD = "mega_moe.bf16.sm90"

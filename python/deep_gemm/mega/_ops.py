@@ -1,9 +1,9 @@
 """torch.library custom ops ``deep_gemm::mega_moe_fwd`` and ``deep_gemm::mega_moe_bwd``.
 
-Both are registered for every device through the same Python implementation, which validates,
-resolves the backend (fused kernel or reference, see :mod:`deep_gemm.mega._backend`) and runs it.
+Both are registered for every device through the same Python implementation, which validates and then
+resolves and runs the backend through :mod:`deep_gemm.mega._backend` (the call path every entry point shares).
 ``register_fake`` gives static output shapes (the pool is laid into a fixed capacity, see
-:func:`deep_gemm.mega._plan.pool_capacity`), and ``register_autograd`` joins the two ops.
+:func:`deep_gemm.mega._backend.capacity`), and ``register_autograd`` joins the two ops.
 
 The routing plan is an output of the forward op and is saved for the backward, which reuses it.
 When the caller passes fp32 weight-gradient accumulation buffers (``dw13_accum``/``dw2_accum``),
@@ -22,14 +22,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _backend, _fused, _grouped, _validate, reference
-from ._plan import pool_capacity
+from . import _backend, _validate, reference
 from .buffer import get_buffer
-
-
-def _capacity(T, K, El, ep_size, max_tokens_per_rank, block_m):
-    tmax = T if ep_size == 1 else max_tokens_per_rank
-    return pool_capacity(ep_size * tmax * K, El, block_m)
 
 
 def _check_forward_args(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, num_experts,
@@ -81,44 +75,12 @@ def mega_moe_fwd(
     (T, H, I, K, El, E), buffer = _check_forward_args(
         x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, num_experts, ep_size,
         max_tokens_per_rank, block_m, backend, buffer_id, num_sms)
-    which = _backend.resolve_backend(backend, precision, "fwd", device_type=x.device.type, hidden=H, intermediate=I,
-                                     ep_size=ep_size, activation_clamp=activation_clamp, num_local_experts=El,
-                                     block_m=block_m)
-    cap = _capacity(T, K, El, ep_size, max_tokens_per_rank, block_m)
-    if T == 0 and ep_size == 1:
-        return empty_forward(x, topk_idx, w13, cap, save_h, keep_pooled_x)
-    # raises before returning (see its docstring); the kernel backends hand it their plan's count
-    ids = _validate.ExpertIdCheck(topk_idx, E, which, from_plan=ep_size == 1)
-    kwargs = dict(activation_clamp=activation_clamp, group=reference.resolve_group(group_name), num_experts=E,
-                  max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, capacity=cap, save_h=save_h)
-    x_pool = None
-    if which == "fused":
-        out = _fused.forward(x, topk_idx, topk_weights, w13, w2, precision=precision, buffer=buffer,
-                             keep_x_pool=keep_pooled_x, id_check=ids, num_sms=num_sms, **kwargs)
-        out, x_pool = out[:7], out[7]
-    elif which == "grouped":
-        with torch.no_grad():
-            out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=buffer, id_check=ids,
-                                   num_sms=num_sms, **kwargs)
-    else:
-        with torch.no_grad():
-            out = reference.forward(x, topk_idx, topk_weights, w13, w2, **kwargs)
-    if x_pool is None:
-        with torch.no_grad():
-            x_pool = _gather_pool_rows(x, out[4], K) if keep_pooled_x else x.new_empty((0, H))
-    ids.finish()
-    return tuple(out) + (x_pool,)
-
-
-def empty_forward(x: Tensor, topk_idx: Tensor, w13: Tensor, capacity: int, save_h: bool, keep_pooled_x: bool):
-    """The forward op's outputs for T = 0 on one rank: y [0, H], zero counts and offsets (every expert empty),
-    all-padding pool rows, and zero h / x_pool rows where they are kept (the shapes the fake gives)."""
-    H = x.shape[1]
-    El, twoI = w13.shape[0], w13.shape[1]
-    i32 = dict(dtype=torch.int32, device=x.device)
-    return (x.new_empty((0, H)), x.new_zeros((capacity if save_h else 0, twoI)), torch.zeros((El,), **i32),
-            torch.zeros((El + 1,), **i32), torch.full((capacity,), -1, **i32), torch.full((capacity,), -1, **i32),
-            torch.empty((0, topk_idx.shape[1]), **i32), x.new_zeros((capacity if keep_pooled_x else 0, H)))
+    which = _backend.resolve("fwd", backend, precision, x, w13, ep_size=ep_size, activation_clamp=activation_clamp,
+                             block_m=block_m)
+    return _backend.forward(which, x, topk_idx, topk_weights, w13, w2, precision=precision,
+                            activation_clamp=activation_clamp, group=reference.resolve_group(group_name), num_experts=E,
+                            ep_size=ep_size, max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, save_h=save_h,
+                            buffer=buffer, keep_pooled_x=keep_pooled_x, num_sms=num_sms)
 
 
 def empty_backward(x: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, need_wgrad: bool, dw13_accum,
@@ -130,12 +92,6 @@ def empty_backward(x: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, nee
     return x.new_empty(x.shape), topk_weights.new_empty(topk_weights.shape), dw13, dw2
 
 
-def _gather_pool_rows(x: Tensor, pool_src_route: Tensor, top_k: int) -> Tensor:
-    """x rows in pool order (zero rows for padding), for backends whose forward does not keep them."""
-    tok = _grouped._token_rows(pool_src_route, top_k)
-    return x.index_select(0, tok.clamp(min=0).long()).masked_fill_((tok < 0)[:, None], 0)
-
-
 @mega_moe_fwd.register_fake
 def _(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, group_name, num_experts,
       ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id, keep_pooled_x=False, num_sms=0):
@@ -144,7 +100,7 @@ def _(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clam
     T, H = x.shape
     K = topk_idx.shape[1]
     El, twoI = w13.shape[0], w13.shape[1]
-    cap = _capacity(T, K, El, ep_size, max_tokens_per_rank, block_m)
+    cap = _backend.capacity(T, K, El, ep_size, max_tokens_per_rank, block_m)
     i32 = dict(dtype=torch.int32, device=x.device)
     return (
         x.new_empty((T, H)),
@@ -187,37 +143,25 @@ def mega_moe_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d topk_weights, dw13, dw2). ``x_pool`` (the forward's pooled token rows, when it kept
     them) spares the grouped backward its gather of x. dw13 (dw2) is an empty tensor when ``need_wgrad`` is False
-    or when it was added into ``dw13_accum`` (``dw2_accum``) instead. ``num_sms`` as in the forward op."""
+    or when it was added into ``dw13_accum`` (``dw2_accum``) instead. ``num_sms`` as in the forward op.
+
+    Every other input is one the forward op checked (its tensors, accumulation buffers and options) or the state
+    it returned, as autograd hands them over: only dy is checked here."""
     ep_size = 1
     group = reference.resolve_group(group_name)
     if group is not None:
         ep_size = torch.distributed.get_world_size(group)
-    T, H, I, K, El, E = _validate.check_inputs(
-        x, topk_idx, topk_weights, w13, w2, num_experts=None if num_experts < 0 else num_experts, ep_size=ep_size,
-        activation_clamp=activation_clamp, dy=dy)
-    _check_accum(dw13_accum, w13, "dw13_accum", x)
-    _check_accum(dw2_accum, w2, "dw2_accum", x)
-    num_sms = _validate.check_op_num_sms(num_sms)
-    _validate.check_exact_mode(x, backend)
-    which = _backend.resolve_backend(backend, precision, "bwd", device_type=x.device.type, hidden=H, intermediate=I,
-                                     ep_size=ep_size, activation_clamp=activation_clamp, num_local_experts=El)
+    _validate.check_dy(dy, x)
+    T = x.shape[0]
+    E = w13.shape[0] * ep_size if num_experts < 0 else num_experts
+    which = _backend.resolve("bwd", backend, precision, x, w13, ep_size=ep_size, activation_clamp=activation_clamp)
     if T == 0 and ep_size == 1:
         return empty_backward(x, topk_weights, w13, w2, need_wgrad, dw13_accum, dw2_accum)
-    kwargs = dict(activation_clamp=activation_clamp, group=group, num_experts=E, recompute=recompute,
-                  need_wgrad=need_wgrad, dw13_accum=dw13_accum, dw2_accum=dw2_accum)
-    if x_pool is not None and x_pool.shape[0] == pool_src_route.shape[0] and x_pool.shape[0] > 0:
-        kwargs["x_pool"] = x_pool
-    args = (dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
-            pool_src_rank, route_to_pool)
-    if which == "fused":
-        dx, dtopk, dw13, dw2 = _fused.backward(*args, precision=precision, buffer=get_buffer(buffer_id),
-                                               num_sms=num_sms, **kwargs)
-    elif which == "grouped":
-        with torch.no_grad():
-            dx, dtopk, dw13, dw2 = _grouped.backward(*args, buffer=get_buffer(buffer_id), num_sms=num_sms, **kwargs)
-    else:
-        with torch.no_grad():
-            dx, dtopk, dw13, dw2 = reference.backward(*args, **kwargs)
+    dx, dtopk, dw13, dw2 = _backend.backward(
+        which, dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
+        pool_src_rank, route_to_pool, precision=precision, activation_clamp=activation_clamp, group=group,
+        num_experts=E, recompute=recompute, need_wgrad=need_wgrad, dw13_accum=dw13_accum, dw2_accum=dw2_accum,
+        buffer=get_buffer(buffer_id), x_pool=x_pool, num_sms=num_sms)
     if dw13 is None:
         dw13 = w13.new_empty((0,))
     if dw2 is None:

@@ -16,6 +16,11 @@ from .constants import KERNEL_BLOCK_MS, MAX_BLOCK_M, SKIP_VALUE_CHECKS_ENV
 PREFIX = "deep_gemm.mega: "
 
 
+class FusedKernelUnavailable(RuntimeError):
+    """Raised when a kernel backend was asked for (or needed) and cannot run here; the message says why.
+    Defined with the argument checks so that the backend modules and the resolver that imports them share it."""
+
+
 def _fail(msg, exc=ValueError):
     raise exc(PREFIX + msg)
 
@@ -142,10 +147,7 @@ def check_inputs(
     if _shape(w2) != [El, H, I]:
         _fail(f"w2 must be [El, H, I] = {[El, H, I]} to match w13 {_shape(w13)}, got {_shape(w2)}")
     if dy is not None:
-        if dy.dtype != x.dtype:
-            _fail(f"dy must be {x.dtype}, got {dy.dtype}", TypeError)
-        if _shape(dy) != [T, H]:
-            _fail(f"dy must be [T, H] = {[T, H]}, got {_shape(dy)}")
+        _check_dy_shape(dy, x)
 
     names = [("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)]
     if dy is not None:
@@ -167,6 +169,28 @@ def check_inputs(
     if block_m is not None:
         check_block_m(block_m)
     return T, H, I, K, El, E
+
+
+def _check_dy_shape(dy, x):
+    if dy.dtype != x.dtype:
+        _fail(f"dy must be {x.dtype}, got {dy.dtype}", TypeError)
+    if _shape(dy) != _shape(x):
+        _fail(f"dy must be [T, H] = {_shape(x)}, got {_shape(dy)}")
+
+
+def check_dy(dy, x):
+    """The checks of a backward whose other inputs are its forward's, already checked by :func:`check_inputs`
+    when the forward ran (the backward op under autograd): dy like y (x's dtype, shape and device, contiguous),
+    after the report of a lost CUDA context (the forward's kernels may have been the ones that lost it)."""
+    if x.is_cuda:
+        _watchdog.check_device_errors()
+    check_tensor_types(dy=dy)
+    _check_dy_shape(dy, x)
+    if dy.device != x.device:
+        _fail(f"all tensors must be on one device, got {sorted({str(dy.device), str(x.device)})}; move them with "
+              f".to(device)")
+    if not dy.is_contiguous():
+        _fail(f"dy must be contiguous (shape {_shape(dy)}, strides {list(dy.stride())}); call .contiguous()")
 
 
 def check_exact_mode(x, backend):
