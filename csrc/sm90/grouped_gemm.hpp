@@ -4,7 +4,7 @@
 // with libcuda (the tensor-map encoder is fetched through cudaGetDriverEntryPointByVersion).
 //
 // Every function validates its arguments before touching the device and returns a status code
-// (0 = ok, 1 = invalid argument, 2 = not available on this device/build, 3 = CUDA error). On failure a
+// (status.hpp: 0 = ok, 1 = invalid argument, 2 = not available on this device/build, 3 = CUDA error). On failure a
 // message is written to err (NUL-terminated, truncated to err_len; err may be null). Nothing aborts or
 // prints. All launches are asynchronous on `stream`.
 //
@@ -20,22 +20,11 @@
 #include <cuda_runtime_api.h>
 
 #include "gemm_heuristics.hpp"
+#include "m_blocks.hpp"
+#include "status.hpp"
 
 namespace deep_gemm {
 namespace sm90 {
-
-// 128-row m-blocks (never across a group) that any grouping of m_total rows into num_groups groups can have:
-// the tile-list bound of the grouped kernels and the length of the fused forward's per-m-block counter arrays.
-inline int64_t max_m_blocks(int64_t m_total, int num_groups) {
-  return (m_total > 0 ? (m_total + 127) / 128 : 0) + (num_groups > 0 ? num_groups : 0);
-}
-
-enum GroupedGemmStatus : int {
-  kGemmOk = 0,
-  kGemmInvalidArgument = 1,
-  kGemmNotAvailable = 2,
-  kGemmCudaError = 3,
-};
 
 // m-grouped GEMM:  D[m, :] = A[m, :] @ B_g^T  for m in [group_offsets[g], group_offsets[g+1]).
 //

@@ -1,4 +1,4 @@
-// prime-kernels: host helpers shared by the sm90 launch files (errors, tensor maps, device checks).
+// prime-kernels: host helpers shared by the sm90 launch files (tensor maps, device checks; status.hpp has the errors).
 #pragma once
 
 #include <cuda.h>
@@ -11,27 +11,13 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "grouped_gemm.hpp"
+#include "status.hpp"
 
 namespace deep_gemm {
 namespace sm90 {
 namespace host {
 
 constexpr int64_t kMaxDim = (int64_t(1) << 31) - 1;
-
-inline int fail(int code, char* err, size_t err_len, const char* fmt, ...) {
-  if (err != nullptr && err_len > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, err_len, fmt, ap);
-    va_end(ap);
-  }
-  return code;
-}
-
-inline void clear_err(char* err, size_t err_len) {
-  if (err != nullptr && err_len > 0) err[0] = '\0';
-}
 
 // A kernel's L2 cache-hint bits: the environment variable `name` when set (development aid, read at every call,
 // for A/B timing; 0: no hints), else the kernel's default.
