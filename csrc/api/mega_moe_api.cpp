@@ -17,11 +17,31 @@ int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x
 #if PK_HAS_SM90_KERNELS
   if (const int rc = deep_gemm::api::check_device_findings("mega_moe_fwd_bf16"); rc != PK_OK) return rc;
   if (const int rc = deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kSm90); rc != PK_OK) return rc;
+  deep_gemm::sm90::MegaFwdArgs args;
+  args.x_ranks = x_ranks;
+  args.num_ranks = num_ranks;
+  args.ld_x = ld_x;
+  args.pool_src_route = pool_src_route;
+  args.pool_src_rank = pool_src_rank;
+  args.top_k = top_k;
+  args.expert_offsets = expert_offsets;
+  args.num_experts = num_experts;
+  args.m_total = m_total;
+  args.hidden = hidden;
+  args.inter = inter;
+  args.w13 = w13;
+  args.w2 = w2;
+  args.x_pool = x_pool;
+  args.s = s;
+  args.h = h;
+  args.o = o;
+  args.num_tokens = num_tokens;
+  args.route_to_pool = route_to_pool;
+  args.clamp = clamp;
+  args.counters = counters;
+  args.num_sms = num_sms;
   char message[512] = {0};
-  const int rc = deep_gemm::sm90::mega_moe_fwd_bf16(x_ranks, num_ranks, ld_x, pool_src_route, pool_src_rank, top_k,
-                                                    expert_offsets, num_experts, m_total, hidden, inter, w13, w2,
-                                                    x_pool, s, h, o, num_tokens, route_to_pool, clamp, counters,
-                                                    num_sms, static_cast<cudaStream_t>(cuda_stream), message,
+  const int rc = deep_gemm::sm90::mega_moe_fwd_bf16(args, static_cast<cudaStream_t>(cuda_stream), message,
                                                     sizeof(message));
   return deep_gemm::api::from_status(rc, message);
 #else

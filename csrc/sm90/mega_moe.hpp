@@ -1,6 +1,6 @@
 // prime-kernels: host launch function of the sm90a fused Mega MoE forward (BF16, csrc/sm90/mega_moe_fwd.cuh).
 //
-// Plain C++ over raw device pointers; same conventions as grouped_gemm.hpp (status codes, err message,
+// Plain C++ over raw device pointers; same conventions as grouped_gemm.hpp (status.hpp's codes, err message,
 // asynchronous on `stream`, everything validated before the device is touched).
 #pragma once
 
@@ -9,7 +9,8 @@
 
 #include <cuda_runtime_api.h>
 
-#include "grouped_gemm.hpp"
+#include "m_blocks.hpp"
+#include "status.hpp"
 
 namespace deep_gemm {
 namespace sm90 {
@@ -22,36 +23,58 @@ inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts) {
 }
 
 // One forward of the layer's routed experts over a routing plan (pool rows grouped by expert, no padding
-// needed):
-//   x_ranks      num_ranks (1..8) pointers to bf16 token rows [< 2^28, hidden], row stride ld_x (>= hidden, % 8)
-//   pool_src_route / pool_src_rank  device int32 [m_total]: token * top_k + k and source rank per pool row
-//                (pool_src_rank may be null: rank 0)
-//   expert_offsets device int32 [num_experts + 1] (1..512 experts), non-decreasing, last <= m_total
-//   w13          bf16 [num_experts, 2 * inter, hidden] contiguous (gate rows, then up rows)
-//   w2           bf16 [num_experts, hidden, inter] contiguous
-//   x_pool       bf16 [m_total, hidden] out: the dispatched rows (the backward's pooled x; zeros where
-//                pool_src_route < 0, e.g. a padded plan's padding rows, whose h, s and o rows are then zeros)
-//   s            bf16 [m_total, inter] out: silu(gate) * up
-//   h            bf16 [m_total, 2 * inter] out, or null: gate | up pre-activation
-//   o            bf16 [m_total, hidden] out: s @ w2^T per pool row (the combine's input). o may be x_pool itself
-//                (the rows of an m-block are overwritten only after every L1 tile of it has read them; the
-//                dispatched rows are then gone): the forward's peak memory drops by m_total * hidden * 2 bytes.
-//   num_tokens   rows of x (of every rank's x: each has at least this many); pool_src_route values must be
-//                < num_tokens * top_k: a larger one is not read (its row is dispatched as zeros) and is reported
-//                at the next call into the library (common/watchdog.hpp, input flags)
-//   route_to_pool device int32 [num_tokens * top_k] (pool row per route, < 0: none), or null. With one rank the
-//                dispatch walks the tokens through it for the pool rows past a split (each x row read once);
-//                a row it does not name consistently with pool_src_route is copied from pool_src_route.
-//   counters     device int32 [mega_moe_fwd_counter_count(m_total, num_experts)] scratch
-//   num_sms      CTAs to launch (one per SM), 0: every SM of the device. The result is the same at every value.
-//   hidden, inter multiples of 64; clamp >= 0 (0 = none). All pointers 16-byte aligned.
-// Rows of the outputs outside [0, expert_offsets[num_experts]) are not written; nothing is written when
-// expert_offsets is not a plan (reported like a bad route). The combine is a separate launch (common/combine.hpp).
-int mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
-                      const int32_t* pool_src_rank, int top_k, const int32_t* expert_offsets, int num_experts,
-                      int64_t m_total, int64_t hidden, int64_t inter, const void* w13, const void* w2, void* x_pool,
-                      void* s, void* h, void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
-                      int32_t* counters, int num_sms, cudaStream_t stream, char* err, size_t err_len);
+// needed). Host-side arguments of mega_moe_fwd_bf16, all required unless marked:
+struct MegaFwdArgs {
+  // num_ranks (1..8) pointers to bf16 token rows [< 2^28, hidden], row stride ld_x (>= hidden, % 8)
+  const void* const* x_ranks = nullptr;
+  int num_ranks = 0;
+  int64_t ld_x = 0;
+  // device int32 [m_total]: token * top_k + k and source rank per pool row (pool_src_rank may be null: rank 0)
+  const int32_t* pool_src_route = nullptr;
+  const int32_t* pool_src_rank = nullptr;
+  int top_k = 0;
+  // device int32 [num_experts + 1] (1..512 experts), non-decreasing, last <= m_total
+  const int32_t* expert_offsets = nullptr;
+  int num_experts = 0;
+  int64_t m_total = 0;
+  // multiples of 64
+  int64_t hidden = 0;
+  int64_t inter = 0;
+  // w13: bf16 [num_experts, 2 * inter, hidden] contiguous (gate rows, then up rows);
+  // w2: bf16 [num_experts, hidden, inter] contiguous
+  const void* w13 = nullptr;
+  const void* w2 = nullptr;
+  // bf16 [m_total, hidden] out: the dispatched rows (the backward's pooled x; zeros where pool_src_route < 0, e.g. a
+  // padded plan's padding rows, whose h, s and o rows are then zeros)
+  void* x_pool = nullptr;
+  // bf16 [m_total, inter] out: silu(gate) * up
+  void* s = nullptr;
+  // bf16 [m_total, 2 * inter] out, or null: gate | up pre-activation
+  void* h = nullptr;
+  // bf16 [m_total, hidden] out: s @ w2^T per pool row (the combine's input). o may be x_pool itself (the rows of an
+  // m-block are overwritten only after every L1 tile of it has read them; the dispatched rows are then gone): the
+  // forward's peak memory drops by m_total * hidden * 2 bytes.
+  void* o = nullptr;
+  // rows of x (of every rank's x: each has at least this many); pool_src_route values must be < num_tokens * top_k:
+  // a larger one is not read (its row is dispatched as zeros) and is reported at the next call into the library
+  // (common/watchdog.hpp, input flags)
+  int64_t num_tokens = 0;
+  // device int32 [num_tokens * top_k] (pool row per route, < 0: none), or null. With one rank the dispatch walks
+  // the tokens through it for the pool rows past a split (each x row read once); a row it does not name
+  // consistently with pool_src_route is copied from pool_src_route.
+  const int32_t* route_to_pool = nullptr;
+  // >= 0 (0 = none)
+  float clamp = 0.f;
+  // device int32 [mega_moe_fwd_counter_count(m_total, num_experts)] scratch
+  int32_t* counters = nullptr;
+  // CTAs to launch (one per SM), 0: every SM of the device. The result is the same at every value.
+  int num_sms = 0;
+};
+
+// All pointers 16-byte aligned. Rows of the outputs outside [0, expert_offsets[num_experts]) are not written; nothing
+// is written when expert_offsets is not a plan (reported like a bad route). The combine is a separate launch
+// (common/combine.hpp).
+int mega_moe_fwd_bf16(const MegaFwdArgs& args, cudaStream_t stream, char* err, size_t err_len);
 
 }  // namespace sm90
 }  // namespace deep_gemm

@@ -103,7 +103,7 @@ struct MegaFwdParams {
   // the dispatch (disp_split_row).
   const int32_t* route_to_pool;
   int32_t num_tokens;  // rows of x (every rank's x has at least this many); pool_src_route < num_tokens * top_k
-  // Epilogue hand-offs to the dispatch warps once this CTA's dispatch is done (kMegaFwdHandoff): bit 0: the L1
+  // Epilogue hand-offs to the dispatch warps once this CTA's dispatch is done (mega_moe_heuristics.hpp): bit 0: the L1
   // epilogue of a whole 128-row tile hands the bf16 gate | up tile over, and they compute s and issue the h and s
   // stores; bit 1: an L2 tile of 128 rows hands its bf16 o tile over, and they issue the o stores.
   int32_t handoff;
@@ -111,7 +111,7 @@ struct MegaFwdParams {
   // host sets it past the pool (every row in pool order) when route_to_pool is null or the rows come from several
   // ranks.
   int32_t disp_split_row;
-  // L2 cache hints (kMegaFwdL2Hints): bit 0, 1, 2: the h, s, o stores evict_first; bit 3: the w13 / w2 loads
+  // L2 cache hints (mega_moe_heuristics.hpp): bit 0, 1, 2: the h, s, o stores evict_first; bit 3: the w13 / w2 loads
   // evict_last. A clear bit: no hint.
   int32_t l2_hints;
   // The bound on every wait for another CTA's work (common/watchdog.cuh).
@@ -125,20 +125,6 @@ struct MegaFwdParams {
 // virtual warps of the token-major dispatch, 32-row blocks of its second pass.
 enum MegaFwdClaim : int { kClaimTask = 0, kClaimDispatchRun = 1, kClaimTokenWarp = 2, kClaimOrphanRows = 3 };
 constexpr int kMegaFwdNumClaims = 4;
-// Both hand-offs. The L2 one, measured on the H200: L2 epilogues -46%, consumer cycles -1.1% (30B) / -1.2%
-// (235B), layer forward -0.3 to -2% (docs/performance.md).
-constexpr int32_t kMegaFwdHandoff = 3;
-// MegaFwdParams::disp_split_row as a percentage of the pool at inter = 768, scaled by 768 / inter (mega_moe.cu),
-// and its floor. The token-major rows land near the end of the dispatch, so the L1 tiles must not reach them
-// sooner, and the tiles' time per dispatched row grows with inter. Measured on the H200: 30B (I = 768) stalls at
-// 25, gains at 35-50; 235B (I = 1536) stalls at 15, gains at 25-50 (the floor keeps a margin at T = 4096).
-constexpr int kMegaFwdDispatchSplitAt768 = 50;
-constexpr int kMegaFwdDispatchSplitMin = 35;
-// h, s, o stores evict-first (nothing in this kernel reads them back soon: s is read in the L2 phase, after the
-// whole L1 phase); w13 / w2 loads evict-last (16 m-blocks of a band read each B tile in turn, while the x_pool,
-// h, s and o streams would push it out between them). Measured on the H200: -2 to -4% in steady state at both
-// layer shapes.
-constexpr int32_t kMegaFwdL2Hints = 15;
 
 template <int kNumStages, int kDispatchSlots>
 struct MegaFwdLayout : StageRingLayout<128, 256, 64, kNumStages> {
