@@ -4,9 +4,8 @@ Forward: routing plan -> L1 as an m-grouped GEMM that gathers the token rows its
 SwiGLU in its epilogue -> L2 as an m-grouped GEMM -> the deterministic combine. Backward: gathers of
 the dy rows (and of x, unless the fused forward kept them) -> L2 dgrad with the SwiGLU backward in its
 epilogue (weights read MN-major, no transposed copy; d topk_weights partials per 128 columns, dh, w*s)
--> L1 dgrad -> combine for dX, and the weight gradients as k-grouped GEMMs. It is the stepping stone to
-the persistent fused kernels (issues 5 and 6): every stage is one of our kernels, but the stages meet
-in HBM.
+-> L1 dgrad -> combine for dX, and the weight gradients as k-grouped GEMMs. Every stage is one of our
+kernels, but the stages meet in HBM (the fused forward keeps its stages on chip).
 
 Rounding points: those of :mod:`deep_gemm.mega.reference`, except where a pipeline stage has to
 store a tensor between kernels:
@@ -92,7 +91,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
     K = topk_idx.shape[1]
     # The plan is padded to the caller's block_m like the fused forward's (one plan layout for both backends, as
     # the MegaMoEState's plan says): the GEMMs need no padding, but whole m-blocks are cheaper than ragged groups
-    # (partly filled tiles between full ones cost ~5% at the H200's power cap; bench/NOTES.md, sessions 18-19).
+    # (partly filled tiles between full ones cost ~5% at the H200's power cap).
     # Padding rows gather no token (a zero row), so their h, s and o rows are zeros.
     plan = routing_plan(topk_idx, num_experts, block_m, validate=False, capacity=capacity)
     if id_check is not None:
@@ -122,12 +121,12 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     tok = _token_rows(pool_src_route, K) if recompute else None
     h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity, num_sms=sms) if recompute else h_saved
     # B1 (gather), then B2-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn
-    # GEMM plus the pool-row kernel at 30B, T=16384 on the H200; bench/NOTES.md). (activation_clamp is None here:
+    # GEMM plus the pool-row kernel at 30B, T=16384 on the H200). (activation_clamp is None here:
     # the grouped backend refuses a clamp, see _backend._grouped_reason.)
     weights = topk_weights.float().contiguous()
     dy = _rows_for_kernels(dy.to(torch.bfloat16))
     # B1, token-major: each dy row read once (an index_select by pool row re-read rows from HBM: 0.26 vs
-    # 0.17 ms at 30B, T=16384; bench/NOTES.md, session 11). A padded plan's padding rows are zeroed.
+    # 0.17 ms at 30B, T=16384 on the H200). A padded plan's padding rows are zeroed.
     dy_pool = _gathered_pool(dy, route_to_pool, counts, offsets, capacity)
     dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route, weights,
                                                     clamp=activation_clamp, num_sms=sms)
