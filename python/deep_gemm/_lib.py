@@ -95,12 +95,3 @@ def compiled_kernels() -> frozenset[tuple[str, str]]:
         return frozenset()
     pairs = (p.split(":") for p in res.core.pk_compiled_kernels().decode().split(",") if p)
     return frozenset((k, a) for k, a in pairs)
-
-
-def pool_capacity(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> int:
-    """Pool rows a routing plan needs at most (the core's formula; pure Python when it is absent)."""
-    res = load()
-    if res.core is not None:
-        return int(res.core.pk_routing_plan_pool_capacity(num_tokens, top_k, num_experts, block_m))
-    rows = num_tokens * top_k + num_experts * (block_m - 1)
-    return (rows + block_m - 1) // block_m * block_m
