@@ -950,14 +950,15 @@ def attempt(label, fn):
         texts.append(f"{label}: {type(exc).__name__}: {exc}")
 if {set_timeout}:
     deep_gemm.set_wait_timeout(1.0)
+# the next call's inputs exist before the context is lost (creating a tensor afterwards fails in torch itself)
+idx = torch.zeros(4, 2, dtype=torch.int64, device="cuda")
+torch.cuda.synchronize()
 attempt("probe", lambda: deep_gemm._watchdog._wait_timeout_probe(1.0))
 time.sleep(3.0)
 if {sync}:
     attempt("synchronize", torch.cuda.synchronize)
-def next_op():
-    idx = torch.zeros(4, 2, dtype=torch.int64, device="cuda")
-    deep_gemm.routing_plan(idx, num_experts=4, block_m=128)
-attempt("next deep_gemm op", next_op)
+attempt("next deep_gemm op", lambda: deep_gemm.routing_plan(idx, num_experts=4, block_m=128))
+attempt("check_device_errors", deep_gemm.check_device_errors)
 print("\n".join(texts), file=sys.stderr, flush=True)
 """
 
