@@ -21,47 +21,6 @@ constexpr int kStageBytesPerWg = 64 * kStagePitchBytes;
 constexpr int kSyncStageStride = 10240;
 static_assert(kSyncStageStride >= kStageBytesPerWg && kSyncStageStride % 1024 == 0, "sync staging stride");
 
-// Writes the 64 x kBlockN fp32 accumulator fragment of one consumer warpgroup (wgmma m64nN layout) as
-// bf16 to global memory, through a 64-column shared-memory staging tile, with 16-byte coalesced stores.
-// Rows >= row_limit and columns >= col_limit are not written.
-//   out:        pointer to element (row 0, col 0) of the output matrix, row stride ldo elements.
-//   row0/col0:  first row/column of this warpgroup's 64 x kBlockN block.
-template <int kBlockN>
-__device__ __forceinline__ void store_acc_bf16_staged(const float (&acc)[kBlockN / 2], uint32_t stage_addr,
-                                                      uint32_t bar_id, int wg_tid, __nv_bfloat16* out,
-                                                      int64_t ldo, int row0, int row_limit, int col0,
-                                                      int col_limit) {
-  const int warp_in_wg = wg_tid >> 5;
-  const int lane = wg_tid & 31;
-  const int frag_row = warp_in_wg * 16 + (lane >> 2);
-  const int frag_col = (lane & 3) * 2;
-#pragma unroll
-  for (int c = 0; c < kBlockN / 64; ++c) {
-    if (col0 + c * 64 >= col_limit) break;  // uniform across the warpgroup
-    ptx::named_bar_sync(bar_id, 128);       // earlier reads of the staging tile are done
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const int j = c * 8 + jj;
-      const uint32_t a0 = stage_addr + frag_row * kStagePitchBytes + (jj * 8 + frag_col) * 2;
-      ptx::st_shared_b32(a0, ptx::pack_bf16x2(acc[4 * j + 0], acc[4 * j + 1]));
-      ptx::st_shared_b32(a0 + 8 * kStagePitchBytes, ptx::pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]));
-    }
-    ptx::named_bar_sync(bar_id, 128);
-#pragma unroll
-    for (int it = 0; it < 4; ++it) {
-      const int idx = it * 128 + wg_tid;
-      const int r = idx >> 3;
-      const int ch = idx & 7;
-      const int grow = row0 + r;
-      const int gcol = col0 + c * 64 + ch * 8;
-      if (grow < row_limit && gcol < col_limit) {
-        const uint4 v = ptx::ld_shared_v4(stage_addr + r * kStagePitchBytes + ch * 16);
-        *reinterpret_cast<uint4*>(out + static_cast<int64_t>(grow) * ldo + gcol) = v;
-      }
-    }
-  }
-}
-
 // ---- asynchronous epilogue: TMA stores from a 128B-swizzled staging tile ---------------------------
 // Each consumer warpgroup owns a 64-row half of a full-tile staging buffer, laid out as kBlockN / 64 boxes
 // of 64 rows x 64 columns (8 KB each, 128-byte rows, 16-byte chunks XOR-swizzled by row % 8: the layout a

@@ -7,8 +7,10 @@
 namespace deep_gemm {
 namespace sm90 {
 
-// One kernel instantiation. block_m and block_k are fixed at 128 and 64 today; block_n and num_stages pick
-// the instantiation. num_sms = 0 means "all multiprocessors of the device".
+// One kernel instantiation. block_m and block_k are fixed at 128 and 64 today; block_n, num_stages and
+// async_epilogue pick the instantiation. num_sms = 0 means "all multiprocessors of the device". Every kernel runs
+// one CTA per tile (2-CTA clusters multicasting B measured 1-4% slower, docs/performance.md) and gathers rows of A
+// by cp.async (per-row TMA boxes measured 1.4x slower, docs/performance.md).
 struct GroupedGemmConfig {
   int block_m = 128;
   int block_n = 256;
@@ -19,17 +21,11 @@ struct GroupedGemmConfig {
   // 1: asynchronous epilogue: consumers drop the tile into a full-tile staging buffer and move on, 3 store
   //    warps of the producer warpgroup write it out (bf16 outputs only; costs one pipeline stage of smem).
   int async_epilogue = 0;
-  // m-grouped only: 1, or 2 = clusters of two CTAs on adjacent m-blocks that multicast the shared B tile.
-  int cluster_m = 1;
-  // Gathered A only: 0 = default (gather_mode_default()), 1 = cp.async rows, 2 = one 2-D TMA box per row,
-  // 3 = cp.async rows plus an L2 prefetch of each row gather_prefetch_kblocks_default() k-blocks ahead,
-  // 4 / 5 / 6 = hybrid: the rows of 1 / 2 / 3 of the 4 gathering warps by TMA boxes, the rest by cp.async.
-  int gather_mode = 0;
 };
 
 // L2 cache-hint bits of the grouped GEMMs (bit 0: output stores evict_first; bit 3: the reused operand loads
 // evict_last; a clear bit: no hint). Measured on the H200, layer forward + backward steady state, 4 rounds
-// (bench/NOTES.md): the m-grouped GEMMs and the L2 dgrad + SwiGLU backward with 9 (weight loads evict_last: every
+// (docs/performance.md): the m-grouped GEMMs and the L2 dgrad + SwiGLU backward with 9 (weight loads evict_last: every
 // m-block of a band reads each B tile in turn; output stores evict_first: a later kernel reads them only after far
 // more than L2 holds has streamed through) against 0: 30B 7.48-7.53 -> 7.42-7.43 ms, 235B 27.56-27.58 ->
 // 26.99-27.04 ms. The k-grouped GEMM with 8 (A and B loads evict_last: every tile of an expert re-reads its rows)
@@ -48,26 +44,19 @@ inline GroupedGemmConfig swiglu_gemm_config() {
   return c;
 }
 
-// Measured on H200 (bench/NOTES.md, GEMM core v6, 30B/235B l1_fwd): cp.async rows (1) were the fastest mode;
-// per-row TMA boxes (2) 1.4x slower, the hybrids (4-6) 1.25-1.4x slower, the L2 prefetch (3) 4-6% slower.
-inline int gather_mode_default() { return 1; }
-inline int gather_prefetch_kblocks_default() { return 4; }
-
-// Instantiated (block_n, num_stages, async_epilogue): (128, 6, 0), (256, 4, 0), (128, 5, 1), (256, 3, 1).
+// Instantiated (block_n, num_stages, async_epilogue): (128, 5, 1), (256, 3, 1) for bf16 outputs; (128, 6, 0),
+// (256, 4, 0) for the k-grouped kernel's fp32 outputs only.
 inline bool grouped_gemm_config_supported(const GroupedGemmConfig& c) {
   if (c.block_m != 128 || c.block_k != 64 || c.num_sms < 0) return false;
-  if (c.cluster_m != 1 && c.cluster_m != 2) return false;
-  if (c.gather_mode < 0 || c.gather_mode > 6) return false;
   if (c.async_epilogue == 0) return (c.block_n == 128 && c.num_stages == 6) || (c.block_n == 256 && c.num_stages == 4);
   if (c.async_epilogue == 1) return (c.block_n == 128 && c.num_stages == 5) || (c.block_n == 256 && c.num_stages == 3);
   return false;
 }
 
-// Shared rule for both kernels. Measured on H200 (bench/NOTES.md, issue 3): 128x256 tiles beat 128x128 at
-// every MoE shape (they halve the shared-memory operand traffic per FLOP against 128x128), and the
-// asynchronous epilogue with 3 stages beats the synchronous one with 4 on 20 of 24 passes; clusters of two
-// with B multicast measured 1-4% slower, so they stay off. Narrow or ragged N (a last column block more
-// than a quarter empty) falls back to 128-wide tiles.
+// Shared rule for both kernels. Measured on H200 (docs/performance.md): 128x256 tiles beat 128x128 at every MoE
+// shape (they halve the shared-memory operand traffic per FLOP against 128x128), and the asynchronous epilogue
+// with 3 stages beats the synchronous one with 4 (20 of 24 passes). Narrow or ragged N (a last column block
+// more than a quarter empty) falls back to 128-wide tiles.
 inline GroupedGemmConfig grouped_gemm_config_for_n(int64_t n, bool bf16_out) {
   GroupedGemmConfig c;
   const int64_t waste256 = (256 - n % 256) % 256;
@@ -75,7 +64,6 @@ inline GroupedGemmConfig grouped_gemm_config_for_n(int64_t n, bool bf16_out) {
   c.block_n = wide ? 256 : 128;
   c.async_epilogue = bf16_out ? 1 : 0;
   c.num_stages = wide ? (bf16_out ? 3 : 4) : (bf16_out ? 5 : 6);
-  c.cluster_m = 1;
   return c;
 }
 
@@ -88,10 +76,8 @@ inline GroupedGemmConfig m_grouped_gemm_config(int64_t m_total, int64_t n, int64
 }
 
 // k-grouped: C_e[M, N] = A_e^T @ B_e with K_e = rows of expert e. c_is_bf16 = false (fp32 store/accumulate)
-// only has the synchronous epilogue.
-// v6: bf16 weight gradients keep the asynchronous 3-stage config. (One run before the v6 descriptor change had
-// the 4-stage synchronous config, epilogue a TMA-store ring, 1-3% ahead at the 30B shape; with the final
-// kernels the asynchronous one led on 7 of 8 wgrad passes, by 2-5% at 235B. bench/NOTES.md, v6.)
+// only has the synchronous epilogue. bf16 weight gradients take the asynchronous 3-stage config: it led the
+// 4-stage synchronous one on 7 of 8 wgrad passes, by 2-5% at 235B (docs/performance.md).
 inline GroupedGemmConfig k_grouped_gemm_config(int64_t m, int64_t n, int64_t p_total, int num_groups,
                                                bool c_is_bf16) {
   (void)m;

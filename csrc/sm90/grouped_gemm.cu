@@ -19,18 +19,16 @@ using namespace host;
 
 namespace {
 
-template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2, bool kGatherA,
-          bool kSwiGLU = false, bool kGatherTma = false>
+template <int kBlockN, int kNumStages, bool kBKMajor, bool kGatherA, bool kSwiGLU = false>
 int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& md, const MGroupedParams& p,
                      int64_t max_units,
                      int sms, cudaStream_t stream, char* err, size_t err_len) {
-  constexpr auto kernel =
-      &m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kAsyncEpi, kCluster2, kGatherA, kSwiGLU, kGatherTma>;
-  constexpr int smem = MGroupedLayout<kBlockN, kNumStages, kAsyncEpi>::kSmemBytes;
+  constexpr auto kernel = &m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kGatherA, kSwiGLU>;
+  constexpr int smem = MGroupedLayout<kBlockN, kNumStages>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-  e = launch_persistent<kernel, kCluster2>(kNumThreads, smem, max_units, sms, stream, ma, mb, md, p);
+  e = launch_persistent<kernel>(kNumThreads, smem, max_units, sms, stream, ma, mb, md, p);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "m_grouped_bf16_gemm launch: %s", cudaGetErrorString(e));
   return check_launch("m_grouped_bf16_gemm", err, err_len);
@@ -103,11 +101,11 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
                   (long long)b_group_stride, (long long)(outer * ldb));
   }
   GroupedGemmConfig cfg = config ? *config : m_grouped_gemm_config(m_total, n, k, num_groups);
-  if (!grouped_gemm_config_supported(cfg))
-    return fail(kGemmInvalidArgument, err, err_len, "%s: unsupported config block_m=%d block_n=%d block_k=%d stages=%d",
-                fn, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages);
-  if (gather && cfg.cluster_m != 1)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: gathered A needs cluster_m = 1", fn);
+  if (!grouped_gemm_config_supported(cfg) || cfg.async_epilogue != 1)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: unsupported config block_m=%d block_n=%d block_k=%d stages=%d async_epilogue=%d (built: block_n "
+                "256 / 3 stages or 128 / 5 stages, asynchronous epilogue)",
+                fn, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.async_epilogue);
   int sms = 0;
   if (int r = device_sms(&sms, err, err_len)) return r;
   if (cfg.num_sms > 0 && cfg.num_sms < sms) sms = cfg.num_sms;
@@ -117,16 +115,8 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
   const void* b_ptr = k > 0 ? b : d;
   const int64_t kk = k > 0 ? k : 64;
   const int64_t lda_ = k > 0 ? lda : 64;
-  const int gmode = cfg.gather_mode == 0 ? gather_mode_default() : cfg.gather_mode;
-  const bool gather_tma = gather && k > 0 && (gmode == 2 || gmode >= 4);
   CUtensorMap ma, mb;
-  if (gather_tma) {
-    // one row per box; rows outside [0, a_rows) (invalid indices) are out of the map: zero fill
-    const uint64_t dims[2] = {(uint64_t)kk, (uint64_t)a_rows};
-    const uint64_t strides[1] = {(uint64_t)lda_ * 2};
-    const uint32_t box[2] = {64, 1};
-    if (int r = make_map(&ma, a_ptr, 2, dims, strides, box, err, err_len)) return r;
-  } else if (!gather) {
+  if (!gather) {
     const uint64_t dims[2] = {(uint64_t)kk, (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)lda_ * 2};
     const uint32_t box[2] = {64, 128};
@@ -138,7 +128,7 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
     if (b_k_major) {
       const uint64_t dims[3] = {(uint64_t)kk, (uint64_t)n, (uint64_t)num_groups};
       const uint64_t strides[2] = {(uint64_t)ldb_ * 2, (uint64_t)gs * 2};
-      const uint32_t box[3] = {64, (uint32_t)(cfg.cluster_m == 2 ? cfg.block_n / 2 : cfg.block_n), 1};
+      const uint32_t box[3] = {64, (uint32_t)cfg.block_n, 1};
       if (int r = make_map(&mb, b_ptr, 3, dims, strides, box, err, err_len)) return r;
     } else {
       const int64_t ldb_mn = k > 0 ? ldb : n;
@@ -149,7 +139,7 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
       if (int r = make_map(&mb, b_ptr, 3, dims, strides, box, err, err_len)) return r;
     }
   }
-  if (gather && !gather_tma) ma = mb;  // unused by the cp.async gathering kernel
+  if (gather) ma = mb;  // unused by the cp.async gathering kernel
   CUtensorMap md = mb;    // output map: 64 x 64 boxes, clipped at [m_total, n]
   {
     const uint64_t dims[2] = {(uint64_t)n, (uint64_t)m_total};
@@ -164,8 +154,6 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
   p.lda = lda_;
   p.a_row_index = a_row_index;
   p.a_rows = (int32_t)(gather ? a_rows : 0);
-  p.a_prefetch_kblocks = (gather && gmode == 3) ? gather_prefetch_kblocks_default() : 0;
-  p.gather_tma_warps = gmode == 2 ? 4 : (gmode >= 4 ? gmode - 3 : 0);
   p.d = reinterpret_cast<__nv_bfloat16*>(d);
   p.ldd = ldd;
   p.group_offsets = group_offsets;
@@ -177,33 +165,19 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
   p.lds = 0;
   p.clamp = 0.f;
   const int64_t n_blocks = (n + cfg.block_n - 1) / cfg.block_n;
-  const int64_t max_mblocks = max_m_blocks(m_total, num_groups);
-  const int64_t max_units = (cfg.cluster_m == 2 ? (max_mblocks + 1) / 2 : max_mblocks) * n_blocks;
-#define PK_M_LAUNCH2(BN, ST, ASYNC, CL, GA)                                                                    \
-  return b_k_major ? launch_m_grouped<BN, ST, true, ASYNC, CL, GA>(ma, mb, md, p, max_units, sms, stream, err, err_len) \
-                   : launch_m_grouped<BN, ST, false, ASYNC, CL, GA>(ma, mb, md, p, max_units, sms, stream, err, err_len)
-#define PK_M_LAUNCH_GT(BN, ST, ASYNC)                                                                                 \
-  return b_k_major                                                                                                 \
-             ? launch_m_grouped<BN, ST, true, ASYNC, false, true, false, true>(ma, mb, md, p, max_units, sms, stream, \
-                                                                              err, err_len)                        \
-             : launch_m_grouped<BN, ST, false, ASYNC, false, true, false, true>(ma, mb, md, p, max_units, sms, stream, \
-                                                                               err, err_len)
-#define PK_M_LAUNCH(BN, ST, ASYNC)                                 \
-  do {                                                             \
-    if (gather_tma) PK_M_LAUNCH_GT(BN, ST, ASYNC);                 \
-    if (gather) PK_M_LAUNCH2(BN, ST, ASYNC, false, true);          \
-    if (cfg.cluster_m == 2) PK_M_LAUNCH2(BN, ST, ASYNC, true, false); \
-    PK_M_LAUNCH2(BN, ST, ASYNC, false, false);                     \
+  const int64_t max_units = max_m_blocks(m_total, num_groups) * n_blocks;
+#define PK_M_LAUNCH2(BN, ST, GA)                                                                                 \
+  return b_k_major ? launch_m_grouped<BN, ST, true, GA>(ma, mb, md, p, max_units, sms, stream, err, err_len) \
+                   : launch_m_grouped<BN, ST, false, GA>(ma, mb, md, p, max_units, sms, stream, err, err_len)
+#define PK_M_LAUNCH(BN, ST)                 \
+  do {                                      \
+    if (gather) PK_M_LAUNCH2(BN, ST, true); \
+    PK_M_LAUNCH2(BN, ST, false);            \
   } while (0)
-  if (cfg.async_epilogue) {
-    if (cfg.block_n == 256) PK_M_LAUNCH(256, 3, true);
-    PK_M_LAUNCH(128, 5, true);
-  }
-  if (cfg.block_n == 256) PK_M_LAUNCH(256, 4, false);
-  PK_M_LAUNCH(128, 6, false);
+  if (cfg.block_n == 256) PK_M_LAUNCH(256, 3);
+  PK_M_LAUNCH(128, 5);
 #undef PK_M_LAUNCH
 #undef PK_M_LAUNCH2
-#undef PK_M_LAUNCH_GT
 }
 }  // namespace
 
@@ -263,18 +237,14 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
     return fail(kGemmInvalidArgument, err, err_len, "%s: b_group_stride = %lld, must be >= 2I * ldb, multiple of 8",
                 fn, (long long)b_group_stride);
   const GroupedGemmConfig cfg = config ? *config : swiglu_gemm_config();
-  if (cfg.block_m != 128 || cfg.block_k != 64 || cfg.cluster_m != 1 || cfg.async_epilogue != 1 ||
+  if (cfg.block_m != 128 || cfg.block_k != 64 || cfg.async_epilogue != 1 ||
       !((cfg.block_n == 256 && cfg.num_stages == 3) || (cfg.block_n == 128 && cfg.num_stages == 5)))
     return fail(kGemmInvalidArgument, err, err_len,
-                "%s: config must be block_n 256 / 3 stages or 128 / 5 stages, async epilogue, cluster_m 1", fn);
+                "%s: config must be block_n 256 / 3 stages or 128 / 5 stages, asynchronous epilogue", fn);
   int sms = 0;
   if (int r = device_sms(&sms, err, err_len)) return r;
   if (cfg.num_sms > 0 && cfg.num_sms < sms) sms = cfg.num_sms;
 
-  const int gmode = cfg.gather_mode == 0 ? gather_mode_default() : cfg.gather_mode;
-  const bool gather_tma = gather && (gmode == 2 || gmode >= 4);
-  if (cfg.gather_mode < 0 || cfg.gather_mode > 6)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: gather_mode must be 0..6", fn);
   CUtensorMap ma, mb, md;
   {
     const int64_t gs = num_groups > 1 ? b_group_stride : 2 * I * ldb;
@@ -283,13 +253,13 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
     const uint32_t box[3] = {64, (uint32_t)(cfg.block_n / 2), 1};
     if (int r = make_map(&mb, w13, 3, dims, strides, box, err, err_len)) return r;
   }
-  if (!gather || gather_tma) {
-    const uint64_t dims[2] = {(uint64_t)k, (uint64_t)(gather ? a_rows : m_total)};
+  if (!gather) {
+    const uint64_t dims[2] = {(uint64_t)k, (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)lda * 2};
-    const uint32_t box[2] = {64, gather ? 1u : 128u};
+    const uint32_t box[2] = {64, 128};
     if (int r = make_map(&ma, a, 2, dims, strides, box, err, err_len)) return r;
   } else {
-    ma = mb;
+    ma = mb;  // unused by the cp.async gathering kernel
   }
   md = mb;
   if (h != nullptr) {
@@ -305,8 +275,6 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
   p.lda = lda;
   p.a_row_index = a_row_index;
   p.a_rows = (int32_t)(gather ? a_rows : 0);
-  p.a_prefetch_kblocks = (gather && gmode == 3) ? gather_prefetch_kblocks_default() : 0;
-  p.gather_tma_warps = gmode == 2 ? 4 : (gmode >= 4 ? gmode - 3 : 0);
   p.d = reinterpret_cast<__nv_bfloat16*>(h);
   p.ldd = h != nullptr ? ldh : 0;
   p.group_offsets = group_offsets;
@@ -320,19 +288,11 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
   const int64_t n_blocks = (I + cfg.block_n / 2 - 1) / (cfg.block_n / 2);
   const int64_t max_units = max_m_blocks(m_total, num_groups) * n_blocks;
   if (cfg.block_n == 256) {
-    if (gather_tma)
-      return launch_m_grouped<256, 3, true, true, false, true, true, true>(ma, mb, md, p, max_units, sms, stream, err,
-                                                                          err_len);
-    if (gather)
-      return launch_m_grouped<256, 3, true, true, false, true, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
-    return launch_m_grouped<256, 3, true, true, false, false, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
+    if (gather) return launch_m_grouped<256, 3, true, true, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
+    return launch_m_grouped<256, 3, true, false, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
   }
-  if (gather_tma)
-    return launch_m_grouped<128, 5, true, true, false, true, true, true>(ma, mb, md, p, max_units, sms, stream, err,
-                                                                        err_len);
-  if (gather)
-    return launch_m_grouped<128, 5, true, true, false, true, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
-  return launch_m_grouped<128, 5, true, true, false, false, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
+  if (gather) return launch_m_grouped<128, 5, true, true, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
+  return launch_m_grouped<128, 5, true, false, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
 }
 
 int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb, int64_t b_group_stride,
@@ -430,7 +390,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
   constexpr int smem = SwigluBwdPPLayout<kStages>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e == cudaSuccess)
-    e = launch_persistent<kernel, false>(kNumThreads, smem, tiles, sms, stream, ma, mb, mh, mdh, maw, p);
+    e = launch_persistent<kernel>(kNumThreads, smem, tiles, sms, stream, ma, mb, mh, mdh, maw, p);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
   return check_launch(fn, err, err_len);
 }
@@ -471,10 +431,10 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
                 "%s: lda = %lld, ldb = %lld must be >= m, n and multiples of 8", fn, (long long)lda,
                 (long long)ldb);
   GroupedGemmConfig cfg = config ? *config : k_grouped_gemm_config(m, n, p_total, num_groups, c_is_bf16);
-  if (cfg.cluster_m != 1)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: clusters are not implemented for the k-grouped kernel", fn);
-  if (cfg.async_epilogue && !c_is_bf16)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: the asynchronous epilogue needs a bf16 output", fn);
+  if ((cfg.async_epilogue != 0) != c_is_bf16)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: async_epilogue = %d: a bf16 output is built with the asynchronous epilogue only, an fp32 one with "
+                "the synchronous one only", fn, cfg.async_epilogue);
   if (!grouped_gemm_config_supported(cfg))
     return fail(kGemmInvalidArgument, err, err_len, "%s: unsupported config block_m=%d block_n=%d block_k=%d stages=%d",
                 fn, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages);
@@ -521,11 +481,9 @@ int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, 
     PK_K_LAUNCH(128, 5, kOutBf16Store, true);
   }
   if (cfg.block_n == 256) {
-    if (out == kOutBf16Store) PK_K_LAUNCH(256, 4, kOutBf16Store, false);
     if (out == kOutF32Store) PK_K_LAUNCH(256, 4, kOutF32Store, false);
     PK_K_LAUNCH(256, 4, kOutF32Accumulate, false);
   }
-  if (out == kOutBf16Store) PK_K_LAUNCH(128, 6, kOutBf16Store, false);
   if (out == kOutF32Store) PK_K_LAUNCH(128, 6, kOutF32Store, false);
   PK_K_LAUNCH(128, 6, kOutF32Accumulate, false);
 #undef PK_K_LAUNCH

@@ -39,7 +39,7 @@ namespace sm90 {
 //           allowed. Offsets that break this make the kernel write nothing (a device-check finding).
 //   n, k    multiples of 8 (TMA row pitch); n >= 8, k >= 0 (k == 0 writes zeros to the group rows).
 //   1 <= num_groups <= 1024.
-//   config  null = gemm_heuristics' choice; else an instantiated (block_n, num_stages) pair.
+//   config  null = gemm_heuristics' choice; else an instantiated (block_n, num_stages) pair with async_epilogue 1.
 int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_major, int64_t ldb,
                         int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
                         int num_groups, int64_t m_total, int64_t n, int64_t k,
@@ -50,8 +50,7 @@ int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_majo
 //   a            bf16 [a_rows, k], row stride lda (>= k, % 8 == 0), 16-byte aligned.
 //   a_row_index  device int32 [m_total]; -1 reads a zero row; another index outside [0, a_rows) also reads a zero
 //                row and is a device-check finding.
-//   Everything else as m_grouped_bf16_gemm (config->cluster_m must be 1; config->gather_mode picks how the rows
-//   are copied, see gemm_heuristics.hpp).
+//   Everything else as m_grouped_bf16_gemm (the rows are copied by cp.async, see m_grouped_gemm.cuh).
 int m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
                                  const void* b, bool b_k_major, int64_t ldb, int64_t b_group_stride, void* d,
                                  int64_t ldd, const int32_t* group_offsets, int num_groups, int64_t m_total,

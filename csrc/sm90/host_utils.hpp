@@ -97,41 +97,16 @@ inline cudaError_t set_max_dynamic_smem(int smem) {
 }
 
 // Launches a persistent kernel of `threads`-thread CTAs (set_max_dynamic_smem first): one CTA per SM and at
-// most max_units CTAs, or with kCluster2 clusters of 2 CTAs, at most max_units clusters and never more than
-// can be resident at once (a persistent grid's CTAs may wait on each other; the GPCs' SM counts may leave
-// some SMs unpaired). The residency query is a driver call, so its answer is kept per device.
-template <auto kKernel, bool kCluster2, typename... Args>
+// most max_units CTAs (at least one).
+template <auto kKernel, typename... Args>
 inline cudaError_t launch_persistent(int threads, int smem, int64_t max_units, int sms, cudaStream_t stream,
                                      const Args&... args) {
   cudaLaunchConfig_t lc = {};
-  cudaLaunchAttribute attr[1];
   lc.blockDim = dim3(threads, 1, 1);
   lc.dynamicSmemBytes = smem;
   lc.stream = stream;
-  int64_t slots = sms;  // CTAs (or clusters) the grid may have
-  if constexpr (kCluster2) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    lc.attrs = attr;
-    lc.numAttrs = 1;
-    static std::atomic<int> resident[64] = {};  // 0: not asked yet on that device
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e != cudaSuccess) return e;
-    int max_clusters = dev < 64 ? resident[dev].load(std::memory_order_relaxed) : 0;
-    if (max_clusters == 0) {
-      lc.gridDim = dim3(2 * (sms / 2), 1, 1);
-      e = cudaOccupancyMaxActiveClusters(&max_clusters, kKernel, &lc);
-      if (e != cudaSuccess) return e;
-      if (max_clusters < 1) return cudaErrorInvalidConfiguration;
-      if (dev < 64) resident[dev].store(max_clusters, std::memory_order_relaxed);
-    }
-    slots = max_clusters < sms / 2 ? max_clusters : sms / 2;
-  }
-  const int64_t units = max_units < slots ? (max_units > 0 ? max_units : 1) : slots;
-  lc.gridDim = dim3(static_cast<unsigned>((kCluster2 ? 2 : 1) * units), 1, 1);
+  const int64_t units = max_units < sms ? (max_units > 0 ? max_units : 1) : sms;
+  lc.gridDim = dim3(static_cast<unsigned>(units), 1, 1);
   return cudaLaunchKernelEx(&lc, kKernel, args...);
 }
 

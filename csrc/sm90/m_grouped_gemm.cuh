@@ -19,31 +19,18 @@
 //
 // Forward progress: a CTA never waits on another CTA. Its tiles are a fixed stride of the static tile list (CTA b
 // takes b, b + gridDim.x, ...), each computed start to end by that CTA alone, so any grid size (the num_sms cap)
-// gives the same tiles with the same bits, whichever CTAs are resident at a time. The only cross-CTA waits are a
-// kCluster2 pair's, and the two CTAs of a cluster are scheduled together by the hardware.
+// gives the same tiles with the same bits, whichever CTAs are resident at a time.
 //
 // Tile order: group-major, then n-block, then m-block (m fastest; in bands of kMBand m-blocks, see band_tile), so
 // CTAs running at the same time share the expert's B panel in L2.
-//
-// kCluster2: CTAs run in clusters of 2 that take adjacent m-blocks (of the global list of m-blocks, in
-// group order) for the same n-block. When both m-blocks belong to the same group, each CTA loads half of
-// the B tile and multicasts it to both, halving B's L2->SM traffic; a pair that straddles two groups loads
-// B per CTA. Both CTAs always run the same number of k-blocks, so their pipelines stay in lockstep (a
-// multicast lands at the same stage offset in both). Consumers release a stage in both CTAs.
 //
 // kGatherA: A is read through a row-index list (a token gather without a materialized copy). The four
 // producer warps copy the tile's A rows with 16-byte cp.async straight into the 128-byte-swizzled layout
 // wgmma reads (a 1-D bulk copy could not swizzle): warp w owns tile rows [32w, 32w + 32), each lane holds
 // the source index of one of them (loaded once per tile, one tile ahead) and a copy instruction moves 4
 // whole 128-byte rows (8 lanes per row, indices broadcast by shuffle). Their completion joins the stage's
-// full barrier (cp.async.mbarrier.arrive.noinc); B still comes by TMA.
-// kGatherTma (with kGatherA): instead of cp.async, each producer thread of the first p.gather_tma_warps warps
-// (all four, or a hybrid split with cp.async warps) issues one 2-D TMA box of 64 columns x 1 row per k-block
-// for its tile row (tensor map over A [a_rows, K], 128B swizzle: the swizzle
-// follows the shared-memory address bits, so a row landing at offset 128 r is swizzled as row r of the
-// tile). Invalid indices and rows past the group's end load a row outside the map (zero fill); all bytes
-// complete on the stage's full barrier like the plain kernel's A tile (the consumers' proxy fence, needed by
-// the cp.async warps of a hybrid, stays unconditional in gather kernels). Measured slower than cp.async.
+// full barrier (cp.async.mbarrier.arrive.noinc); B still comes by TMA. (cp.async rows: per-row TMA boxes measured
+// 1.4x slower, TMA + cp.async hybrids 1.25-1.4x, an added L2 prefetch of the rows 4-6%; docs/performance.md.)
 //
 // kSwiGLU (L1 of the fused forward; K-major B, asynchronous epilogue): an n-block covers kBlockN / 2 columns c
 // of the intermediate dimension; its B stage holds the gate rows c of w13 followed by the matching up rows
@@ -51,8 +38,10 @@
 // s = silu(gate) * up (fp32 math, bf16 out) straight from registers and, when asked, h = gate | up through
 // the staging tile and TMA stores into columns c and I + c of h.
 //
-// kAsyncEpi: the consumers write their bf16 tile into a 128B-swizzled staging buffer and TMA-store it (see
-// epilogue.cuh), so they go on with the next tile while the copy engine writes the tile out.
+// Epilogue (asynchronous): the consumers write their bf16 tile into a 128B-swizzled staging buffer and TMA-store
+// it (see epilogue.cuh), so they go on with the next tile while the copy engine writes the tile out. (One CTA per
+// tile: 2-CTA clusters multicasting B measured 1-4% slower; the synchronous epilogue lost to this one on 20 of 24
+// passes; docs/performance.md.)
 #pragma once
 
 #include <cuda.h>
@@ -79,12 +68,6 @@ struct MGroupedParams {
   int64_t lda;
   const int32_t* a_row_index;
   int32_t a_rows;
-  // kGatherTma kernels: how many of the 4 gathering warps use per-row TMA boxes (4 = all; 1..3 = a hybrid, the
-  // other warps copy their rows with cp.async, so both the TMA engine and the LSU path carry A rows).
-  int32_t gather_tma_warps;
-  // cp.async gather only: > 0 = each producer thread also prefetches its row's 128-byte piece this many
-  // k-blocks ahead into L2 (continuing into the next tile's rows), 0 = off.
-  int32_t a_prefetch_kblocks;
   __nv_bfloat16* d;
   int64_t ldd;
   const int32_t* group_offsets;
@@ -115,11 +98,11 @@ struct MGroupedParams {
   int32_t dt_ld;
 };
 
-template <int kBlockN, int kNumStages, bool kAsyncEpi>
+template <int kBlockN, int kNumStages>
 struct MGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
   using Ring = StageRingLayout<128, kBlockN, 64, kNumStages>;
   static constexpr int kCOff = Ring::kRingEnd;
-  static constexpr int kCBytes = kAsyncEpi ? TmaStaging<kBlockN>::kBytes : 2 * kSyncStageStride;
+  static constexpr int kCBytes = TmaStaging<kBlockN>::kBytes;
   static constexpr int kBarOff = kCOff + kCBytes;
   static constexpr int kOffsOff = kBarOff + (2 * kNumStages + 2) * 8;
   static constexpr int kTileOff = kOffsOff + (kMaxGroups + 1) * 4;
@@ -129,26 +112,20 @@ struct MGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
   static_assert(kBlockN % 128 == 0 && kBlockN <= 256, "kBlockN must be 128 or 256");
 };
 
-template <int kBlockN, int kNumStages, bool kBKMajor, bool kAsyncEpi, bool kCluster2, bool kGatherA,
-          bool kSwiGLU = false, bool kGatherTma = false>
+template <int kBlockN, int kNumStages, bool kBKMajor, bool kGatherA, bool kSwiGLU = false>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                                const __grid_constant__ CUtensorMap tmap_b,
                                const __grid_constant__ CUtensorMap tmap_d, const MGroupedParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using L = MGroupedLayout<kBlockN, kNumStages, kAsyncEpi>;
+  using L = MGroupedLayout<kBlockN, kNumStages>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockK = L::kBlockK;
   constexpr int kMnBoxBytes = 64 * kBlockK * 2;  // MN-major B: one 64-column box of one stage
   using Mma = ptx::WgmmaBf16<kBlockN, 0, kBKMajor ? 0 : 1>;
-  static_assert(!(kGatherA && kCluster2), "gathered A is implemented for single-CTA launches");
-  static_assert(!kSwiGLU || (kBKMajor && kAsyncEpi && !kCluster2), "SwiGLU: K-major B, async epilogue, 1 CTA");
+  static_assert(!kSwiGLU || kBKMajor, "SwiGLU: K-major B");
   constexpr int kTileCols = kSwiGLU ? kBlockN / 2 : kBlockN;  // output columns per n-block (s columns)
   constexpr int kGatherWarps = 4;
-  static_assert(!kGatherTma || kGatherA, "kGatherTma is a gather mode");
-  // Gathering warps [0, tma_warps) use TMA boxes, [tma_warps, 4) cp.async (computed where used: a value live
-  // across setmaxnreg gets spilled).
-  auto gather_tma_warps = [&]() -> int { return kGatherTma ? min(max(p.gather_tma_warps, 0), kGatherWarps) : 0; };
   // The gathering producer warp needs more registers; the split keeps 128 * P + 256 * C = 384 * 168.
   constexpr uint32_t kProdRegs = kGatherA ? 56 : kProducerRegs;
   constexpr uint32_t kConsRegs = kGatherA ? 224 : kConsumerRegs;
@@ -167,83 +144,46 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int num_groups = p.num_groups;
   const int n_blocks = ceil_div(p.n, kTileCols);
   const int num_k_blocks = ceil_div(p.k, kBlockK);
-  const uint32_t cta_rank = kCluster2 ? ptx::cluster_ctarank() : 0;
 
   // ---- prologue: offsets check, barriers, per-group starts. Bad offsets leave the tile list empty (set below), so
-  // no role stores anything; every CTA of the grid, a cluster's two included, sees the same offsets. (An early
-  // return instead made ptxas spill in the gathering producer.)
+  // no role stores anything; every CTA of the grid sees the same offsets. (An early return instead made ptxas spill
+  // in the gathering producer.)
   const bool bad_offsets =
       common::group_offsets_invalid(p.group_offsets, num_groups, p.m_total, p.check, common::kCheckMGroupedOffsets);
   // full: + one cp.async arrival per cp.async-gathering thread
-  kernel_prologue<kNumStages>(full_bar, empty_bar, kGatherA ? 1 + 32 * (kGatherWarps - gather_tma_warps()) : 1,
-                              (kCluster2 ? 2 : 1) * kNumConsumerThreads / 32, &tmap_a, &tmap_b,
-                              kAsyncEpi ? &tmap_d : nullptr);
+  kernel_prologue<kNumStages>(full_bar, empty_bar, kGatherA ? 1 + 32 * kGatherWarps : 1, kNumConsumerThreads / 32,
+                              &tmap_a, &tmap_b, &tmap_d);
   load_group_offsets(p.group_offsets, num_groups, s_offs);
   if (warp == 0) {
-    // s_tile[g] = sum over g' < g of (m-blocks of g') * (kCluster2 ? 1 : n_blocks)
+    // s_tile[g] = sum over g' < g of (m-blocks of g') * n_blocks
     warp_exclusive_scan_groups(num_groups, lane, s_tile, [&](int g) {
-      return ceil_div(max(s_offs[g + 1] - s_offs[g], 0), kBlockM) * (kCluster2 ? 1 : n_blocks);
+      return ceil_div(max(s_offs[g + 1] - s_offs[g], 0), kBlockM) * n_blocks;
     });
     if (bad_offsets && lane == 0) s_tile[num_groups] = 0;
   }
-  if constexpr (kCluster2) {
-    ptx::cluster_sync();  // also publishes the barrier inits to the peer CTA
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
-  // Work units: tiles (single CTA) or (m-block pair, n-block) units (cluster of 2).
-  const int total = s_tile[num_groups];
-  const int num_units = kCluster2 ? ceil_div(total, 2) * n_blocks : total;
+  // Work units: one tile each.
+  const int num_units = s_tile[num_groups];
   // first unit of this CTA; re-read inside each role (see ptx::ctaid_x_volatile)
-  auto unit_begin_of_cta = [&]() -> int {
-    const int b = (int)ptx::ctaid_x_volatile();
-    return kCluster2 ? (b >> 1) : b;
-  };
-  const int unit_step = kCluster2 ? (int)(gridDim.x >> 1) : (int)gridDim.x;
+  auto unit_begin_of_cta = [&]() -> int { return (int)ptx::ctaid_x_volatile(); };
+  const int unit_step = (int)gridDim.x;
 
   struct Work {
     int b_group;  // group whose B tile is loaded
     int row0;     // first A row loaded (and stored)
     int row_end;  // rows >= row_end are not stored
     int n0;
-    bool mcast;   // B halves multicast within the cluster
   };
   // Each role walks units in increasing order, so the group cursor g only moves forward.
   auto locate = [&](int u, int& g) -> Work {
-    Work w;
-    if constexpr (!kCluster2) {
-      while (s_tile[g + 1] <= u) ++g;
-      const int start = s_offs[g];
-      const int end = max(s_offs[g + 1], start);
-      const int m_blocks = ceil_div(end - start, kBlockM);
-      int nb, mb;
-      band_tile(u - s_tile[g], m_blocks, n_blocks, nb, mb);
-      w = Work{g, start + mb * kBlockM, end, nb * kTileCols, false};
-    } else {
-      const int pair = u / n_blocks;
-      const int nb = u - pair * n_blocks;
-      const int mb0 = 2 * pair;
-      while (s_tile[g + 1] <= mb0) ++g;
-      const int mb1 = mb0 + 1;
-      const bool has1 = mb1 < total;
-      const bool same = !has1 || mb1 < s_tile[g + 1];
-      w.n0 = nb * kBlockN;
-      w.mcast = same;
-      if (cta_rank == 0 || !has1) {
-        // rank 0, or rank 1 of the very last (odd) m-block: the latter recomputes rank 0's rows, stores none
-        w.b_group = g;
-        w.row0 = s_offs[g] + (mb0 - s_tile[g]) * kBlockM;
-        w.row_end = cta_rank == 0 ? max(s_offs[g + 1], s_offs[g]) : w.row0;
-      } else {
-        int g1 = g;
-        while (s_tile[g1 + 1] <= mb1) ++g1;
-        w.b_group = g1;
-        w.row0 = s_offs[g1] + (mb1 - s_tile[g1]) * kBlockM;
-        w.row_end = max(s_offs[g1 + 1], s_offs[g1]);
-      }
-    }
-    return w;
+    while (s_tile[g + 1] <= u) ++g;
+    const int start = s_offs[g];
+    const int end = max(s_offs[g + 1], start);
+    const int m_blocks = ceil_div(end - start, kBlockM);
+    int nb, mb;
+    band_tile(u - s_tile[g], m_blocks, n_blocks, nb, mb);
+    return Work{g, start + mb * kBlockM, end, nb * kTileCols};
   };
 
   if (warp < 4) {
@@ -255,7 +195,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       int stage = 0;
       uint32_t phase = 0;
       int g = 0;
-      const int tma_warps = gather_tma_warps();
       const int my_row = warp * 32 + lane;  // tile row whose source index this lane holds
       const int sub_row = lane >> 3;        // row within a copy instruction's 4 rows
       const int chunk = lane & 7;           // 16-byte chunk of that row
@@ -284,13 +223,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         for (int kb = 0; kb < num_k_blocks; ++kb) {
           ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
           const int k0 = kb * kBlockK;
-          if (warp < tma_warps) {
-            // The TMA rows' bytes join thread 0's expect-tx arrival (below); the other threads' boxes may
-            // complete before it (the barrier's tx-count goes transiently negative; its phase cannot complete
-            // while thread 0's arrival is pending).
-            ptx::tma_load_2d(smem + L::kAOff + stage * L::kABytes + my_row * 128, &tmap_a, &full_bar[stage], k0,
-                             src >= 0 ? src : p.a_rows);
-          } else {
           const uint32_t sa_addr = ptx::smem_addr(smem + L::kAOff + stage * L::kABytes);
           const bool k_ok = k0 + chunk * 8 < p.k;
 #pragma unroll
@@ -302,17 +234,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             ptx::cp_async_16(sa_addr + r * 128 + ((chunk ^ (r & 7)) << 4), srcp, ok ? 16u : 0u);
           }
           ptx::cp_async_mbar_arrive_noinc(&full_bar[stage]);
-          if (p.a_prefetch_kblocks > 0) {
-            int pk = kb + p.a_prefetch_kblocks;
-            const int pf_src = pk < num_k_blocks ? src : src_next;
-            if (pk >= num_k_blocks) pk -= num_k_blocks;
-            if (pf_src >= 0 && pk < num_k_blocks)
-              ptx::prefetch_l2(p.a + static_cast<int64_t>(pf_src) * p.lda + pk * kBlockK);
-          }
-          }
           if (warp == 0 && lane == 0) {
             uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
-            ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kBBytes + tma_warps * 32 * 128);
+            ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kBBytes);
             if constexpr (kSwiGLU) {
               ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], k0, cur.n0, cur.b_group, pol_b);
               ptx::tma_load_3d_hint(sb + kTileCols * 128, &tmap_b, &full_bar[stage], k0, p.n + cur.n0, cur.b_group,
@@ -341,22 +265,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
           ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
           ptx::tma_load_2d(sa, &tmap_a, &full_bar[stage], kb * kBlockK, w.row0);
-          if constexpr (kCluster2) {
-            // B is loaded as 2 (K-major: kBlockN/2 rows each) or kBlockN/64 (MN-major) boxes; with multicast
-            // this CTA loads its half of them for both CTAs.
-            constexpr int kBoxes = kBKMajor ? 2 : kBlockN / 64;
-            constexpr int kBoxBytes = kBKMajor ? (kBlockN / 2) * kBlockK * 2 : kMnBoxBytes;
-            const int j0 = w.mcast ? (int)cta_rank * (kBoxes / 2) : 0;
-            const int j1 = w.mcast ? j0 + kBoxes / 2 : kBoxes;
-            for (int j = j0; j < j1; ++j) {
-              const int c0 = kBKMajor ? kb * kBlockK : w.n0 + 64 * j;
-              const int c1 = kBKMajor ? w.n0 + j * (kBlockN / 2) : kb * kBlockK;
-              if (w.mcast)
-                ptx::tma_load_3d_multicast(sb + j * kBoxBytes, &tmap_b, &full_bar[stage], c0, c1, w.b_group, 0x3);
-              else
-                ptx::tma_load_3d_hint(sb + j * kBoxBytes, &tmap_b, &full_bar[stage], c0, c1, w.b_group, pol_b);
-            }
-          } else if constexpr (kSwiGLU) {
+          if constexpr (kSwiGLU) {
             ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0, w.b_group, pol_b);
             ptx::tma_load_3d_hint(sb + kTileCols * 128, &tmap_b, &full_bar[stage], kb * kBlockK, p.n + w.n0,
                                   w.b_group, pol_b);
@@ -378,7 +287,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::setmaxnreg_inc<kConsRegs>();
     const int wg = (warp >> 2) - 1;  // 0 or 1: rows [64*wg, 64*wg + 64) of the tile
     const int wg_tid = tid - 128 * (wg + 1);
-    const uint32_t stage_c = ptx::smem_addr(smem + L::kCOff + wg * kSyncStageStride);
     const uint32_t a_base = ptx::smem_addr(smem + L::kAOff) + wg * (64 * 128);
     const uint32_t b_base = ptx::smem_addr(smem + L::kBOff);
     // Descriptors for stage 0 / k-step 0; other stages and k-steps add a byte offset >> 4 to the low bits.
@@ -393,20 +301,17 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int stage = 0;
     uint32_t phase = 0;
     int g = 0;
-    const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + (kAsyncEpi ? wg * TmaStaging<kBlockN>::kHalfBytes : 0);
+    const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kBlockN>::kHalfBytes;
     for (int u = unit_begin_of_cta(); u < num_units; u += unit_step) {
       const Work w = locate(u, g);
-      // A warpgroup whose 64 rows all lie past the group's end (tail m-block, or the idle half of a cluster
-      // pair) only keeps the pipeline moving; the other warpgroup then has the tensor cores to itself.
+      // A warpgroup whose 64 rows all lie past the group's end (a tail m-block) only keeps the pipeline moving; the
+      // other warpgroup then has the tensor cores to itself.
       const bool active = w.row0 + 64 * wg < w.row_end;
       auto release = [&](int s_) {
         __syncwarp();
-        if (lane == 0) {
-          ptx::mbar_arrive(&empty_bar[s_]);
-          if constexpr (kCluster2) ptx::mbar_arrive_cluster(&empty_bar[s_], cta_rank ^ 1);
-        }
+        if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
       };
-      // cp.async wrote a gathered A through the generic proxy (the pure-TMA gather pays a needless fence)
+      // cp.async wrote a gathered A through the generic proxy
       consumer_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, kBStepBytes, kGatherA>(
           acc, active, num_k_blocks, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, release);
 
@@ -439,7 +344,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           }
           store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.lds, hrow0, w.row_end, w.n0, p.n, p.clamp);
         }
-      } else if constexpr (kAsyncEpi) {
+      } else {
         const int hrow0 = w.row0 + 64 * wg;
         if (active) {
           // the previous tile's TMA store has finished reading this half
@@ -461,29 +366,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             copy_swizzled_half_to_global<kBlockN>(stg_half, wg_tid, w.row_end - hrow0, p.d, p.ldd, hrow0, w.n0, p.n);
           }
         }
-      } else {
-        const int hrow0 = w.row0 + 64 * wg;
-        if (active) {
-          if (hrow0 + 64 <= w.row_end) {
-            store_acc_bf16_tma_ring<kBlockN>(acc, stage_c, kBarEpilogueWg0 + wg, wg_tid, w.n0, p.n,
-                                             [&](uint32_t src, int col) {
-                                               ptx::tma_store_2d_hint(&tmap_d, src, col, hrow0,
-                                                                      l2_policy_store(p.l2_hints, 0));
-                                             });
-          } else {
-            if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the staging tile is also the TMA ring's box
-            store_acc_bf16_staged<kBlockN>(acc, stage_c, kBarEpilogueWg0 + wg, wg_tid, p.d, p.ldd, hrow0, w.row_end,
-                                           w.n0, p.n);
-          }
-        }
       }
     }
     if (wg_tid == 0) ptx::bulk_wait_group<0>();  // stores complete before the CTA's shared memory goes away
-  }
-  if constexpr (kCluster2) {
-    // Neither CTA may exit while the other can still multicast into it or arrive on its barriers.
-    __syncwarp();
-    ptx::cluster_sync();
   }
 #endif
 }
