@@ -2,11 +2,7 @@
 #include "api/deep_gemm_api.h"
 #include "api/errors.hpp"
 #include "common/device_check.hpp"
-#include "sm90/grouped_gemm.hpp"  // header-only sizes, also without the kernels
-
-#if PK_HAS_SM90_KERNELS
-#include "sm90/grouped_gemm.hpp"
-#endif
+#include "sm90/grouped_gemm.hpp"  // declarations and the configs; the launchers are linked only with the kernels
 
 namespace {
 
@@ -16,18 +12,6 @@ int current_device_is_sm90(const char* op) {
   if (const int rc = deep_gemm::api::check_device_findings(op); rc != PK_OK) return rc;
   return deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kSm90);
 }
-
-#if PK_HAS_SM90_KERNELS
-int from_sm90(int rc, const char* message) {
-  switch (rc) {
-    case 0: return deep_gemm::api::ok();
-    case 1: return deep_gemm::api::fail(PK_ERR_INVALID_ARGUMENT, "%s", message);
-    case 2: return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE, "%s", message);
-    case 3: return deep_gemm::api::fail(PK_ERR_CUDA, "%s", message);
-    default: return deep_gemm::api::fail(PK_ERR_INTERNAL, "%s", message);
-  }
-}
-#endif
 
 }  // namespace
 
@@ -46,7 +30,7 @@ int pk_m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int b_k_ma
                                                       group_offsets, num_groups, m_total, n, k, &cfg,
                                                       static_cast<cudaStream_t>(cuda_stream), message,
                                                       sizeof(message));
-  return from_sm90(rc, message);
+  return deep_gemm::api::from_status(rc, message);
 #else
   (void)a, (void)lda, (void)b, (void)b_k_major, (void)ldb, (void)b_group_stride, (void)d, (void)ldd;
   (void)group_offsets, (void)num_groups, (void)m_total, (void)n, (void)k, (void)num_sms, (void)cuda_stream;
@@ -68,7 +52,7 @@ int pk_m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, 
   const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_gather_a(
       a, lda, a_rows, a_row_index, b, b_k_major != 0, ldb, b_group_stride, d, ldd, group_offsets, num_groups,
       m_total, n, k, &cfg, static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
-  return from_sm90(rc, message);
+  return deep_gemm::api::from_status(rc, message);
 #else
   (void)a, (void)lda, (void)a_rows, (void)a_row_index, (void)b, (void)b_k_major, (void)ldb, (void)b_group_stride;
   (void)d, (void)ldd, (void)group_offsets, (void)num_groups, (void)m_total, (void)n, (void)k, (void)num_sms;
@@ -92,7 +76,7 @@ int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, co
   const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_swiglu(
       a, lda, a_rows, a_row_index, w13, ldb, b_group_stride, intermediate, s, lds, h, ldh, group_offsets, num_groups,
       m_total, k, clamp, &cfg, static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
-  return from_sm90(rc, message);
+  return deep_gemm::api::from_status(rc, message);
 #else
   (void)a, (void)lda, (void)a_rows, (void)a_row_index, (void)w13, (void)ldb, (void)b_group_stride;
   (void)intermediate, (void)s, (void)lds, (void)h, (void)ldh, (void)group_offsets, (void)num_groups;
@@ -115,7 +99,7 @@ int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const vo
       dy_pool, lda, w2, ldb, b_group_stride, h, ldh, pool_src_route, route_weights, num_routes, dh, lddh, aw, ldaw,
       dt_part, dt_ld, group_offsets, num_groups, m_total, intermediate, hidden, clamp, num_sms,
       static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
-  return from_sm90(rc, message);
+  return deep_gemm::api::from_status(rc, message);
 #else
   (void)dy_pool, (void)lda, (void)w2, (void)ldb, (void)b_group_stride, (void)h, (void)ldh, (void)pool_src_route;
   (void)route_weights, (void)num_routes, (void)dh, (void)lddh, (void)aw, (void)ldaw, (void)dt_part, (void)dt_ld;
@@ -140,7 +124,7 @@ int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ld
                                                       group_offsets, num_groups, p_total, m, n, &cfg,
                                                       static_cast<cudaStream_t>(cuda_stream), message,
                                                       sizeof(message));
-  return from_sm90(rc, message);
+  return deep_gemm::api::from_status(rc, message);
 #else
   (void)a, (void)lda, (void)b, (void)ldb, (void)c, (void)c_is_bf16, (void)accumulate, (void)group_offsets;
   (void)num_groups, (void)p_total, (void)m, (void)n, (void)num_sms, (void)cuda_stream;

@@ -9,7 +9,6 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 
 #include "status.hpp"
 
@@ -18,13 +17,6 @@ namespace sm90 {
 namespace host {
 
 constexpr int64_t kMaxDim = (int64_t(1) << 31) - 1;
-
-// A kernel's L2 cache-hint bits: the environment variable `name` when set (development aid, read at every call,
-// for A/B timing; 0: no hints), else the kernel's default.
-inline int32_t l2_hints_from_env(const char* name, int32_t default_bits) {
-  const char* v = std::getenv(name);
-  return v != nullptr ? static_cast<int32_t>(std::atoi(v)) : default_bits;
-}
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
