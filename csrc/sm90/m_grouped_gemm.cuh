@@ -163,8 +163,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
   __syncthreads();
 
-  // Work units: one tile each.
-  const int num_units = s_tile[num_groups];
+  // Work units: one tile each. The gathering kernels read the count again inside each role, after its setmaxnreg:
+  // held across setmaxnreg it was spilled there (the gathering producer has 56 registers).
+  const int num_units_prologue = s_tile[num_groups];
+  auto num_units_of_cta = [&]() -> int { return kGatherA ? s_tile[num_groups] : num_units_prologue; };
   // first unit of this CTA; re-read inside each role (see ptx::ctaid_x_volatile)
   auto unit_begin_of_cta = [&]() -> int { return (int)ptx::ctaid_x_volatile(); };
   const int unit_step = (int)gridDim.x;
@@ -189,6 +191,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warp < 4) {
     // ================= producer warpgroup =================
     ptx::setmaxnreg_dec<kProdRegs>();
+    const int num_units = num_units_of_cta();
     const uint64_t pol_b = l2_policy_reused_loads(p.l2_hints);
     if constexpr (kGatherA) {
       // Gathering producer: warps 0..3 copy A rows; lane 0 of warp 0 also issues B.
@@ -285,6 +288,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   } else {
     // ================= consumer warpgroups =================
     ptx::setmaxnreg_inc<kConsRegs>();
+    const int num_units = num_units_of_cta();
     const int wg = (warp >> 2) - 1;  // 0 or 1: rows [64*wg, 64*wg + 64) of the tile
     const int wg_tid = tid - 128 * (wg + 1);
     const uint32_t a_base = ptx::smem_addr(smem + L::kAOff) + wg * (64 * 128);
