@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   __syncthreads();
 
   // Work units: one tile each. The gathering kernels read the count again inside each role, after its setmaxnreg:
-  // held across setmaxnreg it was spilled there (the gathering producer has 56 registers).
+  // a value held across setmaxnreg is spilled there (the gathering producer has 56 registers).
   const int num_units_prologue = s_tile[num_groups];
   auto num_units_of_cta = [&]() -> int { return kGatherA ? s_tile[num_groups] : num_units_prologue; };
   // first unit of this CTA; re-read inside each role (see ptx::ctaid_x_volatile)
