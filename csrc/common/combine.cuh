@@ -57,7 +57,7 @@ combine_bf16_kernel(const __nv_bfloat16* __restrict__ slots, int64_t ld_slots, i
 
 // Dispatch: every token row is read once and written to each of its routes' pool rows. Token-major, so a
 // row is read from HBM once (a pool-row-major gather re-reads rows that fell out of L2: 0.26 vs 0.17 ms for
-// 30B, T=16384 on the H200, the latter the card's fill rate; bench/NOTES.md, session 11). Routes of -1 write
+// 30B, T=16384 on the H200, the latter the card's fill rate). Routes of -1 write
 // nothing; a route outside [0, num_rows) writes nothing either and is noted in the device-check record. Same grid
 // as the combine.
 __global__ void __launch_bounds__(kCombineThreads)

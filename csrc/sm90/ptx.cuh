@@ -3,8 +3,9 @@
 // Every Hopper-specific instruction used by csrc/sm90 kernels lives here so that the kernels read as
 // plain C++. Build with -gencode arch=compute_90a,code=sm_90a (wgmma and setmaxnreg need the "a" target).
 //
-// Debug builds: define PK_DEBUG_SPIN_BOUND (e.g. -DPK_DEBUG_SPIN_BOUND=100000000) and every mbarrier
-// spin-wait traps after that many polls instead of hanging forever.
+// Debug builds (CMake PRIME_KERNELS_DEBUG_SPIN=ON defines PK_DEBUG_SPIN_BOUND): every mbarrier spin-wait, a CTA
+// waiting on its own warps, traps after that many polls instead of hanging forever. Waits on other CTAs are
+// bounded in every build (common/watchdog.cuh).
 #pragma once
 
 #include <cstdint>
@@ -244,39 +245,6 @@ __device__ __forceinline__ uint32_t ctaid_x_volatile() {
   return r;
 }
 
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-// All threads of every CTA in the cluster; orders earlier memory accesses (release/acquire).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// Arrive on the mbarrier at the same shared-memory offset in CTA `cta` of this cluster. Default (CTA-scope
-// release) semantics: used to say "this stage has been read", which publishes no data to the other CTA, and
-// a cluster-scope release would cost a GPU-wide fence per call.
-__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(smem_addr(bar)),
-      "r"(cta)
-      : "memory");
-}
-
-// 3D tile load written to the same offset of every CTA in cta_mask, completing on each one's mbarrier at
-// the offset of `bar`.
-__device__ __forceinline__ void tma_load_3d_multicast(void* dst, const void* desc, uint64_t* bar, int32_t c0,
-                                                      int32_t c1, int32_t c2, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
-      : "memory");
-}
-
 // ------------------------------------------------------------------------------------------------
 // cp.async (16-byte, L2-only) with mbarrier completion: used to gather rows into swizzled tiles
 // ------------------------------------------------------------------------------------------------
@@ -296,11 +264,6 @@ __device__ __forceinline__ void st_global_v4(void* p, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-// Hint: bring the 128-byte line at p into L2 (no completion tracking).
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // Arrives on bar once all of this thread's earlier cp.async copies have landed (the arrival is counted in
 // the barrier's expected count: .noinc).
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {
@@ -308,13 +271,9 @@ __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Cross-CTA signalling (the fused MoE kernels' dispatch and tile-readiness counters)
+// Cross-CTA signalling (the fused forward's dispatch and tile-readiness counters; their bounded waits are
+// common/watchdog.cuh's wait_counter_at_least)
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -331,24 +290,6 @@ __device__ __forceinline__ uint4 ld_global_cg_v4(const void* p) {
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
-// Spins until *p >= target (acquire): a tile waiting for another CTA's output. Debug builds trap after
-// PK_DEBUG_SPIN_BOUND polls instead of hanging.
-__device__ __forceinline__ void spin_until_at_least(const int* p, int target) {
-#ifdef PK_DEBUG_SPIN_BOUND
-  uint64_t polls = 0;
-#endif
-  while (ld_acquire_gpu(p) < target) {
-#ifdef PK_DEBUG_SPIN_BOUND
-    if (++polls > (uint64_t)(PK_DEBUG_SPIN_BOUND)) {
-      printf("pk: counter wait timed out (block %d thread %d: %d < %d)\n", blockIdx.x, threadIdx.x, ld_acquire_gpu(p),
-             target);
-      __trap();
-    }
-#endif
-    __nanosleep(64);
-  }
-}
-
 // ------------------------------------------------------------------------------------------------
 // Register reconfiguration (needs a register cap at entry: __launch_bounds__(threads, 1))
 // ------------------------------------------------------------------------------------------------

@@ -1,21 +1,21 @@
 // prime-kernels: sm90a L2 dgrad with the SwiGLU backward in its epilogue, ping-pong consumers (the kernel of
-// m_grouped_bf16_gemm_swiglu_bwd; I a multiple of 64). Measured on the H200 (bench/NOTES.md, session 4): 0.80 ms at
-// 30B, T=16384 (2.84 ms at 235B) against 0.94 (3.35) for the nn GEMM plus the pool-row kernel, and ahead of a
-// cooperative variant with the same epilogue in one warpgroup pair (removed; bench/NOTES.md keeps its figures).
+// m_grouped_bf16_gemm_swiglu_bwd; I a multiple of 64). Measured on the H200: 0.80 ms at 30B, T=16384 (2.84 ms at
+// 235B) against 0.94 (3.35) for the nn GEMM plus the pool-row kernel, and ahead of a cooperative variant with the
+// same epilogue in one warpgroup pair (removed; docs/performance.md keeps its figures).
 //
 // da = dy_pool @ w2_g for 128 columns of I, then the SwiGLU backward; each consumer warpgroup owns whole 128 x 128
 // tiles and the two take the tensor cores in turn (named barriers), so one's epilogue runs while the other's
 // mainloop does. B = w2 [E, H, I] read MN-major (two 64-column TMA boxes per stage, wgmma's transpose bit).
-// Epilogue through shared memory (version 2): the first version (session 4: 1.46 ms at 30B, T=16384,
+// Epilogue through shared memory: a first version (1.46 ms at 30B, T=16384,
 // against 0.97 ms for the nn GEMM plus the pool-row kernel) lost its time to 4-byte h loads and dh / w*s
 // stores in the accumulator's fragment layout. Now the tile's h comes in four 64 x 64 pieces (gate and up
 // boxes) by TMA into a two-slot ring per warpgroup, the first two issued before the mainloop; each thread
 // reads its fragment's g, u from the swizzled boxes, writes dg, du over them in place and w*s into a third
 // box, and one thread TMA-stores the three boxes (generic 16-byte stores for an m-block's last partial rows).
 // It runs at ~81% of L2 throughput (B and A re-read per 128 x 128 tile), but 2-CTA clusters that multicast B
-// measured slower (bench/NOTES.md, session 7: 30B 0.84 vs 0.82 ms, 235B 3.30 vs 2.86). A variant that gathered
+// measured slower (30B 0.84 vs 0.82 ms, 235B 3.30 vs 2.86). A variant that gathered
 // the dy rows itself while its tiles ran was slower than the separate gather plus this kernel (1.17 vs 1.08 ms at
-// 30B, 4.10 vs 3.43 at 235B; bench/NOTES.md, session 5) and was removed.
+// 30B, 4.10 vs 3.43 at 235B) and was removed.
 //
 // group_offsets: non-decreasing within [0, m_total]; every CTA checks that in its prologue, before any store, and
 // the whole kernel writes nothing when they break it (noted in the device-check record, common/device_check.hpp).
