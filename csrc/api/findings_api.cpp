@@ -18,35 +18,39 @@ namespace {
 constexpr double kDefaultWaitTimeoutSeconds = 5.0;
 constexpr double kMaxWaitTimeoutSeconds = 3600.0;
 
-std::atomic<WaitRecord*> g_record{nullptr};  // pinned and mapped: under unified addressing one pointer serves
-                                             // every device
+// Everything kernels write for the host, in one pinned, mapped allocation per process (under unified addressing
+// the one pointer serves every device): the wait record and the device-check findings.
+struct MappedRecords {
+  WaitRecord wait;
+  common::DeviceCheckRecord checks;
+};
+std::atomic<MappedRecords*> g_records{nullptr};
 std::atomic<uint64_t> g_timeout_ns{static_cast<uint64_t>(kDefaultWaitTimeoutSeconds * 1e9)};
 
-cudaError_t record(WaitRecord** out) {
-  WaitRecord* r = g_record.load(std::memory_order_acquire);
-  if (r == nullptr) {
-    static std::mutex mutex;
-    std::lock_guard<std::mutex> lock(mutex);
-    r = g_record.load(std::memory_order_acquire);
-    if (r == nullptr) {
-      // Pinned memory is not stream-ordered: allowed (relaxed mode for this call) while another thread's stream is
-      // being captured, so a first launch inside a CUDA graph capture still gets its record.
-      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-      cudaThreadExchangeStreamCaptureMode(&mode);
-      void* p = nullptr;
-      const cudaError_t e = cudaHostAlloc(&p, sizeof(WaitRecord), cudaHostAllocMapped | cudaHostAllocPortable);
-      cudaThreadExchangeStreamCaptureMode(&mode);
-      if (e != cudaSuccess) {
-        cudaGetLastError();
-        return e;
-      }
-      std::memset(p, 0, sizeof(WaitRecord));
-      r = static_cast<WaitRecord*>(p);
-      g_record.store(r, std::memory_order_release);
-    }
+// The records, allocated on first use; null if the allocation failed (kernels then check their values as before
+// but record nothing, and a timed-out wait traps without a record).
+MappedRecords* mapped_records() {
+  MappedRecords* r = g_records.load(std::memory_order_acquire);
+  if (r != nullptr) return r;
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  r = g_records.load(std::memory_order_acquire);
+  if (r != nullptr) return r;
+  // Pinned memory is not stream-ordered: allowed (relaxed capture mode for this call) while a stream is being
+  // captured, so a first launch inside a CUDA graph capture still gets its records.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  void* p = nullptr;
+  const cudaError_t e = cudaHostAlloc(&p, sizeof(MappedRecords), cudaHostAllocMapped | cudaHostAllocPortable);
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not the calling launch's error to report
+    return nullptr;
   }
-  *out = r;
-  return cudaSuccess;
+  std::memset(p, 0, sizeof(MappedRecords));
+  r = static_cast<MappedRecords*>(p);
+  g_records.store(r, std::memory_order_release);
+  return r;
 }
 
 const char* kernel_name(int32_t kernel) {
@@ -68,19 +72,21 @@ const char* wait_name(int32_t wait) {
 }  // namespace
 
 cudaError_t wait_guard_for_current_device(WaitGuard* guard) {
-  WaitRecord* r = nullptr;
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (cudaError_t e = record(&r); e != cudaSuccess) return e;
-  guard->record = r;  // a portable mapped allocation has the same address on the device (unified addressing)
+  MappedRecords* r = mapped_records();
+  if (r == nullptr) return cudaErrorMemoryAllocation;
+  guard->record = &r->wait;  // a portable mapped allocation has the same address on the device
   guard->timeout_ns = g_timeout_ns.load(std::memory_order_relaxed);
   guard->device = device;
   return cudaSuccess;
 }
 
 bool wait_record_message(char* out, size_t out_len) {
-  const volatile WaitRecord* r = g_record.load(std::memory_order_acquire);
-  if (r == nullptr || r->state != 2) return false;
+  const MappedRecords* records = g_records.load(std::memory_order_acquire);
+  if (records == nullptr) return false;
+  const volatile WaitRecord* r = &records->wait;
+  if (r->state != 2) return false;
   std::snprintf(out, out_len,
                 "a wait inside %s timed out on CUDA device %d after %.2f s (%s; CTA %d, thread %d, index %d: "
                 "expected a value >= %lld, observed %lld). The kernel trapped and the CUDA context is lost: "
@@ -91,43 +97,17 @@ bool wait_record_message(char* out, size_t out_len) {
 }
 
 namespace common {
-// The process's record (allocated on first use; null if the allocation failed, and then kernels check their
-// values as before but record nothing).
-static std::atomic<DeviceCheckRecord*>& device_check_slot() {
-  static std::atomic<DeviceCheckRecord*> slot{nullptr};
-  return slot;
-}
-
 DeviceCheckRecord* device_check_record() {
-  DeviceCheckRecord* rec = device_check_slot().load(std::memory_order_acquire);
-  if (rec != nullptr) return rec;
-  static std::mutex mutex;
-  std::lock_guard<std::mutex> lock(mutex);
-  rec = device_check_slot().load(std::memory_order_acquire);
-  if (rec != nullptr) return rec;
-  // A pinned allocation is not stream-ordered: allowed from this thread even while a CUDA graph is being
-  // captured (relaxed capture mode for the call), so a first call inside a capture still gets its record.
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  void* p = nullptr;
-  const cudaError_t e = cudaHostAlloc(&p, sizeof(DeviceCheckRecord), cudaHostAllocMapped | cudaHostAllocPortable);
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  if (e != cudaSuccess) {
-    cudaGetLastError();  // not this call's error to report
-    return nullptr;
-  }
-  std::memset(p, 0, sizeof(DeviceCheckRecord));
-  rec = static_cast<DeviceCheckRecord*>(p);
-  device_check_slot().store(rec, std::memory_order_release);
-  return rec;
+  MappedRecords* r = mapped_records();
+  return r != nullptr ? &r->checks : nullptr;
 }
 
 // The findings recorded so far, formatted into out, and cleared; false (out untouched) if there are none. Never
 // allocates or touches the device.
 bool take_device_checks(char* out, size_t out_len) {
-  DeviceCheckRecord* rec = device_check_slot().load(std::memory_order_acquire);
-  if (rec == nullptr) return false;
-  volatile DeviceCheckRecord* r = rec;
+  MappedRecords* records = g_records.load(std::memory_order_acquire);
+  if (records == nullptr) return false;
+  volatile DeviceCheckRecord* r = &records->checks;
   static const char* const kWhat[kNumDeviceChecks] = {
       "an m-grouped GEMM's group_offsets are not non-decreasing within [0, m_total]; that GEMM wrote nothing",
       "a k-grouped GEMM's group_offsets are not non-decreasing within [0, rows]; that GEMM wrote nothing",
