@@ -25,10 +25,23 @@ int pk_m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int b_k_ma
   PK_CHECK_ARG(num_sms >= 0, "m_grouped_bf16_gemm: num_sms = %d, must be >= 0 (0 = every SM)", num_sms);
   deep_gemm::sm90::GroupedGemmConfig cfg = deep_gemm::sm90::m_grouped_gemm_config(m_total, n, k, num_groups);
   cfg.num_sms = num_sms;
+  deep_gemm::sm90::MGroupedGemmArgs args;
+  args.a = a;
+  args.lda = lda;
+  args.b = b;
+  args.b_k_major = b_k_major != 0;
+  args.ldb = ldb;
+  args.b_group_stride = b_group_stride;
+  args.d = d;
+  args.ldd = ldd;
+  args.group_offsets = group_offsets;
+  args.num_groups = num_groups;
+  args.m_total = m_total;
+  args.n = n;
+  args.k = k;
+  args.config = &cfg;
   char message[512] = {0};
-  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm(a, lda, b, b_k_major != 0, ldb, b_group_stride, d, ldd,
-                                                      group_offsets, num_groups, m_total, n, k, &cfg,
-                                                      static_cast<cudaStream_t>(cuda_stream), message,
+  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm(args, static_cast<cudaStream_t>(cuda_stream), message,
                                                       sizeof(message));
   return deep_gemm::api::from_status(rc, message);
 #else
@@ -48,10 +61,26 @@ int pk_m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, 
   PK_CHECK_ARG(num_sms >= 0, "m_grouped_bf16_gemm_gather_a: num_sms = %d, must be >= 0 (0 = every SM)", num_sms);
   deep_gemm::sm90::GroupedGemmConfig cfg = deep_gemm::sm90::m_grouped_gemm_config(m_total, n, k, num_groups);
   cfg.num_sms = num_sms;
+  deep_gemm::sm90::MGroupedGemmArgs args;
+  args.a = a;
+  args.lda = lda;
+  args.a_rows = a_rows;
+  args.a_row_index = a_row_index;
+  args.b = b;
+  args.b_k_major = b_k_major != 0;
+  args.ldb = ldb;
+  args.b_group_stride = b_group_stride;
+  args.d = d;
+  args.ldd = ldd;
+  args.group_offsets = group_offsets;
+  args.num_groups = num_groups;
+  args.m_total = m_total;
+  args.n = n;
+  args.k = k;
+  args.config = &cfg;
   char message[512] = {0};
-  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_gather_a(
-      a, lda, a_rows, a_row_index, b, b_k_major != 0, ldb, b_group_stride, d, ldd, group_offsets, num_groups,
-      m_total, n, k, &cfg, static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
+  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_gather_a(args, static_cast<cudaStream_t>(cuda_stream), message,
+                                                               sizeof(message));
   return deep_gemm::api::from_status(rc, message);
 #else
   (void)a, (void)lda, (void)a_rows, (void)a_row_index, (void)b, (void)b_k_major, (void)ldb, (void)b_group_stride;
@@ -72,10 +101,28 @@ int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, co
   PK_CHECK_ARG(num_sms >= 0, "m_grouped_bf16_gemm_swiglu: num_sms = %d, must be >= 0 (0 = every SM)", num_sms);
   deep_gemm::sm90::GroupedGemmConfig cfg = deep_gemm::sm90::swiglu_gemm_config();
   cfg.num_sms = num_sms;
+  deep_gemm::sm90::SwigluGemmArgs args;
+  args.a = a;
+  args.lda = lda;
+  args.a_rows = a_rows;
+  args.a_row_index = a_row_index;
+  args.w13 = w13;
+  args.ldb = ldb;
+  args.b_group_stride = b_group_stride;
+  args.intermediate = intermediate;
+  args.s = s;
+  args.lds = lds;
+  args.h = h;
+  args.ldh = ldh;
+  args.group_offsets = group_offsets;
+  args.num_groups = num_groups;
+  args.m_total = m_total;
+  args.k = k;
+  args.clamp_limit = clamp;
+  args.config = &cfg;
   char message[512] = {0};
-  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_swiglu(
-      a, lda, a_rows, a_row_index, w13, ldb, b_group_stride, intermediate, s, lds, h, ldh, group_offsets, num_groups,
-      m_total, k, clamp, &cfg, static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
+  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_swiglu(args, static_cast<cudaStream_t>(cuda_stream), message,
+                                                             sizeof(message));
   return deep_gemm::api::from_status(rc, message);
 #else
   (void)a, (void)lda, (void)a_rows, (void)a_row_index, (void)w13, (void)ldb, (void)b_group_stride;
@@ -94,11 +141,33 @@ int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const vo
                                       float clamp, int num_sms, void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90("m_grouped_bf16_gemm_swiglu_bwd"); rc != PK_OK) return rc;
+  deep_gemm::sm90::SwigluBwdGemmArgs args;
+  args.dy_pool = dy_pool;
+  args.lda = lda;
+  args.w2 = w2;
+  args.ldb = ldb;
+  args.b_group_stride = b_group_stride;
+  args.h = h;
+  args.ldh = ldh;
+  args.pool_src_route = pool_src_route;
+  args.route_weights = route_weights;
+  args.num_routes = num_routes;
+  args.dh = dh;
+  args.lddh = lddh;
+  args.aw = aw;
+  args.ldaw = ldaw;
+  args.dt_part = dt_part;
+  args.dt_ld = dt_ld;
+  args.group_offsets = group_offsets;
+  args.num_groups = num_groups;
+  args.m_total = m_total;
+  args.intermediate = intermediate;
+  args.hidden = hidden;
+  args.clamp_limit = clamp;
+  args.num_sms = num_sms;
   char message[512] = {0};
-  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_swiglu_bwd(
-      dy_pool, lda, w2, ldb, b_group_stride, h, ldh, pool_src_route, route_weights, num_routes, dh, lddh, aw, ldaw,
-      dt_part, dt_ld, group_offsets, num_groups, m_total, intermediate, hidden, clamp, num_sms,
-      static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
+  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_swiglu_bwd(args, static_cast<cudaStream_t>(cuda_stream),
+                                                                 message, sizeof(message));
   return deep_gemm::api::from_status(rc, message);
 #else
   (void)dy_pool, (void)lda, (void)w2, (void)ldb, (void)b_group_stride, (void)h, (void)ldh, (void)pool_src_route;
@@ -119,10 +188,22 @@ int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ld
   deep_gemm::sm90::GroupedGemmConfig cfg =
       deep_gemm::sm90::k_grouped_gemm_config(m, n, p_total, num_groups, c_is_bf16 != 0);
   cfg.num_sms = num_sms;
+  deep_gemm::sm90::KGroupedGemmArgs args;
+  args.a = a;
+  args.lda = lda;
+  args.b = b;
+  args.ldb = ldb;
+  args.c = c;
+  args.c_is_bf16 = c_is_bf16 != 0;
+  args.accumulate = accumulate != 0;
+  args.group_offsets = group_offsets;
+  args.num_groups = num_groups;
+  args.p_total = p_total;
+  args.m = m;
+  args.n = n;
+  args.config = &cfg;
   char message[512] = {0};
-  const int rc = deep_gemm::sm90::k_grouped_bf16_gemm(a, lda, b, ldb, c, c_is_bf16 != 0, accumulate != 0,
-                                                      group_offsets, num_groups, p_total, m, n, &cfg,
-                                                      static_cast<cudaStream_t>(cuda_stream), message,
+  const int rc = deep_gemm::sm90::k_grouped_bf16_gemm(args, static_cast<cudaStream_t>(cuda_stream), message,
                                                       sizeof(message));
   return deep_gemm::api::from_status(rc, message);
 #else

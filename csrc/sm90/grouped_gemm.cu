@@ -59,12 +59,19 @@ int check_num_groups(int num_groups, const char* fn, char* err, size_t err_len) 
 }  // namespace
 
 namespace {
-int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index, const void* b,
-                   bool b_k_major, int64_t ldb, int64_t b_group_stride, void* d, int64_t ldd,
-                   const int32_t* group_offsets, int num_groups, int64_t m_total, int64_t n, int64_t k,
-                   const GroupedGemmConfig* config, cudaStream_t stream, char* err, size_t err_len,
-                   const char* fn) {
-  clear_err(err, err_len);
+int m_grouped_impl(const MGroupedGemmArgs& args, cudaStream_t stream, char* err, size_t err_len, const char* fn) {
+  const void* a = args.a;
+  const int64_t lda = args.lda, a_rows = args.a_rows;
+  const int32_t* a_row_index = args.a_row_index;
+  const void* b = args.b;
+  const bool b_k_major = args.b_k_major;
+  const int64_t ldb = args.ldb, b_group_stride = args.b_group_stride;
+  void* d = args.d;
+  const int64_t ldd = args.ldd;
+  const int32_t* group_offsets = args.group_offsets;
+  const int num_groups = args.num_groups;
+  const int64_t m_total = args.m_total, n = args.n, k = args.k;
+  const GroupedGemmConfig* config = args.config;
   const bool gather = a_row_index != nullptr;
   if (int r = check_num_groups(num_groups, fn, err, err_len)) return r;
   if (m_total < 0 || m_total > kMaxDim || n < 8 || n > kMaxDim || k < 0 || k > kMaxDim)
@@ -181,34 +188,41 @@ int m_grouped_impl(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_
 }
 }  // namespace
 
-int m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, bool b_k_major, int64_t ldb,
-                        int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
-                        int num_groups, int64_t m_total, int64_t n, int64_t k,
-                        const GroupedGemmConfig* config, cudaStream_t stream, char* err, size_t err_len) {
-  return m_grouped_impl(a, lda, 0, nullptr, b, b_k_major, ldb, b_group_stride, d, ldd, group_offsets, num_groups,
-                        m_total, n, k, config, stream, err, err_len, "m_grouped_bf16_gemm");
-}
-
-int m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
-                                 const void* b, bool b_k_major, int64_t ldb, int64_t b_group_stride, void* d,
-                                 int64_t ldd, const int32_t* group_offsets, int num_groups, int64_t m_total,
-                                 int64_t n, int64_t k, const GroupedGemmConfig* config, cudaStream_t stream,
-                                 char* err, size_t err_len) {
-  if (a_row_index == nullptr && m_total > 0 && k > 0)
-    return fail(kGemmInvalidArgument, err, err_len, "m_grouped_bf16_gemm_gather_a: null a_row_index");
-  return m_grouped_impl(a, lda, a_rows, a_row_index, b, b_k_major, ldb, b_group_stride, d, ldd, group_offsets,
-                        num_groups, m_total, n, k, config, stream, err, err_len, "m_grouped_bf16_gemm_gather_a");
-}
-
-int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
-                               const void* w13, int64_t ldb, int64_t b_group_stride, int64_t intermediate, void* s,
-                               int64_t lds, void* h, int64_t ldh, const int32_t* group_offsets, int num_groups,
-                               int64_t m_total, int64_t k, float clamp_limit, const GroupedGemmConfig* config,
-                               cudaStream_t stream, char* err, size_t err_len) {
+int m_grouped_bf16_gemm(const MGroupedGemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
   clear_err(err, err_len);
+  // a set row index would silently turn this into the gather; the caller asks for that by name
+  if (args.a_row_index != nullptr)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "m_grouped_bf16_gemm: a_row_index must be null (m_grouped_bf16_gemm_gather_a gathers)");
+  return m_grouped_impl(args, stream, err, err_len, "m_grouped_bf16_gemm");
+}
+
+int m_grouped_bf16_gemm_gather_a(const MGroupedGemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
+  clear_err(err, err_len);
+  if (args.a_row_index == nullptr && args.m_total > 0 && args.k > 0)
+    return fail(kGemmInvalidArgument, err, err_len, "m_grouped_bf16_gemm_gather_a: null a_row_index");
+  return m_grouped_impl(args, stream, err, err_len, "m_grouped_bf16_gemm_gather_a");
+}
+
+int m_grouped_bf16_gemm_swiglu(const SwigluGemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
+  clear_err(err, err_len);
+  const void* a = args.a;
+  const int64_t lda = args.lda, a_rows = args.a_rows;
+  const int32_t* a_row_index = args.a_row_index;
+  const void* w13 = args.w13;
+  const int64_t ldb = args.ldb, b_group_stride = args.b_group_stride;
+  void* s = args.s;
+  const int64_t lds = args.lds;
+  void* h = args.h;
+  const int64_t ldh = args.ldh;
+  const int32_t* group_offsets = args.group_offsets;
+  const int num_groups = args.num_groups;
+  const int64_t m_total = args.m_total, k = args.k;
+  const float clamp_limit = args.clamp_limit;
+  const GroupedGemmConfig* config = args.config;
   const char* fn = "m_grouped_bf16_gemm_swiglu";
   const bool gather = a_row_index != nullptr;
-  const int64_t I = intermediate;
+  const int64_t I = args.intermediate;
   if (int r = check_num_groups(num_groups, fn, err, err_len)) return r;
   if (m_total < 0 || m_total > kMaxDim || I < 64 || 2 * I > kMaxDim || I % 64 != 0 || k < 8 || k > kMaxDim ||
       k % 8 != 0)
@@ -295,15 +309,26 @@ int m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const
   return launch_m_grouped<128, 5, true, false, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
 }
 
-int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb, int64_t b_group_stride,
-                                   const void* h, int64_t ldh, const int32_t* pool_src_route,
-                                   const float* route_weights, int64_t num_routes, void* dh, int64_t lddh, void* aw,
-                                   int64_t ldaw, float* dt_part, int64_t dt_ld, const int32_t* group_offsets,
-                                   int num_groups, int64_t m_total, int64_t intermediate, int64_t hidden,
-                                   float clamp_limit, int num_sms, cudaStream_t stream, char* err, size_t err_len) {
+int m_grouped_bf16_gemm_swiglu_bwd(const SwigluBwdGemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
   clear_err(err, err_len);
   const char* fn = "m_grouped_bf16_gemm_swiglu_bwd";
-  const int64_t I = intermediate, k = hidden;
+  const void* dy_pool = args.dy_pool;
+  const void* w2 = args.w2;
+  const void* h = args.h;
+  const int64_t lda = args.lda, ldb = args.ldb, b_group_stride = args.b_group_stride, ldh = args.ldh;
+  const int32_t* pool_src_route = args.pool_src_route;
+  const float* route_weights = args.route_weights;
+  const int64_t num_routes = args.num_routes;
+  void* dh = args.dh;
+  void* aw = args.aw;
+  float* dt_part = args.dt_part;
+  const int64_t lddh = args.lddh, ldaw = args.ldaw, dt_ld = args.dt_ld;
+  const int32_t* group_offsets = args.group_offsets;
+  const int num_groups = args.num_groups;
+  const int64_t m_total = args.m_total;
+  const float clamp_limit = args.clamp_limit;
+  const int num_sms = args.num_sms;
+  const int64_t I = args.intermediate, k = args.hidden;
   if (int r = check_num_groups(num_groups, fn, err, err_len)) return r;
   if (m_total < 0 || m_total > kMaxDim || I < 64 || 2 * I > kMaxDim || I % 64 != 0 || k < 8 || k > kMaxDim ||
       k % 8 != 0)
@@ -395,12 +420,18 @@ int m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void*
   return check_launch(fn, err, err_len);
 }
 
-int k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c, bool c_is_bf16,
-                        bool accumulate, const int32_t* group_offsets, int num_groups, int64_t p_total,
-                        int64_t m, int64_t n, const GroupedGemmConfig* config, cudaStream_t stream, char* err,
-                        size_t err_len) {
+int k_grouped_bf16_gemm(const KGroupedGemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
   clear_err(err, err_len);
   const char* fn = "k_grouped_bf16_gemm";
+  const void* a = args.a;
+  const void* b = args.b;
+  void* c = args.c;
+  const int64_t lda = args.lda, ldb = args.ldb;
+  const bool c_is_bf16 = args.c_is_bf16, accumulate = args.accumulate;
+  const int32_t* group_offsets = args.group_offsets;
+  const int num_groups = args.num_groups;
+  const int64_t p_total = args.p_total, m = args.m, n = args.n;
+  const GroupedGemmConfig* config = args.config;
   if (int r = check_num_groups(num_groups, fn, err, err_len)) return r;
   if (p_total < 0 || p_total > kMaxDim || m < 8 || m > kMaxDim || n < 8 || n > kMaxDim)
     return fail(kGemmInvalidArgument, err, err_len, "%s: bad sizes p_total=%lld m=%lld n=%lld", fn,
