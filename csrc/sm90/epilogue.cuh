@@ -12,15 +12,6 @@
 namespace deep_gemm {
 namespace sm90 {
 
-// Epilogue staging: each consumer warpgroup owns 64 rows x 64 columns of bf16 with a 16-byte row pad
-// (pitch 144 B keeps both the fragment writes and the 16-byte row reads free of bank conflicts).
-constexpr int kStagePitchBytes = (64 + 8) * 2;
-constexpr int kStageBytesPerWg = 64 * kStagePitchBytes;
-// Synchronous epilogue: each warpgroup's staging region starts 1024-byte aligned (it also serves as one
-// 128B-swizzled 64 x 64 TMA-store box, see store_acc_bf16_tma_ring).
-constexpr int kSyncStageStride = 10240;
-static_assert(kSyncStageStride >= kStageBytesPerWg && kSyncStageStride % 1024 == 0, "sync staging stride");
-
 // ---- asynchronous epilogue: TMA stores from a 128B-swizzled staging tile ---------------------------
 // Each consumer warpgroup owns a 64-row half of a full-tile staging buffer, laid out as kBlockN / 64 boxes
 // of 64 rows x 64 columns (8 KB each, 128-byte rows, 16-byte chunks XOR-swizzled by row % 8: the layout a
@@ -88,30 +79,6 @@ __device__ __forceinline__ void copy_swizzled_half_to_global(uint32_t stg_half, 
       const uint32_t a = stg_half + (ch >> 3) * TmaStaging<kBlockN>::kBoxBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
       const uint4 v = ptx::ld_shared_v4(a);
       *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row0 + r) * ldo + gcol) = v;
-    }
-  }
-}
-
-// Synchronous epilogue through TMA stores: one warpgroup's 64 x kBlockN fragment goes out as kBlockN / 64 boxes of
-// 64 x 64 through a single 8 KB 128B-swizzled staging box (box_addr, 1024-byte aligned): write a box with
-// stmatrix, one elected thread TMA-stores it (issue(box_addr, column)), and the next box waits only for that
-// store's shared-memory read. The last store's read overlaps the next tile's mainloop. Boxes at or past
-// col_limit are skipped (the tensor map clips the rest).
-template <int kBlockN, typename IssueFn>
-__device__ __forceinline__ void store_acc_bf16_tma_ring(const float (&acc)[kBlockN / 2], uint32_t box_addr,
-                                                        uint32_t bar_id, int wg_tid, int col0, int col_limit,
-                                                        IssueFn&& issue) {
-#pragma unroll
-  for (int c = 0; c < kBlockN / 64; ++c) {
-    if (col0 + c * 64 >= col_limit) break;  // uniform across the warpgroup
-    if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
-    ptx::named_bar_sync(bar_id, 128);
-    write_acc_boxes_to_staging<kBlockN, 1>(acc, box_addr, wg_tid, c);
-    ptx::fence_proxy_async_smem();
-    ptx::named_bar_sync(bar_id, 128);
-    if (wg_tid == 0) {
-      issue(box_addr, col0 + c * 64);
-      ptx::bulk_commit_group();
     }
   }
 }
