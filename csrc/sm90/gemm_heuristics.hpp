@@ -17,7 +17,7 @@ struct GroupedGemmConfig {
   int block_k = 64;
   int num_stages = 4;
   int num_sms = 0;
-  // 0: the consumer warpgroups store their tile themselves (through a small staging tile);
+  // 0: the consumer warpgroups store their tile themselves, from registers (the k-grouped fp32 outputs);
   // 1: asynchronous epilogue: consumers drop the tile into a full-tile staging buffer and move on, 3 store
   //    warps of the producer warpgroup write it out (bf16 outputs only; costs one pipeline stage of smem).
   int async_epilogue = 0;
