@@ -1,5 +1,6 @@
 """The build: per-arch cubins (on a tiny probe target), exported symbols, no torch C++ ABI, release config."""
 
+import importlib.metadata
 import os
 import re
 import shutil
@@ -162,3 +163,13 @@ def test_probe_builds_with_the_pypi_cuda_compiler(tmp_path):
     out = subprocess.run([cmake, "--build", str(build)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert _same_arches(_list_elf(build / "libpk_probe.so"), ["sm_90a"])
+
+
+def test_installed_metadata_has_the_license_and_project_urls():
+    dist = importlib.metadata.distribution("prime-kernels")
+    assert dist.metadata["License-Expression"] == "MIT"
+    assert "LICENSE" in dist.metadata.get_all("License-File")
+    licence = [f for f in dist.files if f.name == "LICENSE"]
+    assert licence and "MIT License" in licence[0].read_text()
+    urls = dict(u.split(", ", 1) for u in dist.metadata.get_all("Project-URL"))
+    assert {"Homepage", "Source", "Issues"} <= urls.keys(), urls
