@@ -95,7 +95,44 @@ def test_probe_build_holds_exactly_the_requested_cubins(tmp_path, archs, expecte
 def test_unknown_arch_fails_at_configure(tmp_path, bad):
     cfg = _configure(tmp_path, bad)
     assert cfg.returncode != 0
-    assert "Accepted values: 90a" in cfg.stderr and bad in cfg.stderr
+    err = " ".join(cfg.stderr.split())  # CMake wraps its messages
+    assert "Accepted values: 90a" in err and bad in err
+
+
+@pytest.mark.parametrize("bad", ["", " ", "90a;;100a", "90a;", "90a,100a", "bogus"])
+def test_empty_or_malformed_arch_list_fails_before_the_compiler_is_looked_for(tmp_path, bad):
+    """Needs only CMake: the arch list is checked before project(), so no nvcc is involved (the nvcc
+    given does not exist and must not be reached)."""
+    cmake = _cmake()
+    if cmake is None:
+        pytest.skip("needs cmake >= 3.31")
+    cfg = subprocess.run([cmake, "-S", str(REPO), "-B", str(tmp_path), "-DCMAKE_CUDA_COMPILER=/nonexistent/nvcc",
+                          f"-DPRIME_KERNELS_CUDA_ARCHS={bad}", "-DPRIME_KERNELS_PROBE_ONLY=ON"],
+                         capture_output=True, text=True, timeout=120)
+    assert cfg.returncode != 0
+    err = " ".join(cfg.stderr.split())
+    assert "PRIME_KERNELS_CUDA_ARCHS" in err and "Accepted values: 90a (Hopper), 100a" in err, err
+    assert "/nonexistent/nvcc" not in err, err
+
+
+@pytest.mark.parametrize("bad", ["", " ", "90a;;100a", ";90a", "sm_90", "bogus"])
+def test_build_script_rejects_a_bad_arch_list_before_any_download(tmp_path, bad):
+    """ci/build_wheel.sh checks the list before it looks for nvcc, makes its venv or installs anything:
+    every tool that could download is replaced by one that leaves a mark, and no mark may appear."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    mark = tmp_path / "called"
+    for tool in ("python3", "python", "pip", "pip3", "nvcc", "curl", "wget", "git", "cmake"):
+        (fake / tool).write_text(f"#!/bin/sh\necho {tool} >> '{mark}'\nexit 1\n")
+        (fake / tool).chmod(0o755)
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "HOME": str(tmp_path), "PRIME_KERNELS_CUDA_ARCHS": bad,
+           "PRIME_KERNELS_BUILD_VENV": str(tmp_path / "venv"), "CUDACXX": str(fake / "nvcc")}
+    out = subprocess.run(["bash", str(REPO / "ci" / "build_wheel.sh")], capture_output=True, text=True,
+                         env=env, timeout=30)
+    assert out.returncode != 0
+    assert "Accepted values: 90a, 100a, 103a, 100f" in out.stdout + out.stderr, out.stdout + out.stderr
+    assert not mark.exists(), mark.read_text()
+    assert not (tmp_path / "venv").exists()
 
 
 def test_installed_core_holds_the_built_arches():
@@ -173,3 +210,25 @@ def test_installed_metadata_has_the_license_and_project_urls():
     assert licence and "MIT License" in licence[0].read_text()
     urls = dict(u.split(", ", 1) for u in dist.metadata.get_all("Project-URL"))
     assert {"Homepage", "Source", "Issues"} <= urls.keys(), urls
+
+
+def test_a_failed_build_leaves_no_wheel_behind(tmp_path):
+    """A copy of ci/ in an empty tree whose build fails at its first step (no nvcc, no python3): the
+    wheel a previous build left in wheelhouse/ and its dist/ must be gone."""
+    shutil.copytree(REPO / "ci", tmp_path / "ci")
+    (tmp_path / "wheelhouse").mkdir()
+    old = tmp_path / "wheelhouse" / "prime_kernels-0.0.1-py3-none-manylinux_2_28_x86_64.whl"
+    old.write_bytes(b"old")
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / "prime_kernels-0.0.1-py3-none-linux_x86_64.whl").write_bytes(b"old")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for tool in ("python3", "nvcc"):
+        (fake / tool).write_text("#!/bin/sh\nexit 1\n")
+        (fake / tool).chmod(0o755)
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "HOME": str(tmp_path), "PRIME_KERNELS_CUDA_ARCHS": "90a",
+           "CUDACXX": str(fake / "nvcc")}
+    out = subprocess.run(["bash", str(tmp_path / "ci" / "build_wheel.sh")], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert not old.exists() and not (tmp_path / "dist").exists()
