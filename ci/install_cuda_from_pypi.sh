@@ -5,9 +5,9 @@ set -euo pipefail
 PREFIX="${1:-$(pwd)/.toolchain/cuda}"
 PY="${PYTHON:-python3}"
 mkdir -p "$PREFIX"
+# Versions: ci/constraints.txt.
 "$PY" -m pip install --quiet --disable-pip-version-check --target "$PREFIX/site" \
-  nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 \
-  nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 >&2
+  -c "$(dirname "$0")/constraints.txt" nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-cccl nvidia-cuda-crt nvidia-nvvm >&2
 ROOT="$PREFIX/site/nvidia/cu13"
 # nvcc.profile searches $(TOP)/lib64; the wheels ship lib/.
 [ -e "$ROOT/lib64" ] || ln -s lib "$ROOT/lib64"

@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 tag="${1:?usage: release_publish.sh vX.Y.Z}"
 version=$(python -c "import tomllib; print(tomllib.load(open('pyproject.toml','rb'))['project']['version'])")
 [ "$tag" = "v$version" ] || { echo "tag $tag does not match pyproject version $version"; exit 1; }
-python -m pip install --quiet twine
+python -m pip install --quiet -c ci/constraints.txt twine
 python -m twine check --strict wheelhouse/*.whl
 gh release create "$tag" --draft --title "prime-kernels $version" --notes "prime-kernels $version" wheelhouse/*.whl

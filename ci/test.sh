@@ -6,8 +6,17 @@ cd "$(dirname "$0")/.."
 VENV="${PRIME_KERNELS_TEST_VENV:-.venv-test}"
 rm -rf "$VENV"
 python3 -m venv "$VENV"
-"$VENV/bin/pip" install --quiet --disable-pip-version-check "torch==${PRIME_KERNELS_TEST_TORCH:-2.14.1}" \
-  pytest numpy matplotlib "cibuildwheel==4.3.5" "cmake>=3.31" ninja
+# The build tools (cibuildwheel, CMake, ninja) and torch come at the versions of ci/constraints.txt; a
+# PRIME_KERNELS_TEST_TORCH override drops the torch pin from it so the two do not conflict.
+CONSTRAINTS="$(mktemp)"
+trap 'rm -f "$CONSTRAINTS"' EXIT
+if [ -n "${PRIME_KERNELS_TEST_TORCH:-}" ]; then
+  grep -v '^torch==' ci/constraints.txt > "$CONSTRAINTS"; torch_req="torch==$PRIME_KERNELS_TEST_TORCH"
+else
+  cp ci/constraints.txt "$CONSTRAINTS"; torch_req=torch
+fi
+"$VENV/bin/pip" install --quiet --disable-pip-version-check -c "$CONSTRAINTS" "$torch_req" \
+  pytest numpy matplotlib cibuildwheel cmake ninja
 "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps wheelhouse/prime_kernels-*.whl
 # The integrations' tests run against the versions they were written for. torchtitan's declared
 # dependencies (datasets, wandb, ...) are not used by the parts we adapt, hence --no-deps.
@@ -16,6 +25,7 @@ python3 -m venv "$VENV"
 "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps "torchtitan==0.3.0"
 # A second environment with the CPU-only torch 2.13 (older than the 2.14 headers the shim was built
 # against): the wheel must import and run its CPU ops there too. Skipped where no such torch exists.
+# (not under ci/constraints.txt: that environment exists to hold another torch).
 if [ "${PRIME_KERNELS_SKIP_CPU_TORCH:-0}" != 1 ]; then
   rm -rf .venv-cpu-torch && python3 -m venv .venv-cpu-torch
   if .venv-cpu-torch/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0" 2>/dev/null \

@@ -232,3 +232,25 @@ def test_a_failed_build_leaves_no_wheel_behind(tmp_path):
                          env=env, timeout=60)
     assert out.returncode != 0, out.stdout + out.stderr
     assert not old.exists() and not (tmp_path / "dist").exists()
+
+
+def test_provenance_check_fails_on_a_mismatch_and_passes_on_a_match(tmp_path):
+    script = str(REPO / "ci" / "check_provenance.sh")
+    listed = tmp_path / "torch-2.14.1-cp311-cp311-manylinux_2_28_x86_64.whl"
+    listed.write_bytes(b"not the real wheel")
+    bad = subprocess.run(["bash", script, str(listed)], capture_output=True, text=True, timeout=30)
+    assert bad.returncode != 0 and "sha256" in bad.stderr, bad.stderr
+    unlisted = tmp_path / "other-1.0-py3-none-any.whl"
+    unlisted.write_bytes(b"x")
+    assert subprocess.run(["bash", script, str(unlisted)], capture_output=True, timeout=30).returncode != 0
+    import hashlib
+    table = tmp_path / "PROVENANCE.md"
+    table.write_text(f"| x | 1 | {listed.name} | {hashlib.sha256(listed.read_bytes()).hexdigest()} | MIT | - |\n")
+    good = subprocess.run(["bash", script, str(listed)], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PRIME_KERNELS_PROVENANCE": str(table)})
+    assert good.returncode == 0, good.stderr
+    # The build installs torch with every listed wheel hash; the pinned version is the listed one.
+    hashes = subprocess.run(["bash", script, "--hashes", "torch"], capture_output=True, text=True, check=True).stdout
+    assert hashes.count("--hash=sha256:") >= 2
+    pins = (REPO / "ci" / "constraints.txt").read_text()
+    assert "torch==2.14.1" in pins.splitlines() and "torch-2.14.1-" in (REPO / "third_party" / "PROVENANCE.md").read_text()
