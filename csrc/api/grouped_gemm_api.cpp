@@ -13,52 +13,14 @@ int current_device_is_sm90(const char* op) {
   return deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kSm90);
 }
 
-}  // namespace
-
-extern "C" {
-
-int pk_m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int b_k_major, int64_t ldb,
-                           int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
-                           int num_groups, int64_t m_total, int64_t n, int64_t k, int num_sms, void* cuda_stream) {
+// Both m-grouped entry points: the plain GEMM and (gather) the one that gathers A's rows through a_row_index, each
+// launcher checking its own arguments.
+int m_grouped(const char* op, bool gather, const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
+              const void* b, int b_k_major, int64_t ldb, int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
+              int num_groups, int64_t m_total, int64_t n, int64_t k, int num_sms, void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
-  if (const int rc = current_device_is_sm90("m_grouped_bf16_gemm"); rc != PK_OK) return rc;
-  PK_CHECK_ARG(num_sms >= 0, "m_grouped_bf16_gemm: num_sms = %d, must be >= 0 (0 = every SM)", num_sms);
-  deep_gemm::sm90::GroupedGemmConfig cfg = deep_gemm::sm90::m_grouped_gemm_config(m_total, n, k, num_groups);
-  cfg.num_sms = num_sms;
-  deep_gemm::sm90::MGroupedGemmArgs args;
-  args.a = a;
-  args.lda = lda;
-  args.b = b;
-  args.b_k_major = b_k_major != 0;
-  args.ldb = ldb;
-  args.b_group_stride = b_group_stride;
-  args.d = d;
-  args.ldd = ldd;
-  args.group_offsets = group_offsets;
-  args.num_groups = num_groups;
-  args.m_total = m_total;
-  args.n = n;
-  args.k = k;
-  args.config = &cfg;
-  char message[512] = {0};
-  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm(args, static_cast<cudaStream_t>(cuda_stream), message,
-                                                      sizeof(message));
-  return deep_gemm::api::from_status(rc, message);
-#else
-  (void)a, (void)lda, (void)b, (void)b_k_major, (void)ldb, (void)b_group_stride, (void)d, (void)ldd;
-  (void)group_offsets, (void)num_groups, (void)m_total, (void)n, (void)k, (void)num_sms, (void)cuda_stream;
-  return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE,
-                              "m_grouped_bf16_gemm is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
-#endif
-}
-
-int pk_m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
-                                    const void* b, int b_k_major, int64_t ldb, int64_t b_group_stride, void* d,
-                                    int64_t ldd, const int32_t* group_offsets, int num_groups, int64_t m_total,
-                                    int64_t n, int64_t k, int num_sms, void* cuda_stream) {
-#if PK_HAS_SM90_KERNELS
-  if (const int rc = current_device_is_sm90("m_grouped_bf16_gemm_gather_a"); rc != PK_OK) return rc;
-  PK_CHECK_ARG(num_sms >= 0, "m_grouped_bf16_gemm_gather_a: num_sms = %d, must be >= 0 (0 = every SM)", num_sms);
+  if (const int rc = current_device_is_sm90(op); rc != PK_OK) return rc;
+  PK_CHECK_ARG(num_sms >= 0, "%s: num_sms = %d, must be >= 0 (0 = every SM)", op, num_sms);
   deep_gemm::sm90::GroupedGemmConfig cfg = deep_gemm::sm90::m_grouped_gemm_config(m_total, n, k, num_groups);
   cfg.num_sms = num_sms;
   deep_gemm::sm90::MGroupedGemmArgs args;
@@ -79,16 +41,35 @@ int pk_m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, 
   args.k = k;
   args.config = &cfg;
   char message[512] = {0};
-  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_gather_a(args, static_cast<cudaStream_t>(cuda_stream), message,
-                                                               sizeof(message));
+  const cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
+  const int rc = gather ? deep_gemm::sm90::m_grouped_bf16_gemm_gather_a(args, stream, message, sizeof(message))
+                        : deep_gemm::sm90::m_grouped_bf16_gemm(args, stream, message, sizeof(message));
   return deep_gemm::api::from_status(rc, message);
 #else
-  (void)a, (void)lda, (void)a_rows, (void)a_row_index, (void)b, (void)b_k_major, (void)ldb, (void)b_group_stride;
-  (void)d, (void)ldd, (void)group_offsets, (void)num_groups, (void)m_total, (void)n, (void)k, (void)num_sms;
-  (void)cuda_stream;
-  return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE,
-                              "m_grouped_bf16_gemm_gather_a is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
+  (void)gather, (void)a, (void)lda, (void)a_rows, (void)a_row_index, (void)b, (void)b_k_major, (void)ldb;
+  (void)b_group_stride, (void)d, (void)ldd, (void)group_offsets, (void)num_groups, (void)m_total, (void)n, (void)k;
+  (void)num_sms, (void)cuda_stream;
+  return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE, "%s is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a", op);
 #endif
+}
+
+}  // namespace
+
+extern "C" {
+
+int pk_m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int b_k_major, int64_t ldb,
+                           int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
+                           int num_groups, int64_t m_total, int64_t n, int64_t k, int num_sms, void* cuda_stream) {
+  return m_grouped("m_grouped_bf16_gemm", false, a, lda, 0, nullptr, b, b_k_major, ldb, b_group_stride, d, ldd,
+                   group_offsets, num_groups, m_total, n, k, num_sms, cuda_stream);
+}
+
+int pk_m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
+                                    const void* b, int b_k_major, int64_t ldb, int64_t b_group_stride, void* d,
+                                    int64_t ldd, const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                    int64_t n, int64_t k, int num_sms, void* cuda_stream) {
+  return m_grouped("m_grouped_bf16_gemm_gather_a", true, a, lda, a_rows, a_row_index, b, b_k_major, ldb, b_group_stride,
+                   d, ldd, group_offsets, num_groups, m_total, n, k, num_sms, cuda_stream);
 }
 
 int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
