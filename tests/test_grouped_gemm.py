@@ -390,7 +390,7 @@ def _finding(match: str) -> None:
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match=match):
         deep_gemm.check_device_errors()
-    deep_gemm.grouped_gemm.check_device()  # reported once, then cleared
+    deep_gemm.check_device_errors()  # reported once, then cleared
 
 
 BAD_OFFSETS = {"decreasing": lambda o, M: [0, o[3], o[1]] + o[3:],  # groups 0 and 2 overlap if run
