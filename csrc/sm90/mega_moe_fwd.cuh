@@ -490,6 +490,9 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
     if (info->last) break;
     const int mb = info->mb, row0 = info->row0, n0 = info->n0;
     if (mb < 0) {  // an L2 tile: only the stores; the other helpers go on to the next record
+      // Thread 0 frees the record with the staging tiles (ho_free): every helper must have read it by then, or a
+      // late one would read the consumers' next record in its place (the L1 path's barriers order this already).
+      ptx::named_bar_sync(kBarHelpers, kHelperThreads);
       if (htid == 0) {
         store_staged(tmap_o, row0, n0, p.hidden, n0 + L::kStageCols, p.hidden, 2);
         ptx::bulk_wait_group_read<0>();
@@ -637,7 +640,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // first if that stage is not ready: the producer may be waiting for it.
       if (wg_tid == 0 && pending_mb >= 0 && !ptx::mbar_test_wait(&full_bar[stage], phase)) arrive_pending();
       ptx::mbar_wait(&full_bar[stage], phase);
-      const int u = stage_task[stage];
+      // read by the lane that later releases the stage (release below), so that the read is ordered before the
+      // producer's next write of this slot by that lane's own program order
+      const int u = __shfl_sync(0xffffffffu, lane == 0 ? stage_task[stage] : 0, 0);
       if (u < 0) break;
       const auto t = seq.locate(u, e, in_l2);
       const int kbs = t.l1 ? seq.kb1 : seq.kb2;
