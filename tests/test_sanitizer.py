@@ -4,9 +4,18 @@ tests/sanitize_case.py): each of memcheck, racecheck, synccheck and initcheck mu
 The GPU tests skip, with the reason shown, without a CUDA GPU or without compute-sanitizer. The parser tests run
 anywhere: they feed ci/sanitize.sh saved reports of each form.
 
-No report is excluded today. A report that is a limitation of the tool (for example a TMA access ordered by an
-mbarrier, which racecheck cannot see) would be quoted here with the reason it is safe, and only that report left
-out of the count.
+One class of report is excluded, a limitation of initcheck: it does not see TMA (cp.async.bulk.tensor) stores, so
+it reports every later generic-proxy read of rows written only that way as a read of uninitialised memory. In the
+layer part the combine reads exactly such rows (the fused forward's L2 output and the grouped backward's dX
+slots):
+
+    ========= Uninitialized __global__ memory read of size 16 bytes
+    =========     at deep_gemm::common::combine_bf16_kernel(const __nv_bfloat16 *, long, long, const int *, ...)+0x1790
+
+ci/sanitize.sh counts the layer part's reports by reading kernel and leaves out those of combine_bf16_kernel only;
+the rows are written, since the layer's outputs match the float64 reference with NaN-poisoned buffers in the GPU
+tests, and memcheck bounds every combine read. The ops part, whose combine reads rows a torch kernel wrote,
+runs initcheck with nothing excluded.
 """
 
 from __future__ import annotations
@@ -69,11 +78,13 @@ def test_compute_sanitizer_reports_no_errors(tool, tmp_path):
                PK_SANITIZE_TIMEOUT=str(TIMEOUT_S))
     r = subprocess.run(["bash", str(SCRIPT), tool], capture_output=True, text=True, env=env, timeout=TIMEOUT_S + 120)
     print(r.stdout)
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith(f"{tool}:")), None)
-    assert line is not None, f"ci/sanitize.sh printed no line for {tool}:\n{r.stdout}\n{r.stderr[-2000:]}"
-    m = re.match(rf"{tool}: (\d+) errors", line)
-    log = tmp_path / f"{tool}.log"
-    report = log.read_text()[-6000:] if log.exists() else ""
-    assert m is not None, f"{line}\n{report}"
-    assert int(m.group(1)) == 0, f"{line}\n{report}"
+    # one line per run: "tool: N errors ..." or, for initcheck, one per part: "initcheck (layer): N errors ..."
+    lines = [ln for ln in r.stdout.splitlines() if re.match(rf"{tool}( \(\w+\))?: ", ln)]
+    assert lines, f"ci/sanitize.sh printed no line for {tool}:\n{r.stdout}\n{r.stderr[-2000:]}"
+    for line in lines:
+        m = re.match(rf"{tool}( \(\w+\))?: (\d+) errors", line)
+        logs = sorted(tmp_path.glob(f"{tool}-*.log"))
+        report = "".join(p.read_text()[-3000:] for p in logs)
+        assert m is not None, f"{line}\n{report}"
+        assert int(m.group(2)) == 0, f"{line}\n{report}"
     assert r.returncode == 0, f"ci/sanitize.sh exited {r.returncode}:\n{r.stdout}\n{r.stderr[-2000:]}"
