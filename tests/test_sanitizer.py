@@ -88,3 +88,51 @@ def test_compute_sanitizer_reports_no_errors(tool, tmp_path):
         assert m is not None, f"{line}\n{report}"
         assert int(m.group(2)) == 0, f"{line}\n{report}"
     assert r.returncode == 0, f"ci/sanitize.sh exited {r.returncode}:\n{r.stdout}\n{r.stderr[-2000:]}"
+
+
+_REPORT = ("========= Uninitialized __global__ memory read of size 16 bytes\n"
+           "=========     at {kernel}(const __nv_bfloat16 *, long)+0x1790\n"
+           "=========     by thread (0,0,0) in block (0,60,0)\n"
+           "=========     Address 0x7fbae6ed2800\n=========\n")
+
+
+def _fake_initcheck(tmp_path: Path, log_text: str) -> subprocess.CompletedProcess:
+    """ci/sanitize.sh's initcheck runs with a stand-in for compute-sanitizer that writes log_text as its report
+    (for each part) and runs nothing: the script's classification of the reports, without a GPU."""
+    log_src = tmp_path / "report.txt"
+    log_src.write_text(log_text)
+    fake = tmp_path / "fake-sanitizer"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    "while [ $# -gt 0 ]; do case \"$1\" in --log-file) log=$2; shift 2;; --version) echo fake; exit 0;;"
+                    " *) shift;; esac; done\n"
+                    f"cp '{log_src}' \"$log\"; echo 'sanitize_case: done'\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, COMPUTE_SANITIZER=str(fake), PK_SANITIZE_LOG_DIR=str(tmp_path / "logs"))
+    return subprocess.run(["bash", str(SCRIPT), "initcheck"], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_initcheck_excludes_only_the_combines_reads_in_the_layer_part(tmp_path):
+    combine = _REPORT.format(kernel="deep_gemm::common::combine_bf16_kernel")
+    r = _fake_initcheck(tmp_path, combine * 3 + "========= ERROR SUMMARY: 3 errors\n")
+    assert "initcheck (layer): 0 errors (3 reads of TMA-stored rows by combine_bf16_kernel excluded)" in r.stdout
+    assert re.search(r"initcheck \(ops\): 3 errors", r.stdout), r.stdout  # nothing excluded in the ops part
+    assert r.returncode != 0
+
+
+def test_initcheck_counts_every_other_kernel(tmp_path):
+    text = (_REPORT.format(kernel="deep_gemm::common::combine_bf16_kernel")
+            + _REPORT.format(kernel="void at::native::reduce_kernel<512, 1>")
+            + "========= ERROR SUMMARY: 2 errors\n")
+    r = _fake_initcheck(tmp_path, text)
+    assert "initcheck (layer): 1 errors" in r.stdout, r.stdout
+    assert "reports in: 1 reduce_kernel" in r.stdout, r.stdout
+    assert r.returncode != 0
+
+
+def test_initcheck_fails_when_the_tool_dropped_reports(tmp_path):
+    text = (_REPORT.format(kernel="deep_gemm::common::combine_bf16_kernel")
+            + "========= Warning: Error buffer overflow has been detected. Some records have been dropped\n"
+            + "========= ERROR SUMMARY: 2 errors\n========= 34,624 errors were skipped (error buffer overflow).\n")
+    r = _fake_initcheck(tmp_path, text)
+    assert "initcheck (layer): FAILED: the tool dropped 34624 reports" in r.stdout, r.stdout
+    assert r.returncode != 0
