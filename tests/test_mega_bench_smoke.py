@@ -136,6 +136,10 @@ def test_bench_layer_sonicmoe_unavailable(tmp_path, monkeypatch, capsys):
     assert f"skipping backend sonicmoe: import sonicmoe failed: {error}" in out
     assert error in out.split("[bench] wrote")[0].splitlines()[-1]  # the table's last row shows the reason
     assert all(r["ms"] > 0 for r in doc["rows"] if r["backend"] == "torch" and r["direction"] != "bwd")
+    png = _bench_module("plot_results").plot(tmp_path / "sonic.json")  # the skipped rows are named, not drawn
+    out = capsys.readouterr().out
+    if png is not None:
+        assert f"not drawn: sonicmoe fwd smoke T=40 uniform: skipped: import sonicmoe failed: {error}" in out
 
     doc = _run_smoke(tmp_path / "default.json", "--routings", "uniform", "--rounds", "1", "--no-check")
     assert not any(r["backend"] == "sonicmoe" for r in doc["rows"])
