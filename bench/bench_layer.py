@@ -21,7 +21,8 @@ infer) and also dX, d topk_weights, dW13, dW2 (bwd, fwdbwd). floor_ms: the faste
 the row's useful FLOPs, measured once per (shape, T) in the same run with the same timer: the forward's two
 GEMMs as dense cuBLAS products (fwd, infer), the backward's four (dgrad and wgrad of both layers) plus the time
 to write the weight gradients at the bandwidth of a large device copy (bwd), both (fwdbwd); ms_over_floor =
-ms / floor_ms. With EP every number is the slowest (largest) over the ranks. Results: JSON in bench/results/ (fields: docs/performance.md), a table, and a PNG.
+ms / floor_ms. With EP every number is the slowest (largest) over the ranks. Results: JSON in bench/results/
+(fields: docs/performance.md), a table, and a PNG.
 """
 
 from __future__ import annotations
