@@ -285,9 +285,9 @@ def bf16_peak_tflops(device, n=8192, warmup=5, iters=20) -> float:
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
-def dense_gemm_ms(P: int, H: int, I: int, device, warmup=5, iters=20) -> dict:
-    """{"fwd": ms, "bwd": ms} of the layer's useful GEMM FLOPs as dense cuBLAS products (torch.mm into
-    preallocated outputs) on bf16 operands of the layer's sizes, P = routed rows: no routing, ragged groups,
+def dense_gemm_calls(P: int, H: int, I: int, device) -> dict:
+    """{"fwd": fn, "bwd": fn}: the layer's useful GEMM FLOPs as dense cuBLAS products (torch.mm into
+    preallocated outputs) on bf16 operands of the layer's sizes, P = routed rows. No routing, ragged groups,
     SwiGLU or combine, so no routed layer can be faster on the same FLOPs.
 
     fwd: L1 X[P,H] @ W1[H,2I], then L2 S[P,I] @ W2[I,H] (6 P H I FLOPs, layer_flops' fwd).
@@ -311,7 +311,12 @@ def dense_gemm_ms(P: int, H: int, I: int, device, warmup=5, iters=20) -> dict:
         torch.mm(d_h, w1.t(), out=dx_out)
         torch.mm(x.t(), d_h, out=dw1_out)
 
-    return {"fwd": time_ms(fwd, device, warmup, iters), "bwd": time_ms(bwd, device, warmup, iters)}
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def dense_gemm_ms(P: int, H: int, I: int, device, warmup=5, iters=20) -> dict:
+    """{"fwd": ms, "bwd": ms} of dense_gemm_calls, timed by time_ms."""
+    return {k: time_ms(fn, device, warmup, iters) for k, fn in dense_gemm_calls(P, H, I, device).items()}
 
 
 def copy_gbps(device, mib: int = 1024, warmup=5, iters=20) -> float:

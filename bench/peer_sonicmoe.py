@@ -17,6 +17,7 @@ each argument means:
 * it returns (y [T, H], the per-expert route counts).
 
 Routes are taken token-major (token t's K routes in topk order), so the token indices are sorted as required.
+The flat arrays are built inside every call, as transformers builds them, so their cost is in the timings.
 The adapter has no expert parallelism and no masked routes (topk_idx < 0); bench_layer.py reports those cases
 as skipped rather than calling it.
 """

@@ -217,3 +217,17 @@ def test_bench_layer_sonicmoe_adapter(tmp_path, monkeypatch):
                      "--rounds", "1")
     sonic = [r for r in doc["rows"] if r["backend"] == "sonicmoe"]
     assert len(sonic) == 3 and all(r["skipped"] == "RuntimeError: no kernel for this device" for r in sonic), sonic
+
+
+def test_dense_floor_flops():
+    """The floor's dense products do exactly the layer's useful FLOPs: 6 P H I forward, 12 P H I backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    bc = _bench_module("bench_common")
+    P, H, I = 48, 32, 24
+    calls = bc.dense_gemm_calls(P, H, I, "cpu")
+    assert set(calls) == {"fwd", "bwd"}
+    for direction, fn in calls.items():
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        assert counter.get_total_flops() == bc.layer_flops(P, H, I, direction), direction
