@@ -231,3 +231,24 @@ def test_dense_floor_flops():
         with FlopCounterMode(display=False) as counter:
             fn()
         assert counter.get_total_flops() == bc.layer_flops(P, H, I, direction), direction
+
+
+def test_ab_smoke_on_the_cpu_reports_bursts_and_steady_state(tmp_path):
+    """bench/ab.py's whole loop (two child processes per round, ABBA, the report) on the CPU reference backend,
+    the same installed build as both A and B: every direction appears in burst and steady-state form, and the
+    two builds give the same bits."""
+    import subprocess
+
+    import deep_gemm
+
+    site = Path(deep_gemm.__file__).resolve().parent.parent
+    out = tmp_path / "ab.json"
+    r = subprocess.run([sys.executable, str(BENCH / "ab.py"), "--old", str(site), "--new", str(site), "--smoke",
+                        "--backend", "reference", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    got = {(row["shape"], row["direction"]) for row in doc["rows"]}
+    want = {("smoke", d) for d in ("fwd", "bwd", "fwdbwd", "fwd_steady", "bwd_steady", "fwdbwd_steady")}
+    assert got == want, got
+    assert all(row["outputs_bitwise_equal"] for row in doc["rows"])
+    assert doc["timing"]["steady_seconds"] > 0
