@@ -33,7 +33,8 @@ struct Case {
 
 Case make_case(std::mt19937& rng, int num_experts, int hidden, int inter, int lag, int arrivals, int routing) {
   Case c;
-  c.shape = BwdTileShape{256, 256, 128, 256, hidden, inter};
+  const int blocks[2] = {128, 256};
+  c.shape = BwdTileShape{blocks[rng() % 2], blocks[rng() % 2], blocks[rng() % 2], blocks[rng() % 2], hidden, inter};
   c.mb_first.assign(num_experts + 1, 0);
   c.row_first.assign(num_experts + 1, 0);
   std::uniform_int_distribution<int> small(0, 4), big(0, 40);
