@@ -79,15 +79,16 @@ echo "case: $PY tests/sanitize_case.py --part $PART; logs in $LOG_DIR"
 # initcheck cannot see stores made by TMA (cp.async.bulk.tensor): it reports every later generic-proxy read of such
 # rows as uninitialised. In the layer part the combine (combine_bf16_kernel) reads the L2 output rows and the dX
 # slots, which the fused forward and the grouped GEMMs write only through TMA stores. Reported on the H200
-# (compute-sanitizer 2025.3.1) for that part, and for no other kernel:
+# (compute-sanitizer 2025.3.1) for that part, once the case stopped reading outputs back:
 #   ========= Uninitialized __global__ memory read of size 16 bytes
 #   =========     at deep_gemm::common::combine_bf16_kernel(const __nv_bfloat16 *, long, long, const int *, ...)+0x1790
-# So initcheck runs each part separately; in the layer part the reports whose reading kernel is the combine are
-# counted apart and excluded, and nothing else is. The ops part, where the combine reads rows written by a torch
-# kernel, checks the combine itself with nothing excluded. The case runs with --no-readback under initcheck: its own
-# copies of TMA-stored outputs (to compare them) would be reported too; the other tools' runs compare. Every report
-# is printed (no backtraces, for speed) so that the exclusion is counted report by report; a log that holds fewer
-# reports than its summary fails.
+# (about 35,000 reports per run, more than the tool's record buffer holds: it kept 512, all the combine's, and
+# dropped the rest unread.) So initcheck
+# runs each part separately and the layer part leaves the combine kernel unchecked (--kernel-name-exclude), and
+# nothing else; the ops part, whose combine reads rows a torch kernel wrote, checks the combine too. The case runs
+# with --no-readback under initcheck: its own copies of TMA-stored outputs would be reported as well; the other
+# tools' runs compare. Every report is printed (no backtraces, for speed) and counted by reading kernel; a log that
+# holds fewer reports than its summary, or says the tool dropped some, fails.
 INITCHECK_TMA_READERS="combine_bf16_kernel"
 
 # reports_by_kernel LOG: "count kernel" per reading kernel of the log's initcheck reports.
@@ -113,7 +114,8 @@ for run in "${RUNS[@]}"; do
   case_args=()
   case "$tool" in
     memcheck|synccheck) extra=() ;;
-    initcheck) extra=(--show-backtrace no); limit=100000000; case_args=(--no-readback) ;;
+    initcheck) extra=(--show-backtrace no); limit=100000000; case_args=(--no-readback)
+               [ "$part" = layer ] && extra+=(--kernel-name-exclude "kns=$INITCHECK_TMA_READERS") ;;
     racecheck) extra=(--racecheck-report analysis) ;;
     *) echo "$tool: unknown tool (memcheck, racecheck, synccheck, initcheck)"; status=1; continue ;;
   esac
@@ -153,11 +155,7 @@ for run in "${RUNS[@]}"; do
       status=1
       continue
     fi
-    if [ "$part" = layer ]; then
-      excluded=$(reports_by_kernel "$log" | awk -v ks=" $INITCHECK_TMA_READERS " 'index(ks, " " $2 " ") {s += $1} END {print s + 0}')
-      n=$(( n - excluded ))
-      note=" ($excluded reads of TMA-stored rows by $INITCHECK_TMA_READERS excluded)"
-    fi
+    [ "$part" = layer ] && note=" ($INITCHECK_TMA_READERS not checked: its reads of TMA-stored rows)"
   fi
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     echo "$label: FAILED: timed out after ${TIMEOUT} s (errors so far: $n; log $log)"
