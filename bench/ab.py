@@ -92,11 +92,11 @@ def child(args) -> dict:
 
     sys.path.insert(0, str(HERE))
     import bench_common as bc
-    import deep_gemm
-    from deep_gemm.mega import mega_moe
+    import prime_kernels
+    from prime_kernels.mega import mega_moe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = {"deep_gemm_file": deep_gemm.__file__, "build_info": deep_gemm.build_info(),
+    out = {"prime_kernels_file": prime_kernels.__file__, "build_info": prime_kernels.build_info(),
            "header": bc.run_header(device, 0.0), "shapes": {}}
     for short in args.shapes.split(","):
         E, H, I, K = bc.SHAPES[SHAPES[short]]
@@ -130,8 +130,8 @@ def resolve_build(spec: str, tmp: Path, label: str) -> Path:
     """A folder to put on PYTHONPATH: the given one, or a wheel installed into a temp folder."""
     path = Path(spec).resolve()
     if path.is_dir():
-        if not (path / "deep_gemm").is_dir():
-            raise SystemExit(f"--{label} {spec}: no deep_gemm package in that folder")
+        if not (path / "prime_kernels").is_dir():
+            raise SystemExit(f"--{label} {spec}: no prime_kernels package in that folder")
         return path
     if path.suffix == ".whl" and path.is_file():
         target = tmp / label
@@ -153,8 +153,8 @@ def run_child(site: Path, args, argv_tail: list[str]) -> dict:
     if r.returncode != 0 or not lines:
         raise SystemExit(f"[ab] the child for {site} failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
     res = json.loads(lines[-1][len("@@AB@@ "):])
-    if not Path(res["deep_gemm_file"]).resolve().is_relative_to(site):
-        raise SystemExit(f"[ab] the child for {site} imported deep_gemm from {res['deep_gemm_file']}: "
+    if not Path(res["prime_kernels_file"]).resolve().is_relative_to(site):
+        raise SystemExit(f"[ab] the child for {site} imported prime_kernels from {res['prime_kernels_file']}: "
                          f"another copy shadows the build (check PYTHONPATH / the current directory)")
     return res
 
@@ -189,7 +189,7 @@ def main(argv=None):
         print("@@AB@@ " + json.dumps(child(args)), flush=True)
         return None
     sys.path.insert(0, str(HERE))
-    import bench_common as bc  # torch only; the parent never imports deep_gemm
+    import bench_common as bc  # torch only; the parent never imports prime_kernels
 
     shapes = args.shapes.split(",")
     tail = ["--shapes", args.shapes, "--tokens", str(args.tokens), "--warmup", str(args.warmup),

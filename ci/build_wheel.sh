@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Builds the prime-kernels wheel for PRIME_KERNELS_CUDA_ARCHS (default "90a;100a") into wheelhouse/.
+# Builds the two wheels of a release into wheelhouse/: prime-kernels-core (the kernels, import package
+# prime_kernels) for PRIME_KERNELS_CUDA_ARCHS (default "90a;100a"), and prime-kernels (the pure-Python
+# deep_gemm drop-in, pinned to that core version).
 # Needs only python3 >= 3.10 with pip/venv: nvcc, CMake and torch's headers are fetched if missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +36,8 @@ check_archs() {
 export PRIME_KERNELS_CUDA_ARCHS="${PRIME_KERNELS_CUDA_ARCHS-90a;100a}"
 check_archs "$PRIME_KERNELS_CUDA_ARCHS"
 # The old wheel goes first: a build that fails at any later step must not leave it looking current.
-rm -rf dist && rm -f wheelhouse/prime_kernels-*.whl
+rm -rf dist && rm -f wheelhouse/prime_kernels_core-*.whl wheelhouse/prime_kernels-*.whl
+VERSION=$(bash ci/check_versions.sh)
 NVCC="$(bash ci/find_nvcc.sh)"
 export CUDACXX="$NVCC"
 export PATH="$(dirname "$NVCC"):$PATH"
@@ -45,7 +48,7 @@ PYTHON="$VENV/bin/python" bash ci/install_build_deps.sh
 export PATH="$VENV/bin:$PATH"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
 mkdir -p dist wheelhouse
-echo "building prime-kernels for PRIME_KERNELS_CUDA_ARCHS=$PRIME_KERNELS_CUDA_ARCHS with $NVCC"
+echo "building prime-kernels-core $VERSION for PRIME_KERNELS_CUDA_ARCHS=$PRIME_KERNELS_CUDA_ARCHS with $NVCC"
 "$VENV/bin/python" -m pip wheel . --no-build-isolation --no-deps -w dist -v \
   -C build-dir=build/"${PRIME_KERNELS_CUDA_ARCHS//;/_}" > dist/build.log 2>&1 \
   || { tail -60 dist/build.log; echo "wheel build failed (full log: dist/build.log)"; exit 1; }
@@ -53,10 +56,14 @@ grep -E "registers|spill|stack frame" dist/build.log | sort | uniq -c | sort -rn
 # C7520: ptxas serialized a kernel's wgmma (e.g. a wgmma under a divergent branch): tensor-core throughput
 # halves with no other symptom, so it fails the build.
 if grep -q "C7520" dist/build.log; then grep "C7520" dist/build.log; echo "ptxas serialized wgmma (C7520)"; exit 1; fi
-whl=$(ls dist/prime_kernels-*.whl)
+whl=$(ls dist/prime_kernels_core-*.whl)
 # Repair: tag it manylinux where the host allows, keeping torch and the driver out of the wheel.
 "$VENV/bin/auditwheel" repair --exclude 'libtorch*.so' --exclude 'libc10*.so' --exclude 'libcuda.so*' \
   -w wheelhouse "$whl" >/dev/null
-"$VENV/bin/twine" check wheelhouse/prime_kernels-*.whl
-ls -l wheelhouse/prime_kernels-*.whl
+# The drop-in: pure Python, so it is not repaired.
+"$VENV/bin/python" -m pip wheel ./dropin --no-build-isolation --no-deps -w dist >> dist/build.log 2>&1 \
+  || { tail -30 dist/build.log; echo "drop-in wheel build failed (full log: dist/build.log)"; exit 1; }
+cp dist/prime_kernels-"$VERSION"-py3-none-any.whl wheelhouse/
+"$VENV/bin/twine" check --strict wheelhouse/prime_kernels_core-*.whl wheelhouse/prime_kernels-*.whl
+ls -l wheelhouse/prime_kernels_core-*.whl wheelhouse/prime_kernels-*.whl
 echo "wheel build time: $(( $(date +%s) - start )) s"

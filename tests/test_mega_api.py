@@ -7,9 +7,9 @@ import torch
 
 from mega_helpers import make_problem, run_layer
 
-import deep_gemm.mega as mega
-from deep_gemm.mega import _backend
-from deep_gemm.mega import (
+import prime_kernels.mega as mega
+from prime_kernels.mega import _backend
+from prime_kernels.mega import (
     bf16_mega_moe,
     bf16_mega_moe_backward,
     get_symm_buffer_for_mega_moe,
@@ -22,7 +22,7 @@ E, H, I, K = 6, 32, 16, 3
 
 @pytest.fixture
 def status(monkeypatch):
-    """Pretend deep_gemm.status() returns the dict the test puts in (default: nothing available)."""
+    """Pretend prime_kernels.status() returns the dict the test puts in (default: nothing available)."""
     st = {name: "not implemented yet" for name in set(_backend.KERNEL_NAMES.values())}
     monkeypatch.setattr(_backend, "_status", lambda: st)
     monkeypatch.setattr(_backend, "_warned", set())
@@ -39,9 +39,9 @@ def test_fused_reason_reads_status(status):
 
 
 def test_fused_reason_without_status_function(monkeypatch):
-    import deep_gemm
+    import prime_kernels
 
-    monkeypatch.delattr(deep_gemm, "status", raising=False)
+    monkeypatch.delattr(prime_kernels, "status", raising=False)
     assert _backend._fused_reason("bf16", "fwd").endswith("not implemented yet")
 
 
@@ -107,7 +107,7 @@ def test_fp8_names_raise_status_reason(status, fn, name):
 
 
 def test_fp8_names_raise_with_real_status():
-    """Whatever deep_gemm.status() says today, these never run silently."""
+    """Whatever prime_kernels.status() says today, these never run silently."""
     with pytest.raises(_backend.FusedKernelUnavailable):
         mega.fp8_mega_moe(None, None, None, None)
 
@@ -230,7 +230,7 @@ def test_h_is_saved_only_when_a_backward_can_follow(monkeypatch):
     """mega_moe asks the forward op for h only when autograd can call the backward (grad mode on and an input
     that takes a gradient, and no recompute): inference neither computes nor keeps it. y is the same bits either
     way, and the backward after a saving forward still runs."""
-    from deep_gemm.mega import _ops
+    from prime_kernels.mega import _ops
 
     asked = []
     op = _ops.mega_moe_fwd
