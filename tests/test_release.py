@@ -1,0 +1,100 @@
+"""What a release wheel says about itself: its arches (file name, WHEEL metadata, the CUDA_ARCHS metadata
+file, build_info()), its timestamps (SOURCE_DATE_EPOCH), and the release configuration that builds it."""
+
+import importlib.metadata
+import re
+import subprocess
+import tomllib
+import zipfile
+from datetime import datetime, timezone
+
+import pytest
+
+import prime_kernels
+from conftest import REPO
+
+CORE = importlib.metadata.distribution("prime-kernels-core")
+
+
+def _arch_tag(value: str) -> str:
+    out = subprocess.run(["bash", "-c", 'source ci/cuda_archs.sh && arch_tag "$1"', "_", value], cwd=REPO,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("value,tag", [("90a;100a", "90a_100a"), ("100a;90a", "90a_100a"), ("90a", "90a"),
+                                       (" 90a-real ; 100a-real ", "90a_100a"), ("100f;103a", "103a_100f"),
+                                       ("90a;90a", "90a"), ("100a;103a;100f;90a", "90a_100a_103a_100f")])
+def test_the_build_tag_names_the_arches_in_the_accepted_order(value, tag):
+    assert _arch_tag(value) == tag
+
+
+def test_installed_wheel_metadata_names_its_arches():
+    archs = prime_kernels.build_info()["cuda_archs"]
+    assert archs
+    assert CORE.read_text("CUDA_ARCHS").split() == list(archs)
+    wheel = CORE.read_text("WHEEL")
+    build = re.search(r"^Build: (\S+)$", wheel, re.M)
+    # A wheel pip builds from the sdist for non-default arches carries no build tag (pyproject.toml).
+    if build is None:
+        pytest.skip("this wheel has no build tag (built without ci/build_wheel.sh or cibuildwheel)")
+    assert build.group(1) == "_".join(archs) == _arch_tag(";".join(archs))
+
+
+def test_wheel_file_in_wheelhouse_is_named_by_its_arches():
+    wheels = sorted((REPO / "wheelhouse").glob("prime_kernels_core-*.whl"))
+    if not wheels:
+        pytest.skip("no wheelhouse/ here (the test runs from a copy of the sources)")
+    for whl in wheels:
+        name, version, build, *_ = whl.name.split("-")
+        with zipfile.ZipFile(whl) as z:
+            info = next(n for n in z.namelist() if n.endswith("/_build_info.py"))
+            archs = re.search(r'cuda_archs = tuple\(a for a in "([^"]*)"', z.read(info).decode()).group(1)
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/CUDA_ARCHS"))
+            assert z.read(meta).decode().split() == archs.split(",")
+        assert build == archs.replace(",", "_"), whl.name
+
+
+def test_build_date_is_the_source_date_epoch_of_the_commit():
+    """ci/build_wheel.sh sets SOURCE_DATE_EPOCH to the commit's time when it is unset."""
+    git = subprocess.run(["git", "log", "-1", "--format=%ct"], cwd=REPO, capture_output=True, text=True)
+    if git.returncode != 0 or not (REPO / "wheelhouse").is_dir():
+        pytest.skip("not a git checkout with a wheelhouse/ (the wheel was built elsewhere)")
+    if prime_kernels.build_info()["git_sha"] != subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip():
+        pytest.skip("the installed wheel was built from another commit")
+    want = datetime.fromtimestamp(int(git.stdout), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert prime_kernels.build_info()["build_date"] == want
+    with zipfile.ZipFile(sorted((REPO / "wheelhouse").glob("prime_kernels_core-*.whl"))[0]) as z:
+        stamps = {i.date_time for i in z.infolist()}
+    # Zip entries store time in 2-second steps.
+    epoch = datetime.fromtimestamp(int(git.stdout) // 2 * 2, tz=timezone.utc)
+    assert stamps == {epoch.timetuple()[:6]}, stamps
+
+
+def test_release_config_tags_and_tests_what_it_builds():
+    conf = tomllib.loads((REPO / "pyproject.toml").read_text())
+    cibw = conf["tool"]["cibuildwheel"]
+    archs = cibw["linux"]["environment"]["PRIME_KERNELS_CUDA_ARCHS"]
+    assert cibw["config-settings"]["wheel.build-tag"] == _arch_tag(archs)
+    default = conf["tool"]["scikit-build"]["cmake"]["define"]["PRIME_KERNELS_CUDA_ARCHS"]["default"]
+    assert conf["tool"]["scikit-build"]["wheel"]["build-tag"] == _arch_tag(default)
+    assert cibw["test-command"] == "bash ci/cibw_test.sh"
+    assert {"tests", "ci", "dropin", "dropin-dist"} <= set(cibw["test-sources"])
+    assert all((REPO / p).exists() for p in cibw["test-sources"] if p != "dropin-dist")
+    release = (REPO / "ci" / "release_build.sh").read_text()
+    assert "dropin-dist" in release and release.index("dropin-dist") < release.index("cibuildwheel --platform")
+
+
+def test_release_workflow_uploads_only_on_a_version_tag():
+    wf = (REPO / ".github" / "workflows" / "release.yml").read_text()
+    jobs = wf[wf.index("\njobs:"):]
+    publish = jobs[jobs.index("\n  publish:"):]
+    assert "if: startsWith(github.ref, 'refs/tags/v')" in publish.splitlines()[2]
+    assert "needs: [wheels, sdist]" in publish
+    before = jobs[:jobs.index("\n  publish:")]
+    assert "pypi-publish" not in before and "gh release" not in before
+    assert "ci/release_build.sh" in before and "ci/build_sdist.sh" in before
+    for script in ("release_build.sh", "build_sdist.sh", "release_publish.sh"):
+        assert "twine check --strict" in (REPO / "ci" / script).read_text(), script
