@@ -11,9 +11,11 @@ VENV="${PRIME_KERNELS_BUILD_VENV:-.venv-build}"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -c ci/constraints.txt scikit-build-core \
   build twine
 rm -rf dist-sdist
-# The commit, for build_info() of wheels built from the sdist (CMakeLists.txt reads it where there is no .git).
+# The commit and its time, for build_info() of wheels built from the sdist (CMakeLists.txt reads them where
+# there is no .git and no SOURCE_DATE_EPOCH).
 git rev-parse --short=12 HEAD > .git_sha
-trap 'rm -f .git_sha' EXIT
+echo "$SOURCE_DATE_EPOCH" > .source_date_epoch
+trap 'rm -f .git_sha .source_date_epoch' EXIT
 "$VENV/bin/python" -m build --sdist --no-isolation --outdir dist-sdist . >/dev/null
 "$VENV/bin/python" -m build --sdist --no-isolation --outdir dist-sdist dropin >/dev/null
 "$VENV/bin/twine" check --strict dist-sdist/prime_kernels_core-"$VERSION".tar.gz dist-sdist/prime_kernels-"$VERSION".tar.gz

@@ -1,7 +1,7 @@
 # Sourced by ci/build_wheel.sh (and the build tests): the accepted arch values, the check of an arch
 # list, and the build tag that names a wheel's arches.
-# Unset means the default, but an empty, unknown or malformed value is an error (CMakeLists.txt applies
-# the same rule).
+# Unset means the default, but an empty, unknown or malformed value is an error (CMakeLists.txt and the
+# sdist's build backend, build_backend/prime_kernels_build.py, apply the same rule).
 ACCEPTED_ARCHS="90a 100a 103a 100f"
 check_archs() {
   local value=$1 a bad="" stripped
