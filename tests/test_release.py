@@ -116,3 +116,13 @@ def test_release_workflow_uploads_only_on_a_version_tag():
     assert "ci/release_build.sh" in before and "ci/build_sdist.sh" in before
     for script in ("release_build.sh", "build_sdist.sh", "release_publish.sh"):
         assert "twine check --strict" in (REPO / "ci" / script).read_text(), script
+
+
+def test_the_wheel_claims_torch_2_10_and_runs_on_this_torch():
+    """ci/test.sh runs this suite under torch 2.10.0 (the oldest claimed) and the newest pinned one."""
+    import torch
+
+    assert "torch>=2.10" in importlib.metadata.requires("prime-kernels-core")
+    major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    assert (major, minor) >= (2, 10)
+    assert prime_kernels._lib.load().shim_loaded, prime_kernels._lib.load().reason
