@@ -165,3 +165,19 @@ def test_upstream_deep_gemm_beside_the_dropin_is_reported(tmp_path):
     core = run_python(code.replace("import deep_gemm", "import prime_kernels"),
                       env={"PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert core.returncode == 0 and "deep_gemm" not in core.stderr, core.stderr
+
+
+@pytest.mark.parametrize("new,legacy,want", [(None, "1", True), ("1", None, True), ("0", "1", False),
+                                             (None, None, False), (None, "0", False)])
+def test_environment_flags_read_the_new_name_then_the_deep_gemm_one(monkeypatch, new, legacy, want):
+    from prime_kernels.mega import constants
+
+    for name in (constants.ALLOW_FALLBACK_ENV, constants.SKIP_VALUE_CHECKS_ENV):
+        old = constants.LEGACY_ENV_NAMES[name]
+        assert name.startswith("PRIME_KERNELS_") and old.startswith("DEEP_GEMM_")
+        for var, value in ((name, new), (old, legacy)):
+            if value is None:
+                monkeypatch.delenv(var, raising=False)
+            else:
+                monkeypatch.setenv(var, value)
+        assert constants.env_flag(name) is want

@@ -219,14 +219,14 @@ def test_model_without_moe_raises():
 
 
 def test_auto_backend_is_passed_through(monkeypatch):
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     monkeypatch.setattr(_backend, "_warned", set())
     moe = build_moe(12)
     pk_tt.apply(moe)
     x = torch.randn(1, 4, D)
-    with pytest.raises(_backend.FusedKernelUnavailable, match="DEEP_GEMM_ALLOW_REFERENCE_FALLBACK"):
+    with pytest.raises(_backend.FusedKernelUnavailable, match="PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK"):
         moe(x)
-    monkeypatch.setenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", "1")
+    monkeypatch.setenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", "1")
     with pytest.warns(RuntimeWarning, match="falling back"):
         moe(x)
 
@@ -259,7 +259,7 @@ def test_cpu_variant_of_the_gpu_check():
 @pytest.mark.skipif(auto_kernel_skip_reason() is not None, reason=str(auto_kernel_skip_reason()))
 def test_gpu_auto_backend_matches_torchtitan(monkeypatch):
     """backend="auto" on the GPU: the fused kernels, else the grouped pipeline (no reference fallback)."""
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     _check_against_torchtitan("cuda", "auto")
 
 

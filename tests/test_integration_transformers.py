@@ -233,7 +233,7 @@ def test_expert_parallel_sentinels_are_masked():
 def test_auto_backend_is_passed_through(monkeypatch):
     """apply() defaults to backend='auto': on CPU without the fallback variable the call raises the
     status() reason (never a silent reference run); with it, it runs the reference and warns."""
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     monkeypatch.setattr(_backend, "_warned", set())
     model = build(9, torch.bfloat16)
     pk_hf.apply(model)
@@ -246,10 +246,10 @@ def test_auto_backend_is_passed_through(monkeypatch):
 
     monkeypatch.setattr(pk_hf, "mega_moe", spy)
     ids = torch.randint(0, VOCAB, (1, 8))
-    with pytest.raises(_backend.FusedKernelUnavailable, match="DEEP_GEMM_ALLOW_REFERENCE_FALLBACK"):
+    with pytest.raises(_backend.FusedKernelUnavailable, match="PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK"):
         model(input_ids=ids)
     assert seen == ["auto"]
-    monkeypatch.setenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", "1")
+    monkeypatch.setenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", "1")
     with pytest.warns(RuntimeWarning, match="falling back"):
         model(input_ids=ids)
     pk_hf.apply(model, backend="reference")
@@ -442,7 +442,7 @@ def test_cpu_variant_of_the_gpu_check():
 @pytest.mark.skipif(auto_kernel_skip_reason() is not None, reason=str(auto_kernel_skip_reason()))
 def test_gpu_auto_backend_close_to_reference_and_eager(monkeypatch):
     """backend="auto" on the GPU: the fused kernels, else the grouped pipeline (no reference fallback)."""
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     _check_against_reference_and_eager("cuda", "auto")
 
 
@@ -512,7 +512,7 @@ def test_load_time_selection_and_gradient_checkpointing(tmp_path, monkeypatch):
     ref = Qwen3MoeForCausalLM.from_pretrained(tmp_path, experts_implementation="eager", dtype=torch.float64)
     assert loaded.config._experts_implementation == "prime_mega_moe"
     ids = torch.randint(0, VOCAB, (2, 10))
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     # float64 under "auto": the exact mode is reference-only, so this raises
     with pytest.raises(ValueError, match="backend='reference'"):
         loaded(input_ids=ids)

@@ -26,7 +26,7 @@ def status(monkeypatch):
     st = {name: "not implemented yet" for name in set(_backend.KERNEL_NAMES.values())}
     monkeypatch.setattr(_backend, "_status", lambda: st)
     monkeypatch.setattr(_backend, "_warned", set())
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     return st
 
 
@@ -57,12 +57,12 @@ def test_fused_raises_status_reason(status):
 
 
 def test_auto_raises_without_env(status):
-    with pytest.raises(_backend.FusedKernelUnavailable, match="DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1"):
+    with pytest.raises(_backend.FusedKernelUnavailable, match="PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK=1"):
         _backend.resolve_backend("auto", "bf16", "fwd", device_type="cuda", hidden=128, intermediate=128)
 
 
 def test_auto_falls_back_with_env_and_warns_once(status, monkeypatch):
-    monkeypatch.setenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", "1")
+    monkeypatch.setenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", "1")
     with pytest.warns(RuntimeWarning, match="falling back to the pure-PyTorch reference"):
         assert _backend.resolve_backend("auto", "bf16", "fwd", device_type="cuda") == "reference"
     with warnings.catch_warnings():
@@ -74,7 +74,7 @@ def test_auto_on_cpu_end_to_end(status, monkeypatch):
     x, idx, w, w13, w2, dy = make_problem(8, 128, 128, E, K, seed=51)
     with pytest.raises(_backend.FusedKernelUnavailable, match="need CUDA tensors"):
         mega_moe(x, idx, w, w13, w2)
-    monkeypatch.setenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", "1")
+    monkeypatch.setenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", "1")
     with pytest.warns(RuntimeWarning):
         y = mega_moe(x, idx, w, w13, w2)
     assert torch.equal(y, mega_moe(x, idx, w, w13, w2, backend="reference"))

@@ -248,7 +248,7 @@ def test_token_major_dispatch_survives_an_inconsistent_route_map():
 def test_fused_forward_saves_h_and_auto_backward_runs(monkeypatch):
     """backend="auto": the fused forward, then the grouped backward from the state it saved."""
     _require_fused()
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     from prime_kernels.mega import mega_moe
 
     from mega_helpers import run_layer
@@ -361,7 +361,7 @@ def test_autograd_layer_has_no_implicit_host_sync(monkeypatch):
     """Forward and backward of backend "auto" queue their work without a synchronizing torch call (the
     expert-id check reads through pinned memory after the launches), so the host can run ahead."""
     _require_fused()
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     from prime_kernels.mega import mega_moe
 
     x, idx, w, w13, w2, dy = [t.cuda() for t in make_problem(1000, 256, 256, 32, 4, routing="skewed", seed=22)]
@@ -383,7 +383,7 @@ def test_fused_forward_keeps_pooled_x_for_the_backward(monkeypatch):
     poisoned buffers), y is unchanged, and the backward that uses them instead of gathering x again
     gives the same gradients bit for bit."""
     _require_fused()
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     from prime_kernels.mega import _ops, mega_moe
 
     x, idx, w, w13, w2, dy = [t.cuda() for t in make_problem(999, 256, 256, 32, 4, routing="skewed", seed=23,

@@ -47,7 +47,7 @@ def test_grouped_matches_float64(T, E, H, I, K, routing, masked, clamp, used):
 
 @requires_sm90
 def test_grouped_is_bitwise_deterministic_and_auto_picks_it(monkeypatch):
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     assert prime_kernels.status()["mega_moe_grouped.bf16.sm90"] == "available"
     prob = [t.cuda() for t in make_problem(2048, 256, 256, 64, 8, routing="skewed", seed=5, masked_frac=0.1)]
     runs = [run_layer(*prob, backend="grouped") for _ in range(3)]

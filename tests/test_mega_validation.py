@@ -127,11 +127,11 @@ def test_expert_id_below_minus_one(prob):
 
 
 def test_skipping_value_checks_never_applies_to_the_reference(prob, monkeypatch):
-    """DEEP_GEMM_SKIP_VALUE_CHECKS=1 skips the expert-id read only on the kernel backends (their routing
+    """PRIME_KERNELS_SKIP_VALUE_CHECKS=1 skips the expert-id read only on the kernel backends (their routing
     plan masks an out-of-range id); the reference would index with it, so it still raises."""
     from prime_kernels.mega import _validate
 
-    monkeypatch.setenv("DEEP_GEMM_SKIP_VALUE_CHECKS", "1")
+    monkeypatch.setenv("PRIME_KERNELS_SKIP_VALUE_CHECKS", "1")
     idx = prob[1].clone()
     idx[2, 1] = E
     with pytest.raises(ValueError, match=r"must lie in \[-1, 3\]"):
@@ -140,7 +140,7 @@ def test_skipping_value_checks_never_applies_to_the_reference(prob, monkeypatch)
     _validate.check_expert_ids(idx, E, "fused")
     with pytest.raises(ValueError, match=r"must lie in \[-1, 3\]"):
         _validate.check_expert_ids(idx, E, "reference")
-    monkeypatch.delenv("DEEP_GEMM_SKIP_VALUE_CHECKS")
+    monkeypatch.delenv("PRIME_KERNELS_SKIP_VALUE_CHECKS")
     with pytest.raises(ValueError, match=r"must lie in \[-1, 3\]"):
         _validate.check_expert_ids(idx, E, "grouped")
 

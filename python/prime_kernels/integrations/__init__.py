@@ -13,7 +13,7 @@ Backend choice: every entry point takes ``backend=`` (one of ``prime_kernels.meg
 "auto" by default) and passes it to :func:`prime_kernels.mega.mega_moe` unchanged, so the integrations
 follow :mod:`prime_kernels.mega._backend`: under "auto" the fused kernels as soon as
 ``prime_kernels.status()`` reports them, else the grouped-GEMM pipeline where it runs (CUDA, bf16, one
-rank), else the reference only where ``DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1`` allows it.
+rank), else the reference only where ``PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK=1`` allows it.
 """
 
 from ._common import UnsupportedLayerError

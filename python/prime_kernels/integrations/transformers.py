@@ -183,7 +183,7 @@ def apply(model: nn.Module, backend: str = "auto") -> list[str]:
         ``@use_experts_implementation`` with the same layout), or any ``nn.Module`` containing them.
       backend: "auto" (default: the fused kernels when ``prime_kernels.status()`` reports them, else
         the grouped-GEMM pipeline where it runs, else the reference only with
-        ``DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1``), or "fused", "grouped", "reference"; passed to
+        ``PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK=1``), or "fused", "grouped", "reference"; passed to
         :func:`prime_kernels.mega.mega_moe` on every call.
 
     Returns the qualified names of the experts modules switched (all of them). Raises

@@ -14,7 +14,7 @@ Rules (the same for every entry point):
   bf16, single rank), or raises the reason.
 * ``backend="auto"`` runs the fused kernel when it is available, else the grouped pipeline where
   that is available (bf16, single rank); otherwise it falls back to the reference only when the
-  environment variable ``DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1`` is set, with a one-time warning,
+  environment variable ``PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK=1`` is set, with a one-time warning,
   and raises the reason otherwise. Never silently.
 * A forward with more local experts than the fused kernel takes (``FUSED_MAX_EXPERTS``) is a ValueError
   under ``backend="fused"`` and runs the grouped pipeline under ``"auto"`` (:func:`choose_backend` says why).
@@ -24,7 +24,6 @@ Rules (the same for every entry point):
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -32,7 +31,7 @@ import torch
 from . import _fused, _grouped, _validate, reference
 from ..routing import pool_capacity
 from ._validate import FusedKernelUnavailable
-from .constants import (ALLOW_FALLBACK_ENV, BACKENDS, FUSED_MAX_EXPERTS, GROUPED_MAX_EXPERTS, HIDDEN_ALIGN,
+from .constants import (ALLOW_FALLBACK_ENV, env_flag, BACKENDS, FUSED_MAX_EXPERTS, GROUPED_MAX_EXPERTS, HIDDEN_ALIGN,
                         INTERMEDIATE_ALIGN, PRECISIONS)
 
 # (precision, direction) -> kernel name in prime_kernels.status().
@@ -155,7 +154,7 @@ def check_backend(backend: str) -> None:
 
 
 def fallback_allowed() -> bool:
-    return os.environ.get(ALLOW_FALLBACK_ENV, "") == "1"
+    return env_flag(ALLOW_FALLBACK_ENV)
 
 
 def alignment_reason(hidden: int, intermediate: int) -> str | None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 
 from .. import _watchdog
-from .constants import KERNEL_BLOCK_MS, MAX_BLOCK_M, SKIP_VALUE_CHECKS_ENV
+from .constants import KERNEL_BLOCK_MS, MAX_BLOCK_M, SKIP_VALUE_CHECKS_ENV, env_flag
 
 PREFIX = "prime_kernels.mega: "
 
@@ -233,7 +232,7 @@ class ExpertIdCheck:
         self._idx = None
         if topk_idx.numel() == 0:
             return
-        if backend in ("fused", "grouped") and os.environ.get(SKIP_VALUE_CHECKS_ENV, "") == "1":
+        if backend in ("fused", "grouped") and env_flag(SKIP_VALUE_CHECKS_ENV):
             return
         if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
             return  # no host read is possible inside a CUDA graph capture; ids are masked routes there
@@ -302,6 +301,6 @@ class ExpertIdCheck:
 
 def check_expert_ids(topk_idx, num_experts, backend=None):
     """The whole value check at once (one device -> host read); see :class:`ExpertIdCheck`. With
-    ``DEEP_GEMM_SKIP_VALUE_CHECKS=1`` it is skipped for the kernel backends (``backend`` "fused" or
+    ``PRIME_KERNELS_SKIP_VALUE_CHECKS=1`` it is skipped for the kernel backends (``backend`` "fused" or
     "grouped"), where an out-of-range id is then a masked route; never for the reference."""
     ExpertIdCheck(topk_idx, num_experts, backend).finish()

@@ -20,6 +20,8 @@ the alignment is enforced whenever a fused kernel would run.
 * ``GROUPED_MAX_EXPERTS``: the most groups the grouped GEMMs take (``kMaxGroups`` in csrc/sm90/kernel_common.cuh).
 """
 
+import os
+
 HIDDEN_ALIGN = 128
 INTERMEDIATE_ALIGN = 128
 BLOCK_M = 128
@@ -29,12 +31,26 @@ FUSED_MAX_EXPERTS = 512
 GROUPED_MAX_EXPERTS = 1024
 
 #: Environment variable that lets ``backend="auto"`` fall back to the reference.
-ALLOW_FALLBACK_ENV = "DEEP_GEMM_ALLOW_REFERENCE_FALLBACK"
+ALLOW_FALLBACK_ENV = "PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK"
 
 #: Environment variable: "1" skips the expert-id value check (a device -> host read that the kernel
 #: backends wait for after queueing their kernels) on the kernel backends, whose routing plan treats an
 #: out-of-range id as a masked route.
-SKIP_VALUE_CHECKS_ENV = "DEEP_GEMM_SKIP_VALUE_CHECKS"
+SKIP_VALUE_CHECKS_ENV = "PRIME_KERNELS_SKIP_VALUE_CHECKS"
+
+#: The names these variables had when the import package was deep_gemm. They are still read (the new
+#: name wins when both are set), so existing job scripts keep working.
+LEGACY_ENV_NAMES = {ALLOW_FALLBACK_ENV: "DEEP_GEMM_ALLOW_REFERENCE_FALLBACK",
+                    SKIP_VALUE_CHECKS_ENV: "DEEP_GEMM_SKIP_VALUE_CHECKS"}
+
+
+def env_flag(name: str) -> bool:
+    """True when the variable ``name`` (or, if it is unset, its legacy name) is "1"."""
+    value = os.environ.get(name)
+    if value is None:
+        value = os.environ.get(LEGACY_ENV_NAMES.get(name, ""), "")
+    return value == "1"
+
 
 #: Precision names (those of the competing product's announcement).
 PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
@@ -52,6 +68,8 @@ __all__ = [
     "GROUPED_MAX_EXPERTS",
     "ALLOW_FALLBACK_ENV",
     "SKIP_VALUE_CHECKS_ENV",
+    "LEGACY_ENV_NAMES",
+    "env_flag",
     "PRECISIONS",
     "BACKENDS",
 ]
