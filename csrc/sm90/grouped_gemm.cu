@@ -13,7 +13,7 @@
 #include "m_grouped_gemm.cuh"
 #include "swiglu_bwd_pp.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 using namespace host;
 
@@ -521,4 +521,4 @@ int k_grouped_bf16_gemm(const KGroupedGemmArgs& args, cudaStream_t stream, char*
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

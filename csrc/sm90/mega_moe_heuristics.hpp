@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // The pipeline: 3 stages of 128x256x64 (48 KB each) + the 32 KB half-width staging tile leave room for 11 dispatch
@@ -60,4 +60,4 @@ inline MegaFwdConfig mega_fwd_config(int64_t inter) {
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels
