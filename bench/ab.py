@@ -240,9 +240,12 @@ def main(argv=None):
                options={"tokens": args.tokens, "routing": "uniform", "backend": args.backend, "seed": args.seed},
                rows=rows)
     print(f"{'shape':>6} {'dir':>7} {'old ms':>9} {'new ms':>9} {'new/old':>8} {'min':>7} {'max':>7}  same bits")
+    # A ratio is None where no round had a positive old time (bwd = fwdbwd - fwd can be <= 0 on a noisy CPU run).
+    num = lambda v, width: f"{v:{width}.4f}" if v is not None else f"{'n/a':>{width}}"  # noqa: E731
     for r in rows:
         print(f"{r['shape']:>6} {r['direction']:>7} {r['old_ms']:9.3f} {r['new_ms']:9.3f} "
-              f"{r['ratio_new_old']:8.4f} {r['ratio_min']:7.4f} {r['ratio_max']:7.4f}  {r['outputs_bitwise_equal']}")
+              f"{num(r['ratio_new_old'], 8)} {num(r['ratio_min'], 7)} {num(r['ratio_max'], 7)}  "
+              f"{r['outputs_bitwise_equal']}")
     if args.out:
         path = Path(args.out)
     elif args.smoke:
