@@ -30,6 +30,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SHAPES = {"30B": "qwen3-30b-a3b", "235B": "qwen3-235b-a22b", "smoke": "smoke"}
 DIRECTIONS = ("fwd", "bwd", "fwdbwd")
+# the same directions timed in steady state (bench_common.sustained_ms), with --steady-seconds > 0
+STEADY_DIRECTIONS = ("fwd_steady", "bwd_steady", "fwdbwd_steady")
 
 
 def parse_args(argv=None):
@@ -42,6 +44,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steady-seconds", type=float, default=1.0,
+                   help="also time each direction in steady state: this many seconds of back-to-back calls, then "
+                        "the mean of --iters more (bench_common.sustained_ms; the clock a training loop sees, where "
+                        "the bursts' first calls run at a higher one); 0: bursts only")
     p.add_argument("--backend", default="auto", help="mega_moe backend (auto; reference for a CPU dry run)")
     p.add_argument("--child-timeout", type=float, default=900.0, help="seconds one child may take")
     p.add_argument("--out", default=None, help="results JSON (default bench/results/ab_<gpu>_<date>_<old>_<new>.json)")
@@ -50,7 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.smoke:
-        for name, value in (("shapes", "smoke"), ("tokens", 256), ("rounds", 1), ("warmup", 2), ("iters", 5)):
+        for name, value in (("shapes", "smoke"), ("tokens", 256), ("rounds", 1), ("warmup", 2), ("iters", 5),
+                            ("steady_seconds", 0.05)):
             if getattr(a, name) == p.get_default(name):
                 setattr(a, name, value)
     for s in a.shapes.split(","):
@@ -92,11 +99,14 @@ def child(args) -> dict:
 
     sys.path.insert(0, str(HERE))
     import bench_common as bc
-    import prime_kernels
-    from prime_kernels.mega import mega_moe
+    import importlib
+
+    # Builds from before the package split (the A/B baseline among them) ship the package as deep_gemm only.
+    package = importlib.import_module(_package_name(Path(os.environ["PYTHONPATH"])))  # run_child sets it
+    mega_moe = importlib.import_module(package.__name__ + ".mega").mega_moe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = {"prime_kernels_file": prime_kernels.__file__, "build_info": prime_kernels.build_info(),
+    out = {"package_file": package.__file__, "build_info": package.build_info(),
            "header": bc.run_header(device, 0.0), "shapes": {}}
     for short in args.shapes.split(","):
         E, H, I, K = bc.SHAPES[SHAPES[short]]
@@ -110,6 +120,10 @@ def child(args) -> dict:
         res = {"fwd": bc.time_ms(fwd, device, args.warmup, args.iters),
                "fwdbwd": bc.time_ms(fwdbwd, device, args.warmup, args.iters)}
         res["bwd"] = res["fwdbwd"] - res["fwd"]
+        if args.steady_seconds > 0:
+            res["fwd_steady"] = bc.sustained_ms(fwd, device, args.steady_seconds, args.iters)
+            res["fwdbwd_steady"] = bc.sustained_ms(fwdbwd, device, args.steady_seconds, args.iters)
+            res["bwd_steady"] = res["fwdbwd_steady"] - res["fwd_steady"]
         y = fwd()
         grads = torch.autograd.grad(y, leaves, dy)
         res["fingerprint"] = {n: _fingerprint(t) for n, t in zip(("y", "dx", "dtopk", "dw13", "dw2"), (y, *grads))}
@@ -126,12 +140,17 @@ def child(args) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
+def _package_name(site: Path) -> str:
+    """prime_kernels where the build has it, else deep_gemm (builds from before the two distributions)."""
+    return "prime_kernels" if (site / "prime_kernels").is_dir() or not (site / "deep_gemm").is_dir() else "deep_gemm"
+
+
 def resolve_build(spec: str, tmp: Path, label: str) -> Path:
     """A folder to put on PYTHONPATH: the given one, or a wheel installed into a temp folder."""
     path = Path(spec).resolve()
     if path.is_dir():
-        if not (path / "prime_kernels").is_dir():
-            raise SystemExit(f"--{label} {spec}: no prime_kernels package in that folder")
+        if not (path / "prime_kernels").is_dir() and not (path / "deep_gemm").is_dir():
+            raise SystemExit(f"--{label} {spec}: no prime_kernels (or, for older builds, deep_gemm) package there")
         return path
     if path.suffix == ".whl" and path.is_file():
         target = tmp / label
@@ -153,8 +172,8 @@ def run_child(site: Path, args, argv_tail: list[str]) -> dict:
     if r.returncode != 0 or not lines:
         raise SystemExit(f"[ab] the child for {site} failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
     res = json.loads(lines[-1][len("@@AB@@ "):])
-    if not Path(res["prime_kernels_file"]).resolve().is_relative_to(site):
-        raise SystemExit(f"[ab] the child for {site} imported prime_kernels from {res['prime_kernels_file']}: "
+    if not Path(res["package_file"]).resolve().is_relative_to(site):
+        raise SystemExit(f"[ab] the child for {site} imported {_package_name(site)} from {res['package_file']}: "
                          f"another copy shadows the build (check PYTHONPATH / the current directory)")
     return res
 
@@ -162,8 +181,9 @@ def run_child(site: Path, args, argv_tail: list[str]) -> dict:
 def summarize(samples: dict, shapes: list[str]) -> list[dict]:
     """samples[label] = list of child results, one per round (same round index = one pair)."""
     rows = []
+    steady = all(STEADY_DIRECTIONS[0] in c["shapes"][s] for c in samples["old"] + samples["new"] for s in shapes)
     for s in shapes:
-        for d in DIRECTIONS:
+        for d in DIRECTIONS + (STEADY_DIRECTIONS if steady else ()):
             old = [c["shapes"][s][d] for c in samples["old"]]
             new = [c["shapes"][s][d] for c in samples["new"]]
             ratios = [n / o for n, o in zip(new, old) if o > 0]
@@ -193,7 +213,8 @@ def main(argv=None):
 
     shapes = args.shapes.split(",")
     tail = ["--shapes", args.shapes, "--tokens", str(args.tokens), "--warmup", str(args.warmup),
-            "--iters", str(args.iters), "--seed", str(args.seed), "--backend", args.backend]
+            "--iters", str(args.iters), "--seed", str(args.seed), "--backend", args.backend,
+            "--steady-seconds", str(args.steady_seconds)]
     with tempfile.TemporaryDirectory(prefix="pk_ab_") as tmp:
         sites = {"old": resolve_build(args.old, Path(tmp), "old"), "new": resolve_build(args.new, Path(tmp), "new")}
         samples = {"old": [], "new": []}
@@ -212,8 +233,10 @@ def main(argv=None):
     doc = dict(header, git_sha_old=builds["old"]["build_info"].get("git_sha"),
                git_sha_new=builds["new"]["build_info"].get("git_sha"), builds=builds,
                timing={"warmup": args.warmup, "iters": args.iters, "rounds": args.rounds, "order": "ABBA",
-                       "statistic": "per round: median of iters CUDA-event times; reported: median over rounds of "
-                                    "new/old (each round's pair); bwd = fwdbwd - fwd"},
+                       "steady_seconds": args.steady_seconds,
+                       "statistic": "per round: median of iters CUDA-event times (the *_steady rows: mean of iters "
+                                    "back-to-back calls after steady_seconds of them); reported: median over rounds "
+                                    "of new/old (each round's pair); bwd = fwdbwd - fwd"},
                options={"tokens": args.tokens, "routing": "uniform", "backend": args.backend, "seed": args.seed},
                rows=rows)
     print(f"{'shape':>6} {'dir':>7} {'old ms':>9} {'new ms':>9} {'new/old':>8} {'min':>7} {'max':>7}  same bits")

@@ -285,6 +285,50 @@ def bf16_peak_tflops(device, n=8192, warmup=5, iters=20) -> float:
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
+def dense_gemm_calls(P: int, H: int, I: int, device) -> dict:
+    """{"fwd": fn, "bwd": fn}: the layer's useful GEMM FLOPs as dense cuBLAS products (torch.mm into
+    preallocated outputs) on bf16 operands of the layer's sizes, P = routed rows. No routing, ragged groups,
+    SwiGLU or combine, so no routed layer can be faster on the same FLOPs.
+
+    fwd: L1 X[P,H] @ W1[H,2I], then L2 S[P,I] @ W2[I,H] (6 P H I FLOPs, layer_flops' fwd).
+    bwd: the dgrad and wgrad of both: dS = dO @ W2^T, dW2 = S^T @ dO, dX = dHm @ W1^T, dW1 = X^T @ dHm
+    (12 P H I, layer_flops' bwd); each wgrad reduces over all P rows at once, as one expert with every row."""
+    g = torch.Generator(device=device).manual_seed(P)
+    rnd = lambda *s: torch.randn(*s, generator=g, device=device).to(torch.bfloat16)  # noqa: E731
+    x, s, d_o, d_h = rnd(P, H), rnd(P, I), rnd(P, H), rnd(P, 2 * I)  # random, never zeros (zeros run faster)
+    w1, w2 = rnd(H, 2 * I), rnd(I, H)
+    h_out, o_out, ds_out, dx_out = (torch.empty(r, c, device=device, dtype=torch.bfloat16)
+                                    for r, c in ((P, 2 * I), (P, H), (P, I), (P, H)))
+    dw1_out, dw2_out = torch.empty_like(w1), torch.empty_like(w2)
+
+    def fwd():
+        torch.mm(x, w1, out=h_out)
+        torch.mm(s, w2, out=o_out)
+
+    def bwd():
+        torch.mm(d_o, w2.t(), out=ds_out)
+        torch.mm(s.t(), d_o, out=dw2_out)
+        torch.mm(d_h, w1.t(), out=dx_out)
+        torch.mm(x.t(), d_h, out=dw1_out)
+
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def dense_gemm_ms(P: int, H: int, I: int, device, warmup=5, iters=20) -> dict:
+    """{"fwd": ms, "bwd": ms} of dense_gemm_calls, timed by time_ms."""
+    return {k: time_ms(fn, device, warmup, iters) for k, fn in dense_gemm_calls(P, H, I, device).items()}
+
+
+def copy_gbps(device, mib: int = 1024, warmup=5, iters=20) -> float:
+    """Device memory bandwidth in GB/s of one large tensor copy (bytes read + bytes written over its time):
+    the rate at which a backward can at best write its weight gradients."""
+    n = mib * 2 ** 20
+    src = torch.ones(n, device=device, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, warmup, iters)
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
 def layer_flops(routes: int, H: int, I: int, direction: str) -> float:
     """Useful FLOPs of unmasked routes: 6*P*H*I forward (with or without grad: fwd, infer), 12*P*H*I backward
     (never recompute)."""
@@ -358,9 +402,14 @@ def format_table(rows: list[dict]) -> str:
             ("ratio_vs_torch", "{:.2f}"), ("peak_mem_gib", "{:.2f}"), ("max_rel_err", "{:.2e}")]
     if any("ms_sustained" in r for r in rows):
         cols[7:7] = [("ms_sustained", "{:.3f}"), ("ratio_sustained", "{:.2f}")]
+    if any("floor_ms" in r for r in rows):
+        at = [c for c, _ in cols].index("ratio_vs_torch") + 1
+        cols[at:at] = [("floor_ms", "{:.3f}"), ("ms_over_floor", "{:.2f}")]
+    if any(r.get("skipped") for r in rows):
+        cols.append(("skipped", "{}"))
     cells = [[c for c, _ in cols]]
     for r in rows:
-        cells.append([("-" if r.get(c) is None else f.format(r[c])) for c, f in cols])
+        cells.append([("-" if r.get(c) is None else " ".join(f.format(r[c]).split())) for c, f in cols])
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -9,15 +9,21 @@ on the same inputs in the same run.
 Backends: "torch" (baseline), "deep_gemm" (backend="auto", what a user gets: the fused kernel of each
 direction where prime_kernels.status() says it is available, else the grouped pipeline; the log says which), "deep_gemm_grouped" (the single-rank pipeline of our grouped GEMMs, prime_kernels.mega._grouped),
 "deep_gemm_reference" (the pure-PyTorch reference; by default timed only at
-T <= --reference-max-tokens because it is slow). The "deep_gemm*" labels name our backends: the results files
-have used them since the first run, and docs/performance.md compares across runs. Timing: CUDA events, --warmup runs then the median
+T <= --reference-max-tokens because it is slow), "sonicmoe" (the SonicMoE package as a peer, bench/peer_sonicmoe.py;
+in the default list only when it imports; a requested peer that cannot run gets rows with "skipped": the reason,
+e.g. the exact import error). The "deep_gemm*" labels name our backends: the results files have used them since
+the first run, and docs/performance.md compares across runs. Timing: CUDA events, --warmup runs then the median
 of --iters; fwd with autograd on, fwdbwd = forward + torch.autograd.grad, bwd = fwdbwd - fwd; with
 --inference also infer = the forward under torch.no_grad() (nothing saved for a backward). Peak
 memory: reset_peak_memory_stats before a grad-enabled forward (fwd rows), a no-grad one (infer rows) or
 forward+backward (bwd, fwdbwd rows), inputs and weights resident. max_rel_err (non-torch rows): the largest
 ||out - ref|| / ||ref|| against the reference evaluated in float64 on the same inputs, over y (fwd,
-infer) and also dX, d topk_weights, dW13, dW2 (bwd, fwdbwd). With EP every number is the slowest (largest)
-over the ranks. Results: JSON in bench/results/ (fields: docs/performance.md), a table, and a PNG.
+infer) and also dX, d topk_weights, dW13, dW2 (bwd, fwdbwd). floor_ms: the fastest any layer could be on
+the row's useful FLOPs, measured once per (shape, T) in the same run with the same timer: the forward's two
+GEMMs as dense cuBLAS products (fwd, infer), the backward's four (dgrad and wgrad of both layers) plus the time
+to write the weight gradients at the bandwidth of a large device copy (bwd), both (fwdbwd); ms_over_floor =
+ms / floor_ms. With EP every number is the slowest (largest) over the ranks. Results: JSON in bench/results/
+(fields: docs/performance.md), a table, and a PNG.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
+import peer_sonicmoe  # noqa: E402
 
-BACKENDS = ("torch", "deep_gemm", "deep_gemm_grouped", "deep_gemm_reference")
+BACKENDS = ("torch", "deep_gemm", "deep_gemm_grouped", "deep_gemm_reference", "sonicmoe")
+PEERS = ("sonicmoe",)  # other libraries' layers: timed and checked like ours, skipped with a reason when unusable
 
 
 def parse_args(argv=None):
@@ -43,7 +51,8 @@ def parse_args(argv=None):
                    help=f"comma list from {sorted(bc.SHAPES)}")
     p.add_argument("--tokens", default="4096,16384", help="comma list of tokens per rank")
     p.add_argument("--routings", default="uniform,zipf", help="comma list from uniform,zipf")
-    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list from {BACKENDS}")
+    p.add_argument("--backends", default=None,
+                   help=f"comma list from {BACKENDS} (default: all of them, sonicmoe only when it imports)")
     p.add_argument("--reference-max-tokens", type=int, default=4096,
                    help="time deep_gemm_reference only at T <= this (it is slow); 0 = no limit")
     p.add_argument("--warmup", type=int, default=5)
@@ -67,6 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--max-minutes", type=float, default=10.0,
                    help="stop starting new configurations after this many minutes (results so far are kept)")
     p.add_argument("--peak-n", type=int, default=8192, help="size of the bf16 matmul that measures the peak")
+    p.add_argument("--copy-mib", type=int, default=1024,
+                   help="MiB of the device copy whose bandwidth prices the weight-gradient writes in bwd floor_ms")
     p.add_argument("--out", default=None, help="results JSON path (default bench/results/layer_<gpu>_<date>.json)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -74,7 +85,8 @@ def parse_args(argv=None):
                    help="tiny shape, few iterations, CPU-runnable; results go to a temp dir unless --out")
     a = p.parse_args(argv)
     if a.smoke:  # smoke defaults, unless given on the command line
-        for name, value in (("shapes", "smoke"), ("tokens", "64,130"), ("warmup", 2), ("iters", 5), ("peak_n", 256)):
+        for name, value in (("shapes", "smoke"), ("tokens", "64,130"), ("warmup", 2), ("iters", 5), ("peak_n", 256),
+                            ("copy_mib", 8)):
             if getattr(a, name) == p.get_default(name):
                 setattr(a, name, value)
     return a
@@ -94,6 +106,8 @@ def _fused_state():
 def _layer_fn(backend, group, E, args):
     if backend == "torch":
         return lambda x, i, w, a, b: bc.torch_moe(x, i, w, a, b, group=group)
+    if backend == "sonicmoe":
+        return peer_sonicmoe.sonicmoe_layer
     from prime_kernels.mega import mega_moe
 
     which = {"deep_gemm": "auto", "deep_gemm_grouped": "grouped"}.get(backend, "reference")
@@ -116,7 +130,47 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
-def bench_config(shape, T, routing, backends, args, device, group, peak):
+def _peer_failure(fn, leaves, idx, dy, args):
+    """None when the peer layer runs a forward, a backward and (with --inference) a no-grad forward on these
+    inputs (the first call also compiles what it JIT-compiles, outside the timings); else the exception as
+    ``Type: message``."""
+    xl, wl, w13l, w2l = leaves
+    if bool((idx < 0).any()):
+        return "masked routes (topk_idx < 0): the peer adapters take every route as valid"
+    try:
+        torch.autograd.grad(fn(xl, idx, wl, w13l, w2l), leaves, dy)
+        if args.inference:
+            with torch.no_grad():
+                fn(xl, idx, wl, w13l, w2l)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _floor(shape, T, routes, grad_bytes, args, device, cache, copy_gbps):
+    """floor_ms per direction for (shape, T), measured at its first configuration and kept in ``cache``: the
+    dense-GEMM times (best of --rounds) and, for the backward, the weight-gradient write at ``copy_gbps``."""
+    key = (shape, T, routes)
+    if key not in cache:
+        _, H, I, _ = bc.SHAPES[shape]
+        dense = None
+        for _ in range(max(1, args.rounds)):
+            d = bc.dense_gemm_ms(routes, H, I, device, args.warmup, args.iters)
+            dense = d if dense is None else {k: min(dense[k], d[k]) for k in d}
+        _free(device)
+        fwd, bwd = bc.reduce_max(dense["fwd"], device), bc.reduce_max(dense["bwd"], device)
+        write = bc.reduce_max(grad_bytes / (copy_gbps * 1e9) * 1e3, device)
+        cache[key] = {"shape": shape, "tokens": T, "routes": routes, "dense_fwd_ms": round(fwd, 4),
+                      "dense_bwd_ms": round(bwd, 4), "weight_grad_bytes": grad_bytes,
+                      "weight_grad_write_ms": round(write, 4),
+                      "floor_ms": {"fwd": fwd, "infer": fwd, "bwd": bwd + write, "fwdbwd": fwd + bwd + write}}
+    return cache[key]["floor_ms"]
+
+
+def bench_config(shape, T, routing, backends, args, device, group, peak, skipped=None, floors=None, copy_gbps=None):
+    """Rows of every backend at one configuration. ``skipped``: {backend: reason} of requested backends that
+    cannot run at all (they get rows with the reason); ``floors``: the cache of floor_ms per (shape, T) and
+    ``copy_gbps`` the run's copy bandwidth (floor_ms is left out without them)."""
     E, H, I, K = bc.SHAPES[shape]
     rank, ep = bc.world()
     w13, w2 = bc.make_weights(E, H, I, args.seed, device, rank, ep)
@@ -124,6 +178,18 @@ def bench_config(shape, T, routing, backends, args, device, group, peak):
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
     xl, wl, w13l, w2l = leaves
     routes = int((idx >= 0).sum())
+    floor = None
+    if floors is not None and copy_gbps:
+        grad_bytes = w13l.numel() * w13l.element_size() + w2l.numel() * w2l.element_size()  # dW13 + dW2
+        floor = _floor(shape, T, routes, grad_bytes, args, device, floors, copy_gbps)
+    skipped = dict(skipped or {})
+    for backend in [b for b in backends if b in PEERS and b not in skipped]:
+        why = _peer_failure(_layer_fn(backend, group, E, args), leaves, idx, dy, args)
+        if why is not None:
+            skipped[backend] = why
+            if rank == 0:
+                print(f"[bench] {shape} T={T} {routing}: skipping backend {backend}: {why}")
+    backends = [b for b in backends if b not in skipped]
     results, outputs = {}, {}
     for backend in backends:
         fn = _layer_fn(backend, group, E, args)
@@ -217,11 +283,22 @@ def bench_config(shape, T, routing, backends, args, device, group, peak):
                 err = None if e is None else e[direction]
                 row["max_rel_err"] = bc.reduce_max(err, device)
             rows.append(row)
+    for backend, reason in skipped.items():
+        for direction in ("fwd", "bwd", "fwdbwd") + (("infer",) if args.inference else ()):
+            rows.append({
+                "shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens": T,
+                "ep": ep, "routing": routing, "precision": "bf16", "backend": backend, "direction": direction,
+                "ms": None, "tflops": None, "pct_peak": None, "ratio_vs_torch": None, "peak_mem_gib": None,
+                "max_rel_err": None, "skipped": reason,
+            })
     torch_ms = {r["direction"]: r["ms"] for r in rows if r["backend"] == "torch"}
     torch_sus = {r["direction"]: r.get("ms_sustained") for r in rows if r["backend"] == "torch"}
     for r in rows:
+        if floor is not None:
+            r["floor_ms"] = round(floor[r["direction"]], 4)
+            r["ms_over_floor"] = round(r["ms"] / floor[r["direction"]], 3) if r["ms"] is not None else None
         t = torch_ms.get(r["direction"])
-        if t and r["ms"] > 0:
+        if t and r["ms"] is not None and r["ms"] > 0:
             r["ratio_vs_torch"] = round(t / r["ms"], 3)  # > 1: faster than the torch baseline
         t = torch_sus.get(r["direction"])
         if t and r.get("ms_sustained"):
@@ -235,10 +312,26 @@ def main(argv=None):
     group = bc.init_distributed_from_env(device)
     rank, ep = bc.world()
     log = print if rank == 0 else (lambda *a, **k: None)
-    backends = _split(args.backends)
+    peer_errors = {"sonicmoe": peer_sonicmoe.import_error()}  # None = it imports
+    if args.backends is None:
+        backends = [b for b in BACKENDS if b not in PEERS or peer_errors[b] is None]
+        for b in PEERS:
+            if peer_errors[b] is not None:
+                log(f"[bench] {b} is not in the default backends: {peer_errors[b]}")
+    else:
+        backends = _split(args.backends)
     for b in backends:
         if b not in BACKENDS:
             raise SystemExit(f"unknown backend {b!r}: choose from {BACKENDS}")
+    # requested peers that cannot run at all: every configuration gets their rows with the reason
+    skipped = {}
+    for b in (b for b in backends if b in PEERS):
+        if peer_errors[b] is not None:
+            skipped[b] = f"import {b} failed: {peer_errors[b]}"
+        elif ep > 1:
+            skipped[b] = f"the {b} adapter has no expert parallelism (ep={ep})"
+    for b, why in skipped.items():
+        log(f"[bench] skipping backend {b}: {why}")
     shapes = _split(args.shapes)
     for s in shapes:
         if s not in bc.SHAPES:
@@ -274,9 +367,13 @@ def main(argv=None):
 
     t0 = time.time()
     peak = bc.reduce_max(bc.bf16_peak_tflops(device, args.peak_n, args.warmup, args.iters), device)
+    copy_gbps = bc.copy_gbps(device, args.copy_mib, args.warmup, args.iters)
+    copy_gbps = -bc.reduce_max(-copy_gbps, device)  # the slowest rank's
     header = bc.run_header(device, peak)
     log(f"[bench] {header['gpu']} x{max(1, header['num_gpus'])}, torch {header['torch']}, cuda {header['cuda']}, "
-        f"ep={ep}, bf16 peak {peak:.1f} TFLOP/s ({args.peak_n}^3 matmul)")
+        f"ep={ep}, bf16 peak {peak:.1f} TFLOP/s ({args.peak_n}^3 matmul), copy {copy_gbps:.0f} GB/s "
+        f"({args.copy_mib} MiB)")
+    floors = {}
     rows = []
     stopped = False
     for shape in shapes:
@@ -289,7 +386,7 @@ def main(argv=None):
                 bks = [b for b in backends
                        if not (b == "deep_gemm_reference" and args.reference_max_tokens
                                and T > args.reference_max_tokens)]
-                cfg = bench_config(shape, T, routing, bks, args, device, group, peak)
+                cfg = bench_config(shape, T, routing, bks, args, device, group, peak, skipped, floors, copy_gbps)
                 rows += cfg
                 log(f"[bench] {shape} T={T} {routing}: done at {time.time() - t0:.0f} s")
             if stopped:
@@ -306,7 +403,10 @@ def main(argv=None):
                                "back-to-back calls (one event pair)")
     doc = dict(header, timing=timing,
                options={"recompute": args.recompute, "keep_pooled_x": args.keep_pooled_x,
-                        "activation_clamp": args.activation_clamp, "inference": args.inference}, rows=rows)
+                        "activation_clamp": args.activation_clamp, "inference": args.inference},
+               floor={"copy_mib": args.copy_mib, "copy_gbps": round(copy_gbps, 1),
+                      "configs": [{k: v for k, v in f.items() if k != "floor_ms"} for f in floors.values()]},
+               rows=rows)
     if rank == 0:
         print(bc.format_table(rows))
         if args.out:

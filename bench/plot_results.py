@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Draw a results file of bench_layer.py as a PNG next to it:
 one panel per (shape, tokens, routing), bars of ms per direction and backend, labelled with the
-speed-up over the torch baseline.
+speed-up over the torch baseline, and a black line per direction at the dense floor (floor_ms) where the
+file has one. Skipped rows (no time) draw nothing; the log names them.
 
     python bench/plot_results.py bench/results/layer_....json
 """
@@ -26,12 +27,18 @@ def plot(path) -> Path | None:
     path = Path(path)
     doc = json.loads(path.read_text())
     rows = [r for r in doc["rows"] if "direction" in r]
+    for r in rows:
+        if r.get("skipped"):
+            print(f"[plot] not drawn: {r['backend']} {r['direction']} {r['shape']} T={r['tokens']} "
+                  f"{r['routing']}: skipped: {r['skipped']}")
+    rows = [r for r in rows if r.get("ms") is not None]
     if not rows:
         print("[plot] no layer rows to plot")
         return None
     keys = sorted({(r["shape"], r["tokens"], r["ep"], r["routing"]) for r in rows},
                   key=lambda k: (k[0], k[1], k[2], k[3]))
-    backends = [b for b in ("torch", "deep_gemm", "deep_gemm_reference") if any(r["backend"] == b for r in rows)]
+    backends = [b for b in ("torch", "deep_gemm", "deep_gemm_reference", "sonicmoe")
+                if any(r["backend"] == b for r in rows)]
     directions = tuple(d for d in ("fwd", "infer", "bwd", "fwdbwd") if any(r["direction"] == d for r in rows))
     ncol = min(4, len(keys))
     nrow = (len(keys) + ncol - 1) // ncol
@@ -48,6 +55,11 @@ def plot(path) -> Path | None:
                 ax.bar(x, r["ms"], width, color=f"C{j}", label=b if i == 0 else None)
                 if r.get("ratio_vs_torch") and b != "torch":
                     ax.annotate(f"{r['ratio_vs_torch']:.2f}x", (x, r["ms"]), ha="center", va="bottom", fontsize=7)
+        for i, d in enumerate(directions):
+            floor = next((r["floor_ms"] for r in sub if r["direction"] == d and r.get("floor_ms")), None)
+            if floor is not None:
+                ax.hlines(floor, i - 0.45, i + 0.45, colors="k", linewidth=1.2,
+                          label="dense floor" if i == 0 else None)
         ax.set_xticks(range(len(directions)))
         ax.set_xticklabels(directions)
         ax.set_ylabel("ms")

@@ -76,45 +76,107 @@ TOOLS=("$@")
 echo "compute-sanitizer: $SAN ($("$SAN" --version 2>/dev/null | tail -n 1))"
 echo "case: $PY tests/sanitize_case.py --part $PART; logs in $LOG_DIR"
 
-status=0
+# initcheck cannot see stores made by TMA (cp.async.bulk.tensor): it reports every later generic-proxy read of such
+# rows as uninitialised. In the layer part the combine (combine_bf16_kernel) reads the L2 output rows and the dX
+# slots, which the fused forward and the grouped GEMMs write only through TMA stores. Reported on the H200
+# (compute-sanitizer 2025.3.1) for that part, once the case stopped reading outputs back:
+#   ========= Uninitialized __global__ memory read of size 16 bytes
+#   =========     at deep_gemm::common::combine_bf16_kernel(const __nv_bfloat16 *, long, long, const int *, ...)+0x1790
+# (about 35,000 reports per run, more than the tool's record buffer holds: it kept 512, all the combine's, and
+# dropped the rest unread.) So initcheck
+# runs each part separately and the layer part leaves the combine kernel unchecked (--kernel-name-exclude), and
+# nothing else; the ops part, whose combine reads rows a torch kernel wrote, checks the combine too. The case runs
+# with --no-readback under initcheck: its own copies of TMA-stored outputs would be reported as well; the other
+# tools' runs compare. Every report is printed (no backtraces, for speed) and counted by reading kernel; a log that
+# holds fewer reports than its summary, or says the tool dropped some, fails.
+INITCHECK_TMA_READERS="combine_bf16_kernel"
+
+# reports_by_kernel LOG: "count kernel" per reading kernel of the log's initcheck reports.
+reports_by_kernel() {
+  awk '/^========= Host API memory access error/ {n["host-API-access"]++; next}
+       /^========= Uninitialized/ {want = 1; next}
+       want && /^=========     at / {k = $0; sub(/^=========     at (void )?/, "", k); sub(/[(<].*/, "", k);
+                                      sub(/.*::/, "", k); n[k]++; want = 0}
+       END {for (k in n) print n[k], k}' "$1"
+}
+
+RUNS=()
 for tool in "${TOOLS[@]}"; do
+  if [ "$tool" = initcheck ] && [ "$PART" = all ]; then RUNS+=("initcheck:layer" "initcheck:ops")
+  else RUNS+=("$tool:$PART"); fi
+done
+
+status=0
+for run in "${RUNS[@]}"; do
+  tool=${run%%:*}
+  part=${run#*:}
+  limit=200
+  case_args=()
   case "$tool" in
-    memcheck|synccheck|initcheck) extra=() ;;
+    memcheck|synccheck) extra=() ;;
+    initcheck) extra=(--show-backtrace no); limit=100000000; case_args=(--no-readback)
+               [ "$part" = layer ] && extra+=(--kernel-name-exclude "kns=$INITCHECK_TMA_READERS") ;;
     racecheck) extra=(--racecheck-report analysis) ;;
     *) echo "$tool: unknown tool (memcheck, racecheck, synccheck, initcheck)"; status=1; continue ;;
   esac
-  log="$LOG_DIR/$tool.log"
-  out="$LOG_DIR/$tool.out"
+  label=$tool
+  [ "$part" = all ] || label="$tool ($part)"
+  log="$LOG_DIR/$tool-$part.log"
+  out="$LOG_DIR/$tool-$part.out"
   rm -f "$log" "$out"
   start=$(date +%s)
   # The caching allocator hands out blocks that earlier kernels wrote, which would hide uninitialised reads from
   # initcheck and out-of-bounds accesses that stay inside a cached block from memcheck: every tool runs without it.
   # shellcheck disable=SC2086
   (cd tests && PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONUNBUFFERED=1 timeout --kill-after=30 "$TIMEOUT" \
-      "$SAN" --tool "$tool" ${extra[@]+"${extra[@]}"} --log-file "$log" --print-limit 200 --launch-timeout 300 \
-      --target-processes all ${PK_SANITIZE_ARGS:-} "$PY" sanitize_case.py --part "$PART") >"$out" 2>&1
+      "$SAN" --tool "$tool" ${extra[@]+"${extra[@]}"} --log-file "$log" --print-limit "$limit" --launch-timeout 300 \
+      --target-processes all ${PK_SANITIZE_ARGS:-} "$PY" sanitize_case.py --part "$part" ${case_args[@]+"${case_args[@]}"}) >"$out" 2>&1
   rc=$?
   secs=$(( $(date +%s) - start ))
   [ -s "$log" ] || cp "$out" "$log"  # an old tool without --log-file support, or one that failed at start
   n=$(count_errors "$tool" "$log")
   finished=no
   grep -q '^sanitize_case: done' "$out" && finished=yes
+  note=""
+  if [ "$tool" = initcheck ] && [ "$n" != none ]; then
+    # The tool keeps a bounded buffer of records per launch and drops the rest ("N errors were skipped (error
+    # buffer overflow)"): dropped records cannot be classified, so the run fails rather than count them as excluded.
+    dropped=$(sed -nE 's/^========= ([0-9,]+) errors were skipped.*/\1/p' "$log" | tr -d , | awk '{s += $1} END {print s + 0}')
+    if [ "$dropped" -gt 0 ]; then
+      echo "$label: FAILED: the tool dropped $dropped reports (error buffer overflow), which cannot be classified;" \
+           "by reading kernel, the $(reports_by_kernel "$log" | awk '{s += $1} END {print s + 0}') kept:" \
+           "$(reports_by_kernel "$log" | sort -rn | tr '\n' ' ')(log $log)"
+      status=1
+      continue
+    fi
+    listed=$(reports_by_kernel "$log" | awk '{s += $1} END {print s + 0}')
+    if [ "$listed" -ne "$n" ]; then
+      echo "$label: FAILED: the log holds $listed of the $n reports its summary counts (log $log)"
+      status=1
+      continue
+    fi
+    [ "$part" = layer ] && note=" ($INITCHECK_TMA_READERS not checked: its reads of TMA-stored rows)"
+  fi
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    echo "$tool: FAILED: timed out after ${TIMEOUT} s (errors so far: $n; log $log)"
+    echo "$label: FAILED: timed out after ${TIMEOUT} s (errors so far: $n; log $log)"
     status=1
   elif [ "$n" = none ]; then
-    echo "$tool: FAILED: no summary in the report (exit $rc; log $log, output $out)"
+    echo "$label: FAILED: no summary in the report (exit $rc; log $log, output $out)"
     status=1
   elif [ "$finished" != yes ]; then
-    echo "$tool: FAILED: the case did not finish (exit $rc, $n errors before): $(tail -n 3 "$out" | tr '\n' ' ')"
+    echo "$label: FAILED: the case did not finish (exit $rc, $n errors before): $(tail -n 3 "$out" | tr '\n' ' ')"
     status=1
   else
     suffix=""
     [ "$tool" = racecheck ] && suffix=" ($(count_warnings "$log") warnings)"
-    echo "$tool: $n errors$suffix [${secs} s]"
+    echo "$label: $n errors$suffix$note [${secs} s]"
     if [ "$n" -ne 0 ]; then
       status=1
-      grep -E -m 5 -A 3 '^========= (Invalid|Uninitialized|Error|Race|Barrier|Warning)' "$log" | sed 's/^/    /'
+      if [ "$tool" = initcheck ]; then
+        reports_by_kernel "$log" | sort -rn | head -n 8 | sed 's/^/    reports in: /'
+      else
+        grep -E -m 5 -A 3 '^========= (Invalid|Uninitialized|Error|Race|Barrier|Warning)' "$log" | sed 's/^/    /'
+      fi
     fi
   fi
 done

@@ -34,8 +34,15 @@ def _offsets(sizes, device):
     return torch.tensor(offs, dtype=torch.int32, device=device)
 
 
+READBACK = True
+
+
 def _close(name, got, ref, tol=3e-2):
-    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
+    # With --no-readback (initcheck) nothing is compared: initcheck does not see TMA stores and would report this
+    # script's own copy of every TMA-stored output (ci/sanitize.sh); the other tools' runs compare.
+    if not READBACK:
+        return
+    got, ref = got.detach().cpu().double(), ref.detach().cpu().double()
     den = ref.norm().item()
     err = (got - ref).norm().item() / (den if den > 0 else 1.0)
     if not err <= tol:
@@ -132,7 +139,8 @@ def ops_part():
     s, h = gg.m_grouped_bf16_gemm_swiglu(xs, w13, offs, save_h=True)
     h_ref = gg.m_grouped_gemm_reference(xs.cpu(), w13.cpu(), offs.cpu(), True)
     _close("swiglu L1 h", h, h_ref)
-    _close("swiglu L1 s", s, swiglu_fwd_reference(h.cpu(), torch.tensor([M], dtype=torch.int32)))
+    if READBACK:  # the reference reads the kernel's h (TMA-stored): see _close
+        _close("swiglu L1 s", s, swiglu_fwd_reference(h.cpu(), torch.tensor([M], dtype=torch.int32)))
     _done("m_grouped_bf16_gemm_swiglu")
     srcx = rnd(Ts, H)
     sg, hg = gg.m_grouped_bf16_gemm_swiglu(srcx, w13, offs, a_row_index=row_index, m_total=M, save_h=True,
@@ -147,12 +155,14 @@ def ops_part():
     route = route.to(dev)
     dy_pool = rnd(M, H)
     dh, aw, dt_part = gg.m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offs, h, route, topk_weights)
-    da = gg.m_grouped_gemm_reference(dy_pool.cpu(), w2.cpu(), offs.cpu(), False, torch.float32, round_output=False)
-    dh_ref, aw_ref, dt_ref = swiglu_bwd_reference(h.cpu(), da, route.cpu(), topk_weights.cpu(),
-                                                  torch.tensor([M], dtype=torch.int32))
-    _close("swiglu bwd dh", dh, dh_ref)
-    _close("swiglu bwd w*s", aw, aw_ref)
-    _close("swiglu bwd dt", dt_part.sum(1), dt_ref)
+    if READBACK:  # the reference reads the kernel's h (TMA-stored): see _close
+        da = gg.m_grouped_gemm_reference(dy_pool.cpu(), w2.cpu(), offs.cpu(), False, torch.float32,
+                                         round_output=False)
+        dh_ref, aw_ref, dt_ref = swiglu_bwd_reference(h.cpu(), da, route.cpu(), topk_weights.cpu(),
+                                                      torch.tensor([M], dtype=torch.int32))
+        _close("swiglu bwd dh", dh, dh_ref)
+        _close("swiglu bwd w*s", aw, aw_ref)
+        _close("swiglu bwd dt", dt_part.cpu().sum(1), dt_ref)
     _done("m_grouped_bf16_gemm_swiglu_bwd")
 
     ka, kb = rnd(M, 128), rnd(M, 256)
@@ -198,9 +208,12 @@ def main(argv=None) -> int:
     p.add_argument("--part", choices=("all", "layer", "ops"), default="all")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a dry run of this script on the CPU references (no kernel runs)")
+    p.add_argument("--no-readback", action="store_true",
+                   help="run every op but compare no result (initcheck: see _close)")
     args = p.parse_args(argv)
-    global DEVICE
+    global DEVICE, READBACK
     DEVICE = args.device
+    READBACK = not args.no_readback
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("sanitize_case: needs a CUDA GPU", file=sys.stderr)
         return 2

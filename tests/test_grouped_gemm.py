@@ -390,7 +390,7 @@ def _finding(match: str) -> None:
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match=match):
         prime_kernels.check_device_errors()
-    prime_kernels.grouped_gemm.check_device()  # reported once, then cleared
+    prime_kernels.check_device_errors()  # reported once, then cleared
 
 
 BAD_OFFSETS = {"decreasing": lambda o, M: [0, o[3], o[1]] + o[3:],  # groups 0 and 2 overlap if run

@@ -7,9 +7,10 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
-TOP = {"gpu", "num_gpus", "torch", "cuda", "git_sha", "date", "peak_bf16_tflops", "timing", "options", "rows"}
+TOP = {"gpu", "num_gpus", "torch", "cuda", "git_sha", "date", "peak_bf16_tflops", "timing", "options", "floor", "rows"}
 ROW = {"shape", "num_experts", "hidden", "intermediate", "top_k", "tokens", "ep", "routing", "precision",
-       "backend", "direction", "ms", "tflops", "pct_peak", "ratio_vs_torch", "peak_mem_gib"}
+       "backend", "direction", "ms", "tflops", "pct_peak", "ratio_vs_torch", "floor_ms", "ms_over_floor",
+       "peak_mem_gib"}
 
 
 def _bench_module(name: str):
@@ -28,6 +29,11 @@ def _run_smoke(out: Path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
+def _timed_rows(doc) -> list[dict]:
+    """The rows with a time: a peer installed here (sonicmoe on a CPU machine) has skipped rows instead."""
+    return [r for r in doc["rows"] if not r.get("skipped")]
+
+
 def test_bench_layer_smoke(tmp_path, capsys):
     plot_results = _bench_module("plot_results")
     out = tmp_path / "smoke.json"
@@ -37,7 +43,7 @@ def test_bench_layer_smoke(tmp_path, capsys):
     assert doc["options"] == {"recompute": False, "keep_pooled_x": "auto", "activation_clamp": None,
                               "inference": False}
     assert not any(r["direction"] == "infer" for r in doc["rows"])
-    rows = doc["rows"]
+    rows = _timed_rows(doc)
     assert {(r["backend"], r["direction"], r["routing"]) for r in rows} >= {
         (b, d, g) for b in ("torch", "deep_gemm_reference") for d in ("fwd", "bwd", "fwdbwd")
         for g in ("uniform", "zipf")}
@@ -59,7 +65,7 @@ def test_bench_layer_sustained_smoke(tmp_path):
     doc = _run_smoke(tmp_path / "sustained.json", "--routings", "uniform", "--rounds", "1", "--sustained-seconds",
                      "0.05", "--no-check")
     assert "sustained" in doc["timing"]
-    for r in doc["rows"]:
+    for r in _timed_rows(doc):
         if r["direction"] == "bwd":  # a difference of two timings: may be <= 0 at this size on the CPU
             continue
         assert r["ms_sustained"] > 0, r
@@ -71,9 +77,9 @@ def test_bench_layer_inference_smoke(tmp_path):
     torch baseline, peak memory and, for ours, the error against float64."""
     doc = _run_smoke(tmp_path / "infer.json", "--routings", "uniform", "--rounds", "2", "--inference")
     assert doc["options"]["inference"] is True
-    infer = {r["backend"]: r for r in doc["rows"] if r["direction"] == "infer"}
+    infer = {r["backend"]: r for r in _timed_rows(doc) if r["direction"] == "infer"}
     # one row per backend that ran (torch and the reference on a CPU; the kernels' backends on a GPU)
-    assert set(infer) == {r["backend"] for r in doc["rows"] if r["direction"] == "fwd"}
+    assert set(infer) == {r["backend"] for r in _timed_rows(doc) if r["direction"] == "fwd"}
     assert "torch" in infer and len(infer) >= 2, infer
     for b, r in infer.items():
         assert set(r) == ROW | ({"max_rel_err"} if b != "torch" else set()), r
@@ -81,3 +87,168 @@ def test_bench_layer_inference_smoke(tmp_path):
         if b != "torch":
             assert r["max_rel_err"] < 1e-2, r
     assert infer["torch"]["ratio_vs_torch"] == 1.0
+
+
+def test_bench_layer_floor_smoke(tmp_path):
+    """Every row carries the dense floor of its (shape, T), measured once per (shape, T) however many routings:
+    the forward's GEMMs (fwd, infer), the backward's four GEMMs plus the weight-gradient write at the measured
+    copy bandwidth (bwd), their sum (fwdbwd); ms_over_floor = ms / floor_ms."""
+    doc = _run_smoke(tmp_path / "floor.json", "--tokens", "40,24", "--inference", "--rounds", "1", "--no-check")
+    floor = doc["floor"]
+    assert floor["copy_mib"] == 8 and floor["copy_gbps"] > 0
+    E, H, I, K = 8, 128, 128, 2  # the smoke shape
+    configs = {c["tokens"]: c for c in floor["configs"]}
+    assert len(floor["configs"]) == 2 and set(configs) == {40, 24}  # two routings each, one floor each
+    for T, c in configs.items():
+        assert c["shape"] == "smoke" and c["routes"] == T * K
+        assert c["weight_grad_bytes"] == E * (2 * I * H + H * I) * 2  # dW13 + dW2 in bf16
+        assert c["dense_fwd_ms"] > 0 and c["dense_bwd_ms"] > 0
+        # bytes / (GB/s) in ms, from the rounded bandwidth: equal to the rounding
+        assert abs(c["weight_grad_write_ms"] - c["weight_grad_bytes"] / (floor["copy_gbps"] * 1e6)) \
+            <= 0.06 * c["weight_grad_write_ms"] + 1e-4
+    for r in doc["rows"]:
+        c = configs[r["tokens"]]
+        want = {"fwd": c["dense_fwd_ms"], "infer": c["dense_fwd_ms"],
+                "bwd": c["dense_bwd_ms"] + c["weight_grad_write_ms"],
+                "fwdbwd": c["dense_fwd_ms"] + c["dense_bwd_ms"] + c["weight_grad_write_ms"]}[r["direction"]]
+        assert abs(r["floor_ms"] - want) <= 2e-4, r
+        if r.get("skipped"):
+            assert r["ms_over_floor"] is None, r
+            continue
+        assert abs(r["ms_over_floor"] - r["ms"] / r["floor_ms"]) <= 1e-3 * max(1.0, abs(r["ms_over_floor"])), r
+
+
+def _sonicmoe_unimportable(monkeypatch) -> str:
+    """Make `import sonicmoe` fail here; the exception it raises, as the bench reports it."""
+    monkeypatch.setitem(sys.modules, "sonicmoe", None)
+    try:
+        import sonicmoe  # noqa: F401
+    except ImportError as e:
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError("import sonicmoe did not fail")
+
+
+def test_bench_layer_sonicmoe_unavailable(tmp_path, monkeypatch, capsys):
+    """A requested sonicmoe that does not import gets a row per direction with the exact import error, and no
+    time; unrequested, it is left out of the default backends with the same error in the log."""
+    error = _sonicmoe_unimportable(monkeypatch)
+    doc = _run_smoke(tmp_path / "sonic.json", "--backends", "torch,sonicmoe", "--routings", "uniform",
+                     "--rounds", "1", "--inference")
+    sonic = [r for r in doc["rows"] if r["backend"] == "sonicmoe"]
+    assert sorted(r["direction"] for r in sonic) == ["bwd", "fwd", "fwdbwd", "infer"]
+    for r in sonic:
+        assert r["skipped"] == f"import sonicmoe failed: {error}", r
+        assert r["ms"] is None and r["max_rel_err"] is None and r["floor_ms"] > 0, r
+        assert set(r) == ROW | {"max_rel_err", "skipped"}, r
+    out = capsys.readouterr().out
+    assert f"skipping backend sonicmoe: import sonicmoe failed: {error}" in out
+    assert error in out.split("[bench] wrote")[0].splitlines()[-1]  # the table's last row shows the reason
+    assert all(r["ms"] > 0 for r in doc["rows"] if r["backend"] == "torch" and r["direction"] != "bwd")
+    png = _bench_module("plot_results").plot(tmp_path / "sonic.json")  # the skipped rows are named, not drawn
+    out = capsys.readouterr().out
+    if png is not None:
+        assert f"not drawn: sonicmoe fwd smoke T=40 uniform: skipped: import sonicmoe failed: {error}" in out
+
+    doc = _run_smoke(tmp_path / "default.json", "--routings", "uniform", "--rounds", "1", "--no-check")
+    assert not any(r["backend"] == "sonicmoe" for r in doc["rows"])
+    assert f"sonicmoe is not in the default backends: {error}" in capsys.readouterr().out
+
+
+FAKE_SONICMOE = '''
+"""A CPU stand-in for sonicmoe with the contract bench/peer_sonicmoe.py relies on (flat routes sorted by
+token, w1 (2I, H, E) with [gate; up] rows under concat_layout=True, w2 (H, I, E), fp32 scores), in plain
+torch so that autograd gives the gradients."""
+import torch
+import torch.nn.functional as F
+
+from .enums import ActivationType
+
+
+def moe_general_routing_inputs(x, router_scores, token_indices, expert_indices, w1, b1, w2, b2, E, stream_id,
+                               activation_type, is_inference_mode_enabled=False, concat_layout=False):
+    assert concat_layout is True and activation_type is ActivationType.SWIGLU and b1 is None and b2 is None
+    assert token_indices.dtype == expert_indices.dtype == torch.int32
+    assert bool((token_indices[1:] >= token_indices[:-1]).all()), "token indices must be sorted"
+    assert w1.shape[2] == w2.shape[2] == E and w1.shape[1] == w2.shape[0] == x.shape[1]
+    assert is_inference_mode_enabled == (not torch.is_grad_enabled())
+    I = w2.shape[1]
+    t, e = token_indices.long(), expert_indices.long()
+    h = torch.einsum("rh,ihr->ri", x[t].float(), w1.float()[:, :, e])
+    a = F.silu(h[:, :I]) * h[:, I:]
+    o = torch.einsum("ri,hir->rh", a, w2.float()[:, :, e]) * router_scores.float()[:, None]
+    y = torch.zeros(x.shape, dtype=torch.float32).index_add(0, t, o)
+    return y.to(x.dtype), torch.bincount(e, minlength=E)
+'''
+
+
+def test_bench_layer_sonicmoe_adapter(tmp_path, monkeypatch):
+    """With a sonicmoe that follows the contract the adapter was written against, the sonicmoe rows are timed and
+    match the float64 reference in y and every gradient: the adapter's routing arrays and weight views agree with
+    our layer's layout. A sonicmoe whose call fails gets skipped rows with that error."""
+    pkg = tmp_path / "site" / "sonicmoe"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_SONICMOE)
+    (pkg / "enums.py").write_text("import enum\n\n\nclass ActivationType(enum.Enum):\n    SWIGLU = 'swiglu'\n"
+                                  "    GEGLU = 'geglu'\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in ("sonicmoe", "sonicmoe.enums"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    doc = _run_smoke(tmp_path / "peer.json", "--routings", "uniform,zipf", "--rounds", "1", "--inference")
+    sonic = [r for r in doc["rows"] if r["backend"] == "sonicmoe"]  # in the default list: it imports
+    assert len(sonic) == 8, sonic  # fwd, bwd, fwdbwd, infer per routing
+    for r in sonic:
+        assert "skipped" not in r, r
+        assert set(r) == ROW | {"max_rel_err"}, r
+        assert r["max_rel_err"] < 1e-2, r
+        if r["direction"] != "bwd":
+            assert r["ms"] > 0 and r["ratio_vs_torch"] > 0, r
+
+    # a gate/up swap in the weights the adapter hands over is caught by the error check
+    (pkg / "__init__.py").write_text(FAKE_SONICMOE.replace("a = F.silu(h[:, :I]) * h[:, I:]",
+                                                           "a = F.silu(h[:, I:]) * h[:, :I]"))
+    monkeypatch.delitem(sys.modules, "sonicmoe", raising=False)
+    doc = _run_smoke(tmp_path / "swapped.json", "--backends", "sonicmoe", "--routings", "uniform", "--rounds", "1")
+    assert all(r["max_rel_err"] > 0.1 for r in doc["rows"]), doc["rows"]
+
+    (pkg / "__init__.py").write_text(FAKE_SONICMOE.replace("    I = w2.shape[1]\n",
+                                                           "    raise RuntimeError('no kernel for this device')\n"))
+    monkeypatch.delitem(sys.modules, "sonicmoe", raising=False)
+    doc = _run_smoke(tmp_path / "failing.json", "--backends", "torch,sonicmoe", "--routings", "uniform",
+                     "--rounds", "1")
+    sonic = [r for r in doc["rows"] if r["backend"] == "sonicmoe"]
+    assert len(sonic) == 3 and all(r["skipped"] == "RuntimeError: no kernel for this device" for r in sonic), sonic
+
+
+def test_dense_floor_flops():
+    """The floor's dense products do exactly the layer's useful FLOPs: 6 P H I forward, 12 P H I backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    bc = _bench_module("bench_common")
+    P, H, I = 48, 32, 24
+    calls = bc.dense_gemm_calls(P, H, I, "cpu")
+    assert set(calls) == {"fwd", "bwd"}
+    for direction, fn in calls.items():
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        assert counter.get_total_flops() == bc.layer_flops(P, H, I, direction), direction
+
+
+def test_ab_smoke_on_the_cpu_reports_bursts_and_steady_state(tmp_path):
+    """bench/ab.py's whole loop (two child processes per round, ABBA, the report) on the CPU reference backend,
+    the same installed build as both A and B: every direction appears in burst and steady-state form, and the
+    two builds give the same bits."""
+    import subprocess
+
+    import prime_kernels
+
+    site = Path(prime_kernels.__file__).resolve().parent.parent
+    out = tmp_path / "ab.json"
+    r = subprocess.run([sys.executable, str(BENCH / "ab.py"), "--old", str(site), "--new", str(site), "--smoke",
+                        "--backend", "reference", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    got = {(row["shape"], row["direction"]) for row in doc["rows"]}
+    want = {("smoke", d) for d in ("fwd", "bwd", "fwdbwd", "fwd_steady", "bwd_steady", "fwdbwd_steady")}
+    assert got == want, got
+    assert all(row["outputs_bitwise_equal"] for row in doc["rows"])
+    assert doc["timing"]["steady_seconds"] > 0

@@ -126,3 +126,20 @@ def test_the_wheel_claims_torch_2_10_and_runs_on_this_torch():
     major, minor = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     assert (major, minor) >= (2, 10)
     assert prime_kernels._lib.load().shim_loaded, prime_kernels._lib.load().reason
+
+
+@pytest.mark.parametrize("name", ["prime_kernels_core", "prime_kernels"])
+def test_each_sdist_carries_the_licence_and_project_urls(name):
+    import tarfile
+
+    sdists = sorted((REPO / "dist-sdist").glob(f"{name}-*.tar.gz"))
+    if not sdists:
+        pytest.skip("no dist-sdist/ here (ci/build_sdist.sh makes it)")
+    with tarfile.open(sdists[-1]) as t:
+        root = t.getnames()[0].split("/")[0]
+        pkg_info = t.extractfile(f"{root}/PKG-INFO").read().decode()
+        licence = t.extractfile(f"{root}/LICENSE").read()
+    assert licence == (REPO / "LICENSE").read_bytes()
+    assert "License-Expression: MIT" in pkg_info
+    urls = {line.split(": ", 1)[1].split(", ", 1)[0] for line in pkg_info.splitlines() if line.startswith("Project-URL:")}
+    assert {"Homepage", "Source", "Issues"} <= urls, urls

@@ -4,9 +4,21 @@ tests/sanitize_case.py): each of memcheck, racecheck, synccheck and initcheck mu
 The GPU tests skip, with the reason shown, without a CUDA GPU or without compute-sanitizer. The parser tests run
 anywhere: they feed ci/sanitize.sh saved reports of each form.
 
-No report is excluded today. A report that is a limitation of the tool (for example a TMA access ordered by an
-mbarrier, which racecheck cannot see) would be quoted here with the reason it is safe, and only that report left
-out of the count.
+One class of report is excluded, a limitation of initcheck: it does not see TMA (cp.async.bulk.tensor) stores, so
+it reports every later generic-proxy read of rows written only that way as a read of uninitialised memory. In the
+layer part the combine reads exactly such rows (the fused forward's L2 output and the grouped backward's dX
+slots):
+
+    ========= Uninitialized __global__ memory read of size 16 bytes
+    =========     at deep_gemm::common::combine_bf16_kernel(const __nv_bfloat16 *, long, long, const int *, ...)+0x1790
+
+ci/sanitize.sh therefore runs initcheck on the layer part with combine_bf16_kernel left unchecked
+(compute-sanitizer's --kernel-name-exclude), and on nothing else. The rows it reads are written: y and dX match the
+float64 reference in the GPU tests, which rows left with an earlier allocation's bytes would break, and memcheck
+bounds every combine read.
+The ops part, whose combine reads rows a torch kernel wrote, runs initcheck with nothing excluded. (Counting the
+combine's reports and subtracting them does not work: about 35,000 per run overflow the tool's record buffer,
+which keeps 512 and drops the rest unread.)
 """
 
 from __future__ import annotations
@@ -69,11 +81,68 @@ def test_compute_sanitizer_reports_no_errors(tool, tmp_path):
                PK_SANITIZE_TIMEOUT=str(TIMEOUT_S))
     r = subprocess.run(["bash", str(SCRIPT), tool], capture_output=True, text=True, env=env, timeout=TIMEOUT_S + 120)
     print(r.stdout)
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith(f"{tool}:")), None)
-    assert line is not None, f"ci/sanitize.sh printed no line for {tool}:\n{r.stdout}\n{r.stderr[-2000:]}"
-    m = re.match(rf"{tool}: (\d+) errors", line)
-    log = tmp_path / f"{tool}.log"
-    report = log.read_text()[-6000:] if log.exists() else ""
-    assert m is not None, f"{line}\n{report}"
-    assert int(m.group(1)) == 0, f"{line}\n{report}"
+    # one line per run: "tool: N errors ..." or, for initcheck, one per part: "initcheck (layer): N errors ..."
+    lines = [ln for ln in r.stdout.splitlines() if re.match(rf"{tool}( \(\w+\))?: ", ln)]
+    assert lines, f"ci/sanitize.sh printed no line for {tool}:\n{r.stdout}\n{r.stderr[-2000:]}"
+    for line in lines:
+        m = re.match(rf"{tool}( \(\w+\))?: (\d+) errors", line)
+        logs = sorted(tmp_path.glob(f"{tool}-*.log"))
+        report = "".join(p.read_text()[-3000:] for p in logs)
+        assert m is not None, f"{line}\n{report}"
+        assert int(m.group(2)) == 0, f"{line}\n{report}"
     assert r.returncode == 0, f"ci/sanitize.sh exited {r.returncode}:\n{r.stdout}\n{r.stderr[-2000:]}"
+
+
+_REPORT = ("========= Uninitialized __global__ memory read of size 16 bytes\n"
+           "=========     at {kernel}(const __nv_bfloat16 *, long)+0x1790\n"
+           "=========     by thread (0,0,0) in block (0,60,0)\n"
+           "=========     Address 0x7fbae6ed2800\n=========\n")
+
+
+def _fake_initcheck(tmp_path: Path, log_text: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """ci/sanitize.sh's initcheck runs with a stand-in for compute-sanitizer that writes log_text as its report
+    and runs nothing: the script's handling of the reports, without a GPU. Also returns the arguments the script
+    gave the tool for each part."""
+    log_src = tmp_path / "report.txt"
+    log_src.write_text(log_text)
+    args_dir = tmp_path / "args"
+    args_dir.mkdir()
+    fake = tmp_path / "fake-sanitizer"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    "[ \"$1\" = --version ] && { echo fake; exit 0; }\n"
+                    "all=\"$*\"; part=${all##*--part }; part=${part%% *}\n"
+                    f"echo \"$all\" > '{args_dir}'/$part\n"
+                    "while [ $# -gt 0 ]; do case \"$1\" in --log-file) log=$2; shift 2;; *) shift;; esac; done\n"
+                    f"cp '{log_src}' \"$log\"; echo 'sanitize_case: done'\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, COMPUTE_SANITIZER=str(fake), PK_SANITIZE_LOG_DIR=str(tmp_path / "logs"))
+    r = subprocess.run(["bash", str(SCRIPT), "initcheck"], capture_output=True, text=True, env=env, timeout=60)
+    return r, {p.name: p.read_text() for p in args_dir.iterdir()}
+
+
+def test_initcheck_leaves_only_the_combine_unchecked_and_only_in_the_layer_part(tmp_path):
+    r, args = _fake_initcheck(tmp_path, "========= ERROR SUMMARY: 0 errors\n")
+    assert "--kernel-name-exclude kns=combine_bf16_kernel" in args["layer"], args
+    assert "--kernel-name-exclude" not in args["ops"], args
+    assert all("--no-readback" in a for a in args.values()), args
+    assert re.search(r"initcheck \(layer\): 0 errors", r.stdout) and re.search(r"initcheck \(ops\): 0 errors", r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_initcheck_counts_every_report(tmp_path):
+    text = (_REPORT.format(kernel="deep_gemm::common::combine_bf16_kernel")
+            + _REPORT.format(kernel="void at::native::reduce_kernel<512, 1>")
+            + "========= ERROR SUMMARY: 2 errors\n")
+    r, _ = _fake_initcheck(tmp_path, text)
+    assert "initcheck (layer): 2 errors" in r.stdout, r.stdout
+    assert "reports in: 1 reduce_kernel" in r.stdout, r.stdout
+    assert r.returncode != 0
+
+
+def test_initcheck_fails_when_the_tool_dropped_reports(tmp_path):
+    text = (_REPORT.format(kernel="deep_gemm::common::combine_bf16_kernel")
+            + "========= Warning: Error buffer overflow has been detected. Some records have been dropped\n"
+            + "========= ERROR SUMMARY: 2 errors\n========= 34,624 errors were skipped (error buffer overflow).\n")
+    r, _ = _fake_initcheck(tmp_path, text)
+    assert "initcheck (layer): FAILED: the tool dropped 34624 reports" in r.stdout, r.stdout
+    assert r.returncode != 0

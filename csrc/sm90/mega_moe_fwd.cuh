@@ -461,7 +461,7 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
                                                     const CUtensorMap* tmap_o) {
   uint64_t* ho_full = reinterpret_cast<uint64_t*>(smem + L::kHoFullOff);
   uint64_t* ho_free = reinterpret_cast<uint64_t*>(smem + L::kHoFreeOff);
-  const volatile MegaHandoff* info = reinterpret_cast<const volatile MegaHandoff*>(smem + L::kHoInfoOff);
+  MegaHandoff* info = reinterpret_cast<MegaHandoff*>(smem + L::kHoInfoOff);
   const uint32_t stg_a = ptx::smem_addr(smem + L::kCOff);
   const uint32_t stg_b = ptx::smem_addr(smem + L::kStageBOff);
   using Stg = TmaStaging<L::kStageCols>;
@@ -487,9 +487,13 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
   for (;;) {
     ptx::mbar_wait(ho_full, phase);
     phase ^= 1u;
-    if (info->last) break;
-    const int mb = info->mb, row0 = info->row0, n0 = info->n0;
+    if (ptx::ld_shared_handoff(&info->last)) break;
+    const int mb = ptx::ld_shared_handoff(&info->mb), row0 = ptx::ld_shared_handoff(&info->row0),
+              n0 = ptx::ld_shared_handoff(&info->n0);
     if (mb < 0) {  // an L2 tile: only the stores; the other helpers go on to the next record
+      // Thread 0 frees the record with the staging tiles (ho_free): every helper must have read it by then, or a
+      // late one would read the consumers' next record in its place (the L1 path's barriers order this already).
+      ptx::named_bar_sync(kBarHelpers, kHelperThreads);
       if (htid == 0) {
         store_staged(tmap_o, row0, n0, p.hidden, n0 + L::kStageCols, p.hidden, 2);
         ptx::bulk_wait_group_read<0>();
@@ -599,7 +603,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     uint32_t stage_b_state = 0;
     uint64_t* ho_full = reinterpret_cast<uint64_t*>(smem + L::kHoFullOff);
     uint64_t* ho_free = reinterpret_cast<uint64_t*>(smem + L::kHoFreeOff);
-    volatile MegaHandoff* ho_info = reinterpret_cast<volatile MegaHandoff*>(smem + L::kHoInfoOff);
+    MegaHandoff* ho_info = reinterpret_cast<MegaHandoff*>(smem + L::kHoInfoOff);
     // waits until the helpers have handed back the staging tiles of the latest hand-off (at once if none)
     auto wait_handoff_free = [&] { ptx::mbar_wait(ho_free, ((stage_b_state >> 2) & 1u) ^ 1u); };
 
@@ -637,7 +641,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // first if that stage is not ready: the producer may be waiting for it.
       if (wg_tid == 0 && pending_mb >= 0 && !ptx::mbar_test_wait(&full_bar[stage], phase)) arrive_pending();
       ptx::mbar_wait(&full_bar[stage], phase);
-      const int u = stage_task[stage];
+      // read by the lane that later releases the stage (release below), so that the read is ordered before the
+      // producer's next write of this slot by that lane's own program order
+      const int u = __shfl_sync(0xffffffffu, lane == 0 ? stage_task[stage] : 0, 0);
       if (u < 0) break;
       const auto t = seq.locate(u, e, in_l2);
       const int kbs = t.l1 ? seq.kb1 : seq.kb2;
@@ -715,10 +721,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
         if (wg_tid == 0) {
           if (wg == 0) {
-            ho_info->mb = t.l1 ? t.mb : -1;
-            ho_info->row0 = t.row0;
-            ho_info->n0 = t.n0;
-            ho_info->last = 0;
+            ptx::st_shared_handoff(&ho_info->mb, t.l1 ? t.mb : -1);
+            ptx::st_shared_handoff(&ho_info->row0, t.row0);
+            ptx::st_shared_handoff(&ho_info->n0, t.n0);
+            ptx::st_shared_handoff(&ho_info->last, 0);
           }
           ptx::mbar_arrive(ho_full);
         }
@@ -757,7 +763,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (p.handoff) {  // the helpers' last record
       wait_handoff_free();
       if (wg_tid == 0) {
-        if (wg == 0) ho_info->last = 1;
+        if (wg == 0) ptx::st_shared_handoff(&ho_info->last, 1);
         ptx::mbar_arrive(ho_full);
       }
     }

@@ -274,6 +274,11 @@ __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {
 // Cross-CTA signalling (the fused forward's dispatch and tile-readiness counters; their bounded waits are
 // common/watchdog.cuh's wait_counter_at_least)
 // ------------------------------------------------------------------------------------------------
+// A shared-memory word that one role writes and another reads once an mbarrier wait has ordered the two: both
+// accesses are atomics, so that compute-sanitizer's racecheck does not report the pair (it reported the plain
+// accesses of such a hand-off as a hazard though the mbarrier orders them); the ordering is still the mbarrier's.
+__device__ __forceinline__ void st_shared_handoff(int32_t* p, int32_t v) { atomicExch(p, v); }
+__device__ __forceinline__ int32_t ld_shared_handoff(int32_t* p) { return atomicOr(p, 0); }
 __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }

@@ -452,6 +452,9 @@ std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool
   Tensor dh = new_tensor(dy_pool, {m_total, 2 * inter}, ScalarType::BFloat16);
   Tensor aw = new_tensor(dy_pool, {m_total, inter}, ScalarType::BFloat16);
   Tensor dt_part = new_tensor(dy_pool, {m_total, n_blocks}, ScalarType::Float);
+  // The kernel writes the rows of the groups only; the rows after the last group are zeros, so that a sum over
+  // every row (the grouped backward's d topk_weights) reads nothing uninitialised.
+  torch::stable::zero_(dt_part);
   check_core(pk_m_grouped_bf16_gemm_swiglu_bwd(
                  dy_pool.data_ptr(), dy_pool.stride(0), w2.data_ptr(), w2.stride(1), w2.stride(0), h.data_ptr(),
                  h.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),

@@ -144,7 +144,7 @@ def m_grouped_bf16_gemm_swiglu_bwd(dy_pool: torch.Tensor, w2: torch.Tensor, grou
     memory). w2 [E, H, I] (I a multiple of 64), h [>= M, 2I] the saved gate | up, pool_src_route [>= M] route
     ids (-1: padding), topk_weights [T, K] fp32 (indexed by route id, so every id must be < T * K). Returns
     (dh [M, 2I], w * s [M, I], dt_part [M, ceil(I / 128)] fp32): the row's d topk_weight is dt_part's row summed
-    left to right. Rows outside every group are not written."""
+    left to right. Rows outside every group are not written in dh and w * s, and are zeros in dt_part."""
     if clamp is not None and clamp <= 0:
         raise ValueError(f"clamp must be > 0 (or None), got {clamp}")
     sms = _sms(num_sms)
