@@ -514,7 +514,8 @@ def mega_moe_reference(x, topk_idx, topk_weights, w13, w2, *, precision="bf16", 
                        weight_cache=None):
     """The reference layer with autograd, for every precision it defines ("bf16", "fp8", "fp8_bwd"): y [T, H],
     with gradients to x, topk_weights, w13 and w2 from :func:`backward`. Inputs are taken as valid (the public
-    :func:`prime_kernels.mega.mega_moe` checks them and runs the bf16 reference through its custom ops)."""
+    :func:`prime_kernels.mega.mega_moe` checks them and, with backend="reference", runs :func:`forward` and
+    :func:`backward` through its custom ops, with the default recipe and weight cache)."""
     from ..routing import pool_capacity  # noqa: PLC0415
 
     _check_precision(precision, x)
