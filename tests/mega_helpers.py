@@ -54,6 +54,25 @@ def make_problem(T, H, I, E, K, *, routing="uniform", seed=0, dtype=torch.bfloat
     return [v.to(device) for v in t]
 
 
+# Routings every layer test runs: skewed and empty-expert routings, masked routes, T = 1 and an odd T that is not a
+# multiple of any block (T = 0 is tested apart: no routing to draw).
+ROUTING_CASES = {
+    "uniform": dict(T=64, routing="uniform"),
+    "skewed": dict(T=96, routing="skewed"),
+    "empty_experts": dict(T=48, routing="uniform", experts_used=5),
+    "masked_some": dict(T=40, routing="uniform", masked_frac=0.3),
+    "T1": dict(T=1, routing="uniform"),
+    "T_odd": dict(T=131, routing="skewed"),
+}
+
+
+def case_problem(case, H, I, E, K, seed_base):
+    """make_problem for one of ROUTING_CASES, seeded by its name and ``seed_base``."""
+    c = ROUTING_CASES[case]
+    return make_problem(c["T"], H, I, E, K, routing=c["routing"], seed=sorted(ROUTING_CASES).index(case) + seed_base,
+                        masked_frac=c.get("masked_frac", 0.0), experts_used=c.get("experts_used"))
+
+
 def loop_reference(x, topk_idx, topk_weights, w13, w2, dy, clamp=None):
     """Independent float64 evaluation, one token and one route at a time, with no rounding.
     Returns (y, dx, dtopk, dw13, dw2) in float64 (gradients by torch autograd)."""

@@ -85,10 +85,63 @@ def test_auto_prefers_fused_when_available(status):
     assert _backend.resolve_backend("auto", "bf16", "fwd", device_type="cuda", hidden=256, intermediate=128) == "fused"
 
 
-def test_reference_has_only_bf16_numerics(status):
+def test_reference_has_bf16_and_fp8_numerics_and_no_mxfp8(status):
     x, idx, w, w13, w2, _ = make_problem(4, H, I, E, K, seed=52)
-    with pytest.raises(NotImplementedError, match="precision='bf16' only"):
-        mega_moe(x, idx, w, w13, w2, precision="fp8", backend="reference")
+    with pytest.raises(NotImplementedError, match="'mxfp8' has no reference numerics"):
+        mega_moe(x, idx, w, w13, w2, precision="mxfp8", backend="reference")
+    for precision in ("fp8", "fp8_bwd"):
+        assert _backend.resolve_backend("reference", precision, "fwd", device_type="cuda") == "reference"
+        assert mega_moe(x, idx, w, w13, w2, precision=precision, backend="reference").shape == x.shape
+
+
+FP8_TODO = "not implemented in the kernels yet; backend='reference' emulates the recipe"
+SHAPE = dict(device_type="cuda", hidden=256, intermediate=128)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+@pytest.mark.parametrize("backend", ["auto", "fused", "grouped"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_fp8_on_kernel_backends_raises_never_runs_bf16(status, precision, backend, direction):
+    """Every kernel backend refuses fp8 / fp8_bwd, in both directions, even where the bf16 kernels are
+    available (fp8_bwd's forward is the bf16 kernel's, but its backward has no kernel: the forward must not
+    run ahead of it); the error names the reference as the way to run the recipe."""
+    for name in ("mega_moe.bf16.sm90", "mega_moe_backward.bf16.sm90", _backend.GROUPED_KEY):
+        status[name] = "available"
+    with pytest.raises(_backend.FusedKernelUnavailable, match=FP8_TODO):
+        _backend.resolve_backend(backend, precision, direction, **SHAPE)
+
+
+def test_fp8_runs_on_the_kernels_once_both_directions_exist(status):
+    status["mega_moe.fp8.sm90"] = "available"
+    with pytest.raises(_backend.FusedKernelUnavailable, match="mega_moe.fp8_bwd.sm90: not implemented yet"):
+        _backend.resolve_backend("fused", "fp8", "fwd", **SHAPE)
+    status["mega_moe.fp8_bwd.sm90"] = "available"
+    for direction in ("fwd", "bwd"):
+        assert _backend.resolve_backend("fused", "fp8", direction, **SHAPE) == "fused"
+        with pytest.raises(_backend.FusedKernelUnavailable, match="bf16 only"):
+            _backend.resolve_backend("grouped", "fp8", direction, **SHAPE)
+
+
+def test_fp8_auto_falls_back_to_the_fp8_reference_only_with_env(status, monkeypatch):
+    x, idx, w, w13, w2, _ = make_problem(6, 128, 128, E, K, seed=55)
+    for precision in ("fp8", "fp8_bwd"):
+        with pytest.raises(_backend.FusedKernelUnavailable, match=FP8_TODO):
+            mega_moe(x, idx, w, w13, w2, precision=precision)
+    monkeypatch.setenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", "1")
+    with pytest.warns(RuntimeWarning, match="falling back to the pure-PyTorch reference for fp8 fwd"):
+        y = mega_moe(x, idx, w, w13, w2, precision="fp8")
+    assert torch.equal(y, mega_moe(x, idx, w, w13, w2, precision="fp8", backend="reference"))
+    assert not torch.equal(y, mega_moe(x, idx, w, w13, w2, backend="reference"))  # the FP8 numerics, not bf16
+
+
+@pytest.mark.parametrize("backend", ["auto", "fused", "grouped"])
+def test_fp8_layer_calls_raise_with_real_status(backend):
+    """Whatever prime_kernels.status() says on this machine, fp8 and fp8_bwd on a kernel backend raise the clear
+    reason (no kernel exists yet)."""
+    x, idx, w, w13, w2, _ = make_problem(4, 128, 128, E, K, seed=56)
+    for precision in ("fp8", "fp8_bwd"):
+        with pytest.raises(_backend.FusedKernelUnavailable, match=FP8_TODO):
+            mega_moe(x, idx, w, w13, w2, precision=precision, backend=backend)
 
 
 @pytest.mark.parametrize("fn,name", [
@@ -107,9 +160,16 @@ def test_fp8_names_raise_status_reason(status, fn, name):
 
 
 def test_fp8_names_raise_with_real_status():
-    """Whatever prime_kernels.status() says today, these never run silently."""
-    with pytest.raises(_backend.FusedKernelUnavailable):
-        mega.fp8_mega_moe(None, None, None, None)
+    """Whatever prime_kernels.status() says today, these never run silently, and they leave the output they were
+    handed as it was (NaN-poisoned here)."""
+    buf = get_symm_buffer_for_mega_moe(None, E, 32, K, 256, I, mma_type="fp8xfp8", device="cpu")
+    _, _, _, w13, w2, _ = make_problem(2, 256, I, E, K, seed=57)
+    y = torch.full((8, 256), float("nan"), dtype=torch.bfloat16)
+    for fn in (mega.fp8_mega_moe, mega.fp8_mega_moe_backward, mega.fp8_mega_moe_weight_grads,
+               mega.fp8_bwd_mega_moe_backward):
+        with pytest.raises(_backend.FusedKernelUnavailable, match=FP8_TODO):
+            fn(y, w13, w2, buf)
+        assert y.isnan().all()
 
 
 def test_all_names_exist():

@@ -6,29 +6,18 @@ import math
 import pytest
 import torch
 
-from mega_helpers import loop_reference, make_problem, rel_err, run_layer
+from mega_helpers import ROUTING_CASES, case_problem, loop_reference, make_problem, rel_err, run_layer
 
 from prime_kernels.mega import mega_moe
 
 TOL = 1e-2  # bf16 rounding points (measured ~3e-3: a few 2^-9 relative)
 
-CASES = {
-    "uniform": dict(T=64, routing="uniform"),
-    "skewed": dict(T=96, routing="skewed"),
-    "empty_experts": dict(T=48, routing="uniform", experts_used=5),
-    "masked_some": dict(T=40, routing="uniform", masked_frac=0.3),
-    "T1": dict(T=1, routing="uniform"),
-    "T_not_mult_128": dict(T=130, routing="skewed"),
-}
 
-
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(ROUTING_CASES))
 @pytest.mark.parametrize("clamp", [None, 0.75])
 def test_reference_vs_float64_loop(case, clamp):
-    c = CASES[case]
     E, H, I, K = 8, 64, 32, 4
-    x, idx, w, w13, w2, dy = make_problem(c["T"], H, I, E, K, routing=c["routing"], seed=sorted(CASES).index(case) + 100,
-                                          masked_frac=c.get("masked_frac", 0.0), experts_used=c.get("experts_used"))
+    x, idx, w, w13, w2, dy = case_problem(case, H, I, E, K, seed_base=100)
     got = run_layer(x, idx, w, w13, w2, dy, backend="reference", activation_clamp=clamp, block_m=16)
     ref = loop_reference(x, idx, w, w13, w2, dy, clamp=clamp)
     for name, a, b in zip(("y", "dx", "dtopk", "dw13", "dw2"), got, ref):
@@ -38,8 +27,9 @@ def test_reference_vs_float64_loop(case, clamp):
         assert err < TOL, f"{case} clamp={clamp} {name}: rel err {err:.3e}"
     # masked routes get no topk-weight gradient; unused experts get zero weight gradients
     assert (got[2][idx < 0] == 0).all()
-    if c.get("experts_used"):
-        assert (got[3][c["experts_used"]:] == 0).all() and (got[4][c["experts_used"]:] == 0).all()
+    used = ROUTING_CASES[case].get("experts_used")
+    if used:
+        assert (got[3][used:] == 0).all() and (got[4][used:] == 0).all()
 
 
 def test_exact_mode_matches_loop_to_float64_precision():

@@ -8,7 +8,11 @@ backend modules: :mod:`prime_kernels.mega._fused` ("fused"), :mod:`prime_kernels
 
 Rules (the same for every entry point):
 
-* ``backend="reference"`` always runs the pure-PyTorch reference (bf16 numerics only).
+* ``backend="reference"`` always runs the pure-PyTorch reference: bf16, and the FP8 recipe (``"fp8"``,
+  ``"fp8_bwd"``) emulated as :mod:`prime_kernels.mega.reference` defines it (docs/fp8.md); it has no mxfp8.
+* ``precision="fp8"`` / ``"fp8_bwd"`` run on a kernel backend only when both directions' kernels exist
+  (:func:`fp8_kernel_reason`), so that a forward never succeeds ahead of a backward that cannot run; until
+  then every kernel backend raises, naming the reference as the way to run the recipe.
 * ``backend="fused"`` runs the fused kernel, or raises the reason ``prime_kernels.status()`` gives.
 * ``backend="grouped"`` runs the pipeline of our grouped-GEMM kernels (:mod:`prime_kernels.mega._grouped`,
   bf16, single rank), or raises the reason.
@@ -29,6 +33,7 @@ import warnings
 import torch
 
 from . import _fused, _grouped, _validate, reference
+from .._status import FP8_TODO
 from ..routing import pool_capacity
 from ._validate import FusedKernelUnavailable
 from .constants import (ALLOW_FALLBACK_ENV, env_flag, BACKENDS, FUSED_MAX_EXPERTS, GROUPED_MAX_EXPERTS, HIDDEN_ALIGN,
@@ -48,6 +53,8 @@ KERNEL_NAMES = {
 }
 
 _NOT_IMPLEMENTED = "not implemented yet"
+#: The precisions backend="reference" computes: bf16 and the emulated FP8 recipe.
+REFERENCE_PRECISIONS = ("bf16",) + reference.FP8_PRECISIONS
 _warned: set = set()
 
 
@@ -141,6 +148,20 @@ def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None
     return None if reason == "available" else f"{GROUPED_KEY}: {reason}"
 
 
+def fp8_kernel_reason(precision: str, direction: str = "fwd") -> str | None:
+    """For "fp8" and "fp8_bwd": None when the kernels of both directions are available, else why not (the
+    status() reason of ``direction``'s kernel, else of the other's); None for every other precision. Both
+    directions are asked for in either, so that a forward never runs on a kernel ahead of a backward that has
+    none."""
+    if precision not in reference.FP8_PRECISIONS:
+        return None
+    for d in (direction, "bwd" if direction == "fwd" else "fwd"):
+        why = _fused_reason(precision, d)
+        if why is not None:
+            return why if FP8_TODO in why else f"precision={precision!r}: {FP8_TODO} ({why})"
+    return None
+
+
 def check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(
@@ -202,10 +223,10 @@ def choose_backend(
     check_backend(backend)
     check_precision(precision)
     if backend == "reference":
-        if precision != "bf16":
+        if precision not in REFERENCE_PRECISIONS:
             raise NotImplementedError(
-                f"prime_kernels.mega: the reference implements precision='bf16' only; "
-                f"precision={precision!r} has no reference numerics yet: use precision='bf16'"
+                f"prime_kernels.mega: the reference implements precision {REFERENCE_PRECISIONS}; "
+                f"precision={precision!r} has no reference numerics yet"
             )
         return "reference", "backend='reference' was asked for"
 
@@ -219,7 +240,7 @@ def choose_backend(
         raise ValueError(f"prime_kernels.mega: backend='fused' cannot run: {too_many}; use backend='auto' or "
                          f"'grouped' (the grouped pipeline takes up to {GROUPED_MAX_EXPERTS})")
     off_device = None if device_type == "cuda" else f"tensors are on {device_type}; the fused kernels need CUDA tensors"
-    common = align or off_device
+    common = fp8_kernel_reason(precision, direction) or align or off_device
     if backend == "grouped":
         why = common or _grouped_reason(precision, ep_size, activation_clamp, num_local_experts)
         if why is not None:
@@ -246,10 +267,10 @@ def choose_backend(
             f"prime_kernels.mega: no fused kernel for precision={precision!r} {direction}: {reason}; {advice}"
         )
     # backend == "auto"
-    if precision != "bf16":
+    if precision not in REFERENCE_PRECISIONS:
         raise FusedKernelUnavailable(
             f"prime_kernels.mega: no fused kernel for precision={precision!r} {direction}: {reason}; "
-            f"the reference implements precision='bf16' only"
+            f"the reference has no {precision} numerics either"
         )
     if not fallback_allowed():
         raise FusedKernelUnavailable(
@@ -333,7 +354,7 @@ def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, a
             out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=buffer, id_check=ids,
                                    num_sms=num_sms, **kwargs)
         else:
-            out = reference.forward(x, topk_idx, topk_weights, w13, w2, **kwargs)
+            out = reference.forward(x, topk_idx, topk_weights, w13, w2, precision=precision, **kwargs)
         if x_pool is None:
             x_pool = _gather_pool_rows(x, out[4], K) if keep_pooled_x else x.new_empty((0, x.shape[1]))
     ids.finish()
@@ -358,4 +379,4 @@ def backward(which: str, dy, x, topk_idx, topk_weights, w13, w2, h, expert_count
             return _fused.backward(*args, precision=precision, buffer=buffer, num_sms=num_sms, **kwargs)
         if which == "grouped":
             return _grouped.backward(*args, buffer=buffer, num_sms=num_sms, **kwargs)
-        return reference.backward(*args, **kwargs)
+        return reference.backward(*args, precision=precision, **kwargs)

@@ -74,7 +74,10 @@ def mega_moe(
       w2: [El, H, I].
       group: a ``torch.distributed`` process group for expert parallelism (experts sharded by
         rank, El = E / R contiguous per rank, tokens exchanged all-to-all), or None.
-      precision: "bf16" (others report through ``prime_kernels.status()`` and raise for now).
+      precision: "bf16"; "fp8" (blockwise FP8 forward and backward) and "fp8_bwd" (the bf16 forward, the FP8
+        backward) run on ``backend="reference"`` only for now, as an emulation of the recipe (docs/fp8.md), with
+        the default recipe and weight cache (``reference.mega_moe_reference`` takes the options); the kernel
+        backends raise the ``prime_kernels.status()`` reason. "mxfp8" raises everywhere.
       activation_clamp: None (no clamp) or a finite c > 0: gate <= c and -c <= up <= c before SiLU
         (DeepSeek-V4).
       backend: "auto" | "fused" | "grouped" | "reference" (see :mod:`prime_kernels.mega._backend`).

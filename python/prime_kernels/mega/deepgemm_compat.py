@@ -299,7 +299,7 @@ def bf16_mega_moe_backward(
 
 
 def _unavailable(precision, direction, what):
-    reason = _backend._fused_reason(precision, direction)
+    reason = _backend.fp8_kernel_reason(precision, direction) or _backend._fused_reason(precision, direction)
     if reason is None:  # status() says the kernel exists: hand over to the binding
         return _fused.forward if direction == "fwd" else _fused.backward
     raise _backend.FusedKernelUnavailable(

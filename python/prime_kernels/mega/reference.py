@@ -61,6 +61,47 @@ rows in the same order and EP = R equals EP = 1 bit for bit (tested on CPU with 
 GEMMs on CUDA run in true fp32: TF32 is switched off around them.
 Tests hold the bf16 reference to ||out - ref|| / ||ref|| < 1e-2 against an independent float64
 per-token loop for y, dX, d topk_weights, dW13 and dW2 (measured ~3e-3).
+
+FP8 (``precision="fp8"``: FP8 forward and backward; ``"fp8_bwd"``: the bf16 forward above, bit for
+bit, and the FP8 backward). The DeepSeek-V3 blockwise recipe; quantization q(.) (Q1-Q3), its block
+grids and tail blocks, and the emulated GEMM with promotion every 128 of K (G1-G3) are defined in
+:mod:`prime_kernels.mega.fp8`. qK(v, b): 1 x b blocks along the last axis (the GEMM's K); qT(v): 128 x 1
+blocks along the token axis, the grid starting at each expert's first pool row (with the kernels'
+block_m = 128 these are the pool's m-blocks), so results do not depend on block_m; qW(w): 128 x 128.
+x and dy are bf16; everything else below is fp32 unless said.
+
+  W.  W13 = qW(w13[e]) [2I, H] and W2 = qW(w2[e]) [H, I], made once per version of the weight
+      (``fp8.Fp8WeightCache``), with their transposes W13^T [H, 2I] and W2^T [I, H]: the same tiles
+      transposed, which is exactly qW of the transposed weight. The backward reuses the forward's.
+  Forward (precision "fp8"):
+  F1. h_p = G(qK(x_t, 128), W13)           x quantized from bf16 by the dispatch; fp32 h   [2I]
+  F2. clamp as above, on the fp32 h (not on round_h(h): the L1 epilogue holds the accumulators)
+  F3. s_p = silu(gc) * uc                  fp32, then qK(s_p, l2_act_block) in the L1 epilogue
+                                           (l2_act_block 128, or 64 for an L1 tile of 64+64 columns)
+  F4. o_p = round_io(G(qK(s_p), W2))       bf16 combine slot
+  F5. as above (topk weights in fp32 at the combine, fixed k order)
+  F6. h~_p = round_h(h_p) of the fp32 h of F1 (same rule as above); recompute=True recomputes F1 the
+      same way (so the backward sees identical values)
+  Backward (precision "fp8" or "fp8_bwd"); h~, g~, u~, gc, uc, sig, silu, s as above (s from h~):
+  B1. dispatch of dy_p (bf16): qK(dy_p, 128) for B2, and qT(dy_e) over the expert's rows for B10
+  B2. da_p = G(qK(dy_p), W2^T)             fp32 [I]
+  B3-B5. as above, in fp32
+  B6. dh_p = [dg, du] in fp32 (not rounded to bf16), quantized by the L2-dgrad epilogue twice:
+      qK(dh_p, 128) along 2I for B7, and qT(dh_e) for B10
+  B7. dx_p = round_io(G(qK(dh_p), W13^T))  bf16 per-route dx slot
+  B8. as above
+  B9. a_p = w_p * s (fp32), qT(a_e) in the same epilogue
+  B10. dW2[e]  = G(qT(dy_e)^T, qT(a_e)^T)  K = the expert's rows, promoted every 128 rows
+       dW13[e] = G(qT(dh_e)^T, qT(x_e)^T)  x rows quantized from bf16 by the backward's dispatch (not
+       from the forward's 1x128 FP8 x: one quantization, not two)
+       then rounded / accumulated as above.
+  Measured against the float64 loop (tests/test_fp8_reference.py, unit-variance inputs, H=256,
+  I=128): fp8 5.4e-2 .. 7.6e-2 for every output (up to 7.9e-2 with a clamp); fp8_bwd ~4e-3 for y
+  and 2e-3 .. 5.3e-2 for the gradients; bound at 1.2e-1. With the FP8 forward and a clamp, values of
+  h near the bound land on the other side of it than the exact h, so dX and dW13 lose more (2.4e-1
+  at c = 0.75 on unit-variance h, 9.7e-2 at c = 2). The reference follows an independent
+  step-by-step emulation of this recipe to < 1e-3 (1.0e-4 measured). FP8 takes bf16 tokens (there
+  is no float64 "exact mode" for it). docs/fp8.md describes the recipe in prose.
 """
 
 from __future__ import annotations
@@ -70,6 +111,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from . import fp8 as _fp8
 from ._plan import build_plan
 
 
@@ -219,6 +261,46 @@ def _swiglu_parts(h, clamp):
     return g, u, gc, uc
 
 
+FP8_PRECISIONS = ("fp8", "fp8_bwd")
+
+
+def _check_precision(precision, x):
+    if precision not in ("bf16",) + FP8_PRECISIONS:
+        raise ValueError(f"prime_kernels.mega.reference: precision must be 'bf16', 'fp8' or 'fp8_bwd', "
+                         f"got {precision!r}")
+    if precision in FP8_PRECISIONS and x.dtype != torch.bfloat16:
+        raise ValueError(f"prime_kernels.mega.reference: precision={precision!r} takes bf16 tokens, got {x.dtype}")
+    return precision
+
+
+class _Quantizer:
+    """qK / qT of the FP8 section with the recipe's scale option."""
+
+    def __init__(self, recipe):
+        self.pow2 = recipe.pow2_scales
+
+    def along_k(self, v, block=_fp8.BLOCK):
+        return _fp8.quantize_along_k(v, block, self.pow2)
+
+    def along_tokens(self, v):
+        return _fp8.quantize_along_tokens(v, _fp8.BLOCK, self.pow2)
+
+
+def _fp8_l1(x_rows, q13e, qz):
+    """F1 (FP8): the fp32 L1 accumulators of bf16 token rows."""
+    return _fp8.fp8_gemm_nt(qz.along_k(x_rows), q13e)
+
+
+def _fp8_expert_forward(x_rows, q13e, q2e, clamp, recipe, io):
+    """F1-F4 and F6 (FP8) of one expert's rows: (round_h(h), o) with o the bf16 combine slots."""
+    qz = _Quantizer(recipe)
+    h = _fp8_l1(x_rows, q13e, qz)
+    hr = round_h(h, clamp, io)  # F6
+    _, _, gc, uc = _swiglu_parts(h, clamp)  # F2, on the fp32 accumulators
+    s = qz.along_k(F.silu(gc) * uc, recipe.l2_act_block)  # F3
+    return hr, _fp8.fp8_gemm_nt(s, q2e).to(io)  # F4
+
+
 def forward(
     x,
     topk_idx,
@@ -233,9 +315,21 @@ def forward(
     block_m,
     capacity,
     save_h=True,
+    precision="bf16",
+    fp8_recipe=None,
+    weight_cache=None,
 ):
     """Reference forward (F1-F5). Returns (y, h_saved, counts, offsets, pool_src_route,
-    pool_src_rank, route_to_pool); h_saved is [capacity, 2I] (or [0, 2I] if not save_h)."""
+    pool_src_rank, route_to_pool); h_saved is [capacity, 2I] (or [0, 2I] if not save_h).
+    ``precision`` "fp8" runs the FP8 forward (W, F1-F6 of the FP8 section), "bf16" and "fp8_bwd"
+    the bf16 one; ``fp8_recipe`` (:class:`fp8.Fp8Recipe`) and ``weight_cache`` (default
+    ``fp8.WEIGHT_CACHE``) apply to "fp8"."""
+    fp8_fwd = _check_precision(precision, x) == "fp8"
+    if fp8_fwd:
+        recipe = fp8_recipe or _fp8.DEFAULT_RECIPE
+        cache = _fp8.WEIGHT_CACHE if weight_cache is None else weight_cache
+        q13 = cache.get(w13, recipe.pow2_scales).weight  # W
+        q2 = cache.get(w2, recipe.pow2_scales).weight
     io, acc = dtypes_for(x.dtype)
     T, H = x.shape
     K = topk_idx.shape[1]
@@ -254,6 +348,11 @@ def forward(
             if cnt[e] == 0:
                 continue
             rows = slice(off[e], off[e] + cnt[e])
+            if fp8_fwd:
+                hr, op[rows] = _fp8_expert_forward(xp[rows], q13[e], q2[e], activation_clamp, recipe, io)
+                if save_h:
+                    h_saved[rows] = hr
+                continue
             h = xp[rows].to(acc) @ w13[e].to(acc).t()  # F1
             hr = round_h(h, activation_clamp, io)  # F6 (and F3's operands)
             if save_h:
@@ -292,11 +391,23 @@ def backward(
     dw13_accum=None,
     dw2_accum=None,
     x_pool=None,
+    precision="bf16",
+    fp8_recipe=None,
+    weight_cache=None,
 ):
     """Reference backward (B1-B10). Returns (dx [T,H] io, dtopk [T,K] (topk_weights dtype),
     dw13 like w13 or None, dw2 like w2 or None); weight grads are None when accumulated into
     the given buffers or when need_wgrad is False. ``x_pool`` (pooled rows kept by a forward) is
-    accepted and not used: the reference exchanges the rows itself."""
+    accepted and not used: the reference exchanges the rows itself. ``precision`` "fp8" and
+    "fp8_bwd" run the FP8 backward (B1-B10 of the FP8 section; with ``recompute``, F1 is recomputed
+    the way the forward of that precision ran it)."""
+    fp8_back = _check_precision(precision, x) in FP8_PRECISIONS
+    if fp8_back:
+        recipe = fp8_recipe or _fp8.DEFAULT_RECIPE
+        cache = _fp8.WEIGHT_CACHE if weight_cache is None else weight_cache
+        c13 = cache.get(w13, recipe.pow2_scales)  # W: the forward's tiles and their transposes
+        c2 = cache.get(w2, recipe.pow2_scales)
+        qz = _Quantizer(recipe)
     io, acc = dtypes_for(x.dtype)
     T, H = x.shape
     K = topk_idx.shape[1]
@@ -322,7 +433,9 @@ def backward(
             xe = xp[rows].to(acc)
             w13e = w13[e].to(acc)
             w2e = w2[e].to(acc)
-            if recompute:
+            if recompute and precision == "fp8":
+                h = round_h(_fp8_l1(xp[rows], c13.weight[e], qz), activation_clamp, io).to(acc)
+            elif recompute:
                 h = round_h(xe @ w13e.t(), activation_clamp, io).to(acc)
             else:
                 h = h_saved[rows].to(acc)
@@ -331,7 +444,10 @@ def backward(
             silu = gc * sig
             s = silu * uc
             dye = dyp[rows].to(acc)
-            da = dye @ w2e  # B2
+            if fp8_back:
+                da = _fp8.fp8_gemm_nt(qz.along_k(dyp[rows]), c2.transposed[e])  # B1, B2
+            else:
+                da = dye @ w2e  # B2
             dtp[rows] = (da * s).sum(-1)  # B3
             we = wp[rows].unsqueeze(1)
             ds = we * da  # B4
@@ -341,6 +457,14 @@ def backward(
                 c = activation_clamp
                 dg = dg * (g < c)
                 du = du * ((u > -c) & (u < c))
+            if fp8_back:
+                dh = torch.cat([dg, du], 1)  # B6: fp32, quantized below
+                dxp[rows] = _fp8.fp8_gemm_nt(qz.along_k(dh), c13.transposed[e]).to(io)  # B7
+                if want_w:  # B9, B10
+                    a = qz.along_tokens(we * s)
+                    dw2[e] = _fp8.fp8_gemm_nt(qz.along_tokens(dyp[rows]).t(), a.t())
+                    dw13[e] = _fp8.fp8_gemm_nt(qz.along_tokens(dh).t(), qz.along_tokens(xp[rows]).t())
+                continue
             dh = torch.cat([dg, du], 1).to(io).to(acc)  # B6
             dxp[rows] = (dh @ w13e).to(io)  # B7
             if want_w:  # B9, B10
@@ -368,3 +492,47 @@ def backward(
 
 def resolve_group(group_name: str):
     return _resolve_group(group_name)
+
+
+class _ReferenceLayer(torch.autograd.Function):
+    """:func:`forward` and :func:`backward` as one autograd node (the plan rides from one to the other)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, w13, w2, topk_idx, opts):
+        out = forward(x, topk_idx, topk_weights, w13, w2, **opts["fwd"])
+        y, h, counts, offsets, src, srank, r2p = out
+        ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, h, counts, offsets, src, srank, r2p)
+        ctx.opts = opts
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved = ctx.saved_tensors
+        need_wgrad = bool(ctx.needs_input_grad[2] or ctx.needs_input_grad[3])
+        dx, dtopk, dw13, dw2 = backward(dy, *saved, need_wgrad=need_wgrad, **ctx.opts["bwd"])
+        return dx, dtopk, dw13, dw2, None, None
+
+
+def mega_moe_reference(x, topk_idx, topk_weights, w13, w2, *, precision="bf16", activation_clamp=None, group=None,
+                       num_experts=None, max_tokens_per_rank=None, block_m=128, recompute=False, fp8_recipe=None,
+                       weight_cache=None):
+    """The reference layer with autograd, for every precision it defines ("bf16", "fp8", "fp8_bwd"): y [T, H],
+    with gradients to x, topk_weights, w13 and w2 from :func:`backward`. Inputs are taken as valid (the public
+    :func:`prime_kernels.mega.mega_moe` checks them and, with backend="reference", runs :func:`forward` and
+    :func:`backward` through its custom ops, with the default recipe and weight cache)."""
+    from ..routing import pool_capacity  # noqa: PLC0415
+
+    _check_precision(precision, x)
+    R = 1 if group is None else torch.distributed.get_world_size(group)
+    T, K = topk_idx.shape
+    El = w13.shape[0]
+    E = El * R if num_experts is None else int(num_experts)
+    tmax = T if max_tokens_per_rank is None else int(max_tokens_per_rank)
+    capacity = pool_capacity(R * tmax, K, El, block_m)
+    fp8_opts = dict(precision=precision, fp8_recipe=fp8_recipe, weight_cache=weight_cache)
+    opts = {
+        "fwd": dict(activation_clamp=activation_clamp, group=group, num_experts=E, max_tokens_per_rank=tmax,
+                    block_m=block_m, capacity=capacity, save_h=not recompute, **fp8_opts),
+        "bwd": dict(activation_clamp=activation_clamp, group=group, num_experts=E, recompute=recompute, **fp8_opts),
+    }
+    return _ReferenceLayer.apply(x, topk_weights, w13, w2, topk_idx, opts)

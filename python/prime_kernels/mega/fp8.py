@@ -1,0 +1,231 @@
+"""Blockwise FP8 (e4m3) numerics of the Hopper recipe: quantization, the weight cache, and an emulated FP8 GEMM.
+
+These functions define the numbers; the reference (:mod:`prime_kernels.mega.reference`, precision "fp8" and
+"fp8_bwd") calls them at the points its docstring names, and the FP8 kernels are to quantize the same way.
+
+Quantization of a tensor ``v`` in blocks of ``rows x cols`` (the block grid starts at index 0 of both axes):
+
+  Q1. amax = max |v| over the block, in fp32 (v is converted to fp32 first; bf16 -> fp32 is exact).
+  Q2. scale = amax / 448 (fp32 division, round to nearest); 448 is the largest finite e4m3 value.
+      With ``pow2_scales``: scale = 2^ceil(log2(amax / 448)), the exponent taken from the fp32 quotient
+      exactly (a quotient that is already a power of two keeps it). A block whose fp32 quotient is 0 (all
+      zeros, or an amax so small that amax / 448 underflows) gets scale 1: its values quantize to 0 (or to
+      e4m3 subnormals), and no 0/0 appears.
+  Q3. q = e4m3(clamp(v / scale, -448, 448)): fp32 division, then round to nearest even into e4m3 with
+      saturation (the PTX ``cvt.rn.satfinite.e4m3x2.f32``). With power-of-two scales the division is exact,
+      so a kernel may multiply by the reciprocal instead; with general scales it must divide (a multiply by
+      a rounded reciprocal can move a value across an e4m3 rounding boundary).
+  Tail blocks: an axis whose length is not a multiple of the block keeps a narrower last block; its amax is
+  over the elements that exist (equivalently: the tensor is zero-padded to whole blocks, and zeros never
+  raise an amax or add to a product). The scales have ceil(len / block) entries along that axis.
+
+Dequantization (tests, debugging): fp32(q * scale), one rounding.
+
+The emulated GEMM ``C[m, n] = sum_k A[m, k] B[n, k]`` on two quantized operands, both blocked along K with
+block grids starting at k = 0 (:func:`fp8_gemm_nt`), promotes every ``w`` of K, w = the smaller of the two
+K-block widths (128, or 64 when one operand has 1x64 scales), which must divide the larger:
+
+  G1. P_j[m, n] = sum over k in slice j of qa[m, k] * qb[n, k], evaluated exactly (each e4m3 product is
+      exact in 8 significant bits and every partial sum of up to 128 of them fits a float64), then rounded
+      once to fp32. This is the tensor core's fp32 partial sum of one slice, up to its internal rounding.
+  G2. s_j[m, n] = fp32(scale_a[m, j] * scale_b[n, j]), the scales of the blocks holding slice j.
+  G3. C <- fp32(C + s_j * P_j) for j = 0, 1, ... in increasing order, C starting at 0: the promotion into the
+      fp32 accumulator (evaluated in float64 and rounded once to fp32, i.e. a fused multiply-add up to a
+      double rounding in rare ties).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+#: The largest finite e4m3 (fn) value.
+E4M3_MAX = 448.0
+#: The block of the recipe: 1x128 activation/gradient scales along K, 128x128 weight tiles, 128 tokens per
+#: weight-gradient scale, promotion every 128 of K.
+BLOCK = 128
+#: The other width the L2 operand (s) may be quantized with: a kernel whose L1 tile holds 64 gate and 64 up
+#: columns sees only 64 s values per row and cannot take a 128-wide amax without exchanging partials.
+HALF_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """The options of the blockwise recipe.
+
+    ``l2_act_block``: the K-block width (128 or 64) of the L2 operand s; L2 then promotes every 64 of K.
+    ``pow2_scales``: scales rounded up to powers of two (Q2), for every operand, weights included.
+    """
+
+    l2_act_block: int = BLOCK
+    pow2_scales: bool = False
+
+    def __post_init__(self):
+        if self.l2_act_block not in (BLOCK, HALF_BLOCK):
+            raise ValueError(f"l2_act_block must be {BLOCK} or {HALF_BLOCK}, got {self.l2_act_block}")
+
+
+DEFAULT_RECIPE = Fp8Recipe()
+
+
+@dataclass
+class BlockQuantized:
+    """e4m3 values and their fp32 block scales.
+
+    ``data``: [..., R, C] e4m3. ``scale``: [..., ceil(R / block_rows), ceil(C / block_cols)] fp32: the scale
+    of element (r, c) is ``scale[..., r // block_rows, c // block_cols]``.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block_rows: int
+    block_cols: int
+
+    def t(self) -> "BlockQuantized":
+        """The transpose of the last two axes: data and scale grid transposed, blocks swapped. Exact: every
+        block keeps its elements and its amax."""
+        return BlockQuantized(self.data.transpose(-2, -1).contiguous(), self.scale.transpose(-2, -1).contiguous(),
+                              self.block_cols, self.block_rows)
+
+    def __getitem__(self, index) -> "BlockQuantized":
+        """One entry of the leading (expert) axis."""
+        return BlockQuantized(self.data[index], self.scale[index], self.block_rows, self.block_cols)
+
+    def expanded_scale(self) -> torch.Tensor:
+        """The scale of every element, shaped like ``data``."""
+        R, C = self.data.shape[-2:]
+        s = self.scale.repeat_interleave(self.block_rows, dim=-2)[..., :R, :]
+        return s.repeat_interleave(self.block_cols, dim=-1)[..., :C]
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32(q * scale)."""
+        return self.data.float() * self.expanded_scale()
+
+
+def scales_from_amax(amax: torch.Tensor, pow2_scales: bool = False) -> torch.Tensor:
+    """Q2: fp32 block scales from fp32 block amaxes."""
+    scale = amax.float() / E4M3_MAX
+    if pow2_scales:
+        mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2^exponent, mantissa in [0.5, 1)
+        exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two keeps its exponent
+        scale = torch.ldexp(torch.ones_like(scale), exponent)
+        scale = torch.where(mantissa == 0, torch.zeros_like(scale), scale)
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def quantize_blocks(v: torch.Tensor, block_rows: int, block_cols: int, pow2_scales: bool = False) -> BlockQuantized:
+    """Q1-Q3 over the last two axes of ``v`` [..., R, C] in blocks of ``block_rows x block_cols``."""
+    v = v.float()
+    *lead, R, C = v.shape
+    nr, nc = -(-R // block_rows), -(-C // block_cols)
+    padded = v.new_zeros((*lead, nr * block_rows, nc * block_cols))
+    padded[..., :R, :C] = v
+    blocks = padded.view(*lead, nr, block_rows, nc, block_cols)
+    amax = blocks.abs().amax(dim=(-3, -1)) if R and C else v.new_zeros((*lead, nr, nc))
+    scale = scales_from_amax(amax, pow2_scales)
+    q = (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    q = q.view(*lead, nr * block_rows, nc * block_cols)[..., :R, :C].contiguous()
+    return BlockQuantized(q, scale, block_rows, block_cols)
+
+
+def quantize_along_k(v: torch.Tensor, block: int = BLOCK, pow2_scales: bool = False) -> BlockQuantized:
+    """Activations and gradients as a GEMM's K-major operand: one scale per row and ``block`` of the last axis
+    (1 x block)."""
+    return quantize_blocks(v, 1, block, pow2_scales)
+
+
+def quantize_along_tokens(v: torch.Tensor, block: int = BLOCK, pow2_scales: bool = False) -> BlockQuantized:
+    """A weight-gradient operand [tokens, C]: one scale per column and ``block`` rows of the token axis
+    (block x 1), the token axis being the weight-gradient GEMM's K."""
+    return quantize_blocks(v, block, 1, pow2_scales)
+
+
+def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> BlockQuantized:
+    """A weight [..., N, K] in 128 x 128 tiles."""
+    return quantize_blocks(w, BLOCK, BLOCK, pow2_scales)
+
+
+def fp8_gemm_nt(a: BlockQuantized, b: BlockQuantized) -> torch.Tensor:
+    """G1-G3: C [M, N] fp32 = A [M, K] B [N, K]^T from two quantized operands, promoted per K slice."""
+    qa, qb = a.data, b.data
+    M, K = qa.shape
+    N, Kb = qb.shape
+    if K != Kb:
+        raise ValueError(f"fp8_gemm_nt: K differs ({K} vs {Kb})")
+    wide, narrow = max(a.block_cols, b.block_cols), min(a.block_cols, b.block_cols)
+    if wide % narrow:
+        raise ValueError(f"fp8_gemm_nt: K blocks {a.block_cols} and {b.block_cols} do not nest")
+    # per-row scales of each operand, one column per K block
+    sa = a.scale.repeat_interleave(a.block_rows, dim=0)[:M]
+    sb = b.scale.repeat_interleave(b.block_rows, dim=0)[:N]
+    fa, fb = qa.double(), qb.double()
+    c = torch.zeros((M, N), dtype=torch.float32, device=qa.device)
+    for k0 in range(0, K, narrow):
+        k1 = min(k0 + narrow, K)
+        partial = (fa[:, k0:k1] @ fb[:, k0:k1].t()).float()  # G1: exact, then one rounding
+        scale = sa[:, k0 // a.block_cols, None] * sb[None, :, k0 // b.block_cols]  # G2 (fp32)
+        c = (c.double() + scale.double() * partial.double()).float()  # G3
+    return c
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight [El, N, K] in 128x128 tiles, and the same tiles transposed ([El, K, N]) for the GEMMs that
+    read it the other way round (FP8 wgmma on sm90 takes K-major operands only)."""
+
+    weight: BlockQuantized
+    transposed: BlockQuantized
+
+
+class Fp8WeightCache:
+    """FP8 copies of weights, made once per version of the weight.
+
+    An entry is keyed on the weight tensor object (``id``) and holds its ``data_ptr``, shape, strides, dtype,
+    device, ``_version`` and the scale option; it is reused only while all of them are unchanged and the
+    object is alive. An in-place update through the tensor (``w.add_``, an optimizer step) bumps
+    ``_version`` and so invalidates the entry; an update through ``w.data`` does not (``.data`` has its own
+    version counter): call :meth:`clear` after one. An entry goes when its weight is freed.
+    """
+
+    def __init__(self):
+        self._entries: dict = {}
+        self.hits = 0
+        self.misses = 0
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def _signature(w: torch.Tensor, pow2_scales: bool):
+        return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device, w._version, bool(pow2_scales))
+
+    def get(self, w: torch.Tensor, pow2_scales: bool = False) -> QuantizedWeight:
+        key = id(w)
+        sig = self._signature(w, pow2_scales)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is w and entry[1] == sig:
+            self.hits += 1
+            return entry[2]
+        self.misses += 1
+        with torch.no_grad():
+            q = quantize_weight(w.detach(), pow2_scales)
+        value = QuantizedWeight(q, q.t())
+        entries = self._entries
+
+        def _drop(_ref, key=key, entries=entries):
+            current = entries.get(key)
+            if current is not None and current[0] is _ref:
+                del entries[key]
+
+        self._entries[key] = (weakref.ref(w, _drop), sig, value)
+        return value
+
+
+#: The cache the reference uses unless it is given one.
+WEIGHT_CACHE = Fp8WeightCache()
