@@ -11,8 +11,8 @@
 // [H, I] and w13_e [2I, H], N contiguous), so one wgmma form serves them.
 //
 // Forward progress, without assuming that the grid is resident: the TMA thread of each CTA claims tasks from a
-// global counter (one ahead) in sequence order and announces each in the CTA's task ring (kTaskSlots entries) as
-// soon as it is claimed, before any wait. An L1-dgrad tile waits (bounded, common/watchdog.cuh) for its m-block's
+// global counter (one ahead) in sequence order and announces each in the CTA's task ring (kMegaBwdTaskSlots
+// entries) once the previous task's loads are issued, before the task's own wait. An L1-dgrad tile waits (bounded, common/watchdog.cuh) for its m-block's
 // L2-dgrad tiles, all lower in the sequence (mega_moe_bwd_schedule.hpp), so all claimed already by running CTAs.
 // Within a CTA the TMA thread finishes one task's loads before it waits for the next task's counter, and the
 // consumers wait only for their own stages, their own h pieces and the task ring; an L2-dgrad tile's counter
@@ -162,7 +162,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       int u = atomicAdd(task_claim, 1);
       if (u < num_tasks) announce(u);
       while (u < num_tasks) {
-        // the next task is claimed and announced before this one's wait: its consumers then know their stages
+        // the next task is claimed now and announced once this one's loads are issued, before its own wait: every
+        // task's consumers learn their stages without waiting on anything but lower tasks
         const int next = atomicAdd(task_claim, 1);
         const BwdTask t = sched.locate(u);
         const BwdWait w = sched.wait_of(t);
