@@ -99,11 +99,14 @@ def child(args) -> dict:
 
     sys.path.insert(0, str(HERE))
     import bench_common as bc
-    import deep_gemm
-    from deep_gemm.mega import mega_moe
+    import importlib
+
+    # Builds from before the package split (the A/B baseline among them) ship the package as deep_gemm only.
+    package = importlib.import_module(_package_name(Path(os.environ["PYTHONPATH"])))  # run_child sets it
+    mega_moe = importlib.import_module(package.__name__ + ".mega").mega_moe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = {"deep_gemm_file": deep_gemm.__file__, "build_info": deep_gemm.build_info(),
+    out = {"package_file": package.__file__, "build_info": package.build_info(),
            "header": bc.run_header(device, 0.0), "shapes": {}}
     for short in args.shapes.split(","):
         E, H, I, K = bc.SHAPES[SHAPES[short]]
@@ -137,12 +140,17 @@ def child(args) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
+def _package_name(site: Path) -> str:
+    """prime_kernels where the build has it, else deep_gemm (builds from before the two distributions)."""
+    return "prime_kernels" if (site / "prime_kernels").is_dir() or not (site / "deep_gemm").is_dir() else "deep_gemm"
+
+
 def resolve_build(spec: str, tmp: Path, label: str) -> Path:
     """A folder to put on PYTHONPATH: the given one, or a wheel installed into a temp folder."""
     path = Path(spec).resolve()
     if path.is_dir():
-        if not (path / "deep_gemm").is_dir():
-            raise SystemExit(f"--{label} {spec}: no deep_gemm package in that folder")
+        if not (path / "prime_kernels").is_dir() and not (path / "deep_gemm").is_dir():
+            raise SystemExit(f"--{label} {spec}: no prime_kernels (or, for older builds, deep_gemm) package there")
         return path
     if path.suffix == ".whl" and path.is_file():
         target = tmp / label
@@ -164,8 +172,8 @@ def run_child(site: Path, args, argv_tail: list[str]) -> dict:
     if r.returncode != 0 or not lines:
         raise SystemExit(f"[ab] the child for {site} failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
     res = json.loads(lines[-1][len("@@AB@@ "):])
-    if not Path(res["deep_gemm_file"]).resolve().is_relative_to(site):
-        raise SystemExit(f"[ab] the child for {site} imported deep_gemm from {res['deep_gemm_file']}: "
+    if not Path(res["package_file"]).resolve().is_relative_to(site):
+        raise SystemExit(f"[ab] the child for {site} imported {_package_name(site)} from {res['package_file']}: "
                          f"another copy shadows the build (check PYTHONPATH / the current directory)")
     return res
 
@@ -201,7 +209,7 @@ def main(argv=None):
         print("@@AB@@ " + json.dumps(child(args)), flush=True)
         return None
     sys.path.insert(0, str(HERE))
-    import bench_common as bc  # torch only; the parent never imports deep_gemm
+    import bench_common as bc  # torch only; the parent never imports prime_kernels
 
     shapes = args.shapes.split(",")
     tail = ["--shapes", args.shapes, "--tokens", str(args.tokens), "--warmup", str(args.warmup),

@@ -353,9 +353,9 @@ def git_sha() -> str:
     device machine gets a copy of the tree whose .git may be stale), else this checkout's HEAD
     (+ "-dirty" with uncommitted changes)."""
     try:
-        import deep_gemm  # noqa: PLC0415
+        import prime_kernels  # noqa: PLC0415
 
-        sha = deep_gemm.build_info().get("git_sha") or ""
+        sha = prime_kernels.build_info().get("git_sha") or ""
         if sha and sha != "unknown":
             return sha
     except Exception:

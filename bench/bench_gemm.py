@@ -1,4 +1,4 @@
-"""Grouped-GEMM core benchmark: deep_gemm's sm90 kernels vs torch._grouped_mm on the same tensors.
+"""Grouped-GEMM core benchmark: prime_kernels' sm90 kernels vs torch._grouped_mm on the same tensors.
 
 The six GEMM passes of a MoE layer (128 experts, T tokens, top-8, so P = T*8 pool rows), for the
 Qwen3-30B-A3B and Qwen3-235B-A22B shapes, uniform and Zipf routing. Times with CUDA events (5
@@ -85,10 +85,10 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
 
-    import deep_gemm
+    import prime_kernels
 
     for key in ("m_grouped_gemm_nt.bf16.sm90", "m_grouped_gemm_nn.bf16.sm90", "k_grouped_gemm_tn.bf16.sm90"):
-        print(f"{key}: {deep_gemm.status()[key]}")
+        print(f"{key}: {prime_kernels.status()[key]}")
     peak = peak_bf16_tflops(args.reps)
     print(f"measured bf16 matmul peak: {peak:.0f} TFLOP/s")
     rows = []
@@ -104,17 +104,17 @@ def main() -> int:
             x, s, dy, dh = rnd(P, H), rnd(P, I), rnd(P, H), rnd(P, 2 * I)
             w13, w2 = rnd(E, 2 * I, H), rnd(E, H, I)
             passes = [  # (op, ours, torch's, flops)
-                ("l1_fwd", lambda: deep_gemm.m_grouped_bf16_gemm_nt(x, w13, offs),
+                ("l1_fwd", lambda: prime_kernels.m_grouped_bf16_gemm_nt(x, w13, offs),
                  lambda: torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16), 4 * P * H * I),
-                ("l2_fwd", lambda: deep_gemm.m_grouped_bf16_gemm_nt(s, w2, offs),
+                ("l2_fwd", lambda: prime_kernels.m_grouped_bf16_gemm_nt(s, w2, offs),
                  lambda: torch._grouped_mm(s, w2.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16), 2 * P * H * I),
-                ("l2_dgrad", lambda: deep_gemm.m_grouped_bf16_gemm_nn(dy, w2, offs),
+                ("l2_dgrad", lambda: prime_kernels.m_grouped_bf16_gemm_nn(dy, w2, offs),
                  lambda: torch._grouped_mm(dy, w2, offs=ends, out_dtype=torch.bfloat16), 2 * P * H * I),
-                ("l1_dgrad", lambda: deep_gemm.m_grouped_bf16_gemm_nn(dh, w13, offs),
+                ("l1_dgrad", lambda: prime_kernels.m_grouped_bf16_gemm_nn(dh, w13, offs),
                  lambda: torch._grouped_mm(dh, w13, offs=ends, out_dtype=torch.bfloat16), 4 * P * H * I),
-                ("l2_wgrad", lambda: deep_gemm.k_grouped_bf16_gemm_tn(dy, s, offs, out_dtype=torch.bfloat16),
+                ("l2_wgrad", lambda: prime_kernels.k_grouped_bf16_gemm_tn(dy, s, offs, out_dtype=torch.bfloat16),
                  lambda: torch._grouped_mm(dy.t(), s, offs=ends, out_dtype=torch.bfloat16), 2 * P * H * I),
-                ("l1_wgrad", lambda: deep_gemm.k_grouped_bf16_gemm_tn(dh, x, offs, out_dtype=torch.bfloat16),
+                ("l1_wgrad", lambda: prime_kernels.k_grouped_bf16_gemm_tn(dh, x, offs, out_dtype=torch.bfloat16),
                  lambda: torch._grouped_mm(dh.t(), x, offs=ends, out_dtype=torch.bfloat16), 4 * P * H * I),
             ]
             for op, ours, theirs, flops in passes:
@@ -144,7 +144,7 @@ def main() -> int:
           f"geometric mean x{geo:.3f}")
     sha = bench_common.git_sha()  # the checkout's commit, else the wheel's build record
     result = {"gpu": torch.cuda.get_device_name(), "num_gpus": 1, "torch": torch.__version__,
-              "cuda": torch.version.cuda, "git_sha": sha, "deep_gemm_build": deep_gemm.build_info(),
+              "cuda": torch.version.cuda, "git_sha": sha, "deep_gemm_build": prime_kernels.build_info(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "peak_bf16_tflops": peak, "geomean_ratio_vs_torch": geo, "rows": rows}
     os.makedirs(args.out, exist_ok=True)

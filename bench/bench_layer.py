@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Time one MoE layer: the TorchTitan-style torch baseline and every available deep_gemm backend,
+"""Time one MoE layer: the TorchTitan-style torch baseline and every available prime_kernels backend,
 on the same inputs in the same run.
 
     python bench/bench_layer.py                       # default GPU run (H200: a few minutes)
@@ -7,11 +7,12 @@ on the same inputs in the same run.
     torchrun --nproc-per-node 8 bench/bench_layer.py  # expert parallelism (tokens are per rank)
 
 Backends: "torch" (baseline), "deep_gemm" (backend="auto", what a user gets: the fused kernel of each
-direction where deep_gemm.status() says it is available, else the grouped pipeline; the log says which), "deep_gemm_grouped" (the single-rank pipeline of our grouped GEMMs, deep_gemm.mega._grouped),
+direction where prime_kernels.status() says it is available, else the grouped pipeline; the log says which), "deep_gemm_grouped" (the single-rank pipeline of our grouped GEMMs, prime_kernels.mega._grouped),
 "deep_gemm_reference" (the pure-PyTorch reference; by default timed only at
 T <= --reference-max-tokens because it is slow), "sonicmoe" (the SonicMoE package as a peer, bench/peer_sonicmoe.py;
 in the default list only when it imports; a requested peer that cannot run gets rows with "skipped": the reason,
-e.g. the exact import error). Timing: CUDA events, --warmup runs then the median
+e.g. the exact import error). The "deep_gemm*" labels name our backends: the results files have used them since
+the first run, and docs/performance.md compares across runs. Timing: CUDA events, --warmup runs then the median
 of --iters; fwd with autograd on, fwdbwd = forward + torch.autograd.grad, bwd = fwdbwd - fwd; with
 --inference also infer = the forward under torch.no_grad() (nothing saved for a backward). Peak
 memory: reset_peak_memory_stats before a grad-enabled forward (fwd rows), a no-grad one (infer rows) or
@@ -97,7 +98,7 @@ def _split(s):
 
 def _fused_state():
     """(fwd_reason, bwd_reason) of the bf16 fused kernels (None = available)."""
-    from deep_gemm.mega._backend import _fused_reason
+    from prime_kernels.mega._backend import _fused_reason
 
     return _fused_reason("bf16", "fwd"), _fused_reason("bf16", "bwd")
 
@@ -107,7 +108,7 @@ def _layer_fn(backend, group, E, args):
         return lambda x, i, w, a, b: bc.torch_moe(x, i, w, a, b, group=group)
     if backend == "sonicmoe":
         return peer_sonicmoe.sonicmoe_layer
-    from deep_gemm.mega import mega_moe
+    from prime_kernels.mega import mega_moe
 
     which = {"deep_gemm": "auto", "deep_gemm_grouped": "grouped"}.get(backend, "reference")
     return lambda x, i, w, a, b: mega_moe(x, i, w, a, b, group=group, num_experts=E, backend=which,
@@ -241,7 +242,7 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
 
     errs = {}
     if outputs:
-        from deep_gemm.mega import mega_moe
+        from prime_kernels.mega import mega_moe
 
         ref_leaves = [t.detach().double().requires_grad_() for t in (x, w, w13, w2)]
         y64 = mega_moe(ref_leaves[0], idx, ref_leaves[1], ref_leaves[2], ref_leaves[3], group=group, num_experts=E,
@@ -340,7 +341,7 @@ def main(argv=None):
     fused_fwd_reason, fused_bwd_reason = _fused_state()
     if "deep_gemm" in backends:
         # backend="auto" must resolve to one of our kernel paths in both directions (never the reference)
-        from deep_gemm.mega._backend import _grouped_reason
+        from prime_kernels.mega._backend import _grouped_reason
 
         impl, why = [], None
         for r in (fused_fwd_reason, fused_bwd_reason):
@@ -357,7 +358,7 @@ def main(argv=None):
             log(f"[bench] skipping backend deep_gemm (backend 'auto' has no kernel path here): {why}")
             backends.remove("deep_gemm")
     if "deep_gemm_grouped" in backends:
-        from deep_gemm.mega._backend import _grouped_reason
+        from prime_kernels.mega._backend import _grouped_reason
 
         why = _grouped_reason("bf16", ep, args.activation_clamp)
         if why is not None:

@@ -36,8 +36,8 @@ BARS = {"qwen3-30b-a3b": 3.0, "qwen3-235b-a22b": 2.0}  # the forward targets (x 
 
 def forward_calls(shape: str, T: int, routing: str) -> tuple[float, dict]:
     """(useful forward TFLOP, {name: fn}) on one set of random operands (never zeros)."""
-    from deep_gemm.combine import combine
-    from deep_gemm.mega import mega_moe
+    from prime_kernels.combine import combine
+    from prime_kernels.mega import mega_moe
 
     E, H, I, K = bc.SHAPES[shape]
     P = T * K

@@ -56,7 +56,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--backend", default="auto")
     a = p.parse_args()
-    from deep_gemm.mega import mega_moe
+    from prime_kernels.mega import mega_moe
 
     for shape in a.shapes.split(","):
         E, H, I, K = bc.SHAPES[shape]

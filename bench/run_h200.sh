@@ -4,7 +4,7 @@
 #
 # usage: bash bench/run_h200.sh [tests|gemm|layer|floor|parity]...     (default: tests gemm layer floor)
 # environment:
-#   WHEEL_DIR    where prime_kernels-*.whl is (default wheelhouse)
+#   WHEEL_DIR    where prime_kernels_core-*.whl and the prime_kernels-*.whl drop-in are (default wheelhouse)
 #   OUT          results folder (default /tmp/pk_out)
 #   PYTEST_ARGS  extra pytest arguments for "tests"
 #   LAYER_ARGS   bench_layer.py arguments (default: the official run, --sustained-seconds 2 --inference)
@@ -14,7 +14,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/pk_out}"; mkdir -p "$OUT"
 WHEEL_DIR="${WHEEL_DIR:-wheelhouse}"
-python3 -m pip install -q --no-deps --no-index --target /tmp/site "$WHEEL_DIR"/prime_kernels-*.whl \
+python3 -m pip install -q --no-deps --no-index --target /tmp/site "$WHEEL_DIR"/prime_kernels_core-*.whl \
+  "$WHEEL_DIR"/prime_kernels-*.whl \
   $(ls .whl/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 PRIME_KERNELS_TEST_PYPI_NVCC=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu,power.draw --format=csv,noheader

@@ -10,7 +10,7 @@ for c in "${CUDACXX:-}" "$(command -v nvcc || true)" /usr/local/cuda/bin/nvcc /u
   if [ -n "$c" ] && [ -x "$c" ] && ok "$c"; then echo "$c"; exit 0; fi
 done
 echo "ci/find_nvcc.sh: no CUDA >= 12.9 nvcc found; installing CUDA 13.0 from PyPI into .toolchain/cuda" >&2
-if ! python3 -m pip --version >/dev/null 2>&1; then
+if ! "${PYTHON:-python3}" -m pip --version >/dev/null 2>&1; then
   echo "error: no nvcc and no pip to fetch one: install the CUDA 13.0 toolkit or python3-pip, then retry" >&2
   exit 1
 fi

@@ -5,7 +5,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 wheel_dir="${1:?usage: ci/gpu_tests.sh WHEEL_DIR [pytest args]}"; shift
-python3 -m pip install -q --no-deps --no-index --target /tmp/site "$wheel_dir"/prime_kernels-*.whl || exit 1
+python3 -m pip install -q --no-deps --no-index --target /tmp/site "$wheel_dir"/prime_kernels_core-*.whl \
+  "$wheel_dir"/prime_kernels-*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 cd tests

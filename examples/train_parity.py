@@ -8,7 +8,7 @@ needs no download (the Python standard library's own ``*.py`` sources, found thr
 * the *reference runs*: ``MegaMoE(backend="reference")`` (pure PyTorch), one run per data-order
   seed of ``--reference-seeds`` (default 2 seeds: 0 and 1);
 * the *candidate run*: ``MegaMoE(backend=--backend)`` (default "auto": the fused kernels when
-  ``deep_gemm.status()`` reports them, else the grouped-GEMM pipeline), with the data order of
+  ``prime_kernels.status()`` reports them, else the grouped-GEMM pipeline), with the data order of
   the first reference seed (``--candidate-seed``), so that candidate and reference 0 see the same
   batches and differ only by the layer's numerics.
 
@@ -19,7 +19,7 @@ needs no download (the Python standard library's own ``*.py`` sources, found thr
 Model: token embedding (256 byte values) -> ``--layers`` pre-norm blocks, each with causal
 multi-head attention (RoPE, ``scaled_dot_product_attention``) and an MoE feed-forward (an fp32
 linear router, softmax, top-k, weights renormalised over the k chosen, a Switch-style load
-balancing loss of weight ``--aux-weight``, and ``deep_gemm.mega.MegaMoE`` for the routed experts)
+balancing loss of weight ``--aux-weight``, and ``prime_kernels.mega.MegaMoE`` for the routed experts)
 -> final RMSNorm -> untied linear head. Precision: every parameter has an fp32 master copy and
 AdamW steps on the masters; the ``MegaMoE`` weights are held in bf16 (the layer's contract) and
 refreshed from their masters after each step, the other parameters are fp32 and run under bf16
@@ -253,7 +253,7 @@ class MoE(nn.Module):
 
     def __init__(self, args, backend):
         super().__init__()
-        from deep_gemm.mega import MegaMoE  # noqa: PLC0415
+        from prime_kernels.mega import MegaMoE  # noqa: PLC0415
 
         self.E, self.K = args.experts, args.top_k
         self.router = nn.Linear(args.hidden, args.experts, bias=False)
@@ -341,7 +341,7 @@ def _cpu_args(args):
 
 def resolved_backends(backend: str, args) -> dict:
     """What MegaMoE(backend=...) runs here for (fwd, bwd): "fused", "grouped", "reference", or the error."""
-    from deep_gemm.mega import _backend  # noqa: PLC0415
+    from prime_kernels.mega import _backend  # noqa: PLC0415
 
     out = {}
     for d in ("fwd", "bwd"):
@@ -623,12 +623,12 @@ def run_parity(args) -> dict:
     verdict = judge(cand, refs, smooth_w=args.smooth, check_last=args.check_last, margin=args.margin,
                     margin_frac=args.margin_frac)
     dev = torch.device(args.device)
-    import deep_gemm  # noqa: PLC0415
+    import prime_kernels  # noqa: PLC0415
 
     return {
         "script": "examples/train_parity.py", "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "git_sha": git_sha(), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "deep_gemm_build": deep_gemm.build_info(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "prime_kernels_build": prime_kernels.build_info(),
         "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "resolved_candidate_backend": res, "candidate_is_reference": candidate_is_reference,
         "parameters": n_par, "corpus": corpus.meta, "rule": __doc__.split("Pass rule")[1].split("The script prints")[0]

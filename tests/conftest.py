@@ -11,10 +11,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def pytest_report_header(config):
-    import deep_gemm
+    import prime_kernels
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return [f"deep_gemm from {os.path.dirname(deep_gemm.__file__)}", f"build: {deep_gemm.build_info()}",
+    return [f"prime_kernels from {os.path.dirname(prime_kernels.__file__)}", f"build: {prime_kernels.build_info()}",
             f"torch {torch.__version__}, GPU: {gpu}"]
 
 

@@ -57,7 +57,7 @@ def _need_cuda():
 
 
 def _fused_fwd_or_skip():
-    from deep_gemm.mega._backend import _fused_reason
+    from prime_kernels.mega._backend import _fused_reason
 
     reason = _fused_reason("bf16", "fwd")
     if reason is not None:
@@ -85,7 +85,7 @@ def _problem(T, E, H, I, K, seed=0, masked=0.1, skewed=False):
 
 def _layer(x, idx, w, w13, w2, dy, **kw):
     """mega_moe forward + backward on fresh leaves: (y, dx, dtopk, dw13, dw2)."""
-    from deep_gemm.mega import mega_moe
+    from prime_kernels.mega import mega_moe
 
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
     y = mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], **kw)
@@ -107,11 +107,11 @@ def _equal(name, got, want):
 
 def _clear_findings() -> None:
     """Drops a device-side finding an earlier case left behind (it is not the next call's)."""
-    import deep_gemm
+    import prime_kernels
 
     torch.cuda.synchronize()
     try:
-        deep_gemm.check_device_errors()
+        prime_kernels.check_device_errors()
     except RuntimeError:
         pass
 
@@ -120,14 +120,14 @@ def _rejects(fn, *words, what=""):
     """fn() must be refused with a Python exception whose message holds every word (case-insensitive), and the
     CUDA context must stay usable. Values only the kernel reads (offsets, indices in device memory) are checked on
     the device without a host synchronisation and reported by the next check: so a call that returns counts as
-    refused when, after a synchronisation, deep_gemm.check_device_errors() raises. Returns the message."""
-    import deep_gemm
+    refused when, after a synchronisation, prime_kernels.check_device_errors() raises. Returns the message."""
+    import prime_kernels
 
     _clear_findings()
     try:
         fn()
         torch.cuda.synchronize()
-        deep_gemm.check_device_errors()
+        prime_kernels.check_device_errors()
     except REJECTED as exc:
         msg = str(exc)
         torch.cuda.synchronize()  # a device fault would surface here
@@ -150,8 +150,8 @@ E0, H0, I0, K0 = 8, 256, 128, 2
 
 def _t0(backend):
     _need_cuda()
-    from deep_gemm.mega import mega_moe
-    from deep_gemm.mega._backend import _fused_reason
+    from prime_kernels.mega import mega_moe
+    from prime_kernels.mega._backend import _fused_reason
 
     if backend == "fused":
         _fused_fwd_or_skip()
@@ -179,34 +179,34 @@ for _b in ("auto", "grouped", "fused", "reference"):
 @case("t0_low_level", 60)
 def _t0_low_level():
     _need_cuda()
-    import deep_gemm
+    import prime_kernels
 
-    buf = deep_gemm.get_symm_buffer_for_mega_moe(None, E0, 64, K0, H0, I0, device="cuda", reuse=False)
+    buf = prime_kernels.get_symm_buffer_for_mega_moe(None, E0, 64, K0, H0, I0, device="cuda", reuse=False)
     _, _, _, w13, w2, _ = _problem(0, E0, H0, I0, K0)
     y = torch.empty(0, H0, dtype=torch.bfloat16, device="cuda")
-    st = deep_gemm.bf16_mega_moe(y, w13, w2, buf, save_h=True)
+    st = prime_kernels.bf16_mega_moe(y, w13, w2, buf, save_h=True)
     dw1 = torch.ones(w13.shape, device="cuda")
     dw2 = torch.ones(w2.shape, device="cuda")
     dx = torch.empty(0, H0, dtype=torch.bfloat16, device="cuda")
     dt = torch.empty(0, K0, device="cuda")
-    deep_gemm.bf16_mega_moe_backward(dx, dw1, dw2, dt, y.clone(), w13, w2, buf, state=st, accumulate=True)
+    prime_kernels.bf16_mega_moe_backward(dx, dw1, dw2, dt, y.clone(), w13, w2, buf, state=st, accumulate=True)
     assert bool((dw1 == 1).all()) and bool((dw2 == 1).all()), "accumulated weight gradients changed"
     return "bf16_mega_moe / _backward with T = 0"
 
 
 def _clamp(value):
     _need_cuda()
-    import deep_gemm
-    from deep_gemm.mega import mega_moe
+    import prime_kernels
+    from prime_kernels.mega import mega_moe
 
     x, idx, w, w13, w2, _ = _problem(64, E0, H0, I0, K0)
     for backend in ("auto", "reference"):
         _rejects(lambda: mega_moe(x, idx, w, w13, w2, backend=backend, activation_clamp=value),
                  "activation_clamp", what=f"mega_moe(backend={backend!r}, activation_clamp={value})")
-    buf = deep_gemm.get_symm_buffer_for_mega_moe(None, E0, 64, K0, H0, I0, device="cuda", reuse=False)
+    buf = prime_kernels.get_symm_buffer_for_mega_moe(None, E0, 64, K0, H0, I0, device="cuda", reuse=False)
     buf.x[:64].copy_(x), buf.topk_idx[:64].copy_(idx), buf.topk_weights[:64].copy_(w)
     y = torch.full((64, H0), 7.0, dtype=torch.bfloat16, device="cuda")
-    _rejects(lambda: deep_gemm.bf16_mega_moe(y, w13, w2, buf, activation_clamp=value), "activation_clamp",
+    _rejects(lambda: prime_kernels.bf16_mega_moe(y, w13, w2, buf, activation_clamp=value), "activation_clamp",
              what=f"bf16_mega_moe(activation_clamp={value})")
     assert bool((y == 7).all()), "bf16_mega_moe wrote y before rejecting the clamp"
     return "rejected by mega_moe (auto, reference) and bf16_mega_moe; nothing written"
@@ -237,18 +237,18 @@ def _untouched(outs, what):
 def _stale_newer():
     """A state from a forward on inputs A, after a forward on inputs B into the same buffer: the buffer holds B."""
     _need_cuda()
-    import deep_gemm
+    import prime_kernels
 
-    buf = deep_gemm.get_symm_buffer_for_mega_moe(None, E0, 256, K0, H0, I0, device="cuda", reuse=False)
+    buf = prime_kernels.get_symm_buffer_for_mega_moe(None, E0, 256, K0, H0, I0, device="cuda", reuse=False)
     xa, ia, wa, w13, w2, dy = _problem(200, E0, H0, I0, K0, seed=1)
     xb, ib, wb, _, _, _ = _problem(200, E0, H0, I0, K0, seed=2)
     y = torch.empty(200, H0, dtype=torch.bfloat16, device="cuda")
     _stage(buf, xa, ia, wa)
-    st_a = deep_gemm.bf16_mega_moe(y, w13, w2, buf, save_h=True)
+    st_a = prime_kernels.bf16_mega_moe(y, w13, w2, buf, save_h=True)
     _stage(buf, xb, ib, wb)
-    deep_gemm.bf16_mega_moe(y, w13, w2, buf, save_h=True)
+    prime_kernels.bf16_mega_moe(y, w13, w2, buf, save_h=True)
     outs = _bwd_outputs(200, w13, w2)
-    _rejects(lambda: deep_gemm.bf16_mega_moe_backward(*outs, dy, w13, w2, buf, state=st_a), "state",
+    _rejects(lambda: prime_kernels.bf16_mega_moe_backward(*outs, dy, w13, w2, buf, state=st_a), "state",
              what="backward with the state of an earlier staging")
     _untouched(outs, "stale state")
     return "rejected, nothing written"
@@ -257,14 +257,14 @@ def _stale_newer():
 @case("stale_state_other_T", 60)
 def _stale_t():
     _need_cuda()
-    import deep_gemm
+    import prime_kernels
 
-    buf = deep_gemm.get_symm_buffer_for_mega_moe(None, E0, 256, K0, H0, I0, device="cuda", reuse=False)
+    buf = prime_kernels.get_symm_buffer_for_mega_moe(None, E0, 256, K0, H0, I0, device="cuda", reuse=False)
     x, i, w, w13, w2, dy = _problem(200, E0, H0, I0, K0, seed=3)
     _stage(buf, x, i, w)
-    st = deep_gemm.bf16_mega_moe(torch.empty(200, H0, dtype=torch.bfloat16, device="cuda"), w13, w2, buf, save_h=True)
+    st = prime_kernels.bf16_mega_moe(torch.empty(200, H0, dtype=torch.bfloat16, device="cuda"), w13, w2, buf, save_h=True)
     outs = _bwd_outputs(100, w13, w2)
-    _rejects(lambda: deep_gemm.bf16_mega_moe_backward(*outs, dy[:100].contiguous(), w13, w2, buf, state=st), "state",
+    _rejects(lambda: prime_kernels.bf16_mega_moe_backward(*outs, dy[:100].contiguous(), w13, w2, buf, state=st), "state",
              what="backward of T=100 with the state of a T=200 forward")
     _untouched(outs, "state of another T")
     return "rejected, nothing written"
@@ -273,17 +273,17 @@ def _stale_t():
 @case("stale_state_other_buffer", 60)
 def _stale_buffer():
     _need_cuda()
-    import deep_gemm
+    import prime_kernels
 
-    b1 = deep_gemm.get_symm_buffer_for_mega_moe(None, E0, 256, K0, H0, I0, device="cuda", reuse=False)
-    b2 = deep_gemm.get_symm_buffer_for_mega_moe(None, E0, 256, K0, H0, I0, device="cuda", reuse=False)
+    b1 = prime_kernels.get_symm_buffer_for_mega_moe(None, E0, 256, K0, H0, I0, device="cuda", reuse=False)
+    b2 = prime_kernels.get_symm_buffer_for_mega_moe(None, E0, 256, K0, H0, I0, device="cuda", reuse=False)
     x, i, w, w13, w2, dy = _problem(128, E0, H0, I0, K0, seed=4)
     x2, i2, w2_, _, _, _ = _problem(128, E0, H0, I0, K0, seed=5)
     _stage(b1, x, i, w)
-    st = deep_gemm.bf16_mega_moe(torch.empty(128, H0, dtype=torch.bfloat16, device="cuda"), w13, w2, b1, save_h=True)
+    st = prime_kernels.bf16_mega_moe(torch.empty(128, H0, dtype=torch.bfloat16, device="cuda"), w13, w2, b1, save_h=True)
     _stage(b2, x2, i2, w2_)
     outs = _bwd_outputs(128, w13, w2)
-    _rejects(lambda: deep_gemm.bf16_mega_moe_backward(*outs, dy, w13, w2, b2, state=st), "state",
+    _rejects(lambda: prime_kernels.bf16_mega_moe_backward(*outs, dy, w13, w2, b2, state=st), "state",
              what="backward on buffer 2 with the state of a forward on buffer 1")
     _untouched(outs, "state of another buffer")
     return "rejected, nothing written"
@@ -296,20 +296,20 @@ def _state_restaged():
     backward without a state, which plans again from what is staged, runs and equals the backward with the state
     made right before it."""
     _need_cuda()
-    import deep_gemm
+    import prime_kernels
 
-    buf = deep_gemm.get_symm_buffer_for_mega_moe(None, E0, 256, K0, H0, I0, device="cuda", reuse=False)
+    buf = prime_kernels.get_symm_buffer_for_mega_moe(None, E0, 256, K0, H0, I0, device="cuda", reuse=False)
     x, i, w, w13, w2, dy = _problem(200, E0, H0, I0, K0, seed=6)
     _stage(buf, x, i, w)
-    st = deep_gemm.bf16_mega_moe(torch.empty(200, H0, dtype=torch.bfloat16, device="cuda"), w13, w2, buf, save_h=True)
+    st = prime_kernels.bf16_mega_moe(torch.empty(200, H0, dtype=torch.bfloat16, device="cuda"), w13, w2, buf, save_h=True)
     a = _bwd_outputs(200, w13, w2)
-    deep_gemm.bf16_mega_moe_backward(*a, dy, w13, w2, buf, state=st)
+    prime_kernels.bf16_mega_moe_backward(*a, dy, w13, w2, buf, state=st)
     _stage(buf, x, i, w)
     stale = _bwd_outputs(200, w13, w2)
-    _rejects(lambda: deep_gemm.bf16_mega_moe_backward(*stale, dy, w13, w2, buf, state=st), "state",
+    _rejects(lambda: prime_kernels.bf16_mega_moe_backward(*stale, dy, w13, w2, buf, state=st), "state",
              what="a state from before the inputs were staged again")
     b = _bwd_outputs(200, w13, w2)
-    deep_gemm.bf16_mega_moe_backward(*b, dy, w13, w2, buf)
+    prime_kernels.bf16_mega_moe_backward(*b, dy, w13, w2, buf)
     for u, v, n in zip(a, b, ("dx", "dw1", "dw2", "dtopk")):
         assert _rel(u, v) < 1e-2, f"{n}: without a state {_rel(u, v):.3e} from with it"
     return "old state refused after re-staging; the stateless backward equals the stateful one"
@@ -318,7 +318,7 @@ def _state_restaged():
 @case("expert_id_out_of_range", 60)
 def _bad_ids():
     _need_cuda()
-    from deep_gemm.mega import mega_moe
+    from prime_kernels.mega import mega_moe
 
     x, idx, w, w13, w2, _ = _problem(64, E0, H0, I0, K0)
     idx = idx.clone()
@@ -334,7 +334,7 @@ _BAD_OFFSETS = {"decreasing": [0, 160, 64, 256], "past_end": [0, 64, 160, 256 + 
 
 def _grouped_call(op, offs):
     """(call, tensors that must stay unchanged) for one grouped op on offsets ``offs``."""
-    from deep_gemm import grouped_gemm as gg
+    from prime_kernels import grouped_gemm as gg
 
     g = torch.Generator().manual_seed(7)
 
@@ -390,13 +390,13 @@ for _op in ("m_nt", "m_nn", "m_nt_gather", "m_swiglu", "m_swiglu_bwd", "k_tn", "
 
 def _combine_bad(value):
     _need_cuda()
-    import deep_gemm
+    import prime_kernels
 
     slots = torch.randn(256, 128, device="cuda").bfloat16()
     r2p = torch.randint(0, 256, (64, 2), dtype=torch.int32, device="cuda")
     r2p[3, 1] = value
     w = torch.rand(64, 2, device="cuda")
-    _rejects(lambda: deep_gemm.combine(slots, r2p, w), "route", what=f"combine with a route {value} (slots: 256)")
+    _rejects(lambda: prime_kernels.combine(slots, r2p, w), "route", what=f"combine with a route {value} (slots: 256)")
     return "rejected"
 
 
@@ -408,7 +408,7 @@ case("combine_route_below_minus_one", 60)(lambda: _combine_bad(-5))
 def _dispatch_bad():
     """Documented: a route naming a row outside [0, rows) writes nothing. Either that, or an error; never a fault."""
     _need_cuda()
-    import deep_gemm
+    import prime_kernels
 
     src = torch.randn(64, 128, device="cuda").bfloat16()
     r2p = torch.randperm(256, device="cuda")[:128].view(64, 2).to(torch.int32)
@@ -419,13 +419,13 @@ def _dispatch_bad():
     want[r2p.reshape(-1)[live].long()] = src.repeat_interleave(2, 0)[live]
     _clear_findings()
     try:
-        deep_gemm.dispatch_rows(src, r2p, out)
+        prime_kernels.dispatch_rows(src, r2p, out)
     except REJECTED as exc:
         torch.cuda.synchronize()
         return f"rejected: {str(exc)[:80]}"
     torch.cuda.synchronize()
     try:
-        deep_gemm.check_device_errors()
+        prime_kernels.check_device_errors()
         raise AssertionError("dispatch_rows: the out-of-range route was not reported")
     except RuntimeError as exc:
         assert "route" in str(exc), f"dispatch_rows: the report does not name the route: {str(exc)[:200]}"
@@ -436,7 +436,7 @@ def _dispatch_bad():
 def _gather_bad(op):
     """Index values outside [0, rows) of a gathered operand: an error or the documented zero row; never a fault."""
     _need_cuda()
-    from deep_gemm import grouped_gemm as gg
+    from prime_kernels import grouped_gemm as gg
 
     offs = torch.tensor([0, 64, 160, 256], dtype=torch.int32, device="cuda")
     src = (torch.randn(100, 128, device="cuda") * 0.1).bfloat16()
@@ -456,7 +456,7 @@ def _gather_bad(op):
         tw = torch.rand(_M, 1, device="cuda")
         run = lambda i: gg.m_grouped_bf16_gemm_swiglu_bwd(src, w2, offs, h, route, tw, a_row_index=i,  # noqa: E731
                                                           m_total=_M)[0]
-    import deep_gemm
+    import prime_kernels
 
     _clear_findings()
     try:
@@ -466,7 +466,7 @@ def _gather_bad(op):
         return f"rejected: {str(exc)[:80]}"
     torch.cuda.synchronize()
     try:
-        deep_gemm.check_device_errors()
+        prime_kernels.check_device_errors()
         raise AssertionError(f"{op}: out-of-range a_row_index values were not reported")
     except RuntimeError as exc:
         assert "a_row_index" in str(exc), f"{op}: the report does not name a_row_index: {str(exc)[:200]}"
@@ -483,8 +483,8 @@ for _op in ("nt_gather", "swiglu_gather"):
 def _route_bad(op):
     """pool_src_route values index topk_weights: one past its end must be rejected, not read."""
     _need_cuda()
-    from deep_gemm import grouped_gemm as gg
-    from deep_gemm.swiglu import swiglu_bwd
+    from prime_kernels import grouped_gemm as gg
+    from prime_kernels.swiglu import swiglu_bwd
 
     offs = torch.tensor([0, 64, 160, 256], dtype=torch.int32, device="cuda")
     tw = torch.rand(64, 2, device="cuda")
@@ -510,18 +510,18 @@ for _op in ("m_swiglu_bwd", "swiglu_bwd"):
 def _fused_raw(corrupt):
     _need_cuda()
     _fused_fwd_or_skip()
-    import deep_gemm
+    import prime_kernels
 
     T, E, H, I, K = 256, 8, 256, 128, 2
     x, idx, w, w13, w2, _ = _problem(T, E, H, I, K, masked=0.0)
-    plan = deep_gemm.routing_plan(idx, num_experts=E, block_m=128)
+    plan = prime_kernels.routing_plan(idx, num_experts=E, block_m=128)
     src, offs = plan.pool_src_route.clone(), plan.expert_offsets.clone()
     if corrupt == "route":
         src[0] = T * K + 1000
     else:
         offs[2], offs[3] = offs[3].clone(), offs[2].clone()
         assert bool((offs[1:] < offs[:-1]).any()), "the plan's offsets could not be made non-monotonic"
-    op = torch.ops.deep_gemm.mega_moe_fused_fwd
+    op = torch.ops.prime_kernels.mega_moe_fused_fwd
     _rejects(lambda: op(x, src, offs, w13, w2, K, False, 0.0, False, plan.route_to_pool.view(T, K), w),
              what=f"mega_moe_fused_fwd with a bad {corrupt}")
     return "rejected"
@@ -546,7 +546,7 @@ def _many_experts():
 
 def _block_m(value):
     _need_cuda()
-    from deep_gemm.mega import mega_moe
+    from prime_kernels.mega import mega_moe
 
     x, idx, w, w13, w2, _ = _problem(64, E0, H0, I0, K0)
     # the message must list the accepted values (128 among them); a ZeroDivisionError is not a rejection
@@ -623,7 +623,7 @@ def _four_streams():
 def _three_streams():
     """The layer forward (the fused kernel under auto) on 3 streams at once must return."""
     _need_cuda()
-    from deep_gemm.mega import mega_moe
+    from prime_kernels.mega import mega_moe
 
     probs = [_problem(4096, 128, 2048, 768, 8, seed=30 + i, masked=0.0) for i in range(3)]
     with torch.no_grad():
@@ -666,7 +666,7 @@ def _repeat():
 @case("cuda_graph_fwd_bwd_equals_eager", 180)
 def _graph():
     _need_cuda()
-    from deep_gemm.mega import mega_moe
+    from prime_kernels.mega import mega_moe
 
     x, idx, w, w13, w2, dy = _problem(1024, 16, 512, 256, 4, seed=50)
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
@@ -847,7 +847,7 @@ class SmOccupier:
 
 def _forward_progress(k: int):
     _need_cuda()
-    from deep_gemm.mega import mega_moe
+    from prime_kernels.mega import mega_moe
 
     n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     if k >= n_sm:
@@ -940,7 +940,7 @@ _PROBE_WORDS = ("timed out", "CUDA context is lost", "kernel", "wait", "cta", "e
 
 _PROBE_CHILD = r"""
 import sys, time, traceback
-import torch, deep_gemm
+import torch, prime_kernels
 texts = []
 def attempt(label, fn):
     try:
@@ -949,26 +949,26 @@ def attempt(label, fn):
     except Exception as exc:
         texts.append(f"{label}: {type(exc).__name__}: {exc}")
 if {set_timeout}:
-    deep_gemm.set_wait_timeout(1.0)
+    prime_kernels.set_wait_timeout(1.0)
 # the next call's inputs exist before the context is lost (creating a tensor afterwards fails in torch itself)
 idx = torch.zeros(4, 2, dtype=torch.int64, device="cuda")
 torch.cuda.synchronize()
-attempt("probe", lambda: deep_gemm._watchdog._wait_timeout_probe(1.0))
+attempt("probe", lambda: prime_kernels._watchdog._wait_timeout_probe(1.0))
 time.sleep(3.0)
 if {sync}:
     attempt("synchronize", torch.cuda.synchronize)
-attempt("next deep_gemm op", lambda: deep_gemm.routing_plan(idx, num_experts=4, block_m=128))
-attempt("check_device_errors", deep_gemm.check_device_errors)
+attempt("next prime_kernels op", lambda: prime_kernels.routing_plan(idx, num_experts=4, block_m=128))
+attempt("check_device_errors", prime_kernels.check_device_errors)
 print("\n".join(texts), file=sys.stderr, flush=True)
 """
 
 
 def _probe(sync: bool, set_timeout: bool):
     _need_cuda()
-    import deep_gemm
+    import prime_kernels
 
-    if not hasattr(deep_gemm, "set_wait_timeout"):
-        raise AssertionError("deep_gemm.set_wait_timeout does not exist in this build")
+    if not hasattr(prime_kernels, "set_wait_timeout"):
+        raise AssertionError("prime_kernels.set_wait_timeout does not exist in this build")
     code = _PROBE_CHILD.replace("{sync}", str(sync)).replace("{set_timeout}", str(set_timeout))
     t0 = time.monotonic()
     try:
@@ -1039,7 +1039,7 @@ def serve() -> int:
     the CUDA context unusable (the runner starts a fresh worker)."""
     if torch.cuda.is_available():
         torch.zeros(1, device="cuda")
-    import deep_gemm  # noqa: F401  (loaded once, before the first case's clock)
+    import prime_kernels  # noqa: F401  (loaded once, before the first case's clock)
 
     _emit({"ready": True, "pid": os.getpid()})
     while True:

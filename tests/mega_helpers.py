@@ -1,4 +1,4 @@
-"""Shared helpers of the deep_gemm.mega tests: random problems, an independent float64
+"""Shared helpers of the prime_kernels.mega tests: random problems, an independent float64
 per-token loop, and the relative error metric."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def rel_err(out, ref) -> float:
 def random_route_to_pool(T: int, E: int, K: int, masked_frac: float, gen: torch.Generator) -> torch.Tensor:
     """A routing plan's route_to_pool [T, K] (int32) for random top-K experts of E per token, a share masked_frac
     of the routes masked (-1): every live route names its own pool row."""
-    from deep_gemm.routing import routing_plan_reference
+    from prime_kernels.routing import routing_plan_reference
 
     idx = torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :K]
     if masked_frac > 0:
@@ -85,7 +85,7 @@ def loop_reference(x, topk_idx, topk_weights, w13, w2, dy, clamp=None):
 
 def run_layer(x, topk_idx, topk_weights, w13, w2, dy, **kwargs):
     """mega_moe forward + backward on leaf copies. Returns (y, dx, dtopk, dw13, dw2)."""
-    from deep_gemm.mega import mega_moe
+    from prime_kernels.mega import mega_moe
 
     xs = [t.detach().clone().requires_grad_() for t in (x, topk_weights, w13, w2)]
     y = mega_moe(xs[0], topk_idx, xs[1], xs[2], xs[3], **kwargs)
@@ -98,7 +98,7 @@ def auto_kernel_skip_reason() -> str | None:
     pipeline) for both directions on this machine's GPU, never to the reference; else why not."""
     import torch
 
-    from deep_gemm.mega import _backend
+    from prime_kernels.mega import _backend
 
     if not torch.cuda.is_available():
         return "needs a CUDA GPU (none on this machine)"

@@ -59,8 +59,8 @@ def _done(name):
 
 
 def layer_part():
-    from deep_gemm.mega import mega_moe
-    from deep_gemm.mega._backend import _fused_reason
+    from prime_kernels.mega import mega_moe
+    from prime_kernels.mega._backend import _fused_reason
 
     E, H, I, T, K = 8, 256, 128, 300, 2
     g = torch.Generator().manual_seed(0)
@@ -96,10 +96,10 @@ def layer_part():
 
 
 def ops_part():
-    import deep_gemm
-    from deep_gemm import grouped_gemm as gg
-    from deep_gemm.combine import combine_reference
-    from deep_gemm.swiglu import swiglu_bwd, swiglu_bwd_reference, swiglu_fwd, swiglu_fwd_reference
+    import prime_kernels
+    from prime_kernels import grouped_gemm as gg
+    from prime_kernels.combine import combine_reference
+    from prime_kernels.swiglu import swiglu_bwd, swiglu_bwd_reference, swiglu_fwd, swiglu_fwd_reference
 
     dev = DEVICE
     G, M = len(SIZES), sum(SIZES)
@@ -178,16 +178,16 @@ def ops_part():
     E, T, K = 8, 300, 2
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     idx[torch.rand(T, K, generator=g) < 0.1] = -1
-    plan = deep_gemm.routing_plan(idx.to(dev), num_experts=E, block_m=128)
+    plan = prime_kernels.routing_plan(idx.to(dev), num_experts=E, block_m=128)
     r2p = plan.route_to_pool
     slots = rnd(plan.pool_capacity, H)
     wts = torch.rand(T, K, generator=g).to(dev)
-    _close("combine weighted", deep_gemm.combine(slots, r2p, wts), combine_reference(slots.cpu(), r2p.cpu(), wts.cpu()))
-    _close("combine plain", deep_gemm.combine(slots, r2p), combine_reference(slots.cpu(), r2p.cpu()))
+    _close("combine weighted", prime_kernels.combine(slots, r2p, wts), combine_reference(slots.cpu(), r2p.cpu(), wts.cpu()))
+    _close("combine plain", prime_kernels.combine(slots, r2p), combine_reference(slots.cpu(), r2p.cpu()))
     _done("routing_plan + combine")
     tok = rnd(T, H)
     out = torch.zeros(plan.pool_capacity, H, dtype=torch.bfloat16, device=dev)
-    deep_gemm.dispatch_rows(tok, r2p, out)
+    prime_kernels.dispatch_rows(tok, r2p, out)
     _close("dispatch_rows", combine_reference(out.cpu(), r2p.cpu()),
            tok.cpu() * (r2p >= 0).sum(1, keepdim=True).cpu())
     _done("dispatch_rows_")
@@ -217,9 +217,9 @@ def main(argv=None) -> int:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("sanitize_case: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import deep_gemm
+    import prime_kernels
 
-    print(f"sanitize_case: deep_gemm from {deep_gemm.__file__}, {deep_gemm.build_info()}", flush=True)
+    print(f"sanitize_case: prime_kernels from {prime_kernels.__file__}, {prime_kernels.build_info()}", flush=True)
     if args.part in ("all", "layer"):
         layer_part()
     if args.part in ("all", "ops"):

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-import deep_gemm
+import prime_kernels
 from conftest import REPO, find_tool
 
-PKG_DIR = Path(deep_gemm.__file__).parent
-CORE = PKG_DIR / "libdeep_gemm_core.so"
-SHIM = PKG_DIR / "libdeep_gemm_torch.so"
+PKG_DIR = Path(prime_kernels.__file__).parent
+CORE = PKG_DIR / "libprime_kernels_core.so"
+SHIM = PKG_DIR / "libprime_kernels_torch.so"
 
 
 def _nvcc() -> str | None:
@@ -136,7 +136,7 @@ def test_build_script_rejects_a_bad_arch_list_before_any_download(tmp_path, bad)
 
 
 def test_installed_core_holds_the_built_arches():
-    want = sorted(f"sm_{a}" for a in deep_gemm.build_info()["cuda_archs"])
+    want = sorted(f"sm_{a}" for a in prime_kernels.build_info()["cuda_archs"])
     assert _same_arches(_list_elf(CORE), want), (_list_elf(CORE), want)
 
 
@@ -202,8 +202,9 @@ def test_probe_builds_with_the_pypi_cuda_compiler(tmp_path):
     assert _same_arches(_list_elf(build / "libpk_probe.so"), ["sm_90a"])
 
 
-def test_installed_metadata_has_the_license_and_project_urls():
-    dist = importlib.metadata.distribution("prime-kernels")
+@pytest.mark.parametrize("name", ["prime-kernels-core", "prime-kernels"])
+def test_installed_metadata_has_the_license_and_project_urls(name):
+    dist = importlib.metadata.distribution(name)
     assert dist.metadata["License-Expression"] == "MIT"
     assert "LICENSE" in dist.metadata.get_all("License-File")
     licence = [f for f in dist.files if f.name == "LICENSE"]
@@ -217,10 +218,12 @@ def test_a_failed_build_leaves_no_wheel_behind(tmp_path):
     wheel a previous build left in wheelhouse/ and its dist/ must be gone."""
     shutil.copytree(REPO / "ci", tmp_path / "ci")
     (tmp_path / "wheelhouse").mkdir()
-    old = tmp_path / "wheelhouse" / "prime_kernels-0.0.1-py3-none-manylinux_2_28_x86_64.whl"
-    old.write_bytes(b"old")
+    old = [tmp_path / "wheelhouse" / "prime_kernels_core-0.0.1-py3-none-manylinux_2_28_x86_64.whl",
+           tmp_path / "wheelhouse" / "prime_kernels-0.0.1-py3-none-any.whl"]
+    for f in old:
+        f.write_bytes(b"old")
     (tmp_path / "dist").mkdir()
-    (tmp_path / "dist" / "prime_kernels-0.0.1-py3-none-linux_x86_64.whl").write_bytes(b"old")
+    (tmp_path / "dist" / "prime_kernels_core-0.0.1-py3-none-linux_x86_64.whl").write_bytes(b"old")
     fake = tmp_path / "bin"
     fake.mkdir()
     for tool in ("python3", "nvcc"):
@@ -231,7 +234,7 @@ def test_a_failed_build_leaves_no_wheel_behind(tmp_path):
     out = subprocess.run(["bash", str(tmp_path / "ci" / "build_wheel.sh")], capture_output=True, text=True,
                          env=env, timeout=60)
     assert out.returncode != 0, out.stdout + out.stderr
-    assert not old.exists() and not (tmp_path / "dist").exists()
+    assert not any(f.exists() for f in old) and not (tmp_path / "dist").exists()
 
 
 def test_provenance_check_fails_on_a_mismatch_and_passes_on_a_match(tmp_path):
@@ -254,3 +257,52 @@ def test_provenance_check_fails_on_a_mismatch_and_passes_on_a_match(tmp_path):
     assert hashes.count("--hash=sha256:") >= 2
     pins = (REPO / "ci" / "constraints.txt").read_text()
     assert "torch==2.14.1" in pins.splitlines() and "torch-2.14.1-" in (REPO / "third_party" / "PROVENANCE.md").read_text()
+
+
+def _backend():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prime_kernels_build", REPO / "build_backend" / "prime_kernels_build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("value", [None, "90a", "90a;100a", " 90a ; 100a-real ", "100f;103a", "", " ", "90a;;100a",
+                                   "90a;", ";90a", "sm_90", "90a,100a", "bogus", "100a-real-real"])
+def test_the_sdist_backend_and_the_build_script_agree_on_arch_lists(value):
+    ok_backend = _backend().arch_list_error(value) is None
+    script = 'source ci/cuda_archs.sh && check_archs "$1"' if value is not None else "true"
+    ok_script = subprocess.run(["bash", "-c", script, "_", value or ""], cwd=REPO, capture_output=True,
+                               timeout=30).returncode == 0
+    assert ok_backend == ok_script, (value, ok_backend, ok_script)
+
+
+def test_the_sdist_backend_pins_its_build_requirements_from_the_constraints_file():
+    pins = {line.split("==")[0]: line for line in (REPO / "ci" / "constraints.txt").read_text().splitlines()
+            if "==" in line and not line.startswith("#")}
+    reqs = _backend().get_requires_for_build_wheel()
+    assert {r.split("==")[0] for r in reqs} >= {"scikit-build-core", "cmake", "ninja", "pip"}
+    assert all(pins[r.split("==")[0]] == r for r in reqs), reqs
+    import tomllib
+
+    system = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]
+    assert system["requires"] == [] and system["build-backend"] == "prime_kernels_build"
+
+
+@pytest.mark.parametrize("bad", ["", "90a;;100a", "sm_90", "bogus"])
+def test_an_isolated_build_rejects_a_bad_arch_list_before_any_download(tmp_path, bad):
+    """pip with build isolation on and nothing to download from (no index, an empty find-links folder): the
+    first hook pip calls must fail with the accepted values. Had pip needed a build requirement first, it
+    would fail with "No matching distribution" instead."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {**os.environ, "PRIME_KERNELS_CUDA_ARCHS": bad, "PIP_FIND_LINKS": str(empty), "PIP_NO_INDEX": "1",
+           "PIP_CONFIG_FILE": os.devnull}
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path / "w"), str(REPO)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "Accepted values: 90a, 100a, 103a, 100f" in text, text[-2000:]
+    assert "No matching distribution" not in text, text[-2000:]
+    assert not (tmp_path / "w").exists() or not any((tmp_path / "w").iterdir())

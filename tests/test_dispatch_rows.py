@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-import deep_gemm
+import prime_kernels
 from conftest import requires_gpu
 from mega_helpers import random_route_to_pool
 
@@ -35,13 +35,13 @@ def test_dispatch_rows_copies_every_route_and_nothing_else(device, T, E, K, H, m
     rows = int(r2p.max().item()) + 1 + 5  # five rows no route names
     out = torch.full((rows, H), float("nan"), dtype=torch.bfloat16, device=device)
     want = _expected(src.cpu(), r2p.cpu(), out.cpu())
-    got = deep_gemm.dispatch_rows(src, r2p, out)
+    got = prime_kernels.dispatch_rows(src, r2p, out)
     assert got is out
     assert torch.equal(out.cpu().isnan(), want.isnan()), "a row no route names was written, or a route was skipped"
     live = ~want.isnan().any(1)
     assert torch.equal(out.cpu()[live], want[live])
     again = torch.full_like(out, float("nan"))
-    deep_gemm.dispatch_rows(src, r2p, again)
+    prime_kernels.dispatch_rows(src, r2p, again)
     assert torch.equal(again[live.to(device)], out[live.to(device)])
 
 
@@ -55,15 +55,15 @@ def test_dispatch_rows_reports_routes_outside_out(device):
     out = torch.full((4, 16), float("nan"), dtype=torch.bfloat16, device=device)
     if device == "cpu":
         with pytest.raises(RuntimeError, match="route_to_pool"):
-            deep_gemm.dispatch_rows(src, r2p, out)
+            prime_kernels.dispatch_rows(src, r2p, out)
         assert out.isnan().all(), "a refused call wrote rows"
         return
-    deep_gemm.check_device_errors()  # nothing pending from earlier tests
-    deep_gemm.dispatch_rows(src, r2p, out)
+    prime_kernels.check_device_errors()  # nothing pending from earlier tests
+    prime_kernels.dispatch_rows(src, r2p, out)
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match="route_to_pool"):
-        deep_gemm.check_device_errors()
-    deep_gemm.check_device_errors()  # reported once
+        prime_kernels.check_device_errors()
+    prime_kernels.check_device_errors()  # reported once
     assert torch.equal(out[0], src[0]) and torch.equal(out[2], src[1])
     assert out[1].isnan().all() and out[3].isnan().all()
 
@@ -81,7 +81,7 @@ def test_dispatch_rows_bad_inputs_raise():
     ]
     for s, r, o, msg in bad:
         with pytest.raises(Exception, match=re.escape(msg)):
-            deep_gemm.dispatch_rows(s, r, o)
+            prime_kernels.dispatch_rows(s, r, o)
 
 
 def test_dispatch_rows_opcheck():
@@ -89,4 +89,4 @@ def test_dispatch_rows_opcheck():
     r2p = _route_to_pool(9, 8, 2, True, gen)
     src = torch.randn(9, 24, generator=gen).bfloat16()
     out = torch.zeros(int(r2p.max()) + 3, 24, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.deep_gemm.dispatch_rows_.default, (src, r2p, out))
+    torch.library.opcheck(torch.ops.prime_kernels.dispatch_rows_.default, (src, r2p, out))

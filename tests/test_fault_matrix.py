@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import fault_cases  # noqa: E402
 
-STARTUP_S = 180.0  # a fresh worker imports torch and deep_gemm and creates its CUDA context
+STARTUP_S = 180.0  # a fresh worker imports torch and prime_kernels and creates its CUDA context
 
 
 class Worker:

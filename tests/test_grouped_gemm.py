@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-import deep_gemm
+import prime_kernels
 from conftest import requires_sm90
-from deep_gemm.grouped_gemm import k_grouped_gemm_reference, m_grouped_gemm_reference
+from prime_kernels.grouped_gemm import k_grouped_gemm_reference, m_grouped_gemm_reference
 
 SPECIAL = [0, 1, 7, 127, 128, 1000]
 
@@ -51,7 +51,7 @@ def test_cpu_ops_pass_opcheck():
     a = torch.randn(16, 64, generator=gen).bfloat16()
     b_nt = torch.randn(4, 32, 64, generator=gen).bfloat16()
     b_nn = torch.randn(4, 64, 32, generator=gen).bfloat16()
-    ops = torch.ops.deep_gemm
+    ops = torch.ops.prime_kernels
     torch.library.opcheck(ops.m_grouped_bf16_gemm_nt.default, (a, b_nt, offs))
     torch.library.opcheck(ops.m_grouped_bf16_gemm_nn.default, (a, b_nn, offs))
     bk = torch.randn(16, 48, generator=gen).bfloat16()
@@ -68,11 +68,11 @@ def test_cpu_ops_reject_bad_group_offsets(offs):
     o = torch.tensor(offs, dtype=torch.int32)
     a = torch.randn(8, 64, generator=gen).bfloat16()
     with pytest.raises(RuntimeError, match="group_offsets must be non-decreasing"):
-        deep_gemm.m_grouped_bf16_gemm_nt(a, torch.randn(E, 32, 64).bfloat16(), o)
+        prime_kernels.m_grouped_bf16_gemm_nt(a, torch.randn(E, 32, 64).bfloat16(), o)
     with pytest.raises(RuntimeError, match="group_offsets must be non-decreasing"):
-        deep_gemm.m_grouped_bf16_gemm_nn(a, torch.randn(E, 64, 32).bfloat16(), o)
+        prime_kernels.m_grouped_bf16_gemm_nn(a, torch.randn(E, 64, 32).bfloat16(), o)
     with pytest.raises(RuntimeError, match="group_offsets must be non-decreasing"):
-        deep_gemm.k_grouped_bf16_gemm_tn(a, torch.randn(8, 16).bfloat16(), o)
+        prime_kernels.k_grouped_bf16_gemm_tn(a, torch.randn(8, 16).bfloat16(), o)
 
 
 def test_cpu_ops_accept_a_first_offset_past_zero():
@@ -81,7 +81,7 @@ def test_cpu_ops_accept_a_first_offset_past_zero():
     a = torch.randn(8, 64, generator=gen).bfloat16()
     b = torch.randn(2, 32, 64, generator=gen).bfloat16()
     offs = torch.tensor([2, 5, 8], dtype=torch.int32)
-    out = deep_gemm.m_grouped_bf16_gemm_nt(a, b, offs)
+    out = prime_kernels.m_grouped_bf16_gemm_nt(a, b, offs)
     ref = m_grouped_gemm_reference(a, b, offs, True, torch.float64)
     assert rel_err(out[2:], ref[2:]) < 1e-2
 
@@ -93,9 +93,9 @@ def test_cpu_gather_rejects_row_indices_outside_a():
     for bad in (12, 40, -2):
         idx = torch.tensor([3, -1, 0, 11, 5, 7, 2, 2, 9, bad], dtype=torch.int32)
         with pytest.raises(RuntimeError, match=r"a_row_index holds .*, outside \[-1, 12\)"):
-            deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu(a, w13, offs, a_row_index=idx, m_total=10)
+            prime_kernels.grouped_gemm.m_grouped_bf16_gemm_swiglu(a, w13, offs, a_row_index=idx, m_total=10)
         with pytest.raises(RuntimeError, match=r"a_row_index holds"):
-            deep_gemm.m_grouped_bf16_gemm_nt(a, w13, offs, a_row_index=idx, m_total=10)
+            prime_kernels.m_grouped_bf16_gemm_nt(a, w13, offs, a_row_index=idx, m_total=10)
 
 
 def test_num_sms_argument_is_checked():
@@ -104,8 +104,8 @@ def test_num_sms_argument_is_checked():
     offs = offsets_of([8], "cpu")
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="num_sms"):
-            deep_gemm.m_grouped_bf16_gemm_nt(a, b, offs, num_sms=bad)
-    assert torch.equal(deep_gemm.m_grouped_bf16_gemm_nt(a, b, offs, num_sms=3), deep_gemm.m_grouped_bf16_gemm_nt(a, b, offs))
+            prime_kernels.m_grouped_bf16_gemm_nt(a, b, offs, num_sms=bad)
+    assert torch.equal(prime_kernels.m_grouped_bf16_gemm_nt(a, b, offs, num_sms=3), prime_kernels.m_grouped_bf16_gemm_nt(a, b, offs))
 
 
 def test_cpu_reference_matches_float64():
@@ -114,13 +114,13 @@ def test_cpu_reference_matches_float64():
     offs = offsets_of(sizes, "cpu")
     a = torch.randn(23, 64, generator=gen).bfloat16()
     b = torch.randn(4, 40, 64, generator=gen).bfloat16()
-    out = deep_gemm.m_grouped_bf16_gemm_nt(a, b, offs)
+    out = prime_kernels.m_grouped_bf16_gemm_nt(a, b, offs)
     ref = m_grouped_gemm_reference(a, b, offs, True, torch.float64)
     assert rel_err(out, ref) < 1e-2
     bk = torch.randn(23, 24, generator=gen).bfloat16()
     acc = torch.randn(4, 64, 24, generator=gen)
     expect = acc.double() + k_grouped_gemm_reference(a, bk, offs, torch.float64)
-    deep_gemm.k_grouped_bf16_gemm_tn(a, bk, offs, accumulate_into=acc)
+    prime_kernels.k_grouped_bf16_gemm_tn(a, bk, offs, accumulate_into=acc)
     assert rel_err(acc, expect) < 1e-5
 
 
@@ -143,7 +143,7 @@ def test_m_grouped_matches_float64(E, kind, N, K, layout):
     a = torch.randn(max(M, 1), K, generator=gen).bfloat16().cuda()
     b = (torch.randn(E, N, K, generator=gen) if layout == "nt" else torch.randn(E, K, N, generator=gen))
     b = (b / K ** 0.5).bfloat16().cuda()
-    op = deep_gemm.m_grouped_bf16_gemm_nt if layout == "nt" else deep_gemm.m_grouped_bf16_gemm_nn
+    op = prime_kernels.m_grouped_bf16_gemm_nt if layout == "nt" else prime_kernels.m_grouped_bf16_gemm_nn
     poison_next_alloc(max(M, 1) * N, torch.bfloat16)
     out = op(a, b, offs)
     torch.cuda.synchronize()
@@ -175,12 +175,12 @@ def test_k_grouped_matches_float64(E, kind, Mdim, Ndim, mode):
     if mode == "accumulate":
         base = torch.randn(E, Mdim, Ndim, generator=gen)
         out = base.cuda()
-        deep_gemm.k_grouped_bf16_gemm_tn(a, b, offs, accumulate_into=out)
+        prime_kernels.k_grouped_bf16_gemm_tn(a, b, offs, accumulate_into=out)
         ref = ref + base.double()
     else:
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16
         poison_next_alloc(E * Mdim * Ndim, dtype)
-        out = deep_gemm.k_grouped_bf16_gemm_tn(a, b, offs, out_dtype=dtype)
+        out = prime_kernels.k_grouped_bf16_gemm_tn(a, b, offs, out_dtype=dtype)
     torch.cuda.synchronize()
     assert not torch.isnan(out).any(), "output left unwritten"
     for g, n in enumerate(sizes):  # empty groups: exact zeros (store) or the untouched base (accumulate)
@@ -196,15 +196,15 @@ def test_bad_gemm_inputs_raise_before_launch():
     b = torch.randn(2, 64, 128, device="cuda").bfloat16()
     offs = offsets_of([32, 32], "cuda")
     with pytest.raises(RuntimeError, match="bfloat16"):
-        deep_gemm.m_grouped_bf16_gemm_nt(a.float(), b, offs)
+        prime_kernels.m_grouped_bf16_gemm_nt(a.float(), b, offs)
     with pytest.raises(RuntimeError, match="groups"):
-        deep_gemm.m_grouped_bf16_gemm_nt(a, b, offsets_of([64], "cuda"))
+        prime_kernels.m_grouped_bf16_gemm_nt(a, b, offsets_of([64], "cuda"))
     with pytest.raises(RuntimeError, match="K"):
-        deep_gemm.m_grouped_bf16_gemm_nt(a, b[:, :, :64], offs)
+        prime_kernels.m_grouped_bf16_gemm_nt(a, b[:, :, :64], offs)
     with pytest.raises(RuntimeError, match="int32"):
-        deep_gemm.m_grouped_bf16_gemm_nt(a, b, offs.long())
+        prime_kernels.m_grouped_bf16_gemm_nt(a, b, offs.long())
     with pytest.raises(RuntimeError):
-        deep_gemm.m_grouped_bf16_gemm_nt(a[:, :100], b[:, :, :100], offs)  # K % 8 != 0
+        prime_kernels.m_grouped_bf16_gemm_nt(a[:, :100], b[:, :, :100], offs)  # K % 8 != 0
 
 
 def _swiglu_ref64(rows, w13, offs, clamp):
@@ -222,8 +222,8 @@ def test_swiglu_gemm_cpu_opcheck():
     w13 = torch.randn(3, 128, 64, generator=gen).bfloat16()
     offs = offsets_of([4, 0, 6], "cpu")
     idx = torch.tensor([3, -1, 0, 11, 5, 7, 2, 2, 9, 4, 1, 6], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu.default, (a, w13, offs, idx, 10, True, 0.5))
-    torch.library.opcheck(torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu.default, (a, w13, offs, None, 10, False, 0.0))
+    torch.library.opcheck(torch.ops.prime_kernels.m_grouped_bf16_gemm_swiglu.default, (a, w13, offs, idx, 10, True, 0.5))
+    torch.library.opcheck(torch.ops.prime_kernels.m_grouped_bf16_gemm_swiglu.default, (a, w13, offs, None, 10, False, 0.0))
 
 
 @requires_sm90
@@ -245,7 +245,7 @@ def test_swiglu_gemm_matches_float64(E, kind, I, K, gathered, clamp):
         x = torch.randn(M, K, generator=gen).bfloat16().cuda()
         idx, rows = None, x.cpu()
     w13 = (torch.randn(E, 2 * I, K, generator=gen) / K ** 0.5).bfloat16().cuda()
-    s, h = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu(x, w13, offs, a_row_index=idx, m_total=M, save_h=True,
+    s, h = prime_kernels.grouped_gemm.m_grouped_bf16_gemm_swiglu(x, w13, offs, a_row_index=idx, m_total=M, save_h=True,
                                                              clamp=clamp)
     s_ref, h_ref = _swiglu_ref64(rows, w13.cpu(), offs.cpu(), clamp)
     assert torch.isfinite(s).all() and torch.isfinite(h).all()
@@ -298,7 +298,7 @@ def test_swiglu_bwd_gemm_cpu_opcheck():
     wts = torch.rand(12, generator=gen) + 0.1
     offs = offsets_of([4, 0, 6], "cpu")
     for clamp in (0.0, 0.5):
-        torch.library.opcheck(torch.ops.deep_gemm.m_grouped_bf16_gemm_swiglu_bwd.default, (dy, w2, offs, h, src, wts, clamp))
+        torch.library.opcheck(torch.ops.prime_kernels.m_grouped_bf16_gemm_swiglu_bwd.default, (dy, w2, offs, h, src, wts, clamp))
 
 
 @requires_sm90
@@ -309,13 +309,13 @@ def test_swiglu_bwd_gemm_matches_float64(E, kind, I, H, clamp):
     M, offs, dy, w2, h, src, wts = _swiglu_bwd_inputs(E, kind, I, H, seed=E + I + H)
     nb = (I + 127) // 128
     poison_next_alloc(M * 2 * I, torch.bfloat16)
-    dh, aw, dt_part = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy, w2, offs, h, src, wts, clamp=clamp)
+    dh, aw, dt_part = prime_kernels.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy, w2, offs, h, src, wts, clamp=clamp)
     assert dt_part.shape == (M, nb)
     dh_ref, aw_ref, dt_ref = _swiglu_bwd_ref64(dy.cpu(), w2.cpu(), offs.cpu(), h.cpu(), src.cpu(), wts.cpu(), clamp)
     for name, out, ref in (("dh", dh, dh_ref), ("w*s", aw, aw_ref), ("dt", dt_part.sum(1), dt_ref)):
         assert torch.isfinite(out).all(), name
         assert rel_err(out.cpu(), ref) < 1e-2, name
-    again = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy, w2, offs, h, src, wts, clamp=clamp)
+    again = prime_kernels.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy, w2, offs, h, src, wts, clamp=clamp)
     for a, b in zip((dh, aw, dt_part), again):
         assert torch.equal(a, b)  # deterministic
 
@@ -328,7 +328,7 @@ def test_swiglu_bwd_gemm_bad_inputs_raise():
     src = torch.zeros(16, dtype=torch.int32, device="cuda")
     wts = torch.rand(16, device="cuda")
     offs = offsets_of([8, 8], "cuda")
-    f = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd
+    f = prime_kernels.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd
     with pytest.raises(RuntimeError, match="h must be"):
         f(dy, w2, offs, h[:, :256], src, wts)
     with pytest.raises(RuntimeError, match="w2 must be"):
@@ -356,7 +356,7 @@ def _all_grouped_ops(seed: int = 5):
     w2 = (torch.randn(E, H, I, generator=gen) / I ** 0.5).bfloat16().cuda()
     b_k = torch.randn(M, I, generator=gen).bfloat16().cuda()  # the k-grouped GEMM's second operand
     M2, offs2, dy, w2b, h, src, wts = _swiglu_bwd_inputs(E, "skewed", I, H, seed=seed + 12)
-    gg = deep_gemm.grouped_gemm
+    gg = prime_kernels.grouped_gemm
     acc0 = torch.randn(E, H, I, generator=gen).cuda()
     calls = {
         "nt": lambda n: [gg.m_grouped_bf16_gemm_nt(a, w13, offs, num_sms=n)],
@@ -389,8 +389,8 @@ def test_num_sms_gives_the_same_bits(op):
 def _finding(match: str) -> None:
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match=match):
-        deep_gemm.check_device_errors()
-    deep_gemm.check_device_errors()  # reported once, then cleared
+        prime_kernels.check_device_errors()
+    prime_kernels.check_device_errors()  # reported once, then cleared
 
 
 BAD_OFFSETS = {"decreasing": lambda o, M: [0, o[3], o[1]] + o[3:],  # groups 0 and 2 overlap if run
@@ -413,7 +413,7 @@ def test_bad_group_offsets_write_nothing_and_are_reported(op, bad):
     offs = torch.tensor(BAD_OFFSETS[bad](good, M), dtype=torch.int32, device="cuda")
     a = torch.randn(M, H, generator=gen).bfloat16().cuda()
     idx = torch.arange(M, dtype=torch.int32, device="cuda")
-    gg = deep_gemm.grouped_gemm
+    gg = prime_kernels.grouped_gemm
     if op.startswith("k_"):
         b = torch.randn(M, N, generator=gen).bfloat16().cuda()
         if op == "k_acc":
@@ -457,7 +457,7 @@ def test_bad_offsets_of_the_swiglu_backward_write_nothing():
     bad = offs.clone()
     bad[1] = M + 5
     poison_next_alloc(M * 2 * 256, torch.bfloat16)
-    dh, aw, dt = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy, w2, bad, h, src, wts)
+    dh, aw, dt = prime_kernels.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd(dy, w2, bad, h, src, wts)
     torch.cuda.synchronize()
     assert dh.isnan().all()
     _finding("m-grouped GEMM's group_offsets are not non-decreasing")
@@ -477,7 +477,7 @@ def test_gather_index_outside_a_reads_zeros_and_is_reported():
     masked = torch.where((bad >= -1) & (bad < T), bad, torch.full_like(bad, -1))
     b = (torch.randn(E, N, K, generator=gen) / K ** 0.5).bfloat16().cuda()
     w13 = (torch.randn(E, 2 * N, K, generator=gen) / K ** 0.5).bfloat16().cuda()
-    gg = deep_gemm.grouped_gemm
+    gg = prime_kernels.grouped_gemm
     want = gg.m_grouped_bf16_gemm_nt(x, b, offs, a_row_index=masked.cuda(), m_total=M)
     got = gg.m_grouped_bf16_gemm_nt(x, b, offs, a_row_index=bad.cuda(), m_total=M)
     assert torch.equal(got, want)
@@ -495,7 +495,7 @@ def test_swiglu_bwd_route_without_a_weight_gets_zero_and_is_reported():
     bad = src.clone()
     bad[0], bad[M // 2] = n_routes, n_routes + 1000
     masked = torch.where(bad < n_routes, bad, torch.full_like(bad, -1))
-    f = deep_gemm.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd
+    f = prime_kernels.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd
     want = f(dy, w2, offs, h, masked, wts)
     got = f(dy, w2, offs, h, bad, wts)
     for x, y in zip(want, got):
@@ -504,8 +504,8 @@ def test_swiglu_bwd_route_without_a_weight_gets_zero_and_is_reported():
     # the pool-row kernel: the same rule
     rows = torch.tensor([M], dtype=torch.int32, device="cuda")
     da = torch.randn(M, 256, device="cuda").bfloat16()
-    want = deep_gemm.swiglu.swiglu_bwd(h[:M], da, masked, wts, rows)
-    got = deep_gemm.swiglu.swiglu_bwd(h[:M], da, bad, wts, rows)
+    want = prime_kernels.swiglu.swiglu_bwd(h[:M], da, masked, wts, rows)
+    got = prime_kernels.swiglu.swiglu_bwd(h[:M], da, bad, wts, rows)
     for x, y in zip(want, got):
         assert torch.equal(x, y)
     _finding("pool_src_route names a route without a weight")

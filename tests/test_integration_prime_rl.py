@@ -1,4 +1,5 @@
-"""prime-rl's Mega MoE call sites, replayed on the DeepGEMM-shaped low-level API.
+"""prime-rl's Mega MoE call sites, replayed on the DeepGEMM-shaped low-level API through the ``deep_gemm``
+drop-in, as prime-rl imports it.
 
 The sequence (../shared/research/prime_and_ports.md 1.4, Gen A; that file is outside this
 repository): one staging buffer allocated once for every layer of a shape
@@ -18,10 +19,11 @@ import torch
 
 from mega_helpers import auto_kernel_skip_reason, loop_reference, make_problem, rel_err, run_layer
 
+# prime-rl imports the drop-in; the calls below are the same objects as prime_kernels' (tests/test_dropin.py).
 import deep_gemm
-from deep_gemm.mega import _backend
-from deep_gemm.mega import buffer as buffer_mod
-from deep_gemm.mega import interleave_l1
+from prime_kernels.mega import _backend
+from prime_kernels.mega import buffer as buffer_mod
+from prime_kernels.mega import interleave_l1
 
 E, H, I, K, TMAX = 8, 64, 32, 3, 48
 
@@ -139,7 +141,7 @@ def test_gpu_call_sequence_close_to_reference(monkeypatch):
     _check_call_sequence(monkeypatch, "cuda", 256, 128, None, ref_tol=1e-2)
 
 
-@pytest.mark.filterwarnings("ignore:deep_gemm.mega. falling back:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:prime_kernels.mega. falling back:RuntimeWarning")
 def test_fp32_weight_grads_and_interleaved_layout():
     """dw in fp32 (fp32 parameters) and upstream's interleaved l1 / dw1 (l1_natural_layout=False,
     dw_natural_layout=False), as the earlier prime-rl variant calls it."""
@@ -178,7 +180,7 @@ def test_fp32_weight_grads_and_interleaved_layout():
     assert rel_err(outs[True][1], exact[3]) < rel_err(dw1_bf, exact[3])
 
 
-@pytest.mark.filterwarnings("ignore:deep_gemm.mega. falling back:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:prime_kernels.mega. falling back:RuntimeWarning")
 def test_too_many_tokens_for_the_buffer_raise():
     buf = deep_gemm.get_symm_buffer_for_mega_moe(None, E, TMAX, K, H, I, device="cpu")
     x, idx, w, w13, w2, _ = make_problem(TMAX + 1, H, I, E, K, seed=41)
@@ -187,7 +189,7 @@ def test_too_many_tokens_for_the_buffer_raise():
 
 
 def _deinterleave(t):
-    from deep_gemm.mega import deinterleave_l1
+    from prime_kernels.mega import deinterleave_l1
 
     return deinterleave_l1(t)
 

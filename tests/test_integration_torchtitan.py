@@ -1,4 +1,4 @@
-"""deep_gemm.integrations.torchtitan: TorchTitan MoE layers with their routed experts on mega_moe,
+"""prime_kernels.integrations.torchtitan: TorchTitan MoE layers with their routed experts on mega_moe,
 against TorchTitan's own grouped-mm experts (torch._grouped_mm runs on the CPU in torch 2.14) on the
 same weights and routing, forward and backward.
 
@@ -15,9 +15,9 @@ pytest.importorskip("torchtitan")
 
 from mega_helpers import auto_kernel_skip_reason, loop_reference, rel_err  # noqa: E402
 
-import deep_gemm.integrations.torchtitan as dg_tt  # noqa: E402
-from deep_gemm.integrations import UnsupportedLayerError  # noqa: E402
-from deep_gemm.mega import _backend  # noqa: E402
+import prime_kernels.integrations.torchtitan as pk_tt  # noqa: E402
+from prime_kernels.integrations import UnsupportedLayerError  # noqa: E402
+from prime_kernels.mega import _backend  # noqa: E402
 from torchtitan.models.common.config_utils import (  # noqa: E402
     make_moe_config,
     make_routed_experts_config,
@@ -73,7 +73,7 @@ def run(moe, x, dy):
 
 def expert_grads(moe):
     inner = moe.routed_experts.inner_experts
-    if isinstance(inner, dg_tt.MegaMoEGroupedExperts):
+    if isinstance(inner, pk_tt.MegaMoEGroupedExperts):
         g = inner.w13.grad
         return g[:, :inner.hidden_dim], g[:, inner.hidden_dim:], inner.w2_EDF.grad
     return inner.w1_EFD.grad, inner.w3_EFD.grad, inner.w2_EDF.grad
@@ -86,7 +86,7 @@ def test_forward_backward_match_torchtitan_grouped_mm(seed, score_func):
     from a float64 evaluation of the same layer (the routing scores' gradient included)."""
     titan = build_moe(seed, score_func=score_func)
     ours = copy.deepcopy(titan)
-    assert dg_tt.apply(ours, backend="reference") == [""]
+    assert pk_tt.apply(ours, backend="reference") == [""]
     g = torch.Generator().manual_seed(100 + seed)
     x = torch.randn(3, 7, D, generator=g)
     dy = torch.randn(3, 7, D, generator=g)
@@ -116,7 +116,7 @@ def test_exact_mode_equals_float64_formula():
     """float64 layer on backend='reference' (unrounded): y, dX and the fused w13 gradient equal an
     independent float64 loop, so w1 -> gate rows and w3 -> up rows are mapped exactly."""
     moe = build_moe(2).double()
-    dg_tt.apply(moe, backend="reference")
+    pk_tt.apply(moe, backend="reference")
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2, 9, D, generator=g, dtype=torch.float64)
     dy = torch.randn(2, 9, D, generator=g, dtype=torch.float64)
@@ -134,7 +134,7 @@ def test_w13_is_w1_then_w3_and_w2_is_shared():
     titan = build_moe(3)
     inner = titan.routed_experts.inner_experts
     w1, w2, w3 = inner.w1_EFD.detach().clone(), inner.w2_EDF, inner.w3_EFD.detach().clone()
-    dg_tt.apply(titan)
+    pk_tt.apply(titan)
     new = titan.routed_experts.inner_experts
     assert torch.equal(new.w13[:, :F], w1) and torch.equal(new.w13[:, F:], w3)
     assert new.w2_EDF is w2  # the same Parameter object: optimizer state and references survive
@@ -144,7 +144,7 @@ def test_w13_is_w1_then_w3_and_w2_is_shared():
 def test_state_dict_keeps_torchtitan_keys():
     titan = build_moe(4)
     ours = copy.deepcopy(titan)
-    dg_tt.apply(ours)
+    pk_tt.apply(ours)
     assert sorted(ours.state_dict().keys()) == sorted(titan.state_dict().keys())
     other = build_moe(5)  # different weights, loaded through the TorchTitan keys
     ours.load_state_dict(other.state_dict())
@@ -163,7 +163,7 @@ def test_state_dict_keeps_torchtitan_keys():
 
 def test_meta_device_build_then_init_states():
     moe = build_moe(8, device="meta")
-    assert dg_tt.apply(moe) == [""]
+    assert pk_tt.apply(moe) == [""]
     moe.to_empty(device="cpu")
     moe.init_states()
     w13 = moe.routed_experts.inner_experts.w13
@@ -178,9 +178,9 @@ def _two_layers(seed):
 
 def test_every_layer_switched_and_reported():
     model = _two_layers(9)
-    assert dg_tt.apply(model, backend="reference") == ["a", "b"]
-    assert all(isinstance(m.routed_experts, dg_tt.MegaMoERoutedExperts) for m in model.values())
-    assert dg_tt.apply(model, backend="auto") == ["a", "b"]  # re-apply: backend updated, nothing re-fused
+    assert pk_tt.apply(model, backend="reference") == ["a", "b"]
+    assert all(isinstance(m.routed_experts, pk_tt.MegaMoERoutedExperts) for m in model.values())
+    assert pk_tt.apply(model, backend="auto") == ["a", "b"]  # re-apply: backend updated, nothing re-fused
     assert all(m.routed_experts.backend == "auto" for m in model.values())
 
 
@@ -206,27 +206,27 @@ def test_unsupported_configurations_raise_and_switch_nothing(breakage, match):
     elif breakage == "dispatcher":
         bad.routed_experts.token_dispatcher = type("DeepEPLike", (), {"top_k": K})()
     with pytest.raises(UnsupportedLayerError, match=match) as info:
-        dg_tt.apply(model)
+        pk_tt.apply(model)
     assert "b" in str(info.value)
     assert type(model["a"].routed_experts) is RoutedExperts  # nothing switched
 
 
 def test_model_without_moe_raises():
     with pytest.raises(UnsupportedLayerError, match="no TorchTitan MoE layer"):
-        dg_tt.apply(nn.Linear(4, 4))
+        pk_tt.apply(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="backend must be one of"):
-        dg_tt.apply(build_moe(11), backend="triton")
+        pk_tt.apply(build_moe(11), backend="triton")
 
 
 def test_auto_backend_is_passed_through(monkeypatch):
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     monkeypatch.setattr(_backend, "_warned", set())
     moe = build_moe(12)
-    dg_tt.apply(moe)
+    pk_tt.apply(moe)
     x = torch.randn(1, 4, D)
-    with pytest.raises(_backend.FusedKernelUnavailable, match="DEEP_GEMM_ALLOW_REFERENCE_FALLBACK"):
+    with pytest.raises(_backend.FusedKernelUnavailable, match="PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK"):
         moe(x)
-    monkeypatch.setenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", "1")
+    monkeypatch.setenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", "1")
     with pytest.warns(RuntimeWarning, match="falling back"):
         moe(x)
 
@@ -236,9 +236,9 @@ def _check_against_torchtitan(device, backend, tokens=(4, 128)):
     TorchTitan's grouped-mm layer and the reference backend, forward and backward."""
     titan = build_moe(13, dim=256, hidden=128, experts=16, top_k=4).to(device)
     ours = copy.deepcopy(titan)
-    dg_tt.apply(ours, backend=backend)
+    pk_tt.apply(ours, backend=backend)
     ref = copy.deepcopy(titan)
-    dg_tt.apply(ref, backend="reference")
+    pk_tt.apply(ref, backend="reference")
     g = torch.Generator().manual_seed(14)
     x = torch.randn(*tokens, 256, generator=g).to(device)
     dy = torch.randn(*tokens, 256, generator=g).to(device)
@@ -259,7 +259,7 @@ def test_cpu_variant_of_the_gpu_check():
 @pytest.mark.skipif(auto_kernel_skip_reason() is not None, reason=str(auto_kernel_skip_reason()))
 def test_gpu_auto_backend_matches_torchtitan(monkeypatch):
     """backend="auto" on the GPU: the fused kernels, else the grouped pipeline (no reference fallback)."""
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     _check_against_torchtitan("cuda", "auto")
 
 
@@ -295,7 +295,7 @@ def test_whole_qwen3_model_switch_and_hf_export():
 
     cfg, titan = _tiny_qwen3_model(15)
     ours = copy.deepcopy(titan)
-    assert dg_tt.apply(ours, backend="reference") == ["layers.0.moe", "layers.1.moe"]
+    assert pk_tt.apply(ours, backend="reference") == ["layers.0.moe", "layers.1.moe"]
     g = torch.Generator().manual_seed(16)
     for name in ("layers.0.moe", "layers.1.moe"):
         x = torch.randn(2, 11, D, generator=g)
@@ -310,7 +310,7 @@ def test_whole_qwen3_model_switch_and_hf_export():
     for k in hf_t:
         assert torch.equal(hf_o[k], hf_t[k]), k
     _, back = _tiny_qwen3_model(17)  # other weights, switched, then loaded from the HF export
-    dg_tt.apply(back)
+    pk_tt.apply(back)
     missing, unexpected = back.load_state_dict(adapter.from_hf(hf_t), strict=False)
     assert not unexpected and all(k.endswith("expert_bias_E") for k in missing)  # HF has no load-balancing bias
     for k, v in ours.state_dict().items():
@@ -339,10 +339,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from mega_helpers import rel_err
 from test_integration_torchtitan import D, F, build_moe, run
-import deep_gemm.integrations.torchtitan as dg_tt
+import prime_kernels.integrations.torchtitan as pk_tt
 titan = build_moe(30)
 ours = copy.deepcopy(titan)
-dg_tt.apply(ours, backend="reference")
+pk_tt.apply(ours, backend="reference")
 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 fully_shard(ours, mp_policy=mp)
 fully_shard(titan, mp_policy=mp)

@@ -1,4 +1,4 @@
-"""deep_gemm.integrations.transformers: the "prime_mega_moe" experts implementation on a tiny
+"""prime_kernels.integrations.transformers: the "prime_mega_moe" experts implementation on a tiny
 Qwen3-MoE built from a config (random weights, no download), against transformers' own eager
 experts: logits, loss and every parameter gradient over a few AdamW steps.
 
@@ -14,9 +14,9 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 
 from mega_helpers import auto_kernel_skip_reason, rel_err  # noqa: E402
 
-import deep_gemm.integrations.transformers as dg_hf  # noqa: E402
-from deep_gemm.integrations import UnsupportedLayerError  # noqa: E402
-from deep_gemm.mega import _backend  # noqa: E402
+import prime_kernels.integrations.transformers as pk_hf  # noqa: E402
+from prime_kernels.integrations import UnsupportedLayerError  # noqa: E402
+from prime_kernels.mega import _backend  # noqa: E402
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation  # noqa: E402
 
@@ -59,8 +59,8 @@ EXPERT_NAMES = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 
 
 def test_registered_in_experts_interface():
-    assert dg_hf.NAME == "prime_mega_moe"
-    assert ALL_EXPERTS_FUNCTIONS["prime_mega_moe"] is dg_hf.mega_moe_experts_forward
+    assert pk_hf.NAME == "prime_mega_moe"
+    assert ALL_EXPERTS_FUNCTIONS["prime_mega_moe"] is pk_hf.mega_moe_experts_forward
     # valid at load time too: the config-level name check accepts it
     model = build(0, torch.float32)
     model.set_experts_implementation("prime_mega_moe")
@@ -85,7 +85,7 @@ def test_gate_up_layout_is_gate_rows_then_up_rows():
             up = ex.gate_up_proj[e, I:] @ x[t]
             want[t] += w[t, k] * (ex.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
     setattr(ex, "_prime_mega_moe_options", {"backend": "reference"})
-    got = dg_hf.mega_moe_experts_forward(ex, x, idx, w)
+    got = pk_hf.mega_moe_experts_forward(ex, x, idx, w)
     assert rel_err(got.detach(), want.detach()) < 1e-12
 
 
@@ -94,7 +94,7 @@ def test_exact_training_steps_match_eager():
     parameter equal transformers' eager experts to ~1e-10 over three AdamW steps."""
     ref = build(2, torch.float64)
     ours = copy.deepcopy(ref)
-    assert dg_hf.apply(ours, backend="reference") == EXPERT_NAMES
+    assert pk_hf.apply(ours, backend="reference") == EXPERT_NAMES
     assert ref.config._experts_implementation == "eager"
     assert ours.config._experts_implementation == "prime_mega_moe"
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -122,7 +122,7 @@ def test_exact_check_detects_swapped_gate_up():
     """The exact comparison above can fail: swapping gate and up rows changes the logits by far more."""
     ref = build(4, torch.float64)
     bad = copy.deepcopy(ref)
-    dg_hf.apply(bad, backend="reference")
+    pk_hf.apply(bad, backend="reference")
     for layer in bad.model.layers:
         w = layer.mlp.experts.gate_up_proj.data
         I = w.shape[1] // 2
@@ -184,7 +184,7 @@ def test_bf16_model_first_step_close_to_eager():
     flips in both implementations, so they are compared exactly in float64 above)."""
     base = build(5, torch.bfloat16)
     ours = copy.deepcopy(base)
-    dg_hf.apply(ours, backend="reference")
+    pk_hf.apply(ours, backend="reference")
     ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(7))
     le, se, _ = step(base, torch.optim.SGD(base.parameters(), lr=0.0), ids)
     lo, so, _ = step(ours, torch.optim.SGD(ours.parameters(), lr=0.0), ids)
@@ -196,7 +196,7 @@ def test_fp32_model_computes_in_bf16_with_fp32_grads():
     base = build(7, torch.float32)
     exact = copy.deepcopy(base).double()
     ours = copy.deepcopy(base)
-    dg_hf.apply(ours, backend="reference")
+    pk_hf.apply(ours, backend="reference")
     ids = torch.randint(0, VOCAB, (2, 16))
     out_o = ours(input_ids=ids, labels=ids)
     out_x = exact(input_ids=ids, labels=ids)
@@ -226,38 +226,38 @@ def test_expert_parallel_sentinels_are_masked():
     want = ex.forward.__wrapped__(ex, x, idx, w)  # transformers' own eager experts loop
     ex._is_expert_parallel = True
     setattr(ex, "_prime_mega_moe_options", {"backend": "reference"})
-    got = dg_hf.mega_moe_experts_forward(ex, x, idx, w)
+    got = pk_hf.mega_moe_experts_forward(ex, x, idx, w)
     assert rel_err(got.detach(), want.detach()) < 1e-12
 
 
 def test_auto_backend_is_passed_through(monkeypatch):
     """apply() defaults to backend='auto': on CPU without the fallback variable the call raises the
     status() reason (never a silent reference run); with it, it runs the reference and warns."""
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     monkeypatch.setattr(_backend, "_warned", set())
     model = build(9, torch.bfloat16)
-    dg_hf.apply(model)
+    pk_hf.apply(model)
     seen = []
-    real = dg_hf.mega_moe
+    real = pk_hf.mega_moe
 
     def spy(*a, **k):
         seen.append(k["backend"])
         return real(*a, **k)
 
-    monkeypatch.setattr(dg_hf, "mega_moe", spy)
+    monkeypatch.setattr(pk_hf, "mega_moe", spy)
     ids = torch.randint(0, VOCAB, (1, 8))
-    with pytest.raises(_backend.FusedKernelUnavailable, match="DEEP_GEMM_ALLOW_REFERENCE_FALLBACK"):
+    with pytest.raises(_backend.FusedKernelUnavailable, match="PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK"):
         model(input_ids=ids)
     assert seen == ["auto"]
-    monkeypatch.setenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", "1")
+    monkeypatch.setenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", "1")
     with pytest.warns(RuntimeWarning, match="falling back"):
         model(input_ids=ids)
-    dg_hf.apply(model, backend="reference")
+    pk_hf.apply(model, backend="reference")
     seen.clear()
     model(input_ids=ids)
     assert seen == ["reference", "reference"]
     with pytest.raises(ValueError, match="backend must be one of"):
-        dg_hf.apply(model, backend="fast")
+        pk_hf.apply(model, backend="fast")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -309,7 +309,7 @@ def test_unsupported_experts_raise_and_switch_nothing(flags, kwargs, match):
     bad = _experts_class(**flags)(_Cfg(), **kwargs)
     holder = _Holder(good, bad)
     with pytest.raises(UnsupportedLayerError, match=match) as info:
-        dg_hf.apply(holder, backend="reference")
+        pk_hf.apply(holder, backend="reference")
     assert "layers.1" in str(info.value) and "FakeExperts" in str(info.value)
     assert not hasattr(good, "_prime_mega_moe_options")
     assert good.config._experts_implementation == "eager"
@@ -320,7 +320,7 @@ def test_quantized_experts_are_refused():
     q.gate_up_proj = nn.Parameter(q.gate_up_proj.detach().to(torch.float8_e4m3fn), requires_grad=False)
     q.register_buffer("gate_up_proj_scale_inv", torch.ones(4, 1, 1))
     with pytest.raises(UnsupportedLayerError, match="quantized expert weights.*float8_e4m3fn.*scale"):
-        dg_hf.apply(_Holder(q))
+        pk_hf.apply(_Holder(q))
 
 
 def test_custom_gate_function_is_refused():
@@ -332,13 +332,13 @@ def test_custom_gate_function_is_refused():
             return self.act_fn(gate.clamp(max=7.0)) * up.clamp(-7.0, 7.0)
 
     with pytest.raises(UnsupportedLayerError, match="custom gate function"):
-        dg_hf.apply(_Holder(Clamped(_Cfg())), backend="reference")
+        pk_hf.apply(_Holder(Clamped(_Cfg())), backend="reference")
 
 
 def test_qwen3_gelu_activation_is_refused():
     model = build(10, torch.float32, hidden_act="gelu")
     with pytest.raises(UnsupportedLayerError, match="hidden_act='gelu'"):
-        dg_hf.apply(model)
+        pk_hf.apply(model)
     assert model.config._experts_implementation == "eager"
 
 
@@ -350,9 +350,9 @@ def test_undecorated_experts_and_plain_models_are_reported():
             self.down_proj = nn.Parameter(torch.randn(4, 8, 8))
 
     with pytest.raises(UnsupportedLayerError, match="does not use transformers' experts interface"):
-        dg_hf.apply(_Holder(LegacyExperts()))
+        pk_hf.apply(_Holder(LegacyExperts()))
     with pytest.raises(UnsupportedLayerError, match="no experts module"):
-        dg_hf.apply(nn.Sequential(nn.Linear(4, 4)))
+        pk_hf.apply(nn.Sequential(nn.Linear(4, 4)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -416,9 +416,9 @@ def _check_against_reference_and_eager(device, backend, batch=(4, 64), steps=3):
             assert rel_err(f.cpu(), xx) < 1e-2, (n, what)
             assert rel_err(f.cpu(), xx) <= 1.25 * rel_err(e.cpu(), xx) + 1e-3, (n, what)
     ours = copy.deepcopy(base)
-    assert dg_hf.apply(ours, backend=backend) == EXPERT_NAMES
+    assert pk_hf.apply(ours, backend=backend) == EXPERT_NAMES
     refm = copy.deepcopy(base)
-    dg_hf.apply(refm, backend="reference")
+    pk_hf.apply(refm, backend="reference")
     eager_model = copy.deepcopy(base)
     assert eager_model.config._experts_implementation == "eager"
     # lr 1e-2: computing with expert weights one step stale is then far outside the bounds below
@@ -442,7 +442,7 @@ def test_cpu_variant_of_the_gpu_check():
 @pytest.mark.skipif(auto_kernel_skip_reason() is not None, reason=str(auto_kernel_skip_reason()))
 def test_gpu_auto_backend_close_to_reference_and_eager(monkeypatch):
     """backend="auto" on the GPU: the fused kernels, else the grouped pipeline (no reference fallback)."""
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     _check_against_reference_and_eager("cuda", "auto")
 
 
@@ -478,8 +478,8 @@ def test_other_families_exact(family):
     ref = getattr(transformers, model_name)(cfg).double()
     ref.set_experts_implementation("eager")
     ours = copy.deepcopy(ref)
-    names = dg_hf.apply(ours, backend="reference")
-    want = [n for n, m in ref.named_modules() if dg_hf.is_experts_module(m)]
+    names = pk_hf.apply(ours, backend="reference")
+    want = [n for n, m in ref.named_modules() if pk_hf.is_experts_module(m)]
     assert names == want and len(names) >= 2
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(21))
     out_r = ref(input_ids=ids, labels=ids)
@@ -499,7 +499,7 @@ def test_gpt_oss_is_refused_for_its_biases():
                                        "num_experts_per_tok": 2, "head_dim": 8, "layer_types": ["full_attention"] * 2})
     model = transformers.GptOssForCausalLM(cfg)
     with pytest.raises(UnsupportedLayerError, match="(?s)2 of 2 experts modules.*GptOssExperts.*biases"):
-        dg_hf.apply(model)
+        pk_hf.apply(model)
 
 
 def test_load_time_selection_and_gradient_checkpointing(tmp_path, monkeypatch):
@@ -512,11 +512,11 @@ def test_load_time_selection_and_gradient_checkpointing(tmp_path, monkeypatch):
     ref = Qwen3MoeForCausalLM.from_pretrained(tmp_path, experts_implementation="eager", dtype=torch.float64)
     assert loaded.config._experts_implementation == "prime_mega_moe"
     ids = torch.randint(0, VOCAB, (2, 10))
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     # float64 under "auto": the exact mode is reference-only, so this raises
     with pytest.raises(ValueError, match="backend='reference'"):
         loaded(input_ids=ids)
-    assert dg_hf.apply(loaded, backend="reference") == EXPERT_NAMES
+    assert pk_hf.apply(loaded, backend="reference") == EXPERT_NAMES
     (getattr(loaded, "activation_checkpointing_enable", None) or loaded.gradient_checkpointing_enable)()
     loaded.train()
     ref.train()

@@ -7,9 +7,9 @@ import torch
 
 from mega_helpers import make_problem, run_layer
 
-import deep_gemm.mega as mega
-from deep_gemm.mega import _backend
-from deep_gemm.mega import (
+import prime_kernels.mega as mega
+from prime_kernels.mega import _backend
+from prime_kernels.mega import (
     bf16_mega_moe,
     bf16_mega_moe_backward,
     get_symm_buffer_for_mega_moe,
@@ -22,11 +22,11 @@ E, H, I, K = 6, 32, 16, 3
 
 @pytest.fixture
 def status(monkeypatch):
-    """Pretend deep_gemm.status() returns the dict the test puts in (default: nothing available)."""
+    """Pretend prime_kernels.status() returns the dict the test puts in (default: nothing available)."""
     st = {name: "not implemented yet" for name in set(_backend.KERNEL_NAMES.values())}
     monkeypatch.setattr(_backend, "_status", lambda: st)
     monkeypatch.setattr(_backend, "_warned", set())
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
     return st
 
 
@@ -39,9 +39,9 @@ def test_fused_reason_reads_status(status):
 
 
 def test_fused_reason_without_status_function(monkeypatch):
-    import deep_gemm
+    import prime_kernels
 
-    monkeypatch.delattr(deep_gemm, "status", raising=False)
+    monkeypatch.delattr(prime_kernels, "status", raising=False)
     assert _backend._fused_reason("bf16", "fwd").endswith("not implemented yet")
 
 
@@ -57,12 +57,12 @@ def test_fused_raises_status_reason(status):
 
 
 def test_auto_raises_without_env(status):
-    with pytest.raises(_backend.FusedKernelUnavailable, match="DEEP_GEMM_ALLOW_REFERENCE_FALLBACK=1"):
+    with pytest.raises(_backend.FusedKernelUnavailable, match="PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK=1"):
         _backend.resolve_backend("auto", "bf16", "fwd", device_type="cuda", hidden=128, intermediate=128)
 
 
 def test_auto_falls_back_with_env_and_warns_once(status, monkeypatch):
-    monkeypatch.setenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", "1")
+    monkeypatch.setenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", "1")
     with pytest.warns(RuntimeWarning, match="falling back to the pure-PyTorch reference"):
         assert _backend.resolve_backend("auto", "bf16", "fwd", device_type="cuda") == "reference"
     with warnings.catch_warnings():
@@ -74,7 +74,7 @@ def test_auto_on_cpu_end_to_end(status, monkeypatch):
     x, idx, w, w13, w2, dy = make_problem(8, 128, 128, E, K, seed=51)
     with pytest.raises(_backend.FusedKernelUnavailable, match="need CUDA tensors"):
         mega_moe(x, idx, w, w13, w2)
-    monkeypatch.setenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", "1")
+    monkeypatch.setenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", "1")
     with pytest.warns(RuntimeWarning):
         y = mega_moe(x, idx, w, w13, w2)
     assert torch.equal(y, mega_moe(x, idx, w, w13, w2, backend="reference"))
@@ -107,7 +107,7 @@ def test_fp8_names_raise_status_reason(status, fn, name):
 
 
 def test_fp8_names_raise_with_real_status():
-    """Whatever deep_gemm.status() says today, these never run silently."""
+    """Whatever prime_kernels.status() says today, these never run silently."""
     with pytest.raises(_backend.FusedKernelUnavailable):
         mega.fp8_mega_moe(None, None, None, None)
 
@@ -230,7 +230,7 @@ def test_h_is_saved_only_when_a_backward_can_follow(monkeypatch):
     """mega_moe asks the forward op for h only when autograd can call the backward (grad mode on and an input
     that takes a gradient, and no recompute): inference neither computes nor keeps it. y is the same bits either
     way, and the backward after a saving forward still runs."""
-    from deep_gemm.mega import _ops
+    from prime_kernels.mega import _ops
 
     asked = []
     op = _ops.mega_moe_fwd

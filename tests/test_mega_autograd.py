@@ -6,7 +6,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mega_helpers import make_problem, run_layer
 
-from deep_gemm.mega import MegaMoE, mega_moe
+from prime_kernels.mega import MegaMoE, mega_moe
 
 E, H, I, K = 6, 32, 16, 3
 
@@ -21,25 +21,25 @@ def test_opcheck_forward(clamp, recompute):
     x, idx, w, w13, w2, _ = make_problem(11, H, I, E, K, seed=21, masked_frac=0.2)
     args = _fwd_args(x.requires_grad_(), idx, w.requires_grad_(), w13.requires_grad_(), w2.requires_grad_(),
                      clamp=clamp, recompute=recompute)
-    torch.library.opcheck(torch.ops.deep_gemm.mega_moe_fwd.default, args)
+    torch.library.opcheck(torch.ops.prime_kernels.mega_moe_fwd.default, args)
 
 
 def test_opcheck_backward_with_and_without_accum():
     x, idx, w, w13, w2, dy = make_problem(9, H, I, E, K, seed=22, masked_frac=0.1)
-    out = torch.ops.deep_gemm.mega_moe_fwd(*_fwd_args(x, idx, w, w13, w2))
+    out = torch.ops.prime_kernels.mega_moe_fwd(*_fwd_args(x, idx, w, w13, w2))
     _, h, counts, offsets, src, srank, r2p, _ = out
     base = (dy, x, idx, w, w13, w2, h, counts, offsets, src, srank, r2p)
     tail = (None, "", E, False, True, "reference", "bf16", 0)
-    torch.library.opcheck(torch.ops.deep_gemm.mega_moe_bwd.default, base + (None, None) + tail)
+    torch.library.opcheck(torch.ops.prime_kernels.mega_moe_bwd.default, base + (None, None) + tail)
     acc = (torch.randn(w13.shape), torch.randn(w2.shape))
-    torch.library.opcheck(torch.ops.deep_gemm.mega_moe_bwd.default, base + acc + tail)
+    torch.library.opcheck(torch.ops.prime_kernels.mega_moe_bwd.default, base + acc + tail)
 
 
 def test_opcheck_forward_keeping_pooled_x():
     x, idx, w, w13, w2, _ = make_problem(10, H, I, E, K, seed=25, masked_frac=0.2)
     args = _fwd_args(x.requires_grad_(), idx, w.requires_grad_(), w13.requires_grad_(), w2.requires_grad_())
-    torch.library.opcheck(torch.ops.deep_gemm.mega_moe_fwd.default, args + (True,))
-    out = torch.ops.deep_gemm.mega_moe_fwd(*(args + (True,)))
+    torch.library.opcheck(torch.ops.prime_kernels.mega_moe_fwd.default, args + (True,))
+    out = torch.ops.prime_kernels.mega_moe_fwd(*(args + (True,)))
     src, x_pool = out[4], out[7]
     assert x_pool.shape == (src.shape[0], H)
     ok = src >= 0
@@ -63,7 +63,7 @@ def test_keep_pooled_x_gives_the_same_gradients():
     (True, False, True, "fused", True), (True, True, False, "grouped", False), (True, True, False, "reference", False)])
 def test_keep_pooled_x_default_keeps_the_rows_only_for_a_fused_forward_whose_backward_reads_them(
         monkeypatch, grad_mode, w13_grad, accum, resolved, expect):
-    from deep_gemm.mega import _backend, _ops, api
+    from prime_kernels.mega import _backend, _ops, api
 
     x, idx, w, w13, w2, _ = make_problem(9, H, I, E, K, seed=27)
     monkeypatch.setattr(_backend, "resolve_backend", lambda *a, **k: resolved)
@@ -92,7 +92,7 @@ def test_opcheck_forward_with_accum_inputs():
     acc = (torch.randn(w13.shape), torch.randn(w2.shape))
     args = _fwd_args(x.requires_grad_(), idx, w.requires_grad_(), w13.requires_grad_(), w2.requires_grad_(),
                      accum=acc)
-    torch.library.opcheck(torch.ops.deep_gemm.mega_moe_fwd.default, args)
+    torch.library.opcheck(torch.ops.prime_kernels.mega_moe_fwd.default, args)
 
 
 def _layer(seed=24, **kw):

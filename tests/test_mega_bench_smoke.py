@@ -239,9 +239,9 @@ def test_ab_smoke_on_the_cpu_reports_bursts_and_steady_state(tmp_path):
     two builds give the same bits."""
     import subprocess
 
-    import deep_gemm
+    import prime_kernels
 
-    site = Path(deep_gemm.__file__).resolve().parent.parent
+    site = Path(prime_kernels.__file__).resolve().parent.parent
     out = tmp_path / "ab.json"
     r = subprocess.run([sys.executable, str(BENCH / "ab.py"), "--old", str(site), "--new", str(site), "--smoke",
                         "--backend", "reference", "--out", str(out)], capture_output=True, text=True, timeout=600)

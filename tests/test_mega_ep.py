@@ -38,7 +38,7 @@ def _ep_worker(rank, world, port, outdir, device_type="cpu"):
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        from deep_gemm.mega import bf16_mega_moe, bf16_mega_moe_backward, get_symm_buffer_for_mega_moe
+        from prime_kernels.mega import bf16_mega_moe, bf16_mega_moe_backward, get_symm_buffer_for_mega_moe
 
         group = dist.group.WORLD
         x, idx, w, w13, w2, dy = [t.to(dev) for t in _full_problem()]

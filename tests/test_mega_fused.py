@@ -1,4 +1,4 @@
-"""The fused sm90 forward (backend="fused", deep_gemm.mega._fused) against float64, on the GPU.
+"""The fused sm90 forward (backend="fused", prime_kernels.mega._fused) against float64, on the GPU.
 
 The matrix: uniform, Zipf-skewed, one hot expert, empty experts and -1 masked routings;
 T in {1, 7, 128, 1000, 4096, 16384}; E in {8, 64, 128, 256}. Every run starts from a caching
@@ -9,7 +9,7 @@ shows up as a non-finite output instead of a stale value.
 import pytest
 import torch
 
-import deep_gemm
+import prime_kernels
 from conftest import requires_sm90
 from mega_helpers import make_problem, rel_err
 
@@ -19,7 +19,7 @@ NUM_SMS = [0, 1, 7, 66]
 
 
 def _require_fused():
-    reason = deep_gemm.status().get(FUSED_KEY)
+    reason = prime_kernels.status().get(FUSED_KEY)
     if reason != "available":
         pytest.skip(f"{FUSED_KEY}: {reason}")
 
@@ -34,7 +34,7 @@ def poison_allocator(num_bytes: int = 1 << 30) -> None:
 
 
 def fused_forward(x, idx, w, w13, w2, clamp=None):
-    from deep_gemm.mega import mega_moe
+    from prime_kernels.mega import mega_moe
 
     poison_allocator()
     with torch.no_grad():
@@ -127,7 +127,7 @@ def test_fused_forward_is_bitwise_deterministic_and_matches_grouped_rounding():
         assert torch.equal(runs[0], r)
     # Same rounding points as the grouped pipeline (F1-F5, fp32 accumulation in the same k order): equal
     # bit for bit.
-    from deep_gemm.mega import mega_moe
+    from prime_kernels.mega import mega_moe
 
     with torch.no_grad():
         grouped = mega_moe(x, idx, w, w13, w2, backend="grouped")
@@ -138,13 +138,13 @@ def _skewed_fused_fwd(T: int, E: int, H: int, I: int, K: int, seed: int):
     """A skewed routing with masked routes, on CUDA. Returns run(save_h, clamp, num_sms, label) -> (s, h, o) of the
     fused forward op over the plan's pool rows (h: empty without save_h), each run on NaN-poisoned memory and checked
     to leave no pool row unwritten (label names the variant in the message)."""
-    from deep_gemm.routing import routing_plan
+    from prime_kernels.routing import routing_plan
 
     x, idx, _, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, routing="skewed", seed=seed,
                                                             masked_frac=0.05)]
     plan = routing_plan(idx, E, 1, validate=False)
     rows = int(plan.expert_offsets[-1])
-    op = torch.ops.deep_gemm.mega_moe_fused_fwd
+    op = torch.ops.prime_kernels.mega_moe_fused_fwd
 
     def run(save_h: bool, clamp: float, num_sms: int, label: str):
         poison_allocator()
@@ -185,7 +185,7 @@ def test_token_major_dispatch_is_bit_identical(num_sms, T, H):
     H = 2112: a row is two dispatch pieces, the second partial; T = 7: fewer tokens than dispatch warps. Skewed
     routing, masked routes."""
     _require_fused()
-    from deep_gemm.routing import routing_plan
+    from prime_kernels.routing import routing_plan
 
     x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, 192, 32, 8, routing="skewed", seed=53 + T,
                                                             masked_frac=0.05)]
@@ -193,7 +193,7 @@ def test_token_major_dispatch_is_bit_identical(num_sms, T, H):
     plan = routing_plan(idx, 32, 1, validate=False)
     rows = int(plan.expert_offsets[-1])
     src = plan.pool_src_route[:rows].long()
-    op = torch.ops.deep_gemm.mega_moe_fused_fwd
+    op = torch.ops.prime_kernels.mega_moe_fused_fwd
 
     def run(token_major: bool):
         poison_allocator()
@@ -210,7 +210,7 @@ def test_token_major_dispatch_is_bit_identical(num_sms, T, H):
         got, y = run(True)
         for name, a, b in zip(("h", "o", "x_pool"), ref, got):
             assert torch.equal(a, b), f"{name}: the token-major dispatch differs from the pool-order dispatch"
-        assert torch.equal(y, torch.ops.deep_gemm.combine(got[1], plan.route_to_pool, w.float()))
+        assert torch.equal(y, torch.ops.prime_kernels.combine(got[1], plan.route_to_pool, w.float()))
 
 
 @requires_sm90
@@ -220,7 +220,7 @@ def test_token_major_dispatch_survives_an_inconsistent_route_map():
     pool_src_route, so x_pool is still x's rows in pool order and h, o match the pool-order dispatch (the run
     without route_to_pool)."""
     _require_fused()
-    from deep_gemm.routing import routing_plan
+    from prime_kernels.routing import routing_plan
 
     x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(1001, 256, 128, 16, 4, seed=59)]
     T, K = idx.shape
@@ -231,7 +231,7 @@ def test_token_major_dispatch_survives_an_inconsistent_route_map():
     bad[7] = -1
     bad[[100, 2000]] = bad[[2000, 100]].clone()
     bad[3001] = bad[3002]
-    op = torch.ops.deep_gemm.mega_moe_fused_fwd
+    op = torch.ops.prime_kernels.mega_moe_fused_fwd
     outs = {}
     for label, r2p, weights in (("pool order", None, None), ("bad map", bad.view(T, K), w.float())):
         poison_allocator()
@@ -248,8 +248,8 @@ def test_token_major_dispatch_survives_an_inconsistent_route_map():
 def test_fused_forward_saves_h_and_auto_backward_runs(monkeypatch):
     """backend="auto": the fused forward, then the grouped backward from the state it saved."""
     _require_fused()
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
-    from deep_gemm.mega import mega_moe
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
+    from prime_kernels.mega import mega_moe
 
     from mega_helpers import run_layer
 
@@ -266,7 +266,7 @@ def test_fused_op_combine_is_the_standalone_combine_bit_for_bit(T, E, H, K, mask
     """The op's y equals the standalone combine kernel over the same o, bit for bit, over 3 runs, and tokens
     with no route are zero (hidden = 192 has a half-width column block)."""
     _require_fused()
-    from deep_gemm.routing import routing_plan
+    from prime_kernels.routing import routing_plan
 
     x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, 128, E, K, routing="skewed", seed=T + H + K,
                                                             masked_frac=masked)]
@@ -275,20 +275,20 @@ def test_fused_op_combine_is_the_standalone_combine_bit_for_bit(T, E, H, K, mask
     ys = []
     for _ in range(3):
         poison_allocator()
-        _, _, o, _, y = torch.ops.deep_gemm.mega_moe_fused_fwd(x, plan.pool_src_route, plan.expert_offsets, w13, w2,
+        _, _, o, _, y = torch.ops.prime_kernels.mega_moe_fused_fwd(x, plan.pool_src_route, plan.expert_offsets, w13, w2,
                                                                K, False, 0.0, False, r2p, w)
         ys.append(y)
-        assert torch.equal(y, torch.ops.deep_gemm.combine(o, r2p, w))
+        assert torch.equal(y, torch.ops.prime_kernels.combine(o, r2p, w))
     assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
     dead = (idx < 0).all(1)
     assert torch.count_nonzero(ys[0][dead]) == 0 and torch.isfinite(ys[0]).all()
     if masked ** K * T > 20:
         assert bool(dead.any()), "no token without a route: the zero-row path was not exercised"
     with pytest.raises(RuntimeError, match="route_to_pool"):
-        torch.ops.deep_gemm.mega_moe_fused_fwd(x, plan.pool_src_route, plan.expert_offsets, w13, w2, K + 1, False,
+        torch.ops.prime_kernels.mega_moe_fused_fwd(x, plan.pool_src_route, plan.expert_offsets, w13, w2, K + 1, False,
                                                0.0, False, r2p, w)
     with pytest.raises(RuntimeError, match="only used with route_to_pool"):
-        torch.ops.deep_gemm.mega_moe_fused_fwd(x, plan.pool_src_route, plan.expert_offsets, w13, w2, K, False,
+        torch.ops.prime_kernels.mega_moe_fused_fwd(x, plan.pool_src_route, plan.expert_offsets, w13, w2, K, False,
                                                0.0, False, None, w)
 
 
@@ -299,14 +299,14 @@ def test_fused_saved_h_keeps_the_clamp_masks():
     c = 0.75 that is ~0.2% of unit-variance values, and each loses its gradient). Checked against an fp32
     matmul of the same pool rows, away from the bound by more than the fp32 accumulation-order noise."""
     _require_fused()
-    from deep_gemm.routing import routing_plan
+    from prime_kernels.routing import routing_plan
 
     T, E, H, I, K, c = 4096, 16, 512, 256, 4, 0.75
     x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, seed=21)]
     plan = routing_plan(idx, E, 1, validate=False)
     src = plan.pool_src_route
     poison_allocator()
-    s, h, o, _, _ = torch.ops.deep_gemm.mega_moe_fused_fwd(x, src, plan.expert_offsets, w13, w2, K, True, c)
+    s, h, o, _, _ = torch.ops.prime_kernels.mega_moe_fused_fwd(x, src, plan.expert_offsets, w13, w2, K, True, c)
     rows = int(plan.expert_offsets[-1])
     xp = x[(src[:rows] // K).long()].float()
     offs = plan.expert_offsets.tolist()
@@ -336,7 +336,7 @@ def test_out_of_range_expert_id_raises_and_leaves_caller_memory_alone(backend):
     before returning, and bf16_mega_moe leaves the caller's y untouched."""
     if backend == "fused":
         _require_fused()
-    from deep_gemm.mega import bf16_mega_moe, get_symm_buffer_for_mega_moe, mega_moe
+    from prime_kernels.mega import bf16_mega_moe, get_symm_buffer_for_mega_moe, mega_moe
 
     T, H, I, E, K = 37, 256, 128, 16, 4
     x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, seed=21)]
@@ -361,8 +361,8 @@ def test_autograd_layer_has_no_implicit_host_sync(monkeypatch):
     """Forward and backward of backend "auto" queue their work without a synchronizing torch call (the
     expert-id check reads through pinned memory after the launches), so the host can run ahead."""
     _require_fused()
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
-    from deep_gemm.mega import mega_moe
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
+    from prime_kernels.mega import mega_moe
 
     x, idx, w, w13, w2, dy = [t.cuda() for t in make_problem(1000, 256, 256, 32, 4, routing="skewed", seed=22)]
     leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
@@ -383,8 +383,8 @@ def test_fused_forward_keeps_pooled_x_for_the_backward(monkeypatch):
     poisoned buffers), y is unchanged, and the backward that uses them instead of gathering x again
     gives the same gradients bit for bit."""
     _require_fused()
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
-    from deep_gemm.mega import _ops, mega_moe
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
+    from prime_kernels.mega import _ops, mega_moe
 
     x, idx, w, w13, w2, dy = [t.cuda() for t in make_problem(999, 256, 256, 32, 4, routing="skewed", seed=23,
                                                              masked_frac=0.05)]
@@ -415,13 +415,13 @@ def test_fused_op_combine_does_not_raise_the_peak(save_h, keep_x_pool):
     measured call starts from an emptied allocator cache so both see the same block rounding (a cached block
     reused without a split counts whole: up to 1 MB of noise per tensor otherwise)."""
     _require_fused()
-    from deep_gemm.routing import routing_plan
+    from prime_kernels.routing import routing_plan
 
     T, E, H, I, K = 2047, 32, 512, 512, 4
     x, idx, w, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, routing="skewed", seed=5, masked_frac=0.1)]
     plan = routing_plan(idx, E, 1, validate=False)
     r2p = plan.route_to_pool.view(T, K)
-    op = torch.ops.deep_gemm.mega_moe_fused_fwd
+    op = torch.ops.prime_kernels.mega_moe_fused_fwd
     args = (x, plan.pool_src_route, plan.expert_offsets, w13, w2, K, save_h, 0.0, keep_x_pool)
 
     def peak(*extra):
@@ -438,5 +438,5 @@ def test_fused_op_combine_does_not_raise_the_peak(save_h, keep_x_pool):
     with_y, (s, _, o, _, y) = peak(r2p, w)
     y_bytes = T * H * 2  # 2 MB; before the change the peak with y was the peak without plus this
     assert s.shape == (0, I)
-    assert torch.equal(y, torch.ops.deep_gemm.combine(o, r2p, w))
+    assert torch.equal(y, torch.ops.prime_kernels.combine(o, r2p, w))
     assert with_y <= without + y_bytes // 4, f"peak with y {with_y} B, without {without} B (y is {y_bytes} B)"

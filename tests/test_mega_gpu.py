@@ -1,4 +1,4 @@
-"""GPU checks of deep_gemm.mega (skipped, with the reason shown, on machines without CUDA)."""
+"""GPU checks of prime_kernels.mega (skipped, with the reason shown, on machines without CUDA)."""
 
 import pytest
 import torch
@@ -31,7 +31,7 @@ def test_reference_cuda_close_to_cpu():
 
 
 def test_fused_matches_reference_when_available():
-    from deep_gemm.mega._backend import _fused_reason
+    from prime_kernels.mega._backend import _fused_reason
 
     reason = _fused_reason("bf16", "fwd") or _fused_reason("bf16", "bwd")
     if reason is not None:
@@ -45,7 +45,7 @@ def test_fused_matches_reference_when_available():
 
 def test_compile_inductor_on_cuda():
     pytest.importorskip("triton", reason="inductor needs triton")
-    from deep_gemm.mega import MegaMoE
+    from prime_kernels.mega import MegaMoE
 
     torch._dynamo.reset()
     torch.manual_seed(74)

@@ -1,9 +1,9 @@
-"""The "grouped" backend (our grouped GEMMs + combine, deep_gemm.mega._grouped) against float64."""
+"""The "grouped" backend (our grouped GEMMs + combine, prime_kernels.mega._grouped) against float64."""
 
 import pytest
 import torch
 
-import deep_gemm
+import prime_kernels
 from conftest import requires_sm90
 from mega_helpers import loop_reference, make_problem, rel_err, run_layer
 
@@ -47,8 +47,8 @@ def test_grouped_matches_float64(T, E, H, I, K, routing, masked, clamp, used):
 
 @requires_sm90
 def test_grouped_is_bitwise_deterministic_and_auto_picks_it(monkeypatch):
-    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
-    assert deep_gemm.status()["mega_moe_grouped.bf16.sm90"] == "available"
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
+    assert prime_kernels.status()["mega_moe_grouped.bf16.sm90"] == "available"
     prob = [t.cuda() for t in make_problem(2048, 256, 256, 64, 8, routing="skewed", seed=5, masked_frac=0.1)]
     runs = [run_layer(*prob, backend="grouped") for _ in range(3)]
     for r in runs[1:]:
@@ -61,7 +61,7 @@ def test_grouped_is_bitwise_deterministic_and_auto_picks_it(monkeypatch):
 
 @requires_sm90
 def test_low_level_calls_run_grouped():
-    from deep_gemm.mega import bf16_mega_moe, bf16_mega_moe_backward, get_symm_buffer_for_mega_moe
+    from prime_kernels.mega import bf16_mega_moe, bf16_mega_moe_backward, get_symm_buffer_for_mega_moe
 
     T, E, H, I, K = 512, 32, 256, 128, 4
     x, idx, w, w13, w2, dy = [t.cuda() for t in make_problem(T, H, I, E, K, seed=9, masked_frac=0.1)]
@@ -80,7 +80,7 @@ def test_low_level_calls_run_grouped():
 
 
 def test_grouped_refuses_the_clamp_with_its_reason():
-    from deep_gemm.mega._backend import FusedKernelUnavailable, resolve_backend
+    from prime_kernels.mega._backend import FusedKernelUnavailable, resolve_backend
 
     with pytest.raises(FusedKernelUnavailable, match="activation_clamp"):
         resolve_backend("grouped", "bf16", "fwd", device_type="cuda", hidden=256, intermediate=256,
@@ -91,8 +91,8 @@ def test_zero_padding_rows_touches_only_the_padding_rows():
     """The grouped backward zeroes a padded plan's padding rows in the pools it gathers (the fused forward pads its
     plan; the GEMMs read those rows): exactly rows [offsets[e] + counts[e], offsets[e + 1]) become zero, every
     other row keeps its contents (NaN here), an unpadded plan changes nothing but the scratch row."""
-    from deep_gemm.mega import _grouped
-    from deep_gemm.routing import pool_capacity, routing_plan
+    from prime_kernels.mega import _grouped
+    from prime_kernels.routing import pool_capacity, routing_plan
 
     T, E, K, H = 37, 6, 3, 16
     idx = make_problem(T, H, 32, E, K, routing="skewed", seed=5, masked_frac=0.2)[1]
@@ -113,8 +113,8 @@ def test_zero_padding_rows_touches_only_the_padding_rows():
 def test_pipeline_logic_on_cpu(recompute):
     """The pipeline's own logic (plan layout, gathers, SwiGLU and its backward, combine) through the
     ops' CPU kernels, so CI checks it without a GPU; the GPU tests above check the CUDA kernels."""
-    from deep_gemm.mega import _grouped
-    from deep_gemm.routing import pool_capacity
+    from prime_kernels.mega import _grouped
+    from prime_kernels.routing import pool_capacity
 
     T, E, H, I, K = 61, 8, 64, 32, 3
     clamp = None
@@ -147,14 +147,14 @@ def _swiglu_inputs(rows, I, device, seed):
 
 def test_swiglu_ops_pass_opcheck():
     h, da, src, w, n = _swiglu_inputs(19, 16, "cpu", 0)
-    torch.library.opcheck(torch.ops.deep_gemm.swiglu_fwd.default, (h, n, 0.7))
-    torch.library.opcheck(torch.ops.deep_gemm.swiglu_bwd.default, (h, da, src, w, n, -1.0))
+    torch.library.opcheck(torch.ops.prime_kernels.swiglu_fwd.default, (h, n, 0.7))
+    torch.library.opcheck(torch.ops.prime_kernels.swiglu_bwd.default, (h, da, src, w, n, -1.0))
 
 
 @requires_sm90
 @pytest.mark.parametrize("clamp", [None, 0.7])
 def test_swiglu_kernels_match_reference(clamp):
-    from deep_gemm.swiglu import swiglu_bwd, swiglu_bwd_reference, swiglu_fwd, swiglu_fwd_reference
+    from prime_kernels.swiglu import swiglu_bwd, swiglu_bwd_reference, swiglu_fwd, swiglu_fwd_reference
 
     h, da, src, w, n = _swiglu_inputs(1003, 384, "cuda", 1)
     c = -1.0 if clamp is None else clamp

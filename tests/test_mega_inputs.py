@@ -13,8 +13,8 @@ import torch
 from conftest import requires_sm90
 from mega_helpers import make_problem, run_layer
 
-import deep_gemm.mega as mega
-from deep_gemm.mega import (MegaMoE, _backend, _fused, _grouped, bf16_mega_moe, bf16_mega_moe_backward,
+import prime_kernels.mega as mega
+from prime_kernels.mega import (MegaMoE, _backend, _fused, _grouped, bf16_mega_moe, bf16_mega_moe_backward,
                             constants, get_symm_buffer_for_mega_moe, mega_moe, reference)
 
 E, H, I, K = 6, 32, 16, 3
@@ -107,8 +107,8 @@ def test_empty_batch_forward_op_outputs_match_the_fake():
     x, idx, w, w13, w2 = _empty_problem()
     for keep in (False, True):
         args = (x, idx, w, w13, w2, None, None, None, "", E, 1, 0, 128, True, "reference", "bf16", 0, keep, 0)
-        torch.library.opcheck(torch.ops.deep_gemm.mega_moe_fwd.default, args)
-        out = torch.ops.deep_gemm.mega_moe_fwd(*args)
+        torch.library.opcheck(torch.ops.prime_kernels.mega_moe_fwd.default, args)
+        out = torch.ops.prime_kernels.mega_moe_fwd(*args)
         assert out[0].shape == (0, H) and not out[1].any() and not out[2].any() and not out[3].any()
         assert (out[4] == -1).all() and (out[5] == -1).all() and out[6].shape == (0, K)
 
@@ -184,7 +184,7 @@ def test_bad_clamp_is_rejected_everywhere(clamp):
     with pytest.raises(ValueError, match=CLAMP_MSG):
         MegaMoE(E, H, I, K, backend="reference", activation_clamp=clamp)
     with pytest.raises(ValueError, match=CLAMP_MSG):  # the op, called directly
-        torch.ops.deep_gemm.mega_moe_fwd(x, idx, w, w13, w2, None, None, clamp, "", E, 1, 5, 8, True, "reference",
+        torch.ops.prime_kernels.mega_moe_fwd(x, idx, w, w13, w2, None, None, clamp, "", E, 1, 5, 8, True, "reference",
                                          "bf16", 0)
     buf = get_symm_buffer_for_mega_moe(None, E, 8, K, H, I, device="cpu", reuse=False)
     buf.stage(x, idx, w)
@@ -209,7 +209,7 @@ class _FusedOp:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        monkeypatch.setattr(torch.ops.deep_gemm, "mega_moe_fused_fwd", self, raising=False)
+        monkeypatch.setattr(torch.ops.prime_kernels, "mega_moe_fused_fwd", self, raising=False)
 
     def __call__(self, x, src, offsets, w13, w2, top_k, save_h, clamp, keep_x_pool, r2p, weights, **kw):
         self.calls.append(dict(clamp=clamp, **kw))
@@ -452,7 +452,7 @@ def test_bad_num_sms_is_rejected_everywhere(num_sms):
 def test_op_num_sms_must_not_be_negative():
     x, idx, w, w13, w2, _ = make_problem(5, H, I, E, K, seed=77)
     with pytest.raises(ValueError, match=r"num_sms must be an int >= 0 \(0 = every SM\)"):
-        torch.ops.deep_gemm.mega_moe_fwd(x, idx, w, w13, w2, None, None, None, "", E, 1, 5, 8, True, "reference",
+        torch.ops.prime_kernels.mega_moe_fwd(x, idx, w, w13, w2, None, None, None, "", E, 1, 5, 8, True, "reference",
                                          "bf16", 0, False, -1)
 
 
@@ -484,11 +484,11 @@ def test_num_sms_reaches_forward_and_backward(monkeypatch, backend, num_sms, wan
 def test_ops_with_num_sms_pass_opcheck():
     x, idx, w, w13, w2, dy = make_problem(8, H, I, E, K, seed=79, masked_frac=0.2)
     args = (x, idx, w, w13, w2, None, None, None, "", E, 1, 8, 8, True, "reference", "bf16", 0, False, 3)
-    torch.library.opcheck(torch.ops.deep_gemm.mega_moe_fwd.default, args)
-    _, h, counts, offsets, src, srank, r2p, xp = torch.ops.deep_gemm.mega_moe_fwd(*args)
+    torch.library.opcheck(torch.ops.prime_kernels.mega_moe_fwd.default, args)
+    _, h, counts, offsets, src, srank, r2p, xp = torch.ops.prime_kernels.mega_moe_fwd(*args)
     bwd = (dy, x, idx, w, w13, w2, h, counts, offsets, src, srank, r2p, None, None, None, "", E, False, True,
            "reference", "bf16", 0, None, 3)
-    torch.library.opcheck(torch.ops.deep_gemm.mega_moe_bwd.default, bwd)
+    torch.library.opcheck(torch.ops.prime_kernels.mega_moe_bwd.default, bwd)
 
 
 @requires_sm90

@@ -8,7 +8,7 @@ import torch
 
 from mega_helpers import loop_reference, make_problem, rel_err, run_layer
 
-from deep_gemm.mega import mega_moe
+from prime_kernels.mega import mega_moe
 
 TOL = 1e-2  # bf16 rounding points (measured ~3e-3: a few 2^-9 relative)
 
@@ -140,10 +140,10 @@ def test_gradcheck_float64(clamp):
 
 
 def test_reference_plan_is_the_routing_plan_in_the_call_capacity():
-    """The reference backend's single-rank plan is deep_gemm.routing's, laid into the call's pool capacity
+    """The reference backend's single-rank plan is prime_kernels.routing's, laid into the call's pool capacity
     (rows past the plan's end are padding: source route and rank -1)."""
-    from deep_gemm import routing
-    from deep_gemm.mega._plan import build_plan
+    from prime_kernels import routing
+    from prime_kernels.mega._plan import build_plan
 
     _, idx, *_ = make_problem(77, 8, 8, 10, 3, routing="skewed", seed=13, masked_frac=0.2)
     p = routing.routing_plan_reference(idx, 10, 16)
@@ -158,7 +158,7 @@ def test_reference_plan_is_the_routing_plan_in_the_call_capacity():
 
 def test_saved_h_rounding_keeps_clamp_masks():
     """F6: the bf16 h the backward sees gives the same clamp masks as the forward's fp32 h."""
-    from deep_gemm.mega.reference import round_h
+    from prime_kernels.mega.reference import round_h
 
     g = torch.Generator().manual_seed(14)
     c = 0.75

@@ -5,7 +5,7 @@ import torch
 
 from mega_helpers import make_problem
 
-from deep_gemm.mega import MegaMoE, bf16_mega_moe, get_symm_buffer_for_mega_moe, mega_moe
+from prime_kernels.mega import MegaMoE, bf16_mega_moe, get_symm_buffer_for_mega_moe, mega_moe
 
 E, H, I, K, T = 4, 32, 16, 2, 6
 
@@ -26,7 +26,7 @@ def _call(p, **over):
 
 def _one_line(excinfo):
     msg = str(excinfo.value)
-    assert "\n" not in msg and msg.startswith("deep_gemm.mega")
+    assert "\n" not in msg and msg.startswith("prime_kernels.mega")
     return msg
 
 
@@ -127,11 +127,11 @@ def test_expert_id_below_minus_one(prob):
 
 
 def test_skipping_value_checks_never_applies_to_the_reference(prob, monkeypatch):
-    """DEEP_GEMM_SKIP_VALUE_CHECKS=1 skips the expert-id read only on the kernel backends (their routing
+    """PRIME_KERNELS_SKIP_VALUE_CHECKS=1 skips the expert-id read only on the kernel backends (their routing
     plan masks an out-of-range id); the reference would index with it, so it still raises."""
-    from deep_gemm.mega import _validate
+    from prime_kernels.mega import _validate
 
-    monkeypatch.setenv("DEEP_GEMM_SKIP_VALUE_CHECKS", "1")
+    monkeypatch.setenv("PRIME_KERNELS_SKIP_VALUE_CHECKS", "1")
     idx = prob[1].clone()
     idx[2, 1] = E
     with pytest.raises(ValueError, match=r"must lie in \[-1, 3\]"):
@@ -140,7 +140,7 @@ def test_skipping_value_checks_never_applies_to_the_reference(prob, monkeypatch)
     _validate.check_expert_ids(idx, E, "fused")
     with pytest.raises(ValueError, match=r"must lie in \[-1, 3\]"):
         _validate.check_expert_ids(idx, E, "reference")
-    monkeypatch.delenv("DEEP_GEMM_SKIP_VALUE_CHECKS")
+    monkeypatch.delenv("PRIME_KERNELS_SKIP_VALUE_CHECKS")
     with pytest.raises(ValueError, match=r"must lie in \[-1, 3\]"):
         _validate.check_expert_ids(idx, E, "grouped")
 
@@ -195,7 +195,7 @@ def test_wgrad_accum_dtype(prob):
 
 def test_no_compute_before_validation(prob, monkeypatch):
     """Checks run before any routing or GEMM."""
-    import deep_gemm.mega.reference as ref
+    import prime_kernels.mega.reference as ref
 
     def boom(*a, **k):
         raise AssertionError("computed before validating")
@@ -217,7 +217,7 @@ def test_float64_needs_reference_backend():
 def test_expert_id_check_from_plan_without_a_count_checks_synchronously():
     """An ExpertIdCheck that waits for the routing plan's count (from_plan=True) still raises in finish() when
     no count was handed to it (a backend path that built no plan), and passes clean ids either way."""
-    from deep_gemm.mega import _validate
+    from prime_kernels.mega import _validate
 
     idx = torch.randint(0, E, (T, K), device="cuda")
     for backend in ("fused", "grouped"):

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-import deep_gemm
+import prime_kernels
 from conftest import requires_gpu
-from deep_gemm.routing import RoutingPlan, pool_capacity, routing_plan, routing_plan_reference
+from prime_kernels.routing import RoutingPlan, pool_capacity, routing_plan, routing_plan_reference
 
 FIELDS = ("expert_counts", "expert_offsets", "pool_src_route", "pool_src_rank", "route_to_pool")
 
@@ -88,7 +88,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="2-D"):
         routing_plan(torch.zeros(4, dtype=torch.int64), 8, 16)
     with pytest.raises(RuntimeError, match="num_experts must be in"):
-        torch.ops.deep_gemm.routing_plan(torch.zeros(2, 2, dtype=torch.int64), 5000, 16, 0)
+        torch.ops.prime_kernels.routing_plan(torch.zeros(2, 2, dtype=torch.int64), 5000, 16, 0)
     # validate=False maps bad ids to masked routes instead
     plan = routing_plan(torch.tensor([[0, 8]]), 8, 16, validate=False)
     assert plan.route_to_pool.tolist() == [[0, -1]]
@@ -96,9 +96,9 @@ def test_bad_inputs_raise():
 
 def test_opcheck_and_fake():
     idx = make_topk(33, 16, 4, "masked", torch.Generator().manual_seed(0))
-    torch.library.opcheck(torch.ops.deep_gemm.routing_plan.default, (idx, 16, 32, 0))
-    torch.library.opcheck(torch.ops.deep_gemm.routing_plan.default, (idx, 16, 32, 0, pool_capacity(33, 4, 16, 32) + 5))
-    compiled = torch.compile(lambda t: torch.ops.deep_gemm.routing_plan(t, 16, 32, 0), backend="aot_eager",
+    torch.library.opcheck(torch.ops.prime_kernels.routing_plan.default, (idx, 16, 32, 0))
+    torch.library.opcheck(torch.ops.prime_kernels.routing_plan.default, (idx, 16, 32, 0, pool_capacity(33, 4, 16, 32) + 5))
+    compiled = torch.compile(lambda t: torch.ops.prime_kernels.routing_plan(t, 16, 32, 0), backend="aot_eager",
                              fullgraph=True)
     ref = routing_plan_reference(idx, 16, 32)
     assert torch.equal(compiled(idx)[4], ref.route_to_pool)
@@ -142,7 +142,7 @@ def test_capacity_lays_the_plan_into_more_rows(device):
     with pytest.raises(ValueError, match="capacity"):
         routing_plan(idx, 16, 8, capacity=need - 1)
     with pytest.raises(RuntimeError, match="capacity"):
-        torch.ops.deep_gemm.routing_plan(idx, 16, 8, 0, need - 1)
+        torch.ops.prime_kernels.routing_plan(idx, 16, 8, 0, need - 1)
 
 
 @requires_gpu
@@ -159,7 +159,7 @@ def test_cuda_invalid_ids_and_streams():
 
 
 def test_status_keys_for_routing():
-    st = deep_gemm.status()
+    st = prime_kernels.status()
     assert "routing_plan.int32.sm90" in st and "routing_plan.int32.sm100" in st
 
 

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import deep_gemm
+import prime_kernels
 from conftest import run_python
 
-PKG_DIR = Path(deep_gemm.__file__).parent
+PKG_DIR = Path(prime_kernels.__file__).parent
 
 
 def test_every_kernel_has_a_reason_or_is_available():
-    st = deep_gemm.status()
+    st = prime_kernels.status()
     expected = {"routing_plan.int32.sm90", "routing_plan.int32.sm100", "m_grouped_gemm_nt.bf16.sm90",
                 "m_grouped_gemm_nn.bf16.sm90", "k_grouped_gemm_tn.bf16.sm90", "mega_moe.bf16.sm90",
                 "mega_moe_backward.bf16.sm90", "mega_moe.fp8.sm90", "mega_moe.fp8_bwd.sm90",
@@ -26,7 +26,7 @@ def test_every_kernel_has_a_reason_or_is_available():
         assert st["routing_plan.int32.sm90"] == "no CUDA device"
     elif torch.cuda.get_device_capability() == (9, 0):
         assert st["routing_plan.int32.sm90"] == "available"
-        if any(a in deep_gemm.build_info()["cuda_archs"] for a in ("100a", "103a", "100f")):
+        if any(a in prime_kernels.build_info()["cuda_archs"] for a in ("100a", "103a", "100f")):
             assert st["routing_plan.int32.sm100"].startswith("device sm_90 cannot run")
         else:
             assert st["routing_plan.int32.sm100"].startswith("not built for sm100")
@@ -34,9 +34,9 @@ def test_every_kernel_has_a_reason_or_is_available():
 
 
 def test_require_raises_the_status_reason():
-    from deep_gemm._status import require
+    from prime_kernels._status import require
 
-    st = deep_gemm.status()
+    st = prime_kernels.status()
     for key, why in st.items():
         if why == "available":
             require(key)
@@ -47,21 +47,21 @@ def test_require_raises_the_status_reason():
 
 
 def test_build_info_is_importable():
-    from deep_gemm import _build_info
+    from prime_kernels import _build_info
 
-    info = deep_gemm.build_info()
+    info = prime_kernels.build_info()
     assert set(info["cuda_archs"]) <= {"90a", "100a", "103a", "100f"} and info["cuda_archs"]
     assert info["nvcc_version"].split(".")[0] in {"12", "13"}
     assert info["git_sha"] and info["build_date"].endswith("Z")
-    assert _build_info.version == deep_gemm.__version__
-    assert "+" not in deep_gemm.__version__, "PyPI refuses local version segments"
-    assert deep_gemm._lib.built_archs() == info["cuda_archs"]
+    assert _build_info.version == prime_kernels.__version__
+    assert "+" not in prime_kernels.__version__, "PyPI refuses local version segments"
+    assert prime_kernels._lib.built_archs() == info["cuda_archs"]
 
 
 def test_cuda_op_without_gpu_raises_reason():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU; the no-device path is for CPU-only machines")
-    from deep_gemm._status import reason
+    from prime_kernels._status import reason
 
     assert reason("routing_plan.int32.sm90") == "no CUDA device"
 
@@ -69,9 +69,9 @@ def test_cuda_op_without_gpu_raises_reason():
 def test_old_torch_is_reported_not_crashed():
     code = (
         "import torch, warnings; torch.__version__ = '2.9.1'\n"
-        "import deep_gemm\n"
-        "st = deep_gemm.status(); print(st['routing_plan.int32.sm90'])\n"
-        "try:\n  deep_gemm.routing_plan(torch.zeros(2, 2, dtype=torch.int64), 4, 8)\n"
+        "import prime_kernels\n"
+        "st = prime_kernels.status(); print(st['routing_plan.int32.sm90'])\n"
+        "try:\n  prime_kernels.routing_plan(torch.zeros(2, 2, dtype=torch.int64), 4, 8)\n"
         "except RuntimeError as e: print('RAISED', e)\n")
     out = run_python(code)
     assert out.returncode == 0, out.stderr
@@ -80,26 +80,13 @@ def test_old_torch_is_reported_not_crashed():
 
 
 def test_damaged_install_is_reported(tmp_path):
-    broken = tmp_path / "deep_gemm"
-    shutil.copytree(PKG_DIR, broken, ignore=shutil.ignore_patterns("libdeep_gemm_core.so", "__pycache__"))
-    code = ("import deep_gemm; print(deep_gemm.__file__); print(deep_gemm.status()['routing_plan.int32.sm90'])")
+    broken = tmp_path / "prime_kernels"
+    shutil.copytree(PKG_DIR, broken, ignore=shutil.ignore_patterns("libprime_kernels_core.so", "__pycache__"))
+    code = ("import prime_kernels; print(prime_kernels.__file__); print(prime_kernels.status()['routing_plan.int32.sm90'])")
     out = run_python(code, env={"PYTHONPATH": str(tmp_path)}, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert str(broken) in out.stdout
-    assert "libdeep_gemm_core.so is missing" in out.stdout and "reinstall" in out.stdout
-
-
-def test_upstream_deep_gemm_is_detected(tmp_path):
-    dist = tmp_path / "deep_gemm-2.6.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: deep_gemm\nVersion: 2.6.1\n")
-    (dist / "RECORD").write_text("deep_gemm/__init__.py,,\n")
-    code = "import warnings; warnings.simplefilter('always'); import deep_gemm"
-    out = run_python(code, env={"PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    assert out.returncode == 0, out.stderr
-    assert "both prime-kernels and deep_gemm 2.6.1" in out.stderr
-    clean = run_python(code)
-    assert "both prime-kernels" not in clean.stderr
+    assert "libprime_kernels_core.so is missing" in out.stdout and "reinstall" in out.stdout
 
 
 def test_cpu_only_older_torch_imports_and_runs_cpu_ops():
@@ -109,14 +96,14 @@ def test_cpu_only_older_torch_imports_and_runs_cpu_ops():
         pytest.skip("set PRIME_KERNELS_CPU_TORCH_PYTHON to a Python with a CPU-only torch (ci/test.sh does)")
     import subprocess
 
-    code = ("import torch, deep_gemm\n"
+    code = ("import torch, prime_kernels\n"
             "assert torch.version.cuda is None, torch.__version__\n"
-            "st = deep_gemm.status(); assert st['routing_plan.int32.sm90'] == 'no CUDA device', st\n"
+            "st = prime_kernels.status(); assert st['routing_plan.int32.sm90'] == 'no CUDA device', st\n"
             "idx = torch.randint(-1, 16, (100, 4))\n"
-            "p = deep_gemm.routing_plan(idx, 16, 32); r = deep_gemm.routing_plan_reference(idx, 16, 32)\n"
+            "p = prime_kernels.routing_plan(idx, 16, 32); r = prime_kernels.routing_plan_reference(idx, 16, 32)\n"
             "assert torch.equal(p.pool_src_route, r.pool_src_route)\n"
             "a = torch.randn(10, 64).bfloat16(); b = torch.randn(2, 16, 64).bfloat16()\n"
-            "o = deep_gemm.m_grouped_bf16_gemm_nt(a, b, torch.tensor([0, 4, 10], dtype=torch.int32))\n"
+            "o = prime_kernels.m_grouped_bf16_gemm_nt(a, b, torch.tensor([0, 4, 10], dtype=torch.int32))\n"
             "print('OK', torch.__version__, tuple(o.shape))\n")
     out = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
     assert out.returncode == 0, out.stdout + out.stderr

@@ -4,13 +4,13 @@
 #include <cstring>
 #include <string>
 
-#include "api/deep_gemm_api.h"
+#include "api/prime_kernels_api.h"
 #include "api/errors.hpp"
 #include "build_config.h"
 #include "common/device_check.hpp"
 #include "common/watchdog.hpp"
 
-namespace deep_gemm::api {
+namespace prime_kernels::api {
 
 namespace {
 thread_local std::string g_last_error;
@@ -117,18 +117,18 @@ int check_current_device(ArchFamily family) {
   return check_device(device, family);
 }
 
-}  // namespace deep_gemm::api
+}  // namespace prime_kernels::api
 
 extern "C" {
 
 int pk_abi_version(void) { return PK_ABI_VERSION; }
 
-const char* pk_last_error(void) { return deep_gemm::api::g_last_error.c_str(); }
+const char* pk_last_error(void) { return prime_kernels::api::g_last_error.c_str(); }
 
 const char* pk_built_archs(void) { return PK_BUILT_ARCHS_CSV; }
 
 int pk_check_device(int device_index) {
-  return deep_gemm::api::check_device(device_index, deep_gemm::api::ArchFamily::kAny);
+  return prime_kernels::api::check_device(device_index, prime_kernels::api::ArchFamily::kAny);
 }
 
 }  // extern "C"

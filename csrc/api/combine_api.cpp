@@ -1,15 +1,15 @@
 // C ABI of the combine reduction: argument checks, then the CUDA kernel or the host loop.
 #include <cstdint>
 
-#include "api/deep_gemm_api.h"
+#include "api/prime_kernels_api.h"
 #include "api/errors.hpp"
 #include "common/combine.hpp"
 #include "common/device_check.hpp"
 
 namespace {
 
-using deep_gemm::common::CombineArgs;
-using deep_gemm::common::DispatchArgs;
+using prime_kernels::common::CombineArgs;
+using prime_kernels::common::DispatchArgs;
 
 // The row ops' shared checks (op: "combine" / "dispatch_rows"; in_name: their input rows, "slots" / "src").
 int check_row_layout(const char* op, int64_t hidden, int64_t ld_in, int64_t ld_out) {
@@ -37,7 +37,7 @@ int check_row_pointers(const char* op, const char* in_name, const void* in, cons
 // The host loops run only on valid routes (the same rule as the kernels, which skip and note an invalid one).
 int check_routes_on_host(const char* op, const char* rows_name, const int32_t* route_to_pool, int64_t count,
                          int64_t num_rows) {
-  const int64_t bad = deep_gemm::common::invalid_route(route_to_pool, count, num_rows);
+  const int64_t bad = prime_kernels::common::invalid_route(route_to_pool, count, num_rows);
   PK_CHECK_ARG(bad < 0, "%s: route_to_pool[%lld] = %d is outside [-1, %lld) (%s rows)", op, static_cast<long long>(bad),
                bad < 0 ? 0 : route_to_pool[bad], static_cast<long long>(num_rows), rows_name);
   return PK_OK;
@@ -73,13 +73,13 @@ int pk_combine_bf16_cuda(const void* slots, int64_t ld_slots, int64_t num_slot_r
                          const float* weights, int64_t num_tokens, int64_t top_k, int64_t hidden, void* out,
                          int64_t ld_out, void* cuda_stream) {
   const CombineArgs a{slots, ld_slots, route_to_pool, weights, num_tokens, top_k, hidden, out, ld_out, num_slot_rows};
-  if (const int rc = deep_gemm::api::check_device_findings("combine"); rc != PK_OK) return rc;
+  if (const int rc = prime_kernels::api::check_device_findings("combine"); rc != PK_OK) return rc;
   if (const int rc = check_combine(a, true); rc != PK_OK) return rc;
-  if (const int rc = deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kAny); rc != PK_OK) return rc;
-  if (a.num_tokens == 0 || a.hidden == 0) return deep_gemm::api::ok();
-  const cudaError_t err = deep_gemm::common::launch_combine(a, static_cast<cudaStream_t>(cuda_stream));
-  if (err != cudaSuccess) return deep_gemm::api::fail_cuda(err, "combine launch");
-  return deep_gemm::api::ok();
+  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kAny); rc != PK_OK) return rc;
+  if (a.num_tokens == 0 || a.hidden == 0) return prime_kernels::api::ok();
+  const cudaError_t err = prime_kernels::common::launch_combine(a, static_cast<cudaStream_t>(cuda_stream));
+  if (err != cudaSuccess) return prime_kernels::api::fail_cuda(err, "combine launch");
+  return prime_kernels::api::ok();
 }
 
 int pk_combine_bf16_cpu(const void* slots, int64_t ld_slots, int64_t num_slot_rows, const int32_t* route_to_pool,
@@ -91,33 +91,33 @@ int pk_combine_bf16_cpu(const void* slots, int64_t ld_slots, int64_t num_slot_ro
     if (const int rc = check_routes_on_host("combine", "slot", route_to_pool, num_tokens * top_k, num_slot_rows);
         rc != PK_OK)
       return rc;
-  deep_gemm::common::combine_host(a);
-  return deep_gemm::api::ok();
+  prime_kernels::common::combine_host(a);
+  return prime_kernels::api::ok();
 }
 
 int pk_dispatch_rows_bf16_cuda(const void* src, int64_t ld_src, const int32_t* route_to_pool, int64_t num_tokens,
                                int64_t top_k, int64_t hidden, void* out, int64_t ld_out, int64_t num_rows,
                                void* cuda_stream) {
   const DispatchArgs a{src, ld_src, route_to_pool, num_tokens, top_k, hidden, out, ld_out, num_rows};
-  if (const int rc = deep_gemm::api::check_device_findings("dispatch_rows"); rc != PK_OK) return rc;
+  if (const int rc = prime_kernels::api::check_device_findings("dispatch_rows"); rc != PK_OK) return rc;
   if (const int rc = check_dispatch(a, true); rc != PK_OK) return rc;
-  if (const int rc = deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kAny); rc != PK_OK) return rc;
-  if (a.num_tokens == 0 || a.hidden == 0) return deep_gemm::api::ok();
-  const cudaError_t err = deep_gemm::common::launch_dispatch_rows(a, static_cast<cudaStream_t>(cuda_stream));
-  if (err != cudaSuccess) return deep_gemm::api::fail_cuda(err, "dispatch_rows launch");
-  return deep_gemm::api::ok();
+  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kAny); rc != PK_OK) return rc;
+  if (a.num_tokens == 0 || a.hidden == 0) return prime_kernels::api::ok();
+  const cudaError_t err = prime_kernels::common::launch_dispatch_rows(a, static_cast<cudaStream_t>(cuda_stream));
+  if (err != cudaSuccess) return prime_kernels::api::fail_cuda(err, "dispatch_rows launch");
+  return prime_kernels::api::ok();
 }
 
 int pk_dispatch_rows_bf16_cpu(const void* src, int64_t ld_src, const int32_t* route_to_pool, int64_t num_tokens,
                               int64_t top_k, int64_t hidden, void* out, int64_t ld_out, int64_t num_rows) {
   const DispatchArgs a{src, ld_src, route_to_pool, num_tokens, top_k, hidden, out, ld_out, num_rows};
   if (const int rc = check_dispatch(a, false); rc != PK_OK) return rc;
-  if (a.num_tokens == 0 || a.hidden == 0) return deep_gemm::api::ok();
+  if (a.num_tokens == 0 || a.hidden == 0) return prime_kernels::api::ok();
   if (const int rc = check_routes_on_host("dispatch_rows", "out", route_to_pool, num_tokens * top_k, num_rows);
       rc != PK_OK)
     return rc;
-  deep_gemm::common::dispatch_rows_host(a);
-  return deep_gemm::api::ok();
+  prime_kernels::common::dispatch_rows_host(a);
+  return prime_kernels::api::ok();
 }
 
 }  // extern "C"

@@ -3,9 +3,9 @@
 
 #include <cuda_runtime_api.h>
 
-#include "api/deep_gemm_api.h"
+#include "api/prime_kernels_api.h"
 
-namespace deep_gemm::api {
+namespace prime_kernels::api {
 
 // Stores the message and returns `code`, so a check reads `return fail(PK_ERR_..., "...", ...)`.
 int fail(int code, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -27,9 +27,9 @@ int check_device(int device, ArchFamily family);
 // check_device on the calling thread's current CUDA device.
 int check_current_device(ArchFamily family);
 
-}  // namespace deep_gemm::api
+}  // namespace prime_kernels::api
 
 #define PK_CHECK_ARG(cond, ...)                                        \
   do {                                                                 \
-    if (!(cond)) return ::deep_gemm::api::fail(PK_ERR_INVALID_ARGUMENT, __VA_ARGS__); \
+    if (!(cond)) return ::prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT, __VA_ARGS__); \
   } while (0)

@@ -6,12 +6,12 @@
 #include <cstring>
 #include <mutex>
 
-#include "api/deep_gemm_api.h"
+#include "api/prime_kernels_api.h"
 #include "api/errors.hpp"
 #include "common/device_check.hpp"
 #include "common/watchdog.hpp"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace {
 // A few seconds: a healthy wait lasts microseconds (one tile's work); seconds leave room for a GPU shared with
 // other processes, and still end a hung job long before a trainer's collective timeouts do.
@@ -147,38 +147,38 @@ bool take_device_checks(char* out, size_t out_len) {
 
 }  // namespace common
 
-}  // namespace deep_gemm
+}  // namespace prime_kernels
 
 extern "C" {
 
 int pk_set_wait_timeout(double seconds) {
-  if (!(seconds > 0.0) || !(seconds <= deep_gemm::kMaxWaitTimeoutSeconds))
-    return deep_gemm::api::fail(PK_ERR_INVALID_ARGUMENT, "wait timeout = %g s, must be in (0, %g]", seconds,
-                                deep_gemm::kMaxWaitTimeoutSeconds);
-  deep_gemm::g_timeout_ns.store(static_cast<uint64_t>(std::llround(seconds * 1e9)), std::memory_order_relaxed);
-  return deep_gemm::api::ok();
+  if (!(seconds > 0.0) || !(seconds <= prime_kernels::kMaxWaitTimeoutSeconds))
+    return prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT, "wait timeout = %g s, must be in (0, %g]", seconds,
+                                prime_kernels::kMaxWaitTimeoutSeconds);
+  prime_kernels::g_timeout_ns.store(static_cast<uint64_t>(std::llround(seconds * 1e9)), std::memory_order_relaxed);
+  return prime_kernels::api::ok();
 }
 
-int pk_device_check(void) { return deep_gemm::api::check_device_findings("device check"); }
+int pk_device_check(void) { return prime_kernels::api::check_device_findings("device check"); }
 
 double pk_get_wait_timeout(void) {
-  return static_cast<double>(deep_gemm::g_timeout_ns.load(std::memory_order_relaxed)) * 1e-9;
+  return static_cast<double>(prime_kernels::g_timeout_ns.load(std::memory_order_relaxed)) * 1e-9;
 }
 
 int pk_wait_timeout_probe(double timeout_s, void* cuda_stream) {
-  if (!(timeout_s > 0.0) || !(timeout_s <= deep_gemm::kMaxWaitTimeoutSeconds))
-    return deep_gemm::api::fail(PK_ERR_INVALID_ARGUMENT, "wait_timeout_probe: timeout = %g s, must be in (0, %g]",
-                                timeout_s, deep_gemm::kMaxWaitTimeoutSeconds);
-  if (const int rc = deep_gemm::api::check_device_findings("wait_timeout_probe"); rc != PK_OK) return rc;
-  if (const int rc = deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kAny); rc != PK_OK) return rc;
-  deep_gemm::WaitGuard guard{};
-  if (const cudaError_t e = deep_gemm::wait_guard_for_current_device(&guard); e != cudaSuccess)
-    return deep_gemm::api::fail_cuda(e, "wait_timeout_probe: allocating the wait record");
+  if (!(timeout_s > 0.0) || !(timeout_s <= prime_kernels::kMaxWaitTimeoutSeconds))
+    return prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT, "wait_timeout_probe: timeout = %g s, must be in (0, %g]",
+                                timeout_s, prime_kernels::kMaxWaitTimeoutSeconds);
+  if (const int rc = prime_kernels::api::check_device_findings("wait_timeout_probe"); rc != PK_OK) return rc;
+  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kAny); rc != PK_OK) return rc;
+  prime_kernels::WaitGuard guard{};
+  if (const cudaError_t e = prime_kernels::wait_guard_for_current_device(&guard); e != cudaSuccess)
+    return prime_kernels::api::fail_cuda(e, "wait_timeout_probe: allocating the wait record");
   guard.timeout_ns = static_cast<uint64_t>(std::llround(timeout_s * 1e9));
-  if (const cudaError_t e = deep_gemm::launch_wait_probe(guard, static_cast<cudaStream_t>(cuda_stream));
+  if (const cudaError_t e = prime_kernels::launch_wait_probe(guard, static_cast<cudaStream_t>(cuda_stream));
       e != cudaSuccess)
-    return deep_gemm::api::fail_cuda(e, "wait_timeout_probe: launch");
-  return deep_gemm::api::ok();
+    return prime_kernels::api::fail_cuda(e, "wait_timeout_probe: launch");
+  return prime_kernels::api::ok();
 }
 
 }  // extern "C"

@@ -1,5 +1,5 @@
 // C ABI of the sm90 grouped GEMMs: earlier device findings and the device check, then the sm90 launchers (which validate shapes).
-#include "api/deep_gemm_api.h"
+#include "api/prime_kernels_api.h"
 #include "api/errors.hpp"
 #include "common/device_check.hpp"
 #include "sm90/grouped_gemm.hpp"  // declarations and the configs; the launchers are linked only with the kernels
@@ -9,8 +9,8 @@ namespace {
 // What an earlier kernel found invalid on the device (reported once, before this call launches anything), then
 // the device check.
 int current_device_is_sm90(const char* op) {
-  if (const int rc = deep_gemm::api::check_device_findings(op); rc != PK_OK) return rc;
-  return deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kSm90);
+  if (const int rc = prime_kernels::api::check_device_findings(op); rc != PK_OK) return rc;
+  return prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kSm90);
 }
 
 // Both m-grouped entry points: the plain GEMM and (gather) the one that gathers A's rows through a_row_index, each
@@ -21,9 +21,9 @@ int m_grouped(const char* op, bool gather, const void* a, int64_t lda, int64_t a
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90(op); rc != PK_OK) return rc;
   PK_CHECK_ARG(num_sms >= 0, "%s: num_sms = %d, must be >= 0 (0 = every SM)", op, num_sms);
-  deep_gemm::sm90::GroupedGemmConfig cfg = deep_gemm::sm90::m_grouped_gemm_config(m_total, n, k, num_groups);
+  prime_kernels::sm90::GroupedGemmConfig cfg = prime_kernels::sm90::m_grouped_gemm_config(m_total, n, k, num_groups);
   cfg.num_sms = num_sms;
-  deep_gemm::sm90::MGroupedGemmArgs args;
+  prime_kernels::sm90::MGroupedGemmArgs args;
   args.a = a;
   args.lda = lda;
   args.a_rows = a_rows;
@@ -42,14 +42,14 @@ int m_grouped(const char* op, bool gather, const void* a, int64_t lda, int64_t a
   args.config = &cfg;
   char message[512] = {0};
   const cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
-  const int rc = gather ? deep_gemm::sm90::m_grouped_bf16_gemm_gather_a(args, stream, message, sizeof(message))
-                        : deep_gemm::sm90::m_grouped_bf16_gemm(args, stream, message, sizeof(message));
-  return deep_gemm::api::from_status(rc, message);
+  const int rc = gather ? prime_kernels::sm90::m_grouped_bf16_gemm_gather_a(args, stream, message, sizeof(message))
+                        : prime_kernels::sm90::m_grouped_bf16_gemm(args, stream, message, sizeof(message));
+  return prime_kernels::api::from_status(rc, message);
 #else
   (void)gather, (void)a, (void)lda, (void)a_rows, (void)a_row_index, (void)b, (void)b_k_major, (void)ldb;
   (void)b_group_stride, (void)d, (void)ldd, (void)group_offsets, (void)num_groups, (void)m_total, (void)n, (void)k;
   (void)num_sms, (void)cuda_stream;
-  return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE, "%s is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a", op);
+  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE, "%s is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a", op);
 #endif
 }
 
@@ -80,9 +80,9 @@ int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, co
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90("m_grouped_bf16_gemm_swiglu"); rc != PK_OK) return rc;
   PK_CHECK_ARG(num_sms >= 0, "m_grouped_bf16_gemm_swiglu: num_sms = %d, must be >= 0 (0 = every SM)", num_sms);
-  deep_gemm::sm90::GroupedGemmConfig cfg = deep_gemm::sm90::swiglu_gemm_config();
+  prime_kernels::sm90::GroupedGemmConfig cfg = prime_kernels::sm90::swiglu_gemm_config();
   cfg.num_sms = num_sms;
-  deep_gemm::sm90::SwigluGemmArgs args;
+  prime_kernels::sm90::SwigluGemmArgs args;
   args.a = a;
   args.lda = lda;
   args.a_rows = a_rows;
@@ -102,14 +102,14 @@ int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, co
   args.clamp_limit = clamp;
   args.config = &cfg;
   char message[512] = {0};
-  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_swiglu(args, static_cast<cudaStream_t>(cuda_stream), message,
+  const int rc = prime_kernels::sm90::m_grouped_bf16_gemm_swiglu(args, static_cast<cudaStream_t>(cuda_stream), message,
                                                              sizeof(message));
-  return deep_gemm::api::from_status(rc, message);
+  return prime_kernels::api::from_status(rc, message);
 #else
   (void)a, (void)lda, (void)a_rows, (void)a_row_index, (void)w13, (void)ldb, (void)b_group_stride;
   (void)intermediate, (void)s, (void)lds, (void)h, (void)ldh, (void)group_offsets, (void)num_groups;
   (void)m_total, (void)k, (void)clamp, (void)num_sms, (void)cuda_stream;
-  return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE,
+  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
                               "m_grouped_bf16_gemm_swiglu is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif
 }
@@ -122,7 +122,7 @@ int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const vo
                                       float clamp, int num_sms, void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90("m_grouped_bf16_gemm_swiglu_bwd"); rc != PK_OK) return rc;
-  deep_gemm::sm90::SwigluBwdGemmArgs args;
+  prime_kernels::sm90::SwigluBwdGemmArgs args;
   args.dy_pool = dy_pool;
   args.lda = lda;
   args.w2 = w2;
@@ -147,15 +147,15 @@ int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const vo
   args.clamp_limit = clamp;
   args.num_sms = num_sms;
   char message[512] = {0};
-  const int rc = deep_gemm::sm90::m_grouped_bf16_gemm_swiglu_bwd(args, static_cast<cudaStream_t>(cuda_stream),
+  const int rc = prime_kernels::sm90::m_grouped_bf16_gemm_swiglu_bwd(args, static_cast<cudaStream_t>(cuda_stream),
                                                                  message, sizeof(message));
-  return deep_gemm::api::from_status(rc, message);
+  return prime_kernels::api::from_status(rc, message);
 #else
   (void)dy_pool, (void)lda, (void)w2, (void)ldb, (void)b_group_stride, (void)h, (void)ldh, (void)pool_src_route;
   (void)route_weights, (void)num_routes, (void)dh, (void)lddh, (void)aw, (void)ldaw, (void)dt_part, (void)dt_ld;
   (void)group_offsets, (void)num_groups, (void)m_total, (void)intermediate, (void)hidden, (void)clamp;
   (void)num_sms, (void)cuda_stream;
-  return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE,
+  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
                               "m_grouped_bf16_gemm_swiglu_bwd is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif
 }
@@ -166,10 +166,10 @@ int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ld
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90("k_grouped_bf16_gemm"); rc != PK_OK) return rc;
   PK_CHECK_ARG(num_sms >= 0, "k_grouped_bf16_gemm: num_sms = %d, must be >= 0 (0 = every SM)", num_sms);
-  deep_gemm::sm90::GroupedGemmConfig cfg =
-      deep_gemm::sm90::k_grouped_gemm_config(m, n, p_total, num_groups, c_is_bf16 != 0);
+  prime_kernels::sm90::GroupedGemmConfig cfg =
+      prime_kernels::sm90::k_grouped_gemm_config(m, n, p_total, num_groups, c_is_bf16 != 0);
   cfg.num_sms = num_sms;
-  deep_gemm::sm90::KGroupedGemmArgs args;
+  prime_kernels::sm90::KGroupedGemmArgs args;
   args.a = a;
   args.lda = lda;
   args.b = b;
@@ -184,13 +184,13 @@ int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ld
   args.n = n;
   args.config = &cfg;
   char message[512] = {0};
-  const int rc = deep_gemm::sm90::k_grouped_bf16_gemm(args, static_cast<cudaStream_t>(cuda_stream), message,
+  const int rc = prime_kernels::sm90::k_grouped_bf16_gemm(args, static_cast<cudaStream_t>(cuda_stream), message,
                                                       sizeof(message));
-  return deep_gemm::api::from_status(rc, message);
+  return prime_kernels::api::from_status(rc, message);
 #else
   (void)a, (void)lda, (void)b, (void)ldb, (void)c, (void)c_is_bf16, (void)accumulate, (void)group_offsets;
   (void)num_groups, (void)p_total, (void)m, (void)n, (void)num_sms, (void)cuda_stream;
-  return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE,
+  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
                               "k_grouped_bf16_gemm is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif
 }

@@ -1,12 +1,12 @@
 // C ABI of the fused Mega MoE forward (sm90, BF16): device check, then the launcher (which validates shapes).
-#include "api/deep_gemm_api.h"
+#include "api/prime_kernels_api.h"
 #include "api/errors.hpp"
 #include "sm90/mega_moe.hpp"  // header-only sizes, also without the kernels
 
 extern "C" {
 
 int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts) {
-  return deep_gemm::sm90::mega_moe_fwd_counter_count(m_total, num_experts);
+  return prime_kernels::sm90::mega_moe_fwd_counter_count(m_total, num_experts);
 }
 
 int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* pool_src_route,
@@ -15,9 +15,9 @@ int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x
                          void* s, void* h, void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
                          int32_t* counters, int num_sms, void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
-  if (const int rc = deep_gemm::api::check_device_findings("mega_moe_fwd_bf16"); rc != PK_OK) return rc;
-  if (const int rc = deep_gemm::api::check_current_device(deep_gemm::api::ArchFamily::kSm90); rc != PK_OK) return rc;
-  deep_gemm::sm90::MegaFwdArgs args;
+  if (const int rc = prime_kernels::api::check_device_findings("mega_moe_fwd_bf16"); rc != PK_OK) return rc;
+  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kSm90); rc != PK_OK) return rc;
+  prime_kernels::sm90::MegaFwdArgs args;
   args.x_ranks = x_ranks;
   args.num_ranks = num_ranks;
   args.ld_x = ld_x;
@@ -41,15 +41,15 @@ int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x
   args.counters = counters;
   args.num_sms = num_sms;
   char message[512] = {0};
-  const int rc = deep_gemm::sm90::mega_moe_fwd_bf16(args, static_cast<cudaStream_t>(cuda_stream), message,
+  const int rc = prime_kernels::sm90::mega_moe_fwd_bf16(args, static_cast<cudaStream_t>(cuda_stream), message,
                                                     sizeof(message));
-  return deep_gemm::api::from_status(rc, message);
+  return prime_kernels::api::from_status(rc, message);
 #else
   (void)x_ranks, (void)num_ranks, (void)ld_x, (void)pool_src_route, (void)pool_src_rank, (void)top_k;
   (void)expert_offsets, (void)num_experts, (void)m_total, (void)hidden, (void)inter, (void)w13, (void)w2;
   (void)x_pool, (void)s, (void)h, (void)o, (void)num_tokens, (void)route_to_pool, (void)clamp, (void)counters;
   (void)num_sms, (void)cuda_stream;
-  return deep_gemm::api::fail(PK_ERR_NOT_AVAILABLE,
+  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
                               "mega_moe_fwd_bf16 is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif
 }

@@ -7,7 +7,7 @@
 #include "common/combine.cuh"
 #include "common/combine.hpp"
 
-namespace deep_gemm::common {
+namespace prime_kernels::common {
 
 namespace {
 // The row kernels' grid: x covers a row's 8-column chunks, one per thread; y one token per block row, capped at
@@ -68,4 +68,4 @@ int64_t invalid_route(const int32_t* route_to_pool, int64_t count, int64_t num_r
   return -1;
 }
 
-}  // namespace deep_gemm::common
+}  // namespace prime_kernels::common

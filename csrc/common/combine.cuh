@@ -23,7 +23,7 @@
 #include "common/combine_math.cuh"
 #include "common/device_check.hpp"
 
-namespace deep_gemm::common {
+namespace prime_kernels::common {
 
 constexpr int kCombineThreads = 256;
 
@@ -79,4 +79,4 @@ dispatch_rows_bf16_kernel(const __nv_bfloat16* __restrict__ src, int64_t ld_src,
   }
 }
 
-}  // namespace deep_gemm::common
+}  // namespace prime_kernels::common

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-namespace deep_gemm::common {
+namespace prime_kernels::common {
 
 // Routes are -1 (masked) or a row in [0, num_rows). The CUDA kernels skip any other route and note it in the
 // device-check record (common/device_check.hpp); the host loops are run only after invalid_route found none.
@@ -44,4 +44,4 @@ void dispatch_rows_host(const DispatchArgs& args);
 // The first entry of route_to_pool[0, count) (host memory) that is neither -1 nor in [0, num_rows), or -1 if none.
 int64_t invalid_route(const int32_t* route_to_pool, int64_t count, int64_t num_rows);
 
-}  // namespace deep_gemm::common
+}  // namespace prime_kernels::common

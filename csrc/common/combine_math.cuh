@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-namespace deep_gemm::common {
+namespace prime_kernels::common {
 
 // acc[i] += w * bf16 column i of the 16-byte chunk v (one fma each, in column order).
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v, float w) {
@@ -19,4 +19,4 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v, floa
   }
 }
 
-}  // namespace deep_gemm::common
+}  // namespace prime_kernels::common

@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-namespace deep_gemm::common {
+namespace prime_kernels::common {
 
 enum DeviceCheck : int {
   kCheckMGroupedOffsets = 0,  // an m-grouped GEMM's group_offsets (bound: m_total); nothing written
@@ -85,4 +85,4 @@ DeviceCheckRecord* device_check_record();
 // allocates or touches the device.
 bool take_device_checks(char* out, size_t out_len);
 
-}  // namespace deep_gemm::common
+}  // namespace prime_kernels::common

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <vector>
 
-namespace deep_gemm::common {
+namespace prime_kernels::common {
 
 int64_t routing_plan_num_chunks(int64_t num_routes) {
   return std::max<int64_t>(1, (num_routes + kRoutesPerChunk - 1) / kRoutesPerChunk);
@@ -81,4 +81,4 @@ void routing_plan_host(const RoutingPlanArgs& a) {
   *a.num_invalid = invalid;
 }
 
-}  // namespace deep_gemm::common
+}  // namespace prime_kernels::common

@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-namespace deep_gemm::common {
+namespace prime_kernels::common {
 
 constexpr int kRoutesPerChunk = 256;  // one thread per route in the count/place blocks
 constexpr int kPlanScanThreads = 256;
@@ -191,4 +191,4 @@ routing_place_kernel(const IdxT* __restrict__ topk_idx, int64_t num_routes, int 
   }
 }
 
-}  // namespace deep_gemm::common
+}  // namespace prime_kernels::common

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-namespace deep_gemm::common {
+namespace prime_kernels::common {
 
 struct RoutingPlanArgs {
   const void* topk_idx;
@@ -34,4 +34,4 @@ cudaError_t launch_routing_plan(const RoutingPlanArgs& args, void* workspace, cu
 // The same plan on the host, same order; the CPU kernel of the torch op and the tests' oracle.
 void routing_plan_host(const RoutingPlanArgs& args);
 
-}  // namespace deep_gemm::common
+}  // namespace prime_kernels::common

@@ -3,7 +3,7 @@
 #include "common/swiglu.cuh"
 #include "common/swiglu.hpp"
 
-namespace deep_gemm::common {
+namespace prime_kernels::common {
 
 namespace {
 unsigned grid_for(int64_t max_rows) {
@@ -30,4 +30,4 @@ cudaError_t launch_swiglu_bwd(const SwigluArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-}  // namespace deep_gemm::common
+}  // namespace prime_kernels::common

@@ -12,7 +12,7 @@
 
 #include "common/device_check.hpp"
 
-namespace deep_gemm::common {
+namespace prime_kernels::common {
 
 constexpr int kSwigluThreads = 128;
 
@@ -126,4 +126,4 @@ swiglu_bwd_kernel(const __nv_bfloat16* __restrict__ h, int64_t ld_h, const __nv_
   }
 }
 
-}  // namespace deep_gemm::common
+}  // namespace prime_kernels::common

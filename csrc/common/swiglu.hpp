@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-namespace deep_gemm::common {
+namespace prime_kernels::common {
 
 struct SwigluArgs {
   const void* h;  // bf16 [rows, 2I] (row stride ld_h)
@@ -33,4 +33,4 @@ struct SwigluArgs {
 cudaError_t launch_swiglu_fwd(const SwigluArgs& args, cudaStream_t stream);
 cudaError_t launch_swiglu_bwd(const SwigluArgs& args, cudaStream_t stream);
 
-}  // namespace deep_gemm::common
+}  // namespace prime_kernels::common

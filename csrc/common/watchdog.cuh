@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-namespace deep_gemm {
+namespace prime_kernels {
 
 // Which kernel and which of its waits timed out (WaitRecord::kernel / ::wait).
 enum WaitKernel : int32_t { kWaitKernelMegaFwd = 1, kWaitKernelProbe = 2, kWaitKernelMegaBwd = 3 };
@@ -95,4 +95,4 @@ __device__ __forceinline__ void wait_counter_at_least(const int32_t* counter, in
 }
 #endif
 
-}  // namespace deep_gemm
+}  // namespace prime_kernels

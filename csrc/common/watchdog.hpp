@@ -8,7 +8,7 @@
 
 #include "common/watchdog.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 
 // The guard for kernels launched on the current device: its host-mapped record is allocated on first use.
 // Returns cudaSuccess or the error of the allocation.
@@ -20,4 +20,4 @@ cudaError_t launch_wait_probe(const WaitGuard& guard, cudaStream_t stream);
 // The first record a timed-out wait left on any device, formatted; false if there is none.
 bool wait_record_message(char* out, size_t out_len);
 
-}  // namespace deep_gemm
+}  // namespace prime_kernels

@@ -2,7 +2,7 @@
 // provoked on purpose by a test.
 #include "common/watchdog.hpp"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace {
 __device__ int32_t g_probe_counter = 0;  // nothing ever releases it
 
@@ -16,4 +16,4 @@ cudaError_t launch_wait_probe(const WaitGuard& guard, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-}  // namespace deep_gemm
+}  // namespace prime_kernels

@@ -7,7 +7,7 @@
 
 #include "kernel_common.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 constexpr int kDispatchRunRows = 32;
@@ -138,4 +138,4 @@ __device__ __forceinline__ void dispatch_rows_role(SrcOf&& src_of, uint8_t* dst,
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

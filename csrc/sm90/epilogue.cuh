@@ -9,7 +9,7 @@
 #include "ptx.cuh"
 #include "swiglu_math.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // ---- asynchronous epilogue: TMA stores from a 128B-swizzled staging tile ---------------------------
@@ -125,4 +125,4 @@ __device__ __forceinline__ void store_swiglu_from_acc(const float (&acc)[kBlockN
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // One kernel instantiation. block_m and block_k are fixed at 128 and 64 today; block_n, num_stages and
@@ -87,4 +87,4 @@ inline GroupedGemmConfig k_grouped_gemm_config(int64_t m, int64_t n, int64_t p_t
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

@@ -14,7 +14,7 @@
 #include "swiglu_bwd_host.cuh"
 #include "swiglu_bwd_pp.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 using namespace host;
 
@@ -531,4 +531,4 @@ int k_grouped_bf16_gemm(const KGroupedGemmArgs& args, cudaStream_t stream, char*
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

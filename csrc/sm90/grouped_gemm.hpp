@@ -23,7 +23,7 @@
 #include "m_blocks.hpp"
 #include "status.hpp"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // m-grouped GEMM:  D[m, :] = A[m, :] @ B_g^T  for m in [group_offsets[g], group_offsets[g+1]),
@@ -182,4 +182,4 @@ struct KGroupedGemmArgs {
 int k_grouped_bf16_gemm(const KGroupedGemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

@@ -12,7 +12,7 @@
 
 #include "status.hpp"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 namespace host {
 
@@ -104,4 +104,4 @@ inline cudaError_t launch_persistent(int threads, int smem, int64_t max_units, i
 
 }  // namespace host
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

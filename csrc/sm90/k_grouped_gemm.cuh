@@ -30,7 +30,7 @@
 #include "mainloop.cuh"
 #include "pipeline.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 enum KGroupedOut : int { kOutF32Store = 0, kOutF32Accumulate = 1, kOutBf16Store = 2 };
@@ -272,4 +272,4 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

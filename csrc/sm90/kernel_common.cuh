@@ -7,7 +7,7 @@
 
 #include "ptx.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // Largest number of groups (experts) one launch accepts: offsets and per-group tile starts live in
@@ -87,4 +87,4 @@ __device__ __forceinline__ void load_group_offsets_and_mblocks(const int32_t* gr
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // 128-row m-blocks (never across a group) that any grouping of m_total rows into num_groups groups can have:
@@ -14,4 +14,4 @@ inline int64_t max_m_blocks(int64_t m_total, int num_groups) {
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

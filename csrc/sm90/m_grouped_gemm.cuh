@@ -53,7 +53,7 @@
 #include "pipeline.cuh"
 #include "swiglu_math.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 struct MGroupedParams {
@@ -378,4 +378,4 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

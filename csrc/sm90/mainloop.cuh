@@ -7,7 +7,7 @@
 #include "pipeline.cuh"
 #include "ptx.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // One tile's k-loop for a consumer warpgroup of the m-grouped kernels: waits for each stage of the mbarrier
@@ -137,4 +137,4 @@ __device__ __forceinline__ void pingpong_tile_mainloop(float (&acc0)[kAccRegs], 
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

@@ -11,7 +11,7 @@
 #include "mega_moe_fwd.cuh"
 #include "mega_moe_heuristics.hpp"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 using namespace host;
 
@@ -163,4 +163,4 @@ int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

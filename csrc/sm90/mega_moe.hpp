@@ -12,7 +12,7 @@
 #include "m_blocks.hpp"
 #include "status.hpp"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // int32 counters the forward needs (zeroed by the launch itself, on `stream`): dispatch and L1 per m-block, then
@@ -77,4 +77,4 @@ struct MegaFwdArgs {
 int mega_moe_fwd_bf16(const MegaFwdArgs& args, cudaStream_t stream, char* err, size_t err_len);
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

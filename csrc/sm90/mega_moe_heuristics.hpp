@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // The pipeline: 3 stages of 128x256x64 (48 KB each) + the 32 KB half-width staging tile leave room for 11 dispatch
@@ -78,4 +78,4 @@ inline int mega_bwd_lag(int64_t m_total, int num_experts, int64_t inter, int sms
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

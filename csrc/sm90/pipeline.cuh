@@ -9,7 +9,7 @@
 #include "kernel_common.cuh"
 #include "ptx.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // The start of every sm90 kernel's shared-memory layout here: the mbarrier ring's kNumStages A tiles
@@ -89,4 +89,4 @@ __device__ __forceinline__ void kernel_prologue(uint64_t* full_bar, uint64_t* em
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

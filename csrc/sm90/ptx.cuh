@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 namespace ptx {
 
@@ -447,4 +447,4 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
 
 }  // namespace ptx
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

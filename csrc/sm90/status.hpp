@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdio>
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // What every launcher returns; on failure it also writes a message to its err buffer.
@@ -39,4 +39,4 @@ inline void clear_err(char* err, size_t err_len) {
 
 }  // namespace host
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

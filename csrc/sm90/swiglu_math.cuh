@@ -8,10 +8,10 @@
 
 #include "ptx.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
-// The saved pre-activation's rounding with a clamp (deep_gemm.mega.reference, rounding point F6): round to
+// The saved pre-activation's rounding with a clamp (prime_kernels.mega.reference, rounding point F6): round to
 // nearest even, except that a value strictly on one side of a bound never lands on or across it (it takes
 // the nearest bf16 on its own side), so the backward's clamp masks evaluated on the bf16 h equal the
 // forward's on the fp32 h. Gate columns have the bound c (min(g, c)); up columns also -c. below / above:
@@ -151,4 +151,4 @@ __device__ __forceinline__ SwigluBwdWords swiglu_bwd_pair(uint32_t g2, uint32_t 
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

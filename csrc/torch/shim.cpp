@@ -1,4 +1,4 @@
-// The LibTorch stable-ABI shim: registers torch.ops.deep_gemm.* and forwards to the C ABI core.
+// The LibTorch stable-ABI shim: registers torch.ops.prime_kernels.* and forwards to the C ABI core.
 //
 // Built against the stable headers with TORCH_TARGET_VERSION = 2.10, so one binary loads on every
 // torch >= 2.10. It links libtorch_cpu only; the current CUDA stream comes from libtorch_cuda,
@@ -17,7 +17,7 @@
 #include <tuple>
 #include <vector>
 
-#include "api/deep_gemm_api.h"
+#include "api/prime_kernels_api.h"
 
 namespace {
 
@@ -26,7 +26,7 @@ using torch::headeronly::ScalarType;
 
 // Raises the core's message as a Python RuntimeError.
 void check_core(int rc, const char* op) {
-  STD_TORCH_CHECK(rc == PK_OK, "deep_gemm.", op, ": ", pk_last_error());
+  STD_TORCH_CHECK(rc == PK_OK, "prime_kernels.", op, ": ", pk_last_error());
 }
 
 void* current_cuda_stream(int32_t device_index) {
@@ -36,9 +36,9 @@ void* current_cuda_stream(int32_t device_index) {
     return lib ? reinterpret_cast<Getter>(dlsym(lib, "aoti_torch_get_current_cuda_stream")) : nullptr;
   }();
   STD_TORCH_CHECK(getter != nullptr,
-                  "deep_gemm: this torch build has no CUDA support (libtorch_cuda is not loaded)");
+                  "prime_kernels: this torch build has no CUDA support (libtorch_cuda is not loaded)");
   void* stream = nullptr;
-  STD_TORCH_CHECK(getter(device_index, &stream) == 0, "deep_gemm: could not get the current CUDA stream");
+  STD_TORCH_CHECK(getter(device_index, &stream) == 0, "prime_kernels: could not get the current CUDA stream");
   return stream;
 }
 
@@ -49,14 +49,14 @@ struct PlanInput {
 };
 
 PlanInput check_plan_input(const Tensor& topk_idx, int64_t num_experts, int64_t block_m) {
-  STD_TORCH_CHECK(topk_idx.dim() == 2, "deep_gemm.routing_plan: topk_idx must be 2-D [num_tokens, top_k], got ",
+  STD_TORCH_CHECK(topk_idx.dim() == 2, "prime_kernels.routing_plan: topk_idx must be 2-D [num_tokens, top_k], got ",
                   topk_idx.dim(), "-D");
   const ScalarType dt = topk_idx.scalar_type();
   STD_TORCH_CHECK(dt == ScalarType::Long || dt == ScalarType::Int,
-                  "deep_gemm.routing_plan: topk_idx must be int64 or int32");
-  STD_TORCH_CHECK(topk_idx.is_contiguous(), "deep_gemm.routing_plan: topk_idx must be contiguous");
-  STD_TORCH_CHECK(num_experts >= 1, "deep_gemm.routing_plan: num_experts must be >= 1");
-  STD_TORCH_CHECK(block_m >= 1, "deep_gemm.routing_plan: block_m must be >= 1");
+                  "prime_kernels.routing_plan: topk_idx must be int64 or int32");
+  STD_TORCH_CHECK(topk_idx.is_contiguous(), "prime_kernels.routing_plan: topk_idx must be contiguous");
+  STD_TORCH_CHECK(num_experts >= 1, "prime_kernels.routing_plan: num_experts must be >= 1");
+  STD_TORCH_CHECK(block_m >= 1, "prime_kernels.routing_plan: block_m must be >= 1");
   return PlanInput{topk_idx.size(0), topk_idx.size(1), dt == ScalarType::Long};
 }
 
@@ -67,8 +67,8 @@ using PlanOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 PlanOutputs allocate_plan(const Tensor& like, const PlanInput& in, int64_t num_experts, int64_t block_m,
                           int64_t capacity) {
   const int64_t needed = pk_routing_plan_pool_capacity(in.num_tokens, in.top_k, num_experts, block_m);
-  STD_TORCH_CHECK(needed >= 0, "deep_gemm.routing_plan: invalid sizes");
-  STD_TORCH_CHECK(capacity == -1 || capacity >= needed, "deep_gemm.routing_plan: capacity = ", capacity,
+  STD_TORCH_CHECK(needed >= 0, "prime_kernels.routing_plan: invalid sizes");
+  STD_TORCH_CHECK(capacity == -1 || capacity >= needed, "prime_kernels.routing_plan: capacity = ", capacity,
                   " is below the ", needed, " pool rows this plan may need (-1: exactly those)");
   if (capacity == -1) capacity = needed;
   auto i32 = [&](std::vector<int64_t> sizes) {
@@ -103,7 +103,7 @@ PlanOutputs routing_plan_cuda(Tensor topk_idx, int64_t num_experts, int64_t bloc
   PlanOutputs out = allocate_plan(topk_idx, in, num_experts, block_m, capacity);
   auto& [counts, offsets, src_route, src_rank, route_to_pool, num_invalid] = out;
   const int64_t ws_bytes = pk_routing_plan_workspace_bytes(in.num_tokens, in.top_k, num_experts);
-  STD_TORCH_CHECK(ws_bytes >= 0, "deep_gemm.routing_plan: invalid sizes");
+  STD_TORCH_CHECK(ws_bytes >= 0, "prime_kernels.routing_plan: invalid sizes");
   std::vector<int64_t> ws_size{(ws_bytes + 3) / 4};
   Tensor workspace = torch::stable::new_empty(
       topk_idx, torch::headeronly::IntHeaderOnlyArrayRef(ws_size.data(), ws_size.size()), ScalarType::Int);
@@ -124,24 +124,24 @@ PlanOutputs routing_plan_cuda(Tensor topk_idx, int64_t num_experts, int64_t bloc
 // and alignment. Outputs are allocated here.
 // ---------------------------------------------------------------------------------------------
 void check_bf16_cuda(const Tensor& t, const char* op, const char* name, int64_t dim) {
-  STD_TORCH_CHECK(t.is_cuda(), "deep_gemm.", op, ": ", name, " must be a CUDA tensor");
-  STD_TORCH_CHECK(t.scalar_type() == ScalarType::BFloat16, "deep_gemm.", op, ": ", name, " must be bfloat16");
-  STD_TORCH_CHECK(t.dim() == dim, "deep_gemm.", op, ": ", name, " must be ", dim, "-D, got ", t.dim(), "-D");
-  STD_TORCH_CHECK(t.stride(dim - 1) == 1, "deep_gemm.", op, ": ", name, " must have unit stride in its last dim");
+  STD_TORCH_CHECK(t.is_cuda(), "prime_kernels.", op, ": ", name, " must be a CUDA tensor");
+  STD_TORCH_CHECK(t.scalar_type() == ScalarType::BFloat16, "prime_kernels.", op, ": ", name, " must be bfloat16");
+  STD_TORCH_CHECK(t.dim() == dim, "prime_kernels.", op, ": ", name, " must be ", dim, "-D, got ", t.dim(), "-D");
+  STD_TORCH_CHECK(t.stride(dim - 1) == 1, "prime_kernels.", op, ": ", name, " must have unit stride in its last dim");
 }
 
 int32_t check_offsets(const Tensor& offsets, const Tensor& like, const char* op) {
   STD_TORCH_CHECK(offsets.scalar_type() == ScalarType::Int && offsets.dim() == 1 && offsets.is_contiguous(),
-                  "deep_gemm.", op, ": group_offsets must be a contiguous 1-D int32 tensor [num_groups + 1]");
-  STD_TORCH_CHECK(offsets.is_cuda() && offsets.get_device_index() == like.get_device_index(), "deep_gemm.", op,
+                  "prime_kernels.", op, ": group_offsets must be a contiguous 1-D int32 tensor [num_groups + 1]");
+  STD_TORCH_CHECK(offsets.is_cuda() && offsets.get_device_index() == like.get_device_index(), "prime_kernels.", op,
                   ": group_offsets must be on the operands' CUDA device");
-  STD_TORCH_CHECK(offsets.size(0) >= 2, "deep_gemm.", op, ": group_offsets needs num_groups + 1 >= 2 entries");
+  STD_TORCH_CHECK(offsets.size(0) >= 2, "prime_kernels.", op, ": group_offsets needs num_groups + 1 >= 2 entries");
   return static_cast<int32_t>(offsets.size(0) - 1);
 }
 
 // The grouped ops' num_sms: the most SMs the kernel may use, 0 = every SM.
 int check_num_sms(int64_t num_sms, const char* op) {
-  STD_TORCH_CHECK(num_sms >= 0 && num_sms <= (int64_t(1) << 20), "deep_gemm.", op, ": num_sms = ", num_sms,
+  STD_TORCH_CHECK(num_sms >= 0 && num_sms <= (int64_t(1) << 20), "prime_kernels.", op, ": num_sms = ", num_sms,
                   ", must be >= 1 (or 0: every SM)");
   return static_cast<int>(num_sms);
 }
@@ -156,13 +156,13 @@ Tensor m_grouped_gemm(const Tensor& a, const Tensor& b, const Tensor& offsets, b
   const int sms = check_num_sms(num_sms, op);
   check_bf16_cuda(a, op, "a", 2);
   check_bf16_cuda(b, op, "b", 3);
-  STD_TORCH_CHECK(b.get_device_index() == a.get_device_index(), "deep_gemm.", op, ": a and b on different devices");
+  STD_TORCH_CHECK(b.get_device_index() == a.get_device_index(), "prime_kernels.", op, ": a and b on different devices");
   const int32_t num_groups = check_offsets(offsets, a, op);
-  STD_TORCH_CHECK(b.size(0) == num_groups, "deep_gemm.", op, ": b has ", b.size(0), " groups, group_offsets ",
+  STD_TORCH_CHECK(b.size(0) == num_groups, "prime_kernels.", op, ": b has ", b.size(0), " groups, group_offsets ",
                   num_groups);
   const int64_t k = a.size(1);
   const int64_t n = b_k_major ? b.size(1) : b.size(2);
-  STD_TORCH_CHECK((b_k_major ? b.size(2) : b.size(1)) == k, "deep_gemm.", op, ": b's K (",
+  STD_TORCH_CHECK((b_k_major ? b.size(2) : b.size(1)) == k, "prime_kernels.", op, ": b's K (",
                   b_k_major ? b.size(2) : b.size(1), ") does not match a's K (", k, ")");
   torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
   Tensor d = new_tensor(a, {a.size(0), n}, ScalarType::BFloat16);
@@ -187,9 +187,9 @@ void k_grouped_launch(const Tensor& a, const Tensor& b, const Tensor& offsets, c
   const int sms = check_num_sms(num_sms, op);
   check_bf16_cuda(a, op, "a", 2);
   check_bf16_cuda(b, op, "b", 2);
-  STD_TORCH_CHECK(a.size(0) == b.size(0), "deep_gemm.", op, ": a and b must have the same rows (tokens), got ",
+  STD_TORCH_CHECK(a.size(0) == b.size(0), "prime_kernels.", op, ": a and b must have the same rows (tokens), got ",
                   a.size(0), " and ", b.size(0));
-  STD_TORCH_CHECK(b.get_device_index() == a.get_device_index(), "deep_gemm.", op, ": a and b on different devices");
+  STD_TORCH_CHECK(b.get_device_index() == a.get_device_index(), "prime_kernels.", op, ": a and b on different devices");
   const int32_t num_groups = check_offsets(offsets, a, op);
   torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
   check_core(pk_k_grouped_bf16_gemm(a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), c.data_ptr(),
@@ -201,7 +201,7 @@ void k_grouped_launch(const Tensor& a, const Tensor& b, const Tensor& offsets, c
 
 Tensor k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32, int64_t num_sms) {
   const char* op = "k_grouped_bf16_gemm_tn";
-  STD_TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && group_offsets.dim() == 1, "deep_gemm.", op,
+  STD_TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && group_offsets.dim() == 1, "prime_kernels.", op,
                   ": a [P, M], b [P, N], group_offsets [E + 1] expected");
   Tensor c = new_tensor(a, {group_offsets.size(0) - 1, a.size(1), b.size(1)},
                         out_fp32 ? ScalarType::Float : ScalarType::BFloat16);
@@ -211,12 +211,12 @@ Tensor k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out
 
 void k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor c, int64_t num_sms) {
   const char* op = "k_grouped_bf16_gemm_tn_accumulate_";
-  STD_TORCH_CHECK(c.scalar_type() == ScalarType::Float && c.is_contiguous() && c.dim() == 3, "deep_gemm.", op,
+  STD_TORCH_CHECK(c.scalar_type() == ScalarType::Float && c.is_contiguous() && c.dim() == 3, "prime_kernels.", op,
                   ": c must be a contiguous fp32 [E, M, N] tensor");
-  STD_TORCH_CHECK(c.is_cuda() && c.get_device_index() == a.get_device_index(), "deep_gemm.", op,
+  STD_TORCH_CHECK(c.is_cuda() && c.get_device_index() == a.get_device_index(), "prime_kernels.", op,
                   ": c must be on the operands' CUDA device");
   STD_TORCH_CHECK(c.size(0) == group_offsets.size(0) - 1 && c.size(1) == a.size(1) && c.size(2) == b.size(1),
-                  "deep_gemm.", op, ": c must be [E, M, N] = [", group_offsets.size(0) - 1, ", ", a.size(1), ", ",
+                  "prime_kernels.", op, ": c must be [E, M, N] = [", group_offsets.size(0) - 1, ", ", a.size(1), ", ",
                   b.size(1), "]");
   k_grouped_launch(a, b, group_offsets, c, true, num_sms, op);
 }
@@ -228,11 +228,11 @@ Tensor m_grouped_bf16_gemm_nt_gather(Tensor a, Tensor b, Tensor group_offsets, T
   check_bf16_cuda(a, op, "a", 2);
   check_bf16_cuda(b, op, "b", 3);
   const int32_t num_groups = check_offsets(group_offsets, a, op);
-  STD_TORCH_CHECK(b.size(0) == num_groups && b.size(2) == a.size(1), "deep_gemm.", op,
+  STD_TORCH_CHECK(b.size(0) == num_groups && b.size(2) == a.size(1), "prime_kernels.", op,
                   ": b must be [num_groups, N, K] with K = a's columns");
   STD_TORCH_CHECK(a_row_index.scalar_type() == ScalarType::Int && a_row_index.dim() == 1 &&
                       a_row_index.is_contiguous() && a_row_index.size(0) >= m_total && a_row_index.is_cuda(),
-                  "deep_gemm.", op, ": a_row_index must be a contiguous CUDA int32 [>= m_total] tensor");
+                  "prime_kernels.", op, ": a_row_index must be a contiguous CUDA int32 [>= m_total] tensor");
   torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
   Tensor d = new_tensor(a, {m_total, b.size(1)}, ScalarType::BFloat16);
   check_core(pk_m_grouped_bf16_gemm_gather_a(a.data_ptr(), a.stride(0), a.size(0),
@@ -257,23 +257,23 @@ CombineInput check_combine_input(const Tensor& slots, const Tensor& route_to_poo
                                  const std::optional<Tensor>& weights) {
   const char* op = "combine";
   STD_TORCH_CHECK(slots.scalar_type() == ScalarType::BFloat16 && slots.dim() == 2 && slots.stride(1) == 1,
-                  "deep_gemm.", op, ": slots must be a bfloat16 [rows, H] tensor with unit column stride");
+                  "prime_kernels.", op, ": slots must be a bfloat16 [rows, H] tensor with unit column stride");
   STD_TORCH_CHECK(route_to_pool.scalar_type() == ScalarType::Int && route_to_pool.dim() == 2 &&
                       route_to_pool.is_contiguous(),
-                  "deep_gemm.", op, ": route_to_pool must be a contiguous int32 [T, K] tensor");
+                  "prime_kernels.", op, ": route_to_pool must be a contiguous int32 [T, K] tensor");
   const float* w = nullptr;
   if (weights.has_value()) {
     const Tensor& t = *weights;
     STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float && t.is_contiguous() && t.dim() == 2 &&
                         t.size(0) == route_to_pool.size(0) && t.size(1) == route_to_pool.size(1),
-                    "deep_gemm.", op, ": weights must be a contiguous fp32 tensor shaped like route_to_pool");
+                    "prime_kernels.", op, ": weights must be a contiguous fp32 tensor shaped like route_to_pool");
     STD_TORCH_CHECK(t.get_device_index() == slots.get_device_index() && t.is_cuda() == slots.is_cuda(),
-                    "deep_gemm.", op, ": weights must be on the slots' device");
+                    "prime_kernels.", op, ": weights must be on the slots' device");
     w = static_cast<const float*>(t.data_ptr());
   }
   STD_TORCH_CHECK(route_to_pool.is_cuda() == slots.is_cuda() &&
                       route_to_pool.get_device_index() == slots.get_device_index(),
-                  "deep_gemm.", op, ": route_to_pool must be on the slots' device");
+                  "prime_kernels.", op, ": route_to_pool must be on the slots' device");
   return CombineInput{route_to_pool.size(0), route_to_pool.size(1), slots.size(1), w};
 }
 
@@ -302,18 +302,18 @@ Tensor combine_cuda(Tensor slots, Tensor route_to_pool, std::optional<Tensor> we
 // Dispatch, the combine's transpose: out[route_to_pool[t, k]] = src[t]; other rows of out keep their contents.
 void check_dispatch_input(const Tensor& src, const Tensor& route_to_pool, const Tensor& out) {
   const char* op = "dispatch_rows_";
-  STD_TORCH_CHECK(src.scalar_type() == ScalarType::BFloat16 && src.dim() == 2 && src.stride(1) == 1, "deep_gemm.",
+  STD_TORCH_CHECK(src.scalar_type() == ScalarType::BFloat16 && src.dim() == 2 && src.stride(1) == 1, "prime_kernels.",
                   op, ": src must be a bfloat16 [T, H] tensor with unit column stride");
   STD_TORCH_CHECK(out.scalar_type() == ScalarType::BFloat16 && out.dim() == 2 && out.stride(1) == 1 &&
                       out.size(1) == src.size(1),
-                  "deep_gemm.", op, ": out must be a bfloat16 [rows, H] tensor with src's H and unit column stride");
+                  "prime_kernels.", op, ": out must be a bfloat16 [rows, H] tensor with src's H and unit column stride");
   STD_TORCH_CHECK(route_to_pool.scalar_type() == ScalarType::Int && route_to_pool.dim() == 2 &&
                       route_to_pool.is_contiguous() && route_to_pool.size(0) == src.size(0),
-                  "deep_gemm.", op, ": route_to_pool must be a contiguous int32 [T, K] tensor with src's T rows");
+                  "prime_kernels.", op, ": route_to_pool must be a contiguous int32 [T, K] tensor with src's T rows");
   STD_TORCH_CHECK(route_to_pool.is_cuda() == src.is_cuda() && out.is_cuda() == src.is_cuda() &&
                       route_to_pool.get_device_index() == src.get_device_index() &&
                       out.get_device_index() == src.get_device_index(),
-                  "deep_gemm.", op, ": src, route_to_pool and out must be on one device");
+                  "prime_kernels.", op, ": src, route_to_pool and out must be on one device");
 }
 
 void dispatch_rows_cpu(Tensor src, Tensor route_to_pool, Tensor out) {
@@ -335,19 +335,19 @@ void dispatch_rows_cuda(Tensor src, Tensor route_to_pool, Tensor out) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Pool-row SwiGLU (CUDA; the CPU kernels are the Python reference in deep_gemm/mega/_grouped.py).
+// Pool-row SwiGLU (CUDA; the CPU kernels are the Python reference in prime_kernels/mega/_grouped.py).
 // ---------------------------------------------------------------------------------------------
 void check_rows_scalar(const Tensor& num_rows, const Tensor& like, const char* op) {
   STD_TORCH_CHECK(num_rows.scalar_type() == ScalarType::Int && num_rows.numel() == 1 && num_rows.is_cuda() &&
                       num_rows.get_device_index() == like.get_device_index(),
-                  "deep_gemm.", op, ": num_rows must be a one-element int32 tensor on the operands' device");
+                  "prime_kernels.", op, ": num_rows must be a one-element int32 tensor on the operands' device");
 }
 
 Tensor swiglu_fwd(Tensor h, Tensor num_rows, double clamp) {
   const char* op = "swiglu_fwd";
   check_bf16_cuda(h, op, "h", 2);
   check_rows_scalar(num_rows, h, op);
-  STD_TORCH_CHECK(h.size(1) % 2 == 0, "deep_gemm.", op, ": h must be [rows, 2I]");
+  STD_TORCH_CHECK(h.size(1) % 2 == 0, "prime_kernels.", op, ": h must be [rows, 2I]");
   const int64_t inter = h.size(1) / 2;
   torch::stable::accelerator::DeviceGuard guard(h.get_device_index());
   Tensor s = new_tensor(h, {h.size(0), inter}, ScalarType::BFloat16);
@@ -365,14 +365,14 @@ std::tuple<Tensor, Tensor, Tensor> swiglu_bwd(Tensor h, Tensor da, Tensor pool_s
   check_bf16_cuda(da, op, "da", 2);
   check_rows_scalar(num_rows, h, op);
   const int64_t inter = h.size(1) / 2;
-  STD_TORCH_CHECK(h.size(1) == 2 * inter && da.size(1) == inter && da.size(0) == h.size(0), "deep_gemm.", op,
+  STD_TORCH_CHECK(h.size(1) == 2 * inter && da.size(1) == inter && da.size(0) == h.size(0), "prime_kernels.", op,
                   ": h must be [rows, 2I] and da [rows, I]");
   STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.is_contiguous() &&
                       pool_src_route.numel() >= h.size(0) && pool_src_route.is_cuda(),
-                  "deep_gemm.", op, ": pool_src_route must be a contiguous CUDA int32 tensor with >= rows entries");
+                  "prime_kernels.", op, ": pool_src_route must be a contiguous CUDA int32 tensor with >= rows entries");
   STD_TORCH_CHECK(topk_weights.scalar_type() == ScalarType::Float && topk_weights.is_contiguous() &&
                       topk_weights.is_cuda(),
-                  "deep_gemm.", op, ": topk_weights must be a contiguous CUDA fp32 tensor");
+                  "prime_kernels.", op, ": topk_weights must be a contiguous CUDA fp32 tensor");
   torch::stable::accelerator::DeviceGuard guard(h.get_device_index());
   Tensor dh = new_tensor(h, {h.size(0), 2 * inter}, ScalarType::BFloat16);
   Tensor a = new_tensor(h, {h.size(0), inter}, ScalarType::BFloat16);
@@ -395,17 +395,17 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tens
   check_bf16_cuda(a, op, "a", 2);
   check_bf16_cuda(w13, op, "w13", 3);
   const int32_t num_groups = check_offsets(group_offsets, a, op);
-  STD_TORCH_CHECK(w13.size(0) == num_groups && w13.size(2) == a.size(1) && w13.size(1) % 2 == 0, "deep_gemm.", op,
+  STD_TORCH_CHECK(w13.size(0) == num_groups && w13.size(2) == a.size(1) && w13.size(1) % 2 == 0, "prime_kernels.", op,
                   ": w13 must be [num_groups, 2I, K] with K = a's columns");
   const int32_t* index = nullptr;
   if (a_row_index.has_value()) {
     const Tensor& t = *a_row_index;
     STD_TORCH_CHECK(t.scalar_type() == ScalarType::Int && t.dim() == 1 && t.is_contiguous() && t.size(0) >= m_total &&
                         t.is_cuda(),
-                    "deep_gemm.", op, ": a_row_index must be a contiguous CUDA int32 [>= m_total] tensor");
+                    "prime_kernels.", op, ": a_row_index must be a contiguous CUDA int32 [>= m_total] tensor");
     index = static_cast<const int32_t*>(t.data_ptr());
   } else {
-    STD_TORCH_CHECK(m_total <= a.size(0), "deep_gemm.", op, ": m_total exceeds a's rows");
+    STD_TORCH_CHECK(m_total <= a.size(0), "prime_kernels.", op, ": m_total exceeds a's rows");
   }
   const int64_t inter = w13.size(1) / 2;
   torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
@@ -436,17 +436,17 @@ std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool
   const int64_t m_total = dy_pool.size(0);
   const int64_t hidden = dy_pool.size(1);
   const int64_t inter = w2.size(2);
-  STD_TORCH_CHECK(w2.size(0) == num_groups && w2.size(1) == hidden && w2.stride(2) == 1, "deep_gemm.", op,
+  STD_TORCH_CHECK(w2.size(0) == num_groups && w2.size(1) == hidden && w2.stride(2) == 1, "prime_kernels.", op,
                   ": w2 must be [num_groups, H, I] (I contiguous) with H = dy's columns");
-  STD_TORCH_CHECK(inter % 64 == 0, "deep_gemm.", op, ": I (w2's last dim) must be a multiple of 64, got ", inter);
-  STD_TORCH_CHECK(h.size(0) >= m_total && h.size(1) == 2 * inter, "deep_gemm.", op,
+  STD_TORCH_CHECK(inter % 64 == 0, "prime_kernels.", op, ": I (w2's last dim) must be a multiple of 64, got ", inter);
+  STD_TORCH_CHECK(h.size(0) >= m_total && h.size(1) == 2 * inter, "prime_kernels.", op,
                   ": h must be [>= pool rows, 2I]");
   STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.is_contiguous() &&
                       pool_src_route.numel() >= m_total && pool_src_route.is_cuda(),
-                  "deep_gemm.", op, ": pool_src_route must be a contiguous CUDA int32 tensor with >= rows entries");
+                  "prime_kernels.", op, ": pool_src_route must be a contiguous CUDA int32 tensor with >= rows entries");
   STD_TORCH_CHECK(topk_weights.scalar_type() == ScalarType::Float && topk_weights.is_contiguous() &&
                       topk_weights.is_cuda(),
-                  "deep_gemm.", op, ": topk_weights must be a contiguous CUDA fp32 tensor");
+                  "prime_kernels.", op, ": topk_weights must be a contiguous CUDA fp32 tensor");
   torch::stable::accelerator::DeviceGuard guard(dy_pool.get_device_index());
   const int64_t n_blocks = (inter + 127) / 128;  // d topk_weights partials: one per 128 columns of I
   Tensor dh = new_tensor(dy_pool, {m_total, 2 * inter}, ScalarType::BFloat16);
@@ -480,22 +480,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
   check_bf16_cuda(x, op, "x", 2);
   check_bf16_cuda(w13, op, "w13", 3);
   check_bf16_cuda(w2, op, "w2", 3);
-  STD_TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "deep_gemm.", op, ": w13 and w2 must be contiguous");
+  STD_TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "prime_kernels.", op, ": w13 and w2 must be contiguous");
   const int32_t num_experts = check_offsets(expert_offsets, x, op);
   const int64_t hidden = x.size(1);
-  STD_TORCH_CHECK(w13.size(0) == num_experts && w13.size(2) == hidden && w13.size(1) % 2 == 0, "deep_gemm.", op,
+  STD_TORCH_CHECK(w13.size(0) == num_experts && w13.size(2) == hidden && w13.size(1) % 2 == 0, "prime_kernels.", op,
                   ": w13 must be [num_experts, 2I, hidden]");
   const int64_t inter = w13.size(1) / 2;
-  STD_TORCH_CHECK(w2.size(0) == num_experts && w2.size(1) == hidden && w2.size(2) == inter, "deep_gemm.", op,
+  STD_TORCH_CHECK(w2.size(0) == num_experts && w2.size(1) == hidden && w2.size(2) == inter, "prime_kernels.", op,
                   ": w2 must be [num_experts, hidden, I]");
   STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.dim() == 1 &&
                       pool_src_route.is_contiguous() && pool_src_route.is_cuda(),
-                  "deep_gemm.", op, ": pool_src_route must be a contiguous CUDA int32 [m_total] tensor");
-  STD_TORCH_CHECK(num_sms >= 0 && num_sms <= (int64_t(1) << 20), "deep_gemm.", op, ": num_sms = ", num_sms,
+                  "prime_kernels.", op, ": pool_src_route must be a contiguous CUDA int32 [m_total] tensor");
+  STD_TORCH_CHECK(num_sms >= 0 && num_sms <= (int64_t(1) << 20), "prime_kernels.", op, ": num_sms = ", num_sms,
                   ", must be >= 1 (or 0: every SM)");
   const int64_t m_total = pool_src_route.size(0);
   const int64_t num_tokens = x.size(0);
-  STD_TORCH_CHECK(num_tokens < (int64_t(1) << 28), "deep_gemm.", op, ": at most 2^28 - 1 tokens");
+  STD_TORCH_CHECK(num_tokens < (int64_t(1) << 28), "prime_kernels.", op, ": at most 2^28 - 1 tokens");
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   Tensor s = new_tensor(x, {m_total, inter}, ScalarType::BFloat16);
   Tensor h = new_tensor(x, {save_h ? m_total : 0, 2 * inter}, ScalarType::BFloat16);
@@ -504,12 +504,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
   // in o's memory until L2 overwrites them, and an empty [0, hidden] tensor is returned.
   Tensor x_pool = new_tensor(x, {keep_x_pool ? m_total : 0, hidden}, ScalarType::BFloat16);
   const bool combine = route_to_pool.has_value();
-  STD_TORCH_CHECK(combine || !topk_weights.has_value(), "deep_gemm.", op,
+  STD_TORCH_CHECK(combine || !topk_weights.has_value(), "prime_kernels.", op,
                   ": topk_weights is only used with route_to_pool");
   const float* weights = nullptr;
   if (combine) {
     const CombineInput in = check_combine_input(o, *route_to_pool, topk_weights);
-    STD_TORCH_CHECK(in.top_k == top_k && in.num_tokens == num_tokens && route_to_pool->is_cuda(), "deep_gemm.", op,
+    STD_TORCH_CHECK(in.top_k == top_k && in.num_tokens == num_tokens && route_to_pool->is_cuda(), "prime_kernels.", op,
                     ": route_to_pool must be a CUDA int32 [T, top_k] tensor (T = x.size(0))");
     weights = in.weights;
   }
@@ -539,7 +539,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY(deep_gemm, m) {
+STABLE_TORCH_LIBRARY(prime_kernels, m) {
   m.def(
       "routing_plan(Tensor topk_idx, int num_experts, int block_m, int rank=0, int capacity=-1) -> "
       "(Tensor expert_counts, Tensor expert_offsets, Tensor pool_src_route, Tensor pool_src_rank, "
@@ -564,13 +564,13 @@ STABLE_TORCH_LIBRARY(deep_gemm, m) {
   m.def("k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor(c!) c, int num_sms=0) -> ()");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CPU, m) {
+STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CPU, m) {
   m.impl("routing_plan", TORCH_BOX(&routing_plan_cpu));
   m.impl("combine", TORCH_BOX(&combine_cpu));
   m.impl("dispatch_rows_", TORCH_BOX(&dispatch_rows_cpu));
 }
 
-STABLE_TORCH_LIBRARY_IMPL(deep_gemm, CUDA, m) {
+STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("routing_plan", TORCH_BOX(&routing_plan_cuda));
   m.impl("m_grouped_bf16_gemm_nt", TORCH_BOX(&m_grouped_bf16_gemm_nt));
   m.impl("m_grouped_bf16_gemm_nn", TORCH_BOX(&m_grouped_bf16_gemm_nn));

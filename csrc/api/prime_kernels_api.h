@@ -1,0 +1,220 @@
+// The C ABI of the prime-kernels core (libprime_kernels_core.so).
+//
+// Every entry point takes raw pointers, sizes and a cudaStream_t, validates its arguments before
+// touching the device, and returns a status code. On failure the reason is kept in a thread-local
+// string (pk_last_error). Nothing here aborts or prints. No torch or Python types cross this line.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define PK_API __attribute__((visibility("default")))
+#else
+#define PK_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Status codes.
+enum {
+  PK_OK = 0,
+  PK_ERR_INVALID_ARGUMENT = 1,  // a bad shape, pointer, alignment or value: fix the call
+  PK_ERR_NOT_AVAILABLE = 2,     // no kernel for this device/arch in this build
+  PK_ERR_CUDA = 3,              // a CUDA runtime/driver call failed
+  PK_ERR_INTERNAL = 4,
+};
+
+// Bumped whenever a signature below changes; the Python loader refuses a mismatch.
+#define PK_ABI_VERSION 2
+PK_API int pk_abi_version(void);
+
+// The message of the last failed call on this thread ("" if none).
+PK_API const char* pk_last_error(void);
+
+// Comma-separated arches this library holds SASS for, e.g. "90a,100a".
+PK_API const char* pk_built_archs(void);
+
+// Comma-separated "kernel:arch" pairs compiled into this library, e.g. "routing_plan:90a,...".
+PK_API const char* pk_compiled_kernels(void);
+
+// Whether the library holds an image that runs on device `device_index` (0 = yes; otherwise an
+// error code and pk_last_error says why, e.g. "device sm_89 ... rebuild with ...").
+PK_API int pk_check_device(int device_index);
+
+// ---------------------------------------------------------------------------------------------
+// Routing plan. From topk_idx [num_tokens, top_k] (int32 or int64; -1 = masked route) builds the
+// expert-grouped pool: pool rows are in stable (expert, token, k) order, each expert's rows start
+// at expert_offsets[e], a multiple of block_m, and are padded up to a multiple of block_m.
+//
+// Outputs (all int32, device memory for the CUDA entry point, host memory for the CPU one):
+//   expert_counts  [num_experts]       routes per expert
+//   expert_offsets [num_experts + 1]   first pool row of each expert; [num_experts] = rows in use
+//   pool_src_route [pool_capacity]     token * top_k + k of each pool row, -1 for padding rows
+//   pool_src_rank  [pool_capacity]     source rank of each pool row (= `rank`), -1 for padding
+//   route_to_pool  [num_tokens, top_k] pool row of each route, -1 for masked routes
+//   num_invalid    [1]                 routes whose id is < -1 or >= num_experts (treated as masked)
+// pool_capacity must be >= pk_routing_plan_pool_capacity(num_tokens, top_k, num_experts, block_m).
+// The CUDA entry point needs `workspace` of pk_routing_plan_workspace_bytes(...) bytes.
+// ---------------------------------------------------------------------------------------------
+PK_API int64_t pk_routing_plan_pool_capacity(int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                                             int64_t block_m);
+PK_API int64_t pk_routing_plan_workspace_bytes(int64_t num_tokens, int64_t top_k, int64_t num_experts);
+
+PK_API int pk_routing_plan_cuda(const void* topk_idx, int topk_idx_is_int64, int64_t num_tokens,
+                                int64_t top_k, int64_t num_experts, int64_t block_m, int32_t rank,
+                                int32_t* expert_counts, int32_t* expert_offsets,
+                                int32_t* pool_src_route, int32_t* pool_src_rank, int64_t pool_capacity,
+                                int32_t* route_to_pool, int32_t* num_invalid, void* workspace,
+                                int64_t workspace_bytes, void* cuda_stream);
+
+PK_API int pk_routing_plan_cpu(const void* topk_idx, int topk_idx_is_int64, int64_t num_tokens,
+                               int64_t top_k, int64_t num_experts, int64_t block_m, int32_t rank,
+                               int32_t* expert_counts, int32_t* expert_offsets, int32_t* pool_src_route,
+                               int32_t* pool_src_rank, int64_t pool_capacity, int32_t* route_to_pool,
+                               int32_t* num_invalid);
+
+// ---------------------------------------------------------------------------------------------
+// sm90 BF16 grouped GEMMs (fp32 accumulation). Rows are grouped by a device int32 array
+// group_offsets [num_groups + 1] of cumulative row starts (no padding needed, empty groups allowed).
+// Strides are in elements; every base pointer 16-byte aligned; n, k (and m for k-grouped) multiples of 8.
+//
+// m-grouped:  D[r, :] = A[r, :] @ B_g^T for r in [group_offsets[g], group_offsets[g+1]).
+//   A bf16 [m_total, k] (row stride lda); D bf16 [m_total, n] (ldd); rows outside every group untouched.
+//   B bf16 per group at b + g * b_group_stride: b_k_major = 1: [n, k] (row stride ldb), "nt", x @ W^T;
+//   b_k_major = 0: [k, n] (row stride ldb), "nn", dy @ W, read MN-major (no transposed copy).
+// k-grouped:  C_g = A_g^T @ B_g with A_g, B_g the group's rows of A [p_total, m] and B [p_total, n].
+//   C [num_groups, m, n] contiguous: fp32 (store, or += when accumulate) or bf16 (store only).
+// group_offsets must satisfy 0 <= offsets[0] <= ... <= offsets[num_groups] <= m_total (p_total); rows before
+// offsets[0] belong to no group. num_sms: the most CTAs (one per SM) the kernel runs (0 = every SM); every value
+// gives the same bits (no CTA waits on another, so any subset of SMs makes progress).
+//
+// Device-side value checks (this block, the combine and dispatch, and the SwiGLU kernels below): values these ops
+// read from device memory are checked by the kernels, so no call synchronises. Offsets that break the rule above
+// make the GEMM write nothing; an index outside its range (a_row_index past A's rows, a route past the rows or
+// route weights it indexes; -1 is always a valid "masked") is treated as masked (a zero row, weight 0, a skipped
+// route). Either way the kernel records the finding in mapped pinned host memory, and the next call of any of these
+// entry points fails with PK_ERR_INVALID_ARGUMENT, saying what was found, before it launches anything (the finding
+// is then cleared). pk_device_check reports (and clears) findings on request: call it after synchronising the
+// stream to check a given call. It also reports a wait that timed out (PK_ERR_CUDA: the context is lost).
+// ---------------------------------------------------------------------------------------------
+PK_API int pk_device_check(void);
+
+PK_API int pk_m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int b_k_major, int64_t ldb,
+                                  int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
+                                  int num_groups, int64_t m_total, int64_t n, int64_t k, int num_sms,
+                                  void* cuda_stream);
+
+// m-grouped with A gathered: pool row r reads row a_row_index[r] of A [a_rows, k] (-1 reads zeros; another index
+// outside [0, a_rows) reads zeros too and is a device finding), so a token gather needs no materialised copy. D is
+// [m_total, n].
+PK_API int pk_m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows,
+                                           const int32_t* a_row_index, const void* b, int b_k_major,
+                                           int64_t ldb, int64_t b_group_stride, void* d, int64_t ldd,
+                                           const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                           int64_t n, int64_t k, int num_sms, void* cuda_stream);
+
+// L1 with the SwiGLU epilogue: for the rows of group g (A read through a_row_index when non-null),
+// gate|up = A @ w13[g]^T in fp32 (w13 [num_groups, 2I, k], natural layout: gate rows then up rows),
+// s = bf16(silu(min(gate, c)) * clamp(up, -c, c)) [m_total, I], and h = bf16(gate|up) [m_total, 2I]
+// when h is non-null. I a multiple of 64; clamp 0 = none.
+PK_API int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
+                                         const void* w13, int64_t ldb, int64_t b_group_stride,
+                                         int64_t intermediate, void* s, int64_t lds, void* h, int64_t ldh,
+                                         const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                         int64_t k, float clamp, int num_sms, void* cuda_stream);
+
+// L2 dgrad with the SwiGLU backward in its epilogue: per group g, da = dy_pool @ w2[g] (w2 [num_groups,
+// hidden, I], read MN-major) stays in registers; with h the saved gate | up [m_total, 2I] and w =
+// route_weights[pool_src_route[row]] (route_weights has num_routes entries; route -1 = padding, weight 0), writes
+// dh [m_total, 2I], aw = w * s [m_total, I] (bf16) and dt_part [m_total, dt_ld >= ceil(I / 128)] (fp32 partials
+// of d topk_weights; their sum in column order is the row's d weight). Rows outside every group are not
+// written. I a multiple of 64, hidden a multiple of 8; clamp 0 = none.
+PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb,
+                                             int64_t b_group_stride, const void* h, int64_t ldh,
+                                             const int32_t* pool_src_route, const float* route_weights,
+                                             int64_t num_routes, void* dh, int64_t lddh, void* aw, int64_t ldaw,
+                                             float* dt_part, int64_t dt_ld, const int32_t* group_offsets,
+                                             int num_groups, int64_t m_total, int64_t intermediate, int64_t hidden,
+                                             float clamp, int num_sms, void* cuda_stream);
+
+// ---------------------------------------------------------------------------------------------
+// Fused Mega MoE forward (sm90, BF16): dispatch of the token rows into the pool, L1 with SwiGLU and L2 in one
+// persistent kernel (csrc/sm90/mega_moe.hpp has the full contract; the combine is pk_combine_bf16_cuda).
+// counters: device int32 scratch of pk_mega_moe_fwd_counter_count(m_total, num_experts) entries (zeroed by the call
+// itself). num_sms: CTAs (one per SM; 0 = every SM), any value gives the same bits. Invalid plan values found on
+// the device (expert_offsets not a plan, routes past num_tokens * top_k) are not read and are reported by the
+// next call into the library (PK_ERR_INVALID_ARGUMENT).
+// ---------------------------------------------------------------------------------------------
+PK_API int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts);
+PK_API int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x,
+                                const int32_t* pool_src_route, const int32_t* pool_src_rank, int top_k,
+                                const int32_t* expert_offsets, int num_experts, int64_t m_total, int64_t hidden,
+                                int64_t inter, const void* w13, const void* w2, void* x_pool, void* s, void* h,
+                                void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
+                                int32_t* counters, int num_sms, void* cuda_stream);
+
+// ---------------------------------------------------------------------------------------------
+// Bounded waits (csrc/common/watchdog.cuh). A kernel wait on another CTA that lasts longer than the timeout
+// (default 5 s) records what it waited for in host-mapped memory and traps; the CUDA context is then lost, and
+// every later call into the library fails with that record as its message (pk_device_check too).
+// ---------------------------------------------------------------------------------------------
+PK_API int pk_set_wait_timeout(double seconds);  // (0, 3600]
+PK_API double pk_get_wait_timeout(void);
+// Launches one CTA that waits, with the given timeout, on a counter nothing releases: it times out on purpose
+// (tests of the path above). The CUDA context is lost afterwards.
+PK_API int pk_wait_timeout_probe(double timeout_s, void* cuda_stream);
+
+PK_API int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c,
+                                  int c_is_bf16, int accumulate, const int32_t* group_offsets,
+                                  int num_groups, int64_t p_total, int64_t m, int64_t n, int num_sms,
+                                  void* cuda_stream);
+
+// ---------------------------------------------------------------------------------------------
+// Combine: out[t] = bf16( sum over k = 0..top_k-1, in order, of w[t,k] * slots[route_to_pool[t,k]] )
+// in fp32 (w = 1 when weights is null); routes with row -1 are skipped, an all-masked token gets 0.
+// slots bf16 [num_slot_rows, >= hidden] (row stride ld_slots), out bf16 [num_tokens, >= hidden] (ld_out);
+// hidden, ld_slots and ld_out multiples of 8; slots and out 16-byte aligned. A route outside
+// [-1, num_slot_rows) is skipped and is a device finding (CUDA; see the grouped GEMMs' block) or fails the call
+// before anything is written (CPU).
+// ---------------------------------------------------------------------------------------------
+PK_API int pk_combine_bf16_cuda(const void* slots, int64_t ld_slots, int64_t num_slot_rows,
+                                const int32_t* route_to_pool, const float* weights, int64_t num_tokens,
+                                int64_t top_k, int64_t hidden, void* out, int64_t ld_out, void* cuda_stream);
+PK_API int pk_combine_bf16_cpu(const void* slots, int64_t ld_slots, int64_t num_slot_rows,
+                               const int32_t* route_to_pool, const float* weights, int64_t num_tokens,
+                               int64_t top_k, int64_t hidden, void* out, int64_t ld_out);
+
+// Dispatch, the combine's transpose: out[route_to_pool[t,k]] = src[t] (bf16 rows copied as they are) for every
+// route; routes of -1 write nothing, and rows no route names keep their contents. A route outside [-1, num_rows)
+// writes nothing and is a device finding (CUDA) or fails the call before anything is written (CPU). src bf16 [num_tokens, >= hidden] (ld_src), out bf16 [num_rows, >= hidden] (ld_out); hidden, ld_src
+// and ld_out multiples of 8; src and out 16-byte aligned.
+PK_API int pk_dispatch_rows_bf16_cuda(const void* src, int64_t ld_src, const int32_t* route_to_pool,
+                                      int64_t num_tokens, int64_t top_k, int64_t hidden, void* out, int64_t ld_out,
+                                      int64_t num_rows, void* cuda_stream);
+PK_API int pk_dispatch_rows_bf16_cpu(const void* src, int64_t ld_src, const int32_t* route_to_pool,
+                                     int64_t num_tokens, int64_t top_k, int64_t hidden, void* out, int64_t ld_out,
+                                     int64_t num_rows);
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU over pool rows (the grouped pipeline's epilogues). Rows below *num_rows (device int32)
+// only; I, the row strides multiples of 8; pointers 16-byte aligned. clamp < 0 means no clamp.
+//   fwd: s = bf16(silu(min(g, c)) * clamp(u, -c, c))            h [rows, 2I] = gate | up
+//   bwd: with w = topk_weights[pool_src_route[r]] (topk_weights has num_routes entries; route -1: w = 0; a route
+//        outside [-1, num_routes) also gets w = 0 and is a device finding): dt[r] = sum da*s; dh = bf16(SwiGLU
+//        backward of w*da); a = bf16(w*s)                        (prime_kernels.mega.reference B3-B6, B9)
+// *num_rows is clamped to [0, max_rows].
+// ---------------------------------------------------------------------------------------------
+PK_API int pk_swiglu_fwd_bf16_cuda(const void* h, int64_t ld_h, void* s, int64_t ld_s, int64_t inter,
+                                   const int32_t* num_rows, int64_t max_rows, float clamp, void* cuda_stream);
+PK_API int pk_swiglu_bwd_bf16_cuda(const void* h, int64_t ld_h, const void* da, int64_t ld_da,
+                                   const int32_t* pool_src_route, const float* topk_weights, int64_t num_routes,
+                                   int64_t inter,
+                                   const int32_t* num_rows, int64_t max_rows, float clamp, void* dh,
+                                   int64_t ld_dh, void* a, int64_t ld_a, float* dt, void* cuda_stream);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif

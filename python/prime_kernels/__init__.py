@@ -1,0 +1,54 @@
+"""prime-kernels: fused Mixture-of-Experts training kernels for NVIDIA Hopper and Blackwell.
+
+``prime_kernels.status()`` says, for every kernel x precision x arch, "available" or why not. The import
+name clashes with nothing upstream DeepGEMM ships, so both can be installed in one environment; the
+``prime-kernels`` distribution adds a ``deep_gemm`` package that re-exports this one for existing call sites.
+"""
+
+from __future__ import annotations
+
+from . import _lib
+from ._status import status
+
+try:
+    from ._build_info import build_date, cuda_archs, git_sha, nvcc_version, version as __version__
+except ImportError:  # running from a source tree that was never built
+    __version__ = "0.0.0+unbuilt"
+    cuda_archs, nvcc_version, git_sha, build_date = (), "", "", ""
+
+
+def build_info() -> dict[str, object]:
+    """Arches, nvcc version, git sha and build date of this build."""
+    return {"version": __version__, "cuda_archs": cuda_archs, "nvcc_version": nvcc_version,
+            "git_sha": git_sha, "build_date": build_date}
+
+
+if _lib.load().shim_loaded:
+    from . import routing as routing  # noqa: E402
+
+    routing._register_fake()
+    from . import grouped_gemm as _grouped_gemm  # noqa: E402
+
+    _grouped_gemm._register()
+    from . import combine as _combine  # noqa: E402
+
+    _combine._register()
+    from . import swiglu as _swiglu  # noqa: E402
+
+    _swiglu._register()
+from .grouped_gemm import (  # noqa: E402
+    k_grouped_bf16_gemm_tn,
+    m_grouped_bf16_gemm_nn,
+    m_grouped_bf16_gemm_nt,
+)
+from .combine import combine, dispatch_rows  # noqa: E402
+from .routing import RoutingPlan, pool_capacity, routing_plan, routing_plan_reference  # noqa: E402
+
+from . import _watchdog  # noqa: E402
+from ._watchdog import check_device_errors, set_wait_timeout, wait_timeout  # noqa: E402
+from . import mega  # noqa: E402
+from .mega import *  # noqa: E402,F401,F403  (upstream's top-level names: bf16_mega_moe, ...)
+
+__all__ = list(mega.__all__) + ["status", "build_info", "__version__", "RoutingPlan", "routing_plan", "routing_plan_reference",
+           "pool_capacity", "combine", "dispatch_rows", "m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "k_grouped_bf16_gemm_tn",
+           "set_wait_timeout", "wait_timeout", "check_device_errors"]

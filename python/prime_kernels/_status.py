@@ -1,0 +1,160 @@
+"""The kernel registry: for every kernel x precision x arch, "available" or the exact reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _lib
+
+AVAILABLE = "available"
+
+# Which built arch values run on which compute capability ("a" targets: that exact one; "f": the family).
+_ARCH_RUNS_ON = {"90a": {(9, 0)}, "100a": {(10, 0)}, "103a": {(10, 3)}, "100f": {(10, 0), (10, 3)}}
+_FAMILY_ARCHS = {"sm90": ("90a",), "sm100": ("100a", "103a", "100f")}
+_SUGGESTED = {(9, 0): "90a", (10, 0): "100a", (10, 3): "103a"}
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    key: str          # "<kernel>.<precision>.<arch family>", the status() key
+    compiled_as: str  # name in pk_compiled_kernels(), or "" when not implemented
+    family: str       # "sm90" or "sm100"
+    missing: str = ""  # non-empty: the kernel is not written yet, and why/where it is tracked
+
+
+def _entries() -> list[KernelEntry]:
+    e: list[KernelEntry] = []
+    for fam in ("sm90", "sm100"):
+        e.append(KernelEntry(f"routing_plan.int32.{fam}", "routing_plan", fam))
+        e.append(KernelEntry(f"combine.bf16.{fam}", "combine", fam))
+        e.append(KernelEntry(f"dispatch_rows.bf16.{fam}", "dispatch_rows", fam))
+        e.append(KernelEntry(f"swiglu.bf16.{fam}", "swiglu", fam))
+    for name in ("m_grouped_gemm_nt", "m_grouped_gemm_nn", "m_grouped_gemm_nt_gather", "m_grouped_gemm_swiglu",
+                 "m_grouped_gemm_swiglu_bwd", "k_grouped_gemm_tn"):
+        compiled = name.replace("_gemm_", "_bf16_gemm_")
+        e.append(KernelEntry(f"{name}.bf16.sm90", compiled, "sm90"))
+    # The single-rank pipeline of our grouped GEMMs (prime_kernels.mega backend="grouped").
+    e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
+    todo = "not implemented yet"
+    e += [
+        KernelEntry("mega_moe.bf16.sm90", "mega_moe_fwd_bf16", "sm90"),
+        KernelEntry("mega_moe_backward.bf16.sm90", "", "sm90", f"{todo}: the backward runs as the grouped pipeline of our kernels"),
+        KernelEntry("mega_moe.fp8.sm90", "", "sm90", f"{todo} (fp8 precision)"),
+        KernelEntry("mega_moe.fp8_bwd.sm90", "", "sm90", f"{todo} (fp8_bwd precision)"),
+        KernelEntry("mega_moe.bf16.sm100", "", "sm100", f"{todo} (Blackwell)"),
+        KernelEntry("mega_moe.mxfp8.sm100", "", "sm100", f"{todo} (Blackwell mxfp8)"),
+    ]
+    return e
+
+
+KERNELS: dict[str, KernelEntry] = {k.key: k for k in _entries()}
+
+
+def _device_capability() -> tuple[int, int] | None:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.get_device_capability()
+    except Exception:
+        return None
+
+
+def _current_cuda_device() -> int | None:
+    """The current CUDA device once CUDA is initialised, else None."""
+    try:
+        import torch
+
+        return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    except Exception:
+        return None
+
+
+# (key, CUDA device) -> reason. Answers are remembered once CUDA is up (the build and the device cannot
+# change within the process then): reason() is on every op's launch path, and status() on every
+# prime_kernels.mega call's. Before that, and on CPU-only machines, each call asks afresh.
+_answers: dict = {}
+
+
+def reason(key: str) -> str:
+    """"available", or why kernel `key` cannot run here."""
+    dev = _current_cuda_device()
+    if dev is not None and (key, dev) in _answers:
+        return _answers[(key, dev)]
+    why = _reason(key)
+    if dev is not None:
+        _answers[(key, dev)] = why
+    return why
+
+
+def _reason(key: str) -> str:
+    entry = KERNELS.get(key)
+    if entry is None:
+        raise KeyError(f"unknown kernel {key!r}; known: {', '.join(sorted(KERNELS))}")
+    res = _lib.load()
+    if res.reason is not None:
+        return res.reason
+    if entry.missing:
+        return entry.missing
+    built = [a for a in _FAMILY_ARCHS[entry.family] if (entry.compiled_as, a) in _lib.compiled_kernels()]
+    if not built:
+        hint = "90a" if entry.family == "sm90" else "100a"
+        if any(a in _lib.built_archs() for a in _FAMILY_ARCHS[entry.family]):
+            return f"not compiled into this build of {entry.family} (its sources were not part of it)"
+        return (f"not built for {entry.family} (this build has {','.join(_lib.built_archs()) or 'no arches'}): "
+                f"rebuild with PRIME_KERNELS_CUDA_ARCHS={hint}")
+    cc = _device_capability()
+    if cc is None:
+        return "no CUDA device"
+    if any(cc in _ARCH_RUNS_ON[a] for a in built):
+        return AVAILABLE
+    want = _SUGGESTED.get(cc)
+    if want is None or (want == "90a") != (entry.family == "sm90"):
+        return f"device sm_{cc[0]}{cc[1]} cannot run this {entry.family} kernel"
+    return f"device sm_{cc[0]}{cc[1]} needs a rebuild with PRIME_KERNELS_CUDA_ARCHS={want}"
+
+
+# CUDA device -> the whole status() answer, once CUDA is up (as _answers): prime_kernels.mega resolves its backend
+# through status() two or three times per layer call, and asking reason() per key costs ~20 device queries each.
+_status_by_device: dict = {}
+
+
+def status() -> dict[str, str]:
+    """Every kernel x precision x arch: "available" or the exact reason it is not."""
+    dev = _current_cuda_device()
+    answer = _status_by_device.get(dev) if dev is not None else None
+    if answer is None:
+        answer = {key: reason(key) for key in KERNELS}
+        if dev is not None:
+            _status_by_device[dev] = answer
+    return dict(answer)
+
+
+def require(key: str) -> None:
+    """Raise RuntimeError with the status() reason unless kernel `key` can run here."""
+    why = reason(key)
+    if why != AVAILABLE:
+        raise RuntimeError(f"prime_kernels: {key} is not available: {why}")
+
+
+def require_on(device, key_stem: str, op: str) -> None:
+    """The check before an op that runs on CUDA and on the CPU: on CUDA, ``require`` of ``<key_stem>.<family of
+    the tensor's device>`` (sm90 when the family is unknown); on the CPU, the shim must be loaded."""
+    if device.type == "cuda":
+        require(f"{key_stem}.{family_of_device(device.index) or 'sm90'}")
+        return
+    res = _lib.load()
+    if not res.shim_loaded:
+        raise RuntimeError(f"prime_kernels: {op} is not available: {res.reason}")
+
+
+def family_of_device(device_index: int | None = None) -> str | None:
+    """'sm90' / 'sm100' for the current (or given) CUDA device, None otherwise."""
+    try:
+        import torch
+
+        cc = torch.cuda.get_device_capability(device_index)
+    except Exception:
+        return None
+    return {9: "sm90", 10: "sm100"}.get(cc[0])

@@ -1,0 +1,268 @@
+"""BF16 grouped GEMMs (sm90 wgmma kernels on CUDA; a float32-accumulating reference on the CPU).
+
+Rows are grouped by ``group_offsets`` (int32 [E + 1], cumulative row starts, last entry = rows used;
+no padding needed, empty groups allowed).
+
+- ``m_grouped_bf16_gemm_nt(a [M, K], b [E, N, K], offs) -> [M, N]``: row r of group g is a[r] @ b[g]^T
+  (the forward passes, weights in their natural [out, in] layout).
+- ``m_grouped_bf16_gemm_nn(a [M, K], b [E, K, N], offs) -> [M, N]``: a[r] @ b[g] (the dgrad passes:
+  the same weights read MN-major, no transposed copy).
+- ``k_grouped_bf16_gemm_tn(a [P, M], b [P, N], offs) -> [E, M, N]``: a_g^T @ b_g over each group's rows
+  (the weight gradients), fp32 or bf16 out, or accumulated into a given fp32 buffer.
+
+Rows of the m-grouped output that lie outside every group are left unspecified.
+
+``group_offsets`` must satisfy 0 <= offs[0] <= ... <= offs[E] <= rows. Index arrays (``a_row_index``,
+``pool_src_route``) hold -1 (masked) or an index in range. On CUDA these values are checked by the kernels
+themselves (no host synchronisation): bad offsets make the GEMM write nothing, an out-of-range index is read as
+masked, and the finding is raised as a RuntimeError by the next call into the library, or by
+:func:`prime_kernels.check_device_errors` (call it after synchronising to check the calls before). On the CPU they raise at once.
+
+``num_sms`` (every op): the most SMs the kernel may use (None: all of them), for leaving SMs to other work;
+every value gives the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from . import _lib, _status
+from .swiglu import _parts as swiglu_parts
+from .swiglu import swiglu_bwd_reference
+
+__all__ = ["m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "m_grouped_bf16_gemm_swiglu", "k_grouped_bf16_gemm_tn",
+           "m_grouped_gemm_reference", "k_grouped_gemm_reference"]
+
+_KEYS = {"m_grouped_bf16_gemm_nt": "m_grouped_gemm_nt.bf16.sm90",
+         "m_grouped_bf16_gemm_nn": "m_grouped_gemm_nn.bf16.sm90",
+         "m_grouped_bf16_gemm_nt_gather": "m_grouped_gemm_nt_gather.bf16.sm90",
+         "m_grouped_bf16_gemm_swiglu": "m_grouped_gemm_swiglu.bf16.sm90",
+         "m_grouped_bf16_gemm_swiglu_bwd": "m_grouped_gemm_swiglu_bwd.bf16.sm90",
+         "k_grouped_bf16_gemm_tn": "k_grouped_gemm_tn.bf16.sm90",
+         "k_grouped_bf16_gemm_tn_accumulate_": "k_grouped_gemm_tn.bf16.sm90"}
+
+
+def _ready(op: str, device: torch.device) -> None:
+    if device.type == "cuda":
+        _status.require(_KEYS[op])
+    elif not _lib.load().shim_loaded:
+        raise RuntimeError(f"prime_kernels: {op} is not available: {_lib.load().reason}")
+
+
+def _sms(num_sms: int | None) -> int:
+    if num_sms is None:
+        return 0
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
+        raise ValueError(f"num_sms must be a positive int or None (every SM), got {num_sms!r}")
+    return num_sms
+
+
+def check_offsets_cpu(offs: torch.Tensor, rows: int) -> None:
+    """The kernels' rule for group_offsets, on a CPU tensor: 0 <= offs[0] <= ... <= offs[-1] <= rows."""
+    o = offs.to(torch.int64)
+    if o.numel() and (bool((o[1:] < o[:-1]).any()) or int(o[0]) < 0 or int(o[-1]) > rows):
+        raise RuntimeError(f"group_offsets must be non-decreasing within [0, {rows}], got {offs.tolist()}")
+
+
+def check_index_cpu(idx: torch.Tensor, bound: int, name: str) -> None:
+    """-1 or [0, bound) for every entry of a CPU index tensor."""
+    bad = (idx < -1) | (idx >= bound)
+    if bool(bad.any()):
+        raise RuntimeError(f"{name} holds {int(idx[bad][0])}, outside [-1, {bound})")
+
+
+def m_grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, b_k_major: bool,
+                             acc_dtype: torch.dtype = torch.float32, round_output: bool = True) -> torch.Tensor:
+    """Per-group matmul in ``acc_dtype``, rounded to a's dtype (unless float64 or ``round_output`` is
+    False); rows outside every group are zero."""
+    offs = group_offsets.tolist()
+    out = torch.zeros(a.shape[0], b.shape[1] if b_k_major else b.shape[2], dtype=acc_dtype, device=a.device)
+    for g in range(len(offs) - 1):
+        lo, hi = offs[g], offs[g + 1]
+        if hi > lo:
+            w = b[g].to(acc_dtype)
+            out[lo:hi] = a[lo:hi].to(acc_dtype) @ (w.t() if b_k_major else w)
+    return out.to(a.dtype) if (acc_dtype != torch.float64 and round_output) else out
+
+
+def k_grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor,
+                             acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    offs = group_offsets.tolist()
+    out = torch.zeros(len(offs) - 1, a.shape[1], b.shape[1], dtype=acc_dtype, device=a.device)
+    for g in range(len(offs) - 1):
+        lo, hi = offs[g], offs[g + 1]
+        if hi > lo:
+            out[g] = a[lo:hi].to(acc_dtype).t() @ b[lo:hi].to(acc_dtype)
+    return out
+
+
+def m_grouped_bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
+                           a_row_index: torch.Tensor | None = None, m_total: int | None = None,
+                           num_sms: int | None = None) -> torch.Tensor:
+    """With ``a_row_index`` (int32 [>= m_total]), output row r is a[a_row_index[r]] @ b[g]^T (-1 reads a zero
+    row): a token gather without a materialised copy."""
+    sms = _sms(num_sms)
+    if a_row_index is None:
+        _ready("m_grouped_bf16_gemm_nt", a.device)
+        return torch.ops.prime_kernels.m_grouped_bf16_gemm_nt(a, b, group_offsets, sms)
+    _ready("m_grouped_bf16_gemm_nt_gather", a.device)
+    m_total = a_row_index.shape[0] if m_total is None else m_total
+    return torch.ops.prime_kernels.m_grouped_bf16_gemm_nt_gather(a, b, group_offsets, a_row_index, m_total, sms)
+
+
+def m_grouped_bf16_gemm_nn(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
+                           num_sms: int | None = None) -> torch.Tensor:
+    sms = _sms(num_sms)
+    _ready("m_grouped_bf16_gemm_nn", a.device)
+    return torch.ops.prime_kernels.m_grouped_bf16_gemm_nn(a, b, group_offsets, sms)
+
+
+def m_grouped_bf16_gemm_swiglu(a: torch.Tensor, w13: torch.Tensor, group_offsets: torch.Tensor, *,
+                               a_row_index: torch.Tensor | None = None, m_total: int | None = None,
+                               save_h: bool = False, clamp: float | None = None, num_sms: int | None = None):
+    """L1 with the SwiGLU epilogue. w13 [E, 2I, K] in its natural layout (gate rows, then up rows).
+    Returns (s [m_total, I], h [m_total, 2I] or [0, 2I]): h = bf16(g|u) from the fp32 accumulators (returned
+    when ``save_h``), and s = bf16(silu(min(g~, c)) * clamp(u~, -c, c)) on those bf16 values g~, u~ in fp32
+    (the reference's F3: s is the rounding of what the backward differentiates)."""
+    sms = _sms(num_sms)
+    _ready("m_grouped_bf16_gemm_swiglu", a.device)
+    if m_total is None:
+        m_total = a_row_index.shape[0] if a_row_index is not None else a.shape[0]
+    if clamp is not None and clamp <= 0:
+        raise ValueError(f"clamp must be > 0 (or None), got {clamp}")
+    return torch.ops.prime_kernels.m_grouped_bf16_gemm_swiglu(a, w13, group_offsets, a_row_index, m_total, save_h,
+                                                          0.0 if clamp is None else float(clamp), sms)
+
+
+def m_grouped_bf16_gemm_swiglu_bwd(dy_pool: torch.Tensor, w2: torch.Tensor, group_offsets: torch.Tensor,
+                                   h: torch.Tensor, pool_src_route: torch.Tensor, topk_weights: torch.Tensor, *,
+                                   clamp: float | None = None, num_sms: int | None = None):
+    """L2 dgrad with the SwiGLU backward in its epilogue (the fp32 da = dy_pool @ w2_g never goes to
+    memory). w2 [E, H, I] (I a multiple of 64), h [>= M, 2I] the saved gate | up, pool_src_route [>= M] route
+    ids (-1: padding), topk_weights [T, K] fp32 (indexed by route id, so every id must be < T * K). Returns
+    (dh [M, 2I], w * s [M, I], dt_part [M, ceil(I / 128)] fp32): the row's d topk_weight is dt_part's row summed
+    left to right. Rows outside every group are not written in dh and w * s, and are zeros in dt_part."""
+    if clamp is not None and clamp <= 0:
+        raise ValueError(f"clamp must be > 0 (or None), got {clamp}")
+    sms = _sms(num_sms)
+    _ready("m_grouped_bf16_gemm_swiglu_bwd", dy_pool.device)
+    return torch.ops.prime_kernels.m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, group_offsets, h, pool_src_route,
+                                                              topk_weights.reshape(-1),
+                                                              0.0 if clamp is None else float(clamp), sms)
+
+
+def k_grouped_bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
+                           out_dtype: torch.dtype = torch.float32,
+                           accumulate_into: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
+    """C_g = a_g^T @ b_g. With ``accumulate_into`` (fp32 [E, M, N]) adds into it and returns it."""
+    sms = _sms(num_sms)
+    if accumulate_into is not None:
+        _ready("k_grouped_bf16_gemm_tn_accumulate_", a.device)
+        torch.ops.prime_kernels.k_grouped_bf16_gemm_tn_accumulate_(a, b, group_offsets, accumulate_into, sms)
+        return accumulate_into
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    _ready("k_grouped_bf16_gemm_tn", a.device)
+    return torch.ops.prime_kernels.k_grouped_bf16_gemm_tn(a, b, group_offsets, out_dtype == torch.float32, sms)
+
+
+def _register() -> None:
+    """CPU kernels (the reference) and fake kernels, so opcheck and torch.compile run anywhere."""
+    lib = "prime_kernels::"
+
+    def _check_cpu(a, b, offs, rows):
+        if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+            raise TypeError("prime_kernels grouped GEMMs take bfloat16 operands")
+        if offs.dtype != torch.int32 or offs.dim() != 1:
+            raise TypeError("group_offsets must be a 1-D int32 tensor [num_groups + 1]")
+        check_offsets_cpu(offs, rows)
+
+    for name, k_major in (("m_grouped_bf16_gemm_nt", True), ("m_grouped_bf16_gemm_nn", False)):
+        def cpu(a, b, group_offsets, num_sms=0, _k_major=k_major):
+            _check_cpu(a, b, group_offsets, a.shape[0])
+            return m_grouped_gemm_reference(a, b, group_offsets, _k_major)
+
+        def fake(a, b, group_offsets, num_sms=0, _k_major=k_major):
+            return a.new_empty(a.shape[0], b.shape[1] if _k_major else b.shape[2])
+
+        torch.library.register_kernel(lib + name, "cpu", cpu)
+        torch.library.register_fake(lib + name, fake)
+
+    def gather_rows(a, a_row_index, m_total):
+        check_index_cpu(a_row_index[:m_total], a.shape[0], "a_row_index")
+        idx = a_row_index[:m_total].long()
+        ok = (idx >= 0) & (idx < a.shape[0])
+        rows = a[idx.clamp(0, max(a.shape[0] - 1, 0))] if a.shape[0] else a.new_zeros(m_total, a.shape[1])
+        return torch.where(ok[:, None], rows, torch.zeros((), dtype=a.dtype))
+
+    def gather_cpu(a, b, group_offsets, a_row_index, m_total, num_sms=0):
+        _check_cpu(a, b, group_offsets, m_total)
+        return m_grouped_gemm_reference(gather_rows(a, a_row_index, m_total), b, group_offsets, True)
+
+    def gather_fake(a, b, group_offsets, a_row_index, m_total, num_sms=0):
+        return a.new_empty(m_total, b.shape[1])
+
+    def swiglu_cpu(a, w13, group_offsets, a_row_index, m_total, save_h, clamp=0.0, num_sms=0):
+        _check_cpu(a, w13, group_offsets, m_total)
+        rows = gather_rows(a, a_row_index, m_total) if a_row_index is not None else a[:m_total]
+        h = m_grouped_gemm_reference(rows, w13, group_offsets, True, torch.float32, round_output=False)
+        I = w13.shape[1] // 2
+        hb = h.to(a.dtype)  # SwiGLU on h rounded as it is saved (reference F3)
+        g, u = hb[:, :I].float(), hb[:, I:].float()
+        if clamp > 0:
+            g, u = torch.clamp(g, max=clamp), torch.clamp(u, min=-clamp, max=clamp)
+        s = (torch.nn.functional.silu(g) * u).to(a.dtype)
+        return s, (hb if save_h else a.new_empty(0, 2 * I))
+
+    def swiglu_fake(a, w13, group_offsets, a_row_index, m_total, save_h, clamp=0.0, num_sms=0):
+        I = w13.shape[1] // 2
+        return a.new_empty(m_total, I), a.new_empty(m_total if save_h else 0, 2 * I)
+
+    def swiglu_bwd_cpu(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp=0.0, num_sms=0):
+        # the pool-row kernel's reference on the unrounded da, plus the per-128-column d weight partials
+        _check_cpu(dy_pool, w2, group_offsets, dy_pool.shape[0])
+        M, I = dy_pool.shape[0], w2.shape[2]
+        nb = (I + 127) // 128
+        da = m_grouped_gemm_reference(dy_pool, w2, group_offsets, False, torch.float32, round_output=False)
+        ref_clamp = clamp if clamp > 0 else -1.0  # the pool-row kernel's convention: < 0 = none
+        dh, aw, _ = swiglu_bwd_reference(h[:M], da, pool_src_route, topk_weights, torch.tensor([M]), ref_clamp)
+        _, _, gc, uc = swiglu_parts(h[:M], ref_clamp)
+        prod = torch.nn.functional.pad(da * F.silu(gc) * uc, (0, nb * 128 - I)).view(M, nb, 128).sum(-1)
+        dt_part = torch.where(pool_src_route[:M, None] >= 0, prod, torch.zeros(()))
+        return dh, aw, dt_part
+
+    def swiglu_bwd_fake(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp=0.0, num_sms=0):
+        M, I = dy_pool.shape[0], w2.shape[2]
+        return (dy_pool.new_empty(M, 2 * I), dy_pool.new_empty(M, I),
+                dy_pool.new_empty(M, (I + 127) // 128, dtype=torch.float32))
+
+    torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu_bwd", "cpu", swiglu_bwd_cpu)
+    torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu_bwd", swiglu_bwd_fake)
+    torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu", "cpu", swiglu_cpu)
+    torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu", swiglu_fake)
+    torch.library.register_kernel(lib + "m_grouped_bf16_gemm_nt_gather", "cpu", gather_cpu)
+    torch.library.register_fake(lib + "m_grouped_bf16_gemm_nt_gather", gather_fake)
+
+    def k_cpu(a, b, group_offsets, out_fp32=True, num_sms=0):
+        _check_cpu(a, b, group_offsets, a.shape[0])
+        out = k_grouped_gemm_reference(a, b, group_offsets)
+        return out if out_fp32 else out.to(torch.bfloat16)
+
+    def k_fake(a, b, group_offsets, out_fp32=True, num_sms=0):
+        return a.new_empty(group_offsets.shape[0] - 1, a.shape[1], b.shape[1],
+                           dtype=torch.float32 if out_fp32 else torch.bfloat16)
+
+    def k_acc_cpu(a, b, group_offsets, c, num_sms=0):
+        _check_cpu(a, b, group_offsets, a.shape[0])
+        c.add_(k_grouped_gemm_reference(a, b, group_offsets))
+
+    def k_acc_fake(a, b, group_offsets, c, num_sms=0):
+        return None
+
+    torch.library.register_kernel(lib + "k_grouped_bf16_gemm_tn", "cpu", k_cpu)
+    torch.library.register_fake(lib + "k_grouped_bf16_gemm_tn", k_fake)
+    torch.library.register_kernel(lib + "k_grouped_bf16_gemm_tn_accumulate_", "cpu", k_acc_cpu)
+    torch.library.register_fake(lib + "k_grouped_bf16_gemm_tn_accumulate_", k_acc_fake)

@@ -1,0 +1,33 @@
+"""Helpers shared by the framework integrations."""
+
+from __future__ import annotations
+
+import torch
+
+from ..mega.constants import BACKENDS
+
+
+class UnsupportedLayerError(ValueError):
+    """A layer cannot run on prime_kernels.mega (layout, activation, bias, parallelism, ...).
+
+    The message names the layer and what is missing; nothing was switched when it is raised."""
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"prime_kernels.integrations: backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def compute_dtypes(x_dtype: torch.dtype):
+    """(io dtype, routing-weight dtype) that mega_moe wants for activations of ``x_dtype``.
+
+    float64 stays float64 (the reference's exact mode, backend="reference" only); every other
+    floating dtype computes in bfloat16 with fp32 routing weights, as the fused kernels do."""
+    if x_dtype == torch.float64:
+        return torch.float64, torch.float64
+    return torch.bfloat16, torch.float32
+
+
+def fail(where: str, what: str, exc=UnsupportedLayerError):
+    raise exc(f"prime_kernels.integrations: {where}: {what}")

@@ -1,0 +1,361 @@
+"""The one call path of ``prime_kernels.mega``: which backend runs a call, per direction, and running it.
+
+Every entry point (the custom ops behind :func:`~prime_kernels.mega.mega_moe` and :class:`~prime_kernels.mega.MegaMoE`,
+and the DeepGEMM-shaped ``bf16_mega_moe`` / ``bf16_mega_moe_backward``) validates its inputs at its own boundary,
+then calls :func:`resolve` for the direction it runs and :func:`forward` / :func:`backward` here, which call the
+backend modules: :mod:`prime_kernels.mega._fused` ("fused"), :mod:`prime_kernels.mega._grouped` ("grouped") and
+:mod:`prime_kernels.mega.reference` ("reference"). The pool capacity of a call is :func:`capacity`.
+
+Rules (the same for every entry point):
+
+* ``backend="reference"`` always runs the pure-PyTorch reference (bf16 numerics only).
+* ``backend="fused"`` runs the fused kernel, or raises the reason ``prime_kernels.status()`` gives.
+* ``backend="grouped"`` runs the pipeline of our grouped-GEMM kernels (:mod:`prime_kernels.mega._grouped`,
+  bf16, single rank), or raises the reason.
+* ``backend="auto"`` runs the fused kernel when it is available, else the grouped pipeline where
+  that is available (bf16, single rank); otherwise it falls back to the reference only when the
+  environment variable ``PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK=1`` is set, with a one-time warning,
+  and raises the reason otherwise. Never silently.
+* A forward with more local experts than the fused kernel takes (``FUSED_MAX_EXPERTS``) is a ValueError
+  under ``backend="fused"`` and runs the grouped pipeline under ``"auto"`` (:func:`choose_backend` says why).
+* The kernel backends take ``block_m`` in ``KERNEL_BLOCK_MS`` only: another value is a ValueError listing
+  them whenever one of them would run (the reference takes any block_m up to ``MAX_BLOCK_M``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import _fused, _grouped, _validate, reference
+from ..routing import pool_capacity
+from ._validate import FusedKernelUnavailable
+from .constants import (ALLOW_FALLBACK_ENV, env_flag, BACKENDS, FUSED_MAX_EXPERTS, GROUPED_MAX_EXPERTS, HIDDEN_ALIGN,
+                        INTERMEDIATE_ALIGN, PRECISIONS)
+
+# (precision, direction) -> kernel name in prime_kernels.status().
+# "fp8_bwd" is a BF16 forward with an FP8 backward.
+KERNEL_NAMES = {
+    ("bf16", "fwd"): "mega_moe.bf16.sm90",
+    ("bf16", "bwd"): "mega_moe_backward.bf16.sm90",
+    ("fp8", "fwd"): "mega_moe.fp8.sm90",
+    ("fp8", "bwd"): "mega_moe.fp8_bwd.sm90",
+    ("fp8_bwd", "fwd"): "mega_moe.bf16.sm90",
+    ("fp8_bwd", "bwd"): "mega_moe.fp8_bwd.sm90",
+    ("mxfp8", "fwd"): "mega_moe.mxfp8.sm100",
+    ("mxfp8", "bwd"): "mega_moe.mxfp8.sm100",
+}
+
+_NOT_IMPLEMENTED = "not implemented yet"
+_warned: set = set()
+
+
+def _status() -> dict:
+    try:
+        import prime_kernels  # noqa: PLC0415  (lazy: the package imports before the lead's module lands)
+    except Exception:  # pragma: no cover - only while the tree is half-built
+        return {}
+    fn = getattr(prime_kernels, "status", None)
+    if fn is None:
+        return {}
+    try:
+        return dict(fn())  # cheap: prime_kernels.status() remembers its answers once CUDA is up
+    except Exception as exc:  # a broken status() is a reason, not a crash
+        return {"__error__": f"prime_kernels.status() failed: {exc}"}
+
+
+# current CUDA device -> "sm90" / "sm100" (a device's arch cannot change; get_device_capability costs a
+# properties query, and every layer call asks two or three times)
+_ARCH_BY_DEVICE: dict = {}
+
+
+def _device_arch() -> str:
+    """"sm100" on a Blackwell current device, else "sm90" (also without any GPU)."""
+    try:
+        if torch.cuda.is_available():
+            dev = torch.cuda.current_device()
+            arch = _ARCH_BY_DEVICE.get(dev)
+            if arch is None:
+                arch = "sm100" if torch.cuda.get_device_capability(dev)[0] == 10 else "sm90"
+                _ARCH_BY_DEVICE[dev] = arch
+            return arch
+    except Exception:
+        pass
+    return "sm90"
+
+
+def kernel_name(precision: str, direction: str) -> str:
+    """The ``prime_kernels.status()`` key of the fused kernel for (precision, direction) on this device:
+    the bf16 kernels have sm90 and sm100 variants; fp8/fp8_bwd are sm90, mxfp8 is sm100."""
+    check_precision(precision)
+    if direction not in ("fwd", "bwd"):
+        raise ValueError(f"prime_kernels.mega: direction must be 'fwd' or 'bwd', got {direction!r}")
+    name = KERNEL_NAMES[(precision, direction)]
+    if name.startswith(("mega_moe.bf16.", "mega_moe_backward.bf16.")) and _device_arch() == "sm100":
+        name = name.replace(".sm90", ".sm100")
+    return name
+
+
+def _fused_reason(precision: str, direction: str) -> str | None:
+    """None when the fused kernel for (precision, direction) is available, else the reason."""
+    name = kernel_name(precision, direction)
+    st = _status()
+    if "__error__" in st:
+        return st["__error__"]
+    reason = st.get(name)
+    if reason is None:
+        return f"{name}: {_NOT_IMPLEMENTED}"
+    if reason == "available":
+        return None
+    return f"{name}: {reason}"
+
+
+GROUPED_KEY = _grouped.STATUS_KEY
+
+
+def fused_experts_reason(num_local_experts: int | None) -> str | None:
+    """None when the fused forward kernel takes this many local experts, else why not."""
+    if num_local_experts is not None and num_local_experts > FUSED_MAX_EXPERTS:
+        return (f"{num_local_experts} local experts exceed the fused forward kernel's limit of "
+                f"FUSED_MAX_EXPERTS={FUSED_MAX_EXPERTS} (prime_kernels.mega.constants)")
+    return None
+
+
+def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None = None,
+                    num_local_experts: int | None = None) -> str | None:
+    """None when the grouped pipeline can run this call, else why not."""
+    if activation_clamp is not None:
+        # Its h is stored as plain bf16, so values within half an ulp of the bound land on it and
+        # lose their gradient (measured ~3% in dX); the mask-preserving rounding (reference F6)
+        # needs the fp32 accumulators, i.e. the fused L1 epilogue.
+        return "the grouped pipeline does not support activation_clamp (it needs the fused SwiGLU epilogue)"
+    if precision != "bf16":
+        return f"the grouped pipeline is bf16 only (precision={precision!r})"
+    if ep_size != 1:
+        return "the grouped pipeline runs on a single rank (no expert-parallel group)"
+    if num_local_experts is not None and num_local_experts > GROUPED_MAX_EXPERTS:
+        return (f"{num_local_experts} local experts exceed the grouped GEMMs' limit of "
+                f"GROUPED_MAX_EXPERTS={GROUPED_MAX_EXPERTS} (prime_kernels.mega.constants)")
+    reason = _status().get(GROUPED_KEY, f"{_NOT_IMPLEMENTED}")
+    return None if reason == "available" else f"{GROUPED_KEY}: {reason}"
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"prime_kernels.mega: precision must be one of {PRECISIONS}, got {precision!r}"
+        )
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"prime_kernels.mega: backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def fallback_allowed() -> bool:
+    return env_flag(ALLOW_FALLBACK_ENV)
+
+
+def alignment_reason(hidden: int, intermediate: int) -> str | None:
+    """None when H and I suit the fused kernels, else a one-line reason."""
+    if hidden % HIDDEN_ALIGN or intermediate % INTERMEDIATE_ALIGN:
+        return (
+            f"hidden={hidden} and intermediate={intermediate} must be multiples of "
+            f"HIDDEN_ALIGN={HIDDEN_ALIGN} and INTERMEDIATE_ALIGN={INTERMEDIATE_ALIGN} "
+            f"(prime_kernels.mega.constants) for the fused kernels; pad the weights or use "
+            f"backend='reference'"
+        )
+    return None
+
+
+def resolve_backend(backend: str, precision: str, direction: str, **shape) -> str:
+    """Return "fused", "grouped" or "reference", or raise with the reason (see the module docstring); the
+    keyword arguments are those of :func:`choose_backend`."""
+    return choose_backend(backend, precision, direction, **shape)[0]
+
+
+def _require_kernel_block_m(block_m) -> None:
+    why = None if block_m is None else _validate.kernel_block_m_reason(block_m)
+    if why is not None:
+        raise ValueError(f"prime_kernels.mega: {why}")
+
+
+def choose_backend(
+    backend: str,
+    precision: str,
+    direction: str,
+    *,
+    device_type: str = "cuda",
+    hidden: int | None = None,
+    intermediate: int | None = None,
+    ep_size: int = 1,
+    activation_clamp: float | None = None,
+    num_local_experts: int | None = None,
+    block_m: int | None = None,
+) -> tuple[str, str | None]:
+    """(the backend that runs this call, why the fused kernel does not run it or None when it does), or raise
+    with the reason. Shape limits of the kernels (H and I alignment, the fused kernel's expert count, block_m)
+    are ValueErrors when a kernel backend was named; under "auto" a shape the fused kernel cannot take runs the
+    grouped pipeline where that can, and a block_m the kernel backends do not take is a ValueError whenever one
+    of them would run."""
+    check_backend(backend)
+    check_precision(precision)
+    if backend == "reference":
+        if precision != "bf16":
+            raise NotImplementedError(
+                f"prime_kernels.mega: the reference implements precision='bf16' only; "
+                f"precision={precision!r} has no reference numerics yet: use precision='bf16'"
+            )
+        return "reference", "backend='reference' was asked for"
+
+    if backend in ("fused", "grouped"):  # a named kernel backend: the call is wrong on any device
+        _require_kernel_block_m(block_m)
+    align = alignment_reason(hidden, intermediate) if hidden is not None and intermediate is not None else None
+    if align is not None and backend == "fused":
+        raise ValueError(f"prime_kernels.mega: {align}")
+    too_many = fused_experts_reason(num_local_experts) if direction == "fwd" else None
+    if too_many is not None and backend == "fused":
+        raise ValueError(f"prime_kernels.mega: backend='fused' cannot run: {too_many}; use backend='auto' or "
+                         f"'grouped' (the grouped pipeline takes up to {GROUPED_MAX_EXPERTS})")
+    off_device = None if device_type == "cuda" else f"tensors are on {device_type}; the fused kernels need CUDA tensors"
+    common = align or off_device
+    if backend == "grouped":
+        why = common or _grouped_reason(precision, ep_size, activation_clamp, num_local_experts)
+        if why is not None:
+            raise FusedKernelUnavailable(f"prime_kernels.mega: backend='grouped' cannot run: {why}")
+        return "grouped", "backend='grouped' was asked for"
+    reason = common or too_many or _fused_reason(precision, direction)
+    if reason is None:
+        _require_kernel_block_m(block_m)
+        return "fused", None
+    if backend == "auto" and common is None:
+        grouped_why = _grouped_reason(precision, ep_size, activation_clamp, num_local_experts)
+        if grouped_why is None:
+            _require_kernel_block_m(block_m)
+            return "grouped", reason
+        if too_many is not None:  # the reason the fused kernel cannot run is not the only one
+            reason = f"{reason}, and the grouped pipeline cannot run either: {grouped_why}"
+
+    advice = (
+        "use backend='reference', or set "
+        f"{ALLOW_FALLBACK_ENV}=1 to let backend='auto' fall back to it"
+    )
+    if backend == "fused":
+        raise FusedKernelUnavailable(
+            f"prime_kernels.mega: no fused kernel for precision={precision!r} {direction}: {reason}; {advice}"
+        )
+    # backend == "auto"
+    if precision != "bf16":
+        raise FusedKernelUnavailable(
+            f"prime_kernels.mega: no fused kernel for precision={precision!r} {direction}: {reason}; "
+            f"the reference implements precision='bf16' only"
+        )
+    if not fallback_allowed():
+        raise FusedKernelUnavailable(
+            f"prime_kernels.mega: no fused kernel for precision={precision!r} {direction}: {reason}; {advice}"
+        )
+    key = (precision, direction, reason)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(
+            f"prime_kernels.mega: falling back to the pure-PyTorch reference for {precision} {direction} "
+            f"({reason}); it is slow. Unset {ALLOW_FALLBACK_ENV} to make this an error.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return "reference", reason
+
+
+# ----------------------------------------------------------------------------------------------
+# The call path every entry point shares
+# ----------------------------------------------------------------------------------------------
+
+
+def resolve(direction: str, backend: str, precision: str, x, w13, *, ep_size: int = 1, activation_clamp=None,
+            block_m: int | None = None) -> str:
+    """The backend that runs this call's ``direction`` ("fwd" or "bwd"), or raise with the reason: the shape
+    arguments of :func:`resolve_backend` read from the (validated) tokens ``x [T, H]`` and ``w13 [El, 2I, H]``."""
+    return resolve_backend(backend, precision, direction, device_type=x.device.type, hidden=x.shape[1],
+                           intermediate=w13.shape[1] // 2, ep_size=ep_size, activation_clamp=activation_clamp,
+                           num_local_experts=w13.shape[0], block_m=block_m)
+
+
+def capacity(num_tokens, top_k: int, num_local_experts: int, ep_size: int, max_tokens_per_rank, block_m: int):
+    """Pool rows of a call (its plan tensors, h and the pooled rows have this many): the capacity of every route
+    that can reach this rank's experts, T*K on one rank and R * max_tokens_per_rank * K under expert parallelism.
+    A pure function of the shapes (SymInts included), so the fake kernels give the same sizes."""
+    tmax = num_tokens if ep_size == 1 else max_tokens_per_rank
+    return pool_capacity(ep_size * tmax, top_k, num_local_experts, block_m)
+
+
+def empty_forward(x, topk_idx, w13, capacity: int, save_h: bool, keep_pooled_x: bool):
+    """The forward's outputs for T = 0 on one rank: y [0, H], zero counts and offsets (every expert empty),
+    all-padding pool rows, and zero h / x_pool rows where they are kept (the shapes the fake gives). No backend
+    runs: the kernels take no empty operands."""
+    H = x.shape[1]
+    El, twoI = w13.shape[0], w13.shape[1]
+    i32 = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty((0, H)), x.new_zeros((capacity if save_h else 0, twoI)), torch.zeros((El,), **i32),
+            torch.zeros((El + 1,), **i32), torch.full((capacity,), -1, **i32), torch.full((capacity,), -1, **i32),
+            torch.empty((0, topk_idx.shape[1]), **i32), x.new_zeros((capacity if keep_pooled_x else 0, H)))
+
+
+def _gather_pool_rows(x, pool_src_route, top_k: int):
+    """x rows in pool order (zero rows for padding), for backends whose forward does not keep them."""
+    tok = _grouped._token_rows(pool_src_route, top_k)
+    return x.index_select(0, tok.clamp(min=0).long()).masked_fill_((tok < 0)[:, None], 0)
+
+
+def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, activation_clamp, group,
+            num_experts: int, ep_size: int, max_tokens_per_rank, block_m: int, save_h: bool, buffer=None,
+            keep_pooled_x: bool = False, num_sms: int = 0):
+    """Run the forward on backend ``which`` (from :func:`resolve`) with validated inputs. Returns (y, h,
+    expert_counts, expert_offsets, pool_src_route, pool_src_rank, route_to_pool, x_pool): x_pool holds the token
+    rows in pool order [capacity, H] with ``keep_pooled_x`` (the fused forward keeps its dispatched rows, the
+    other backends gather them), else [0, H]. T = 0 on one rank runs no backend (:func:`empty_forward`). The
+    expert ids are checked before this returns, and so before the caller touches any memory of its own."""
+    T, K = topk_idx.shape
+    cap = capacity(T, K, w13.shape[0], ep_size, max_tokens_per_rank, block_m)
+    if T == 0 and ep_size == 1:
+        return empty_forward(x, topk_idx, w13, cap, save_h, keep_pooled_x)
+    # raises in finish() (see its docstring); the kernel backends hand it their plan's count
+    ids = _validate.ExpertIdCheck(topk_idx, num_experts, which, from_plan=ep_size == 1)
+    kwargs = dict(activation_clamp=activation_clamp, group=group, num_experts=num_experts,
+                  max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, capacity=cap, save_h=save_h)
+    x_pool = None
+    with torch.no_grad():
+        if which == "fused":
+            out = _fused.forward(x, topk_idx, topk_weights, w13, w2, precision=precision, buffer=buffer,
+                                 keep_x_pool=keep_pooled_x, id_check=ids, num_sms=num_sms, **kwargs)
+            out, x_pool = out[:7], out[7]
+        elif which == "grouped":
+            out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=buffer, id_check=ids,
+                                   num_sms=num_sms, **kwargs)
+        else:
+            out = reference.forward(x, topk_idx, topk_weights, w13, w2, **kwargs)
+        if x_pool is None:
+            x_pool = _gather_pool_rows(x, out[4], K) if keep_pooled_x else x.new_empty((0, x.shape[1]))
+    ids.finish()
+    return tuple(out) + (x_pool,)
+
+
+def backward(which: str, dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
+             pool_src_rank, route_to_pool, *, precision: str, activation_clamp, group, num_experts: int,
+             recompute: bool, need_wgrad: bool, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None,
+             num_sms: int = 0):
+    """Run the backward on backend ``which`` (from :func:`resolve`) with validated inputs and the forward's plan.
+    Returns (dx, d topk_weights, dw13, dw2); a weight gradient is None where it was not asked for or was added
+    into its accumulation buffer. ``x_pool`` (the forward's pooled rows) is used when it covers the pool."""
+    args = (dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
+            pool_src_rank, route_to_pool)
+    kwargs = dict(activation_clamp=activation_clamp, group=group, num_experts=num_experts, recompute=recompute,
+                  need_wgrad=need_wgrad, dw13_accum=dw13_accum, dw2_accum=dw2_accum)
+    if x_pool is not None and x_pool.shape[0] == pool_src_route.shape[0] and x_pool.shape[0] > 0:
+        kwargs["x_pool"] = x_pool
+    with torch.no_grad():
+        if which == "fused":
+            return _fused.backward(*args, precision=precision, buffer=buffer, num_sms=num_sms, **kwargs)
+        if which == "grouped":
+            return _grouped.backward(*args, buffer=buffer, num_sms=num_sms, **kwargs)
+        return reference.backward(*args, **kwargs)
