@@ -7,7 +7,7 @@
 #include "mega_moe_heuristics.hpp"
 #include "swiglu_bwd_host.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 using namespace host;
 
@@ -78,4 +78,4 @@ int mega_moe_bwd_dgrad_bf16(const MegaBwdDgradArgs& a, cudaStream_t stream, char
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

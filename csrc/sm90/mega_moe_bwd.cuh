@@ -35,7 +35,7 @@
 #include "pipeline.cuh"
 #include "swiglu_bwd_pp.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // The longest lag (mega_moe_bwd_schedule.hpp) the kernel's shared step array holds (the launcher's
@@ -274,4 +274,4 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

@@ -14,7 +14,7 @@
 #include "m_blocks.hpp"
 #include "status.hpp"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // int32 counters the kernel needs (zeroed by the launch itself, on `stream`): one per m-block, then the task claim.
@@ -41,4 +41,4 @@ struct MegaBwdDgradArgs {
 int mega_moe_bwd_dgrad_bf16(const MegaBwdDgradArgs& args, cudaStream_t stream, char* err, size_t err_len);
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

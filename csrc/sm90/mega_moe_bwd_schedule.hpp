@@ -38,7 +38,7 @@
 #define PK_BWD_HD inline
 #endif
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 constexpr int kBwdBlockM = 128;  // pool rows per m-block (the plan's padding unit)
@@ -186,4 +186,4 @@ PK_BWD_HD void bwd_fill_steps(const BwdSchedule& s, int32_t* step_first) {
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

@@ -8,7 +8,7 @@
 #include "grouped_gemm.hpp"
 #include "m_grouped_gemm.cuh"
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 // The checked launch state: the tensor maps (dy_pool, w2 MN-major, h, dh, w * s), the kernel parameters and the
@@ -24,4 +24,4 @@ int prepare_swiglu_bwd(const SwigluBwdGemmArgs& args, const char* fn, SwigluBwdL
                        size_t err_len);
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

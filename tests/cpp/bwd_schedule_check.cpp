@@ -11,7 +11,7 @@
 
 #include "sm90/mega_moe_bwd_schedule.hpp"
 
-using namespace deep_gemm::sm90;
+using namespace prime_kernels::sm90;
 
 namespace {
 
