@@ -117,7 +117,8 @@ def test_dgrad_with_no_pool_rows_returns_empty_tensors():
     out = _fused_bwd.dgrad(torch.empty(0, H, dtype=torch.bfloat16, device=dev),
                            torch.randn(E, 2 * I, H, device=dev).bfloat16(), torch.randn(E, H, I, device=dev).bfloat16(),
                            torch.empty(0, 2 * I, dtype=torch.bfloat16, device=dev),
-                           torch.zeros(E + 1, dtype=torch.int32, device=dev), torch.empty(0, dtype=torch.int32, device=dev),
+                           torch.zeros(E + 1, dtype=torch.int32, device=dev),
+                           torch.empty(0, dtype=torch.int32, device=dev),
                            torch.empty(0, K, device=dev))
     assert [tuple(t.shape) for t in out] == [(0, 2 * I), (0, I), (0, 1), (0, H)]
 

@@ -204,8 +204,8 @@ int pk_mega_moe_bwd_dgrad_bf16(const void* dy_pool, int64_t lda, const void* w2,
   args.lddx = lddx;
   args.counters = counters;
   char message[512] = {0};
-  const int rc =
-      prime_kernels::sm90::mega_moe_bwd_dgrad_bf16(args, static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
+  const int rc = prime_kernels::sm90::mega_moe_bwd_dgrad_bf16(args, static_cast<cudaStream_t>(cuda_stream), message,
+                                                               sizeof(message));
   return prime_kernels::api::from_status(rc, message);
 #else
   (void)dy_pool, (void)lda, (void)w2, (void)ldb, (void)b_group_stride, (void)h, (void)ldh, (void)pool_src_route;

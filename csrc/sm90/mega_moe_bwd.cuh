@@ -12,8 +12,9 @@
 //
 // Forward progress, without assuming that the grid is resident: the TMA thread of each CTA claims tasks from a
 // global counter (one ahead) in sequence order and announces each in the CTA's task ring (kMegaBwdTaskSlots
-// entries) once the previous task's loads are issued, before the task's own wait. An L1-dgrad tile waits (bounded, common/watchdog.cuh) for its m-block's
-// L2-dgrad tiles, all lower in the sequence (mega_moe_bwd_schedule.hpp), so all claimed already by running CTAs.
+// entries) once the previous task's loads are issued, before the task's own wait. An L1-dgrad tile waits (bounded,
+// common/watchdog.cuh) for its m-block's L2-dgrad tiles, all lower in the sequence (mega_moe_bwd_schedule.hpp), so
+// all claimed already by running CTAs.
 // Within a CTA the TMA thread finishes one task's loads before it waits for the next task's counter, and the
 // consumers wait only for their own stages, their own h pieces and the task ring; an L2-dgrad tile's counter
 // release needs nothing but its own stores. So the lowest unfinished task can always run: a grid of any size
@@ -103,11 +104,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   constexpr int kAcc = kBlockN / 2;
 
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = align_smem_1024(smem_raw);
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
-  uint64_t* empty_bar = full_bar + kNumStages;
-  int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
-  int32_t* s_mb = reinterpret_cast<int32_t*>(smem + L::kMbOff);
+  const PingPongSmem<L> sm(smem_raw);
+  uint8_t* smem = sm.base;
   int32_t* s_steps = reinterpret_cast<int32_t*>(smem + L::kStepOff);
   int32_t* task_slot = reinterpret_cast<int32_t*>(smem + L::kTaskOff);
   uint64_t* task_full = reinterpret_cast<uint64_t*>(smem + L::kTaskBarOff);
@@ -131,12 +129,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
   }
   // empty: the 4 warps of the consuming warpgroup; the init fence (thread 0, next) publishes the barriers above too
-  kernel_prologue<kNumStages>(full_bar, empty_bar, 1, 4, &tmap_dy, &tmap_w2, &tmap_h, &tmap_dh, &tmap_aw, &tmap_dh_a,
-                              &tmap_w13, &tmap_dx);
-  load_group_offsets_and_mblocks<kBlockM>(g.group_offsets, num_experts, g.m_total, s_offs, s_mb);
-  if (s_mb[num_experts] > p.max_m_blocks) return;  // counters too short: only a misuse of the launcher
+  kernel_prologue<kNumStages>(sm.full_bar, sm.empty_bar, 1, 4, &tmap_dy, &tmap_w2, &tmap_h, &tmap_dh, &tmap_aw,
+                              &tmap_dh_a, &tmap_w13, &tmap_dx);
+  load_group_offsets_and_mblocks<kBlockM>(g.group_offsets, num_experts, g.m_total, sm.s_offs, sm.s_mb);
+  if (sm.s_mb[num_experts] > p.max_m_blocks) return;  // counters too short: only a misuse of the launcher
   if (warp == 0) {
-    const BwdSchedule sched = mega_bwd_schedule(p, s_mb, s_offs, s_steps);
+    const BwdSchedule sched = mega_bwd_schedule(p, sm.s_mb, sm.s_offs, s_steps);
     warp_exclusive_scan_groups(num_experts + p.lag, lane, s_steps, [&](int k) { return sched.step_tasks(k); });
   }
   __syncthreads();
@@ -146,7 +144,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warp < 4) {
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (warp == 0 && lane == 0) {
-      const BwdSchedule sched = mega_bwd_schedule(p, s_mb, s_offs, s_steps);
+      const BwdSchedule sched = mega_bwd_schedule(p, sm.s_mb, sm.s_offs, s_steps);
       const int num_tasks = sched.num_tasks();
       const uint64_t pol_b = l2_policy_reused_loads(g.l2_hints);
       int stage = 0;
@@ -176,14 +174,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const CUtensorMap* map_a = l2 ? &tmap_dy : &tmap_dh_a;
         const CUtensorMap* map_b = l2 ? &tmap_w2 : &tmap_w13;
         for (int kb = 0; kb < kbs; ++kb) {
-          ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+          ptx::mbar_wait(&sm.empty_bar[stage], phase ^ 1);
           uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
           uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
-          ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
-          ptx::tma_load_2d(sa, map_a, &full_bar[stage], kb * kBlockK, t.row0);
+          ptx::mbar_arrive_expect_tx(&sm.full_bar[stage], L::kABytes + L::kBBytes);
+          ptx::tma_load_2d(sa, map_a, &sm.full_bar[stage], kb * kBlockK, t.row0);
 #pragma unroll
           for (int jb = 0; jb < kBlockN / 64; ++jb)
-            ptx::tma_load_3d_hint(sb + jb * L::kMnBoxBytes, map_b, &full_bar[stage], t.col0 + 64 * jb, kb * kBlockK,
+            ptx::tma_load_3d_hint(sb + jb * L::kMnBoxBytes, map_b, &sm.full_bar[stage], t.col0 + 64 * jb, kb * kBlockK,
                                   t.expert, pol_b);
           advance_stage<kNumStages>(stage, phase);
         }
@@ -195,14 +193,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   } else {
     // ================= consumer warpgroups =================
     ptx::setmaxnreg_inc<kConsumerRegs>();
-    const BwdSchedule sched = mega_bwd_schedule(p, s_mb, s_offs, s_steps);
+    const BwdSchedule sched = mega_bwd_schedule(p, sm.s_mb, sm.s_offs, s_steps);
     const int wg = (warp >> 2) - 1;
     const int wg_tid = tid - 128 * (wg + 1);
-    const uint64_t desc_a0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kAOff), 0, 1024);
-    const uint64_t desc_b0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kBOff), L::kMnBoxBytes, 1024);
-    const uint32_t a_lo0 = static_cast<uint32_t>(desc_a0), a_hi = static_cast<uint32_t>(desc_a0 >> 32);
-    const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
-    constexpr uint32_t kBStepDesc = (16 * 128) >> 4;  // one k16 step of MN-major B
+    const PingPongDescs<L> d(smem);
     SwigluBwdTileEpilogue<L> epi(smem, wg, wg_tid, lane);
     // the L1-dgrad tile's staging: this warpgroup's two h slots, 4 boxes of 64 x 64 (rows 0..63: boxes 0, 1)
     const uint32_t stg = epi.hslots_addr;
@@ -225,10 +219,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         skip_stages<kNumStages>(stage, phase, kbs);
         continue;
       }
-      const int row_end = max(s_offs[t.expert + 1], s_offs[t.expert]);
+      const int row_end = max(sm.s_offs[t.expert + 1], sm.s_offs[t.expert]);
       if (l2) epi.prepare(g, &tmap_h, t.row0, row_end, t.col0);
-      pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, kBStepDesc>(
-          acc0, acc1, kbs, full_bar, empty_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, lane, [] {});
+      pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, PingPongDescs<L>::kBStepDesc>(
+          acc0, acc1, kbs, sm.full_bar, sm.empty_bar, stage, phase, d.a_lo0, d.a_hi, d.b_lo0, d.b_hi, lane, [] {});
       if (l2) {
         epi.finish(g, &tmap_h, &tmap_dh, &tmap_aw, acc0, acc1, t.row0, row_end, t.col0, t.col0 / kBlockN);
         // this tile's dh is read by the m-block's L1-dgrad tiles, in any CTA: stores complete, fenced, released

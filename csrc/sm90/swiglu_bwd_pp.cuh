@@ -41,6 +41,7 @@ namespace sm90 {
 template <int kNumStages>
 struct SwigluBwdPPLayout : StageRingLayout<128, 128, 64, kNumStages> {
   using Ring = StageRingLayout<128, 128, 64, kNumStages>;
+  static constexpr int kStages = kNumStages;
   static constexpr int kMnBoxBytes = 64 * Ring::kBlockK * 2;  // one 64-column box of B per stage
   static constexpr int kBoxBytes = 64 * 64 * 2;       // one 64 x 64 bf16 piece, 128-byte swizzle
   static constexpr int kSlotBytes = 2 * kBoxBytes;     // gate and up boxes of one piece
@@ -53,6 +54,41 @@ struct SwigluBwdPPLayout : StageRingLayout<128, 128, 64, kNumStages> {
   static constexpr int kEnd = kMbOff + (kMaxGroups + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
   static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
+};
+
+// What the kernels over SwigluBwdPPLayout (or a layout extending it: mega_moe_bwd.cuh) address in shared memory:
+// the 1024-byte-aligned base, the stage ring's full and empty barriers, and the groups' first rows and first
+// m-blocks (load_group_offsets_and_mblocks).
+template <typename L>
+struct PingPongSmem {
+  uint8_t* base;
+  uint64_t* full_bar;
+  uint64_t* empty_bar;
+  int32_t* s_offs;
+  int32_t* s_mb;
+  __device__ __forceinline__ explicit PingPongSmem(uint8_t* raw) {
+    base = align_smem_1024(raw);
+    full_bar = reinterpret_cast<uint64_t*>(base + L::kBarOff);
+    empty_bar = full_bar + L::kStages;
+    s_offs = reinterpret_cast<int32_t*>(base + L::kOffsOff);
+    s_mb = reinterpret_cast<int32_t*>(base + L::kMbOff);
+  }
+};
+
+// Stage 0's wgmma descriptors (A K-major, B MN-major in 64-column boxes; 128-byte swizzle) as the halves that
+// pingpong_tile_mainloop takes, and B's k16 step.
+template <typename L>
+struct PingPongDescs {
+  static constexpr uint32_t kBStepDesc = (16 * 128) >> 4;  // one k16 step of MN-major B
+  uint32_t a_lo0, a_hi, b_lo0, b_hi;
+  __device__ __forceinline__ explicit PingPongDescs(uint8_t* smem) {
+    const uint64_t desc_a0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kAOff), 0, 1024);
+    const uint64_t desc_b0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kBOff), L::kMnBoxBytes, 1024);
+    a_lo0 = static_cast<uint32_t>(desc_a0);
+    a_hi = static_cast<uint32_t>(desc_a0 >> 32);
+    b_lo0 = static_cast<uint32_t>(desc_b0);
+    b_hi = static_cast<uint32_t>(desc_b0 >> 32);
+  }
 };
 
 // The ping-pong kernel's epilogue, one 64 x 64 piece at a time:
@@ -243,11 +279,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   constexpr int kAcc = kBlockN / 2;
 
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = align_smem_1024(smem_raw);
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
-  uint64_t* empty_bar = full_bar + kNumStages;
-  int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
-  int32_t* s_mb = reinterpret_cast<int32_t*>(smem + L::kMbOff);
+  const PingPongSmem<L> sm(smem_raw);
+  uint8_t* smem = sm.base;
+  uint64_t* full_bar = sm.full_bar;
+  uint64_t* empty_bar = sm.empty_bar;
+  int32_t* s_offs = sm.s_offs;
+  int32_t* s_mb = sm.s_mb;
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -314,11 +351,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::setmaxnreg_inc<kConsumerRegs>();
     const int wg = (warp >> 2) - 1;
     const int wg_tid = tid - 128 * (wg + 1);
-    const uint64_t desc_a0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kAOff), 0, 1024);
-    const uint64_t desc_b0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kBOff), L::kMnBoxBytes, 1024);
-    const uint32_t a_lo0 = static_cast<uint32_t>(desc_a0), a_hi = static_cast<uint32_t>(desc_a0 >> 32);
-    const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
-    constexpr uint32_t kBStepDesc = (16 * 128) >> 4;  // one k16 step of MN-major B
+    const PingPongDescs<L> d(smem);
     SwigluBwdTileEpilogue<L> epi(smem, wg, wg_tid, lane);
 
     const int cta = (int)ptx::ctaid_x_volatile();
@@ -340,8 +373,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
       epi.prepare(p, &tmap_h, w.row0, w.row_end, w.n0);
       ptx::named_bar_sync(kBarSwigluTurnWg0 + wg, 256);
-      pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, kBStepDesc>(
-          acc0, acc1, num_k_blocks, full_bar, empty_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, lane, [&] {
+      pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, PingPongDescs<L>::kBStepDesc>(
+          acc0, acc1, num_k_blocks, full_bar, empty_bar, stage, phase, d.a_lo0, d.a_hi, d.b_lo0, d.b_hi, lane, [&] {
             if (k + 1 < ntiles) ptx::named_bar_arrive(kBarSwigluTurnWg0 + (wg ^ 1), 256);
           });
       epi.finish(p, &tmap_h, &tmap_dh, &tmap_aw, acc0, acc1, w.row0, w.row_end, w.n0, w.n0 / kBlockN);
