@@ -57,6 +57,7 @@ const char* kernel_name(int32_t kernel) {
   switch (kernel) {
     case kWaitKernelMegaFwd: return "mega_moe_fwd_kernel";
     case kWaitKernelProbe: return "wait_probe_kernel";
+    case kWaitKernelMegaBwd: return "mega_moe_bwd_dgrad_kernel";
     default: return "unknown kernel";
   }
 }
@@ -66,6 +67,7 @@ const char* wait_name(int32_t wait) {
     case kWaitMegaFwdDispatch: return "L1 tile waits for its m-block's dispatched rows";
     case kWaitMegaFwdL1: return "L2 tile waits for its m-block's L1 tiles";
     case kWaitProbe: return "probe counter";
+    case kWaitMegaBwdL2Dgrad: return "L1-dgrad tile waits for its m-block's L2-dgrad tiles";
     default: return "unknown wait";
   }
 }

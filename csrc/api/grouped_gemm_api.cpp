@@ -1,8 +1,10 @@
-// C ABI of the sm90 grouped GEMMs: earlier device findings and the device check, then the sm90 launchers (which validate shapes).
+// C ABI of the sm90 grouped GEMMs and of the fused backward's dgrad kernel (which takes the SwiGLU-backward GEMM's
+// arguments and more): earlier device findings and the device check, then the sm90 launchers (which validate shapes).
 #include "api/prime_kernels_api.h"
 #include "api/errors.hpp"
 #include "common/device_check.hpp"
 #include "sm90/grouped_gemm.hpp"  // declarations and the configs; the launchers are linked only with the kernels
+#include "sm90/mega_moe_bwd.hpp"
 
 namespace {
 
@@ -52,6 +54,44 @@ int m_grouped(const char* op, bool gather, const void* a, int64_t lda, int64_t a
   return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE, "%s is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a", op);
 #endif
 }
+
+#if PK_HAS_SM90_KERNELS
+// The L2 dgrad's arguments as the C ABI passes them, for the grouped op and the fused backward's dgrad kernel (the
+// same fields with the same meaning in both).
+prime_kernels::sm90::SwigluBwdGemmArgs swiglu_bwd_args(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb,
+                                                       int64_t b_group_stride, const void* h, int64_t ldh,
+                                                       const int32_t* pool_src_route, const float* route_weights,
+                                                       int64_t num_routes, void* dh, int64_t lddh, void* aw,
+                                                       int64_t ldaw, float* dt_part, int64_t dt_ld,
+                                                       const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                                       int64_t intermediate, int64_t hidden, float clamp, int num_sms) {
+  prime_kernels::sm90::SwigluBwdGemmArgs args;
+  args.dy_pool = dy_pool;
+  args.lda = lda;
+  args.w2 = w2;
+  args.ldb = ldb;
+  args.b_group_stride = b_group_stride;
+  args.h = h;
+  args.ldh = ldh;
+  args.pool_src_route = pool_src_route;
+  args.route_weights = route_weights;
+  args.num_routes = num_routes;
+  args.dh = dh;
+  args.lddh = lddh;
+  args.aw = aw;
+  args.ldaw = ldaw;
+  args.dt_part = dt_part;
+  args.dt_ld = dt_ld;
+  args.group_offsets = group_offsets;
+  args.num_groups = num_groups;
+  args.m_total = m_total;
+  args.intermediate = intermediate;
+  args.hidden = hidden;
+  args.clamp_limit = clamp;
+  args.num_sms = num_sms;
+  return args;
+}
+#endif
 
 }  // namespace
 
@@ -122,30 +162,10 @@ int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const vo
                                       float clamp, int num_sms, void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90("m_grouped_bf16_gemm_swiglu_bwd"); rc != PK_OK) return rc;
-  prime_kernels::sm90::SwigluBwdGemmArgs args;
-  args.dy_pool = dy_pool;
-  args.lda = lda;
-  args.w2 = w2;
-  args.ldb = ldb;
-  args.b_group_stride = b_group_stride;
-  args.h = h;
-  args.ldh = ldh;
-  args.pool_src_route = pool_src_route;
-  args.route_weights = route_weights;
-  args.num_routes = num_routes;
-  args.dh = dh;
-  args.lddh = lddh;
-  args.aw = aw;
-  args.ldaw = ldaw;
-  args.dt_part = dt_part;
-  args.dt_ld = dt_ld;
-  args.group_offsets = group_offsets;
-  args.num_groups = num_groups;
-  args.m_total = m_total;
-  args.intermediate = intermediate;
-  args.hidden = hidden;
-  args.clamp_limit = clamp;
-  args.num_sms = num_sms;
+  const prime_kernels::sm90::SwigluBwdGemmArgs args =
+      swiglu_bwd_args(dy_pool, lda, w2, ldb, b_group_stride, h, ldh, pool_src_route, route_weights, num_routes, dh,
+                      lddh, aw, ldaw, dt_part, dt_ld, group_offsets, num_groups, m_total, intermediate, hidden, clamp,
+                      num_sms);
   char message[512] = {0};
   const int rc = prime_kernels::sm90::m_grouped_bf16_gemm_swiglu_bwd(args, static_cast<cudaStream_t>(cuda_stream),
                                                                  message, sizeof(message));
@@ -157,6 +177,43 @@ int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const vo
   (void)num_sms, (void)cuda_stream;
   return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
                               "m_grouped_bf16_gemm_swiglu_bwd is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
+#endif
+}
+
+int64_t pk_mega_moe_bwd_dgrad_counter_count(int64_t m_total, int num_groups) {
+  return prime_kernels::sm90::mega_moe_bwd_dgrad_counter_count(m_total, num_groups);
+}
+
+int pk_mega_moe_bwd_dgrad_bf16(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb, int64_t b_group_stride,
+                               const void* h, int64_t ldh, const int32_t* pool_src_route, const float* route_weights,
+                               int64_t num_routes, const void* w13, int64_t ldw13, int64_t w13_group_stride, void* dh,
+                               int64_t lddh, void* aw, int64_t ldaw, float* dt_part, int64_t dt_ld, void* dx,
+                               int64_t lddx, const int32_t* group_offsets, int num_groups, int64_t m_total,
+                               int64_t intermediate, int64_t hidden, float clamp, int32_t* counters, int num_sms,
+                               void* cuda_stream) {
+#if PK_HAS_SM90_KERNELS
+  if (const int rc = current_device_is_sm90("mega_moe_bwd_dgrad_bf16"); rc != PK_OK) return rc;
+  prime_kernels::sm90::MegaBwdDgradArgs args;
+  args.l2 = swiglu_bwd_args(dy_pool, lda, w2, ldb, b_group_stride, h, ldh, pool_src_route, route_weights, num_routes,
+                            dh, lddh, aw, ldaw, dt_part, dt_ld, group_offsets, num_groups, m_total, intermediate,
+                            hidden, clamp, num_sms);
+  args.w13 = w13;
+  args.ldw13 = ldw13;
+  args.w13_group_stride = w13_group_stride;
+  args.dx = dx;
+  args.lddx = lddx;
+  args.counters = counters;
+  char message[512] = {0};
+  const int rc = prime_kernels::sm90::mega_moe_bwd_dgrad_bf16(args, static_cast<cudaStream_t>(cuda_stream), message,
+                                                               sizeof(message));
+  return prime_kernels::api::from_status(rc, message);
+#else
+  (void)dy_pool, (void)lda, (void)w2, (void)ldb, (void)b_group_stride, (void)h, (void)ldh, (void)pool_src_route;
+  (void)route_weights, (void)num_routes, (void)w13, (void)ldw13, (void)w13_group_stride, (void)dh, (void)lddh;
+  (void)aw, (void)ldaw, (void)dt_part, (void)dt_ld, (void)dx, (void)lddx, (void)group_offsets, (void)num_groups;
+  (void)m_total, (void)intermediate, (void)hidden, (void)clamp, (void)counters, (void)num_sms, (void)cuda_stream;
+  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
+                              "mega_moe_bwd_dgrad_bf16 is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif
 }
 

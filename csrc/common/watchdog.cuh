@@ -13,11 +13,12 @@
 namespace prime_kernels {
 
 // Which kernel and which of its waits timed out (WaitRecord::kernel / ::wait).
-enum WaitKernel : int32_t { kWaitKernelMegaFwd = 1, kWaitKernelProbe = 2 };
+enum WaitKernel : int32_t { kWaitKernelMegaFwd = 1, kWaitKernelProbe = 2, kWaitKernelMegaBwd = 3 };
 enum WaitSite : int32_t {
   kWaitMegaFwdDispatch = 1,  // an L1 tile waits until its m-block's rows are dispatched
   kWaitMegaFwdL1 = 2,        // an L2 tile waits until every L1 tile of its m-block is stored
   kWaitProbe = 3,            // the test probe's wait on a counter nobody releases
+  kWaitMegaBwdL2Dgrad = 4,   // an L1-dgrad tile waits until every L2-dgrad tile of its m-block is stored
 };
 
 // Host-mapped pinned memory, one per process; written once by the first wait that times out.

@@ -11,6 +11,7 @@
 #include "host_utils.hpp"
 #include "k_grouped_gemm.cuh"
 #include "m_grouped_gemm.cuh"
+#include "swiglu_bwd_host.cuh"
 #include "swiglu_bwd_pp.cuh"
 
 namespace prime_kernels {
@@ -309,9 +310,7 @@ int m_grouped_bf16_gemm_swiglu(const SwigluGemmArgs& args, cudaStream_t stream, 
   return launch_m_grouped<128, 5, true, false, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
 }
 
-int m_grouped_bf16_gemm_swiglu_bwd(const SwigluBwdGemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
-  clear_err(err, err_len);
-  const char* fn = "m_grouped_bf16_gemm_swiglu_bwd";
+int prepare_swiglu_bwd(const SwigluBwdGemmArgs& args, const char* fn, SwigluBwdLaunch* out, char* err, size_t err_len) {
   const void* dy_pool = args.dy_pool;
   const void* w2 = args.w2;
   const void* h = args.h;
@@ -352,6 +351,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const SwigluBwdGemmArgs& args, cudaStream_t s
     return fail(kGemmInvalidArgument, err, err_len, "%s: num_routes = %lld, must be in [0, 2^31)", fn,
                 (long long)num_routes);
   if (num_sms < 0) return fail(kGemmInvalidArgument, err, err_len, "%s: num_sms = %d, must be >= 0", fn, num_sms);
+  out->p = MGroupedParams{};
   if (m_total == 0) return kGemmOk;
   if (dy_pool == nullptr || w2 == nullptr || h == nullptr || pool_src_route == nullptr ||
       (route_weights == nullptr && num_routes > 0) || dh == nullptr || aw == nullptr || dt_part == nullptr ||
@@ -362,7 +362,8 @@ int m_grouped_bf16_gemm_swiglu_bwd(const SwigluBwdGemmArgs& args, cudaStream_t s
   int sms = 0;
   if (int r = device_sms(&sms, err, err_len)) return r;
   if (num_sms > 0 && num_sms < sms) sms = num_sms;
-  CUtensorMap ma, mb, mh, mdh, maw;
+  CUtensorMap &ma = out->a, &mb = out->b, &mh = out->h, &mdh = out->dh, &maw = out->aw;
+  out->sms = sms;
   {
     const uint64_t dims[2] = {(uint64_t)k, (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)lda * 2};
@@ -387,7 +388,7 @@ int m_grouped_bf16_gemm_swiglu_bwd(const SwigluBwdGemmArgs& args, cudaStream_t s
     const uint64_t saw[1] = {(uint64_t)ldaw * 2};
     if (int r = make_map(&maw, aw, 2, dims_aw, saw, box, err, err_len)) return r;
   }
-  MGroupedParams p{};
+  MGroupedParams& p = out->p;
   p.l2_hints = kGemmL2Hints;
   p.check = common::device_check_record();
   p.a = reinterpret_cast<const __nv_bfloat16*>(dy_pool);
@@ -409,13 +410,22 @@ int m_grouped_bf16_gemm_swiglu_bwd(const SwigluBwdGemmArgs& args, cudaStream_t s
   p.ldaw = ldaw;
   p.dt_part = dt_part;
   p.dt_ld = (int32_t)dt_ld;
-  const int64_t tiles = max_m_blocks(m_total, num_groups) * ((I + 127) / 128);
+  return kGemmOk;
+}
+
+int m_grouped_bf16_gemm_swiglu_bwd(const SwigluBwdGemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
+  clear_err(err, err_len);
+  const char* fn = "m_grouped_bf16_gemm_swiglu_bwd";
+  SwigluBwdLaunch l;
+  if (int r = prepare_swiglu_bwd(args, fn, &l, err, err_len)) return r;
+  if (args.m_total == 0) return kGemmOk;
+  const int64_t tiles = max_m_blocks(args.m_total, args.num_groups) * ((args.intermediate + 127) / 128);
   constexpr int kStages = 4;
   constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages>;
   constexpr int smem = SwigluBwdPPLayout<kStages>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e == cudaSuccess)
-    e = launch_persistent<kernel>(kNumThreads, smem, tiles, sms, stream, ma, mb, mh, mdh, maw, p);
+    e = launch_persistent<kernel>(kNumThreads, smem, tiles, l.sms, stream, l.a, l.b, l.h, l.dh, l.aw, l.p);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
   return check_launch(fn, err, err_len);
 }

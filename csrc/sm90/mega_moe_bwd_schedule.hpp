@@ -38,7 +38,7 @@
 #define PK_BWD_HD inline
 #endif
 
-namespace deep_gemm {
+namespace prime_kernels {
 namespace sm90 {
 
 constexpr int kBwdBlockM = 128;  // pool rows per m-block (the plan's padding unit)
@@ -68,6 +68,7 @@ PK_BWD_HD int bwd_ceil_div(int a, int b) { return (a + b - 1) / b; }
 struct BwdTileShape {
   int l2_block_n, l1_block_n, wgrad_block_m, wgrad_block_n;
   int hidden, inter;
+  int with_wgrad;  // 0: the sequence holds the dgrad tiles only (the weight gradients are computed elsewhere)
   PK_BWD_HD int l2_per_mb() const { return bwd_ceil_div(inter, l2_block_n); }
   PK_BWD_HD int l1_per_mb() const { return bwd_ceil_div(hidden, l1_block_n); }
   // dW2_e [H, I] and dW13_e [2I, H]
@@ -75,8 +76,8 @@ struct BwdTileShape {
   PK_BWD_HD int w2_col_blocks() const { return bwd_ceil_div(inter, wgrad_block_n); }
   PK_BWD_HD int w13_row_blocks() const { return bwd_ceil_div(2 * inter, wgrad_block_m); }
   PK_BWD_HD int w13_col_blocks() const { return bwd_ceil_div(hidden, wgrad_block_n); }
-  PK_BWD_HD int w2_tiles() const { return w2_row_blocks() * w2_col_blocks(); }
-  PK_BWD_HD int w13_tiles() const { return w13_row_blocks() * w13_col_blocks(); }
+  PK_BWD_HD int w2_tiles() const { return with_wgrad ? w2_row_blocks() * w2_col_blocks() : 0; }
+  PK_BWD_HD int w13_tiles() const { return with_wgrad ? w13_row_blocks() * w13_col_blocks() : 0; }
 };
 
 // The m-block order of the dgrad tiles within an expert: column block major, m-block fastest within bands of
@@ -185,4 +186,4 @@ PK_BWD_HD void bwd_fill_steps(const BwdSchedule& s, int32_t* step_first) {
 }
 
 }  // namespace sm90
-}  // namespace deep_gemm
+}  // namespace prime_kernels

@@ -40,6 +40,9 @@ inline int mega_fwd_dispatch_split_pct(int64_t inter) {
   return static_cast<int>(pct > 100 ? 100 : pct);
 }
 
+// The largest lag the backward kernel's shared memory holds (kMegaBwdMaxLag in mega_moe_bwd.cuh).
+constexpr int kMegaBwdMaxLagHost = 64;
+
 // What the launcher configures for one forward: the kernel's instantiation and MegaFwdParams' tuning fields.
 struct MegaFwdConfig {
   int num_stages;          // stage ring depth (the instantiated kMegaFwdStages)
@@ -57,6 +60,21 @@ inline MegaFwdConfig mega_fwd_config(int64_t inter) {
   c.handoff = kMegaFwdHandoff;
   c.l2_hints = kMegaFwdL2Hints;
   return c;
+}
+
+// The fused backward's lag (mega_moe_bwd_schedule.hpp): how many experts' L2-dgrad tiles run ahead of the first
+// tiles that wait for an expert's L2 dgrad. Enough to cover one wave (two tiles per SM, one per consumer
+// warpgroup), so that with every CTA running an L1-dgrad tile's m-block is done when it is claimed, and no more (the
+// later an expert's L1-dgrad tiles run, the further its dh rows have fallen out of L2). From the pool's average
+// L2-dgrad tiles per expert (the plan pads each expert to whole 128-row m-blocks). Not yet measured: a starting
+// point for the H200 runs.
+inline int mega_bwd_lag(int64_t m_total, int num_experts, int64_t inter, int sms) {
+  if (num_experts <= 0) return 0;
+  const int64_t tiles_per_expert = (m_total / 128 + num_experts - 1) / num_experts * ((inter + 127) / 128);
+  int64_t lag = tiles_per_expert > 0 ? (2 * static_cast<int64_t>(sms) + tiles_per_expert - 1) / tiles_per_expert : 1;
+  if (lag < 1) lag = 1;
+  if (lag > kMegaBwdMaxLagHost) lag = kMegaBwdMaxLagHost;
+  return static_cast<int>(lag);
 }
 
 }  // namespace sm90

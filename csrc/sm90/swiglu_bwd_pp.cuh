@@ -41,6 +41,7 @@ namespace sm90 {
 template <int kNumStages>
 struct SwigluBwdPPLayout : StageRingLayout<128, 128, 64, kNumStages> {
   using Ring = StageRingLayout<128, 128, 64, kNumStages>;
+  static constexpr int kStages = kNumStages;
   static constexpr int kMnBoxBytes = 64 * Ring::kBlockK * 2;  // one 64-column box of B per stage
   static constexpr int kBoxBytes = 64 * 64 * 2;       // one 64 x 64 bf16 piece, 128-byte swizzle
   static constexpr int kSlotBytes = 2 * kBoxBytes;     // gate and up boxes of one piece
@@ -53,6 +54,41 @@ struct SwigluBwdPPLayout : StageRingLayout<128, 128, 64, kNumStages> {
   static constexpr int kEnd = kMbOff + (kMaxGroups + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
   static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
+};
+
+// What the kernels over SwigluBwdPPLayout (or a layout extending it: mega_moe_bwd.cuh) address in shared memory:
+// the 1024-byte-aligned base, the stage ring's full and empty barriers, and the groups' first rows and first
+// m-blocks (load_group_offsets_and_mblocks).
+template <typename L>
+struct PingPongSmem {
+  uint8_t* base;
+  uint64_t* full_bar;
+  uint64_t* empty_bar;
+  int32_t* s_offs;
+  int32_t* s_mb;
+  __device__ __forceinline__ explicit PingPongSmem(uint8_t* raw) {
+    base = align_smem_1024(raw);
+    full_bar = reinterpret_cast<uint64_t*>(base + L::kBarOff);
+    empty_bar = full_bar + L::kStages;
+    s_offs = reinterpret_cast<int32_t*>(base + L::kOffsOff);
+    s_mb = reinterpret_cast<int32_t*>(base + L::kMbOff);
+  }
+};
+
+// Stage 0's wgmma descriptors (A K-major, B MN-major in 64-column boxes; 128-byte swizzle) as the halves that
+// pingpong_tile_mainloop takes, and B's k16 step.
+template <typename L>
+struct PingPongDescs {
+  static constexpr uint32_t kBStepDesc = (16 * 128) >> 4;  // one k16 step of MN-major B
+  uint32_t a_lo0, a_hi, b_lo0, b_hi;
+  __device__ __forceinline__ explicit PingPongDescs(uint8_t* smem) {
+    const uint64_t desc_a0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kAOff), 0, 1024);
+    const uint64_t desc_b0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kBOff), L::kMnBoxBytes, 1024);
+    a_lo0 = static_cast<uint32_t>(desc_a0);
+    a_hi = static_cast<uint32_t>(desc_a0 >> 32);
+    b_lo0 = static_cast<uint32_t>(desc_b0);
+    b_hi = static_cast<uint32_t>(desc_b0 >> 32);
+  }
 };
 
 // The ping-pong kernel's epilogue, one 64 x 64 piece at a time:
@@ -137,6 +173,98 @@ __device__ __forceinline__ void write_dt_partials(const MGroupedParams& p, const
 
 constexpr uint32_t kBarSwigluTurnWg0 = 5;  // +wg
 
+// One consumer warpgroup's SwiGLU backward of a 128 x 128 da tile (rows row0.. < row_end, columns n0.. of I), for
+// the ping-pong kernel here and the fused backward (mega_moe_bwd.cuh): the tile's h comes in four 64 x 64 pieces
+// (gate and up boxes) by TMA into the warpgroup's two slots of L (kHOff, kSlotBytes; barriers at kHBarOff), dh and
+// w * s leave through the slots and the w * s box (kAwOff). prepare() before the tile's mainloop: the first two
+// pieces in flight (the slots are free once this warpgroup's last stores have read them) and this thread's four
+// rows' route weights; finish() after it, with the fp32 da of rows 0..63 (acc0) and 64..127 (acc1).
+template <typename L>
+struct SwigluBwdTileEpilogue {
+  uint8_t* hslots;
+  uint32_t hslots_addr;
+  uint32_t aw_addr;
+  uint64_t* h_full;
+  uint32_t h_phase;  // bit q: parity of slot q's next fill
+  int wg, wg_tid, lane, frag_row;
+  float wgt[2][2];
+  bool routed[2][2];
+  bool q1;  // the tile's second 64 columns exist (I is a multiple of 64)
+
+  __device__ __forceinline__ SwigluBwdTileEpilogue(uint8_t* smem, int wg_, int wg_tid_, int lane_)
+      : wg(wg_), wg_tid(wg_tid_), lane(lane_) {
+    hslots = smem + L::kHOff + wg * 2 * L::kSlotBytes;
+    hslots_addr = ptx::smem_addr(hslots);
+    aw_addr = ptx::smem_addr(smem + L::kAwOff) + wg * L::kBoxBytes;
+    h_full = reinterpret_cast<uint64_t*>(smem + L::kHBarOff) + 2 * wg;
+    h_phase = 0;
+    frag_row = 16 * ((wg_tid >> 5) & 3) + (lane >> 2);  // + 8 * hh: this thread's rows of a 64-row half
+    q1 = false;
+  }
+  // piece = 2 * half + q: rows row0 + 64 * half, columns n0 + 64 * q of I (gate) and I + n0 + 64 * q (up); one thread
+  __device__ __forceinline__ void load_piece(const MGroupedParams& p, const CUtensorMap* tmap_h, int row0, int n0,
+                                             int piece) {
+    const int q = piece & 1;
+    uint8_t* dst = hslots + q * L::kSlotBytes;
+    ptx::mbar_arrive_expect_tx(&h_full[q], L::kSlotBytes);
+    ptx::tma_load_2d(dst, tmap_h, &h_full[q], n0 + 64 * q, row0 + 64 * (piece >> 1));
+    ptx::tma_load_2d(dst + L::kBoxBytes, tmap_h, &h_full[q], p.n + n0 + 64 * q, row0 + 64 * (piece >> 1));
+  }
+  __device__ __forceinline__ void prepare(const MGroupedParams& p, const CUtensorMap* tmap_h, int row0, int row_end,
+                                          int n0) {
+    q1 = n0 + 64 < p.n;
+    if (wg_tid == 0) {
+      ptx::bulk_wait_group_read<0>();
+      load_piece(p, tmap_h, row0, n0, 0);
+      if (q1) load_piece(p, tmap_h, row0, n0, 1);
+    }
+#pragma unroll
+    for (int hm = 0; hm < 2; ++hm)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = row0 + 64 * hm + frag_row + 8 * hh;
+        const int route = row < row_end ? __ldg(p.pool_src_route + row) : -1;
+        const bool ok = route >= 0 && route < p.num_routes;
+        if (route < -1 || route >= p.num_routes) common::note_device_check(p.check, common::kCheckPoolRoute);
+        routed[hm][hh] = ok;
+        wgt[hm][hh] = ok ? __ldg(p.route_weights + route) : 0.f;
+      }
+  }
+  template <int kAcc>
+  __device__ __forceinline__ void finish(const MGroupedParams& p, const CUtensorMap* tmap_h, const CUtensorMap* tmap_dh,
+                                         const CUtensorMap* tmap_aw, const float (&acc0)[kAcc],
+                                         const float (&acc1)[kAcc], int row0, int row_end, int n0, int dt_col) {
+#pragma unroll
+    for (int hm = 0; hm < 2; ++hm) {
+      const float(&acc)[kAcc] = hm == 0 ? acc0 : acc1;
+      const int prow0 = row0 + 64 * hm;
+      const int rows = min(64, row_end - prow0);  // <= 0: no rows in this half (computed, not stored)
+      float partial[2] = {0.f, 0.f};
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        if (q == 1 && !q1) break;  // warpgroup-uniform
+        const int piece = 2 * hm + q;
+        const uint32_t gb = hslots_addr + q * L::kSlotBytes;
+        const uint32_t ub = gb + L::kBoxBytes;
+        ptx::mbar_wait(&h_full[q], (h_phase >> q) & 1u);
+        h_phase ^= 1u << q;
+        if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the w*s box: the previous piece's store has read it
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        swiglu_bwd_piece(acc, q, gb, ub, aw_addr, frag_row, lane, wgt[hm], partial, p.clamp);
+        ptx::fence_proxy_async_smem();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        swiglu_bwd_piece_store(p, tmap_dh, tmap_aw, gb, ub, aw_addr, n0 + 64 * q, prow0, rows, wg_tid,
+                               kBarEpilogueWg0 + wg);
+        if (piece < 2 && wg_tid == 0) {  // refill this slot with the second half's piece of the same columns
+          ptx::bulk_wait_group_read<0>();
+          load_piece(p, tmap_h, row0, n0, piece + 2);
+        }
+      }
+      write_dt_partials(p, partial, routed[hm], prow0, frag_row, row_end, dt_col, lane);
+    }
+  }
+};
+
 template <int kNumStages>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_swiglu_bwd_pp_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
@@ -151,11 +279,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   constexpr int kAcc = kBlockN / 2;
 
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = align_smem_1024(smem_raw);
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
-  uint64_t* empty_bar = full_bar + kNumStages;
-  int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
-  int32_t* s_mb = reinterpret_cast<int32_t*>(smem + L::kMbOff);
+  const PingPongSmem<L> sm(smem_raw);
+  uint8_t* smem = sm.base;
+  uint64_t* full_bar = sm.full_bar;
+  uint64_t* empty_bar = sm.empty_bar;
+  int32_t* s_offs = sm.s_offs;
+  int32_t* s_mb = sm.s_mb;
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -222,25 +351,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::setmaxnreg_inc<kConsumerRegs>();
     const int wg = (warp >> 2) - 1;
     const int wg_tid = tid - 128 * (wg + 1);
-    const uint64_t desc_a0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kAOff), 0, 1024);
-    const uint64_t desc_b0 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kBOff), L::kMnBoxBytes, 1024);
-    const uint32_t a_lo0 = static_cast<uint32_t>(desc_a0), a_hi = static_cast<uint32_t>(desc_a0 >> 32);
-    const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
-    constexpr uint32_t kBStepDesc = (16 * 128) >> 4;  // one k16 step of MN-major B
-    uint8_t* const hslots = smem + L::kHOff + wg * 2 * L::kSlotBytes;
-    const uint32_t hslots_addr = ptx::smem_addr(hslots);
-    const uint32_t aw_addr = ptx::smem_addr(smem + L::kAwOff) + wg * L::kBoxBytes;
-    uint64_t* const h_full = reinterpret_cast<uint64_t*>(smem + L::kHBarOff) + 2 * wg;
-    uint32_t h_phase = 0;  // bit q: parity of slot q's next fill
-    // piece = 2 * half + q: rows row0 + 64 * half, columns n0 + 64 * q of I (gate) and I + n0 + 64 * q (up)
-    auto load_piece = [&](int row0, int n0, int piece) {  // one thread
-      const int q = piece & 1;
-      uint8_t* dst = hslots + q * L::kSlotBytes;
-      ptx::mbar_arrive_expect_tx(&h_full[q], L::kSlotBytes);
-      ptx::tma_load_2d(dst, &tmap_h, &h_full[q], n0 + 64 * q, row0 + 64 * (piece >> 1));
-      ptx::tma_load_2d(dst + L::kBoxBytes, &tmap_h, &h_full[q], p.n + n0 + 64 * q, row0 + 64 * (piece >> 1));
-    };
-    const int frag_row = 16 * ((wg_tid >> 5) & 3) + (lane >> 2);  // + 8 * hh: this thread's rows of a 64-row half
+    const PingPongDescs<L> d(smem);
+    SwigluBwdTileEpilogue<L> epi(smem, wg, wg_tid, lane);
 
     const int cta = (int)ptx::ctaid_x_volatile();
     const int step = (int)gridDim.x;
@@ -259,61 +371,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         skip_stages<kNumStages>(stage, phase, num_k_blocks);
         continue;
       }
-      // before the mainloop: the tile's first two h pieces (slots free once the last tile's stores have read
-      // them) and this thread's four rows' route weights
-      const bool q1 = w.n0 + 64 < p.n;  // the tile's second 64 columns exist (I is a multiple of 64)
-      if (wg_tid == 0) {
-        ptx::bulk_wait_group_read<0>();
-        load_piece(w.row0, w.n0, 0);
-        if (q1) load_piece(w.row0, w.n0, 1);
-      }
-      float wgt[2][2];
-      bool routed[2][2];
-#pragma unroll
-      for (int hm = 0; hm < 2; ++hm)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int row = w.row0 + 64 * hm + frag_row + 8 * hh;
-          const int route = row < w.row_end ? __ldg(p.pool_src_route + row) : -1;
-          const bool ok = route >= 0 && route < p.num_routes;
-          if (route < -1 || route >= p.num_routes) common::note_device_check(p.check, common::kCheckPoolRoute);
-          routed[hm][hh] = ok;
-          wgt[hm][hh] = ok ? __ldg(p.route_weights + route) : 0.f;
-        }
+      epi.prepare(p, &tmap_h, w.row0, w.row_end, w.n0);
       ptx::named_bar_sync(kBarSwigluTurnWg0 + wg, 256);
-      pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, kBStepDesc>(
-          acc0, acc1, num_k_blocks, full_bar, empty_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, lane, [&] {
+      pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, PingPongDescs<L>::kBStepDesc>(
+          acc0, acc1, num_k_blocks, full_bar, empty_bar, stage, phase, d.a_lo0, d.a_hi, d.b_lo0, d.b_hi, lane, [&] {
             if (k + 1 < ntiles) ptx::named_bar_arrive(kBarSwigluTurnWg0 + (wg ^ 1), 256);
           });
-
-#pragma unroll
-      for (int hm = 0; hm < 2; ++hm) {
-        const float(&acc)[kAcc] = hm == 0 ? acc0 : acc1;
-        const int prow0 = w.row0 + 64 * hm;
-        const int rows = min(64, w.row_end - prow0);  // <= 0: no rows in this half (computed, not stored)
-        float partial[2] = {0.f, 0.f};
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          if (q == 1 && !q1) break;  // warpgroup-uniform
-          const int piece = 2 * hm + q;
-          const uint32_t gb = hslots_addr + q * L::kSlotBytes;
-          const uint32_t ub = gb + L::kBoxBytes;
-          ptx::mbar_wait(&h_full[q], (h_phase >> q) & 1u);
-          h_phase ^= 1u << q;
-          if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the w*s box: the previous piece's store has read it
-          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-          swiglu_bwd_piece(acc, q, gb, ub, aw_addr, frag_row, lane, wgt[hm], partial, p.clamp);
-          ptx::fence_proxy_async_smem();
-          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-          swiglu_bwd_piece_store(p, &tmap_dh, &tmap_aw, gb, ub, aw_addr, w.n0 + 64 * q, prow0, rows, wg_tid,
-                                 kBarEpilogueWg0 + wg);
-          if (piece < 2 && wg_tid == 0) {  // refill this slot with the second half's piece of the same columns
-            ptx::bulk_wait_group_read<0>();
-            load_piece(w.row0, w.n0, piece + 2);
-          }
-        }
-        write_dt_partials(p, partial, routed[hm], prow0, frag_row, w.row_end, w.n0 / kBlockN, lane);
-      }
+      epi.finish(p, &tmap_h, &tmap_dh, &tmap_aw, acc0, acc1, w.row0, w.row_end, w.n0, w.n0 / kBlockN);
     }
   }
 #endif

@@ -422,48 +422,98 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tens
 }
 
 
-// L2 dgrad + SwiGLU backward (B2-B6, B9 in one GEMM): dh [M, 2I], aw = w * s [M, I], dt_part [M, ceil(I/128)],
-// M = dy_pool's rows; route weights are topk_weights flattened (every entry indexable by a route id).
+// The L2 dgrad's operands, checked (m_grouped_bf16_gemm_swiglu_bwd and mega_moe_bwd_dgrad), and its outputs
+// allocated: dh [M, 2I], aw = w * s [M, I], dt_part [M, ceil(I/128)] (M = dy_pool's rows) with dt_part zeroed: the
+// kernels write the rows of the groups only, and the rows after the last group must be zeros, so that a sum over
+// every row (the grouped backward's d topk_weights) reads nothing uninitialised.
+struct SwigluBwdOperands {
+  int32_t num_groups;
+  int64_t m_total, hidden, inter, n_blocks;
+  Tensor dh, aw, dt_part;
+};
+
+SwigluBwdOperands swiglu_bwd_operands(const Tensor& dy_pool, const Tensor& w2, const Tensor& group_offsets,
+                                      const Tensor& h, const Tensor& pool_src_route, const Tensor& topk_weights,
+                                      const char* op) {
+  check_bf16_cuda(dy_pool, op, "dy_pool", 2);
+  check_bf16_cuda(w2, op, "w2", 3);
+  check_bf16_cuda(h, op, "h", 2);
+  SwigluBwdOperands o;
+  o.num_groups = check_offsets(group_offsets, dy_pool, op);
+  o.m_total = dy_pool.size(0);
+  o.hidden = dy_pool.size(1);
+  o.inter = w2.size(2);
+  STD_TORCH_CHECK(w2.size(0) == o.num_groups && w2.size(1) == o.hidden && w2.stride(2) == 1, "prime_kernels.", op,
+                  ": w2 must be [num_groups, H, I] (I contiguous) with H = dy's columns");
+  STD_TORCH_CHECK(o.inter % 64 == 0, "prime_kernels.", op, ": I (w2's last dim) must be a multiple of 64, got ",
+                  o.inter);
+  STD_TORCH_CHECK(h.size(0) >= o.m_total && h.size(1) == 2 * o.inter, "prime_kernels.", op,
+                  ": h must be [>= pool rows, 2I]");
+  STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.is_contiguous() &&
+                      pool_src_route.numel() >= o.m_total && pool_src_route.is_cuda(),
+                  "prime_kernels.", op, ": pool_src_route must be a contiguous CUDA int32 tensor with >= rows entries");
+  STD_TORCH_CHECK(topk_weights.scalar_type() == ScalarType::Float && topk_weights.is_contiguous() &&
+                      topk_weights.is_cuda(),
+                  "prime_kernels.", op, ": topk_weights must be a contiguous CUDA fp32 tensor");
+  o.n_blocks = (o.inter + 127) / 128;  // d topk_weights partials: one per 128 columns of I
+  o.dh = new_tensor(dy_pool, {o.m_total, 2 * o.inter}, ScalarType::BFloat16);
+  o.aw = new_tensor(dy_pool, {o.m_total, o.inter}, ScalarType::BFloat16);
+  o.dt_part = new_tensor(dy_pool, {o.m_total, o.n_blocks}, ScalarType::Float);
+  torch::stable::zero_(o.dt_part);
+  return o;
+}
+
+// L2 dgrad + SwiGLU backward (B2-B6, B9 in one GEMM): dh, aw, dt_part as swiglu_bwd_operands allocates them; route
+// weights are topk_weights flattened (every entry indexable by a route id).
 std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets,
                                                                   Tensor h, Tensor pool_src_route, Tensor topk_weights,
                                                                   double clamp, int64_t num_sms) {
   const char* op = "m_grouped_bf16_gemm_swiglu_bwd";
   const int sms = check_num_sms(num_sms, op);
-  check_bf16_cuda(dy_pool, op, "dy_pool", 2);
-  check_bf16_cuda(w2, op, "w2", 3);
-  check_bf16_cuda(h, op, "h", 2);
-  const int32_t num_groups = check_offsets(group_offsets, dy_pool, op);
-  const int64_t m_total = dy_pool.size(0);
-  const int64_t hidden = dy_pool.size(1);
-  const int64_t inter = w2.size(2);
-  STD_TORCH_CHECK(w2.size(0) == num_groups && w2.size(1) == hidden && w2.stride(2) == 1, "prime_kernels.", op,
-                  ": w2 must be [num_groups, H, I] (I contiguous) with H = dy's columns");
-  STD_TORCH_CHECK(inter % 64 == 0, "prime_kernels.", op, ": I (w2's last dim) must be a multiple of 64, got ", inter);
-  STD_TORCH_CHECK(h.size(0) >= m_total && h.size(1) == 2 * inter, "prime_kernels.", op,
-                  ": h must be [>= pool rows, 2I]");
-  STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.is_contiguous() &&
-                      pool_src_route.numel() >= m_total && pool_src_route.is_cuda(),
-                  "prime_kernels.", op, ": pool_src_route must be a contiguous CUDA int32 tensor with >= rows entries");
-  STD_TORCH_CHECK(topk_weights.scalar_type() == ScalarType::Float && topk_weights.is_contiguous() &&
-                      topk_weights.is_cuda(),
-                  "prime_kernels.", op, ": topk_weights must be a contiguous CUDA fp32 tensor");
+  check_bf16_cuda(dy_pool, op, "dy_pool", 2);  // before its device index is used
   torch::stable::accelerator::DeviceGuard guard(dy_pool.get_device_index());
-  const int64_t n_blocks = (inter + 127) / 128;  // d topk_weights partials: one per 128 columns of I
-  Tensor dh = new_tensor(dy_pool, {m_total, 2 * inter}, ScalarType::BFloat16);
-  Tensor aw = new_tensor(dy_pool, {m_total, inter}, ScalarType::BFloat16);
-  Tensor dt_part = new_tensor(dy_pool, {m_total, n_blocks}, ScalarType::Float);
-  // The kernel writes the rows of the groups only; the rows after the last group are zeros, so that a sum over
-  // every row (the grouped backward's d topk_weights) reads nothing uninitialised.
-  torch::stable::zero_(dt_part);
+  SwigluBwdOperands o = swiglu_bwd_operands(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, op);
   check_core(pk_m_grouped_bf16_gemm_swiglu_bwd(
                  dy_pool.data_ptr(), dy_pool.stride(0), w2.data_ptr(), w2.stride(1), w2.stride(0), h.data_ptr(),
                  h.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
-                 static_cast<const float*>(topk_weights.data_ptr()), topk_weights.numel(), dh.data_ptr(),
-                 dh.stride(0), aw.data_ptr(), aw.stride(0), static_cast<float*>(dt_part.data_ptr()), n_blocks,
-                 static_cast<const int32_t*>(group_offsets.data_ptr()), num_groups, m_total, inter, hidden,
-                 static_cast<float>(clamp), sms, current_cuda_stream(dy_pool.get_device_index())),
+                 static_cast<const float*>(topk_weights.data_ptr()), topk_weights.numel(), o.dh.data_ptr(),
+                 o.dh.stride(0), o.aw.data_ptr(), o.aw.stride(0), static_cast<float*>(o.dt_part.data_ptr()),
+                 o.n_blocks, static_cast<const int32_t*>(group_offsets.data_ptr()), o.num_groups, o.m_total, o.inter,
+                 o.hidden, static_cast<float>(clamp), sms, current_cuda_stream(dy_pool.get_device_index())),
              op);
-  return {dh, aw, dt_part};
+  return {o.dh, o.aw, o.dt_part};
+}
+
+// The fused backward's dgrad kernel (not yet verified on a GPU): the L2 dgrad's outputs as
+// m_grouped_bf16_gemm_swiglu_bwd returns them, plus dx_pool = dh @ w13[g] [M, H] (rows outside every group not
+// written), from one persistent kernel. w13 [num_groups, 2I, H], H contiguous.
+std::tuple<Tensor, Tensor, Tensor, Tensor> mega_moe_bwd_dgrad(Tensor dy_pool, Tensor w2, Tensor w13,
+                                                              Tensor group_offsets, Tensor h, Tensor pool_src_route,
+                                                              Tensor topk_weights, double clamp, int64_t num_sms) {
+  const char* op = "mega_moe_bwd_dgrad";
+  check_core(pk_device_check(), op);  // a lost context or an earlier call's findings, said first
+  const int sms = check_num_sms(num_sms, op);
+  check_bf16_cuda(w13, op, "w13", 3);
+  check_bf16_cuda(dy_pool, op, "dy_pool", 2);  // before its device index is used
+  torch::stable::accelerator::DeviceGuard guard(dy_pool.get_device_index());
+  SwigluBwdOperands o = swiglu_bwd_operands(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, op);
+  STD_TORCH_CHECK(w13.get_device_index() == dy_pool.get_device_index() && w13.size(0) == o.num_groups &&
+                      w13.size(1) == 2 * o.inter && w13.size(2) == o.hidden,
+                  "prime_kernels.", op, ": w13 must be [num_groups, 2I, H] on dy_pool's device");
+  Tensor dx = new_tensor(dy_pool, {o.m_total, o.hidden}, ScalarType::BFloat16);
+  Tensor counters = new_tensor(dy_pool, {pk_mega_moe_bwd_dgrad_counter_count(o.m_total, o.num_groups)},
+                               ScalarType::Int);
+  check_core(pk_mega_moe_bwd_dgrad_bf16(
+                 dy_pool.data_ptr(), dy_pool.stride(0), w2.data_ptr(), w2.stride(1), w2.stride(0), h.data_ptr(),
+                 h.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
+                 static_cast<const float*>(topk_weights.data_ptr()), topk_weights.numel(), w13.data_ptr(),
+                 w13.stride(1), w13.stride(0), o.dh.data_ptr(), o.dh.stride(0), o.aw.data_ptr(), o.aw.stride(0),
+                 static_cast<float*>(o.dt_part.data_ptr()), o.n_blocks, dx.data_ptr(), dx.stride(0),
+                 static_cast<const int32_t*>(group_offsets.data_ptr()), o.num_groups, o.m_total, o.inter, o.hidden,
+                 static_cast<float>(clamp), static_cast<int32_t*>(counters.data_ptr()), sms,
+                 current_cuda_stream(dy_pool.get_device_index())),
+             op);
+  return {o.dh, o.aw, o.dt_part, dx};
 }
 
 // Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns s, h, o, the dispatched
@@ -555,6 +605,9 @@ STABLE_TORCH_LIBRARY(prime_kernels, m) {
         "bool save_h, float clamp=0.0, int num_sms=0) -> (Tensor s, Tensor h)");
   m.def("m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets, Tensor h, "
         "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0, int num_sms=0) -> (Tensor, Tensor, Tensor)");
+  m.def("mega_moe_bwd_dgrad(Tensor dy_pool, Tensor w2, Tensor w13, Tensor group_offsets, Tensor h, "
+        "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0, int num_sms=0) -> "
+        "(Tensor dh, Tensor aw, Tensor dt_part, Tensor dx_pool)");
   m.def("mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
         "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False, Tensor? route_to_pool=None, "
         "Tensor? topk_weights=None, int num_sms=0) -> (Tensor s, Tensor h, Tensor o, Tensor x_pool, Tensor y)");
@@ -582,6 +635,7 @@ STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("swiglu_bwd", TORCH_BOX(&swiglu_bwd));
   m.impl("m_grouped_bf16_gemm_swiglu_bwd", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_bwd));
   m.impl("mega_moe_fused_fwd", TORCH_BOX(&mega_moe_fused_fwd));
+  m.impl("mega_moe_bwd_dgrad", TORCH_BOX(&mega_moe_bwd_dgrad));
   m.impl("k_grouped_bf16_gemm_tn", TORCH_BOX(&k_grouped_bf16_gemm_tn));
   m.impl("k_grouped_bf16_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_bf16_gemm_tn_accumulate_));
 }

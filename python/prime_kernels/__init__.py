@@ -47,6 +47,11 @@ from .routing import RoutingPlan, pool_capacity, routing_plan, routing_plan_refe
 from . import _watchdog  # noqa: E402
 from ._watchdog import check_device_errors, set_wait_timeout, wait_timeout  # noqa: E402
 from . import mega  # noqa: E402
+
+if _lib.load().shim_loaded:
+    from .mega import _fused_bwd  # noqa: E402
+
+    _fused_bwd._register()
 from .mega import *  # noqa: E402,F401,F403  (upstream's top-level names: bf16_mega_moe, ...)
 
 __all__ = list(mega.__all__) + ["status", "build_info", "__version__", "RoutingPlan", "routing_plan", "routing_plan_reference",

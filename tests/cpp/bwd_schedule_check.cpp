@@ -11,7 +11,7 @@
 
 #include "sm90/mega_moe_bwd_schedule.hpp"
 
-using namespace deep_gemm::sm90;
+using namespace prime_kernels::sm90;
 
 namespace {
 
@@ -34,7 +34,8 @@ struct Case {
 Case make_case(std::mt19937& rng, int num_experts, int hidden, int inter, int lag, int arrivals, int routing) {
   Case c;
   const int blocks[2] = {128, 256};
-  c.shape = BwdTileShape{blocks[rng() % 2], blocks[rng() % 2], blocks[rng() % 2], blocks[rng() % 2], hidden, inter};
+  c.shape = BwdTileShape{blocks[rng() % 2], blocks[rng() % 2], blocks[rng() % 2], blocks[rng() % 2], hidden, inter,
+                         static_cast<int>(rng() % 4 != 0)};
   c.mb_first.assign(num_experts + 1, 0);
   c.row_first.assign(num_experts + 1, 0);
   std::uniform_int_distribution<int> small(0, 4), big(0, 40);
@@ -61,6 +62,7 @@ void check_coverage_and_waits(const Case& c) {
   const int total_mb = c.mb_first.back();
   std::vector<int> l2_seen(total_mb * sh.l2_per_mb(), 0), l1_seen(total_mb * sh.l1_per_mb(), 0);
   std::vector<int> w2_seen(s.num_experts * sh.w2_tiles(), 0), w13_seen(s.num_experts * sh.w13_tiles(), 0);
+  if (!sh.with_wgrad) CHECK(sh.w2_tiles() == 0 && sh.w13_tiles() == 0, "dgrad-only sequence with gradient tiles");
   // the last index of an L2-dgrad task per m-block and per expert, and their counts
   std::vector<int> last_l2_mb(total_mb, -1), last_l2_e(s.num_experts, -1);
   std::vector<int> cnt_l2_mb(total_mb, 0), cnt_l2_e(s.num_experts, 0);

@@ -1,0 +1,44 @@
+// prime-kernels: host launch function of the sm90a fused Mega MoE backward's dgrad kernel (BF16,
+// csrc/sm90/mega_moe_bwd.cuh): the L2 dgrad with the SwiGLU backward and the L1 dgrad in one persistent kernel.
+//
+// Plain C++ over raw device pointers; same conventions as grouped_gemm.hpp (status.hpp's codes, err message,
+// asynchronous on `stream`, everything validated before the device is touched).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "grouped_gemm.hpp"
+#include "m_blocks.hpp"
+#include "status.hpp"
+
+namespace prime_kernels {
+namespace sm90 {
+
+// int32 counters the kernel needs (zeroed by the launch itself, on `stream`): one per m-block, then the task claim.
+inline int64_t mega_moe_bwd_dgrad_counter_count(int64_t m_total, int num_experts) {
+  return max_m_blocks(m_total, num_experts) + 1;
+}
+
+// Host-side arguments of mega_moe_bwd_dgrad_bf16: those of the L2 dgrad (m_grouped_bf16_gemm_swiglu_bwd, every
+// field of SwigluBwdGemmArgs with the same meaning; group_offsets = the plan's expert offsets), plus the L1 dgrad's.
+struct MegaBwdDgradArgs {
+  SwigluBwdGemmArgs l2;
+  // bf16 [num_experts, 2 * intermediate, hidden] (the forward's w13, gate rows then up rows), row stride ldw13
+  // (>= hidden, % 8 == 0), group stride w13_group_stride (elements, >= 2I * ldw13, % 8 == 0)
+  const void* w13 = nullptr;
+  int64_t ldw13 = 0;
+  int64_t w13_group_stride = 0;
+  // bf16 [m_total, hidden] out: dh @ w13_e per pool row (the dX slots), row stride lddx (>= hidden, % 8 == 0)
+  void* dx = nullptr;
+  int64_t lddx = 0;
+  // device int32 [mega_moe_bwd_dgrad_counter_count(m_total, num_groups)], zeroed here
+  int32_t* counters = nullptr;
+};
+
+int mega_moe_bwd_dgrad_bf16(const MegaBwdDgradArgs& args, cudaStream_t stream, char* err, size_t err_len);
+
+}  // namespace sm90
+}  // namespace prime_kernels
