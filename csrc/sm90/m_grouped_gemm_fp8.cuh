@@ -153,12 +153,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int wg_tid = tid - 128 * (wg + 1);
     // this thread's accumulator rows within the tile: r and r + 8 (wgmma's m64 fragment)
     const int frag_row = 64 * wg + 16 * ((wg_tid >> 5) & 3) + (lane >> 2);
-    const uint32_t a_base = ptx::smem_addr(smem + L::kAOff) + wg * (64 * 128);
-    const uint32_t b_base = ptx::smem_addr(smem + L::kBOff);
-    const uint64_t desc_a0 = ptx::make_desc_sw128(a_base, 0, 1024);
-    const uint64_t desc_b0 = ptx::make_desc_sw128(b_base, 0, 1024);
-    const uint32_t a_lo0 = static_cast<uint32_t>(desc_a0), a_hi = static_cast<uint32_t>(desc_a0 >> 32);
-    const uint32_t b_lo0 = static_cast<uint32_t>(desc_b0), b_hi = static_cast<uint32_t>(desc_b0 >> 32);
+    const StageDescHalves desc = k_major_stage_descs(smem + L::kAOff, smem + L::kBOff, wg);
 
     float acc[kBlockN / 2];
     float part[kBlockN / 2];
@@ -182,8 +177,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
       };
       consumer_tile_mainloop_promoted<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes>(
-          acc, part, active, num_k_blocks, full_bar, stage, phase, a_lo0, a_hi, b_lo0, b_hi, block_scale_b, row_scales,
-          release);
+          acc, part, active, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0, desc.b_hi,
+          block_scale_b, row_scales, release);
       if (active)
         store_acc_half_async<kBlockN>(acc, stg_half, wg, wg_tid, &tmap_d, w.row0 + 64 * wg, w.row_end, w.n0, p.n,
                                       p.l2_hints, p.d, p.ldd);

@@ -10,6 +10,20 @@
 namespace prime_kernels {
 namespace sm90 {
 
+// A consumer warpgroup's wgmma descriptors for stage 0 of a ring of K-major, 128-byte-swizzled tiles (rows of 128
+// bytes, 8-row groups 1024 bytes apart): A at its 64 of the tile's rows (warpgroup wg), B at the whole tile; as
+// 32-bit halves, since stage and k-step offsets are added to the low halves only (ptx::desc_from_halves).
+struct StageDescHalves {
+  uint32_t a_lo0, a_hi, b_lo0, b_hi;
+};
+__device__ __forceinline__ StageDescHalves k_major_stage_descs(const uint8_t* a_stage0, const uint8_t* b_stage0,
+                                                               int wg) {
+  const uint64_t da = ptx::make_desc_sw128(ptx::smem_addr(a_stage0) + wg * (64 * 128), 0, 1024);
+  const uint64_t db = ptx::make_desc_sw128(ptx::smem_addr(b_stage0), 0, 1024);
+  return StageDescHalves{static_cast<uint32_t>(da), static_cast<uint32_t>(da >> 32), static_cast<uint32_t>(db),
+                         static_cast<uint32_t>(db >> 32)};
+}
+
 // One tile's k-loop for a consumer warpgroup of the m-grouped kernels: waits for each stage of the mbarrier
 // ring, issues its kBlockK / 16 wgmma (one group kept in flight) and releases the stage once the group that
 // read it has completed (release(stage)); a warpgroup with no rows (active = false) only releases stages.
