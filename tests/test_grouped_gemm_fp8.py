@@ -208,7 +208,8 @@ def test_fp8_gemm_matches_float64(E, kind, N, K):
     sizes = group_sizes(E, kind, gen)
     M, a, sa, b, sb = make_inputs(E, sizes, N, K, seed=E * 7 + N + K + len(kind))
     offs = offsets_of(sizes, "cuda")
-    ac, sac, bc, sbc = a.cuda(), sa.cuda(), b.cuda(), sb.cuda()
+    # sa made K-block major here, so that the op allocates nothing before its output (which takes the NaN block)
+    ac, sac, bc, sbc = a.cuda(), k_block_major_scales(sa.cuda()), b.cuda(), sb.cuda()
     poison_next_alloc(M * N, torch.bfloat16)
     out = prime_kernels.m_grouped_fp8_gemm_nt(ac, sac, bc, sbc, offs)
     torch.cuda.synchronize()
@@ -238,10 +239,11 @@ def test_fp8_gemm_bad_group_offsets_write_nothing_and_are_reported():
     sizes = [100, 0, 300, 57]
     M, a, sa, b, sb = make_inputs(4, sizes, 256, 256, seed=6)
     good = offsets_of(sizes, "cpu").tolist()
+    a, sa, b, sb = a.cuda(), k_block_major_scales(sa.cuda()), b.cuda(), sb.cuda()
     for bad in ([0, good[3], good[1]] + good[3:], good[:-1] + [M + 1], [-128] + good[1:]):
+        offs = torch.tensor(bad, dtype=torch.int32, device="cuda")
         poison_next_alloc(M * 256, torch.bfloat16)
-        out = prime_kernels.m_grouped_fp8_gemm_nt(a.cuda(), sa.cuda(), b.cuda(), sb.cuda(),
-                                                  torch.tensor(bad, dtype=torch.int32, device="cuda"))
+        out = prime_kernels.m_grouped_fp8_gemm_nt(a, sa, b, sb, offs)
         torch.cuda.synchronize()
         assert out.isnan().all(), f"bad offsets {bad} wrote something"
         with pytest.raises(RuntimeError, match="m-grouped GEMM's group_offsets are not non-decreasing"):
