@@ -140,6 +140,19 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, c
                                              int num_groups, int64_t m_total, int64_t intermediate, int64_t hidden,
                                              float clamp, int num_sms, void* cuda_stream);
 
+// m-grouped GEMM with blockwise-scaled FP8 operands (sm90; DeepSeek-V3's recipe), bf16 out: for r in group g,
+//   D[r, n] = sum over k-blocks kb of 128: (A[r, kb] . B_g[n, kb]) * sa[r, kb] * sb_g[n / 128, kb],
+// each k-block's e4m3 products summed by the tensor core, the blocks in fp32. A e4m3 [m_total, k] (row stride lda
+// bytes, % 16); B e4m3 per group at b + g * b_group_stride: [n, k] (row stride ldb, % 16), "nt"; sa fp32 K-block
+// major: sa[kb * ld_sa + r] (ld_sa >= m_total, % 4, 16-byte aligned); sb fp32 [num_groups, ceil(n / 128), k / 128]
+// at sb[g * sb_group_stride + nb * sb_n_stride + kb]; D bf16 [m_total, n] (ldd, % 8). k a multiple of 128, n of 8.
+// group_offsets, rows outside every group, num_sms and the device-side check: as the BF16 m-grouped GEMM above.
+PK_API int pk_m_grouped_fp8_gemm_nt(const void* a, int64_t lda, const float* sa, int64_t ld_sa, const void* b,
+                                    int64_t ldb, int64_t b_group_stride, const float* sb, int64_t sb_group_stride,
+                                    int64_t sb_n_stride, void* d, int64_t ldd, const int32_t* group_offsets,
+                                    int num_groups, int64_t m_total, int64_t n, int64_t k, int num_sms,
+                                    void* cuda_stream);
+
 // ---------------------------------------------------------------------------------------------
 // Fused Mega MoE forward (sm90, BF16): dispatch of the token rows into the pool, L1 with SwiGLU and L2 in one
 // persistent kernel (csrc/sm90/mega_moe.hpp has the full contract; the combine is pk_combine_bf16_cuda).

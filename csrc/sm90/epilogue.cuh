@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include "kernel_common.cuh"
 #include "ptx.cuh"
 #include "swiglu_math.cuh"
 
@@ -91,6 +92,34 @@ __device__ __forceinline__ uint64_t l2_policy_reused_loads(int32_t hints) {
 }
 __device__ __forceinline__ uint64_t l2_policy_store(int32_t hints, int bit) {
   return ((hints >> bit) & 1) ? ptx::l2_policy_evict_first() : ptx::l2_policy_evict_normal();
+}
+
+// The asynchronous epilogue of one consumer warpgroup's 64-row half of an m-grouped tile (rows hrow0.., columns
+// col0.. of d, bf16): waits until the previous tile's TMA store has read the staging half, writes the fragment into
+// it, and stores it with one TMA store per 64-column box (evict_first when bit 0 of l2_hints is set) when all 64 rows
+// lie inside the group; a group's tail half is copied out by the warpgroup's threads instead (rows >= row_end
+// belong to the next group, and a TMA store writes whole boxes). Columns >= n are not written.
+template <int kBlockN>
+__device__ __forceinline__ void store_acc_half_async(const float (&acc)[kBlockN / 2], uint32_t stg_half, int wg,
+                                                     int wg_tid, const void* tmap_d, int hrow0, int row_end, int col0,
+                                                     int n, int32_t l2_hints, __nv_bfloat16* d, int64_t ldd) {
+  if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+  ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+  write_acc_to_swizzled_staging<kBlockN>(acc, stg_half, wg_tid);
+  ptx::fence_proxy_async_smem();  // make the generic-proxy writes visible to the TMA engine
+  ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+  if (hrow0 + 64 <= row_end) {
+    if (wg_tid == 0) {
+#pragma unroll
+      for (int b = 0; b < kBlockN / 64; ++b)
+        if (col0 + 64 * b < n)
+          ptx::tma_store_2d_hint(tmap_d, stg_half + b * TmaStaging<kBlockN>::kBoxBytes, col0 + 64 * b, hrow0,
+                                 l2_policy_store(l2_hints, 0));
+      ptx::bulk_commit_group();
+    }
+  } else {
+    copy_swizzled_half_to_global<kBlockN>(stg_half, wg_tid, row_end - hrow0, d, ldd, hrow0, col0, n);
+  }
 }
 
 // SwiGLU epilogue: s[row, c] = silu(gate) * up for one warpgroup's 64 x kBlockN fragment whose left kBlockN / 2

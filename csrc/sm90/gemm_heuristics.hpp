@@ -75,6 +75,33 @@ inline GroupedGemmConfig m_grouped_gemm_config(int64_t m_total, int64_t n, int64
   return grouped_gemm_config_for_n(n, true);
 }
 
+// m-grouped blockwise FP8 (m_grouped_fp8_gemm_nt, m_grouped_gemm_fp8.cuh): the one instantiation there is.
+//   block_m = 128: two consumer warpgroups of m64 wgmma, as the BF16 kernel.
+//   block_n = 128: B's scales are per 128 x 128 block, so a 128-wide tile needs one B scale per k-block (a wider
+//     tile would need one per 128 columns, and the promotion one multiply per column group more).
+//   block_k = 128: the promotion interval of the recipe (one scale per 128 of K), so each stage is one promotion.
+//   num_stages = 5: the most that fit (5 x 32.5 KB of A, B and A's scales, plus the 32 KB bf16 staging tile of the
+//     asynchronous epilogue, within 227 KB); more stages hide more load latency.
+//   async_epilogue = 1: the BF16 kernel's epilogue, the only one this kernel has.
+// Not measured on a GPU yet: these are the structural choices, not tuned ones.
+inline GroupedGemmConfig m_grouped_fp8_gemm_config(int64_t m_total, int64_t n, int64_t k, int num_groups) {
+  (void)m_total;
+  (void)n;
+  (void)k;
+  (void)num_groups;
+  GroupedGemmConfig c;
+  c.block_m = 128;
+  c.block_n = 128;
+  c.block_k = 128;
+  c.num_stages = 5;
+  c.async_epilogue = 1;
+  return c;
+}
+inline bool m_grouped_fp8_gemm_config_supported(const GroupedGemmConfig& c) {
+  return c.block_m == 128 && c.block_n == 128 && c.block_k == 128 && c.num_stages == 5 && c.async_epilogue == 1 &&
+         c.num_sms >= 0;
+}
+
 // k-grouped: C_e[M, N] = A_e^T @ B_e with K_e = rows of expert e. c_is_bf16 = false (fp32 store/accumulate)
 // only has the synchronous epilogue. bf16 weight gradients take the asynchronous 3-stage config: it led the
 // 4-stage synchronous one on 7 of 8 wgrad passes, by 2-5% at 235B (docs/performance.md).

@@ -33,16 +33,18 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// bf16 tensor map, 128-byte swizzle, zero fill out of bounds. dims/strides innermost first; strides in
-// bytes for dims 1.. (rank - 1 entries).
+// Tensor map (bf16 with the 128-byte swizzle unless told otherwise), zero fill out of bounds. dims/strides
+// innermost first; strides in bytes for dims 1.. (rank - 1 entries).
 inline int make_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims, const uint64_t* strides,
-             const uint32_t* box, char* err, size_t err_len) {
+                    const uint32_t* box, char* err, size_t err_len,
+                    CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                    CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   auto enc = tensor_map_encoder();
   if (enc == nullptr)
     return fail(kGemmCudaError, err, err_len, "cuTensorMapEncodeTiled not available from the driver");
   uint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = enc(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides,
-                         box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const CUresult r = enc(map, dtype, rank, const_cast<void*>(base), dims, strides,
+                         box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     return fail(kGemmCudaError, err, err_len, "cuTensorMapEncodeTiled failed (CUresult %d)", (int)r);

@@ -63,6 +63,40 @@ __device__ __forceinline__ void warp_exclusive_scan_groups(int num_groups, int l
   if (lane == 0) out[num_groups] = running;
 }
 
+// The m-grouped kernels' static tile list (m_grouped_gemm.cuh, m_grouped_gemm_fp8.cuh): tiles are numbered
+// group-major, then by band_tile within the group. One warp: s_tile[g] = the first tile of group g (the sum over
+// g' < g of its kBlockM-row m-blocks times n_blocks), s_tile[num_groups] = the number of tiles, or 0 when
+// bad_offsets (the list is then empty, so no role of any CTA stores anything).
+template <int kBlockM>
+__device__ __forceinline__ void m_grouped_tile_starts(const int32_t* s_offs, int32_t* s_tile, int num_groups,
+                                                      int n_blocks, bool bad_offsets, int lane) {
+  warp_exclusive_scan_groups(num_groups, lane, s_tile, [&](int g) {
+    return ceil_div(max(s_offs[g + 1] - s_offs[g], 0), kBlockM) * n_blocks;
+  });
+  if (bad_offsets && lane == 0) s_tile[num_groups] = 0;
+}
+
+// Tile u of that list.
+struct MGroupedWork {
+  int b_group;  // group whose B tile is loaded
+  int row0;     // first A row loaded (and stored)
+  int row_end;  // rows >= row_end are not stored
+  int n0;       // first output column
+};
+// Each role walks its units in increasing order, so the group cursor g (0 before the first call) only moves
+// forward. tile_cols: output columns per n-block.
+template <int kBlockM>
+__device__ __forceinline__ MGroupedWork m_grouped_locate(const int32_t* s_offs, const int32_t* s_tile, int n_blocks,
+                                                         int tile_cols, int u, int& g) {
+  while (s_tile[g + 1] <= u) ++g;
+  const int start = s_offs[g];
+  const int end = max(s_offs[g + 1], start);
+  const int m_blocks = ceil_div(end - start, kBlockM);
+  int nb, mb;
+  band_tile(u - s_tile[g], m_blocks, n_blocks, nb, mb);
+  return MGroupedWork{g, start + mb * kBlockM, end, nb * tile_cols};
+}
+
 // Whole CTA (kNumThreads threads): the groups' offsets as given, group_offsets[0..num_groups], into s_offs in shared
 // memory (for a kernel that checked them already, or that reads them only through max(rows, 0)); ends with a
 // __syncthreads.

@@ -154,13 +154,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   kernel_prologue<kNumStages>(full_bar, empty_bar, kGatherA ? 1 + 32 * kGatherWarps : 1, kNumConsumerThreads / 32,
                               &tmap_a, &tmap_b, &tmap_d);
   load_group_offsets(p.group_offsets, num_groups, s_offs);
-  if (warp == 0) {
-    // s_tile[g] = sum over g' < g of (m-blocks of g') * n_blocks
-    warp_exclusive_scan_groups(num_groups, lane, s_tile, [&](int g) {
-      return ceil_div(max(s_offs[g + 1] - s_offs[g], 0), kBlockM) * n_blocks;
-    });
-    if (bad_offsets && lane == 0) s_tile[num_groups] = 0;
-  }
+  if (warp == 0) m_grouped_tile_starts<kBlockM>(s_offs, s_tile, num_groups, n_blocks, bad_offsets, lane);
   __syncthreads();
 
   // Work units: one tile each. The gathering kernels read the count again inside each role, after its setmaxnreg:
@@ -171,21 +165,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   auto unit_begin_of_cta = [&]() -> int { return (int)ptx::ctaid_x_volatile(); };
   const int unit_step = (int)gridDim.x;
 
-  struct Work {
-    int b_group;  // group whose B tile is loaded
-    int row0;     // first A row loaded (and stored)
-    int row_end;  // rows >= row_end are not stored
-    int n0;
-  };
-  // Each role walks units in increasing order, so the group cursor g only moves forward.
+  using Work = MGroupedWork;
   auto locate = [&](int u, int& g) -> Work {
-    while (s_tile[g + 1] <= u) ++g;
-    const int start = s_offs[g];
-    const int end = max(s_offs[g + 1], start);
-    const int m_blocks = ceil_div(end - start, kBlockM);
-    int nb, mb;
-    band_tile(u - s_tile[g], m_blocks, n_blocks, nb, mb);
-    return Work{g, start + mb * kBlockM, end, nb * kTileCols};
+    return m_grouped_locate<kBlockM>(s_offs, s_tile, n_blocks, kTileCols, u, g);
   };
 
   if (warp < 4) {
@@ -349,27 +331,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.lds, hrow0, w.row_end, w.n0, p.n, p.clamp);
         }
       } else {
-        const int hrow0 = w.row0 + 64 * wg;
-        if (active) {
-          // the previous tile's TMA store has finished reading this half
-          if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
-          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-          write_acc_to_swizzled_staging<kBlockN>(acc, stg_half, wg_tid);
-          ptx::fence_proxy_async_smem();  // make the generic-proxy writes visible to the TMA engine
-          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-          if (hrow0 + 64 <= w.row_end) {
-            if (wg_tid == 0) {
-#pragma unroll
-              for (int b = 0; b < kBlockN / 64; ++b)
-                if (w.n0 + 64 * b < p.n)
-                  ptx::tma_store_2d_hint(&tmap_d, stg_half + b * TmaStaging<kBlockN>::kBoxBytes, w.n0 + 64 * b, hrow0,
-                                         l2_policy_store(p.l2_hints, 0));
-              ptx::bulk_commit_group();
-            }
-          } else {
-            copy_swizzled_half_to_global<kBlockN>(stg_half, wg_tid, w.row_end - hrow0, p.d, p.ldd, hrow0, w.n0, p.n);
-          }
-        }
+        if (active)
+          store_acc_half_async<kBlockN>(acc, stg_half, wg, wg_tid, &tmap_d, w.row0 + 64 * wg, w.row_end, w.n0, p.n,
+                                        p.l2_hints, p.d, p.ldd);
       }
     }
     if (wg_tid == 0) ptx::bulk_wait_group<0>();  // stores complete before the CTA's shared memory goes away

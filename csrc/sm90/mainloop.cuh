@@ -10,6 +10,20 @@
 namespace prime_kernels {
 namespace sm90 {
 
+// A consumer warpgroup's wgmma descriptors for stage 0 of a ring of K-major, 128-byte-swizzled tiles (rows of 128
+// bytes, 8-row groups 1024 bytes apart): A at its 64 of the tile's rows (warpgroup wg), B at the whole tile; as
+// 32-bit halves, since stage and k-step offsets are added to the low halves only (ptx::desc_from_halves).
+struct StageDescHalves {
+  uint32_t a_lo0, a_hi, b_lo0, b_hi;
+};
+__device__ __forceinline__ StageDescHalves k_major_stage_descs(const uint8_t* a_stage0, const uint8_t* b_stage0,
+                                                               int wg) {
+  const uint64_t da = ptx::make_desc_sw128(ptx::smem_addr(a_stage0) + wg * (64 * 128), 0, 1024);
+  const uint64_t db = ptx::make_desc_sw128(ptx::smem_addr(b_stage0), 0, 1024);
+  return StageDescHalves{static_cast<uint32_t>(da), static_cast<uint32_t>(da >> 32), static_cast<uint32_t>(db),
+                         static_cast<uint32_t>(db >> 32)};
+}
+
 // One tile's k-loop for a consumer warpgroup of the m-grouped kernels: waits for each stage of the mbarrier
 // ring, issues its kBlockK / 16 wgmma (one group kept in flight) and releases the stage once the group that
 // read it has completed (release(stage)); a warpgroup with no rows (active = false) only releases stages.
@@ -77,6 +91,70 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
   if (active && num_k_blocks > 0) release(prev_stage);
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
+}
+
+// One tile's k-loop for a consumer warpgroup of the blockwise-FP8 m-grouped kernel (m_grouped_gemm_fp8.cuh), with
+// promotion: each k-block's kBlockK / Mma::kK wgmma sum into `part` (the first overwrites it), and once they have
+// completed, part * (row scale * block scale) is added into the fp32 accumulator acc. The tensor core's adder keeps
+// fewer mantissa bits than fp32 for e4m3 products; summing only one 128-K block there and the blocks in fp32 bounds
+// that loss to one block's worth whatever K is (DeepSeek-V3's recipe). Each k-block's MMAs are waited for before
+// its promotion, so the two consumer warpgroups' MMAs and promotions interleave on the tensor cores.
+// block_scale_b(kb) gives B's scale of k-block kb (called before the stage's wait, so that a global load of it is in
+// flight during the wait and the MMAs); row_scales(stage, lo, hi) reads A's scales of this thread's two accumulator
+// rows (rows r and r + 8 of the m64 fragment) from the landed stage, before release(stage) hands it back. A
+// warpgroup with no rows (active = false) only releases stages. acc is zeroed first.
+template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, int kAccRegs,
+          typename BlockScaleFn, typename RowScaleFn, typename ReleaseFn>
+__device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAccRegs], float (&part)[kAccRegs],
+                                                                bool active, int num_k_blocks, uint64_t* full_bar,
+                                                                int& stage, uint32_t& phase, uint32_t a_lo0,
+                                                                uint32_t a_hi, uint32_t b_lo0, uint32_t b_hi,
+                                                                BlockScaleFn&& block_scale_b, RowScaleFn&& row_scales,
+                                                                ReleaseFn&& release) {
+  static_assert(kAccRegs % 4 == 0, "m64 fragment: 4 registers per 8-column group");
+  constexpr uint32_t kKStepDesc = (Mma::kK * 1) >> 4;  // one k-step of 1-byte elements along a K-major row
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.f;
+  if (!active) {
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      ptx::mbar_wait(&full_bar[stage], phase);
+      release(stage);
+      advance_stage<kNumStages>(stage, phase);
+    }
+    return;
+  }
+  for (int kb = 0; kb < num_k_blocks; ++kb) {
+    const float sb = block_scale_b(kb);
+    ptx::mbar_wait(&full_bar[stage], phase);
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
+    ptx::wgmma_fence();
+    const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (kStageABytes >> 4);
+    const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (kStageBBytes >> 4);
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / Mma::kK; ++kk)
+      Mma::mma(part, ptx::desc_from_halves(a_lo + kk * kKStepDesc, a_hi),
+               ptx::desc_from_halves(b_lo + kk * kKStepDesc, b_hi), kk > 0 ? 1u : 0u);
+    ptx::wgmma_commit();
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
+    ptx::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
+    float s_lo, s_hi;
+    row_scales(stage, s_lo, s_hi);
+    release(stage);
+    s_lo *= sb;
+    s_hi *= sb;
+#pragma unroll
+    for (int j = 0; j < kAccRegs / 4; ++j) {
+      acc[4 * j + 0] = fmaf(part[4 * j + 0], s_lo, acc[4 * j + 0]);
+      acc[4 * j + 1] = fmaf(part[4 * j + 1], s_lo, acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(part[4 * j + 2], s_hi, acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(part[4 * j + 3], s_hi, acc[4 * j + 3]);
+    }
+    advance_stage<kNumStages>(stage, phase);
+  }
 }
 
 // One tile's mainloop for a ping-pong consumer warpgroup that owns 128 rows: acc0 gets rows 0..63 and acc1

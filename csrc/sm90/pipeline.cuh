@@ -13,16 +13,17 @@ namespace prime_kernels {
 namespace sm90 {
 
 // The start of every sm90 kernel's shared-memory layout here: the mbarrier ring's kNumStages A tiles
-// (kBlockM x kBlockK bf16), then its kNumStages B tiles (kBlockN x kBlockK); stage s of each at s times its
-// tile's bytes, so the consumers' descriptors step by a constant. A layout continues at kRingEnd and ends
-// with kSmemBytes = its end + 1024 (slack for aligning the dynamic base), at most kSmemLimit.
-template <int kBlockM_, int kBlockN_, int kBlockK_, int kNumStages>
+// (kBlockM x kBlockK elements of kElemBytes: 2 for bf16, 1 for e4m3), then its kNumStages B tiles
+// (kBlockN x kBlockK); stage s of each at s times its tile's bytes, so the consumers' descriptors step by a
+// constant. A layout continues at kRingEnd and ends with kSmemBytes = its end + 1024 (slack for aligning the
+// dynamic base), at most kSmemLimit.
+template <int kBlockM_, int kBlockN_, int kBlockK_, int kNumStages, int kElemBytes = 2>
 struct StageRingLayout {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kBlockK = kBlockK_;
-  static constexpr int kABytes = kBlockM * kBlockK * 2;
-  static constexpr int kBBytes = kBlockN * kBlockK * 2;
+  static constexpr int kABytes = kBlockM * kBlockK * kElemBytes;
+  static constexpr int kBBytes = kBlockN * kBlockK * kElemBytes;
   static constexpr int kAOff = 0;
   static constexpr int kBOff = kAOff + kNumStages * kABytes;
   static constexpr int kRingEnd = kBOff + kNumStages * kBBytes;

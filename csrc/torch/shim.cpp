@@ -245,6 +245,54 @@ Tensor m_grouped_bf16_gemm_nt_gather(Tensor a, Tensor b, Tensor group_offsets, T
   return d;
 }
 
+// Blockwise FP8 m-grouped GEMM. a e4m3 [M, K], b e4m3 [E, N, K] (unit stride in K), sa fp32 [M, K / 128] K-block major
+// (stride(0) == 1: column kb of sa is contiguous over the rows; stride(1) is the core's ld_sa), sb fp32
+// [E, ceil(N / 128), K / 128] (unit stride in its last dim). The core checks K, strides and alignment.
+void check_fp8_cuda(const Tensor& t, const char* op, const char* name, int64_t dim) {
+  STD_TORCH_CHECK(t.is_cuda(), "prime_kernels.", op, ": ", name, " must be a CUDA tensor");
+  STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float8_e4m3fn, "prime_kernels.", op, ": ", name,
+                  " must be float8_e4m3fn");
+  STD_TORCH_CHECK(t.dim() == dim, "prime_kernels.", op, ": ", name, " must be ", dim, "-D, got ", t.dim(), "-D");
+  STD_TORCH_CHECK(t.stride(dim - 1) == 1, "prime_kernels.", op, ": ", name, " must have unit stride in its last dim");
+}
+
+Tensor m_grouped_fp8_gemm_nt(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor group_offsets, int64_t num_sms) {
+  const char* op = "m_grouped_fp8_gemm_nt";
+  const int sms = check_num_sms(num_sms, op);
+  check_fp8_cuda(a, op, "a", 2);
+  check_fp8_cuda(b, op, "b", 3);
+  STD_TORCH_CHECK(b.get_device_index() == a.get_device_index(), "prime_kernels.", op, ": a and b on different devices");
+  const int32_t num_groups = check_offsets(group_offsets, a, op);
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  STD_TORCH_CHECK(b.size(0) == num_groups, "prime_kernels.", op, ": b has ", b.size(0), " groups, group_offsets ",
+                  num_groups);
+  STD_TORCH_CHECK(b.size(2) == k, "prime_kernels.", op, ": b's K (", b.size(2), ") does not match a's K (", k, ")");
+  const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
+  STD_TORCH_CHECK(sa.is_cuda() && sa.get_device_index() == a.get_device_index() && sa.scalar_type() == ScalarType::Float,
+                  "prime_kernels.", op, ": sa must be a float32 tensor on a's device");
+  STD_TORCH_CHECK(sa.dim() == 2 && sa.size(0) == m && sa.size(1) == kb, "prime_kernels.", op, ": sa must be [M, ceil(K / 128)] = [",
+                  m, ", ", kb, "]");
+  STD_TORCH_CHECK(m <= 1 || sa.stride(0) == 1, "prime_kernels.", op,
+                  ": sa must be K-block major (stride(0) == 1, e.g. the transpose of a contiguous [K / 128, M'] tensor "
+                  "with M' >= M a multiple of 4), got strides (", sa.stride(0), ", ", sa.stride(1), ")");
+  STD_TORCH_CHECK(sb.is_cuda() && sb.get_device_index() == a.get_device_index() && sb.scalar_type() == ScalarType::Float,
+                  "prime_kernels.", op, ": sb must be a float32 tensor on a's device");
+  STD_TORCH_CHECK(sb.dim() == 3 && sb.size(0) == num_groups && sb.size(1) == nb && sb.size(2) == kb, "prime_kernels.",
+                  op, ": sb must be [E, ceil(N / 128), ceil(K / 128)] = [", num_groups, ", ", nb, ", ", kb, "]");
+  STD_TORCH_CHECK(sb.stride(2) == 1 || kb == 1, "prime_kernels.", op, ": sb must have unit stride in its last dim");
+  // With one k-block sa's stride between k-blocks is never used (torch may report any value for it).
+  const int64_t ld_sa = kb == 1 ? (m + 3) / 4 * 4 : sa.stride(1);
+  torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
+  Tensor d = new_tensor(a, {m, n}, ScalarType::BFloat16);
+  check_core(pk_m_grouped_fp8_gemm_nt(a.data_ptr(), a.stride(0), static_cast<const float*>(sa.data_ptr()), ld_sa,
+                                      b.data_ptr(), b.stride(1), b.stride(0), static_cast<const float*>(sb.data_ptr()),
+                                      sb.stride(0), nb == 1 ? kb : sb.stride(1), d.data_ptr(), d.stride(0),
+                                      static_cast<const int32_t*>(group_offsets.data_ptr()), num_groups, m, n, k, sms,
+                                      current_cuda_stream(a.get_device_index())),
+             op);
+  return d;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Combine (CPU: the core's host loop, same order and rounding as the kernel).
 // ---------------------------------------------------------------------------------------------
@@ -596,6 +644,7 @@ STABLE_TORCH_LIBRARY(prime_kernels, m) {
       "Tensor route_to_pool, Tensor num_invalid)");
   m.def("m_grouped_bf16_gemm_nt(Tensor a, Tensor b, Tensor group_offsets, int num_sms=0) -> Tensor");
   m.def("m_grouped_bf16_gemm_nn(Tensor a, Tensor b, Tensor group_offsets, int num_sms=0) -> Tensor");
+  m.def("m_grouped_fp8_gemm_nt(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor group_offsets, int num_sms=0) -> Tensor");
   m.def("m_grouped_bf16_gemm_nt_gather(Tensor a, Tensor b, Tensor group_offsets, Tensor a_row_index, int m_total, "
         "int num_sms=0) -> Tensor");
   m.def("swiglu_fwd(Tensor h, Tensor num_rows, float clamp=-1.0) -> Tensor");
@@ -627,6 +676,7 @@ STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("routing_plan", TORCH_BOX(&routing_plan_cuda));
   m.impl("m_grouped_bf16_gemm_nt", TORCH_BOX(&m_grouped_bf16_gemm_nt));
   m.impl("m_grouped_bf16_gemm_nn", TORCH_BOX(&m_grouped_bf16_gemm_nn));
+  m.impl("m_grouped_fp8_gemm_nt", TORCH_BOX(&m_grouped_fp8_gemm_nt));
   m.impl("m_grouped_bf16_gemm_nt_gather", TORCH_BOX(&m_grouped_bf16_gemm_nt_gather));
   m.impl("combine", TORCH_BOX(&combine_cuda));
   m.impl("dispatch_rows_", TORCH_BOX(&dispatch_rows_cuda));

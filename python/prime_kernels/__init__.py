@@ -40,6 +40,7 @@ from .grouped_gemm import (  # noqa: E402
     k_grouped_bf16_gemm_tn,
     m_grouped_bf16_gemm_nn,
     m_grouped_bf16_gemm_nt,
+    m_grouped_fp8_gemm_nt,
 )
 from .combine import combine, dispatch_rows  # noqa: E402
 from .routing import RoutingPlan, pool_capacity, routing_plan, routing_plan_reference  # noqa: E402
@@ -56,4 +57,4 @@ from .mega import *  # noqa: E402,F401,F403  (upstream's top-level names: bf16_m
 
 __all__ = list(mega.__all__) + ["status", "build_info", "__version__", "RoutingPlan", "routing_plan", "routing_plan_reference",
            "pool_capacity", "combine", "dispatch_rows", "m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "k_grouped_bf16_gemm_tn",
-           "set_wait_timeout", "wait_timeout", "check_device_errors"]
+           "m_grouped_fp8_gemm_nt", "set_wait_timeout", "wait_timeout", "check_device_errors"]

@@ -9,6 +9,10 @@ no padding needed, empty groups allowed).
   the same weights read MN-major, no transposed copy).
 - ``k_grouped_bf16_gemm_tn(a [P, M], b [P, N], offs) -> [E, M, N]``: a_g^T @ b_g over each group's rows
   (the weight gradients), fp32 or bf16 out, or accumulated into a given fp32 buffer.
+- ``m_grouped_fp8_gemm_nt(a [M, K], sa [M, K/128], b [E, N, K], sb [E, N/128, K/128], offs) -> [M, N]``
+  (bf16): blockwise-scaled FP8 (e4m3 operands, fp32 scales per 1 x 128 of a and per 128 x 128 of b,
+  DeepSeek-V3's recipe): row r of group g is sum over 128-wide k-blocks kb of
+  (a[r, kb] . b[g][n, kb]) * sa[r, kb] * sb[g][n // 128, kb]. See docs/fp8_gemm.md for the layouts.
 
 Rows of the m-grouped output that lie outside every group are left unspecified.
 
@@ -34,7 +38,8 @@ from .swiglu import _parts as swiglu_parts
 from .swiglu import swiglu_bwd_reference
 
 __all__ = ["m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "m_grouped_bf16_gemm_swiglu", "k_grouped_bf16_gemm_tn",
-           "m_grouped_gemm_reference", "k_grouped_gemm_reference"]
+           "m_grouped_fp8_gemm_nt", "m_grouped_gemm_reference", "k_grouped_gemm_reference",
+           "m_grouped_fp8_gemm_reference", "k_block_major_scales"]
 
 _KEYS = {"m_grouped_bf16_gemm_nt": "m_grouped_gemm_nt.bf16.sm90",
          "m_grouped_bf16_gemm_nn": "m_grouped_gemm_nn.bf16.sm90",
@@ -42,12 +47,14 @@ _KEYS = {"m_grouped_bf16_gemm_nt": "m_grouped_gemm_nt.bf16.sm90",
          "m_grouped_bf16_gemm_swiglu": "m_grouped_gemm_swiglu.bf16.sm90",
          "m_grouped_bf16_gemm_swiglu_bwd": "m_grouped_gemm_swiglu_bwd.bf16.sm90",
          "k_grouped_bf16_gemm_tn": "k_grouped_gemm_tn.bf16.sm90",
-         "k_grouped_bf16_gemm_tn_accumulate_": "k_grouped_gemm_tn.bf16.sm90"}
+         "k_grouped_bf16_gemm_tn_accumulate_": "k_grouped_gemm_tn.bf16.sm90",
+         "m_grouped_fp8_gemm_nt": "m_grouped_gemm_nt.fp8.sm90"}
 
 
 def _ready(op: str, device: torch.device) -> None:
     if device.type == "cuda":
-        _status.require(_KEYS[op])
+        # the FP8 GEMM runs where it is built though it awaits its first GPU verification (status() says so)
+        _status.require(_KEYS[op], allow_unverified=op == "m_grouped_fp8_gemm_nt")
     elif not _lib.load().shim_loaded:
         raise RuntimeError(f"prime_kernels: {op} is not available: {_lib.load().reason}")
 
@@ -97,6 +104,63 @@ def k_grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, group_offsets: to
         if hi > lo:
             out[g] = a[lo:hi].to(acc_dtype).t() @ b[lo:hi].to(acc_dtype)
     return out
+
+
+FP8_BLOCK = 128  # the recipe's scale block along K (and along N for b)
+
+
+def k_block_major_scales(sa: torch.Tensor) -> torch.Tensor:
+    """``sa`` [M, K/128] fp32 laid out as the FP8 kernel reads it (one TMA box per tile and k-block): K-block major,
+    i.e. stride(0) == 1 and stride(1) a multiple of 4 that is >= M, 16-byte aligned (the transpose of a contiguous
+    [K/128, M'] tensor, M' = M rounded up to 4). Returns ``sa`` itself when it is laid out so, else such a copy."""
+    m, kb = sa.shape
+    ok_rows = m <= 1 or sa.stride(0) == 1
+    ok_ld = kb == 1 or (sa.stride(1) % 4 == 0 and sa.stride(1) >= m)
+    if m == 0 or (ok_rows and ok_ld and sa.data_ptr() % 16 == 0):
+        return sa
+    buf = torch.empty(kb, (m + 3) // 4 * 4, dtype=sa.dtype, device=sa.device)
+    buf[:, :m].copy_(sa.t())
+    return buf[:, :m].t()
+
+
+def m_grouped_fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                                 group_offsets: torch.Tensor, acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The blockwise-FP8 m-grouped GEMM emulated. float32: the kernel's order (each 128-K block's products summed,
+    scaled by sa * sb and added into an fp32 accumulator), rounded to bf16; float64: the dequantized operands'
+    product, not rounded. Rows outside every group are zero."""
+    offs = group_offsets.tolist()
+    m, k = a.shape
+    n = b.shape[1]
+    kb = (k + FP8_BLOCK - 1) // FP8_BLOCK
+    out = torch.zeros(m, n, dtype=acc_dtype, device=a.device)
+    sa_c = sa.to(acc_dtype)
+    for g in range(len(offs) - 1):
+        lo, hi = offs[g], offs[g + 1]
+        if hi <= lo:
+            continue
+        x, w = a[lo:hi].to(acc_dtype), b[g].to(acc_dtype)
+        sbn = sb[g].to(acc_dtype).repeat_interleave(FP8_BLOCK, 0)[:n]  # [N, kb]: each column's block scales
+        if acc_dtype == torch.float64:
+            xs = x * sa_c[lo:hi].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+            ws = w * sbn.repeat_interleave(FP8_BLOCK, 1)[:, :k]
+            out[lo:hi] = xs @ ws.t()
+            continue
+        for j in range(kb):
+            blk = slice(j * FP8_BLOCK, min(k, (j + 1) * FP8_BLOCK))
+            out[lo:hi] += (x[:, blk] @ w[:, blk].t()) * sa_c[lo:hi, j:j + 1] * sbn[:, j][None, :]
+    return out if acc_dtype == torch.float64 else out.to(torch.bfloat16)
+
+
+def m_grouped_fp8_gemm_nt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                          group_offsets: torch.Tensor, *, num_sms: int | None = None) -> torch.Tensor:
+    """Blockwise-FP8 m-grouped GEMM, bf16 [M, N] out. a float8_e4m3fn [M, K] (K a multiple of 128), sa float32
+    [M, K/128] (any layout: it is made K-block major first, see k_block_major_scales), b float8_e4m3fn [E, N, K]
+    (K contiguous), sb float32 [E, ceil(N/128), K/128]. Rows outside every group are left unspecified."""
+    sms = _sms(num_sms)
+    _ready("m_grouped_fp8_gemm_nt", a.device)
+    if sa.dim() == 2 and sa.dtype == torch.float32:
+        sa = k_block_major_scales(sa)
+    return torch.ops.prime_kernels.m_grouped_fp8_gemm_nt(a, sa, b, sb, group_offsets, sms)
 
 
 def m_grouped_bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
@@ -245,6 +309,44 @@ def _register() -> None:
     torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu", swiglu_fake)
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_nt_gather", "cpu", gather_cpu)
     torch.library.register_fake(lib + "m_grouped_bf16_gemm_nt_gather", gather_fake)
+
+    def fp8_check_cpu(a, sa, b, sb, offs):
+        op = "m_grouped_fp8_gemm_nt"
+        if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"prime_kernels.{op}: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+        if sa.dtype != torch.float32 or sb.dtype != torch.float32:
+            raise TypeError(f"prime_kernels.{op}: sa and sb must be float32, got {sa.dtype} and {sb.dtype}")
+        if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] < 2:
+            raise TypeError(f"prime_kernels.{op}: group_offsets must be a 1-D int32 tensor [num_groups + 1]")
+        if a.dim() != 2 or b.dim() != 3:
+            raise RuntimeError(f"prime_kernels.{op}: a must be 2-D [M, K] and b 3-D [E, N, K]")
+        m, k = a.shape
+        e, n = offs.shape[0] - 1, b.shape[1]
+        if b.shape[0] != e:
+            raise RuntimeError(f"prime_kernels.{op}: b has {b.shape[0]} groups, group_offsets {e}")
+        if b.shape[2] != k:
+            raise RuntimeError(f"prime_kernels.{op}: b's K ({b.shape[2]}) does not match a's K ({k})")
+        if k < FP8_BLOCK or k % FP8_BLOCK != 0:
+            raise RuntimeError(f"prime_kernels.{op}: k ({k}) must be a multiple of 128 (one scale block per 128 of K)")
+        if n < 8 or n % 8 != 0:
+            raise RuntimeError(f"prime_kernels.{op}: n ({n}) must be a multiple of 8")
+        kb, nb = k // FP8_BLOCK, (n + FP8_BLOCK - 1) // FP8_BLOCK
+        if tuple(sa.shape) != (m, kb):
+            raise RuntimeError(f"prime_kernels.{op}: sa must be [M, ceil(K / 128)] = [{m}, {kb}], got {list(sa.shape)}")
+        if tuple(sb.shape) != (e, nb, kb):
+            raise RuntimeError(f"prime_kernels.{op}: sb must be [E, ceil(N / 128), ceil(K / 128)] = [{e}, {nb}, {kb}], "
+                               f"got {list(sb.shape)}")
+        check_offsets_cpu(offs, m)
+
+    def fp8_cpu(a, sa, b, sb, group_offsets, num_sms=0):
+        fp8_check_cpu(a, sa, b, sb, group_offsets)
+        return m_grouped_fp8_gemm_reference(a, sa, b, sb, group_offsets)
+
+    def fp8_fake(a, sa, b, sb, group_offsets, num_sms=0):
+        return a.new_empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)
+
+    torch.library.register_kernel(lib + "m_grouped_fp8_gemm_nt", "cpu", fp8_cpu)
+    torch.library.register_fake(lib + "m_grouped_fp8_gemm_nt", fp8_fake)
 
     def k_cpu(a, b, group_offsets, out_fp32=True, num_sms=0):
         _check_cpu(a, b, group_offsets, a.shape[0])

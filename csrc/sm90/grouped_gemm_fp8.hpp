@@ -1,0 +1,122 @@
+// prime-kernels: the sm90a blockwise-FP8 m-grouped GEMM's host interface: its arguments, their validation (plain
+// host C++, no CUDA headers: tests/cpp/fp8_gemm_args_check.cpp compiles it with the host compiler alone) and the
+// launcher (grouped_gemm_fp8.cu; same status codes and err conventions as grouped_gemm.hpp).
+//
+//   D[m, n] = bf16( sum over kb of (A[m, kb] . B_g[n, kb]) * sa[m, kb] * sb_g[n / 128, kb] )  for m in group g,
+// kb a 128-wide block of K (the layouts are written out in m_grouped_gemm_fp8.cuh and docs/fp8_gemm.md).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "gemm_heuristics.hpp"
+#include "status.hpp"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace prime_kernels {
+namespace sm90 {
+
+struct MGroupedFp8GemmArgs {
+  // e4m3 [m_total, k], row stride lda (bytes = elements; >= k, % 16 == 0), 16-byte aligned
+  const void* a = nullptr;
+  int64_t lda = 0;
+  // fp32 A scales, K-block major: the scale of row m and k-block kb at sa[kb * ld_sa + m]; ld_sa >= m_total,
+  // % 4 == 0 (TMA row pitch), 16-byte aligned
+  const float* sa = nullptr;
+  int64_t ld_sa = 0;
+  // e4m3 [num_groups, n, k], K contiguous: group g at b + g * b_group_stride, row stride ldb (>= k, % 16 == 0;
+  // b_group_stride >= n * ldb, % 16 == 0 when num_groups > 1), 16-byte aligned
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  int64_t b_group_stride = 0;
+  // fp32 B scales [num_groups, ceil(n / 128), k / 128]: block (nb, kb) of group g at
+  // sb[g * sb_group_stride + nb * sb_n_stride + kb]; sb_n_stride >= k / 128, sb_group_stride >= ceil(n / 128) *
+  // sb_n_stride when num_groups > 1; 4-byte aligned
+  const float* sb = nullptr;
+  int64_t sb_group_stride = 0;
+  int64_t sb_n_stride = 0;
+  // bf16 [m_total, n], row stride ldd (>= n, % 8 == 0), 16-byte aligned; only rows inside a group are written
+  void* d = nullptr;
+  int64_t ldd = 0;
+  // device int32 [num_groups + 1], the BF16 m-grouped GEMM's contract (grouped_gemm.hpp), checked on the device
+  const int32_t* group_offsets = nullptr;
+  int num_groups = 0;
+  int64_t m_total = 0;
+  // n a multiple of 8 (>= 8); k a multiple of 128 (>= 128): every k-block is one whole scale block
+  int64_t n = 0;
+  int64_t k = 0;
+  // null = m_grouped_fp8_gemm_config(); else it must be that config (num_sms may differ)
+  const GroupedGemmConfig* config = nullptr;
+};
+
+namespace host {
+
+constexpr int kFp8MaxGroups = 1024;  // = kMaxGroups (kernel_common.cuh; checked where the kernel is compiled)
+constexpr int64_t kFp8MaxDim = (int64_t(1) << 31) - 1;
+
+inline bool fp8_aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+
+// Every check the launcher makes before it touches the device, in the order it makes them; kGemmOk or
+// kGemmInvalidArgument with the reason in err. m_total == 0 passes once the sizes are checked (nothing to launch).
+inline int check_m_grouped_fp8_args(const MGroupedFp8GemmArgs& x, char* err, size_t err_len) {
+  const char* fn = "m_grouped_fp8_gemm_nt";
+  if (x.num_groups < 1 || x.num_groups > kFp8MaxGroups)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, x.num_groups,
+                kFp8MaxGroups);
+  if (x.m_total < 0 || x.m_total > kFp8MaxDim || x.n < 8 || x.n > kFp8MaxDim || x.k < 128 || x.k > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: bad sizes m_total=%lld n=%lld k=%lld (n >= 8, k >= 128)", fn,
+                (long long)x.m_total, (long long)x.n, (long long)x.k);
+  if (x.n % 8 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: n (%lld) must be a multiple of 8", fn, (long long)x.n);
+  if (x.k % 128 != 0)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: k (%lld) must be a multiple of 128 (one scale block per 128 of K)", fn, (long long)x.k);
+  if (x.ldd < x.n || x.ldd % 8 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: ldd = %lld, must be >= n and a multiple of 8", fn,
+                (long long)x.ldd);
+  if (x.config != nullptr && !m_grouped_fp8_gemm_config_supported(*x.config))
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: unsupported config block_m=%d block_n=%d block_k=%d stages=%d async_epilogue=%d (built: 128 x 128 "
+                "x 128, 5 stages, asynchronous epilogue)",
+                fn, x.config->block_m, x.config->block_n, x.config->block_k, x.config->num_stages,
+                x.config->async_epilogue);
+  if (x.m_total == 0) return kGemmOk;
+  if (x.a == nullptr || x.sa == nullptr || x.b == nullptr || x.sb == nullptr || x.d == nullptr ||
+      x.group_offsets == nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: null a, sa, b, sb, d or group_offsets", fn);
+  if (!fp8_aligned(x.a, 16) || !fp8_aligned(x.b, 16) || !fp8_aligned(x.d, 16) || !fp8_aligned(x.sa, 16))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: a, b, d and sa must be 16-byte aligned", fn);
+  if (!fp8_aligned(x.sb, 4)) return fail(kGemmInvalidArgument, err, err_len, "%s: sb must be 4-byte aligned", fn);
+  if (x.lda < x.k || x.lda % 16 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: lda = %lld, must be >= k and a multiple of 16", fn,
+                (long long)x.lda);
+  if (x.ldb < x.k || x.ldb % 16 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: ldb = %lld, must be >= k and a multiple of 16", fn,
+                (long long)x.ldb);
+  if (x.num_groups > 1 && (x.b_group_stride < x.n * x.ldb || x.b_group_stride % 16 != 0))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: b_group_stride = %lld, must be >= %lld and a multiple of 16",
+                fn, (long long)x.b_group_stride, (long long)(x.n * x.ldb));
+  const int64_t k_blocks = x.k / 128, n_blocks = (x.n + 127) / 128;
+  if (x.ld_sa < x.m_total || x.ld_sa % 4 != 0 || x.ld_sa > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: ld_sa = %lld (sa's stride between k-blocks), must be >= m_total (%lld) and a multiple of 4", fn,
+                (long long)x.ld_sa, (long long)x.m_total);
+  if (x.sb_n_stride < k_blocks)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: sb_n_stride = %lld, must be >= k / 128 = %lld", fn,
+                (long long)x.sb_n_stride, (long long)k_blocks);
+  if (x.num_groups > 1 && x.sb_group_stride < n_blocks * x.sb_n_stride)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: sb_group_stride = %lld, must be >= %lld", fn,
+                (long long)x.sb_group_stride, (long long)(n_blocks * x.sb_n_stride));
+  const int64_t max_tiles = ((x.m_total + 127) / 128 + x.num_groups) * n_blocks;
+  if (max_tiles > kFp8MaxDim) return fail(kGemmInvalidArgument, err, err_len, "%s: too many tiles", fn);
+  return kGemmOk;
+}
+
+}  // namespace host
+
+// Validates (check_m_grouped_fp8_args), returns without a launch when m_total == 0, else launches on stream.
+int m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
+
+}  // namespace sm90
+}  // namespace prime_kernels

@@ -1,0 +1,192 @@
+// prime-kernels: sm90a m-grouped GEMM with blockwise-scaled FP8 (e4m3) operands (rows grouped by expert).
+//
+//   D[m, n] = bf16( sum over k-blocks kb of 128:  (A[m, kb] . B_g[n, kb]) * sa[m, kb] * sb_g[n / 128, kb] )
+//   for every row m in [offs[g], offs[g+1]),  g = 0 .. E-1
+//
+//   A   [M_total, K] e4m3, K contiguous (row stride lda bytes), one fp32 scale per row per 128 of K.
+//   B   [E, N, K] e4m3, K contiguous ("nt": sm90's FP8 wgmma reads both operands K-major only), one fp32 scale per
+//       128 x 128 block.
+//   sa  fp32, K-block major ("MN-major"): sa[kb * ld_sa + m], ld_sa >= M_total and a multiple of 4. The 128 scales
+//       of one tile's rows for one k-block are then 512 contiguous bytes, which one TMA box brings into the stage
+//       next to the A and B tiles they scale, completing on the same mbarrier (a row-major [M_total, K / 128] tensor
+//       would need one 4-byte box row per tile row).
+//   sb  fp32 [E, ceil(N / 128), K / 128] at sb[g * sb_group_stride + nb * sb_n_stride + kb], read by the consumers
+//       from global memory (one value per tile and k-block, loaded before the stage's wait so the wait hides it).
+//   D   [M_total, N] bf16 (row stride ldd). Rows outside every group are not written.
+//   offs: device int32 [E+1], the contract of the BF16 kernel (m_grouped_gemm.cuh): non-decreasing within
+//   [0, M_total], no padding, empty groups allowed; checked by every CTA in its prologue, and offsets that break it
+//   make the whole kernel write nothing (a device-check finding, common/device_check.hpp).
+//
+// Structure (the BF16 kernel's, with 128 x 128 x 128 tiles of e4m3: every stage tile is 128 rows of 128 bytes, the
+// bytes of a bf16 128 x 64 tile, so the 128-byte swizzle, the descriptors and their k-step of 32 bytes are the
+// same): persistent and warp-specialized, at most one CTA per SM, 384 threads. Warpgroup 0's elected thread issues
+// the TMA loads of A, B and sa into a kNumStages-deep mbarrier ring; warpgroups 1 and 2 are consumers, each owning
+// 64 of the tile's 128 rows: per k-block they issue four m64n128k32 e4m3 wgmma into a partial accumulator, wait for
+// them, and promote the partial into the fp32 accumulator with its two scales (consumer_tile_mainloop_promoted,
+// mainloop.cuh). The epilogue is the BF16 kernel's asynchronous one (store_acc_half_async, epilogue.cuh). Tiles,
+// their order (group-major, band_tile within a group) and the per-group tile starts are the BF16 kernel's
+// (m_grouped_tile_starts / m_grouped_locate, kernel_common.cuh).
+//
+// kBlockN is 128 because B's scales are per 128 columns: one tile is scaled by one sb value per k-block.
+//
+// Forward progress: a CTA never waits on another CTA. Its tiles are a fixed stride of the static tile list (CTA b
+// takes b, b + gridDim.x, ...), each computed start to end by that CTA alone, so any grid size (the num_sms cap)
+// gives the same tiles with the same bits, whichever CTAs are resident at a time. The only waits are on this CTA's
+// own mbarriers (the ring, released by its own producer and consumers) and named barriers of one warpgroup; as in
+// the BF16 kernels they are bounded in debug builds (PK_DEBUG_SPIN_BOUND, ptx.cuh). There is no wait on another CTA,
+// so common/watchdog.cuh's bounded cross-CTA wait has nothing to bound here.
+#pragma once
+
+#include <cuda.h>
+
+#include "common/device_check.hpp"
+#include "epilogue.cuh"
+#include "kernel_common.cuh"
+#include "mainloop.cuh"
+#include "pipeline.cuh"
+
+namespace prime_kernels {
+namespace sm90 {
+
+struct MGroupedFp8Params {
+  // L2 cache hints (kGemmL2Hints): bit 0: D's TMA stores evict_first; bit 3: B (weight) loads evict_last.
+  int32_t l2_hints;
+  // Where the kernel notes invalid offsets (may be null: they are still handled, not noted).
+  common::DeviceCheckRecord* check;
+  __nv_bfloat16* d;
+  int64_t ldd;
+  const float* sb;
+  int64_t sb_group_stride;
+  int64_t sb_n_stride;
+  const int32_t* group_offsets;
+  int32_t m_total;
+  int32_t n;
+  int32_t k;
+  int32_t num_groups;
+};
+
+template <int kBlockN, int kNumStages>
+struct MGroupedFp8Layout : StageRingLayout<128, kBlockN, 128, kNumStages, 1> {
+  using Ring = StageRingLayout<128, kBlockN, 128, kNumStages, 1>;
+  static constexpr int kCOff = Ring::kRingEnd;  // 1024-aligned, as the swizzled staging tile needs
+  static constexpr int kCBytes = TmaStaging<kBlockN>::kBytes;
+  static constexpr int kSaBytes = Ring::kBlockM * 4;  // one fp32 scale per tile row and stage
+  static constexpr int kSaOff = kCOff + kCBytes;
+  static constexpr int kBarOff = kSaOff + kNumStages * kSaBytes;
+  static constexpr int kOffsOff = kBarOff + (2 * kNumStages + 2) * 8;
+  static constexpr int kTileOff = kOffsOff + (kMaxGroups + 1) * 4;
+  static constexpr int kEnd = kTileOff + (kMaxGroups + 1) * 4;
+  static constexpr int kSmemBytes = kEnd + 1024;
+  static constexpr int kStageTxBytes = Ring::kABytes + Ring::kBBytes + kSaBytes;
+  static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
+  static_assert(kBlockN == 128, "B's scales are per 128 columns: one sb value per tile and k-block");
+  static_assert(kSaOff % 128 == 0 && kSaBytes % 128 == 0, "TMA destinations are 128-byte aligned");
+};
+
+template <int kBlockN, int kNumStages>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    m_grouped_fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                              const __grid_constant__ CUtensorMap tmap_sa, const __grid_constant__ CUtensorMap tmap_d,
+                              const MGroupedFp8Params p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using L = MGroupedFp8Layout<kBlockN, kNumStages>;
+  constexpr int kBlockM = L::kBlockM;
+  constexpr int kBlockK = L::kBlockK;
+  using Mma = ptx::WgmmaFp8E4m3<kBlockN>;
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
+  uint64_t* empty_bar = full_bar + kNumStages;
+  int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
+  int32_t* s_tile = reinterpret_cast<int32_t*>(smem + L::kTileOff);
+  const float* s_sa = reinterpret_cast<const float*>(smem + L::kSaOff);
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int num_groups = p.num_groups;
+  const int n_blocks = ceil_div(p.n, kBlockN);
+  const int num_k_blocks = ceil_div(p.k, kBlockK);
+
+  // ---- prologue: offsets check, barriers, per-group tile starts (bad offsets leave the tile list empty).
+  const bool bad_offsets =
+      common::group_offsets_invalid(p.group_offsets, num_groups, p.m_total, p.check, common::kCheckMGroupedOffsets);
+  kernel_prologue<kNumStages>(full_bar, empty_bar, 1, kNumConsumerThreads / 32, &tmap_a, &tmap_b, &tmap_sa, &tmap_d);
+  load_group_offsets(p.group_offsets, num_groups, s_offs);
+  if (warp == 0) m_grouped_tile_starts<kBlockM>(s_offs, s_tile, num_groups, n_blocks, bad_offsets, lane);
+  __syncthreads();
+
+  const int num_units = s_tile[num_groups];
+  const int unit_step = (int)gridDim.x;
+  auto locate = [&](int u, int& g) -> MGroupedWork {
+    return m_grouped_locate<kBlockM>(s_offs, s_tile, n_blocks, kBlockN, u, g);
+  };
+
+  if (warp < 4) {
+    // ================= producer warpgroup =================
+    ptx::setmaxnreg_dec<kProducerRegs>();
+    if (warp == 0 && lane == 0) {
+      const uint64_t pol_b = l2_policy_reused_loads(p.l2_hints);
+      int stage = 0;
+      uint32_t phase = 0;
+      int g = 0;
+      for (int u = (int)ptx::ctaid_x_volatile(); u < num_units; u += unit_step) {
+        const MGroupedWork w = locate(u, g);
+        for (int kb = 0; kb < num_k_blocks; ++kb) {
+          ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+          ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kStageTxBytes);
+          ptx::tma_load_2d(smem + L::kAOff + stage * L::kABytes, &tmap_a, &full_bar[stage], kb * kBlockK, w.row0);
+          ptx::tma_load_3d_hint(smem + L::kBOff + stage * L::kBBytes, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0,
+                                w.b_group, pol_b);
+          // rows past M_total arrive as zeros (their products are never stored)
+          ptx::tma_load_2d(smem + L::kSaOff + stage * L::kSaBytes, &tmap_sa, &full_bar[stage], w.row0, kb);
+          advance_stage<kNumStages>(stage, phase);
+        }
+      }
+    }
+    // Other producer-warpgroup threads have nothing to do (the epilogue is the consumers' TMA store).
+  } else {
+    // ================= consumer warpgroups =================
+    ptx::setmaxnreg_inc<kConsumerRegs>();
+    const int wg = (warp >> 2) - 1;  // 0 or 1: rows [64*wg, 64*wg + 64) of the tile
+    const int wg_tid = tid - 128 * (wg + 1);
+    // this thread's accumulator rows within the tile: r and r + 8 (wgmma's m64 fragment)
+    const int frag_row = 64 * wg + 16 * ((wg_tid >> 5) & 3) + (lane >> 2);
+    const StageDescHalves desc = k_major_stage_descs(smem + L::kAOff, smem + L::kBOff, wg);
+
+    float acc[kBlockN / 2];
+    float part[kBlockN / 2];
+    int stage = 0;
+    uint32_t phase = 0;
+    int g = 0;
+    const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kBlockN>::kHalfBytes;
+    for (int u = (int)ptx::ctaid_x_volatile(); u < num_units; u += unit_step) {
+      const MGroupedWork w = locate(u, g);
+      // A warpgroup whose 64 rows all lie past the group's end (a tail m-block) only keeps the pipeline moving.
+      const bool active = w.row0 + 64 * wg < w.row_end;
+      const float* sb_tile = p.sb + w.b_group * p.sb_group_stride + (w.n0 / kBlockN) * p.sb_n_stride;
+      auto block_scale_b = [&](int kb) -> float { return __ldg(sb_tile + kb); };
+      auto row_scales = [&](int s_, float& lo, float& hi) {
+        const float* sa = s_sa + s_ * kBlockM + frag_row;
+        lo = sa[0];
+        hi = sa[8];
+      };
+      auto release = [&](int s_) {
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
+      };
+      consumer_tile_mainloop_promoted<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes>(
+          acc, part, active, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0, desc.b_hi,
+          block_scale_b, row_scales, release);
+      if (active)
+        store_acc_half_async<kBlockN>(acc, stg_half, wg, wg_tid, &tmap_d, w.row0 + 64 * wg, w.row_end, w.n0, p.n,
+                                      p.l2_hints, p.d, p.ldd);
+    }
+    if (wg_tid == 0) ptx::bulk_wait_group<0>();  // stores complete before the CTA's shared memory goes away
+  }
+#endif
+}
+
+}  // namespace sm90
+}  // namespace prime_kernels

@@ -1,0 +1,94 @@
+// Host check of the FP8 m-grouped GEMM's argument validation (csrc/sm90/grouped_gemm_fp8.hpp), run by
+// tests/test_grouped_gemm_fp8.py with the host C++ compiler alone: a valid call passes, and each bad argument fails
+// with kGemmInvalidArgument and a message naming it, before anything would touch a device. Prints "ok <cases>" or
+// the first failure, and exits non-zero on a failure.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+
+#include "sm90/grouped_gemm_fp8.hpp"
+
+using namespace prime_kernels::sm90;
+
+namespace {
+
+alignas(16) unsigned char g_buf[4096];
+
+MGroupedFp8GemmArgs valid() {
+  MGroupedFp8GemmArgs x;
+  x.a = g_buf;
+  x.lda = 256;
+  x.sa = reinterpret_cast<const float*>(g_buf);
+  x.ld_sa = 100;
+  x.b = g_buf;
+  x.ldb = 256;
+  x.b_group_stride = 384 * 256;
+  x.sb = reinterpret_cast<const float*>(g_buf);
+  x.sb_n_stride = 2;
+  x.sb_group_stride = 3 * 2;
+  x.d = g_buf;
+  x.ldd = 384;
+  x.group_offsets = reinterpret_cast<const int32_t*>(g_buf);
+  x.num_groups = 4;
+  x.m_total = 99;
+  x.n = 384;
+  x.k = 256;
+  return x;
+}
+
+int g_cases = 0;
+
+void expect(const char* what, const std::function<void(MGroupedFp8GemmArgs&)>& edit, int want_rc,
+            const char* want_text) {
+  MGroupedFp8GemmArgs x = valid();
+  edit(x);
+  char err[512];
+  std::memset(err, 'x', sizeof(err));
+  const int rc = host::check_m_grouped_fp8_args(x, err, sizeof(err));
+  ++g_cases;
+  if (rc != want_rc || (want_text != nullptr && std::strstr(err, want_text) == nullptr)) {
+    std::printf("FAIL %s: rc %d (want %d), message '%s' (want '%s')\n", what, rc, want_rc, rc ? err : "",
+                want_text ? want_text : "");
+    std::exit(1);
+  }
+}
+
+}  // namespace
+
+int main() {
+  const int bad = kGemmInvalidArgument;
+  GroupedGemmConfig other = m_grouped_fp8_gemm_config(0, 0, 0, 1);
+  other.block_k = 64;
+  expect("valid", [](MGroupedFp8GemmArgs&) {}, kGemmOk, nullptr);
+  expect("m_total 0 needs no pointers", [](MGroupedFp8GemmArgs& x) { x.m_total = 0; x.a = x.b = nullptr; x.sa = nullptr; },
+         kGemmOk, nullptr);
+  expect("one group ignores the group strides",
+         [](MGroupedFp8GemmArgs& x) { x.num_groups = 1; x.b_group_stride = 0; x.sb_group_stride = 0; }, kGemmOk, nullptr);
+  expect("no groups", [](MGroupedFp8GemmArgs& x) { x.num_groups = 0; }, bad, "num_groups = 0");
+  expect("too many groups", [](MGroupedFp8GemmArgs& x) { x.num_groups = 1025; }, bad, "num_groups = 1025");
+  expect("negative m_total", [](MGroupedFp8GemmArgs& x) { x.m_total = -1; }, bad, "bad sizes");
+  expect("k below 128", [](MGroupedFp8GemmArgs& x) { x.k = 64; x.lda = x.ldb = 64; }, bad, "bad sizes");
+  expect("k not a multiple of 128", [](MGroupedFp8GemmArgs& x) { x.k = 200; }, bad, "multiple of 128");
+  expect("n not a multiple of 8", [](MGroupedFp8GemmArgs& x) { x.n = 100; }, bad, "n (100) must be a multiple of 8");
+  expect("ldd below n", [](MGroupedFp8GemmArgs& x) { x.ldd = 200; }, bad, "ldd = 200");
+  expect("other config", [&](MGroupedFp8GemmArgs& x) { x.config = &other; }, bad, "unsupported config");
+  expect("null sa", [](MGroupedFp8GemmArgs& x) { x.sa = nullptr; }, bad, "null a, sa, b, sb, d or group_offsets");
+  expect("null sb", [](MGroupedFp8GemmArgs& x) { x.sb = nullptr; }, bad, "null");
+  expect("null offsets", [](MGroupedFp8GemmArgs& x) { x.group_offsets = nullptr; }, bad, "null");
+  expect("misaligned a", [](MGroupedFp8GemmArgs& x) { x.a = g_buf + 8; }, bad, "16-byte aligned");
+  expect("misaligned sa", [](MGroupedFp8GemmArgs& x) { x.sa = reinterpret_cast<const float*>(g_buf + 4); }, bad,
+         "16-byte aligned");
+  expect("misaligned sb", [](MGroupedFp8GemmArgs& x) { x.sb = reinterpret_cast<const float*>(g_buf + 2); }, bad,
+         "sb must be 4-byte aligned");
+  expect("lda below k", [](MGroupedFp8GemmArgs& x) { x.lda = 128; }, bad, "lda = 128");
+  expect("lda not a multiple of 16", [](MGroupedFp8GemmArgs& x) { x.lda = 264; }, bad, "lda = 264");
+  expect("ldb not a multiple of 16", [](MGroupedFp8GemmArgs& x) { x.ldb = 260; }, bad, "ldb = 260");
+  expect("b_group_stride too small", [](MGroupedFp8GemmArgs& x) { x.b_group_stride = 256; }, bad, "b_group_stride");
+  expect("ld_sa below m_total", [](MGroupedFp8GemmArgs& x) { x.ld_sa = 96; }, bad, "ld_sa = 96");
+  expect("ld_sa not a multiple of 4", [](MGroupedFp8GemmArgs& x) { x.ld_sa = 102; }, bad, "ld_sa = 102");
+  expect("sb_n_stride below k / 128", [](MGroupedFp8GemmArgs& x) { x.sb_n_stride = 1; }, bad, "sb_n_stride = 1");
+  expect("sb_group_stride too small", [](MGroupedFp8GemmArgs& x) { x.sb_group_stride = 5; }, bad, "sb_group_stride = 5");
+  std::printf("ok %d\n", g_cases);
+  return 0;
+}

@@ -1,0 +1,270 @@
+"""The sm90 blockwise-FP8 m-grouped GEMM (m_grouped_fp8_gemm_nt) against a float64 evaluation of the same quantized
+operands, plus its argument checks: the C++ launcher's (compiled with the host compiler alone), the CPU op's and the
+CUDA op's.
+
+Accuracy bound (GPU tests): the kernel and the float64 evaluation see the same e4m3 values and fp32 scales, so they
+differ only by (1) the bf16 rounding of the output, at most 2^-9 ~ 1.95e-3 relative per element (about 1.1e-3 in
+the norm for uniformly spread rounding errors), (2) the tensor core's accumulation of one 128-K block's e4m3
+products with fewer mantissa bits than fp32 (the reason for the per-block promotion: with 14 kept bits and 128 terms
+of mixed signs, a few 1e-4 relative), and (3) the fp32 sum of the promoted blocks (~1e-7 per add). 4e-3 in the
+norm covers all three with room; an indexing or scaling bug (a wrong scale row, a block scaled twice, a missed
+block) gives errors of order 1e-1 and above.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import prime_kernels
+from conftest import requires_sm90
+from prime_kernels.grouped_gemm import k_block_major_scales, m_grouped_fp8_gemm_reference
+
+REPO = Path(__file__).resolve().parent.parent
+CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+E4M3_MAX = 448.0
+BOUND = 4e-3
+SPECIAL = [0, 1, 7, 127, 128, 129, 255, 1000]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> e4m3 [M, K] and fp32 scales [M, K / 128] (one per row per 128 of K): x ~ q * s."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 128, 128)
+    s = (blocks.abs().amax(-1) / E4M3_MAX).clamp_min(1e-12)
+    q = (blocks / s[..., None]).to(torch.float8_e4m3fn).view(m, k)
+    return q, s
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> e4m3 [E, N, K] and fp32 scales [E, ceil(N / 128), K / 128] (one per 128 x 128 block)."""
+    e, n, k = w.shape
+    nb = (n + 127) // 128
+    pad = torch.zeros(e, nb * 128, k, dtype=torch.float32)
+    pad[:, :n] = w.float()
+    blocks = pad.view(e, nb, 128, k // 128, 128)
+    s = (blocks.abs().amax(dim=(2, 4)) / E4M3_MAX).clamp_min(1e-12)
+    q = (blocks / s[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, nb * 128, k)[:, :n].contiguous()
+    return q, s
+
+
+def group_sizes(E: int, kind: str, gen: torch.Generator) -> list[int]:
+    if kind == "single_row":  # M_total = 1: one group of one row, the others empty
+        return [1 if g == E // 2 else 0 for g in range(E)]
+    if kind == "uniform":
+        return [int(v) for v in torch.randint(40, 90, (E,), generator=gen)]
+    if kind == "special":  # empty groups, one row, odd counts, an m-block boundary on each side
+        rand = torch.randint(0, 300, (E,), generator=gen).tolist()
+        return [SPECIAL[i] if i < len(SPECIAL) else rand[i] for i in range(E)]
+    if kind == "skewed":  # Zipf-like: a few large groups, many tiny or empty
+        pop = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.1
+        pop = pop[torch.randperm(E, generator=gen)]
+        return torch.round(pop / pop.sum() * 80 * E).long().tolist()
+    raise ValueError(kind)
+
+
+def offsets_of(sizes: list[int], device) -> torch.Tensor:
+    offs = torch.zeros(len(sizes) + 1, dtype=torch.int32)
+    offs[1:] = torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 0).to(torch.int32)
+    return offs.to(device)
+
+
+def make_inputs(E: int, sizes: list[int], N: int, K: int, seed: int):
+    """Fresh random operands, quantized by the recipe (CPU tensors)."""
+    gen = torch.Generator().manual_seed(seed)
+    M = sum(sizes)
+    x = torch.randn(M, K, generator=gen) * torch.exp(torch.randn(M, 1, generator=gen))  # rows of different scale
+    w = torch.randn(E, N, K, generator=gen) / K ** 0.5
+    a, sa = quantize_rows(x)
+    b, sb = quantize_blocks(w)
+    return M, a, sa, b, sb
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def poison_next_alloc(numel: int, dtype: torch.dtype) -> None:
+    """Leave a NaN-filled block of exactly this size in the caching allocator: the op's output of the same size on the
+    same stream reuses it, so an unwritten element shows as NaN."""
+    block = torch.full((numel,), float("nan"), dtype=dtype, device="cuda")
+    del block
+
+
+# --------------------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.skipif(CXX is None, reason="no host C++ compiler (c++, g++, clang++) on PATH")
+def test_launcher_argument_checks_on_the_host(tmp_path):
+    """The launcher's checks (csrc/sm90/grouped_gemm_fp8.hpp) run before anything touches a device: compiled here
+    without CUDA, every bad argument fails with a message that names it."""
+    exe = tmp_path / "fp8_gemm_args_check"
+    build = subprocess.run([CXX, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(REPO / "csrc"),
+                            str(REPO / "tests" / "cpp" / "fp8_gemm_args_check.cpp"), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_cpu_op_passes_opcheck():
+    sizes = [3, 0, 9, 4]
+    M, a, sa, b, sb = make_inputs(4, sizes, 136, 256, seed=0)
+    # test_schema is left out: its mutation check does arithmetic on every input, which torch has no CPU kernel for
+    # on float8_e4m3fn (the op's schema mutates nothing).
+    torch.library.opcheck(torch.ops.prime_kernels.m_grouped_fp8_gemm_nt.default, (a, sa, b, sb, offsets_of(sizes, "cpu")),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_cpu_emulation_is_within_the_bound_of_float64():
+    """The fp32 emulation (the kernel's order, bf16 out) against the float64 product of the dequantized operands."""
+    sizes = [5, 0, 130, 1, 77]
+    M, a, sa, b, sb = make_inputs(5, sizes, 264, 384, seed=1)
+    offs = offsets_of(sizes, "cpu")
+    out = prime_kernels.m_grouped_fp8_gemm_nt(a, sa, b, sb, offs)
+    assert out.dtype == torch.bfloat16 and out.shape == (M, 264)
+    ref = m_grouped_fp8_gemm_reference(a, sa, b, sb, offs, torch.float64)
+    assert rel_err(out, ref) < BOUND
+
+
+def test_m_total_zero_gives_an_empty_output():
+    _, a, sa, b, sb = make_inputs(2, [0, 0], 128, 128, seed=2)
+    out = prime_kernels.m_grouped_fp8_gemm_nt(a, sa, b, sb, offsets_of([0, 0], "cpu"))
+    assert out.shape == (0, 128) and out.dtype == torch.bfloat16
+
+
+def test_k_block_major_scales():
+    """sa becomes K-block major (stride(0) 1, stride(1) a multiple of 4 >= M) with the same values; an sa laid out so
+    already is returned as it is."""
+    for m, kb in ((1, 3), (5, 2), (8, 1), (130, 16)):
+        sa = torch.rand(m, kb)
+        t = k_block_major_scales(sa)
+        assert torch.equal(t, sa)
+        assert (m <= 1 or t.stride(0) == 1) and (kb == 1 or (t.stride(1) % 4 == 0 and t.stride(1) >= m))
+        assert k_block_major_scales(t).data_ptr() == t.data_ptr()
+
+
+def _bad_calls():
+    sizes = [40, 24]
+    M, a, sa, b, sb = make_inputs(2, sizes, 256, 256, seed=3)
+    offs = offsets_of(sizes, "cpu")
+    return {
+        "a not e4m3": ((a.float(), sa, b, sb, offs), "float8_e4m3fn"),
+        "b not e4m3": ((a, sa, b.to(torch.float8_e5m2), sb, offs), "float8_e4m3fn"),
+        "sa not fp32": ((a, sa.double(), b, sb, offs), "float32"),
+        "offsets not int32": ((a, sa, b, sb, offs.long()), "int32"),
+        "groups mismatch": ((a, sa, b[:1], sb[:1], offs), "groups"),
+        "K mismatch": ((a, sa, b[:, :, :128], sb[:, :, :1], offs), "K"),
+        "K not a multiple of 128": ((a[:, :200], sa, b[:, :, :200].contiguous(), sb, offs), "multiple of 128"),
+        "sa shape": ((a, sa[:, :1], b, sb, offs), r"sa must be \[M, ceil\(K / 128\)\]"),
+        "sb shape": ((a, sa, b, sb[:, :1], offs), r"sb must be \[E, ceil\(N / 128\), ceil\(K / 128\)\]"),
+        "offsets past rows": ((a, sa, b, sb, torch.tensor([0, 40, M + 1], dtype=torch.int32)), "non-decreasing"),
+        "offsets decreasing": ((a, sa, b, sb, torch.tensor([0, 50, 40], dtype=torch.int32)), "non-decreasing"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_cpu_op_rejects_bad_arguments(case):
+    args, match = _bad_calls()[case]
+    with pytest.raises((RuntimeError, TypeError), match=match):
+        prime_kernels.m_grouped_fp8_gemm_nt(*args)
+
+
+def test_num_sms_argument_is_checked():
+    _, a, sa, b, sb = make_inputs(1, [8], 128, 128, seed=4)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="num_sms"):
+            prime_kernels.m_grouped_fp8_gemm_nt(a, sa, b, sb, offsets_of([8], "cpu"), num_sms=bad)
+
+
+def test_status_lists_the_fp8_gemm_as_not_yet_verified():
+    from prime_kernels import _status
+
+    st = prime_kernels.status()
+    key = "m_grouped_gemm_nt.fp8.sm90"
+    assert isinstance(st[key], str) and st[key]
+    assert "not yet run on a GPU" in _status.unverified()[key]
+    if not torch.cuda.is_available():
+        assert st[key] == "no CUDA device"
+
+
+# --------------------------------------------------------------------------------------------- GPU
+
+# (E, kind, N, K): the Qwen3 layer shapes at small M (30B: H=2048, I=768; 235B: H=4096, I=1536; L1 is [2I, H],
+# L2 [H, I]), plus one group with a ragged N and the smallest K, many groups, and M_total = 1.
+CASES = [(8, "uniform", 1536, 2048), (8, "skewed", 2048, 768), (8, "special", 1536, 2048), (8, "special", 2048, 768),
+         (4, "uniform", 3072, 4096), (4, "special", 4096, 1536), (1, "uniform", 136, 128), (128, "skewed", 264, 256),
+         (4, "single_row", 2048, 768)]
+
+
+@requires_sm90
+@pytest.mark.parametrize("E,kind,N,K", CASES)
+def test_fp8_gemm_matches_float64(E, kind, N, K):
+    gen = torch.Generator().manual_seed(E * 100 + N + K)
+    sizes = group_sizes(E, kind, gen)
+    M, a, sa, b, sb = make_inputs(E, sizes, N, K, seed=E * 7 + N + K + len(kind))
+    offs = offsets_of(sizes, "cuda")
+    # sa made K-block major here, so that the op allocates nothing before its output (which takes the NaN block)
+    ac, sac, bc, sbc = a.cuda(), k_block_major_scales(sa.cuda()), b.cuda(), sb.cuda()
+    poison_next_alloc(M * N, torch.bfloat16)
+    out = prime_kernels.m_grouped_fp8_gemm_nt(ac, sac, bc, sbc, offs)
+    torch.cuda.synchronize()
+    assert out.shape == (M, N) and out.dtype == torch.bfloat16
+    if M == 0:
+        return
+    assert not torch.isnan(out).any(), "rows inside groups left unwritten"
+    ref = m_grouped_fp8_gemm_reference(a, sa, b, sb, offs.cpu(), torch.float64)
+    err = rel_err(out.cpu(), ref)
+    assert err <= BOUND, f"rel err {err:.3e}"
+    again = prime_kernels.m_grouped_fp8_gemm_nt(ac, sac, bc, sbc, offs)
+    assert torch.equal(out, again), "not deterministic"
+    capped = prime_kernels.m_grouped_fp8_gemm_nt(ac, sac, bc, sbc, offs, num_sms=7)
+    assert torch.equal(out, capped), "num_sms=7 differs from every SM"
+
+
+@requires_sm90
+def test_fp8_gemm_m_total_zero_launches_nothing():
+    _, a, sa, b, sb = make_inputs(3, [0, 0, 0], 256, 256, seed=5)
+    out = prime_kernels.m_grouped_fp8_gemm_nt(a.cuda(), sa.cuda(), b.cuda(), sb.cuda(), offsets_of([0, 0, 0], "cuda"))
+    torch.cuda.synchronize()
+    assert out.shape == (0, 256)
+
+
+@requires_sm90
+def test_fp8_gemm_bad_group_offsets_write_nothing_and_are_reported():
+    sizes = [100, 0, 300, 57]
+    M, a, sa, b, sb = make_inputs(4, sizes, 256, 256, seed=6)
+    good = offsets_of(sizes, "cpu").tolist()
+    a, sa, b, sb = a.cuda(), k_block_major_scales(sa.cuda()), b.cuda(), sb.cuda()
+    for bad in ([0, good[3], good[1]] + good[3:], good[:-1] + [M + 1], [-128] + good[1:]):
+        offs = torch.tensor(bad, dtype=torch.int32, device="cuda")
+        poison_next_alloc(M * 256, torch.bfloat16)
+        out = prime_kernels.m_grouped_fp8_gemm_nt(a, sa, b, sb, offs)
+        torch.cuda.synchronize()
+        assert out.isnan().all(), f"bad offsets {bad} wrote something"
+        with pytest.raises(RuntimeError, match="m-grouped GEMM's group_offsets are not non-decreasing"):
+            prime_kernels.check_device_errors()
+        prime_kernels.check_device_errors()  # reported once, then cleared
+
+
+@requires_sm90
+def test_fp8_gemm_bad_cuda_inputs_raise_before_launch():
+    sizes = [40, 24]
+    M, a, sa, b, sb = make_inputs(2, sizes, 256, 256, seed=7)
+    a, sa, b, sb, offs = a.cuda(), sa.cuda(), b.cuda(), sb.cuda(), offsets_of(sizes, "cuda")
+    op = torch.ops.prime_kernels.m_grouped_fp8_gemm_nt
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        op(a.float(), sa, b, sb, offs)
+    with pytest.raises(RuntimeError, match="K-block major"):
+        op(a, sa.contiguous(), b, sb, offs)  # row-major sa is what the Python wrapper converts, not the op
+    sak = k_block_major_scales(sa)
+    with pytest.raises(RuntimeError, match="multiple of 128"):
+        op(a[:, :192].contiguous(), sak, b[:, :, :192].contiguous(), sb, offs)
+    with pytest.raises(RuntimeError, match=r"sb must be \[E"):
+        op(a, sak, b, sb[:, :, :1], offs)
+    with pytest.raises(RuntimeError, match="ld_sa"):  # a stride between k-blocks that TMA cannot use
+        op(a, torch.empty(2, M + 2, device="cuda")[:, :M].t(), b, sb, offs)
