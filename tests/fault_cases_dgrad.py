@@ -213,22 +213,8 @@ def _repeat():
     _dgrad_or_skip()
     st = _state(512, 16, 256, 256, 4, seed=40, skewed=True)
     rows = int(st[4][-1])
-    first = _cut(_dgrad(st), rows)
-    torch.cuda.synchronize()
-    bad = torch.zeros((), dtype=torch.int64, device="cuda")
     sms = (None, 7, 1, 64)
-    mem = {}
-    for i in range(2000):
-        out = _cut(_dgrad(st, num_sms=sms[i % len(sms)]), rows)
-        bad += torch.stack([torch.ne(a, b).any() for a, b in zip(out, first)]).sum()
-        del out
-        if i in (20, 500, 1000, 1999):
-            torch.cuda.synchronize()
-            mem[i] = torch.cuda.memory_allocated()
-    n_bad = int(bad.item())
-    assert n_bad == 0, f"{n_bad} outputs over 2000 calls differ from the first call's"
-    assert len(set(mem.values())) == 1, f"memory_allocated grew: {mem}"
-    return f"2000 calls bitwise equal, memory_allocated flat at {mem[20]} bytes"
+    return fc.repeat_bitwise(lambda i: _cut(_dgrad(st, num_sms=sms[i % len(sms)]), rows))
 
 
 @case("dgrad_cuda_graph_equals_eager", 120)
@@ -270,17 +256,8 @@ def _graph():
 _DGRAD_WAIT_WORDS = ("timed out", "CUDA context is lost", "mega_moe_bwd_dgrad_kernel",
                      "L1-dgrad tile waits for its m-block's L2-dgrad tiles", "expected", "observed")
 
-_DGRAD_WAIT_CHILD = r"""
-import sys, time
-import torch, prime_kernels
+_DGRAD_WAIT_CHILD = fc.CHILD_PRELUDE + r"""
 from prime_kernels.mega._fused_bwd import dgrad
-texts = []
-def attempt(label, fn):
-    try:
-        fn()
-        texts.append(f"{label}: no error")
-    except Exception as exc:
-        texts.append(f"{label}: {type(exc).__name__}: {exc}")
 M, H, I = 128, 2048, 256
 g = torch.Generator(device="cuda").manual_seed(0)
 args = (torch.randn(M, H, generator=g, device="cuda").bfloat16(),

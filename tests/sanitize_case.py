@@ -98,6 +98,20 @@ def layer_part():
         _done("layer fwd clamp=0.5 (fused)")
 
 
+def _close_swiglu_bwd(name, got, dy_pool, w2, offs, h, route, topk_weights):
+    """(dh, w * s, dt_part) of an L2 dgrad with the SwiGLU backward against the CPU references."""
+    from prime_kernels import grouped_gemm as gg
+    from prime_kernels.swiglu import swiglu_bwd_reference
+
+    dh, aw, dt_part = got
+    da = gg.m_grouped_gemm_reference(dy_pool.cpu(), w2.cpu(), offs.cpu(), False, torch.float32, round_output=False)
+    dh_ref, aw_ref, dt_ref = swiglu_bwd_reference(h.cpu(), da, route.cpu(), topk_weights.cpu(),
+                                                  torch.tensor([dy_pool.shape[0]], dtype=torch.int32))
+    _close(f"{name} dh", dh, dh_ref)
+    _close(f"{name} w*s", aw, aw_ref)
+    _close(f"{name} dt", dt_part.cpu().sum(1), dt_ref)
+
+
 def ops_part():
     import prime_kernels
     from prime_kernels import grouped_gemm as gg
@@ -159,13 +173,7 @@ def ops_part():
     dy_pool = rnd(M, H)
     dh, aw, dt_part = gg.m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offs, h, route, topk_weights)
     if READBACK:  # the reference reads the kernel's h (TMA-stored): see _close
-        da = gg.m_grouped_gemm_reference(dy_pool.cpu(), w2.cpu(), offs.cpu(), False, torch.float32,
-                                         round_output=False)
-        dh_ref, aw_ref, dt_ref = swiglu_bwd_reference(h.cpu(), da, route.cpu(), topk_weights.cpu(),
-                                                      torch.tensor([M], dtype=torch.int32))
-        _close("swiglu bwd dh", dh, dh_ref)
-        _close("swiglu bwd w*s", aw, aw_ref)
-        _close("swiglu bwd dt", dt_part.cpu().sum(1), dt_ref)
+        _close_swiglu_bwd("swiglu bwd", (dh, aw, dt_part), dy_pool, w2, offs, h, route, topk_weights)
     _done("m_grouped_bf16_gemm_swiglu_bwd")
 
     ka, kb = rnd(M, 128), rnd(M, 256)
@@ -222,7 +230,6 @@ def dgrad_part(required: bool):
     from prime_kernels import _status
     from prime_kernels import grouped_gemm as gg
     from prime_kernels.mega import _fused_bwd
-    from prime_kernels.swiglu import swiglu_bwd_reference
 
     if DEVICE == "cuda":
         why = _status.runnable(_fused_bwd.STATUS_KEY)
@@ -260,13 +267,7 @@ def dgrad_part(required: bool):
         for cap in caps:
             dh, aw, dt_part, dx = _dgrad(dy_pool, w13, w2, h, offs, route, tw, num_sms=cap)
             if READBACK:
-                da = gg.m_grouped_gemm_reference(dy_pool.cpu(), w2.cpu(), offs.cpu(), False, torch.float32,
-                                                 round_output=False)
-                dh_ref, aw_ref, dt_ref = swiglu_bwd_reference(h.cpu(), da, route.cpu(), tw.cpu(),
-                                                              torch.tensor([M], dtype=torch.int32))
-                _close("dgrad dh", dh, dh_ref)
-                _close("dgrad w*s", aw, aw_ref)
-                _close("dgrad dt", dt_part.cpu().sum(1), dt_ref)
+                _close_swiglu_bwd("dgrad", (dh, aw, dt_part), dy_pool, w2, offs, h, route, tw)
                 _close("dgrad dx", dx, gg.m_grouped_gemm_reference(dh.cpu(), w13.cpu(), offs.cpu(), False))
             _done(f"mega_moe_bwd_dgrad (groups {list(sizes)}, H={H}, I={I}, num_sms={cap})")
 
