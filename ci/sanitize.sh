@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs compute-sanitizer's memcheck, racecheck, synccheck and initcheck on tests/sanitize_case.py (a small fused
-# forward + backward and every grouped-GEMM / combine / dispatch op on ragged groups) and prints one line per tool:
+# forward + backward, every grouped-GEMM / combine / dispatch op on ragged groups, and the fused backward's dgrad
+# kernel) and prints one line per tool:
 #   memcheck: 0 errors
 #   racecheck: 0 errors (0 warnings)
 # Exits nonzero when any tool reports an error, times out, or the case did not run to its end.
@@ -11,7 +12,8 @@
 #   PYTHON                 the interpreter that has torch and prime_kernels (default python3)
 #   COMPUTE_SANITIZER      the tool (default: PATH, then /usr/local/cuda/bin, then the newest /usr/local/cuda-*)
 #   PK_SANITIZE_TIMEOUT    seconds per tool (default 900)
-#   PK_SANITIZE_PART       all | layer | ops: which part of the case (default all)
+#   PK_SANITIZE_PART       all | layer | ops | dgrad: which part of the case (default all; ops includes dgrad,
+#                          dgrad alone fails where the dgrad kernel cannot run)
 #   PK_SANITIZE_LOG_DIR    where the full reports go (default /tmp/pk_sanitize)
 #   PK_SANITIZE_ARGS       extra compute-sanitizer arguments for every tool
 set -uo pipefail

@@ -6,7 +6,8 @@ Classes: bad input (T = 0 on each backend, activation_clamp <= 0 / not finite, a
 group_offsets in every grouped GEMM, out-of-range index values in every raw op, E beyond the fused kernel under
 "auto", bad block_m), concurrency (the layer on several streams at once beside a large matmul, 2,000 back-to-back
 calls, a CUDA graph), forward progress (the layer while a helper kernel holds all SMs but k) and the wait
-watchdog (a raw op that waits forever must trap, and the error must say so).
+watchdog (a raw op that waits forever must trap, and the error must say so). The same classes for the fused
+backward's dgrad kernel are in tests/fault_cases_dgrad.py (case names start with "dgrad_").
 
 Conventions: a case returns a short note or raises (AssertionError for a wrong result); ``Skip`` says the case
 cannot run here and why. An error "rejected" means a Python exception (ValueError, TypeError or RuntimeError)
@@ -646,21 +647,27 @@ def _three_streams():
 def _repeat():
     _need_cuda()
     prob = _problem(512, 16, 256, 256, 4, seed=40, skewed=True)
-    first = _layer(*prob)
+    return repeat_bitwise(lambda i: _layer(*prob))
+
+
+def repeat_bitwise(call, n: int = 2000) -> str:
+    """call(i) for i = 0 .. n - 1 back to back (differences counted on the device, no sync per call): every output
+    bitwise equal to those of a first call, and memory_allocated flat from call 20 on. Returns the note."""
+    first = call(0)
     torch.cuda.synchronize()
     bad = torch.zeros((), dtype=torch.int64, device="cuda")
     mem = {}
-    for i in range(2000):
-        out = _layer(*prob)
+    for i in range(n):
+        out = call(i)
         bad += torch.stack([torch.ne(a, b).any() for a, b in zip(out, first)]).sum()
         del out
-        if i in (20, 500, 1000, 1999):
+        if i in (20, n // 4, n // 2, n - 1):
             torch.cuda.synchronize()
             mem[i] = torch.cuda.memory_allocated()
     n_bad = int(bad.item())
-    assert n_bad == 0, f"{n_bad} outputs over 2000 calls differ from the first call's"
+    assert n_bad == 0, f"{n_bad} outputs over {n} calls differ from the first call's"
     assert len(set(mem.values())) == 1, f"memory_allocated grew: {mem}"
-    return f"2000 calls bitwise equal, memory_allocated flat at {mem[20]} bytes"
+    return f"{n} calls bitwise equal, memory_allocated flat at {mem[20]} bytes"
 
 
 @case("cuda_graph_fwd_bwd_equals_eager", 180)
@@ -845,25 +852,20 @@ class SmOccupier:
         self.cu.cuModuleUnload(self.module)
 
 
-def _forward_progress(k: int):
-    _need_cuda()
-    from prime_kernels.mega import mega_moe
-
+def free_sms_or_skip(k: int) -> int:
+    """The GPU's SM count; Skip when it does not have more than k."""
     n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     if k >= n_sm:
         raise Skip(f"k={k} >= the GPU's {n_sm} SMs")
-    x, idx, w, w13, w2, dy = _problem(2048, 32, 1024, 512, 4, seed=60)
-    stream = torch.cuda.Stream()
+    return n_sm
 
-    def run(num_sms):
-        with torch.cuda.stream(stream):
-            leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
-            y = mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], num_sms=num_sms)
-            out = (y.detach(), *torch.autograd.grad(y, leaves, dy))
-            done = torch.cuda.Event()
-            done.record(stream)
-            return out, done
 
+def progress_beside_helper(k: int, run, what: str) -> str:
+    """``run(num_sms)`` -> (outputs, an event recorded after them), queued on a stream of its own without
+    synchronising, must complete with num_sms = k and the default while a helper holds all SMs but k, and give the
+    outputs of its solo runs bit for bit (so do the solo runs with k and the default). ``what`` names the work in
+    messages. Returns the note."""
+    n_sm = free_sms_or_skip(k)
     # Solo runs first: the reference results, and every kernel loaded and the caching allocator holding free
     # blocks for two more runs, so that the runs beside the helper need no module load or cudaMalloc (either may
     # synchronise the device, which would wait for the helper).
@@ -894,10 +896,10 @@ def _forward_progress(k: int):
                     break
                 time.sleep(0.002)
             if not ok:
-                raise AssertionError(f"num_sms={ns}: forward+backward did not complete in 60 s while {n_sm - k} of "
+                raise AssertionError(f"num_sms={ns}: {what} did not complete in 60 s while {n_sm - k} of "
                                      f"{n_sm} SMs were held (the helper was then released)")
             if not occ.holding():
-                raise AssertionError("the helper left by its own time bound before the layer finished: not a test "
+                raise AssertionError(f"the helper left by its own time bound before {what} finished: not a test "
                                      "of forward progress")
             notes.append(f"num_sms={ns}: {time.monotonic() - t0:.2f} s")
             solo[f"held_{ns}"] = box["r"][0]
@@ -908,6 +910,26 @@ def _forward_progress(k: int):
     for ns in (k, None):
         _equal(f"num_sms={ns} beside the helper", solo[f"held_{ns}"], solo[ns])
     return f"{n_sm - k} SMs held; " + ", ".join(notes) + "; results equal to the solo runs"
+
+
+def _forward_progress(k: int):
+    _need_cuda()
+    from prime_kernels.mega import mega_moe
+
+    free_sms_or_skip(k)
+    x, idx, w, w13, w2, dy = _problem(2048, 32, 1024, 512, 4, seed=60)
+    stream = torch.cuda.Stream()
+
+    def run(num_sms):
+        with torch.cuda.stream(stream):
+            leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
+            y = mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], num_sms=num_sms)
+            out = (y.detach(), *torch.autograd.grad(y, leaves, dy))
+            done = torch.cuda.Event()
+            done.record(stream)
+            return out, done
+
+    return progress_beside_helper(k, run, "forward+backward")
 
 
 for _k in (8, 66):
@@ -938,7 +960,8 @@ def _occupier_check():
 
 _PROBE_WORDS = ("timed out", "CUDA context is lost", "kernel", "wait", "cta", "expected", "observed")
 
-_PROBE_CHILD = r"""
+# The start of a trapping child's code: attempt(label, fn) notes what each step raised, for the output's words.
+CHILD_PRELUDE = r"""
 import sys, time, traceback
 import torch, prime_kernels
 texts = []
@@ -948,6 +971,9 @@ def attempt(label, fn):
         texts.append(f"{label}: no error")
     except Exception as exc:
         texts.append(f"{label}: {type(exc).__name__}: {exc}")
+"""
+
+_PROBE_CHILD = CHILD_PRELUDE + r"""
 if {set_timeout}:
     prime_kernels.set_wait_timeout(1.0)
 # the next call's inputs exist before the context is lost (creating a tensor afterwards fails in torch itself)
@@ -963,13 +989,13 @@ print("\n".join(texts), file=sys.stderr, flush=True)
 """
 
 
-def _probe(sync: bool, set_timeout: bool):
-    _need_cuda()
+def trapping_child(code: str, words) -> str:
+    """Runs ``code`` in a child process (its wait traps and its CUDA context is lost, not this worker's): it must
+    end within 45 s, and its output must hold every word (case-insensitive). Returns the note."""
     import prime_kernels
 
     if not hasattr(prime_kernels, "set_wait_timeout"):
         raise AssertionError("prime_kernels.set_wait_timeout does not exist in this build")
-    code = _PROBE_CHILD.replace("{sync}", str(sync)).replace("{set_timeout}", str(set_timeout))
     t0 = time.monotonic()
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
@@ -978,11 +1004,17 @@ def _probe(sync: bool, set_timeout: bool):
         raise AssertionError("the probe's process did not end within 60 s (the wait hung instead of trapping)")
     secs = time.monotonic() - t0
     text = r.stdout + r.stderr
-    missing = [w for w in _PROBE_WORDS if w.lower() not in text.lower()]
+    missing = [w for w in words if w.lower() not in text.lower()]
     if missing:
         raise AssertionError(f"the probe's error text lacks {missing}: {text[-1500:]}")
     assert secs < 45, f"the probe's process took {secs:.0f} s to end"
     return f"trapped and reported in {secs:.1f} s (process exit {r.returncode})"
+
+
+def _probe(sync: bool, set_timeout: bool):
+    _need_cuda()
+    code = _PROBE_CHILD.replace("{sync}", str(sync)).replace("{set_timeout}", str(set_timeout))
+    return trapping_child(code, _PROBE_WORDS)
 
 
 case("wait_timeout_probe_then_sync", 90)(lambda: _probe(True, False))
@@ -998,6 +1030,13 @@ if os.environ.get("PK_FAULT_SELFTEST") == "1":
     @case("selftest_fail", 10)
     def _selftest_fail():
         raise AssertionError("deliberate")
+
+
+# The fused backward's dgrad kernel has its cases in a file of their own (tests/fault_cases_dgrad.py), which
+# imports this module's helpers and registers into CASES: when this file runs as the worker (__main__), that
+# import must find this module, not load a second copy with a CASES of its own.
+sys.modules.setdefault("fault_cases", sys.modules[__name__])
+import fault_cases_dgrad  # noqa: E402,F401
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The small workload that ci/sanitize.sh runs under compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
 
-    python3 tests/sanitize_case.py [--part all|layer|ops]
+    python3 tests/sanitize_case.py [--part all|layer|ops|dgrad]
 
 layer: the layer forward + backward with backend="auto" (the fused forward where status() has it, the grouped
 backward) at E=8, H=256, I=128, T=300, K=2, ~10% of the routes masked; then a no-grad forward (nothing saved for
@@ -9,7 +9,10 @@ a backward) and, where the fused forward exists, a clamped one. ops: every raw o
 one and sizes that are not multiples of 128 rows (77, 0, 200, 1, 130): the m-grouped GEMMs (nt, nn, nt with
 gathered rows, SwiGLU L1 with and without gathered rows, the SwiGLU backward L2 with and without a dy gather),
 the k-grouped GEMM (fp32 and bf16 out, and accumulating), combine (with and without weights), dispatch_rows_,
-swiglu_fwd and swiglu_bwd, routing_plan.
+swiglu_fwd and swiglu_bwd, routing_plan, and the dgrad part. dgrad (also on its own: --part dgrad): the fused
+backward's dgrad kernel (prime_kernels.mega._fused_bwd.dgrad) on those ragged groups with every SM and with 3
+CTAs, and on 128-row groups with padding rows with I % 128 = H % 128 = 64; on its own it fails where the kernel
+cannot run, inside the ops part it is skipped with the reason.
 
 Every group of the m-grouped calls covers the whole M so that every output row is written: reading rows a kernel
 leaves unspecified would be this script's uninitialised read, not the library's. Results are compared with the
@@ -95,6 +98,20 @@ def layer_part():
         _done("layer fwd clamp=0.5 (fused)")
 
 
+def _close_swiglu_bwd(name, got, dy_pool, w2, offs, h, route, topk_weights):
+    """(dh, w * s, dt_part) of an L2 dgrad with the SwiGLU backward against the CPU references."""
+    from prime_kernels import grouped_gemm as gg
+    from prime_kernels.swiglu import swiglu_bwd_reference
+
+    dh, aw, dt_part = got
+    da = gg.m_grouped_gemm_reference(dy_pool.cpu(), w2.cpu(), offs.cpu(), False, torch.float32, round_output=False)
+    dh_ref, aw_ref, dt_ref = swiglu_bwd_reference(h.cpu(), da, route.cpu(), topk_weights.cpu(),
+                                                  torch.tensor([dy_pool.shape[0]], dtype=torch.int32))
+    _close(f"{name} dh", dh, dh_ref)
+    _close(f"{name} w*s", aw, aw_ref)
+    _close(f"{name} dt", dt_part.cpu().sum(1), dt_ref)
+
+
 def ops_part():
     import prime_kernels
     from prime_kernels import grouped_gemm as gg
@@ -156,13 +173,7 @@ def ops_part():
     dy_pool = rnd(M, H)
     dh, aw, dt_part = gg.m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offs, h, route, topk_weights)
     if READBACK:  # the reference reads the kernel's h (TMA-stored): see _close
-        da = gg.m_grouped_gemm_reference(dy_pool.cpu(), w2.cpu(), offs.cpu(), False, torch.float32,
-                                         round_output=False)
-        dh_ref, aw_ref, dt_ref = swiglu_bwd_reference(h.cpu(), da, route.cpu(), topk_weights.cpu(),
-                                                      torch.tensor([M], dtype=torch.int32))
-        _close("swiglu bwd dh", dh, dh_ref)
-        _close("swiglu bwd w*s", aw, aw_ref)
-        _close("swiglu bwd dt", dt_part.cpu().sum(1), dt_ref)
+        _close_swiglu_bwd("swiglu bwd", (dh, aw, dt_part), dy_pool, w2, offs, h, route, topk_weights)
     _done("m_grouped_bf16_gemm_swiglu_bwd")
 
     ka, kb = rnd(M, 128), rnd(M, 256)
@@ -203,9 +214,67 @@ def ops_part():
     _done("swiglu_fwd + swiglu_bwd")
 
 
+def _dgrad(dy_pool, w13, w2, h, offs, route, tw, num_sms=None):
+    """The dgrad kernel's four outputs. The CPU dry run has no kernel: the pipeline's two steps (their CPU
+    references) stand in, so that the rest of the part is checked."""
+    from prime_kernels import grouped_gemm as gg
+    from prime_kernels.mega import _fused_bwd
+
+    if DEVICE == "cpu":
+        dh, aw, dt_part = gg.m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offs, h, route, tw)
+        return dh, aw, dt_part, gg.m_grouped_bf16_gemm_nn(dh, w13, offs)
+    return _fused_bwd.dgrad(dy_pool, w13, w2, h, offs, route, tw, num_sms=num_sms)
+
+
+def dgrad_part(required: bool):
+    from prime_kernels import _status
+    from prime_kernels import grouped_gemm as gg
+    from prime_kernels.mega import _fused_bwd
+
+    if DEVICE == "cuda":
+        why = _status.runnable(_fused_bwd.STATUS_KEY)
+        if why != _status.AVAILABLE:
+            if required:
+                raise RuntimeError(f"{_fused_bwd.STATUS_KEY} cannot run here: {why}")
+            print(f"[case] dgrad skipped: {_fused_bwd.STATUS_KEY} cannot run here: {why}", flush=True)
+            return
+    dev = DEVICE
+    g = torch.Generator().manual_seed(2)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).bfloat16().to(dev)
+
+    Tk, Kk = 120, 4
+    tw = torch.rand(Tk, Kk, generator=g).to(dev)
+    # (group sizes, H, I, SM caps): the ops part's ragged groups (partial m-blocks, an empty group), then a padded
+    # plan's 128-row groups whose last rows are padding (route -1, zero dy rows) with half-width last tiles
+    for sizes, H, I, caps, padded in ((SIZES, 256, 128, (None, 3), False), ((128, 0, 256, 128), 320, 192, (None,), True)):
+        G, M = len(sizes), sum(sizes)
+        offs = _offsets(sizes, dev)
+        w13 = rnd(G, 2 * I, H, scale=H ** -0.5)
+        w2 = rnd(G, H, I, scale=I ** -0.5)
+        h = rnd(M, 2 * I)
+        dy_pool = rnd(M, H)
+        route = torch.randint(0, Tk * Kk, (M,), generator=g, dtype=torch.int32)
+        route[torch.rand(M, generator=g) < 0.1] = -1
+        if padded:
+            pad = torch.zeros(M, dtype=torch.bool)
+            for end in _offsets(sizes, "cpu")[1:].tolist():
+                pad[max(0, end - 20):end] = True
+            route[pad] = -1
+            dy_pool[pad.to(dev)] = 0
+        route = route.to(dev)
+        for cap in caps:
+            dh, aw, dt_part, dx = _dgrad(dy_pool, w13, w2, h, offs, route, tw, num_sms=cap)
+            if READBACK:
+                _close_swiglu_bwd("dgrad", (dh, aw, dt_part), dy_pool, w2, offs, h, route, tw)
+                _close("dgrad dx", dx, gg.m_grouped_gemm_reference(dh.cpu(), w13.cpu(), offs.cpu(), False))
+            _done(f"mega_moe_bwd_dgrad (groups {list(sizes)}, H={H}, I={I}, num_sms={cap})")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("all", "layer", "ops"), default="all")
+    p.add_argument("--part", choices=("all", "layer", "ops", "dgrad"), default="all")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a dry run of this script on the CPU references (no kernel runs)")
     p.add_argument("--no-readback", action="store_true",
@@ -224,6 +293,9 @@ def main(argv=None) -> int:
         layer_part()
     if args.part in ("all", "ops"):
         ops_part()
+        dgrad_part(required=False)
+    if args.part == "dgrad":
+        dgrad_part(required=True)
     print("sanitize_case: done", flush=True)
     return 0
 

@@ -1,9 +1,14 @@
-"""bench/bench_layer.py --smoke runs on the CPU and writes a results file with the documented fields (docs/performance.md)."""
+"""bench/bench_layer.py --smoke runs on the CPU and writes a results file with the documented fields (docs/performance.md);
+bench/bench_bwd_dgrad.py, whose fused kernel has no CPU path, has its arguments, FLOP count, inputs and output check
+tested on the CPU."""
 
 import importlib
 import json
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -252,3 +257,74 @@ def test_ab_smoke_on_the_cpu_reports_bursts_and_steady_state(tmp_path):
     assert got == want, got
     assert all(row["outputs_bitwise_equal"] for row in doc["rows"])
     assert doc["timing"]["steady_seconds"] > 0
+
+
+def test_bench_bwd_dgrad_arguments():
+    """bench/bench_bwd_dgrad.py's defaults are the 30B and 235B shapes at T = 4096 and 16384, uniform and Zipf;
+    lists parse, and a shape, routing or count it cannot run is refused before anything runs."""
+    b = _bench_module("bench_bwd_dgrad")
+    bc = _bench_module("bench_common")
+    a = b.parse_args([])
+    assert a.shapes == ["qwen3-30b-a3b", "qwen3-235b-a22b"] and a.tokens == [4096, 16384]
+    assert a.routings == ["uniform", "zipf"] and (a.warmup, a.reps, a.max_seconds, a.out) == (5, 20, 0.0, None)
+    assert [bc.SHAPES[s] for s in a.shapes] == [(128, 2048, 768, 8), (128, 4096, 1536, 8)]
+    a = b.parse_args(["--shapes", "smoke", "--tokens", "40, 24", "--routings", "zipf", "--reps", "3",
+                      "--max-seconds", "90", "--out", "x.json"])
+    assert (a.shapes, a.tokens, a.routings, a.reps, a.max_seconds, a.out) == (["smoke"], [40, 24], ["zipf"], 3, 90.0,
+                                                                               "x.json")
+    for bad in (["--shapes", "qwen3-7b"], ["--routings", "skewed"], ["--tokens", "0"], ["--reps", "0"]):
+        with pytest.raises(SystemExit):
+            b.parse_args(bad)
+
+
+def test_bench_bwd_dgrad_flops():
+    """dgrad_flops counts exactly the two dgrad GEMMs' FLOPs: dy [M, H] @ w2_e [H, I] and dh [M, 2I] @ w13_e [2I, H]."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    b = _bench_module("bench_bwd_dgrad")
+    M, H, I = 48, 32, 24
+    with FlopCounterMode(display=False) as counter:
+        torch.mm(torch.randn(M, H), torch.randn(H, I))
+        torch.mm(torch.randn(M, 2 * I), torch.randn(2 * I, H))
+    assert counter.get_total_flops() == b.dgrad_flops(M, H, I) == 6 * M * H * I
+
+
+def test_bench_bwd_dgrad_state_and_check_on_the_cpu():
+    """The benchmark's inputs are the grouped backward's state (a padded plan, the dy rows of each route's token in
+    pool order, padding rows zero) and pass the fused op's host checks; its comparison flags a changed element of
+    the rows the op specifies and ignores the rows after the experts."""
+    from prime_kernels.mega import _fused_bwd
+
+    b = _bench_module("bench_bwd_dgrad")
+    bc = _bench_module("bench_common")
+    E, H, I, K = bc.SHAPES["smoke"]
+    st = b.make_state("smoke", 40, "zipf", 0, "cpu")
+    dy_pool, w13, w2, h, offs, src, wts = st["inputs"]
+    assert st["routed_rows"] == 40 * K and st["pool_rows"] == src.shape[0] == dy_pool.shape[0] == h.shape[0]
+    assert int(offs[-1]) == st["expert_rows"] and bool((offs[1:] >= offs[:-1]).all()) and not bool((offs % 128).any())
+    _x, _idx, w, dy = bc.make_tokens(40, E, H, K, "zipf", 0, "cpu")
+    live = src >= 0
+    assert int(live.sum()) == st["routed_rows"]
+    assert torch.equal(dy_pool[live], dy[src[live].long() // K]) and not bool(dy_pool[~live].any())
+    assert torch.equal(wts, w)
+    assert _fused_bwd.check_dgrad_inputs(*st["inputs"]) == (st["pool_rows"], H, I, E)
+    out = b.pipeline(st["inputs"])  # the grouped GEMMs' CPU references
+    rows = st["expert_rows"]
+    same = b.compare(out, out, rows)
+    assert same["bitwise_all"] and same["max_rel_err"] == 0.0
+    moved = [out[0].clone(), *out[1:]]
+    moved[0][0, 0] += 1
+    diff = b.compare(moved, out, rows)
+    assert not diff["bitwise"]["dh"] and diff["bitwise"]["dx_pool"] and diff["max_rel_err"] > 0
+    tail = [t.clone() for t in out]
+    assert st["pool_rows"] > rows
+    for t in (tail[0], tail[1], tail[3]):
+        t[rows:] = float("nan")
+    assert b.compare(tail, out, rows)["bitwise_all"]
+
+
+def test_bench_bwd_dgrad_needs_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the benchmark would run")
+    assert _bench_module("bench_bwd_dgrad").main(["--shapes", "smoke"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out

@@ -99,10 +99,11 @@ _REPORT = ("========= Uninitialized __global__ memory read of size 16 bytes\n"
            "=========     Address 0x7fbae6ed2800\n=========\n")
 
 
-def _fake_initcheck(tmp_path: Path, log_text: str) -> tuple[subprocess.CompletedProcess, dict]:
-    """ci/sanitize.sh's initcheck runs with a stand-in for compute-sanitizer that writes log_text as its report
-    and runs nothing: the script's handling of the reports, without a GPU. Also returns the arguments the script
-    gave the tool for each part."""
+def _fake_initcheck(tmp_path: Path, log_text: str, tools=("initcheck",), part=None) -> tuple[subprocess.CompletedProcess,
+                                                                                              dict]:
+    """ci/sanitize.sh's runs of ``tools`` (PK_SANITIZE_PART=part where given) with a stand-in for compute-sanitizer
+    that writes log_text as its report and runs nothing: the script's handling of the reports, without a GPU. Also
+    returns the arguments the script gave the tool for each part (one line per run)."""
     log_src = tmp_path / "report.txt"
     log_src.write_text(log_text)
     args_dir = tmp_path / "args"
@@ -111,12 +112,14 @@ def _fake_initcheck(tmp_path: Path, log_text: str) -> tuple[subprocess.Completed
     fake.write_text("#!/usr/bin/env bash\n"
                     "[ \"$1\" = --version ] && { echo fake; exit 0; }\n"
                     "all=\"$*\"; part=${all##*--part }; part=${part%% *}\n"
-                    f"echo \"$all\" > '{args_dir}'/$part\n"
+                    f"echo \"$all\" >> '{args_dir}'/$part\n"
                     "while [ $# -gt 0 ]; do case \"$1\" in --log-file) log=$2; shift 2;; *) shift;; esac; done\n"
                     f"cp '{log_src}' \"$log\"; echo 'sanitize_case: done'\n")
     fake.chmod(0o755)
     env = dict(os.environ, COMPUTE_SANITIZER=str(fake), PK_SANITIZE_LOG_DIR=str(tmp_path / "logs"))
-    r = subprocess.run(["bash", str(SCRIPT), "initcheck"], capture_output=True, text=True, env=env, timeout=60)
+    if part is not None:
+        env["PK_SANITIZE_PART"] = part
+    r = subprocess.run(["bash", str(SCRIPT), *tools], capture_output=True, text=True, env=env, timeout=60)
     return r, {p.name: p.read_text() for p in args_dir.iterdir()}
 
 
@@ -146,3 +149,28 @@ def test_initcheck_fails_when_the_tool_dropped_reports(tmp_path):
     r, _ = _fake_initcheck(tmp_path, text)
     assert "initcheck (layer): FAILED: the tool dropped 34624 reports" in r.stdout, r.stdout
     assert r.returncode != 0
+
+
+def test_the_dgrad_part_alone_runs_each_tool_on_it(tmp_path):
+    """PK_SANITIZE_PART=dgrad (ci/verify_fused_bwd.sh): every tool runs the case's dgrad part only, one line each
+    ("TOOL (dgrad): N errors")."""
+    tools = ("memcheck", "racecheck", "synccheck")
+    r, args = _fake_initcheck(tmp_path, "========= ERROR SUMMARY: 0 errors\n", tools=tools, part="dgrad")
+    assert set(args) == {"dgrad"}, args
+    runs = args["dgrad"].splitlines()
+    assert [ln.split("--tool ")[1].split()[0] for ln in runs] == list(tools), runs
+    assert all("sanitize_case.py --part dgrad" in ln for ln in runs), runs
+    for tool in tools:
+        assert re.search(rf"^{tool} \(dgrad\): 0 errors", r.stdout, re.M), r.stdout
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_dgrad_part_runs_on_the_cpu_references():
+    """The case's dgrad part, dry-run on the CPU (the pipeline's references stand in for the kernel): every call of
+    the part runs and its checks pass."""
+    r = subprocess.run([sys.executable, "sanitize_case.py", "--device", "cpu", "--part", "dgrad"], capture_output=True,
+                       text=True, cwd=REPO / "tests", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    calls = [ln for ln in r.stdout.splitlines() if ln.startswith("[case] mega_moe_bwd_dgrad")]
+    assert len(calls) == 3 and all(ln.endswith(" ok") for ln in calls), r.stdout
+    assert r.stdout.rstrip().endswith("sanitize_case: done"), r.stdout
