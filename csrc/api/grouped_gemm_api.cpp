@@ -215,6 +215,9 @@ int pk_mega_moe_bwd_dgrad_bf16(const void* dy_pool, int64_t lda, const void* w2,
   (void)m_total, (void)intermediate, (void)hidden, (void)clamp, (void)counters, (void)num_sms, (void)cuda_stream;
   return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
                               "mega_moe_bwd_dgrad_bf16 is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
+#endif
+}
+
 int pk_m_grouped_fp8_gemm_nt(const void* a, int64_t lda, const float* sa, int64_t ld_sa, const void* b, int64_t ldb,
                              int64_t b_group_stride, const float* sb, int64_t sb_group_stride, int64_t sb_n_stride,
                              void* d, int64_t ldd, const int32_t* group_offsets, int num_groups, int64_t m_total,
