@@ -125,6 +125,8 @@ bool take_device_checks(char* out, size_t out_len) {
       "<= the pool rows); that forward wrote nothing",
       "the fused forward's pool_src_route names a route past num_tokens * top_k (only values < 0 and [0, routes) "
       "are valid); that pool row was computed from zeros",
+      "the FP8 k-grouped GEMM's group_offsets are not non-decreasing within [0, rows] with every entry a multiple "
+      "of 128 or rows (experts start on whole 128-row scale blocks); that GEMM wrote nothing",
   };
   size_t used = 0;
   bool any = false;

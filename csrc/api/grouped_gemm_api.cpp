@@ -295,4 +295,44 @@ int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ld
 #endif
 }
 
+int pk_k_grouped_fp8_gemm_tn(const void* a, int64_t lda, const float* sa, int64_t ld_sa, const void* b, int64_t ldb,
+                             const float* sb, int64_t ld_sb, void* c, int c_is_bf16, int accumulate,
+                             const int32_t* group_offsets, int num_groups, int64_t p_total, int64_t m, int64_t n,
+                             int num_sms, void* cuda_stream) {
+#if PK_HAS_SM90_KERNELS
+  if (const int rc = current_device_is_sm90("k_grouped_fp8_gemm_tn"); rc != PK_OK) return rc;
+  PK_CHECK_ARG(num_sms >= 0, "k_grouped_fp8_gemm_tn: num_sms = %d, must be >= 0 (0 = every SM)", num_sms);
+  prime_kernels::sm90::GroupedGemmConfig cfg = prime_kernels::sm90::k_grouped_fp8_gemm_config(m, n, p_total, num_groups);
+  cfg.num_sms = num_sms;
+  prime_kernels::sm90::KGroupedFp8GemmArgs args;
+  args.a = a;
+  args.lda = lda;
+  args.sa = sa;
+  args.ld_sa = ld_sa;
+  args.b = b;
+  args.ldb = ldb;
+  args.sb = sb;
+  args.ld_sb = ld_sb;
+  args.c = c;
+  args.c_is_bf16 = c_is_bf16 != 0;
+  args.accumulate = accumulate != 0;
+  args.group_offsets = group_offsets;
+  args.num_groups = num_groups;
+  args.p_total = p_total;
+  args.m = m;
+  args.n = n;
+  args.config = &cfg;
+  char message[512] = {0};
+  const int rc = prime_kernels::sm90::k_grouped_fp8_gemm_tn(args, static_cast<cudaStream_t>(cuda_stream), message,
+                                                          sizeof(message));
+  return prime_kernels::api::from_status(rc, message);
+#else
+  (void)a, (void)lda, (void)sa, (void)ld_sa, (void)b, (void)ldb, (void)sb, (void)ld_sb, (void)c, (void)c_is_bf16;
+  (void)accumulate, (void)group_offsets, (void)num_groups, (void)p_total, (void)m, (void)n, (void)num_sms;
+  (void)cuda_stream;
+  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
+                              "k_grouped_fp8_gemm_tn is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
+#endif
+}
+
 }  // extern "C"

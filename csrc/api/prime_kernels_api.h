@@ -204,6 +204,22 @@ PK_API int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int
                                   int num_groups, int64_t p_total, int64_t m, int64_t n, int num_sms,
                                   void* cuda_stream);
 
+// k-grouped GEMM with blockwise-scaled FP8 operands (sm90; the weight gradients of DeepSeek-V3's recipe): for expert e
+// with token rows [group_offsets[e], group_offsets[e + 1]) of the pool,
+//   C_e[m, n] (+)= sum over its 128-row token blocks kb of (A_t[m, kb] . B_t[n, kb]) * sa[kb * ld_sa + m] *
+//                  sb[kb * ld_sb + n],
+// each block's e4m3 products summed by the tensor core, the blocks in fp32. A_t e4m3 [m, p_total] and B_t e4m3
+// [n, p_total] token axis contiguous (row strides lda, ldb bytes, % 16; sm90's FP8 wgmma is K-major only); sa, sb fp32
+// with one row of m (n) scales per 128-row token block (ld_sa >= m, ld_sb >= n, % 4, 16-byte aligned). C [num_groups,
+// m, n] contiguous: fp32 stored or added into (accumulate), or bf16 stored; m and n multiples of 8. group_offsets:
+// non-decreasing within [0, p_total], every entry a multiple of 128 or p_total (each expert starts on a whole token
+// block, as the routing plan's pool with block_m = 128 lays them out); checked on the device, bad offsets write
+// nothing (a device finding). p_total == 0 or an empty expert: C_e = 0, or unchanged when accumulating.
+PK_API int pk_k_grouped_fp8_gemm_tn(const void* a, int64_t lda, const float* sa, int64_t ld_sa, const void* b,
+                                    int64_t ldb, const float* sb, int64_t ld_sb, void* c, int c_is_bf16,
+                                    int accumulate, const int32_t* group_offsets, int num_groups, int64_t p_total,
+                                    int64_t m, int64_t n, int num_sms, void* cuda_stream);
+
 // ---------------------------------------------------------------------------------------------
 // Combine: out[t] = bf16( sum over k = 0..top_k-1, in order, of w[t,k] * slots[route_to_pool[t,k]] )
 // in fp32 (w = 1 when weights is null); routes with row -1 are skipped, an all-masked token gets 0.

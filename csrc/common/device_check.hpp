@@ -28,6 +28,7 @@ enum DeviceCheck : int {
   kCheckDispatchRoute,        // dispatch_rows' route_to_pool (bound: out rows); nothing written for it
   kCheckMegaFwdOffsets,       // the fused forward's expert_offsets (0 first, bound: m_total); nothing written
   kCheckMegaFwdRoute,         // the fused forward's pool_src_route (bound: num_tokens * top_k); read as zeros
+  kCheckKGroupedFp8Offsets,   // the FP8 k-grouped GEMM's group_offsets (bound: p_total; 128-row starts); nothing written
   kNumDeviceChecks,
 };
 
@@ -57,15 +58,16 @@ __device__ __forceinline__ void note_device_check(DeviceCheckRecord* rec, int ki
 }
 
 // Whole CTA (every thread calls it; ends with a barrier): whether offsets[0..num_groups] fails
-// 0 <= offsets[0] <= offsets[1] <= ... <= offsets[num_groups] <= rows. CTA 0 records the finding under `kind`.
+// 0 <= offsets[0] <= offsets[1] <= ... <= offsets[num_groups] <= rows, or, with align > 1, has an entry that is
+// neither a multiple of align nor rows. CTA 0 records the finding under `kind`.
 __device__ __forceinline__ bool group_offsets_invalid(const int32_t* offsets, int num_groups, int rows,
-                                                      DeviceCheckRecord* rec, int kind) {
+                                                      DeviceCheckRecord* rec, int kind, int align = 1) {
   int bad_value = 0;
   bool bad = false;
   for (int i = threadIdx.x; i <= num_groups; i += blockDim.x) {
     const int v = __ldg(offsets + i);
     const int prev = i > 0 ? __ldg(offsets + i - 1) : 0;
-    if (v < prev || v > rows) {
+    if (v < prev || v > rows || (align > 1 && v % align != 0 && v != rows)) {
       bad = true;
       bad_value = v;
     }

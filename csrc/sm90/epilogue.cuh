@@ -1,6 +1,6 @@
 // prime-kernels: the sm90 kernels' epilogues: accumulator fragments staged in shared memory and stored to global
-// memory (plain stores or TMA stores), the SwiGLU epilogues' stores, and the L2 cache policies of the hint bits
-// (no __global__ here).
+// memory (plain stores or TMA stores) or stored straight from the registers, the SwiGLU epilogues' stores, and the L2
+// cache policies of the hint bits (no __global__ here).
 #pragma once
 
 #include <cstdint>
@@ -119,6 +119,48 @@ __device__ __forceinline__ void store_acc_half_async(const float (&acc)[kBlockN 
     }
   } else {
     copy_swizzled_half_to_global<kBlockN>(stg_half, wg_tid, row_end - hrow0, d, ldd, hrow0, col0, n);
+  }
+}
+
+// ---- synchronous epilogue: plain stores from the registers -------------------------------------------
+// The k-grouped kernels' outputs (C_e [M, N] per expert, contiguous): fp32 stored, fp32 added into what C holds
+// (a weight-gradient accumulator: each element is read and written by its one owner thread, so no atomics), or bf16
+// stored. Registers go out as 8-byte (fp32) or 4-byte (bf16) pairs straight from the wgmma fragment: a tile is
+// written once, after its whole K, so staging it for TMA buys little against the k-loop.
+enum KGroupedOut : int { kOutF32Store = 0, kOutF32Accumulate = 1, kOutBf16Store = 2 };
+
+// One consumer warpgroup's 64 x kBlockN fragment (wgmma m64nN layout) into rows row0.. and columns col0.. of c
+// (row stride ld elements; fp32 for kOutF32*, bf16 for kOutBf16Store). Rows >= m and columns >= n are not written.
+template <int kBlockN, int kOut>
+__device__ __forceinline__ void store_acc_rows_direct(const float (&acc)[kBlockN / 2], void* c, int64_t ld, int row0,
+                                                      int col0, int wg_tid, int m, int n) {
+  const int lane = wg_tid & 31;
+  const int fr = row0 + (wg_tid >> 5) * 16 + (lane >> 2);
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j) {
+    const int col = col0 + j * 8 + (lane & 3) * 2;
+    if (col < n) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = fr + 8 * h;
+        if (row < m) {
+          const int64_t at = static_cast<int64_t>(row) * ld + col;
+          if constexpr (kOut == kOutBf16Store) {
+            *reinterpret_cast<uint32_t*>(reinterpret_cast<__nv_bfloat16*>(c) + at) =
+                ptx::pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          } else {
+            float2* ptr = reinterpret_cast<float2*>(reinterpret_cast<float*>(c) + at);
+            float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            if constexpr (kOut == kOutF32Accumulate) {
+              const float2 o = *ptr;
+              v.x += o.x;
+              v.y += o.y;
+            }
+            *ptr = v;
+          }
+        }
+      }
+    }
   }
 }
 

@@ -102,6 +102,35 @@ inline bool m_grouped_fp8_gemm_config_supported(const GroupedGemmConfig& c) {
          c.num_sms >= 0;
 }
 
+// k-grouped blockwise FP8 (k_grouped_fp8_gemm_tn, k_grouped_gemm_fp8.cuh): the one tile shape there is, one
+// instantiation per output kind.
+//   block_m = block_n = 128: both operands carry one scale per row of C per k-block, so the promotion multiplies
+//     every accumulator by its own row x column scale; a 128 x 256 tile would need 128 partial plus 128 accumulator
+//     registers per consumer thread, more than the 232 a consumer has.
+//   block_k = 128: the token block of the recipe's qT scales, so each stage is one promotion.
+//   num_stages = 6: the most that fit (6 x 33 KB of A, B and their scale rows; the register-store epilogue needs
+//     no staging tile).
+//   async_epilogue = 0: every output kind is stored from the registers (a weight gradient is written once per tile,
+//     after the whole token axis).
+// Not measured on a GPU yet: these are the structural choices, not tuned ones.
+inline GroupedGemmConfig k_grouped_fp8_gemm_config(int64_t m, int64_t n, int64_t p_total, int num_groups) {
+  (void)m;
+  (void)n;
+  (void)p_total;
+  (void)num_groups;
+  GroupedGemmConfig c;
+  c.block_m = 128;
+  c.block_n = 128;
+  c.block_k = 128;
+  c.num_stages = 6;
+  c.async_epilogue = 0;
+  return c;
+}
+inline bool k_grouped_fp8_gemm_config_supported(const GroupedGemmConfig& c) {
+  return c.block_m == 128 && c.block_n == 128 && c.block_k == 128 && c.num_stages == 6 && c.async_epilogue == 0 &&
+         c.num_sms >= 0;
+}
+
 // k-grouped: C_e[M, N] = A_e^T @ B_e with K_e = rows of expert e. c_is_bf16 = false (fp32 store/accumulate)
 // only has the synchronous epilogue. bf16 weight gradients take the asynchronous 3-stage config: it led the
 // 4-stage synchronous one on 7 of 8 wgrad passes, by 2-5% at 235B (docs/performance.md).

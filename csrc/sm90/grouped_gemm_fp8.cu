@@ -1,4 +1,4 @@
-// prime-kernels: host side of the sm90a blockwise-FP8 m-grouped GEMM (argument checks, config, TMA maps, launch).
+// prime-kernels: host side of the sm90a blockwise-FP8 grouped GEMMs (argument checks, config, TMA maps, launch).
 #include "grouped_gemm_fp8.hpp"
 
 #include <cuda.h>
@@ -7,6 +7,7 @@
 
 #include "host_utils.hpp"
 #include "m_blocks.hpp"
+#include "k_grouped_gemm_fp8.cuh"
 #include "m_grouped_gemm_fp8.cuh"
 
 namespace prime_kernels {
@@ -78,6 +79,83 @@ int m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream, 
   e = launch_persistent<kernel>(kNumThreads, smem, max_units, sms, stream, ma, mb, msa, md, p);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s launch: %s", fn, cudaGetErrorString(e));
   return check_launch(fn, err, err_len);
+}
+
+namespace {
+
+// An e4m3 operand stored token axis contiguous ([rows, p_total], row stride ld bytes): 128 rows x 128 bytes of the
+// token axis per box, 128-byte swizzle (the layout K-major wgmma reads); token columns past p_total load as zeros.
+int make_token_major_map(CUtensorMap* map, const void* base, int64_t rows, int64_t p_total, int64_t ld, char* err,
+                         size_t err_len) {
+  const uint64_t dims[2] = {(uint64_t)p_total, (uint64_t)rows};
+  const uint64_t strides[1] = {(uint64_t)ld};
+  const uint32_t box[2] = {128, 128};
+  return make_map(map, base, 2, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+}
+
+// Its scales, one row of `cols` fp32 per 128-row token block (row stride ld floats): 128 of them per box, no swizzle.
+int make_token_block_scale_map(CUtensorMap* map, const float* base, int64_t cols, int64_t p_total, int64_t ld,
+                               char* err, size_t err_len) {
+  const uint64_t dims[2] = {(uint64_t)cols, (uint64_t)((p_total + 127) / 128)};
+  const uint64_t strides[1] = {(uint64_t)ld * 4};
+  const uint32_t box[2] = {128, 1};
+  return make_map(map, base, 2, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+                  CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
+template <int kOut>
+int launch_k_grouped_fp8(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& msa, const CUtensorMap& msb,
+                         const KGroupedFp8Params& p, int grid, cudaStream_t stream, char* err, size_t err_len) {
+  const char* fn = "k_grouped_fp8_gemm_tn";
+  constexpr int kStages = 6;
+  constexpr auto kernel = &k_grouped_fp8_gemm_kernel<kStages, kOut>;
+  constexpr int smem = KGroupedFp8Layout<kStages>::kSmemBytes;
+  cudaError_t e = set_max_dynamic_smem<kernel>(smem);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaFuncSetAttribute: %s", fn, cudaGetErrorString(e));
+  kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, msa, msb, p);
+  return check_launch(fn, err, err_len);
+}
+
+}  // namespace
+
+int k_grouped_fp8_gemm_tn(const KGroupedFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
+  clear_err(err, err_len);
+  const char* fn = "k_grouped_fp8_gemm_tn";
+  if (int r = check_k_grouped_fp8_args(args, err, err_len)) return r;
+  const int64_t p_total = args.p_total, m = args.m, n = args.n;
+  if (p_total == 0) {  // no token rows: every expert is empty (the BF16 k-grouped GEMM's rule)
+    if (args.accumulate) return kGemmOk;
+    const size_t c_bytes = (size_t)args.num_groups * m * n * (args.c_is_bf16 ? 2 : 4);
+    const cudaError_t e = cudaMemsetAsync(args.c, 0, c_bytes, stream);
+    if (e != cudaSuccess)
+      return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
+    return kGemmOk;
+  }
+  const GroupedGemmConfig cfg =
+      args.config ? *args.config : k_grouped_fp8_gemm_config(m, n, p_total, args.num_groups);
+  int sms = 0;
+  if (int r = device_sms(&sms, err, err_len)) return r;
+  if (cfg.num_sms > 0 && cfg.num_sms < sms) sms = cfg.num_sms;
+
+  CUtensorMap ma, mb, msa, msb;
+  if (int r = make_token_major_map(&ma, args.a, m, p_total, args.lda, err, err_len)) return r;
+  if (int r = make_token_major_map(&mb, args.b, n, p_total, args.ldb, err, err_len)) return r;
+  if (int r = make_token_block_scale_map(&msa, args.sa, m, p_total, args.ld_sa, err, err_len)) return r;
+  if (int r = make_token_block_scale_map(&msb, args.sb, n, p_total, args.ld_sb, err, err_len)) return r;
+  KGroupedFp8Params p{};
+  p.c = args.c;
+  p.group_offsets = args.group_offsets;
+  p.p_total = (int32_t)p_total;
+  p.m = (int32_t)m;
+  p.n = (int32_t)n;
+  p.num_groups = args.num_groups;
+  p.l2_hints = kKGroupedL2Hints;
+  p.check = common::device_check_record();
+  const int64_t tiles = (int64_t)args.num_groups * ((m + 127) / 128) * ((n + 127) / 128);
+  const int grid = (int)(tiles < sms ? tiles : sms);
+  if (args.c_is_bf16) return launch_k_grouped_fp8<kOutBf16Store>(ma, mb, msa, msb, p, grid, stream, err, err_len);
+  if (args.accumulate) return launch_k_grouped_fp8<kOutF32Accumulate>(ma, mb, msa, msb, p, grid, stream, err, err_len);
+  return launch_k_grouped_fp8<kOutF32Store>(ma, mb, msa, msb, p, grid, stream, err, err_len);
 }
 
 }  // namespace sm90

@@ -1,9 +1,12 @@
-// prime-kernels: the sm90a blockwise-FP8 m-grouped GEMM's host interface: its arguments, their validation (plain
+// prime-kernels: the sm90a blockwise-FP8 grouped GEMMs' host interface: their arguments, their validation (plain
 // host C++, no CUDA headers: tests/cpp/fp8_gemm_args_check.cpp compiles it with the host compiler alone) and the
-// launcher (grouped_gemm_fp8.cu; same status codes and err conventions as grouped_gemm.hpp).
+// launchers (grouped_gemm_fp8.cu; same status codes and err conventions as grouped_gemm.hpp).
 //
-//   D[m, n] = bf16( sum over kb of (A[m, kb] . B_g[n, kb]) * sa[m, kb] * sb_g[n / 128, kb] )  for m in group g,
-// kb a 128-wide block of K (the layouts are written out in m_grouped_gemm_fp8.cuh and docs/fp8_gemm.md).
+//   m-grouped: D[m, n] = bf16( sum over kb of (A[m, kb] . B_g[n, kb]) * sa[m, kb] * sb_g[n / 128, kb] )  for m in
+//     group g, kb a 128-wide block of K;
+//   k-grouped: C_e[m, n] (+)= sum over expert e's 128-row token blocks kb of (A_t[m, kb] . B_t[n, kb]) * sa[kb, m] *
+//     sb[kb, n]  (the weight gradients; A_t, B_t stored token axis contiguous).
+// The layouts are written out in m_grouped_gemm_fp8.cuh, k_grouped_gemm_fp8.cuh and docs/fp8_gemm.md.
 #pragma once
 
 #include <cstddef>
@@ -47,6 +50,39 @@ struct MGroupedFp8GemmArgs {
   int64_t n = 0;
   int64_t k = 0;
   // null = m_grouped_fp8_gemm_config(); else it must be that config (num_sms may differ)
+  const GroupedGemmConfig* config = nullptr;
+};
+
+// k-grouped: the weight gradients of the recipe's qT operands. Host-side arguments of k_grouped_fp8_gemm_tn:
+struct KGroupedFp8GemmArgs {
+  // e4m3 [m, p_total], token axis contiguous, row stride lda (bytes = elements; >= p_total, % 16 == 0), 16-byte aligned
+  const void* a = nullptr;
+  int64_t lda = 0;
+  // fp32 A scales, one per column m and 128-row token block kb at sa[kb * ld_sa + m] (kb < ceil(p_total / 128));
+  // ld_sa >= m, % 4 == 0 (TMA row pitch), 16-byte aligned
+  const float* sa = nullptr;
+  int64_t ld_sa = 0;
+  // e4m3 [n, p_total] and its scales sb[kb * ld_sb + n], as a and sa
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  const float* sb = nullptr;
+  int64_t ld_sb = 0;
+  // [num_groups, m, n] contiguous, 16-byte aligned; c_is_bf16 = false: fp32 (store, or add into the existing values
+  // when accumulate = true); c_is_bf16 = true: bf16 store (accumulate must be false). An empty group gives C_e = 0
+  // (store) or leaves C_e unchanged (accumulate).
+  void* c = nullptr;
+  bool c_is_bf16 = false;
+  bool accumulate = false;
+  // device int32 [num_groups + 1], 0 <= group_offsets[0] <= ... <= last <= p_total, every entry a multiple of 128 or
+  // p_total (experts start on whole token blocks); checked on the device: offsets that break it make the kernel
+  // write nothing (a device-check finding). 1 <= num_groups <= 1024.
+  const int32_t* group_offsets = nullptr;
+  int num_groups = 0;
+  int64_t p_total = 0;
+  // multiples of 8, >= 8
+  int64_t m = 0;
+  int64_t n = 0;
+  // null = k_grouped_fp8_gemm_config(); else it must be that config (num_sms may differ)
   const GroupedGemmConfig* config = nullptr;
 };
 
@@ -113,10 +149,64 @@ inline int check_m_grouped_fp8_args(const MGroupedFp8GemmArgs& x, char* err, siz
   return kGemmOk;
 }
 
+// Every check the k-grouped launcher makes before it touches the device, in the order it makes them; kGemmOk or
+// kGemmInvalidArgument with the reason in err. p_total == 0 passes once the sizes and c are checked (the launcher
+// then zeroes c, or leaves it as it is when accumulating, and launches nothing).
+inline int check_k_grouped_fp8_args(const KGroupedFp8GemmArgs& x, char* err, size_t err_len) {
+  const char* fn = "k_grouped_fp8_gemm_tn";
+  if (x.num_groups < 1 || x.num_groups > kFp8MaxGroups)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, x.num_groups,
+                kFp8MaxGroups);
+  if (x.p_total < 0 || x.p_total > kFp8MaxDim || x.m < 8 || x.m > kFp8MaxDim || x.n < 8 || x.n > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: bad sizes p_total=%lld m=%lld n=%lld (m, n >= 8)", fn,
+                (long long)x.p_total, (long long)x.m, (long long)x.n);
+  if (x.m % 8 != 0 || x.n % 8 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: m (%lld) and n (%lld) must be multiples of 8", fn,
+                (long long)x.m, (long long)x.n);
+  if ((int64_t)x.num_groups * x.m * x.n > (int64_t(1) << 40))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: output too large", fn);
+  if (x.c_is_bf16 && x.accumulate)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: accumulate needs an fp32 output", fn);
+  if (x.c == nullptr || !fp8_aligned(x.c, 16))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: c must be non-null and 16-byte aligned", fn);
+  if (x.config != nullptr && !k_grouped_fp8_gemm_config_supported(*x.config))
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: unsupported config block_m=%d block_n=%d block_k=%d stages=%d async_epilogue=%d (built: 128 x 128 "
+                "x 128, 6 stages, register-store epilogue)",
+                fn, x.config->block_m, x.config->block_n, x.config->block_k, x.config->num_stages,
+                x.config->async_epilogue);
+  if (x.p_total == 0) return kGemmOk;
+  if (x.a == nullptr || x.sa == nullptr || x.b == nullptr || x.sb == nullptr || x.group_offsets == nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: null a, sa, b, sb or group_offsets", fn);
+  if (!fp8_aligned(x.a, 16) || !fp8_aligned(x.b, 16) || !fp8_aligned(x.sa, 16) || !fp8_aligned(x.sb, 16))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: a, b, sa and sb must be 16-byte aligned", fn);
+  if (x.lda < x.p_total || x.lda % 16 != 0)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: lda = %lld, must be >= p_total (%lld, the token axis is contiguous) and a multiple of 16", fn,
+                (long long)x.lda, (long long)x.p_total);
+  if (x.ldb < x.p_total || x.ldb % 16 != 0)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: ldb = %lld, must be >= p_total (%lld, the token axis is contiguous) and a multiple of 16", fn,
+                (long long)x.ldb, (long long)x.p_total);
+  if (x.ld_sa < x.m || x.ld_sa % 4 != 0 || x.ld_sa > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: ld_sa = %lld (sa's stride between token blocks), must be >= m (%lld) and a multiple of 4", fn,
+                (long long)x.ld_sa, (long long)x.m);
+  if (x.ld_sb < x.n || x.ld_sb % 4 != 0 || x.ld_sb > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: ld_sb = %lld (sb's stride between token blocks), must be >= n (%lld) and a multiple of 4", fn,
+                (long long)x.ld_sb, (long long)x.n);
+  const int64_t tiles = (int64_t)x.num_groups * ((x.m + 127) / 128) * ((x.n + 127) / 128);
+  if (tiles > kFp8MaxDim) return fail(kGemmInvalidArgument, err, err_len, "%s: too many tiles", fn);
+  return kGemmOk;
+}
+
 }  // namespace host
 
 // Validates (check_m_grouped_fp8_args), returns without a launch when m_total == 0, else launches on stream.
 int m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
+// Validates (check_k_grouped_fp8_args); p_total == 0 zeroes c (or leaves it, accumulating) on stream; else launches.
+int k_grouped_fp8_gemm_tn(const KGroupedFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
 
 }  // namespace sm90
 }  // namespace prime_kernels

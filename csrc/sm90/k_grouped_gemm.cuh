@@ -33,8 +33,6 @@
 namespace prime_kernels {
 namespace sm90 {
 
-enum KGroupedOut : int { kOutF32Store = 0, kOutF32Accumulate = 1, kOutBf16Store = 2 };
-
 struct KGroupedParams {
   void* c;  // [E, M, N]
   const int32_t* group_offsets;
@@ -105,37 +103,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   kernel_prologue<kNumStages>(full_bar, empty_bar, 1, kNumConsumerThreads / 32, &tmap_a, &tmap_b,
                               kOut == kOutBf16Store ? &tmap_c : nullptr);
   load_group_offsets(p.group_offsets, num_groups, s_offs);
-  // Rank experts by decreasing row count (ties by index): order[rank] = expert.
-  for (int e = tid; e < num_groups; e += kNumThreads) {
-    const int rows_e = max(s_offs[e + 1] - s_offs[e], 0);
-    int rank = 0;
-    for (int f = 0; f < num_groups; ++f) {
-      const int rows_f = max(s_offs[f + 1] - s_offs[f], 0);
-      rank += (rows_f > rows_e) || (rows_f == rows_e && f < e);
-    }
-    s_order[rank] = e;
-  }
+  k_grouped_rank_experts(s_offs, s_order, num_groups);
   __syncthreads();
 
-  struct Tile {
-    int group, k_start, rows, m0, n0;
+  auto locate = [&](int t) -> KGroupedTile {
+    return k_grouped_locate<kBlockM, kBlockN>(s_offs, s_order, tiles_per_group, m_blocks, t);
   };
-  auto locate = [&](int t) -> Tile {
-    const int slot = t / tiles_per_group;
-    const int local = t - slot * tiles_per_group;
-    const int e = s_order[slot];
-    const int start = s_offs[e];
-    const int rows = max(s_offs[e + 1] - start, 0);
-    const int nb = local / m_blocks;
-    const int mb = local - nb * m_blocks;
-    return Tile{e, start, rows, mb * kBlockM, nb * kBlockN};
-  };
-  // The i-th tile of this CTA (serpentine over rounds); returns -1 past the end, num_tiles+ to skip.
   const int grid = gridDim.x;
-  auto tile_of = [&](int i) -> int {
-    const int round_base = i * grid;
-    return round_base + ((i & 1) ? (grid - 1 - (int)blockIdx.x) : (int)blockIdx.x);
-  };
+  auto tile_of = [&](int i) -> int { return k_grouped_tile_of(i, grid); };
 
   if (warp < 4) {
     // ================= producer warpgroup =================
@@ -147,7 +122,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       for (int i = 0; i * grid < num_tiles; ++i) {
         const int t = tile_of(i);
         if (t >= num_tiles) continue;
-        const Tile tile = locate(t);
+        const KGroupedTile tile = locate(t);
         const int num_k_blocks = ceil_div(tile.rows, kBlockK);
         for (int kb = 0; kb < num_k_blocks; ++kb) {
           ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
@@ -171,7 +146,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int wg = (warp >> 2) - 1;
     const int wg_tid = tid - 128 * (wg + 1);
     const int ctid = tid - 128;  // 0..255 over both consumer warpgroups
-    const int warp_in_wg = wg_tid >> 5;
     const uint32_t a_base = ptx::smem_addr(smem + L::kAOff) + wg * kBoxBytes;
     const uint32_t b_base = ptx::smem_addr(smem + L::kBOff);
     const uint64_t desc_a0 = ptx::make_desc_sw128(a_base, kBoxBytes, 1024);
@@ -186,7 +160,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     for (int i = 0; i * grid < num_tiles; ++i) {
       const int t = tile_of(i);
       if (t >= num_tiles) continue;
-      const Tile tile = locate(t);
+      const KGroupedTile tile = locate(t);
       const int num_k_blocks = ceil_div(tile.rows, kBlockK);
       if (kOut == kOutF32Accumulate && num_k_blocks == 0) continue;
       // Last, partial k-block: zero k-rows [valid, 64) of every box of the stage before the MMAs read it (whole
@@ -240,28 +214,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           }
         }
       } else {
-        float* out = reinterpret_cast<float*>(p.c) + tile.group * group_elems;
-        const int fr = row0 + warp_in_wg * 16 + (lane >> 2);
-#pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-          const int col = tile.n0 + j * 8 + (lane & 3) * 2;
-          if (col < p.n) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int row = fr + 8 * h;
-              if (row < p.m) {
-                float2* ptr = reinterpret_cast<float2*>(out + static_cast<int64_t>(row) * p.n + col);
-                float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-                if constexpr (kOut == kOutF32Accumulate) {
-                  const float2 o = *ptr;
-                  v.x += o.x;
-                  v.y += o.y;
-                }
-                *ptr = v;
-              }
-            }
-          }
-        }
+        store_acc_rows_direct<kBlockN, kOut>(acc, reinterpret_cast<float*>(p.c) + tile.group * group_elems, p.n, row0,
+                                             tile.n0, wg_tid, p.m, p.n);
       }
     }
     if constexpr (kOut == kOutBf16Store) {

@@ -1,6 +1,6 @@
 // prime-kernels: what every sm90 kernel here shares before its roles split: the CTA's thread roles and register
 // split, the named barrier ids, integer helpers, the tile order within an expert (band_tile) and the groups'
-// offsets and first m-blocks in shared memory (no __global__ here).
+// offsets and first m-blocks in shared memory, the k-grouped kernels' tile order (no __global__ here).
 #pragma once
 
 #include <cstdint>
@@ -95,6 +95,45 @@ __device__ __forceinline__ MGroupedWork m_grouped_locate(const int32_t* s_offs, 
   int nb, mb;
   band_tile(u - s_tile[g], m_blocks, n_blocks, nb, mb);
   return MGroupedWork{g, start + mb * kBlockM, end, nb * tile_cols};
+}
+
+// The k-grouped kernels' tile order (k_grouped_gemm.cuh, k_grouped_gemm_fp8.cuh). Every expert has the same number
+// of tiles but not the same cost (cost ~ its row count, the reduction length), so experts are ranked by decreasing
+// row count and CTAs take tiles in a serpentine order over rounds of gridDim.x tiles: heavy tiles first, spread over
+// all CTAs. Whole CTA, no barrier: s_order[rank] = expert, ties by index.
+__device__ __forceinline__ void k_grouped_rank_experts(const int32_t* s_offs, int32_t* s_order, int num_groups) {
+  for (int e = threadIdx.x; e < num_groups; e += kNumThreads) {
+    const int rows_e = max(s_offs[e + 1] - s_offs[e], 0);
+    int rank = 0;
+    for (int f = 0; f < num_groups; ++f) {
+      const int rows_f = max(s_offs[f + 1] - s_offs[f], 0);
+      rank += (rows_f > rows_e) || (rows_f == rows_e && f < e);
+    }
+    s_order[rank] = e;
+  }
+}
+
+// Tile t of the ranked list: expert slot-major (tiles_per_group = m_blocks * n-blocks), then n-block, m-block fastest.
+struct KGroupedTile {
+  int group, k_start, rows, m0, n0;
+};
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ KGroupedTile k_grouped_locate(const int32_t* s_offs, const int32_t* s_order,
+                                                         int tiles_per_group, int m_blocks, int t) {
+  const int slot = t / tiles_per_group;
+  const int local = t - slot * tiles_per_group;
+  const int e = s_order[slot];
+  const int start = s_offs[e];
+  const int rows = max(s_offs[e + 1] - start, 0);
+  const int nb = local / m_blocks;
+  const int mb = local - nb * m_blocks;
+  return KGroupedTile{e, start, rows, mb * kBlockM, nb * kBlockN};
+}
+
+// The i-th tile of this CTA (serpentine over rounds of `grid` tiles); may be >= the number of tiles (none).
+__device__ __forceinline__ int k_grouped_tile_of(int i, int grid) {
+  const int round_base = i * grid;
+  return round_base + ((i & 1) ? (grid - 1 - (int)blockIdx.x) : (int)blockIdx.x);
 }
 
 // Whole CTA (kNumThreads threads): the groups' offsets as given, group_offsets[0..num_groups], into s_offs in shared

@@ -165,20 +165,30 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const MGroupedWork w = locate(u, g);
       // A warpgroup whose 64 rows all lie past the group's end (a tail m-block) only keeps the pipeline moving.
       const bool active = w.row0 + 64 * wg < w.row_end;
-      const float* sb_tile = p.sb + w.b_group * p.sb_group_stride + (w.n0 / kBlockN) * p.sb_n_stride;
-      auto block_scale_b = [&](int kb) -> float { return __ldg(sb_tile + kb); };
-      auto row_scales = [&](int s_, float& lo, float& hi) {
-        const float* sa = s_sa + s_ * kBlockM + frag_row;
-        lo = sa[0];
-        hi = sa[8];
+      // B's one scale per tile and k-block from global memory, A's two row scales of this thread from the stage
+      struct RowTimesTileScales {
+        const float* sb_tile;
+        const float* s_sa;
+        int frag_row;
+        __device__ __forceinline__ float prefetch(int kb) const { return __ldg(sb_tile + kb); }
+        __device__ __forceinline__ float3 load(float sb, int s_) const {
+          const float* sa = s_sa + s_ * kBlockM + frag_row;
+          return make_float3(sa[0], sa[8], sb);
+        }
+        __device__ __forceinline__ void apply(float3 f, const float (&part_)[kBlockN / 2],
+                                              float (&acc_)[kBlockN / 2]) const {
+          promote_rows(acc_, part_, f.x * f.z, f.y * f.z);
+        }
       };
+      const RowTimesTileScales scales{p.sb + w.b_group * p.sb_group_stride + (w.n0 / kBlockN) * p.sb_n_stride, s_sa,
+                                      frag_row};
       auto release = [&](int s_) {
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
       };
       consumer_tile_mainloop_promoted<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes>(
           acc, part, active, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0, desc.b_hi,
-          block_scale_b, row_scales, release);
+          scales, release);
       if (active)
         store_acc_half_async<kBlockN>(acc, stg_half, wg, wg_tid, &tmap_d, w.row0 + 64 * wg, w.row_end, w.n0, p.n,
                                       p.l2_hints, p.d, p.ldd);

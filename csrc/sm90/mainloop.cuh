@@ -93,24 +93,51 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
   for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
 }
 
-// One tile's k-loop for a consumer warpgroup of the blockwise-FP8 m-grouped kernel (m_grouped_gemm_fp8.cuh), with
-// promotion: each k-block's kBlockK / Mma::kK wgmma sum into `part` (the first overwrites it), and once they have
-// completed, part * (row scale * block scale) is added into the fp32 accumulator acc. The tensor core's adder keeps
-// fewer mantissa bits than fp32 for e4m3 products; summing only one 128-K block there and the blocks in fp32 bounds
-// that loss to one block's worth whatever K is (DeepSeek-V3's recipe). Each k-block's MMAs are waited for before
-// its promotion, so the two consumer warpgroups' MMAs and promotions interleave on the tensor cores.
-// block_scale_b(kb) gives B's scale of k-block kb (called before the stage's wait, so that a global load of it is in
-// flight during the wait and the MMAs); row_scales(stage, lo, hi) reads A's scales of this thread's two accumulator
-// rows (rows r and r + 8 of the m64 fragment) from the landed stage, before release(stage) hands it back. A
-// warpgroup with no rows (active = false) only releases stages. acc is zeroed first.
+// Promotion of one k-block's partial sums into the fp32 accumulator of an m64 wgmma fragment (4 registers per
+// 8-column group: rows r, r + 8 of columns c, c + 1): acc = fma(part, scale, acc), the scale the fp32 product of the
+// two operands' block scales, as the recipe's emulation (docs/fp8.md, G2-G3) rounds it. promote_rows: one scale per
+// row (s_lo for row r, s_hi for row r + 8: A's row scale times B's one scale per tile); promote_rows_cols: a row
+// scale times a column scale (col[j] the scales of columns c, c + 1 of group j), both operands scaled per row of C.
+template <int kAccRegs>
+__device__ __forceinline__ void promote_rows(float (&acc)[kAccRegs], const float (&part)[kAccRegs], float s_lo,
+                                             float s_hi) {
+#pragma unroll
+  for (int j = 0; j < kAccRegs / 4; ++j) {
+    acc[4 * j + 0] = fmaf(part[4 * j + 0], s_lo, acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(part[4 * j + 1], s_lo, acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(part[4 * j + 2], s_hi, acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(part[4 * j + 3], s_hi, acc[4 * j + 3]);
+  }
+}
+template <int kAccRegs>
+__device__ __forceinline__ void promote_rows_cols(float (&acc)[kAccRegs], const float (&part)[kAccRegs], float s_lo,
+                                                  float s_hi, const float2 (&col)[kAccRegs / 4]) {
+#pragma unroll
+  for (int j = 0; j < kAccRegs / 4; ++j) {
+    acc[4 * j + 0] = fmaf(part[4 * j + 0], s_lo * col[j].x, acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(part[4 * j + 1], s_lo * col[j].y, acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(part[4 * j + 2], s_hi * col[j].x, acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(part[4 * j + 3], s_hi * col[j].y, acc[4 * j + 3]);
+  }
+}
+
+// One tile's k-loop for a consumer warpgroup of the blockwise-FP8 grouped kernels (m_grouped_gemm_fp8.cuh,
+// k_grouped_gemm_fp8.cuh), with promotion: each k-block's kBlockK / Mma::kK wgmma sum into `part` (the first
+// overwrites it), and once they have completed, part times the block's scales is added into the fp32 accumulator acc.
+// The tensor core's adder keeps fewer mantissa bits than fp32 for e4m3 products; summing only one 128-K block there
+// and the blocks in fp32 bounds that loss to one block's worth whatever K is (DeepSeek-V3's recipe). Each k-block's
+// MMAs are waited for before its promotion, so the two consumer warpgroups' MMAs and promotions interleave on the
+// tensor cores. `scales` gives the block scales in three steps: pre = scales.prefetch(kb) before the stage's wait
+// (a global load is then in flight during the wait and the MMAs), f = scales.load(pre, stage) from the landed stage
+// before release(stage) hands it back, and scales.apply(f, part, acc) after it. A warpgroup with no rows
+// (active = false) only releases stages. acc is zeroed first.
 template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, int kAccRegs,
-          typename BlockScaleFn, typename RowScaleFn, typename ReleaseFn>
+          typename Scales, typename ReleaseFn>
 __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAccRegs], float (&part)[kAccRegs],
                                                                 bool active, int num_k_blocks, uint64_t* full_bar,
                                                                 int& stage, uint32_t& phase, uint32_t a_lo0,
                                                                 uint32_t a_hi, uint32_t b_lo0, uint32_t b_hi,
-                                                                BlockScaleFn&& block_scale_b, RowScaleFn&& row_scales,
-                                                                ReleaseFn&& release) {
+                                                                const Scales& scales, ReleaseFn&& release) {
   static_assert(kAccRegs % 4 == 0, "m64 fragment: 4 registers per 8-column group");
   constexpr uint32_t kKStepDesc = (Mma::kK * 1) >> 4;  // one k-step of 1-byte elements along a K-major row
 #pragma unroll
@@ -124,7 +151,7 @@ __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAc
     return;
   }
   for (int kb = 0; kb < num_k_blocks; ++kb) {
-    const float sb = block_scale_b(kb);
+    const auto pre = scales.prefetch(kb);
     ptx::mbar_wait(&full_bar[stage], phase);
 #pragma unroll
     for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
@@ -141,18 +168,9 @@ __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAc
     ptx::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
-    float s_lo, s_hi;
-    row_scales(stage, s_lo, s_hi);
+    const auto f = scales.load(pre, stage);
     release(stage);
-    s_lo *= sb;
-    s_hi *= sb;
-#pragma unroll
-    for (int j = 0; j < kAccRegs / 4; ++j) {
-      acc[4 * j + 0] = fmaf(part[4 * j + 0], s_lo, acc[4 * j + 0]);
-      acc[4 * j + 1] = fmaf(part[4 * j + 1], s_lo, acc[4 * j + 1]);
-      acc[4 * j + 2] = fmaf(part[4 * j + 2], s_hi, acc[4 * j + 2]);
-      acc[4 * j + 3] = fmaf(part[4 * j + 3], s_hi, acc[4 * j + 3]);
-    }
+    scales.apply(f, part, acc);
     advance_stage<kNumStages>(stage, phase);
   }
 }

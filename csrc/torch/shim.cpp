@@ -293,6 +293,70 @@ Tensor m_grouped_fp8_gemm_nt(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor gr
   return d;
 }
 
+// Blockwise FP8 k-grouped GEMM (weight gradients). a e4m3 [M, P], b e4m3 [N, P]: the operands stored token axis
+// contiguous (unit stride in P); sa fp32 [M, ceil(P / 128)], sb fp32 [N, ceil(P / 128)], both K-block major
+// (stride(0) == 1: one row of scales per 128-row token block; stride(1) is the core's ld_sa / ld_sb). The core checks
+// strides and alignment; the device checks the offsets (non-decreasing, multiples of 128 or P).
+int64_t fp8_token_block_scales_ld(const Tensor& s, const Tensor& like, int64_t cols, int64_t kb, const char* op,
+                                  const char* name, const char* cols_name) {
+  STD_TORCH_CHECK(s.is_cuda() && s.get_device_index() == like.get_device_index() && s.scalar_type() == ScalarType::Float,
+                  "prime_kernels.", op, ": ", name, " must be a float32 tensor on a's device");
+  STD_TORCH_CHECK(s.dim() == 2 && s.size(0) == cols && s.size(1) == kb, "prime_kernels.", op, ": ", name,
+                  " must be [", cols_name, ", ceil(P / 128)] = [", cols, ", ", kb, "]");
+  STD_TORCH_CHECK(cols <= 1 || kb == 0 || s.stride(0) == 1, "prime_kernels.", op, ": ", name,
+                  " must be K-block major (stride(0) == 1, e.g. the transpose of a contiguous [ceil(P / 128), C'] tensor "
+                  "with C' >= C a multiple of 4), got strides (", s.stride(0), ", ", s.stride(1), ")");
+  // With one token block the stride between blocks is never used (torch may report any value for it).
+  return kb <= 1 ? (cols + 3) / 4 * 4 : s.stride(1);
+}
+
+void k_grouped_fp8_launch(const Tensor& a, const Tensor& sa, const Tensor& b, const Tensor& sb, const Tensor& offsets,
+                          const Tensor& c, bool accumulate, int64_t num_sms, const char* op) {
+  const int sms = check_num_sms(num_sms, op);
+  check_fp8_cuda(a, op, "a", 2);
+  check_fp8_cuda(b, op, "b", 2);
+  STD_TORCH_CHECK(b.get_device_index() == a.get_device_index(), "prime_kernels.", op, ": a and b on different devices");
+  STD_TORCH_CHECK(a.size(1) == b.size(1), "prime_kernels.", op,
+                  ": a [M, P] and b [N, P] must have the same token count P, got ", a.size(1), " and ", b.size(1));
+  const int32_t num_groups = check_offsets(offsets, a, op);
+  const int64_t m = a.size(0), n = b.size(0), p = a.size(1), kb = (p + 127) / 128;
+  const int64_t ld_sa = fp8_token_block_scales_ld(sa, a, m, kb, op, "sa", "M");
+  const int64_t ld_sb = fp8_token_block_scales_ld(sb, a, n, kb, op, "sb", "N");
+  torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
+  check_core(pk_k_grouped_fp8_gemm_tn(a.data_ptr(), a.stride(0), static_cast<const float*>(sa.data_ptr()), ld_sa,
+                                      b.data_ptr(), b.stride(0), static_cast<const float*>(sb.data_ptr()), ld_sb,
+                                      c.data_ptr(), c.scalar_type() == ScalarType::BFloat16 ? 1 : 0,
+                                      accumulate ? 1 : 0, static_cast<const int32_t*>(offsets.data_ptr()), num_groups,
+                                      p, m, n, sms, current_cuda_stream(a.get_device_index())),
+             op);
+}
+
+Tensor k_grouped_fp8_gemm_tn(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor group_offsets, bool out_fp32,
+                             int64_t num_sms) {
+  const char* op = "k_grouped_fp8_gemm_tn";
+  STD_TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && group_offsets.dim() == 1, "prime_kernels.", op,
+                  ": a [M, P], b [N, P], group_offsets [E + 1] expected");
+  Tensor c = new_tensor(a, {group_offsets.size(0) - 1, a.size(0), b.size(0)},
+                        out_fp32 ? ScalarType::Float : ScalarType::BFloat16);
+  k_grouped_fp8_launch(a, sa, b, sb, group_offsets, c, false, num_sms, op);
+  return c;
+}
+
+void k_grouped_fp8_gemm_tn_accumulate_(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor group_offsets, Tensor c,
+                                       int64_t num_sms) {
+  const char* op = "k_grouped_fp8_gemm_tn_accumulate_";
+  STD_TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && group_offsets.dim() == 1, "prime_kernels.", op,
+                  ": a [M, P], b [N, P], group_offsets [E + 1] expected");
+  STD_TORCH_CHECK(c.scalar_type() == ScalarType::Float && c.is_contiguous() && c.dim() == 3, "prime_kernels.", op,
+                  ": c must be a contiguous fp32 [E, M, N] tensor");
+  STD_TORCH_CHECK(c.is_cuda() && c.get_device_index() == a.get_device_index(), "prime_kernels.", op,
+                  ": c must be on the operands' CUDA device");
+  STD_TORCH_CHECK(c.size(0) == group_offsets.size(0) - 1 && c.size(1) == a.size(0) && c.size(2) == b.size(0),
+                  "prime_kernels.", op, ": c must be [E, M, N] = [", group_offsets.size(0) - 1, ", ", a.size(0), ", ",
+                  b.size(0), "]");
+  k_grouped_fp8_launch(a, sa, b, sb, group_offsets, c, true, num_sms, op);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Combine (CPU: the core's host loop, same order and rounding as the kernel).
 // ---------------------------------------------------------------------------------------------
@@ -664,6 +728,10 @@ STABLE_TORCH_LIBRARY(prime_kernels, m) {
   m.def("dispatch_rows_(Tensor src, Tensor route_to_pool, Tensor(a!) out) -> ()");
   m.def("k_grouped_bf16_gemm_tn(Tensor a, Tensor b, Tensor group_offsets, bool out_fp32=True, int num_sms=0) -> Tensor");
   m.def("k_grouped_bf16_gemm_tn_accumulate_(Tensor a, Tensor b, Tensor group_offsets, Tensor(c!) c, int num_sms=0) -> ()");
+  m.def("k_grouped_fp8_gemm_tn(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor group_offsets, bool out_fp32=True, "
+        "int num_sms=0) -> Tensor");
+  m.def("k_grouped_fp8_gemm_tn_accumulate_(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor group_offsets, "
+        "Tensor(c!) c, int num_sms=0) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CPU, m) {
@@ -688,4 +756,6 @@ STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("mega_moe_bwd_dgrad", TORCH_BOX(&mega_moe_bwd_dgrad));
   m.impl("k_grouped_bf16_gemm_tn", TORCH_BOX(&k_grouped_bf16_gemm_tn));
   m.impl("k_grouped_bf16_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_bf16_gemm_tn_accumulate_));
+  m.impl("k_grouped_fp8_gemm_tn", TORCH_BOX(&k_grouped_fp8_gemm_tn));
+  m.impl("k_grouped_fp8_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_fp8_gemm_tn_accumulate_));
 }

@@ -38,6 +38,7 @@ if _lib.load().shim_loaded:
     _swiglu._register()
 from .grouped_gemm import (  # noqa: E402
     k_grouped_bf16_gemm_tn,
+    k_grouped_fp8_gemm_tn,
     m_grouped_bf16_gemm_nn,
     m_grouped_bf16_gemm_nt,
     m_grouped_fp8_gemm_nt,
@@ -57,4 +58,4 @@ from .mega import *  # noqa: E402,F401,F403  (upstream's top-level names: bf16_m
 
 __all__ = list(mega.__all__) + ["status", "build_info", "__version__", "RoutingPlan", "routing_plan", "routing_plan_reference",
            "pool_capacity", "combine", "dispatch_rows", "m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "k_grouped_bf16_gemm_tn",
-           "m_grouped_fp8_gemm_nt", "set_wait_timeout", "wait_timeout", "check_device_errors"]
+           "m_grouped_fp8_gemm_nt", "k_grouped_fp8_gemm_tn", "set_wait_timeout", "wait_timeout", "check_device_errors"]

@@ -13,6 +13,12 @@ no padding needed, empty groups allowed).
   (bf16): blockwise-scaled FP8 (e4m3 operands, fp32 scales per 1 x 128 of a and per 128 x 128 of b,
   DeepSeek-V3's recipe): row r of group g is sum over 128-wide k-blocks kb of
   (a[r, kb] . b[g][n, kb]) * sa[r, kb] * sb[g][n // 128, kb]. See docs/fp8_gemm.md for the layouts.
+- ``k_grouped_fp8_gemm_tn(a [M, P], sa [M, P/128], b [N, P], sb [N, P/128], offs) -> [E, M, N]``: the
+  blockwise-FP8 weight gradients, C_g = sum over group g's 128-row token blocks kb of
+  (a[:, kb] . b[:, kb]) * sa[:, kb] * sb[:, kb] (row x column scales), fp32 or bf16 out, or added into a given fp32
+  buffer. The operands are the recipe's qT operands stored token axis contiguous (sm90's FP8 wgmma reads K-major
+  operands only), and every group offset is a multiple of 128 or P (each expert starts on a whole token block, as
+  the routing plan's pool lays experts out).
 
 Rows of the m-grouped output that lie outside every group are left unspecified.
 
@@ -39,7 +45,8 @@ from .swiglu import swiglu_bwd_reference
 
 __all__ = ["m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "m_grouped_bf16_gemm_swiglu", "k_grouped_bf16_gemm_tn",
            "m_grouped_fp8_gemm_nt", "m_grouped_gemm_reference", "k_grouped_gemm_reference",
-           "m_grouped_fp8_gemm_reference", "k_block_major_scales"]
+           "m_grouped_fp8_gemm_reference", "k_block_major_scales", "k_grouped_fp8_gemm_tn",
+           "k_grouped_fp8_gemm_reference"]
 
 _KEYS = {"m_grouped_bf16_gemm_nt": "m_grouped_gemm_nt.bf16.sm90",
          "m_grouped_bf16_gemm_nn": "m_grouped_gemm_nn.bf16.sm90",
@@ -48,13 +55,17 @@ _KEYS = {"m_grouped_bf16_gemm_nt": "m_grouped_gemm_nt.bf16.sm90",
          "m_grouped_bf16_gemm_swiglu_bwd": "m_grouped_gemm_swiglu_bwd.bf16.sm90",
          "k_grouped_bf16_gemm_tn": "k_grouped_gemm_tn.bf16.sm90",
          "k_grouped_bf16_gemm_tn_accumulate_": "k_grouped_gemm_tn.bf16.sm90",
-         "m_grouped_fp8_gemm_nt": "m_grouped_gemm_nt.fp8.sm90"}
+         "m_grouped_fp8_gemm_nt": "m_grouped_gemm_nt.fp8.sm90",
+         "k_grouped_fp8_gemm_tn": "k_grouped_gemm_tn.fp8.sm90",
+         "k_grouped_fp8_gemm_tn_accumulate_": "k_grouped_gemm_tn.fp8.sm90"}
+# Built but not yet verified on a GPU: their explicit ops run where they are built (status() says so).
+_UNVERIFIED_OPS = ("m_grouped_fp8_gemm_nt", "k_grouped_fp8_gemm_tn", "k_grouped_fp8_gemm_tn_accumulate_")
 
 
 def _ready(op: str, device: torch.device) -> None:
     if device.type == "cuda":
-        # the FP8 GEMM runs where it is built though it awaits its first GPU verification (status() says so)
-        _status.require(_KEYS[op], allow_unverified=op == "m_grouped_fp8_gemm_nt")
+        # the FP8 GEMMs run where they are built though they await their first GPU verification (status() says so)
+        _status.require(_KEYS[op], allow_unverified=op in _UNVERIFIED_OPS)
     elif not _lib.load().shim_loaded:
         raise RuntimeError(f"prime_kernels: {op} is not available: {_lib.load().reason}")
 
@@ -161,6 +172,70 @@ def m_grouped_fp8_gemm_nt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb
     if sa.dim() == 2 and sa.dtype == torch.float32:
         sa = k_block_major_scales(sa)
     return torch.ops.prime_kernels.m_grouped_fp8_gemm_nt(a, sa, b, sb, group_offsets, sms)
+
+
+def check_token_block_offsets_cpu(offs: torch.Tensor, rows: int) -> None:
+    """The FP8 k-grouped GEMM's rule for group_offsets, on a CPU tensor: check_offsets_cpu's, and every entry a
+    multiple of 128 or ``rows`` (each expert starts on a whole 128-row token block of the scales)."""
+    check_offsets_cpu(offs, rows)
+    o = offs.to(torch.int64)
+    bad = (o % FP8_BLOCK != 0) & (o != rows)
+    if bool(bad.any()):
+        raise RuntimeError(f"group_offsets must be multiples of {FP8_BLOCK} or {rows} (each expert starts on a whole "
+                           f"{FP8_BLOCK}-row token block), got {offs.tolist()}")
+
+
+def k_grouped_fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                                 group_offsets: torch.Tensor, acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The blockwise-FP8 k-grouped GEMM emulated, fp32 (or float64) [E, M, N]. float32: the recipe's G1-G3
+    (docs/fp8.md; prime_kernels.mega.fp8.fp8_gemm_nt): each 128-row token block's products summed exactly and rounded
+    once to fp32, scaled by the fp32 product sa[m, kb] * sb[n, kb] and added into the fp32 accumulator with one
+    rounding, blocks in increasing order; float64: the dequantized operands' product. An empty group gives zeros."""
+    offs = group_offsets.tolist()
+    (m, p), n = a.shape, b.shape[0]
+    out = torch.zeros(len(offs) - 1, m, n, dtype=acc_dtype, device=a.device)
+    fa, fb = a.double(), b.double()
+    for g in range(len(offs) - 1):
+        lo, hi = offs[g], offs[g + 1]
+        if hi <= lo:
+            continue
+        if acc_dtype == torch.float64:
+            xs = fa[:, lo:hi] * sa.double().repeat_interleave(FP8_BLOCK, 1)[:, lo:hi]
+            ws = fb[:, lo:hi] * sb.double().repeat_interleave(FP8_BLOCK, 1)[:, lo:hi]
+            out[g] = xs @ ws.t()
+            continue
+        c = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+        for k0 in range(lo, hi, FP8_BLOCK):
+            k1, kb = min(k0 + FP8_BLOCK, hi), k0 // FP8_BLOCK
+            partial = (fa[:, k0:k1] @ fb[:, k0:k1].t()).float()  # G1
+            scale = sa[:, kb, None].float() * sb[None, :, kb].float()  # G2
+            c = (c.double() + scale.double() * partial.double()).float()  # G3
+        out[g] = c
+    return out
+
+
+def k_grouped_fp8_gemm_tn(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                          group_offsets: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
+                          accumulate_into: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
+    """Blockwise-FP8 k-grouped GEMM (the weight gradients): C_g [M, N] for every group g of group_offsets' token
+    rows. a float8_e4m3fn [M, P] and b float8_e4m3fn [N, P], token axis contiguous (the qT operands transposed);
+    sa float32 [M, ceil(P/128)] and sb [N, ceil(P/128)] (one scale per column and 128-row token block, any layout:
+    made K-block major first, see k_block_major_scales); group_offsets int32 [E + 1], every entry a multiple of 128
+    or P. Returns fp32 or bf16 [E, M, N]; with ``accumulate_into`` (fp32 [E, M, N]) adds into it and returns it (an
+    empty group leaves its slice as it is)."""
+    sms = _sms(num_sms)
+    if sa.dim() == 2 and sa.dtype == torch.float32:
+        sa = k_block_major_scales(sa)
+    if sb.dim() == 2 and sb.dtype == torch.float32:
+        sb = k_block_major_scales(sb)
+    if accumulate_into is not None:
+        _ready("k_grouped_fp8_gemm_tn_accumulate_", a.device)
+        torch.ops.prime_kernels.k_grouped_fp8_gemm_tn_accumulate_(a, sa, b, sb, group_offsets, accumulate_into, sms)
+        return accumulate_into
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    _ready("k_grouped_fp8_gemm_tn", a.device)
+    return torch.ops.prime_kernels.k_grouped_fp8_gemm_tn(a, sa, b, sb, group_offsets, out_dtype == torch.float32, sms)
 
 
 def m_grouped_bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
@@ -368,3 +443,50 @@ def _register() -> None:
     torch.library.register_fake(lib + "k_grouped_bf16_gemm_tn", k_fake)
     torch.library.register_kernel(lib + "k_grouped_bf16_gemm_tn_accumulate_", "cpu", k_acc_cpu)
     torch.library.register_fake(lib + "k_grouped_bf16_gemm_tn_accumulate_", k_acc_fake)
+
+    def fp8k_check_cpu(op, a, sa, b, sb, offs):
+        if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"prime_kernels.{op}: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+        if sa.dtype != torch.float32 or sb.dtype != torch.float32:
+            raise TypeError(f"prime_kernels.{op}: sa and sb must be float32, got {sa.dtype} and {sb.dtype}")
+        if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] < 2:
+            raise TypeError(f"prime_kernels.{op}: group_offsets must be a 1-D int32 tensor [num_groups + 1]")
+        if a.dim() != 2 or b.dim() != 2:
+            raise RuntimeError(f"prime_kernels.{op}: a [M, P], b [N, P], group_offsets [E + 1] expected")
+        (m, p), n = a.shape, b.shape[0]
+        if b.shape[1] != p:
+            raise RuntimeError(f"prime_kernels.{op}: a [M, P] and b [N, P] must have the same token count P, got {p} "
+                               f"and {b.shape[1]}")
+        if m < 8 or n < 8 or m % 8 or n % 8:
+            raise RuntimeError(f"prime_kernels.{op}: m ({m}) and n ({n}) must be multiples of 8")
+        kb = (p + FP8_BLOCK - 1) // FP8_BLOCK
+        for name, s, cols, label in (("sa", sa, m, "M"), ("sb", sb, n, "N")):
+            if tuple(s.shape) != (cols, kb):
+                raise RuntimeError(f"prime_kernels.{op}: {name} must be [{label}, ceil(P / 128)] = [{cols}, {kb}], "
+                                   f"got {list(s.shape)}")
+        check_token_block_offsets_cpu(offs, p)
+
+    def fp8k_cpu(a, sa, b, sb, group_offsets, out_fp32=True, num_sms=0):
+        fp8k_check_cpu("k_grouped_fp8_gemm_tn", a, sa, b, sb, group_offsets)
+        out = k_grouped_fp8_gemm_reference(a, sa, b, sb, group_offsets)
+        return out if out_fp32 else out.to(torch.bfloat16)
+
+    def fp8k_fake(a, sa, b, sb, group_offsets, out_fp32=True, num_sms=0):
+        return a.new_empty(group_offsets.shape[0] - 1, a.shape[0], b.shape[0],
+                           dtype=torch.float32 if out_fp32 else torch.bfloat16)
+
+    def fp8k_acc_cpu(a, sa, b, sb, group_offsets, c, num_sms=0):
+        op = "k_grouped_fp8_gemm_tn_accumulate_"
+        fp8k_check_cpu(op, a, sa, b, sb, group_offsets)
+        want = (group_offsets.shape[0] - 1, a.shape[0], b.shape[0])
+        if c.dtype != torch.float32 or c.dim() != 3 or not c.is_contiguous() or tuple(c.shape) != want:
+            raise RuntimeError(f"prime_kernels.{op}: c must be a contiguous fp32 [E, M, N] tensor = {list(want)}")
+        c.add_(k_grouped_fp8_gemm_reference(a, sa, b, sb, group_offsets))
+
+    def fp8k_acc_fake(a, sa, b, sb, group_offsets, c, num_sms=0):
+        return None
+
+    torch.library.register_kernel(lib + "k_grouped_fp8_gemm_tn", "cpu", fp8k_cpu)
+    torch.library.register_fake(lib + "k_grouped_fp8_gemm_tn", fp8k_fake)
+    torch.library.register_kernel(lib + "k_grouped_fp8_gemm_tn_accumulate_", "cpu", fp8k_acc_cpu)
+    torch.library.register_fake(lib + "k_grouped_fp8_gemm_tn_accumulate_", fp8k_acc_fake)

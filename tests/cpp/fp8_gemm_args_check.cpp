@@ -1,5 +1,6 @@
-// Host check of the FP8 m-grouped GEMM's argument validation (csrc/sm90/grouped_gemm_fp8.hpp), run by
-// tests/test_grouped_gemm_fp8.py with the host C++ compiler alone: a valid call passes, and each bad argument fails
+// Host check of the FP8 grouped GEMMs' argument validation (csrc/sm90/grouped_gemm_fp8.hpp: the m-grouped and the
+// k-grouped one), run by tests/test_grouped_gemm_fp8.py and tests/test_grouped_gemm_fp8_k.py with the host C++
+// compiler alone: a valid call passes, and each bad argument fails
 // with kGemmInvalidArgument and a message naming it, before anything would touch a device. Prints "ok <cases>" or
 // the first failure, and exits non-zero on a failure.
 #include <cstdio>
@@ -37,21 +38,51 @@ MGroupedFp8GemmArgs valid() {
   return x;
 }
 
+KGroupedFp8GemmArgs valid_k() {
+  KGroupedFp8GemmArgs x;
+  x.a = g_buf;
+  x.lda = 400;
+  x.sa = reinterpret_cast<const float*>(g_buf);
+  x.ld_sa = 256;
+  x.b = g_buf;
+  x.ldb = 384;
+  x.sb = reinterpret_cast<const float*>(g_buf);
+  x.ld_sb = 136;
+  x.c = g_buf;
+  x.group_offsets = reinterpret_cast<const int32_t*>(g_buf);
+  x.num_groups = 4;
+  x.p_total = 300;
+  x.m = 256;
+  x.n = 136;
+  return x;
+}
+
 int g_cases = 0;
 
-void expect(const char* what, const std::function<void(MGroupedFp8GemmArgs&)>& edit, int want_rc,
-            const char* want_text) {
-  MGroupedFp8GemmArgs x = valid();
+template <typename Args>
+void expect_case(Args (*make)(), int (*check)(const Args&, char*, size_t), const char* what,
+                 const std::function<void(Args&)>& edit, int want_rc, const char* want_text) {
+  Args x = make();
   edit(x);
   char err[512];
   std::memset(err, 'x', sizeof(err));
-  const int rc = host::check_m_grouped_fp8_args(x, err, sizeof(err));
+  const int rc = check(x, err, sizeof(err));
   ++g_cases;
   if (rc != want_rc || (want_text != nullptr && std::strstr(err, want_text) == nullptr)) {
     std::printf("FAIL %s: rc %d (want %d), message '%s' (want '%s')\n", what, rc, want_rc, rc ? err : "",
                 want_text ? want_text : "");
     std::exit(1);
   }
+}
+
+void expect(const char* what, const std::function<void(MGroupedFp8GemmArgs&)>& edit, int want_rc,
+            const char* want_text) {
+  expect_case<MGroupedFp8GemmArgs>(valid, host::check_m_grouped_fp8_args, what, edit, want_rc, want_text);
+}
+
+void expect_k(const char* what, const std::function<void(KGroupedFp8GemmArgs&)>& edit, int want_rc,
+              const char* want_text) {
+  expect_case<KGroupedFp8GemmArgs>(valid_k, host::check_k_grouped_fp8_args, what, edit, want_rc, want_text);
 }
 
 }  // namespace
@@ -89,6 +120,36 @@ int main() {
   expect("ld_sa not a multiple of 4", [](MGroupedFp8GemmArgs& x) { x.ld_sa = 102; }, bad, "ld_sa = 102");
   expect("sb_n_stride below k / 128", [](MGroupedFp8GemmArgs& x) { x.sb_n_stride = 1; }, bad, "sb_n_stride = 1");
   expect("sb_group_stride too small", [](MGroupedFp8GemmArgs& x) { x.sb_group_stride = 5; }, bad, "sb_group_stride = 5");
+
+  // the k-grouped GEMM (weight gradients)
+  GroupedGemmConfig other_k = k_grouped_fp8_gemm_config(0, 0, 0, 1);
+  other_k.num_stages = 5;
+  expect_k("valid", [](KGroupedFp8GemmArgs&) {}, kGemmOk, nullptr);
+  expect_k("bf16 out", [](KGroupedFp8GemmArgs& x) { x.c_is_bf16 = true; }, kGemmOk, nullptr);
+  expect_k("p_total 0 needs no operands",
+           [](KGroupedFp8GemmArgs& x) { x.p_total = 0; x.a = x.b = nullptr; x.sa = x.sb = nullptr; x.group_offsets = nullptr; },
+           kGemmOk, nullptr);
+  expect_k("p_total 0 still needs c", [](KGroupedFp8GemmArgs& x) { x.p_total = 0; x.c = nullptr; }, bad, "c must be");
+  expect_k("no groups", [](KGroupedFp8GemmArgs& x) { x.num_groups = 0; }, bad, "num_groups = 0");
+  expect_k("too many groups", [](KGroupedFp8GemmArgs& x) { x.num_groups = 1025; }, bad, "num_groups = 1025");
+  expect_k("negative p_total", [](KGroupedFp8GemmArgs& x) { x.p_total = -1; }, bad, "bad sizes");
+  expect_k("m below 8", [](KGroupedFp8GemmArgs& x) { x.m = 0; }, bad, "bad sizes");
+  expect_k("n not a multiple of 8", [](KGroupedFp8GemmArgs& x) { x.n = 100; }, bad, "multiples of 8");
+  expect_k("output too large", [](KGroupedFp8GemmArgs& x) { x.m = x.n = int64_t(1) << 20; x.num_groups = 2; }, bad,
+           "output too large");
+  expect_k("accumulate into bf16", [](KGroupedFp8GemmArgs& x) { x.c_is_bf16 = x.accumulate = true; }, bad,
+           "accumulate needs an fp32 output");
+  expect_k("misaligned c", [](KGroupedFp8GemmArgs& x) { x.c = g_buf + 8; }, bad, "c must be non-null and 16-byte");
+  expect_k("other config", [&](KGroupedFp8GemmArgs& x) { x.config = &other_k; }, bad, "unsupported config");
+  expect_k("null sb", [](KGroupedFp8GemmArgs& x) { x.sb = nullptr; }, bad, "null a, sa, b, sb or group_offsets");
+  expect_k("null offsets", [](KGroupedFp8GemmArgs& x) { x.group_offsets = nullptr; }, bad, "null");
+  expect_k("misaligned b", [](KGroupedFp8GemmArgs& x) { x.b = g_buf + 4; }, bad, "16-byte aligned");
+  expect_k("misaligned sa", [](KGroupedFp8GemmArgs& x) { x.sa = reinterpret_cast<const float*>(g_buf + 4); }, bad,
+           "16-byte aligned");
+  expect_k("lda below p_total", [](KGroupedFp8GemmArgs& x) { x.lda = 288; }, bad, "lda = 288");
+  expect_k("ldb not a multiple of 16", [](KGroupedFp8GemmArgs& x) { x.ldb = 312; }, bad, "ldb = 312");
+  expect_k("ld_sa below m", [](KGroupedFp8GemmArgs& x) { x.ld_sa = 252; }, bad, "ld_sa = 252");
+  expect_k("ld_sb not a multiple of 4", [](KGroupedFp8GemmArgs& x) { x.ld_sb = 138; }, bad, "ld_sb = 138");
   std::printf("ok %d\n", g_cases);
   return 0;
 }
