@@ -97,9 +97,13 @@ inline GroupedGemmConfig m_grouped_fp8_gemm_config(int64_t m_total, int64_t n, i
   c.async_epilogue = 1;
   return c;
 }
+// A kernel built for one config takes exactly that config, whatever num_sms (it only bounds the grid).
+inline bool is_built_config(const GroupedGemmConfig& c, const GroupedGemmConfig& built) {
+  return c.block_m == built.block_m && c.block_n == built.block_n && c.block_k == built.block_k &&
+         c.num_stages == built.num_stages && c.async_epilogue == built.async_epilogue && c.num_sms >= 0;
+}
 inline bool m_grouped_fp8_gemm_config_supported(const GroupedGemmConfig& c) {
-  return c.block_m == 128 && c.block_n == 128 && c.block_k == 128 && c.num_stages == 5 && c.async_epilogue == 1 &&
-         c.num_sms >= 0;
+  return is_built_config(c, m_grouped_fp8_gemm_config(0, 0, 0, 0));
 }
 
 // k-grouped blockwise FP8 (k_grouped_fp8_gemm_tn, k_grouped_gemm_fp8.cuh): the one tile shape there is, one
@@ -127,8 +131,7 @@ inline GroupedGemmConfig k_grouped_fp8_gemm_config(int64_t m, int64_t n, int64_t
   return c;
 }
 inline bool k_grouped_fp8_gemm_config_supported(const GroupedGemmConfig& c) {
-  return c.block_m == 128 && c.block_n == 128 && c.block_k == 128 && c.num_stages == 6 && c.async_epilogue == 0 &&
-         c.num_sms >= 0;
+  return is_built_config(c, k_grouped_fp8_gemm_config(0, 0, 0, 0));
 }
 
 // k-grouped: C_e[M, N] = A_e^T @ B_e with K_e = rows of expert e. c_is_bf16 = false (fp32 store/accumulate)
