@@ -385,14 +385,18 @@ def _register() -> None:
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_nt_gather", "cpu", gather_cpu)
     torch.library.register_fake(lib + "m_grouped_bf16_gemm_nt_gather", gather_fake)
 
-    def fp8_check_cpu(a, sa, b, sb, offs):
-        op = "m_grouped_fp8_gemm_nt"
+    def fp8_dtypes_cpu(op, a, sa, b, sb, offs):
+        """The dtypes both FP8 GEMMs take: e4m3 operands, fp32 scales, int32 offsets."""
         if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
             raise TypeError(f"prime_kernels.{op}: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
         if sa.dtype != torch.float32 or sb.dtype != torch.float32:
             raise TypeError(f"prime_kernels.{op}: sa and sb must be float32, got {sa.dtype} and {sb.dtype}")
         if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] < 2:
             raise TypeError(f"prime_kernels.{op}: group_offsets must be a 1-D int32 tensor [num_groups + 1]")
+
+    def fp8_check_cpu(a, sa, b, sb, offs):
+        op = "m_grouped_fp8_gemm_nt"
+        fp8_dtypes_cpu(op, a, sa, b, sb, offs)
         if a.dim() != 2 or b.dim() != 3:
             raise RuntimeError(f"prime_kernels.{op}: a must be 2-D [M, K] and b 3-D [E, N, K]")
         m, k = a.shape
@@ -445,12 +449,7 @@ def _register() -> None:
     torch.library.register_fake(lib + "k_grouped_bf16_gemm_tn_accumulate_", k_acc_fake)
 
     def fp8k_check_cpu(op, a, sa, b, sb, offs):
-        if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
-            raise TypeError(f"prime_kernels.{op}: a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
-        if sa.dtype != torch.float32 or sb.dtype != torch.float32:
-            raise TypeError(f"prime_kernels.{op}: sa and sb must be float32, got {sa.dtype} and {sb.dtype}")
-        if offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] < 2:
-            raise TypeError(f"prime_kernels.{op}: group_offsets must be a 1-D int32 tensor [num_groups + 1]")
+        fp8_dtypes_cpu(op, a, sa, b, sb, offs)
         if a.dim() != 2 or b.dim() != 2:
             raise RuntimeError(f"prime_kernels.{op}: a [M, P], b [N, P], group_offsets [E + 1] expected")
         (m, p), n = a.shape, b.shape[0]
