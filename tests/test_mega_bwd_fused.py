@@ -193,6 +193,7 @@ def test_dgrad_host_checks_raise_before_any_launch(case):
 
 @pytest.mark.parametrize("opt,exc,fragment", [(dict(activation_clamp=0.0), ValueError, "activation_clamp"),
                                               (dict(activation_clamp=True), TypeError, "activation_clamp"),
+                                              (dict(activation_clamp=float("inf")), ValueError, "activation_clamp"),
                                               (dict(num_sms=0), ValueError, "num_sms"),
                                               (dict(num_sms=True), ValueError, "num_sms")])
 def test_dgrad_option_checks(opt, exc, fragment):

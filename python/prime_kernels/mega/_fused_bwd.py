@@ -18,7 +18,7 @@ import numbers
 import torch
 
 from .. import _status
-from ._validate import FusedKernelUnavailable
+from ._validate import FusedKernelUnavailable, check_activation_clamp
 
 STATUS_KEY = "mega_moe_bwd_dgrad.bf16.sm90"
 
@@ -87,11 +87,7 @@ def check_dgrad_inputs(dy_pool, w13, w2, h, expert_offsets, pool_src_route, topk
     devices = {t.device for t in (dy_pool, w13, w2, h, expert_offsets, pool_src_route, topk_weights)}
     if len(devices) != 1:
         _fail(f"every tensor must be on one device, got {sorted(str(d) for d in devices)}")
-    if activation_clamp is not None:
-        if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, numbers.Real):
-            _fail(f"activation_clamp must be None or a number > 0, got {activation_clamp!r}", TypeError)
-        if not float(activation_clamp) > 0:
-            _fail(f"activation_clamp must be None or a number > 0, got {activation_clamp!r}")
+    check_activation_clamp(activation_clamp)  # the layer's rule: None or a finite number > 0
     if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, numbers.Integral) or num_sms < 1):
         _fail(f"num_sms must be None (every SM) or an int >= 1, got {num_sms!r}")
     return M, H, I, E
