@@ -43,10 +43,10 @@ int m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream, 
     const uint32_t box[3] = {128, (uint32_t)kBlockN, 1};
     if (int r = make_map(&mb, args.b, 3, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_UINT8)) return r;
   }
-  {  // sa: the 128 scales of one tile's rows for one k-block (512 contiguous bytes, no swizzle)
+  {  // sa: the scales of one tile's 128 rows for one k-block, from the 16-byte boundary before them (no swizzle)
     const uint64_t dims[2] = {(uint64_t)m_total, (uint64_t)k_blocks};
     const uint64_t strides[1] = {(uint64_t)args.ld_sa * 4};
-    const uint32_t box[2] = {128, 1};
+    const uint32_t box[2] = {(uint32_t)MGroupedFp8Layout<kBlockN, kStages>::kSaBoxRows, 1};
     if (int r = make_map(&msa, args.sa, 2, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
                          CU_TENSOR_MAP_SWIZZLE_NONE))
       return r;

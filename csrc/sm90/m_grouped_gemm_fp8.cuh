@@ -7,7 +7,8 @@
 //   B   [E, N, K] e4m3, K contiguous ("nt": sm90's FP8 wgmma reads both operands K-major only), one fp32 scale per
 //       128 x 128 block.
 //   sa  fp32, K-block major ("MN-major"): sa[kb * ld_sa + m], ld_sa >= M_total and a multiple of 4. The 128 scales
-//       of one tile's rows for one k-block are then 512 contiguous bytes, which one TMA box brings into the stage
+//       of one tile's rows for one k-block are then contiguous, and one TMA box (from the 16-byte boundary at or
+//       before the tile's first row, see MGroupedFp8Layout::kSaBoxRows) brings them into the stage
 //       next to the A and B tiles they scale, completing on the same mbarrier (a row-major [M_total, K / 128] tensor
 //       would need one 4-byte box row per tile row).
 //   sb  fp32 [E, ceil(N / 128), K / 128] at sb[g * sb_group_stride + nb * sb_n_stride + kb], read by the consumers
@@ -70,14 +71,19 @@ struct MGroupedFp8Layout : StageRingLayout<128, kBlockN, 128, kNumStages, 1> {
   using Ring = StageRingLayout<128, kBlockN, 128, kNumStages, 1>;
   static constexpr int kCOff = Ring::kRingEnd;  // 1024-aligned, as the swizzled staging tile needs
   static constexpr int kCBytes = TmaStaging<kBlockN>::kBytes;
-  static constexpr int kSaBytes = Ring::kBlockM * 4;  // one fp32 scale per tile row and stage
+  // A tile's rows start anywhere (at its group's first row), but a TMA box's first element along the innermost
+  // dimension must sit on a 16-byte boundary (an unaligned start is an illegal instruction): the box starts at the
+  // tile's first row rounded down to a multiple of 4 scales and holds 4 more, and the consumers skip row0 % 4 of them.
+  static constexpr int kSaBoxRows = Ring::kBlockM + 4;
+  static constexpr int kSaBoxBytes = kSaBoxRows * 4;
+  static constexpr int kSaBytes = (kSaBoxBytes + 127) / 128 * 128;  // one stage's slot, 128-byte aligned
   static constexpr int kSaOff = kCOff + kCBytes;
   static constexpr int kBarOff = kSaOff + kNumStages * kSaBytes;
   static constexpr int kOffsOff = kBarOff + (2 * kNumStages + 2) * 8;
   static constexpr int kTileOff = kOffsOff + (kMaxGroups + 1) * 4;
   static constexpr int kEnd = kTileOff + (kMaxGroups + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
-  static constexpr int kStageTxBytes = Ring::kABytes + Ring::kBBytes + kSaBytes;
+  static constexpr int kStageTxBytes = Ring::kABytes + Ring::kBBytes + kSaBoxBytes;
   static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
   static_assert(kBlockN == 128, "B's scales are per 128 columns: one sb value per tile and k-block");
   static_assert(kSaOff % 128 == 0 && kSaBytes % 128 == 0, "TMA destinations are 128-byte aligned");
@@ -139,8 +145,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           ptx::tma_load_2d(smem + L::kAOff + stage * L::kABytes, &tmap_a, &full_bar[stage], kb * kBlockK, w.row0);
           ptx::tma_load_3d_hint(smem + L::kBOff + stage * L::kBBytes, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0,
                                 w.b_group, pol_b);
-          // rows past M_total arrive as zeros (their products are never stored)
-          ptx::tma_load_2d(smem + L::kSaOff + stage * L::kSaBytes, &tmap_sa, &full_bar[stage], w.row0, kb);
+          // from the 16-byte boundary at or before row0; rows past M_total arrive as zeros (never stored)
+          ptx::tma_load_2d(smem + L::kSaOff + stage * L::kSaBytes, &tmap_sa, &full_bar[stage], w.row0 & ~3, kb);
           advance_stage<kNumStages>(stage, phase);
         }
       }
@@ -172,7 +178,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         int frag_row;
         __device__ __forceinline__ float prefetch(int kb) const { return __ldg(sb_tile + kb); }
         __device__ __forceinline__ float3 load(float sb, int s_) const {
-          const float* sa = s_sa + s_ * kBlockM + frag_row;
+          const float* sa = s_sa + s_ * (L::kSaBytes / 4) + frag_row;
           return make_float3(sa[0], sa[8], sb);
         }
         __device__ __forceinline__ void apply(float3 f, const float (&part_)[kBlockN / 2],
@@ -181,7 +187,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       };
       const RowTimesTileScales scales{p.sb + w.b_group * p.sb_group_stride + (w.n0 / kBlockN) * p.sb_n_stride, s_sa,
-                                      frag_row};
+                                      frag_row + (w.row0 & 3)};
       auto release = [&](int s_) {
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
