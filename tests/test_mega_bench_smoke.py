@@ -160,7 +160,7 @@ def test_bench_layer_sonicmoe_unavailable(tmp_path, monkeypatch, capsys):
 
 
 FAKE_SONICMOE = '''
-"""A CPU stand-in for sonicmoe with the contract bench/peer_sonicmoe.py relies on (flat routes sorted by
+"""A plain-torch stand-in for sonicmoe with the contract bench/peer_sonicmoe.py relies on (flat routes sorted by
 token, w1 (2I, H, E) with [gate; up] rows under concat_layout=True, w2 (H, I, E), fp32 scores), in plain
 torch so that autograd gives the gradients."""
 import torch
@@ -181,7 +181,7 @@ def moe_general_routing_inputs(x, router_scores, token_indices, expert_indices, 
     h = torch.einsum("rh,ihr->ri", x[t].float(), w1.float()[:, :, e])
     a = F.silu(h[:, :I]) * h[:, I:]
     o = torch.einsum("ri,hir->rh", a, w2.float()[:, :, e]) * router_scores.float()[:, None]
-    y = torch.zeros(x.shape, dtype=torch.float32).index_add(0, t, o)
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add(0, t, o)
     return y.to(x.dtype), torch.bincount(e, minlength=E)
 '''
 
