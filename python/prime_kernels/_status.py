@@ -40,18 +40,13 @@ def _entries() -> list[KernelEntry]:
                  "m_grouped_gemm_swiglu_bwd", "k_grouped_gemm_tn"):
         compiled = name.replace("_gemm_", "_bf16_gemm_")
         e.append(KernelEntry(f"{name}.bf16.sm90", compiled, "sm90"))
-    e.append(KernelEntry("m_grouped_gemm_nt.fp8.sm90", "m_grouped_fp8_gemm_nt", "sm90",
-                         unverified="compiled (e4m3 wgmma in its SASS, no spills, no local memory) but not yet run on "
-                                    "a GPU: tests/test_grouped_gemm_fp8.py has not passed on an sm90 device"))
-    e.append(KernelEntry("k_grouped_gemm_tn.fp8.sm90", "k_grouped_fp8_gemm_tn", "sm90",
-                         unverified="compiled (e4m3 wgmma in its SASS, no spills, no local memory) but not yet run on "
-                                    "a GPU: tests/test_grouped_gemm_fp8_k.py has not passed on an sm90 device"))
+    e.append(KernelEntry("m_grouped_gemm_nt.fp8.sm90", "m_grouped_fp8_gemm_nt", "sm90"))
+    e.append(KernelEntry("k_grouped_gemm_tn.fp8.sm90", "k_grouped_fp8_gemm_tn", "sm90"))
     # The single-rank pipeline of our grouped GEMMs (prime_kernels.mega backend="grouped").
     e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     # The fused backward's dgrad kernel (L2 dgrad with the SwiGLU backward, then the L1 dgrad, in one launch):
-    # prime_kernels.mega._fused_bwd.dgrad runs it; the layer's backward does not.
-    e.append(KernelEntry("mega_moe_bwd_dgrad.bf16.sm90", "mega_moe_bwd_dgrad_bf16", "sm90",
-                         unverified="compiled, but not yet verified on a GPU: the backward runs the grouped pipeline"))
+    # prime_kernels.mega._fused_bwd.dgrad runs it; the layer's backward does not (mega_moe_backward below).
+    e.append(KernelEntry("mega_moe_bwd_dgrad.bf16.sm90", "mega_moe_bwd_dgrad_bf16", "sm90"))
     todo = "not implemented yet"
     e += [
         KernelEntry("mega_moe.bf16.sm90", "mega_moe_fwd_bf16", "sm90"),

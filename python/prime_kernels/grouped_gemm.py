@@ -58,14 +58,11 @@ _KEYS = {"m_grouped_bf16_gemm_nt": "m_grouped_gemm_nt.bf16.sm90",
          "m_grouped_fp8_gemm_nt": "m_grouped_gemm_nt.fp8.sm90",
          "k_grouped_fp8_gemm_tn": "k_grouped_gemm_tn.fp8.sm90",
          "k_grouped_fp8_gemm_tn_accumulate_": "k_grouped_gemm_tn.fp8.sm90"}
-# Built but not yet verified on a GPU: their explicit ops run where they are built (status() says so).
-_UNVERIFIED_OPS = ("m_grouped_fp8_gemm_nt", "k_grouped_fp8_gemm_tn", "k_grouped_fp8_gemm_tn_accumulate_")
 
 
 def _ready(op: str, device: torch.device) -> None:
     if device.type == "cuda":
-        # the FP8 GEMMs run where they are built though they await their first GPU verification (status() says so)
-        _status.require(_KEYS[op], allow_unverified=op in _UNVERIFIED_OPS)
+        _status.require(_KEYS[op])
     elif not _lib.load().shim_loaded:
         raise RuntimeError(f"prime_kernels: {op} is not available: {_lib.load().reason}")
 
