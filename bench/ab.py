@@ -32,6 +32,9 @@ SHAPES = {"30B": "qwen3-30b-a3b", "235B": "qwen3-235b-a22b", "smoke": "smoke"}
 DIRECTIONS = ("fwd", "bwd", "fwdbwd")
 # the same directions timed in steady state (bench_common.sustained_ms), with --steady-seconds > 0
 STEADY_DIRECTIONS = ("fwd_steady", "bwd_steady", "fwdbwd_steady")
+# the board's energy per call over the same steady state (NVML, CUDA only), millijoules: at the power cap a build
+# that spends more energy per call loses steady-state time though its kernels' burst times are equal
+ENERGY_DIRECTIONS = ("fwd_mj", "bwd_mj", "fwdbwd_mj")
 
 
 def parse_args(argv=None):
@@ -124,6 +127,11 @@ def child(args) -> dict:
             res["fwd_steady"] = bc.sustained_ms(fwd, device, args.steady_seconds, args.iters)
             res["fwdbwd_steady"] = bc.sustained_ms(fwdbwd, device, args.steady_seconds, args.iters)
             res["bwd_steady"] = res["fwdbwd_steady"] - res["fwd_steady"]
+            if device == "cuda":
+                counter = bc.EnergyCounter.for_current_device()
+                res["fwd_mj"] = bc.energy_per_call(fwd, counter, args.steady_seconds)[0] * 1e3
+                res["fwdbwd_mj"] = bc.energy_per_call(fwdbwd, counter, args.steady_seconds)[0] * 1e3
+                res["bwd_mj"] = res["fwdbwd_mj"] - res["fwd_mj"]
         y = fwd()
         grads = torch.autograd.grad(y, leaves, dy)
         res["fingerprint"] = {n: _fingerprint(t) for n, t in zip(("y", "dx", "dtopk", "dw13", "dw2"), (y, *grads))}
@@ -181,20 +189,25 @@ def run_child(site: Path, args, argv_tail: list[str]) -> dict:
 def summarize(samples: dict, shapes: list[str]) -> list[dict]:
     """samples[label] = list of child results, one per round (same round index = one pair)."""
     rows = []
-    steady = all(STEADY_DIRECTIONS[0] in c["shapes"][s] for c in samples["old"] + samples["new"] for s in shapes)
+    def everywhere(d):
+        return all(d in c["shapes"][s] for c in samples["old"] + samples["new"] for s in shapes)
+
+    extra = (STEADY_DIRECTIONS if everywhere(STEADY_DIRECTIONS[0]) else ()) + \
+        (ENERGY_DIRECTIONS if everywhere(ENERGY_DIRECTIONS[0]) else ())
     for s in shapes:
-        for d in DIRECTIONS + (STEADY_DIRECTIONS if steady else ()):
+        for d in DIRECTIONS + extra:
+            unit = "mj" if d in ENERGY_DIRECTIONS else "ms"
             old = [c["shapes"][s][d] for c in samples["old"]]
             new = [c["shapes"][s][d] for c in samples["new"]]
             ratios = [n / o for n, o in zip(new, old) if o > 0]
             same = all(samples["old"][i]["shapes"][s]["fingerprint"] == samples["new"][i]["shapes"][s]["fingerprint"]
                        for i in range(len(old)))
-            rows.append({"shape": s, "direction": d, "old_ms": round(statistics.median(old), 4),
-                         "new_ms": round(statistics.median(new), 4),
+            rows.append({"shape": s, "direction": d, f"old_{unit}": round(statistics.median(old), 4),
+                         f"new_{unit}": round(statistics.median(new), 4),
                          "ratio_new_old": round(statistics.median(ratios), 4) if ratios else None,
                          "ratio_min": round(min(ratios), 4) if ratios else None,
                          "ratio_max": round(max(ratios), 4) if ratios else None,
-                         "old_ms_rounds": old, "new_ms_rounds": new, "outputs_bitwise_equal": same})
+                         f"old_{unit}_rounds": old, f"new_{unit}_rounds": new, "outputs_bitwise_equal": same})
     return rows
 
 
@@ -235,15 +248,19 @@ def main(argv=None):
                timing={"warmup": args.warmup, "iters": args.iters, "rounds": args.rounds, "order": "ABBA",
                        "steady_seconds": args.steady_seconds,
                        "statistic": "per round: median of iters CUDA-event times (the *_steady rows: mean of iters "
-                                    "back-to-back calls after steady_seconds of them); reported: median over rounds "
-                                    "of new/old (each round's pair); bwd = fwdbwd - fwd"},
+                                    "back-to-back calls after steady_seconds of them; the *_mj rows, on CUDA: the board's "
+                                    "NVML energy per call over steady_seconds of back-to-back calls, millijoules, in "
+                                    "old_mj / new_mj); reported: median over rounds of new/old (each round's pair); "
+                                    "bwd = fwdbwd - fwd"},
                options={"tokens": args.tokens, "routing": "uniform", "backend": args.backend, "seed": args.seed},
                rows=rows)
-    print(f"{'shape':>6} {'dir':>7} {'old ms':>9} {'new ms':>9} {'new/old':>8} {'min':>7} {'max':>7}  same bits")
+    print(f"{'shape':>6} {'dir':>7} {'old':>9} {'new':>9} {'new/old':>8} {'min':>7} {'max':>7}  same bits  "
+          f"(ms; mJ per call in the *_mj rows)")
     # A ratio is None where no round had a positive old time (bwd = fwdbwd - fwd can be <= 0 on a noisy CPU run).
     num = lambda v, width: f"{v:{width}.4f}" if v is not None else f"{'n/a':>{width}}"  # noqa: E731
     for r in rows:
-        print(f"{r['shape']:>6} {r['direction']:>7} {r['old_ms']:9.3f} {r['new_ms']:9.3f} "
+        unit = "mj" if r["direction"] in ENERGY_DIRECTIONS else "ms"
+        print(f"{r['shape']:>6} {r['direction']:>7} {r[f'old_{unit}']:9.3f} {r[f'new_{unit}']:9.3f} "
               f"{num(r['ratio_new_old'], 8)} {num(r['ratio_min'], 7)} {num(r['ratio_max'], 7)}  "
               f"{r['outputs_bitwise_equal']}")
     if args.out:

@@ -259,6 +259,29 @@ def test_ab_smoke_on_the_cpu_reports_bursts_and_steady_state(tmp_path):
     assert doc["timing"]["steady_seconds"] > 0
 
 
+def test_ab_summary_reports_energy_rows_in_millijoules():
+    """bench/ab.py's summary: where every child measured energy (CUDA), the *_mj rows carry old_mj / new_mj and
+    their ratio; where one did not, no energy row appears."""
+    ab = _bench_module("ab")
+    fp = {"y": 1}
+
+    def child(fwd, fwdbwd, mj=None):
+        res = {"fwd": fwd, "fwdbwd": fwdbwd, "bwd": fwdbwd - fwd, "fingerprint": fp}
+        if mj is not None:
+            res.update(fwd_mj=mj[0], fwdbwd_mj=mj[1], bwd_mj=mj[1] - mj[0])
+        return {"shapes": {"smoke": res}}
+
+    samples = {"old": [child(2.0, 6.0, (100.0, 300.0)), child(2.0, 6.0, (100.0, 300.0))],
+               "new": [child(2.2, 6.0, (110.0, 300.0)), child(2.0, 6.6, (104.0, 330.0))]}
+    rows = {r["direction"]: r for r in ab.summarize(samples, ["smoke"])}
+    assert set(rows) == {"fwd", "bwd", "fwdbwd", "fwd_mj", "bwd_mj", "fwdbwd_mj"}
+    assert rows["fwd_mj"]["old_mj"] == 100.0 and rows["fwd_mj"]["new_mj"] == 107.0
+    assert rows["fwd_mj"]["ratio_new_old"] == 1.07 and "old_ms" not in rows["fwd_mj"]
+    assert rows["fwd"]["ratio_new_old"] == 1.05 and "old_mj" not in rows["fwd"]
+    samples["new"][1] = child(2.0, 6.6)  # one child without energy: no energy rows
+    assert {r["direction"] for r in ab.summarize(samples, ["smoke"])} == {"fwd", "bwd", "fwdbwd"}
+
+
 def test_bench_bwd_dgrad_arguments():
     """bench/bench_bwd_dgrad.py's defaults are the 30B and 235B shapes at T = 4096 and 16384, uniform and Zipf;
     lists parse, and a shape, routing or count it cannot run is refused before anything runs."""
