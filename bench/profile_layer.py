@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -74,14 +75,18 @@ def main() -> None:
             y = fwd() if phase == "bwd" else None
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
                 if phase == "fwd":
                     y = fwd()
                 else:
                     torch.autograd.grad(y, leaves, dy)
+                host_ms = (time.perf_counter() - t0) * 1e3  # until the call returned: queued, not run
                 torch.cuda.synchronize()
             rows = kernel_table(prof)
             total = sum(r[1] for r in rows)
-            print(f"== {shape} T={a.tokens} backend={a.backend} {phase}: kernels sum {total:.3f} ms")
+            print(f"== {shape} T={a.tokens} backend={a.backend} {phase}: kernels sum {total:.3f} ms, "
+                  f"{sum(r[2] for r in rows)} launches (kernels, copies, memsets), host {host_ms:.3f} ms to return "
+                  f"(under the profiler)")
             for name, ms, n in rows:
                 print(f"  {ms:8.3f} ms  x{n:<3d} {name[:110]}")
             del y
