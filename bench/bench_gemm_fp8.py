@@ -22,23 +22,7 @@ import torch
 import bench_common
 
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3-235b-a22b": (128, 4096, 1536, 8)}
-E4M3_MAX = 448.0
-
-
-def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> e4m3 [M, K] and one fp32 scale per row per 128 of K ([M, K/128])."""
-    m, k = x.shape
-    b = x.float().view(m, k // 128, 128)
-    s = (b.abs().amax(-1) / E4M3_MAX).clamp_min(1e-12)
-    return (b / s[..., None]).to(torch.float8_e4m3fn).view(m, k), s
-
-
-def quant_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] (N, K multiples of 128) -> e4m3 and one fp32 scale per 128 x 128 block ([E, N/128, K/128])."""
-    e, n, k = w.shape
-    b = w.float().view(e, n // 128, 128, k // 128, 128)
-    s = (b.abs().amax(dim=(2, 4)) / E4M3_MAX).clamp_min(1e-12)
-    return (b / s[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, n, k), s
+E4M3_MAX = 448.0  # torch's rowwise baseline quantizes with it too
 
 
 def quant_rowwise(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,14 +51,15 @@ def fp8_peak_tflops(n: int = 8192) -> float:
 def m_pass_rows(name, shape, P, N, K, counts, reps) -> list[dict]:
     import prime_kernels
     import prime_kernels.grouped_gemm
+    from prime_kernels.mega import fp8 as recipe
     E = counts.numel()
     offs = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
     offs[1:] = counts.cumsum(0)
     x = torch.randn(P, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-    a, sa = quant_rows(x)
-    sa = prime_kernels.grouped_gemm.k_block_major_scales(sa)
-    b, sb = quant_blocks(w)
+    qa, qb = recipe.quantize_along_k(x), recipe.quantize_weight(w)  # the library's recipe (1x128, 128x128)
+    a, sa = qa.data, prime_kernels.grouped_gemm.k_block_major_scales(qa.scale)
+    b, sb = qb.data, qb.scale
     flops = 2 * P * N * K
     rows = []
     ours = timed(lambda: prime_kernels.m_grouped_fp8_gemm_nt(a, sa, b, sb, offs), reps)
