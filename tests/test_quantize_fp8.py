@@ -11,21 +11,15 @@ with general and with power-of-two scales.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 
 import prime_kernels
-from conftest import requires_sm90
+from conftest import requires_host_cxx, requires_sm90, run_host_check
 from prime_kernels.mega import fp8 as recipe
 from prime_kernels.quantize import k_block_major_empty
 from prime_kernels.routing import routing_plan_reference
 
-REPO = Path(__file__).resolve().parent.parent
-CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 E4M3 = torch.float8_e4m3fn
 POW2 = [False, True]
 on_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
@@ -382,17 +376,11 @@ def test_tokens_cpu_op_passes_opcheck():
 # --------------------------------------------------------------------------------------------- host C++ checks
 
 
-@pytest.mark.skipif(CXX is None, reason="no host C++ compiler (c++, g++, clang++) on PATH")
+@requires_host_cxx
 def test_argument_checks_on_the_host(tmp_path):
     """The producers' checks (csrc/common/quantize_fp8_args.hpp), compiled here without CUDA: each bad argument fails
     with a message that names it, before anything would be launched."""
-    exe = tmp_path / "quantize_fp8_args_check"
-    build = subprocess.run([CXX, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(REPO / "csrc"),
-                            str(REPO / "tests" / "cpp" / "quantize_fp8_args_check.cpp"), "-o", str(exe)],
-                           capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-4000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout[-2000:] + run.stderr[-2000:]
+    run_host_check("quantize_fp8_args_check", tmp_path, timeout=60)
 
 
 # --------------------------------------------------------------------------------------------- through the GEMMs

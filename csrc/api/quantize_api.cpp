@@ -13,56 +13,26 @@ using prime_kernels::common::DispatchRowsFp8Args;
 using prime_kernels::common::QuantizeTokensFp8Args;
 namespace qh = prime_kernels::common::quantize_host;
 
-int as_status(int invalid, const char* message) {
-  return invalid ? prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT, "%s", message) : PK_OK;
-}
-
-int check_dispatch(const DispatchRowsFp8Args& a, bool on_device) {
+// One of quantize_fp8_args.hpp's checks as this ABI's status and last error.
+template <typename Args>
+int check_args(int (*check)(const Args&, bool, char*, size_t), const Args& a, bool on_device) {
   char message[512] = {0};
-  return as_status(qh::check_dispatch_rows_fp8_args(a, on_device, message, sizeof(message)), message);
+  if (check(a, on_device, message, sizeof(message)) == 0) return PK_OK;
+  return prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT, "%s", message);
 }
 
-int check_quantize_tokens(const QuantizeTokensFp8Args& a, bool on_device) {
-  char message[512] = {0};
-  return as_status(qh::check_quantize_tokens_fp8_args(a, on_device, message, sizeof(message)), message);
-}
-
-DispatchRowsFp8Args dispatch_args(const void* src, int64_t ld_src, const int32_t* route_to_pool, int64_t num_tokens,
-                                  int64_t top_k, int64_t hidden, void* q, int64_t ld_q, float* sa, int64_t ld_sa,
-                                  int64_t num_rows, int pow2_scales) {
-  DispatchRowsFp8Args a;
-  a.src = src;
-  a.ld_src = ld_src;
-  a.route_to_pool = route_to_pool;
-  a.num_tokens = num_tokens;
-  a.top_k = top_k;
-  a.hidden = hidden;
-  a.q = q;
-  a.ld_q = ld_q;
-  a.sa = sa;
-  a.ld_sa = ld_sa;
-  a.num_rows = num_rows;
-  a.pow2_scales = pow2_scales != 0;
-  return a;
-}
-
-QuantizeTokensFp8Args tokens_args(const void* v, int64_t ld_v, int64_t rows, int64_t cols,
-                                  const int32_t* expert_offsets, const int32_t* expert_counts, int num_experts,
-                                  void* q, int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales) {
-  QuantizeTokensFp8Args a;
-  a.v = v;
-  a.ld_v = ld_v;
-  a.rows = rows;
-  a.cols = cols;
-  a.expert_offsets = expert_offsets;
-  a.expert_counts = expert_counts;
-  a.num_experts = num_experts;
-  a.q = q;
-  a.ld_q = ld_q;
-  a.scale = scale;
-  a.ld_scale = ld_scale;
-  a.pow2_scales = pow2_scales != 0;
-  return a;
+// The CUDA entry points' sequence: what an earlier kernel found invalid (reported once, before anything is
+// launched), the arguments, the device, then the launch.
+template <typename Args>
+int run_on_device(const char* op, int (*check)(const Args&, bool, char*, size_t),
+                  cudaError_t (*launch)(const Args&, cudaStream_t), const Args& a, void* cuda_stream) {
+  if (const int rc = prime_kernels::api::check_device_findings(op); rc != PK_OK) return rc;
+  if (const int rc = check_args(check, a, true); rc != PK_OK) return rc;
+  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kAny); rc != PK_OK)
+    return rc;
+  const cudaError_t err = launch(a, static_cast<cudaStream_t>(cuda_stream));
+  if (err != cudaSuccess) return prime_kernels::api::fail_cuda(err, op);
+  return prime_kernels::api::ok();
 }
 
 }  // namespace
@@ -72,23 +42,18 @@ extern "C" {
 int pk_dispatch_rows_fp8_cuda(const void* src, int64_t ld_src, const int32_t* route_to_pool, int64_t num_tokens,
                               int64_t top_k, int64_t hidden, void* q, int64_t ld_q, float* sa, int64_t ld_sa,
                               int64_t num_rows, int pow2_scales, void* cuda_stream) {
-  const DispatchRowsFp8Args a =
-      dispatch_args(src, ld_src, route_to_pool, num_tokens, top_k, hidden, q, ld_q, sa, ld_sa, num_rows, pow2_scales);
-  if (const int rc = prime_kernels::api::check_device_findings("dispatch_rows_fp8"); rc != PK_OK) return rc;
-  if (const int rc = check_dispatch(a, true); rc != PK_OK) return rc;
-  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kAny); rc != PK_OK)
-    return rc;
-  const cudaError_t err = prime_kernels::common::launch_dispatch_rows_fp8(a, static_cast<cudaStream_t>(cuda_stream));
-  if (err != cudaSuccess) return prime_kernels::api::fail_cuda(err, "dispatch_rows_fp8 launch");
-  return prime_kernels::api::ok();
+  const DispatchRowsFp8Args a{src, ld_src, route_to_pool, num_tokens, top_k, hidden, q, ld_q, sa, ld_sa, num_rows,
+                              pow2_scales != 0};
+  return run_on_device("dispatch_rows_fp8", qh::check_dispatch_rows_fp8_args,
+                       prime_kernels::common::launch_dispatch_rows_fp8, a, cuda_stream);
 }
 
 int pk_dispatch_rows_fp8_cpu(const void* src, int64_t ld_src, const int32_t* route_to_pool, int64_t num_tokens,
                              int64_t top_k, int64_t hidden, void* q, int64_t ld_q, float* sa, int64_t ld_sa,
                              int64_t num_rows, int pow2_scales) {
-  const DispatchRowsFp8Args a =
-      dispatch_args(src, ld_src, route_to_pool, num_tokens, top_k, hidden, q, ld_q, sa, ld_sa, num_rows, pow2_scales);
-  if (const int rc = check_dispatch(a, false); rc != PK_OK) return rc;
+  const DispatchRowsFp8Args a{src, ld_src, route_to_pool, num_tokens, top_k, hidden, q, ld_q, sa, ld_sa, num_rows,
+                              pow2_scales != 0};
+  if (const int rc = check_args(qh::check_dispatch_rows_fp8_args, a, false); rc != PK_OK) return rc;
   if (a.num_tokens == 0 || a.hidden == 0) return prime_kernels::api::ok();
   // the host loop runs on valid routes only (the kernel skips and notes an invalid one)
   const int64_t bad = prime_kernels::common::invalid_route(route_to_pool, num_tokens * top_k, num_rows);
@@ -101,30 +66,22 @@ int pk_dispatch_rows_fp8_cpu(const void* src, int64_t ld_src, const int32_t* rou
 int pk_quantize_tokens_fp8_cuda(const void* v, int64_t ld_v, int64_t rows, int64_t cols,
                                 const int32_t* expert_offsets, const int32_t* expert_counts, int num_experts, void* q,
                                 int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales, void* cuda_stream) {
-  const QuantizeTokensFp8Args a = tokens_args(v, ld_v, rows, cols, expert_offsets, expert_counts, num_experts, q, ld_q,
-                                              scale, ld_scale, pow2_scales);
-  if (const int rc = prime_kernels::api::check_device_findings("quantize_tokens_fp8"); rc != PK_OK) return rc;
-  if (const int rc = check_quantize_tokens(a, true); rc != PK_OK) return rc;
-  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kAny); rc != PK_OK)
-    return rc;
-  const cudaError_t err = prime_kernels::common::launch_quantize_tokens_fp8(a, static_cast<cudaStream_t>(cuda_stream));
-  if (err != cudaSuccess) return prime_kernels::api::fail_cuda(err, "quantize_tokens_fp8 launch");
-  return prime_kernels::api::ok();
+  const QuantizeTokensFp8Args a{v, ld_v, rows, cols, expert_offsets, expert_counts, num_experts,
+                                q, ld_q, scale, ld_scale, pow2_scales != 0};
+  return run_on_device("quantize_tokens_fp8", qh::check_quantize_tokens_fp8_args,
+                       prime_kernels::common::launch_quantize_tokens_fp8, a, cuda_stream);
 }
 
 int pk_quantize_tokens_fp8_cpu(const void* v, int64_t ld_v, int64_t rows, int64_t cols,
                                const int32_t* expert_offsets, const int32_t* expert_counts, int num_experts, void* q,
                                int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales) {
-  const QuantizeTokensFp8Args a = tokens_args(v, ld_v, rows, cols, expert_offsets, expert_counts, num_experts, q, ld_q,
-                                              scale, ld_scale, pow2_scales);
-  if (const int rc = check_quantize_tokens(a, false); rc != PK_OK) return rc;
+  const QuantizeTokensFp8Args a{v, ld_v, rows, cols, expert_offsets, expert_counts, num_experts,
+                                q, ld_q, scale, ld_scale, pow2_scales != 0};
+  if (const int rc = check_args(qh::check_quantize_tokens_fp8_args, a, false); rc != PK_OK) return rc;
   if (a.rows == 0 || a.cols == 0) return prime_kernels::api::ok();
   char message[512] = {0};
-  if (const int rc = as_status(qh::check_pool_layout(expert_offsets, expert_counts, num_experts, rows, message,
-                                                     sizeof(message)),
-                               message);
-      rc != PK_OK)
-    return rc;
+  if (qh::check_pool_layout(expert_offsets, expert_counts, num_experts, rows, message, sizeof(message)) != 0)
+    return prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT, "%s", message);
   prime_kernels::common::quantize_tokens_fp8_host(a);
   return prime_kernels::api::ok();
 }

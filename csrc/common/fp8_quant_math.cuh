@@ -21,25 +21,16 @@ namespace prime_kernels::common {
 constexpr int kFp8Block = 128;       // the recipe's block: 1 x 128 along K, 128 x 1 along the token axis
 constexpr float kE4m3Max = 448.0f;   // the largest finite e4m3 (fn) value
 
-__host__ __device__ __forceinline__ uint32_t fp32_bits(float x) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  return u;
-#endif
+// The bits of one 4-byte type read as another (memcpy: a register move on the device, defined behaviour on the host).
+template <typename To, typename From>
+__host__ __device__ __forceinline__ To bit_cast(From x) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast between types of one size");
+  To y;
+  memcpy(&y, &x, sizeof(y));
+  return y;
 }
-
-__host__ __device__ __forceinline__ float fp32_from_bits(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, sizeof(x));
-  return x;
-#endif
-}
+__host__ __device__ __forceinline__ uint32_t fp32_bits(float x) { return bit_cast<uint32_t>(x); }
+__host__ __device__ __forceinline__ float fp32_from_bits(uint32_t u) { return bit_cast<float>(u); }
 
 __host__ __device__ __forceinline__ float fp32_div_rn(float a, float b) {
 #ifdef __CUDA_ARCH__

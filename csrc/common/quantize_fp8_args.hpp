@@ -78,6 +78,14 @@ inline int invalid(char* err, size_t err_len, const char* fmt, ...) {
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// 0 if the stride `name` is >= `min` (the size named min_name) and a multiple of `multiple`, else 1 and the reason.
+inline int check_stride(char* err, size_t err_len, const char* fn, const char* name, int64_t ld, const char* min_name,
+                        int64_t min, int multiple) {
+  if (ld >= min && ld % multiple == 0) return 0;
+  return invalid(err, err_len, "%s: %s = %lld, must be >= %s (%lld) and a multiple of %d", fn, name, (long long)ld,
+                 min_name, (long long)min, multiple);
+}
+
 // Every check made before anything is launched or written, in order: 0, or 1 with the reason in err. on_device adds
 // the alignment of the bf16 input (read with 16-byte loads); the outputs' layout is the GEMMs' on both paths.
 inline int check_dispatch_rows_fp8_args(const DispatchRowsFp8Args& x, bool on_device, char* err, size_t err_len) {
@@ -90,17 +98,10 @@ inline int check_dispatch_rows_fp8_args(const DispatchRowsFp8Args& x, bool on_de
   if (x.hidden % 128 != 0)
     return invalid(err, err_len, "%s: hidden (%lld) must be a multiple of 128 (one fp32 scale per 1 x 128 block)",
                    fn, (long long)x.hidden);
-  if (x.ld_src < x.hidden || x.ld_src % 8 != 0)
-    return invalid(err, err_len, "%s: ld_src = %lld, must be >= hidden (%lld) and a multiple of 8", fn,
-                   (long long)x.ld_src, (long long)x.hidden);
-  if (x.ld_q < x.hidden || x.ld_q % 16 != 0)
-    return invalid(err, err_len, "%s: ld_q = %lld, must be >= hidden (%lld) and a multiple of 16", fn,
-                   (long long)x.ld_q, (long long)x.hidden);
-  if (x.ld_sa < x.num_rows || x.ld_sa % 4 != 0)
-    return invalid(err, err_len,
-                   "%s: ld_sa = %lld (sa's stride between 128-column blocks), must be >= num_rows (%lld) and a "
-                   "multiple of 4",
-                   fn, (long long)x.ld_sa, (long long)x.num_rows);
+  if (check_stride(err, err_len, fn, "ld_src", x.ld_src, "hidden", x.hidden, 8) ||
+      check_stride(err, err_len, fn, "ld_q", x.ld_q, "hidden", x.hidden, 16) ||
+      check_stride(err, err_len, fn, "ld_sa", x.ld_sa, "num_rows", x.num_rows, 4))
+    return 1;
   if (x.num_tokens == 0 || x.hidden == 0) return 0;  // nothing to read or write
   if (x.src == nullptr || x.route_to_pool == nullptr || (x.num_rows > 0 && (x.q == nullptr || x.sa == nullptr)))
     return invalid(err, err_len, "%s: null src, route_to_pool, q or sa", fn);
@@ -119,18 +120,10 @@ inline int check_quantize_tokens_fp8_args(const QuantizeTokensFp8Args& x, bool o
                    (long long)x.rows, (long long)x.cols, (long long)kQuantizeTokensMaxCols);
   if (x.cols % 8 != 0)
     return invalid(err, err_len, "%s: cols (%lld) must be a multiple of 8", fn, (long long)x.cols);
-  if (x.ld_v < x.cols || x.ld_v % 8 != 0)
-    return invalid(err, err_len, "%s: ld_v = %lld, must be >= cols (%lld) and a multiple of 8", fn,
-                   (long long)x.ld_v, (long long)x.cols);
-  if (x.ld_q < x.rows || x.ld_q % 16 != 0)
-    return invalid(err, err_len,
-                   "%s: ld_q = %lld, must be >= rows (%lld, the token axis is contiguous) and a multiple of 16", fn,
-                   (long long)x.ld_q, (long long)x.rows);
-  if (x.ld_scale < x.cols || x.ld_scale % 4 != 0)
-    return invalid(err, err_len,
-                   "%s: ld_scale = %lld (the stride between 128-row blocks), must be >= cols (%lld) and a multiple "
-                   "of 4",
-                   fn, (long long)x.ld_scale, (long long)x.cols);
+  if (check_stride(err, err_len, fn, "ld_v", x.ld_v, "cols", x.cols, 8) ||
+      check_stride(err, err_len, fn, "ld_q", x.ld_q, "rows", x.rows, 16) ||
+      check_stride(err, err_len, fn, "ld_scale", x.ld_scale, "cols", x.cols, 4))
+    return 1;
   if (x.rows == 0 || x.cols == 0) return 0;  // nothing to read or write
   if (x.v == nullptr || x.expert_offsets == nullptr || x.expert_counts == nullptr || x.q == nullptr ||
       x.scale == nullptr)

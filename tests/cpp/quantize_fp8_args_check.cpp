@@ -18,38 +18,28 @@ alignas(16) int32_t g_offsets[4] = {0, 128, 384, 400};
 alignas(16) int32_t g_counts[3] = {5, 130, 16};
 
 DispatchRowsFp8Args valid_dispatch() {
-  DispatchRowsFp8Args x;
-  x.src = g_buf;
-  x.ld_src = 264;
-  x.route_to_pool = reinterpret_cast<const int32_t*>(g_buf);
-  x.num_tokens = 7;
-  x.top_k = 2;
-  x.hidden = 256;
-  x.q = g_buf;
-  x.ld_q = 256;
-  x.sa = reinterpret_cast<float*>(g_buf);
-  x.ld_sa = 16;
-  x.num_rows = 15;
-  return x;
+  // 7 tokens x 2 routes of 256 columns (row stride 264) into 15 pool rows (ld_q 256, ld_sa 16)
+  return DispatchRowsFp8Args{g_buf, 264, reinterpret_cast<const int32_t*>(g_buf), 7, 2, 256, g_buf, 256,
+                             reinterpret_cast<float*>(g_buf), 16, 15, false};
 }
 
 QuantizeTokensFp8Args valid_tokens() {
-  QuantizeTokensFp8Args x;
-  x.v = g_buf;
-  x.ld_v = 72;
-  x.rows = 400;
-  x.cols = 72;
-  x.expert_offsets = g_offsets;
-  x.expert_counts = g_counts;
-  x.num_experts = 3;
-  x.q = g_buf;
-  x.ld_q = 400;
-  x.scale = reinterpret_cast<float*>(g_buf);
-  x.ld_scale = 72;
-  return x;
+  // 400 pool rows of 72 columns, three experts, into q [72, ld 400] and scales [4 blocks, ld 72]
+  return QuantizeTokensFp8Args{g_buf, 72, 400, 72, g_offsets, g_counts, 3,
+                               g_buf, 400, reinterpret_cast<float*>(g_buf), 72, false};
 }
 
 int g_cases = 0;
+
+// Counts the case; prints it and exits on a wrong status or a message without want_text.
+void judge(const char* what, int rc, const char* err, int want_rc, const char* want_text) {
+  ++g_cases;
+  if (rc != want_rc || (want_text != nullptr && std::strstr(err, want_text) == nullptr)) {
+    std::printf("FAIL %s: rc %d (want %d), message '%s' (want '%s')\n", what, rc, want_rc, rc ? err : "",
+                want_text ? want_text : "");
+    std::exit(1);
+  }
+}
 
 template <typename Args>
 void expect_case(Args (*make)(), int (*check)(const Args&, bool, char*, size_t), const char* what, bool on_device,
@@ -58,13 +48,7 @@ void expect_case(Args (*make)(), int (*check)(const Args&, bool, char*, size_t),
   edit(x);
   char err[512];
   std::memset(err, 'x', sizeof(err));
-  const int rc = check(x, on_device, err, sizeof(err));
-  ++g_cases;
-  if (rc != want_rc || (want_text != nullptr && std::strstr(err, want_text) == nullptr)) {
-    std::printf("FAIL %s: rc %d (want %d), message '%s' (want '%s')\n", what, rc, want_rc, rc ? err : "",
-                want_text ? want_text : "");
-    std::exit(1);
-  }
+  judge(what, check(x, on_device, err, sizeof(err)), err, want_rc, want_text);
 }
 
 void expect_d(const char* what, const std::function<void(DispatchRowsFp8Args&)>& edit, int want_rc,
@@ -83,13 +67,8 @@ void expect_layout(const char* what, const int32_t* offsets, const int32_t* coun
                    int want_rc, const char* want_text) {
   char err[512];
   std::memset(err, 'x', sizeof(err));
-  const int rc = quantize_host::check_pool_layout(offsets, counts, experts, rows, err, sizeof(err));
-  ++g_cases;
-  if (rc != want_rc || (want_text != nullptr && std::strstr(err, want_text) == nullptr)) {
-    std::printf("FAIL %s: rc %d (want %d), message '%s' (want '%s')\n", what, rc, want_rc, rc ? err : "",
-                want_text ? want_text : "");
-    std::exit(1);
-  }
+  judge(what, quantize_host::check_pool_layout(offsets, counts, experts, rows, err, sizeof(err)), err, want_rc,
+        want_text);
 }
 
 }  // namespace
