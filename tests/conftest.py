@@ -52,6 +52,22 @@ def find_tool(name: str) -> str | None:
     return None
 
 
+HOST_CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+requires_host_cxx = pytest.mark.skipif(HOST_CXX is None, reason="no host C++ compiler (c++, g++, clang++) on PATH")
+
+
+def run_host_check(name: str, tmp_path: Path, timeout: int = 300) -> None:
+    """Compiles tests/cpp/<name>.cpp against csrc/ with the host C++ compiler alone (no CUDA; warnings are errors)
+    and runs it: it must exit 0 and print "ok <cases>"."""
+    exe = tmp_path / name
+    build = subprocess.run([HOST_CXX, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(REPO / "csrc"),
+                            str(REPO / "tests" / "cpp" / f"{name}.cpp"), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout[-2000:] + run.stderr[-2000:]
+
+
 def run_python(code: str, env: dict | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
     full_env = dict(os.environ)
     full_env.update(env or {})

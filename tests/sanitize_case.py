@@ -9,10 +9,11 @@ a backward) and, where the fused forward exists, a clamped one. ops: every raw o
 one and sizes that are not multiples of 128 rows (77, 0, 200, 1, 130): the m-grouped GEMMs (nt, nn, nt with
 gathered rows, SwiGLU L1 with and without gathered rows, the SwiGLU backward L2 with and without a dy gather),
 the k-grouped GEMM (fp32 and bf16 out, and accumulating), combine (with and without weights), dispatch_rows_,
-swiglu_fwd and swiglu_bwd, routing_plan, and the dgrad part. dgrad (also on its own: --part dgrad): the fused
-backward's dgrad kernel (prime_kernels.mega._fused_bwd.dgrad) on those ragged groups with every SM and with 3
-CTAs, and on 128-row groups with padding rows with I % 128 = H % 128 = 64; on its own it fails where the kernel
-cannot run, inside the ops part it is skipped with the reason.
+the FP8 producers (dispatch_rows_fp8_, quantize_tokens_fp8_), swiglu_fwd and swiglu_bwd, routing_plan, and the
+dgrad part. dgrad (also on its own: --part dgrad): the fused backward's dgrad kernel
+(prime_kernels.mega._fused_bwd.dgrad) on those ragged groups with every SM and with 3 CTAs, and on 128-row groups
+with padding rows with I % 128 = H % 128 = 64; on its own it fails where the kernel cannot run, inside the ops part
+it is skipped with the reason.
 
 Every group of the m-grouped calls covers the whole M so that every output row is written: reading rows a kernel
 leaves unspecified would be this script's uninitialised read, not the library's. Results are compared with the
@@ -202,6 +203,17 @@ def ops_part():
     _close("dispatch_rows", combine_reference(out.cpu(), r2p.cpu()),
            tok.cpu() * (r2p >= 0).sum(1, keepdim=True).cpu())
     _done("dispatch_rows_")
+    # the FP8 producers on the same plan: q of the routed rows (unrouted pool rows stay unwritten, so only the routed
+    # ones are read back), and qT of the dispatched pool (padding rows hold zeros here, as the plan's layout says)
+    live = r2p >= 0
+    q, sa = prime_kernels.dispatch_rows_fp8(tok, r2p, plan.pool_capacity)
+    rows = r2p[live].long()
+    routed_tok = tok[torch.nonzero(live)[:, 0]]
+    _close("dispatch_rows_fp8", q[rows].float() * sa[rows].repeat_interleave(128, 1), routed_tok, tol=7e-2)
+    _done("dispatch_rows_fp8_")
+    qt, st = prime_kernels.quantize_tokens_fp8(out, plan.expert_offsets, plan.expert_counts)
+    _close("quantize_tokens_fp8", (qt.float() * st.repeat_interleave(128, 1)[:, :qt.shape[1]]).t(), out, tol=7e-2)
+    _done("quantize_tokens_fp8_")
 
     hh = rnd(M, 2 * I)
     n = torch.tensor([M], dtype=torch.int32, device=dev)

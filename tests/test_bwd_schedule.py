@@ -6,22 +6,9 @@ index, and that claim-in-order execution by a random subset of up to 140 CTAs ne
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
-import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+from conftest import requires_host_cxx, run_host_check
 
 
-@pytest.mark.skipif(CXX is None, reason="no host C++ compiler (c++, g++, clang++) on PATH")
+@requires_host_cxx
 def test_backward_task_sequence_covers_every_tile_and_cannot_hang(tmp_path):
-    exe = tmp_path / "bwd_schedule_check"
-    build = subprocess.run([CXX, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(REPO / "csrc"),
-                            str(REPO / "tests" / "cpp" / "bwd_schedule_check.cpp"), "-o", str(exe)],
-                           capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-4000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout[-2000:] + run.stderr[-2000:]
+    run_host_check("bwd_schedule_check", tmp_path)

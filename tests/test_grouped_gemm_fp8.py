@@ -13,19 +13,13 @@ block) gives errors of order 1e-1 and above.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 
 import prime_kernels
-from conftest import requires_sm90
+from conftest import requires_host_cxx, requires_sm90, run_host_check
 from prime_kernels.grouped_gemm import k_block_major_scales, m_grouped_fp8_gemm_reference
 
-REPO = Path(__file__).resolve().parent.parent
-CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 E4M3_MAX = 448.0
 BOUND = 4e-3
 SPECIAL = [0, 1, 7, 127, 128, 129, 255, 1000]
@@ -98,17 +92,11 @@ def poison_next_alloc(numel: int, dtype: torch.dtype) -> None:
 # --------------------------------------------------------------------------------------------- CPU
 
 
-@pytest.mark.skipif(CXX is None, reason="no host C++ compiler (c++, g++, clang++) on PATH")
+@requires_host_cxx
 def test_launcher_argument_checks_on_the_host(tmp_path):
     """The launcher's checks (csrc/sm90/grouped_gemm_fp8.hpp) run before anything touches a device: compiled here
     without CUDA, every bad argument fails with a message that names it."""
-    exe = tmp_path / "fp8_gemm_args_check"
-    build = subprocess.run([CXX, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", "-I", str(REPO / "csrc"),
-                            str(REPO / "tests" / "cpp" / "fp8_gemm_args_check.cpp"), "-o", str(exe)],
-                           capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-4000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout[-2000:] + run.stderr[-2000:]
+    run_host_check("fp8_gemm_args_check", tmp_path, timeout=60)
 
 
 def test_cpu_op_passes_opcheck():

@@ -127,6 +127,10 @@ bool take_device_checks(char* out, size_t out_len) {
       "are valid); that pool row was computed from zeros",
       "the FP8 k-grouped GEMM's group_offsets are not non-decreasing within [0, rows] with every entry a multiple "
       "of 128 or rows (experts start on whole 128-row scale blocks); that GEMM wrote nothing",
+      "dispatch_rows_fp8's route_to_pool names a row outside q (only -1 and [0, rows) are valid); nothing was "
+      "written for that route",
+      "quantize_tokens_fp8's expert_offsets / expert_counts are not a pool layout (offsets non-decreasing within "
+      "[0, rows], each a multiple of 128 or rows; 0 <= counts[e] <= the expert's rows); that call wrote nothing",
   };
   size_t used = 0;
   bool any = false;

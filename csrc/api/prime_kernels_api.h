@@ -247,6 +247,36 @@ PK_API int pk_dispatch_rows_bf16_cpu(const void* src, int64_t ld_src, const int3
                                      int64_t num_rows);
 
 // ---------------------------------------------------------------------------------------------
+// The blockwise-FP8 recipe's quantizing producers (csrc/common/quantize_fp8_args.hpp has the full contract), rounding
+// as python/prime_kernels/mega/fp8.py does (fp32 amax, scale = amax / 448 or its power of two above, 1 for a zero
+// quotient; q = e4m3 of v / scale by fp32 division, round to nearest even, saturating).
+// dispatch_rows_fp8: for every route p = route_to_pool[t, k], q[p] (e4m3, ld_q bytes) = src[t] (bf16, ld_src) in
+// 1 x 128 blocks along hidden (a multiple of 128), the scale of block j at sa[j * ld_sa + p] (ld_sa >= num_rows, a
+// multiple of 4; q, sa 16-byte aligned, ld_q a multiple of 16: m_grouped_fp8_gemm_nt's A). Routes of -1 write
+// nothing; a route outside [-1, num_rows) writes nothing and is a device finding (CUDA) or fails the call before
+// anything is written (CPU).
+// quantize_tokens_fp8: qT of pool rows v [rows, cols] (bf16, ld_v; cols a multiple of 8) -> q [cols, rows] (e4m3,
+// token axis contiguous, ld_q bytes, a multiple of 16) and the scale of column c and 128-row block b at
+// scale[b * ld_scale + c] (ld_scale >= cols, a multiple of 4): k_grouped_fp8_gemm_tn's operands. Expert e owns
+// rows [expert_offsets[e], expert_offsets[e + 1]) (each a multiple of 128 or rows), of which the first
+// expert_counts[e] are live; every other row is read as zero. A broken layout makes the kernel write nothing and is
+// a device finding (CUDA) or fails the call before anything is written (CPU).
+// ---------------------------------------------------------------------------------------------
+PK_API int pk_dispatch_rows_fp8_cuda(const void* src, int64_t ld_src, const int32_t* route_to_pool,
+                                     int64_t num_tokens, int64_t top_k, int64_t hidden, void* q, int64_t ld_q,
+                                     float* sa, int64_t ld_sa, int64_t num_rows, int pow2_scales, void* cuda_stream);
+PK_API int pk_dispatch_rows_fp8_cpu(const void* src, int64_t ld_src, const int32_t* route_to_pool,
+                                    int64_t num_tokens, int64_t top_k, int64_t hidden, void* q, int64_t ld_q,
+                                    float* sa, int64_t ld_sa, int64_t num_rows, int pow2_scales);
+PK_API int pk_quantize_tokens_fp8_cuda(const void* v, int64_t ld_v, int64_t rows, int64_t cols,
+                                       const int32_t* expert_offsets, const int32_t* expert_counts, int num_experts,
+                                       void* q, int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales,
+                                       void* cuda_stream);
+PK_API int pk_quantize_tokens_fp8_cpu(const void* v, int64_t ld_v, int64_t rows, int64_t cols,
+                                      const int32_t* expert_offsets, const int32_t* expert_counts, int num_experts,
+                                      void* q, int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales);
+
+// ---------------------------------------------------------------------------------------------
 // SwiGLU over pool rows (the grouped pipeline's epilogues). Rows below *num_rows (device int32)
 // only; I, the row strides multiples of 8; pointers 16-byte aligned. clamp < 0 means no clamp.
 //   fwd: s = bf16(silu(min(g, c)) * clamp(u, -c, c))            h [rows, 2I] = gate | up

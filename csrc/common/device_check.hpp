@@ -29,6 +29,8 @@ enum DeviceCheck : int {
   kCheckMegaFwdOffsets,       // the fused forward's expert_offsets (0 first, bound: m_total); nothing written
   kCheckMegaFwdRoute,         // the fused forward's pool_src_route (bound: num_tokens * top_k); read as zeros
   kCheckKGroupedFp8Offsets,   // the FP8 k-grouped GEMM's group_offsets (bound: p_total; 128-row starts); nothing written
+  kCheckDispatchFp8Route,     // dispatch_rows_fp8's route_to_pool (bound: q rows); nothing written for it
+  kCheckQuantizeTokensLayout,  // quantize_tokens_fp8's expert_offsets / expert_counts (bound: rows); nothing written
   kNumDeviceChecks,
 };
 

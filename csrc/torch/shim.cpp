@@ -1,4 +1,5 @@
-// The LibTorch stable-ABI shim: registers torch.ops.prime_kernels.* and forwards to the C ABI core.
+// The LibTorch stable-ABI shim: registers torch.ops.prime_kernels.* and forwards to the C ABI core (the FP8
+// quantizing producers' ops are in quantize_ops.cpp).
 //
 // Built against the stable headers with TORCH_TARGET_VERSION = 2.10, so one binary loads on every
 // torch >= 2.10. It links libtorch_cpu only; the current CUDA stream comes from libtorch_cuda,
@@ -8,9 +9,6 @@
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
-#include <torch/csrc/stable/tensor.h>
-#include <torch/headeronly/core/ScalarType.h>
-#include <torch/headeronly/util/Exception.h>
 
 #include <cstdint>
 #include <optional>
@@ -18,13 +16,10 @@
 #include <vector>
 
 #include "api/prime_kernels_api.h"
+#include "torch/shim_common.hpp"
 
-namespace {
+namespace prime_kernels::torch_shim {
 
-using torch::stable::Tensor;
-using torch::headeronly::ScalarType;
-
-// Raises the core's message as a Python RuntimeError.
 void check_core(int rc, const char* op) {
   STD_TORCH_CHECK(rc == PK_OK, "prime_kernels.", op, ": ", pk_last_error());
 }
@@ -41,6 +36,17 @@ void* current_cuda_stream(int32_t device_index) {
   STD_TORCH_CHECK(getter(device_index, &stream) == 0, "prime_kernels: could not get the current CUDA stream");
   return stream;
 }
+
+Tensor new_tensor(const Tensor& like, std::vector<int64_t> sizes, ScalarType dtype) {
+  return torch::stable::new_empty(like, torch::headeronly::IntHeaderOnlyArrayRef(sizes.data(), sizes.size()),
+                                  dtype);
+}
+
+}  // namespace prime_kernels::torch_shim
+
+namespace {
+
+using namespace prime_kernels::torch_shim;
 
 struct PlanInput {
   int64_t num_tokens;
@@ -144,11 +150,6 @@ int check_num_sms(int64_t num_sms, const char* op) {
   STD_TORCH_CHECK(num_sms >= 0 && num_sms <= (int64_t(1) << 20), "prime_kernels.", op, ": num_sms = ", num_sms,
                   ", must be >= 1 (or 0: every SM)");
   return static_cast<int>(num_sms);
-}
-
-Tensor new_tensor(const Tensor& like, std::vector<int64_t> sizes, ScalarType dtype) {
-  return torch::stable::new_empty(like, torch::headeronly::IntHeaderOnlyArrayRef(sizes.data(), sizes.size()),
-                                  dtype);
 }
 
 Tensor m_grouped_gemm(const Tensor& a, const Tensor& b, const Tensor& offsets, bool b_k_major, int64_t num_sms,

@@ -36,6 +36,9 @@ if _lib.load().shim_loaded:
     from . import swiglu as _swiglu  # noqa: E402
 
     _swiglu._register()
+    from . import quantize as _quantize  # noqa: E402
+
+    _quantize._register()
 from .grouped_gemm import (  # noqa: E402
     k_grouped_bf16_gemm_tn,
     k_grouped_fp8_gemm_tn,
@@ -44,6 +47,7 @@ from .grouped_gemm import (  # noqa: E402
     m_grouped_fp8_gemm_nt,
 )
 from .combine import combine, dispatch_rows  # noqa: E402
+from .quantize import dispatch_rows_fp8, quantize_tokens_fp8  # noqa: E402
 from .routing import RoutingPlan, pool_capacity, routing_plan, routing_plan_reference  # noqa: E402
 
 from . import _watchdog  # noqa: E402
@@ -58,4 +62,5 @@ from .mega import *  # noqa: E402,F401,F403  (upstream's top-level names: bf16_m
 
 __all__ = list(mega.__all__) + ["status", "build_info", "__version__", "RoutingPlan", "routing_plan", "routing_plan_reference",
            "pool_capacity", "combine", "dispatch_rows", "m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "k_grouped_bf16_gemm_tn",
-           "m_grouped_fp8_gemm_nt", "k_grouped_fp8_gemm_tn", "set_wait_timeout", "wait_timeout", "check_device_errors"]
+           "m_grouped_fp8_gemm_nt", "k_grouped_fp8_gemm_tn", "set_wait_timeout", "wait_timeout", "check_device_errors",
+           "dispatch_rows_fp8", "quantize_tokens_fp8"]

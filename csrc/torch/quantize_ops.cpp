@@ -1,0 +1,157 @@
+// torch.ops.prime_kernels.dispatch_rows_fp8_ and quantize_tokens_fp8_, the blockwise-FP8 recipe's quantizing
+// producers (CPU: the core's host loops, the same bits as the kernels). Both write into the tensors they are given;
+// the core checks sizes, strides, alignment and, on the CPU, the values it reads.
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+
+#include <cstdint>
+
+#include "api/prime_kernels_api.h"
+#include "torch/shim_common.hpp"
+
+namespace {
+
+using namespace prime_kernels::torch_shim;
+
+void check_same_device(const Tensor& t, const Tensor& like, const char* op, const char* name) {
+  STD_TORCH_CHECK(t.is_cuda() == like.is_cuda() && t.get_device_index() == like.get_device_index(), "prime_kernels.",
+                  op, ": ", name, " must be on the input's device");
+}
+
+// A scale tensor [outer, blocks] laid out K-block major (stride(0) == 1, stride(1) the core's ld): its ld. With one
+// block the stride between blocks is never used (torch may report any value for it).
+int64_t block_major_ld(const Tensor& s, int64_t outer, int64_t blocks, const char* op, const char* name,
+                       const char* shape) {
+  STD_TORCH_CHECK(s.scalar_type() == ScalarType::Float && s.dim() == 2 && s.size(0) == outer && s.size(1) == blocks,
+                  "prime_kernels.", op, ": ", name, " must be a float32 tensor ", shape, " = [", outer, ", ", blocks,
+                  "]");
+  STD_TORCH_CHECK(outer <= 1 || blocks == 0 || s.stride(0) == 1, "prime_kernels.", op, ": ", name,
+                  " must be K-block major (stride(0) == 1, e.g. the transpose of a contiguous [blocks, R] tensor "
+                  "with R a multiple of 4), got strides (", s.stride(0), ", ", s.stride(1), ")");
+  return blocks <= 1 ? (outer + 3) / 4 * 4 : s.stride(1);
+}
+
+struct DispatchFp8Input {
+  int64_t num_tokens, top_k, hidden, num_rows, ld_sa;
+};
+
+DispatchFp8Input check_dispatch_fp8_input(const Tensor& src, const Tensor& route_to_pool, const Tensor& q,
+                                          const Tensor& sa) {
+  const char* op = "dispatch_rows_fp8_";
+  STD_TORCH_CHECK(src.scalar_type() == ScalarType::BFloat16 && src.dim() == 2 && src.stride(1) == 1, "prime_kernels.",
+                  op, ": src must be a bfloat16 [T, H] tensor with unit column stride");
+  const int64_t hidden = src.size(1);
+  STD_TORCH_CHECK(hidden % 128 == 0, "prime_kernels.", op, ": H (src's columns, ", hidden,
+                  ") must be a multiple of 128 (one fp32 scale per 1 x 128 block)");
+  STD_TORCH_CHECK(route_to_pool.scalar_type() == ScalarType::Int && route_to_pool.dim() == 2 &&
+                      route_to_pool.is_contiguous() && route_to_pool.size(0) == src.size(0),
+                  "prime_kernels.", op, ": route_to_pool must be a contiguous int32 [T, K] tensor with src's T rows");
+  STD_TORCH_CHECK(q.scalar_type() == ScalarType::Float8_e4m3fn && q.dim() == 2 && q.size(1) == hidden &&
+                      (q.stride(1) == 1 || hidden <= 1),
+                  "prime_kernels.", op, ": q must be a float8_e4m3fn [rows, H] tensor with unit column stride");
+  check_same_device(route_to_pool, src, op, "route_to_pool");
+  check_same_device(q, src, op, "q");
+  check_same_device(sa, src, op, "sa");
+  const int64_t rows = q.size(0);
+  const int64_t ld_sa = block_major_ld(sa, rows, hidden / 128, op, "sa", "[rows, H / 128]");
+  return DispatchFp8Input{src.size(0), route_to_pool.size(1), hidden, rows, ld_sa};
+}
+
+// q's row stride: with one row, or empty rows, it is never used (any value torch reports is replaced by the
+// smallest valid one).
+int64_t row_stride_bytes(const Tensor& q, int64_t row_bytes) {
+  return q.size(0) <= 1 || row_bytes == 0 ? (row_bytes + 15) / 16 * 16 : q.stride(0);
+}
+
+void dispatch_rows_fp8_cpu(Tensor src, Tensor route_to_pool, Tensor q, Tensor sa, bool pow2_scales) {
+  const DispatchFp8Input in = check_dispatch_fp8_input(src, route_to_pool, q, sa);
+  check_core(pk_dispatch_rows_fp8_cpu(src.data_ptr(), src.stride(0),
+                                      static_cast<const int32_t*>(route_to_pool.data_ptr()), in.num_tokens, in.top_k,
+                                      in.hidden, q.data_ptr(), row_stride_bytes(q, in.hidden),
+                                      static_cast<float*>(sa.data_ptr()), in.ld_sa, in.num_rows, pow2_scales ? 1 : 0),
+             "dispatch_rows_fp8_");
+}
+
+void dispatch_rows_fp8_cuda(Tensor src, Tensor route_to_pool, Tensor q, Tensor sa, bool pow2_scales) {
+  const DispatchFp8Input in = check_dispatch_fp8_input(src, route_to_pool, q, sa);
+  torch::stable::accelerator::DeviceGuard guard(src.get_device_index());
+  check_core(pk_dispatch_rows_fp8_cuda(src.data_ptr(), src.stride(0),
+                                       static_cast<const int32_t*>(route_to_pool.data_ptr()), in.num_tokens,
+                                       in.top_k, in.hidden, q.data_ptr(), row_stride_bytes(q, in.hidden),
+                                       static_cast<float*>(sa.data_ptr()), in.ld_sa, in.num_rows,
+                                       pow2_scales ? 1 : 0, current_cuda_stream(src.get_device_index())),
+             "dispatch_rows_fp8_");
+}
+
+struct TokensFp8Input {
+  int64_t rows, cols, ld_q, ld_scale;
+  int32_t num_experts;
+};
+
+TokensFp8Input check_tokens_fp8_input(const Tensor& v, const Tensor& offsets, const Tensor& counts, const Tensor& q,
+                                      const Tensor& scale) {
+  const char* op = "quantize_tokens_fp8_";
+  STD_TORCH_CHECK(v.scalar_type() == ScalarType::BFloat16 && v.dim() == 2 && v.stride(1) == 1, "prime_kernels.", op,
+                  ": v must be a bfloat16 [P, C] tensor with unit column stride");
+  const int64_t rows = v.size(0), cols = v.size(1);
+  STD_TORCH_CHECK(offsets.scalar_type() == ScalarType::Int && offsets.dim() == 1 && offsets.is_contiguous() &&
+                      offsets.size(0) >= 2,
+                  "prime_kernels.", op, ": expert_offsets must be a contiguous 1-D int32 tensor [E + 1], E >= 1");
+  const int64_t experts = offsets.size(0) - 1;
+  STD_TORCH_CHECK(counts.scalar_type() == ScalarType::Int && counts.dim() == 1 && counts.is_contiguous() &&
+                      counts.size(0) == experts,
+                  "prime_kernels.", op, ": expert_counts must be a contiguous 1-D int32 tensor [E] (E = ", experts,
+                  ")");
+  STD_TORCH_CHECK(experts <= 1024, "prime_kernels.", op, ": at most 1024 experts, got ", experts);
+  STD_TORCH_CHECK(q.scalar_type() == ScalarType::Float8_e4m3fn && q.dim() == 2 && q.size(0) == cols &&
+                      q.size(1) == rows && (q.stride(1) == 1 || rows <= 1),
+                  "prime_kernels.", op, ": q must be a float8_e4m3fn [C, P] = [", cols, ", ", rows,
+                  "] tensor with unit stride along P");
+  check_same_device(offsets, v, op, "expert_offsets");
+  check_same_device(counts, v, op, "expert_counts");
+  check_same_device(q, v, op, "q");
+  check_same_device(scale, v, op, "scale");
+  const int64_t ld_scale = block_major_ld(scale, cols, (rows + 127) / 128, op, "scale", "[C, ceil(P / 128)]");
+  return TokensFp8Input{rows, cols, row_stride_bytes(q, rows), ld_scale, static_cast<int32_t>(experts)};
+}
+
+void quantize_tokens_fp8_cpu(Tensor v, Tensor expert_offsets, Tensor expert_counts, Tensor q, Tensor scale,
+                             bool pow2_scales) {
+  const TokensFp8Input in = check_tokens_fp8_input(v, expert_offsets, expert_counts, q, scale);
+  check_core(pk_quantize_tokens_fp8_cpu(v.data_ptr(), v.stride(0), in.rows, in.cols,
+                                        static_cast<const int32_t*>(expert_offsets.data_ptr()),
+                                        static_cast<const int32_t*>(expert_counts.data_ptr()), in.num_experts,
+                                        q.data_ptr(), in.ld_q, static_cast<float*>(scale.data_ptr()), in.ld_scale,
+                                        pow2_scales ? 1 : 0),
+             "quantize_tokens_fp8_");
+}
+
+void quantize_tokens_fp8_cuda(Tensor v, Tensor expert_offsets, Tensor expert_counts, Tensor q, Tensor scale,
+                              bool pow2_scales) {
+  const TokensFp8Input in = check_tokens_fp8_input(v, expert_offsets, expert_counts, q, scale);
+  torch::stable::accelerator::DeviceGuard guard(v.get_device_index());
+  check_core(pk_quantize_tokens_fp8_cuda(v.data_ptr(), v.stride(0), in.rows, in.cols,
+                                         static_cast<const int32_t*>(expert_offsets.data_ptr()),
+                                         static_cast<const int32_t*>(expert_counts.data_ptr()), in.num_experts,
+                                         q.data_ptr(), in.ld_q, static_cast<float*>(scale.data_ptr()), in.ld_scale,
+                                         pow2_scales ? 1 : 0, current_cuda_stream(v.get_device_index())),
+             "quantize_tokens_fp8_");
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
+  m.def("dispatch_rows_fp8_(Tensor src, Tensor route_to_pool, Tensor(a!) q, Tensor(b!) sa, bool pow2_scales=False) -> ()");
+  m.def("quantize_tokens_fp8_(Tensor v, Tensor expert_offsets, Tensor expert_counts, Tensor(a!) q, Tensor(b!) scale, "
+        "bool pow2_scales=False) -> ()");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CPU, m) {
+  m.impl("dispatch_rows_fp8_", TORCH_BOX(&dispatch_rows_fp8_cpu));
+  m.impl("quantize_tokens_fp8_", TORCH_BOX(&quantize_tokens_fp8_cpu));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
+  m.impl("dispatch_rows_fp8_", TORCH_BOX(&dispatch_rows_fp8_cuda));
+  m.impl("quantize_tokens_fp8_", TORCH_BOX(&quantize_tokens_fp8_cuda));
+}

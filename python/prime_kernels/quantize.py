@@ -1,0 +1,84 @@
+"""The blockwise-FP8 recipe's quantizing producers (docs/fp8.md), rounding as :mod:`prime_kernels.mega.fp8` does.
+
+- ``dispatch_rows_fp8(src [T, H], route_to_pool [T, K], num_rows) -> (q [rows, H], sa [rows, H/128])``: the
+  dispatch of bf16 token rows into the pool with qK(., 128): q[p] is ``fp8.quantize_along_k(src)[t]`` for every
+  route p = route_to_pool[t, k], sa its scales K-block major (``sa.stride(0) == 1``), the A operand
+  :func:`prime_kernels.m_grouped_fp8_gemm_nt` takes. Routes of -1 write nothing; rows no route names keep their
+  contents (with no ``out``: unspecified).
+- ``quantize_tokens_fp8(v [P, C], expert_offsets [E+1], expert_counts [E]) -> (q [C, P], scale [C, ceil(P/128)])``:
+  qT of pool rows for the weight-gradient GEMMs: expert e's rows [offsets[e], offsets[e] + counts[e]) quantized
+  with ``fp8.quantize_along_tokens`` (block grid from the expert's first row), its padding rows and rows in no
+  expert as zeros whatever they hold; q token axis contiguous, the operand layout
+  :func:`prime_kernels.k_grouped_fp8_gemm_tn` takes. Every offset must be a multiple of 128 or P.
+
+Both run on CUDA (one kernel each, arch-neutral) and on the CPU (the core's host loops, the same bits). On CUDA,
+invalid routes or pool layouts are checked by the kernels without a synchronisation (an invalid route writes
+nothing, a broken layout makes the call write nothing; the next call into the library raises); on the CPU they
+raise before anything is written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _lib, _status
+
+__all__ = ["dispatch_rows_fp8", "quantize_tokens_fp8", "k_block_major_empty"]
+
+E4M3 = torch.float8_e4m3fn
+BLOCK = 128
+
+
+def _ready(key_stem: str, op: str, device: torch.device) -> None:
+    if device.type == "cuda":
+        # not yet verified on a GPU: status() says so, and the explicit op still runs where it is built
+        _status.require(f"{key_stem}.{_status.family_of_device(device.index) or 'sm90'}", allow_unverified=True)
+    elif not _lib.load().shim_loaded:
+        raise RuntimeError(f"prime_kernels: {op} is not available: {_lib.load().reason}")
+
+
+def k_block_major_empty(rows: int, blocks: int, device) -> torch.Tensor:
+    """An uninitialised fp32 [rows, blocks] scale tensor laid out as the FP8 GEMMs read scales: stride(0) == 1 and
+    stride(1) = rows rounded up to a multiple of 4 (16-byte aligned columns)."""
+    buf = torch.empty(blocks, (rows + 3) // 4 * 4, dtype=torch.float32, device=device)
+    return buf[:, :rows].t()
+
+
+def dispatch_rows_fp8(src: torch.Tensor, route_to_pool: torch.Tensor, num_rows: int, *, pow2_scales: bool = False,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, sa) of the routed rows; ``out`` = (q e4m3 [num_rows, H], sa fp32 [num_rows, H/128] K-block major) to write
+    into (returned), else both are allocated. H must be a multiple of 128."""
+    _ready("dispatch_rows.fp8", "dispatch_rows_fp8", src.device)
+    if out is None:
+        q = torch.empty(num_rows, src.shape[-1], dtype=E4M3, device=src.device)
+        sa = k_block_major_empty(num_rows, src.shape[-1] // BLOCK, src.device)
+    else:
+        q, sa = out
+    torch.ops.prime_kernels.dispatch_rows_fp8_(src, route_to_pool, q, sa, bool(pow2_scales))
+    return q, sa
+
+
+def quantize_tokens_fp8(v: torch.Tensor, expert_offsets: torch.Tensor, expert_counts: torch.Tensor, *,
+                        pow2_scales: bool = False,
+                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q e4m3 [C, P], scale fp32 [C, ceil(P/128)] K-block major); ``out`` to write into (returned), else allocated
+    (q with its row stride rounded up to 16 bytes, as the k-grouped FP8 GEMM needs)."""
+    _ready("quantize_tokens.fp8", "quantize_tokens_fp8", v.device)
+    if out is None:
+        P, C = v.shape
+        q = torch.empty(C, (P + 15) // 16 * 16, dtype=E4M3, device=v.device)[:, :P]
+        scale = k_block_major_empty(C, (P + BLOCK - 1) // BLOCK, v.device)
+    else:
+        q, scale = out
+    torch.ops.prime_kernels.quantize_tokens_fp8_(v, expert_offsets, expert_counts, q, scale, bool(pow2_scales))
+    return q, scale
+
+
+def _register() -> None:
+    @torch.library.register_fake("prime_kernels::dispatch_rows_fp8_")
+    def _(src, route_to_pool, q, sa, pow2_scales=False):
+        return None
+
+    @torch.library.register_fake("prime_kernels::quantize_tokens_fp8_")
+    def _(v, expert_offsets, expert_counts, q, scale, pow2_scales=False):
+        return None
