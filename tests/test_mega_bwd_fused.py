@@ -60,7 +60,9 @@ CASES = [  # T, H, I, E, K, routing, masked, experts_used
     (257, 1024, 384, 32, 8, "uniform", 0.0, None),      # the 30B shape (H 2048, I 768, E 128, K 8) scaled down
     (301, 512, 192, 16, 4, "skewed", 0.25, None),       # I % 128 == 64: a half-width last L2-dgrad tile; -1 routes
     (1500, 256, 256, 4, 2, "uniform", 0.0, None),       # ~6 m-blocks per expert
-    (999, 384, 128, 64, 8, "uniform", 0.1, 16),         # 48 experts get no rows; H % 128 == 64
+    (999, 384, 128, 64, 8, "uniform", 0.1, 16),         # 48 experts get no rows; H % 256 == 128: a last L1-dgrad
+                                                        # column block half past H
+    (700, 320, 128, 8, 4, "uniform", 0.0, None),        # H % 128 == 64: one 64-column box of the last block
     (2048, 256, 256, 16, 4, "skewed", 0.0, None),       # one expert with many m-blocks (bands of 16)
     (300, 256, 128, 16, 4, "all_masked", 0.0, None),    # every route masked: a pool of padding, no tasks
 ]
