@@ -67,8 +67,8 @@ int mega_moe_bwd_dgrad_bf16(const MegaBwdDgradArgs& a, cudaStream_t stream, char
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
   e = cudaMemsetAsync(a.counters, 0, sizeof(int32_t) * mega_moe_bwd_dgrad_counter_count(m_total, num_experts), stream);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
-  // per m-block: the L2-dgrad tiles (128 columns of I) and the L1-dgrad tiles (two of 64 rows per 256 columns of H)
-  const int64_t tasks = max_m_blocks(m_total, num_experts) * ((I + 127) / 128 + 2 * ((H + 255) / 256));
+  const BwdTileShape shape = mega_bwd_tile_shape(static_cast<int>(H), static_cast<int>(I));
+  const int64_t tasks = max_m_blocks(m_total, num_experts) * (shape.l2_per_mb() + shape.l1_per_mb());
   constexpr int kStages = 4;
   constexpr auto kernel = &mega_moe_bwd_dgrad_kernel<kStages>;
   constexpr int smem = MegaBwdLayout<kStages>::kSmemBytes;

@@ -84,11 +84,17 @@ struct MegaBwdLayout : SwigluBwdPPLayout<kNumStages> {
   static_assert(kSmemBytes <= Base::kSmemLimit, "shared memory budget exceeded");
 };
 
-// The kernel's sequence: dgrad tiles of 128 columns, no weight-gradient tiles, one release per L2-dgrad tile.
+// The kernel's tiles (the launcher sizes the grid from the same shape): L2-dgrad tiles of 128 columns of I,
+// L1-dgrad tiles of 64 rows x 256 columns of H, no weight-gradient tiles.
+__host__ __device__ __forceinline__ BwdTileShape mega_bwd_tile_shape(int hidden, int inter) {
+  return BwdTileShape{128, 256, 128, 128, hidden, inter, 0, 1};
+}
+
+// The kernel's sequence: mega_bwd_tile_shape's tiles, one release per L2-dgrad tile.
 __device__ __forceinline__ BwdSchedule mega_bwd_schedule(const MegaBwdDgradParams& p, const int32_t* s_mb,
                                                          const int32_t* s_offs, const int32_t* s_steps) {
   BwdSchedule s;
-  s.shape = BwdTileShape{128, 256, 128, 128, p.hidden, p.l2.n, 0, 1};
+  s.shape = mega_bwd_tile_shape(p.hidden, p.l2.n);
   s.num_experts = p.l2.num_groups;
   s.lag = p.lag;
   s.arrivals = 1;
@@ -166,29 +172,14 @@ __device__ __forceinline__ void l1_wide_tile_mainloop(float (&acc)[128], bool ac
 
 // The L1-dgrad tile's rows [row0, min(row0 + 64, row_end)) to their dX slots through the warpgroup's staging (its
 // two h slots, free once its earlier stores have read them): whole 64-row tiles by TMA, a partial one by threads.
-template <typename L>
+// The next L2-dgrad tile's prepare() refills the slots by TMA without a barrier, hence the one after the store.
 __device__ __forceinline__ void l1_wide_tile_store(const float (&acc)[128], uint32_t stg, int wg, int wg_tid,
                                                    const CUtensorMap* tmap_dx, int row0, int row_end, int col0,
                                                    const MegaBwdDgradParams& p) {
-  const int rows = min(64, row_end - row0);
-  if (rows <= 0) return;
-  if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
-  ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-  write_acc_to_swizzled_staging<256>(acc, stg, wg_tid);
-  ptx::fence_proxy_async_smem();
-  ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-  if (rows == 64) {
-    if (wg_tid == 0) {
-      const uint64_t pol = l2_policy_store(p.l2.l2_hints, 0);
-#pragma unroll
-      for (int b = 0; b < 4; ++b)
-        if (col0 + 64 * b < p.hidden) ptx::tma_store_2d_hint(tmap_dx, stg + b * L::kBoxBytes, col0 + 64 * b, row0, pol);
-      ptx::bulk_commit_group();
-    }
-  } else {
-    copy_swizzled_half_to_global<256>(stg, wg_tid, rows, p.dx, p.lddx, row0, col0, p.hidden);
-  }
-  ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);  // the thread copies have read the staging
+  if (row0 >= row_end) return;
+  store_acc_half_async<256>(acc, stg, wg, wg_tid, tmap_dx, row0, row_end, col0, p.hidden, p.l2.l2_hints, p.dx,
+                            p.lddx);
+  ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);  // the thread copies of a partial tile have read the staging
 }
 
 template <int kNumStages>
@@ -339,22 +330,20 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         // 64 rows x 256 columns of dx: one m64n256k16 wgmma per k16 step (5,120 shared-memory values per 64 x 256 x
         // 16 MACs, against 6,144 for the 128 x 128 tile's two m64n128k16), then the rows to their dX slots
         l1_wide_tile_mainloop<L>(acc, t.row0 < row_end, kbs, sm.full_bar, sm.empty_bar, stage, phase, d1, lane);
-        l1_wide_tile_store<L>(acc, stg, wg, wg_tid, &tmap_dx, t.row0, row_end, t.col0, p);
+        l1_wide_tile_store(acc, stg, wg, wg_tid, &tmap_dx, t.row0, row_end, t.col0, p);
         continue;
       }
       epi.prepare(g, &tmap_h, t.row0, row_end, t.col0);
       pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, PingPongDescs<L>::kBStepDesc>(
           acc0, acc1, kbs, sm.full_bar, sm.empty_bar, stage, phase, d.a_lo0, d.a_hi, d.b_lo0, d.b_hi, lane, [] {});
-      {
-        epi.finish(g, &tmap_h, &tmap_dh, &tmap_aw, acc0, acc1, t.row0, row_end, t.col0, t.col0 / kBlockN);
-        // this tile's dh is read by the m-block's L1-dgrad tiles, in any CTA: stores complete, fenced, released
-        ptx::fence_proxy_async_global();  // this thread's generic stores (a partial m-block)
-        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        if (wg_tid == 0) {
-          ptx::bulk_wait_group<0>();
-          ptx::fence_proxy_async_global();
-          ptx::red_release_gpu_add(l2_done + t.mb, 1);
-        }
+      epi.finish(g, &tmap_h, &tmap_dh, &tmap_aw, acc0, acc1, t.row0, row_end, t.col0, t.col0 / kBlockN);
+      // this tile's dh is read by the m-block's L1-dgrad tiles, in any CTA: stores complete, fenced, released
+      ptx::fence_proxy_async_global();  // this thread's generic stores (a partial m-block)
+      ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+      if (wg_tid == 0) {
+        ptx::bulk_wait_group<0>();
+        ptx::fence_proxy_async_global();
+        ptx::red_release_gpu_add(l2_done + t.mb, 1);
       }
     }
     if (wg_tid == 0) ptx::bulk_wait_group<0>();  // the last stores are complete before the CTA exits
