@@ -181,11 +181,12 @@ def require(key: str, *, allow_unverified: bool = False) -> None:
         raise RuntimeError(f"prime_kernels: {key} is not available: {why}")
 
 
-def require_on(device, key_stem: str, op: str) -> None:
+def require_on(device, key_stem: str, op: str, *, allow_unverified: bool = False) -> None:
     """The check before an op that runs on CUDA and on the CPU: on CUDA, ``require`` of ``<key_stem>.<family of
-    the tensor's device>`` (sm90 when the family is unknown); on the CPU, the shim must be loaded."""
+    the tensor's device>`` (sm90 when the family is unknown; ``allow_unverified`` as there); on the CPU, the shim
+    must be loaded."""
     if device.type == "cuda":
-        require(f"{key_stem}.{family_of_device(device.index) or 'sm90'}")
+        require(f"{key_stem}.{family_of_device(device.index) or 'sm90'}", allow_unverified=allow_unverified)
         return
     res = _lib.load()
     if not res.shim_loaded:

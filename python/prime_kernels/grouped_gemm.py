@@ -117,6 +117,13 @@ def k_grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, group_offsets: to
 FP8_BLOCK = 128  # the recipe's scale block along K (and along N for b)
 
 
+def k_block_major_empty(rows: int, blocks: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised [rows, blocks] scale tensor laid out as the FP8 GEMMs read scales: stride(0) == 1 and
+    stride(1) = rows rounded up to a multiple of 4 (16-byte aligned columns)."""
+    buf = torch.empty(blocks, (rows + 3) // 4 * 4, dtype=dtype, device=device)
+    return buf[:, :rows].t()
+
+
 def k_block_major_scales(sa: torch.Tensor) -> torch.Tensor:
     """``sa`` [M, K/128] fp32 laid out as the FP8 kernel reads it (one TMA box per tile and k-block): K-block major,
     i.e. stride(0) == 1 and stride(1) a multiple of 4 that is >= M, 16-byte aligned (the transpose of a contiguous
@@ -126,9 +133,9 @@ def k_block_major_scales(sa: torch.Tensor) -> torch.Tensor:
     ok_ld = kb == 1 or (sa.stride(1) % 4 == 0 and sa.stride(1) >= m)
     if m == 0 or (ok_rows and ok_ld and sa.data_ptr() % 16 == 0):
         return sa
-    buf = torch.empty(kb, (m + 3) // 4 * 4, dtype=sa.dtype, device=sa.device)
-    buf[:, :m].copy_(sa.t())
-    return buf[:, :m].t()
+    buf = k_block_major_empty(m, kb, sa.device, sa.dtype)
+    buf.copy_(sa)
+    return buf
 
 
 def m_grouped_fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _lib, _status
+from . import _status
+from .grouped_gemm import k_block_major_empty
 
 __all__ = ["dispatch_rows_fp8", "quantize_tokens_fp8", "k_block_major_empty"]
 
@@ -30,18 +31,8 @@ BLOCK = 128
 
 
 def _ready(key_stem: str, op: str, device: torch.device) -> None:
-    if device.type == "cuda":
-        # not yet verified on a GPU: status() says so, and the explicit op still runs where it is built
-        _status.require(f"{key_stem}.{_status.family_of_device(device.index) or 'sm90'}", allow_unverified=True)
-    elif not _lib.load().shim_loaded:
-        raise RuntimeError(f"prime_kernels: {op} is not available: {_lib.load().reason}")
-
-
-def k_block_major_empty(rows: int, blocks: int, device) -> torch.Tensor:
-    """An uninitialised fp32 [rows, blocks] scale tensor laid out as the FP8 GEMMs read scales: stride(0) == 1 and
-    stride(1) = rows rounded up to a multiple of 4 (16-byte aligned columns)."""
-    buf = torch.empty(blocks, (rows + 3) // 4 * 4, dtype=torch.float32, device=device)
-    return buf[:, :rows].t()
+    # not yet verified on a GPU: status() says so, and the explicit op still runs where it is built
+    _status.require_on(device, key_stem, op, allow_unverified=True)
 
 
 def dispatch_rows_fp8(src: torch.Tensor, route_to_pool: torch.Tensor, num_rows: int, *, pow2_scales: bool = False,
