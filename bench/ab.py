@@ -37,6 +37,11 @@ STEADY_DIRECTIONS = ("fwd_steady", "bwd_steady", "fwdbwd_steady")
 ENERGY_DIRECTIONS = ("fwd_mj", "bwd_mj", "fwdbwd_mj")
 
 
+def _unit(direction: str) -> str:
+    """The row keys' unit: old_ms / new_ms, or old_mj / new_mj for an energy row."""
+    return "mj" if direction in ENERGY_DIRECTIONS else "ms"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--old", required=True, help="build A: a `pip install --target` folder or a .whl file")
@@ -196,7 +201,7 @@ def summarize(samples: dict, shapes: list[str]) -> list[dict]:
         (ENERGY_DIRECTIONS if everywhere(ENERGY_DIRECTIONS[0]) else ())
     for s in shapes:
         for d in DIRECTIONS + extra:
-            unit = "mj" if d in ENERGY_DIRECTIONS else "ms"
+            unit = _unit(d)
             old = [c["shapes"][s][d] for c in samples["old"]]
             new = [c["shapes"][s][d] for c in samples["new"]]
             ratios = [n / o for n, o in zip(new, old) if o > 0]
@@ -259,7 +264,7 @@ def main(argv=None):
     # A ratio is None where no round had a positive old time (bwd = fwdbwd - fwd can be <= 0 on a noisy CPU run).
     num = lambda v, width: f"{v:{width}.4f}" if v is not None else f"{'n/a':>{width}}"  # noqa: E731
     for r in rows:
-        unit = "mj" if r["direction"] in ENERGY_DIRECTIONS else "ms"
+        unit = _unit(r["direction"])
         print(f"{r['shape']:>6} {r['direction']:>7} {r[f'old_{unit}']:9.3f} {r[f'new_{unit}']:9.3f} "
               f"{num(r['ratio_new_old'], 8)} {num(r['ratio_min'], 7)} {num(r['ratio_max'], 7)}  "
               f"{r['outputs_bitwise_equal']}")

@@ -20,8 +20,11 @@ from pathlib import Path
 import torch
 
 import bench_common
+import prime_kernels
+import prime_kernels.grouped_gemm
+from prime_kernels.mega import fp8 as recipe
 
-SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3-235b-a22b": (128, 4096, 1536, 8)}
+SHAPES = ("qwen3-30b-a3b", "qwen3-235b-a22b")  # bench_common.SHAPES names
 E4M3_MAX = 448.0  # torch's rowwise baseline quantizes with it too
 
 
@@ -48,10 +51,15 @@ def fp8_peak_tflops(n: int = 8192) -> float:
     return 2 * n ** 3 / ms / 1e9
 
 
+def pass_rows(shape, name, kind, P, N, K, timings) -> list[dict]:
+    """One row per backend of one GEMM pass: ms and useful TFLOP/s (2 P N K over the routed rows), or why skipped."""
+    flops = 2 * P * N * K
+    return [{"shape": shape, "pass": name, "kind": kind, "P": P, "N": N, "K": K, "backend": backend,
+             **({"ms": ms, "tflops": flops / ms / 1e9} if isinstance(ms, float) else {"skipped": ms})}
+            for backend, ms in timings]
+
+
 def m_pass_rows(name, shape, P, N, K, counts, reps) -> list[dict]:
-    import prime_kernels
-    import prime_kernels.grouped_gemm
-    from prime_kernels.mega import fp8 as recipe
     E = counts.numel()
     offs = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
     offs[1:] = counts.cumsum(0)
@@ -60,8 +68,6 @@ def m_pass_rows(name, shape, P, N, K, counts, reps) -> list[dict]:
     qa, qb = recipe.quantize_along_k(x), recipe.quantize_weight(w)  # the library's recipe (1x128, 128x128)
     a, sa = qa.data, prime_kernels.grouped_gemm.k_block_major_scales(qa.scale)
     b, sb = qb.data, qb.scale
-    flops = 2 * P * N * K
-    rows = []
     ours = timed(lambda: prime_kernels.m_grouped_fp8_gemm_nt(a, sa, b, sb, offs), reps)
     bf16 = timed(lambda: prime_kernels.m_grouped_bf16_gemm_nt(x, w, offs), reps)
     ta, tsa = quant_rowwise(x, 1)
@@ -69,16 +75,11 @@ def m_pass_rows(name, shape, P, N, K, counts, reps) -> list[dict]:
     tb_t = tb.transpose(1, 2)  # [E, K, N], K-major as torch wants it
     ends = offs[1:].contiguous()
     torch_fp8 = timed(lambda: torch._scaled_grouped_mm(ta, tb_t, tsa, tsb, offs=ends, out_dtype=torch.bfloat16), reps)
-    for backend, ms in (("ours_fp8", ours), ("torch_fp8_rowwise", torch_fp8), ("ours_bf16", bf16)):
-        rows.append({"shape": shape, "pass": name, "kind": "m_grouped", "P": P, "N": N, "K": K, "backend": backend,
-                     **({"ms": ms, "tflops": flops / ms / 1e9} if isinstance(ms, float) else {"skipped": ms})})
-    return rows
+    return pass_rows(shape, name, "m_grouped", P, N, K,
+                     (("ours_fp8", ours), ("torch_fp8_rowwise", torch_fp8), ("ours_bf16", bf16)))
 
 
 def k_pass_rows(name, shape, P, M, N, counts, reps) -> list[dict]:
-    import prime_kernels
-    import prime_kernels.grouped_gemm
-    from prime_kernels.mega import fp8 as recipe
     E = counts.numel()
     padded = (counts + 127) // 128 * 128
     offs = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
@@ -88,16 +89,11 @@ def k_pass_rows(name, shape, P, M, N, counts, reps) -> list[dict]:
     b_rows = torch.randn(p_pad, N, device="cuda", dtype=torch.bfloat16)
     qa = recipe.quantize_along_tokens(a_rows).t()  # data [M, P], scale [M, P/128]
     qb = recipe.quantize_along_tokens(b_rows).t()
-    a, sa = qa.data.contiguous(), prime_kernels.grouped_gemm.k_block_major_scales(qa.scale.contiguous())
-    b, sb = qb.data.contiguous(), prime_kernels.grouped_gemm.k_block_major_scales(qb.scale.contiguous())
-    flops = 2 * P * M * N
+    a, sa = qa.data, prime_kernels.grouped_gemm.k_block_major_scales(qa.scale)  # t() made both contiguous
+    b, sb = qb.data, prime_kernels.grouped_gemm.k_block_major_scales(qb.scale)
     ours = timed(lambda: prime_kernels.k_grouped_fp8_gemm_tn(a, sa, b, sb, offs, out_dtype=torch.float32), reps)
     bf16 = timed(lambda: prime_kernels.k_grouped_bf16_gemm_tn(a_rows, b_rows, offs), reps)
-    rows = []
-    for backend, ms in (("ours_fp8", ours), ("ours_bf16", bf16)):
-        rows.append({"shape": shape, "pass": name, "kind": "k_grouped", "P": P, "N": N, "K": M, "backend": backend,
-                     **({"ms": ms, "tflops": flops / ms / 1e9} if isinstance(ms, float) else {"skipped": ms})})
-    return rows
+    return pass_rows(shape, name, "k_grouped", P, N, M, (("ours_fp8", ours), ("ours_bf16", bf16)))
 
 
 def main(argv=None) -> int:
@@ -116,7 +112,7 @@ def main(argv=None) -> int:
     header["peak_fp8_tflops"] = round(fp8_peak_tflops(), 2)
     rows = []
     for shape in a.shapes.split(","):
-        E, H, I, K = SHAPES[shape]
+        E, H, I, K = bench_common.SHAPES[shape]
         idx, _ = bench_common.make_routing(a.tokens, E, K, a.routing, a.seed, "cuda")
         counts = torch.bincount(idx.flatten(), minlength=E).to(torch.int32)
         P = int(counts.sum())

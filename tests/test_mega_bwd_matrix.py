@@ -17,6 +17,7 @@ import torch
 
 from conftest import requires_sm90
 from mega_helpers import rel_err, run_layer
+from test_mega_grouped import float64_reference
 
 NAMES = ("y", "dx", "dtopk", "dw13", "dw2")
 BOUND = 1e-2
@@ -100,12 +101,6 @@ def _run(prob, extra: str, accum_init=None):
     return y, dx, dtopk, a13 - accum_init[0], a2 - accum_init[1]
 
 
-def _reference(prob):
-    """The reference backend in float64 (exact mode) on the GPU."""
-    as64 = [t.double() if t.is_floating_point() else t for t in prob]
-    return run_layer(*as64, backend="reference")
-
-
 @requires_sm90
 @pytest.mark.parametrize("T,E,H,I,K,routing,extra", CASES)
 def test_layer_matches_float64_and_repeats_bitwise(T, E, H, I, K, routing, extra):
@@ -121,7 +116,7 @@ def test_layer_matches_float64_and_repeats_bitwise(T, E, H, I, K, routing, extra
         for name, t in zip(NAMES, got):
             assert torch.count_nonzero(t) == 0, f"{name}: all routes masked, yet not zero"
     else:
-        ref = _reference(prob)
+        ref = float64_reference(prob)
         for name, a, b in zip(NAMES, got, ref):
             assert torch.isfinite(a).all(), f"{name}: non-finite values (unwritten elements read as NaN)"
             err = rel_err(a, b)
