@@ -37,16 +37,14 @@ int mega_moe_bwd_dgrad_bf16(const MegaBwdDgradArgs& a, cudaStream_t stream, char
   {
     const uint64_t dims[2] = {(uint64_t)(2 * I), (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)a.l2.lddh * 2};
-    const uint32_t box[2] = {32, 64};  // an L1-dgrad stage: 64 rows x 32 of K (64-byte rows)
-    if (int r = make_map(&m_dh_a, a.l2.dh, 2, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                         CU_TENSOR_MAP_SWIZZLE_64B))
-      return r;
+    const uint32_t box[2] = {64, 128};
+    if (int r = make_map(&m_dh_a, a.l2.dh, 2, dims, strides, box, err, err_len)) return r;
   }
   {
     const int64_t gs = num_experts > 1 ? a.w13_group_stride : 2 * I * a.ldw13;
     const uint64_t dims[3] = {(uint64_t)H, (uint64_t)(2 * I), (uint64_t)num_experts};
     const uint64_t strides[2] = {(uint64_t)a.ldw13 * 2, (uint64_t)gs * 2};
-    const uint32_t box[3] = {64, 32, 1};  // 64 columns of H x 32 k-rows; four per L1-dgrad stage
+    const uint32_t box[3] = {64, 64, 1};
     if (int r = make_map(&m_w13, a.w13, 3, dims, strides, box, err, err_len)) return r;
   }
   {
@@ -67,8 +65,7 @@ int mega_moe_bwd_dgrad_bf16(const MegaBwdDgradArgs& a, cudaStream_t stream, char
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
   e = cudaMemsetAsync(a.counters, 0, sizeof(int32_t) * mega_moe_bwd_dgrad_counter_count(m_total, num_experts), stream);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
-  const BwdTileShape shape = mega_bwd_tile_shape(static_cast<int>(H), static_cast<int>(I));
-  const int64_t tasks = max_m_blocks(m_total, num_experts) * (shape.l2_per_mb() + shape.l1_per_mb());
+  const int64_t tasks = max_m_blocks(m_total, num_experts) * ((I + 127) / 128 + (H + 127) / 128);
   constexpr int kStages = 4;
   constexpr auto kernel = &mega_moe_bwd_dgrad_kernel<kStages>;
   constexpr int smem = MegaBwdLayout<kStages>::kSmemBytes;

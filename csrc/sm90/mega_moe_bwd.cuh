@@ -5,14 +5,10 @@
 // Per pool row m of expert e (dy_pool gathered by the dispatch kernel before this one):
 //   L2-dgrad tile (128 rows x 128 columns of I): da = dy_pool @ w2_e, then dh, w * s and the d topk_weights
 //     partials (swiglu_bwd_pp.cuh's epilogue, SwigluBwdTileEpilogue); then the m-block's counter gains one.
-//   L1-dgrad tile (64 rows x 256 columns of H, two per m-block and column block): dx = dh @ w13_e (K = 2I), stored
-//     bf16 to the row's dX slot.
-// Each tile is one consumer warpgroup's; the CTA's claimed tiles alternate between its two warpgroups. An
-// L2-dgrad tile is the ping-pong split of swiglu_bwd_pp.cuh (64-row accumulator halves acc0 / acc1, two
-// m64n128k16 wgmma per k16 step, K 64 per stage); it cannot widen, its SwiGLU-backward epilogue holds gate and up
-// of the same columns. An L1-dgrad tile is one m64n256k16 per k16 step: 17% less shared-memory traffic per MAC,
-// which bounds these GEMMs; its stages hold K 32 (A 64 x 32 with the 64-byte swizzle, B 32 x 256) to fit the
-// ring's 32 KB slots. Both kinds read B MN-major (w2_e [H, I] and w13_e [2I, H], N contiguous).
+//   L1-dgrad tile (128 rows x 128 columns of H): dx = dh @ w13_e (K = 2I), stored bf16 to the row's dX slot.
+// Each tile is one consumer warpgroup's (the ping-pong split of swiglu_bwd_pp.cuh: 64-row accumulator halves
+// acc0 / acc1); the CTA's claimed tiles alternate between its two warpgroups. Both kinds read B MN-major (w2_e
+// [H, I] and w13_e [2I, H], N contiguous), so one wgmma form serves them.
 //
 // Forward progress, without assuming that the grid is resident: the TMA thread of each CTA claims tasks from a
 // global counter (one ahead) in sequence order and announces each in the CTA's task ring (kMegaBwdTaskSlots
@@ -73,28 +69,15 @@ struct MegaBwdLayout : SwigluBwdPPLayout<kNumStages> {
   static constexpr int kStepOff = kTaskBarOff + 2 * kMegaBwdTaskSlots * 8;
   static constexpr int kEnd = kStepOff + (kMaxGroups + kMegaBwdMaxLag + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
-  // An L1-dgrad stage (K = 32): A 64 rows x 32 (64-byte rows, 64-byte swizzle) at the start of the stage's A slot,
-  // B 32 x 256 as four 64-column boxes of 32 k-rows (128-byte swizzle) filling its B slot.
-  static constexpr int kL1BlockK = 32;
-  static constexpr int kL1ABytes = 64 * kL1BlockK * 2;
-  static constexpr int kL1BoxBytes = 64 * kL1BlockK * 2;
-  static constexpr int kL1StageTxBytes = kL1ABytes + 4 * kL1BoxBytes;
-  static_assert(kL1ABytes <= Base::kABytes && 4 * kL1BoxBytes <= Base::kBBytes, "an L1-dgrad stage fits a slot");
   static_assert(kTaskBarOff % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(kSmemBytes <= Base::kSmemLimit, "shared memory budget exceeded");
 };
 
-// The kernel's tiles (the launcher sizes the grid from the same shape): L2-dgrad tiles of 128 columns of I,
-// L1-dgrad tiles of 64 rows x 256 columns of H, no weight-gradient tiles.
-__host__ __device__ __forceinline__ BwdTileShape mega_bwd_tile_shape(int hidden, int inter) {
-  return BwdTileShape{128, 256, 128, 128, hidden, inter, 0, 1};
-}
-
-// The kernel's sequence: mega_bwd_tile_shape's tiles, one release per L2-dgrad tile.
+// The kernel's sequence: dgrad tiles of 128 columns, no weight-gradient tiles, one release per L2-dgrad tile.
 __device__ __forceinline__ BwdSchedule mega_bwd_schedule(const MegaBwdDgradParams& p, const int32_t* s_mb,
                                                          const int32_t* s_offs, const int32_t* s_steps) {
   BwdSchedule s;
-  s.shape = mega_bwd_tile_shape(p.hidden, p.l2.n);
+  s.shape = BwdTileShape{128, 128, 128, 128, p.hidden, p.l2.n, 0};
   s.num_experts = p.l2.num_groups;
   s.lag = p.lag;
   s.arrivals = 1;
@@ -102,84 +85,6 @@ __device__ __forceinline__ BwdSchedule mega_bwd_schedule(const MegaBwdDgradParam
   s.row_first = s_offs;
   s.step_first = s_steps;
   return s;
-}
-
-// Stage 0's descriptors of an L1-dgrad tile: A K-major with 64-byte rows (64-byte swizzle), B MN-major in 64-column
-// boxes of 32 k-rows (128-byte swizzle, 4 KB apart).
-template <typename L>
-struct L1WideDescs {
-  uint32_t a_lo0, a_hi, b_lo0, b_hi;
-  __device__ __forceinline__ explicit L1WideDescs(uint8_t* smem) {
-    const uint64_t da = ptx::make_desc_sw64_k_major(ptx::smem_addr(smem + L::kAOff));
-    const uint64_t db = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kBOff), L::kL1BoxBytes, 1024);
-    a_lo0 = static_cast<uint32_t>(da);
-    a_hi = static_cast<uint32_t>(da >> 32);
-    b_lo0 = static_cast<uint32_t>(db);
-    b_hi = static_cast<uint32_t>(db >> 32);
-  }
-};
-
-// One L1-dgrad tile's mainloop (64 rows x 256 columns, one warpgroup): per 32-wide k-block two m64n256k16 wgmma;
-// a stage goes back to the producer once the next k-block's MMAs are issued, as in pingpong_tile_mainloop. A tile
-// whose rows all lie past its expert's end (the second half of a last m-block) only releases its stages.
-template <typename L>
-__device__ __forceinline__ void l1_wide_tile_mainloop(float (&acc)[128], bool active, int num_k_blocks,
-                                                      uint64_t* full_bar, uint64_t* empty_bar, int& stage,
-                                                      uint32_t& phase, const L1WideDescs<L>& d, int lane) {
-  using Mma = ptx::WgmmaBf16<256, 0, 1>;
-  constexpr uint32_t kAStep = 32 >> 4;          // one k16 step along a 64-byte K-major row
-  constexpr uint32_t kBStep = (16 * 128) >> 4;  // 16 k-rows of 128 bytes
-  if (!active) {
-    for (int kb = 0; kb < num_k_blocks; ++kb) {
-      ptx::mbar_wait(&full_bar[stage], phase);
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(&empty_bar[stage]);
-      advance_stage<L::kStages>(stage, phase);
-    }
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-  int prev_stage = 0;
-  for (int kb = 0; kb < num_k_blocks; ++kb) {
-    ptx::mbar_wait(&full_bar[stage], phase);
-#pragma unroll
-    for (int i = 0; i < 128; ++i) ptx::reg_fence(acc[i]);
-    ptx::wgmma_fence();
-    const uint32_t a_lo = d.a_lo0 + static_cast<uint32_t>(stage) * (L::kABytes >> 4);
-    const uint32_t b_lo = d.b_lo0 + static_cast<uint32_t>(stage) * (L::kBBytes >> 4);
-#pragma unroll
-    for (int kk = 0; kk < L::kL1BlockK / 16; ++kk)
-      Mma::mma(acc, ptx::desc_from_halves(a_lo + kk * kAStep, d.a_hi), ptx::desc_from_halves(b_lo + kk * kBStep, d.b_hi),
-               1u);
-    ptx::wgmma_commit();
-#pragma unroll
-    for (int i = 0; i < 128; ++i) ptx::reg_fence(acc[i]);
-    if (kb > 0) {
-      ptx::wgmma_wait<1>();
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
-    }
-    prev_stage = stage;
-    advance_stage<L::kStages>(stage, phase);
-  }
-  ptx::wgmma_wait<0>();
-#pragma unroll
-  for (int i = 0; i < 128; ++i) ptx::reg_fence(acc[i]);
-  __syncwarp();
-  if (lane == 0 && num_k_blocks > 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
-}
-
-// The L1-dgrad tile's rows [row0, min(row0 + 64, row_end)) to their dX slots through the warpgroup's staging (its
-// two h slots, free once its earlier stores have read them): whole 64-row tiles by TMA, a partial one by threads.
-// The next L2-dgrad tile's prepare() refills the slots by TMA without a barrier, hence the one after the store.
-__device__ __forceinline__ void l1_wide_tile_store(const float (&acc)[128], uint32_t stg, int wg, int wg_tid,
-                                                   const CUtensorMap* tmap_dx, int row0, int row_end, int col0,
-                                                   const MegaBwdDgradParams& p) {
-  if (row0 >= row_end) return;
-  store_acc_half_async<256>(acc, stg, wg, wg_tid, tmap_dx, row0, row_end, col0, p.hidden, p.l2.l2_hints, p.dx,
-                            p.lddx);
-  ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);  // the thread copies of a partial tile have read the staging
 }
 
 template <int kNumStages>
@@ -265,26 +170,19 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                 w.index);
         ptx::fence_proxy_async_global();  // dh rows another CTA wrote: acquired above, read by TMA below
         const bool l2 = t.kind == kBwdL2Dgrad;
-        const int kbs = l2 ? ceil_div(g.k, kBlockK) : ceil_div(2 * g.n, L::kL1BlockK);
+        const int kbs = ceil_div(l2 ? g.k : 2 * g.n, kBlockK);
+        const CUtensorMap* map_a = l2 ? &tmap_dy : &tmap_dh_a;
+        const CUtensorMap* map_b = l2 ? &tmap_w2 : &tmap_w13;
         for (int kb = 0; kb < kbs; ++kb) {
           ptx::mbar_wait(&sm.empty_bar[stage], phase ^ 1);
           uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
           uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
-          if (l2) {
-            ptx::mbar_arrive_expect_tx(&sm.full_bar[stage], L::kABytes + L::kBBytes);
-            ptx::tma_load_2d(sa, &tmap_dy, &sm.full_bar[stage], kb * kBlockK, t.row0);
+          ptx::mbar_arrive_expect_tx(&sm.full_bar[stage], L::kABytes + L::kBBytes);
+          ptx::tma_load_2d(sa, map_a, &sm.full_bar[stage], kb * kBlockK, t.row0);
 #pragma unroll
-            for (int jb = 0; jb < kBlockN / 64; ++jb)
-              ptx::tma_load_3d_hint(sb + jb * L::kMnBoxBytes, &tmap_w2, &sm.full_bar[stage], t.col0 + 64 * jb,
-                                    kb * kBlockK, t.expert, pol_b);
-          } else {  // 64 dh rows x 32, and 32 k-rows of w13_e's 256 columns
-            ptx::mbar_arrive_expect_tx(&sm.full_bar[stage], L::kL1StageTxBytes);
-            ptx::tma_load_2d(sa, &tmap_dh_a, &sm.full_bar[stage], kb * L::kL1BlockK, t.row0);
-#pragma unroll
-            for (int jb = 0; jb < 4; ++jb)
-              ptx::tma_load_3d_hint(sb + jb * L::kL1BoxBytes, &tmap_w13, &sm.full_bar[stage], t.col0 + 64 * jb,
-                                    kb * L::kL1BlockK, t.expert, pol_b);
-          }
+          for (int jb = 0; jb < kBlockN / 64; ++jb)
+            ptx::tma_load_3d_hint(sb + jb * L::kMnBoxBytes, map_b, &sm.full_bar[stage], t.col0 + 64 * jb, kb * kBlockK,
+                                  t.expert, pol_b);
           advance_stage<kNumStages>(stage, phase);
         }
         if (next < num_tasks) announce(next);
@@ -300,15 +198,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int wg_tid = tid - 128 * (wg + 1);
     const PingPongDescs<L> d(smem);
     SwigluBwdTileEpilogue<L> epi(smem, wg, wg_tid, lane);
-    // the L1-dgrad tile's staging: this warpgroup's two h slots, the 4 boxes of 64 x 64 of its 64 x 256 rows
+    // the L1-dgrad tile's staging: this warpgroup's two h slots, 4 boxes of 64 x 64 (rows 0..63: boxes 0, 1)
     const uint32_t stg = epi.hslots_addr;
-    const L1WideDescs<L> d1(smem);
+    constexpr uint32_t kHalfStg = 2 * L::kBoxBytes;
 
-    // One accumulator array for both kinds, so that an L1-dgrad tile's m64n256 fragment takes the registers of an
-    // L2-dgrad tile's two m64n128 halves (apart, the other state spilled around the wide tile: 1.5 KB a thread)
-    float acc[2 * kAcc];
-    float (&acc0)[kAcc] = *reinterpret_cast<float(*)[kAcc]>(&acc[0]);
-    float (&acc1)[kAcc] = *reinterpret_cast<float(*)[kAcc]>(&acc[kAcc]);
+    float acc0[kAcc], acc1[kAcc];
     int stage = 0;
     uint32_t phase = 0;
     for (int j = 0;; ++j) {
@@ -320,30 +214,52 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if (u < 0) break;
       const BwdTask t = sched.locate(u);
       const bool l2 = t.kind == kBwdL2Dgrad;
-      const int kbs = l2 ? ceil_div(g.k, kBlockK) : ceil_div(2 * g.n, L::kL1BlockK);
+      const int kbs = ceil_div(l2 ? g.k : 2 * g.n, kBlockK);
       if ((j & 1) != wg) {  // the other warpgroup's tile
         skip_stages<kNumStages>(stage, phase, kbs);
         continue;
       }
       const int row_end = max(sm.s_offs[t.expert + 1], sm.s_offs[t.expert]);
-      if (!l2) {
-        // 64 rows x 256 columns of dx: one m64n256k16 wgmma per k16 step (5,120 shared-memory values per 64 x 256 x
-        // 16 MACs, against 6,144 for the 128 x 128 tile's two m64n128k16), then the rows to their dX slots
-        l1_wide_tile_mainloop<L>(acc, t.row0 < row_end, kbs, sm.full_bar, sm.empty_bar, stage, phase, d1, lane);
-        l1_wide_tile_store(acc, stg, wg, wg_tid, &tmap_dx, t.row0, row_end, t.col0, p);
-        continue;
-      }
-      epi.prepare(g, &tmap_h, t.row0, row_end, t.col0);
+      if (l2) epi.prepare(g, &tmap_h, t.row0, row_end, t.col0);
       pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, PingPongDescs<L>::kBStepDesc>(
           acc0, acc1, kbs, sm.full_bar, sm.empty_bar, stage, phase, d.a_lo0, d.a_hi, d.b_lo0, d.b_hi, lane, [] {});
-      epi.finish(g, &tmap_h, &tmap_dh, &tmap_aw, acc0, acc1, t.row0, row_end, t.col0, t.col0 / kBlockN);
-      // this tile's dh is read by the m-block's L1-dgrad tiles, in any CTA: stores complete, fenced, released
-      ptx::fence_proxy_async_global();  // this thread's generic stores (a partial m-block)
-      ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-      if (wg_tid == 0) {
-        ptx::bulk_wait_group<0>();
-        ptx::fence_proxy_async_global();
-        ptx::red_release_gpu_add(l2_done + t.mb, 1);
+      if (l2) {
+        epi.finish(g, &tmap_h, &tmap_dh, &tmap_aw, acc0, acc1, t.row0, row_end, t.col0, t.col0 / kBlockN);
+        // this tile's dh is read by the m-block's L1-dgrad tiles, in any CTA: stores complete, fenced, released
+        ptx::fence_proxy_async_global();  // this thread's generic stores (a partial m-block)
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        if (wg_tid == 0) {
+          ptx::bulk_wait_group<0>();
+          ptx::fence_proxy_async_global();
+          ptx::red_release_gpu_add(l2_done + t.mb, 1);
+        }
+      } else {
+        // dx rows: through the staging boxes (the h slots, free once this warpgroup's stores have read them)
+        if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        write_acc_boxes_to_staging<kBlockN, 2>(acc0, stg, wg_tid, 0);
+        write_acc_boxes_to_staging<kBlockN, 2>(acc1, stg + kHalfStg, wg_tid, 0);
+        ptx::fence_proxy_async_smem();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+#pragma unroll
+        for (int hm = 0; hm < 2; ++hm) {
+          const int prow0 = t.row0 + 64 * hm;
+          const int rows = min(64, row_end - prow0);
+          if (rows == 64) {
+            if (wg_tid == 0) {
+              const uint64_t pol = l2_policy_store(g.l2_hints, 0);
+#pragma unroll
+              for (int b = 0; b < 2; ++b)
+                if (t.col0 + 64 * b < p.hidden)
+                  ptx::tma_store_2d_hint(&tmap_dx, stg + hm * kHalfStg + b * L::kBoxBytes, t.col0 + 64 * b, prow0, pol);
+            }
+          } else if (rows > 0) {
+            copy_swizzled_half_to_global<kBlockN>(stg + hm * kHalfStg, wg_tid, rows, p.dx, p.lddx, prow0, t.col0,
+                                                  p.hidden);
+          }
+        }
+        if (wg_tid == 0) ptx::bulk_commit_group();
+        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);  // the generic copies have read the staging
       }
     }
     if (wg_tid == 0) ptx::bulk_wait_group<0>();  // the last stores are complete before the CTA exits

@@ -8,9 +8,8 @@
 //   dW2_e  += dy_pool_e^T @ (w * s)_e                (K = the rows of e)
 //   dW13_e += dh_e^T @ x_pool_e                      (K = the rows of e)
 // and the combine of the dX slots afterwards. Four task kinds: an L2-dgrad tile (one m-block, l2_block_n columns
-// of I), an L1-dgrad tile (one m-block, or with l1_split_rows one half of it, 64 rows; l1_block_n columns of H), a
-// dW2 tile and a dW13 tile (wgrad_block_m rows x wgrad_block_n columns of the expert's weight gradient, the
-// expert's whole K).
+// of I), an L1-dgrad tile (one m-block, l1_block_n columns of H), a dW2 tile and a dW13 tile (wgrad_block_m rows x
+// wgrad_block_n columns of the expert's weight gradient, the expert's whole K).
 //
 // The sequence, in steps k = 0, 1, ..., E + lag - 1:
 //   step k: the L2-dgrad tiles of expert k (if k < E), then, for f = k - lag (if f >= 0), the L1-dgrad tiles of
@@ -70,11 +69,8 @@ struct BwdTileShape {
   int l2_block_n, l1_block_n, wgrad_block_m, wgrad_block_n;
   int hidden, inter;
   int with_wgrad;  // 0: the sequence holds the dgrad tiles only (the weight gradients are computed elsewhere)
-  int l1_split_rows = 0;  // 1: an m-block's L1-dgrad tiles are two of 64 rows per column block (else one of 128)
-  PK_BWD_HD int l1_row_tiles() const { return 1 << l1_split_rows; }
-  PK_BWD_HD int l1_rows() const { return kBwdBlockM >> l1_split_rows; }
   PK_BWD_HD int l2_per_mb() const { return bwd_ceil_div(inter, l2_block_n); }
-  PK_BWD_HD int l1_per_mb() const { return bwd_ceil_div(hidden, l1_block_n) * l1_row_tiles(); }
+  PK_BWD_HD int l1_per_mb() const { return bwd_ceil_div(hidden, l1_block_n); }
   // dW2_e [H, I] and dW13_e [2I, H]
   PK_BWD_HD int w2_row_blocks() const { return bwd_ceil_div(hidden, wgrad_block_m); }
   PK_BWD_HD int w2_col_blocks() const { return bwd_ceil_div(inter, wgrad_block_n); }
@@ -147,9 +143,8 @@ struct BwdSchedule {
       bwd_band_tile(local, m_blocks(f), shape.l1_per_mb(), nb, mbe);
       t.kind = kBwdL1Dgrad;
       t.mb = mb_first[f] + mbe;
-      // with split rows the two 64-row tiles of a column block are consecutive (they share its B columns)
-      t.row0 = row_first[f] + mbe * kBwdBlockM + (nb % shape.l1_row_tiles()) * shape.l1_rows();
-      t.col0 = (nb / shape.l1_row_tiles()) * shape.l1_block_n;
+      t.row0 = row_first[f] + mbe * kBwdBlockM;
+      t.col0 = nb * shape.l1_block_n;
       return t;
     }
     local -= l1;

@@ -337,17 +337,6 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_byte_addr, uin
   return d;
 }
 
-// Shared-memory matrix descriptor, 64-byte swizzle, for a K-major operand whose rows are 32 bf16 (64 B) along K:
-// sbo = 512 (distance between 8-row groups), lbo unused. Start addresses keep the 512-byte atoms aligned.
-__device__ __forceinline__ uint64_t make_desc_sw64_k_major(uint32_t smem_byte_addr) {
-  uint64_t d = 0;
-  d |= static_cast<uint64_t>((smem_byte_addr & 0x3FFFF) >> 4);
-  d |= static_cast<uint64_t>(1) << 16;                 // lbo: unused for a swizzled K-major operand
-  d |= static_cast<uint64_t>(512 >> 4) << 32;
-  d |= static_cast<uint64_t>(2) << 62;  // swizzle mode 2 = 64 B
-  return d;
-}
-
 // Descriptor from its two 32-bit halves. Stage and k-step offsets are added to the low half only (the 14-bit
 // start-address field cannot carry out for shared-memory addresses), which keeps the mainloop's descriptor
 // arithmetic to one 32-bit add per operand instead of 64-bit adds with carries (v6: ~100 -> ~40

