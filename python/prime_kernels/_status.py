@@ -11,10 +11,6 @@ AVAILABLE = "available"
 # its quantization), only its kernels do not.
 FP8_TODO = "not implemented in the kernels yet; backend='reference' emulates the recipe (docs/fp8.md)"
 
-# The FP8 quantizing kernels are built, and their CPU loops match the recipe bit for bit; no GPU has run them yet.
-_QUANT_UNVERIFIED = ("compiled but not yet run on a GPU: tests/test_quantize_fp8.py's GPU tests (the CUDA op against "
-                     "the CPU op bit for bit, and through the FP8 GEMMs) have not run")
-
 # Which built arch values run on which compute capability ("a" targets: that exact one; "f": the family).
 _ARCH_RUNS_ON = {"90a": {(9, 0)}, "100a": {(10, 0)}, "103a": {(10, 3)}, "100f": {(10, 0), (10, 3)}}
 _FAMILY_ARCHS = {"sm90": ("90a",), "sm100": ("100a", "103a", "100f")}
@@ -41,8 +37,8 @@ def _entries() -> list[KernelEntry]:
         e.append(KernelEntry(f"dispatch_rows.bf16.{fam}", "dispatch_rows", fam))
         e.append(KernelEntry(f"swiglu.bf16.{fam}", "swiglu", fam))
         # the recipe's quantizing producers (prime_kernels.quantize), arch-neutral like the bf16 dispatch
-        e.append(KernelEntry(f"dispatch_rows.fp8.{fam}", "dispatch_rows_fp8", fam, unverified=_QUANT_UNVERIFIED))
-        e.append(KernelEntry(f"quantize_tokens.fp8.{fam}", "quantize_tokens_fp8", fam, unverified=_QUANT_UNVERIFIED))
+        e.append(KernelEntry(f"dispatch_rows.fp8.{fam}", "dispatch_rows_fp8", fam))
+        e.append(KernelEntry(f"quantize_tokens.fp8.{fam}", "quantize_tokens_fp8", fam))
     for name in ("m_grouped_gemm_nt", "m_grouped_gemm_nn", "m_grouped_gemm_nt_gather", "m_grouped_gemm_swiglu",
                  "m_grouped_gemm_swiglu_bwd", "k_grouped_gemm_tn"):
         compiled = name.replace("_gemm_", "_bf16_gemm_")

@@ -31,8 +31,7 @@ BLOCK = 128
 
 
 def _ready(key_stem: str, op: str, device: torch.device) -> None:
-    # not yet verified on a GPU: status() says so, and the explicit op still runs where it is built
-    _status.require_on(device, key_stem, op, allow_unverified=True)
+    _status.require_on(device, key_stem, op)
 
 
 def dispatch_rows_fp8(src: torch.Tensor, route_to_pool: torch.Tensor, num_rows: int, *, pow2_scales: bool = False,
