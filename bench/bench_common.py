@@ -25,6 +25,29 @@ SHAPES = {
     "smoke": (8, 128, 128, 2),  # tiny, CPU-runnable (--smoke)
 }
 
+# The shape grid a layer is judged on beyond the two Qwen3 shapes (bench_layer.py --shapes grid): every E x (H, I),
+# top-8, named "e<E>-h<H>-i<I>-k<K>" (shape_dims reads such a name back).
+GRID_EXPERTS = (16, 32, 64, 128, 256)
+GRID_HIDDEN_INTER = ((1024, 512), (2048, 768), (4096, 1536), (7168, 2048))
+GRID_TOP_K = 8
+
+
+def grid_shapes() -> list[str]:
+    return [f"e{E}-h{H}-i{I}-k{GRID_TOP_K}" for E in GRID_EXPERTS for H, I in GRID_HIDDEN_INTER]
+
+
+def shape_dims(name: str) -> tuple[int, int, int, int]:
+    """(num_experts, hidden, intermediate, top_k) of a SHAPES name or of an "e<E>-h<H>-i<I>-k<K>" name;
+    ValueError for anything else."""
+    if name in SHAPES:
+        return SHAPES[name]
+    parts = name.split("-")
+    if len(parts) == 4 and all(p[:1] == c and p[1:].isdigit() for p, c in zip(parts, "ehik")):
+        E, H, I, K = (int(p[1:]) for p in parts)
+        if E >= 1 and H >= 1 and I >= 1 and 1 <= K <= E:
+            return E, H, I, K
+    raise ValueError(f"unknown shape {name!r}: one of {sorted(SHAPES)}, 'grid', or e<E>-h<H>-i<I>-k<K>")
+
 
 # ------------------------------------------------------------------------------------------------
 # distributed helpers (torchrun); everything also works without torch.distributed initialised

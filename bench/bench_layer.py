@@ -48,7 +48,8 @@ PEERS = ("sonicmoe",)  # other libraries' layers: timed and checked like ours, s
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="qwen3-30b-a3b,qwen3-235b-a22b",
-                   help=f"comma list from {sorted(bc.SHAPES)}")
+                   help=f"comma list from {sorted(bc.SHAPES)}, e<E>-h<H>-i<I>-k<K> names, or 'grid' "
+                        f"(bench_common.grid_shapes(): E x (H, I) at top-8)")
     p.add_argument("--tokens", default="4096,16384", help="comma list of tokens per rank")
     p.add_argument("--routings", default="uniform,zipf", help="comma list from uniform,zipf")
     p.add_argument("--backends", default=None,
@@ -152,7 +153,7 @@ def _floor(shape, T, routes, grad_bytes, args, device, cache, copy_gbps):
     dense-GEMM times (best of --rounds) and, for the backward, the weight-gradient write at ``copy_gbps``."""
     key = (shape, T, routes)
     if key not in cache:
-        _, H, I, _ = bc.SHAPES[shape]
+        _, H, I, _ = bc.shape_dims(shape)
         dense = None
         for _ in range(max(1, args.rounds)):
             d = bc.dense_gemm_ms(routes, H, I, device, args.warmup, args.iters)
@@ -167,11 +168,21 @@ def _floor(shape, T, routes, grad_bytes, args, device, cache, copy_gbps):
     return cache[key]["floor_ms"]
 
 
+def _skipped_rows(shape, T, routing, ep, backends, reason, inference):
+    """The rows of backends that did not run at one configuration, each direction with the reason."""
+    E, H, I, K = bc.shape_dims(shape)
+    return [{"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens": T,
+             "ep": ep, "routing": routing, "precision": "bf16", "backend": b, "direction": d,
+             "ms": None, "tflops": None, "pct_peak": None, "ratio_vs_torch": None, "peak_mem_gib": None,
+             "max_rel_err": None, "skipped": reason}
+            for b in backends for d in ("fwd", "bwd", "fwdbwd") + (("infer",) if inference else ())]
+
+
 def bench_config(shape, T, routing, backends, args, device, group, peak, skipped=None, floors=None, copy_gbps=None):
     """Rows of every backend at one configuration. ``skipped``: {backend: reason} of requested backends that
     cannot run at all (they get rows with the reason); ``floors``: the cache of floor_ms per (shape, T) and
     ``copy_gbps`` the run's copy bandwidth (floor_ms is left out without them)."""
-    E, H, I, K = bc.SHAPES[shape]
+    E, H, I, K = bc.shape_dims(shape)
     rank, ep = bc.world()
     w13, w2 = bc.make_weights(E, H, I, args.seed, device, rank, ep)
     x, idx, w, dy = bc.make_tokens(T, E, H, K, routing, args.seed + T, device, rank)
@@ -284,13 +295,7 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
                 row["max_rel_err"] = bc.reduce_max(err, device)
             rows.append(row)
     for backend, reason in skipped.items():
-        for direction in ("fwd", "bwd", "fwdbwd") + (("infer",) if args.inference else ()):
-            rows.append({
-                "shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens": T,
-                "ep": ep, "routing": routing, "precision": "bf16", "backend": backend, "direction": direction,
-                "ms": None, "tflops": None, "pct_peak": None, "ratio_vs_torch": None, "peak_mem_gib": None,
-                "max_rel_err": None, "skipped": reason,
-            })
+        rows += _skipped_rows(shape, T, routing, ep, [backend], reason, args.inference)
     torch_ms = {r["direction"]: r["ms"] for r in rows if r["backend"] == "torch"}
     torch_sus = {r["direction"]: r.get("ms_sustained") for r in rows if r["backend"] == "torch"}
     for r in rows:
@@ -332,12 +337,14 @@ def main(argv=None):
             skipped[b] = f"the {b} adapter has no expert parallelism (ep={ep})"
     for b, why in skipped.items():
         log(f"[bench] skipping backend {b}: {why}")
-    shapes = _split(args.shapes)
+    shapes = [g for s in _split(args.shapes) for g in (bc.grid_shapes() if s == "grid" else [s])]
     for s in shapes:
-        if s not in bc.SHAPES:
-            raise SystemExit(f"unknown shape {s!r}: choose from {sorted(bc.SHAPES)}")
-        if bc.SHAPES[s][0] % ep:
-            raise SystemExit(f"shape {s}: {bc.SHAPES[s][0]} experts do not divide over {ep} ranks")
+        try:
+            num_experts = bc.shape_dims(s)[0]
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        if num_experts % ep:
+            raise SystemExit(f"shape {s}: {num_experts} experts do not divide over {ep} ranks")
     fused_fwd_reason, fused_bwd_reason = _fused_state()
     if "deep_gemm" in backends:
         # backend="auto" must resolve to one of our kernel paths in both directions (never the reference)
@@ -386,7 +393,14 @@ def main(argv=None):
                 bks = [b for b in backends
                        if not (b == "deep_gemm_reference" and args.reference_max_tokens
                                and T > args.reference_max_tokens)]
-                cfg = bench_config(shape, T, routing, bks, args, device, group, peak, skipped, floors, copy_gbps)
+                try:
+                    cfg = bench_config(shape, T, routing, bks, args, device, group, peak, skipped, floors, copy_gbps)
+                except torch.OutOfMemoryError as e:
+                    # a grid corner that does not fit this card: its rows say so, the run goes on
+                    _free(device)
+                    why = f"out of memory: {str(e).splitlines()[0]}"
+                    log(f"[bench] {shape} T={T} {routing}: {why}")
+                    cfg = _skipped_rows(shape, T, routing, ep, bks, why, args.inference)
                 rows += cfg
                 log(f"[bench] {shape} T={T} {routing}: done at {time.time() - t0:.0f} s")
             if stopped:

@@ -3,8 +3,9 @@
 # dependencies that torch does not bring, for a machine without network (the lent GPU machine): downloads the
 # pinned CPython 3.12 wheels, unpacks them into one tree, and writes it as one xz tarball, small enough for one
 # device call's working tree (the cutlass-dsl libs wheel alone is over that limit unpacked-or-not).
-# On the GPU machine: mkdir -p /tmp/sonic && tar xJf OUT -C /tmp/sonic, then put /tmp/sonic on PYTHONPATH after
-# the build under test. The versions are the newest set that resolves together: sonic-moe 0.1.2.post1 pins
+# On the GPU machine: mkdir -p /tmp/sonic && tar xJf OUT -C /tmp/sonic, then put /tmp/sonic and
+# /tmp/sonic/nvidia_cutlass_dsl/python_packages (where the cutlass-dsl wheel's .pth file points, which an unpacked
+# tree does not process) on PYTHONPATH after the build under test. The versions are the newest set that resolves together: sonic-moe 0.1.2.post1 pins
 # nvidia-cutlass-dsl 4.4.2, which quack-kernels newer than 0.3.11 do not accept. sonic-moe declares
 # torch <= 2.9.1; it is installed without dependencies, so whether it runs under the machine's torch is
 # what the benchmark finds out (bench_layer.py reports an import or call failure as skipped rows).

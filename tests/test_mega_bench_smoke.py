@@ -4,6 +4,7 @@ tested on the CPU."""
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -248,8 +249,11 @@ def test_ab_smoke_on_the_cpu_reports_bursts_and_steady_state(tmp_path):
 
     site = Path(prime_kernels.__file__).resolve().parent.parent
     out = tmp_path / "ab.json"
+    # the children see no GPU, so they time the CPU (on a GPU machine they would time CUDA and add energy rows)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run([sys.executable, str(BENCH / "ab.py"), "--old", str(site), "--new", str(site), "--smoke",
-                        "--backend", "reference", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                        "--backend", "reference", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
     got = {(row["shape"], row["direction"]) for row in doc["rows"]}
