@@ -355,3 +355,19 @@ def test_bench_bwd_dgrad_needs_a_gpu(capsys):
         pytest.skip("a GPU is here: the benchmark would run")
     assert _bench_module("bench_bwd_dgrad").main(["--shapes", "smoke"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_grid_shapes_name_every_grid_point_and_read_back():
+    """bench_layer --shapes grid: every E x (H, I) once, top-8, each name read back by shape_dims; the Qwen3 names
+    read as SHAPES says; anything else is refused with the choices."""
+    bc = _bench_module("bench_common")
+    names = bc.grid_shapes()
+    dims = [bc.shape_dims(n) for n in names]
+    assert len(set(names)) == len(names) == len(bc.GRID_EXPERTS) * len(bc.GRID_HIDDEN_INTER)
+    assert {(E, H, I) for E, H, I, _ in dims} == {(E, H, I) for E in bc.GRID_EXPERTS for H, I in bc.GRID_HIDDEN_INTER}
+    assert all(K == 8 for *_, K in dims)
+    assert bc.shape_dims("qwen3-30b-a3b") == (128, 2048, 768, 8)
+    assert bc.shape_dims("e4-h64-i32-k2") == (4, 64, 32, 2)
+    for bad in ("e4-h64-i32", "e4-h64-i32-k5", "x4-h64-i32-k2", "e0-h64-i32-k1", "grid"):
+        with pytest.raises(ValueError, match="unknown shape"):
+            bc.shape_dims(bad)

@@ -90,7 +90,7 @@ def test_grouped_refuses_the_clamp_with_its_reason():
 def test_zero_padding_rows_touches_only_the_padding_rows():
     """The grouped backward zeroes a padded plan's padding rows in the pools it gathers (the fused forward pads its
     plan; the GEMMs read those rows): exactly rows [offsets[e] + counts[e], offsets[e + 1]) become zero, every
-    other row keeps its contents (NaN here), an unpadded plan changes nothing but the scratch row."""
+    other row keeps its contents (NaN here), an unpadded plan changes nothing but the scratch rows past the pool."""
     from prime_kernels.mega import _grouped
     from prime_kernels.routing import pool_capacity, routing_plan
 
@@ -99,8 +99,10 @@ def test_zero_padding_rows_touches_only_the_padding_rows():
     for block_m in (8, 1):
         cap = pool_capacity(T, K, E, 8)
         plan = routing_plan(idx, E, block_m, validate=False, capacity=cap)
-        buf = torch.full((cap + 1, H), float("nan"), dtype=torch.bfloat16)
-        _grouped._zero_padding_rows(buf, plan.expert_counts, plan.expert_offsets, T * K)
+        span = _grouped._padding_span(cap, T * K, E)
+        assert span >= 1
+        buf = torch.full((cap + span, H), float("nan"), dtype=torch.bfloat16)
+        _grouped._zero_padding_rows(buf, plan.expert_counts, plan.expert_offsets, T * K, cap)
         off, cnt = plan.expert_offsets.long(), plan.expert_counts.long()
         pad = torch.zeros(cap, dtype=torch.bool)
         for e in range(E):
