@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from mega_helpers import make_problem, run_layer
+from mega_helpers import make_problem, rel_err, run_layer
 
 import prime_kernels.mega as mega
 from prime_kernels.mega import _backend
@@ -120,6 +120,35 @@ def test_fp8_runs_on_the_kernels_once_both_directions_exist(status):
         assert _backend.resolve_backend("fused", "fp8", direction, **SHAPE) == "fused"
         with pytest.raises(_backend.FusedKernelUnavailable, match="bf16 only"):
             _backend.resolve_backend("grouped", "fp8", direction, **SHAPE)
+
+
+def test_fp8_bwd_runs_the_bf16_forward_and_the_fp8_backward_pipeline_once_its_kernel_exists(status):
+    """fp8_bwd's forward is the bf16 kernels' and its backward the FP8 pipeline (prime_kernels.mega._fp8_bwd): once
+    status() says its backward is available, "auto" runs the fused forward and "grouped" the grouped one; the
+    backward of either is the FP8 pipeline, which backend.backward reaches for both names (on the CPU, through
+    the ops' CPU kernels: the reference's fp8_bwd numbers)."""
+    from prime_kernels.mega import reference
+
+    for name in ("mega_moe.bf16.sm90", _backend.GROUPED_KEY):
+        status[name] = "available"
+    status["mega_moe.fp8_bwd.sm90"] = "available"
+    for direction in ("fwd", "bwd"):
+        assert _backend.resolve_backend("auto", "fp8_bwd", direction, **SHAPE) == "fused"
+        assert _backend.resolve_backend("grouped", "fp8_bwd", direction, **SHAPE) == "grouped"
+    T, H_, I_ = 24, 128, 128
+    x, idx, w, w13, w2, dy = make_problem(T, H_, I_, E, K, seed=58)
+    fwd = _backend.forward("grouped", x, idx, w, w13, w2, precision="fp8_bwd", activation_clamp=None, group=None,
+                           num_experts=E, ep_size=1, max_tokens_per_rank=None, block_m=128, save_h=True)
+    assert torch.equal(fwd[0], _backend.forward("grouped", x, idx, w, w13, w2, precision="bf16", activation_clamp=None,
+                                                group=None, num_experts=E, ep_size=1, max_tokens_per_rank=None,
+                                                block_m=128, save_h=True)[0])
+    state = fwd[1:7]
+    opts = dict(activation_clamp=None, group=None, num_experts=E, recompute=False, need_wgrad=True)
+    want = reference.backward(dy, x, idx, w, w13, w2, *state, precision="fp8_bwd", **opts)
+    for which in ("fused", "grouped"):
+        got = _backend.backward(which, dy, x, idx, w, w13, w2, *state, precision="fp8_bwd", **opts)
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-5
 
 
 def test_fp8_auto_falls_back_to_the_fp8_reference_only_with_env(status, monkeypatch):

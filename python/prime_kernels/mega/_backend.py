@@ -12,10 +12,12 @@ Rules (the same for every entry point):
   ``"fp8_bwd"``) emulated as :mod:`prime_kernels.mega.reference` defines it (docs/fp8.md); it has no mxfp8.
 * ``precision="fp8"`` / ``"fp8_bwd"`` run on a kernel backend only when both directions' kernels exist
   (:func:`fp8_kernel_reason`), so that a forward never succeeds ahead of a backward that cannot run; until
-  then every kernel backend raises, naming the reference as the way to run the recipe.
+  then every kernel backend raises, naming the reference as the way to run the recipe. ``"fp8_bwd"`` runs the
+  bf16 forward kernels and the FP8 backward pipeline (:mod:`prime_kernels.mega._fp8_bwd`), which is the backward
+  of both kernel backends for the FP8 precisions.
 * ``backend="fused"`` runs the fused kernel, or raises the reason ``prime_kernels.status()`` gives.
 * ``backend="grouped"`` runs the pipeline of our grouped-GEMM kernels (:mod:`prime_kernels.mega._grouped`,
-  bf16, single rank), or raises the reason.
+  bf16 and fp8_bwd, single rank), or raises the reason.
 * ``backend="auto"`` runs the fused kernel when it is available, else the grouped pipeline where
   that is available (bf16, single rank); otherwise it falls back to the reference only when the
   environment variable ``PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK=1`` is set, with a one-time warning,
@@ -32,7 +34,7 @@ import warnings
 
 import torch
 
-from . import _fused, _grouped, _validate, reference
+from . import _fp8_bwd, _fused, _grouped, _validate, reference
 from .._status import FP8_TODO
 from ..routing import pool_capacity
 from ._validate import FusedKernelUnavailable
@@ -137,8 +139,9 @@ def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None
         # lose their gradient (measured ~3% in dX); the mask-preserving rounding (reference F6)
         # needs the fp32 accumulators, i.e. the fused L1 epilogue.
         return "the grouped pipeline does not support activation_clamp (it needs the fused SwiGLU epilogue)"
-    if precision != "bf16":
-        return f"the grouped pipeline is bf16 only (precision={precision!r})"
+    if precision not in ("bf16", "fp8_bwd"):
+        return (f"the grouped pipeline is bf16 only, with the FP8 backward pipeline for 'fp8_bwd' "
+                f"(precision={precision!r})")
     if ep_size != 1:
         return "the grouped pipeline runs on a single rank (no expert-parallel group)"
     if num_local_experts is not None and num_local_experts > GROUPED_MAX_EXPERTS:
@@ -160,6 +163,11 @@ def fp8_kernel_reason(precision: str, direction: str = "fwd") -> str | None:
         if why is not None:
             return why if FP8_TODO in why else f"precision={precision!r}: {FP8_TODO} ({why})"
     return None
+
+
+def _kernel_forward_precision(precision: str) -> str:
+    """The precision of the kernel forward that runs for ``precision``: "fp8_bwd" is the bf16 forward."""
+    return "bf16" if precision == "fp8_bwd" else precision
 
 
 def check_precision(precision: str) -> None:
@@ -347,8 +355,8 @@ def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, a
     x_pool = None
     with torch.no_grad():
         if which == "fused":
-            out = _fused.forward(x, topk_idx, topk_weights, w13, w2, precision=precision, buffer=buffer,
-                                 keep_x_pool=keep_pooled_x, id_check=ids, num_sms=num_sms, **kwargs)
+            out = _fused.forward(x, topk_idx, topk_weights, w13, w2, precision=_kernel_forward_precision(precision),
+                                 buffer=buffer, keep_x_pool=keep_pooled_x, id_check=ids, num_sms=num_sms, **kwargs)
             out, x_pool = out[:7], out[7]
         elif which == "grouped":
             out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=buffer, id_check=ids,
@@ -375,6 +383,8 @@ def backward(which: str, dy, x, topk_idx, topk_weights, w13, w2, h, expert_count
     if x_pool is not None and x_pool.shape[0] == pool_src_route.shape[0] and x_pool.shape[0] > 0:
         kwargs["x_pool"] = x_pool
     with torch.no_grad():
+        if which in ("fused", "grouped") and precision in reference.FP8_PRECISIONS:
+            return _fp8_bwd.backward(*args, precision=precision, num_sms=num_sms, **kwargs)
         if which == "fused":
             return _fused.backward(*args, precision=precision, buffer=buffer, num_sms=num_sms, **kwargs)
         if which == "grouped":

@@ -118,9 +118,13 @@ def _wgrad(a, sa, b, sb, offsets, dtype, accum, sms):
 def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, pool_src_route, pool_src_rank,
              route_to_pool, *, activation_clamp=None, group=None, num_experts=None, recompute=False,
              need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None, num_sms=0,
-             fp8_recipe=None, weight_cache=None):
+             precision="fp8_bwd", fp8_recipe=None, weight_cache=None):
     """Same contract as :func:`prime_kernels.mega.reference.backward` with ``precision="fp8_bwd"`` (the bf16
-    forward's state: h saved, or recomputed by the bf16 L1 GEMM); single rank, no activation clamp."""
+    forward's state: h saved, or recomputed by the bf16 L1 GEMM); single rank, no activation clamp. With
+    ``precision="fp8"`` (an FP8 forward's saved h) the same steps run; its recompute would need the FP8 L1."""
+    if precision == "fp8" and recompute:
+        raise RuntimeError("prime_kernels.mega: recompute=True with precision='fp8' needs the FP8 L1 GEMM, which "
+                           "the FP8 backward pipeline does not run")
     if group is not None:
         raise RuntimeError("prime_kernels.mega: the FP8 backward pipeline runs on a single rank (group=None)")
     if activation_clamp is not None:
