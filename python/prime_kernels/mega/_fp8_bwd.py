@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 
 from . import fp8 as _fp8
-from ._grouped import _gathered_pool, _rows_for_kernels, _sms, _token_rows
+from ._grouped import _gathered_pool, _rows_for_kernels, _sms, recompute_h
 from ..combine import combine
-from ..grouped_gemm import k_block_major_empty, k_grouped_fp8_gemm_tn, m_grouped_bf16_gemm_nt, m_grouped_fp8_gemm_nt
+from ..grouped_gemm import k_block_major_empty, k_grouped_fp8_gemm_tn, m_grouped_fp8_gemm_nt
 from ..quantize import dispatch_rows_fp8, quantize_tokens_fp8
 
 BLOCK = _fp8.BLOCK
@@ -134,12 +134,10 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     cache = _fp8.WEIGHT_CACHE if weight_cache is None else weight_cache
     c13, c2 = cache.get(w13, pow2), cache.get(w2, pow2)  # W: once per version of the weights
     sms = _sms(num_sms)
-    K = topk_idx.shape[1]
     capacity = pool_src_route.shape[0]
     route_to_pool = route_to_pool.contiguous()
     if recompute:
-        h_saved = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=_token_rows(pool_src_route, K),
-                                         m_total=capacity, num_sms=sms)
+        h_saved, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms)
     dy = _rows_for_kernels(dy.to(torch.bfloat16))
     dy_pool = _gathered_pool(dy, route_to_pool, counts, offsets, capacity)  # B1, padding rows zero
     every_row = torch.arange(capacity, dtype=torch.int32, device=dy.device).view(capacity, 1)

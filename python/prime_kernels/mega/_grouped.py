@@ -75,6 +75,16 @@ def _gathered_pool(rows: torch.Tensor, route_to_pool: torch.Tensor, counts: torc
     return pool
 
 
+def recompute_h(x, w13, counts, offsets, route_to_pool, capacity: int, x_pool, sms):
+    """(h, x_pool) for a backward that recomputes h: the token rows pooled once (or the forward's x_pool, when it
+    kept them), then L1 as the plain m-grouped GEMM on them. The pooled rows serve dW13 afterwards, so the
+    recompute costs one GEMM; the gathering GEMM (``a_row_index``) instead took 1.89 ms beside a 5.06 ms backward at
+    30B, T=16384 on the H200, where the L1's FLOPs at the backward's own rate take about 1.4 ms."""
+    if x_pool is None:
+        x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity)
+    return m_grouped_bf16_gemm_nt(x_pool, w13, offsets, num_sms=sms), x_pool
+
+
 def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, sms) -> torch.Tensor:
     """a_g^T b_g in the parameter's dtype. A bf16 weight gets its gradient rounded in the GEMM's epilogue
     (the same single fp32 -> bf16 rounding as a cast, without writing and re-reading an fp32 copy)."""
@@ -123,11 +133,11 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     sms = _sms(num_sms)
     if group is not None:
         raise RuntimeError("prime_kernels.mega: the grouped backend runs on a single rank (group=None)")
-    K = topk_idx.shape[1]
     capacity = pool_src_route.shape[0]
     route_to_pool = route_to_pool.contiguous()
-    tok = _token_rows(pool_src_route, K) if recompute else None
-    h = m_grouped_bf16_gemm_nt(x, w13, offsets, a_row_index=tok, m_total=capacity, num_sms=sms) if recompute else h_saved
+    h = h_saved
+    if recompute:
+        h, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms)
     # B1 (gather), then B2-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn
     # GEMM plus the pool-row kernel at 30B, T=16384 on the H200). (activation_clamp is None here:
     # the grouped backend refuses a clamp, see _backend._grouped_reason.)
