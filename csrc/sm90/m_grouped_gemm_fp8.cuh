@@ -89,6 +89,51 @@ struct MGroupedFp8Layout : StageRingLayout<128, kBlockN, 128, kNumStages, 1> {
   static_assert(kSaOff % 128 == 0 && kSaBytes % 128 == 0, "TMA destinations are 128-byte aligned");
 };
 
+// The elected producer thread of the m-grouped FP8 kernels (this one and swiglu_bwd_fp8.cuh): per tile of this CTA
+// (units u = blockIdx.x, + unit_step, ...) and k-block, the A tile, B_g's tile and the tile rows' A scales into the
+// next ring stage. L: the stage layout (kAOff / kABytes, kBOff / kBBytes, kSaOff / kSaBytes, kStageTxBytes, kBlockK).
+template <typename L, int kNumStages, typename LocateFn>
+__device__ __forceinline__ void m_grouped_fp8_produce(uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar,
+                                                      const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
+                                                      const CUtensorMap* tmap_sa, int num_units, int unit_step,
+                                                      int num_k_blocks, int32_t l2_hints, LocateFn&& locate) {
+  const uint64_t pol_b = l2_policy_reused_loads(l2_hints);
+  int stage = 0;
+  uint32_t phase = 0;
+  int g = 0;
+  for (int u = (int)ptx::ctaid_x_volatile(); u < num_units; u += unit_step) {
+    const MGroupedWork w = locate(u, g);
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+      ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kStageTxBytes);
+      ptx::tma_load_2d(smem + L::kAOff + stage * L::kABytes, tmap_a, &full_bar[stage], kb * L::kBlockK, w.row0);
+      ptx::tma_load_3d_hint(smem + L::kBOff + stage * L::kBBytes, tmap_b, &full_bar[stage], kb * L::kBlockK, w.n0,
+                            w.b_group, pol_b);
+      // from the 16-byte boundary at or before row0; rows past M_total arrive as zeros (never stored)
+      ptx::tma_load_2d(smem + L::kSaOff + stage * L::kSaBytes, tmap_sa, &full_bar[stage], w.row0 & ~3, kb);
+      advance_stage<kNumStages>(stage, phase);
+    }
+  }
+}
+
+// The block scales of consumer_tile_mainloop_promoted for a row-scaled A and a tile-scaled B: B's one scale per tile
+// and k-block from global memory (sb_tile[kb]), this thread's two row scales (rows frag_row, frag_row + 8 of the box)
+// from the stage's A-scale box (kSaStageFloats floats per stage).
+template <int kSaStageFloats, int kAccRegs>
+struct RowTimesTileScales {
+  const float* sb_tile;
+  const float* s_sa;
+  int frag_row;
+  __device__ __forceinline__ float prefetch(int kb) const { return __ldg(sb_tile + kb); }
+  __device__ __forceinline__ float3 load(float sb, int s_) const {
+    const float* sa = s_sa + s_ * kSaStageFloats + frag_row;
+    return make_float3(sa[0], sa[8], sb);
+  }
+  __device__ __forceinline__ void apply(float3 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
+    promote_rows(acc_, part_, f.x * f.z, f.y * f.z);
+  }
+};
+
 template <int kBlockN, int kNumStages>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
@@ -132,25 +177,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warp < 4) {
     // ================= producer warpgroup =================
     ptx::setmaxnreg_dec<kProducerRegs>();
-    if (warp == 0 && lane == 0) {
-      const uint64_t pol_b = l2_policy_reused_loads(p.l2_hints);
-      int stage = 0;
-      uint32_t phase = 0;
-      int g = 0;
-      for (int u = (int)ptx::ctaid_x_volatile(); u < num_units; u += unit_step) {
-        const MGroupedWork w = locate(u, g);
-        for (int kb = 0; kb < num_k_blocks; ++kb) {
-          ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
-          ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kStageTxBytes);
-          ptx::tma_load_2d(smem + L::kAOff + stage * L::kABytes, &tmap_a, &full_bar[stage], kb * kBlockK, w.row0);
-          ptx::tma_load_3d_hint(smem + L::kBOff + stage * L::kBBytes, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0,
-                                w.b_group, pol_b);
-          // from the 16-byte boundary at or before row0; rows past M_total arrive as zeros (never stored)
-          ptx::tma_load_2d(smem + L::kSaOff + stage * L::kSaBytes, &tmap_sa, &full_bar[stage], w.row0 & ~3, kb);
-          advance_stage<kNumStages>(stage, phase);
-        }
-      }
-    }
+    if (warp == 0 && lane == 0)
+      m_grouped_fp8_produce<L, kNumStages>(smem, full_bar, empty_bar, &tmap_a, &tmap_b, &tmap_sa, num_units,
+                                           unit_step, num_k_blocks, p.l2_hints, locate);
     // Other producer-warpgroup threads have nothing to do (the epilogue is the consumers' TMA store).
   } else {
     // ================= consumer warpgroups =================
@@ -171,23 +200,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const MGroupedWork w = locate(u, g);
       // A warpgroup whose 64 rows all lie past the group's end (a tail m-block) only keeps the pipeline moving.
       const bool active = w.row0 + 64 * wg < w.row_end;
-      // B's one scale per tile and k-block from global memory, A's two row scales of this thread from the stage
-      struct RowTimesTileScales {
-        const float* sb_tile;
-        const float* s_sa;
-        int frag_row;
-        __device__ __forceinline__ float prefetch(int kb) const { return __ldg(sb_tile + kb); }
-        __device__ __forceinline__ float3 load(float sb, int s_) const {
-          const float* sa = s_sa + s_ * (L::kSaBytes / 4) + frag_row;
-          return make_float3(sa[0], sa[8], sb);
-        }
-        __device__ __forceinline__ void apply(float3 f, const float (&part_)[kBlockN / 2],
-                                              float (&acc_)[kBlockN / 2]) const {
-          promote_rows(acc_, part_, f.x * f.z, f.y * f.z);
-        }
-      };
-      const RowTimesTileScales scales{p.sb + w.b_group * p.sb_group_stride + (w.n0 / kBlockN) * p.sb_n_stride, s_sa,
-                                      frag_row + (w.row0 & 3)};
+      const RowTimesTileScales<L::kSaBytes / 4, kBlockN / 2> scales{
+          p.sb + w.b_group * p.sb_group_stride + (w.n0 / kBlockN) * p.sb_n_stride, s_sa, frag_row + (w.row0 & 3)};
       auto release = [&](int s_) {
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
