@@ -111,14 +111,14 @@ struct SwigluBwdFp8Layout : StageRingLayout<128, 128, 128, kNumStages, 1> {
 
 // The epilogue of one 128 x 128 tile for one consumer thread (both warpgroups call every step, in order).
 struct SwigluBwdFp8Epilogue {
-  int wg, ctid, lane, warp8;
-  int frag_row;  // this thread's rows within the tile: frag_row, frag_row + 8
-  uint8_t* qk;   // staging (generic pointers into shared memory)
+  int ctid, lane, warp8;  // consumer thread and warp (0..255, 0..7)
+  uint8_t* qk;            // staging (generic pointers into shared memory)
   uint8_t* qt_dh;
   uint8_t* qt_a;
   float* col_max;
   float* col_scale;
 
+  // frag_row: this thread's rows within the tile are frag_row and frag_row + 8 (wgmma's m64 fragment).
   // The values of column pair j (columns 8 j + 2 (lane & 3) + t of the tile) at this thread's row hh: the saved
   // h of both columns and the accumulators (rows that are not routed give zeros).
   template <int kClamp, int kAcc>
@@ -141,7 +141,7 @@ struct SwigluBwdFp8Epilogue {
 
   template <int kClamp, int kAcc>
   __device__ __forceinline__ void run(const SwigluBwdFp8Params& p, const float (&acc)[kAcc], int row0, int row_end,
-                                      int n0) const {
+                                      int n0, int frag_row) const {
     bool routed[2];
     float wgt[2];
     const __nv_bfloat16* hrow[2];
@@ -286,85 +286,29 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                     const __grid_constant__ CUtensorMap tmap_sa, const SwigluBwdFp8Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = SwigluBwdFp8Layout<kNumStages>;
-  constexpr int kBlockM = L::kBlockM;
-  constexpr int kBlockN = L::kBlockN;
-  constexpr int kBlockK = L::kBlockK;
-  using Mma = ptx::WgmmaFp8E4m3<kBlockN>;
-
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = align_smem_1024(smem_raw);
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
-  uint64_t* empty_bar = full_bar + kNumStages;
-  int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
-  int32_t* s_tile = reinterpret_cast<int32_t*>(smem + L::kTileOff);
-  const float* s_sa = reinterpret_cast<const float*>(smem + L::kSaOff);
-
-  const int tid = threadIdx.x;
-  const int warp = tid >> 5;
-  const int lane = tid & 31;
-  const int num_groups = p.num_groups;
-  const int n_blocks = ceil_div(p.n, kBlockN);
-  const int num_k_blocks = ceil_div(p.k, kBlockK);
-
-  // ---- prologue: offsets check (128-row starts: one qT block per tile), barriers, per-group tile starts
-  const bool bad_offsets = common::group_offsets_invalid(p.group_offsets, num_groups, p.m_total, p.check,
-                                                         common::kCheckSwigluBwdFp8Offsets, kBlockM);
-  kernel_prologue<kNumStages>(full_bar, empty_bar, 1, kNumConsumerThreads / 32, &tmap_a, &tmap_b, &tmap_sa);
-  load_group_offsets(p.group_offsets, num_groups, s_offs);
-  if (warp == 0) m_grouped_tile_starts<kBlockM>(s_offs, s_tile, num_groups, n_blocks, bad_offsets, lane);
-  __syncthreads();
-
-  const int num_units = s_tile[num_groups];
-  const int unit_step = (int)gridDim.x;
-  auto locate = [&](int u, int& g) -> MGroupedWork {
-    return m_grouped_locate<kBlockM>(s_offs, s_tile, n_blocks, kBlockN, u, g);
-  };
-
-  if (warp < 4) {
-    ptx::setmaxnreg_dec<kProducerRegs>();
-    if (warp == 0 && lane == 0)
-      m_grouped_fp8_produce<L, kNumStages>(smem, full_bar, empty_bar, &tmap_a, &tmap_b, &tmap_sa, num_units,
-                                           unit_step, num_k_blocks, p.l2_hints, locate);
-  } else {
-    ptx::setmaxnreg_inc<kConsumerRegs>();
-    const int wg = (warp >> 2) - 1;
-    const int wg_tid = tid - 128 * (wg + 1);
-    const int frag_row = 64 * wg + 16 * ((wg_tid >> 5) & 3) + (lane >> 2);
-    const StageDescHalves desc = k_major_stage_descs(smem + L::kAOff, smem + L::kBOff, wg);
-    const SwigluBwdFp8Epilogue epi{wg,
-                                   tid - 128,
-                                   lane,
-                                   warp - 4,
-                                   frag_row,
-                                   smem + L::kQkOff,
-                                   smem + L::kQtDhOff,
-                                   smem + L::kQtAOff,
-                                   reinterpret_cast<float*>(smem + L::kColMaxOff),
-                                   reinterpret_cast<float*>(smem + L::kColScaleOff)};
-
-    float acc[kBlockN / 2];
-    float part[kBlockN / 2];
-    int stage = 0;
-    uint32_t phase = 0;
-    int g = 0;
-    for (int u = (int)ptx::ctaid_x_volatile(); u < num_units; u += unit_step) {
-      const MGroupedWork w = locate(u, g);
-      const bool active = w.row0 + 64 * wg < w.row_end;
-      const RowTimesTileScales<L::kSaBytes / 4, kBlockN / 2> scales{
-          p.sb + w.b_group * p.sb_group_stride + (w.n0 / kBlockN) * p.sb_n_stride, s_sa, frag_row + (w.row0 & 3)};
-      auto release = [&](int s_) {
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
-      };
-      consumer_tile_mainloop_promoted<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes>(
-          acc, part, active, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0, desc.b_hi,
-          scales, release);
-      if (p.clamp > 0.f)
-        epi.run<kClampOn>(p, acc, w.row0, w.row_end, w.n0);
-      else
-        epi.run<kClampOff>(p, acc, w.row0, w.row_end, w.n0);
-    }
-  }
+  // 128-row starts: each tile's rows are one qT block of the pool's grid
+  m_grouped_fp8_kernel_body<L, kNumStages>(
+      smem_raw, &tmap_a, &tmap_b, &tmap_sa, static_cast<const CUtensorMap*>(nullptr), p,
+      common::kCheckSwigluBwdFp8Offsets, L::kBlockM,
+      [&](const float (&acc)[L::kBlockN / 2], const MGroupedWork& w, bool, int, int, int frag_row) {
+        // (derived here, not before the roles split: a value live across setmaxnreg is spilled)
+        uint8_t* smem = align_smem_1024(smem_raw);
+        const int tid = threadIdx.x;
+        const SwigluBwdFp8Epilogue epi{tid - 128,
+                                       tid & 31,
+                                       (tid >> 5) - 4,
+                                       smem + L::kQkOff,
+                                       smem + L::kQtDhOff,
+                                       smem + L::kQtAOff,
+                                       reinterpret_cast<float*>(smem + L::kColMaxOff),
+                                       reinterpret_cast<float*>(smem + L::kColScaleOff)};
+        if (p.clamp > 0.f)
+          epi.run<kClampOn>(p, acc, w.row0, w.row_end, w.n0, frag_row);
+        else
+          epi.run<kClampOff>(p, acc, w.row0, w.row_end, w.n0, frag_row);
+      },
+      [](int) {});  // every store is a generic one, complete before the threads exit
 #endif
 }
 
