@@ -131,6 +131,8 @@ bool take_device_checks(char* out, size_t out_len) {
       "written for that route",
       "quantize_tokens_fp8's expert_offsets / expert_counts are not a pool layout (offsets non-decreasing within "
       "[0, rows], each a multiple of 128 or rows; 0 <= counts[e] <= the expert's rows); that call wrote nothing",
+      "the FP8 L2 dgrad's group_offsets are not non-decreasing within [0, m_total] with every entry a multiple of "
+      "128 or m_total (each tile's rows are one 128-row qT block); that call wrote nothing",
   };
   size_t used = 0;
   bool any = false;

@@ -260,6 +260,39 @@ int pk_m_grouped_fp8_gemm_nt(const void* a, int64_t lda, const float* sa, int64_
 #endif
 }
 
+int pk_m_grouped_fp8_gemm_swiglu_bwd(const void* dy_q, int64_t lda, const float* dy_sa, int64_t ld_sa,
+                                     const void* w2t_q, int64_t ldb, int64_t b_group_stride, const float* w2t_sb,
+                                     int64_t sb_group_stride, int64_t sb_n_stride, const void* h, int64_t ldh,
+                                     const int32_t* pool_src_route, const float* route_weights, int64_t num_routes,
+                                     void* dh_q, int64_t ld_dh_q, float* dh_sa, int64_t ld_dh_sa, void* dht_q,
+                                     int64_t ld_dht_q, float* dht_s, int64_t ld_dht_s, void* awt_q, int64_t ld_awt_q,
+                                     float* awt_s, int64_t ld_awt_s, float* dt_part, int64_t dt_ld,
+                                     const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                     int64_t intermediate, int64_t hidden, float clamp, int pow2_scales, int num_sms,
+                                     void* cuda_stream) {
+#if PK_HAS_SM90_KERNELS
+  if (const int rc = current_device_is_sm90("m_grouped_fp8_gemm_swiglu_bwd"); rc != PK_OK) return rc;
+  const prime_kernels::sm90::SwigluBwdFp8GemmArgs args{
+      dy_q, lda, dy_sa, ld_sa, w2t_q, ldb, b_group_stride, w2t_sb, sb_group_stride, sb_n_stride, h, ldh,
+      pool_src_route, route_weights, num_routes, dh_q, ld_dh_q, dh_sa, ld_dh_sa, dht_q, ld_dht_q, dht_s, ld_dht_s,
+      awt_q, ld_awt_q, awt_s, ld_awt_s, dt_part, dt_ld, group_offsets, num_groups, m_total, intermediate, hidden,
+      clamp, pow2_scales != 0, num_sms};
+  char message[512] = {0};
+  const int rc = prime_kernels::sm90::m_grouped_fp8_gemm_swiglu_bwd(args, static_cast<cudaStream_t>(cuda_stream),
+                                                                    message, sizeof(message));
+  return prime_kernels::api::from_status(rc, message);
+#else
+  (void)dy_q, (void)lda, (void)dy_sa, (void)ld_sa, (void)w2t_q, (void)ldb, (void)b_group_stride, (void)w2t_sb;
+  (void)sb_group_stride, (void)sb_n_stride, (void)h, (void)ldh, (void)pool_src_route, (void)route_weights;
+  (void)num_routes, (void)dh_q, (void)ld_dh_q, (void)dh_sa, (void)ld_dh_sa, (void)dht_q, (void)ld_dht_q, (void)dht_s;
+  (void)ld_dht_s, (void)awt_q, (void)ld_awt_q, (void)awt_s, (void)ld_awt_s, (void)dt_part, (void)dt_ld;
+  (void)group_offsets, (void)num_groups, (void)m_total, (void)intermediate, (void)hidden, (void)clamp;
+  (void)pow2_scales, (void)num_sms, (void)cuda_stream;
+  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
+                                  "m_grouped_fp8_gemm_swiglu_bwd is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
+#endif
+}
+
 int pk_k_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int64_t ldb, void* c, int c_is_bf16,
                            int accumulate, const int32_t* group_offsets, int num_groups, int64_t p_total,
                            int64_t m, int64_t n, int num_sms, void* cuda_stream) {

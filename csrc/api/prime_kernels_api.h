@@ -153,6 +153,26 @@ PK_API int pk_m_grouped_fp8_gemm_nt(const void* a, int64_t lda, const float* sa,
                                     int num_groups, int64_t m_total, int64_t n, int64_t k, int num_sms,
                                     void* cuda_stream);
 
+// The FP8 L2 dgrad with the SwiGLU backward and a quantizing epilogue (sm90; precision "fp8_bwd", docs/fp8.md):
+// da = G(qK(dy_pool), W2^T) per group (dy_q / dy_sa as pk_m_grouped_fp8_gemm_nt's A, w2t_q / w2t_sb its B with
+// n = intermediate, k = hidden), then with w = route_weights[pool_src_route[r]] and the saved h (bf16 [m_total, 2I],
+// ldh elements) the SwiGLU backward in fp32, written quantized: qK(dh, 128) along 2I (dh_q e4m3 [m_total, 2I],
+// ld_dh_q bytes; dh_sa[j * ld_dh_sa + r]), qT(dh) (dht_q e4m3 [2I, m_total], ld_dht_q bytes; dht_s[b * ld_dht_s + c])
+// and qT(w * s) (awt_q [I, m_total], awt_s), and the d topk_weights partials dt_part [m_total, dt_ld] (fp32, one per
+// 128 columns of I). intermediate and hidden multiples of 128; every group offset a multiple of 128 or m_total
+// (checked on the device: the call then writes nothing). Padding rows (route -1) are zeros in every output.
+PK_API int pk_m_grouped_fp8_gemm_swiglu_bwd(const void* dy_q, int64_t lda, const float* dy_sa, int64_t ld_sa,
+                                            const void* w2t_q, int64_t ldb, int64_t b_group_stride,
+                                            const float* w2t_sb, int64_t sb_group_stride, int64_t sb_n_stride,
+                                            const void* h, int64_t ldh, const int32_t* pool_src_route,
+                                            const float* route_weights, int64_t num_routes, void* dh_q,
+                                            int64_t ld_dh_q, float* dh_sa, int64_t ld_dh_sa, void* dht_q,
+                                            int64_t ld_dht_q, float* dht_s, int64_t ld_dht_s, void* awt_q,
+                                            int64_t ld_awt_q, float* awt_s, int64_t ld_awt_s, float* dt_part,
+                                            int64_t dt_ld, const int32_t* group_offsets, int num_groups,
+                                            int64_t m_total, int64_t intermediate, int64_t hidden, float clamp,
+                                            int pow2_scales, int num_sms, void* cuda_stream);
+
 // ---------------------------------------------------------------------------------------------
 // Fused Mega MoE forward (sm90, BF16): dispatch of the token rows into the pool, L1 with SwiGLU and L2 in one
 // persistent kernel (csrc/sm90/mega_moe.hpp has the full contract; the combine is pk_combine_bf16_cuda).

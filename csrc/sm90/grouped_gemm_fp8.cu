@@ -9,12 +9,44 @@
 #include "m_blocks.hpp"
 #include "k_grouped_gemm_fp8.cuh"
 #include "m_grouped_gemm_fp8.cuh"
+#include "swiglu_bwd_fp8.cuh"
 
 namespace prime_kernels {
 namespace sm90 {
 using namespace host;
 
 static_assert(kFp8MaxGroups == kMaxGroups, "the argument check's group bound is the kernel's shared-memory bound");
+
+namespace {
+
+// The m-grouped FP8 kernels' operand maps (m_grouped_gemm_fp8.cuh, swiglu_bwd_fp8.cuh): A e4m3 [m_total, k] and B
+// e4m3 [num_groups, n, k] in 128 x 128-byte boxes with the 128-byte swizzle (the layout K-major wgmma reads), and
+// A's K-block-major scales in boxes of one tile's rows from the 16-byte boundary before them (no swizzle).
+int make_m_grouped_fp8_operand_maps(CUtensorMap* ma, CUtensorMap* mb, CUtensorMap* msa, const void* a, int64_t lda,
+                                    const float* sa, int64_t ld_sa, const void* b, int64_t ldb,
+                                    int64_t b_group_stride, int num_groups, int64_t m_total, int64_t n, int64_t k,
+                                    char* err, size_t err_len) {
+  {
+    const uint64_t dims[2] = {(uint64_t)k, (uint64_t)m_total};
+    const uint64_t strides[1] = {(uint64_t)lda};
+    const uint32_t box[2] = {128, 128};
+    if (int r = make_map(ma, a, 2, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_UINT8)) return r;
+  }
+  {
+    const int64_t gs = num_groups > 1 ? b_group_stride : n * ldb;
+    const uint64_t dims[3] = {(uint64_t)k, (uint64_t)n, (uint64_t)num_groups};
+    const uint64_t strides[2] = {(uint64_t)ldb, (uint64_t)gs};
+    const uint32_t box[3] = {128, 128, 1};
+    if (int r = make_map(mb, b, 3, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_UINT8)) return r;
+  }
+  const uint64_t dims[2] = {(uint64_t)m_total, (uint64_t)(k / 128)};
+  const uint64_t strides[1] = {(uint64_t)ld_sa * 4};
+  const uint32_t box[2] = {(uint32_t)MGroupedFp8Layout<128, 1>::kSaBoxRows, 1};
+  return make_map(msa, sa, 2, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+                  CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
+}  // namespace
 
 int m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
   clear_err(err, err_len);
@@ -28,29 +60,11 @@ int m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream, 
   if (cfg.num_sms > 0 && cfg.num_sms < sms) sms = cfg.num_sms;
 
   constexpr int kBlockN = 128, kStages = 5;
-  const int64_t m_total = args.m_total, n = args.n, k = args.k, k_blocks = k / 128;
+  const int64_t m_total = args.m_total, n = args.n, k = args.k;
   CUtensorMap ma, mb, msa, md;
-  {  // A: 128 rows x 128 bytes of K per box, 128-byte swizzle (the layout K-major wgmma reads)
-    const uint64_t dims[2] = {(uint64_t)k, (uint64_t)m_total};
-    const uint64_t strides[1] = {(uint64_t)args.lda};
-    const uint32_t box[2] = {128, 128};
-    if (int r = make_map(&ma, args.a, 2, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_UINT8)) return r;
-  }
-  {  // B: one group's 128 rows x 128 bytes of K per box
-    const int64_t gs = args.num_groups > 1 ? args.b_group_stride : n * args.ldb;
-    const uint64_t dims[3] = {(uint64_t)k, (uint64_t)n, (uint64_t)args.num_groups};
-    const uint64_t strides[2] = {(uint64_t)args.ldb, (uint64_t)gs};
-    const uint32_t box[3] = {128, (uint32_t)kBlockN, 1};
-    if (int r = make_map(&mb, args.b, 3, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_UINT8)) return r;
-  }
-  {  // sa: the scales of one tile's 128 rows for one k-block, from the 16-byte boundary before them (no swizzle)
-    const uint64_t dims[2] = {(uint64_t)m_total, (uint64_t)k_blocks};
-    const uint64_t strides[1] = {(uint64_t)args.ld_sa * 4};
-    const uint32_t box[2] = {(uint32_t)MGroupedFp8Layout<kBlockN, kStages>::kSaBoxRows, 1};
-    if (int r = make_map(&msa, args.sa, 2, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-                         CU_TENSOR_MAP_SWIZZLE_NONE))
-      return r;
-  }
+  if (int r = make_m_grouped_fp8_operand_maps(&ma, &mb, &msa, args.a, args.lda, args.sa, args.ld_sa, args.b, args.ldb,
+                                              args.b_group_stride, args.num_groups, m_total, n, k, err, err_len))
+    return r;
   {  // D: the BF16 kernel's output map (64 x 64 boxes, clipped at [m_total, n])
     const uint64_t dims[2] = {(uint64_t)n, (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)args.ldd * 2};
@@ -156,6 +170,64 @@ int k_grouped_fp8_gemm_tn(const KGroupedFp8GemmArgs& args, cudaStream_t stream, 
   if (args.c_is_bf16) return launch_k_grouped_fp8<kOutBf16Store>(ma, mb, msa, msb, p, grid, stream, err, err_len);
   if (args.accumulate) return launch_k_grouped_fp8<kOutF32Accumulate>(ma, mb, msa, msb, p, grid, stream, err, err_len);
   return launch_k_grouped_fp8<kOutF32Store>(ma, mb, msa, msb, p, grid, stream, err, err_len);
+}
+
+int m_grouped_fp8_gemm_swiglu_bwd(const SwigluBwdFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
+  clear_err(err, err_len);
+  const char* fn = "m_grouped_fp8_gemm_swiglu_bwd";
+  if (int r = check_swiglu_bwd_fp8_args(args, err, err_len)) return r;
+  if (args.m_total == 0) return kGemmOk;
+  int sms = 0;
+  if (int r = device_sms(&sms, err, err_len)) return r;
+  if (args.num_sms > 0 && args.num_sms < sms) sms = args.num_sms;
+  const int64_t m_total = args.m_total, I = args.intermediate, H = args.hidden;
+  CUtensorMap ma, mb, msa;
+  if (int r = make_m_grouped_fp8_operand_maps(&ma, &mb, &msa, args.dy_q, args.lda, args.dy_sa, args.ld_sa, args.w2t_q,
+                                              args.ldb, args.b_group_stride, args.num_groups, m_total, I, H, err,
+                                              err_len))
+    return r;
+  SwigluBwdFp8Params p{};
+  p.l2_hints = kGemmL2Hints;
+  p.check = common::device_check_record();
+  p.sb = args.w2t_sb;
+  p.sb_group_stride = args.num_groups > 1 ? args.sb_group_stride : 0;
+  p.sb_n_stride = args.sb_n_stride;
+  p.group_offsets = args.group_offsets;
+  p.m_total = (int32_t)m_total;
+  p.n = (int32_t)I;
+  p.k = (int32_t)H;
+  p.num_groups = args.num_groups;
+  p.h = reinterpret_cast<const __nv_bfloat16*>(args.h);
+  p.ldh = args.ldh;
+  p.pool_src_route = args.pool_src_route;
+  p.route_weights = args.route_weights;
+  p.num_routes = (int32_t)args.num_routes;
+  p.clamp = args.clamp_limit;
+  p.pow2_scales = args.pow2_scales;
+  p.dh_q = reinterpret_cast<uint8_t*>(args.dh_q);
+  p.ld_dh_q = args.ld_dh_q;
+  p.dh_sa = args.dh_sa;
+  p.ld_dh_sa = args.ld_dh_sa;
+  p.dht_q = reinterpret_cast<uint8_t*>(args.dht_q);
+  p.ld_dht_q = args.ld_dht_q;
+  p.dht_s = args.dht_s;
+  p.ld_dht_s = args.ld_dht_s;
+  p.awt_q = reinterpret_cast<uint8_t*>(args.awt_q);
+  p.ld_awt_q = args.ld_awt_q;
+  p.awt_s = args.awt_s;
+  p.ld_awt_s = args.ld_awt_s;
+  p.dt_part = args.dt_part;
+  p.dt_ld = (int32_t)args.dt_ld;
+  const int64_t max_units = max_m_blocks(m_total, args.num_groups) * (I / 128);
+
+  constexpr int kStages = 3;
+  constexpr auto kernel = &m_grouped_fp8_swiglu_bwd_kernel<kStages>;
+  constexpr int smem = SwigluBwdFp8Layout<kStages>::kSmemBytes;
+  cudaError_t e = set_max_dynamic_smem<kernel>(smem);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaFuncSetAttribute: %s", fn, cudaGetErrorString(e));
+  e = launch_persistent<kernel>(kNumThreads, smem, max_units, sms, stream, ma, mb, msa, p);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s launch: %s", fn, cudaGetErrorString(e));
+  return check_launch(fn, err, err_len);
 }
 
 }  // namespace sm90

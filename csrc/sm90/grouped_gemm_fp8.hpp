@@ -86,6 +86,64 @@ struct KGroupedFp8GemmArgs {
   const GroupedGemmConfig* config = nullptr;
 };
 
+// The FP8 L2 dgrad with the SwiGLU backward and a quantizing epilogue (swiglu_bwd_fp8.cuh; precision "fp8_bwd"):
+// da = G(qK(dy_pool), W2^T) per group, never stored; with w = route_weights[pool_src_route[m]] writes qK(dh, 128)
+// along 2I, qT(dh) and qT(w * s) (docs/fp8.md), and the d topk_weights partials. Host-side arguments of
+// m_grouped_fp8_gemm_swiglu_bwd:
+struct SwigluBwdFp8GemmArgs {
+  // A: e4m3 [m_total, hidden] and its scales, as MGroupedFp8GemmArgs' a / lda / sa / ld_sa (dispatch_rows_fp8's output)
+  const void* dy_q = nullptr;
+  int64_t lda = 0;
+  const float* dy_sa = nullptr;
+  int64_t ld_sa = 0;
+  // B: W2^T e4m3 [num_groups, intermediate, hidden] (K contiguous) and its 128 x 128 block scales
+  // [num_groups, intermediate / 128, hidden / 128], as MGroupedFp8GemmArgs' b / sb (the weight cache's transposed copy)
+  const void* w2t_q = nullptr;
+  int64_t ldb = 0;
+  int64_t b_group_stride = 0;
+  const float* w2t_sb = nullptr;
+  int64_t sb_group_stride = 0;
+  int64_t sb_n_stride = 0;
+  // bf16 [m_total, 2 * intermediate] (the forward's saved gate | up), row stride ldh (>= 2I, % 2 == 0), 4-byte aligned
+  const void* h = nullptr;
+  int64_t ldh = 0;
+  // as SwigluBwdGemmArgs
+  const int32_t* pool_src_route = nullptr;
+  const float* route_weights = nullptr;
+  int64_t num_routes = 0;
+  // qK(dh): e4m3 [m_total, 2I] (row stride ld_dh_q bytes, >= 2I, % 16 == 0) and fp32 scales at
+  // dh_sa[j * ld_dh_sa + m], j < 2I / 128 (ld_dh_sa >= m_total, % 4 == 0): m_grouped_fp8_gemm_nt's A
+  void* dh_q = nullptr;
+  int64_t ld_dh_q = 0;
+  float* dh_sa = nullptr;
+  int64_t ld_dh_sa = 0;
+  // qT(dh): e4m3 [2I, m_total] (row stride ld_dht_q bytes, >= m_total, % 16 == 0) and fp32 scales at
+  // dht_s[b * ld_dht_s + c], b < ceil(m_total / 128) (ld_dht_s >= 2I): k_grouped_fp8_gemm_tn's operand
+  void* dht_q = nullptr;
+  int64_t ld_dht_q = 0;
+  float* dht_s = nullptr;
+  int64_t ld_dht_s = 0;
+  // qT(w * s): e4m3 [I, m_total] and scales, as qT(dh) with I columns
+  void* awt_q = nullptr;
+  int64_t ld_awt_q = 0;
+  float* awt_s = nullptr;
+  int64_t ld_awt_s = 0;
+  // fp32 [m_total, dt_ld] (dt_ld >= I / 128): d topk_weights partials, one per 128 columns of I
+  float* dt_part = nullptr;
+  int64_t dt_ld = 0;
+  // device int32 [num_groups + 1]: non-decreasing within [0, m_total], each a multiple of 128 or m_total (the
+  // routing plan's layout with block_m = 128); checked on the device
+  const int32_t* group_offsets = nullptr;
+  int num_groups = 0;
+  int64_t m_total = 0;
+  // intermediate a multiple of 128 (>= 128), hidden a multiple of 128 (>= 128)
+  int64_t intermediate = 0;
+  int64_t hidden = 0;
+  float clamp_limit = 0.f;  // >= 0 (0 = no clamp)
+  bool pow2_scales = false;
+  int num_sms = 0;  // caps the grid (0 = every multiprocessor)
+};
+
 namespace host {
 
 constexpr int kFp8MaxGroups = 1024;  // = kMaxGroups (kernel_common.cuh; checked where the kernel is compiled)
@@ -201,12 +259,85 @@ inline int check_k_grouped_fp8_args(const KGroupedFp8GemmArgs& x, char* err, siz
   return kGemmOk;
 }
 
+// Every check the FP8 L2-dgrad launcher makes before it touches the device, in the order it makes them; kGemmOk or
+// kGemmInvalidArgument with the reason in err. m_total == 0 passes once the sizes are checked (nothing to launch).
+inline int check_swiglu_bwd_fp8_args(const SwigluBwdFp8GemmArgs& x, char* err, size_t err_len) {
+  const char* fn = "m_grouped_fp8_gemm_swiglu_bwd";
+  const int64_t I = x.intermediate, H = x.hidden, m = x.m_total;
+  if (x.num_groups < 1 || x.num_groups > kFp8MaxGroups)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, x.num_groups,
+                kFp8MaxGroups);
+  if (m < 0 || m > kFp8MaxDim || I < 128 || 2 * I > kFp8MaxDim || H < 128 || H > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: bad sizes m_total=%lld intermediate=%lld hidden=%lld (intermediate, hidden >= 128)", fn,
+                (long long)m, (long long)I, (long long)H);
+  if (I % 128 != 0 || H % 128 != 0)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: intermediate (%lld) and hidden (%lld) must be multiples of 128 (one scale block per 128 "
+                "columns of dh, one k-block per 128 of H)",
+                fn, (long long)I, (long long)H);
+  if (!(x.clamp_limit >= 0.f))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: clamp_limit must be >= 0 (0 = no clamp)", fn);
+  if (x.num_routes < 0 || x.num_routes > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_routes = %lld, must be in [0, 2^31)", fn,
+                (long long)x.num_routes);
+  if (x.num_sms < 0) return fail(kGemmInvalidArgument, err, err_len, "%s: num_sms = %d, must be >= 0", fn, x.num_sms);
+  if (m == 0) return kGemmOk;
+  if (x.dy_q == nullptr || x.dy_sa == nullptr || x.w2t_q == nullptr || x.w2t_sb == nullptr || x.h == nullptr ||
+      x.pool_src_route == nullptr || (x.route_weights == nullptr && x.num_routes > 0) || x.dh_q == nullptr ||
+      x.dh_sa == nullptr || x.dht_q == nullptr || x.dht_s == nullptr || x.awt_q == nullptr || x.awt_s == nullptr ||
+      x.dt_part == nullptr || x.group_offsets == nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: a pointer is null", fn);
+  if (!fp8_aligned(x.dy_q, 16) || !fp8_aligned(x.dy_sa, 16) || !fp8_aligned(x.w2t_q, 16) || !fp8_aligned(x.dh_q, 16) ||
+      !fp8_aligned(x.dht_q, 16) || !fp8_aligned(x.awt_q, 16))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: dy_q, dy_sa, w2t_q, dh_q, dht_q and awt_q must be 16-byte aligned",
+                fn);
+  if (!fp8_aligned(x.h, 4) || !fp8_aligned(x.w2t_sb, 4) || !fp8_aligned(x.dh_sa, 4) || !fp8_aligned(x.dht_s, 4) ||
+      !fp8_aligned(x.awt_s, 4) || !fp8_aligned(x.dt_part, 4))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: h, the scales and dt_part must be 4-byte aligned", fn);
+  if (x.lda < H || x.lda % 16 != 0 || x.ldb < H || x.ldb % 16 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: lda = %lld, ldb = %lld: must be >= hidden and multiples of 16",
+                fn, (long long)x.lda, (long long)x.ldb);
+  if (x.num_groups > 1 && (x.b_group_stride < I * x.ldb || x.b_group_stride % 16 != 0))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: b_group_stride = %lld, must be >= %lld and a multiple of 16",
+                fn, (long long)x.b_group_stride, (long long)(I * x.ldb));
+  const int64_t k_blocks = H / 128, n_blocks = I / 128, t_blocks = (m + 127) / 128;
+  if (x.ld_sa < m || x.ld_sa % 4 != 0 || x.ld_sa > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: ld_sa = %lld, must be >= m_total (%lld) and a multiple of 4",
+                fn, (long long)x.ld_sa, (long long)m);
+  if (x.sb_n_stride < k_blocks || (x.num_groups > 1 && x.sb_group_stride < n_blocks * x.sb_n_stride))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: sb strides (%lld, %lld) do not cover [E, %lld, %lld]", fn,
+                (long long)x.sb_group_stride, (long long)x.sb_n_stride, (long long)n_blocks, (long long)k_blocks);
+  if (x.ldh < 2 * I || x.ldh % 2 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: ldh = %lld, must be >= 2 * intermediate and even", fn,
+                (long long)x.ldh);
+  if (x.ld_dh_q < 2 * I || x.ld_dh_q % 16 != 0 || x.ld_dh_sa < m || x.ld_dh_sa % 4 != 0)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: ld_dh_q = %lld (>= 2 * intermediate, a multiple of 16), ld_dh_sa = %lld (>= m_total, a multiple "
+                "of 4)",
+                fn, (long long)x.ld_dh_q, (long long)x.ld_dh_sa);
+  if (x.ld_dht_q < m || x.ld_dht_q % 16 != 0 || x.ld_awt_q < m || x.ld_awt_q % 16 != 0)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: ld_dht_q = %lld, ld_awt_q = %lld: must be >= m_total (the token axis is contiguous) and multiples "
+                "of 16",
+                fn, (long long)x.ld_dht_q, (long long)x.ld_awt_q);
+  if (x.ld_dht_s < 2 * I || x.ld_awt_s < I || x.dt_ld < n_blocks || x.dt_ld > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: ld_dht_s = %lld (>= 2 * intermediate), ld_awt_s = %lld (>= intermediate), dt_ld = %lld (>= %lld)",
+                fn, (long long)x.ld_dht_s, (long long)x.ld_awt_s, (long long)x.dt_ld, (long long)n_blocks);
+  if ((t_blocks + x.num_groups) * n_blocks > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: too many tiles", fn);
+  return kGemmOk;
+}
+
 }  // namespace host
 
 // Validates (check_m_grouped_fp8_args), returns without a launch when m_total == 0, else launches on stream.
 int m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
 // Validates (check_k_grouped_fp8_args); p_total == 0 zeroes c (or leaves it, accumulating) on stream; else launches.
 int k_grouped_fp8_gemm_tn(const KGroupedFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
+// Validates (check_swiglu_bwd_fp8_args), returns without a launch when m_total == 0, else launches on stream.
+int m_grouped_fp8_gemm_swiglu_bwd(const SwigluBwdFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
 
 }  // namespace sm90
 }  // namespace prime_kernels

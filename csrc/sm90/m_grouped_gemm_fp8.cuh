@@ -89,18 +89,70 @@ struct MGroupedFp8Layout : StageRingLayout<128, kBlockN, 128, kNumStages, 1> {
   static_assert(kSaOff % 128 == 0 && kSaBytes % 128 == 0, "TMA destinations are 128-byte aligned");
 };
 
-template <int kBlockN, int kNumStages>
-__global__ void __launch_bounds__(kNumThreads, 1)
-    m_grouped_fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                              const __grid_constant__ CUtensorMap tmap_sa, const __grid_constant__ CUtensorMap tmap_d,
-                              const MGroupedFp8Params p) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using L = MGroupedFp8Layout<kBlockN, kNumStages>;
+// The elected producer thread of the m-grouped FP8 kernels (this one and swiglu_bwd_fp8.cuh): per tile of this CTA
+// (units u = blockIdx.x, + unit_step, ...) and k-block, the A tile, B_g's tile and the tile rows' A scales into the
+// next ring stage. L: the stage layout (kAOff / kABytes, kBOff / kBBytes, kSaOff / kSaBytes, kStageTxBytes, kBlockK).
+template <typename L, int kNumStages, typename LocateFn>
+__device__ __forceinline__ void m_grouped_fp8_produce(uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar,
+                                                      const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
+                                                      const CUtensorMap* tmap_sa, int num_units, int unit_step,
+                                                      int num_k_blocks, int32_t l2_hints, LocateFn&& locate) {
+  const uint64_t pol_b = l2_policy_reused_loads(l2_hints);
+  int stage = 0;
+  uint32_t phase = 0;
+  int g = 0;
+  for (int u = (int)ptx::ctaid_x_volatile(); u < num_units; u += unit_step) {
+    const MGroupedWork w = locate(u, g);
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+      ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kStageTxBytes);
+      ptx::tma_load_2d(smem + L::kAOff + stage * L::kABytes, tmap_a, &full_bar[stage], kb * L::kBlockK, w.row0);
+      ptx::tma_load_3d_hint(smem + L::kBOff + stage * L::kBBytes, tmap_b, &full_bar[stage], kb * L::kBlockK, w.n0,
+                            w.b_group, pol_b);
+      // from the 16-byte boundary at or before row0; rows past M_total arrive as zeros (never stored)
+      ptx::tma_load_2d(smem + L::kSaOff + stage * L::kSaBytes, tmap_sa, &full_bar[stage], w.row0 & ~3, kb);
+      advance_stage<kNumStages>(stage, phase);
+    }
+  }
+}
+
+// The block scales of consumer_tile_mainloop_promoted for a row-scaled A and a tile-scaled B: B's one scale per tile
+// and k-block from global memory (sb_tile[kb]), this thread's two row scales (rows frag_row, frag_row + 8 of the box)
+// from the stage's A-scale box (kSaStageFloats floats per stage).
+template <int kSaStageFloats, int kAccRegs>
+struct RowTimesTileScales {
+  const float* sb_tile;
+  const float* s_sa;
+  int frag_row;
+  __device__ __forceinline__ float prefetch(int kb) const { return __ldg(sb_tile + kb); }
+  __device__ __forceinline__ float3 load(float sb, int s_) const {
+    const float* sa = s_sa + s_ * kSaStageFloats + frag_row;
+    return make_float3(sa[0], sa[8], sb);
+  }
+  __device__ __forceinline__ void apply(float3 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
+    promote_rows(acc_, part_, f.x * f.z, f.y * f.z);
+  }
+};
+
+// The whole of an m-grouped FP8 kernel (this GEMM, swiglu_bwd_fp8.cuh) but its epilogue, for every thread of the CTA:
+// the offsets check (align > 1: every offset a multiple of align or m_total too; bad offsets leave the tile list
+// empty, noted under check_kind), the ring's barriers, the tile list, the producer, and each consumer warpgroup's
+// promoted mainloop over its 64 rows of every tile of this CTA. L: the stage layout (MGroupedFp8Layout's ring, A-scale
+// boxes, kBarOff, kOffsOff, kTileOff); P: the parameters (l2_hints, check, sb and its strides, group_offsets,
+// m_total, n, k, num_groups). After each tile's mainloop every consumer thread calls
+// epilogue(acc, work, active, wg, wg_tid, frag_row) (active: the warpgroup's rows start before the group's end;
+// frag_row: this thread's first accumulator row in the tile), and after its last tile finish(wg_tid).
+template <typename L, int kNumStages, typename P, typename Epilogue, typename Finish>
+__device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, const CUtensorMap* tmap_a,
+                                                          const CUtensorMap* tmap_b, const CUtensorMap* tmap_sa,
+                                                          const CUtensorMap* tmap_out, const P& p, int check_kind,
+                                                          int align, Epilogue&& epilogue, Finish&& finish) {
   constexpr int kBlockM = L::kBlockM;
+  constexpr int kBlockN = L::kBlockN;
   constexpr int kBlockK = L::kBlockK;
   using Mma = ptx::WgmmaFp8E4m3<kBlockN>;
+  static_assert(kBlockN == 128, "B's scales are per 128 columns: one sb value per tile and k-block");
 
-  extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem_1024(smem_raw);
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
   uint64_t* empty_bar = full_bar + kNumStages;
@@ -115,10 +167,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int n_blocks = ceil_div(p.n, kBlockN);
   const int num_k_blocks = ceil_div(p.k, kBlockK);
 
-  // ---- prologue: offsets check, barriers, per-group tile starts (bad offsets leave the tile list empty).
-  const bool bad_offsets =
-      common::group_offsets_invalid(p.group_offsets, num_groups, p.m_total, p.check, common::kCheckMGroupedOffsets);
-  kernel_prologue<kNumStages>(full_bar, empty_bar, 1, kNumConsumerThreads / 32, &tmap_a, &tmap_b, &tmap_sa, &tmap_d);
+  const bool bad_offsets = common::group_offsets_invalid(p.group_offsets, num_groups, p.m_total, p.check, check_kind,
+                                                         align);
+  kernel_prologue<kNumStages>(full_bar, empty_bar, 1, kNumConsumerThreads / 32, tmap_a, tmap_b, tmap_sa, tmap_out);
   load_group_offsets(p.group_offsets, num_groups, s_offs);
   if (warp == 0) m_grouped_tile_starts<kBlockM>(s_offs, s_tile, num_groups, n_blocks, bad_offsets, lane);
   __syncthreads();
@@ -130,30 +181,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   };
 
   if (warp < 4) {
-    // ================= producer warpgroup =================
+    // ================= producer warpgroup (one elected thread; the others have nothing to do)
     ptx::setmaxnreg_dec<kProducerRegs>();
-    if (warp == 0 && lane == 0) {
-      const uint64_t pol_b = l2_policy_reused_loads(p.l2_hints);
-      int stage = 0;
-      uint32_t phase = 0;
-      int g = 0;
-      for (int u = (int)ptx::ctaid_x_volatile(); u < num_units; u += unit_step) {
-        const MGroupedWork w = locate(u, g);
-        for (int kb = 0; kb < num_k_blocks; ++kb) {
-          ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
-          ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kStageTxBytes);
-          ptx::tma_load_2d(smem + L::kAOff + stage * L::kABytes, &tmap_a, &full_bar[stage], kb * kBlockK, w.row0);
-          ptx::tma_load_3d_hint(smem + L::kBOff + stage * L::kBBytes, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0,
-                                w.b_group, pol_b);
-          // from the 16-byte boundary at or before row0; rows past M_total arrive as zeros (never stored)
-          ptx::tma_load_2d(smem + L::kSaOff + stage * L::kSaBytes, &tmap_sa, &full_bar[stage], w.row0 & ~3, kb);
-          advance_stage<kNumStages>(stage, phase);
-        }
-      }
-    }
-    // Other producer-warpgroup threads have nothing to do (the epilogue is the consumers' TMA store).
+    if (warp == 0 && lane == 0)
+      m_grouped_fp8_produce<L, kNumStages>(smem, full_bar, empty_bar, tmap_a, tmap_b, tmap_sa, num_units, unit_step,
+                                           num_k_blocks, p.l2_hints, locate);
   } else {
-    // ================= consumer warpgroups =================
+    // ================= consumer warpgroups
     ptx::setmaxnreg_inc<kConsumerRegs>();
     const int wg = (warp >> 2) - 1;  // 0 or 1: rows [64*wg, 64*wg + 64) of the tile
     const int wg_tid = tid - 128 * (wg + 1);
@@ -166,28 +200,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int stage = 0;
     uint32_t phase = 0;
     int g = 0;
-    const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kBlockN>::kHalfBytes;
     for (int u = (int)ptx::ctaid_x_volatile(); u < num_units; u += unit_step) {
       const MGroupedWork w = locate(u, g);
       // A warpgroup whose 64 rows all lie past the group's end (a tail m-block) only keeps the pipeline moving.
       const bool active = w.row0 + 64 * wg < w.row_end;
-      // B's one scale per tile and k-block from global memory, A's two row scales of this thread from the stage
-      struct RowTimesTileScales {
-        const float* sb_tile;
-        const float* s_sa;
-        int frag_row;
-        __device__ __forceinline__ float prefetch(int kb) const { return __ldg(sb_tile + kb); }
-        __device__ __forceinline__ float3 load(float sb, int s_) const {
-          const float* sa = s_sa + s_ * (L::kSaBytes / 4) + frag_row;
-          return make_float3(sa[0], sa[8], sb);
-        }
-        __device__ __forceinline__ void apply(float3 f, const float (&part_)[kBlockN / 2],
-                                              float (&acc_)[kBlockN / 2]) const {
-          promote_rows(acc_, part_, f.x * f.z, f.y * f.z);
-        }
-      };
-      const RowTimesTileScales scales{p.sb + w.b_group * p.sb_group_stride + (w.n0 / kBlockN) * p.sb_n_stride, s_sa,
-                                      frag_row + (w.row0 & 3)};
+      const RowTimesTileScales<L::kSaBytes / 4, kBlockN / 2> scales{
+          p.sb + w.b_group * p.sb_group_stride + (w.n0 / kBlockN) * p.sb_n_stride, s_sa, frag_row + (w.row0 & 3)};
       auto release = [&](int s_) {
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
@@ -195,12 +213,33 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       consumer_tile_mainloop_promoted<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes>(
           acc, part, active, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0, desc.b_hi,
           scales, release);
-      if (active)
-        store_acc_half_async<kBlockN>(acc, stg_half, wg, wg_tid, &tmap_d, w.row0 + 64 * wg, w.row_end, w.n0, p.n,
-                                      p.l2_hints, p.d, p.ldd);
+      epilogue(acc, w, active, wg, wg_tid, frag_row);
     }
-    if (wg_tid == 0) ptx::bulk_wait_group<0>();  // stores complete before the CTA's shared memory goes away
+    finish(wg_tid);
   }
+}
+
+template <int kBlockN, int kNumStages>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    m_grouped_fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                              const __grid_constant__ CUtensorMap tmap_sa, const __grid_constant__ CUtensorMap tmap_d,
+                              const MGroupedFp8Params p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using L = MGroupedFp8Layout<kBlockN, kNumStages>;
+  extern __shared__ uint8_t smem_raw[];
+  m_grouped_fp8_kernel_body<L, kNumStages>(
+      smem_raw, &tmap_a, &tmap_b, &tmap_sa, &tmap_d, p, common::kCheckMGroupedOffsets, 1,
+      [&](const float (&acc)[kBlockN / 2], const MGroupedWork& w, bool active, int wg, int wg_tid, int) {
+        // (derived here, not before the roles split: a value live across setmaxnreg is spilled)
+        const uint32_t stg_half =
+            ptx::smem_addr(align_smem_1024(smem_raw) + L::kCOff) + wg * TmaStaging<kBlockN>::kHalfBytes;
+        if (active)
+          store_acc_half_async<kBlockN>(acc, stg_half, wg, wg_tid, &tmap_d, w.row0 + 64 * wg, w.row_end, w.n0, p.n,
+                                        p.l2_hints, p.d, p.ldd);
+      },
+      [](int wg_tid) {
+        if (wg_tid == 0) ptx::bulk_wait_group<0>();  // stores complete before the CTA's shared memory goes away
+      });
 #endif
 }
 

@@ -157,7 +157,8 @@ __device__ __forceinline__ void swiglu_bwd_piece_store(const MGroupedParams& p, 
 
 // The d topk_weights partials of this thread's two fragment rows (prow0 + frag_row + 8 hh) for dt_part column
 // dt_col: each quad's sum (lanes 1 and 2 apart, a fixed order), 0 for padding rows; rows >= row_end are skipped.
-__device__ __forceinline__ void write_dt_partials(const MGroupedParams& p, const float (&partial)[2],
+// dt_part: fp32 [rows, dt_ld] (the BF16 and FP8 L2 dgrads write the same partials).
+__device__ __forceinline__ void write_dt_partials(float* dt_part, int dt_ld, const float (&partial)[2],
                                                   const bool (&routed)[2], int prow0, int frag_row, int row_end,
                                                   int dt_col, int lane) {
 #pragma unroll
@@ -166,9 +167,24 @@ __device__ __forceinline__ void write_dt_partials(const MGroupedParams& p, const
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     v += __shfl_xor_sync(0xffffffffu, v, 2);
     const int row = prow0 + frag_row + 8 * hh;
-    if (row < row_end && (lane & 3) == 0)
-      p.dt_part[static_cast<int64_t>(row) * p.dt_ld + dt_col] = routed[hh] ? v : 0.f;
+    if (row < row_end && (lane & 3) == 0) dt_part[static_cast<int64_t>(row) * dt_ld + dt_col] = routed[hh] ? v : 0.f;
   }
+}
+__device__ __forceinline__ void write_dt_partials(const MGroupedParams& p, const float (&partial)[2],
+                                                  const bool (&routed)[2], int prow0, int frag_row, int row_end,
+                                                  int dt_col, int lane) {
+  write_dt_partials(p.dt_part, p.dt_ld, partial, routed, prow0, frag_row, row_end, dt_col, lane);
+}
+
+// The route weight of pool row `row` (0 and routed = false for a row >= row_end, a padding row (-1) or a route outside
+// [0, num_routes), which is also a device-check finding).
+__device__ __forceinline__ float pool_row_weight(const int32_t* pool_src_route, const float* route_weights,
+                                                 int num_routes, common::DeviceCheckRecord* check, int row,
+                                                 int row_end, bool& routed) {
+  const int route = row < row_end ? __ldg(pool_src_route + row) : -1;
+  routed = route >= 0 && route < num_routes;
+  if (route < -1 || route >= num_routes) common::note_device_check(check, common::kCheckPoolRoute);
+  return routed ? __ldg(route_weights + route) : 0.f;
 }
 
 constexpr uint32_t kBarSwigluTurnWg0 = 5;  // +wg
@@ -223,11 +239,8 @@ struct SwigluBwdTileEpilogue {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int row = row0 + 64 * hm + frag_row + 8 * hh;
-        const int route = row < row_end ? __ldg(p.pool_src_route + row) : -1;
-        const bool ok = route >= 0 && route < p.num_routes;
-        if (route < -1 || route >= p.num_routes) common::note_device_check(p.check, common::kCheckPoolRoute);
-        routed[hm][hh] = ok;
-        wgt[hm][hh] = ok ? __ldg(p.route_weights + route) : 0.f;
+        wgt[hm][hh] = pool_row_weight(p.pool_src_route, p.route_weights, p.num_routes, p.check, row, row_end,
+                                      routed[hm][hh]);
       }
   }
   template <int kAcc>

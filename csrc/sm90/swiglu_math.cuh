@@ -150,5 +150,32 @@ __device__ __forceinline__ SwigluBwdWords swiglu_bwd_pair(uint32_t g2, uint32_t 
   return SwigluBwdWords{ptx::pack_bf16x2(dg[0], dg[1]), ptx::pack_bf16x2(du[0], du[1]), ptx::pack_bf16x2(av[0], av[1])};
 }
 
+// The SwiGLU backward of one element in fp32 for an epilogue that quantizes its outputs (swiglu_bwd_fp8.cuh): every
+// operation rounded on its own (no contraction into fused multiply-adds), in the order of the reference's fp32 steps
+// (B3-B5, B9), so that the two passes such an epilogue makes over a tile (amaxes, then quantization) compute the same
+// bits, and the values differ from the reference's only by the sigmoid (sigmoid_sfu). g, u: the saved h; da: the
+// fp32 accumulator; w: the route weight. Returns dg, du (0 outside the clamp's pass-through), w * s and s.
+struct SwigluBwdF32 {
+  float dg, du, a, s;
+};
+template <int kClamp>
+__device__ __forceinline__ SwigluBwdF32 swiglu_bwd_f32(float g, float u, float da, float w, float clamp) {
+  const bool has_clamp = kClamp == kClampOn || (kClamp == kClampRuntime && clamp > 0.f);
+  const float gc = has_clamp ? fminf(g, clamp) : g;
+  const float uc = has_clamp ? fminf(fmaxf(u, -clamp), clamp) : u;
+  const float sig = sigmoid_sfu(gc);
+  const float silu = __fmul_rn(gc, sig);
+  const float s = __fmul_rn(silu, uc);
+  const float ds = __fmul_rn(w, da);
+  const float dsig = __fadd_rn(1.f, __fmul_rn(gc, __fsub_rn(1.f, sig)));  // 1 + gc (1 - sig)
+  float dg = __fmul_rn(__fmul_rn(__fmul_rn(ds, uc), sig), dsig);
+  float du = __fmul_rn(ds, silu);
+  if (has_clamp) {
+    dg = g < clamp ? dg : 0.f;
+    du = (u > -clamp && u < clamp) ? du : 0.f;
+  }
+  return SwigluBwdF32{dg, du, __fmul_rn(w, s), s};
+}
+
 }  // namespace sm90
 }  // namespace prime_kernels

@@ -13,24 +13,6 @@ namespace {
 
 using namespace prime_kernels::torch_shim;
 
-void check_same_device(const Tensor& t, const Tensor& like, const char* op, const char* name) {
-  STD_TORCH_CHECK(t.is_cuda() == like.is_cuda() && t.get_device_index() == like.get_device_index(), "prime_kernels.",
-                  op, ": ", name, " must be on the input's device");
-}
-
-// A scale tensor [outer, blocks] laid out K-block major (stride(0) == 1, stride(1) the core's ld): its ld. With one
-// block the stride between blocks is never used (torch may report any value for it).
-int64_t block_major_ld(const Tensor& s, int64_t outer, int64_t blocks, const char* op, const char* name,
-                       const char* shape) {
-  STD_TORCH_CHECK(s.scalar_type() == ScalarType::Float && s.dim() == 2 && s.size(0) == outer && s.size(1) == blocks,
-                  "prime_kernels.", op, ": ", name, " must be a float32 tensor ", shape, " = [", outer, ", ", blocks,
-                  "]");
-  STD_TORCH_CHECK(outer <= 1 || blocks == 0 || s.stride(0) == 1, "prime_kernels.", op, ": ", name,
-                  " must be K-block major (stride(0) == 1, e.g. the transpose of a contiguous [blocks, R] tensor "
-                  "with R a multiple of 4), got strides (", s.stride(0), ", ", s.stride(1), ")");
-  return blocks <= 1 ? (outer + 3) / 4 * 4 : s.stride(1);
-}
-
 struct DispatchFp8Input {
   int64_t num_tokens, top_k, hidden, num_rows, ld_sa;
 };
@@ -55,12 +37,6 @@ DispatchFp8Input check_dispatch_fp8_input(const Tensor& src, const Tensor& route
   const int64_t rows = q.size(0);
   const int64_t ld_sa = block_major_ld(sa, rows, hidden / 128, op, "sa", "[rows, H / 128]");
   return DispatchFp8Input{src.size(0), route_to_pool.size(1), hidden, rows, ld_sa};
-}
-
-// q's row stride: with one row, or empty rows, it is never used (any value torch reports is replaced by the
-// smallest valid one).
-int64_t row_stride_bytes(const Tensor& q, int64_t row_bytes) {
-  return q.size(0) <= 1 || row_bytes == 0 ? (row_bytes + 15) / 16 * 16 : q.stride(0);
 }
 
 void dispatch_rows_fp8_cpu(Tensor src, Tensor route_to_pool, Tensor q, Tensor sa, bool pow2_scales) {

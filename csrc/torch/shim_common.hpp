@@ -22,4 +22,29 @@ void* current_cuda_stream(int32_t device_index);
 // An uninitialised tensor on like's device.
 Tensor new_tensor(const Tensor& like, std::vector<int64_t> sizes, ScalarType dtype);
 
+// The shim's FP8 operand checks (quantize_ops.cpp, swiglu_bwd_fp8_ops.cpp).
+inline void check_same_device(const Tensor& t, const Tensor& like, const char* op, const char* name) {
+  STD_TORCH_CHECK(t.is_cuda() == like.is_cuda() && t.get_device_index() == like.get_device_index(), "prime_kernels.",
+                  op, ": ", name, " must be on the input's device");
+}
+
+// A scale tensor [outer, blocks] laid out K-block major (stride(0) == 1, stride(1) the core's ld): its ld. With one
+// block the stride between blocks is never used (torch may report any value for it).
+inline int64_t block_major_ld(const Tensor& s, int64_t outer, int64_t blocks, const char* op, const char* name,
+                              const char* shape) {
+  STD_TORCH_CHECK(s.scalar_type() == ScalarType::Float && s.dim() == 2 && s.size(0) == outer && s.size(1) == blocks,
+                  "prime_kernels.", op, ": ", name, " must be a float32 tensor ", shape, " = [", outer, ", ", blocks,
+                  "]");
+  STD_TORCH_CHECK(outer <= 1 || blocks == 0 || s.stride(0) == 1, "prime_kernels.", op, ": ", name,
+                  " must be K-block major (stride(0) == 1, e.g. the transpose of a contiguous [blocks, R] tensor "
+                  "with R a multiple of 4), got strides (", s.stride(0), ", ", s.stride(1), ")");
+  return blocks <= 1 ? (outer + 3) / 4 * 4 : s.stride(1);
+}
+
+// q's row stride: with one row, or empty rows, it is never used (any value torch reports is replaced by the
+// smallest valid one).
+inline int64_t row_stride_bytes(const Tensor& q, int64_t row_bytes) {
+  return q.size(0) <= 1 || row_bytes == 0 ? (row_bytes + 15) / 16 * 16 : q.stride(0);
+}
+
 }  // namespace prime_kernels::torch_shim

@@ -58,6 +58,9 @@ if _lib.load().shim_loaded:
     from .mega import _fused_bwd  # noqa: E402
 
     _fused_bwd._register()
+    from . import swiglu_bwd_fp8 as _swiglu_bwd_fp8  # noqa: E402
+
+    _swiglu_bwd_fp8._register()
 from .mega import *  # noqa: E402,F401,F403  (upstream's top-level names: bf16_mega_moe, ...)
 
 __all__ = list(mega.__all__) + ["status", "build_info", "__version__", "RoutingPlan", "routing_plan", "routing_plan_reference",

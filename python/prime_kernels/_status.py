@@ -45,6 +45,10 @@ def _entries() -> list[KernelEntry]:
         e.append(KernelEntry(f"{name}.bf16.sm90", compiled, "sm90"))
     e.append(KernelEntry("m_grouped_gemm_nt.fp8.sm90", "m_grouped_fp8_gemm_nt", "sm90"))
     e.append(KernelEntry("k_grouped_gemm_tn.fp8.sm90", "k_grouped_fp8_gemm_tn", "sm90"))
+    # The FP8 L2 dgrad with the SwiGLU backward and the quantizing epilogue (prime_kernels.swiglu_bwd_fp8)
+    e.append(KernelEntry("m_grouped_gemm_swiglu_bwd.fp8.sm90", "m_grouped_fp8_gemm_swiglu_bwd", "sm90",
+                         unverified="compiled (e4m3 wgmma in its SASS, no spills, no local memory) but not yet run on "
+                                    "a GPU: tests/test_swiglu_bwd_fp8.py's GPU tests have not run"))
     # The single-rank pipeline of our grouped GEMMs (prime_kernels.mega backend="grouped").
     e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     # The fused backward's dgrad kernel (L2 dgrad with the SwiGLU backward, then the L1 dgrad, in one launch):

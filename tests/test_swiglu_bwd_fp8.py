@@ -1,0 +1,269 @@
+"""The FP8 L2 dgrad with the SwiGLU backward and the quantizing epilogue (prime_kernels.swiglu_bwd_fp8).
+
+CPU: the op's CPU path (the emulation built from prime_kernels.mega.fp8) against the unquantized float64 formula, its
+argument checks (raised before anything is written), the layouts and the fake kernel, the status() entry.
+GPU (sm90): the CUDA op against the emulation on NaN-poisoned outputs, with uneven experts (an empty one, one whose
+rows are not a multiple of 128 at the pool's end), padding and masked rows, with and without a clamp and with both
+scale options; bitwise repeatability across grid sizes; the device finding for offsets off the 128-row grid.
+
+The kernel's values differ from the emulation's by the sigmoid (the SFU's approximation against torch's) and the
+tensor core's accumulation order, so the quantized bytes are compared to one e4m3 step and the scales to fp32
+rounding; where the fp32 values agree (almost everywhere) the bytes are the same, which the tests require of all
+but a small fraction of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import prime_kernels
+from conftest import requires_sm90
+from prime_kernels import _status
+from prime_kernels import swiglu_bwd_fp8 as sbf
+from prime_kernels.mega import fp8 as recipe
+
+E4M3 = torch.float8_e4m3fn
+KEY = "m_grouped_gemm_swiglu_bwd.fp8.sm90"
+
+
+def make_case(counts, H=256, I=256, pad_last=False, masked=3, seed=0, device="cpu", pow2=False):
+    """Pool rows of len(counts) experts (each padded to 128 rows, the last one too only with pad_last), routes,
+    weights, dy quantized by qK, W2^T quantized by qW, and the saved h; padding rows hold NaN in dy_q and h."""
+    gen = torch.Generator().manual_seed(seed)
+    E = len(counts)
+    offs = [0]
+    for e, n in enumerate(counts):
+        padded = (n + 127) // 128 * 128 if (e < E - 1 or pad_last) else n
+        offs.append(offs[-1] + padded)
+    M = offs[-1]
+    num_routes = sum(counts) + 5
+    route = torch.full((M,), -1, dtype=torch.int32)
+    perm = torch.randperm(num_routes, generator=gen).to(torch.int32)
+    k = 0
+    for e, n in enumerate(counts):
+        route[offs[e]:offs[e] + n] = perm[k:k + n]
+        k += n
+    live = (route >= 0).nonzero().flatten()
+    if masked and live.numel():
+        route[live[torch.randperm(live.numel(), generator=gen)[:masked]]] = -1  # masked routes inside an expert
+    weights = torch.rand(num_routes, generator=gen) + 0.25
+    dy = torch.randn(M, H, generator=gen).bfloat16()
+    qdy = recipe.quantize_along_k(dy, 128, pow2)
+    dy_q = qdy.data.clone()
+    w2 = (torch.randn(E, H, I, generator=gen) * H ** -0.5).bfloat16()
+    qw = recipe.quantize_weight(w2.transpose(1, 2).contiguous(), pow2)  # W2^T [E, I, H]
+    h = (torch.randn(M, 2 * I, generator=gen) * 2).bfloat16()
+    pad = route < 0
+    pad[torch.tensor([r for e, n in enumerate(counts) for r in range(offs[e], offs[e] + n)], dtype=torch.long)] = False
+    dy_q.view(torch.uint8)[pad] = 0x7F  # e4m3 NaN in padding rows: never read into an output
+    h[pad] = float("nan")
+    case = dict(dy_q=dy_q, dy_sa=qdy.scale.contiguous(), w2t_q=qw.data, w2t_sb=qw.scale.contiguous(),
+                group_offsets=torch.tensor(offs, dtype=torch.int32), h=h, pool_src_route=route, topk_weights=weights)
+    extra = dict(dy=dy, w2=w2, offs=offs, M=M, I=I, H=H)
+    return {k: v.to(device) for k, v in case.items()}, extra
+
+
+def poisoned(M, I, device):
+    out = sbf.allocate_outputs(M, I, device)
+    for t in out:
+        if t.dtype == E4M3:
+            t.view(torch.uint8).fill_(0x7F)
+        else:
+            t.fill_(float("nan"))
+    return out
+
+
+def run(case, device, clamp=0.0, pow2=False, num_sms=None, out=None):
+    c = {k: v.to(device) for k, v in case.items()}
+    M, I = c["dy_q"].shape[0], c["w2t_q"].shape[1]
+    out = poisoned(M, I, device) if out is None else out
+    return sbf.m_grouped_fp8_gemm_swiglu_bwd(**c, clamp=clamp, pow2_scales=pow2, num_sms=num_sms, out=out,
+                                             allow_unverified=True)
+
+
+def group_rows(offs):
+    return torch.tensor([r for e in range(len(offs) - 1) for r in range(offs[e], offs[e + 1])], dtype=torch.long)
+
+
+def bits(t):
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.uint8) if t.dtype == E4M3 else t.view(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------- CPU
+
+
+def test_status_lists_the_kernel_as_unverified():
+    assert KEY in prime_kernels.status()
+    assert KEY in _status.unverified()
+    assert "not yet run on a GPU" in _status.unverified()[KEY]
+    if not torch.cuda.is_available():
+        assert prime_kernels.status()[KEY] != _status.AVAILABLE
+
+
+@pytest.mark.parametrize("clamp", [0.0, 1.5])
+def test_cpu_op_follows_the_unquantized_formula(clamp):
+    case, x = make_case([200, 0, 128, 77], masked=4)
+    out = run(case, "cpu", clamp=clamp)
+    offs, I = x["offs"], x["I"]
+    rows = group_rows(offs)
+    route = case["pool_src_route"].long()
+    ok = (route >= 0)[rows]
+    w = torch.where(route >= 0, case["topk_weights"][route.clamp(0)], torch.zeros(()))
+    da = torch.empty(x["M"], I, dtype=torch.float64)
+    for e in range(len(offs) - 1):
+        r = slice(offs[e], offs[e + 1])
+        da[r] = x["dy"][r].double() @ x["w2"][e].double()
+    h = case["h"].double()
+    g, u = h[:, :I], h[:, I:]
+    gc, uc = (g.clamp(max=clamp), u.clamp(-clamp, clamp)) if clamp else (g, u)
+    sig = torch.sigmoid(gc)
+    ds = w[:, None].double() * da
+    dg = ds * uc * sig * (1 + gc * (1 - sig))
+    du = ds * gc * sig
+    if clamp:
+        dg, du = dg * (g < clamp), du * ((u > -clamp) & (u < clamp))
+    dh = torch.cat([dg, du], 1)[rows][ok]
+    aw = (w[:, None].double() * gc * sig * uc)[rows][ok]
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    deq_k = (out.dh_q.float() * out.dh_sa.repeat_interleave(128, 1)).double()[rows][ok]
+    assert rel(deq_k, dh) < 0.08
+    tb = torch.arange(x["M"]) // 128
+    deq_t = (out.dht_q.float() * out.dht_s[:, tb]).t().double()[rows][ok]
+    assert rel(deq_t, dh) < 0.08
+    deq_a = (out.awt_q.float() * out.awt_s[:, tb]).t().double()[rows][ok]
+    assert rel(deq_a, aw) < 0.08
+    dt = (da * gc * sig * uc)[rows][ok].sum(1)
+    assert rel(out.dt_part[rows][ok].double().sum(1), dt) < 0.05
+    # padding and masked rows: zeros in every output, whatever dy and h hold there
+    dead = rows[~ok]
+    assert bool((out.dh_q[dead].float() == 0).all()) and bool((out.dht_q[:, dead].float() == 0).all())
+    assert bool((out.awt_q[:, dead].float() == 0).all()) and bool((out.dt_part[dead] == 0).all())
+
+
+def test_cpu_op_is_the_recipe_on_its_own_da():
+    """The quantized outputs are fp8.py's quantize functions of one fp32 dh, bit for bit (qK, and qT per expert with
+    the grid from the expert's first row)."""
+    case, x = make_case([130, 256], masked=0, seed=3)
+    out = run(case, "cpu")
+    offs = x["offs"]
+    deq = out.dh_q.float() * out.dh_sa.repeat_interleave(128, 1)
+    for e in range(len(offs) - 1):
+        r = slice(offs[e], offs[e + 1])
+        again = recipe.quantize_along_k(deq[r], 128)  # requantizing the dequantized values is the identity
+        assert torch.equal(bits(again.data), bits(out.dh_q[r]))
+
+
+def test_cpu_rejects_bad_arguments_before_writing():
+    case, x = make_case([128, 60], masked=0)
+    M, I = x["M"], x["I"]
+
+    def expect(msg, **over):
+        c = dict(case, **over)
+        out = poisoned(M, I, "cpu")
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=msg):
+            sbf.m_grouped_fp8_gemm_swiglu_bwd(**c, out=out, allow_unverified=True)
+        assert all(bool(torch.isnan(t.float()).all()) for t in out), "an output was written"
+
+    expect("multiple of 128 or M", group_offsets=torch.tensor([0, 100, M], dtype=torch.int32))
+    expect("non-decreasing", group_offsets=torch.tensor([0, 128, M + 128], dtype=torch.int32))
+    expect("float8_e4m3fn", dy_q=case["dy_q"].float())
+    expect("dy_sa", dy_sa=case["dy_sa"][:, :1].contiguous())
+    expect("w2t_sb", w2t_sb=case["w2t_sb"][:, :1].contiguous())
+    expect("h must be", h=case["h"][:, :I].contiguous())
+    expect("topk_weights must be float32", topk_weights=case["topk_weights"].double())
+    expect("pool_src_route", pool_src_route=case["pool_src_route"][:10].contiguous())
+    expect("group_offsets must be int32", group_offsets=case["group_offsets"][:2].contiguous())
+    out = poisoned(M, I, "cpu")
+    with pytest.raises(ValueError, match="clamp must be >= 0"):
+        sbf.m_grouped_fp8_gemm_swiglu_bwd(**case, clamp=-1.0, out=out, allow_unverified=True)
+    bad = out._replace(dht_q=torch.empty(2 * I, M + 1, dtype=E4M3))
+    with pytest.raises(ValueError, match="out.dht_q"):
+        sbf.m_grouped_fp8_gemm_swiglu_bwd(**case, out=bad, allow_unverified=True)
+    c = dict(case, w2t_q=case["w2t_q"][:, :192].contiguous(), w2t_sb=case["w2t_sb"])
+    with pytest.raises(ValueError, match="multiples of 128"):
+        sbf.m_grouped_fp8_gemm_swiglu_bwd(**c, allow_unverified=True)
+
+
+def test_layouts_and_fake_kernel():
+    M, I, H = 300, 256, 384
+    out = sbf.allocate_outputs(M, I, "meta")
+    assert [tuple(t.shape) for t in out] == [(M, 2 * I), (M, 2 * I // 128), (2 * I, M), (2 * I, 3), (I, M), (I, 3),
+                                             (M, I // 128)]
+    assert out.dh_sa.stride(0) == 1 and out.dh_sa.stride(1) % 4 == 0 and out.dh_sa.stride(1) >= M
+    assert out.dht_s.stride(0) == 1 and out.awt_s.stride(0) == 1
+    assert out.dht_q.stride(1) == 1 and out.dht_q.stride(0) % 16 == 0 and out.awt_q.stride(0) % 16 == 0
+    assert [t.dtype for t in out] == [E4M3, torch.float32, E4M3, torch.float32, E4M3, torch.float32, torch.float32]
+    m = dict(dy_q=torch.empty(M, H, dtype=E4M3, device="meta"),
+             dy_sa=prime_kernels.grouped_gemm.k_block_major_empty(M, H // 128, "meta"),
+             w2t_q=torch.empty(2, I, H, dtype=E4M3, device="meta"),
+             w2t_sb=torch.empty(2, I // 128, H // 128, device="meta"),
+             group_offsets=torch.empty(3, dtype=torch.int32, device="meta"),
+             h=torch.empty(M, 2 * I, dtype=torch.bfloat16, device="meta"),
+             route=torch.empty(M, dtype=torch.int32, device="meta"), weights=torch.empty(M, device="meta"))
+    assert torch.ops.prime_kernels.m_grouped_fp8_gemm_swiglu_bwd_(*m.values(), *out, 0.0, False, 0) is None
+
+
+# ---------------------------------------------------------------------------------------------------------- GPU
+
+
+def compare(got, want, offs, M):
+    """got (CUDA) against want (the CPU emulation) on the rows of the groups."""
+    rows = group_rows(offs)
+    got = sbf.Fp8SwigluBwd(*(t.cpu() for t in got))
+    tb_end = (offs[-1] + 127) // 128
+    for name in ("dh_sa",):
+        a, b = getattr(got, name)[rows], getattr(want, name)[rows]
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=0)
+    for name in ("dht_s", "awt_s"):
+        torch.testing.assert_close(getattr(got, name)[:, :tb_end], getattr(want, name)[:, :tb_end], rtol=1e-4, atol=0)
+    torch.testing.assert_close(got.dt_part[rows], want.dt_part[rows], rtol=1e-4, atol=1e-5)
+    pairs = [(got.dh_q[rows], want.dh_q[rows], want.dh_sa[rows].repeat_interleave(128, 1)),
+             (got.dht_q[:, rows], want.dht_q[:, rows], want.dht_s[:, rows // 128]),
+             (got.awt_q[:, rows], want.awt_q[:, rows], want.awt_s[:, rows // 128])]
+    for q, r, scale in pairs:
+        assert not bool(torch.isnan(q.float()).any()), "a poisoned output byte was left unwritten"
+        same = (bits(q) == bits(r)).float().mean().item()
+        assert same > 0.99, f"only {same:.4f} of the bytes equal the emulation's"
+        dq, dr = q.float() * scale, r.float() * scale
+        step = torch.maximum(dr.abs() / 8, scale * 2.0 ** -9)  # one e4m3 step at that magnitude
+        assert bool(((dq - dr).abs() <= step * 1.01).all())
+
+
+@requires_sm90
+@pytest.mark.parametrize("clamp,pow2", [(0.0, False), (1.5, False), (0.0, True), (1.5, True)])
+@pytest.mark.parametrize("counts,pad_last", [([200, 0, 128, 77], False), ([1, 300, 0], True), ([513], False)])
+def test_cuda_matches_the_emulation(counts, pad_last, clamp, pow2):
+    case, x = make_case(counts, pad_last=pad_last, masked=5, pow2=pow2, seed=len(counts))
+    got = run(case, "cuda", clamp=clamp, pow2=pow2)
+    torch.cuda.synchronize()
+    prime_kernels.check_device_errors()
+    want = run(case, "cpu", clamp=clamp, pow2=pow2)
+    compare(got, want, x["offs"], x["M"])
+
+
+@requires_sm90
+def test_cuda_is_bitwise_repeatable_over_grid_sizes():
+    case, x = make_case([300, 0, 128, 77], H=512, I=384, masked=5, seed=7)
+    first = run(case, "cuda", clamp=1.5)
+    for sms in (None, 1, 7):
+        again = run(case, "cuda", clamp=1.5, num_sms=sms)
+        for a, b in zip(first, again):
+            assert torch.equal(bits(a), bits(b))
+
+
+@requires_sm90
+def test_cuda_offsets_off_the_128_row_grid_write_nothing():
+    case, x = make_case([128, 100], masked=0)
+    c = {k: v.cuda() for k, v in case.items()}
+    c["group_offsets"] = torch.tensor([0, 100, x["M"]], dtype=torch.int32, device="cuda")  # unchecked on the host
+    out = poisoned(x["M"], x["I"], "cuda")
+    sbf.m_grouped_fp8_gemm_swiglu_bwd(**c, out=out, allow_unverified=True)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="FP8 L2 dgrad's group_offsets"):
+        prime_kernels.check_device_errors()
+    assert all(bool(torch.isnan(t.float()).all()) for t in out)
