@@ -102,7 +102,8 @@ def _poison_free_memory() -> None:
 @requires_sm90
 @pytest.mark.parametrize("T,E,H,I,K,routing,masked", GPU_CASES)
 def test_fp8_pipeline_on_the_gpu_matches_the_reference_and_repeats_bitwise(T, E, H, I, K, routing, masked):
-    """The pipeline on CUDA (the FP8 producers, the FP8 GEMMs, the combine; NaN-filled free memory before each run)
+    """The pipeline on CUDA (the FP8 producers, the FP8 L2 dgrad, the FP8 GEMMs, the combine; NaN-filled free
+    memory before each run)
     against the reference's fp8_bwd backward on the same state: the FP8 GEMM kernels' fp32 sums differ from the
     emulation's in rounding only (the FP8 GEMM tests bound them at 4e-3)."""
     from prime_kernels.mega import _fp8_bwd, _grouped, fp8, reference
