@@ -73,6 +73,8 @@ def parse_args(argv=None):
                    help="deep_gemm backends' keep_pooled_x: auto = the library default (None: kept when the "
                         "fused forward runs and the backward needs them), on = True, off = False")
     p.add_argument("--activation-clamp", type=float, default=None)
+    p.add_argument("--precision", choices=("bf16", "fp8_bwd"), default="bf16",
+                   help="of our backends and the reference (torch and the peers run bf16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=10.0,
                    help="stop starting new configurations after this many minutes (results so far are kept)")
@@ -113,8 +115,14 @@ def _layer_fn(backend, group, E, args):
 
     which = {"deep_gemm": "auto", "deep_gemm_grouped": "grouped"}.get(backend, "reference")
     return lambda x, i, w, a, b: mega_moe(x, i, w, a, b, group=group, num_experts=E, backend=which,
+                                          precision=_precision(backend, args),
                                           recompute=args.recompute, activation_clamp=args.activation_clamp,
                                           keep_pooled_x={"auto": None, "on": True, "off": False}[args.keep_pooled_x])
+
+
+def _precision(backend, args):
+    """The precision a backend's rows run in: --precision for ours and the reference, bf16 for the others."""
+    return "bf16" if backend in ("torch", "sonicmoe") else args.precision
 
 
 def _no_grad(fn):
@@ -280,8 +288,8 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
             tflops = bc.reduce_max(tflops, device)  # per rank; with EP the slowest rank sets ms anyway
             row = {
                 "shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens": T,
-                "ep": ep, "routing": routing, "precision": "bf16", "backend": backend, "direction": direction,
-                "ms": round(ms, 4), "tflops": None if tflops is None else round(tflops, 2),
+                "ep": ep, "routing": routing, "precision": _precision(backend, args), "backend": backend,
+                "direction": direction, "ms": round(ms, 4), "tflops": None if tflops is None else round(tflops, 2),
                 "pct_peak": None if tflops is None else round(100.0 * tflops / peak, 2),
                 "ratio_vs_torch": None,
                 "peak_mem_gib": None if mem is None else round(mem, 3),

@@ -102,13 +102,26 @@ SHAPE = dict(device_type="cuda", hidden=256, intermediate=128)
 @pytest.mark.parametrize("backend", ["auto", "fused", "grouped"])
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_fp8_on_kernel_backends_raises_never_runs_bf16(status, precision, backend, direction):
-    """Every kernel backend refuses fp8 / fp8_bwd, in both directions, even where the bf16 kernels are
-    available (fp8_bwd's forward is the bf16 kernel's, but its backward has no kernel: the forward must not
-    run ahead of it); the error names the reference as the way to run the recipe."""
+    """Every kernel backend refuses fp8 / fp8_bwd, in both directions, while the FP8 backward is unavailable, even
+    where the bf16 kernels are available (fp8_bwd's forward is the bf16 kernel's: it must not run ahead of a backward
+    that cannot); fp8's error names the reference as the way to run the recipe (its forward kernel is not
+    written), fp8_bwd's the status() reason of its backward."""
     for name in ("mega_moe.bf16.sm90", "mega_moe_backward.bf16.sm90", _backend.GROUPED_KEY):
         status[name] = "available"
-    with pytest.raises(_backend.FusedKernelUnavailable, match=FP8_TODO):
+    want = FP8_TODO if precision == "fp8" else "mega_moe.fp8_bwd.sm90: not implemented yet"
+    with pytest.raises(_backend.FusedKernelUnavailable, match=want):
         _backend.resolve_backend(backend, precision, direction, **SHAPE)
+
+
+@pytest.mark.parametrize("backend", ["auto", "fused", "grouped"])
+def test_fp8_bwd_refuses_the_clamp_and_expert_parallelism_before_any_forward(status, backend):
+    for name in ("mega_moe.bf16.sm90", _backend.GROUPED_KEY, "mega_moe.fp8_bwd.sm90"):
+        status[name] = "available"
+    for direction in ("fwd", "bwd"):
+        with pytest.raises(_backend.FusedKernelUnavailable, match="does not take activation_clamp"):
+            _backend.resolve_backend(backend, "fp8_bwd", direction, activation_clamp=10.0, **SHAPE)
+        with pytest.raises(_backend.FusedKernelUnavailable, match="runs on a single rank"):
+            _backend.resolve_backend(backend, "fp8_bwd", direction, ep_size=2, **SHAPE)
 
 
 def test_fp8_runs_on_the_kernels_once_both_directions_exist(status):
@@ -153,8 +166,8 @@ def test_fp8_bwd_runs_the_bf16_forward_and_the_fp8_backward_pipeline_once_its_ke
 
 def test_fp8_auto_falls_back_to_the_fp8_reference_only_with_env(status, monkeypatch):
     x, idx, w, w13, w2, _ = make_problem(6, 128, 128, E, K, seed=55)
-    for precision in ("fp8", "fp8_bwd"):
-        with pytest.raises(_backend.FusedKernelUnavailable, match=FP8_TODO):
+    for precision, why in (("fp8", FP8_TODO), ("fp8_bwd", "precision='fp8_bwd': mega_moe.bf16.sm90: not implemented")):
+        with pytest.raises(_backend.FusedKernelUnavailable, match=why):
             mega_moe(x, idx, w, w13, w2, precision=precision)
     monkeypatch.setenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", "1")
     with pytest.warns(RuntimeWarning, match="falling back to the pure-PyTorch reference for fp8 fwd"):
@@ -165,19 +178,20 @@ def test_fp8_auto_falls_back_to_the_fp8_reference_only_with_env(status, monkeypa
 
 @pytest.mark.parametrize("backend", ["auto", "fused", "grouped"])
 def test_fp8_layer_calls_raise_with_real_status(backend):
-    """Whatever prime_kernels.status() says on this machine, fp8 and fp8_bwd on a kernel backend raise the clear
-    reason (no kernel exists yet)."""
+    """Whatever prime_kernels.status() says on this machine, fp8 on a kernel backend raises the clear reason (its
+    forward kernel is not written), and fp8_bwd on CPU tensors a reason (the status() one where its kernels are
+    unavailable, else that the kernels need CUDA tensors)."""
     x, idx, w, w13, w2, _ = make_problem(4, 128, 128, E, K, seed=56)
-    for precision in ("fp8", "fp8_bwd"):
-        with pytest.raises(_backend.FusedKernelUnavailable, match=FP8_TODO):
-            mega_moe(x, idx, w, w13, w2, precision=precision, backend=backend)
+    with pytest.raises(_backend.FusedKernelUnavailable, match=FP8_TODO):
+        mega_moe(x, idx, w, w13, w2, precision="fp8", backend=backend)
+    with pytest.raises(_backend.FusedKernelUnavailable, match="fp8_bwd|need CUDA tensors"):
+        mega_moe(x, idx, w, w13, w2, precision="fp8_bwd", backend=backend)
 
 
 @pytest.mark.parametrize("fn,name", [
     (mega.fp8_mega_moe, "mega_moe.fp8.sm90"),
-    (mega.fp8_mega_moe_backward, "mega_moe.fp8_bwd.sm90"),
-    (mega.fp8_mega_moe_weight_grads, "mega_moe.fp8_bwd.sm90"),
-    (mega.fp8_bwd_mega_moe_backward, "mega_moe.fp8_bwd.sm90"),
+    (mega.fp8_mega_moe_backward, "mega_moe.fp8.sm90"),  # the unwritten forward kernel is named first
+    (mega.fp8_mega_moe_weight_grads, "mega_moe.fp8.sm90"),
     (mega.mxfp8_mega_moe, "mega_moe.mxfp8.sm100"),
     (mega.mxfp8_mega_moe_backward, "mega_moe.mxfp8.sm100"),
     (mega.fp8_fp4_mega_moe, "mega_moe.mxfp8.sm100"),
@@ -194,8 +208,7 @@ def test_fp8_names_raise_with_real_status():
     buf = get_symm_buffer_for_mega_moe(None, E, 32, K, 256, I, mma_type="fp8xfp8", device="cpu")
     _, _, _, w13, w2, _ = make_problem(2, 256, I, E, K, seed=57)
     y = torch.full((8, 256), float("nan"), dtype=torch.bfloat16)
-    for fn in (mega.fp8_mega_moe, mega.fp8_mega_moe_backward, mega.fp8_mega_moe_weight_grads,
-               mega.fp8_bwd_mega_moe_backward):
+    for fn in (mega.fp8_mega_moe, mega.fp8_mega_moe_backward, mega.fp8_mega_moe_weight_grads):
         with pytest.raises(_backend.FusedKernelUnavailable, match=FP8_TODO):
             fn(y, w13, w2, buf)
         assert y.isnan().all()

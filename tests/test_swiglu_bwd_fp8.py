@@ -7,9 +7,9 @@ rows are not a multiple of 128 at the pool's end), padding and masked rows, with
 scale options; bitwise repeatability across grid sizes; the device finding for offsets off the 128-row grid.
 
 The kernel's values differ from the emulation's by the sigmoid (the SFU's approximation against torch's) and the
-tensor core's accumulation order, so the quantized bytes are compared to one e4m3 step and the scales to fp32
-rounding; where the fp32 values agree (almost everywhere) the bytes are the same, which the tests require of all
-but a small fraction of them.
+tensor core's FP8 accumulation (fewer mantissa bits than fp32, ACC_RTOL below), so the quantized bytes are compared
+to one e4m3 step and the scales to that accumulation; where the fp32 values agree (almost everywhere) the bytes are
+the same, which the tests require of all but a small fraction of them.
 """
 
 from __future__ import annotations
@@ -211,27 +211,48 @@ def test_layouts_and_fake_kernel():
 # ---------------------------------------------------------------------------------------------------------- GPU
 
 
-def compare(got, want, offs, M):
+# Hopper's FP8 wgmma adds its products into the fp32 accumulator with fewer mantissa bits than fp32 (why the recipe
+# promotes every 128 of K), so the kernel's fp32 sums differ from the emulation's by up to ~1e-3 of a 128-long
+# block's magnitude: the tolerance of everything derived from them.
+ACC_RTOL = 2e-3
+
+
+def check_scales(name, a, b, pow2):
+    """Power-of-two scales are equal or one factor of 2 apart (an amax within ACC_RTOL of a power of two), in at most
+    1% of the blocks; plain scales are amax / 448, within ACC_RTOL."""
+    if not pow2:
+        torch.testing.assert_close(a, b, rtol=ACC_RTOL, atol=0, msg=lambda m: f"{name}: {m}")
+        return
+    ratio = a / b
+    assert bool(((ratio == 1) | (ratio == 2) | (ratio == 0.5)).all()), f"{name}: scales not a power of 2 apart"
+    off = (ratio != 1).float().mean().item()
+    assert off <= 0.01, f"{name}: {off:.4f} of the scales differ"
+
+
+def compare(got, want, offs, M, pow2):
     """got (CUDA) against want (the CPU emulation) on the rows of the groups."""
     rows = group_rows(offs)
     got = sbf.Fp8SwigluBwd(*(t.cpu() for t in got))
     tb_end = (offs[-1] + 127) // 128
-    for name in ("dh_sa",):
-        a, b = getattr(got, name)[rows], getattr(want, name)[rows]
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=0)
+    check_scales("dh_sa", got.dh_sa[rows], want.dh_sa[rows], pow2)
     for name in ("dht_s", "awt_s"):
-        torch.testing.assert_close(getattr(got, name)[:, :tb_end], getattr(want, name)[:, :tb_end], rtol=1e-4, atol=0)
-    torch.testing.assert_close(got.dt_part[rows], want.dt_part[rows], rtol=1e-4, atol=1e-5)
-    pairs = [(got.dh_q[rows], want.dh_q[rows], want.dh_sa[rows].repeat_interleave(128, 1)),
-             (got.dht_q[:, rows], want.dht_q[:, rows], want.dht_s[:, rows // 128]),
-             (got.awt_q[:, rows], want.awt_q[:, rows], want.awt_s[:, rows // 128])]
-    for q, r, scale in pairs:
-        assert not bool(torch.isnan(q.float()).any()), "a poisoned output byte was left unwritten"
+        check_scales(name, getattr(got, name)[:, :tb_end], getattr(want, name)[:, :tb_end], pow2)
+    dt_got, dt_want = got.dt_part[rows], want.dt_part[rows]  # sums of 128 products that may cancel: absolute bound
+    torch.testing.assert_close(dt_got, dt_want, rtol=ACC_RTOL, atol=ACC_RTOL * dt_want.abs().max().item())
+    pairs = [("dh_q", got.dh_q[rows], want.dh_q[rows], got.dh_sa[rows].repeat_interleave(128, 1),
+              want.dh_sa[rows].repeat_interleave(128, 1)),
+             ("dht_q", got.dht_q[:, rows], want.dht_q[:, rows], got.dht_s[:, rows // 128], want.dht_s[:, rows // 128]),
+             ("awt_q", got.awt_q[:, rows], want.awt_q[:, rows], got.awt_s[:, rows // 128], want.awt_s[:, rows // 128])]
+    for name, q, r, q_scale, r_scale in pairs:
+        assert not bool(torch.isnan(q.float()).any()), f"{name}: a poisoned output byte was left unwritten"
         same = (bits(q) == bits(r)).float().mean().item()
-        assert same > 0.99, f"only {same:.4f} of the bytes equal the emulation's"
-        dq, dr = q.float() * scale, r.float() * scale
-        step = torch.maximum(dr.abs() / 8, scale * 2.0 ** -9)  # one e4m3 step at that magnitude
-        assert bool(((dq - dr).abs() <= step * 1.01).all())
+        dq, dr = q.float() * q_scale, r.float() * r_scale
+        # one e4m3 step at that magnitude (of the coarser scale), plus the accumulators' difference
+        step = torch.maximum(dr.abs() / 8, torch.maximum(q_scale, r_scale) * 2.0 ** -9) + ACC_RTOL * dr.abs()
+        worst = ((dq - dr).abs() / step).max().item()
+        print(f"[compare] {name}: {same:.5f} of the bytes equal, worst difference {worst:.3f} of the bound")
+        assert same > 0.98, f"{name}: only {same:.4f} of the bytes equal the emulation's"
+        assert worst <= 1.01, f"{name}: a value differs by {worst:.3f} of one e4m3 step"
 
 
 @requires_sm90
@@ -243,7 +264,7 @@ def test_cuda_matches_the_emulation(counts, pad_last, clamp, pow2):
     torch.cuda.synchronize()
     prime_kernels.check_device_errors()
     want = run(case, "cpu", clamp=clamp, pow2=pow2)
-    compare(got, want, x["offs"], x["M"])
+    compare(got, want, x["offs"], x["M"], pow2)
 
 
 @requires_sm90

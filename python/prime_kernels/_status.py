@@ -59,7 +59,11 @@ def _entries() -> list[KernelEntry]:
         KernelEntry("mega_moe.bf16.sm90", "mega_moe_fwd_bf16", "sm90"),
         KernelEntry("mega_moe_backward.bf16.sm90", "", "sm90", f"{todo}: the backward runs as the grouped pipeline of our kernels"),
         KernelEntry("mega_moe.fp8.sm90", "", "sm90", f"{FP8_TODO} (fp8 precision)"),
-        KernelEntry("mega_moe.fp8_bwd.sm90", "", "sm90", f"{FP8_TODO} (fp8_bwd precision)"),
+        # The FP8 backward (prime_kernels.mega._fp8_bwd): the quantizing producers, the FP8 L2 dgrad with the SwiGLU
+        # backward, the FP8 grouped GEMMs and the combine; its status is that of its last kernel to be verified.
+        KernelEntry("mega_moe.fp8_bwd.sm90", "m_grouped_fp8_gemm_swiglu_bwd", "sm90",
+                    unverified="the FP8 backward pipeline is built but not yet run on a GPU: "
+                               "tests/test_fp8_bwd_pipeline.py's GPU tests have not run"),
         KernelEntry("mega_moe.bf16.sm100", "", "sm100", f"{todo} (Blackwell)"),
         KernelEntry("mega_moe.mxfp8.sm100", "", "sm100", f"{todo} (Blackwell mxfp8)"),
     ]

@@ -35,7 +35,7 @@ import warnings
 import torch
 
 from . import _fp8_bwd, _fused, _grouped, _validate, reference
-from .._status import FP8_TODO
+from .._status import FP8_TODO, KERNELS
 from ..routing import pool_capacity
 from ._validate import FusedKernelUnavailable
 from .constants import (ALLOW_FALLBACK_ENV, env_flag, BACKENDS, FUSED_MAX_EXPERTS, GROUPED_MAX_EXPERTS, HIDDEN_ALIGN,
@@ -152,16 +152,33 @@ def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None
 
 
 def fp8_kernel_reason(precision: str, direction: str = "fwd") -> str | None:
-    """For "fp8" and "fp8_bwd": None when the kernels of both directions are available, else why not (the
-    status() reason of ``direction``'s kernel, else of the other's); None for every other precision. Both
-    directions are asked for in either, so that a forward never runs on a kernel ahead of a backward that has
-    none."""
+    """For "fp8" and "fp8_bwd": None when the kernels of both directions are available, else why not: a kernel not
+    written yet first (naming the reference as the way to run the recipe), then the status() reason of
+    ``direction``'s kernel, then the other's; None for every other precision. Both directions are asked for in
+    either, so that a forward never runs on a kernel ahead of a backward that has none."""
     if precision not in reference.FP8_PRECISIONS:
         return None
-    for d in (direction, "bwd" if direction == "fwd" else "fwd"):
-        why = _fused_reason(precision, d)
-        if why is not None:
+    directions = (direction, "bwd" if direction == "fwd" else "fwd")
+    reasons = [(d, _fused_reason(precision, d)) for d in directions]
+    for d, why in reasons:
+        entry = KERNELS.get(kernel_name(precision, d))
+        if why is not None and entry is not None and entry.missing:
             return why if FP8_TODO in why else f"precision={precision!r}: {FP8_TODO} ({why})"
+    for _d, why in reasons:
+        if why is not None:
+            return f"precision={precision!r}: {why}"
+    return None
+
+
+def _fp8_pipeline_reason(precision: str, ep_size: int, activation_clamp: float | None) -> str | None:
+    """Why the FP8 backward pipeline cannot run this layer, asked before any forward runs (its own checks come
+    after the forward); None when it can, and for the other precisions."""
+    if precision not in reference.FP8_PRECISIONS:
+        return None
+    if activation_clamp is not None:  # its recompute is the plain bf16 L1 GEMM, without the clamp's rounding rule
+        return f"precision={precision!r}: the FP8 backward pipeline does not take activation_clamp yet"
+    if ep_size != 1:
+        return f"precision={precision!r}: the FP8 backward pipeline runs on a single rank (no expert-parallel group)"
     return None
 
 
@@ -248,7 +265,8 @@ def choose_backend(
         raise ValueError(f"prime_kernels.mega: backend='fused' cannot run: {too_many}; use backend='auto' or "
                          f"'grouped' (the grouped pipeline takes up to {GROUPED_MAX_EXPERTS})")
     off_device = None if device_type == "cuda" else f"tensors are on {device_type}; the fused kernels need CUDA tensors"
-    common = fp8_kernel_reason(precision, direction) or align or off_device
+    common = (fp8_kernel_reason(precision, direction) or _fp8_pipeline_reason(precision, ep_size, activation_clamp)
+              or align or off_device)
     if backend == "grouped":
         why = common or _grouped_reason(precision, ep_size, activation_clamp, num_local_experts)
         if why is not None:

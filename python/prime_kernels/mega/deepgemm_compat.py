@@ -10,6 +10,8 @@ boundary, then :mod:`prime_kernels.mega._backend` resolves and runs the backend.
 
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -224,6 +226,23 @@ def bf16_mega_moe_backward(
     writes dw1 in upstream's interleave. ``num_sms`` as in :func:`bf16_mega_moe`. T = 0 leaves dw1 and dw2
     zero (or, with ``accumulate=True``, as they were). Rounding points: see :mod:`prime_kernels.mega.reference`.
     """
+    _staged_backward("bf16", **locals())
+
+
+def fp8_bwd_mega_moe_backward(*args, **kwargs) -> None:
+    """:func:`bf16_mega_moe_backward` (the same arguments) with the FP8 backward of ``precision="fp8_bwd"``: the
+    forward ran in bf16 (:func:`bf16_mega_moe`), the backward quantizes dy, dh and the weight-gradient operands as
+    the recipe says (docs/fp8.md) and runs the FP8 backward pipeline. Raises the ``prime_kernels.status()`` reason
+    where that cannot run."""
+    bound = inspect.signature(bf16_mega_moe_backward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    _staged_backward("fp8_bwd", **bound.arguments)
+
+
+def _staged_backward(precision: str, *, dx, dw1, dw2, dtopk, dy, l1, l2, buffer, activation, activation_clamp,
+                     state, accumulate, l1_natural_layout, dw_natural_layout, shared_l1_weights, shared_l2_weights,
+                     shared_dw1_weights, shared_dw2_weights, fast_math, backend, block_m, num_sms) -> None:
+    """The backward of the staged-buffer calls for ``precision`` ("bf16" or "fp8_bwd")."""
     _no_shared((shared_l1_weights, shared_l2_weights, shared_dw1_weights, shared_dw2_weights))
     if activation != "swiglu":
         _validate._fail(f"only activation='swiglu' is supported, got {activation!r}")
@@ -246,7 +265,7 @@ def bf16_mega_moe_backward(
     cap = _backend.capacity(T, K, El, buffer.num_ranks, buffer.num_max_tokens_per_rank, block_m)
     if state is not None:
         _check_state(state, buffer, T, K, El, I, block_m, cap)
-    which = _backend.resolve("bwd", backend, "bf16", x, l1, ep_size=buffer.num_ranks,
+    which = _backend.resolve("bwd", backend, precision, x, l1, ep_size=buffer.num_ranks,
                              activation_clamp=activation_clamp, block_m=block_m)
     if T == 0 and buffer.num_ranks == 1:  # no route: zero weight gradients, dx and dtopk are empty
         for out in (dw1, dw2):
@@ -275,7 +294,7 @@ def bf16_mega_moe_backward(
             dw2 is not None and dw2.dtype == torch.float32) else None
         need_wgrad = dw1 is not None or dw2 is not None
         gx, gt, g13, g2 = _backend.backward(
-            which, dy, x, topk_idx, topk_weights, l1, l2, h, counts, offsets, src, srank, r2p, precision="bf16",
+            which, dy, x, topk_idx, topk_weights, l1, l2, h, counts, offsets, src, srank, r2p, precision=precision,
             activation_clamp=activation_clamp, group=group, num_experts=E, recompute=recompute,
             need_wgrad=need_wgrad, dw13_accum=tmp13, dw2_accum=tmp2, buffer=buffer, num_sms=sms)
         g13 = tmp13 if tmp13 is not None else g13
@@ -321,11 +340,6 @@ def fp8_mega_moe_backward(*args, **kwargs):
 def fp8_mega_moe_weight_grads(*args, **kwargs):
     """SM90 FP8 weight gradients into fp32 accumulators; raises the status() reason for now."""
     return _unavailable("fp8", "bwd", "fp8_mega_moe_weight_grads")(*args, precision="fp8", **kwargs)
-
-
-def fp8_bwd_mega_moe_backward(*args, **kwargs):
-    """BF16-forward / FP8-backward (``precision="fp8_bwd"``) backward; raises the status() reason for now."""
-    return _unavailable("fp8_bwd", "bwd", "fp8_bwd_mega_moe_backward")(*args, precision="fp8_bwd", **kwargs)
 
 
 def mxfp8_mega_moe(*args, **kwargs):
