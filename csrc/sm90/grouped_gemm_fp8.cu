@@ -10,6 +10,7 @@
 #include "k_grouped_gemm_fp8.cuh"
 #include "m_grouped_gemm_fp8.cuh"
 #include "swiglu_bwd_fp8.cuh"
+#include "swiglu_fwd_fp8.cuh"
 
 namespace prime_kernels {
 namespace sm90 {
@@ -19,13 +20,14 @@ static_assert(kFp8MaxGroups == kMaxGroups, "the argument check's group bound is 
 
 namespace {
 
-// The m-grouped FP8 kernels' operand maps (m_grouped_gemm_fp8.cuh, swiglu_bwd_fp8.cuh): A e4m3 [m_total, k] and B
-// e4m3 [num_groups, n, k] in 128 x 128-byte boxes with the 128-byte swizzle (the layout K-major wgmma reads), and
-// A's K-block-major scales in boxes of one tile's rows from the 16-byte boundary before them (no swizzle).
+// The m-grouped FP8 kernels' operand maps (m_grouped_gemm_fp8.cuh, swiglu_bwd_fp8.cuh, swiglu_fwd_fp8.cuh): A e4m3
+// [m_total, k] and B e4m3 [num_groups, n, k] in boxes of 128 (B: b_box_rows) rows x 128 bytes with the 128-byte
+// swizzle (the layout K-major wgmma reads), and A's K-block-major scales in boxes of one tile's rows from the 16-byte
+// boundary before them (no swizzle).
 int make_m_grouped_fp8_operand_maps(CUtensorMap* ma, CUtensorMap* mb, CUtensorMap* msa, const void* a, int64_t lda,
                                     const float* sa, int64_t ld_sa, const void* b, int64_t ldb,
                                     int64_t b_group_stride, int num_groups, int64_t m_total, int64_t n, int64_t k,
-                                    char* err, size_t err_len) {
+                                    char* err, size_t err_len, uint32_t b_box_rows = 128) {
   {
     const uint64_t dims[2] = {(uint64_t)k, (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)lda};
@@ -36,7 +38,7 @@ int make_m_grouped_fp8_operand_maps(CUtensorMap* ma, CUtensorMap* mb, CUtensorMa
     const int64_t gs = num_groups > 1 ? b_group_stride : n * ldb;
     const uint64_t dims[3] = {(uint64_t)k, (uint64_t)n, (uint64_t)num_groups};
     const uint64_t strides[2] = {(uint64_t)ldb, (uint64_t)gs};
-    const uint32_t box[3] = {128, 128, 1};
+    const uint32_t box[3] = {128, b_box_rows, 1};
     if (int r = make_map(mb, b, 3, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_UINT8)) return r;
   }
   const uint64_t dims[2] = {(uint64_t)m_total, (uint64_t)(k / 128)};
@@ -223,6 +225,52 @@ int m_grouped_fp8_gemm_swiglu_bwd(const SwigluBwdFp8GemmArgs& args, cudaStream_t
   constexpr int kStages = 3;
   constexpr auto kernel = &m_grouped_fp8_swiglu_bwd_kernel<kStages>;
   constexpr int smem = SwigluBwdFp8Layout<kStages>::kSmemBytes;
+  cudaError_t e = set_max_dynamic_smem<kernel>(smem);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaFuncSetAttribute: %s", fn, cudaGetErrorString(e));
+  e = launch_persistent<kernel>(kNumThreads, smem, max_units, sms, stream, ma, mb, msa, p);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s launch: %s", fn, cudaGetErrorString(e));
+  return check_launch(fn, err, err_len);
+}
+
+int m_grouped_fp8_gemm_swiglu(const SwigluFwdFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
+  clear_err(err, err_len);
+  const char* fn = "m_grouped_fp8_gemm_swiglu";
+  if (int r = check_swiglu_fwd_fp8_args(args, err, err_len)) return r;
+  if (args.m_total == 0) return kGemmOk;
+  int sms = 0;
+  if (int r = device_sms(&sms, err, err_len)) return r;
+  if (args.num_sms > 0 && args.num_sms < sms) sms = args.num_sms;
+  const int64_t m_total = args.m_total, I = args.intermediate, H = args.hidden;
+  CUtensorMap ma, mb, msa;
+  // B in boxes of 64 rows: a tile's gate rows c and up rows I + c (m_grouped_fp8_produce's gate | up mode)
+  if (int r = make_m_grouped_fp8_operand_maps(&ma, &mb, &msa, args.x_q, args.lda, args.x_sa, args.ld_sa, args.w13_q,
+                                              args.ldb, args.b_group_stride, args.num_groups, m_total, 2 * I, H, err,
+                                              err_len, kSwigluFwdFp8Block))
+    return r;
+  SwigluFwdFp8Params p{};
+  p.l2_hints = kGemmL2Hints;
+  p.check = common::device_check_record();
+  p.sb = args.w13_sb;
+  p.sb_group_stride = args.num_groups > 1 ? args.sb_group_stride : 0;
+  p.sb_n_stride = args.sb_n_stride;
+  p.group_offsets = args.group_offsets;
+  p.m_total = (int32_t)m_total;
+  p.n = (int32_t)I;
+  p.k = (int32_t)H;
+  p.num_groups = args.num_groups;
+  p.pow2_scales = args.pow2_scales;
+  p.h = reinterpret_cast<__nv_bfloat16*>(args.h);
+  p.ldh = args.ldh;
+  p.s_q = reinterpret_cast<uint8_t*>(args.s_q);
+  p.ld_s_q = args.ld_s_q;
+  p.s_sa = args.s_sa;
+  p.ld_s_sa = args.ld_s_sa;
+  const int64_t max_units = max_m_blocks(m_total, args.num_groups) * (I / kSwigluFwdFp8Block);
+
+  // the FP8 GEMM's ring (m_grouped_fp8_gemm_nt's 5 stages, measured there)
+  constexpr int kStages = 5;
+  constexpr auto kernel = &m_grouped_fp8_swiglu_kernel<kStages>;
+  constexpr int smem = MGroupedFp8Layout<128, kStages>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaFuncSetAttribute: %s", fn, cudaGetErrorString(e));
   e = launch_persistent<kernel>(kNumThreads, smem, max_units, sms, stream, ma, mb, msa, p);

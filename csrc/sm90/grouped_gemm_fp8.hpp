@@ -144,6 +144,44 @@ struct SwigluBwdFp8GemmArgs {
   int num_sms = 0;  // caps the grid (0 = every multiprocessor)
 };
 
+// The FP8 L1 GEMM with the SwiGLU forward and the quantization of s (swiglu_fwd_fp8.cuh; precision "fp8", reference
+// F1, F3, F6): h = G(qK(x_pool), W13) per group in fp32, never stored as such; writes qK(s, 64) along I with
+// s = silu(gate) * up on the fp32 h, and (when h is given) h rounded to bf16. Host-side arguments of
+// m_grouped_fp8_gemm_swiglu:
+struct SwigluFwdFp8GemmArgs {
+  // A: e4m3 [m_total, hidden] and its scales, as MGroupedFp8GemmArgs' a / lda / sa / ld_sa (dispatch_rows_fp8's output)
+  const void* x_q = nullptr;
+  int64_t lda = 0;
+  const float* x_sa = nullptr;
+  int64_t ld_sa = 0;
+  // B: W13 e4m3 [num_groups, 2 * intermediate, hidden] (gate rows, then up rows; K contiguous) and its 128 x 128
+  // block scales [num_groups, 2 * intermediate / 128, hidden / 128], as MGroupedFp8GemmArgs' b / sb
+  const void* w13_q = nullptr;
+  int64_t ldb = 0;
+  int64_t b_group_stride = 0;
+  const float* w13_sb = nullptr;
+  int64_t sb_group_stride = 0;
+  int64_t sb_n_stride = 0;
+  // qK(s, 64): e4m3 [m_total, I] (row stride ld_s_q bytes, >= I, % 16 == 0) and fp32 scales at s_sa[j * ld_s_sa + m],
+  // j < I / 64 (ld_s_sa >= m_total, % 4 == 0, 16-byte aligned): the L2 GEMM's A operand
+  void* s_q = nullptr;
+  int64_t ld_s_q = 0;
+  float* s_sa = nullptr;
+  int64_t ld_s_sa = 0;
+  // bf16 [m_total, 2 * intermediate] gate | up (row stride ldh, >= 2I, even), 4-byte aligned; null: not written
+  void* h = nullptr;
+  int64_t ldh = 0;
+  // device int32 [num_groups + 1], the m-grouped GEMM's contract; checked on the device
+  const int32_t* group_offsets = nullptr;
+  int num_groups = 0;
+  int64_t m_total = 0;
+  // intermediate and hidden multiples of 128 (>= 128)
+  int64_t intermediate = 0;
+  int64_t hidden = 0;
+  bool pow2_scales = false;
+  int num_sms = 0;  // caps the grid (0 = every multiprocessor)
+};
+
 namespace host {
 
 constexpr int kFp8MaxGroups = 1024;  // = kMaxGroups (kernel_common.cuh; checked where the kernel is compiled)
@@ -330,6 +368,59 @@ inline int check_swiglu_bwd_fp8_args(const SwigluBwdFp8GemmArgs& x, char* err, s
   return kGemmOk;
 }
 
+// Every check the FP8 L1 launcher makes before it touches the device, in the order it makes them; kGemmOk or
+// kGemmInvalidArgument with the reason in err. m_total == 0 passes once the sizes are checked (nothing to launch).
+inline int check_swiglu_fwd_fp8_args(const SwigluFwdFp8GemmArgs& x, char* err, size_t err_len) {
+  const char* fn = "m_grouped_fp8_gemm_swiglu";
+  const int64_t I = x.intermediate, H = x.hidden, m = x.m_total;
+  if (x.num_groups < 1 || x.num_groups > kFp8MaxGroups)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, x.num_groups,
+                kFp8MaxGroups);
+  if (m < 0 || m > kFp8MaxDim || I < 128 || 2 * I > kFp8MaxDim || H < 128 || H > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: bad sizes m_total=%lld intermediate=%lld hidden=%lld (intermediate, hidden >= 128)", fn,
+                (long long)m, (long long)I, (long long)H);
+  if (I % 128 != 0 || H % 128 != 0)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: intermediate (%lld) and hidden (%lld) must be multiples of 128 (W13's 128 x 128 scale blocks hold "
+                "whole 64-column tiles, one k-block per 128 of H)",
+                fn, (long long)I, (long long)H);
+  if (x.num_sms < 0) return fail(kGemmInvalidArgument, err, err_len, "%s: num_sms = %d, must be >= 0", fn, x.num_sms);
+  if (m == 0) return kGemmOk;
+  if (x.x_q == nullptr || x.x_sa == nullptr || x.w13_q == nullptr || x.w13_sb == nullptr || x.s_q == nullptr ||
+      x.s_sa == nullptr || x.group_offsets == nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: null x_q, x_sa, w13_q, w13_sb, s_q, s_sa or group_offsets",
+                fn);
+  if (!fp8_aligned(x.x_q, 16) || !fp8_aligned(x.x_sa, 16) || !fp8_aligned(x.w13_q, 16) || !fp8_aligned(x.s_q, 16) ||
+      !fp8_aligned(x.s_sa, 16))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: x_q, x_sa, w13_q, s_q and s_sa must be 16-byte aligned", fn);
+  if (!fp8_aligned(x.w13_sb, 4) || (x.h != nullptr && !fp8_aligned(x.h, 4)))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: w13_sb and h must be 4-byte aligned", fn);
+  if (x.lda < H || x.lda % 16 != 0 || x.ldb < H || x.ldb % 16 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: lda = %lld, ldb = %lld: must be >= hidden and multiples of 16",
+                fn, (long long)x.lda, (long long)x.ldb);
+  if (x.num_groups > 1 && (x.b_group_stride < 2 * I * x.ldb || x.b_group_stride % 16 != 0))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: b_group_stride = %lld, must be >= %lld and a multiple of 16",
+                fn, (long long)x.b_group_stride, (long long)(2 * I * x.ldb));
+  const int64_t k_blocks = H / 128, n_blocks = 2 * I / 128, t_blocks = (m + 127) / 128;
+  if (x.ld_sa < m || x.ld_sa % 4 != 0 || x.ld_sa > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: ld_sa = %lld, must be >= m_total (%lld) and a multiple of 4",
+                fn, (long long)x.ld_sa, (long long)m);
+  if (x.sb_n_stride < k_blocks || (x.num_groups > 1 && x.sb_group_stride < n_blocks * x.sb_n_stride))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: sb strides (%lld, %lld) do not cover [E, %lld, %lld]", fn,
+                (long long)x.sb_group_stride, (long long)x.sb_n_stride, (long long)n_blocks, (long long)k_blocks);
+  if (x.ld_s_q < I || x.ld_s_q % 16 != 0 || x.ld_s_sa < m || x.ld_s_sa % 4 != 0 || x.ld_s_sa > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: ld_s_q = %lld (>= intermediate, a multiple of 16), ld_s_sa = %lld (>= m_total, a multiple of 4)",
+                fn, (long long)x.ld_s_q, (long long)x.ld_s_sa);
+  if (x.h != nullptr && (x.ldh < 2 * I || x.ldh % 2 != 0))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: ldh = %lld, must be >= 2 * intermediate and even", fn,
+                (long long)x.ldh);
+  if ((t_blocks + x.num_groups) * (I / 64) > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: too many tiles", fn);
+  return kGemmOk;
+}
+
 }  // namespace host
 
 // Validates (check_m_grouped_fp8_args), returns without a launch when m_total == 0, else launches on stream.
@@ -338,6 +429,8 @@ int m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream, 
 int k_grouped_fp8_gemm_tn(const KGroupedFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
 // Validates (check_swiglu_bwd_fp8_args), returns without a launch when m_total == 0, else launches on stream.
 int m_grouped_fp8_gemm_swiglu_bwd(const SwigluBwdFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
+// Validates (check_swiglu_fwd_fp8_args), returns without a launch when m_total == 0, else launches on stream.
+int m_grouped_fp8_gemm_swiglu(const SwigluFwdFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
 
 }  // namespace sm90
 }  // namespace prime_kernels

@@ -89,14 +89,18 @@ struct MGroupedFp8Layout : StageRingLayout<128, kBlockN, 128, kNumStages, 1> {
   static_assert(kSaOff % 128 == 0 && kSaBytes % 128 == 0, "TMA destinations are 128-byte aligned");
 };
 
-// The elected producer thread of the m-grouped FP8 kernels (this one and swiglu_bwd_fp8.cuh): per tile of this CTA
-// (units u = blockIdx.x, + unit_step, ...) and k-block, the A tile, B_g's tile and the tile rows' A scales into the
-// next ring stage. L: the stage layout (kAOff / kABytes, kBOff / kBBytes, kSaOff / kSaBytes, kStageTxBytes, kBlockK).
-template <typename L, int kNumStages, typename LocateFn>
+// The elected producer thread of the m-grouped FP8 kernels (this one, swiglu_bwd_fp8.cuh, swiglu_fwd_fp8.cuh): per
+// tile of this CTA (units u = blockIdx.x, + unit_step, ...) and k-block, the A tile, B_g's tile and the tile rows' A
+// scales into the next ring stage. L: the stage layout (kAOff / kABytes, kBOff / kBBytes, kSaOff / kSaBytes,
+// kStageTxBytes, kBlockK, kBlockN). kGateUp: B's tile is two boxes of kBlockN / 2 rows, rows n0 (gate) and
+// up_row0 + n0 (up) of B_g, so that one accumulator holds gate | up of the same columns (tmap_b's box is then
+// kBlockN / 2 rows).
+template <typename L, int kNumStages, bool kGateUp = false, typename LocateFn>
 __device__ __forceinline__ void m_grouped_fp8_produce(uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar,
                                                       const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
                                                       const CUtensorMap* tmap_sa, int num_units, int unit_step,
-                                                      int num_k_blocks, int32_t l2_hints, LocateFn&& locate) {
+                                                      int num_k_blocks, int32_t l2_hints, int up_row0,
+                                                      LocateFn&& locate) {
   const uint64_t pol_b = l2_policy_reused_loads(l2_hints);
   int stage = 0;
   uint32_t phase = 0;
@@ -107,8 +111,11 @@ __device__ __forceinline__ void m_grouped_fp8_produce(uint8_t* smem, uint64_t* f
       ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
       ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kStageTxBytes);
       ptx::tma_load_2d(smem + L::kAOff + stage * L::kABytes, tmap_a, &full_bar[stage], kb * L::kBlockK, w.row0);
-      ptx::tma_load_3d_hint(smem + L::kBOff + stage * L::kBBytes, tmap_b, &full_bar[stage], kb * L::kBlockK, w.n0,
-                            w.b_group, pol_b);
+      uint8_t* b_stage = smem + L::kBOff + stage * L::kBBytes;
+      ptx::tma_load_3d_hint(b_stage, tmap_b, &full_bar[stage], kb * L::kBlockK, w.n0, w.b_group, pol_b);
+      if constexpr (kGateUp)
+        ptx::tma_load_3d_hint(b_stage + (L::kBlockN / 2) * 128, tmap_b, &full_bar[stage], kb * L::kBlockK,
+                              up_row0 + w.n0, w.b_group, pol_b);
       // from the 16-byte boundary at or before row0; rows past M_total arrive as zeros (never stored)
       ptx::tma_load_2d(smem + L::kSaOff + stage * L::kSaBytes, tmap_sa, &full_bar[stage], w.row0 & ~3, kb);
       advance_stage<kNumStages>(stage, phase);
@@ -134,6 +141,34 @@ struct RowTimesTileScales {
   }
 };
 
+// As RowTimesTileScales for a gate | up tile (kGateUp): the fragment's left half (gate rows c of W13) and right half
+// (up rows I + c) lie in different 128 x 128 scale blocks of W13, sb_gate[kb] and sb_up[kb].
+template <int kSaStageFloats, int kAccRegs>
+struct RowTimesGateUpScales {
+  const float* sb_gate;
+  const float* sb_up;
+  const float* s_sa;
+  int frag_row;
+  __device__ __forceinline__ float2 prefetch(int kb) const {
+    return make_float2(__ldg(sb_gate + kb), __ldg(sb_up + kb));
+  }
+  __device__ __forceinline__ float4 load(float2 sb, int s_) const {
+    const float* sa = s_sa + s_ * kSaStageFloats + frag_row;
+    return make_float4(sa[0], sa[8], sb.x, sb.y);
+  }
+  __device__ __forceinline__ void apply(float4 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
+    const float g_lo = f.x * f.z, g_hi = f.y * f.z, u_lo = f.x * f.w, u_hi = f.y * f.w;
+#pragma unroll
+    for (int j = 0; j < kAccRegs / 4; ++j) {  // groups j < kAccRegs / 8: gate columns
+      const float lo = j < kAccRegs / 8 ? g_lo : u_lo, hi = j < kAccRegs / 8 ? g_hi : u_hi;
+      acc_[4 * j + 0] = fmaf(part_[4 * j + 0], lo, acc_[4 * j + 0]);
+      acc_[4 * j + 1] = fmaf(part_[4 * j + 1], lo, acc_[4 * j + 1]);
+      acc_[4 * j + 2] = fmaf(part_[4 * j + 2], hi, acc_[4 * j + 2]);
+      acc_[4 * j + 3] = fmaf(part_[4 * j + 3], hi, acc_[4 * j + 3]);
+    }
+  }
+};
+
 // The whole of an m-grouped FP8 kernel (this GEMM, swiglu_bwd_fp8.cuh) but its epilogue, for every thread of the CTA:
 // the offsets check (align > 1: every offset a multiple of align or m_total too; bad offsets leave the tile list
 // empty, noted under check_kind), the ring's barriers, the tile list, the producer, and each consumer warpgroup's
@@ -141,8 +176,10 @@ struct RowTimesTileScales {
 // boxes, kBarOff, kOffsOff, kTileOff); P: the parameters (l2_hints, check, sb and its strides, group_offsets,
 // m_total, n, k, num_groups). After each tile's mainloop every consumer thread calls
 // epilogue(acc, work, active, wg, wg_tid, frag_row) (active: the warpgroup's rows start before the group's end;
-// frag_row: this thread's first accumulator row in the tile), and after its last tile finish(wg_tid).
-template <typename L, int kNumStages, typename P, typename Epilogue, typename Finish>
+// frag_row: this thread's first accumulator row in the tile), and after its last tile finish(wg_tid). kGateUp (the
+// L1 with the SwiGLU epilogue): p.n is I, an n-block covers kBlockN / 2 columns c of it, and B's tile holds W13's
+// gate rows c and up rows I + c (m_grouped_fp8_produce), so work.n0 is a column of I.
+template <typename L, int kNumStages, bool kGateUp = false, typename P, typename Epilogue, typename Finish>
 __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, const CUtensorMap* tmap_a,
                                                           const CUtensorMap* tmap_b, const CUtensorMap* tmap_sa,
                                                           const CUtensorMap* tmap_out, const P& p, int check_kind,
@@ -164,7 +201,8 @@ __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, con
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int num_groups = p.num_groups;
-  const int n_blocks = ceil_div(p.n, kBlockN);
+  constexpr int kTileCols = kGateUp ? kBlockN / 2 : kBlockN;  // columns of p.n per n-block
+  const int n_blocks = ceil_div(p.n, kTileCols);
   const int num_k_blocks = ceil_div(p.k, kBlockK);
 
   const bool bad_offsets = common::group_offsets_invalid(p.group_offsets, num_groups, p.m_total, p.check, check_kind,
@@ -177,15 +215,15 @@ __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, con
   const int num_units = s_tile[num_groups];
   const int unit_step = (int)gridDim.x;
   auto locate = [&](int u, int& g) -> MGroupedWork {
-    return m_grouped_locate<kBlockM>(s_offs, s_tile, n_blocks, kBlockN, u, g);
+    return m_grouped_locate<kBlockM>(s_offs, s_tile, n_blocks, kTileCols, u, g);
   };
 
   if (warp < 4) {
     // ================= producer warpgroup (one elected thread; the others have nothing to do)
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (warp == 0 && lane == 0)
-      m_grouped_fp8_produce<L, kNumStages>(smem, full_bar, empty_bar, tmap_a, tmap_b, tmap_sa, num_units, unit_step,
-                                           num_k_blocks, p.l2_hints, locate);
+      m_grouped_fp8_produce<L, kNumStages, kGateUp>(smem, full_bar, empty_bar, tmap_a, tmap_b, tmap_sa, num_units,
+                                                    unit_step, num_k_blocks, p.l2_hints, p.n, locate);
   } else {
     // ================= consumer warpgroups
     ptx::setmaxnreg_inc<kConsumerRegs>();
@@ -204,15 +242,23 @@ __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, con
       const MGroupedWork w = locate(u, g);
       // A warpgroup whose 64 rows all lie past the group's end (a tail m-block) only keeps the pipeline moving.
       const bool active = w.row0 + 64 * wg < w.row_end;
-      const RowTimesTileScales<L::kSaBytes / 4, kBlockN / 2> scales{
-          p.sb + w.b_group * p.sb_group_stride + (w.n0 / kBlockN) * p.sb_n_stride, s_sa, frag_row + (w.row0 & 3)};
+      const float* sb_group = p.sb + w.b_group * p.sb_group_stride;
       auto release = [&](int s_) {
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
       };
-      consumer_tile_mainloop_promoted<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes>(
-          acc, part, active, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0, desc.b_hi,
-          scales, release);
+      auto mainloop = [&](const auto& scales) {
+        consumer_tile_mainloop_promoted<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes>(
+            acc, part, active, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0, desc.b_hi,
+            scales, release);
+      };
+      if constexpr (kGateUp)
+        mainloop(RowTimesGateUpScales<L::kSaBytes / 4, kBlockN / 2>{
+            sb_group + (w.n0 / 128) * p.sb_n_stride, sb_group + ((p.n + w.n0) / 128) * p.sb_n_stride, s_sa,
+            frag_row + (w.row0 & 3)});
+      else
+        mainloop(RowTimesTileScales<L::kSaBytes / 4, kBlockN / 2>{sb_group + (w.n0 / kBlockN) * p.sb_n_stride, s_sa,
+                                                                   frag_row + (w.row0 & 3)});
       epilogue(acc, w, active, wg, wg_tid, frag_row);
     }
     finish(wg_tid);

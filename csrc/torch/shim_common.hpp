@@ -22,7 +22,7 @@ void* current_cuda_stream(int32_t device_index);
 // An uninitialised tensor on like's device.
 Tensor new_tensor(const Tensor& like, std::vector<int64_t> sizes, ScalarType dtype);
 
-// The shim's FP8 operand checks (quantize_ops.cpp, swiglu_bwd_fp8_ops.cpp).
+// The shim's FP8 operand checks (quantize_ops.cpp, swiglu_bwd_fp8_ops.cpp, swiglu_fwd_fp8_ops.cpp).
 inline void check_same_device(const Tensor& t, const Tensor& like, const char* op, const char* name) {
   STD_TORCH_CHECK(t.is_cuda() == like.is_cuda() && t.get_device_index() == like.get_device_index(), "prime_kernels.",
                   op, ": ", name, " must be on the input's device");
@@ -39,6 +39,16 @@ inline int64_t block_major_ld(const Tensor& s, int64_t outer, int64_t blocks, co
                   " must be K-block major (stride(0) == 1, e.g. the transpose of a contiguous [blocks, R] tensor "
                   "with R a multiple of 4), got strides (", s.stride(0), ", ", s.stride(1), ")");
   return blocks <= 1 ? (outer + 3) / 4 * 4 : s.stride(1);
+}
+
+// An e4m3 [rows, cols] operand with unit column stride, on like's device.
+inline void check_e4m3(const Tensor& t, const Tensor& like, const char* op, const char* name, int64_t rows,
+                       int64_t cols) {
+  STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float8_e4m3fn && t.dim() == 2 && t.size(0) == rows &&
+                      t.size(1) == cols && (t.stride(1) == 1 || cols <= 1),
+                  "prime_kernels.", op, ": ", name, " must be a float8_e4m3fn [", rows, ", ", cols,
+                  "] tensor with unit column stride");
+  check_same_device(t, like, op, name);
 }
 
 // q's row stride: with one row, or empty rows, it is never used (any value torch reports is replaced by the

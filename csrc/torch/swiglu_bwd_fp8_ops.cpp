@@ -15,14 +15,6 @@ using namespace prime_kernels::torch_shim;
 
 constexpr const char* kOp = "m_grouped_fp8_gemm_swiglu_bwd_";
 
-void check_e4m3(const Tensor& t, const Tensor& like, const char* name, int64_t rows, int64_t cols) {
-  STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float8_e4m3fn && t.dim() == 2 && t.size(0) == rows &&
-                      t.size(1) == cols && (t.stride(1) == 1 || cols <= 1),
-                  "prime_kernels.", kOp, ": ", name, " must be a float8_e4m3fn [", rows, ", ", cols,
-                  "] tensor with unit column stride");
-  check_same_device(t, like, kOp, name);
-}
-
 void m_grouped_fp8_gemm_swiglu_bwd_cuda(Tensor dy_q, Tensor dy_sa, Tensor w2t_q, Tensor w2t_sb, Tensor group_offsets,
                                         Tensor h, Tensor pool_src_route, Tensor route_weights, Tensor dh_q,
                                         Tensor dh_sa, Tensor dht_q, Tensor dht_s, Tensor awt_q, Tensor awt_s,
@@ -31,7 +23,7 @@ void m_grouped_fp8_gemm_swiglu_bwd_cuda(Tensor dy_q, Tensor dy_sa, Tensor w2t_q,
   STD_TORCH_CHECK(num_sms >= 0 && num_sms <= (int64_t(1) << 30), "prime_kernels.", kOp, ": num_sms = ", num_sms,
                   ", must be >= 0 (0 = every SM)");
   const int64_t m = dy_q.size(0), hidden = dy_q.size(1);
-  check_e4m3(dy_q, dy_q, "dy_q", m, hidden);
+  check_e4m3(dy_q, dy_q, kOp, "dy_q", m, hidden);
   STD_TORCH_CHECK(w2t_q.scalar_type() == ScalarType::Float8_e4m3fn && w2t_q.dim() == 3 && w2t_q.size(2) == hidden &&
                       w2t_q.stride(2) == 1,
                   "prime_kernels.", kOp, ": w2t_q must be a float8_e4m3fn [E, I, H] tensor (H contiguous)");
@@ -63,11 +55,11 @@ void m_grouped_fp8_gemm_swiglu_bwd_cuda(Tensor dy_q, Tensor dy_sa, Tensor w2t_q,
   STD_TORCH_CHECK(route_weights.scalar_type() == ScalarType::Float && route_weights.is_contiguous(), "prime_kernels.",
                   kOp, ": route_weights must be a contiguous float32 tensor (topk_weights flattened)");
   check_same_device(route_weights, dy_q, kOp, "route_weights");
-  check_e4m3(dh_q, dy_q, "dh_q", m, 2 * inter);
+  check_e4m3(dh_q, dy_q, kOp, "dh_q", m, 2 * inter);
   const int64_t ld_dh_sa = block_major_ld(dh_sa, m, 2 * nb, kOp, "dh_sa", "[M, 2I / 128]");
-  check_e4m3(dht_q, dy_q, "dht_q", 2 * inter, m);
+  check_e4m3(dht_q, dy_q, kOp, "dht_q", 2 * inter, m);
   const int64_t ld_dht_s = block_major_ld(dht_s, 2 * inter, tb, kOp, "dht_s", "[2I, ceil(M / 128)]");
-  check_e4m3(awt_q, dy_q, "awt_q", inter, m);
+  check_e4m3(awt_q, dy_q, kOp, "awt_q", inter, m);
   const int64_t ld_awt_s = block_major_ld(awt_s, inter, tb, kOp, "awt_s", "[I, ceil(M / 128)]");
   for (const Tensor* t : {&dh_sa, &dht_s, &awt_s}) check_same_device(*t, dy_q, kOp, "a scale output");
   STD_TORCH_CHECK(dt_part.scalar_type() == ScalarType::Float && dt_part.dim() == 2 && dt_part.size(0) == m &&

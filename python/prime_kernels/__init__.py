@@ -61,6 +61,9 @@ if _lib.load().shim_loaded:
     from . import swiglu_bwd_fp8 as _swiglu_bwd_fp8  # noqa: E402
 
     _swiglu_bwd_fp8._register()
+    from . import swiglu_fwd_fp8 as _swiglu_fwd_fp8  # noqa: E402
+
+    _swiglu_fwd_fp8._register()
 from .mega import *  # noqa: E402,F401,F403  (upstream's top-level names: bf16_mega_moe, ...)
 
 __all__ = list(mega.__all__) + ["status", "build_info", "__version__", "RoutingPlan", "routing_plan", "routing_plan_reference",
