@@ -135,7 +135,8 @@ def compare(got, want, offs, pow2):
     assert not bool(torch.isnan(q.float()).any()), "s_q: a poisoned output byte was left unwritten"
     same = (bits(q) == bits(r)).float().mean().item()
     dq, dr = q.float() * q_scale, r.float() * r_scale
-    step = torch.maximum(dr.abs() / 8, torch.maximum(q_scale, r_scale) * 2.0 ** -9) + ACC_RTOL * dr.abs()
+    coarse = torch.maximum(q_scale, r_scale)
+    step = torch.maximum(dr.abs() / 8, coarse * 2.0 ** -9) + ACC_RTOL * 448 * coarse  # as test_swiglu_bwd_fp8.py
     worst = ((dq - dr).abs() / step).max().item()
     print(f"[compare] s_q: {same:.5f} of the bytes equal, worst difference {worst:.3f} of the bound")
     assert same > 0.98, f"s_q: only {same:.4f} of the bytes equal the emulation's"

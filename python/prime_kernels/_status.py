@@ -46,9 +46,7 @@ def _entries() -> list[KernelEntry]:
     e.append(KernelEntry("m_grouped_gemm_nt.fp8.sm90", "m_grouped_fp8_gemm_nt", "sm90"))
     e.append(KernelEntry("k_grouped_gemm_tn.fp8.sm90", "k_grouped_fp8_gemm_tn", "sm90"))
     # The FP8 L2 dgrad with the SwiGLU backward and the quantizing epilogue (prime_kernels.swiglu_bwd_fp8)
-    e.append(KernelEntry("m_grouped_gemm_swiglu_bwd.fp8.sm90", "m_grouped_fp8_gemm_swiglu_bwd", "sm90",
-                         unverified="compiled (e4m3 wgmma in its SASS, no spills, no local memory) but not yet run on "
-                                    "a GPU: tests/test_swiglu_bwd_fp8.py's GPU tests have not run"))
+    e.append(KernelEntry("m_grouped_gemm_swiglu_bwd.fp8.sm90", "m_grouped_fp8_gemm_swiglu_bwd", "sm90"))
     # The FP8 L1 GEMM with the SwiGLU forward and the quantization of s (prime_kernels.swiglu_fwd_fp8)
     e.append(KernelEntry("m_grouped_gemm_swiglu.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90",
                          unverified="compiled but not yet run on a GPU: tests/test_swiglu_fwd_fp8.py's GPU tests have "
@@ -65,9 +63,7 @@ def _entries() -> list[KernelEntry]:
         KernelEntry("mega_moe.fp8.sm90", "", "sm90", f"{FP8_TODO} (fp8 precision)"),
         # The FP8 backward (prime_kernels.mega._fp8_bwd): the quantizing producers, the FP8 L2 dgrad with the SwiGLU
         # backward, the FP8 grouped GEMMs and the combine; its status is that of its last kernel to be verified.
-        KernelEntry("mega_moe.fp8_bwd.sm90", "m_grouped_fp8_gemm_swiglu_bwd", "sm90",
-                    unverified="the FP8 backward pipeline is built but not yet run on a GPU: "
-                               "tests/test_fp8_bwd_pipeline.py's GPU tests have not run"),
+        KernelEntry("mega_moe.fp8_bwd.sm90", "m_grouped_fp8_gemm_swiglu_bwd", "sm90"),
         KernelEntry("mega_moe.bf16.sm100", "", "sm100", f"{todo} (Blackwell)"),
         KernelEntry("mega_moe.mxfp8.sm100", "", "sm100", f"{todo} (Blackwell mxfp8)"),
     ]

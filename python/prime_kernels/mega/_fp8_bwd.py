@@ -71,11 +71,10 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None
     dy_t = quantize_tokens_fp8(dy_pool, offsets, counts, pow2_scales=pow2) if want_w else None  # qT(dy_e)
     del dy_pool
-    # B2-B6, B9 in one kernel (its CPU op: the recipe's emulation). Still unverified on a GPU: this pipeline runs
-    # in the layer only once status() lists mega_moe.fp8_bwd.sm90, so its own tests may run the kernel meanwhile.
+    # B2-B6, B9 in one kernel (its CPU op: the recipe's emulation)
     l2 = m_grouped_fp8_gemm_swiglu_bwd(dy_q, dy_qs, c2.transposed.data, c2.transposed.scale, offsets, h_saved,
                                        pool_src_route, topk_weights.float().contiguous(), pow2_scales=pow2,
-                                       num_sms=sms, allow_unverified=True)
+                                       num_sms=sms)
     del dy_q, dy_qs
     # d topk_weights per pool row: the per-128-column partials summed in column order; masked routes
     # (route_to_pool = -1) read the zero past the pool's end
