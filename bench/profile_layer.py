@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--shapes", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--precision", choices=("bf16", "fp8_bwd"), default="bf16")
     a = p.parse_args()
     from prime_kernels.mega import mega_moe
 
@@ -66,7 +67,8 @@ def main() -> None:
         leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
 
         def fwd():
-            return mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], num_experts=E, backend=a.backend)
+            return mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], num_experts=E, backend=a.backend,
+                            precision=a.precision)
 
         for _ in range(3):
             torch.autograd.grad(fwd(), leaves, dy)

@@ -48,9 +48,7 @@ def _entries() -> list[KernelEntry]:
     # The FP8 L2 dgrad with the SwiGLU backward and the quantizing epilogue (prime_kernels.swiglu_bwd_fp8)
     e.append(KernelEntry("m_grouped_gemm_swiglu_bwd.fp8.sm90", "m_grouped_fp8_gemm_swiglu_bwd", "sm90"))
     # The FP8 L1 GEMM with the SwiGLU forward and the quantization of s (prime_kernels.swiglu_fwd_fp8)
-    e.append(KernelEntry("m_grouped_gemm_swiglu.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90",
-                         unverified="compiled but not yet run on a GPU: tests/test_swiglu_fwd_fp8.py's GPU tests have "
-                                    "not run"))
+    e.append(KernelEntry("m_grouped_gemm_swiglu.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90"))
     # The single-rank pipeline of our grouped GEMMs (prime_kernels.mega backend="grouped").
     e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     # The fused backward's dgrad kernel (L2 dgrad with the SwiGLU backward, then the L1 dgrad, in one launch):
