@@ -25,10 +25,10 @@ BOUND = 4e-3
 SPECIAL = [0, 1, 7, 127, 128, 129, 255, 1000]
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> e4m3 [M, K] and fp32 scales [M, K / 128] (one per row per 128 of K): x ~ q * s."""
+def quantize_rows(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> e4m3 [M, K] and fp32 scales [M, K / block] (one per row per block of K): x ~ q * s."""
     m, k = x.shape
-    blocks = x.float().view(m, k // 128, 128)
+    blocks = x.float().view(m, k // block, block)
     s = (blocks.abs().amax(-1) / E4M3_MAX).clamp_min(1e-12)
     q = (blocks / s[..., None]).to(torch.float8_e4m3fn).view(m, k)
     return q, s
@@ -67,13 +67,13 @@ def offsets_of(sizes: list[int], device) -> torch.Tensor:
     return offs.to(device)
 
 
-def make_inputs(E: int, sizes: list[int], N: int, K: int, seed: int):
-    """Fresh random operands, quantized by the recipe (CPU tensors)."""
+def make_inputs(E: int, sizes: list[int], N: int, K: int, seed: int, a_block: int = 128):
+    """Fresh random operands, quantized by the recipe (CPU tensors); A in 1 x a_block blocks."""
     gen = torch.Generator().manual_seed(seed)
     M = sum(sizes)
     x = torch.randn(M, K, generator=gen) * torch.exp(torch.randn(M, 1, generator=gen))  # rows of different scale
     w = torch.randn(E, N, K, generator=gen) / K ** 0.5
-    a, sa = quantize_rows(x)
+    a, sa = quantize_rows(x, a_block)
     b, sb = quantize_blocks(w)
     return M, a, sa, b, sb
 
@@ -117,6 +117,20 @@ def test_cpu_emulation_is_within_the_bound_of_float64():
     assert out.dtype == torch.bfloat16 and out.shape == (M, 264)
     ref = m_grouped_fp8_gemm_reference(a, sa, b, sb, offs, torch.float64)
     assert rel_err(out, ref) < BOUND
+
+
+def test_cpu_emulation_with_a_quantized_1x64():
+    """An A with one scale per 64 of K (the FP8 forward's L2 operand): the emulation promotes per 64, within the bound
+    of the float64 product, and differs from treating the scales as 128-wide (which the shapes tell apart)."""
+    sizes = [5, 0, 130, 77]
+    M, a, sa, b, sb = make_inputs(4, sizes, 264, 384, seed=11, a_block=64)
+    assert sa.shape == (M, 6)
+    offs = offsets_of(sizes, "cpu")
+    out = prime_kernels.m_grouped_fp8_gemm_nt(a, sa, b, sb, offs)
+    ref = m_grouped_fp8_gemm_reference(a, sa, b, sb, offs, torch.float64)
+    assert rel_err(out, ref) < BOUND
+    wrong = m_grouped_fp8_gemm_reference(a, sa[:, ::2].contiguous(), b, sb, offs, torch.float64)
+    assert rel_err(wrong, ref) > 10 * BOUND
 
 
 def test_m_total_zero_gives_an_empty_output():
@@ -212,6 +226,27 @@ def test_fp8_gemm_matches_float64(E, kind, N, K):
     assert torch.equal(out, again), "not deterministic"
     capped = prime_kernels.m_grouped_fp8_gemm_nt(ac, sac, bc, sbc, offs, num_sms=7)
     assert torch.equal(out, capped), "num_sms=7 differs from every SM"
+
+
+@requires_sm90
+@pytest.mark.parametrize("E,kind,N,K", [(8, "uniform", 2048, 768), (8, "special", 4096, 1536), (1, "uniform", 136, 128),
+                                        (4, "single_row", 2048, 768)])
+def test_fp8_gemm_with_a_quantized_1x64_matches_float64(E, kind, N, K):
+    """sa [M, K / 64]: each 128-wide k-block promoted in two halves with their own A scales (NaN-poisoned output,
+    bitwise repeatable over grid sizes)."""
+    gen = torch.Generator().manual_seed(E * 100 + N + K + 1)
+    sizes = group_sizes(E, kind, gen)
+    M, a, sa, b, sb = make_inputs(E, sizes, N, K, seed=E * 7 + N + K + 3, a_block=64)
+    offs = offsets_of(sizes, "cuda")
+    ac, sac, bc, sbc = a.cuda(), k_block_major_scales(sa.cuda()), b.cuda(), sb.cuda()
+    poison_next_alloc(M * N, torch.bfloat16)
+    out = prime_kernels.m_grouped_fp8_gemm_nt(ac, sac, bc, sbc, offs)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any(), "rows inside groups left unwritten"
+    ref = m_grouped_fp8_gemm_reference(a, sa, b, sb, offs.cpu(), torch.float64)
+    err = rel_err(out.cpu(), ref)
+    assert err <= BOUND, f"rel err {err:.3e}"
+    assert torch.equal(out, prime_kernels.m_grouped_fp8_gemm_nt(ac, sac, bc, sbc, offs, num_sms=7))
 
 
 @requires_sm90

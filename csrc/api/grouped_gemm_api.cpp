@@ -221,7 +221,7 @@ int pk_mega_moe_bwd_dgrad_bf16(const void* dy_pool, int64_t lda, const void* w2,
 int pk_m_grouped_fp8_gemm_nt(const void* a, int64_t lda, const float* sa, int64_t ld_sa, const void* b, int64_t ldb,
                              int64_t b_group_stride, const float* sb, int64_t sb_group_stride, int64_t sb_n_stride,
                              void* d, int64_t ldd, const int32_t* group_offsets, int num_groups, int64_t m_total,
-                             int64_t n, int64_t k, int num_sms, void* cuda_stream) {
+                             int64_t n, int64_t k, int a_scale_block, int num_sms, void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90("m_grouped_fp8_gemm_nt"); rc != PK_OK) return rc;
   PK_CHECK_ARG(num_sms >= 0, "m_grouped_fp8_gemm_nt: num_sms = %d, must be >= 0 (0 = every SM)", num_sms);
@@ -246,6 +246,7 @@ int pk_m_grouped_fp8_gemm_nt(const void* a, int64_t lda, const float* sa, int64_
   args.m_total = m_total;
   args.n = n;
   args.k = k;
+  args.a_scale_block = a_scale_block;
   args.config = &cfg;
   char message[512] = {0};
   const int rc = prime_kernels::sm90::m_grouped_fp8_gemm_nt(args, static_cast<cudaStream_t>(cuda_stream), message,
@@ -254,7 +255,7 @@ int pk_m_grouped_fp8_gemm_nt(const void* a, int64_t lda, const float* sa, int64_
 #else
   (void)a, (void)lda, (void)sa, (void)ld_sa, (void)b, (void)ldb, (void)b_group_stride, (void)sb;
   (void)sb_group_stride, (void)sb_n_stride, (void)d, (void)ldd, (void)group_offsets, (void)num_groups;
-  (void)m_total, (void)n, (void)k, (void)num_sms, (void)cuda_stream;
+  (void)m_total, (void)n, (void)k, (void)a_scale_block, (void)num_sms, (void)cuda_stream;
   return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
                               "m_grouped_fp8_gemm_nt is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif

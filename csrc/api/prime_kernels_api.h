@@ -147,11 +147,13 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, c
 // major: sa[kb * ld_sa + r] (ld_sa >= m_total, % 4, 16-byte aligned); sb fp32 [num_groups, ceil(n / 128), k / 128]
 // at sb[g * sb_group_stride + nb * sb_n_stride + kb]; D bf16 [m_total, n] (ldd, % 8). k a multiple of 128, n of 8.
 // group_offsets, rows outside every group, num_sms and the device-side check: as the BF16 m-grouped GEMM above.
+// a_scale_block: A's scale block along K, 128, or 64 (sa[kb64 * ld_sa + r]: the FP8 forward's L2 operand, quantized
+// 1 x 64 by the L1 epilogue; each 128-wide k-block is then promoted in two halves).
 PK_API int pk_m_grouped_fp8_gemm_nt(const void* a, int64_t lda, const float* sa, int64_t ld_sa, const void* b,
                                     int64_t ldb, int64_t b_group_stride, const float* sb, int64_t sb_group_stride,
                                     int64_t sb_n_stride, void* d, int64_t ldd, const int32_t* group_offsets,
-                                    int num_groups, int64_t m_total, int64_t n, int64_t k, int num_sms,
-                                    void* cuda_stream);
+                                    int num_groups, int64_t m_total, int64_t n, int64_t k, int a_scale_block,
+                                    int num_sms, void* cuda_stream);
 
 // The FP8 L2 dgrad with the SwiGLU backward and a quantizing epilogue (sm90; precision "fp8_bwd", docs/fp8.md):
 // da = G(qK(dy_pool), W2^T) per group (dy_q / dy_sa as pk_m_grouped_fp8_gemm_nt's A, w2t_q / w2t_sb its B with

@@ -5,6 +5,8 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "host_utils.hpp"
 #include "m_blocks.hpp"
 #include "k_grouped_gemm_fp8.cuh"
@@ -27,7 +29,8 @@ namespace {
 int make_m_grouped_fp8_operand_maps(CUtensorMap* ma, CUtensorMap* mb, CUtensorMap* msa, const void* a, int64_t lda,
                                     const float* sa, int64_t ld_sa, const void* b, int64_t ldb,
                                     int64_t b_group_stride, int num_groups, int64_t m_total, int64_t n, int64_t k,
-                                    char* err, size_t err_len, uint32_t b_box_rows = 128) {
+                                    char* err, size_t err_len, uint32_t b_box_rows = 128,
+                                    int64_t a_scale_block = 128) {
   {
     const uint64_t dims[2] = {(uint64_t)k, (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)lda};
@@ -41,7 +44,7 @@ int make_m_grouped_fp8_operand_maps(CUtensorMap* ma, CUtensorMap* mb, CUtensorMa
     const uint32_t box[3] = {128, b_box_rows, 1};
     if (int r = make_map(mb, b, 3, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_UINT8)) return r;
   }
-  const uint64_t dims[2] = {(uint64_t)m_total, (uint64_t)(k / 128)};
+  const uint64_t dims[2] = {(uint64_t)m_total, (uint64_t)(k / a_scale_block)};
   const uint64_t strides[1] = {(uint64_t)ld_sa * 4};
   const uint32_t box[2] = {(uint32_t)MGroupedFp8Layout<128, 1>::kSaBoxRows, 1};
   return make_map(msa, sa, 2, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
@@ -65,7 +68,8 @@ int m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream, 
   const int64_t m_total = args.m_total, n = args.n, k = args.k;
   CUtensorMap ma, mb, msa, md;
   if (int r = make_m_grouped_fp8_operand_maps(&ma, &mb, &msa, args.a, args.lda, args.sa, args.ld_sa, args.b, args.ldb,
-                                              args.b_group_stride, args.num_groups, m_total, n, k, err, err_len))
+                                              args.b_group_stride, args.num_groups, m_total, n, k, err, err_len, 128,
+                                              args.a_scale_block))
     return r;
   {  // D: the BF16 kernel's output map (64 x 64 boxes, clipped at [m_total, n])
     const uint64_t dims[2] = {(uint64_t)n, (uint64_t)m_total};
@@ -88,13 +92,20 @@ int m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream, 
   p.num_groups = args.num_groups;
   const int64_t max_units = max_m_blocks(m_total, args.num_groups) * ((n + kBlockN - 1) / kBlockN);
 
-  constexpr auto kernel = &m_grouped_fp8_gemm_kernel<kBlockN, kStages>;
-  constexpr int smem = MGroupedFp8Layout<kBlockN, kStages>::kSmemBytes;
-  cudaError_t e = set_max_dynamic_smem<kernel>(smem);
-  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaFuncSetAttribute: %s", fn, cudaGetErrorString(e));
-  e = launch_persistent<kernel>(kNumThreads, smem, max_units, sms, stream, ma, mb, msa, md, p);
-  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s launch: %s", fn, cudaGetErrorString(e));
-  return check_launch(fn, err, err_len);
+  auto launch = [&](auto scale_blocks) -> int {
+    constexpr int kAScaleBlocks = decltype(scale_blocks)::value;
+    constexpr auto kernel = &m_grouped_fp8_gemm_kernel<kBlockN, kStages, kAScaleBlocks>;
+    constexpr int smem = MGroupedFp8Layout<kBlockN, kStages, kAScaleBlocks>::kSmemBytes;
+    cudaError_t e = set_max_dynamic_smem<kernel>(smem);
+    if (e != cudaSuccess)
+      return fail(kGemmCudaError, err, err_len, "%s: cudaFuncSetAttribute: %s", fn, cudaGetErrorString(e));
+    e = launch_persistent<kernel>(kNumThreads, smem, max_units, sms, stream, ma, mb, msa, md, p);
+    if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s launch: %s", fn, cudaGetErrorString(e));
+    return check_launch(fn, err, err_len);
+  };
+  // A quantized 1 x 64 (the FP8 forward's L2 operand): two scale blocks per 128-wide k-block
+  if (args.a_scale_block == 64) return launch(std::integral_constant<int, 2>{});
+  return launch(std::integral_constant<int, 1>{});
 }
 
 namespace {

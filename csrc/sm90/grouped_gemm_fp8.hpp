@@ -51,6 +51,9 @@ struct MGroupedFp8GemmArgs {
   int64_t k = 0;
   // null = m_grouped_fp8_gemm_config(); else it must be that config (num_sms may differ)
   const GroupedGemmConfig* config = nullptr;
+  // A's scale block along K: 128, or 64 (one scale per row per 64 of K, sa[kb64 * ld_sa + m]; the FP8 forward's L2
+  // operand, quantized 1 x 64 by the L1 epilogue)
+  int a_scale_block = 128;
 };
 
 // k-grouped: the weight gradients of the recipe's qT operands. Host-side arguments of k_grouped_fp8_gemm_tn:
@@ -207,6 +210,8 @@ inline int check_m_grouped_fp8_args(const MGroupedFp8GemmArgs& x, char* err, siz
   if (x.ldd < x.n || x.ldd % 8 != 0)
     return fail(kGemmInvalidArgument, err, err_len, "%s: ldd = %lld, must be >= n and a multiple of 8", fn,
                 (long long)x.ldd);
+  if (x.a_scale_block != 128 && x.a_scale_block != 64)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: a_scale_block = %d, must be 128 or 64", fn, x.a_scale_block);
   if (x.config != nullptr && !m_grouped_fp8_gemm_config_supported(*x.config))
     return fail(kGemmInvalidArgument, err, err_len,
                 "%s: unsupported config block_m=%d block_n=%d block_k=%d stages=%d async_epilogue=%d (built: 128 x 128 "

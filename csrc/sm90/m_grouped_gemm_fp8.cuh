@@ -11,6 +11,8 @@
 //       before the tile's first row, see MGroupedFp8Layout::kSaBoxRows) brings them into the stage
 //       next to the A and B tiles they scale, completing on the same mbarrier (a row-major [M_total, K / 128] tensor
 //       would need one 4-byte box row per tile row).
+//       With kAScaleBlocks = 2 A has one scale per row per 64 of K (sa[kb64 * ld_sa + m], the FP8 forward's L2 operand
+//       s): two boxes per stage, and each k-block's four k32 wgmma are promoted in two pairs, each with its own scale.
 //   sb  fp32 [E, ceil(N / 128), K / 128] at sb[g * sb_group_stride + nb * sb_n_stride + kb], read by the consumers
 //       from global memory (one value per tile and k-block, loaded before the stage's wait so the wait hides it).
 //   D   [M_total, N] bf16 (row stride ldd). Rows outside every group are not written.
@@ -66,9 +68,12 @@ struct MGroupedFp8Params {
   int32_t num_groups;
 };
 
-template <int kBlockN, int kNumStages>
+// kAScaleBlocks: A's scale blocks per 128-wide k-block (1; 2 for an A quantized 1 x 64, the L2 operand s of the FP8
+// forward), one scale box each in the stage.
+template <int kBlockN, int kNumStages, int kAScaleBlocks_ = 1>
 struct MGroupedFp8Layout : StageRingLayout<128, kBlockN, 128, kNumStages, 1> {
   using Ring = StageRingLayout<128, kBlockN, 128, kNumStages, 1>;
+  static constexpr int kAScaleBlocks = kAScaleBlocks_;
   static constexpr int kCOff = Ring::kRingEnd;  // 1024-aligned, as the swizzled staging tile needs
   static constexpr int kCBytes = TmaStaging<kBlockN>::kBytes;
   // A tile's rows start anywhere (at its group's first row), but a TMA box's first element along the innermost
@@ -76,14 +81,15 @@ struct MGroupedFp8Layout : StageRingLayout<128, kBlockN, 128, kNumStages, 1> {
   // tile's first row rounded down to a multiple of 4 scales and holds 4 more, and the consumers skip row0 % 4 of them.
   static constexpr int kSaBoxRows = Ring::kBlockM + 4;
   static constexpr int kSaBoxBytes = kSaBoxRows * 4;
-  static constexpr int kSaBytes = (kSaBoxBytes + 127) / 128 * 128;  // one stage's slot, 128-byte aligned
+  static constexpr int kSaBoxSlot = (kSaBoxBytes + 127) / 128 * 128;  // one box's place, 128-byte aligned
+  static constexpr int kSaBytes = kAScaleBlocks * kSaBoxSlot;          // one stage's slot
   static constexpr int kSaOff = kCOff + kCBytes;
   static constexpr int kBarOff = kSaOff + kNumStages * kSaBytes;
   static constexpr int kOffsOff = kBarOff + (2 * kNumStages + 2) * 8;
   static constexpr int kTileOff = kOffsOff + (kMaxGroups + 1) * 4;
   static constexpr int kEnd = kTileOff + (kMaxGroups + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
-  static constexpr int kStageTxBytes = Ring::kABytes + Ring::kBBytes + kSaBoxBytes;
+  static constexpr int kStageTxBytes = Ring::kABytes + Ring::kBBytes + kAScaleBlocks * kSaBoxBytes;
   static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
   static_assert(kBlockN == 128, "B's scales are per 128 columns: one sb value per tile and k-block");
   static_assert(kSaOff % 128 == 0 && kSaBytes % 128 == 0, "TMA destinations are 128-byte aligned");
@@ -116,8 +122,12 @@ __device__ __forceinline__ void m_grouped_fp8_produce(uint8_t* smem, uint64_t* f
       if constexpr (kGateUp)
         ptx::tma_load_3d_hint(b_stage + (L::kBlockN / 2) * 128, tmap_b, &full_bar[stage], kb * L::kBlockK,
                               up_row0 + w.n0, w.b_group, pol_b);
-      // from the 16-byte boundary at or before row0; rows past M_total arrive as zeros (never stored)
-      ptx::tma_load_2d(smem + L::kSaOff + stage * L::kSaBytes, tmap_sa, &full_bar[stage], w.row0 & ~3, kb);
+      // from the 16-byte boundary at or before row0; rows past M_total arrive as zeros (never stored); one box per
+      // scale block of the k-block
+#pragma unroll
+      for (int i = 0; i < L::kAScaleBlocks; ++i)
+        ptx::tma_load_2d(smem + L::kSaOff + stage * L::kSaBytes + i * (L::kSaBytes / L::kAScaleBlocks), tmap_sa,
+                         &full_bar[stage], w.row0 & ~3, kb * L::kAScaleBlocks + i);
       advance_stage<kNumStages>(stage, phase);
     }
   }
@@ -134,6 +144,23 @@ struct RowTimesTileScales {
   __device__ __forceinline__ float prefetch(int kb) const { return __ldg(sb_tile + kb); }
   __device__ __forceinline__ float3 load(float sb, int s_) const {
     const float* sa = s_sa + s_ * kSaStageFloats + frag_row;
+    return make_float3(sa[0], sa[8], sb);
+  }
+  __device__ __forceinline__ void apply(float3 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
+    promote_rows(acc_, part_, f.x * f.z, f.y * f.z);
+  }
+};
+
+// As RowTimesTileScales for an A with two scale blocks per k-block (MGroupedFp8Layout's kAScaleBlocks = 2): the
+// promotion of k-steps group `sub` reads the stage's box `sub` (kSaBoxFloats floats apart).
+template <int kSaStageFloats, int kSaBoxFloats, int kAccRegs>
+struct RowTimesTileScalesSplitK {
+  const float* sb_tile;
+  const float* s_sa;
+  int frag_row;
+  __device__ __forceinline__ float prefetch(int kb) const { return __ldg(sb_tile + kb); }
+  __device__ __forceinline__ float3 load(float sb, int s_, int sub) const {
+    const float* sa = s_sa + s_ * kSaStageFloats + sub * kSaBoxFloats + frag_row;
     return make_float3(sa[0], sa[8], sb);
   }
   __device__ __forceinline__ void apply(float3 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
@@ -248,7 +275,7 @@ __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, con
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
       };
       auto mainloop = [&](const auto& scales) {
-        consumer_tile_mainloop_promoted<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes>(
+        consumer_tile_mainloop_promoted<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, L::kAScaleBlocks>(
             acc, part, active, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0, desc.b_hi,
             scales, release);
       };
@@ -256,6 +283,9 @@ __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, con
         mainloop(RowTimesGateUpScales<L::kSaBytes / 4, kBlockN / 2>{
             sb_group + (w.n0 / 128) * p.sb_n_stride, sb_group + ((p.n + w.n0) / 128) * p.sb_n_stride, s_sa,
             frag_row + (w.row0 & 3)});
+      else if constexpr (L::kAScaleBlocks > 1)
+        mainloop(RowTimesTileScalesSplitK<L::kSaBytes / 4, L::kSaBytes / 4 / L::kAScaleBlocks, kBlockN / 2>{
+            sb_group + (w.n0 / kBlockN) * p.sb_n_stride, s_sa, frag_row + (w.row0 & 3)});
       else
         mainloop(RowTimesTileScales<L::kSaBytes / 4, kBlockN / 2>{sb_group + (w.n0 / kBlockN) * p.sb_n_stride, s_sa,
                                                                    frag_row + (w.row0 & 3)});
@@ -265,13 +295,13 @@ __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, con
   }
 }
 
-template <int kBlockN, int kNumStages>
+template <int kBlockN, int kNumStages, int kAScaleBlocks = 1>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                               const __grid_constant__ CUtensorMap tmap_sa, const __grid_constant__ CUtensorMap tmap_d,
                               const MGroupedFp8Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using L = MGroupedFp8Layout<kBlockN, kNumStages>;
+  using L = MGroupedFp8Layout<kBlockN, kNumStages, kAScaleBlocks>;
   extern __shared__ uint8_t smem_raw[];
   m_grouped_fp8_kernel_body<L, kNumStages>(
       smem_raw, &tmap_a, &tmap_b, &tmap_sa, &tmap_d, p, common::kCheckMGroupedOffsets, 1,

@@ -131,8 +131,8 @@ __device__ __forceinline__ void promote_rows_cols(float (&acc)[kAccRegs], const 
 // (a global load is then in flight during the wait and the MMAs), f = scales.load(pre, stage) from the landed stage
 // before release(stage) hands it back, and scales.apply(f, part, acc) after it. A warpgroup with no rows
 // (active = false) only releases stages. acc is zeroed first.
-template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, int kAccRegs,
-          typename Scales, typename ReleaseFn>
+template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, int kPromoteSteps = 1,
+          int kAccRegs, typename Scales, typename ReleaseFn>
 __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAccRegs], float (&part)[kAccRegs],
                                                                 bool active, int num_k_blocks, uint64_t* full_bar,
                                                                 int& stage, uint32_t& phase, uint32_t a_lo0,
@@ -150,27 +150,42 @@ __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAc
     }
     return;
   }
+  // kPromoteSteps > 1: A's scales change every kBlockK / kPromoteSteps of K (an L2 operand quantized 1 x 64), so
+  // the stage's k-steps are issued in that many groups, each waited for and promoted with its own A scales.
+  constexpr int kStepsPerPromotion = kBlockK / Mma::kK / kPromoteSteps;
+  static_assert(kStepsPerPromotion * kPromoteSteps * Mma::kK == kBlockK, "promotions split the k-block evenly");
   for (int kb = 0; kb < num_k_blocks; ++kb) {
     const auto pre = scales.prefetch(kb);
     ptx::mbar_wait(&full_bar[stage], phase);
-#pragma unroll
-    for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
-    ptx::wgmma_fence();
     const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (kStageABytes >> 4);
     const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (kStageBBytes >> 4);
 #pragma unroll
-    for (int kk = 0; kk < kBlockK / Mma::kK; ++kk)
-      Mma::mma(part, ptx::desc_from_halves(a_lo + kk * kKStepDesc, a_hi),
-               ptx::desc_from_halves(b_lo + kk * kKStepDesc, b_hi), kk > 0 ? 1u : 0u);
-    ptx::wgmma_commit();
+    for (int sub = 0; sub < kPromoteSteps; ++sub) {
 #pragma unroll
-    for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
-    ptx::wgmma_wait<0>();
+      for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
+      ptx::wgmma_fence();
 #pragma unroll
-    for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
-    const auto f = scales.load(pre, stage);
-    release(stage);
-    scales.apply(f, part, acc);
+      for (int j = 0; j < kStepsPerPromotion; ++j) {
+        const int kk = sub * kStepsPerPromotion + j;
+        Mma::mma(part, ptx::desc_from_halves(a_lo + kk * kKStepDesc, a_hi),
+                 ptx::desc_from_halves(b_lo + kk * kKStepDesc, b_hi), j > 0 ? 1u : 0u);
+      }
+      ptx::wgmma_commit();
+#pragma unroll
+      for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
+      if constexpr (kPromoteSteps == 1) {
+        const auto f = scales.load(pre, stage);
+        release(stage);
+        scales.apply(f, part, acc);
+      } else {
+        const auto f = scales.load(pre, stage, sub);
+        if (sub == kPromoteSteps - 1) release(stage);
+        scales.apply(f, part, acc);
+      }
+    }
     advance_stage<kNumStages>(stage, phase);
   }
 }

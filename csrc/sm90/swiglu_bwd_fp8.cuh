@@ -90,6 +90,7 @@ template <int kNumStages>
 struct SwigluBwdFp8Layout : StageRingLayout<128, 128, 128, kNumStages, 1> {
   using Ring = StageRingLayout<128, 128, 128, kNumStages, 1>;
   using Gemm = MGroupedFp8Layout<128, kNumStages>;  // the A-scale boxes of the FP8 GEMM's stages
+  static constexpr int kAScaleBlocks = 1;
   static constexpr int kSaBoxRows = Gemm::kSaBoxRows;
   static constexpr int kSaBytes = Gemm::kSaBytes;
   static constexpr int kStageTxBytes = Gemm::kStageTxBytes;

@@ -271,8 +271,10 @@ Tensor m_grouped_fp8_gemm_nt(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor gr
   const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
   STD_TORCH_CHECK(sa.is_cuda() && sa.get_device_index() == a.get_device_index() && sa.scalar_type() == ScalarType::Float,
                   "prime_kernels.", op, ": sa must be a float32 tensor on a's device");
-  STD_TORCH_CHECK(sa.dim() == 2 && sa.size(0) == m && sa.size(1) == kb, "prime_kernels.", op, ": sa must be [M, ceil(K / 128)] = [",
-                  m, ", ", kb, "]");
+  // sa [M, K / 64]: A quantized 1 x 64 (the FP8 forward's L2 operand); else one scale per 128 of K
+  const bool a64 = sa.dim() == 2 && k % 128 == 0 && sa.size(1) == 2 * kb;
+  STD_TORCH_CHECK(sa.dim() == 2 && sa.size(0) == m && (sa.size(1) == kb || a64), "prime_kernels.", op,
+                  ": sa must be [M, ceil(K / 128)] = [", m, ", ", kb, "] or [M, K / 64] = [", m, ", ", 2 * kb, "]");
   STD_TORCH_CHECK(m <= 1 || sa.stride(0) == 1, "prime_kernels.", op,
                   ": sa must be K-block major (stride(0) == 1, e.g. the transpose of a contiguous [K / 128, M'] tensor "
                   "with M' >= M a multiple of 4), got strides (", sa.stride(0), ", ", sa.stride(1), ")");
@@ -282,14 +284,14 @@ Tensor m_grouped_fp8_gemm_nt(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor gr
                   op, ": sb must be [E, ceil(N / 128), ceil(K / 128)] = [", num_groups, ", ", nb, ", ", kb, "]");
   STD_TORCH_CHECK(sb.stride(2) == 1 || kb == 1, "prime_kernels.", op, ": sb must have unit stride in its last dim");
   // With one k-block sa's stride between k-blocks is never used (torch may report any value for it).
-  const int64_t ld_sa = kb == 1 ? (m + 3) / 4 * 4 : sa.stride(1);
+  const int64_t ld_sa = sa.size(1) == 1 ? (m + 3) / 4 * 4 : sa.stride(1);
   torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
   Tensor d = new_tensor(a, {m, n}, ScalarType::BFloat16);
   check_core(pk_m_grouped_fp8_gemm_nt(a.data_ptr(), a.stride(0), static_cast<const float*>(sa.data_ptr()), ld_sa,
                                       b.data_ptr(), b.stride(1), b.stride(0), static_cast<const float*>(sb.data_ptr()),
                                       sb.stride(0), nb == 1 ? kb : sb.stride(1), d.data_ptr(), d.stride(0),
-                                      static_cast<const int32_t*>(group_offsets.data_ptr()), num_groups, m, n, k, sms,
-                                      current_cuda_stream(a.get_device_index())),
+                                      static_cast<const int32_t*>(group_offsets.data_ptr()), num_groups, m, n, k,
+                                      a64 ? 64 : 128, sms, current_cuda_stream(a.get_device_index())),
              op);
   return d;
 }

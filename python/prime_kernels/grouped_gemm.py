@@ -140,13 +140,15 @@ def k_block_major_scales(sa: torch.Tensor) -> torch.Tensor:
 
 def m_grouped_fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                                  group_offsets: torch.Tensor, acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The blockwise-FP8 m-grouped GEMM emulated. float32: the kernel's order (each 128-K block's products summed,
-    scaled by sa * sb and added into an fp32 accumulator), rounded to bf16; float64: the dequantized operands'
-    product, not rounded. Rows outside every group are zero."""
+    """The blockwise-FP8 m-grouped GEMM emulated. float32: the kernel's order (each K block's products summed,
+    scaled by sa * sb and added into an fp32 accumulator; the block is 128, or 64 when sa has K / 64 columns: an A
+    quantized 1 x 64), rounded to bf16; float64: the dequantized operands' product, not rounded. Rows outside every
+    group are zero."""
     offs = group_offsets.tolist()
     m, k = a.shape
     n = b.shape[1]
-    kb = (k + FP8_BLOCK - 1) // FP8_BLOCK
+    a_block = FP8_BLOCK // 2 if k % FP8_BLOCK == 0 and sa.shape[1] == 2 * (k // FP8_BLOCK) else FP8_BLOCK
+    kb = (k + a_block - 1) // a_block
     out = torch.zeros(m, n, dtype=acc_dtype, device=a.device)
     sa_c = sa.to(acc_dtype)
     for g in range(len(offs) - 1):
@@ -154,23 +156,25 @@ def m_grouped_fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Ten
         if hi <= lo:
             continue
         x, w = a[lo:hi].to(acc_dtype), b[g].to(acc_dtype)
-        sbn = sb[g].to(acc_dtype).repeat_interleave(FP8_BLOCK, 0)[:n]  # [N, kb]: each column's block scales
+        sbn = sb[g].to(acc_dtype).repeat_interleave(FP8_BLOCK, 0)[:n]  # [N, K / 128]: each column's block scales
         if acc_dtype == torch.float64:
-            xs = x * sa_c[lo:hi].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+            xs = x * sa_c[lo:hi].repeat_interleave(a_block, 1)[:, :k]
             ws = w * sbn.repeat_interleave(FP8_BLOCK, 1)[:, :k]
             out[lo:hi] = xs @ ws.t()
             continue
         for j in range(kb):
-            blk = slice(j * FP8_BLOCK, min(k, (j + 1) * FP8_BLOCK))
-            out[lo:hi] += (x[:, blk] @ w[:, blk].t()) * sa_c[lo:hi, j:j + 1] * sbn[:, j][None, :]
+            blk = slice(j * a_block, min(k, (j + 1) * a_block))
+            out[lo:hi] += (x[:, blk] @ w[:, blk].t()) * sa_c[lo:hi, j:j + 1] * sbn[:, (j * a_block) // FP8_BLOCK][None, :]
     return out if acc_dtype == torch.float64 else out.to(torch.bfloat16)
 
 
 def m_grouped_fp8_gemm_nt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                           group_offsets: torch.Tensor, *, num_sms: int | None = None) -> torch.Tensor:
     """Blockwise-FP8 m-grouped GEMM, bf16 [M, N] out. a float8_e4m3fn [M, K] (K a multiple of 128), sa float32
-    [M, K/128] (any layout: it is made K-block major first, see k_block_major_scales), b float8_e4m3fn [E, N, K]
-    (K contiguous), sb float32 [E, ceil(N/128), K/128]. Rows outside every group are left unspecified."""
+    [M, K/128], or [M, K/64] for an A quantized 1 x 64 (the FP8 forward's L2 operand; each 128-wide k-block is then
+    promoted in two halves), in any layout (it is made K-block major first, see k_block_major_scales), b
+    float8_e4m3fn [E, N, K] (K contiguous), sb float32 [E, ceil(N/128), K/128]. Rows outside every group are left
+    unspecified."""
     sms = _sms(num_sms)
     _ready("m_grouped_fp8_gemm_nt", a.device)
     if sa.dim() == 2 and sa.dtype == torch.float32:
@@ -414,8 +418,9 @@ def _register() -> None:
         if n < 8 or n % 8 != 0:
             raise RuntimeError(f"prime_kernels.{op}: n ({n}) must be a multiple of 8")
         kb, nb = k // FP8_BLOCK, (n + FP8_BLOCK - 1) // FP8_BLOCK
-        if tuple(sa.shape) != (m, kb):
-            raise RuntimeError(f"prime_kernels.{op}: sa must be [M, ceil(K / 128)] = [{m}, {kb}], got {list(sa.shape)}")
+        if tuple(sa.shape) not in ((m, kb), (m, 2 * kb)):
+            raise RuntimeError(f"prime_kernels.{op}: sa must be [M, ceil(K / 128)] = [{m}, {kb}] or [M, K / 64] = "
+                               f"[{m}, {2 * kb}], got {list(sa.shape)}")
         if tuple(sb.shape) != (e, nb, kb):
             raise RuntimeError(f"prime_kernels.{op}: sb must be [E, ceil(N / 128), ceil(K / 128)] = [{e}, {nb}, {kb}], "
                                f"got {list(sb.shape)}")

@@ -103,6 +103,8 @@ int main() {
   expect("k not a multiple of 128", [](MGroupedFp8GemmArgs& x) { x.k = 200; }, bad, "multiple of 128");
   expect("n not a multiple of 8", [](MGroupedFp8GemmArgs& x) { x.n = 100; }, bad, "n (100) must be a multiple of 8");
   expect("ldd below n", [](MGroupedFp8GemmArgs& x) { x.ldd = 200; }, bad, "ldd = 200");
+  expect("A scales per 64 of K", [](MGroupedFp8GemmArgs& x) { x.a_scale_block = 64; }, kGemmOk, nullptr);
+  expect("A scales per 32 of K", [](MGroupedFp8GemmArgs& x) { x.a_scale_block = 32; }, bad, "a_scale_block = 32");
   expect("other config", [&](MGroupedFp8GemmArgs& x) { x.config = &other; }, bad, "unsupported config");
   expect("null sa", [](MGroupedFp8GemmArgs& x) { x.sa = nullptr; }, bad, "null a, sa, b, sb, d or group_offsets");
   expect("null sb", [](MGroupedFp8GemmArgs& x) { x.sb = nullptr; }, bad, "null");
