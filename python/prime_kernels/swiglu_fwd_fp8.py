@@ -15,7 +15,8 @@ zeros); w13_q / w13_sb are the weight cache's copy of w13 ([E, 2I, H] gate rows 
 written.
 
 On CUDA (sm90a) one kernel does all of it (verified on an H200 against the emulation, tests/test_swiglu_fwd_fp8.py).
-Nothing in the layer calls it yet: the FP8 forward also needs an L2 GEMM that promotes every 64 of K. On the CPU the op runs :func:`swiglu_fwd_fp8_reference`, the emulation the GPU
+Nothing in the layer calls it yet (the FP8 forward pipeline is not written; its L2 is m_grouped_fp8_gemm_nt with
+sa [M, I/64]). On the CPU the op runs :func:`swiglu_fwd_fp8_reference`, the emulation the GPU
 tests compare the kernel with.
 """
 
