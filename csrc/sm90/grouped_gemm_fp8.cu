@@ -94,14 +94,9 @@ int m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream, 
 
   auto launch = [&](auto scale_blocks) -> int {
     constexpr int kAScaleBlocks = decltype(scale_blocks)::value;
-    constexpr auto kernel = &m_grouped_fp8_gemm_kernel<kBlockN, kStages, kAScaleBlocks>;
-    constexpr int smem = MGroupedFp8Layout<kBlockN, kStages, kAScaleBlocks>::kSmemBytes;
-    cudaError_t e = set_max_dynamic_smem<kernel>(smem);
-    if (e != cudaSuccess)
-      return fail(kGemmCudaError, err, err_len, "%s: cudaFuncSetAttribute: %s", fn, cudaGetErrorString(e));
-    e = launch_persistent<kernel>(kNumThreads, smem, max_units, sms, stream, ma, mb, msa, md, p);
-    if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s launch: %s", fn, cudaGetErrorString(e));
-    return check_launch(fn, err, err_len);
+    return launch_persistent_checked<&m_grouped_fp8_gemm_kernel<kBlockN, kStages, kAScaleBlocks>>(
+        fn, kNumThreads, MGroupedFp8Layout<kBlockN, kStages, kAScaleBlocks>::kSmemBytes, max_units, sms, stream, err,
+        err_len, ma, mb, msa, md, p);
   };
   // A quantized 1 x 64 (the FP8 forward's L2 operand): two scale blocks per 128-wide k-block
   if (args.a_scale_block == 64) return launch(std::integral_constant<int, 2>{});
@@ -234,13 +229,8 @@ int m_grouped_fp8_gemm_swiglu_bwd(const SwigluBwdFp8GemmArgs& args, cudaStream_t
   const int64_t max_units = max_m_blocks(m_total, args.num_groups) * (I / 128);
 
   constexpr int kStages = 3;
-  constexpr auto kernel = &m_grouped_fp8_swiglu_bwd_kernel<kStages>;
-  constexpr int smem = SwigluBwdFp8Layout<kStages>::kSmemBytes;
-  cudaError_t e = set_max_dynamic_smem<kernel>(smem);
-  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaFuncSetAttribute: %s", fn, cudaGetErrorString(e));
-  e = launch_persistent<kernel>(kNumThreads, smem, max_units, sms, stream, ma, mb, msa, p);
-  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s launch: %s", fn, cudaGetErrorString(e));
-  return check_launch(fn, err, err_len);
+  return launch_persistent_checked<&m_grouped_fp8_swiglu_bwd_kernel<kStages>>(
+      fn, kNumThreads, SwigluBwdFp8Layout<kStages>::kSmemBytes, max_units, sms, stream, err, err_len, ma, mb, msa, p);
 }
 
 int m_grouped_fp8_gemm_swiglu(const SwigluFwdFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
@@ -280,13 +270,9 @@ int m_grouped_fp8_gemm_swiglu(const SwigluFwdFp8GemmArgs& args, cudaStream_t str
 
   // the FP8 GEMM's ring (m_grouped_fp8_gemm_nt's 5 stages, measured there)
   constexpr int kStages = 5;
-  constexpr auto kernel = &m_grouped_fp8_swiglu_kernel<kStages>;
-  constexpr int smem = MGroupedFp8Layout<128, kStages>::kSmemBytes;
-  cudaError_t e = set_max_dynamic_smem<kernel>(smem);
-  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaFuncSetAttribute: %s", fn, cudaGetErrorString(e));
-  e = launch_persistent<kernel>(kNumThreads, smem, max_units, sms, stream, ma, mb, msa, p);
-  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s launch: %s", fn, cudaGetErrorString(e));
-  return check_launch(fn, err, err_len);
+  return launch_persistent_checked<&m_grouped_fp8_swiglu_kernel<kStages>>(
+      fn, kNumThreads, MGroupedFp8Layout<128, kStages>::kSmemBytes, max_units, sms, stream, err, err_len, ma, mb, msa,
+      p);
 }
 
 }  // namespace sm90

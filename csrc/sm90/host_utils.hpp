@@ -104,6 +104,19 @@ inline cudaError_t launch_persistent(int threads, int smem, int64_t max_units, i
   return cudaLaunchKernelEx(&lc, kKernel, args...);
 }
 
+// set_max_dynamic_smem, launch_persistent and check_launch in turn, each failure as kGemmCudaError with its message
+// (fn names the entry point): the launch of the m-grouped FP8 kernels.
+template <auto kKernel, typename... Args>
+inline int launch_persistent_checked(const char* fn, int threads, int smem, int64_t max_units, int sms,
+                                     cudaStream_t stream, char* err, size_t err_len, const Args&... args) {
+  cudaError_t e = set_max_dynamic_smem<kKernel>(smem);
+  if (e != cudaSuccess)
+    return fail(kGemmCudaError, err, err_len, "%s: cudaFuncSetAttribute: %s", fn, cudaGetErrorString(e));
+  e = launch_persistent<kKernel>(threads, smem, max_units, sms, stream, args...);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s launch: %s", fn, cudaGetErrorString(e));
+  return check_launch(fn, err, err_len);
+}
+
 }  // namespace host
 }  // namespace sm90
 }  // namespace prime_kernels
