@@ -176,14 +176,14 @@ def _floor(shape, T, routes, grad_bytes, args, device, cache, copy_gbps):
     return cache[key]["floor_ms"]
 
 
-def _skipped_rows(shape, T, routing, ep, backends, reason, inference):
+def _skipped_rows(shape, T, routing, ep, backends, reason, args):
     """The rows of backends that did not run at one configuration, each direction with the reason."""
     E, H, I, K = bc.shape_dims(shape)
     return [{"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens": T,
-             "ep": ep, "routing": routing, "precision": "bf16", "backend": b, "direction": d,
+             "ep": ep, "routing": routing, "precision": _precision(b, args), "backend": b, "direction": d,
              "ms": None, "tflops": None, "pct_peak": None, "ratio_vs_torch": None, "peak_mem_gib": None,
              "max_rel_err": None, "skipped": reason}
-            for b in backends for d in ("fwd", "bwd", "fwdbwd") + (("infer",) if inference else ())]
+            for b in backends for d in ("fwd", "bwd", "fwdbwd") + (("infer",) if args.inference else ())]
 
 
 def bench_config(shape, T, routing, backends, args, device, group, peak, skipped=None, floors=None, copy_gbps=None):
@@ -303,7 +303,7 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
                 row["max_rel_err"] = bc.reduce_max(err, device)
             rows.append(row)
     for backend, reason in skipped.items():
-        rows += _skipped_rows(shape, T, routing, ep, [backend], reason, args.inference)
+        rows += _skipped_rows(shape, T, routing, ep, [backend], reason, args)
     torch_ms = {r["direction"]: r["ms"] for r in rows if r["backend"] == "torch"}
     torch_sus = {r["direction"]: r.get("ms_sustained") for r in rows if r["backend"] == "torch"}
     for r in rows:
@@ -408,7 +408,7 @@ def main(argv=None):
                     _free(device)
                     why = f"out of memory: {str(e).splitlines()[0]}"
                     log(f"[bench] {shape} T={T} {routing}: {why}")
-                    cfg = _skipped_rows(shape, T, routing, ep, bks, why, args.inference)
+                    cfg = _skipped_rows(shape, T, routing, ep, bks, why, args)
                 rows += cfg
                 log(f"[bench] {shape} T={T} {routing}: done at {time.time() - t0:.0f} s")
             if stopped:
