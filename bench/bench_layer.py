@@ -73,7 +73,7 @@ def parse_args(argv=None):
                    help="deep_gemm backends' keep_pooled_x: auto = the library default (None: kept when the "
                         "fused forward runs and the backward needs them), on = True, off = False")
     p.add_argument("--activation-clamp", type=float, default=None)
-    p.add_argument("--precision", choices=("bf16", "fp8_bwd"), default="bf16",
+    p.add_argument("--precision", choices=("bf16", "fp8", "fp8_bwd"), default="bf16",
                    help="of our backends and the reference (torch and the peers run bf16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=10.0,

@@ -56,7 +56,7 @@ def main() -> None:
     p.add_argument("--shapes", default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--backend", default="auto")
-    p.add_argument("--precision", choices=("bf16", "fp8_bwd"), default="bf16")
+    p.add_argument("--precision", choices=("bf16", "fp8", "fp8_bwd"), default="bf16")
     a = p.parse_args()
     from prime_kernels.mega import mega_moe
 

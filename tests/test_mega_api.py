@@ -94,7 +94,6 @@ def test_reference_has_bf16_and_fp8_numerics_and_no_mxfp8(status):
         assert mega_moe(x, idx, w, w13, w2, precision=precision, backend="reference").shape == x.shape
 
 
-FP8_TODO = "not implemented in the kernels yet; backend='reference' emulates the recipe"
 SHAPE = dict(device_type="cuda", hidden=256, intermediate=128)
 
 
@@ -102,13 +101,16 @@ SHAPE = dict(device_type="cuda", hidden=256, intermediate=128)
 @pytest.mark.parametrize("backend", ["auto", "fused", "grouped"])
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_fp8_on_kernel_backends_raises_never_runs_bf16(status, precision, backend, direction):
-    """Every kernel backend refuses fp8 / fp8_bwd, in both directions, while the FP8 backward is unavailable, even
+    """Every kernel backend refuses fp8 / fp8_bwd, in both directions, while the FP8 kernels are unavailable, even
     where the bf16 kernels are available (fp8_bwd's forward is the bf16 kernel's: it must not run ahead of a backward
-    that cannot); fp8's error names the reference as the way to run the recipe (its forward kernel is not
-    written), fp8_bwd's the status() reason of its backward."""
+    that cannot); each direction names its own kernels' reason first: fp8's forward the grouped FP8 pipeline (no
+    fused FP8 forward is written), the backward the FP8 backward pipeline."""
     for name in ("mega_moe.bf16.sm90", "mega_moe_backward.bf16.sm90", _backend.GROUPED_KEY):
         status[name] = "available"
-    want = FP8_TODO if precision == "fp8" else "mega_moe.fp8_bwd.sm90: not implemented yet"
+    if (precision, direction) == ("fp8", "fwd"):
+        want = "precision='fp8': mega_moe_grouped.fp8.sm90: not implemented yet"
+    else:
+        want = f"precision='{precision}': mega_moe.fp8_bwd.sm90: not implemented yet"
     with pytest.raises(_backend.FusedKernelUnavailable, match=want):
         _backend.resolve_backend(backend, precision, direction, **SHAPE)
 
@@ -131,8 +133,40 @@ def test_fp8_runs_on_the_kernels_once_both_directions_exist(status):
     status["mega_moe.fp8_bwd.sm90"] = "available"
     for direction in ("fwd", "bwd"):
         assert _backend.resolve_backend("fused", "fp8", direction, **SHAPE) == "fused"
-        with pytest.raises(_backend.FusedKernelUnavailable, match="bf16 only"):
-            _backend.resolve_backend("grouped", "fp8", direction, **SHAPE)
+    with pytest.raises(_backend.FusedKernelUnavailable, match="mega_moe_grouped.fp8.sm90: not implemented yet"):
+        _backend.resolve_backend("grouped", "fp8", "fwd", **SHAPE)
+    status[_backend.GROUPED_FP8_KEY] = "available"
+    assert _backend.resolve_backend("grouped", "fp8", "fwd", **SHAPE) == "grouped"
+
+
+def test_fp8_runs_the_grouped_fp8_forward_where_no_fused_one_exists(status):
+    """Today's kernels: the fused FP8 forward is not written, the grouped FP8 forward pipeline and the FP8 backward
+    pipeline are. "auto" and "grouped" run the pipeline forward, "fused" raises for the forward; the forward and the
+    backward through backend.forward / backward on the CPU give the reference's fp8 numbers (the ops' CPU
+    kernels)."""
+    from prime_kernels.mega import reference
+
+    status[_backend.GROUPED_FP8_KEY] = "available"
+    status["mega_moe.fp8_bwd.sm90"] = "available"
+    for backend in ("auto", "grouped"):
+        assert _backend.resolve_backend(backend, "fp8", "fwd", **SHAPE) == "grouped"
+    with pytest.raises(_backend.FusedKernelUnavailable, match="no fused kernel for precision='fp8' fwd: "
+                                                              "mega_moe.fp8.sm90: not implemented yet"):
+        _backend.resolve_backend("fused", "fp8", "fwd", **SHAPE)
+    with pytest.raises(_backend.FusedKernelUnavailable, match="does not take activation_clamp"):
+        _backend.resolve_backend("auto", "fp8", "fwd", activation_clamp=5.0, **SHAPE)
+    x, idx, w, w13, w2, dy = make_problem(24, 128, 128, E, K, seed=59)
+    opts = dict(precision="fp8", activation_clamp=None, group=None, num_experts=E)
+    fwd = _backend.forward("grouped", x, idx, w, w13, w2, ep_size=1, max_tokens_per_rank=None, block_m=128,
+                           save_h=True, **opts)
+    want = _backend.forward("reference", x, idx, w, w13, w2, ep_size=1, max_tokens_per_rank=None, block_m=128,
+                            save_h=True, **opts)
+    assert rel_err(fwd[0], want[0]) < 1e-4
+    state = fwd[1:7]
+    bwd = dict(recompute=False, need_wgrad=True, **opts)
+    ref = reference.backward(dy, x, idx, w, w13, w2, *state, **bwd)
+    for a, b in zip(_backend.backward("grouped", dy, x, idx, w, w13, w2, *state, **bwd), ref):
+        assert rel_err(a, b) < 1e-5
 
 
 def test_fp8_bwd_runs_the_bf16_forward_and_the_fp8_backward_pipeline_once_its_kernel_exists(status):
@@ -166,7 +200,8 @@ def test_fp8_bwd_runs_the_bf16_forward_and_the_fp8_backward_pipeline_once_its_ke
 
 def test_fp8_auto_falls_back_to_the_fp8_reference_only_with_env(status, monkeypatch):
     x, idx, w, w13, w2, _ = make_problem(6, 128, 128, E, K, seed=55)
-    for precision, why in (("fp8", FP8_TODO), ("fp8_bwd", "precision='fp8_bwd': mega_moe.bf16.sm90: not implemented")):
+    for precision, why in (("fp8", "precision='fp8': mega_moe_grouped.fp8.sm90: not implemented"),
+                           ("fp8_bwd", "precision='fp8_bwd': mega_moe.bf16.sm90: not implemented")):
         with pytest.raises(_backend.FusedKernelUnavailable, match=why):
             mega_moe(x, idx, w, w13, w2, precision=precision)
     monkeypatch.setenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", "1")
@@ -178,14 +213,12 @@ def test_fp8_auto_falls_back_to_the_fp8_reference_only_with_env(status, monkeypa
 
 @pytest.mark.parametrize("backend", ["auto", "fused", "grouped"])
 def test_fp8_layer_calls_raise_with_real_status(backend):
-    """Whatever prime_kernels.status() says on this machine, fp8 on a kernel backend raises the clear reason (its
-    forward kernel is not written), and fp8_bwd on CPU tensors a reason (the status() one where its kernels are
-    unavailable, else that the kernels need CUDA tensors)."""
+    """Whatever prime_kernels.status() says on this machine, fp8 and fp8_bwd on CPU tensors raise a reason (the
+    status() one where their kernels are unavailable, else that the kernels need CUDA tensors)."""
     x, idx, w, w13, w2, _ = make_problem(4, 128, 128, E, K, seed=56)
-    with pytest.raises(_backend.FusedKernelUnavailable, match=FP8_TODO):
-        mega_moe(x, idx, w, w13, w2, precision="fp8", backend=backend)
-    with pytest.raises(_backend.FusedKernelUnavailable, match="fp8_bwd|need CUDA tensors"):
-        mega_moe(x, idx, w, w13, w2, precision="fp8_bwd", backend=backend)
+    for precision in ("fp8", "fp8_bwd"):
+        with pytest.raises(_backend.FusedKernelUnavailable, match=f"{precision}|need CUDA tensors"):
+            mega_moe(x, idx, w, w13, w2, precision=precision, backend=backend)
 
 
 @pytest.mark.parametrize("fn,name", [
@@ -209,7 +242,7 @@ def test_fp8_names_raise_with_real_status():
     _, _, _, w13, w2, _ = make_problem(2, 256, I, E, K, seed=57)
     y = torch.full((8, 256), float("nan"), dtype=torch.bfloat16)
     for fn in (mega.fp8_mega_moe, mega.fp8_mega_moe_backward, mega.fp8_mega_moe_weight_grads):
-        with pytest.raises(_backend.FusedKernelUnavailable, match=FP8_TODO):
+        with pytest.raises(_backend.FusedKernelUnavailable, match="mega_moe.fp8.sm90: not implemented yet"):
             fn(y, w13, w2, buf)
         assert y.isnan().all()
 

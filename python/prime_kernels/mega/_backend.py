@@ -11,15 +11,15 @@ Rules (the same for every entry point):
 * ``backend="reference"`` always runs the pure-PyTorch reference: bf16, and the FP8 recipe (``"fp8"``,
   ``"fp8_bwd"``) emulated as :mod:`prime_kernels.mega.reference` defines it (docs/fp8.md); it has no mxfp8.
 * ``precision="fp8"`` / ``"fp8_bwd"`` run on a kernel backend only when both directions' kernels exist
-  (:func:`fp8_kernel_reason`), so that a forward never succeeds ahead of a backward that cannot run; until
-  then every kernel backend raises, naming the reference as the way to run the recipe. ``"fp8_bwd"`` runs the
-  bf16 forward kernels and the FP8 backward pipeline (:mod:`prime_kernels.mega._fp8_bwd`), which is the backward
-  of both kernel backends for the FP8 precisions.
+  (:func:`fp8_kernel_reason`), so that a forward never succeeds ahead of a backward that cannot run.
+  ``"fp8"``'s forward is the grouped FP8 pipeline (:mod:`prime_kernels.mega._fp8_fwd`; no fused FP8 forward
+  exists yet, so ``backend="fused"`` raises for it), ``"fp8_bwd"``'s the bf16 forward kernels; the backward of
+  both, on either kernel backend, is the FP8 backward pipeline (:mod:`prime_kernels.mega._fp8_bwd`).
 * ``backend="fused"`` runs the fused kernel, or raises the reason ``prime_kernels.status()`` gives.
 * ``backend="grouped"`` runs the pipeline of our grouped-GEMM kernels (:mod:`prime_kernels.mega._grouped`,
-  bf16 and fp8_bwd, single rank), or raises the reason.
+  bf16, fp8 and fp8_bwd, single rank), or raises the reason.
 * ``backend="auto"`` runs the fused kernel when it is available, else the grouped pipeline where
-  that is available (bf16, single rank); otherwise it falls back to the reference only when the
+  that is available (single rank); otherwise it falls back to the reference only when the
   environment variable ``PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK=1`` is set, with a one-time warning,
   and raises the reason otherwise. Never silently.
 * A forward with more local experts than the fused kernel takes (``FUSED_MAX_EXPERTS``) is a ValueError
@@ -34,8 +34,8 @@ import warnings
 
 import torch
 
-from . import _fp8_bwd, _fused, _grouped, _validate, reference
-from .._status import FP8_TODO, KERNELS
+from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _validate, reference
+from .._status import KERNELS
 from ..routing import pool_capacity
 from ._validate import FusedKernelUnavailable
 from .constants import (ALLOW_FALLBACK_ENV, env_flag, BACKENDS, FUSED_MAX_EXPERTS, GROUPED_MAX_EXPERTS, HIDDEN_ALIGN,
@@ -121,6 +121,7 @@ def _fused_reason(precision: str, direction: str) -> str | None:
 
 
 GROUPED_KEY = _grouped.STATUS_KEY
+GROUPED_FP8_KEY = _fp8_fwd.STATUS_KEY
 
 
 def fused_experts_reason(num_local_experts: int | None) -> str | None:
@@ -139,35 +140,44 @@ def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None
         # lose their gradient (measured ~3% in dX); the mask-preserving rounding (reference F6)
         # needs the fp32 accumulators, i.e. the fused L1 epilogue.
         return "the grouped pipeline does not support activation_clamp (it needs the fused SwiGLU epilogue)"
-    if precision not in ("bf16", "fp8_bwd"):
-        return (f"the grouped pipeline is bf16 only, with the FP8 backward pipeline for 'fp8_bwd' "
-                f"(precision={precision!r})")
+    if precision not in ("bf16", "fp8_bwd", "fp8"):
+        return f"the grouped pipeline runs bf16, fp8 and fp8_bwd (precision={precision!r})"
     if ep_size != 1:
         return "the grouped pipeline runs on a single rank (no expert-parallel group)"
     if num_local_experts is not None and num_local_experts > GROUPED_MAX_EXPERTS:
         return (f"{num_local_experts} local experts exceed the grouped GEMMs' limit of "
                 f"GROUPED_MAX_EXPERTS={GROUPED_MAX_EXPERTS} (prime_kernels.mega.constants)")
-    reason = _status().get(GROUPED_KEY, f"{_NOT_IMPLEMENTED}")
-    return None if reason == "available" else f"{GROUPED_KEY}: {reason}"
+    key = GROUPED_FP8_KEY if precision == "fp8" else GROUPED_KEY
+    reason = _status().get(key, f"{_NOT_IMPLEMENTED}")
+    return None if reason == "available" else f"{key}: {reason}"
 
 
 def fp8_kernel_reason(precision: str, direction: str = "fwd") -> str | None:
-    """For "fp8" and "fp8_bwd": None when the kernels of both directions are available, else why not: a kernel not
-    written yet first (naming the reference as the way to run the recipe), then the status() reason of
-    ``direction``'s kernel, then the other's; None for every other precision. Both directions are asked for in
-    either, so that a forward never runs on a kernel ahead of a backward that has none."""
+    """For "fp8" and "fp8_bwd": None when the kernels of both directions are available, else why not: the reason of
+    ``direction``'s kernels first, then the other's; None for every other precision. Both directions are asked for
+    in either, so that a forward never runs on a kernel ahead of a backward that has none."""
     if precision not in reference.FP8_PRECISIONS:
         return None
-    directions = (direction, "bwd" if direction == "fwd" else "fwd")
-    reasons = [(d, _fused_reason(precision, d)) for d in directions]
-    for d, why in reasons:
-        entry = KERNELS.get(kernel_name(precision, d))
-        if why is not None and entry is not None and entry.missing:
-            return why if FP8_TODO in why else f"precision={precision!r}: {FP8_TODO} ({why})"
-    for _d, why in reasons:
+    for d in (direction, "bwd" if direction == "fwd" else "fwd"):
+        why = _fp8_direction_reason(precision, d)
         if why is not None:
             return f"precision={precision!r}: {why}"
     return None
+
+
+def _fp8_direction_reason(precision: str, direction: str) -> str | None:
+    """None when some kernel backend has the kernels of ``direction`` for an FP8 precision: the FP8 forward runs the
+    fused kernel or the grouped FP8 pipeline, the others their one kernel entry."""
+    why = _fused_reason(precision, direction)
+    if why is None or (precision, direction) != ("fp8", "fwd"):
+        return why
+    grouped = _status().get(GROUPED_FP8_KEY, _NOT_IMPLEMENTED)
+    if grouped == "available":
+        return None
+    entry = KERNELS.get(kernel_name(precision, direction))
+    if entry is not None and entry.missing:  # the fused kernel is not written: the pipeline's reason is the one
+        return f"{GROUPED_FP8_KEY}: {grouped}"
+    return f"{why}; {GROUPED_FP8_KEY}: {grouped}"
 
 
 def _fp8_pipeline_reason(precision: str, ep_size: int, activation_clamp: float | None) -> str | None:
@@ -376,6 +386,8 @@ def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, a
             out = _fused.forward(x, topk_idx, topk_weights, w13, w2, precision=_kernel_forward_precision(precision),
                                  buffer=buffer, keep_x_pool=keep_pooled_x, id_check=ids, num_sms=num_sms, **kwargs)
             out, x_pool = out[:7], out[7]
+        elif which == "grouped" and precision == "fp8":
+            out = _fp8_fwd.forward(x, topk_idx, topk_weights, w13, w2, id_check=ids, num_sms=num_sms, **kwargs)
         elif which == "grouped":
             out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=buffer, id_check=ids,
                                    num_sms=num_sms, **kwargs)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fp8 as _fp8
+from . import _fp8_fwd, fp8 as _fp8
 from ._grouped import _gathered_pool, _rows_for_kernels, _sms, recompute_h
 from ..combine import combine
 from ..grouped_gemm import k_grouped_fp8_gemm_tn, m_grouped_fp8_gemm_nt
@@ -47,10 +47,8 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
              precision="fp8_bwd", fp8_recipe=None, weight_cache=None):
     """Same contract as :func:`prime_kernels.mega.reference.backward` with ``precision="fp8_bwd"`` (the bf16
     forward's state: h saved, or recomputed by the bf16 L1 GEMM); single rank, no activation clamp. With
-    ``precision="fp8"`` (an FP8 forward's saved h) the same steps run; its recompute would need the FP8 L1."""
-    if precision == "fp8" and recompute:
-        raise RuntimeError("prime_kernels.mega: recompute=True with precision='fp8' needs the FP8 L1 GEMM, which "
-                           "the FP8 backward pipeline does not run")
+    ``precision="fp8"`` (an FP8 forward's saved h) the same steps run, and a recompute runs the FP8 forward's L1
+    again (:func:`_fp8_fwd.recompute_h`: the same bits as the saved h)."""
     if group is not None:
         raise RuntimeError("prime_kernels.mega: the FP8 backward pipeline runs on a single rank (group=None)")
     if activation_clamp is not None:
@@ -62,7 +60,10 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     sms = _sms(num_sms)
     capacity = pool_src_route.shape[0]
     route_to_pool = route_to_pool.contiguous()
-    if recompute:
+    if recompute and precision == "fp8":
+        _fp8_fwd.check_recipe(recipe)
+        h_saved = _fp8_fwd.recompute_h(x, w13, counts, offsets, route_to_pool, capacity, recipe, cache, sms)
+    elif recompute:
         h_saved, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms)
     dy = _rows_for_kernels(dy.to(torch.bfloat16))
     dy_pool = _gathered_pool(dy, route_to_pool, counts, offsets, capacity)  # B1, padding rows zero

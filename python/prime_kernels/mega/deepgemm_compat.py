@@ -318,7 +318,10 @@ def _staged_backward(precision: str, *, dx, dw1, dw2, dtopk, dy, l1, l2, buffer,
 
 
 def _unavailable(precision, direction, what):
-    reason = _backend.fp8_kernel_reason(precision, direction) or _backend._fused_reason(precision, direction)
+    # these calls hand over to the fused binding, so the fused FP8 forward is the kernel they need first (the
+    # layer's precision="fp8" runs without it, on the grouped FP8 pipeline)
+    first = _backend._fused_reason(precision, "fwd") if precision == "fp8" else None
+    reason = first or _backend.fp8_kernel_reason(precision, direction) or _backend._fused_reason(precision, direction)
     if reason is None:  # status() says the kernel exists: hand over to the binding
         return _fused.forward if direction == "fwd" else _fused.backward
     raise _backend.FusedKernelUnavailable(

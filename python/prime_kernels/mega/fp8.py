@@ -56,11 +56,12 @@ HALF_BLOCK = 64
 class Fp8Recipe:
     """The options of the blockwise recipe.
 
-    ``l2_act_block``: the K-block width (128 or 64) of the L2 operand s; L2 then promotes every 64 of K.
+    ``l2_act_block``: the K-block width (64 or 128) of the L2 operand s; with 64, L2 promotes every 64 of K.
+    The default is 64, the recipe the kernels run: the FP8 L1's tile holds 64 columns of s per row.
     ``pow2_scales``: scales rounded up to powers of two (Q2), for every operand, weights included.
     """
 
-    l2_act_block: int = BLOCK
+    l2_act_block: int = HALF_BLOCK
     pow2_scales: bool = False
 
     def __post_init__(self):

@@ -77,7 +77,8 @@ x and dy are bf16; everything else below is fp32 unless said.
   F1. h_p = G(qK(x_t, 128), W13)           x quantized from bf16 by the dispatch; fp32 h   [2I]
   F2. clamp as above, on the fp32 h (not on round_h(h): the L1 epilogue holds the accumulators)
   F3. s_p = silu(gc) * uc                  fp32, then qK(s_p, l2_act_block) in the L1 epilogue
-                                           (l2_act_block 128, or 64 for an L1 tile of 64+64 columns)
+                                           (l2_act_block 64 by default, the kernels' L1 tile of 64+64
+                                           columns; or 128)
   F4. o_p = round_io(G(qK(s_p), W2))       bf16 combine slot
   F5. as above (topk weights in fp32 at the combine, fixed k order)
   F6. h~_p = round_h(h_p) of the fp32 h of F1 (same rule as above); recompute=True recomputes F1 the
