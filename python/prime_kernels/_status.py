@@ -49,8 +49,7 @@ def _entries() -> list[KernelEntry]:
     e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     # Its FP8 forward (prime_kernels.mega._fp8_fwd): the quantizing dispatch, the FP8 L1 with SwiGLU, the FP8 L2
     # and the combine; the layer's forward for precision="fp8" until the fused FP8 forward exists.
-    e.append(KernelEntry("mega_moe_grouped.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90",
-                         unverified="built; the FP8 forward pipeline is not yet verified on a GPU"))
+    e.append(KernelEntry("mega_moe_grouped.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90"))
     # The fused backward's dgrad kernel (L2 dgrad with the SwiGLU backward, then the L1 dgrad, in one launch):
     # prime_kernels.mega._fused_bwd.dgrad runs it; the layer's backward does not (mega_moe_backward below).
     e.append(KernelEntry("mega_moe_bwd_dgrad.bf16.sm90", "mega_moe_bwd_dgrad_bf16", "sm90"))
