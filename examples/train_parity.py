@@ -5,16 +5,22 @@ A small byte-level MoE language model is trained from one fixed initialisation o
 needs no download (the Python standard library's own ``*.py`` sources, found through
 ``sysconfig.get_paths()["stdlib"]``, read as bytes), several times:
 
-* the *reference runs*: ``MegaMoE(backend="reference")`` (pure PyTorch), one run per data-order
-  seed of ``--reference-seeds`` (default 2 seeds: 0 and 1);
-* the *candidate run*: ``MegaMoE(backend=--backend)`` (default "auto": the fused kernels when
-  ``prime_kernels.status()`` reports them, else the grouped-GEMM pipeline), with the data order of
-  the first reference seed (``--candidate-seed``), so that candidate and reference 0 see the same
-  batches and differ only by the layer's numerics.
+* the *reference runs*: ``MegaMoE(backend="reference")`` (pure PyTorch) in BF16, one run per
+  data-order seed of ``--reference-seeds`` (default 2 seeds: 0 and 1);
+* the *candidate run*: ``MegaMoE(backend=--backend, precision=--precision)`` (default "auto": the
+  fused kernels when ``prime_kernels.status()`` reports them, else the grouped-GEMM pipeline; default
+  precision "bf16", or "fp8" / "fp8_bwd", the blockwise FP8 recipe of docs/fp8.md in both directions /
+  in the backward only), with the data order of the first reference seed (``--candidate-seed``), so
+  that candidate and reference 0 see the same batches and differ only by the layer's numerics. The
+  band stays BF16 whatever the candidate's precision: an FP8 run is judged against the BF16 training
+  it stands in for.
 
     python examples/train_parity.py                       # GPU check (H200: a few minutes)
     python examples/train_parity.py --backend grouped     # a named kernel backend
+    python examples/train_parity.py --precision fp8       # the FP8 layer against the BF16 band
     python examples/train_parity.py --tiny --device cpu --backend reference   # CPU smoke, seconds
+    python examples/train_parity.py --tiny --device cpu --backend reference --precision fp8
+                                                          # CPU smoke of the reference's FP8 emulation
 
 Model: token embedding (256 byte values) -> ``--layers`` pre-norm blocks, each with causal
 multi-head attention (RoPE, ``scaled_dot_product_attention``) and an MoE feed-forward (an fp32
@@ -38,9 +44,16 @@ Pass rule (all of it must hold, else FAIL and exit status 1):
    (W = ``--smooth``, default 25; fewer at the start). Band: ``lo[t] = min_r s_r[t]``,
    ``hi[t] = max_r s_r[t]`` over the reference runs. Margin ``m = max(--margin, --margin-frac *
    median(hi - lo))`` over the checked steps (defaults 0.03 nats and 0.5). For each of the last
-   N steps (N = ``--check-last``, default half the run) ``lo[t] - m <= s_cand[t] <= hi[t] + m``;
+   N steps (N = ``--check-last``, default half the run) ``lo[t] - m_t <= s_cand[t] <= hi[t] + m_t``,
+   ``m_t = m`` for a BF16 candidate;
 3. final loss: the candidate's final evaluation loss lies in ``[min - mf, max + mf]`` of the
-   reference runs' final evaluation losses, ``mf = max(--margin, --margin-frac * (max - min))``.
+   reference runs' final evaluation losses, ``mf = max(--margin, --margin-frac * (max - min))`` for
+   a BF16 candidate.
+
+An FP8 candidate (``--precision fp8`` or ``fp8_bwd``) is not the band's numerics, so both margins
+are widened by 0.5% of the loss (FP8_MARGIN_REL): ``m_t = m + 0.005 * (lo[t] + hi[t]) / 2`` at
+each checked step, and ``mf = max(--margin, --margin-frac * (max - min)) + 0.005 * mean`` of the
+reference runs' final evaluation losses.
 
 The script prints PASS or FAIL with the reasons, writes a JSON (every curve, the band, the
 verdict, the configuration, the corpus's size and sha256, provenance) and a PNG (the candidate's
@@ -74,6 +87,10 @@ from bench_common import git_sha  # noqa: E402
 RESULTS_DIR = REPO / "bench" / "results"
 VOCAB = 256
 CHECK_BACKENDS = ("auto", "fused", "grouped", "reference")
+CHECK_PRECISIONS = ("bf16", "fp8", "fp8_bwd")
+# The rule's widening for a candidate whose precision is not the band's (BF16): FP8 rounding is a real
+# change of the numerics, so its curve may sit a little off a BF16 band without a bug; 0.5% of the loss.
+FP8_MARGIN_REL = 0.005
 
 # The sizes of --tiny (the CPU smoke run and the CPU test); every other default is the GPU run.
 TINY = dict(layers=1, hidden=32, heads=2, intermediate=32, experts=4, top_k=2, seq=32, batch=4, steps=24,
@@ -90,6 +107,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="auto", choices=CHECK_BACKENDS,
                    help="the candidate backend of MegaMoE (default auto: the kernel backend available)")
+    # %% since argparse %-formats help strings
+    p.add_argument("--precision", default="bf16", choices=CHECK_PRECISIONS,
+                   help="the candidate's MegaMoE precision (default bf16); the reference runs stay bf16, and a "
+                   f"non-bf16 candidate gets margins widened by {100 * FP8_MARGIN_REL:g}%% of the loss")
     p.add_argument("--reference-seeds", type=int, default=2,
                    help="number of reference runs (data-order seeds 0, 1, ...); >= 2 to span a band")
     p.add_argument("--candidate-seed", type=int, default=None,
@@ -136,7 +157,7 @@ def parse_args(argv=None):
     # output
     p.add_argument("--log-every", type=int, default=None, help="print every N steps (default 50)")
     p.add_argument("--out", default=None, help="results JSON path (the PNG goes next to it); "
-                   "default bench/results/train_parity_<device>_<backend>_<date>.json")
+                   "default bench/results/train_parity_<device>_<backend>[_<precision>]_<date>.json")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     defaults = dict(layers=4, hidden=512, heads=8, intermediate=256, experts=16, top_k=4, seq=256, batch=16,
@@ -251,7 +272,7 @@ class Attention(nn.Module):
 class MoE(nn.Module):
     """fp32 router -> softmax -> top-k (renormalised) -> ``MegaMoE`` (bf16 in and out)."""
 
-    def __init__(self, args, backend):
+    def __init__(self, args, backend: str, precision: str = "bf16"):
         super().__init__()
         from prime_kernels.mega import MegaMoE  # noqa: PLC0415
 
@@ -261,7 +282,8 @@ class MoE(nn.Module):
         if args.staging_buffer:
             kw["max_tokens_per_rank"] = args.batch * args.seq
         self.experts = MegaMoE(args.experts, args.hidden, args.intermediate, args.top_k, backend=backend,
-                               recompute=args.recompute, device=args.device, dtype=torch.bfloat16, **kw)
+                               precision=precision, recompute=args.recompute, device=args.device,
+                               dtype=torch.bfloat16, **kw)
         self.wgrad_accum = None  # set by the trainer with --wgrad-accum
 
     def forward(self, x):
@@ -280,12 +302,12 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args, backend):
+    def __init__(self, args, backend: str, precision: str = "bf16"):
         super().__init__()
         self.norm1 = nn.RMSNorm(args.hidden)
         self.attn = Attention(args.hidden, args.heads)
         self.norm2 = nn.RMSNorm(args.hidden)
-        self.moe = MoE(args, backend)
+        self.moe = MoE(args, backend, precision)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.norm1(x), cos, sin).float()
@@ -294,10 +316,10 @@ class Block(nn.Module):
 
 
 class MoELM(nn.Module):
-    def __init__(self, args, backend):
+    def __init__(self, args, backend: str, precision: str = "bf16"):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, args.hidden)
-        self.blocks = nn.ModuleList(Block(args, backend) for _ in range(args.layers))
+        self.blocks = nn.ModuleList(Block(args, backend, precision) for _ in range(args.layers))
         self.norm = nn.RMSNorm(args.hidden)
         self.head = nn.Linear(args.hidden, VOCAB, bias=False)  # untied
         cos, sin = rope_tables(args.seq, args.hidden // args.heads, args.device)
@@ -339,14 +361,17 @@ def _cpu_args(args):
 # ------------------------------------------------------------------------------------------------
 
 
-def resolved_backends(backend: str, args) -> dict:
-    """What MegaMoE(backend=...) runs here for (fwd, bwd): "fused", "grouped", "reference", or the error."""
+def resolved_backends(backend: str, args, precision: str | None = None) -> dict:
+    """What MegaMoE(backend=..., precision=...) runs here for (fwd, bwd): "fused", "grouped", "reference", or
+    the error. ``precision`` defaults to the candidate's (``args.precision``): the FP8 paths have kernels of
+    their own, so a backend that runs BF16 here may not run FP8."""
     from prime_kernels.mega import _backend  # noqa: PLC0415
 
+    precision = precision or args.precision
     out = {}
     for d in ("fwd", "bwd"):
         try:
-            out[d] = _backend.resolve_backend(backend, "bf16", d, device_type=torch.device(args.device).type,
+            out[d] = _backend.resolve_backend(backend, precision, d, device_type=torch.device(args.device).type,
                                               hidden=args.hidden, intermediate=args.intermediate)
         except Exception as exc:  # noqa: BLE001  (reported, and the run stops before training)
             out[d] = f"unavailable: {exc}"
@@ -379,11 +404,12 @@ def evaluate(model, corpus, args) -> float:
     return total / args.eval_batches
 
 
-def train_run(args, corpus, init: dict, backend: str, data_seed: int, label: str) -> dict:
-    """Train one run from ``init``; return its curves."""
+def train_run(args, corpus, init: dict, backend: str, data_seed: int, label: str, precision: str = "bf16") -> dict:
+    """Train one run from ``init``; return its curves. ``precision`` is MegaMoE's, passed in rather than read
+    from ``args.precision`` because that one is the candidate's and the reference runs are always BF16."""
     torch.manual_seed(args.init_seed)  # nothing random is drawn from it, but keep runs alike
     device = torch.device(args.device)
-    model = MoELM(args, backend).to(device)
+    model = MoELM(args, backend, precision).to(device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(init[name])
@@ -453,9 +479,9 @@ def train_run(args, corpus, init: dict, backend: str, data_seed: int, label: str
             t_log = now
     _sync(device)
     secs = time.perf_counter() - t0
-    return {"label": label, "backend": backend, "data_seed": data_seed, "loss": losses, "aux": auxes,
-            "grad_norm": gnorms, "eval": evals, "final_eval_loss": evals[-1][1], "seconds": round(secs, 2),
-            "tokens_per_s": round(args.steps * args.batch * args.seq / secs, 1)}
+    return {"label": label, "backend": backend, "precision": precision, "data_seed": data_seed, "loss": losses,
+            "aux": auxes, "grad_norm": gnorms, "eval": evals, "final_eval_loss": evals[-1][1],
+            "seconds": round(secs, 2), "tokens_per_s": round(args.steps * args.batch * args.seq / secs, 1)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -475,8 +501,13 @@ def smooth(xs, w: int) -> list[float]:
 
 
 def judge(candidate: dict, references: list[dict], *, smooth_w: int, check_last: int, margin: float,
-          margin_frac: float) -> dict:
-    """Apply the pass rule of the module docstring; return the verdict with its numbers."""
+          margin_frac: float, precision: str = "bf16") -> dict:
+    """Apply the pass rule of the module docstring; return the verdict with its numbers. ``precision`` is the
+    candidate's: anything but "bf16" widens both margins by FP8_MARGIN_REL of the loss. In the verdict
+    ``margin`` is the band margin before the widening and ``band_margin`` the one applied at each step;
+    ``final_margin`` is the applied final-loss margin (``final_margin_base`` before the widening)."""
+    if precision not in CHECK_PRECISIONS:  # a misspelt precision must not silently get the widening
+        raise ValueError(f"precision must be one of {CHECK_PRECISIONS}, got {precision!r}")
     reasons = []
     n = len(candidate["loss"])
     for r in [candidate, *references]:
@@ -491,28 +522,37 @@ def judge(candidate: dict, references: list[dict], *, smooth_w: int, check_last:
     start = max(0, n - check_last)
     widths = [hi[t] - lo[t] for t in range(start, n)]
     m = max(margin, margin_frac * statistics.median(widths)) if widths else margin
-    outside = [t for t in range(start, n) if not (lo[t] - m <= sc[t] <= hi[t] + m)]
+    # relative to the loss, since FP8 rounding moves the loss in proportion to it, not by fixed nats
+    rel = 0.0 if precision == "bf16" else FP8_MARGIN_REL
+    mt = [m + rel * (a + b) / 2 for a, b in zip(lo, hi)]
+    outside = [t for t in range(start, n) if not (lo[t] - mt[t] <= sc[t] <= hi[t] + mt[t])]
     worst_t, worst = None, 0.0
     for t in range(start, n):
         d = max(lo[t] - sc[t], sc[t] - hi[t])  # > 0 outside the band, <= 0 inside
         if worst_t is None or d > worst:
             worst_t, worst = t, d
+    widened = f" + {rel:.1%} of the band centre ({precision} candidate)" if rel else ""
     if outside:
-        reasons.append(f"smoothed loss outside the band +- {m:.4f} at {len(outside)} of the last {n - start} steps "
-                       f"(worst: step {worst_t + 1}, {worst:.4f} nats beyond the band)")
+        reasons.append(f"smoothed loss outside the band +- {m:.4f}{widened} at {len(outside)} of the last "
+                       f"{n - start} steps (worst: step {worst_t + 1}, {worst:.4f} nats beyond the band, margin "
+                       f"{mt[worst_t]:.4f} there)")
     fr = [r["final_eval_loss"] for r in references]
-    mf = max(margin, margin_frac * (max(fr) - min(fr)))
+    mf_base = max(margin, margin_frac * (max(fr) - min(fr)))
+    mf = mf_base + rel * statistics.mean(fr)
     fc = candidate["final_eval_loss"]
     final_ok = math.isfinite(fc) and min(fr) - mf <= fc <= max(fr) + mf
     if not final_ok:
-        reasons.append(f"final eval loss {fc:.4f} outside [{min(fr):.4f}, {max(fr):.4f}] +- {mf:.4f}")
+        why_mf = f" ({mf_base:.4f} + {rel:.1%} of the references' mean, {precision} candidate)" if rel else ""
+        reasons.append(f"final eval loss {fc:.4f} outside [{min(fr):.4f}, {max(fr):.4f}] +- {mf:.4f}{why_mf}")
     same = [r for r in references if r["data_seed"] == candidate["data_seed"]]
     dev_same = (max(abs(sc[t] - s) for t, s in enumerate(smooth(same[0]["loss"], smooth_w)) if t >= start)
                 if same else None)
     return {
-        "pass": not reasons, "reasons": reasons, "smooth": smooth_w, "check_from_step": start + 1, "margin": m,
-        "final_margin": mf, "steps_outside": [t + 1 for t in outside], "worst_step": (worst_t + 1) if worst_t is not None
-        else None, "worst_beyond_band": worst, "median_band_width": statistics.median(widths) if widths else 0.0,
+        "pass": not reasons, "reasons": reasons, "smooth": smooth_w, "check_from_step": start + 1,
+        "precision": precision, "margin_rel": rel, "margin": m, "band_margin": mt, "final_margin": mf,
+        "final_margin_base": mf_base, "steps_outside": [t + 1 for t in outside],
+        "worst_step": (worst_t + 1) if worst_t is not None else None, "worst_beyond_band": worst,
+        "median_band_width": statistics.median(widths) if widths else 0.0,
         "final_eval_candidate": fc, "final_eval_references": fr,
         "max_abs_diff_vs_same_seed_reference": dev_same,
         "candidate_smoothed": sc, "band_lo": lo, "band_hi": hi,
@@ -547,8 +587,10 @@ def plot(doc: dict, png: Path) -> Path | None:
         ax.plot(steps, smooth(r["loss"], v["smooth"]), color="tab:blue", lw=0.8, alpha=0.7)
     ax.plot(steps, cand["loss"], color="tab:red", alpha=0.15, lw=0.6)
     res = doc["resolved_candidate_backend"]
+    prec = v.get("precision", "bf16")  # results files written before --precision were all bf16
     ax.plot(steps, v["candidate_smoothed"], color="tab:red", lw=1.6,
-            label=f"candidate {doc['config']['backend']} (fwd {res['fwd']}, bwd {res['bwd']}), seed {cand['data_seed']}")
+            label=f"candidate {doc['config']['backend']} {prec} (fwd {res['fwd']}, bwd {res['bwd']}), "
+                  f"seed {cand['data_seed']}")
     for r in doc["references"]:
         ax.plot(*zip(*r["eval"]), "o", color="tab:blue", ms=4, mfc="none")
     ax.plot(*zip(*cand["eval"]), "x", color="tab:red", ms=6, label="held-out eval loss")
@@ -558,14 +600,17 @@ def plot(doc: dict, png: Path) -> Path | None:
     ax.set_ylim(lo_y - 0.1, min(max(v["band_hi"][0], v["candidate_smoothed"][0]) + 0.1, lo_y + 3.0))
     ax.set_ylabel("training loss, nats/byte")
     c = doc["config"]
+    widened = f" + {v['margin_rel']:.1%} of the loss" if v.get("margin_rel") else ""
     ax.set_title(f"{'PASS' if v['pass'] else 'FAIL'}: MoE LM training parity on {doc['device']}, {doc['git_sha'][:12]}\n"
+                 f"candidate {prec} against bf16 references" + (f", margins{widened}" if widened else "") + "\n"
                  f"L={c['layers']} H={c['hidden']} I={c['intermediate']} E={c['experts']} top-{c['top_k']}, "
                  f"{c['batch']}x{c['seq']} tokens/step, {n} steps, smoothing {v['smooth']}", fontsize=10)
     ax.legend(fontsize=8, loc="upper right")
     mid = [(a + b) / 2 for a, b in zip(v["band_lo"], v["band_hi"])]
     half = [(b - a) / 2 for a, b in zip(v["band_lo"], v["band_hi"])]
-    ax2.fill_between(steps, [-h - v["margin"] for h in half], [h + v["margin"] for h in half], color="0.8",
-                     label=f"band +- margin {v['margin']:.3f}")
+    bm = v.get("band_margin") or [v["margin"]] * n  # per step: the FP8 widening follows the loss
+    ax2.fill_between(steps, [-h - b for h, b in zip(half, bm)], [h + b for h, b in zip(half, bm)], color="0.8",
+                     label=f"band +- margin {v['margin']:.3f}{widened}")
     ax2.fill_between(steps, [-h for h in half], half, color="tab:blue", alpha=0.3)
     ax2.plot(steps, [s - m for s, m in zip(v["candidate_smoothed"], mid)], color="tab:red", lw=1.2,
              label="candidate (smoothed)")
@@ -584,12 +629,16 @@ def plot(doc: dict, png: Path) -> Path | None:
 
 
 def default_out(doc: dict) -> Path:
-    """bench/results/train_parity_<device>_<backend>[-<what it ran>]_<UTC stamp>.json"""
+    """bench/results/train_parity_<device>_<backend>[-<what it ran>][_<precision>]_<UTC stamp>.json (the
+    precision only when it is not bf16, so the names of BF16 results stay as they were)."""
     tag = doc["device"].replace("NVIDIA ", "").replace(" ", "-").lower()
     ran = sorted(set(doc["resolved_candidate_backend"].values()))
     name = doc["config"]["backend"]
     if ran != [name]:
         name += "-" + "+".join(ran)
+    precision = doc["config"].get("precision", "bf16")
+    if precision != "bf16":
+        name += "_" + precision
     stamp = doc["date"].replace(":", "").replace("-", "")
     return RESULTS_DIR / f"train_parity_{tag}_{name}_{stamp}.json"
 
@@ -599,6 +648,15 @@ def default_out(doc: dict) -> Path:
 # ------------------------------------------------------------------------------------------------
 
 
+def _rule_text(precision: str) -> str:
+    """The docstring's pass rule, and which of its variants this run applied (a reader of the JSON should not
+    have to work out from the config whether the FP8 widening was on)."""
+    rule = __doc__.split("Pass rule")[1].split("The script prints")[0].strip()
+    applied = (f"the candidate precision is {precision!r}: the margins are widened by {FP8_MARGIN_REL:.1%} of the loss"
+               if precision != "bf16" else "the candidate precision is 'bf16': the margins are not widened")
+    return f"{rule}\n\nApplied here: {applied}."
+
+
 def run_parity(args) -> dict:
     """Every run and the verdict (no files written)."""
     res = resolved_backends(args.backend, args)
@@ -606,9 +664,11 @@ def run_parity(args) -> dict:
     if bad:
         raise SystemExit("train_parity: the candidate backend cannot run here: " + "; ".join(bad))
     candidate_is_reference = all(r == "reference" for r in res.values())
-    print(f"candidate backend {args.backend!r} runs fwd={res['fwd']} bwd={res['bwd']} on {args.device}")
+    print(f"candidate backend {args.backend!r} precision {args.precision!r} runs fwd={res['fwd']} bwd={res['bwd']} "
+          f"on {args.device} (references: bf16)")
     if candidate_is_reference:
-        print("note: the candidate is the reference itself: this checks the harness, not a kernel")
+        print("note: the candidate is the reference itself" + (f" (its {args.precision} emulation)"
+              if args.precision != "bf16" else "") + ": this checks the harness, not a kernel")
     corpus = load_corpus(args.corpus_max_bytes)
     m = corpus.meta
     print(f"corpus: {m['files']} stdlib files from {m['root']}, {m['train_bytes']} train / {m['val_bytes']} held-out "
@@ -619,9 +679,10 @@ def run_parity(args) -> dict:
     print(f"model: {n_par / 1e6:.2f}M parameters ({n_exp / 1e6:.2f}M in experts), L={args.layers} H={args.hidden} "
           f"I={args.intermediate} E={args.experts} top-{args.top_k}; {args.batch}x{args.seq} tokens x {args.steps} steps")
     refs = [train_run(args, corpus, init, "reference", s, f"reference seed {s}") for s in range(args.reference_seeds)]
-    cand = train_run(args, corpus, init, args.backend, args.candidate_seed, f"candidate {args.backend}")
+    label = f"candidate {args.backend}" + (f" {args.precision}" if args.precision != "bf16" else "")
+    cand = train_run(args, corpus, init, args.backend, args.candidate_seed, label, precision=args.precision)
     verdict = judge(cand, refs, smooth_w=args.smooth, check_last=args.check_last, margin=args.margin,
-                    margin_frac=args.margin_frac)
+                    margin_frac=args.margin_frac, precision=args.precision)
     dev = torch.device(args.device)
     import prime_kernels  # noqa: PLC0415
 
@@ -631,8 +692,8 @@ def run_parity(args) -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda, "prime_kernels_build": prime_kernels.build_info(),
         "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
         "resolved_candidate_backend": res, "candidate_is_reference": candidate_is_reference,
-        "parameters": n_par, "corpus": corpus.meta, "rule": __doc__.split("Pass rule")[1].split("The script prints")[0]
-        .strip(), "verdict": verdict, "candidate": cand, "references": refs,
+        "parameters": n_par, "corpus": corpus.meta, "rule": _rule_text(args.precision), "verdict": verdict,
+        "candidate": cand, "references": refs,
     }
 
 
@@ -653,8 +714,11 @@ def main(argv=None) -> int:
     cand = doc["candidate"]
     print(f"final eval loss: candidate {v['final_eval_candidate']:.4f}, references "
           f"{', '.join(f'{x:.4f}' for x in v['final_eval_references'])} (margin {v['final_margin']:.4f})")
+    widened = (f" + {v['margin_rel']:.1%} of the band centre ({v['band_margin'][v['worst_step'] - 1]:.4f} at the worst "
+               f"step)" if v["margin_rel"] and v["worst_step"] is not None else "")
     print(f"last {len(cand['loss']) - v['check_from_step'] + 1} steps: band median width {v['median_band_width']:.4f}, "
-          f"margin {v['margin']:.4f}, worst {v['worst_beyond_band']:+.4f} nats beyond the band at step {v['worst_step']}"
+          f"margin {v['margin']:.4f}{widened}, worst {v['worst_beyond_band']:+.4f} nats beyond the band at step "
+          f"{v['worst_step']}"
           + (f"; max |candidate - same-seed reference| {v['max_abs_diff_vs_same_seed_reference']:.4f}"
              if v["max_abs_diff_vs_same_seed_reference"] is not None else ""))
     print("time: " + ", ".join(f"{r['label']} {r['seconds']:.1f} s ({r['tokens_per_s']:.0f} tok/s)"

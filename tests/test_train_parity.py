@@ -1,7 +1,8 @@
 """Training parity of a small MoE language model: examples/train_parity.py.
 
 CPU tests run the script's own code path at a tiny size with the reference backend as the
-candidate (the harness, the rule and the outputs; seconds). The GPU test runs the short version of
+candidate, in BF16 and as the reference's FP8 emulation (--precision fp8: the widened rule), checking
+the harness, the rule and the outputs (seconds). The GPU test runs the short version of
 the real check: each kernel backend available on an sm90 GPU, from the same initialisation as the
 reference runs, over the same GPU_SEEDS data orders: the seed-0 candidate against the band of the
 reference runs with the script's pass rule, and the mean final evaluation loss over the seeds against
@@ -100,6 +101,33 @@ def _judge(cand, refs, args):
                     margin_frac=args.margin_frac)
 
 
+def test_script_fp8_candidate_cpu(tmp_path, capsys, tiny_refs):
+    """--precision fp8 reaches the candidate's MegaMoE only (the reference's FP8 emulation on a CPU), the band
+    stays the BF16 references, and the verdict applies and records the widened margins."""
+    out = tmp_path / "parity_fp8.json"
+    rc = tp.main(TINY + ["--precision", "fp8", "--cpu-threads", "1", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert text.rstrip().endswith("PASS")
+    doc = json.loads(out.read_text())
+    assert doc["config"]["precision"] == "fp8" and doc["candidate"]["precision"] == "fp8"
+    refs, cand = doc["references"], doc["candidate"]
+    assert [r["precision"] for r in refs] == ["bf16", "bf16"]
+    # the references are the BF16 runs of the bf16 harness check, bit for bit; the candidate is not
+    assert refs[0]["loss"] == tiny_refs[3][0]["loss"]
+    assert cand["loss"] != refs[0]["loss"]
+    v = doc["verdict"]
+    assert v["precision"] == "fp8" and v["margin_rel"] == tp.FP8_MARGIN_REL == 0.005
+    for m_t, a, b in zip(v["band_margin"], v["band_lo"], v["band_hi"]):
+        assert m_t == pytest.approx(v["margin"] + 0.005 * (a + b) / 2)
+    fr = v["final_eval_references"]
+    assert v["final_margin"] == pytest.approx(v["final_margin_base"] + 0.005 * sum(fr) / len(fr))
+    assert "'fp8'" in doc["rule"] and "widened" in doc["rule"]
+    assert tp.default_out(doc).name.startswith("train_parity_cpu_reference_fp8_")
+    bf16_doc = {**doc, "config": {**doc["config"], "precision": "bf16"}}
+    assert "fp8" not in tp.default_out(bf16_doc).name
+
+
 def test_rule_rejects_a_run_that_learns_differently(tiny_refs):
     """A candidate whose training differs (a quarter of the learning rate: what a wrong gradient
     scale looks like) leaves the band, and the rule says FAIL on both counts."""
@@ -146,6 +174,37 @@ def test_rule_on_synthetic_curves():
     assert v["margin"] == pytest.approx(0.1) and v["final_margin"] == pytest.approx(0.1)
 
 
+def test_rule_widens_for_fp8():
+    """A non-bf16 candidate gets 0.5% of the loss on top of both margins: 0.4% above the band top (and above
+    the references' final losses) fails the plain margin and passes the widened one; 0.7% fails both."""
+    n = 100
+    base = [3.0 - 0.01 * t for t in range(n)]
+
+    def run(label, seed, loss, final):
+        return {"label": label, "data_seed": seed, "loss": loss, "final_eval_loss": final}
+
+    refs = [run("r0", 0, [x + 0.01 for x in base], 2.00), run("r1", 1, [x - 0.01 for x in base], 2.02)]
+    kw = dict(smooth_w=1, check_last=50, margin=0.002, margin_frac=0.0)  # a plain margin well under 0.4%
+    top = [x + 0.01 for x in base]
+    above = run("c", 0, [x * 1.004 for x in top], 2.02 * 1.004)
+    plain = tp.judge(above, refs, **kw)
+    assert not plain["pass"] and len(plain["reasons"]) == 2, plain["reasons"]
+    assert plain["margin_rel"] == 0.0 and plain["band_margin"] == [pytest.approx(0.002)] * n
+    assert plain["final_margin"] == pytest.approx(0.002) == plain["final_margin_base"]
+    for precision in ("fp8", "fp8_bwd"):
+        v = tp.judge(above, refs, precision=precision, **kw)
+        assert v["pass"], v["reasons"]
+        assert v["precision"] == precision and v["margin"] == pytest.approx(0.002)
+        assert v["band_margin"][-1] == pytest.approx(0.002 + 0.005 * base[-1])  # the band centre is base
+        assert v["final_margin"] == pytest.approx(0.002 + 0.005 * 2.01)
+    below = run("c", 0, [(x - 0.02) * 0.996 for x in top], 2.00 * 0.996)
+    assert not tp.judge(below, refs, **kw)["pass"] and tp.judge(below, refs, precision="fp8", **kw)["pass"]
+    far = tp.judge(run("c", 0, [x * 1.007 for x in top], 2.02 * 1.007), refs, precision="fp8", **kw)
+    assert not far["pass"] and len(far["reasons"]) == 2 and "0.5% of the band centre" in far["reasons"][0]
+    with pytest.raises(ValueError):
+        tp.judge(above, refs, precision="fp-8", **kw)
+
+
 def test_corpus_and_data_order_are_deterministic():
     files = tp.stdlib_sources()
     assert files and files == tp.stdlib_sources()
@@ -163,6 +222,7 @@ def test_default_gpu_run_is_sized_for_the_kernels():
     args = tp.parse_args(["--device", "cuda"])
     assert args.hidden % 128 == 0 and args.intermediate % 128 == 0
     assert args.reference_seeds == 2 and args.backend == "auto" and args.steps >= 200
+    assert args.precision == "bf16" and tp.parse_args(["--precision", "fp8_bwd"]).precision == "fp8_bwd"
     assert args.batch * args.seq >= 2048
 
 
