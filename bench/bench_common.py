@@ -188,6 +188,182 @@ def torch_moe(x, topk_idx, topk_weights, w13, w2, group=None):
 
 
 # ------------------------------------------------------------------------------------------------
+# the FP8 torch baseline: torch_moe's glue with every expert GEMM (forward, dgrad and wgrad) in e4m3 through
+# torch._scaled_grouped_mm with rowwise fp32 scales (torchao's FP8-rowwise grouped-GEMM recipe, in eager torch)
+# ------------------------------------------------------------------------------------------------
+
+E4M3_MAX = 448.0
+FP8_GROUP_ALIGN = 16  # rows per expert group are padded to a multiple of this (the FP8 wgrad's requirement)
+FP8_FAST_ACCUM = True  # as torchao's FP8-rowwise grouped GEMM calls it (TorchTitan's FP8 MoE path)
+
+
+def _fp8_quant(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 data of ``x`` (same shape and memory layout) and fp32 scales amax/448 over ``dim`` (that dim dropped):
+    x ~= data * scale."""
+    amax = x.abs().amax(dim=dim, keepdim=True).float().clamp_min(1e-12)
+    s = amax / E4M3_MAX
+    q = (x.float() / s).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, s.squeeze(dim)
+
+
+def _fp8_quant_token_groups(x: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 data of ``x`` [P, C] (row-major) and fp32 scales [G, C]: one per (group, column), amax/448 over the
+    group's rows (the groups of ``offs``, cumulative row ends). Every group boundary must be a multiple of
+    FP8_GROUP_ALIGN and offs[-1] == P: the amax runs over 16-row blocks first, each inside one group."""
+    P, C = x.shape
+    A = FP8_GROUP_ALIGN
+    G = offs.numel()
+    blocks = x.abs().view(P // A, A, C).amax(1).float()  # [P/A, C]
+    bid = torch.searchsorted(offs, torch.arange(0, P, A, device=x.device, dtype=offs.dtype), right=True)
+    amax = torch.zeros(G, C, device=x.device, dtype=torch.float32)
+    amax.scatter_reduce_(0, bid.long().unsqueeze(1).expand(-1, C), blocks, "amax", include_self=True)
+    s = amax.clamp_min_(1e-12) / E4M3_MAX  # [G, C]
+    q = (x.float().view(P // A, A, C) / s[bid].unsqueeze(1)).clamp_(-E4M3_MAX, E4M3_MAX)
+    return q.to(torch.float8_e4m3fn).view(P, C), s
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous()
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last two dims column-major (a no-op when they are)."""
+    return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+def _check_fp8_gmm_args(a, b, scale_a, scale_b, offs):
+    """On the CPU (no _scaled_grouped_mm kernel): the exact arguments through torch's meta registration of
+    _scaled_grouped_mm (dtypes, row-/column-major, 16-byte strides, scale shapes, offs), plus what only the CUDA
+    op checks: trailing dims % 16 and, for 2d x 2d, every group's rows along K % 16 with offs[-1] == K."""
+    m = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")  # noqa: E731
+    torch._scaled_grouped_mm(m(a), m(b), m(scale_a), m(scale_b), offs=m(offs), out_dtype=torch.bfloat16,
+                             use_fast_accum=FP8_FAST_ACCUM)
+    if a.size(-1) % 16 or b.size(-2) % 16 or b.size(-1) % 16:
+        raise ValueError(f"_scaled_grouped_mm needs a's last dim and b's last two dims % 16: {a.shape} {b.shape}")
+    if a.dim() == 2 and b.dim() == 2:
+        ends = offs.tolist()
+        sizes = [e - s for s, e in zip([0] + ends[:-1], ends)]
+        if ends[-1] != a.size(1) or any(n < 0 or n % 16 for n in sizes):
+            raise ValueError(f"2d x 2d _scaled_grouped_mm: group sizes along K must be multiples of 16 ending at "
+                             f"K={a.size(1)}: {sizes}")
+
+
+def _scaled_gmm(a, b, scale_a, scale_b, offs):
+    """torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=bf16) on CUDA (sm90+); elsewhere the
+    same product emulated in float32 from the same e4m3 data and scales, after the arguments are checked against
+    the op's contract (_check_fp8_gmm_args).
+
+    2d x 3d: a [P, K] e4m3 row-major, b [G, K, N] e4m3 column-major, scale_a [P], scale_b [G, N], offs [G] int32
+    cumulative row ends; out [P, N], out[rows of g] = (a * scale_a[:, None])[rows] @ (b[g] * scale_b[g]).
+    2d x 2d: a [M, Ktot] row-major, b [Ktot, N] column-major, groups along Ktot, scale_a [G*M], scale_b [G*N]
+    (group-major); out [G, M, N], out[g] = (a[:, cols_g] * scale_a[g]) @ (b[cols_g] * scale_b[g])."""
+    if a.device.type == "cuda":
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
+                                        use_fast_accum=FP8_FAST_ACCUM)
+    _check_fp8_gmm_args(a, b, scale_a, scale_b, offs)
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    af = a.float()
+    bf = b.float()
+    if b.dim() == 3:
+        af = af * scale_a.unsqueeze(1)
+        bf = bf * scale_b.unsqueeze(1)
+        out = torch.zeros(a.size(0), b.size(-1), dtype=torch.float32, device=a.device)
+        for g, (s, e) in enumerate(zip(starts, ends)):
+            out[s:e] = af[s:e] @ bf[g]
+        return out.to(torch.bfloat16)
+    G, M, N = len(ends), a.size(0), b.size(1)
+    sa, sb = scale_a.view(G, M), scale_b.view(G, N)
+    out = torch.stack([(af[:, s:e] * sa[g].unsqueeze(1)) @ (bf[s:e] * sb[g])
+                       for g, (s, e) in enumerate(zip(starts, ends))])
+    return out.to(torch.bfloat16)
+
+
+class _Fp8GroupedMM(torch.autograd.Function):
+    """out[rows of group g] = a[rows] @ b[g] with every GEMM in e4m3 (rowwise fp32 scales, bf16 out, fp32
+    accumulation; use_fast_accum=FP8_FAST_ACCUM) through torch._scaled_grouped_mm (_scaled_gmm):
+
+    a [P, K] bf16, b [G, K, N] bf16 (any strides, e.g. w13.transpose(-2, -1)), offs [G] int32 cumulative row ends
+    with every group's row count a multiple of FP8_GROUP_ALIGN and offs[-1] == P (the 2d x 2d wgrad's TMA needs
+    16-byte group starts along the token axis; torch_fp8_moe pads its groups so).
+
+    forward  out = a_q @ b_q: a one scale per row (amax over K), b one per (group, output column) (amax over K).
+    backward dA = dout_q @ (b^T)_q: dout one scale per row (over N), b^T one per (group, column k) (over N);
+             dB[g] = (dout[rows_g]^T @ a[rows_g])^T in the 2d x 2d (k-grouped) form, offs along the tokens:
+             dout^T one scale per (group, column n), a one per (group, column k), each the amax over the group's
+             rows (so dB is an FP8 GEMM too; it comes back as the transpose of a [G, N, K] product, so
+             w13.grad / w2.grad are laid out like w13 / w2).
+    The bf16 a and b are saved; the backward quantizes them again in the layouts it needs."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        a_q, a_s = _fp8_quant(a, -1)  # [P, K] row-major, [P]
+        b_q, b_s = _fp8_quant(b, -2)  # [G, K, N], [G, N]
+        out = _scaled_gmm(_row_major(a_q), _col_major(b_q), a_s, b_s.contiguous(), offs)
+        ctx.save_for_backward(a, b, offs)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        a, b, offs = ctx.saved_tensors
+        dout = dout.contiguous()
+        d_a = d_b = None
+        if ctx.needs_input_grad[0]:
+            g_q, g_s = _fp8_quant(dout, -1)  # [P, N], [P]
+            bt_q, bt_s = _fp8_quant(b, -1)  # b^T [G, N, K] quantized per (g, k) over N: scales [G, K]
+            d_a = _scaled_gmm(_row_major(g_q), _row_major(bt_q).transpose(-2, -1), g_s, bt_s.contiguous(), offs)
+        if ctx.needs_input_grad[1]:
+            g_q, g_s = _fp8_quant_token_groups(dout, offs)  # [P, N], [G, N]
+            a_q, a_s = _fp8_quant_token_groups(a.contiguous(), offs)  # [P, K], [G, K]
+            d_bt = _scaled_gmm(g_q.t().contiguous(), _col_major(a_q), g_s.reshape(-1), a_s.reshape(-1), offs)
+            d_b = d_bt.transpose(-2, -1)  # [G, N, K] -> [G, K, N]
+        return d_a, d_b, None
+
+
+def fp8_grouped_mm(a, b, offs):
+    """_Fp8GroupedMM.apply(a, b, offs): the FP8 counterpart of torch._grouped_mm(a, b, offs=offs)."""
+    return _Fp8GroupedMM.apply(a, b, offs)
+
+
+def torch_fp8_moe(x, topk_idx, topk_weights, w13, w2, group=None):
+    """torch_moe with FP8 expert GEMMs: argsort by expert, gather, _Fp8GroupedMM for L1 and L2 (forward, dgrad and
+    wgrad all e4m3 with rowwise fp32 scales through torch._scaled_grouped_mm), SwiGLU, bf16 weights after L2,
+    index_add combine. Single rank only. Differentiable in x, topk_weights, w13, w2.
+
+    Each expert's rows are padded with zero rows to a multiple of FP8_GROUP_ALIGN (at least one block, also for an
+    expert with no routes), as TorchTitan pads token groups for FP8 grouped GEMMs: the 2d x 2d FP8 weight-gradient
+    GEMM needs every group's start along the token axis 16-byte aligned. Padding rows are zero through L1, SwiGLU and
+    L2 and carry zero gradient, so they change no result; the padded row count is read on the host (one sync, as
+    torch_moe's bincount on CUDA has). Quantization is eager torch (amax, divide, cast per operand and call), part
+    of what this baseline times."""
+    if group is not None:
+        raise ValueError("torch_fp8_moe (backend torch_fp8) runs on a single rank only: group must be None")
+    T, K = topk_idx.shape
+    El, twoI, H = w13.shape
+    A = FP8_GROUP_ALIGN
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tok = order // K
+    counts = torch.bincount(flat, minlength=El)
+    padded = ((counts + A - 1) // A).clamp_min(1) * A
+    ends = torch.cumsum(padded, 0)
+    P_pad = int(ends[-1])
+    offs = ends.to(torch.int32)
+    e_sorted = flat[order]
+    rank_in_expert = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[e_sorted]
+    dest = (ends - padded)[e_sorted] + rank_in_expert  # padded row of each sorted route
+    tok_pad = torch.full((P_pad,), T, dtype=tok.dtype, device=x.device).index_put((dest,), tok)  # T: a zero row
+    w_pad = torch.zeros(P_pad, dtype=torch.bfloat16, device=x.device).index_put(
+        (dest,), topk_weights.reshape(-1)[order].to(torch.bfloat16))
+    xs = torch.cat([x, x.new_zeros(1, H)])[tok_pad]
+    h = fp8_grouped_mm(xs, w13.transpose(-2, -1), offs)
+    g, u = h[:, : twoI // 2], h[:, twoI // 2 :]
+    o = fp8_grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs)
+    o = o * w_pad.unsqueeze(1)
+    return x.new_zeros(T + 1, H).index_add(0, tok_pad, o)[:T]
+
+
+# ------------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------------
 

@@ -6,7 +6,10 @@ on the same inputs in the same run.
     python bench/bench_layer.py --smoke               # tiny CPU-runnable check of every code path
     torchrun --nproc-per-node 8 bench/bench_layer.py  # expert parallelism (tokens are per rank)
 
-Backends: "torch" (baseline), "deep_gemm" (backend="auto", what a user gets: the fused kernel of each
+Backends: "torch" (baseline), "torch_fp8" (the same TorchTitan-style layer with every expert GEMM, forward, dgrad and
+wgrad, in e4m3 with rowwise fp32 scales through torch._scaled_grouped_mm: bench_common.torch_fp8_moe; single rank;
+its rows say precision "fp8"; in the default list only with --precision fp8 or fp8_bwd; ratio_vs_torch stays
+relative to the BF16 torch row), "deep_gemm" (backend="auto", what a user gets: the fused kernel of each
 direction where prime_kernels.status() says it is available, else the grouped pipeline; the log says which), "deep_gemm_grouped" (the single-rank pipeline of our grouped GEMMs, prime_kernels.mega._grouped),
 "deep_gemm_reference" (the pure-PyTorch reference; by default timed only at
 T <= --reference-max-tokens because it is slow), "sonicmoe" (the SonicMoE package as a peer, bench/peer_sonicmoe.py;
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 import peer_sonicmoe  # noqa: E402
 
-BACKENDS = ("torch", "deep_gemm", "deep_gemm_grouped", "deep_gemm_reference", "sonicmoe")
+BACKENDS = ("torch", "torch_fp8", "deep_gemm", "deep_gemm_grouped", "deep_gemm_reference", "sonicmoe")
 PEERS = ("sonicmoe",)  # other libraries' layers: timed and checked like ours, skipped with a reason when unusable
 
 
@@ -53,7 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", default="4096,16384", help="comma list of tokens per rank")
     p.add_argument("--routings", default="uniform,zipf", help="comma list from uniform,zipf")
     p.add_argument("--backends", default=None,
-                   help=f"comma list from {BACKENDS} (default: all of them, sonicmoe only when it imports)")
+                   help=f"comma list from {BACKENDS} (default: all of them, sonicmoe only when it imports, "
+                        f"torch_fp8 only with --precision fp8 or fp8_bwd)")
     p.add_argument("--reference-max-tokens", type=int, default=4096,
                    help="time deep_gemm_reference only at T <= this (it is slow); 0 = no limit")
     p.add_argument("--warmup", type=int, default=5)
@@ -74,7 +78,7 @@ def parse_args(argv=None):
                         "fused forward runs and the backward needs them), on = True, off = False")
     p.add_argument("--activation-clamp", type=float, default=None)
     p.add_argument("--precision", choices=("bf16", "fp8", "fp8_bwd"), default="bf16",
-                   help="of our backends and the reference (torch and the peers run bf16)")
+                   help="of our backends and the reference (torch and the peers run bf16, torch_fp8 fp8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=10.0,
                    help="stop starting new configurations after this many minutes (results so far are kept)")
@@ -109,6 +113,8 @@ def _fused_state():
 def _layer_fn(backend, group, E, args):
     if backend == "torch":
         return lambda x, i, w, a, b: bc.torch_moe(x, i, w, a, b, group=group)
+    if backend == "torch_fp8":
+        return lambda x, i, w, a, b: bc.torch_fp8_moe(x, i, w, a, b, group=group)
     if backend == "sonicmoe":
         return peer_sonicmoe.sonicmoe_layer
     from prime_kernels.mega import mega_moe
@@ -121,7 +127,10 @@ def _layer_fn(backend, group, E, args):
 
 
 def _precision(backend, args):
-    """The precision a backend's rows run in: --precision for ours and the reference, bf16 for the others."""
+    """The precision a backend's rows run in: --precision for ours and the reference, fp8 for torch_fp8, bf16 for
+    the others."""
+    if backend == "torch_fp8":
+        return "fp8"
     return "bf16" if backend in ("torch", "sonicmoe") else args.precision
 
 
@@ -327,7 +336,8 @@ def main(argv=None):
     log = print if rank == 0 else (lambda *a, **k: None)
     peer_errors = {"sonicmoe": peer_sonicmoe.import_error()}  # None = it imports
     if args.backends is None:
-        backends = [b for b in BACKENDS if b not in PEERS or peer_errors[b] is None]
+        backends = [b for b in BACKENDS if (b not in PEERS or peer_errors[b] is None)
+                    and (b != "torch_fp8" or args.precision in ("fp8", "fp8_bwd"))]
         for b in PEERS:
             if peer_errors[b] is not None:
                 log(f"[bench] {b} is not in the default backends: {peer_errors[b]}")
@@ -343,6 +353,8 @@ def main(argv=None):
             skipped[b] = f"import {b} failed: {peer_errors[b]}"
         elif ep > 1:
             skipped[b] = f"the {b} adapter has no expert parallelism (ep={ep})"
+    if "torch_fp8" in backends and ep > 1:
+        skipped["torch_fp8"] = f"torch_fp8 runs on a single rank only (ep={ep})"
     for b, why in skipped.items():
         log(f"[bench] skipping backend {b}: {why}")
     shapes = [g for s in _split(args.shapes) for g in (bc.grid_shapes() if s == "grid" else [s])]

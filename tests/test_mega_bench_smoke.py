@@ -4,6 +4,7 @@ tested on the CPU."""
 
 import importlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -58,6 +59,7 @@ def test_bench_layer_smoke(tmp_path, capsys):
         assert set(r) == want, r
         if r["backend"] != "torch":
             assert r["max_rel_err"] < 1e-2
+    assert not any(r["backend"] == "torch_fp8" for r in doc["rows"])  # only with --precision fp8/fp8_bwd or named
     assert "deep_gemm_reference" in capsys.readouterr().out  # the printed table
     png = plot_results.plot(out)
     if png is None:  # matplotlib missing: the plot is skipped with a message
@@ -125,6 +127,86 @@ def test_bench_layer_floor_smoke(tmp_path):
         # each, relatively (a 0.038 ms floor: 1.3e-3)
         rounding = 0.5e-4 / r["floor_ms"] + 0.5e-4 / max(r["ms"], 1e-4)
         assert abs(r["ms_over_floor"] - r["ms"] / r["floor_ms"]) <= (1e-3 + rounding) * max(1.0, r["ms_over_floor"]), r
+
+
+def test_bench_layer_torch_fp8_smoke(tmp_path):
+    """--backends torch,torch_fp8: the FP8 torch baseline (here the CPU emulation of torch._scaled_grouped_mm) gets
+    every direction with precision "fp8", a time, a ratio to the BF16 torch row and an error against float64 that
+    is an FP8 one: finite, below 0.15 and above BF16's."""
+    doc = _run_smoke(tmp_path / "fp8.json", "--backends", "torch,torch_fp8", "--rounds", "1", "--inference")
+    rows = _timed_rows(doc)
+    assert len(rows) == len(doc["rows"])
+    got = {(r["backend"], r["direction"], r["routing"]) for r in rows}
+    assert got == {(b, d, g) for b in ("torch", "torch_fp8") for d in ("fwd", "bwd", "fwdbwd", "infer")
+                   for g in ("uniform", "zipf")}, got
+    for r in rows:
+        if r["backend"] == "torch":
+            assert r["precision"] == "bf16" and set(r) == ROW, r
+            continue
+        assert r["precision"] == "fp8" and set(r) == ROW | {"max_rel_err"}, r
+        assert math.isfinite(r["max_rel_err"]) and 1e-2 < r["max_rel_err"] < 0.15, r
+        if r["direction"] != "bwd":  # a difference of two timings: may be <= 0 at this size on the CPU
+            assert r["ms"] > 0 and r["ratio_vs_torch"] > 0, r
+
+    # in the default list with --precision fp8 (and fp8_bwd), not with bf16 (test_bench_layer_smoke)
+    doc = _run_smoke(tmp_path / "fp8_default.json", "--precision", "fp8", "--routings", "uniform", "--rounds", "1",
+                     "--no-check")
+    fp8 = [r for r in doc["rows"] if r["backend"] == "torch_fp8"]
+    assert sorted(r["direction"] for r in fp8) == ["bwd", "fwd", "fwdbwd"] and all(r["precision"] == "fp8" for r in fp8)
+
+
+def _grouped_f64(a, b, sizes):
+    """out[rows of g] = a[rows] @ b[g] in float64, differentiable."""
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
+
+
+def test_fp8_grouped_mm_gradients_match_float64():
+    """_Fp8GroupedMM (torch_fp8's grouped GEMM; on the CPU the emulation of torch._scaled_grouped_mm, whose exact
+    arguments pass torch's meta checks of the op on the way): out, d a and d b within FP8 error (0.1) of a float64
+    grouped matmul, and off BF16's (it really quantizes), an empty group's d b is zero, d b is laid out like the
+    weight it came from (w.transpose(-2, -1) as b: dW contiguous like w), and offsets outside the FP8 wgrad's
+    contract (a group not a multiple of 16 rows) are refused."""
+    bc = _bench_module("bench_common")
+    g = torch.Generator().manual_seed(0)
+    sizes = [32, 0, 16, 48, 64]
+    G, K, N, P = len(sizes), 64, 96, sum(sizes)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    a = torch.randn(P, K, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(G, N, K, generator=g) * K ** -0.5).to(torch.bfloat16).requires_grad_()  # like w13 [G, 2I, H]
+    dy = torch.randn(P, N, generator=g).to(torch.bfloat16)
+    out = bc.fp8_grouped_mm(a, w.transpose(-2, -1), offs)
+    assert out.dtype == torch.bfloat16 and out.shape == (P, N)
+    da, dw = torch.autograd.grad(out, (a, w), dy)
+    a64, w64 = (t.detach().double().requires_grad_() for t in (a, w))
+    out64 = _grouped_f64(a64, w64.transpose(-2, -1), sizes)
+    da64, dw64 = torch.autograd.grad(out64, (a64, w64), dy.double())
+    for name, got, ref in (("out", out, out64), ("d a", da, da64), ("d w", dw, dw64)):
+        err = bc.rel_err(got, ref)
+        assert 5e-3 < err < 0.1, (name, err)
+    assert dw.shape == w.shape and dw.is_contiguous() and da.shape == a.shape
+    assert not bool(dw[1].any())  # the empty group
+
+    bad = torch.tensor([24, 40, 48, 96, 160], dtype=torch.int32)  # groups of 24 and 8 rows
+    out = bc.fp8_grouped_mm(a, w.transpose(-2, -1), bad)  # the forward (2d x 3d) takes any group sizes
+    with pytest.raises(ValueError, match="multiples of 16"):
+        torch.autograd.grad(out, (a, w), dy)
+
+    # the CPU path holds the arguments to the op's contract: a row-major b (the op wants column-major) is refused
+    a_q, a_s = bc._fp8_quant(a.detach(), -1)
+    b_q, b_s = bc._fp8_quant(w.detach().transpose(-2, -1), -2)
+    bc._scaled_gmm(a_q, b_q, a_s, b_s, offs)
+    with pytest.raises(RuntimeError, match="column major"):
+        bc._scaled_gmm(a_q, b_q.contiguous(), a_s, b_s, offs)
+
+
+def test_torch_fp8_moe_is_single_rank():
+    bc = _bench_module("bench_common")
+    E, H, I, K = bc.SHAPES["smoke"]
+    w13, w2 = bc.make_weights(E, H, I, 0, "cpu")
+    x, idx, w, _dy = bc.make_tokens(8, E, H, K, "uniform", 0, "cpu")
+    with pytest.raises(ValueError, match="single rank"):
+        bc.torch_fp8_moe(x, idx, w, w13, w2, group=object())
 
 
 def _sonicmoe_unimportable(monkeypatch) -> str:
