@@ -14,9 +14,9 @@ zeros); w13_q / w13_sb are the weight cache's copy of w13 ([E, 2I, H] gate rows 
 [E, 2I/128, H/128]). H and I must be multiples of 128; there is no activation clamp. Rows outside every group are not
 written.
 
-On CUDA (sm90a) one kernel does all of it (verified on an H200 against the emulation, tests/test_swiglu_fwd_fp8.py).
-Nothing in the layer calls it yet (the FP8 forward pipeline is not written; its L2 is m_grouped_fp8_gemm_nt with
-sa [M, I/64]). On the CPU the op runs :func:`swiglu_fwd_fp8_reference`, the emulation the GPU
+On CUDA (sm90a) one kernel does all of it (verified on an H200 against the emulation, tests/test_swiglu_fwd_fp8.py);
+the FP8 forward pipeline (:mod:`prime_kernels.mega._fp8_fwd`) calls it, then m_grouped_fp8_gemm_nt with sa [M, I/64]
+for the L2. On the CPU the op runs :func:`swiglu_fwd_fp8_reference`, the emulation the GPU
 tests compare the kernel with.
 """
 

@@ -2,9 +2,8 @@
 
 Steps, in the reference's names (:mod:`prime_kernels.mega.reference`, B1-B10 of its FP8 section):
 
-  B1   dy rows gathered into the pool (bf16, padding rows zero), then qK(dy_p, 128) of every pool row
-       (``dispatch_rows_fp8`` over the pool, so the padding rows quantize to zeros) and qT(dy_e)
-       (``quantize_tokens_fp8``) for dW2.
+  B1   qK(dy_p, 128) dispatched from the token rows (``dispatch_rows_fp8``, padding rows zeroed), and for dW2 the dy
+       rows gathered into the pool (bf16, padding rows zero) and quantized qT(dy_e) (``quantize_tokens_fp8``).
   B2-B6, B9  the FP8 L2 dgrad with the SwiGLU backward in its epilogue (``m_grouped_fp8_gemm_swiglu_bwd``): da in
        fp32 from the
        FP8 GEMM, d topk_weights partials per 128 columns of I, dh = [dg, du] in fp32 quantized twice (qK along 2I
@@ -27,7 +26,7 @@ from . import _fp8_fwd, fp8 as _fp8
 from ._grouped import _gathered_pool, _rows_for_kernels, _sms, recompute_h
 from ..combine import combine
 from ..grouped_gemm import k_grouped_fp8_gemm_tn, m_grouped_fp8_gemm_nt
-from ..quantize import dispatch_rows_fp8, quantize_tokens_fp8
+from ..quantize import quantize_tokens_fp8
 from ..swiglu_bwd_fp8 import m_grouped_fp8_gemm_swiglu_bwd
 
 
@@ -66,12 +65,16 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     elif recompute:
         h_saved, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms)
     dy = _rows_for_kernels(dy.to(torch.bfloat16))
-    dy_pool = _gathered_pool(dy, route_to_pool, counts, offsets, capacity)  # B1, padding rows zero
-    every_row = torch.arange(capacity, dtype=torch.int32, device=dy.device).view(capacity, 1)
-    dy_q, dy_qs = dispatch_rows_fp8(dy_pool, every_row, capacity, pow2_scales=pow2)  # qK(dy_p), padding -> 0
+    # B1: qK(dy_p) dispatched from the token rows (each read once); its padding rows are left as they are (the L2
+    # dgrad writes zeros for every row no route names, whatever its operands hold there). qT(dy_e) needs the pooled
+    # bf16 rows (its blocks run along the pool's token axis).
+    dy_q, dy_qs = _fp8_fwd.quantized_pool(dy, route_to_pool, counts, offsets, capacity, pow2, zero_padding=False)
     want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None
-    dy_t = quantize_tokens_fp8(dy_pool, offsets, counts, pow2_scales=pow2) if want_w else None  # qT(dy_e)
-    del dy_pool
+    dy_t = None
+    if want_w:
+        dy_pool = _gathered_pool(dy, route_to_pool, counts, offsets, capacity)
+        dy_t = quantize_tokens_fp8(dy_pool, offsets, counts, pow2_scales=pow2)  # qT(dy_e)
+        del dy_pool
     # B2-B6, B9 in one kernel (its CPU op: the recipe's emulation)
     l2 = m_grouped_fp8_gemm_swiglu_bwd(dy_q, dy_qs, c2.transposed.data, c2.transposed.scale, offsets, h_saved,
                                        pool_src_route, topk_weights.float().contiguous(), pow2_scales=pow2,
