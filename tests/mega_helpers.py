@@ -102,6 +102,38 @@ def loop_reference(x, topk_idx, topk_weights, w13, w2, dy, clamp=None):
     return y.detach(), x.grad, w.grad, a.grad, b.grad
 
 
+def poison_free_memory() -> None:
+    """Fill half of the free CUDA memory with NaN and release it, so that a buffer a kernel forgets to write shows."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info()
+    block = torch.full((int(free * 0.5) // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    del block
+
+
+def autograd_run(problem, backend, precision, recompute=False):
+    """(y, [dx, dtopk, dw13, dw2]) of mega_moe through autograd on ``problem`` (make_problem's list), dy =
+    problem[5]."""
+    from prime_kernels.mega import mega_moe
+
+    leaves = [t.clone().requires_grad_(i in (0, 2, 3, 4)) for i, t in enumerate(problem[:5])]
+    y = mega_moe(*leaves, precision=precision, backend=backend, recompute=recompute,
+                 num_experts=problem[3].shape[0])
+    y.backward(problem[5])
+    return y.detach(), [leaves[i].grad for i in (0, 2, 3, 4)]
+
+
+def skip_unless_available(key: str) -> None:
+    """Skip (with the status() reason) unless prime_kernels.status() reports kernel ``key`` available here."""
+    import pytest
+
+    from prime_kernels import _status
+
+    why = _status.reason(key)
+    if why != "available":
+        pytest.skip(f"{key}: {why}")
+
+
 def run_layer(x, topk_idx, topk_weights, w13, w2, dy, **kwargs):
     """mega_moe forward + backward on leaf copies. Returns (y, dx, dtopk, dw13, dw2)."""
     from prime_kernels.mega import mega_moe

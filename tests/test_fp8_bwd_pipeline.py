@@ -7,7 +7,7 @@ the order of the weight-gradient operands) without a GPU."""
 import pytest
 import torch
 
-from mega_helpers import make_problem, rel_err
+from mega_helpers import autograd_run, make_problem, poison_free_memory, rel_err, skip_unless_available
 
 NAMES = ("dx", "dtopk", "dw13", "dw2")
 
@@ -91,14 +91,6 @@ GPU_CASES = [
 ]
 
 
-def _poison_free_memory() -> None:
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free, _total = torch.cuda.mem_get_info()
-    block = torch.full((int(free * 0.5) // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
-    del block
-
-
 @requires_sm90
 @pytest.mark.parametrize("T,E,H,I,K,routing,masked", GPU_CASES)
 def test_fp8_pipeline_on_the_gpu_matches_the_reference_and_repeats_bitwise(T, E, H, I, K, routing, masked):
@@ -115,7 +107,7 @@ def test_fp8_pipeline_on_the_gpu_matches_the_reference_and_repeats_bitwise(T, E,
     fwd = _grouped.forward(x, idx, w, w13, w2, num_experts=E, block_m=128, capacity=cap, save_h=True)
     state = fwd[1:7]
     cache = fp8.Fp8WeightCache()
-    _poison_free_memory()
+    poison_free_memory()
     got = _fp8_bwd.backward(dy, x, idx, w, w13, w2, *state, num_experts=E, weight_cache=cache)
     torch.cuda.synchronize()
     want = reference.backward(dy, x, idx, w, w13, w2, *state, num_experts=E, precision="fp8_bwd", weight_cache=cache)
@@ -123,51 +115,27 @@ def test_fp8_pipeline_on_the_gpu_matches_the_reference_and_repeats_bitwise(T, E,
         assert torch.isfinite(a.float()).all(), f"{name}: non-finite values"
         err = rel_err(a, b)
         assert err < 1e-2, f"{name}: rel err {err:.3e}"
-    _poison_free_memory()
+    poison_free_memory()
     again = _fp8_bwd.backward(dy, x, idx, w, w13, w2, *state, num_experts=E, weight_cache=cache)
     for name, a, b in zip(NAMES, got, again):
         assert torch.equal(a, b), f"{name}: a second run differs"
 
 
-def _fp8_bwd_runnable(monkeypatch) -> None:
-    """Skip unless the FP8 backward can run here; until status() lists it, let the layer run it as status() will
-    then (runnable())."""
-    from prime_kernels import _status
-    from prime_kernels.mega import _backend
-
-    key = "mega_moe.fp8_bwd.sm90"
-    if _status.runnable(key) != "available":
-        pytest.skip(f"{key}: {_status.runnable(key)}")
-    real = _backend._status
-    monkeypatch.setattr(_backend, "_status", lambda: {**real(), key: "available"})
-
-
-def _autograd_run(problem, backend, precision, recompute=False):
-    """(y, [dx, dtopk, dw13, dw2]) of mega_moe through autograd, dy = problem[5]."""
-    from prime_kernels.mega import mega_moe
-
-    leaves = [t.clone().requires_grad_(i in (0, 2, 3, 4)) for i, t in enumerate(problem[:5])]
-    y = mega_moe(*leaves, precision=precision, backend=backend, recompute=recompute,
-                 num_experts=problem[3].shape[0])
-    y.backward(problem[5])
-    return y.detach(), [leaves[i].grad for i in (0, 2, 3, 4)]
-
-
 @requires_sm90
 @pytest.mark.parametrize("backend", ["auto", "grouped"])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_fp8_bwd_layer_through_autograd_on_the_gpu(monkeypatch, backend, recompute):
+def test_fp8_bwd_layer_through_autograd_on_the_gpu(backend, recompute):
     """mega_moe(precision="fp8_bwd") through autograd on a kernel backend: the forward is the bf16 layer's, bit for
     bit, and every gradient is the reference's fp8_bwd gradient (the same recipe on the reference's own forward
     state, so a quantization step may fall the other way on a few values: 3e-2, where a wrong scale or operand is
     O(1))."""
-    _fp8_bwd_runnable(monkeypatch)
+    skip_unless_available("mega_moe.fp8_bwd.sm90")
     T, E, H, I, K = 517, 8, 256, 256, 4
     problem = [t.cuda() for t in make_problem(T, H, I, E, K, routing="skewed", seed=77, masked_frac=0.1)]
-    y, grads = _autograd_run(problem, backend, "fp8_bwd", recompute)
-    y_bf16, _ = _autograd_run(problem, backend, "bf16", recompute)
+    y, grads = autograd_run(problem, backend, "fp8_bwd", recompute)
+    y_bf16, _ = autograd_run(problem, backend, "bf16", recompute)
     assert torch.equal(y, y_bf16)
-    _, want = _autograd_run(problem, "reference", "fp8_bwd")
+    _, want = autograd_run(problem, "reference", "fp8_bwd")
     for name, a, b in zip(NAMES, grads, want):
         assert a is not None and torch.isfinite(a.float()).all(), name
         err = rel_err(a, b)
@@ -175,12 +143,12 @@ def test_fp8_bwd_layer_through_autograd_on_the_gpu(monkeypatch, backend, recompu
 
 
 @requires_sm90
-def test_fp8_bwd_staged_backward_on_the_gpu(monkeypatch):
+def test_fp8_bwd_staged_backward_on_the_gpu():
     """The DeepGEMM-shaped fp8_bwd_mega_moe_backward after bf16_mega_moe (saved state, NaN-poisoned outputs)
     against the reference's fp8_bwd gradients."""
     from prime_kernels.mega import bf16_mega_moe, fp8_bwd_mega_moe_backward, get_symm_buffer_for_mega_moe
 
-    _fp8_bwd_runnable(monkeypatch)
+    skip_unless_available("mega_moe.fp8_bwd.sm90")
     T, E, H, I, K = 512, 32, 256, 128, 4
     problem = [t.cuda() for t in make_problem(T, H, I, E, K, seed=9, masked_frac=0.1)]
     x, idx, w, w13, w2, dy = problem
@@ -192,7 +160,7 @@ def test_fp8_bwd_staged_backward_on_the_gpu(monkeypatch):
             torch.full_like(w13, float("nan")), torch.full_like(w2, float("nan"))]
     dx, dtopk, dw1, dw2 = outs
     fp8_bwd_mega_moe_backward(dx, dw1, dw2, dtopk, dy, w13, w2, buf, state=state)
-    _, want = _autograd_run(problem, "reference", "fp8_bwd")
+    _, want = autograd_run(problem, "reference", "fp8_bwd")
     for name, a, b in zip(NAMES, outs, want):
         assert torch.isfinite(a.float()).all(), name
         err = rel_err(a.float(), b.float())

@@ -8,7 +8,7 @@ recipe's 1 x 64 s) without a GPU."""
 import pytest
 import torch
 
-from mega_helpers import loop_reference, make_problem, rel_err
+from mega_helpers import autograd_run, loop_reference, make_problem, poison_free_memory, rel_err, skip_unless_available
 
 GRADS = ("dx", "dtopk", "dw13", "dw2")
 
@@ -99,34 +99,13 @@ GPU_CASES = [
 ]
 
 
-def _poison_free_memory() -> None:
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free, _total = torch.cuda.mem_get_info()
-    block = torch.full((int(free * 0.5) // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
-    del block
-
-
-def _fp8_runnable(monkeypatch) -> None:
-    """Skip unless the FP8 forward pipeline can run here; until status() lists it, let the layer run it as status()
-    will then (runnable())."""
-    from prime_kernels import _status
-    from prime_kernels.mega import _backend
-
-    key = "mega_moe_grouped.fp8.sm90"
-    if _status.runnable(key) != "available":
-        pytest.skip(f"{key}: {_status.runnable(key)}")
-    real = _backend._status
-    monkeypatch.setattr(_backend, "_status", lambda: {**real(), key: "available"})
-
-
 @requires_sm90
 @pytest.mark.parametrize("T,E,H,I,K,routing,masked", GPU_CASES)
 def test_fp8_forward_pipeline_on_the_gpu_matches_the_reference_and_repeats_bitwise(T, E, H, I, K, routing, masked):
     """The pipeline on CUDA (NaN-filled free memory before each run) against the reference's FP8 forward: the FP8
     kernels' fp32 sums differ from the emulation's in rounding only, which moves a few values by one e4m3 step."""
     problem = [t.cuda() for t in make_problem(T, H, I, E, K, routing=routing, seed=T + E, masked_frac=masked)]
-    _poison_free_memory()
+    poison_free_memory()
     got, want, cache = _forwards(problem, E)
     torch.cuda.synchronize()
     for a, b in zip(got[2:], want[2:]):
@@ -136,38 +115,27 @@ def test_fp8_forward_pipeline_on_the_gpu_matches_the_reference_and_repeats_bitwi
         assert torch.isfinite(a.float()).all(), f"{name}: non-finite values"
         err = rel_err(a, b)
         assert err < 1e-2, f"{name}: rel err {err:.3e}"
-    _poison_free_memory()
+    poison_free_memory()
     again, _, _ = _forwards(problem, E)
     assert torch.equal(got[0], again[0]) and torch.equal(got[1][:end], again[1][:end])
-
-
-def _autograd_run(problem, backend, precision, recompute=False):
-    """(y, [dx, dtopk, dw13, dw2]) of mega_moe through autograd, dy = problem[5]."""
-    from prime_kernels.mega import mega_moe
-
-    leaves = [t.clone().requires_grad_(i in (0, 2, 3, 4)) for i, t in enumerate(problem[:5])]
-    y = mega_moe(*leaves, precision=precision, backend=backend, recompute=recompute,
-                 num_experts=problem[3].shape[0])
-    y.backward(problem[5])
-    return y.detach(), [leaves[i].grad for i in (0, 2, 3, 4)]
 
 
 @requires_sm90
 @pytest.mark.parametrize("backend", ["auto", "grouped"])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_fp8_layer_through_autograd_on_the_gpu(monkeypatch, backend, recompute):
+def test_fp8_layer_through_autograd_on_the_gpu(backend, recompute):
     """mega_moe(precision="fp8") through autograd on a kernel backend against the reference's fp8 layer (the same
     recipe on the reference's own state: a quantization step may fall the other way on a few values, 3e-2, where a
     wrong scale or operand is O(1)), and against the unquantized float64 loop (the recipe's own error: the
     reference's measured 5e-2 .. 8e-2, bound 1.2e-1 as for the reference)."""
-    _fp8_runnable(monkeypatch)
+    skip_unless_available("mega_moe_grouped.fp8.sm90")
     from prime_kernels.mega import _backend
 
     T, E, H, I, K = 517, 8, 256, 256, 4
     problem = [t.cuda() for t in make_problem(T, H, I, E, K, routing="skewed", seed=78, masked_frac=0.1)]
     assert _backend.resolve("fwd", backend, "fp8", problem[0], problem[3]) == "grouped"
-    y, grads = _autograd_run(problem, backend, "fp8", recompute)
-    y_ref, want = _autograd_run(problem, "reference", "fp8")
+    y, grads = autograd_run(problem, backend, "fp8", recompute)
+    y_ref, want = autograd_run(problem, "reference", "fp8")
     exact = loop_reference(*(t.cpu() for t in problem))
     assert rel_err(y, y_ref) < 1e-2
     assert rel_err(y.cpu(), exact[0]) < 1.2e-1

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import requires_sm90
-from mega_helpers import rel_err, run_layer
+from mega_helpers import rel_err, run_layer, poison_free_memory
 from test_mega_grouped import float64_reference
 
 NAMES = ("y", "dx", "dtopk", "dw13", "dw2")
@@ -79,16 +79,6 @@ def _problem(T, E, H, I, K, kind, seed):
     return x, idx, w, w13, w2, dy
 
 
-def _poison_free_memory() -> None:
-    """Fill what the caching allocator holds free (and a little more) with NaN: outputs allocated next reuse it."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free, _total = torch.cuda.mem_get_info()
-    n = int(free * 0.5) // 2
-    block = torch.full((n,), float("nan"), dtype=torch.bfloat16, device="cuda")
-    del block
-
-
 def _run(prob, extra: str, accum_init=None):
     """(y, dx, dtopk, dw13, dw2) of backend "auto"; with "accum", dW13 / dW2 as what the backward added into fp32
     accumulators that held accum_init."""
@@ -110,7 +100,7 @@ def test_layer_matches_float64_and_repeats_bitwise(T, E, H, I, K, routing, extra
         g = torch.Generator(device="cuda").manual_seed(E + H)
         accum_init = (torch.randn(prob[3].shape, generator=g, device="cuda"),
                       torch.randn(prob[4].shape, generator=g, device="cuda"))
-    _poison_free_memory()
+    poison_free_memory()
     got = _run(prob, extra, accum_init)
     if routing == "all_masked":
         for name, t in zip(NAMES, got):
@@ -122,7 +112,7 @@ def test_layer_matches_float64_and_repeats_bitwise(T, E, H, I, K, routing, extra
             err = rel_err(a, b)
             assert err < BOUND, f"{name}: rel err {err:.3e}"
         del ref
-    _poison_free_memory()
+    poison_free_memory()
     again = _run(prob, extra, accum_init)
     for name, a, b in zip(NAMES, got, again):
         assert torch.equal(a, b), f"{name}: a second run differs"
