@@ -484,6 +484,19 @@ def bf16_peak_tflops(device, n=8192, warmup=5, iters=20) -> float:
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
+def fp8_peak_tflops(device, n=8192, warmup=5, iters=20) -> float | None:
+    """e4m3 matmul throughput of an n^3 torch._scaled_mm with rowwise scales in this run (the FP8 rows' % of peak
+    denominator); None off CUDA (no FP8 matmul to time)."""
+    if torch.device(device).type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+    sa = torch.ones(n, 1, device=device)
+    sb = torch.ones(1, n, device=device)
+    ms = time_ms(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16), device, warmup, iters)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
 def dense_gemm_calls(P: int, H: int, I: int, device) -> dict:
     """{"fwd": fn, "bwd": fn}: the layer's useful GEMM FLOPs as dense cuBLAS products (torch.mm into
     preallocated outputs) on bf16 operands of the layer's sizes, P = routed rows. No routing, ragged groups,
@@ -599,6 +612,8 @@ def format_table(rows: list[dict]) -> str:
     cols = [("shape", "{}"), ("tokens", "{}"), ("ep", "{}"), ("routing", "{}"), ("backend", "{}"),
             ("direction", "{}"), ("ms", "{:.3f}"), ("tflops", "{:.1f}"), ("pct_peak", "{:.1f}"),
             ("ratio_vs_torch", "{:.2f}"), ("peak_mem_gib", "{:.2f}"), ("max_rel_err", "{:.2e}")]
+    if any(r.get("pct_peak_fp8") is not None for r in rows):
+        cols[9:9] = [("pct_peak_fp8", "{:.1f}")]
     if any("ms_sustained" in r for r in rows):
         cols[7:7] = [("ms_sustained", "{:.3f}"), ("ratio_sustained", "{:.2f}")]
     if any("floor_ms" in r for r in rows):

@@ -42,15 +42,6 @@ def timed(fn, reps: int) -> float | str:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
 
-def fp8_peak_tflops(n: int = 8192) -> float:
-    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
-    sa = torch.ones(n, 1, device="cuda")
-    sb = torch.ones(1, n, device="cuda")
-    ms = bench_common.time_ms(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16), "cuda")
-    return 2 * n ** 3 / ms / 1e9
-
-
 def pass_rows(shape, name, kind, P, N, K, timings) -> list[dict]:
     """One row per backend of one GEMM pass: ms and useful TFLOP/s (2 P N K over the routed rows), or why skipped."""
     flops = 2 * P * N * K
@@ -109,7 +100,7 @@ def main(argv=None) -> int:
         print("bench_gemm_fp8: needs a CUDA GPU", file=sys.stderr)
         return 2
     header = bench_common.run_header("cuda", bench_common.bf16_peak_tflops("cuda"))
-    header["peak_fp8_tflops"] = round(fp8_peak_tflops(), 2)
+    header["peak_fp8_tflops"] = round(bench_common.fp8_peak_tflops("cuda"), 2)
     rows = []
     for shape in a.shapes.split(","):
         E, H, I, K = bench_common.SHAPES[shape]

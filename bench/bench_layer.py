@@ -190,12 +190,13 @@ def _skipped_rows(shape, T, routing, ep, backends, reason, args):
     E, H, I, K = bc.shape_dims(shape)
     return [{"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens": T,
              "ep": ep, "routing": routing, "precision": _precision(b, args), "backend": b, "direction": d,
-             "ms": None, "tflops": None, "pct_peak": None, "ratio_vs_torch": None, "peak_mem_gib": None,
-             "max_rel_err": None, "skipped": reason}
+             "ms": None, "tflops": None, "pct_peak": None, "pct_peak_fp8": None, "ratio_vs_torch": None,
+             "peak_mem_gib": None, "max_rel_err": None, "skipped": reason}
             for b in backends for d in ("fwd", "bwd", "fwdbwd") + (("infer",) if args.inference else ())]
 
 
-def bench_config(shape, T, routing, backends, args, device, group, peak, skipped=None, floors=None, copy_gbps=None):
+def bench_config(shape, T, routing, backends, args, device, group, peak, skipped=None, floors=None, copy_gbps=None,
+                 peak_fp8=None):
     """Rows of every backend at one configuration. ``skipped``: {backend: reason} of requested backends that
     cannot run at all (they get rows with the reason); ``floors``: the cache of floor_ms per (shape, T) and
     ``copy_gbps`` the run's copy bandwidth (floor_ms is left out without them)."""
@@ -300,6 +301,7 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
                 "ep": ep, "routing": routing, "precision": _precision(backend, args), "backend": backend,
                 "direction": direction, "ms": round(ms, 4), "tflops": None if tflops is None else round(tflops, 2),
                 "pct_peak": None if tflops is None else round(100.0 * tflops / peak, 2),
+                "pct_peak_fp8": None if tflops is None or not peak_fp8 else round(100.0 * tflops / peak_fp8, 2),
                 "ratio_vs_torch": None,
                 "peak_mem_gib": None if mem is None else round(mem, 3),
             }
@@ -396,7 +398,12 @@ def main(argv=None):
     peak = bc.reduce_max(bc.bf16_peak_tflops(device, args.peak_n, args.warmup, args.iters), device)
     copy_gbps = bc.copy_gbps(device, args.copy_mib, args.warmup, args.iters)
     copy_gbps = -bc.reduce_max(-copy_gbps, device)  # the slowest rank's
+    # FP8 rows are also measured against the card's FP8 matmul rate (pct_peak_fp8), timed in this run
+    want_fp8 = args.precision != "bf16" or "torch_fp8" in backends
+    peak_fp8 = bc.reduce_max(bc.fp8_peak_tflops(device, args.peak_n, args.warmup, args.iters), device) if want_fp8 else None
     header = bc.run_header(device, peak)
+    if peak_fp8:
+        header["peak_fp8_tflops"] = round(peak_fp8, 2)
     log(f"[bench] {header['gpu']} x{max(1, header['num_gpus'])}, torch {header['torch']}, cuda {header['cuda']}, "
         f"ep={ep}, bf16 peak {peak:.1f} TFLOP/s ({args.peak_n}^3 matmul), copy {copy_gbps:.0f} GB/s "
         f"({args.copy_mib} MiB)")
@@ -414,7 +421,8 @@ def main(argv=None):
                        if not (b == "deep_gemm_reference" and args.reference_max_tokens
                                and T > args.reference_max_tokens)]
                 try:
-                    cfg = bench_config(shape, T, routing, bks, args, device, group, peak, skipped, floors, copy_gbps)
+                    cfg = bench_config(shape, T, routing, bks, args, device, group, peak, skipped, floors, copy_gbps,
+                                       peak_fp8)
                 except torch.OutOfMemoryError as e:
                     # a grid corner that does not fit this card: its rows say so, the run goes on
                     _free(device)

@@ -16,7 +16,8 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 TOP = {"gpu", "num_gpus", "torch", "cuda", "git_sha", "date", "peak_bf16_tflops", "timing", "options", "floor", "rows"}
 ROW = {"shape", "num_experts", "hidden", "intermediate", "top_k", "tokens", "ep", "routing", "precision",
-       "backend", "direction", "ms", "tflops", "pct_peak", "ratio_vs_torch", "floor_ms", "ms_over_floor",
+       "backend", "direction", "ms", "tflops", "pct_peak", "pct_peak_fp8", "ratio_vs_torch", "floor_ms",
+       "ms_over_floor",
        "peak_mem_gib"}
 
 
