@@ -28,7 +28,8 @@
 //      column-major, so that the stores of the token-contiguous outputs are 16-byte runs of tokens);
 //   4. the staged tile copied out with 16-byte stores (byte stores for a tail block's tokens).
 // Both staging tiles are XOR-swizzled in 16-byte chunks (StagingSwizzle) so that a warp's stores of step 3 fall in
-// distinct banks. Recomputing (not keeping dg, du and a: 192 more registers per thread) costs the SwiGLU arithmetic
+// distinct banks, and step 3 divides by its scales through their reciprocals (common::div_by_scale: the division's
+// bits in three operations). Recomputing (not keeping dg, du and a: 192 more registers per thread) costs the SwiGLU arithmetic
 // twice; the explicit roundings of swiglu_bwd_f32 give both passes the same bits.
 //
 // group_offsets: non-decreasing within [0, m_total], each a multiple of 128 or m_total; every CTA checks that in its
@@ -103,7 +104,8 @@ struct SwigluBwdFp8Layout : StageRingLayout<128, 128, 128, kNumStages, 1> {
   static constexpr int kQtAOff = kQtDhOff + 256 * 128;         // qT(a): 128 columns x 128 tokens
   static constexpr int kColMaxOff = kQtAOff + 128 * 128;       // [8 warps][3 outputs][128 columns] fp32
   static constexpr int kColScaleOff = kColMaxOff + 8 * 3 * 128 * 4;  // [3][128] fp32
-  static constexpr int kBarOff = kColScaleOff + 3 * 128 * 4;
+  static constexpr int kColRcpOff = kColScaleOff + 3 * 128 * 4;      // [3][128] fp32: fp8_scale_rcp of each
+  static constexpr int kBarOff = kColRcpOff + 3 * 128 * 4;
   static constexpr int kOffsOff = kBarOff + 2 * kNumStages * 8;
   static constexpr int kTileOff = kOffsOff + (kMaxGroups + 1) * 4;
   static constexpr int kEnd = kTileOff + (kMaxGroups + 1) * 4;
@@ -133,6 +135,7 @@ struct SwigluBwdFp8Epilogue {
   uint8_t* qt_a;
   float* col_max;
   float* col_scale;
+  float* col_rcp;
 
   // frag_row: this thread's rows within the tile are frag_row and frag_row + 8 (wgmma's m64 fragment).
   // The values of column pair j (columns 8 j + 2 (lane & 3) + t of the tile) at this thread's row hh: the saved
@@ -229,16 +232,19 @@ struct SwigluBwdFp8Epilogue {
       for (int w8 = 0; w8 < 8; ++w8) m = fmaxf(m, col_max[(w8 * 3 + o) * 128 + c]);
       const float sc = common::fp8_block_scale(m, p.pow2_scales);
       col_scale[o * 128 + c] = sc;
+      col_rcp[o * 128 + c] = common::fp8_scale_rcp(sc);
       if (o < 2)
         p.dht_s[tb * p.ld_dht_s + o * p.n + n0 + c] = sc;
       else
         p.awt_s[tb * p.ld_awt_s + n0 + c] = sc;
     }
-    float rs_g[2], rs_u[2];
+    float rs_g[2], rs_u[2], rr_g[2], rr_u[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       rs_g[hh] = common::fp8_block_scale(rmax_g[hh], p.pow2_scales);
       rs_u[hh] = common::fp8_block_scale(rmax_u[hh], p.pow2_scales);
+      rr_g[hh] = common::fp8_scale_rcp(rs_g[hh]);
+      rr_u[hh] = common::fp8_scale_rcp(rs_u[hh]);
       const int row = row0 + frag_row + 8 * hh;
       if (row < row_end && (lane & 3) == 0) {
         p.dh_sa[static_cast<int64_t>(nb) * p.ld_dh_sa + row] = rs_g[hh];
@@ -259,17 +265,17 @@ struct SwigluBwdFp8Epilogue {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int r = frag_row + 8 * hh;
-        const uint16_t qg = static_cast<uint16_t>(common::e4m3x2_bits(v[hh][0].dg, v[hh][1].dg, rs_g[hh]));
-        const uint16_t qu = static_cast<uint16_t>(common::e4m3x2_bits(v[hh][0].du, v[hh][1].du, rs_u[hh]));
+        const uint16_t qg = static_cast<uint16_t>(common::e4m3x2_bits(v[hh][0].dg, v[hh][1].dg, rs_g[hh], rr_g[hh]));
+        const uint16_t qu = static_cast<uint16_t>(common::e4m3x2_bits(v[hh][0].du, v[hh][1].du, rs_u[hh], rr_u[hh]));
         *reinterpret_cast<uint16_t*>(qk + StagingSwizzle::qk(r, c)) = qg;
         *reinterpret_cast<uint16_t*>(qk + StagingSwizzle::qk(r, 128 + c)) = qu;
       }
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         const int col = c + t;
-        const uint32_t qg = common::e4m3x2_bits(v[0][t].dg, v[1][t].dg, col_scale[col]);
-        const uint32_t qu = common::e4m3x2_bits(v[0][t].du, v[1][t].du, col_scale[128 + col]);
-        const uint32_t qa = common::e4m3x2_bits(v[0][t].a, v[1][t].a, col_scale[256 + col]);
+        const uint32_t qg = common::e4m3x2_bits(v[0][t].dg, v[1][t].dg, col_scale[col], col_rcp[col]);
+        const uint32_t qu = common::e4m3x2_bits(v[0][t].du, v[1][t].du, col_scale[128 + col], col_rcp[128 + col]);
+        const uint32_t qa = common::e4m3x2_bits(v[0][t].a, v[1][t].a, col_scale[256 + col], col_rcp[256 + col]);
         qt_dh[StagingSwizzle::qt(col, frag_row)] = static_cast<uint8_t>(qg);
         qt_dh[StagingSwizzle::qt(col, frag_row + 8)] = static_cast<uint8_t>(qg >> 8);
         qt_dh[StagingSwizzle::qt(128 + col, frag_row)] = static_cast<uint8_t>(qu);
@@ -332,7 +338,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                        smem + L::kQtDhOff,
                                        smem + L::kQtAOff,
                                        reinterpret_cast<float*>(smem + L::kColMaxOff),
-                                       reinterpret_cast<float*>(smem + L::kColScaleOff)};
+                                       reinterpret_cast<float*>(smem + L::kColScaleOff),
+                                       reinterpret_cast<float*>(smem + L::kColRcpOff)};
         if (p.clamp > 0.f)
           epi.run<kClampOn>(p, acc, w.row0, w.row_end, w.n0, frag_row);
         else
