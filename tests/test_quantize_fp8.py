@@ -508,3 +508,10 @@ def test_tokens_cuda_broken_layout_writes_nothing_and_is_reported(offsets, count
     with pytest.raises(RuntimeError, match="quantize_tokens_fp8's expert_offsets / expert_counts"):
         prime_kernels.check_device_errors()
     assert bool((q.view(torch.uint8) == 0x7F).all()) and bool(scale.isnan().all()), "a refused layout was written"
+
+
+@requires_host_cxx
+def test_division_free_quotient_is_the_division(tmp_path):
+    """common::div_by_scale, the FP8 L2 dgrad epilogue's Q3 without a divide, gives the IEEE division's bits
+    (tests/cpp/fp8_div_check.cpp, 2e7 cases built to hit e4m3 rounding boundaries, zeros and subnormal values)."""
+    run_host_check("fp8_div_check", tmp_path, timeout=120)

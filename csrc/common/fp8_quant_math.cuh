@@ -6,11 +6,14 @@
 //   q     = e4m3(v / scale): a true fp32 division, then round to nearest even with saturation to +-448.
 //
 // The division stays a division with pow2 scales too: it is exact then, and a reciprocal is not always
-// representable (the reciprocal of a subnormal scale such as 2^-140 overflows fp32).
+// representable (the reciprocal of a subnormal scale such as 2^-140 overflows fp32). An epilogue that divides many
+// values by one scale may use div_by_scale (below), which gives the division's bits without a divide.
 // Inputs are finite; a NaN or an infinity in a block gives no defined result.
 #pragma once
 
 #include <cuda_fp8.h>
+
+#include "common/fp8_div.hpp"
 
 #include <cmath>
 #include <cstdint>
@@ -32,13 +35,6 @@ __host__ __device__ __forceinline__ To bit_cast(From x) {
 __host__ __device__ __forceinline__ uint32_t fp32_bits(float x) { return bit_cast<uint32_t>(x); }
 __host__ __device__ __forceinline__ float fp32_from_bits(uint32_t u) { return bit_cast<float>(u); }
 
-__host__ __device__ __forceinline__ float fp32_div_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fdiv_rn(a, b);  // IEEE division whatever -prec-div says
-#else
-  return a / b;
-#endif
-}
 
 // Q2: the scale of a block whose fp32 amax is `amax` (>= 0).
 __host__ __device__ __forceinline__ float fp8_block_scale(float amax, bool pow2_scales) {
@@ -81,22 +77,10 @@ inline uint8_t e4m3_bits_host(float x) {
 __device__ __forceinline__ uint32_t e4m3x2_bits(float lo, float hi, float scale) {
   return __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(lo, scale), __fdiv_rn(hi, scale)), __NV_SATFINITE, __NV_E4M3);
 }
+#endif
 
-// Q3's division without a divide, for an epilogue that quantizes many values by one block scale. With rcp = RN(1 /
-// scale), y = RN(v * rcp) is within one ulp of v / scale, and one correction step on the exact residual (two fused
-// multiply-adds, Markstein's) gives RN(v / scale) itself, the division's bits. Checked against the division on 7e8
-// values (random, on and next to every e4m3 rounding boundary, zeros of both signs, subnormal values): the same e4m3
-// bytes, and the same fp32 quotient wherever it is at least 2^-11. A scale outside [2^-100, 2^100] (its residual could
-// leave fp32's normal range) keeps the division: fp8_scale_rcp returns 0 for it, which div_by_scale reads as "divide".
-__device__ __forceinline__ float fp8_scale_rcp(float scale) {
-  return scale >= 0x1p-100f && scale <= 0x1p100f ? __frcp_rn(scale) : 0.f;
-}
-__device__ __forceinline__ float div_by_scale(float v, float scale, float rcp) {
-  if (rcp == 0.f) return __fdiv_rn(v, scale);
-  const float y = __fmul_rn(v, rcp);
-  const float residual = __fmaf_rn(-y, scale, v);
-  return residual == 0.f ? y : __fmaf_rn(residual, rcp, y);  // (an exact y keeps its sign: -0 stays -0)
-}
+#ifdef __CUDACC__
+// Q3 on the device for two values by a scale and its fp8_scale_rcp (div_by_scale: the division's bits).
 __device__ __forceinline__ uint32_t e4m3x2_bits(float lo, float hi, float scale, float rcp) {
   return __nv_cvt_float2_to_fp8x2(make_float2(div_by_scale(lo, scale, rcp), div_by_scale(hi, scale, rcp)),
                                   __NV_SATFINITE, __NV_E4M3);
