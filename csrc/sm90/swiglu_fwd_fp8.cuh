@@ -81,13 +81,14 @@ __device__ __forceinline__ void swiglu_fwd_fp8_epilogue(const SwigluFwdFp8Params
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     if (row >= row_end) continue;
     const float scale = common::fp8_block_scale(amax, p.pow2_scales);
+    const float rcp = common::fp8_scale_rcp(scale);  // Q3 without a divide, the division's bits (common/fp8_div.hpp)
     if ((lane & 3) == 0) p.s_sa[static_cast<int64_t>(n0 / kSwigluFwdFp8Block) * p.ld_s_sa + row] = scale;
     uint8_t* s_row = p.s_q + static_cast<int64_t>(row) * p.ld_s_q + n0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int c = 8 * j + 2 * (lane & 3);
       *reinterpret_cast<uint16_t*>(s_row + c) =
-          static_cast<uint16_t>(common::e4m3x2_bits(s[2 * j], s[2 * j + 1], scale));
+          static_cast<uint16_t>(common::e4m3x2_bits(s[2 * j], s[2 * j + 1], scale, rcp));
     }
     if (p.h != nullptr) {
       __nv_bfloat16* h_row = p.h + static_cast<int64_t>(row) * p.ldh + n0;
