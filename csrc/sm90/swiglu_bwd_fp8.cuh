@@ -19,18 +19,15 @@
 //
 // Structure: the FP8 m-grouped GEMM's (384 threads; warpgroup 0's elected thread loads A, B and A's scales into the
 // ring; warpgroups 1 and 2 each own 64 of the tile's rows and promote per k-block). The epilogue runs in both consumer
-// warpgroups together, with the values computed twice from da (in registers) and h (read from global memory in
-// windows of kHWindow column pairs whose loads are in flight together):
+// warpgroups together, with the values computed twice from da (kept in registers) and h (read from global memory):
 //   1. amaxes: a row's over its 128 columns within the quad (two shuffles); a column's over the warp's 16 rows by
 //      shuffles, then over the 8 consumer warps through shared memory; the d weight partials;
 //   2. the column scales (one thread per column and output), written to shared memory and to the scale outputs;
 //   3. the values again, quantized with their row scale (qK, staged row-major) and column scale (qT, staged
 //      column-major, so that the stores of the token-contiguous outputs are 16-byte runs of tokens);
 //   4. the staged tile copied out with 16-byte stores (byte stores for a tail block's tokens).
-// Both staging tiles are XOR-swizzled in 16-byte chunks (StagingSwizzle) so that a warp's stores of step 3 fall in
-// distinct banks, and step 3 divides by its scales through their reciprocals (common::div_by_scale: the division's
-// bits in three operations). Recomputing (not keeping dg, du and a: 192 more registers per thread) costs the SwiGLU arithmetic
-// twice; the explicit roundings of swiglu_bwd_f32 give both passes the same bits.
+// Recomputing (not keeping dg, du and a: 192 more registers per thread) costs the SwiGLU arithmetic twice; the
+// explicit roundings of swiglu_bwd_f32 give both passes the same bits.
 //
 // group_offsets: non-decreasing within [0, m_total], each a multiple of 128 or m_total; every CTA checks that in its
 // prologue, before any store, and the whole kernel writes nothing when they break it (a device-check finding).
@@ -104,27 +101,13 @@ struct SwigluBwdFp8Layout : StageRingLayout<128, 128, 128, kNumStages, 1> {
   static constexpr int kQtAOff = kQtDhOff + 256 * 128;         // qT(a): 128 columns x 128 tokens
   static constexpr int kColMaxOff = kQtAOff + 128 * 128;       // [8 warps][3 outputs][128 columns] fp32
   static constexpr int kColScaleOff = kColMaxOff + 8 * 3 * 128 * 4;  // [3][128] fp32
-  static constexpr int kColRcpOff = kColScaleOff + 3 * 128 * 4;      // [3][128] fp32: fp8_scale_rcp of each
-  static constexpr int kBarOff = kColRcpOff + 3 * 128 * 4;
+  static constexpr int kBarOff = kColScaleOff + 3 * 128 * 4;
   static constexpr int kOffsOff = kBarOff + 2 * kNumStages * 8;
   static constexpr int kTileOff = kOffsOff + (kMaxGroups + 1) * 4;
   static constexpr int kEnd = kTileOff + (kMaxGroups + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
   static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
   static_assert(kSaOff % 128 == 0 && kQkOff % 16 == 0, "TMA destinations 128-byte, staging 16-byte aligned");
-};
-
-// Byte offsets in the staging tiles. qK: 128 rows x 256 bytes (gate half, up half); a row's 16-byte chunk k of a half
-// sits at chunk k ^ (row & 7), so the 8 rows of a warp's store land in 8 different chunks. qT: one 128-byte run of
-// tokens per column; token chunk k (16 tokens) of staging column sc sits at chunk k ^ ((sc >> 1) & 7), so the 4 column
-// pairs of a warp's store land in different chunks.
-struct StagingSwizzle {
-  static __device__ __forceinline__ int qk(int row, int byte) {
-    return row * 256 + (byte & 128) + ((((byte >> 4) & 7) ^ (row & 7)) << 4) + (byte & 15);
-  }
-  static __device__ __forceinline__ int qt(int col, int token) {
-    return col * 128 + ((((token >> 4) ^ (col >> 1)) & 7) << 4) + (token & 15);
-  }
 };
 
 // The epilogue of one 128 x 128 tile for one consumer thread (both warpgroups call every step, in order).
@@ -135,14 +118,19 @@ struct SwigluBwdFp8Epilogue {
   uint8_t* qt_a;
   float* col_max;
   float* col_scale;
-  float* col_rcp;
 
   // frag_row: this thread's rows within the tile are frag_row and frag_row + 8 (wgmma's m64 fragment).
   // The values of column pair j (columns 8 j + 2 (lane & 3) + t of the tile) at this thread's row hh: the saved
-  // h of both columns (g2, u2: two bf16 each) and the accumulators (rows that are not routed give zeros).
+  // h of both columns and the accumulators (rows that are not routed give zeros).
   template <int kClamp, int kAcc>
   __device__ __forceinline__ void values(const SwigluBwdFp8Params& p, const float (&acc)[kAcc], int j, int hh,
-                                         uint32_t g2, uint32_t u2, bool routed, float w, SwigluBwdF32 (&v)[2]) const {
+                                         const __nv_bfloat16* hrow, bool routed, float w, SwigluBwdF32 (&v)[2]) const {
+    uint32_t g2 = 0, u2 = 0;
+    if (routed) {
+      const int c = 8 * j + 2 * (lane & 3);
+      g2 = __ldg(reinterpret_cast<const unsigned int*>(hrow + c));
+      u2 = __ldg(reinterpret_cast<const unsigned int*>(hrow + p.n + c));
+    }
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       const float g = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? g2 >> 16 : g2 & 0xffffu));
@@ -150,22 +138,6 @@ struct SwigluBwdFp8Epilogue {
       v[t] = swiglu_bwd_f32<kClamp>(g, u, acc[4 * j + 2 * hh + t], w, p.clamp);
       if (!routed) v[t] = SwigluBwdF32{0.f, 0.f, 0.f, 0.f};
     }
-  }
-
-  // Column pairs whose h a thread loads together: a window's loads are all in flight at once (the tile waits for
-  // 2 * kAcc / 4 / kHWindow round trips), in 4 * kHWindow registers (the whole tile's h, 64, would spill).
-  static constexpr int kHWindow = 4;
-  __device__ __forceinline__ void load_h_window(const SwigluBwdFp8Params& p, const __nv_bfloat16* const (&hrow)[2],
-                                                const bool (&routed)[2], int j0, uint32_t (&hg)[kHWindow][2],
-                                                uint32_t (&hu)[kHWindow][2]) const {
-#pragma unroll
-    for (int i = 0; i < kHWindow; ++i)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const __nv_bfloat16* at = hrow[hh] + 8 * (j0 + i);
-        hg[i][hh] = routed[hh] ? __ldg(reinterpret_cast<const unsigned int*>(at)) : 0u;
-        hu[i][hh] = routed[hh] ? __ldg(reinterpret_cast<const unsigned int*>(at + p.n)) : 0u;
-      }
   }
 
   template <int kClamp, int kAcc>
@@ -178,19 +150,17 @@ struct SwigluBwdFp8Epilogue {
     for (int hh = 0; hh < 2; ++hh) {
       const int row = row0 + frag_row + 8 * hh;
       wgt[hh] = pool_row_weight(p.pool_src_route, p.route_weights, p.num_routes, p.check, row, row_end, routed[hh]);
-      hrow[hh] = p.h + static_cast<int64_t>(routed[hh] ? row : 0) * p.ldh + n0 + 2 * (lane & 3);
+      hrow[hh] = p.h + static_cast<int64_t>(routed[hh] ? row : 0) * p.ldh + n0;
     }
     // ---- 1. amaxes and the d weight partials
     float rmax_g[2] = {0.f, 0.f}, rmax_u[2] = {0.f, 0.f}, partial[2] = {0.f, 0.f};
-    uint32_t hg[kHWindow][2], hu[kHWindow][2];  // the saved h of kHWindow column pairs, loaded a window at a time
 #pragma unroll
     for (int j = 0; j < kAcc / 4; ++j) {
-      if (j % kHWindow == 0) load_h_window(p, hrow, routed, j, hg, hu);
       float cmax[3][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};  // [dg, du, a][t] over this thread's two rows
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         SwigluBwdF32 v[2];
-        values<kClamp>(p, acc, j, hh, hg[j % kHWindow][hh], hu[j % kHWindow][hh], routed[hh], wgt[hh], v);
+        values<kClamp>(p, acc, j, hh, hrow[hh], routed[hh], wgt[hh], v);
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
           partial[hh] = fmaf(acc[4 * j + 2 * hh + t], v[t].s, partial[hh]);
@@ -232,19 +202,16 @@ struct SwigluBwdFp8Epilogue {
       for (int w8 = 0; w8 < 8; ++w8) m = fmaxf(m, col_max[(w8 * 3 + o) * 128 + c]);
       const float sc = common::fp8_block_scale(m, p.pow2_scales);
       col_scale[o * 128 + c] = sc;
-      col_rcp[o * 128 + c] = common::fp8_scale_rcp(sc);
       if (o < 2)
         p.dht_s[tb * p.ld_dht_s + o * p.n + n0 + c] = sc;
       else
         p.awt_s[tb * p.ld_awt_s + n0 + c] = sc;
     }
-    float rs_g[2], rs_u[2], rr_g[2], rr_u[2];
+    float rs_g[2], rs_u[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       rs_g[hh] = common::fp8_block_scale(rmax_g[hh], p.pow2_scales);
       rs_u[hh] = common::fp8_block_scale(rmax_u[hh], p.pow2_scales);
-      rr_g[hh] = common::fp8_scale_rcp(rs_g[hh]);
-      rr_u[hh] = common::fp8_scale_rcp(rs_u[hh]);
       const int row = row0 + frag_row + 8 * hh;
       if (row < row_end && (lane & 3) == 0) {
         p.dh_sa[static_cast<int64_t>(nb) * p.ld_dh_sa + row] = rs_g[hh];
@@ -256,32 +223,30 @@ struct SwigluBwdFp8Epilogue {
     // ---- 3. quantize into the staging tiles
 #pragma unroll
     for (int j = 0; j < kAcc / 4; ++j) {
-      if (j % kHWindow == 0) load_h_window(p, hrow, routed, j, hg, hu);
       SwigluBwdF32 v[2][2];  // [hh][t]
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        values<kClamp>(p, acc, j, hh, hg[j % kHWindow][hh], hu[j % kHWindow][hh], routed[hh], wgt[hh], v[hh]);
+      for (int hh = 0; hh < 2; ++hh) values<kClamp>(p, acc, j, hh, hrow[hh], routed[hh], wgt[hh], v[hh]);
       const int c = 8 * j + 2 * (lane & 3);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int r = frag_row + 8 * hh;
-        const uint16_t qg = static_cast<uint16_t>(common::e4m3x2_bits(v[hh][0].dg, v[hh][1].dg, rs_g[hh], rr_g[hh]));
-        const uint16_t qu = static_cast<uint16_t>(common::e4m3x2_bits(v[hh][0].du, v[hh][1].du, rs_u[hh], rr_u[hh]));
-        *reinterpret_cast<uint16_t*>(qk + StagingSwizzle::qk(r, c)) = qg;
-        *reinterpret_cast<uint16_t*>(qk + StagingSwizzle::qk(r, 128 + c)) = qu;
+        const uint16_t qg = static_cast<uint16_t>(common::e4m3x2_bits(v[hh][0].dg, v[hh][1].dg, rs_g[hh]));
+        const uint16_t qu = static_cast<uint16_t>(common::e4m3x2_bits(v[hh][0].du, v[hh][1].du, rs_u[hh]));
+        *reinterpret_cast<uint16_t*>(qk + r * 256 + c) = qg;
+        *reinterpret_cast<uint16_t*>(qk + r * 256 + 128 + c) = qu;
       }
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         const int col = c + t;
-        const uint32_t qg = common::e4m3x2_bits(v[0][t].dg, v[1][t].dg, col_scale[col], col_rcp[col]);
-        const uint32_t qu = common::e4m3x2_bits(v[0][t].du, v[1][t].du, col_scale[128 + col], col_rcp[128 + col]);
-        const uint32_t qa = common::e4m3x2_bits(v[0][t].a, v[1][t].a, col_scale[256 + col], col_rcp[256 + col]);
-        qt_dh[StagingSwizzle::qt(col, frag_row)] = static_cast<uint8_t>(qg);
-        qt_dh[StagingSwizzle::qt(col, frag_row + 8)] = static_cast<uint8_t>(qg >> 8);
-        qt_dh[StagingSwizzle::qt(128 + col, frag_row)] = static_cast<uint8_t>(qu);
-        qt_dh[StagingSwizzle::qt(128 + col, frag_row + 8)] = static_cast<uint8_t>(qu >> 8);
-        qt_a[StagingSwizzle::qt(col, frag_row)] = static_cast<uint8_t>(qa);
-        qt_a[StagingSwizzle::qt(col, frag_row + 8)] = static_cast<uint8_t>(qa >> 8);
+        const uint32_t qg = common::e4m3x2_bits(v[0][t].dg, v[1][t].dg, col_scale[col]);
+        const uint32_t qu = common::e4m3x2_bits(v[0][t].du, v[1][t].du, col_scale[128 + col]);
+        const uint32_t qa = common::e4m3x2_bits(v[0][t].a, v[1][t].a, col_scale[256 + col]);
+        qt_dh[col * 128 + frag_row] = static_cast<uint8_t>(qg);
+        qt_dh[col * 128 + frag_row + 8] = static_cast<uint8_t>(qg >> 8);
+        qt_dh[(128 + col) * 128 + frag_row] = static_cast<uint8_t>(qu);
+        qt_dh[(128 + col) * 128 + frag_row + 8] = static_cast<uint8_t>(qu >> 8);
+        qt_a[col * 128 + frag_row] = static_cast<uint8_t>(qa);
+        qt_a[col * 128 + frag_row + 8] = static_cast<uint8_t>(qa >> 8);
       }
     }
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
@@ -293,13 +258,13 @@ struct SwigluBwdFp8Epilogue {
       const int r = idx >> 4, ch = idx & 15;
       const int64_t col = (ch < 8 ? n0 : p.n + n0) + 16 * (ch & 7);
       *reinterpret_cast<uint4*>(p.dh_q + static_cast<int64_t>(row0 + r) * p.ld_dh_q + col) =
-          *reinterpret_cast<const uint4*>(qk + StagingSwizzle::qk(r, 16 * ch));
+          *reinterpret_cast<const uint4*>(qk + r * 256 + 16 * ch);
     }
     if (rows == 128) {
       for (int idx = ctid; idx < 384 * 8; idx += kNumConsumerThreads) {
         const int cc = idx >> 3, ch = idx & 7;
-        const uint4 val = *reinterpret_cast<const uint4*>(cc < 256 ? qt_dh + StagingSwizzle::qt(cc, 16 * ch)
-                                                                   : qt_a + StagingSwizzle::qt(cc - 256, 16 * ch));
+        const uint4 val = *reinterpret_cast<const uint4*>((cc < 256 ? qt_dh + cc * 128 : qt_a + (cc - 256) * 128) +
+                                                          16 * ch);
         uint8_t* dst = cc < 256 ? p.dht_q + static_cast<int64_t>((cc < 128 ? 0 : p.n - 128) + n0 + cc) * p.ld_dht_q
                                 : p.awt_q + static_cast<int64_t>(n0 + cc - 256) * p.ld_awt_q;
         *reinterpret_cast<uint4*>(dst + row0 + 16 * ch) = val;
@@ -307,7 +272,7 @@ struct SwigluBwdFp8Epilogue {
     } else {
       for (int idx = ctid; idx < 384 * rows; idx += kNumConsumerThreads) {
         const int cc = idx / rows, r = idx - cc * rows;
-        const uint8_t val = cc < 256 ? qt_dh[StagingSwizzle::qt(cc, r)] : qt_a[StagingSwizzle::qt(cc - 256, r)];
+        const uint8_t val = cc < 256 ? qt_dh[cc * 128 + r] : qt_a[(cc - 256) * 128 + r];
         uint8_t* dst = cc < 256 ? p.dht_q + static_cast<int64_t>((cc < 128 ? 0 : p.n - 128) + n0 + cc) * p.ld_dht_q
                                 : p.awt_q + static_cast<int64_t>(n0 + cc - 256) * p.ld_awt_q;
         dst[row0 + r] = val;
@@ -338,8 +303,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                        smem + L::kQtDhOff,
                                        smem + L::kQtAOff,
                                        reinterpret_cast<float*>(smem + L::kColMaxOff),
-                                       reinterpret_cast<float*>(smem + L::kColScaleOff),
-                                       reinterpret_cast<float*>(smem + L::kColRcpOff)};
+                                       reinterpret_cast<float*>(smem + L::kColScaleOff)};
         if (p.clamp > 0.f)
           epi.run<kClampOn>(p, acc, w.row0, w.row_end, w.n0, frag_row);
         else
