@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import fp8 as _fp8
-from ._grouped import _padding_span, _rows_for_kernels, _sms, _zero_padding_rows
+from ._grouped import _padding_row_index, _padding_span, _rows_for_kernels, _sms, _zero_padding_rows
 from ..combine import combine
 from ..grouped_gemm import k_block_major_empty, m_grouped_fp8_gemm_nt
 from ..quantize import dispatch_rows_fp8
@@ -43,8 +43,9 @@ def quantized_pool(x, route_to_pool, counts, offsets, capacity: int, pow2_scales
     q, sa = dispatch_rows_fp8(x, route_to_pool, capacity, pow2_scales=pow2_scales,
                               out=(q_buf[:capacity], sa_buf[:capacity]))
     if zero_padding:  # e4m3 has no index_fill: the bytes are zeroed (0x00 is +0)
-        _zero_padding_rows(q_buf.view(torch.uint8), counts, offsets, route_to_pool.numel(), capacity)
-        _zero_padding_rows(sa_buf, counts, offsets, route_to_pool.numel(), capacity)
+        index = _padding_row_index(counts, offsets, route_to_pool.numel(), capacity)
+        _zero_padding_rows(q_buf.view(torch.uint8), counts, offsets, route_to_pool.numel(), capacity, index)
+        _zero_padding_rows(sa_buf, counts, offsets, route_to_pool.numel(), capacity, index)
     return q, sa
 
 

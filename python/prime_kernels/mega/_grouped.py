@@ -44,23 +44,31 @@ def _padding_span(capacity: int, num_routes: int, num_experts: int) -> int:
     return max(0, (capacity - num_routes) // num_experts)
 
 
-def _zero_padding_rows(buf: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor, num_routes: int,
-                       capacity: int) -> None:
-    """Zero the padding rows [offsets[e] + counts[e], offsets[e + 1]) of a padded plan's pool in ``buf``
-    ([capacity + span, H]: the pool, then span scratch rows, :func:`_gathered_pool`), without a host sync. The
-    grouped GEMMs read them as part of their expert's m-blocks (both forwards pad their plans), so they must be
-    finite: zero rows add nothing to any gradient. Index slot j of an expert past its padding names scratch row j,
-    so no row is written by more than E slots (with one shared scratch row, a plan without padding sent all
-    E * span slots to that row, and this fill took 0.118 ms of the 30B backward's 1.59 ms of kernels at T=4096
-    on the H200)."""
+def _padding_row_index(counts: torch.Tensor, offsets: torch.Tensor, num_routes: int, capacity: int):
+    """The rows :func:`_zero_padding_rows` fills (None when the plan has no padding span), for buffers of
+    [capacity + span] rows: the padding rows [offsets[e] + counts[e], offsets[e + 1]) of a padded plan's pool, and for
+    index slot j of an expert past its padding, scratch row capacity + j. So no row is named by more than E slots
+    (with one shared scratch row, a plan without padding sent all E * span slots to that row, and the fill took
+    0.118 ms of the 30B backward's 1.59 ms of kernels at T=4096 on the H200). No host sync."""
     span = _padding_span(capacity, num_routes, counts.shape[0])
     if span <= 0:
-        return
+        return None
     first = (offsets[:-1] + counts).long()
-    slot = torch.arange(span, device=buf.device)
+    slot = torch.arange(span, device=counts.device)
     rows = first[:, None] + slot[None, :]
-    rows = torch.where(rows < offsets[1:, None].long(), rows, capacity + slot[None, :])
-    buf.index_fill_(0, rows.view(-1), 0)
+    return torch.where(rows < offsets[1:, None].long(), rows, capacity + slot[None, :]).view(-1)
+
+
+def _zero_padding_rows(buf: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor, num_routes: int,
+                       capacity: int, index: torch.Tensor | None = None) -> None:
+    """Zero the padding rows of a padded plan's pool in ``buf`` ([capacity + span, H]: the pool, then span scratch
+    rows, :func:`_gathered_pool`); ``index``: :func:`_padding_row_index` of the plan, when the caller fills several
+    buffers. The grouped GEMMs read the padding rows as part of their expert's m-blocks (both forwards pad their
+    plans), so they must be finite: zero rows add nothing to any gradient."""
+    if index is None:
+        index = _padding_row_index(counts, offsets, num_routes, capacity)
+    if index is not None:
+        buf.index_fill_(0, index, 0)
 
 
 def _gathered_pool(rows: torch.Tensor, route_to_pool: torch.Tensor, counts: torch.Tensor,
