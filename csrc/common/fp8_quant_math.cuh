@@ -35,7 +35,6 @@ __host__ __device__ __forceinline__ To bit_cast(From x) {
 __host__ __device__ __forceinline__ uint32_t fp32_bits(float x) { return bit_cast<uint32_t>(x); }
 __host__ __device__ __forceinline__ float fp32_from_bits(uint32_t u) { return bit_cast<float>(u); }
 
-
 // Q2: the scale of a block whose fp32 amax is `amax` (>= 0).
 __host__ __device__ __forceinline__ float fp8_block_scale(float amax, bool pow2_scales) {
   const float quotient = fp32_div_rn(amax, kE4m3Max);
@@ -77,9 +76,7 @@ inline uint8_t e4m3_bits_host(float x) {
 __device__ __forceinline__ uint32_t e4m3x2_bits(float lo, float hi, float scale) {
   return __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(lo, scale), __fdiv_rn(hi, scale)), __NV_SATFINITE, __NV_E4M3);
 }
-#endif
 
-#ifdef __CUDACC__
 // Q3 on the device for two values by a scale and its fp8_scale_rcp (div_by_scale: the division's bits).
 __device__ __forceinline__ uint32_t e4m3x2_bits(float lo, float hi, float scale, float rcp) {
   return __nv_cvt_float2_to_fp8x2(make_float2(div_by_scale(lo, scale, rcp), div_by_scale(hi, scale, rcp)),

@@ -2,8 +2,9 @@
 
 Steps, in the reference's names (:mod:`prime_kernels.mega.reference`, B1-B10 of its FP8 section):
 
-  B1   qK(dy_p, 128) dispatched from the token rows (``dispatch_rows_fp8``, padding rows zeroed), and for dW2 the dy
-       rows gathered into the pool (bf16, padding rows zero) and quantized qT(dy_e) (``quantize_tokens_fp8``).
+  B1   qK(dy_p, 128) dispatched from the token rows (``dispatch_rows_fp8``; padding rows left unwritten, the L2 dgrad
+       ignores them), and for dW2 the dy rows gathered into the pool (bf16, padding rows zero) and quantized qT(dy_e)
+       (``quantize_tokens_fp8``).
   B2-B6, B9  the FP8 L2 dgrad with the SwiGLU backward in its epilogue (``m_grouped_fp8_gemm_swiglu_bwd``): da in
        fp32 from the
        FP8 GEMM, d topk_weights partials per 128 columns of I, dh = [dg, du] in fp32 quantized twice (qK along 2I
@@ -60,7 +61,6 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     capacity = pool_src_route.shape[0]
     route_to_pool = route_to_pool.contiguous()
     if recompute and precision == "fp8":
-        _fp8_fwd.check_recipe(recipe)
         h_saved = _fp8_fwd.recompute_h(x, w13, counts, offsets, route_to_pool, capacity, recipe, cache, sms)
     elif recompute:
         h_saved, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms)

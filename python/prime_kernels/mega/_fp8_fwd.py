@@ -51,6 +51,7 @@ def quantized_pool(x, route_to_pool, counts, offsets, capacity: int, pow2_scales
 
 def l1(x, w13, counts, offsets, route_to_pool, capacity: int, recipe: _fp8.Fp8Recipe, cache, save_h: bool, sms):
     """W, F1-F3 and F6: the pooled qK(x) and the FP8 L1 with SwiGLU (:class:`prime_kernels.swiglu_fwd_fp8.Fp8SwigluFwd`)."""
+    check_recipe(recipe)
     c13 = cache.get(w13, recipe.pow2_scales)
     x_q, x_sa = quantized_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity, recipe.pow2_scales)
     return m_grouped_fp8_gemm_swiglu(x_q, x_sa, c13.weight.data, c13.weight.scale, offsets,
@@ -79,7 +80,6 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
     if activation_clamp is not None:
         raise RuntimeError("prime_kernels.mega: the FP8 forward pipeline does not take activation_clamp yet")
     recipe = fp8_recipe or _fp8.DEFAULT_RECIPE
-    check_recipe(recipe)
     cache = _fp8.WEIGHT_CACHE if weight_cache is None else weight_cache
     sms = _sms(num_sms)
     T, K = topk_idx.shape
