@@ -125,9 +125,9 @@ def recipe_emulation(x, idx, w, w13, w2, dy, *, clamp=None, precision="fp8", pow
         if clamp is not None:
             dg = dg * (g < clamp)
             du = du * ((u > -clamp) & (u < clamp))
-        dh = torch.cat([dg, du], 1)
+        dh = torch.cat([dg, du], 1).to(bf).double()  # B6 and B9: rounded to bf16, then quantized
         dx_slots[tt, kk] = (fake_quant(dh, 1, 128, pow2) @ W13).to(bf).double()
-        dw2[e] = fake_quant(dye, 128, 1, pow2).t() @ fake_quant(we * s_b, 128, 1, pow2)
+        dw2[e] = fake_quant(dye, 128, 1, pow2).t() @ fake_quant((we * s_b).to(bf).double(), 128, 1, pow2)
         dw13[e] = fake_quant(dh, 128, 1, pow2).t() @ fake_quant(xe, 128, 1, pow2)
     y = (w.double()[:, :, None] * slots).sum(1).to(bf)
     return y, dx_slots.sum(1).to(bf), dtopk.float(), dw13.to(bf), dw2.to(bf)

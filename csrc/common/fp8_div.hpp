@@ -36,8 +36,8 @@ PK_FP8_HD float fp8_scale_rcp(float scale) {
 #endif
 }
 
-PK_FP8_HD float div_by_scale(float v, float scale, float rcp) {
-  if (rcp == 0.f) return fp32_div_rn(v, scale);
+// div_by_scale for a scale whose fp8_scale_rcp is not 0 (an epilogue that has checked its tile's scales once).
+PK_FP8_HD float div_by_scale_in_range(float v, float scale, float rcp) {
 #ifdef __CUDA_ARCH__
   const float y = __fmul_rn(v, rcp);
   const float residual = __fmaf_rn(-y, scale, v);
@@ -47,6 +47,10 @@ PK_FP8_HD float div_by_scale(float v, float scale, float rcp) {
   const float residual = std::fma(-y, scale, v);
   return residual == 0.f ? y : std::fma(residual, rcp, y);
 #endif
+}
+
+PK_FP8_HD float div_by_scale(float v, float scale, float rcp) {
+  return rcp == 0.f ? fp32_div_rn(v, scale) : div_by_scale_in_range(v, scale, rcp);
 }
 
 }  // namespace prime_kernels::common

@@ -5,7 +5,7 @@
 //                                  m_grouped_gemm_fp8.cuh (same producer, ring and promotion; B = W2^T [E, I, H])
 //   dg, du, a = w * s, and the d topk_weights partials: the SwiGLU backward on fp32 da and the saved bf16 h
 //                                  (swiglu_bwd_f32; the partials as the BF16 kernel, swiglu_bwd_pp.cuh, writes them)
-//   outputs, quantized as python/prime_kernels/mega/fp8.py does (common/fp8_quant_math.cuh):
+//   outputs, rounded to bf16 and quantized as python/prime_kernels/mega/fp8.py does (common/fp8_quant_math.cuh):
 //     qK(dh, 128) along 2I: e4m3 [M, 2I] and its row scales K-block major (dh_sa[j * ld + m], j < 2I / 128): the A
 //                           operand of m_grouped_fp8_gemm_nt for the L1 dgrad;
 //     qT(dh_e), qT(a_e):    e4m3 [2I, M] and [I, M], token axis contiguous, one scale per column and 128-row block at
@@ -19,15 +19,18 @@
 //
 // Structure: the FP8 m-grouped GEMM's (384 threads; warpgroup 0's elected thread loads A, B and A's scales into the
 // ring; warpgroups 1 and 2 each own 64 of the tile's rows and promote per k-block). The epilogue runs in both consumer
-// warpgroups together, with the values computed twice from da (kept in registers) and h (read from global memory):
-//   1. amaxes: a row's over its 128 columns within the quad (two shuffles); a column's over the warp's 16 rows by
-//      shuffles, then over the 8 consumer warps through shared memory; the d weight partials;
-//   2. the column scales (one thread per column and output), written to shared memory and to the scale outputs;
-//   3. the values again, quantized with their row scale (qK, staged row-major) and column scale (qT, staged
-//      column-major, so that the stores of the token-contiguous outputs are 16-byte runs of tokens);
+// warpgroups together, in one pass over da (in registers) and h (loaded ahead, from global memory):
+//   1. the values dg, du and a rounded to bf16 (B6, B9: the operands of the BF16 backward), kept as bf16x2 words in
+//      the registers da and h free; the d weight partials (fp32 da * s); the amaxes of the bf16 values: a row's over
+//      its 128 columns within the quad (two shuffles), a column pair's over the warp's 16 rows by shuffles, then over
+//      the 8 consumer warps through shared memory;
+//   2. the column scales (one thread per column pair and output), to shared memory and the scale outputs, and the
+//      row scales; one barrier also decides whether every scale of the tile has its reciprocal (the quantization then
+//      divides through it, the division's bits; else it divides);
+//   3. the words quantized with their row scale (qK, staged row-major) and column scale (qT, staged column-major, so
+//      that the stores of the token-contiguous outputs are 16-byte runs of tokens);
 //   4. the staged tile copied out with 16-byte stores (byte stores for a tail block's tokens).
-// Recomputing (not keeping dg, du and a: 192 more registers per thread) costs the SwiGLU arithmetic twice; the
-// explicit roundings of swiglu_bwd_f32 give both passes the same bits.
+// The explicit roundings of swiglu_bwd_f32 give the values the reference's fp32 steps, up to the sigmoid.
 //
 // group_offsets: non-decreasing within [0, m_total], each a multiple of 128 or m_total; every CTA checks that in its
 // prologue, before any store, and the whole kernel writes nothing when they break it (a device-check finding).
@@ -97,158 +100,214 @@ struct SwigluBwdFp8Layout : StageRingLayout<128, 128, 128, kNumStages, 1> {
   static constexpr int kSaOff = Ring::kRingEnd;
   static constexpr int kQkOff = kSaOff + kNumStages * kSaBytes;  // qK(dh): 128 rows x (128 gate | 128 up) bytes
   static constexpr int kQkRowBytes = 256;
-  static constexpr int kQtDhOff = kQkOff + 128 * kQkRowBytes;  // qT(dh): 256 columns x 128 tokens
-  static constexpr int kQtAOff = kQtDhOff + 256 * 128;         // qT(a): 128 columns x 128 tokens
-  static constexpr int kColMaxOff = kQtAOff + 128 * 128;       // [8 warps][3 outputs][128 columns] fp32
-  static constexpr int kColScaleOff = kColMaxOff + 8 * 3 * 128 * 4;  // [3][128] fp32
-  static constexpr int kBarOff = kColScaleOff + 3 * 128 * 4;
+  static constexpr int kQtOff = kQkOff + 128 * kQkRowBytes;  // qT(dg | du | a): 384 columns x 128 tokens
+  static constexpr int kColMaxOff = kQtOff + 384 * 128;       // [8 warps][3 outputs][64 column pairs] bf16x2
+  static constexpr int kColScaleOff = kColMaxOff + 8 * 3 * 64 * 4;  // [3][64] float4
+  static constexpr int kBarOff = kColScaleOff + 3 * 64 * 16;
   static constexpr int kOffsOff = kBarOff + 2 * kNumStages * 8;
   static constexpr int kTileOff = kOffsOff + (kMaxGroups + 1) * 4;
   static constexpr int kEnd = kTileOff + (kMaxGroups + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
   static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
-  static_assert(kSaOff % 128 == 0 && kQkOff % 16 == 0, "TMA destinations 128-byte, staging 16-byte aligned");
+  static_assert(kSaOff % 128 == 0 && kQkOff % 16 == 0 && kColScaleOff % 16 == 0, "TMA destinations 128-byte, staging 16-byte aligned");
 };
 
+// bf16x2 words of absolute values (sign bits clear), as the epilogue's amaxes hold them.
+__device__ __forceinline__ uint32_t bf16x2_abs(uint32_t v) { return v & 0x7fff7fffu; }
+__device__ __forceinline__ uint32_t bf16x2_max(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ float bf16x2_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16x2_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+// Q3's quotient: without a divide where every scale of the tile has its reciprocal (fp8_scale_rcp != 0), else the
+// division (a tile of values below ~1e-27 or above ~1e32; the choice is one per tile, uniform over the CTA).
+template <bool kInRange>
+__device__ __forceinline__ float scale_quotient(float v, float scale, float rcp) {
+  if constexpr (kInRange)
+    return common::div_by_scale_in_range(v, scale, rcp);
+  else
+    return common::fp32_div_rn(v, scale);
+}
+template <bool kInRange>
+__device__ __forceinline__ uint32_t e4m3x2_of(float lo, float hi, float scale, float rcp) {
+  return __nv_cvt_float2_to_fp8x2(
+      make_float2(scale_quotient<kInRange>(lo, scale, rcp), scale_quotient<kInRange>(hi, scale, rcp)), __NV_SATFINITE,
+      __NV_E4M3);
+}
+
 // The epilogue of one 128 x 128 tile for one consumer thread (both warpgroups call every step, in order).
+//
+// Register fragment (wgmma m64n128): this thread's rows are r = frag_row and r + 8 (hh = 0, 1), its columns
+// 8 j + 2 q + t (q = lane & 3, j < 16, t < 2), accumulator register 4 j + 2 hh + t. The values dg, du and a of a
+// column pair at one row are one bf16x2 word each (column 8 j + 2 q in the low half): 96 words, which take the place
+// of the 64 accumulators and the 64 words of h as they are consumed.
+//
+// Staging, both XOR-swizzled by 16-byte chunk so that a warp's 2-byte stores hit distinct banks:
+//   qk [128 rows][256 bytes] (gate | up): row r's chunk c sits at chunk c ^ (r & 7);
+//   qt [384 columns][128 tokens] (dg, du, a): column cc's tokens 16 s .. 16 s + 15 (s: the consumer warp whose rows
+//      they are) sit at chunk s ^ ((cc >> 1) & 7), in the order r, r + 8 for r = 0 .. 7 (the thread's row pair is one
+//      2-byte store); the copy-out puts them back in token order.
 struct SwigluBwdFp8Epilogue {
   int ctid, lane, warp8;  // consumer thread and warp (0..255, 0..7)
   uint8_t* qk;            // staging (generic pointers into shared memory)
-  uint8_t* qt_dh;
-  uint8_t* qt_a;
-  float* col_max;
-  float* col_scale;
+  uint8_t* qt;
+  uint32_t* col_max;  // [8 warps][3 outputs][64 column pairs] bf16x2
+  float4* col_scale;  // [3 outputs][64 column pairs]: scale, rcp of the pair's two columns
 
-  // frag_row: this thread's rows within the tile are frag_row and frag_row + 8 (wgmma's m64 fragment).
-  // The values of column pair j (columns 8 j + 2 (lane & 3) + t of the tile) at this thread's row hh: the saved
-  // h of both columns and the accumulators (rows that are not routed give zeros).
-  template <int kClamp, int kAcc>
-  __device__ __forceinline__ void values(const SwigluBwdFp8Params& p, const float (&acc)[kAcc], int j, int hh,
-                                         const __nv_bfloat16* hrow, bool routed, float w, SwigluBwdF32 (&v)[2]) const {
-    uint32_t g2 = 0, u2 = 0;
-    if (routed) {
-      const int c = 8 * j + 2 * (lane & 3);
-      g2 = __ldg(reinterpret_cast<const unsigned int*>(hrow + c));
-      u2 = __ldg(reinterpret_cast<const unsigned int*>(hrow + p.n + c));
-    }
+  template <bool kInRange, int kJ>
+  __device__ __forceinline__ void stage(const uint32_t (&v)[3][kJ][2], const float (&rs)[2][2],
+                                        const float (&rr)[2][2], int frag_row) const {
+    const int q = lane & 3;
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const float g = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? g2 >> 16 : g2 & 0xffffu));
-      const float u = ptx::bf16_bits_to_float(static_cast<uint16_t>(t ? u2 >> 16 : u2 & 0xffffu));
-      v[t] = swiglu_bwd_f32<kClamp>(g, u, acc[4 * j + 2 * hh + t], w, p.clamp);
-      if (!routed) v[t] = SwigluBwdF32{0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < kJ; ++j) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {  // qK: the row's scale (o = 0 gate, 1 up)
+        const int r = frag_row + 8 * hh;
+        uint8_t* dst = qk + r * 256 + (((j >> 1) ^ (r & 7)) << 4) + 8 * (j & 1) + 2 * q;
+#pragma unroll
+        for (int o = 0; o < 2; ++o)
+          *reinterpret_cast<uint16_t*>(dst + 128 * o) = static_cast<uint16_t>(
+              e4m3x2_of<kInRange>(bf16x2_lo(v[o][j][hh]), bf16x2_hi(v[o][j][hh]), rs[hh][o], rr[hh][o]));
+      }
+      const int pair = 4 * j + q;
+#pragma unroll
+      for (int o = 0; o < 3; ++o) {  // qT: the column's scale, rows r and r + 8 in one store
+        const float4 sc = col_scale[o * 64 + pair];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          const int cc = o * 128 + 2 * pair + t;
+          const float a0 = t ? bf16x2_hi(v[o][j][0]) : bf16x2_lo(v[o][j][0]);
+          const float a1 = t ? bf16x2_hi(v[o][j][1]) : bf16x2_lo(v[o][j][1]);
+          const uint32_t b = e4m3x2_of<kInRange>(a0, a1, t ? sc.z : sc.x, t ? sc.w : sc.y);
+          *reinterpret_cast<uint16_t*>(qt + cc * 128 + ((warp8 ^ ((cc >> 1) & 7)) << 4) + 2 * (lane >> 2)) =
+              static_cast<uint16_t>(b);
+        }
+      }
     }
   }
 
   template <int kClamp, int kAcc>
   __device__ __forceinline__ void run(const SwigluBwdFp8Params& p, const float (&acc)[kAcc], int row0, int row_end,
                                       int n0, int frag_row) const {
+    constexpr int kJ = kAcc / 4;
+    static_assert(kJ == 16, "a 64 x 128 fragment of m64n128");
+    const int q = lane & 3;
     bool routed[2];
     float wgt[2];
+    // The thread's h, kAhead column groups of it in flight ahead of the values (all of it beside the accumulators
+    // spills; so does half of it with the clamp's masks): groups j < kAhead first, then group j + kAhead while group
+    // j is computed.
+    constexpr int kAhead = kClamp == kClampOff ? kJ / 2 : kJ / 4;
+    uint32_t hv[2][kJ][2];  // [gate, up][j][hh]
     const __nv_bfloat16* hrow[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = row0 + frag_row + 8 * hh;
       wgt[hh] = pool_row_weight(p.pool_src_route, p.route_weights, p.num_routes, p.check, row, row_end, routed[hh]);
-      hrow[hh] = p.h + static_cast<int64_t>(routed[hh] ? row : 0) * p.ldh + n0;
+      // a row that is not routed reads row 0 (always there) and its values are discarded
+      hrow[hh] = p.h + static_cast<int64_t>(routed[hh] ? row : 0) * p.ldh + n0 + 2 * q;
     }
-    // ---- 1. amaxes and the d weight partials
-    float rmax_g[2] = {0.f, 0.f}, rmax_u[2] = {0.f, 0.f}, partial[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < kAcc / 4; ++j) {
-      float cmax[3][2] = {{0.f, 0.f}, {0.f, 0.f}, {0.f, 0.f}};  // [dg, du, a][t] over this thread's two rows
+    auto load_h = [&](int j) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        SwigluBwdF32 v[2];
-        values<kClamp>(p, acc, j, hh, hrow[hh], routed[hh], wgt[hh], v);
+        hv[0][j][hh] = __ldg(reinterpret_cast<const unsigned int*>(hrow[hh] + 8 * j));
+        hv[1][j][hh] = __ldg(reinterpret_cast<const unsigned int*>(hrow[hh] + p.n + 8 * j));
+      }
+    };
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) load_h(j);
+    // ---- 1. the values (bf16, as the BF16 backward hands dh and w * s on), the d weight partials, the amaxes
+    uint32_t v[3][kJ][2];  // [dg, du, a][j][hh]
+    float partial[2] = {0.f, 0.f};
+    uint32_t rmax[2][2] = {{0u, 0u}, {0u, 0u}};  // [hh][dg, du]
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      if (j + kAhead < kJ) load_h(j + kAhead);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float o[3][2];
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
-          partial[hh] = fmaf(acc[4 * j + 2 * hh + t], v[t].s, partial[hh]);
-          rmax_g[hh] = fmaxf(rmax_g[hh], fabsf(v[t].dg));
-          rmax_u[hh] = fmaxf(rmax_u[hh], fabsf(v[t].du));
-          cmax[0][t] = fmaxf(cmax[0][t], fabsf(v[t].dg));
-          cmax[1][t] = fmaxf(cmax[1][t], fabsf(v[t].du));
-          cmax[2][t] = fmaxf(cmax[2][t], fabsf(v[t].a));
+          const float g = t ? bf16x2_hi(hv[0][j][hh]) : bf16x2_lo(hv[0][j][hh]);
+          const float u = t ? bf16x2_hi(hv[1][j][hh]) : bf16x2_lo(hv[1][j][hh]);
+          const float da = acc[4 * j + 2 * hh + t];
+          const SwigluBwdF32 r = swiglu_bwd_f32<kClamp>(g, u, da, wgt[hh], p.clamp);
+          partial[hh] = fmaf(da, r.s, partial[hh]);
+          o[0][t] = r.dg;
+          o[1][t] = r.du;
+          o[2][t] = r.a;
         }
+        const uint32_t keep = routed[hh] ? 0xffffffffu : 0u;  // zeros in every output, whatever dy and h hold
+#pragma unroll
+        for (int k = 0; k < 3; ++k) v[k][j][hh] = ptx::pack_bf16x2(o[k][0], o[k][1]) & keep;
+        rmax[hh][0] = bf16x2_max(rmax[hh][0], bf16x2_abs(v[0][j][hh]));
+        rmax[hh][1] = bf16x2_max(rmax[hh][1], bf16x2_abs(v[1][j][hh]));
       }
 #pragma unroll
-      for (int o = 0; o < 3; ++o)
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          float m = cmax[o][t];  // over the 8 lanes of this column (lane bits 2..4): the warp's 16 rows
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-          if (lane < 4) col_max[(warp8 * 3 + o) * 128 + 8 * j + 2 * lane + t] = m;
-        }
+      for (int k = 0; k < 3; ++k) {  // the column pair's amaxes over the warp's 16 rows (lane bits 2..4)
+        uint32_t m = bf16x2_max(bf16x2_abs(v[k][j][0]), bf16x2_abs(v[k][j][1]));
+        m = bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 4));
+        m = bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 8));
+        m = bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 16));
+        if (lane < 4) col_max[(warp8 * 3 + k) * 64 + 4 * j + lane] = m;
+      }
     }
+    float amax[2][2];  // [hh][dg, du]: a row's 128 columns, the quad's four threads
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {  // a row's 128 columns: the quad's four threads
-      rmax_g[hh] = fmaxf(rmax_g[hh], __shfl_xor_sync(0xffffffffu, rmax_g[hh], 1));
-      rmax_g[hh] = fmaxf(rmax_g[hh], __shfl_xor_sync(0xffffffffu, rmax_g[hh], 2));
-      rmax_u[hh] = fmaxf(rmax_u[hh], __shfl_xor_sync(0xffffffffu, rmax_u[hh], 1));
-      rmax_u[hh] = fmaxf(rmax_u[hh], __shfl_xor_sync(0xffffffffu, rmax_u[hh], 2));
+    for (int hh = 0; hh < 2; ++hh) {
+      const uint32_t x = rmax[hh][0], y = rmax[hh][1];
+      uint32_t m = bf16x2_max(__byte_perm(x, y, 0x5410), __byte_perm(x, y, 0x7632));  // (dg, du)
+      m = bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      amax[hh][0] = bf16x2_lo(m);
+      amax[hh][1] = bf16x2_hi(m);
     }
     const int nb = n0 / 128;
     write_dt_partials(p.dt_part, p.dt_ld, partial, routed, row0, frag_row, row_end, nb, lane);
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
 
-    // ---- 2. column scales: outputs o = 0 (dg), 1 (du), 2 (a), one thread per column and output
+    // ---- 2. the scales: a column pair's for each output by one thread, the rows' by their quads
+    bool in_range = true;
     const int64_t tb = row0 / 128;  // the tile's qT block
-    for (int idx = ctid; idx < 3 * 128; idx += kNumConsumerThreads) {
-      const int o = idx >> 7, c = idx & 127;
-      float m = 0.f;
+    if (ctid < 3 * 64) {
+      const int o = ctid >> 6, pair = ctid & 63;
+      uint32_t m = 0u;
 #pragma unroll
-      for (int w8 = 0; w8 < 8; ++w8) m = fmaxf(m, col_max[(w8 * 3 + o) * 128 + c]);
-      const float sc = common::fp8_block_scale(m, p.pow2_scales);
-      col_scale[o * 128 + c] = sc;
-      if (o < 2)
-        p.dht_s[tb * p.ld_dht_s + o * p.n + n0 + c] = sc;
-      else
-        p.awt_s[tb * p.ld_awt_s + n0 + c] = sc;
+      for (int w8 = 0; w8 < 8; ++w8) m = bf16x2_max(m, col_max[(w8 * 3 + o) * 64 + pair]);
+      const float s0 = common::fp8_block_scale(bf16x2_lo(m), p.pow2_scales);
+      const float s1 = common::fp8_block_scale(bf16x2_hi(m), p.pow2_scales);
+      const float r0 = common::fp8_scale_rcp(s0), r1 = common::fp8_scale_rcp(s1);
+      in_range = r0 != 0.f && r1 != 0.f;
+      col_scale[o * 64 + pair] = make_float4(s0, r0, s1, r1);
+      float* dst = o < 2 ? p.dht_s + tb * p.ld_dht_s + o * p.n : p.awt_s + tb * p.ld_awt_s;
+      dst[n0 + 2 * pair] = s0;
+      dst[n0 + 2 * pair + 1] = s1;
     }
-    float rs_g[2], rs_u[2];
+    float rs[2][2], rr[2][2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      rs_g[hh] = common::fp8_block_scale(rmax_g[hh], p.pow2_scales);
-      rs_u[hh] = common::fp8_block_scale(rmax_u[hh], p.pow2_scales);
+#pragma unroll
+      for (int o = 0; o < 2; ++o) {
+        rs[hh][o] = common::fp8_block_scale(amax[hh][o], p.pow2_scales);
+        rr[hh][o] = common::fp8_scale_rcp(rs[hh][o]);
+        in_range = in_range && rr[hh][o] != 0.f;
+      }
       const int row = row0 + frag_row + 8 * hh;
-      if (row < row_end && (lane & 3) == 0) {
-        p.dh_sa[static_cast<int64_t>(nb) * p.ld_dh_sa + row] = rs_g[hh];
-        p.dh_sa[static_cast<int64_t>(p.n / 128 + nb) * p.ld_dh_sa + row] = rs_u[hh];
+      if (row < row_end && q == 0) {
+        p.dh_sa[static_cast<int64_t>(nb) * p.ld_dh_sa + row] = rs[hh][0];
+        p.dh_sa[static_cast<int64_t>(p.n / 128 + nb) * p.ld_dh_sa + row] = rs[hh][1];
       }
     }
-    ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
+    const bool all_in_range = ptx::named_bar_sync_and(kBarConsumers, kNumConsumerThreads, in_range);
 
     // ---- 3. quantize into the staging tiles
-#pragma unroll
-    for (int j = 0; j < kAcc / 4; ++j) {
-      SwigluBwdF32 v[2][2];  // [hh][t]
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) values<kClamp>(p, acc, j, hh, hrow[hh], routed[hh], wgt[hh], v[hh]);
-      const int c = 8 * j + 2 * (lane & 3);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = frag_row + 8 * hh;
-        const uint16_t qg = static_cast<uint16_t>(common::e4m3x2_bits(v[hh][0].dg, v[hh][1].dg, rs_g[hh]));
-        const uint16_t qu = static_cast<uint16_t>(common::e4m3x2_bits(v[hh][0].du, v[hh][1].du, rs_u[hh]));
-        *reinterpret_cast<uint16_t*>(qk + r * 256 + c) = qg;
-        *reinterpret_cast<uint16_t*>(qk + r * 256 + 128 + c) = qu;
-      }
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const int col = c + t;
-        const uint32_t qg = common::e4m3x2_bits(v[0][t].dg, v[1][t].dg, col_scale[col]);
-        const uint32_t qu = common::e4m3x2_bits(v[0][t].du, v[1][t].du, col_scale[128 + col]);
-        const uint32_t qa = common::e4m3x2_bits(v[0][t].a, v[1][t].a, col_scale[256 + col]);
-        qt_dh[col * 128 + frag_row] = static_cast<uint8_t>(qg);
-        qt_dh[col * 128 + frag_row + 8] = static_cast<uint8_t>(qg >> 8);
-        qt_dh[(128 + col) * 128 + frag_row] = static_cast<uint8_t>(qu);
-        qt_dh[(128 + col) * 128 + frag_row + 8] = static_cast<uint8_t>(qu >> 8);
-        qt_a[col * 128 + frag_row] = static_cast<uint8_t>(qa);
-        qt_a[col * 128 + frag_row + 8] = static_cast<uint8_t>(qa >> 8);
-      }
-    }
+    if (all_in_range)
+      stage<true>(v, rs, rr, frag_row);
+    else
+      stage<false>(v, rs, rr, frag_row);
     ptx::named_bar_sync(kBarConsumers, kNumConsumerThreads);
 
     // ---- 4. copy out: the tile's rows before row_end (a tile that ends early is the pool's last: tokens past it
@@ -258,24 +317,26 @@ struct SwigluBwdFp8Epilogue {
       const int r = idx >> 4, ch = idx & 15;
       const int64_t col = (ch < 8 ? n0 : p.n + n0) + 16 * (ch & 7);
       *reinterpret_cast<uint4*>(p.dh_q + static_cast<int64_t>(row0 + r) * p.ld_dh_q + col) =
-          *reinterpret_cast<const uint4*>(qk + r * 256 + 16 * ch);
+          *reinterpret_cast<const uint4*>(qk + r * 256 + ((ch ^ (r & 7)) << 4));
     }
+    auto qt_dst = [&](int cc) -> uint8_t* {
+      return cc < 256 ? p.dht_q + static_cast<int64_t>((cc < 128 ? 0 : p.n - 128) + n0 + cc) * p.ld_dht_q
+                      : p.awt_q + static_cast<int64_t>(n0 + cc - 256) * p.ld_awt_q;
+    };
     if (rows == 128) {
       for (int idx = ctid; idx < 384 * 8; idx += kNumConsumerThreads) {
         const int cc = idx >> 3, ch = idx & 7;
-        const uint4 val = *reinterpret_cast<const uint4*>((cc < 256 ? qt_dh + cc * 128 : qt_a + (cc - 256) * 128) +
-                                                          16 * ch);
-        uint8_t* dst = cc < 256 ? p.dht_q + static_cast<int64_t>((cc < 128 ? 0 : p.n - 128) + n0 + cc) * p.ld_dht_q
-                                : p.awt_q + static_cast<int64_t>(n0 + cc - 256) * p.ld_awt_q;
-        *reinterpret_cast<uint4*>(dst + row0 + 16 * ch) = val;
+        const uint4 s = *reinterpret_cast<const uint4*>(qt + cc * 128 + ((ch ^ ((cc >> 1) & 7)) << 4));
+        // staged order r, r + 8 (r < 8) -> token order: the even bytes, then the odd ones
+        const uint4 out = make_uint4(__byte_perm(s.x, s.y, 0x6420), __byte_perm(s.z, s.w, 0x6420),
+                                     __byte_perm(s.x, s.y, 0x7531), __byte_perm(s.z, s.w, 0x7531));
+        *reinterpret_cast<uint4*>(qt_dst(cc) + row0 + 16 * ch) = out;
       }
     } else {
       for (int idx = ctid; idx < 384 * rows; idx += kNumConsumerThreads) {
         const int cc = idx / rows, r = idx - cc * rows;
-        const uint8_t val = cc < 256 ? qt_dh[cc * 128 + r] : qt_a[(cc - 256) * 128 + r];
-        uint8_t* dst = cc < 256 ? p.dht_q + static_cast<int64_t>((cc < 128 ? 0 : p.n - 128) + n0 + cc) * p.ld_dht_q
-                                : p.awt_q + static_cast<int64_t>(n0 + cc - 256) * p.ld_awt_q;
-        dst[row0 + r] = val;
+        const int k = r & 15, pos = k < 8 ? 2 * k : 2 * k - 15;
+        qt_dst(cc)[row0 + r] = qt[cc * 128 + (((r >> 4) ^ ((cc >> 1) & 7)) << 4) + pos];
       }
     }
   }
@@ -300,10 +361,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                        tid & 31,
                                        (tid >> 5) - 4,
                                        smem + L::kQkOff,
-                                       smem + L::kQtDhOff,
-                                       smem + L::kQtAOff,
-                                       reinterpret_cast<float*>(smem + L::kColMaxOff),
-                                       reinterpret_cast<float*>(smem + L::kColScaleOff)};
+                                       smem + L::kQtOff,
+                                       reinterpret_cast<uint32_t*>(smem + L::kColMaxOff),
+                                       reinterpret_cast<float4*>(smem + L::kColScaleOff)};
         if (p.clamp > 0.f)
           epi.run<kClampOn>(p, acc, w.row0, w.row_end, w.n0, frag_row);
         else

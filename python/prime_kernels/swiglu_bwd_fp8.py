@@ -3,8 +3,8 @@
 ``m_grouped_fp8_gemm_swiglu_bwd(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route, topk_weights)``
 computes, for the rows of each group (expert) g, ``da = G(qK(dy_p), W2^T[g])`` (the FP8 m-grouped GEMM's numbers:
 e4m3 products, promotion into fp32 every 128 of H), the SwiGLU backward on fp32 with the saved bf16 h and the route
-weight ``w = topk_weights.flatten()[pool_src_route[r]]``, and returns it quantized as :mod:`prime_kernels.mega.fp8`
-quantizes (:class:`Fp8SwigluBwd`):
+weight ``w = topk_weights.flatten()[pool_src_route[r]]``, rounds dh = [dg, du] and w * s to bf16 (the operands the
+BF16 backward hands on) and returns them quantized as :mod:`prime_kernels.mega.fp8` quantizes (:class:`Fp8SwigluBwd`):
 
 - ``dh_q`` e4m3 [M, 2I], ``dh_sa`` fp32 [M, 2I/128] K-block major: qK(dh, 128) along 2I, the A operand of
   :func:`prime_kernels.m_grouped_fp8_gemm_nt` for the L1 dgrad;
@@ -135,7 +135,8 @@ def m_grouped_fp8_gemm_swiglu_bwd(dy_q: torch.Tensor, dy_sa: torch.Tensor, w2t_q
 def swiglu_bwd_fp8_reference(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route, route_weights, out,
                              clamp: float = 0.0, pow2_scales: bool = False) -> None:
     """The emulation of the kernel from :mod:`prime_kernels.mega.fp8` (G1-G3, Q1-Q3) and the reference's fp32
-    SwiGLU backward (B3-B5, B9), written into ``out`` for the rows of the groups (the rows a kernel writes)."""
+    SwiGLU backward (B3-B5), dh and w * s rounded to bf16 (B6, B9), written into ``out`` for the rows of the groups (the
+    rows a kernel writes)."""
     m, inter = dy_q.shape[0], w2t_q.shape[1]
     nb = inter // BLOCK
     offs = group_offsets.tolist()
@@ -168,8 +169,9 @@ def swiglu_bwd_fp8_reference(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_
             dg = torch.where(gv < clamp, dg, torch.zeros(()))
             du = torch.where((uv > -clamp) & (uv < clamp), du, torch.zeros(()))
         zero = torch.zeros(())
-        dh = torch.where(routed, torch.cat([dg, du], 1), zero)
-        aw = torch.where(routed, w * s, zero)  # B9
+        # B6, B9: rounded to bf16 (the BF16 backward's operands), then quantized
+        dh = torch.where(routed, torch.cat([dg, du], 1), zero).bfloat16().float()
+        aw = torch.where(routed, w * s, zero).bfloat16().float()
         n = hi - lo
         part = torch.nn.functional.pad(da * s, (0, nb * BLOCK - inter)).view(n, nb, BLOCK).sum(-1)  # B3, per 128
         out.dt_part[rows] = torch.where(routed, part, zero)

@@ -87,11 +87,11 @@ x and dy are bf16; everything else below is fp32 unless said.
   B1. dispatch of dy_p (bf16): qK(dy_p, 128) for B2, and qT(dy_e) over the expert's rows for B10
   B2. da_p = G(qK(dy_p), W2^T)             fp32 [I]
   B3-B5. as above, in fp32
-  B6. dh_p = [dg, du] in fp32 (not rounded to bf16), quantized by the L2-dgrad epilogue twice:
-      qK(dh_p, 128) along 2I for B7, and qT(dh_e) for B10
+  B6. dh_p = round_io([dg, du]) (bf16, the BF16 backward's operand), quantized by the L2-dgrad epilogue
+      twice: qK(dh_p, 128) along 2I for B7, and qT(dh_e) for B10 (the amaxes are the bf16 values')
   B7. dx_p = round_io(G(qK(dh_p), W13^T))  bf16 per-route dx slot
   B8. as above
-  B9. a_p = w_p * s (fp32), qT(a_e) in the same epilogue
+  B9. a_p = round_io(w_p * s) (bf16), qT(a_e) in the same epilogue
   B10. dW2[e]  = G(qT(dy_e)^T, qT(a_e)^T)  K = the expert's rows, promoted every 128 rows
        dW13[e] = G(qT(dh_e)^T, qT(x_e)^T)  x rows quantized from bf16 by the backward's dispatch (not
        from the forward's 1x128 FP8 x: one quantization, not two)
@@ -459,10 +459,10 @@ def backward(
                 dg = dg * (g < c)
                 du = du * ((u > -c) & (u < c))
             if fp8_back:
-                dh = torch.cat([dg, du], 1)  # B6: fp32, quantized below
+                dh = torch.cat([dg, du], 1).to(torch.bfloat16).to(acc)  # B6: bf16, quantized below
                 dxp[rows] = _fp8.fp8_gemm_nt(qz.along_k(dh), c13.transposed[e]).to(io)  # B7
                 if want_w:  # B9, B10
-                    a = qz.along_tokens(we * s)
+                    a = qz.along_tokens((we * s).to(torch.bfloat16).to(acc))
                     dw2[e] = _fp8.fp8_gemm_nt(qz.along_tokens(dyp[rows]).t(), a.t())
                     dw13[e] = _fp8.fp8_gemm_nt(qz.along_tokens(dh).t(), qz.along_tokens(xp[rows]).t())
                 continue
