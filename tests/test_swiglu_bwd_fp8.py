@@ -218,16 +218,18 @@ def test_layouts_and_fake_kernel():
 # times its scale), and a scale (an amax that may be such a sum) is within ACC_RTOL in all but 1% of the blocks and
 # within 10 ACC_RTOL in every one (measured: up to 1.3e-2 in 0.9% of the column scales of dh).
 ACC_RTOL = 2e-3
+BF16_STEP = 2.0 ** -7  # the largest relative step between adjacent bf16 values
 
 
 def check_scales(name, a, b, pow2):
     """Power-of-two scales are equal or one factor of 2 apart (an amax near a power of two), in at most 1% of the
     blocks; plain scales are amax / 448, as above."""
     if not pow2:
+        # the amaxes are of bf16 values (B6, B9): an accumulator's difference can move one by a bf16 step (2^-7)
         rel = ((a - b).abs() / b.abs().clamp_min(1e-30)).flatten()
-        close = (rel <= ACC_RTOL).float().mean().item()
-        assert close >= 0.99, f"{name}: only {close:.4f} of the scales within {ACC_RTOL} of the emulation's"
-        assert rel.max().item() <= 10 * ACC_RTOL, f"{name}: a scale differs by {rel.max().item():.3e}"
+        close = (rel <= ACC_RTOL + BF16_STEP).float().mean().item()
+        assert close >= 0.99, f"{name}: only {close:.4f} of the scales within {ACC_RTOL} + a bf16 step of the emulation's"
+        assert rel.max().item() <= 10 * ACC_RTOL + BF16_STEP, f"{name}: a scale differs by {rel.max().item():.3e}"
         return
     ratio = a / b
     assert bool(((ratio == 1) | (ratio == 2) | (ratio == 0.5)).all()), f"{name}: scales not a power of 2 apart"
