@@ -57,6 +57,7 @@ def parse_args(argv=None):
                         "the mean of --iters more (bench_common.sustained_ms; the clock a training loop sees, where "
                         "the bursts' first calls run at a higher one); 0: bursts only")
     p.add_argument("--backend", default="auto", help="mega_moe backend (auto; reference for a CPU dry run)")
+    p.add_argument("--precision", choices=("bf16", "fp8", "fp8_bwd"), default="bf16", help="mega_moe precision")
     p.add_argument("--child-timeout", type=float, default=900.0, help="seconds one child may take")
     p.add_argument("--out", default=None, help="results JSON (default bench/results/ab_<gpu>_<date>_<old>_<new>.json)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, T=256, one round, few iterations; "
@@ -123,7 +124,7 @@ def child(args) -> dict:
         x, idx, w, dy = bc.make_tokens(T, E, H, K, "uniform", args.seed + T, device)
         leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
         fwd = lambda: mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], num_experts=E,  # noqa: E731
-                               backend=args.backend)
+                               backend=args.backend, precision=args.precision)
         fwdbwd = lambda: torch.autograd.grad(fwd(), leaves, dy)  # noqa: E731
         res = {"fwd": bc.time_ms(fwd, device, args.warmup, args.iters),
                "fwdbwd": bc.time_ms(fwdbwd, device, args.warmup, args.iters)}
@@ -232,7 +233,7 @@ def main(argv=None):
     shapes = args.shapes.split(",")
     tail = ["--shapes", args.shapes, "--tokens", str(args.tokens), "--warmup", str(args.warmup),
             "--iters", str(args.iters), "--seed", str(args.seed), "--backend", args.backend,
-            "--steady-seconds", str(args.steady_seconds)]
+            "--precision", args.precision, "--steady-seconds", str(args.steady_seconds)]
     with tempfile.TemporaryDirectory(prefix="pk_ab_") as tmp:
         sites = {"old": resolve_build(args.old, Path(tmp), "old"), "new": resolve_build(args.new, Path(tmp), "new")}
         samples = {"old": [], "new": []}
@@ -257,7 +258,8 @@ def main(argv=None):
                                     "NVML energy per call over steady_seconds of back-to-back calls, millijoules, in "
                                     "old_mj / new_mj); reported: median over rounds of new/old (each round's pair); "
                                     "bwd = fwdbwd - fwd"},
-               options={"tokens": args.tokens, "routing": "uniform", "backend": args.backend, "seed": args.seed},
+               options={"tokens": args.tokens, "routing": "uniform", "backend": args.backend, "seed": args.seed,
+                        "precision": args.precision},
                rows=rows)
     print(f"{'shape':>6} {'dir':>7} {'old':>9} {'new':>9} {'new/old':>8} {'min':>7} {'max':>7}  same bits  "
           f"(ms; mJ per call in the *_mj rows)")

@@ -361,7 +361,8 @@ int pk_k_grouped_fp8_gemm_tn(const void* a, int64_t lda, const float* sa, int64_
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90("k_grouped_fp8_gemm_tn"); rc != PK_OK) return rc;
   PK_CHECK_ARG(num_sms >= 0, "k_grouped_fp8_gemm_tn: num_sms = %d, must be >= 0 (0 = every SM)", num_sms);
-  prime_kernels::sm90::GroupedGemmConfig cfg = prime_kernels::sm90::k_grouped_fp8_gemm_config(m, n, p_total, num_groups);
+  prime_kernels::sm90::GroupedGemmConfig cfg = prime_kernels::sm90::k_grouped_fp8_gemm_config(m, n, p_total, num_groups,
+                                                                                     c_is_bf16 != 0);
   cfg.num_sms = num_sms;
   prime_kernels::sm90::KGroupedFp8GemmArgs args;
   args.a = a;

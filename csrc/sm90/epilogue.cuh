@@ -122,12 +122,65 @@ __device__ __forceinline__ void store_acc_half_async(const float (&acc)[kBlockN 
   }
 }
 
+// One warpgroup's 64 x kBlockN fp32 fragment into its staging half as fp32: kBlockN / 32 boxes of 64 rows x 32
+// columns (8 KB, 128-byte rows, chunks XOR-swizzled by row % 8 as above). A thread's column pair of one row is one
+// 8-byte store; a warp's stores of one column group cover 16 chunks of 8 rows, two of each bank group.
+template <int kBlockN>
+__device__ __forceinline__ void write_acc_f32_to_swizzled_staging(const float (&acc)[kBlockN / 2], uint32_t stg_half,
+                                                                  int wg_tid) {
+  const int lane = wg_tid & 31;
+  const int q = lane & 3;
+  const int r = (wg_tid >> 5) * 16 + (lane >> 2);  // and r + 8: the same row % 8
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j) {
+    const uint32_t chunk = static_cast<uint32_t>((2 * (j & 3) + (q >> 1)) ^ (r & 7));
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const uint32_t addr = stg_half + (j >> 2) * TmaStaging<kBlockN>::kBoxBytes + (r + 8 * hh) * 128 + (chunk << 4) +
+                            (q & 1) * 8;
+      ptx::st_shared_v2_f32(addr, acc[4 * j + 2 * hh], acc[4 * j + 2 * hh + 1]);
+    }
+  }
+}
+
 // ---- synchronous epilogue: plain stores from the registers -------------------------------------------
 // The k-grouped kernels' outputs (C_e [M, N] per expert, contiguous): fp32 stored, fp32 added into what C holds
 // (a weight-gradient accumulator: each element is read and written by its one owner thread, so no atomics), or bf16
 // stored. Registers go out as 8-byte (fp32) or 4-byte (bf16) pairs straight from the wgmma fragment: a tile is
 // written once, after its whole K, so staging it for TMA buys little against the k-loop.
 enum KGroupedOut : int { kOutF32Store = 0, kOutF32Accumulate = 1, kOutBf16Store = 2 };
+
+// The asynchronous epilogue of a k-grouped kernel's consumer warpgroup (its 64-row half of a tile of C_g, rows
+// row0.. and columns col0.. of expert g's [M, N]): waits until the previous tile's TMA operations have read the
+// staging half, writes the fragment there (bf16 for kOutBf16Store, else fp32) and issues one TMA store (fp32 add for
+// kOutF32Accumulate) per box. tmap_c is C as [E][M][N] with boxes of 64 rows and 128 bytes of columns, so rows >= M
+// and columns >= N of a box are not written and no box reaches into the next expert.
+template <int kBlockN, int kOut>
+__device__ __forceinline__ void store_k_grouped_half_async(const float (&acc)[kBlockN / 2], uint32_t stg_half, int wg,
+                                                           int wg_tid, const void* tmap_c, int group, int row0,
+                                                           int col0, int n) {
+  constexpr int kBoxCols = kOut == kOutBf16Store ? 64 : 32;
+  if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+  ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+  if constexpr (kOut == kOutBf16Store)
+    write_acc_to_swizzled_staging<kBlockN>(acc, stg_half, wg_tid);
+  else
+    write_acc_f32_to_swizzled_staging<kBlockN>(acc, stg_half, wg_tid);
+  ptx::fence_proxy_async_smem();  // make the generic-proxy writes visible to the TMA engine
+  ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+  if (wg_tid == 0) {
+#pragma unroll
+    for (int b = 0; b < kBlockN / kBoxCols; ++b) {
+      if (col0 + kBoxCols * b >= n) continue;
+      const uint32_t src = stg_half + b * TmaStaging<kBlockN>::kBoxBytes;
+      if constexpr (kOut == kOutF32Accumulate)
+        ptx::tma_reduce_add_3d(tmap_c, src, col0 + kBoxCols * b, row0, group);
+      else
+        ptx::tma_store_3d(tmap_c, src, col0 + kBoxCols * b, row0, group);
+    }
+    ptx::bulk_commit_group();
+  }
+}
 
 // One consumer warpgroup's 64 x kBlockN fragment (wgmma m64nN layout) into rows row0.. and columns col0.. of c
 // (row stride ld elements; fp32 for kOutF32*, bf16 for kOutBf16Store). Rows >= m and columns >= n are not written.

@@ -109,15 +109,17 @@ inline bool m_grouped_fp8_gemm_config_supported(const GroupedGemmConfig& c) {
 // k-grouped blockwise FP8 (k_grouped_fp8_gemm_tn, k_grouped_gemm_fp8.cuh): the one tile shape there is, one
 // instantiation per output kind.
 //   block_m = block_n = 128: both operands carry one scale per row of C per k-block, so the promotion multiplies
-//     every accumulator by its own row x column scale; a 128 x 256 tile would need 128 partial plus 128 accumulator
-//     registers per consumer thread, more than the 232 a consumer has.
+//     every accumulator by its own row x column scale; a 128 x 256 tile would need 128 accumulator registers plus
+//     the partials per consumer thread, more than the 232 a consumer has.
 //   block_k = 128: the token block of the recipe's qT scales, so each stage is one promotion.
-//   num_stages = 6: the most that fit (6 x 33 KB of A, B and their scale rows; the register-store epilogue needs
-//     no staging tile).
-//   async_epilogue = 0: every output kind is stored from the registers (a weight gradient is written once per tile,
-//     after the whole token axis).
-// Not measured on a GPU yet: these are the structural choices, not tuned ones.
-inline GroupedGemmConfig k_grouped_fp8_gemm_config(int64_t m, int64_t n, int64_t p_total, int num_groups) {
+//   async_epilogue = 1: the tile is staged in shared memory and written by TMA stores (fp32 adds for an
+//     accumulator) while the next tile's MMAs run. With 1024 token rows per expert a tile has only 8 k-blocks, and
+//     the register stores held the consumers in lg_throttle stalls: ncu on the H200 (30B dW13, T = 16384) showed the
+//     tensor pipe active 33% of the time, against 64% for the m-grouped FP8 kernel's TMA-store epilogue.
+//   num_stages = 5 for a bf16 output, 4 for fp32: what fits beside the 32 (64) KB staging tile
+//     (k_grouped_fp8_stages).
+inline GroupedGemmConfig k_grouped_fp8_gemm_config(int64_t m, int64_t n, int64_t p_total, int num_groups,
+                                                   bool c_is_bf16) {
   (void)m;
   (void)n;
   (void)p_total;
@@ -126,12 +128,12 @@ inline GroupedGemmConfig k_grouped_fp8_gemm_config(int64_t m, int64_t n, int64_t
   c.block_m = 128;
   c.block_n = 128;
   c.block_k = 128;
-  c.num_stages = 6;
-  c.async_epilogue = 0;
+  c.num_stages = c_is_bf16 ? 5 : 4;
+  c.async_epilogue = 1;
   return c;
 }
-inline bool k_grouped_fp8_gemm_config_supported(const GroupedGemmConfig& c) {
-  return is_built_config(c, k_grouped_fp8_gemm_config(0, 0, 0, 0));
+inline bool k_grouped_fp8_gemm_config_supported(const GroupedGemmConfig& c, bool c_is_bf16) {
+  return is_built_config(c, k_grouped_fp8_gemm_config(0, 0, 0, 0, c_is_bf16));
 }
 
 // k-grouped: C_e[M, N] = A_e^T @ B_e with K_e = rows of expert e. c_is_bf16 = false (fp32 store/accumulate)

@@ -125,16 +125,30 @@ int make_token_block_scale_map(CUtensorMap* map, const float* base, int64_t cols
                   CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
+// The output C [E, M, N] (bf16 or fp32) as the epilogue's TMA stores write it: [E][M][N] in boxes of 64 rows and 128
+// bytes of columns, 128-byte swizzle (epilogue.cuh's staging layout). m, n are multiples of 8 and c is 16-byte
+// aligned (check_k_grouped_fp8_args), as the map's strides need.
+int make_k_grouped_out_map(CUtensorMap* map, void* c, bool c_is_bf16, int64_t num_groups, int64_t m, int64_t n,
+                           char* err, size_t err_len) {
+  const uint64_t esize = c_is_bf16 ? 2 : 4;
+  const uint64_t dims[3] = {(uint64_t)n, (uint64_t)m, (uint64_t)num_groups};
+  const uint64_t strides[2] = {(uint64_t)n * esize, (uint64_t)(m * n) * esize};
+  const uint32_t box[3] = {(uint32_t)(128 / esize), 64, 1};
+  return make_map(map, c, 3, dims, strides, box, err, err_len,
+                  c_is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
+}
+
 template <int kOut>
 int launch_k_grouped_fp8(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& msa, const CUtensorMap& msb,
-                         const KGroupedFp8Params& p, int grid, cudaStream_t stream, char* err, size_t err_len) {
+                         const CUtensorMap& mc, const KGroupedFp8Params& p, int grid, cudaStream_t stream, char* err,
+                         size_t err_len) {
   const char* fn = "k_grouped_fp8_gemm_tn";
-  constexpr int kStages = 6;
+  constexpr int kStages = k_grouped_fp8_stages(kOut);
   constexpr auto kernel = &k_grouped_fp8_gemm_kernel<kStages, kOut>;
-  constexpr int smem = KGroupedFp8Layout<kStages>::kSmemBytes;
+  constexpr int smem = KGroupedFp8Layout<kStages, kOut>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaFuncSetAttribute: %s", fn, cudaGetErrorString(e));
-  kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, msa, msb, p);
+  kernel<<<grid, kNumThreads, smem, stream>>>(ma, mb, msa, msb, mc, p);
   return check_launch(fn, err, err_len);
 }
 
@@ -154,7 +168,7 @@ int k_grouped_fp8_gemm_tn(const KGroupedFp8GemmArgs& args, cudaStream_t stream, 
     return kGemmOk;
   }
   const GroupedGemmConfig cfg =
-      args.config ? *args.config : k_grouped_fp8_gemm_config(m, n, p_total, args.num_groups);
+      args.config ? *args.config : k_grouped_fp8_gemm_config(m, n, p_total, args.num_groups, args.c_is_bf16);
   int sms = 0;
   if (int r = device_sms(&sms, err, err_len)) return r;
   if (cfg.num_sms > 0 && cfg.num_sms < sms) sms = cfg.num_sms;
@@ -164,20 +178,24 @@ int k_grouped_fp8_gemm_tn(const KGroupedFp8GemmArgs& args, cudaStream_t stream, 
   if (int r = make_token_major_map(&mb, args.b, n, p_total, args.ldb, err, err_len)) return r;
   if (int r = make_token_block_scale_map(&msa, args.sa, m, p_total, args.ld_sa, err, err_len)) return r;
   if (int r = make_token_block_scale_map(&msb, args.sb, n, p_total, args.ld_sb, err, err_len)) return r;
+  CUtensorMap mc;
+  if (int r = make_k_grouped_out_map(&mc, args.c, args.c_is_bf16, args.num_groups, m, n, err, err_len)) return r;
   KGroupedFp8Params p{};
-  p.c = args.c;
   p.group_offsets = args.group_offsets;
   p.p_total = (int32_t)p_total;
   p.m = (int32_t)m;
   p.n = (int32_t)n;
   p.num_groups = args.num_groups;
+  p.m_blocks = (int32_t)((m + 127) / 128);
+  p.tiles_per_group = p.m_blocks * (int32_t)((n + 127) / 128);
+  p.num_tiles = p.tiles_per_group * args.num_groups;
   p.l2_hints = kKGroupedL2Hints;
   p.check = common::device_check_record();
-  const int64_t tiles = (int64_t)args.num_groups * ((m + 127) / 128) * ((n + 127) / 128);
-  const int grid = (int)(tiles < sms ? tiles : sms);
-  if (args.c_is_bf16) return launch_k_grouped_fp8<kOutBf16Store>(ma, mb, msa, msb, p, grid, stream, err, err_len);
-  if (args.accumulate) return launch_k_grouped_fp8<kOutF32Accumulate>(ma, mb, msa, msb, p, grid, stream, err, err_len);
-  return launch_k_grouped_fp8<kOutF32Store>(ma, mb, msa, msb, p, grid, stream, err, err_len);
+  const int grid = p.num_tiles < sms ? p.num_tiles : sms;
+  if (args.c_is_bf16) return launch_k_grouped_fp8<kOutBf16Store>(ma, mb, msa, msb, mc, p, grid, stream, err, err_len);
+  if (args.accumulate)
+    return launch_k_grouped_fp8<kOutF32Accumulate>(ma, mb, msa, msb, mc, p, grid, stream, err, err_len);
+  return launch_k_grouped_fp8<kOutF32Store>(ma, mb, msa, msb, mc, p, grid, stream, err, err_len);
 }
 
 int m_grouped_fp8_gemm_swiglu_bwd(const SwigluBwdFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {

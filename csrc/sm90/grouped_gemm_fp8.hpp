@@ -270,10 +270,10 @@ inline int check_k_grouped_fp8_args(const KGroupedFp8GemmArgs& x, char* err, siz
     return fail(kGemmInvalidArgument, err, err_len, "%s: accumulate needs an fp32 output", fn);
   if (x.c == nullptr || !fp8_aligned(x.c, 16))
     return fail(kGemmInvalidArgument, err, err_len, "%s: c must be non-null and 16-byte aligned", fn);
-  if (x.config != nullptr && !k_grouped_fp8_gemm_config_supported(*x.config))
+  if (x.config != nullptr && !k_grouped_fp8_gemm_config_supported(*x.config, x.c_is_bf16))
     return fail(kGemmInvalidArgument, err, err_len,
                 "%s: unsupported config block_m=%d block_n=%d block_k=%d stages=%d async_epilogue=%d (built: 128 x 128 "
-                "x 128, 6 stages, register-store epilogue)",
+                "x 128, 5 stages for a bf16 output and 4 for fp32, TMA-store epilogue)",
                 fn, x.config->block_m, x.config->block_n, x.config->block_k, x.config->num_stages,
                 x.config->async_epilogue);
   if (x.p_total == 0) return kGemmOk;

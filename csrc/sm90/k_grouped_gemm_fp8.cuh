@@ -49,25 +49,36 @@ namespace sm90 {
 constexpr int kFp8TokenBlock = 128;
 
 struct KGroupedFp8Params {
-  void* c;  // [E, M, N]
   const int32_t* group_offsets;
   int32_t p_total;
   int32_t m;
   int32_t n;
   int32_t num_groups;
+  // The tile grid (ceil(m / 128), tiles per expert, all tiles), set by the host: read from the parameter bank where
+  // used, they take no registers from the consumers' mainloop.
+  int32_t m_blocks;
+  int32_t tiles_per_group;
+  int32_t num_tiles;
   // L2 cache hints (kKGroupedL2Hints): bit 3: the A and B loads evict_last (every tile of an expert re-reads them).
   int32_t l2_hints;
   // Where the kernel notes invalid offsets (may be null: they still make it write nothing).
   common::DeviceCheckRecord* check;
 };
 
-template <int kNumStages>
+// The stage ring for an output kind: kOutBf16Store 5 stages (the 32 KB staging tile fits beside them), fp32 outputs
+// 4 (their staging tile is 64 KB).
+constexpr int k_grouped_fp8_stages(int out_kind) { return out_kind == kOutBf16Store ? 5 : 4; }
+
+template <int kNumStages, int kOut>
 struct KGroupedFp8Layout : StageRingLayout<128, 128, kFp8TokenBlock, kNumStages, 1> {
   using Ring = StageRingLayout<128, 128, kFp8TokenBlock, kNumStages, 1>;
   static constexpr int kScaleBytes = 128 * 4;  // one fp32 scale per tile row (column) and stage
   static constexpr int kSaOff = Ring::kRingEnd;
   static constexpr int kSbOff = kSaOff + kNumStages * kScaleBytes;
-  static constexpr int kBarOff = kSbOff + kNumStages * kScaleBytes;
+  // the epilogue's staging tile (TmaStaging's boxes; fp32 boxes hold 32 columns), 1024-aligned for the swizzle
+  static constexpr int kStgHalfBytes = (kOut == kOutBf16Store ? 128 / 64 : 128 / 32) * TmaStaging<128>::kBoxBytes;
+  static constexpr int kStgOff = (kSbOff + kNumStages * kScaleBytes + 1023) / 1024 * 1024;
+  static constexpr int kBarOff = kStgOff + 2 * kStgHalfBytes;
   static constexpr int kOffsOff = kBarOff + (2 * kNumStages + 2) * 8;
   static constexpr int kOrderOff = kOffsOff + (kMaxGroups + 1) * 4;
   static constexpr int kEnd = kOrderOff + kMaxGroups * 4;
@@ -81,28 +92,18 @@ struct KGroupedFp8Layout : StageRingLayout<128, 128, kFp8TokenBlock, kNumStages,
 // scales of one k-block, read from the landed stage's two scale rows (nothing to prefetch from global memory).
 template <int kBlockM, int kBlockN>
 struct KGroupedFp8StageScales {
-  const float* s_sa;  // stage 0's A scale row; stage s at s * kBlockM
-  const float* s_sb;  // stage 0's B scale row; stage s at s * kBlockN
-  int frag_row;       // the thread's first accumulator row within the tile (the other is frag_row + 8)
-  int frag_col;       // its first accumulator column (the others at + 1 and + 8 j)
-  struct Loaded {
-    float lo, hi;
-    float2 col[kBlockN / 8];
-  };
+  const float* sa0;  // stage 0's scale of the thread's first accumulator row (the other is 8 rows on); stage s at
+                     // s * kBlockM
+  const float* sb0;  // stage 0's scale of its first accumulator column (the others at + 1 and + 8 j); stage s at
+                     // s * kBlockN
   __device__ __forceinline__ int prefetch(int) const { return 0; }
-  __device__ __forceinline__ Loaded load(int, int stage) const {
-    Loaded f;
-    const float* sa = s_sa + stage * kBlockM + frag_row;
-    f.lo = sa[0];
-    f.hi = sa[8];
-    const float* sb = s_sb + stage * kBlockN + frag_col;
-#pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j) f.col[j] = *reinterpret_cast<const float2*>(sb + 8 * j);
-    return f;
-  }
-  __device__ __forceinline__ void apply(const Loaded& f, const float (&part)[kBlockN / 2],
+  __device__ __forceinline__ void apply(int, int stage, int, const float (&part)[kBlockN / 2],
                                         float (&acc)[kBlockN / 2]) const {
-    promote_rows_cols(acc, part, f.lo, f.hi, f.col);
+    const float* sa = sa0 + stage * kBlockM;
+    const float* sb = sb0 + stage * kBlockN;
+    promote_rows_cols<kBlockN / 2>(acc, part, sa[0], sa[8], [&](int j) {
+      return *reinterpret_cast<const float2*>(sb + 8 * j);
+    });
   }
 };
 
@@ -110,9 +111,9 @@ template <int kNumStages, int kOut>
 __global__ void __launch_bounds__(kNumThreads, 1)
     k_grouped_fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                               const __grid_constant__ CUtensorMap tmap_sa, const __grid_constant__ CUtensorMap tmap_sb,
-                              const KGroupedFp8Params p) {
+                              const __grid_constant__ CUtensorMap tmap_c, const KGroupedFp8Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using L = KGroupedFp8Layout<kNumStages>;
+  using L = KGroupedFp8Layout<kNumStages, kOut>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kBlockK = L::kBlockK;
@@ -129,35 +130,32 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int num_groups = p.num_groups;
-  const int m_blocks = ceil_div(p.m, kBlockM);
-  const int n_blocks = ceil_div(p.n, kBlockN);
-  const int tiles_per_group = m_blocks * n_blocks;
-  const int num_tiles = tiles_per_group * num_groups;
 
   // ---- prologue: offsets check (before anything is stored: bad offsets write nothing), barriers, expert order
   if (common::group_offsets_invalid(p.group_offsets, num_groups, p.p_total, p.check, common::kCheckKGroupedFp8Offsets,
                                     kFp8TokenBlock))
     return;
-  kernel_prologue<kNumStages>(full_bar, empty_bar, 1, kNumConsumerThreads / 32, &tmap_a, &tmap_b, &tmap_sa, &tmap_sb);
+  kernel_prologue<kNumStages>(full_bar, empty_bar, 1, kNumConsumerThreads / 32, &tmap_a, &tmap_b, &tmap_sa, &tmap_sb,
+                               &tmap_c);
   load_group_offsets(p.group_offsets, num_groups, s_offs);
   k_grouped_rank_experts(s_offs, s_order, num_groups);
   __syncthreads();
 
   auto locate = [&](int t) -> KGroupedTile {
-    return k_grouped_locate<kBlockM, kBlockN>(s_offs, s_order, tiles_per_group, m_blocks, t);
+    return k_grouped_locate<kBlockM, kBlockN>(s_offs, s_order, p.tiles_per_group, p.m_blocks, t);
   };
-  const int grid = gridDim.x;
 
   if (warp < 4) {
     // ================= producer warpgroup =================
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (warp == 0 && lane == 0) {
       const uint64_t pol = l2_policy_reused_loads(p.l2_hints);
+      const int grid = gridDim.x;
       int stage = 0;
       uint32_t phase = 0;
-      for (int i = 0; i * grid < num_tiles; ++i) {
+      for (int i = 0; i * grid < p.num_tiles; ++i) {
         const int t = k_grouped_tile_of(i, grid);
-        if (t >= num_tiles) continue;
+        if (t >= p.num_tiles) continue;
         const KGroupedTile tile = locate(t);
         const int num_k_blocks = ceil_div(tile.rows, kBlockK);
         const int kb0 = tile.k_start / kBlockK;  // exact: experts start on whole blocks (or have no rows)
@@ -184,37 +182,38 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int frag_col = 2 * (lane & 3);
     const StageDescHalves desc = k_major_stage_descs(smem + L::kAOff, smem + L::kBOff, wg);
 
-    const KGroupedFp8StageScales<kBlockM, kBlockN> scales{reinterpret_cast<const float*>(smem + L::kSaOff),
-                                                          reinterpret_cast<const float*>(smem + L::kSbOff), frag_row,
-                                                          frag_col};
+    const KGroupedFp8StageScales<kBlockM, kBlockN> scales{
+        reinterpret_cast<const float*>(smem + L::kSaOff) + frag_row,
+        reinterpret_cast<const float*>(smem + L::kSbOff) + frag_col};
     auto release = [&](int s_) {
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
     };
 
     float acc[kBlockN / 2];
-    float part[kBlockN / 2];
+    float part0[kBlockN / 2], part1[kBlockN / 2];
+    const int grid = gridDim.x;
     int stage = 0;
     uint32_t phase = 0;
-    const int64_t group_elems = static_cast<int64_t>(p.m) * p.n;
-    for (int i = 0; i * grid < num_tiles; ++i) {
+    for (int i = 0; i * grid < p.num_tiles; ++i) {
       const int t = k_grouped_tile_of(i, grid);
-      if (t >= num_tiles) continue;
+      if (t >= p.num_tiles) continue;
+      // (the tile is located again for the epilogue: keeping it across the mainloop costs registers it has not)
       const KGroupedTile tile = locate(t);
       const int num_k_blocks = ceil_div(tile.rows, kBlockK);
       if (kOut == kOutF32Accumulate && num_k_blocks == 0) continue;
-      const int row0 = tile.m0 + 64 * wg;
       // A warpgroup whose 64 rows all lie past M (a last m-block of 64 rows) only keeps the pipeline moving.
+      const bool active = tile.m0 + 64 * wg < p.m;
       consumer_tile_mainloop_promoted<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes>(
-          acc, part, row0 < p.m, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0, desc.b_hi,
-          scales, release);
-      if (row0 < p.m) {
-        void* c_group = kOut == kOutBf16Store
-                            ? static_cast<void*>(static_cast<__nv_bfloat16*>(p.c) + tile.group * group_elems)
-                            : static_cast<void*>(static_cast<float*>(p.c) + tile.group * group_elems);
-        store_acc_rows_direct<kBlockN, kOut>(acc, c_group, p.n, row0, tile.n0, wg_tid, p.m, p.n);
+          acc, part0, part1, active, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0,
+          desc.b_hi, scales, release);
+      if (active) {
+        const KGroupedTile at = locate(t);
+        store_k_grouped_half_async<kBlockN, kOut>(acc, ptx::smem_addr(smem + L::kStgOff) + wg * L::kStgHalfBytes,
+                                                  wg, wg_tid, &tmap_c, at.group, at.m0 + 64 * wg, at.n0, p.n);
       }
     }
+    if (wg_tid == 0) ptx::bulk_wait_group<0>();  // the stores complete before the CTA's shared memory goes away
   }
 #endif
 }

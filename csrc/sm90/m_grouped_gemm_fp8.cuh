@@ -142,12 +142,10 @@ struct RowTimesTileScales {
   const float* s_sa;
   int frag_row;
   __device__ __forceinline__ float prefetch(int kb) const { return __ldg(sb_tile + kb); }
-  __device__ __forceinline__ float3 load(float sb, int s_) const {
+  __device__ __forceinline__ void apply(float sb, int s_, int, const float (&part_)[kAccRegs],
+                                        float (&acc_)[kAccRegs]) const {
     const float* sa = s_sa + s_ * kSaStageFloats + frag_row;
-    return make_float3(sa[0], sa[8], sb);
-  }
-  __device__ __forceinline__ void apply(float3 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
-    promote_rows(acc_, part_, f.x * f.z, f.y * f.z);
+    promote_rows(acc_, part_, sa[0] * sb, sa[8] * sb);
   }
 };
 
@@ -159,12 +157,10 @@ struct RowTimesTileScalesSplitK {
   const float* s_sa;
   int frag_row;
   __device__ __forceinline__ float prefetch(int kb) const { return __ldg(sb_tile + kb); }
-  __device__ __forceinline__ float3 load(float sb, int s_, int sub) const {
+  __device__ __forceinline__ void apply(float sb, int s_, int sub, const float (&part_)[kAccRegs],
+                                        float (&acc_)[kAccRegs]) const {
     const float* sa = s_sa + s_ * kSaStageFloats + sub * kSaBoxFloats + frag_row;
-    return make_float3(sa[0], sa[8], sb);
-  }
-  __device__ __forceinline__ void apply(float3 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
-    promote_rows(acc_, part_, f.x * f.z, f.y * f.z);
+    promote_rows(acc_, part_, sa[0] * sb, sa[8] * sb);
   }
 };
 
@@ -179,12 +175,11 @@ struct RowTimesGateUpScales {
   __device__ __forceinline__ float2 prefetch(int kb) const {
     return make_float2(__ldg(sb_gate + kb), __ldg(sb_up + kb));
   }
-  __device__ __forceinline__ float4 load(float2 sb, int s_) const {
+  __device__ __forceinline__ void apply(float2 sb, int s_, int, const float (&part_)[kAccRegs],
+                                        float (&acc_)[kAccRegs]) const {
     const float* sa = s_sa + s_ * kSaStageFloats + frag_row;
-    return make_float4(sa[0], sa[8], sb.x, sb.y);
-  }
-  __device__ __forceinline__ void apply(float4 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
-    const float g_lo = f.x * f.z, g_hi = f.y * f.z, u_lo = f.x * f.w, u_hi = f.y * f.w;
+    const float s_lo = sa[0], s_hi = sa[8];
+    const float g_lo = s_lo * sb.x, g_hi = s_hi * sb.x, u_lo = s_lo * sb.y, u_hi = s_hi * sb.y;
 #pragma unroll
     for (int j = 0; j < kAccRegs / 4; ++j) {  // groups j < kAccRegs / 8: gate columns
       const float lo = j < kAccRegs / 8 ? g_lo : u_lo, hi = j < kAccRegs / 8 ? g_hi : u_hi;
@@ -261,7 +256,7 @@ __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, con
     const StageDescHalves desc = k_major_stage_descs(smem + L::kAOff, smem + L::kBOff, wg);
 
     float acc[kBlockN / 2];
-    float part[kBlockN / 2];
+    float part0[kBlockN / 2], part1[kBlockN / 2];
     int stage = 0;
     uint32_t phase = 0;
     int g = 0;
@@ -276,7 +271,7 @@ __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, con
       };
       auto mainloop = [&](const auto& scales) {
         consumer_tile_mainloop_promoted<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, L::kAScaleBlocks>(
-            acc, part, active, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0, desc.b_hi,
+            acc, part0, part1, active, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0, desc.b_hi,
             scales, release);
       };
       if constexpr (kGateUp)

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "pipeline.cuh"
 #include "ptx.cuh"
@@ -97,7 +98,7 @@ __device__ __forceinline__ void consumer_tile_mainloop(float (&acc)[kAccRegs], b
 // 8-column group: rows r, r + 8 of columns c, c + 1): acc = fma(part, scale, acc), the scale the fp32 product of the
 // two operands' block scales, as the recipe's emulation (docs/fp8.md, G2-G3) rounds it. promote_rows: one scale per
 // row (s_lo for row r, s_hi for row r + 8: A's row scale times B's one scale per tile); promote_rows_cols: a row
-// scale times a column scale (col[j] the scales of columns c, c + 1 of group j), both operands scaled per row of C.
+// scale times a column scale (col_of(j): the scales of columns c, c + 1 of group j), both operands scaled per row of C.
 template <int kAccRegs>
 __device__ __forceinline__ void promote_rows(float (&acc)[kAccRegs], const float (&part)[kAccRegs], float s_lo,
                                              float s_hi) {
@@ -109,37 +110,49 @@ __device__ __forceinline__ void promote_rows(float (&acc)[kAccRegs], const float
     acc[4 * j + 3] = fmaf(part[4 * j + 3], s_hi, acc[4 * j + 3]);
   }
 }
-template <int kAccRegs>
+template <int kAccRegs, typename ColFn>
 __device__ __forceinline__ void promote_rows_cols(float (&acc)[kAccRegs], const float (&part)[kAccRegs], float s_lo,
-                                                  float s_hi, const float2 (&col)[kAccRegs / 4]) {
+                                                  float s_hi, ColFn&& col_of) {
 #pragma unroll
   for (int j = 0; j < kAccRegs / 4; ++j) {
-    acc[4 * j + 0] = fmaf(part[4 * j + 0], s_lo * col[j].x, acc[4 * j + 0]);
-    acc[4 * j + 1] = fmaf(part[4 * j + 1], s_lo * col[j].y, acc[4 * j + 1]);
-    acc[4 * j + 2] = fmaf(part[4 * j + 2], s_hi * col[j].x, acc[4 * j + 2]);
-    acc[4 * j + 3] = fmaf(part[4 * j + 3], s_hi * col[j].y, acc[4 * j + 3]);
+    const float2 col = col_of(j);  // read where it is used: the partials beside it leave no room for all 16
+    acc[4 * j + 0] = fmaf(part[4 * j + 0], s_lo * col.x, acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(part[4 * j + 1], s_lo * col.y, acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(part[4 * j + 2], s_hi * col.x, acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(part[4 * j + 3], s_hi * col.y, acc[4 * j + 3]);
   }
 }
 
 // One tile's k-loop for a consumer warpgroup of the blockwise-FP8 grouped kernels (m_grouped_gemm_fp8.cuh,
-// k_grouped_gemm_fp8.cuh), with promotion: each k-block's kBlockK / Mma::kK wgmma sum into `part` (the first
-// overwrites it), and once they have completed, part times the block's scales is added into the fp32 accumulator acc.
-// The tensor core's adder keeps fewer mantissa bits than fp32 for e4m3 products; summing only one 128-K block there
-// and the blocks in fp32 bounds that loss to one block's worth whatever K is (DeepSeek-V3's recipe). Each k-block's
-// MMAs are waited for before its promotion, so the two consumer warpgroups' MMAs and promotions interleave on the
-// tensor cores. `scales` gives the block scales in three steps: pre = scales.prefetch(kb) before the stage's wait
-// (a global load is then in flight during the wait and the MMAs), f = scales.load(pre, stage) from the landed stage
-// before release(stage) hands it back, and scales.apply(f, part, acc) after it. A warpgroup with no rows
-// (active = false) only releases stages. acc is zeroed first.
+// k_grouped_gemm_fp8.cuh), with promotion: each k-block's kBlockK / Mma::kK wgmma sum into a partial accumulator
+// (the first overwrites it), and once they have completed, the partial times the block's scales is added into the
+// fp32 accumulator acc. The tensor core's adder keeps fewer mantissa bits than fp32 for e4m3 products; summing only
+// one 128-K block there and the blocks in fp32 bounds that loss to one block's worth whatever K is (DeepSeek-V3's
+// recipe).
+// Two partials, part0 and part1, take turns: k-block kb + 1's MMAs are issued into one before k-block kb's promotion
+// from the other, so the tensor core has this warpgroup's next MMAs queued while its CUDA cores promote (with one
+// partial the promotion waits for the MMAs and the MMAs for the promotion; for a row x column scaled k-grouped tile
+// the promotion is two fp32 operations per accumulator, about half the MMAs' time). A stage is released once its
+// promotion has read its scales, so a warpgroup holds at most two stages.
+// `scales` gives the block scales in two steps: pre = scales.prefetch(kb) before k-block kb's wait (a global load is
+// then in flight during the wait and the MMAs), and scales.apply(pre, stage, sub, part, acc) adds part times the
+// scales (read from the landed stage, before its release) into acc. kPromoteSteps = 2: A's scales change every
+// kBlockK / 2 of K (an L2 operand quantized 1 x 64), so each stage's k-steps are issued in two groups, each promoted
+// with its own A scales (sub = 0, 1). A warpgroup with no rows (active = false) only releases stages. acc is zeroed
+// first; on return every stage this call waited for is released and stage / phase point past them.
 template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, int kPromoteSteps = 1,
           int kAccRegs, typename Scales, typename ReleaseFn>
-__device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAccRegs], float (&part)[kAccRegs],
-                                                                bool active, int num_k_blocks, uint64_t* full_bar,
-                                                                int& stage, uint32_t& phase, uint32_t a_lo0,
-                                                                uint32_t a_hi, uint32_t b_lo0, uint32_t b_hi,
-                                                                const Scales& scales, ReleaseFn&& release) {
+__device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAccRegs], float (&part0)[kAccRegs],
+                                                                float (&part1)[kAccRegs], bool active,
+                                                                int num_k_blocks, uint64_t* full_bar, int& stage,
+                                                                uint32_t& phase, uint32_t a_lo0, uint32_t a_hi,
+                                                                uint32_t b_lo0, uint32_t b_hi, const Scales& scales,
+                                                                ReleaseFn&& release) {
   static_assert(kAccRegs % 4 == 0, "m64 fragment: 4 registers per 8-column group");
+  static_assert(kPromoteSteps == 1 || kPromoteSteps == 2, "one or two promotions per k-block");
   constexpr uint32_t kKStepDesc = (Mma::kK * 1) >> 4;  // one k-step of 1-byte elements along a K-major row
+  constexpr int kStepsPerPromotion = kBlockK / Mma::kK / kPromoteSteps;
+  static_assert(kStepsPerPromotion * kPromoteSteps * Mma::kK == kBlockK, "promotions split the k-block evenly");
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.f;
   if (!active) {
@@ -150,43 +163,70 @@ __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAc
     }
     return;
   }
-  // kPromoteSteps > 1: A's scales change every kBlockK / kPromoteSteps of K (an L2 operand quantized 1 x 64), so
-  // the stage's k-steps are issued in that many groups, each waited for and promoted with its own A scales.
-  constexpr int kStepsPerPromotion = kBlockK / Mma::kK / kPromoteSteps;
-  static_assert(kStepsPerPromotion * kPromoteSteps * Mma::kK == kBlockK, "promotions split the k-block evenly");
-  for (int kb = 0; kb < num_k_blocks; ++kb) {
-    const auto pre = scales.prefetch(kb);
-    ptx::mbar_wait(&full_bar[stage], phase);
-    const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (kStageABytes >> 4);
-    const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (kStageBBytes >> 4);
-#pragma unroll
-    for (int sub = 0; sub < kPromoteSteps; ++sub) {
-#pragma unroll
-      for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < kStepsPerPromotion; ++j) {
-        const int kk = sub * kStepsPerPromotion + j;
-        Mma::mma(part, ptx::desc_from_halves(a_lo + kk * kKStepDesc, a_hi),
-                 ptx::desc_from_halves(b_lo + kk * kKStepDesc, b_hi), j > 0 ? 1u : 0u);
-      }
-      ptx::wgmma_commit();
-#pragma unroll
-      for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
-      ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
-      if constexpr (kPromoteSteps == 1) {
-        const auto f = scales.load(pre, stage);
-        release(stage);
-        scales.apply(f, part, acc);
-      } else {
-        const auto f = scales.load(pre, stage, sub);
-        if (sub == kPromoteSteps - 1) release(stage);
-        scales.apply(f, part, acc);
-      }
+  // Units u = kb * kPromoteSteps + sub, issued in order, alternately into part0 and part1; with two promotions per
+  // k-block a unit's sub-step is then its partial's index.
+  const int num_units = num_k_blocks * kPromoteSteps;
+  if (num_units == 0) return;
+  using Pre = decltype(scales.prefetch(0));
+  Pre pre_issued{}, pre_retiring{};
+  int issue_stage = stage;
+  uint32_t issue_phase = phase;
+  auto issue = [&](float(&part)[kAccRegs], int u, auto sub_tag) {
+    constexpr int kSub = decltype(sub_tag)::value;
+    pre_retiring = pre_issued;  // the unit before this one: this k-block's (sub 1) or the previous one's
+    if constexpr (kSub == 0) {
+      pre_issued = scales.prefetch(u / kPromoteSteps);
+      ptx::mbar_wait(&full_bar[issue_stage], issue_phase);
     }
-    advance_stage<kNumStages>(stage, phase);
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
+    ptx::wgmma_fence();
+    const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(issue_stage) * (kStageABytes >> 4);
+    const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(issue_stage) * (kStageBBytes >> 4);
+#pragma unroll
+    for (int j = 0; j < kStepsPerPromotion; ++j) {
+      const int kk = kSub * kStepsPerPromotion + j;
+      Mma::mma(part, ptx::desc_from_halves(a_lo + kk * kKStepDesc, a_hi),
+               ptx::desc_from_halves(b_lo + kk * kKStepDesc, b_hi), j > 0 ? 1u : 0u);
+    }
+    ptx::wgmma_commit();
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
+    if constexpr (kSub == kPromoteSteps - 1) advance_stage<kNumStages>(issue_stage, issue_phase);
+  };
+  // the oldest unit not yet promoted, whose MMAs the caller has waited for
+  auto retire = [&](float(&part)[kAccRegs], auto sub_tag) {
+    constexpr int kSub = decltype(sub_tag)::value;
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
+    scales.apply(pre_retiring, stage, kSub, part, acc);
+    if constexpr (kSub == kPromoteSteps - 1) {
+      release(stage);
+      advance_stage<kNumStages>(stage, phase);
+    }
+  };
+  using Sub0 = std::integral_constant<int, 0>;
+  using Sub1 = std::integral_constant<int, kPromoteSteps - 1>;
+  issue(part0, 0, Sub0{});
+  for (int u = 1;; u += 2) {
+    if (u == num_units) {
+      ptx::wgmma_wait<0>();
+      pre_retiring = pre_issued;
+      retire(part0, Sub0{});
+      break;
+    }
+    issue(part1, u, Sub1{});
+    ptx::wgmma_wait<1>();
+    retire(part0, Sub0{});
+    if (u + 1 == num_units) {
+      ptx::wgmma_wait<0>();
+      pre_retiring = pre_issued;
+      retire(part1, Sub1{});
+      break;
+    }
+    issue(part0, u + 1, Sub0{});
+    ptx::wgmma_wait<1>();
+    retire(part1, Sub1{});
   }
 }
 

@@ -222,6 +222,15 @@ __device__ __forceinline__ void tma_store_3d_hint(const void* desc, uint32_t src
       "r"(src_smem), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
       : "memory");
 }
+// The TMA reduction (shared -> global): each element of the box is added into global memory (fp32 add, the tensor
+// map's type), out-of-bounds elements skipped; one owner per element gives the same bits as a load, add and store.
+__device__ __forceinline__ void tma_reduce_add_3d(const void* desc, uint32_t src_smem, int32_t c0, int32_t c1,
+                                                  int32_t c2) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(desc)),
+               "r"(src_smem), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Waits until at most N bulk groups of this thread are pending reads of their shared-memory source.
 template <int N>
@@ -462,6 +471,9 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared_v2_f32(uint32_t addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
 __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),

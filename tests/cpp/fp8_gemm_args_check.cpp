@@ -124,8 +124,8 @@ int main() {
   expect("sb_group_stride too small", [](MGroupedFp8GemmArgs& x) { x.sb_group_stride = 5; }, bad, "sb_group_stride = 5");
 
   // the k-grouped GEMM (weight gradients)
-  GroupedGemmConfig other_k = k_grouped_fp8_gemm_config(0, 0, 0, 1);
-  other_k.num_stages = 5;
+  // the fp32 output's config (4 stages) is not the bf16 output's (5): each output kind takes only its own
+  GroupedGemmConfig other_k = k_grouped_fp8_gemm_config(0, 0, 0, 1, /*c_is_bf16=*/true);
   expect_k("valid", [](KGroupedFp8GemmArgs&) {}, kGemmOk, nullptr);
   expect_k("bf16 out", [](KGroupedFp8GemmArgs& x) { x.c_is_bf16 = true; }, kGemmOk, nullptr);
   expect_k("p_total 0 needs no operands",
