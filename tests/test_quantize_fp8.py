@@ -477,6 +477,97 @@ def test_tokens_cuda_equals_cpu_bit_for_bit(counts, extra, ragged, C, pow2):
     assert bool((buf[:, P:].view(torch.uint8) == 0x7F).all()), "a byte past the pool's rows was written"
 
 
+# ----------------------------------------------------------------------- quantize_tokens_fp8 gathering from token rows
+
+
+def gathered_case(counts, extra, ragged, C, K, gen, masked_live_row=False):
+    """(tokens [T, C], pool_src_route [P], offsets, counts, P, pool [P, C]): a plan's pool for the layout (live rows
+    name distinct routes of T = ceil(live / K) + 1 tokens, padding and extra rows -1) and the pool that gathering it
+    gives (zeros where a row names no route). masked_live_row: one live row's route is -1 (read as zeros)."""
+    offsets, cnt, P = pool_layout(counts, extra, ragged)
+    live = int(cnt.sum())
+    T = (live + K - 1) // K + 1
+    tokens = hard_rows(C, (T + 127) // 128 * 128, gen).t()[:T].contiguous() if T else torch.zeros(0, C).bfloat16()
+    routes = torch.randperm(T * K, generator=gen)[:live].to(torch.int32)
+    src = torch.full((P,), -1, dtype=torch.int32)
+    o, i = offsets.tolist(), 0
+    for e, c in enumerate(cnt.tolist()):
+        src[o[e]:o[e] + c] = routes[i:i + c]
+        i += c
+    if masked_live_row and live:
+        src[o[0] if cnt[0] > 0 else int((src >= 0).nonzero()[0])] = -1
+    pool = torch.zeros(P, C).bfloat16()
+    ok = src >= 0
+    pool[ok] = tokens[src[ok].long() // K]
+    return tokens, src, offsets, cnt, P, pool
+
+
+GATHER_CASES = TOKEN_CASES + [([3, 0, 250, 77], 0, False, 2048)]
+
+
+@pytest.mark.parametrize("K", [1, 8])
+@pytest.mark.parametrize("counts,extra,ragged,C", GATHER_CASES)
+def test_tokens_gathered_cpu_equals_the_gathered_pool_bit_for_bit(counts, extra, ragged, C, K):
+    gen = torch.Generator().manual_seed(sum(counts) + C + extra + K)
+    tokens, src, offsets, cnt, P, pool = gathered_case(counts, extra, ragged, C, K, gen, masked_live_row=True)
+    want_q, want_s = prime_kernels.quantize_tokens_fp8(pool, offsets, cnt)
+    q, scale, buf = poisoned_tokens_out(P, C, pad=16)
+    prime_kernels.quantize_tokens_fp8(tokens, offsets, cnt, out=(q, scale), pool_src_route=src, top_k=K)
+    assert torch.equal(bits(q), bits(want_q)) and torch.equal(bits(scale), bits(want_s))
+    assert bool((buf[:, P:].view(torch.uint8) == 0x7F).all()), "a byte past the pool's rows was written"
+
+
+def test_tokens_gathered_cpu_refuses_a_route_past_the_tokens_before_writing():
+    gen = torch.Generator().manual_seed(3)
+    tokens, src, offsets, cnt, P, _ = gathered_case([5, 130], 0, False, 64, 2, gen)
+    src[129] = tokens.shape[0] * 2  # a live row of the second expert
+    q, scale, _ = poisoned_tokens_out(P, 64)
+    with pytest.raises(RuntimeError, match=r"pool_src_route\[129\] = .* is past the"):
+        prime_kernels.quantize_tokens_fp8(tokens, offsets, cnt, out=(q, scale), pool_src_route=src, top_k=2)
+    assert bool((q.view(torch.uint8) == 0x7F).all()) and bool(scale.isnan().all()), "a refused call wrote"
+
+
+def test_tokens_gathered_cpu_op_passes_opcheck():
+    gen = torch.Generator().manual_seed(4)
+    tokens, src, offsets, cnt, P, _ = gathered_case([3, 0, 130], 0, False, 16, 4, gen)
+    q, scale, _ = poisoned_tokens_out(P, 16)
+    torch.library.opcheck(torch.ops.prime_kernels.quantize_tokens_gathered_fp8_.default,
+                          (tokens, src, 4, offsets, cnt, q, scale, False),
+                          test_utils=("test_autograd_registration", "test_faketensor"))
+
+
+@on_cuda
+@pytest.mark.parametrize("pow2", POW2)
+@pytest.mark.parametrize("counts,extra,ragged,C", GATHER_CASES + [([900, 0, 4000, 37], 128, False, 2048)])
+def test_tokens_gathered_cuda_equals_cpu_bit_for_bit(counts, extra, ragged, C, pow2):
+    gen = torch.Generator().manual_seed(sum(counts) + C + pow2)
+    tokens, src, offsets, cnt, P, _ = gathered_case(counts, extra, ragged, C, 8, gen, masked_live_row=True)
+    want_q, want_s = prime_kernels.quantize_tokens_fp8(tokens, offsets, cnt, pow2_scales=pow2, pool_src_route=src,
+                                                       top_k=8)
+    q, scale, buf = poisoned_tokens_out(P, C, "cuda", pad=16)
+    prime_kernels.quantize_tokens_fp8(tokens.cuda(), offsets.cuda(), cnt.cuda(), pow2_scales=pow2, out=(q, scale),
+                                      pool_src_route=src.cuda(), top_k=8)
+    assert torch.equal(bits(q), bits(want_q)) and torch.equal(bits(scale), bits(want_s))
+    assert bool((buf[:, P:].view(torch.uint8) == 0x7F).all()), "a byte past the pool's rows was written"
+
+
+@on_cuda
+def test_tokens_gathered_cuda_reports_a_route_past_the_tokens_and_reads_zeros():
+    gen = torch.Generator().manual_seed(5)
+    tokens, src, offsets, cnt, P, pool = gathered_case([5, 130], 0, False, 64, 2, gen)
+    bad = src.clone()
+    bad[129] = tokens.shape[0] * 2
+    pool[129] = 0  # the row that route names is read as zeros
+    want_q, want_s = prime_kernels.quantize_tokens_fp8(pool, offsets, cnt)
+    prime_kernels.check_device_errors()
+    q, scale = prime_kernels.quantize_tokens_fp8(tokens.cuda(), offsets.cuda(), cnt.cuda(), pool_src_route=bad.cuda(),
+                                                 top_k=2)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="gathering quantize_tokens_fp8's pool_src_route"):
+        prime_kernels.check_device_errors()
+    assert torch.equal(bits(q), bits(want_q.cuda())) and torch.equal(bits(scale), bits(want_s.cuda()))
+
+
 @on_cuda
 def test_dispatch_cuda_reports_routes_outside_q():
     """Routes outside q write nothing and are raised by check_device_errors after a synchronisation, once."""

@@ -133,6 +133,8 @@ bool take_device_checks(char* out, size_t out_len) {
       "[0, rows], each a multiple of 128 or rows; 0 <= counts[e] <= the expert's rows); that call wrote nothing",
       "the FP8 L2 dgrad's group_offsets are not non-decreasing within [0, m_total] with every entry a multiple of "
       "128 or m_total (each tile's rows are one 128-row qT block); that call wrote nothing",
+      "a gathering quantize_tokens_fp8's pool_src_route names a route past num_tokens * top_k on a live pool row "
+      "(only values < 0 and [0, routes) are valid); that row was quantized as zeros",
   };
   size_t used = 0;
   bool any = false;

@@ -28,7 +28,7 @@ enum {
 };
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatch.
-#define PK_ABI_VERSION 2
+#define PK_ABI_VERSION 3
 PK_API int pk_abi_version(void);
 
 // The message of the last failed call on this thread ("" if none).
@@ -296,7 +296,9 @@ PK_API int pk_dispatch_rows_bf16_cpu(const void* src, int64_t ld_src, const int3
 // scale[b * ld_scale + c] (ld_scale >= cols, a multiple of 4): k_grouped_fp8_gemm_tn's operands. Expert e owns
 // rows [expert_offsets[e], expert_offsets[e + 1]) (each a multiple of 128 or rows), of which the first
 // expert_counts[e] are live; every other row is read as zero. A broken layout makes the kernel write nothing and is
-// a device finding (CUDA) or fails the call before anything is written (CPU).
+// a device finding (CUDA) or fails the call before anything is written (CPU). With src_route (else null) v holds
+// num_tokens token rows and pool row r reads token row src_route[r] / top_k (a negative route: zeros); a live row's
+// route past num_tokens * top_k reads zeros and is a device finding (CUDA) or fails the call (CPU).
 // ---------------------------------------------------------------------------------------------
 PK_API int pk_dispatch_rows_fp8_cuda(const void* src, int64_t ld_src, const int32_t* route_to_pool,
                                      int64_t num_tokens, int64_t top_k, int64_t hidden, void* q, int64_t ld_q,
@@ -307,10 +309,12 @@ PK_API int pk_dispatch_rows_fp8_cpu(const void* src, int64_t ld_src, const int32
 PK_API int pk_quantize_tokens_fp8_cuda(const void* v, int64_t ld_v, int64_t rows, int64_t cols,
                                        const int32_t* expert_offsets, const int32_t* expert_counts, int num_experts,
                                        void* q, int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales,
+                                       const int32_t* src_route, int64_t num_tokens, int64_t top_k,
                                        void* cuda_stream);
 PK_API int pk_quantize_tokens_fp8_cpu(const void* v, int64_t ld_v, int64_t rows, int64_t cols,
                                       const int32_t* expert_offsets, const int32_t* expert_counts, int num_experts,
-                                      void* q, int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales);
+                                      void* q, int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales,
+                                      const int32_t* src_route, int64_t num_tokens, int64_t top_k);
 
 // ---------------------------------------------------------------------------------------------
 // SwiGLU over pool rows (the grouped pipeline's epilogues). Rows below *num_rows (device int32)

@@ -65,22 +65,29 @@ int pk_dispatch_rows_fp8_cpu(const void* src, int64_t ld_src, const int32_t* rou
 
 int pk_quantize_tokens_fp8_cuda(const void* v, int64_t ld_v, int64_t rows, int64_t cols,
                                 const int32_t* expert_offsets, const int32_t* expert_counts, int num_experts, void* q,
-                                int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales, void* cuda_stream) {
-  const QuantizeTokensFp8Args a{v, ld_v, rows, cols, expert_offsets, expert_counts, num_experts,
-                                q, ld_q, scale, ld_scale, pow2_scales != 0};
+                                int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales,
+                                const int32_t* src_route, int64_t num_tokens, int64_t top_k, void* cuda_stream) {
+  const QuantizeTokensFp8Args a{v,        ld_v,     rows,        cols,       expert_offsets, expert_counts,
+                                num_experts, q,      ld_q,        scale,      ld_scale,       pow2_scales != 0,
+                                src_route, num_tokens, top_k};
   return run_on_device("quantize_tokens_fp8", qh::check_quantize_tokens_fp8_args,
                        prime_kernels::common::launch_quantize_tokens_fp8, a, cuda_stream);
 }
 
 int pk_quantize_tokens_fp8_cpu(const void* v, int64_t ld_v, int64_t rows, int64_t cols,
                                const int32_t* expert_offsets, const int32_t* expert_counts, int num_experts, void* q,
-                               int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales) {
-  const QuantizeTokensFp8Args a{v, ld_v, rows, cols, expert_offsets, expert_counts, num_experts,
-                                q, ld_q, scale, ld_scale, pow2_scales != 0};
+                               int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales,
+                               const int32_t* src_route, int64_t num_tokens, int64_t top_k) {
+  const QuantizeTokensFp8Args a{v,        ld_v,     rows,        cols,       expert_offsets, expert_counts,
+                                num_experts, q,      ld_q,        scale,      ld_scale,       pow2_scales != 0,
+                                src_route, num_tokens, top_k};
   if (const int rc = check_args(qh::check_quantize_tokens_fp8_args, a, false); rc != PK_OK) return rc;
   if (a.rows == 0 || a.cols == 0) return prime_kernels::api::ok();
   char message[512] = {0};
   if (qh::check_pool_layout(expert_offsets, expert_counts, num_experts, rows, message, sizeof(message)) != 0)
+    return prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT, "%s", message);
+  if (src_route != nullptr && qh::check_pool_routes(src_route, expert_offsets, expert_counts, num_experts,
+                                                    num_tokens * top_k, message, sizeof(message)) != 0)
     return prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT, "%s", message);
   prime_kernels::common::quantize_tokens_fp8_host(a);
   return prime_kernels::api::ok();

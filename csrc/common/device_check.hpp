@@ -32,6 +32,7 @@ enum DeviceCheck : int {
   kCheckDispatchFp8Route,     // dispatch_rows_fp8's route_to_pool (bound: q rows); nothing written for it
   kCheckQuantizeTokensLayout,  // quantize_tokens_fp8's expert_offsets / expert_counts (bound: rows); nothing written
   kCheckSwigluBwdFp8Offsets,  // the FP8 L2 dgrad's group_offsets (bound: m_total; 128-row starts); nothing written
+  kCheckQuantizeTokensRoute,  // a gathering quantize_tokens_fp8's pool_src_route (bound: routes); read as zeros
   kNumDeviceChecks,
 };
 

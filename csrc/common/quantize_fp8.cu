@@ -57,7 +57,8 @@ cudaError_t launch_quantize_tokens_fp8(const QuantizeTokensFp8Args& a, cudaStrea
                   static_cast<unsigned>((a.cols + kQuantTokensCols - 1) / kQuantTokensCols));
   quantize_tokens_fp8_kernel<<<grid, kQuantTokensThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(a.v), a.ld_v, a.rows, a.cols, a.expert_offsets, a.expert_counts,
-      a.num_experts, static_cast<uint8_t*>(a.q), a.ld_q, a.scale, a.ld_scale, a.pow2_scales, device_check_record());
+      a.num_experts, static_cast<uint8_t*>(a.q), a.ld_q, a.scale, a.ld_scale, a.pow2_scales, a.src_route,
+      static_cast<int>(a.top_k), static_cast<int>(a.num_tokens * a.top_k), device_check_record());
   return cudaGetLastError();
 }
 
@@ -68,12 +69,17 @@ void quantize_tokens_fp8_host(const QuantizeTokensFp8Args& a) {
   std::vector<char> live(a.rows, 0);
   for (int e = 0; e < a.num_experts; ++e)
     std::fill(live.begin() + a.expert_offsets[e], live.begin() + a.expert_offsets[e] + a.expert_counts[e], 1);
+  // the row of v that pool row r reads (gathering: its route's token; the caller checked the routes' bound)
+  auto src_row = [&](int64_t r) -> int64_t { return a.src_route == nullptr ? r : a.src_route[r] / a.top_k; };
+  if (a.src_route != nullptr)
+    for (int64_t r = 0; r < a.rows; ++r) live[r] = live[r] && a.src_route[r] >= 0;
   std::vector<float> block(kFp8Block);
   std::vector<uint8_t> qblock(kFp8Block);
   for (int64_t r0 = 0; r0 < a.rows; r0 += kFp8Block) {
     const int n = static_cast<int>(std::min<int64_t>(kFp8Block, a.rows - r0));
     for (int64_t c = 0; c < a.cols; ++c) {
-      for (int i = 0; i < n; ++i) block[i] = live[r0 + i] ? __bfloat162float(v[(r0 + i) * a.ld_v + c]) : 0.0f;
+      for (int i = 0; i < n; ++i)
+        block[i] = live[r0 + i] ? __bfloat162float(v[src_row(r0 + i) * a.ld_v + c]) : 0.0f;
       a.scale[(r0 / kFp8Block) * a.ld_scale + c] = quantize_block_host(block.data(), n, a.pow2_scales,
                                                                        qblock.data());
       std::memcpy(q + c * a.ld_q + r0, qblock.data(), static_cast<size_t>(n));

@@ -42,8 +42,12 @@ struct DispatchRowsFp8Args {
 // 0 <= offsets[0] <= ... <= offsets[E] <= rows, every offset a multiple of 128 or rows (so every 128-row block
 // belongs to one expert at most and the block grid starts at each expert's first row), and
 // 0 <= counts[e] <= offsets[e + 1] - offsets[e].
+// Gathering (src_route != null): v holds token rows instead, bf16 [num_tokens, >= cols], and pool row r is token row
+// src_route[r] / top_k (the routing plan's pool_src_route, route = token * top_k + k): the pool is never written out.
+// A live row with a negative route is read as zeros; a route >= num_tokens * top_k on a live row is a device finding
+// (read as zeros) or fails the host call before anything is written.
 struct QuantizeTokensFp8Args {
-  const void* v = nullptr;  // bf16 [rows, >= cols], row stride ld_v (elements)
+  const void* v = nullptr;  // bf16 [rows, >= cols] (or [num_tokens, >= cols] when gathering), row stride ld_v
   int64_t ld_v = 0;
   int64_t rows = 0;  // pool rows, < 2^31
   int64_t cols = 0;  // a multiple of 8
@@ -57,6 +61,9 @@ struct QuantizeTokensFp8Args {
   float* scale = nullptr;
   int64_t ld_scale = 0;
   bool pow2_scales = false;
+  const int32_t* src_route = nullptr;  // [rows], or null: v is the pool
+  int64_t num_tokens = 0;
+  int64_t top_k = 1;
 };
 
 constexpr int kQuantizeMaxExperts = 1024;             // the k-grouped FP8 GEMM's most groups
@@ -120,17 +127,34 @@ inline int check_quantize_tokens_fp8_args(const QuantizeTokensFp8Args& x, bool o
                    (long long)x.rows, (long long)x.cols, (long long)kQuantizeTokensMaxCols);
   if (x.cols % 8 != 0)
     return invalid(err, err_len, "%s: cols (%lld) must be a multiple of 8", fn, (long long)x.cols);
+  if (x.src_route != nullptr && (x.num_tokens < 0 || x.top_k < 1 || x.num_tokens * x.top_k > kQuantizeMaxRows))
+    return invalid(err, err_len, "%s: gathering needs num_tokens >= 0, top_k >= 1, routes < 2^31 (got %lld, %lld)", fn,
+                   (long long)x.num_tokens, (long long)x.top_k);
   if (check_stride(err, err_len, fn, "ld_v", x.ld_v, "cols", x.cols, 8) ||
       check_stride(err, err_len, fn, "ld_q", x.ld_q, "rows", x.rows, 16) ||
       check_stride(err, err_len, fn, "ld_scale", x.ld_scale, "cols", x.cols, 4))
     return 1;
   if (x.rows == 0 || x.cols == 0) return 0;  // nothing to read or write
-  if (x.v == nullptr || x.expert_offsets == nullptr || x.expert_counts == nullptr || x.q == nullptr ||
-      x.scale == nullptr)
+  const bool no_rows_to_read = x.src_route != nullptr && x.num_tokens == 0;  // a gather from no tokens reads zeros
+  if ((x.v == nullptr && !no_rows_to_read) || x.expert_offsets == nullptr || x.expert_counts == nullptr ||
+      x.q == nullptr || x.scale == nullptr)
     return invalid(err, err_len, "%s: null v, expert_offsets, expert_counts, q or scale", fn);
   if (on_device && !aligned16(x.v)) return invalid(err, err_len, "%s: v must be 16-byte aligned", fn);
   if (!aligned16(x.q) || !aligned16(x.scale))
     return invalid(err, err_len, "%s: q and scale must be 16-byte aligned", fn);
+  return 0;
+}
+
+// A gathering call's routes on host arrays: every live row's route < num_tokens * top_k (negative: a zero row).
+// 0, or 1 with the first offending row in err. The layout must have passed check_pool_layout.
+inline int check_pool_routes(const int32_t* src_route, const int32_t* offsets, const int32_t* counts,
+                             int num_experts, int64_t num_routes, char* err, size_t err_len) {
+  for (int e = 0; e < num_experts; ++e)
+    for (int64_t r = offsets[e]; r < offsets[e] + counts[e]; ++r)
+      if (src_route[r] >= num_routes)
+        return invalid(err, err_len,
+                       "quantize_tokens_fp8: pool_src_route[%lld] = %d is past the %lld routes (num_tokens * top_k)",
+                       (long long)r, src_route[r], (long long)num_routes);
   return 0;
 }
 

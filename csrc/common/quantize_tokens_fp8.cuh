@@ -6,6 +6,10 @@
 // 128-row grid and no block holds rows of two experts. Padding rows (past an expert's count) and rows in no expert
 // are read as zeros, never loaded: they quantize to 0 and raise no amax, whatever the pool holds there.
 //
+// Gathering (src_route != null, QuantizeTokensFp8Args): pool row r is read from token row src_route[r] / top_k of
+// v, so the bf16 pool is never written and read back; a negative route reads zeros, one past the routes reads zeros
+// and is a device finding.
+//
 // One CTA per 128-row block x 64 columns, a transpose through shared memory so that both sides are coalesced:
 //   1. load: thread (m = tid % 8, a = tid / 8) loads 16 bytes (8 columns) of each of the rows 4a .. 4a+3; a warp's
 //      loads cover whole 128-byte row segments;
@@ -39,7 +43,8 @@ __global__ void __launch_bounds__(kQuantTokensThreads)
 quantize_tokens_fp8_kernel(const __nv_bfloat16* __restrict__ v, int64_t ld_v, int64_t rows, int64_t cols,
                            const int32_t* __restrict__ offsets, const int32_t* __restrict__ counts, int num_experts,
                            uint8_t* __restrict__ q, int64_t ld_q, float* __restrict__ scale, int64_t ld_scale,
-                           bool pow2_scales, DeviceCheckRecord* check) {
+                           bool pow2_scales, const int32_t* __restrict__ src_route, int top_k, int num_routes,
+                           DeviceCheckRecord* check) {
   __shared__ uint32_t stage[kQuantTokensCols][kQuantTokensStageWords];
   __shared__ float warp_amax[kQuantTokensThreads / 32][kQuantTokensCols];
   __shared__ float col_scale[kQuantTokensCols];
@@ -74,8 +79,16 @@ quantize_tokens_fp8_kernel(const __nv_bfloat16* __restrict__ v, int64_t ld_v, in
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t r = row0 + 4 * a + i;
-    raw[i] = (col_in && r < live_end) ? __ldg(reinterpret_cast<const uint4*>(v + r * ld_v + col))
-                                      : make_uint4(0u, 0u, 0u, 0u);
+    bool live = r < live_end;
+    int64_t src_row = r;
+    if (src_route != nullptr && live) {
+      const int32_t route = __ldg(src_route + r);
+      if (route >= num_routes) note_device_check(check, kCheckQuantizeTokensRoute);
+      live = route >= 0 && route < num_routes;
+      src_row = live ? route / top_k : 0;
+    }
+    raw[i] = (col_in && live) ? __ldg(reinterpret_cast<const uint4*>(v + src_row * ld_v + col))
+                              : make_uint4(0u, 0u, 0u, 0u);
   }
   float x[4][8];
 #pragma unroll

@@ -10,7 +10,9 @@
 //   row of M (N) scales per 128-row block of the pool, i.e. the m-grouped FP8 kernel's K-block-major A scales. The
 //   128 scales of one tile's rows (columns) for one k-block are 512 contiguous bytes: one TMA box each, next to the
 //   A and B tiles they scale, completing on the same mbarrier.
-//   C [E, M, N] contiguous: fp32 stored, fp32 added into (the weight-gradient accumulator), or bf16 stored.
+//   C [E, M, N] contiguous, 16-byte aligned, M and N multiples of 8: fp32 stored, fp32 added into (the
+//   weight-gradient accumulator: a TMA reduction, one add per element, so the bits of a load, add and store), or bf16
+//   stored.
 //
 //   offs: device int32 [E+1], non-decreasing within [0, P], and every entry a multiple of 128 or P: each expert
 //   starts on a whole 128-row scale block, so no scale block straddles two experts (the routing plan's pool pads
@@ -21,13 +23,15 @@
 //
 // Structure: the m-grouped FP8 kernel's (m_grouped_gemm_fp8.cuh) with the BF16 k-grouped kernel's tile order
 // (k_grouped_rank_experts / k_grouped_locate / k_grouped_tile_of, kernel_common.cuh: experts by decreasing row
-// count, serpentine over rounds) and its register-store epilogue (store_acc_rows_direct, epilogue.cuh). Persistent,
-// warp-specialized, one CTA per SM, 384 threads; 128 x 128 tiles of C, 128 token rows per k-block. Warpgroup 0's
-// elected thread loads A_t, B_t (128 rows of 128 bytes each) and the two 512-byte scale rows into a kNumStages
-// ring; warpgroups 1 and 2 own 64 rows each: four m64n128k32 e4m3 wgmma per k-block into a partial accumulator,
-// then acc = fma(part, sa[row] * sb[col], acc) (consumer_tile_mainloop_promoted with promote_rows_cols,
-// mainloop.cuh). Unlike the m-grouped kernel both operands are scaled per row of C, so B's scales are read per
-// column from the stage (16 float2 per thread and k-block) rather than one value per tile.
+// count, serpentine over rounds). Persistent, warp-specialized, one CTA per SM, 384 threads; 128 x 128 tiles of C,
+// 128 token rows per k-block. Warpgroup 0's elected thread loads A_t, B_t (128 rows of 128 bytes each) and the two
+// 512-byte scale rows into a kNumStages ring; warpgroups 1 and 2 own 64 rows each: four m64n128k32 e4m3 wgmma per
+// k-block into one of two partial accumulators, then acc = fma(part, sa[row] * sb[col], acc) while the next
+// k-block's wgmma run (consumer_tile_mainloop_promoted with promote_rows_cols, mainloop.cuh). Unlike the m-grouped
+// kernel both operands are scaled per row of C, so B's scales are read per column from the stage (16 float2 per
+// thread and k-block) rather than one value per tile. The epilogue stages each warpgroup's half tile in shared
+// memory and writes it with TMA stores (store_k_grouped_half_async, epilogue.cuh) while the next tile's mainloop
+// runs: an expert of 1024 token rows gives a tile only 8 k-blocks, too few to hide register stores behind.
 //
 // Forward progress: a CTA never waits on another CTA. Its tiles are fixed by its index and gridDim.x alone, each
 // computed start to end (all of its expert's k-blocks, in order) by that CTA, so any grid size (the num_sms cap)

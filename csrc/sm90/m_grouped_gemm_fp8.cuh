@@ -201,7 +201,8 @@ struct RowTimesGateUpScales {
 // frag_row: this thread's first accumulator row in the tile), and after its last tile finish(wg_tid). kGateUp (the
 // L1 with the SwiGLU epilogue): p.n is I, an n-block covers kBlockN / 2 columns c of it, and B's tile holds W13's
 // gate rows c and up rows I + c (m_grouped_fp8_produce), so work.n0 is a column of I.
-template <typename L, int kNumStages, bool kGateUp = false, typename P, typename Epilogue, typename Finish>
+template <typename L, int kNumStages, bool kGateUp = false, bool kTwoPartials = true, typename P, typename Epilogue,
+          typename Finish>
 __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, const CUtensorMap* tmap_a,
                                                           const CUtensorMap* tmap_b, const CUtensorMap* tmap_sa,
                                                           const CUtensorMap* tmap_out, const P& p, int check_kind,
@@ -270,9 +271,10 @@ __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, con
         if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
       };
       auto mainloop = [&](const auto& scales) {
-        consumer_tile_mainloop_promoted<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, L::kAScaleBlocks>(
-            acc, part0, part1, active, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0, desc.b_hi,
-            scales, release);
+        consumer_tile_mainloop_promoted<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, L::kAScaleBlocks,
+                                        kTwoPartials>(
+            acc, part0, part1, active, num_k_blocks, full_bar, stage, phase, desc.a_lo0, desc.a_hi, desc.b_lo0,
+            desc.b_hi, scales, release);
       };
       if constexpr (kGateUp)
         mainloop(RowTimesGateUpScales<L::kSaBytes / 4, kBlockN / 2>{
@@ -298,7 +300,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = MGroupedFp8Layout<kBlockN, kNumStages, kAScaleBlocks>;
   extern __shared__ uint8_t smem_raw[];
-  m_grouped_fp8_kernel_body<L, kNumStages>(
+  m_grouped_fp8_kernel_body<L, kNumStages, false, (kAScaleBlocks == 1)>(
       smem_raw, &tmap_a, &tmap_b, &tmap_sa, &tmap_d, p, common::kCheckMGroupedOffsets, 1,
       [&](const float (&acc)[kBlockN / 2], const MGroupedWork& w, bool active, int wg, int wg_tid, int) {
         // (derived here, not before the roles split: a value live across setmaxnreg is spilled)

@@ -141,7 +141,7 @@ __device__ __forceinline__ void promote_rows_cols(float (&acc)[kAccRegs], const 
 // with its own A scales (sub = 0, 1). A warpgroup with no rows (active = false) only releases stages. acc is zeroed
 // first; on return every stage this call waited for is released and stage / phase point past them.
 template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, int kPromoteSteps = 1,
-          int kAccRegs, typename Scales, typename ReleaseFn>
+          bool kTwoPartials = true, int kAccRegs, typename Scales, typename ReleaseFn>
 __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAccRegs], float (&part0)[kAccRegs],
                                                                 float (&part1)[kAccRegs], bool active,
                                                                 int num_k_blocks, uint64_t* full_bar, int& stage,
@@ -207,6 +207,21 @@ __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAc
   };
   using Sub0 = std::integral_constant<int, 0>;
   using Sub1 = std::integral_constant<int, kPromoteSteps - 1>;
+  if constexpr (!kTwoPartials) {  // part0 only: each unit's MMAs waited for, then promoted
+    for (int u = 0; u < num_units; u += kPromoteSteps) {
+      issue(part0, u, Sub0{});
+      ptx::wgmma_wait<0>();
+      pre_retiring = pre_issued;
+      retire(part0, Sub0{});
+      if constexpr (kPromoteSteps == 2) {
+        issue(part0, u + 1, Sub1{});
+        ptx::wgmma_wait<0>();
+        pre_retiring = pre_issued;
+        retire(part0, Sub1{});
+      }
+    }
+    return;
+  }
   issue(part0, 0, Sub0{});
   for (int u = 1;; u += 2) {
     if (u == num_units) {

@@ -1,5 +1,6 @@
-// torch.ops.prime_kernels.dispatch_rows_fp8_ and quantize_tokens_fp8_, the blockwise-FP8 recipe's quantizing
-// producers (CPU: the core's host loops, the same bits as the kernels). Both write into the tensors they are given;
+// torch.ops.prime_kernels.dispatch_rows_fp8_, quantize_tokens_fp8_ and quantize_tokens_gathered_fp8_ (the same qT,
+// reading each pool row from its token row), the blockwise-FP8 recipe's quantizing producers (CPU: the core's host
+// loops, the same bits as the kernels). Both write into the tensors they are given;
 // the core checks sizes, strides, alignment and, on the CPU, the values it reads.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -64,12 +65,12 @@ struct TokensFp8Input {
   int32_t num_experts;
 };
 
-TokensFp8Input check_tokens_fp8_input(const Tensor& v, const Tensor& offsets, const Tensor& counts, const Tensor& q,
-                                      const Tensor& scale) {
-  const char* op = "quantize_tokens_fp8_";
+// rows: the pool's rows (v's, or pool_src_route's when gathering from token rows v).
+TokensFp8Input check_tokens_fp8_input(const char* op, const Tensor& v, int64_t rows, const Tensor& offsets,
+                                      const Tensor& counts, const Tensor& q, const Tensor& scale) {
   STD_TORCH_CHECK(v.scalar_type() == ScalarType::BFloat16 && v.dim() == 2 && v.stride(1) == 1, "prime_kernels.", op,
-                  ": v must be a bfloat16 [P, C] tensor with unit column stride");
-  const int64_t rows = v.size(0), cols = v.size(1);
+                  ": v must be a bfloat16 2-D tensor with unit column stride");
+  const int64_t cols = v.size(1);
   STD_TORCH_CHECK(offsets.scalar_type() == ScalarType::Int && offsets.dim() == 1 && offsets.is_contiguous() &&
                       offsets.size(0) >= 2,
                   "prime_kernels.", op, ": expert_offsets must be a contiguous 1-D int32 tensor [E + 1], E >= 1");
@@ -91,27 +92,47 @@ TokensFp8Input check_tokens_fp8_input(const Tensor& v, const Tensor& offsets, co
   return TokensFp8Input{rows, cols, row_stride_bytes(q, rows), ld_scale, static_cast<int32_t>(experts)};
 }
 
-void quantize_tokens_fp8_cpu(Tensor v, Tensor expert_offsets, Tensor expert_counts, Tensor q, Tensor scale,
-                             bool pow2_scales) {
-  const TokensFp8Input in = check_tokens_fp8_input(v, expert_offsets, expert_counts, q, scale);
-  check_core(pk_quantize_tokens_fp8_cpu(v.data_ptr(), v.stride(0), in.rows, in.cols,
-                                        static_cast<const int32_t*>(expert_offsets.data_ptr()),
-                                        static_cast<const int32_t*>(expert_counts.data_ptr()), in.num_experts,
-                                        q.data_ptr(), in.ld_q, static_cast<float*>(scale.data_ptr()), in.ld_scale,
-                                        pow2_scales ? 1 : 0),
-             "quantize_tokens_fp8_");
+// One entry for both ops and devices: src_route null (v is the pool) or the gathering op's pool_src_route.
+void run_quantize_tokens_fp8(bool on_cuda, const char* op, const Tensor& v, const int32_t* src_route, int64_t rows,
+                             int64_t top_k, const Tensor& expert_offsets, const Tensor& expert_counts, const Tensor& q,
+                             const Tensor& scale, bool pow2_scales) {
+  const TokensFp8Input in = check_tokens_fp8_input(op, v, rows, expert_offsets, expert_counts, q, scale);
+  const auto* offs = static_cast<const int32_t*>(expert_offsets.data_ptr());
+  const auto* cnts = static_cast<const int32_t*>(expert_counts.data_ptr());
+  const int64_t num_tokens = src_route != nullptr ? v.size(0) : 0;
+  if (!on_cuda) {
+    check_core(pk_quantize_tokens_fp8_cpu(v.data_ptr(), v.stride(0), in.rows, in.cols, offs, cnts, in.num_experts,
+                                          q.data_ptr(), in.ld_q, static_cast<float*>(scale.data_ptr()), in.ld_scale,
+                                          pow2_scales ? 1 : 0, src_route, num_tokens, top_k),
+               op);
+    return;
+  }
+  torch::stable::accelerator::DeviceGuard guard(v.get_device_index());
+  check_core(pk_quantize_tokens_fp8_cuda(v.data_ptr(), v.stride(0), in.rows, in.cols, offs, cnts, in.num_experts,
+                                         q.data_ptr(), in.ld_q, static_cast<float*>(scale.data_ptr()), in.ld_scale,
+                                         pow2_scales ? 1 : 0, src_route, num_tokens, top_k,
+                                         current_cuda_stream(v.get_device_index())),
+             op);
 }
 
-void quantize_tokens_fp8_cuda(Tensor v, Tensor expert_offsets, Tensor expert_counts, Tensor q, Tensor scale,
-                              bool pow2_scales) {
-  const TokensFp8Input in = check_tokens_fp8_input(v, expert_offsets, expert_counts, q, scale);
-  torch::stable::accelerator::DeviceGuard guard(v.get_device_index());
-  check_core(pk_quantize_tokens_fp8_cuda(v.data_ptr(), v.stride(0), in.rows, in.cols,
-                                         static_cast<const int32_t*>(expert_offsets.data_ptr()),
-                                         static_cast<const int32_t*>(expert_counts.data_ptr()), in.num_experts,
-                                         q.data_ptr(), in.ld_q, static_cast<float*>(scale.data_ptr()), in.ld_scale,
-                                         pow2_scales ? 1 : 0, current_cuda_stream(v.get_device_index())),
-             "quantize_tokens_fp8_");
+template <bool kOnCuda>
+void quantize_tokens_fp8_op(Tensor v, Tensor expert_offsets, Tensor expert_counts, Tensor q, Tensor scale,
+                            bool pow2_scales) {
+  run_quantize_tokens_fp8(kOnCuda, "quantize_tokens_fp8_", v, nullptr, v.size(0), 1, expert_offsets, expert_counts, q,
+                          scale, pow2_scales);
+}
+
+template <bool kOnCuda>
+void quantize_tokens_gathered_fp8_op(Tensor src, Tensor pool_src_route, int64_t top_k, Tensor expert_offsets,
+                                     Tensor expert_counts, Tensor q, Tensor scale, bool pow2_scales) {
+  const char* op = "quantize_tokens_gathered_fp8_";
+  STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.dim() == 1 &&
+                      pool_src_route.is_contiguous(),
+                  "prime_kernels.", op, ": pool_src_route must be a contiguous 1-D int32 tensor [P]");
+  STD_TORCH_CHECK(top_k >= 1, "prime_kernels.", op, ": top_k = ", top_k, ", must be >= 1");
+  check_same_device(pool_src_route, src, op, "pool_src_route");
+  run_quantize_tokens_fp8(kOnCuda, op, src, static_cast<const int32_t*>(pool_src_route.data_ptr()),
+                          pool_src_route.size(0), top_k, expert_offsets, expert_counts, q, scale, pow2_scales);
 }
 
 }  // namespace
@@ -120,14 +141,18 @@ STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
   m.def("dispatch_rows_fp8_(Tensor src, Tensor route_to_pool, Tensor(a!) q, Tensor(b!) sa, bool pow2_scales=False) -> ()");
   m.def("quantize_tokens_fp8_(Tensor v, Tensor expert_offsets, Tensor expert_counts, Tensor(a!) q, Tensor(b!) scale, "
         "bool pow2_scales=False) -> ()");
+  m.def("quantize_tokens_gathered_fp8_(Tensor src, Tensor pool_src_route, int top_k, Tensor expert_offsets, "
+        "Tensor expert_counts, Tensor(a!) q, Tensor(b!) scale, bool pow2_scales=False) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CPU, m) {
   m.impl("dispatch_rows_fp8_", TORCH_BOX(&dispatch_rows_fp8_cpu));
-  m.impl("quantize_tokens_fp8_", TORCH_BOX(&quantize_tokens_fp8_cpu));
+  m.impl("quantize_tokens_fp8_", TORCH_BOX(&quantize_tokens_fp8_op<false>));
+  m.impl("quantize_tokens_gathered_fp8_", TORCH_BOX(&quantize_tokens_gathered_fp8_op<false>));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("dispatch_rows_fp8_", TORCH_BOX(&dispatch_rows_fp8_cuda));
-  m.impl("quantize_tokens_fp8_", TORCH_BOX(&quantize_tokens_fp8_cuda));
+  m.impl("quantize_tokens_fp8_", TORCH_BOX(&quantize_tokens_fp8_op<true>));
+  m.impl("quantize_tokens_gathered_fp8_", TORCH_BOX(&quantize_tokens_gathered_fp8_op<true>));
 }

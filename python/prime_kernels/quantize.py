@@ -49,18 +49,28 @@ def dispatch_rows_fp8(src: torch.Tensor, route_to_pool: torch.Tensor, num_rows: 
 
 
 def quantize_tokens_fp8(v: torch.Tensor, expert_offsets: torch.Tensor, expert_counts: torch.Tensor, *,
-                        pow2_scales: bool = False,
-                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        pow2_scales: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        pool_src_route: torch.Tensor | None = None,
+                        top_k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(q e4m3 [C, P], scale fp32 [C, ceil(P/128)] K-block major); ``out`` to write into (returned), else allocated
-    (q with its row stride rounded up to 16 bytes, as the k-grouped FP8 GEMM needs)."""
+    (q with its row stride rounded up to 16 bytes, as the k-grouped FP8 GEMM needs).
+
+    v is the pool [P, C]; or, with ``pool_src_route`` (int32 [P], the routing plan's: route = token * top_k + k, -1
+    for a padding row), the token rows [T, C], pool row r read from token row pool_src_route[r] // top_k: the same
+    bits as gathering the pool first, without writing it."""
     _ready("quantize_tokens.fp8", "quantize_tokens_fp8", v.device)
+    P = v.shape[0] if pool_src_route is None else pool_src_route.shape[0]
     if out is None:
-        P, C = v.shape
+        C = v.shape[1]
         q = torch.empty(C, (P + 15) // 16 * 16, dtype=E4M3, device=v.device)[:, :P]
         scale = k_block_major_empty(C, (P + BLOCK - 1) // BLOCK, v.device)
     else:
         q, scale = out
-    torch.ops.prime_kernels.quantize_tokens_fp8_(v, expert_offsets, expert_counts, q, scale, bool(pow2_scales))
+    if pool_src_route is None:
+        torch.ops.prime_kernels.quantize_tokens_fp8_(v, expert_offsets, expert_counts, q, scale, bool(pow2_scales))
+    else:
+        torch.ops.prime_kernels.quantize_tokens_gathered_fp8_(v, pool_src_route, int(top_k), expert_offsets,
+                                                             expert_counts, q, scale, bool(pow2_scales))
     return q, scale
 
 
@@ -71,4 +81,8 @@ def _register() -> None:
 
     @torch.library.register_fake("prime_kernels::quantize_tokens_fp8_")
     def _(v, expert_offsets, expert_counts, q, scale, pow2_scales=False):
+        return None
+
+    @torch.library.register_fake("prime_kernels::quantize_tokens_gathered_fp8_")
+    def _(src, pool_src_route, top_k, expert_offsets, expert_counts, q, scale, pow2_scales=False):
         return None

@@ -3,15 +3,16 @@
 Steps, in the reference's names (:mod:`prime_kernels.mega.reference`, B1-B10 of its FP8 section):
 
   B1   qK(dy_p, 128) dispatched from the token rows (``dispatch_rows_fp8``; padding rows left unwritten, the L2 dgrad
-       ignores them), and for dW2 the dy rows gathered into the pool (bf16, padding rows zero) and quantized qT(dy_e)
-       (``quantize_tokens_fp8``).
+       ignores them), and for dW2 qT(dy_e) read from the token rows through the plan's pool_src_route
+       (``quantize_tokens_fp8`` gathering: padding rows zero, no bf16 pool written).
   B2-B6, B9  the FP8 L2 dgrad with the SwiGLU backward in its epilogue (``m_grouped_fp8_gemm_swiglu_bwd``): da in
        fp32 from the
        FP8 GEMM, d topk_weights partials per 128 columns of I, dh = [dg, du] in fp32 quantized twice (qK along 2I
        for B7, qT per expert for dW13) and a = w * s quantized qT for dW2, all inside the tile that computes
        them.
   B7   ``m_grouped_fp8_gemm_nt(qK(dh), W13^T)``, B8 the BF16 combine (fixed k order).
-  B10  ``k_grouped_fp8_gemm_tn`` twice; the x rows quantized qT from bf16 (``quantize_tokens_fp8``).
+  B10  ``k_grouped_fp8_gemm_tn`` twice; the x rows quantized qT from bf16 (``quantize_tokens_fp8``, gathering from
+       the token rows unless the forward kept its pooled rows).
 The weights' FP8 tiles and their transposes come from the recipe's weight cache (:class:`fp8.Fp8WeightCache`),
 made once per version of the weight.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import _fp8_fwd, fp8 as _fp8
-from ._grouped import _gathered_pool, _rows_for_kernels, _sms, recompute_h
+from ._grouped import _rows_for_kernels, _sms, recompute_h
 from ..combine import combine
 from ..grouped_gemm import k_grouped_fp8_gemm_tn, m_grouped_fp8_gemm_nt
 from ..quantize import quantize_tokens_fp8
@@ -70,11 +71,10 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     # bf16 rows (its blocks run along the pool's token axis).
     dy_q, dy_qs = _fp8_fwd.quantized_pool(dy, route_to_pool, counts, offsets, capacity, pow2, zero_padding=False)
     want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None
+    top_k = route_to_pool.shape[1]
     dy_t = None
-    if want_w:
-        dy_pool = _gathered_pool(dy, route_to_pool, counts, offsets, capacity)
-        dy_t = quantize_tokens_fp8(dy_pool, offsets, counts, pow2_scales=pow2)  # qT(dy_e)
-        del dy_pool
+    if want_w:  # qT(dy_e), each pool row read from its token row (no bf16 pool is written)
+        dy_t = quantize_tokens_fp8(dy, offsets, counts, pow2_scales=pow2, pool_src_route=pool_src_route, top_k=top_k)
     # B2-B6, B9 in one kernel (its CPU op: the recipe's emulation)
     l2 = m_grouped_fp8_gemm_swiglu_bwd(dy_q, dy_qs, c2.transposed.data, c2.transposed.scale, offsets, h_saved,
                                        pool_src_route, topk_weights.float().contiguous(), pow2_scales=pow2,
@@ -94,9 +94,11 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         if dw2_accum is not None or need_wgrad:  # B10: dW2[e] = qT(dy_e)^T qT(a_e)
             out2 = _wgrad(dy_t[0], dy_t[1], l2.awt_q, l2.awt_s, offsets, w2.dtype, dw2_accum, sms)
         del dy_t
-        if x_pool is None:  # the forward did not keep its pooled rows
-            x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity)
-        x_t = quantize_tokens_fp8(x_pool, offsets, counts, pow2_scales=pow2)  # qT(x_e) from bf16
+        if x_pool is None:  # the forward did not keep its pooled rows: qT(x_e) from the token rows
+            x_t = quantize_tokens_fp8(_rows_for_kernels(x), offsets, counts, pow2_scales=pow2,
+                                      pool_src_route=pool_src_route, top_k=top_k)
+        else:
+            x_t = quantize_tokens_fp8(x_pool, offsets, counts, pow2_scales=pow2)  # qT(x_e) from bf16
         if dw13_accum is not None or need_wgrad:  # B10: dW13[e] = qT(dh_e)^T qT(x_e)
             out13 = _wgrad(l2.dht_q, l2.dht_s, x_t[0], x_t[1], offsets, w13.dtype, dw13_accum, sms)
     return dx, dtopk, out13, out2
