@@ -82,22 +82,6 @@ __device__ __forceinline__ uint32_t e4m3x2_bits(float lo, float hi, float scale,
   return __nv_cvt_float2_to_fp8x2(make_float2(div_by_scale(lo, scale, rcp), div_by_scale(hi, scale, rcp)),
                                   __NV_SATFINITE, __NV_E4M3);
 }
-
-// Q3 for two values where the caller knows whether the scale has its reciprocal (fp8_scale_rcp != 0): kInRange
-// divides through it (div_by_scale_in_range, no test), else it divides. The same bits as e4m3x2_bits either way.
-template <bool kInRange>
-__device__ __forceinline__ float scale_quotient(float v, float scale, float rcp) {
-  if constexpr (kInRange)
-    return div_by_scale_in_range(v, scale, rcp);
-  else
-    return fp32_div_rn(v, scale);
-}
-template <bool kInRange>
-__device__ __forceinline__ uint32_t e4m3x2_bits_known_range(float lo, float hi, float scale, float rcp) {
-  return __nv_cvt_float2_to_fp8x2(
-      make_float2(scale_quotient<kInRange>(lo, scale, rcp), scale_quotient<kInRange>(hi, scale, rcp)), __NV_SATFINITE,
-      __NV_E4M3);
-}
 #endif
 
 }  // namespace prime_kernels::common

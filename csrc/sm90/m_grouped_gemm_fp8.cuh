@@ -142,10 +142,16 @@ struct RowTimesTileScales {
   const float* s_sa;
   int frag_row;
   __device__ __forceinline__ float prefetch(int kb) const { return __ldg(sb_tile + kb); }
-  __device__ __forceinline__ void apply(float sb, int s_, int, const float (&part_)[kAccRegs],
-                                        float (&acc_)[kAccRegs]) const {
+  __device__ __forceinline__ float3 load(float sb, int s_, int) const {
     const float* sa = s_sa + s_ * kSaStageFloats + frag_row;
-    promote_rows(acc_, part_, sa[0] * sb, sa[8] * sb);
+    return make_float3(sa[0], sa[8], sb);
+  }
+  __device__ __forceinline__ void apply_loaded(float3 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
+    promote_rows(acc_, part_, f.x * f.z, f.y * f.z);
+  }
+  __device__ __forceinline__ void apply(float sb, int s_, int sub, const float (&part_)[kAccRegs],
+                                        float (&acc_)[kAccRegs]) const {
+    apply_loaded(load(sb, s_, sub), part_, acc_);
   }
 };
 
@@ -157,10 +163,16 @@ struct RowTimesTileScalesSplitK {
   const float* s_sa;
   int frag_row;
   __device__ __forceinline__ float prefetch(int kb) const { return __ldg(sb_tile + kb); }
+  __device__ __forceinline__ float3 load(float sb, int s_, int sub) const {
+    const float* sa = s_sa + s_ * kSaStageFloats + sub * kSaBoxFloats + frag_row;
+    return make_float3(sa[0], sa[8], sb);
+  }
+  __device__ __forceinline__ void apply_loaded(float3 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
+    promote_rows(acc_, part_, f.x * f.z, f.y * f.z);
+  }
   __device__ __forceinline__ void apply(float sb, int s_, int sub, const float (&part_)[kAccRegs],
                                         float (&acc_)[kAccRegs]) const {
-    const float* sa = s_sa + s_ * kSaStageFloats + sub * kSaBoxFloats + frag_row;
-    promote_rows(acc_, part_, sa[0] * sb, sa[8] * sb);
+    apply_loaded(load(sb, s_, sub), part_, acc_);
   }
 };
 
@@ -175,11 +187,17 @@ struct RowTimesGateUpScales {
   __device__ __forceinline__ float2 prefetch(int kb) const {
     return make_float2(__ldg(sb_gate + kb), __ldg(sb_up + kb));
   }
-  __device__ __forceinline__ void apply(float2 sb, int s_, int, const float (&part_)[kAccRegs],
-                                        float (&acc_)[kAccRegs]) const {
+  // (row scale, row + 8's scale, gate's block scale, up's block scale)
+  __device__ __forceinline__ float4 load(float2 sb, int s_, int) const {
     const float* sa = s_sa + s_ * kSaStageFloats + frag_row;
-    const float s_lo = sa[0], s_hi = sa[8];
-    const float g_lo = s_lo * sb.x, g_hi = s_hi * sb.x, u_lo = s_lo * sb.y, u_hi = s_hi * sb.y;
+    return make_float4(sa[0], sa[8], sb.x, sb.y);
+  }
+  __device__ __forceinline__ void apply(float2 sb, int s_, int sub, const float (&part_)[kAccRegs],
+                                        float (&acc_)[kAccRegs]) const {
+    apply_loaded(load(sb, s_, sub), part_, acc_);
+  }
+  __device__ __forceinline__ void apply_loaded(float4 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
+    const float g_lo = f.x * f.z, g_hi = f.y * f.z, u_lo = f.x * f.w, u_hi = f.y * f.w;
 #pragma unroll
     for (int j = 0; j < kAccRegs / 4; ++j) {  // groups j < kAccRegs / 8: gate columns
       const float lo = j < kAccRegs / 8 ? g_lo : u_lo, hi = j < kAccRegs / 8 ? g_hi : u_hi;

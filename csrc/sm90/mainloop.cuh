@@ -136,7 +136,10 @@ __device__ __forceinline__ void promote_rows_cols(float (&acc)[kAccRegs], const 
 // promotion has read its scales, so a warpgroup holds at most two stages.
 // `scales` gives the block scales in two steps: pre = scales.prefetch(kb) before k-block kb's wait (a global load is
 // then in flight during the wait and the MMAs), and scales.apply(pre, stage, sub, part, acc) adds part times the
-// scales (read from the landed stage, before its release) into acc. kPromoteSteps = 2: A's scales change every
+// scales (read from the landed stage, before its release) into acc. kTwoPartials = false keeps part0 only and calls
+// f = scales.load(pre, stage, sub), releases the stage, then scales.apply_loaded(f, part, acc): for kernels whose
+// rings are short (the FP8 L2 dgrad's 3 stages) or whose epilogue already overlaps (the FP8 forward's), where holding
+// two stages measured slower (docs/performance.md). kPromoteSteps = 2: A's scales change every
 // kBlockK / 2 of K (an L2 operand quantized 1 x 64), so each stage's k-steps are issued in two groups, each promoted
 // with its own A scales (sub = 0, 1). A warpgroup with no rows (active = false) only releases stages. acc is zeroed
 // first; on return every stage this call waited for is released and stage / phase point past them.
@@ -159,6 +162,39 @@ __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAc
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       ptx::mbar_wait(&full_bar[stage], phase);
       release(stage);
+      advance_stage<kNumStages>(stage, phase);
+    }
+    return;
+  }
+  if constexpr (!kTwoPartials) {
+    // part0 only: each k-block's (or half k-block's) MMAs waited for, its scales read from the stage, the stage
+    // released (the producer refills it during the promotion), then the promotion
+    for (int kb = 0; kb < num_k_blocks; ++kb) {
+      const auto pre = scales.prefetch(kb);
+      ptx::mbar_wait(&full_bar[stage], phase);
+      const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (kStageABytes >> 4);
+      const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (kStageBBytes >> 4);
+#pragma unroll
+      for (int sub = 0; sub < kPromoteSteps; ++sub) {
+#pragma unroll
+        for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part0[i]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < kStepsPerPromotion; ++j) {
+          const int kk = sub * kStepsPerPromotion + j;
+          Mma::mma(part0, ptx::desc_from_halves(a_lo + kk * kKStepDesc, a_hi),
+                   ptx::desc_from_halves(b_lo + kk * kKStepDesc, b_hi), j > 0 ? 1u : 0u);
+        }
+        ptx::wgmma_commit();
+#pragma unroll
+        for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part0[i]);
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part0[i]);
+        const auto f = scales.load(pre, stage, sub);
+        if (sub == kPromoteSteps - 1) release(stage);
+        scales.apply_loaded(f, part0, acc);
+      }
       advance_stage<kNumStages>(stage, phase);
     }
     return;
@@ -207,21 +243,6 @@ __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAc
   };
   using Sub0 = std::integral_constant<int, 0>;
   using Sub1 = std::integral_constant<int, kPromoteSteps - 1>;
-  if constexpr (!kTwoPartials) {  // part0 only: each unit's MMAs waited for, then promoted
-    for (int u = 0; u < num_units; u += kPromoteSteps) {
-      issue(part0, u, Sub0{});
-      ptx::wgmma_wait<0>();
-      pre_retiring = pre_issued;
-      retire(part0, Sub0{});
-      if constexpr (kPromoteSteps == 2) {
-        issue(part0, u + 1, Sub1{});
-        ptx::wgmma_wait<0>();
-        pre_retiring = pre_issued;
-        retire(part0, Sub1{});
-      }
-    }
-    return;
-  }
   issue(part0, 0, Sub0{});
   for (int u = 1;; u += 2) {
     if (u == num_units) {

@@ -448,16 +448,6 @@ struct WgmmaFp8E4m3<256> {
 // Small helpers
 // ------------------------------------------------------------------------------------------------
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
-// The halves of a bf16x2 word (the low half is the first element) as floats, exactly.
-__device__ __forceinline__ float bf16x2_lo(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16x2_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
-// bf16x2 words of absolute values (sign bits clear), and their element-wise maximum.
-__device__ __forceinline__ uint32_t bf16x2_abs(uint32_t v) { return v & 0x7fff7fffu; }
-__device__ __forceinline__ uint32_t bf16x2_max(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
 
 // 2^x and 1 / x on the special-function unit, flushing denormal inputs and results to zero. For the SwiGLU
 // epilogues these give exactly what __expf(x) = 2^(x log2 e) and __fdividef(a, y) = a * (1 / y) give there (a

@@ -112,6 +112,32 @@ struct SwigluBwdFp8Layout : StageRingLayout<128, 128, 128, kNumStages, 1> {
   static_assert(kSaOff % 128 == 0 && kQkOff % 16 == 0 && kColScaleOff % 16 == 0, "TMA destinations 128-byte, staging 16-byte aligned");
 };
 
+// bf16x2 words of absolute values (sign bits clear), as the epilogue's amaxes hold them.
+__device__ __forceinline__ uint32_t bf16x2_abs(uint32_t v) { return v & 0x7fff7fffu; }
+__device__ __forceinline__ uint32_t bf16x2_max(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ float bf16x2_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16x2_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+// Q3's quotient: without a divide where every scale of the tile has its reciprocal (fp8_scale_rcp != 0), else the
+// division (a tile of values below ~1e-27 or above ~1e32; the choice is one per tile, uniform over the CTA).
+template <bool kInRange>
+__device__ __forceinline__ float scale_quotient(float v, float scale, float rcp) {
+  if constexpr (kInRange)
+    return common::div_by_scale_in_range(v, scale, rcp);
+  else
+    return common::fp32_div_rn(v, scale);
+}
+template <bool kInRange>
+__device__ __forceinline__ uint32_t e4m3x2_of(float lo, float hi, float scale, float rcp) {
+  return __nv_cvt_float2_to_fp8x2(
+      make_float2(scale_quotient<kInRange>(lo, scale, rcp), scale_quotient<kInRange>(hi, scale, rcp)), __NV_SATFINITE,
+      __NV_E4M3);
+}
+
 // The epilogue of one 128 x 128 tile for one consumer thread (both warpgroups call every step, in order).
 //
 // Register fragment (wgmma m64n128): this thread's rows are r = frag_row and r + 8 (hh = 0, 1), its columns
@@ -122,12 +148,8 @@ struct SwigluBwdFp8Layout : StageRingLayout<128, 128, 128, kNumStages, 1> {
 // Staging, both XOR-swizzled by 16-byte chunk so that a warp's 2-byte stores hit distinct banks:
 //   qk [128 rows][256 bytes] (gate | up): row r's chunk c sits at chunk c ^ (r & 7);
 //   qt [384 columns][128 tokens] (dg, du, a): column cc's tokens 16 s .. 16 s + 15 (s: the consumer warp whose rows
-//      they are) sit at chunk s ^ qt_swizzle(cc), in the order r, r + 8 for r = 0 .. 7 (the thread's row pair is one
+//      they are) sit at chunk s ^ ((cc >> 1) & 7), in the order r, r + 8 for r = 0 .. 7 (the thread's row pair is one
 //      2-byte store); the copy-out puts them back in token order.
-// The qt staging's chunk swizzle of column cc: its column pair's index mod 8, so that the 2-byte stores of a warp (8
-// column pairs of one column group, 8 row pairs) hit 8 distinct 16-byte chunks.
-__device__ __forceinline__ int qt_swizzle(int cc) { return (cc >> 1) & 7; }
-
 struct SwigluBwdFp8Epilogue {
   int ctid, lane, warp8;  // consumer thread and warp (0..255, 0..7)
   uint8_t* qk;            // staging (generic pointers into shared memory)
@@ -147,9 +169,8 @@ struct SwigluBwdFp8Epilogue {
         uint8_t* dst = qk + r * 256 + (((j >> 1) ^ (r & 7)) << 4) + 8 * (j & 1) + 2 * q;
 #pragma unroll
         for (int o = 0; o < 2; ++o)
-          *reinterpret_cast<uint16_t*>(dst + 128 * o) =
-              static_cast<uint16_t>(common::e4m3x2_bits_known_range<kInRange>(
-                  ptx::bf16x2_lo(v[o][j][hh]), ptx::bf16x2_hi(v[o][j][hh]), rs[hh][o], rr[hh][o]));
+          *reinterpret_cast<uint16_t*>(dst + 128 * o) = static_cast<uint16_t>(
+              e4m3x2_of<kInRange>(bf16x2_lo(v[o][j][hh]), bf16x2_hi(v[o][j][hh]), rs[hh][o], rr[hh][o]));
       }
       const int pair = 4 * j + q;
 #pragma unroll
@@ -158,10 +179,10 @@ struct SwigluBwdFp8Epilogue {
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
           const int cc = o * 128 + 2 * pair + t;
-          const float a0 = t ? ptx::bf16x2_hi(v[o][j][0]) : ptx::bf16x2_lo(v[o][j][0]);
-          const float a1 = t ? ptx::bf16x2_hi(v[o][j][1]) : ptx::bf16x2_lo(v[o][j][1]);
-          const uint32_t b = common::e4m3x2_bits_known_range<kInRange>(a0, a1, t ? sc.z : sc.x, t ? sc.w : sc.y);
-          *reinterpret_cast<uint16_t*>(qt + cc * 128 + ((warp8 ^ qt_swizzle(cc)) << 4) + 2 * (lane >> 2)) =
+          const float a0 = t ? bf16x2_hi(v[o][j][0]) : bf16x2_lo(v[o][j][0]);
+          const float a1 = t ? bf16x2_hi(v[o][j][1]) : bf16x2_lo(v[o][j][1]);
+          const uint32_t b = e4m3x2_of<kInRange>(a0, a1, t ? sc.z : sc.x, t ? sc.w : sc.y);
+          *reinterpret_cast<uint16_t*>(qt + cc * 128 + ((warp8 ^ ((cc >> 1) & 7)) << 4) + 2 * (lane >> 2)) =
               static_cast<uint16_t>(b);
         }
       }
@@ -210,8 +231,8 @@ struct SwigluBwdFp8Epilogue {
         float o[3][2];
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
-          const float g = t ? ptx::bf16x2_hi(hv[0][j][hh]) : ptx::bf16x2_lo(hv[0][j][hh]);
-          const float u = t ? ptx::bf16x2_hi(hv[1][j][hh]) : ptx::bf16x2_lo(hv[1][j][hh]);
+          const float g = t ? bf16x2_hi(hv[0][j][hh]) : bf16x2_lo(hv[0][j][hh]);
+          const float u = t ? bf16x2_hi(hv[1][j][hh]) : bf16x2_lo(hv[1][j][hh]);
           const float da = acc[4 * j + 2 * hh + t];
           const SwigluBwdF32 r = swiglu_bwd_f32<kClamp>(g, u, da, wgt[hh], p.clamp);
           partial[hh] = fmaf(da, r.s, partial[hh]);
@@ -222,15 +243,15 @@ struct SwigluBwdFp8Epilogue {
         const uint32_t keep = routed[hh] ? 0xffffffffu : 0u;  // zeros in every output, whatever dy and h hold
 #pragma unroll
         for (int k = 0; k < 3; ++k) v[k][j][hh] = ptx::pack_bf16x2(o[k][0], o[k][1]) & keep;
-        rmax[hh][0] = ptx::bf16x2_max(rmax[hh][0], ptx::bf16x2_abs(v[0][j][hh]));
-        rmax[hh][1] = ptx::bf16x2_max(rmax[hh][1], ptx::bf16x2_abs(v[1][j][hh]));
+        rmax[hh][0] = bf16x2_max(rmax[hh][0], bf16x2_abs(v[0][j][hh]));
+        rmax[hh][1] = bf16x2_max(rmax[hh][1], bf16x2_abs(v[1][j][hh]));
       }
 #pragma unroll
       for (int k = 0; k < 3; ++k) {  // the column pair's amaxes over the warp's 16 rows (lane bits 2..4)
-        uint32_t m = ptx::bf16x2_max(ptx::bf16x2_abs(v[k][j][0]), ptx::bf16x2_abs(v[k][j][1]));
-        m = ptx::bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 4));
-        m = ptx::bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 8));
-        m = ptx::bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 16));
+        uint32_t m = bf16x2_max(bf16x2_abs(v[k][j][0]), bf16x2_abs(v[k][j][1]));
+        m = bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 4));
+        m = bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 8));
+        m = bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 16));
         if (lane < 4) col_max[(warp8 * 3 + k) * 64 + 4 * j + lane] = m;
       }
     }
@@ -238,11 +259,11 @@ struct SwigluBwdFp8Epilogue {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const uint32_t x = rmax[hh][0], y = rmax[hh][1];
-      uint32_t m = ptx::bf16x2_max(__byte_perm(x, y, 0x5410), __byte_perm(x, y, 0x7632));  // (dg, du)
-      m = ptx::bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = ptx::bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      amax[hh][0] = ptx::bf16x2_lo(m);
-      amax[hh][1] = ptx::bf16x2_hi(m);
+      uint32_t m = bf16x2_max(__byte_perm(x, y, 0x5410), __byte_perm(x, y, 0x7632));  // (dg, du)
+      m = bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = bf16x2_max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      amax[hh][0] = bf16x2_lo(m);
+      amax[hh][1] = bf16x2_hi(m);
     }
     const int nb = n0 / 128;
     write_dt_partials(p.dt_part, p.dt_ld, partial, routed, row0, frag_row, row_end, nb, lane);
@@ -255,9 +276,9 @@ struct SwigluBwdFp8Epilogue {
       const int o = ctid >> 6, pair = ctid & 63;
       uint32_t m = 0u;
 #pragma unroll
-      for (int w8 = 0; w8 < 8; ++w8) m = ptx::bf16x2_max(m, col_max[(w8 * 3 + o) * 64 + pair]);
-      const float s0 = common::fp8_block_scale(ptx::bf16x2_lo(m), p.pow2_scales);
-      const float s1 = common::fp8_block_scale(ptx::bf16x2_hi(m), p.pow2_scales);
+      for (int w8 = 0; w8 < 8; ++w8) m = bf16x2_max(m, col_max[(w8 * 3 + o) * 64 + pair]);
+      const float s0 = common::fp8_block_scale(bf16x2_lo(m), p.pow2_scales);
+      const float s1 = common::fp8_block_scale(bf16x2_hi(m), p.pow2_scales);
       const float r0 = common::fp8_scale_rcp(s0), r1 = common::fp8_scale_rcp(s1);
       in_range = r0 != 0.f && r1 != 0.f;
       col_scale[o * 64 + pair] = make_float4(s0, r0, s1, r1);
@@ -305,7 +326,7 @@ struct SwigluBwdFp8Epilogue {
     if (rows == 128) {
       for (int idx = ctid; idx < 384 * 8; idx += kNumConsumerThreads) {
         const int cc = idx >> 3, ch = idx & 7;
-        const uint4 s = *reinterpret_cast<const uint4*>(qt + cc * 128 + ((ch ^ qt_swizzle(cc)) << 4));
+        const uint4 s = *reinterpret_cast<const uint4*>(qt + cc * 128 + ((ch ^ ((cc >> 1) & 7)) << 4));
         // staged order r, r + 8 (r < 8) -> token order: the even bytes, then the odd ones
         const uint4 out = make_uint4(__byte_perm(s.x, s.y, 0x6420), __byte_perm(s.z, s.w, 0x6420),
                                      __byte_perm(s.x, s.y, 0x7531), __byte_perm(s.z, s.w, 0x7531));
@@ -315,7 +336,7 @@ struct SwigluBwdFp8Epilogue {
       for (int idx = ctid; idx < 384 * rows; idx += kNumConsumerThreads) {
         const int cc = idx / rows, r = idx - cc * rows;
         const int k = r & 15, pos = k < 8 ? 2 * k : 2 * k - 15;
-        qt_dst(cc)[row0 + r] = qt[cc * 128 + (((r >> 4) ^ qt_swizzle(cc)) << 4) + pos];
+        qt_dst(cc)[row0 + r] = qt[cc * 128 + (((r >> 4) ^ ((cc >> 1) & 7)) << 4) + pos];
       }
     }
   }
@@ -328,8 +349,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = SwigluBwdFp8Layout<kNumStages>;
   extern __shared__ uint8_t smem_raw[];
-  // 128-row starts: each tile's rows are one qT block of the pool's grid
-  m_grouped_fp8_kernel_body<L, kNumStages>(
+  // 128-row starts: each tile's rows are one qT block of the pool's grid. One partial: the ring has 3 stages (the
+  // epilogue's staging takes the rest of shared memory), and holding two of them measured slower (docs/performance.md)
+  m_grouped_fp8_kernel_body<L, kNumStages, false, false>(
       smem_raw, &tmap_a, &tmap_b, &tmap_sa, static_cast<const CUtensorMap*>(nullptr), p,
       common::kCheckSwigluBwdFp8Offsets, L::kBlockM,
       [&](const float (&acc)[L::kBlockN / 2], const MGroupedWork& w, bool, int, int, int frag_row) {
