@@ -146,7 +146,8 @@ struct RowTimesTileScales {
     const float* sa = s_sa + s_ * kSaStageFloats + frag_row;
     return make_float3(sa[0], sa[8], sb);
   }
-  __device__ __forceinline__ void apply_loaded(float3 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
+  __device__ __forceinline__ void apply_loaded(float3 f, const float (&part_)[kAccRegs],
+                                               float (&acc_)[kAccRegs]) const {
     promote_rows(acc_, part_, f.x * f.z, f.y * f.z);
   }
   __device__ __forceinline__ void apply(float sb, int s_, int sub, const float (&part_)[kAccRegs],
@@ -167,7 +168,8 @@ struct RowTimesTileScalesSplitK {
     const float* sa = s_sa + s_ * kSaStageFloats + sub * kSaBoxFloats + frag_row;
     return make_float3(sa[0], sa[8], sb);
   }
-  __device__ __forceinline__ void apply_loaded(float3 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
+  __device__ __forceinline__ void apply_loaded(float3 f, const float (&part_)[kAccRegs],
+                                               float (&acc_)[kAccRegs]) const {
     promote_rows(acc_, part_, f.x * f.z, f.y * f.z);
   }
   __device__ __forceinline__ void apply(float sb, int s_, int sub, const float (&part_)[kAccRegs],
@@ -196,7 +198,8 @@ struct RowTimesGateUpScales {
                                         float (&acc_)[kAccRegs]) const {
     apply_loaded(load(sb, s_, sub), part_, acc_);
   }
-  __device__ __forceinline__ void apply_loaded(float4 f, const float (&part_)[kAccRegs], float (&acc_)[kAccRegs]) const {
+  __device__ __forceinline__ void apply_loaded(float4 f, const float (&part_)[kAccRegs],
+                                               float (&acc_)[kAccRegs]) const {
     const float g_lo = f.x * f.z, g_hi = f.y * f.z, u_lo = f.x * f.w, u_hi = f.y * f.w;
 #pragma unroll
     for (int j = 0; j < kAccRegs / 4; ++j) {  // groups j < kAccRegs / 8: gate columns
@@ -218,7 +221,8 @@ struct RowTimesGateUpScales {
 // epilogue(acc, work, active, wg, wg_tid, frag_row) (active: the warpgroup's rows start before the group's end;
 // frag_row: this thread's first accumulator row in the tile), and after its last tile finish(wg_tid). kGateUp (the
 // L1 with the SwiGLU epilogue): p.n is I, an n-block covers kBlockN / 2 columns c of it, and B's tile holds W13's
-// gate rows c and up rows I + c (m_grouped_fp8_produce), so work.n0 is a column of I.
+// gate rows c and up rows I + c (m_grouped_fp8_produce), so work.n0 is a column of I. kTwoPartials: the promoted
+// mainloop's (consumer_tile_mainloop_promoted, mainloop.cuh).
 template <typename L, int kNumStages, bool kGateUp = false, bool kTwoPartials = true, typename P, typename Epilogue,
           typename Finish>
 __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, const CUtensorMap* tmap_a,
@@ -318,6 +322,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = MGroupedFp8Layout<kBlockN, kNumStages, kAScaleBlocks>;
   extern __shared__ uint8_t smem_raw[];
+  // two partials for the plain GEMM (the L1 dgrad, measured faster); one for the 1 x 64 scaled L2 (slower with two)
   m_grouped_fp8_kernel_body<L, kNumStages, false, (kAScaleBlocks == 1)>(
       smem_raw, &tmap_a, &tmap_b, &tmap_sa, &tmap_d, p, common::kCheckMGroupedOffsets, 1,
       [&](const float (&acc)[kBlockN / 2], const MGroupedWork& w, bool active, int wg, int wg_tid, int) {

@@ -137,9 +137,9 @@ __device__ __forceinline__ void promote_rows_cols(float (&acc)[kAccRegs], const 
 // `scales` gives the block scales in two steps: pre = scales.prefetch(kb) before k-block kb's wait (a global load is
 // then in flight during the wait and the MMAs), and scales.apply(pre, stage, sub, part, acc) adds part times the
 // scales (read from the landed stage, before its release) into acc. kTwoPartials = false keeps part0 only and calls
-// f = scales.load(pre, stage, sub), releases the stage, then scales.apply_loaded(f, part, acc): for kernels whose
-// rings are short (the FP8 L2 dgrad's 3 stages) or whose epilogue already overlaps (the FP8 forward's), where holding
-// two stages measured slower (docs/performance.md). kPromoteSteps = 2: A's scales change every
+// f = scales.load(pre, stage, sub), releases the stage, then scales.apply_loaded(f, part, acc): for the kernels where
+// two partials measured slower (the FP8 L2 dgrad, whose ring has 3 stages, and the FP8 forward's L1 with SwiGLU and
+// its L2 with 1 x 64 A scales; docs/performance.md). kPromoteSteps = 2: A's scales change every
 // kBlockK / 2 of K (an L2 operand quantized 1 x 64), so each stage's k-steps are issued in two groups, each promoted
 // with its own A scales (sub = 0, 1). A warpgroup with no rows (active = false) only releases stages. acc is zeroed
 // first; on return every stage this call waited for is released and stage / phase point past them.
