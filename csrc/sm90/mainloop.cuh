@@ -166,28 +166,32 @@ __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAc
     }
     return;
   }
+  // One unit's MMAs (sub-step sub of the landed stage's k-steps) into part, committed as one wgmma group.
+  auto issue_mmas = [&](float(&part)[kAccRegs], int stage_, int sub) {
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
+    ptx::wgmma_fence();
+    const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage_) * (kStageABytes >> 4);
+    const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage_) * (kStageBBytes >> 4);
+#pragma unroll
+    for (int j = 0; j < kStepsPerPromotion; ++j) {
+      const int kk = sub * kStepsPerPromotion + j;
+      Mma::mma(part, ptx::desc_from_halves(a_lo + kk * kKStepDesc, a_hi),
+               ptx::desc_from_halves(b_lo + kk * kKStepDesc, b_hi), j > 0 ? 1u : 0u);
+    }
+    ptx::wgmma_commit();
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
+  };
   if constexpr (!kTwoPartials) {
     // part0 only: each k-block's (or half k-block's) MMAs waited for, its scales read from the stage, the stage
     // released (the producer refills it during the promotion), then the promotion
     for (int kb = 0; kb < num_k_blocks; ++kb) {
       const auto pre = scales.prefetch(kb);
       ptx::mbar_wait(&full_bar[stage], phase);
-      const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (kStageABytes >> 4);
-      const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (kStageBBytes >> 4);
 #pragma unroll
       for (int sub = 0; sub < kPromoteSteps; ++sub) {
-#pragma unroll
-        for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part0[i]);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < kStepsPerPromotion; ++j) {
-          const int kk = sub * kStepsPerPromotion + j;
-          Mma::mma(part0, ptx::desc_from_halves(a_lo + kk * kKStepDesc, a_hi),
-                   ptx::desc_from_halves(b_lo + kk * kKStepDesc, b_hi), j > 0 ? 1u : 0u);
-        }
-        ptx::wgmma_commit();
-#pragma unroll
-        for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part0[i]);
+        issue_mmas(part0, stage, sub);
         ptx::wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part0[i]);
@@ -214,20 +218,7 @@ __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAc
       pre_issued = scales.prefetch(u / kPromoteSteps);
       ptx::mbar_wait(&full_bar[issue_stage], issue_phase);
     }
-#pragma unroll
-    for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
-    ptx::wgmma_fence();
-    const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(issue_stage) * (kStageABytes >> 4);
-    const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(issue_stage) * (kStageBBytes >> 4);
-#pragma unroll
-    for (int j = 0; j < kStepsPerPromotion; ++j) {
-      const int kk = kSub * kStepsPerPromotion + j;
-      Mma::mma(part, ptx::desc_from_halves(a_lo + kk * kKStepDesc, a_hi),
-               ptx::desc_from_halves(b_lo + kk * kKStepDesc, b_hi), j > 0 ? 1u : 0u);
-    }
-    ptx::wgmma_commit();
-#pragma unroll
-    for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(part[i]);
+    issue_mmas(part, issue_stage, kSub);
     if constexpr (kSub == kPromoteSteps - 1) advance_stage<kNumStages>(issue_stage, issue_phase);
   };
   // the oldest unit not yet promoted, whose MMAs the caller has waited for

@@ -67,8 +67,7 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         h_saved, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms)
     dy = _rows_for_kernels(dy.to(torch.bfloat16))
     # B1: qK(dy_p) dispatched from the token rows (each read once); its padding rows are left as they are (the L2
-    # dgrad writes zeros for every row no route names, whatever its operands hold there). qT(dy_e) needs the pooled
-    # bf16 rows (its blocks run along the pool's token axis).
+    # dgrad writes zeros for every row no route names, whatever its operands hold there).
     dy_q, dy_qs = _fp8_fwd.quantized_pool(dy, route_to_pool, counts, offsets, capacity, pow2, zero_padding=False)
     want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None
     top_k = route_to_pool.shape[1]
