@@ -35,7 +35,9 @@
 //
 // Forward progress: a CTA never waits on another CTA. Its tiles are fixed by its index and gridDim.x alone, each
 // computed start to end (all of its expert's k-blocks, in order) by that CTA, so any grid size (the num_sms cap)
-// gives the same bits. The only waits are on the CTA's own mbarriers, bounded in debug builds (PK_DEBUG_SPIN_BOUND).
+// gives the same bits. The only waits are on the CTA's own mbarriers (bounded in debug builds, PK_DEBUG_SPIN_BOUND),
+// on named barriers of one consumer warpgroup, which all of its threads reach once per tile, and on the completion of
+// the CTA's own TMA stores.
 #pragma once
 
 #include <cuda.h>
