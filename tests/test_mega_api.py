@@ -222,9 +222,6 @@ def test_fp8_layer_calls_raise_with_real_status(backend):
 
 
 @pytest.mark.parametrize("fn,name", [
-    (mega.fp8_mega_moe, "mega_moe.fp8.sm90"),
-    (mega.fp8_mega_moe_backward, "mega_moe.fp8.sm90"),  # the unwritten forward kernel is named first
-    (mega.fp8_mega_moe_weight_grads, "mega_moe.fp8.sm90"),
     (mega.mxfp8_mega_moe, "mega_moe.mxfp8.sm100"),
     (mega.mxfp8_mega_moe_backward, "mega_moe.mxfp8.sm100"),
     (mega.fp8_fp4_mega_moe, "mega_moe.mxfp8.sm100"),
@@ -235,16 +232,19 @@ def test_fp8_names_raise_status_reason(status, fn, name):
         fn(None, None, None, None)
 
 
-def test_fp8_names_raise_with_real_status():
-    """Whatever prime_kernels.status() says today, these never run silently, and they leave the output they were
-    handed as it was (NaN-poisoned here)."""
+def test_fp8_names_refuse_upstream_shaped_arguments():
+    """The FP8 calls take prime-rl's arguments (weight pairs, pools; tests/test_integration_prime_rl_fp8.py); handed
+    upstream's bf16-shaped ones, they refuse before writing and leave the output as it was (NaN-poisoned here)."""
     buf = get_symm_buffer_for_mega_moe(None, E, 32, K, 256, I, mma_type="fp8xfp8", device="cpu")
     _, _, _, w13, w2, _ = make_problem(2, 256, I, E, K, seed=57)
     y = torch.full((8, 256), float("nan"), dtype=torch.bfloat16)
-    for fn in (mega.fp8_mega_moe, mega.fp8_mega_moe_backward, mega.fp8_mega_moe_weight_grads):
-        with pytest.raises(_backend.FusedKernelUnavailable, match="mega_moe.fp8.sm90: not implemented yet"):
-            fn(y, w13, w2, buf)
-        assert y.isnan().all()
+    with pytest.raises(TypeError, match="pair"):
+        mega.fp8_mega_moe(y, w13, w2, None, buf)
+    with pytest.raises(TypeError, match="pair"):
+        mega.fp8_mega_moe_backward(y, torch.zeros(8, K), w13, w2, None, None, buf)
+    with pytest.raises(TypeError, match="FP8BackwardBuffers"):
+        mega.fp8_mega_moe_weight_grads(None, None, None, w13, w2)
+    assert y.isnan().all()
 
 
 def test_all_names_exist():

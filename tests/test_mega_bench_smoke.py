@@ -457,3 +457,15 @@ def test_grid_shapes_name_every_grid_point_and_read_back():
     for bad in ("e4-h64-i32", "e4-h64-i32-k5", "x4-h64-i32-k2", "e0-h64-i32-k1", "grid"):
         with pytest.raises(ValueError, match="unknown shape"):
             bc.shape_dims(bad)
+
+
+def test_bench_staged_fp8_smoke(tmp_path):
+    """bench/bench_staged_fp8.py --smoke runs the staged FP8 sequence on the CPU and writes its rows."""
+    out = tmp_path / "staged.json"
+    assert _bench_module("bench_staged_fp8").main(["--smoke", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    variants = [r["variant"] for r in doc["rows"]]
+    assert variants == ["torch bf16", "staged fp8"]
+    staged = doc["rows"][-1]
+    assert staged["fwd_ms"] > 0 and staged["bwd_ms"] > 0
+    assert set(staged["parts_ms"]) == {"column_quant", "fp8_mega_moe_backward", "fp8_mega_moe_weight_grads"}

@@ -2,8 +2,11 @@
 
 Layer API (:mod:`prime_kernels.mega.api`): :func:`mega_moe` (autograd) and :class:`MegaMoE` (an ``nn.Module``).
 DeepGEMM-shaped calls (:mod:`prime_kernels.mega.deepgemm_compat`): :func:`get_symm_buffer_for_mega_moe`,
-:func:`transform_weights_for_mega_moe`, :func:`bf16_mega_moe`, :func:`bf16_mega_moe_backward`, and the fp8 /
-fp8_bwd / mxfp8 names (which report through ``prime_kernels.status()`` why they cannot run yet).
+:func:`transform_weights_for_mega_moe`, :func:`bf16_mega_moe`, :func:`bf16_mega_moe_backward`,
+:func:`fp8_bwd_mega_moe_backward`, and the mxfp8 names (which report through ``prime_kernels.status()`` why they
+cannot run yet). The FP8 call sequence (:mod:`prime_kernels.mega.staged_fp8`): :class:`FP8SymmBuffer`,
+:class:`FP8Pools`, :func:`fp8_mega_moe`, :func:`column_quant`, :func:`fp8_mega_moe_backward`,
+:func:`fp8_mega_moe_weight_grads`.
 
 Semantics and every rounding point: :mod:`prime_kernels.mega.reference`. Backend selection and the call path every
 entry point shares: :mod:`prime_kernels.mega._backend`. Alignment constants: :mod:`prime_kernels.mega.constants`.
@@ -29,6 +32,15 @@ from .deepgemm_compat import (
     transform_weights_for_mega_moe,
 )
 from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe
+from .staged_fp8 import (
+    FP8BackwardBuffers,
+    FP8Pools,
+    FP8SymmBuffer,
+    allocate_column_quant,
+    column_quant,
+    fp8_mega_moe_weight_grads_add,
+    fp8_weights_for_mega_moe,
+)
 from .constants import BLOCK_M, HIDDEN_ALIGN, INTERMEDIATE_ALIGN
 
 # Names the package top level (prime_kernels) re-exports, as upstream does.
@@ -43,6 +55,13 @@ __all__ = [
     "fp8_mega_moe",
     "fp8_mega_moe_backward",
     "fp8_mega_moe_weight_grads",
+    "fp8_mega_moe_weight_grads_add",
+    "FP8SymmBuffer",
+    "FP8Pools",
+    "FP8BackwardBuffers",
+    "fp8_weights_for_mega_moe",
+    "column_quant",
+    "allocate_column_quant",
     "fp8_bwd_mega_moe_backward",
     "fp8_fp4_mega_moe",
     "mxfp8_mega_moe",

@@ -42,6 +42,38 @@ def _wgrad(a, sa, b, sb, offsets, dtype, accum, sms):
     return k_grouped_fp8_gemm_tn(a, sa, b, sb, offsets, out_dtype=out_dtype, num_sms=sms).to(dtype)
 
 
+def data_grads(dy, w13t, w2t, h_saved, counts, offsets, pool_src_route, route_to_pool, topk_weights, *, pow2: bool,
+               sms, want_wgrad_operands: bool, clamp=None, dy_t_out=None, l2_out=None):
+    """B1-B9: (dx bf16 [T, H], dtopk fp32 [T, K], qT(dy_e) or None, :class:`Fp8SwigluBwd` of the L2 dgrad).
+
+    ``w13t`` / ``w2t``: the (e4m3, 128 x 128 scales) pairs of the transposed weights; ``h_saved`` the forward's
+    bf16 h; ``topk_weights`` fp32 [T, K]. ``want_wgrad_operands``: quantize qT(dy_e) for dW2 (into ``dy_t_out``
+    when given); the L2 dgrad's qT(dh) and qT(w * s) are in the returned tuple (written into ``l2_out`` when
+    given). Every pool-sized buffer but those is dead when this returns."""
+    capacity = pool_src_route.shape[0]
+    dy = _rows_for_kernels(dy.to(torch.bfloat16))
+    # B1: qK(dy_p) dispatched from the token rows (each read once); its padding rows are left as they are (the L2
+    # dgrad writes zeros for every row no route names, whatever its operands hold there).
+    dy_q, dy_qs = _fp8_fwd.quantized_pool(dy, route_to_pool, counts, offsets, capacity, pow2, zero_padding=False)
+    dy_t = None
+    if want_wgrad_operands:  # qT(dy_e), each pool row read from its token row (no bf16 pool is written)
+        dy_t = quantize_tokens_fp8(dy, offsets, counts, pow2_scales=pow2, pool_src_route=pool_src_route,
+                                   top_k=route_to_pool.shape[1], out=dy_t_out)
+    # B2-B6, B9 in one kernel (its CPU op: the recipe's emulation)
+    l2 = m_grouped_fp8_gemm_swiglu_bwd(dy_q, dy_qs, w2t[0], w2t[1], offsets, h_saved, pool_src_route, topk_weights,
+                                       clamp=clamp, pow2_scales=pow2, num_sms=sms, out=l2_out)
+    del dy_q, dy_qs
+    # d topk_weights per pool row: the per-128-column partials summed in column order; masked routes
+    # (route_to_pool = -1) read the zero past the pool's end
+    dt_pool = l2.dt_part.new_zeros(capacity + 1)
+    torch.sum(l2.dt_part, 1, out=dt_pool[:capacity])
+    dx_pool = m_grouped_fp8_gemm_nt(l2.dh_q, l2.dh_sa, w13t[0], w13t[1], offsets, num_sms=sms)  # B7
+    dx = combine(dx_pool, route_to_pool, None)  # B8
+    del dx_pool
+    dtopk = dt_pool[route_to_pool.reshape(-1)].view(route_to_pool.shape)
+    return dx, dtopk, dy_t, l2
+
+
 def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, pool_src_route, pool_src_rank,
              route_to_pool, *, activation_clamp=None, group=None, num_experts=None, recompute=False,
              need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None, num_sms=0,
@@ -65,29 +97,13 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         h_saved = _fp8_fwd.recompute_h(x, w13, counts, offsets, route_to_pool, capacity, recipe, cache, sms)
     elif recompute:
         h_saved, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms)
-    dy = _rows_for_kernels(dy.to(torch.bfloat16))
-    # B1: qK(dy_p) dispatched from the token rows (each read once); its padding rows are left as they are (the L2
-    # dgrad writes zeros for every row no route names, whatever its operands hold there).
-    dy_q, dy_qs = _fp8_fwd.quantized_pool(dy, route_to_pool, counts, offsets, capacity, pow2, zero_padding=False)
     want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None
+    dx, dtopk, dy_t, l2 = data_grads(dy, (c13.transposed.data, c13.transposed.scale),
+                                     (c2.transposed.data, c2.transposed.scale), h_saved, counts, offsets,
+                                     pool_src_route, route_to_pool, topk_weights.float().contiguous(), pow2=pow2,
+                                     sms=sms, want_wgrad_operands=want_w)
+    dtopk = dtopk.to(topk_weights.dtype)
     top_k = route_to_pool.shape[1]
-    dy_t = None
-    if want_w:  # qT(dy_e), each pool row read from its token row (no bf16 pool is written)
-        dy_t = quantize_tokens_fp8(dy, offsets, counts, pow2_scales=pow2, pool_src_route=pool_src_route, top_k=top_k)
-    # B2-B6, B9 in one kernel (its CPU op: the recipe's emulation)
-    l2 = m_grouped_fp8_gemm_swiglu_bwd(dy_q, dy_qs, c2.transposed.data, c2.transposed.scale, offsets, h_saved,
-                                       pool_src_route, topk_weights.float().contiguous(), pow2_scales=pow2,
-                                       num_sms=sms)
-    del dy_q, dy_qs
-    # d topk_weights per pool row: the per-128-column partials summed in column order; masked routes
-    # (route_to_pool = -1) read the zero past the pool's end
-    dt_pool = l2.dt_part.new_zeros(capacity + 1)
-    torch.sum(l2.dt_part, 1, out=dt_pool[:capacity])
-    dx_pool = m_grouped_fp8_gemm_nt(l2.dh_q, l2.dh_sa, c13.transposed.data, c13.transposed.scale, offsets,
-                                    num_sms=sms)  # B7
-    dx = combine(dx_pool, route_to_pool, None)  # B8
-    del dx_pool
-    dtopk = dt_pool[route_to_pool.reshape(-1)].view_as(topk_weights).to(topk_weights.dtype)
     out13 = out2 = None
     if want_w:
         if dw2_accum is not None or need_wgrad:  # B10: dW2[e] = qT(dy_e)^T qT(a_e)

@@ -3,9 +3,11 @@
 ``get_symm_buffer_for_mega_moe`` (the staging buffer, :mod:`prime_kernels.mega.buffer`), the weight-layout helpers
 (``transform_weights_for_mega_moe``, ``interleave_l1`` / ``deinterleave_l1``), the bf16 forward and backward
 (``bf16_mega_moe``, ``bf16_mega_moe_backward``: not differentiable, they write into the caller's tensors), and
-the fp8 / fp8_bwd / mxfp8 names, which raise the ``prime_kernels.status()`` reason until their kernels exist. They
-run through the same call path as the layer API (:mod:`prime_kernels.mega.api`): inputs checked here, at their
-boundary, then :mod:`prime_kernels.mega._backend` resolves and runs the backend.
+``fp8_bwd_mega_moe_backward``, and the mxfp8 names, which raise the ``prime_kernels.status()`` reason until their
+kernels exist. They run through the same call path as the layer API (:mod:`prime_kernels.mega.api`): inputs checked
+here, at their boundary, then :mod:`prime_kernels.mega._backend` resolves and runs the backend. The FP8 call sequence
+(``fp8_mega_moe``, ``fp8_mega_moe_backward``, ``fp8_mega_moe_weight_grads`` and their buffers) is
+:mod:`prime_kernels.mega.staged_fp8`, re-exported here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from . import _backend, _fused, _validate, reference
 from ..routing import RoutingPlan
 from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe  # noqa: F401  (one of the upstream names)
+from .staged_fp8 import fp8_mega_moe, fp8_mega_moe_backward, fp8_mega_moe_weight_grads  # noqa: F401
 from .constants import BLOCK_M
 
 
@@ -313,36 +316,17 @@ def _staged_backward(precision: str, *, dx, dw1, dw2, dtopk, dy, l1, l2, buffer,
 
 
 # ----------------------------------------------------------------------------------------------
-# FP8 / MXFP8 names: present, and they say why they cannot run yet.
+# MXFP8 names: present, and they say why they cannot run yet. (The FP8 calls: staged_fp8.)
 # ----------------------------------------------------------------------------------------------
 
 
 def _unavailable(precision, direction, what):
-    # these calls hand over to the fused binding, so the fused FP8 forward is the kernel they need first (the
-    # layer's precision="fp8" runs without it, on the grouped FP8 pipeline)
-    first = _backend._fused_reason(precision, "fwd") if precision == "fp8" else None
-    reason = first or _backend.fp8_kernel_reason(precision, direction) or _backend._fused_reason(precision, direction)
+    reason = _backend.fp8_kernel_reason(precision, direction) or _backend._fused_reason(precision, direction)
     if reason is None:  # status() says the kernel exists: hand over to the binding
         return _fused.forward if direction == "fwd" else _fused.backward
     raise _backend.FusedKernelUnavailable(
         f"prime_kernels.mega.{what}: precision={precision!r} {direction} is not available: {reason} "
         f"(see prime_kernels.status()); use bf16_mega_moe / mega_moe(precision='bf16')")
-
-
-def fp8_mega_moe(*args, **kwargs):
-    """SM90 blockwise-FP8 forward (``precision="fp8"``). Raises the ``prime_kernels.status()`` reason
-    until the kernel exists."""
-    return _unavailable("fp8", "fwd", "fp8_mega_moe")(*args, precision="fp8", **kwargs)
-
-
-def fp8_mega_moe_backward(*args, **kwargs):
-    """SM90 blockwise-FP8 backward (``precision="fp8"``); raises the status() reason for now."""
-    return _unavailable("fp8", "bwd", "fp8_mega_moe_backward")(*args, precision="fp8", **kwargs)
-
-
-def fp8_mega_moe_weight_grads(*args, **kwargs):
-    """SM90 FP8 weight gradients into fp32 accumulators; raises the status() reason for now."""
-    return _unavailable("fp8", "bwd", "fp8_mega_moe_weight_grads")(*args, precision="fp8", **kwargs)
 
 
 def mxfp8_mega_moe(*args, **kwargs):

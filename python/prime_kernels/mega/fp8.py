@@ -230,3 +230,20 @@ class Fp8WeightCache:
 
 #: The cache the reference uses unless it is given one.
 WEIGHT_CACHE = Fp8WeightCache()
+
+
+#: The FP8 call sequence's names (:mod:`prime_kernels.mega.staged_fp8`), reachable here too because call sites
+#: written for a DeepGEMM fork import them from its ``mega.fp8`` module. Resolved on first use: that module
+#: imports the kernels' wrappers, which import this one.
+STAGED_CALLS = ("FP8SymmBuffer", "FP8Pools", "FP8BackwardBuffers", "pool_capacity", "expert_offsets",
+                "fp8_weights_for_mega_moe", "fp8_mega_moe", "column_quant", "allocate_column_quant",
+                "fp8_mega_moe_backward", "fp8_mega_moe_weight_grads", "fp8_mega_moe_weight_grads_add",
+                "MAX_DEFERRED")
+
+
+def __getattr__(name):
+    if name in STAGED_CALLS:
+        from . import staged_fp8  # noqa: PLC0415
+
+        return getattr(staged_fp8, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
