@@ -49,8 +49,6 @@ BLOCK = _fp8.BLOCK
 #: Micro-batches ``fp8_mega_moe_weight_grads(..., defer=True)`` holds at most: the call that would hold one more
 #: flushes the held ones first, so deferral never keeps more than this many sets of operands alive.
 MAX_DEFERRED = 4
-#: Pool rows a dequantized chunk of column_quant covers (an fp32 temporary of this many rows, not the whole pool).
-_DEQUANT_ROWS = 8192
 
 
 def _fail(msg: str, exc=ValueError):
@@ -85,8 +83,10 @@ class FP8SymmBuffer(SymmBuffer):
 
 
 def _device(device, like: Optional[torch.Tensor] = None) -> torch.device:
+    """``device`` (a CUDA device with its index), else like's device, else the current CUDA device or the CPU."""
     if device is not None:
-        return torch.device(device)
+        dev = torch.device(device)
+        return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
     if like is not None:
         return like.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -284,7 +284,7 @@ def fp8_mega_moe(y: torch.Tensor, l1, l2, pools: FP8Pools, buffer: SymmBuffer, *
         _fail("y must be a tensor", TypeError)
     T = y.shape[0]
     _check_buffer(buffer, T)
-    H, K, E, dev = buffer.hidden, buffer.num_topk, buffer.num_experts, buffer.device
+    H, K, E, dev = buffer.hidden, buffer.num_topk, buffer.num_experts, _device(buffer.device)
     _check(y, "y", (T, H), torch.bfloat16, dev)
     El, I = _check_weights(l1, l2, H, dev, transposed=False)
     if El != buffer.num_local_experts:
@@ -362,12 +362,12 @@ def column_quant(x: torch.Tensor, x_sf: torch.Tensor, counts: torch.Tensor, x_t:
         _fail("x_t must have its token axis contiguous and a row stride of a multiple of 16 (allocate_column_quant)")
     _check_block_major(x_t_sf, "x_t_sf", H, (C + BLOCK - 1) // BLOCK, dev)
     offsets = expert_offsets(counts)
+    # e4m3 -> bf16 is exact; the in-place multiply by the fp32 scales computes in fp32 and rounds to bf16 once per
+    # element: two passes over a bf16 pool (an fp32 temporary per chunk of rows instead took 2.87 ms of the 5.20 ms
+    # this forward took at 30B, T=16384 on the H200)
     rows = torch.empty(C, H, dtype=torch.bfloat16, device=dev)
-    nb = H // BLOCK
-    for r0 in range(0, C, _DEQUANT_ROWS):  # fp32(q * scale) one chunk of rows at a time, rounded once to bf16
-        r1 = min(C, r0 + _DEQUANT_ROWS)
-        block = x[r0:r1].float().view(r1 - r0, nb, BLOCK) * x_sf[r0:r1, :, None]
-        rows[r0:r1] = block.view(r1 - r0, H)
+    rows.copy_(x)
+    rows.view(C, H // BLOCK, BLOCK).mul_(x_sf[:, :, None])
     quantize_tokens_fp8(rows, offsets, counts, pow2_scales=pow2_scales, out=(x_t, x_t_sf))
 
 
@@ -407,7 +407,7 @@ def fp8_mega_moe_backward(grad_x: torch.Tensor, grad_weights: torch.Tensor, l1_t
         _fail("grad_x must be a tensor", TypeError)
     T = grad_x.shape[0]
     _check_buffer(buffer, T)
-    H, K, dev = buffer.hidden, buffer.num_topk, buffer.device
+    H, K, dev = buffer.hidden, buffer.num_topk, _device(buffer.device)
     _check(grad_x, "grad_x", (T, H), torch.bfloat16, dev)
     _check(grad_weights, "grad_weights", (T, K), torch.float32, dev)
     El, I = _check_weights(l1_t, l2_t, H, dev, transposed=True)
