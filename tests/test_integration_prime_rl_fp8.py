@@ -150,8 +150,8 @@ def _device_or_skip(device):
     if device == "cuda":
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA GPU")
-        skip_unless_available("mega_moe_grouped.fp8")
-        skip_unless_available("mega_moe.fp8_bwd")
+        skip_unless_available("mega_moe_grouped.fp8.sm90")
+        skip_unless_available("mega_moe.fp8_bwd.sm90")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -207,10 +207,10 @@ def test_zero_tokens():
     y = torch.empty(0, 128, dtype=torch.bfloat16)
     dg_fp8.fp8_mega_moe(y, layer.weights[0:2], layer.weights[2:4], pools, layer.buffer)
     assert (pools.counts == 0).all() and (pools.meta == -1).all() and (pools.weights == 0).all()
-    bufs = dg_fp8.FP8BackwardBuffers(layer.capacity, 128, 128)
+    bufs = dg_fp8.FP8BackwardBuffers(layer.capacity, 128, 128, device="cpu")
     gx, gw = torch.empty(0, 128, dtype=torch.bfloat16), torch.empty(0, 2)
     dg_fp8.fp8_mega_moe_backward(gx, gw, layer.weights[4:6], layer.weights[6:8], pools, bufs, layer.buffer)
-    x_t, x_t_sf = dg_fp8.allocate_column_quant(layer.capacity, 128)
+    x_t, x_t_sf = dg_fp8.allocate_column_quant(layer.capacity, 128, device="cpu")
     dg_fp8.column_quant(pools.x, pools.x_sf, pools.counts, x_t, x_t_sf)
     dg_fp8.fp8_mega_moe_weight_grads(pools.counts, bufs, (x_t, x_t_sf), layer.dw13, layer.dw2)
     assert (layer.dw13 == 0).all() and (layer.dw2 == 0).all()
@@ -241,7 +241,7 @@ def test_refusals_leave_the_outputs_untouched():
         dg_fp8.fp8_mega_moe(y, l1[0], l2, pools, layer.buffer)
     with pytest.raises(ValueError, match="l1_t|l1"):
         dg_fp8.fp8_mega_moe(y, layer.weights[4:6], l2, pools, layer.buffer)  # transposed tiles where l1 goes
-    small = dg_fp8.FP8Pools.allocate(64, 128, 128, 2)
+    small = dg_fp8.FP8Pools.allocate(64, 128, 128, 2, device="cpu")
     with pytest.raises(ValueError, match="pool_capacity"):
         dg_fp8.fp8_mega_moe(y, l1, l2, small, layer.buffer)
     bf16_buffer = deep_gemm.get_symm_buffer_for_mega_moe(None, 2, 8, 2, 128, 128, device="cpu", reuse=False)
@@ -251,15 +251,16 @@ def test_refusals_leave_the_outputs_untouched():
     with pytest.raises(ValueError, match="expert"):
         dg_fp8.fp8_mega_moe(y, l1, l2, pools, layer.buffer)
     assert y.isnan().all()
-    bufs = dg_fp8.FP8BackwardBuffers(layer.capacity, 128, 128)
+    bufs = dg_fp8.FP8BackwardBuffers(layer.capacity, 128, 128, device="cpu")
+    x_t = dg_fp8.allocate_column_quant(layer.capacity, 128, device="cpu")
     with pytest.raises(NotImplementedError, match="wgrad_tile_scales"):
-        dg_fp8.fp8_mega_moe_weight_grads(pools.counts, bufs, dg_fp8.allocate_column_quant(layer.capacity, 128),
+        dg_fp8.fp8_mega_moe_weight_grads(pools.counts, bufs, x_t,
                                          layer.dw13, layer.dw2, None, True)
     with pytest.raises(TypeError, match="pending"):
-        dg_fp8.fp8_mega_moe_weight_grads(pools.counts, bufs, dg_fp8.allocate_column_quant(layer.capacity, 128),
+        dg_fp8.fp8_mega_moe_weight_grads(pools.counts, bufs, x_t,
                                          layer.dw13, layer.dw2, defer=True)
     with pytest.raises(TypeError, match="dw13"):
-        dg_fp8.fp8_mega_moe_weight_grads(pools.counts, bufs, dg_fp8.allocate_column_quant(layer.capacity, 128),
+        dg_fp8.fp8_mega_moe_weight_grads(pools.counts, bufs, x_t,
                                          layer.dw13.bfloat16(), layer.dw2)
     assert (layer.dw13 == 0).all()
 
