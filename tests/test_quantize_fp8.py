@@ -606,3 +606,90 @@ def test_division_free_quotient_is_the_division(tmp_path):
     """common::div_by_scale, the FP8 L2 dgrad epilogue's Q3 without a divide, gives the IEEE division's bits
     (tests/cpp/fp8_div_check.cpp, 2e7 cases built to hit e4m3 rounding boundaries, zeros and subnormal values)."""
     run_host_check("fp8_div_check", tmp_path, timeout=120)
+
+
+# -- qT of e4m3 pool rows (quantize_tokens_fp8 with v_scale: the pooled rows of prime-rl's FP8 dispatch) ----------
+
+E4M3_CASES = [
+    ([5, 0, 130, 1, 256], 0, False, 128),   # empty experts, block boundaries
+    ([127, 128, 129], 37, False, 256),      # rows in no expert after the last one
+    ([300, 3], 0, True, 384),               # the last expert ends at its count, P % 16 != 0
+    ([0, 0, 0], 256, False, 128),           # no live row anywhere
+]
+
+
+def e4m3_case(counts, extra, ragged, C, gen, pow2_in, block_major_scales):
+    """(q e4m3 [P, C], v_scale fp32 [P, C/128], offsets, counts, P, dequantized bf16 pool): pool rows quantized 1 x 128
+    (general or power-of-two scales), NaN bytes and NaN scales in the rows no expert holds live (never to be read);
+    the scales row-major or K-block major."""
+    offsets, cnt, P = pool_layout(counts, extra, ragged)
+    v = pool_rows(offsets, cnt, P, C, gen, garbage=False)
+    qv = recipe.quantize_along_k(v, pow2_scales=pow2_in)
+    q, s = qv.data.clone(), qv.scale.clone()
+    live = torch.zeros(P, dtype=torch.bool)
+    for e, c in enumerate(cnt.tolist()):
+        live[offsets[e]:offsets[e] + c] = True
+    q.view(torch.uint8)[~live] = 0x7F
+    s[~live] = float("nan")
+    deq = (q.float() * s.repeat_interleave(128, dim=1)).bfloat16()  # fp32 product, rounded once to bf16
+    if block_major_scales:
+        sb = k_block_major_empty(P, C // 128, "cpu")
+        sb.copy_(s)
+        s = sb
+    return q, s, offsets, cnt, P, deq
+
+
+@pytest.mark.parametrize("block_major", [False, True])
+@pytest.mark.parametrize("pow2_in", POW2)
+@pytest.mark.parametrize("counts,extra,ragged,C", E4M3_CASES)
+def test_tokens_e4m3_cpu_equals_the_dequantized_pool_bit_for_bit(counts, extra, ragged, C, pow2_in, block_major):
+    gen = torch.Generator().manual_seed(sum(counts) + C + extra + 2 * pow2_in + block_major)
+    q_in, s_in, offsets, cnt, P, deq = e4m3_case(counts, extra, ragged, C, gen, pow2_in, block_major)
+    for pow2 in POW2:
+        want_q, want_s = prime_kernels.quantize_tokens_fp8(deq, offsets, cnt, pow2_scales=pow2)
+        q, scale, buf = poisoned_tokens_out(P, C, pad=16)
+        prime_kernels.quantize_tokens_fp8(q_in, offsets, cnt, pow2_scales=pow2, out=(q, scale), v_scale=s_in)
+        assert torch.equal(bits(q), bits(want_q)) and torch.equal(bits(scale), bits(want_s))
+        assert bool((buf[:, P:].view(torch.uint8) == 0x7F).all()), "a byte past the pool's rows was written"
+
+
+def test_tokens_e4m3_refusals_write_nothing():
+    gen = torch.Generator().manual_seed(8)
+    q_in, s_in, offsets, cnt, P, _ = e4m3_case([5, 130], 0, False, 128, gen, True, False)
+    q, scale, _ = poisoned_tokens_out(P, 128)
+    with pytest.raises(RuntimeError, match=r"v_scale must be a float32 \[P, C / 128\]"):
+        prime_kernels.quantize_tokens_fp8(q_in, offsets, cnt, out=(q, scale), v_scale=s_in[:, :0])
+    with pytest.raises(RuntimeError, match="multiple of 128"):
+        prime_kernels.quantize_tokens_fp8(q_in[:, :64], offsets, cnt, out=(poisoned_tokens_out(P, 64)[:2]),
+                                          v_scale=s_in)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        prime_kernels.quantize_tokens_fp8(q_in.float().bfloat16(), offsets, cnt, out=(q, scale), v_scale=s_in)
+    with pytest.raises(ValueError, match="do not combine"):
+        prime_kernels.quantize_tokens_fp8(q_in, offsets, cnt, out=(q, scale), v_scale=s_in,
+                                          pool_src_route=torch.zeros(P, dtype=torch.int32))
+    assert bool((q.view(torch.uint8) == 0x7F).all()) and bool(scale.isnan().all()), "a refused call wrote"
+
+
+def test_tokens_e4m3_cpu_op_passes_opcheck():
+    gen = torch.Generator().manual_seed(9)
+    q_in, s_in, offsets, cnt, P, _ = e4m3_case([3, 0, 130], 0, False, 128, gen, False, True)
+    q, scale, _ = poisoned_tokens_out(P, 128)
+    torch.library.opcheck(torch.ops.prime_kernels.quantize_tokens_e4m3_fp8_.default,
+                          (q_in, s_in, offsets, cnt, q, scale, False),
+                          test_utils=("test_autograd_registration", "test_faketensor"))
+
+
+@on_cuda
+@pytest.mark.parametrize("block_major", [False, True])
+@pytest.mark.parametrize("pow2", POW2)
+@pytest.mark.parametrize("counts,extra,ragged,C", E4M3_CASES + [([900, 0, 4000, 37], 128, False, 2048)])
+def test_tokens_e4m3_cuda_equals_cpu_bit_for_bit(counts, extra, ragged, C, pow2, block_major):
+    gen = torch.Generator().manual_seed(sum(counts) + C + pow2 + block_major)
+    q_in, s_in, offsets, cnt, P, _ = e4m3_case(counts, extra, ragged, C, gen, pow2, block_major)
+    want_q, want_s = prime_kernels.quantize_tokens_fp8(q_in, offsets, cnt, pow2_scales=pow2, v_scale=s_in)
+    q, scale, buf = poisoned_tokens_out(P, C, "cuda", pad=16)
+    s_dev = s_in.cuda() if not block_major else k_block_major_empty(P, C // 128, "cuda").copy_(s_in)
+    prime_kernels.quantize_tokens_fp8(q_in.cuda(), offsets.cuda(), cnt.cuda(), pow2_scales=pow2, out=(q, scale),
+                                      v_scale=s_dev)
+    assert torch.equal(bits(q), bits(want_q)) and torch.equal(bits(scale), bits(want_s))
+    assert bool((buf[:, P:].view(torch.uint8) == 0x7F).all()), "a byte past the pool's rows was written"

@@ -28,7 +28,7 @@ enum {
 };
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatch.
-#define PK_ABI_VERSION 3
+#define PK_ABI_VERSION 4
 PK_API int pk_abi_version(void);
 
 // The message of the last failed call on this thread ("" if none).
@@ -298,7 +298,9 @@ PK_API int pk_dispatch_rows_bf16_cpu(const void* src, int64_t ld_src, const int3
 // expert_counts[e] are live; every other row is read as zero. A broken layout makes the kernel write nothing and is
 // a device finding (CUDA) or fails the call before anything is written (CPU). With src_route (else null) v holds
 // num_tokens token rows and pool row r reads token row src_route[r] / top_k (a negative route: zeros); a live row's
-// route past num_tokens * top_k reads zeros and is a device finding (CUDA) or fails the call (CPU).
+// route past num_tokens * top_k reads zeros and is a device finding (CUDA) or fails the call (CPU). With v_scale
+// (else null) v is e4m3 (ld_v bytes, cols a multiple of 128) and element (r, c) is read as bf16(v * scale), the scale
+// at v_scale[r * v_scale_row_stride + (c / 128) * v_scale_block_stride].
 // ---------------------------------------------------------------------------------------------
 PK_API int pk_dispatch_rows_fp8_cuda(const void* src, int64_t ld_src, const int32_t* route_to_pool,
                                      int64_t num_tokens, int64_t top_k, int64_t hidden, void* q, int64_t ld_q,
@@ -310,11 +312,14 @@ PK_API int pk_quantize_tokens_fp8_cuda(const void* v, int64_t ld_v, int64_t rows
                                        const int32_t* expert_offsets, const int32_t* expert_counts, int num_experts,
                                        void* q, int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales,
                                        const int32_t* src_route, int64_t num_tokens, int64_t top_k,
-                                       void* cuda_stream);
+                                       const float* v_scale, int64_t v_scale_row_stride,
+                                       int64_t v_scale_block_stride, void* cuda_stream);
 PK_API int pk_quantize_tokens_fp8_cpu(const void* v, int64_t ld_v, int64_t rows, int64_t cols,
                                       const int32_t* expert_offsets, const int32_t* expert_counts, int num_experts,
                                       void* q, int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales,
-                                      const int32_t* src_route, int64_t num_tokens, int64_t top_k);
+                                      const int32_t* src_route, int64_t num_tokens, int64_t top_k,
+                                      const float* v_scale, int64_t v_scale_row_stride,
+                                      int64_t v_scale_block_stride);
 
 // ---------------------------------------------------------------------------------------------
 // SwiGLU over pool rows (the grouped pipeline's epilogues). Rows below *num_rows (device int32)

@@ -66,10 +66,12 @@ int pk_dispatch_rows_fp8_cpu(const void* src, int64_t ld_src, const int32_t* rou
 int pk_quantize_tokens_fp8_cuda(const void* v, int64_t ld_v, int64_t rows, int64_t cols,
                                 const int32_t* expert_offsets, const int32_t* expert_counts, int num_experts, void* q,
                                 int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales,
-                                const int32_t* src_route, int64_t num_tokens, int64_t top_k, void* cuda_stream) {
-  const QuantizeTokensFp8Args a{v,        ld_v,     rows,        cols,       expert_offsets, expert_counts,
-                                num_experts, q,      ld_q,        scale,      ld_scale,       pow2_scales != 0,
-                                src_route, num_tokens, top_k};
+                                const int32_t* src_route, int64_t num_tokens, int64_t top_k, const float* v_scale,
+                                int64_t v_scale_row_stride, int64_t v_scale_block_stride, void* cuda_stream) {
+  const QuantizeTokensFp8Args a{v,         ld_v,       rows,    cols,               expert_offsets,
+                                expert_counts, num_experts, q,  ld_q,               scale,
+                                ld_scale,  pow2_scales != 0, src_route, num_tokens, top_k,
+                                v_scale,   v_scale_row_stride, v_scale_block_stride};
   return run_on_device("quantize_tokens_fp8", qh::check_quantize_tokens_fp8_args,
                        prime_kernels::common::launch_quantize_tokens_fp8, a, cuda_stream);
 }
@@ -77,10 +79,12 @@ int pk_quantize_tokens_fp8_cuda(const void* v, int64_t ld_v, int64_t rows, int64
 int pk_quantize_tokens_fp8_cpu(const void* v, int64_t ld_v, int64_t rows, int64_t cols,
                                const int32_t* expert_offsets, const int32_t* expert_counts, int num_experts, void* q,
                                int64_t ld_q, float* scale, int64_t ld_scale, int pow2_scales,
-                               const int32_t* src_route, int64_t num_tokens, int64_t top_k) {
-  const QuantizeTokensFp8Args a{v,        ld_v,     rows,        cols,       expert_offsets, expert_counts,
-                                num_experts, q,      ld_q,        scale,      ld_scale,       pow2_scales != 0,
-                                src_route, num_tokens, top_k};
+                               const int32_t* src_route, int64_t num_tokens, int64_t top_k, const float* v_scale,
+                               int64_t v_scale_row_stride, int64_t v_scale_block_stride) {
+  const QuantizeTokensFp8Args a{v,         ld_v,       rows,    cols,               expert_offsets,
+                                expert_counts, num_experts, q,  ld_q,               scale,
+                                ld_scale,  pow2_scales != 0, src_route, num_tokens, top_k,
+                                v_scale,   v_scale_row_stride, v_scale_block_stride};
   if (const int rc = check_args(qh::check_quantize_tokens_fp8_args, a, false); rc != PK_OK) return rc;
   if (a.rows == 0 || a.cols == 0) return prime_kernels::api::ok();
   char message[512] = {0};

@@ -71,6 +71,20 @@ inline uint8_t e4m3_bits_host(float x) {
   return sign | static_cast<uint8_t>((exponent << 3) | ((u >> 20) & 7u));
 }
 
+// The value of e4m3 (fn) bits on the host (exact in fp32); 0x7f / 0xff (NaN) give NaN.
+inline float e4m3_value_host(uint8_t bits) {
+  const int exponent = (bits >> 3) & 15, mantissa = bits & 7;
+  float magnitude;
+  if (exponent == 15 && mantissa == 7) {
+    magnitude = fp32_from_bits(0x7fc00000u);
+  } else if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -9);  // subnormal: multiples of 2^-9
+  } else {
+    magnitude = std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);  // 1.mmm * 2^(exponent - 7)
+  }
+  return (bits & 0x80u) ? -magnitude : magnitude;
+}
+
 #ifdef __CUDACC__
 // Q3 on the device for two values: the low byte is `lo`'s (cvt.rn.satfinite.e4m3x2.f32).
 __device__ __forceinline__ uint32_t e4m3x2_bits(float lo, float hi, float scale) {

@@ -56,15 +56,22 @@ cudaError_t launch_quantize_tokens_fp8(const QuantizeTokensFp8Args& a, cudaStrea
   const dim3 grid(static_cast<unsigned>((a.rows + kFp8Block - 1) / kFp8Block),
                   static_cast<unsigned>((a.cols + kQuantTokensCols - 1) / kQuantTokensCols));
   quantize_tokens_fp8_kernel<<<grid, kQuantTokensThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(a.v), a.ld_v, a.rows, a.cols, a.expert_offsets, a.expert_counts,
-      a.num_experts, static_cast<uint8_t*>(a.q), a.ld_q, a.scale, a.ld_scale, a.pow2_scales, a.src_route,
-      static_cast<int>(a.top_k), static_cast<int>(a.num_tokens * a.top_k), device_check_record());
+      a.v, a.ld_v, a.rows, a.cols, a.expert_offsets, a.expert_counts, a.num_experts, static_cast<uint8_t*>(a.q),
+      a.ld_q, a.scale, a.ld_scale, a.pow2_scales, a.src_route, static_cast<int>(a.top_k),
+      static_cast<int>(a.num_tokens * a.top_k), a.v_scale, a.v_scale_row_stride, a.v_scale_block_stride,
+      device_check_record());
   return cudaGetLastError();
 }
 
 void quantize_tokens_fp8_host(const QuantizeTokensFp8Args& a) {
-  const auto* v = static_cast<const __nv_bfloat16*>(a.v);
   auto* q = static_cast<uint8_t*>(a.q);
+  // element (row, c) of v as the kernel reads it: bf16, or bf16(e4m3 * the row's block scale)
+  auto value = [&](int64_t row, int64_t c) -> float {
+    if (a.v_scale == nullptr) return __bfloat162float(static_cast<const __nv_bfloat16*>(a.v)[row * a.ld_v + c]);
+    const float s = a.v_scale[row * a.v_scale_row_stride + (c / kFp8Block) * a.v_scale_block_stride];
+    const float f = e4m3_value_host(static_cast<const uint8_t*>(a.v)[row * a.ld_v + c]);
+    return __bfloat162float(__float2bfloat16_rn(f * s));
+  };
   // live[r]: row r is one of an expert's first counts[e] rows; every other row is read as zero
   std::vector<char> live(a.rows, 0);
   for (int e = 0; e < a.num_experts; ++e)
@@ -79,7 +86,7 @@ void quantize_tokens_fp8_host(const QuantizeTokensFp8Args& a) {
     const int n = static_cast<int>(std::min<int64_t>(kFp8Block, a.rows - r0));
     for (int64_t c = 0; c < a.cols; ++c) {
       for (int i = 0; i < n; ++i)
-        block[i] = live[r0 + i] ? __bfloat162float(v[src_row(r0 + i) * a.ld_v + c]) : 0.0f;
+        block[i] = live[r0 + i] ? value(src_row(r0 + i), c) : 0.0f;
       a.scale[(r0 / kFp8Block) * a.ld_scale + c] = quantize_block_host(block.data(), n, a.pow2_scales,
                                                                        qblock.data());
       std::memcpy(q + c * a.ld_q + r0, qblock.data(), static_cast<size_t>(n));

@@ -64,6 +64,12 @@ struct QuantizeTokensFp8Args {
   const int32_t* src_route = nullptr;  // [rows], or null: v is the pool
   int64_t num_tokens = 0;
   int64_t top_k = 1;
+  // Null: v is bf16. Else v is e4m3 (ld_v in bytes) quantized 1 x 128 along cols, the scale of v's row r and
+  // column block j at v_scale[r * v_scale_row_stride + j * v_scale_block_stride]; each value is read as
+  // bf16(e4m3 * scale) (the fp32 product rounded once), the bf16 pool a dequantization would give.
+  const float* v_scale = nullptr;
+  int64_t v_scale_row_stride = 0;
+  int64_t v_scale_block_stride = 0;
 };
 
 constexpr int kQuantizeMaxExperts = 1024;             // the k-grouped FP8 GEMM's most groups
@@ -139,6 +145,9 @@ inline int check_quantize_tokens_fp8_args(const QuantizeTokensFp8Args& x, bool o
   if ((x.v == nullptr && !no_rows_to_read) || x.expert_offsets == nullptr || x.expert_counts == nullptr ||
       x.q == nullptr || x.scale == nullptr)
     return invalid(err, err_len, "%s: null v, expert_offsets, expert_counts, q or scale", fn);
+  if (x.v_scale != nullptr && (x.cols % 128 != 0 || x.v_scale_row_stride < 0 || x.v_scale_block_stride < 0))
+    return invalid(err, err_len, "%s: e4m3 v needs cols (%lld) a multiple of 128 (its scale blocks) and non-negative "
+                   "scale strides", fn, (long long)x.cols);
   if (on_device && !aligned16(x.v)) return invalid(err, err_len, "%s: v must be 16-byte aligned", fn);
   if (!aligned16(x.q) || !aligned16(x.scale))
     return invalid(err, err_len, "%s: q and scale must be 16-byte aligned", fn);

@@ -8,11 +8,12 @@
 //
 // Gathering (src_route != null, QuantizeTokensFp8Args): pool row r is read from token row src_route[r] / top_k of
 // v, so the bf16 pool is never written and read back; a negative route reads zeros, one past the routes reads zeros
-// and is a device finding.
+// and is a device finding. With v_scale, v holds e4m3 rows quantized 1 x 128 along the columns, and each value is
+// read as bf16(e4m3 * scale), the bits a dequantization to bf16 would hold, without writing that bf16 copy.
 //
 // One CTA per 128-row block x 64 columns, a transpose through shared memory so that both sides are coalesced:
-//   1. load: thread (m = tid % 8, a = tid / 8) loads 16 bytes (8 columns) of each of the rows 4a .. 4a+3; a warp's
-//      loads cover whole 128-byte row segments;
+//   1. load: thread (m = tid % 8, a = tid / 8) loads 8 columns (16 bytes of bf16, 8 of e4m3 and its block's scale)
+//      of each of the rows 4a .. 4a+3; a warp's loads cover whole row segments;
 //   2. the columns' amax: a thread's 4 rows, then the 4 row-quads of its warp (shuffles), then the 8 warps (shared);
 //   3. each thread quantizes its 4 x 8 values and stores, per column, the 4 consecutive tokens' e4m3 bytes as one
 //      word into the column-major stage (rows of 33 words: at most 2-way bank conflicts);
@@ -26,6 +27,8 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -40,11 +43,12 @@ constexpr int kQuantTokensStageWords = kFp8Block / 4 + 1;  // one column's 128 b
 
 // Grid: x = ceil(rows / 128) token blocks, y = ceil(cols / 64) column tiles.
 __global__ void __launch_bounds__(kQuantTokensThreads)
-quantize_tokens_fp8_kernel(const __nv_bfloat16* __restrict__ v, int64_t ld_v, int64_t rows, int64_t cols,
+quantize_tokens_fp8_kernel(const void* __restrict__ v, int64_t ld_v, int64_t rows, int64_t cols,
                            const int32_t* __restrict__ offsets, const int32_t* __restrict__ counts, int num_experts,
                            uint8_t* __restrict__ q, int64_t ld_q, float* __restrict__ scale, int64_t ld_scale,
                            bool pow2_scales, const int32_t* __restrict__ src_route, int top_k, int num_routes,
-                           DeviceCheckRecord* check) {
+                           const float* __restrict__ v_scale, int64_t v_scale_row_stride,
+                           int64_t v_scale_block_stride, DeviceCheckRecord* check) {
   __shared__ uint32_t stage[kQuantTokensCols][kQuantTokensStageWords];
   __shared__ float warp_amax[kQuantTokensThreads / 32][kQuantTokensCols];
   __shared__ float col_scale[kQuantTokensCols];
@@ -75,7 +79,7 @@ quantize_tokens_fp8_kernel(const __nv_bfloat16* __restrict__ v, int64_t ld_v, in
   const int m = tid % 8, a = tid / 8;
   const int64_t col = col0 + 8 * m;
   const bool col_in = col < cols;
-  uint4 raw[4];
+  float x[4][8];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t r = row0 + 4 * a + i;
@@ -87,18 +91,32 @@ quantize_tokens_fp8_kernel(const __nv_bfloat16* __restrict__ v, int64_t ld_v, in
       live = route >= 0 && route < num_routes;
       src_row = live ? route / top_k : 0;
     }
-    raw[i] = (col_in && live) ? __ldg(reinterpret_cast<const uint4*>(v + src_row * ld_v + col))
-                              : make_uint4(0u, 0u, 0u, 0u);
-  }
-  float x[4][8];
+    const bool load = col_in && live;
+    if (v_scale == nullptr) {  // bf16 rows: 16 bytes, 8 columns
+      const uint4 raw = load ? __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(v) +
+                                                                     src_row * ld_v + col))
+                             : make_uint4(0u, 0u, 0u, 0u);
+      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(pairs[j]);
+        x[i][2 * j] = f.x;
+        x[i][2 * j + 1] = f.y;
+      }
+    } else {  // e4m3 rows: 8 bytes, 8 columns of one 1 x 128 block, read as bf16(value * scale)
+      const uint2 raw = load ? __ldg(reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(v) + src_row * ld_v +
+                                                                    col))
+                             : make_uint2(0u, 0u);
+      const float s = load ? __ldg(v_scale + src_row * v_scale_row_stride + (col / kFp8Block) * v_scale_block_stride)
+                           : 0.0f;
+      const uint32_t words[2] = {raw.x, raw.y};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(pairs[j]);
-      x[i][2 * j] = f.x;
-      x[i][2 * j + 1] = f.y;
+      for (int j = 0; j < 4; ++j) {
+        const auto pair = static_cast<__nv_fp8x2_storage_t>((words[j / 2] >> (16 * (j % 2))) & 0xffffu);
+        const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+        x[i][2 * j] = __bfloat162float(__float2bfloat16_rn(f.x * s));
+        x[i][2 * j + 1] = __bfloat162float(__float2bfloat16_rn(f.y * s));
+      }
     }
   }
 

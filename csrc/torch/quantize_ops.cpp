@@ -1,5 +1,6 @@
-// torch.ops.prime_kernels.dispatch_rows_fp8_, quantize_tokens_fp8_ and quantize_tokens_gathered_fp8_ (the same qT,
-// reading each pool row from its token row), the blockwise-FP8 recipe's quantizing producers (CPU: the core's host
+// torch.ops.prime_kernels.dispatch_rows_fp8_, quantize_tokens_fp8_, quantize_tokens_gathered_fp8_ (the same qT,
+// reading each pool row from its token row) and quantize_tokens_e4m3_fp8_ (the same qT of e4m3 pool rows with their
+// 1 x 128 scales, read as their bf16 dequantization), the blockwise-FP8 recipe's quantizing producers (CPU: the core's host
 // loops, the same bits as the kernels). Both write into the tensors they are given;
 // the core checks sizes, strides, alignment and, on the CPU, the values it reads.
 #include <torch/csrc/stable/accelerator.h>
@@ -66,10 +67,13 @@ struct TokensFp8Input {
 };
 
 // rows: the pool's rows (v's, or pool_src_route's when gathering from token rows v).
-TokensFp8Input check_tokens_fp8_input(const char* op, const Tensor& v, int64_t rows, const Tensor& offsets,
-                                      const Tensor& counts, const Tensor& q, const Tensor& scale) {
-  STD_TORCH_CHECK(v.scalar_type() == ScalarType::BFloat16 && v.dim() == 2 && v.stride(1) == 1, "prime_kernels.", op,
-                  ": v must be a bfloat16 2-D tensor with unit column stride");
+TokensFp8Input check_tokens_fp8_input(const char* op, const Tensor& v, bool v_e4m3, int64_t rows,
+                                      const Tensor& offsets, const Tensor& counts, const Tensor& q,
+                                      const Tensor& scale) {
+  STD_TORCH_CHECK(v.scalar_type() == (v_e4m3 ? ScalarType::Float8_e4m3fn : ScalarType::BFloat16) && v.dim() == 2 &&
+                      (v.stride(1) == 1 || v.size(1) <= 1),
+                  "prime_kernels.", op, ": v must be a ", v_e4m3 ? "float8_e4m3fn" : "bfloat16",
+                  " 2-D tensor with unit column stride");
   const int64_t cols = v.size(1);
   STD_TORCH_CHECK(offsets.scalar_type() == ScalarType::Int && offsets.dim() == 1 && offsets.is_contiguous() &&
                       offsets.size(0) >= 2,
@@ -92,26 +96,35 @@ TokensFp8Input check_tokens_fp8_input(const char* op, const Tensor& v, int64_t r
   return TokensFp8Input{rows, cols, row_stride_bytes(q, rows), ld_scale, static_cast<int32_t>(experts)};
 }
 
-// One entry for both ops and devices: src_route null (v is the pool) or the gathering op's pool_src_route.
+// The scale of v's row r and block j at v_scale[r * row + j * block] (null: v is bf16).
+struct RowScales {
+  const float* data = nullptr;
+  int64_t row = 0, block = 0;
+};
+
+// One entry for every op and device: src_route null (v is the pool) or the gathering op's pool_src_route; v_scale
+// for e4m3 rows.
 void run_quantize_tokens_fp8(bool on_cuda, const char* op, const Tensor& v, const int32_t* src_route, int64_t rows,
                              int64_t top_k, const Tensor& expert_offsets, const Tensor& expert_counts, const Tensor& q,
-                             const Tensor& scale, bool pow2_scales) {
-  const TokensFp8Input in = check_tokens_fp8_input(op, v, rows, expert_offsets, expert_counts, q, scale);
+                             const Tensor& scale, bool pow2_scales, RowScales v_scale = {}) {
+  const TokensFp8Input in = check_tokens_fp8_input(op, v, v_scale.data != nullptr, rows, expert_offsets,
+                                                   expert_counts, q, scale);
   const auto* offs = static_cast<const int32_t*>(expert_offsets.data_ptr());
   const auto* cnts = static_cast<const int32_t*>(expert_counts.data_ptr());
   const int64_t num_tokens = src_route != nullptr ? v.size(0) : 0;
   if (!on_cuda) {
     check_core(pk_quantize_tokens_fp8_cpu(v.data_ptr(), v.stride(0), in.rows, in.cols, offs, cnts, in.num_experts,
                                           q.data_ptr(), in.ld_q, static_cast<float*>(scale.data_ptr()), in.ld_scale,
-                                          pow2_scales ? 1 : 0, src_route, num_tokens, top_k),
+                                          pow2_scales ? 1 : 0, src_route, num_tokens, top_k, v_scale.data,
+                                          v_scale.row, v_scale.block),
                op);
     return;
   }
   torch::stable::accelerator::DeviceGuard guard(v.get_device_index());
   check_core(pk_quantize_tokens_fp8_cuda(v.data_ptr(), v.stride(0), in.rows, in.cols, offs, cnts, in.num_experts,
                                          q.data_ptr(), in.ld_q, static_cast<float*>(scale.data_ptr()), in.ld_scale,
-                                         pow2_scales ? 1 : 0, src_route, num_tokens, top_k,
-                                         current_cuda_stream(v.get_device_index())),
+                                         pow2_scales ? 1 : 0, src_route, num_tokens, top_k, v_scale.data,
+                                         v_scale.row, v_scale.block, current_cuda_stream(v.get_device_index())),
              op);
 }
 
@@ -135,6 +148,21 @@ void quantize_tokens_gathered_fp8_op(Tensor src, Tensor pool_src_route, int64_t 
                           pool_src_route.size(0), top_k, expert_offsets, expert_counts, q, scale, pow2_scales);
 }
 
+template <bool kOnCuda>
+void quantize_tokens_e4m3_fp8_op(Tensor v, Tensor v_scale, Tensor expert_offsets, Tensor expert_counts, Tensor q,
+                                 Tensor scale, bool pow2_scales) {
+  const char* op = "quantize_tokens_e4m3_fp8_";
+  STD_TORCH_CHECK(v.dim() == 2 && v.size(1) % 128 == 0, "prime_kernels.", op,
+                  ": v must be [P, C] with C a multiple of 128 (its 1 x 128 scale blocks)");
+  STD_TORCH_CHECK(v_scale.scalar_type() == ScalarType::Float && v_scale.dim() == 2 && v_scale.size(0) == v.size(0) &&
+                      v_scale.size(1) == v.size(1) / 128,
+                  "prime_kernels.", op, ": v_scale must be a float32 [P, C / 128] tensor");
+  check_same_device(v_scale, v, op, "v_scale");
+  run_quantize_tokens_fp8(kOnCuda, op, v, nullptr, v.size(0), 1, expert_offsets, expert_counts, q, scale, pow2_scales,
+                          RowScales{static_cast<const float*>(v_scale.data_ptr()), v_scale.stride(0),
+                                    v_scale.stride(1)});
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
@@ -143,16 +171,20 @@ STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
         "bool pow2_scales=False) -> ()");
   m.def("quantize_tokens_gathered_fp8_(Tensor src, Tensor pool_src_route, int top_k, Tensor expert_offsets, "
         "Tensor expert_counts, Tensor(a!) q, Tensor(b!) scale, bool pow2_scales=False) -> ()");
+  m.def("quantize_tokens_e4m3_fp8_(Tensor v, Tensor v_scale, Tensor expert_offsets, Tensor expert_counts, "
+        "Tensor(a!) q, Tensor(b!) scale, bool pow2_scales=False) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CPU, m) {
   m.impl("dispatch_rows_fp8_", TORCH_BOX(&dispatch_rows_fp8_cpu));
   m.impl("quantize_tokens_fp8_", TORCH_BOX(&quantize_tokens_fp8_op<false>));
   m.impl("quantize_tokens_gathered_fp8_", TORCH_BOX(&quantize_tokens_gathered_fp8_op<false>));
+  m.impl("quantize_tokens_e4m3_fp8_", TORCH_BOX(&quantize_tokens_e4m3_fp8_op<false>));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("dispatch_rows_fp8_", TORCH_BOX(&dispatch_rows_fp8_cuda));
   m.impl("quantize_tokens_fp8_", TORCH_BOX(&quantize_tokens_fp8_op<true>));
   m.impl("quantize_tokens_gathered_fp8_", TORCH_BOX(&quantize_tokens_gathered_fp8_op<true>));
+  m.impl("quantize_tokens_e4m3_fp8_", TORCH_BOX(&quantize_tokens_e4m3_fp8_op<true>));
 }

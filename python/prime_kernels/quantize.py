@@ -6,7 +6,8 @@
   :func:`prime_kernels.m_grouped_fp8_gemm_nt` takes. Routes of -1 write nothing; rows no route names keep their
   contents (with no ``out``: unspecified).
 - ``quantize_tokens_fp8(v [P, C], expert_offsets [E+1], expert_counts [E]) -> (q [C, P], scale [C, ceil(P/128)])``:
-  qT of pool rows for the weight-gradient GEMMs: expert e's rows [offsets[e], offsets[e] + counts[e]) quantized
+  qT of pool rows (bf16, or e4m3 with their 1 x 128 scales, read as their bf16 dequantization) for the weight-gradient
+  GEMMs: expert e's rows [offsets[e], offsets[e] + counts[e]) quantized
   with ``fp8.quantize_along_tokens`` (block grid from the expert's first row), its padding rows and rows in no
   expert as zeros whatever they hold; q token axis contiguous, the operand layout
   :func:`prime_kernels.k_grouped_fp8_gemm_tn` takes. Every offset must be a multiple of 128 or P.
@@ -50,14 +51,16 @@ def dispatch_rows_fp8(src: torch.Tensor, route_to_pool: torch.Tensor, num_rows: 
 
 def quantize_tokens_fp8(v: torch.Tensor, expert_offsets: torch.Tensor, expert_counts: torch.Tensor, *,
                         pow2_scales: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        pool_src_route: torch.Tensor | None = None,
-                        top_k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                        pool_src_route: torch.Tensor | None = None, top_k: int = 1,
+                        v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q e4m3 [C, P], scale fp32 [C, ceil(P/128)] K-block major); ``out`` to write into (returned), else allocated
     (q with its row stride rounded up to 16 bytes, as the k-grouped FP8 GEMM needs).
 
-    v is the pool [P, C]; or, with ``pool_src_route`` (int32 [P], the routing plan's: route = token * top_k + k, -1
-    for a padding row), the token rows [T, C], pool row r read from token row pool_src_route[r] // top_k: the same
-    bits as gathering the pool first, without writing it."""
+    v is the pool [P, C] bf16; or, with ``pool_src_route`` (int32 [P], the routing plan's: route = token * top_k + k,
+    -1 for a padding row), the token rows [T, C], pool row r read from token row pool_src_route[r] // top_k: the same
+    bits as gathering the pool first, without writing it. With ``v_scale`` (fp32 [P, C/128], any strides) v is the
+    pool in e4m3, quantized 1 x 128 along C, and is read as ``bf16(v * scale)``: the same bits as dequantizing it to
+    bf16 first (``fp8.BlockQuantized.dequantize`` rounded to bf16), without writing that copy."""
     _ready("quantize_tokens.fp8", "quantize_tokens_fp8", v.device)
     P = v.shape[0] if pool_src_route is None else pool_src_route.shape[0]
     if out is None:
@@ -66,7 +69,13 @@ def quantize_tokens_fp8(v: torch.Tensor, expert_offsets: torch.Tensor, expert_co
         scale = k_block_major_empty(C, (P + BLOCK - 1) // BLOCK, v.device)
     else:
         q, scale = out
-    if pool_src_route is None:
+    if v_scale is not None:
+        if pool_src_route is not None:
+            raise ValueError("quantize_tokens_fp8: v_scale (e4m3 pool rows) and pool_src_route (gathering) do not "
+                             "combine; pass one")
+        torch.ops.prime_kernels.quantize_tokens_e4m3_fp8_(v, v_scale, expert_offsets, expert_counts, q, scale,
+                                                          bool(pow2_scales))
+    elif pool_src_route is None:
         torch.ops.prime_kernels.quantize_tokens_fp8_(v, expert_offsets, expert_counts, q, scale, bool(pow2_scales))
     else:
         torch.ops.prime_kernels.quantize_tokens_gathered_fp8_(v, pool_src_route, int(top_k), expert_offsets,
@@ -85,4 +94,8 @@ def _register() -> None:
 
     @torch.library.register_fake("prime_kernels::quantize_tokens_gathered_fp8_")
     def _(src, pool_src_route, top_k, expert_offsets, expert_counts, q, scale, pow2_scales=False):
+        return None
+
+    @torch.library.register_fake("prime_kernels::quantize_tokens_e4m3_fp8_")
+    def _(v, v_scale, expert_offsets, expert_counts, q, scale, pow2_scales=False):
         return None
