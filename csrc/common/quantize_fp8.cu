@@ -55,7 +55,8 @@ cudaError_t launch_quantize_tokens_fp8(const QuantizeTokensFp8Args& a, cudaStrea
   if (a.rows == 0 || a.cols == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((a.rows + kFp8Block - 1) / kFp8Block),
                   static_cast<unsigned>((a.cols + kQuantTokensCols - 1) / kQuantTokensCols));
-  quantize_tokens_fp8_kernel<<<grid, kQuantTokensThreads, 0, stream>>>(
+  auto* kernel = a.v_scale != nullptr ? quantize_tokens_fp8_kernel<true> : quantize_tokens_fp8_kernel<false>;
+  kernel<<<grid, kQuantTokensThreads, 0, stream>>>(
       a.v, a.ld_v, a.rows, a.cols, a.expert_offsets, a.expert_counts, a.num_experts, static_cast<uint8_t*>(a.q),
       a.ld_q, a.scale, a.ld_scale, a.pow2_scales, a.src_route, static_cast<int>(a.top_k),
       static_cast<int>(a.num_tokens * a.top_k), a.v_scale, a.v_scale_row_stride, a.v_scale_block_stride,
