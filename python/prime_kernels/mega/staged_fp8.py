@@ -266,6 +266,20 @@ def _no_clamp(activation_clamp):
               NotImplementedError)
 
 
+def _call_prologue(rows_out, name, buffer, activation_clamp, num_sms):
+    """(sms, T, H, K, device) of a forward or backward call whose [T, H] bf16 output ``rows_out`` gives T, after the
+    checks every such call shares."""
+    _no_clamp(activation_clamp)
+    sms = _sms(_validate.num_sms_arg(num_sms))
+    if not isinstance(rows_out, torch.Tensor):
+        _fail(f"{name} must be a tensor", TypeError)
+    T = rows_out.shape[0]
+    _check_buffer(buffer, T)
+    H, K, dev = buffer.hidden, buffer.num_topk, _device(buffer.device)
+    _check(rows_out, name, (T, H), torch.bfloat16, dev)
+    return sms, T, H, K, dev
+
+
 # ----------------------------------------------------------------------------------------------
 # the calls
 # ----------------------------------------------------------------------------------------------
@@ -278,14 +292,8 @@ def fp8_mega_moe(y: torch.Tensor, l1, l2, pools: FP8Pools, buffer: SymmBuffer, *
     filling ``pools`` for the backward. ``l1`` = (w13 e4m3 [El, 2I, H] gate rows then up rows, w13_sf fp32
     [El, 2I/128, H/128]), ``l2`` = (w2 [El, H, I], w2_sf [El, H/128, I/128]). ``fast_math`` is accepted (SiLU runs
     at full precision). Every argument is checked, and the expert ids before ``y`` is written."""
-    _no_clamp(activation_clamp)
-    sms = _sms(_validate.num_sms_arg(num_sms))
-    if not isinstance(y, torch.Tensor):
-        _fail("y must be a tensor", TypeError)
-    T = y.shape[0]
-    _check_buffer(buffer, T)
-    H, K, E, dev = buffer.hidden, buffer.num_topk, buffer.num_experts, _device(buffer.device)
-    _check(y, "y", (T, H), torch.bfloat16, dev)
+    sms, T, H, K, dev = _call_prologue(y, "y", buffer, activation_clamp, num_sms)
+    E = buffer.num_experts
     El, I = _check_weights(l1, l2, H, dev, transposed=False)
     if El != buffer.num_local_experts:
         _fail(f"the weights hold {El} experts but the buffer has {buffer.num_local_experts} local experts")
@@ -396,14 +404,7 @@ def fp8_mega_moe_backward(grad_x: torch.Tensor, grad_weights: torch.Tensor, l1_t
     w2_t_sf [El, I/128, H/128]): the transposed tiles (:func:`fp8_weights_for_mega_moe`). The weight-gradient
     operands are left in ``bufs`` for :func:`fp8_mega_moe_weight_grads`. The forward is not recomputed: z is the
     saved activation."""
-    _no_clamp(activation_clamp)
-    sms = _sms(_validate.num_sms_arg(num_sms))
-    if not isinstance(grad_x, torch.Tensor):
-        _fail("grad_x must be a tensor", TypeError)
-    T = grad_x.shape[0]
-    _check_buffer(buffer, T)
-    H, K, dev = buffer.hidden, buffer.num_topk, _device(buffer.device)
-    _check(grad_x, "grad_x", (T, H), torch.bfloat16, dev)
+    sms, T, H, K, dev = _call_prologue(grad_x, "grad_x", buffer, activation_clamp, num_sms)
     _check(grad_weights, "grad_weights", (T, K), torch.float32, dev)
     El, I = _check_weights(l1_t, l2_t, H, dev, transposed=True)
     C = _check_pools(pools, T, K, El, H, I, dev)
