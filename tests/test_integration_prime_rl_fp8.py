@@ -70,13 +70,17 @@ class PrimeRLFP8Experts(torch.autograd.Function):
         else:
             dg_fp8.column_quant(pools.x, pools.x_sf, pools.counts, x_t, x_t_sf, pow2_scales=True)
             ctx.column_done = None
-        ctx.pools, ctx.x_t, ctx.layer = pools, (x_t, x_t_sf), layer
-        ctx.save_for_backward(topk_idx)
+        # what prime-rl's op returns for autograd to keep: not the pooled x (column_quant has read it), nor the
+        # shared L2 operand, which the next layer overwrites
+        ctx.x_t, ctx.layer = (x_t, x_t_sf), layer
+        ctx.save_for_backward(topk_idx, pools.z, pools.weights, pools.meta, pools.counts)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        layer, pools = ctx.layer, ctx.pools
+        layer = ctx.layer
+        _, z, weights, meta, counts = ctx.saved_tensors
+        pools = dg_fp8.FP8Pools(z=z, weights=weights, meta=meta, counts=counts)
         T = dy.shape[0]
         layer.buffer.dy[:T].copy_(dy)
         if ctx.column_done is not None:

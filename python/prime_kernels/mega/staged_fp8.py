@@ -105,23 +105,26 @@ class FP8Pools:
     - ``h`` e4m3 [C, I] and ``h_sf`` fp32 [I/64, C]: qK(s, 64), the L2 operand, which every layer may share
       (:meth:`l2_operand`); ``h_sf`` is the storage of the [C, I/64] K-block-major scales.
 
-    Make it with :meth:`allocate`: x and x_sf are views of buffers with scratch rows past the pool, where the
-    zeroing of the padding rows sends its spare index slots."""
+    The forward needs pools made by :meth:`allocate` (x and x_sf are views of buffers with scratch rows past the
+    pool, where the zeroing of the padding rows sends its spare index slots). The backward reads z, weights, meta and
+    counts only: a caller that keeps just those (and x_t from :func:`column_quant`) may hand the backward
+    ``FP8Pools(z=z, weights=weights, meta=meta, counts=counts)``, and x, x_sf and the L2 operand need not live until
+    then."""
 
-    x: torch.Tensor
-    x_sf: torch.Tensor
-    z: torch.Tensor
-    weights: torch.Tensor
-    meta: torch.Tensor
-    counts: torch.Tensor
-    h: torch.Tensor
-    h_sf: torch.Tensor
+    x: Optional[torch.Tensor] = None
+    x_sf: Optional[torch.Tensor] = None
+    z: Optional[torch.Tensor] = None
+    weights: Optional[torch.Tensor] = None
+    meta: Optional[torch.Tensor] = None
+    counts: Optional[torch.Tensor] = None
+    h: Optional[torch.Tensor] = None
+    h_sf: Optional[torch.Tensor] = None
     _x_rows: Optional[torch.Tensor] = None
     _x_sf_rows: Optional[torch.Tensor] = None
 
     @property
     def capacity(self) -> int:
-        return self.x.shape[0]
+        return (self.z if self.z is not None else self.x).shape[0]
 
     @staticmethod
     def l2_operand(capacity: int, intermediate: int, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,22 +244,27 @@ def _check_buffer(buffer, T):
         _fail(f"{T} tokens exceed the buffer's num_max_tokens_per_rank={buffer.num_max_tokens_per_rank}")
 
 
-def _check_pools(pools, T, K, El, hidden, inter, device):
-    if not isinstance(pools, FP8Pools) or pools._x_rows is None:
-        _fail("pools must come from FP8Pools.allocate", TypeError)
+def _check_pools(pools, T, K, El, hidden, inter, device, forward: bool):
+    """The pools' capacity, after the checks of what the forward writes (all of it) or the backward reads (z, weights,
+    meta, counts)."""
+    if not isinstance(pools, FP8Pools) or (forward and pools._x_rows is None):
+        _fail("pools must come from FP8Pools.allocate" if forward else "pools must be an FP8Pools", TypeError)
+    if pools.z is None:
+        _fail("pools.z must be a tensor (the forward's saved activation)", TypeError)
     C = pools.capacity
     need = _plan_capacity(T, K, El, BLOCK)
     if C < need:
         _fail(f"the pools hold {C} rows but {T} tokens x top-{K} over {El} experts may need {need}; allocate them "
               f"with pool_capacity(max_tokens, top_k, num_local_experts)")
-    _check(pools.x, "pools.x", (C, hidden), E4M3, device)
-    _check_block_major(pools.x_sf, "pools.x_sf", C, hidden // BLOCK, device)
+    if forward:
+        _check(pools.x, "pools.x", (C, hidden), E4M3, device)
+        _check_block_major(pools.x_sf, "pools.x_sf", C, hidden // BLOCK, device)
+        _check(pools.h, "pools.h", (C, inter), E4M3, device)
+        _check(pools.h_sf, "pools.h_sf", (inter // S_BLOCK, C), torch.float32, device)
     _check(pools.z, "pools.z", (C, 2 * inter), torch.bfloat16, device)
     _check(pools.weights, "pools.weights", (C,), torch.float32, device)
     _check(pools.meta, "pools.meta", (C, 3), torch.int32, device)
     _check(pools.counts, "pools.counts", (El,), torch.int32, device)
-    _check(pools.h, "pools.h", (C, inter), E4M3, device)
-    _check(pools.h_sf, "pools.h_sf", (inter // S_BLOCK, C), torch.float32, device)
     return C
 
 
@@ -297,7 +305,7 @@ def fp8_mega_moe(y: torch.Tensor, l1, l2, pools: FP8Pools, buffer: SymmBuffer, *
     El, I = _check_weights(l1, l2, H, dev, transposed=False)
     if El != buffer.num_local_experts:
         _fail(f"the weights hold {El} experts but the buffer has {buffer.num_local_experts} local experts")
-    C = _check_pools(pools, T, K, El, H, I, dev)
+    C = _check_pools(pools, T, K, El, H, I, dev, forward=True)
     if cumulative_local_expert_recv_stats is not None:
         _check(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", (El,), torch.int32, dev)
     x_q, x_sf = buffer.x[:T], buffer.x_sf[:T]
@@ -355,7 +363,8 @@ def column_quant(x: torch.Tensor, x_sf: torch.Tensor, counts: torch.Tensor, x_t:
     for power-of-two scales), written into ``x_t`` (e4m3 [H, C], token axis contiguous, row stride a multiple of 16
     bytes: :func:`allocate_column_quant`) and ``x_t_sf`` (fp32 [H, ceil(C/128)], K-block major). Rows of no expert
     and padding rows count as zeros. It reads only its arguments, so it may run on a side stream once the forward's
-    dispatch is done (the caller orders the streams)."""
+    dispatch is done (the caller orders the streams); its tensors are marked as used by the stream it runs on, so the
+    caller may drop the pools at once."""
     if not isinstance(x, torch.Tensor) or x.dtype != E4M3 or x.dim() != 2:
         _fail("x must be float8_e4m3fn [C, H]", TypeError)
     C, H = x.shape
@@ -372,6 +381,10 @@ def column_quant(x: torch.Tensor, x_sf: torch.Tensor, counts: torch.Tensor, x_t:
     # one kernel reads the e4m3 rows and their scales (a bf16 dequantized copy through torch first took 2.70 ms at
     # 30B, T=16384 on the H200, most of it in torch's e4m3 copy and the broadcast multiply)
     quantize_tokens_fp8(x, expert_offsets(counts), counts, pow2_scales=pow2_scales, out=(x_t, x_t_sf), v_scale=x_sf)
+    if x.is_cuda:  # on a side stream, the caller may drop the pools before this kernel has read them
+        stream = torch.cuda.current_stream(x.device)
+        for t in (x, x_sf, counts, x_t, x_t_sf):
+            t.record_stream(stream)
 
 
 def allocate_column_quant(capacity: int, hidden: int, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -407,7 +420,7 @@ def fp8_mega_moe_backward(grad_x: torch.Tensor, grad_weights: torch.Tensor, l1_t
     sms, T, H, K, dev = _call_prologue(grad_x, "grad_x", buffer, activation_clamp, num_sms)
     _check(grad_weights, "grad_weights", (T, K), torch.float32, dev)
     El, I = _check_weights(l1_t, l2_t, H, dev, transposed=True)
-    C = _check_pools(pools, T, K, El, H, I, dev)
+    C = _check_pools(pools, T, K, El, H, I, dev, forward=False)
     if not isinstance(bufs, FP8BackwardBuffers) or (bufs.capacity, bufs.hidden, bufs.intermediate) != (C, H, I):
         _fail(f"bufs must be FP8BackwardBuffers({C}, {H}, {I})", TypeError)
     with torch.no_grad():
