@@ -32,12 +32,13 @@ class Layer:
     """What prime-rl's dispatcher holds for one layer shape: the staging buffer, the shared L2 operand pool, the
     step's FP8 weights, the fp32 gradient accumulators and the deferred micro-batches."""
 
-    def __init__(self, E, T_max, K, H, I, w13, w2, device, defer=False):
+    def __init__(self, E, T_max, K, H, I, w13, w2, device, defer=False, pow2=True):
+        self.pow2 = pow2  # the caller's cast and the kernels' own quantization: power-of-two scales, or general
         self.buffer = dg_fp8.FP8SymmBuffer(None, E, T_max, K, H, device=device)
         self.capacity = dg_fp8.pool_capacity(T_max, K, E, 1.0)
         self.h, self.h_sf = dg_fp8.FP8Pools.l2_operand(self.capacity, I, device=device)
         self.E, self.H, self.I = E, H, I
-        self.weights = dg_fp8.fp8_weights_for_mega_moe(w13, w2, pow2_scales=True, cache=dg_fp8.Fp8WeightCache())
+        self.weights = dg_fp8.fp8_weights_for_mega_moe(w13, w2, pow2_scales=pow2, cache=dg_fp8.Fp8WeightCache())
         self.dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=device)
         self.dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=device)
         self.side = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
@@ -51,7 +52,7 @@ class PrimeRLFP8Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, layer):
         T, buf = x.shape[0], layer.buffer
-        q = dg_fp8.quantize_along_k(x, pow2_scales=True)  # the caller's 1 x 128 cast, power-of-two scales
+        q = dg_fp8.quantize_along_k(x, pow2_scales=layer.pow2)  # the caller's 1 x 128 cast
         buf.x[:T].copy_(q.data)
         buf.x_sf[:T].copy_(q.scale)
         buf.topk_idx[:T].copy_(torch.where(topk_weights == 0, torch.full_like(topk_idx, -1), topk_idx))
@@ -59,16 +60,16 @@ class PrimeRLFP8Experts(torch.autograd.Function):
         pools = dg_fp8.FP8Pools.allocate(layer.capacity, layer.H, layer.I, layer.E, layer.h, layer.h_sf)
         y = _nan((T, layer.H), torch.bfloat16, x.device)
         w13, w13_sf, w2, w2_sf = layer.weights[:4]
-        dg_fp8.fp8_mega_moe(y, (w13, w13_sf), (w2, w2_sf), pools, buf, pow2_scales=True)
+        dg_fp8.fp8_mega_moe(y, (w13, w13_sf), (w2, w2_sf), pools, buf, pow2_scales=layer.pow2)
         x_t, x_t_sf = dg_fp8.allocate_column_quant(layer.capacity, layer.H, device=x.device)
         if layer.side is not None:
             layer.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(layer.side):
-                dg_fp8.column_quant(pools.x, pools.x_sf, pools.counts, x_t, x_t_sf, pow2_scales=True)
+                dg_fp8.column_quant(pools.x, pools.x_sf, pools.counts, x_t, x_t_sf, pow2_scales=layer.pow2)
             ctx.column_done = torch.cuda.Event()
             ctx.column_done.record(layer.side)
         else:
-            dg_fp8.column_quant(pools.x, pools.x_sf, pools.counts, x_t, x_t_sf, pow2_scales=True)
+            dg_fp8.column_quant(pools.x, pools.x_sf, pools.counts, x_t, x_t_sf, pow2_scales=layer.pow2)
             ctx.column_done = None
         # what prime-rl's op returns for autograd to keep: not the pooled x (column_quant has read it), nor the
         # shared L2 operand, which the next layer overwrites
@@ -90,7 +91,7 @@ class PrimeRLFP8Experts(torch.autograd.Function):
         grad_w = _nan((T, layer.buffer.num_topk), torch.float32, dy.device)
         w13_t, w13_t_sf, w2_t, w2_t_sf = layer.weights[4:]
         dg_fp8.fp8_mega_moe_backward(grad_x, grad_w, (w13_t, w13_t_sf), (w2_t, w2_t_sf), pools, bufs, layer.buffer,
-                                     pow2_scales=True)
+                                     pow2_scales=layer.pow2)
         dg_fp8.fp8_mega_moe_weight_grads(pools.counts, bufs, ctx.x_t, layer.dw13, layer.dw2, layer.side, False,
                                          pending=layer.pending, defer=layer.pending is not None)
         return grad_x, None, grad_w, None
@@ -103,10 +104,10 @@ def _finish(layer):
         torch.cuda.current_stream().wait_stream(layer.side)
 
 
-def _replay(problem, device, defer=False, micro_batches=1):
+def _replay(problem, device, defer=False, micro_batches=1, max_tokens=None, pow2=True):
     x, idx, w, w13, w2, dy = (t.to(device) for t in problem)
     T, K = idx.shape
-    layer = Layer(w13.shape[0], T, K, x.shape[1], w2.shape[2], w13, w2, device, defer=defer)
+    layer = Layer(w13.shape[0], max_tokens or T, K, x.shape[1], w2.shape[2], w13, w2, device, defer=defer, pow2=pow2)
     outs = []
     for _ in range(micro_batches):
         xg = x.clone().requires_grad_()
@@ -276,3 +277,41 @@ def test_expert_offsets_are_the_plans():
         _, idx, *_ = make_problem(97, 128, 128, 8, 3, routing="skewed", seed=seed, masked_frac=0.2)
         plan = routing_plan(idx, 8, BLOCK)
         assert torch.equal(dg_fp8.expert_offsets(plan.expert_counts), plan.expert_offsets)
+
+
+def test_the_calls_refuse_a_gpu_without_the_fp8_kernels(monkeypatch):
+    """On CUDA every call asks status() first (here: a device whose FP8 kernels are unavailable, without a GPU)."""
+    from prime_kernels.mega import _backend, staged_fp8
+
+    monkeypatch.setattr(_backend, "fp8_kernel_reason", lambda precision, direction: f"{direction}: no sm_90 device")
+    for call, direction in (("fp8_mega_moe", "fwd"), ("column_quant", "fwd"), ("fp8_mega_moe_backward", "bwd"),
+                            ("fp8_mega_moe_weight_grads", "bwd")):
+        with pytest.raises(_backend.FusedKernelUnavailable, match=f"{call}: .*{direction}: no sm_90 device"):
+            staged_fp8.require_kernels(torch.device("cuda", 0), call)
+    staged_fp8.require_kernels(torch.device("cpu"), "fp8_mega_moe")  # the CPU runs the ops' CPU kernels
+
+
+@pytest.mark.parametrize("routing,max_tokens", [("all_masked", None), ("skewed", 300)])
+def test_replay_all_masked_and_pools_larger_than_the_step(routing, max_tokens):
+    """Every route masked (empty experts everywhere: zero outputs and gradients), and a buffer and pools sized for
+    more tokens than this step has: the same bits as the pipelines."""
+    problem = make_problem(45, 128, 128, 4, 2, routing=routing, seed=11, masked_frac=0.2)
+    outs, layer = _replay(problem, "cpu", max_tokens=max_tokens)
+    (y, dx, dt), = outs
+    want = _pipeline(problem, "cpu")
+    for name, a, b in zip(("y", "dx", "dtopk", "dw13", "dw2"), (y, dx, dt, layer.dw13, layer.dw2), want):
+        assert torch.equal(a.float(), b.float()), name
+    if routing == "all_masked":
+        assert not y.any() and not dx.any() and not dt.any() and not layer.dw13.any() and not layer.dw2.any()
+
+
+def test_replay_with_general_scales_is_the_layer_up_to_fp8():
+    """x cast with general (not power-of-two) scales and the kernels' own scales general too: not the pipelines'
+    bits (their x is re-quantized from bf16), but the MoE layer within FP8's error of the float64 evaluation."""
+    problem = make_problem(96, 256, 128, 4, 2, routing="skewed", seed=12, masked_frac=0.1)
+    outs, layer = _replay(problem, "cpu", pow2=False)
+    (y, dx, dt), = outs
+    ref = loop_reference(*problem)
+    for name, a, b in zip(("y", "dx", "dtopk", "dw13", "dw2"), (y, dx, dt, layer.dw13, layer.dw2), ref):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, b) < 0.1, f"{name}: {rel_err(a, b):.3e} against float64"

@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from . import _fp8_bwd, _validate, fp8 as _fp8
+from . import _backend, _fp8_bwd, _validate, fp8 as _fp8
 from ._grouped import _padding_row_index, _padding_span, _sms, _token_rows
 from .buffer import SymmBuffer
 from ..combine import combine, dispatch_rows
@@ -274,7 +274,19 @@ def _no_clamp(activation_clamp):
               NotImplementedError)
 
 
-def _call_prologue(rows_out, name, buffer, activation_clamp, num_sms):
+def require_kernels(device: torch.device, call: str) -> None:
+    """On CUDA, raise ``FusedKernelUnavailable`` with the ``prime_kernels.status()`` reason unless the FP8 kernels of
+    both directions can run here (a forward must not run where its backward cannot); the CPU runs the ops' CPU
+    kernels."""
+    if device.type != "cuda":
+        return
+    why = _backend.fp8_kernel_reason("fp8", "bwd" if "backward" in call or "grads" in call else "fwd")
+    if why is not None:
+        raise _backend.FusedKernelUnavailable(f"prime_kernels.mega.{call}: the FP8 kernels are not available here: "
+                                              f"{why} (see prime_kernels.status())")
+
+
+def _call_prologue(rows_out, name, buffer, activation_clamp, num_sms, call):
     """(sms, T, H, K, device) of a forward or backward call whose [T, H] bf16 output ``rows_out`` gives T, after the
     checks every such call shares."""
     _no_clamp(activation_clamp)
@@ -285,6 +297,7 @@ def _call_prologue(rows_out, name, buffer, activation_clamp, num_sms):
     _check_buffer(buffer, T)
     H, K, dev = buffer.hidden, buffer.num_topk, _device(buffer.device)
     _check(rows_out, name, (T, H), torch.bfloat16, dev)
+    require_kernels(dev, call)
     return sms, T, H, K, dev
 
 
@@ -300,7 +313,7 @@ def fp8_mega_moe(y: torch.Tensor, l1, l2, pools: FP8Pools, buffer: SymmBuffer, *
     filling ``pools`` for the backward. ``l1`` = (w13 e4m3 [El, 2I, H] gate rows then up rows, w13_sf fp32
     [El, 2I/128, H/128]), ``l2`` = (w2 [El, H, I], w2_sf [El, H/128, I/128]). ``fast_math`` is accepted (SiLU runs
     at full precision). Every argument is checked, and the expert ids before ``y`` is written."""
-    sms, T, H, K, dev = _call_prologue(y, "y", buffer, activation_clamp, num_sms)
+    sms, T, H, K, dev = _call_prologue(y, "y", buffer, activation_clamp, num_sms, "fp8_mega_moe")
     E = buffer.num_experts
     El, I = _check_weights(l1, l2, H, dev, transposed=False)
     if El != buffer.num_local_experts:
@@ -378,6 +391,7 @@ def column_quant(x: torch.Tensor, x_sf: torch.Tensor, counts: torch.Tensor, x_t:
     if x_t.stride(1) != 1 or (H > 1 and x_t.stride(0) % 16):
         _fail("x_t must have its token axis contiguous and a row stride of a multiple of 16 (allocate_column_quant)")
     _check_block_major(x_t_sf, "x_t_sf", H, (C + BLOCK - 1) // BLOCK, dev)
+    require_kernels(dev, "column_quant")
     # one kernel reads the e4m3 rows and their scales (a bf16 dequantized copy through torch first took 2.70 ms at
     # 30B, T=16384 on the H200, most of it in torch's e4m3 copy and the broadcast multiply)
     quantize_tokens_fp8(x, expert_offsets(counts), counts, pow2_scales=pow2_scales, out=(x_t, x_t_sf), v_scale=x_sf)
@@ -417,7 +431,7 @@ def fp8_mega_moe_backward(grad_x: torch.Tensor, grad_weights: torch.Tensor, l1_t
     w2_t_sf [El, I/128, H/128]): the transposed tiles (:func:`fp8_weights_for_mega_moe`). The weight-gradient
     operands are left in ``bufs`` for :func:`fp8_mega_moe_weight_grads`. The forward is not recomputed: z is the
     saved activation."""
-    sms, T, H, K, dev = _call_prologue(grad_x, "grad_x", buffer, activation_clamp, num_sms)
+    sms, T, H, K, dev = _call_prologue(grad_x, "grad_x", buffer, activation_clamp, num_sms, "fp8_mega_moe_backward")
     _check(grad_weights, "grad_weights", (T, K), torch.float32, dev)
     El, I = _check_weights(l1_t, l2_t, H, dev, transposed=True)
     C = _check_pools(pools, T, K, El, H, I, dev, forward=False)
@@ -486,6 +500,7 @@ def fp8_mega_moe_weight_grads(counts: torch.Tensor, bufs: FP8BackwardBuffers, x_
     _check_accumulators(dw13, dw2, bufs, counts)
     x_t = _pair(x_t, "x_t")
     _check(x_t[0], "x_t[0]", (bufs.hidden, bufs.capacity), E4M3, dw13.device, contiguous=False)
+    require_kernels(dw13.device, "fp8_mega_moe_weight_grads")
     sms = _sms(_validate.num_sms_arg(num_sms))
     if defer:
         if pending is None:
