@@ -2,7 +2,7 @@
 # The official runs in one call on a GPU machine that already has torch (e.g. the lent H200): install a
 # wheel built elsewhere into /tmp/site, then run the chosen steps. Results and logs go to $OUT.
 #
-# usage: bash bench/run_h200.sh [tests|gemm|layer|floor|parity]...     (default: tests gemm layer floor)
+# usage: bash bench/run_h200.sh [tests|gemm|layer|floor|parity|staged|quantize]...  (default: tests gemm layer floor)
 # environment:
 #   WHEEL_DIR    where prime_kernels_core-*.whl and the prime_kernels-*.whl drop-in are (default wheelhouse)
 #   OUT          results folder (default /tmp/pk_out)
@@ -31,7 +31,11 @@ for step in $steps; do
                | tee "$OUT/floor_fwd.log" | tail -15 ;;
     parity) timeout 500 python3 examples/train_parity.py --out "$OUT/train_parity.json" ${PARITY_ARGS:-} 2>&1 \
                | tee "$OUT/train_parity.log" | tail -30 ;;
-    *) echo "unknown step $step: choose from tests gemm layer floor parity"; exit 2 ;;
+    staged) timeout 300 python3 bench/bench_staged_fp8.py --out "$OUT/staged_fp8.json" 2>&1 \
+               | tee "$OUT/bench_staged_fp8.log" | tail -12 ;;
+    quantize) timeout 120 python3 bench/bench_quantize_fp8.py --tokens 16384 --out "$OUT/quantize_fp8.json" 2>&1 \
+               | tee "$OUT/bench_quantize_fp8.log" | tail -12 ;;
+    *) echo "unknown step $step: choose from tests gemm layer floor parity staged quantize"; exit 2 ;;
   esac
 done
 ls "$OUT"

@@ -315,3 +315,16 @@ def test_replay_with_general_scales_is_the_layer_up_to_fp8():
     for name, a, b in zip(("y", "dx", "dtopk", "dw13", "dw2"), (y, dx, dt, layer.dw13, layer.dw2), ref):
         assert torch.isfinite(a).all(), name
         assert rel_err(a, b) < 0.1, f"{name}: {rel_err(a, b):.3e} against float64"
+
+
+def test_recv_stats_add_the_counts_and_num_sms_is_taken():
+    layer, pools, T = _staged_layer(T=30, E=4, K=2, seed=13)
+    stats = torch.full((4,), 5, dtype=torch.int32)
+    y = _nan((T, 128), torch.bfloat16, "cpu")
+    dg_fp8.fp8_mega_moe(y, layer.weights[0:2], layer.weights[2:4], pools, layer.buffer, num_sms=8,
+                        cumulative_local_expert_recv_stats=stats)
+    idx = layer.buffer.topk_idx[:T]
+    assert torch.equal(stats, 5 + torch.bincount(idx[idx >= 0], minlength=4).int())
+    assert torch.equal(pools.counts, stats - 5)
+    with pytest.raises(ValueError, match="num_sms"):
+        dg_fp8.fp8_mega_moe(y, layer.weights[0:2], layer.weights[2:4], pools, layer.buffer, num_sms=-1)
