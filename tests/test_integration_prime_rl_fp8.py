@@ -328,3 +328,18 @@ def test_recv_stats_add_the_counts_and_num_sms_is_taken():
     assert torch.equal(pools.counts, stats - 5)
     with pytest.raises(ValueError, match="num_sms"):
         dg_fp8.fp8_mega_moe(y, layer.weights[0:2], layer.weights[2:4], pools, layer.buffer, num_sms=-1)
+
+
+def test_backward_with_fewer_tokens_than_the_forward_raises():
+    """dy of fewer tokens than the forward that filled the pools: refused (CPU: by the ops, before they write;
+    CUDA: a device finding), never an out-of-bounds write."""
+    dy = make_problem(40, 128, 128, 2, 2, seed=15)[5]
+    layer, pools, T = _staged_layer(T=40, E=2, K=2, seed=14)
+    dg_fp8.fp8_mega_moe(_nan((T, 128), torch.bfloat16, "cpu"), layer.weights[0:2], layer.weights[2:4], pools,
+                        layer.buffer)
+    layer.buffer.dy[:20].copy_(dy[:20])
+    bufs = dg_fp8.FP8BackwardBuffers(layer.capacity, 128, 128, device="cpu")
+    gx, gw = _nan((20, 128), torch.bfloat16, "cpu"), _nan((20, 2), torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="route|past"):
+        dg_fp8.fp8_mega_moe_backward(gx, gw, layer.weights[4:6], layer.weights[6:8], pools, bufs, layer.buffer)
+    assert gx.isnan().all() and gw.isnan().all()

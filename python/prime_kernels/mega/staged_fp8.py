@@ -163,7 +163,8 @@ class FP8BackwardBuffers:
         self.dy_t, self.dy_t_sf = _token_major_empty(hidden, capacity, dev), k_block_major_empty(hidden, tb, dev)
         self.dh_t = _token_major_empty(2 * intermediate, capacity, dev)
         self.dh_t_sf = k_block_major_empty(2 * intermediate, tb, dev)
-        self.a_t, self.a_t_sf = _token_major_empty(intermediate, capacity, dev), k_block_major_empty(intermediate, tb, dev)
+        self.a_t = _token_major_empty(intermediate, capacity, dev)
+        self.a_t_sf = k_block_major_empty(intermediate, tb, dev)
 
     def l2_out(self) -> Fp8SwigluBwd:
         """The L2 dgrad's outputs: qK(dh) and the d-topk partials fresh (dead after the backward), the qT operands
@@ -414,7 +415,9 @@ def _routes_from_meta(meta: torch.Tensor, weights: torch.Tensor, T: int, K: int)
     C = meta.shape[0]
     valid = meta[:, 1] >= 0
     src = torch.where(valid, meta[:, 1] * K + meta[:, 2], torch.full_like(meta[:, 1], -1))
-    slot = torch.where(valid, src, torch.full_like(src, T * K)).long()
+    # a route past T * K (pools of a forward with more tokens than this dy) goes to the spare slot here, and the
+    # kernels that read src report it (CUDA: a device finding, raised by the next call; CPU: raised now)
+    slot = torch.where(valid & (src < T * K), src, torch.full_like(src, T * K)).long()
     r2p = torch.full((T * K + 1,), -1, dtype=torch.int32, device=meta.device)
     r2p.scatter_(0, slot, torch.arange(C, dtype=torch.int32, device=meta.device))
     tw = weights.new_zeros(T * K + 1)
@@ -426,8 +429,8 @@ def fp8_mega_moe_backward(grad_x: torch.Tensor, grad_weights: torch.Tensor, l1_t
                           bufs: FP8BackwardBuffers, buffer: SymmBuffer, *, activation_clamp=None,
                           fast_math: bool = True, num_sms: Optional[int] = None, pow2_scales: bool = False) -> None:
     """The data gradients of the forward that filled ``pools``, from ``buffer.dy[:T]`` (bf16, staged by the
-    caller): ``grad_x`` bf16 [T, H] and ``grad_weights`` fp32 [T, K] (d topk_weights; 0 for masked routes),
-    overwritten. ``l1_t`` = (w13_t e4m3 [El, H, 2I], w13_t_sf [El, H/128, 2I/128]) and ``l2_t`` = (w2_t [El, I, H],
+    caller; T the forward's): ``grad_x`` bf16 [T, H] and ``grad_weights`` fp32 [T, K] (d topk_weights; 0 for masked
+    routes), overwritten. ``l1_t`` = (w13_t e4m3 [El, H, 2I], w13_t_sf [El, H/128, 2I/128]) and ``l2_t`` = (w2_t [El, I, H],
     w2_t_sf [El, I/128, H/128]): the transposed tiles (:func:`fp8_weights_for_mega_moe`). The weight-gradient
     operands are left in ``bufs`` for :func:`fp8_mega_moe_weight_grads`. The forward is not recomputed: z is the
     saved activation."""
