@@ -28,6 +28,22 @@ def _shape(t):
     return list(t.shape)
 
 
+def check_call_tensor(t, name, shape, dtypes, device, contiguous: bool = True) -> None:
+    """A tensor a DeepGEMM-shaped call reads or writes: a tensor of one of ``dtypes``, of ``shape``, on ``device``, and
+    (``contiguous``) contiguous; TypeError for the kind, ValueError for the rest."""
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a tensor, got {type(t).__name__}", TypeError)
+    if t.dtype not in dtypes:
+        want = dtypes[0] if len(dtypes) == 1 else f"one of {list(dtypes)}"
+        _fail(f"{name} must be {want}, got {t.dtype}", TypeError)
+    if list(t.shape) != list(shape):
+        _fail(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        _fail(f"{name} must be on {device}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        _fail(f"{name} must be contiguous; allocate it with torch.empty")
+
+
 def check_tensor_types(**tensors):
     """Each argument is a torch.Tensor (before anything reads its shape)."""
     for name, t in tensors.items():

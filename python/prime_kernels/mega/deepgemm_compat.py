@@ -84,17 +84,7 @@ def _staged(buffer, T):
     return buffer.x[:T], buffer.topk_idx[:T], buffer.topk_weights[:T]
 
 
-def _check_out(t, name, shape, dtypes, device):
-    if not isinstance(t, torch.Tensor):
-        _validate._fail(f"{name} must be a tensor", TypeError)
-    if t.dtype not in dtypes:
-        _validate._fail(f"{name} must be one of {list(dtypes)}, got {t.dtype}", TypeError)
-    if list(t.shape) != list(shape):
-        _validate._fail(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.device != device:
-        _validate._fail(f"{name} must be on {device}, got {t.device}")
-    if not t.is_contiguous():
-        _validate._fail(f"{name} must be contiguous; allocate it with torch.empty")
+_check_out = _validate.check_call_tensor
 
 
 def bf16_mega_moe(

@@ -12,8 +12,9 @@ The sequence, for one MoE layer (the caller's autograd function owns every tenso
            ``pools = FP8Pools.allocate(capacity, hidden, intermediate, num_local_experts, h, h_sf)``,
            ``fp8_mega_moe(y, (w13, w13_sf), (w2, w2_sf), pools, buffer)``, and for the weight gradients
            ``column_quant(pools.x, pools.x_sf, pools.counts, x_t, x_t_sf)`` (on a side stream if the caller likes).
-           Keep ``pools`` (x, x_sf, z, weights, meta, counts) and ``x_t, x_t_sf`` for the backward.
-  backward stage ``buffer.dy[:T]``; ``bufs = FP8BackwardBuffers(capacity, hidden, intermediate)``;
+           Keep ``pools.z``, ``weights``, ``meta``, ``counts`` and ``x_t, x_t_sf`` for the backward.
+  backward stage ``buffer.dy[:T]``; ``bufs = FP8BackwardBuffers(capacity, hidden, intermediate)``; ``pools`` may be
+           ``FP8Pools(z=, weights=, meta=, counts=)`` rebuilt from what was kept;
            ``fp8_mega_moe_backward(grad_x, grad_topk_weights, (w13_t, w13_t_sf), (w2_t, w2_t_sf), pools, bufs,
            buffer)`` writes the data gradients; ``fp8_mega_moe_weight_grads(pools.counts, bufs, (x_t, x_t_sf),
            dw13_acc, dw2_acc, side_stream)`` adds the weight gradients into fp32 accumulators, now or (``defer=True``)
@@ -191,16 +192,7 @@ def fp8_weights_for_mega_moe(w13: torch.Tensor, w2: torch.Tensor, *, pow2_scales
 
 
 def _check(t, name, shape, dtype, device, contiguous=True):
-    if not isinstance(t, torch.Tensor):
-        _fail(f"{name} must be a tensor, got {type(t).__name__}", TypeError)
-    if t.dtype != dtype:
-        _fail(f"{name} must be {dtype}, got {t.dtype}", TypeError)
-    if list(t.shape) != list(shape):
-        _fail(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.device != device:
-        _fail(f"{name} must be on {device}, got {t.device}")
-    if contiguous and not t.is_contiguous():
-        _fail(f"{name} must be contiguous")
+    _validate.check_call_tensor(t, name, shape, (dtype,), device, contiguous)
 
 
 def _check_block_major(t, name, rows, cols, device):
