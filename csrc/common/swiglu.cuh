@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "common/bf16x8.cuh"
 #include "common/device_check.hpp"
 
 namespace prime_kernels::common {
@@ -25,14 +26,7 @@ struct SwigluMath {
 };
 
 __device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* p, float (&v)[8]) {
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-  const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h2[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
+  bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(p)), v);
 }
 
 __device__ __forceinline__ void store_bf16x8(__nv_bfloat16* p, const float (&v)[8]) {
