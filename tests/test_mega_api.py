@@ -103,12 +103,13 @@ SHAPE = dict(device_type="cuda", hidden=256, intermediate=128)
 def test_fp8_on_kernel_backends_raises_never_runs_bf16(status, precision, backend, direction):
     """Every kernel backend refuses fp8 / fp8_bwd, in both directions, while the FP8 kernels are unavailable, even
     where the bf16 kernels are available (fp8_bwd's forward is the bf16 kernel's: it must not run ahead of a backward
-    that cannot); each direction names its own kernels' reason first: fp8's forward the grouped FP8 pipeline (no
-    fused FP8 forward is written), the backward the FP8 backward pipeline."""
+    that cannot); each direction names its own kernels' reason first: fp8's forward the fused FP8 forward's and the
+    grouped FP8 pipeline's, the backward the FP8 backward pipeline's."""
     for name in ("mega_moe.bf16.sm90", "mega_moe_backward.bf16.sm90", _backend.GROUPED_KEY):
         status[name] = "available"
     if (precision, direction) == ("fp8", "fwd"):
-        want = "precision='fp8': mega_moe_grouped.fp8.sm90: not implemented yet"
+        want = ("precision='fp8': mega_moe.fp8.sm90: not implemented yet; "
+                "mega_moe_grouped.fp8.sm90: not implemented yet")
     else:
         want = f"precision='{precision}': mega_moe.fp8_bwd.sm90: not implemented yet"
     with pytest.raises(_backend.FusedKernelUnavailable, match=want):
@@ -140,8 +141,8 @@ def test_fp8_runs_on_the_kernels_once_both_directions_exist(status):
 
 
 def test_fp8_runs_the_grouped_fp8_forward_where_no_fused_one_exists(status):
-    """Today's kernels: the fused FP8 forward is not written, the grouped FP8 forward pipeline and the FP8 backward
-    pipeline are. "auto" and "grouped" run the pipeline forward, "fused" raises for the forward; the forward and the
+    """Where the fused FP8 forward cannot run but the grouped FP8 forward pipeline and the FP8 backward pipeline
+    can: "auto" and "grouped" run the pipeline forward, "fused" raises for the forward; the forward and the
     backward through backend.forward / backward on the CPU give the reference's fp8 numbers (the ops' CPU
     kernels)."""
     from prime_kernels.mega import reference
@@ -200,7 +201,8 @@ def test_fp8_bwd_runs_the_bf16_forward_and_the_fp8_backward_pipeline_once_its_ke
 
 def test_fp8_auto_falls_back_to_the_fp8_reference_only_with_env(status, monkeypatch):
     x, idx, w, w13, w2, _ = make_problem(6, 128, 128, E, K, seed=55)
-    for precision, why in (("fp8", "precision='fp8': mega_moe_grouped.fp8.sm90: not implemented"),
+    for precision, why in (("fp8", "precision='fp8': mega_moe.fp8.sm90: not implemented yet; "
+                                   "mega_moe_grouped.fp8.sm90: not implemented"),
                            ("fp8_bwd", "precision='fp8_bwd': mega_moe.bf16.sm90: not implemented")):
         with pytest.raises(_backend.FusedKernelUnavailable, match=why):
             mega_moe(x, idx, w, w13, w2, precision=precision)

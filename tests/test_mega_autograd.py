@@ -58,11 +58,14 @@ def test_keep_pooled_x_gives_the_same_gradients():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("grad_mode,w13_grad,accum,resolved,expect", [
-    (True, True, False, "fused", True), (False, True, False, "fused", False), (True, False, False, "fused", False),
-    (True, False, True, "fused", True), (True, True, False, "grouped", False), (True, True, False, "reference", False)])
+@pytest.mark.parametrize("grad_mode,w13_grad,accum,resolved,expect,precision", [
+    (True, True, False, "fused", True, "bf16"), (False, True, False, "fused", False, "bf16"),
+    (True, False, False, "fused", False, "bf16"), (True, False, True, "fused", True, "bf16"),
+    (True, True, False, "grouped", False, "bf16"), (True, True, False, "reference", False, "bf16"),
+    (True, True, False, "fused", True, "fp8_bwd"),  # the bf16 fused forward's rows, read by the FP8 backward's qT
+    (True, True, False, "fused", False, "fp8")])  # the FP8 fused forward has no bf16 pool to keep
 def test_keep_pooled_x_default_keeps_the_rows_only_for_a_fused_forward_whose_backward_reads_them(
-        monkeypatch, grad_mode, w13_grad, accum, resolved, expect):
+        monkeypatch, grad_mode, w13_grad, accum, resolved, expect, precision):
     from prime_kernels.mega import _backend, _ops, api
 
     x, idx, w, w13, w2, _ = make_problem(9, H, I, E, K, seed=27)
@@ -80,7 +83,7 @@ def test_keep_pooled_x_default_keeps_the_rows_only_for_a_fused_forward_whose_bac
     acc = (torch.zeros(w13.shape), None) if accum else None
     with torch.set_grad_enabled(grad_mode), pytest.raises(Stop):
         api.mega_moe(x, idx, w, w13.requires_grad_(w13_grad), w2, backend="reference", num_experts=E, block_m=8,
-                     wgrad_accum=acc)
+                     wgrad_accum=acc, precision=precision)
     assert seen == [expect]
     with pytest.raises(Stop):  # an explicit choice is passed through
         api.mega_moe(x, idx, w, w13, w2, backend="reference", num_experts=E, block_m=8, keep_pooled_x=not expect)

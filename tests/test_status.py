@@ -31,8 +31,8 @@ def test_every_kernel_has_a_reason_or_is_available():
         else:
             assert st["routing_plan.int32.sm100"].startswith("not built for sm100")
     assert st["mega_moe.mxfp8.sm100"].startswith("not implemented yet")
-    # the fused FP8 forward is not written (the grouped FP8 pipeline runs precision="fp8"); the FP8 backward is
-    assert st["mega_moe.fp8.sm90"].startswith("not implemented yet: precision='fp8' runs the FP8 forward as the grouped")
+    # the fused FP8 forward is built (and runs) wherever the FP8 L1 kernel is
+    assert st["mega_moe.fp8.sm90"] == st["m_grouped_gemm_swiglu.fp8.sm90"]
     assert (st["mega_moe_grouped.fp8.sm90"] in ("available", "no CUDA device")
             or st["mega_moe_grouped.fp8.sm90"].startswith(("not built", "device sm_", "built;")))
     # the FP8 backward runs where its last kernel runs

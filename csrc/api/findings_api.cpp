@@ -58,6 +58,7 @@ const char* kernel_name(int32_t kernel) {
     case kWaitKernelMegaFwd: return "mega_moe_fwd_kernel";
     case kWaitKernelProbe: return "wait_probe_kernel";
     case kWaitKernelMegaBwd: return "mega_moe_bwd_dgrad_kernel";
+    case kWaitKernelMegaFwdFp8: return "mega_moe_fwd_fp8_kernel";
     default: return "unknown kernel";
   }
 }

@@ -1,4 +1,4 @@
-// C ABI of the fused Mega MoE forward (sm90, BF16): device check, then the launcher (which validates shapes).
+// C ABI of the fused Mega MoE forwards (sm90, BF16 and FP8): device check, then the launcher (which validates shapes).
 #include "api/prime_kernels_api.h"
 #include "api/errors.hpp"
 #include "sm90/mega_moe.hpp"  // header-only sizes, also without the kernels
@@ -51,6 +51,64 @@ int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x
   (void)num_sms, (void)cuda_stream;
   return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
                               "mega_moe_fwd_bf16 is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
+#endif
+}
+
+
+int pk_mega_moe_fwd_fp8(const void* x, int64_t ld_x, int64_t num_tokens, const int32_t* pool_src_route, int top_k,
+                        const int32_t* route_to_pool, const int32_t* expert_offsets, int num_experts, int64_t m_total,
+                        int64_t hidden, int64_t inter, const void* w13_q, const float* w13_sb,
+                        int64_t w13_sb_group_stride, int64_t w13_sb_n_stride, const void* w2_q, const float* w2_sb,
+                        int64_t w2_sb_group_stride, int64_t w2_sb_n_stride, void* x_q, int64_t ld_x_q, float* x_sa,
+                        int64_t ld_x_sa, void* s_q, float* s_sa, int64_t ld_s_sa, void* h, void* o, int pow2_scales,
+                        int32_t* counters, int num_sms, void* cuda_stream) {
+#if PK_HAS_SM90_KERNELS
+  if (const int rc = prime_kernels::api::check_device_findings("mega_moe_fwd_fp8"); rc != PK_OK) return rc;
+  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kSm90); rc != PK_OK) return rc;
+  prime_kernels::sm90::MegaFwdFp8Args args;
+  args.x = x;
+  args.ld_x = ld_x;
+  args.num_tokens = num_tokens;
+  args.pool_src_route = pool_src_route;
+  args.top_k = top_k;
+  args.route_to_pool = route_to_pool;
+  args.expert_offsets = expert_offsets;
+  args.num_experts = num_experts;
+  args.m_total = m_total;
+  args.hidden = hidden;
+  args.inter = inter;
+  args.w13_q = w13_q;
+  args.w13_sb = w13_sb;
+  args.w13_sb_group_stride = w13_sb_group_stride;
+  args.w13_sb_n_stride = w13_sb_n_stride;
+  args.w2_q = w2_q;
+  args.w2_sb = w2_sb;
+  args.w2_sb_group_stride = w2_sb_group_stride;
+  args.w2_sb_n_stride = w2_sb_n_stride;
+  args.x_q = x_q;
+  args.ld_x_q = ld_x_q;
+  args.x_sa = x_sa;
+  args.ld_x_sa = ld_x_sa;
+  args.s_q = s_q;
+  args.s_sa = s_sa;
+  args.ld_s_sa = ld_s_sa;
+  args.h = h;
+  args.o = o;
+  args.pow2_scales = pow2_scales != 0;
+  args.counters = counters;
+  args.num_sms = num_sms;
+  char message[512] = {0};
+  const int rc = prime_kernels::sm90::mega_moe_fwd_fp8(args, static_cast<cudaStream_t>(cuda_stream), message,
+                                                   sizeof(message));
+  return prime_kernels::api::from_status(rc, message);
+#else
+  (void)x, (void)ld_x, (void)num_tokens, (void)pool_src_route, (void)top_k, (void)expert_offsets, (void)num_experts;
+  (void)route_to_pool, (void)m_total, (void)hidden, (void)inter, (void)w13_q, (void)w13_sb, (void)w13_sb_group_stride;
+  (void)w13_sb_n_stride, (void)w2_q, (void)w2_sb, (void)w2_sb_group_stride, (void)w2_sb_n_stride, (void)x_q;
+  (void)ld_x_q, (void)x_sa, (void)ld_x_sa, (void)s_q, (void)s_sa, (void)ld_s_sa, (void)h, (void)o, (void)pow2_scales;
+  (void)counters, (void)num_sms, (void)cuda_stream;
+  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
+                              "mega_moe_fwd_fp8 is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif
 }
 

@@ -28,7 +28,7 @@ enum {
 };
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatch.
-#define PK_ABI_VERSION 4
+#define PK_ABI_VERSION 5
 PK_API int pk_abi_version(void);
 
 // The message of the last failed call on this thread ("" if none).
@@ -204,6 +204,20 @@ PK_API int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64
                                 int64_t inter, const void* w13, const void* w2, void* x_pool, void* s, void* h,
                                 void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
                                 int32_t* counters, int num_sms, void* cuda_stream);
+
+// The fused forward in blockwise FP8 (sm90; csrc/sm90/mega_moe.hpp, MegaFwdFp8Args, has the full contract): the
+// quantizing dispatch (qK(x, 128), each token row once), then the FP8 L1 with SwiGLU and qK(s, 64) and the FP8 L2 in
+// one persistent kernel. Single rank; counters as above. The same bits as the FP8 pipeline's kernels
+// (pk_dispatch_rows_fp8, pk_m_grouped_fp8_gemm_swiglu, pk_m_grouped_fp8_gemm_nt with 1 x 64 A scales).
+PK_API int pk_mega_moe_fwd_fp8(const void* x, int64_t ld_x, int64_t num_tokens, const int32_t* pool_src_route,
+                               int top_k, const int32_t* route_to_pool, const int32_t* expert_offsets,
+                               int num_experts, int64_t m_total, int64_t hidden, int64_t inter, const void* w13_q,
+                               const float* w13_sb,
+                               int64_t w13_sb_group_stride, int64_t w13_sb_n_stride, const void* w2_q,
+                               const float* w2_sb, int64_t w2_sb_group_stride, int64_t w2_sb_n_stride, void* x_q,
+                               int64_t ld_x_q, float* x_sa, int64_t ld_x_sa, void* s_q, float* s_sa,
+                               int64_t ld_s_sa, void* h, void* o, int pow2_scales, int32_t* counters, int num_sms,
+                               void* cuda_stream);
 
 // ---------------------------------------------------------------------------------------------
 // Fused Mega MoE backward, dgrad part (sm90, BF16; csrc/sm90/mega_moe_bwd.hpp has the full contract): the L2 dgrad

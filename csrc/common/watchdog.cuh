@@ -13,7 +13,12 @@
 namespace prime_kernels {
 
 // Which kernel and which of its waits timed out (WaitRecord::kernel / ::wait).
-enum WaitKernel : int32_t { kWaitKernelMegaFwd = 1, kWaitKernelProbe = 2, kWaitKernelMegaBwd = 3 };
+enum WaitKernel : int32_t {
+  kWaitKernelMegaFwd = 1,
+  kWaitKernelProbe = 2,
+  kWaitKernelMegaBwd = 3,
+  kWaitKernelMegaFwdFp8 = 4,
+};
 enum WaitSite : int32_t {
   kWaitMegaFwdDispatch = 1,  // an L1 tile waits until its m-block's rows are dispatched
   kWaitMegaFwdL1 = 2,        // an L2 tile waits until every L1 tile of its m-block is stored

@@ -7,6 +7,7 @@
 
 #include <type_traits>
 
+#include "fp8_maps.hpp"
 #include "host_utils.hpp"
 #include "m_blocks.hpp"
 #include "k_grouped_gemm_fp8.cuh"
@@ -20,17 +21,10 @@ using namespace host;
 
 static_assert(kFp8MaxGroups == kMaxGroups, "the argument check's group bound is the kernel's shared-memory bound");
 
-namespace {
-
-// The m-grouped FP8 kernels' operand maps (m_grouped_gemm_fp8.cuh, swiglu_bwd_fp8.cuh, swiglu_fwd_fp8.cuh): A e4m3
-// [m_total, k] and B e4m3 [num_groups, n, k] in boxes of 128 (B: b_box_rows) rows x 128 bytes with the 128-byte
-// swizzle (the layout K-major wgmma reads), and A's K-block-major scales in boxes of one tile's rows from the 16-byte
-// boundary before them (no swizzle).
 int make_m_grouped_fp8_operand_maps(CUtensorMap* ma, CUtensorMap* mb, CUtensorMap* msa, const void* a, int64_t lda,
                                     const float* sa, int64_t ld_sa, const void* b, int64_t ldb,
                                     int64_t b_group_stride, int num_groups, int64_t m_total, int64_t n, int64_t k,
-                                    char* err, size_t err_len, uint32_t b_box_rows = 128,
-                                    int64_t a_scale_block = 128) {
+                                    char* err, size_t err_len, uint32_t b_box_rows, int64_t a_scale_block) {
   {
     const uint64_t dims[2] = {(uint64_t)k, (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)lda};
@@ -50,8 +44,6 @@ int make_m_grouped_fp8_operand_maps(CUtensorMap* ma, CUtensorMap* mb, CUtensorMa
   return make_map(msa, sa, 2, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
                   CU_TENSOR_MAP_SWIZZLE_NONE);
 }
-
-}  // namespace
 
 int m_grouped_fp8_gemm_nt(const MGroupedFp8GemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
   clear_err(err, err_len);

@@ -1,4 +1,5 @@
-// prime-kernels: host launch function of the sm90a fused Mega MoE forward (BF16, csrc/sm90/mega_moe_fwd.cuh).
+// prime-kernels: host launch functions of the sm90a fused Mega MoE forwards (BF16: csrc/sm90/mega_moe_fwd.cuh; FP8:
+// csrc/sm90/mega_moe_fwd_fp8.cuh).
 //
 // Plain C++ over raw device pointers; same conventions as grouped_gemm.hpp (status.hpp's codes, err message,
 // asynchronous on `stream`, everything validated before the device is touched).
@@ -75,6 +76,63 @@ struct MegaFwdArgs {
 // is written when expert_offsets is not a plan (reported like a bad route). The combine is a separate launch
 // (common/combine.hpp).
 int mega_moe_fwd_bf16(const MegaFwdArgs& args, cudaStream_t stream, char* err, size_t err_len);
+
+// One FP8 forward over a routing plan: the quantizing dispatch (common/dispatch_rows_fp8.cuh: token rows to their
+// routes' pool rows through route_to_pool), then the fused kernel (csrc/sm90/mega_moe_fwd_fp8.cuh), which zeroes the
+// rows no route names back (a padded plan's padding rows) and runs L1 and L2. Single rank. Host-side arguments of
+// mega_moe_fwd_fp8, all required unless marked; e4m3 tensors are raw bytes:
+struct MegaFwdFp8Args {
+  // bf16 token rows [num_tokens, hidden], row stride ld_x (>= hidden, % 8); may be null when num_tokens is 0
+  const void* x = nullptr;
+  int64_t ld_x = 0;
+  int64_t num_tokens = 0;
+  // device int32 [m_total]: token * top_k + k per pool row (< 0: a row of zeros; >= num_tokens * top_k: read as
+  // zeros and reported, as in the BF16 forward)
+  const int32_t* pool_src_route = nullptr;
+  int top_k = 0;
+  // device int32 [num_tokens * top_k]: the pool row of each route (< 0: none; the plan's, consistent with
+  // pool_src_route; a row it does not name is zeroed)
+  const int32_t* route_to_pool = nullptr;
+  // device int32 [num_experts + 1] (1..512 experts), non-decreasing, last <= m_total
+  const int32_t* expert_offsets = nullptr;
+  int num_experts = 0;
+  int64_t m_total = 0;
+  // multiples of 128
+  int64_t hidden = 0;
+  int64_t inter = 0;
+  // e4m3 [num_experts, 2 * inter, hidden] and [num_experts, hidden, inter], contiguous; their 128 x 128 block scales
+  // fp32 [num_experts, 2 * inter / 128, hidden / 128] and [num_experts, hidden / 128, inter / 128] at
+  // sb[e * group_stride + nb * n_stride + kb]
+  const void* w13_q = nullptr;
+  const float* w13_sb = nullptr;
+  int64_t w13_sb_group_stride = 0;
+  int64_t w13_sb_n_stride = 0;
+  const void* w2_q = nullptr;
+  const float* w2_sb = nullptr;
+  int64_t w2_sb_group_stride = 0;
+  int64_t w2_sb_n_stride = 0;
+  // out: the pool, e4m3 [m_total, hidden] (row stride ld_x_q bytes: >= hidden, % 16), and its scales K-block major
+  // x_sa[j * ld_x_sa + m] (ld_x_sa >= m_total, % 4). x_q may be o itself with ld_x_q = 2 * hidden (row m in the
+  // first half of o's row m: an m-block's o rows are written only after every L1 tile of it has read its x_q rows),
+  // which saves m_total * hidden bytes of peak memory.
+  void* x_q = nullptr;
+  int64_t ld_x_q = 0;
+  float* x_sa = nullptr;
+  int64_t ld_x_sa = 0;
+  // out: qK(s, 64), e4m3 [m_total, inter] contiguous, scales s_sa[j * ld_s_sa + m] (ld_s_sa >= m_total, % 4)
+  void* s_q = nullptr;
+  float* s_sa = nullptr;
+  int64_t ld_s_sa = 0;
+  // out, or null: gate | up rounded to bf16, [m_total, 2 * inter] contiguous
+  void* h = nullptr;
+  // out: bf16 [m_total, hidden] contiguous, the L2 rows (the combine's input)
+  void* o = nullptr;
+  bool pow2_scales = false;
+  // device int32 [mega_moe_fwd_counter_count(m_total, num_experts)] scratch
+  int32_t* counters = nullptr;
+  int num_sms = 0;  // CTAs to launch (one per SM), 0: every SM; the result is the same at every value
+};
+int mega_moe_fwd_fp8(const MegaFwdFp8Args& args, cudaStream_t stream, char* err, size_t err_len);
 
 }  // namespace sm90
 }  // namespace prime_kernels

@@ -311,7 +311,8 @@ struct MegaTileSequence {
   int32_t* l1_ctr;        // per m-block: finished L1 tile arrivals
   int32_t* task_claim;    // the next unclaimed task
 
-  __device__ __forceinline__ MegaTileSequence(const MegaFwdParams& p, const int32_t* offs, const int32_t* mb)
+  template <typename P>  // MegaFwdParams or MegaFwdFp8Params (the fields named below)
+  __device__ __forceinline__ MegaTileSequence(const P& p, const int32_t* offs, const int32_t* mb)
       : s_offs(offs), s_mb(mb) {
     n1 = ceil_div(p.inter, kL1Cols);
     n2 = ceil_div(p.hidden, kBlockN);
@@ -357,15 +358,14 @@ struct MegaTileSequence {
 // of every CTA alike, when expert_offsets is not a plan (offsets[0] != 0, decreasing, or past m_total): the
 // dispatch would count rows to the wrong m-blocks and the tiles would wait for counts that never come, so the
 // kernel then writes nothing and flags it (MegaFwdParams::bad_offsets).
-template <int kNumStages, int kBlockM>
-__device__ __forceinline__ bool mega_fwd_prologue(const MegaFwdParams& p, uint64_t* full_bar, uint64_t* empty_bar,
+// P: MegaFwdParams or MegaFwdFp8Params (expert_offsets, num_experts, m_total, check); maps: the kernel's tensor maps
+// for kernel_prologue to prefetch.
+template <int kNumStages, int kBlockM, typename P, typename... TensorMaps>
+__device__ __forceinline__ bool mega_fwd_prologue(const P& p, uint64_t* full_bar, uint64_t* empty_bar,
                                                   uint32_t empty_arrivals, int32_t* s_offs, int32_t* s_mb,
-                                                  const CUtensorMap* tmap_xpool, const CUtensorMap* tmap_w13,
-                                                  const CUtensorMap* tmap_s, const CUtensorMap* tmap_w2,
-                                                  const CUtensorMap* tmap_h, const CUtensorMap* tmap_o) {
+                                                  const TensorMaps&... maps) {
   const int tid = threadIdx.x;
-  kernel_prologue<kNumStages>(full_bar, empty_bar, 1, empty_arrivals, tmap_xpool, tmap_w13, tmap_s, tmap_w2, tmap_o,
-                              [&] { return p.h != nullptr ? tmap_h : nullptr; });
+  kernel_prologue<kNumStages>(full_bar, empty_bar, 1, empty_arrivals, maps...);
   bool bad = false;
   int32_t bad_value = 0;
   for (int i = tid; i <= p.num_experts; i += kNumThreads) {
@@ -561,7 +561,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::fence_mbar_init();  // published to the CTA by the prologue's __syncthreads
   }
   if (!mega_fwd_prologue<kNumStages, kBlockM>(p, full_bar, empty_bar, kNumConsumerThreads / 32, s_offs, s_mb,
-                                              &tmap_xpool, &tmap_w13, &tmap_s, &tmap_w2, &tmap_h, &tmap_o))
+                                              &tmap_xpool, &tmap_w13, &tmap_s, &tmap_w2, &tmap_o,
+                                              [&] { return p.h != nullptr ? &tmap_h : nullptr; }))
     return;
   using Seq = MegaTileSequence<kBlockM, kBlockN, kBlockK>;
   // Each role builds its own Seq after its setmaxnreg: values live across the register reallocation were spilled.

@@ -40,6 +40,10 @@ inline int mega_fwd_dispatch_split_pct(int64_t inter) {
   return static_cast<int>(pct > 100 ? 100 : pct);
 }
 
+// The FP8 forward (mega_moe_fwd_fp8.cuh): the FP8 GEMMs' ring, 5 stages of 128 x 128 x 128 e4m3 (32 KB each, two
+// scale boxes), beside the L2 epilogue's 32 KB staging tile (its dispatch is a launch of its own: no slots).
+constexpr int kMegaFwdFp8Stages = 5;
+
 // The largest lag the backward kernel's shared memory holds (kMegaBwdMaxLag in mega_moe_bwd.cuh).
 constexpr int kMegaBwdMaxLagHost = 64;
 

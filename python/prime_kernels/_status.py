@@ -57,8 +57,8 @@ def _entries() -> list[KernelEntry]:
     e += [
         KernelEntry("mega_moe.bf16.sm90", "mega_moe_fwd_bf16", "sm90"),
         KernelEntry("mega_moe_backward.bf16.sm90", "", "sm90", f"{todo}: the backward runs as the grouped pipeline of our kernels"),
-        KernelEntry("mega_moe.fp8.sm90", "", "sm90", f"{todo}: precision='fp8' runs the FP8 forward as the grouped "
-                    "pipeline of our kernels (mega_moe_grouped.fp8.sm90)"),
+        # The fused FP8 forward (dispatch with qK(x, 128), FP8 L1 with SwiGLU and qK(s, 64), FP8 L2 in one kernel)
+        KernelEntry("mega_moe.fp8.sm90", "mega_moe_fwd_fp8", "sm90"),
         # The FP8 backward (prime_kernels.mega._fp8_bwd): the quantizing producers, the FP8 L2 dgrad with the SwiGLU
         # backward, the FP8 grouped GEMMs and the combine; its status is that of its last kernel to be verified.
         KernelEntry("mega_moe.fp8_bwd.sm90", "m_grouped_fp8_gemm_swiglu_bwd", "sm90"),

@@ -12,9 +12,10 @@ Rules (the same for every entry point):
   ``"fp8_bwd"``) emulated as :mod:`prime_kernels.mega.reference` defines it (docs/fp8.md); it has no mxfp8.
 * ``precision="fp8"`` / ``"fp8_bwd"`` run on a kernel backend only when both directions' kernels exist
   (:func:`fp8_kernel_reason`), so that a forward never succeeds ahead of a backward that cannot run.
-  ``"fp8"``'s forward is the grouped FP8 pipeline (:mod:`prime_kernels.mega._fp8_fwd`; no fused FP8 forward
-  exists yet, so ``backend="fused"`` raises for it), ``"fp8_bwd"``'s the bf16 forward kernels; the backward of
-  both, on either kernel backend, is the FP8 backward pipeline (:mod:`prime_kernels.mega._fp8_bwd`).
+  ``"fp8"``'s forward is the fused FP8 kernel on backend "fused" (and "auto" where it runs), the grouped FP8
+  pipeline (:mod:`prime_kernels.mega._fp8_fwd`) on "grouped", with the same bits; ``"fp8_bwd"``'s is the bf16
+  forward kernels; the backward of both, on either kernel backend, is the FP8 backward pipeline
+  (:mod:`prime_kernels.mega._fp8_bwd`).
 * ``backend="fused"`` runs the fused kernel, or raises the reason ``prime_kernels.status()`` gives.
 * ``backend="grouped"`` runs the pipeline of our grouped-GEMM kernels (:mod:`prime_kernels.mega._grouped`,
   bf16, fp8 and fp8_bwd, single rank), or raises the reason.

@@ -22,10 +22,15 @@ from __future__ import annotations
 
 import torch
 
+from . import _fp8_fwd
+from . import fp8 as _fp8
+from ._grouped import _rows_for_kernels
 from ._validate import FusedKernelUnavailable
+from ..combine import combine
 from ..routing import routing_plan
 
 STATUS_KEY_FWD = "mega_moe.bf16.sm90"
+STATUS_KEY_FWD_FP8 = "mega_moe.fp8.sm90"
 
 
 def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", activation_clamp=None, group=None,
@@ -36,10 +41,14 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
     ``id_check`` (a :class:`prime_kernels.mega._validate.ExpertIdCheck` made with ``from_plan=True``) gets the
     plan's count of out-of-range expert ids. ``num_sms``: the SMs the kernels may use (0 = all), so that a
     trainer can leave some to its communication kernels."""
-    if precision != "bf16":
+    if precision not in ("bf16", "fp8"):
         raise FusedKernelUnavailable(f"prime_kernels.mega: no fused {precision} forward kernel")
     if group is not None:
         raise FusedKernelUnavailable("prime_kernels.mega: the fused forward runs on a single rank for now (group=None)")
+    if precision == "fp8":
+        return _forward_fp8(x, topk_idx, topk_weights, w13, w2, activation_clamp=activation_clamp,
+                            num_experts=num_experts, block_m=block_m, capacity=capacity, save_h=save_h,
+                            id_check=id_check, num_sms=num_sms)
     T = x.shape[0]
     K = topk_idx.shape[1]
     with torch.no_grad():
@@ -58,6 +67,36 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
             num_sms=int(num_sms))
     return (y, h, plan.expert_counts, plan.expert_offsets, src, srank,
             route_to_pool, x_pool)
+
+
+def _forward_fp8(x, topk_idx, topk_weights, w13, w2, *, activation_clamp, num_experts, block_m, capacity, save_h,
+                 id_check, num_sms):
+    """precision="fp8": the routing plan, the weights' FP8 tiles from the weight cache, then the fused FP8 kernel
+    (``torch.ops.prime_kernels.mega_moe_fp8_fused_fwd``: the quantizing dispatch, then one persistent kernel for the
+    FP8 L1 with SwiGLU, qK(s, 64) and h rounded to bf16, and the FP8 L2) and the combine. The kernels and the rounding points of the
+    FP8 forward pipeline (:mod:`._fp8_fwd`), so the same y and h bits; the default recipe (1 x 64 s, general scales),
+    no activation clamp. The 8th output is None: the layer gathers x_pool itself when it is asked to keep it."""
+    if activation_clamp is not None:
+        raise FusedKernelUnavailable("prime_kernels.mega: the fused FP8 forward does not take activation_clamp")
+    recipe = _fp8.DEFAULT_RECIPE
+    _fp8_fwd.check_recipe(recipe)
+    T, K = topk_idx.shape
+    with torch.no_grad():
+        plan = routing_plan(topk_idx, num_experts, block_m, validate=False, capacity=capacity)
+        if id_check is not None:
+            id_check.watch(plan.num_invalid)
+        route_to_pool = plan.route_to_pool.view(T, K)
+        c13 = _fp8.WEIGHT_CACHE.get(w13, recipe.pow2_scales)
+        c2 = _fp8.WEIGHT_CACHE.get(w2, recipe.pow2_scales)
+        h, o = torch.ops.prime_kernels.mega_moe_fp8_fused_fwd(
+            _rows_for_kernels(x), plan.pool_src_route, route_to_pool.view(-1), plan.expert_offsets, c13.weight.data,
+            c13.weight.scale,
+            c2.weight.data, c2.weight.scale, K, save_h, recipe.pow2_scales, num_sms=int(num_sms))
+        y = combine(o, route_to_pool, topk_weights.float())  # F5
+        del o
+    h_saved = h if save_h else x.new_empty((0, w13.shape[1]))
+    return (y, h_saved, plan.expert_counts, plan.expert_offsets, plan.pool_src_route, plan.pool_src_rank,
+            route_to_pool, None)
 
 
 def backward(*args, precision: str = "bf16", **kwargs):
