@@ -100,6 +100,32 @@ int mega_moe_fwd_fp8(const MegaFwdFp8Args& a, cudaStream_t stream, char* err, si
     if (int r = make_map(&m_o, a.o, 2, dims, strides, box, err, err_len)) return r;
   }
 
+  // The L1 epilogue's stores: h's gate and up boxes (64 x 64 bf16, 128-byte swizzle, the staging tile's layout), s
+  // (64 rows x 64 bytes) and its 64 scales of one 1 x 64 block column (no swizzle)
+  CUtensorMap m_h = m_o, m_sq_st, m_ssa_st;
+  if (a.h != nullptr) {
+    const uint64_t dims[2] = {(uint64_t)(2 * I), (uint64_t)m};
+    const uint64_t strides[1] = {(uint64_t)(2 * I) * 2};
+    const uint32_t box[2] = {64, 64};
+    if (int r = make_map(&m_h, a.h, 2, dims, strides, box, err, err_len)) return r;
+  }
+  {
+    const uint64_t dims[2] = {(uint64_t)I, (uint64_t)m};
+    const uint64_t strides[1] = {(uint64_t)I};
+    const uint32_t box[2] = {64, 64};
+    if (int r = make_map(&m_sq_st, a.s_q, 2, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                         CU_TENSOR_MAP_SWIZZLE_NONE))
+      return r;
+  }
+  {
+    const uint64_t dims[2] = {(uint64_t)m, (uint64_t)(I / 64)};
+    const uint64_t strides[1] = {(uint64_t)a.ld_s_sa * 4};
+    const uint32_t box[2] = {64, 1};
+    if (int r = make_map(&m_ssa_st, a.s_sa, 2, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+                         CU_TENSOR_MAP_SWIZZLE_NONE))
+      return r;
+  }
+
   MegaFwdFp8Params p{};
   p.x = static_cast<const __nv_bfloat16*>(a.x);
   p.ld_x = a.ld_x;
@@ -179,7 +205,7 @@ int mega_moe_fwd_fp8(const MegaFwdFp8Args& a, cudaStream_t stream, char* err, si
   constexpr int smem = MegaFwdFp8Layout<kMegaFwdFp8Stages>::kSmemBytes;
   e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-  kernel<<<sms, kNumThreads, smem, stream>>>(m_xq, m_xsa, m_w13, m_sq, m_ssa, m_w2, m_o, p);
+  kernel<<<sms, kNumThreads, smem, stream>>>(m_xq, m_xsa, m_w13, m_sq, m_ssa, m_w2, m_o, m_h, m_sq_st, m_ssa_st, p);
   return check_launch(fn, err, err_len);
 }
 

@@ -35,14 +35,17 @@
 // A grid of any size therefore completes with any subset of its CTAs running, with the same bits (a task's output
 // does not depend on which CTA ran it). Each wait on another CTA is bounded (common/watchdog.cuh): past the timeout
 // it records what it waited for and traps.
-// Writes read later by TMA in another CTA (the zeroed rows; s_q, s_sa by the L1 epilogue: generic stores) are
-// followed by the writer's fence.proxy.async.global, then a release; the reader acquires, then fences the same way
-// before its TMA loads. The dispatch kernel's rows are complete at this kernel's start (stream order).
+// Writes read later by TMA in another CTA: the zeroed rows (generic stores) and the s_q, s_sa of a tail half
+// (generic stores) are followed by the writer's fence.proxy.async.global, then a release; the s_q, s_sa of a full
+// half (TMA stores, the common case) are waited for (bulk wait_group) and fenced the same way before the release;
+// the reader acquires, then fences before its TMA loads. The dispatch kernel's rows are complete at this kernel's
+// start (stream order).
 #pragma once
 
 #include <cuda.h>
 
 #include "common/device_check.hpp"
+#include "common/fp8_quant_math.cuh"
 #include "common/watchdog.cuh"
 #include "dispatch_rows.cuh"
 #include "epilogue.cuh"
@@ -98,7 +101,11 @@ struct MegaFwdFp8Layout : StageRingLayout<128, 128, 128, kNumStages, 1> {
   static constexpr int kSaBoxBytes = Scales::kSaBoxBytes;
   static constexpr int kSaBytes = Scales::kSaBytes;  // one stage's two box slots; L1 fills the first
   static constexpr int kCOff = Ring::kRingEnd;     // the L2 epilogue's staging tile (1024-aligned)
-  static constexpr int kSaOff = kCOff + TmaStaging<128>::kBytes;
+  // The L1 epilogue's s and its scales, one 64-row half per consumer warpgroup, TMA-stored (h goes through kCOff)
+  static constexpr int kSStageBytes = 64 * 64;  // 64 rows x 64 e4m3 columns
+  static constexpr int kSStOff = kCOff + TmaStaging<128>::kBytes;
+  static constexpr int kSaStOff = kSStOff + 2 * kSStageBytes;
+  static constexpr int kSaOff = kSaStOff + 2 * 64 * 4;
   static constexpr int kBarOff = kSaOff + kNumStages * kSaBytes;
   static constexpr int kTaskOff = kBarOff + 2 * kNumStages * 8;
   static constexpr int kOffsOff = kTaskOff + 4 * kNumStages;
@@ -108,7 +115,8 @@ struct MegaFwdFp8Layout : StageRingLayout<128, 128, 128, kNumStages, 1> {
   static constexpr int kL1TxBytes = Ring::kABytes + Ring::kBBytes + kSaBoxBytes;
   static constexpr int kL2TxBytes = Ring::kABytes + Ring::kBBytes + 2 * kSaBoxBytes;
   static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
-  static_assert(kSaOff % 128 == 0 && kSaBytes % 128 == 0, "TMA destinations are 128-byte aligned");
+  static_assert(kSaOff % 128 == 0 && kSaBytes % 128 == 0 && kSStOff % 128 == 0 && kSaStOff % 128 == 0,
+                "TMA sources and destinations are 128-byte aligned");
 };
 
 // The row warps (producer warps 1-3 of every CTA): claim runs of 32 pool rows (one lane per row) until none are
@@ -151,6 +159,41 @@ __device__ __forceinline__ void mega_fp8_rows_role(const MegaFwdFp8Params& p, in
       ptx::red_release_gpu_add(disp_ctr + mb, end - lane);
     }
   }
+}
+
+// The L1 epilogue of one warpgroup's 64 rows when all of them lie inside the expert: the values and bits of
+// swiglu_fwd_fp8_epilogue (s from the fp32 accumulators, its 1 x 64 amax over the quad, fp8_block_scale, the
+// division-free Q3; h rounded to bf16), written to this warpgroup's staging: s as 64 rows x 64 bytes at stg_s, the
+// 64 row scales at stg_sa, h's gate and up boxes (h saved) at stg_h, for thread 0's TMA stores. Global stores of 2
+// and 4 bytes from every thread, each a partial sector, are what the pipeline's FP8 L1 kernel spends its epilogue on.
+__device__ __forceinline__ void mega_fp8_l1_stage(const MegaFwdFp8Params& p, const float (&acc)[64], uint32_t stg_h,
+                                                  uint32_t stg_s, uint32_t stg_sa, int wg_tid) {
+  const int lane = wg_tid & 31;
+  const int r0 = 16 * (wg_tid >> 5) + (lane >> 2);  // this thread's rows r0, r0 + 8 of the half (wgmma m64 layout)
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = r0 + 8 * hh;
+    float sv[16];
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const float v = swiglu_value(acc[4 * j + 2 * hh + t], acc[4 * (j + 8) + 2 * hh + t], 0.f);
+        sv[2 * j + t] = v;
+        amax = fmaxf(amax, fabsf(v));
+      }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the row's 64 columns: the quad
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const float scale = common::fp8_block_scale(amax, p.l1.pow2_scales);
+    const float rcp = common::fp8_scale_rcp(scale);
+    if ((lane & 3) == 0) ptx::st_shared_u32(stg_sa + 4 * row, __float_as_uint(scale));
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      ptx::st_shared_u16(stg_s + row * 64 + 8 * j + 2 * (lane & 3),
+                         static_cast<uint16_t>(common::e4m3x2_bits(sv[2 * j], sv[2 * j + 1], scale, rcp)));
+  }
+  if (p.l1.h != nullptr) write_acc_to_swizzled_staging<128>(acc, stg_h, wg_tid);  // gate box, then up box
 }
 
 // The TMA producer (warp 0, lane 0), as mega_tma_producer with the FP8 stages: A (x_q or s_q) 128 rows x 128 bytes,
@@ -214,7 +257,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     mega_moe_fwd_fp8_kernel(const __grid_constant__ CUtensorMap tmap_xq, const __grid_constant__ CUtensorMap tmap_xsa,
                             const __grid_constant__ CUtensorMap tmap_w13, const __grid_constant__ CUtensorMap tmap_sq,
                             const __grid_constant__ CUtensorMap tmap_ssa, const __grid_constant__ CUtensorMap tmap_w2,
-                            const __grid_constant__ CUtensorMap tmap_o, const __grid_constant__ MegaFwdFp8Params p) {
+                            const __grid_constant__ CUtensorMap tmap_o, const __grid_constant__ CUtensorMap tmap_h,
+                            const __grid_constant__ CUtensorMap tmap_sq_st,
+                            const __grid_constant__ CUtensorMap tmap_ssa_st, const __grid_constant__ MegaFwdFp8Params p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = MegaFwdFp8Layout<kNumStages>;
   constexpr int kBlockM = L::kBlockM;
@@ -232,7 +277,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int warp = tid >> 5;
   const int lane = tid & 31;
   if (!mega_fwd_prologue<kNumStages, kBlockM>(p, full_bar, empty_bar, kNumConsumerThreads / 32, s_offs, s_mb,
-                                              &tmap_xq, &tmap_xsa, &tmap_w13, &tmap_sq, &tmap_ssa, &tmap_w2, &tmap_o))
+                                              &tmap_xq, &tmap_xsa, &tmap_w13, &tmap_sq, &tmap_ssa, &tmap_w2, &tmap_o,
+                                              &tmap_sq_st, &tmap_ssa_st,
+                                              [&] { return p.l1.h != nullptr ? &tmap_h : nullptr; }))
     return;
   // An L1 n-block is 64 columns of I (gate and up: 128 accumulator columns), an L2 n-block 128 columns of H.
   using Seq = MegaTileSequence<kBlockM, kBlockN, kBlockK>;
@@ -258,7 +305,22 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const StageDescHalves desc = k_major_stage_descs(smem + L::kAOff, smem + L::kBOff, wg);
     const float* s_sa = reinterpret_cast<const float*>(smem + L::kSaOff);
     const uint32_t stg_half = ptx::smem_addr(smem + L::kCOff) + wg * TmaStaging<kBlockN>::kHalfBytes;
+    const uint32_t stg_s = ptx::smem_addr(smem + L::kSStOff) + wg * L::kSStageBytes;
+    const uint32_t stg_sa = ptx::smem_addr(smem + L::kSaStOff) + wg * 64 * 4;
     const volatile int32_t* stage_task = reinterpret_cast<const volatile int32_t*>(smem + L::kTaskOff);
+    // A staged L1 tile's arrival on its m-block's L1 counter waits until its TMA stores have landed (a few
+    // microseconds): thread 0 of the warpgroup makes it after the next tile's mainloop, or before the next tile's
+    // first wait if that stage is not ready (the producer may be waiting for this very arrival: an L2 tile of the
+    // same m-block). Any later is harmless: the L2 tiles that wait for it come after every L1 task.
+    int pending_mb = -1;  // meaningful in wg_tid 0 only
+    auto arrive_pending = [&] {
+      if (wg_tid == 0 && pending_mb >= 0) {
+        ptx::bulk_wait_group<0>();        // this thread's TMA stores (s, its scales, h) are complete
+        ptx::fence_proxy_async_global();  // async-proxy writes, before the generic release
+        ptx::red_release_gpu_add(seq.l1_ctr + pending_mb, 1);
+        pending_mb = -1;
+      }
+    };
 
     float acc[kBlockN / 2];
     float part0[kBlockN / 2], part1[kBlockN / 2];
@@ -267,6 +329,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     int e = 0;
     bool in_l2 = false;
     for (;;) {
+      if (wg_tid == 0 && pending_mb >= 0 && !ptx::mbar_test_wait(&full_bar[stage], phase)) arrive_pending();
       ptx::mbar_wait(&full_bar[stage], phase);
       // read by the lane that later releases the stage, so that the read is ordered before the producer's next
       // write of this slot by that lane's own program order
@@ -288,12 +351,33 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                                                sb_e + ((p.inter + t.n0) / 128) * p.l1.sb_n_stride,
                                                                s_sa, sa_row},
             release);
-        if (active) {
-          swiglu_fwd_fp8_epilogue(p.l1, acc, t.row0, t.row_end, t.n0, frag_row, lane);
-          ptx::fence_proxy_async_global();  // s_q, s_sa are read by TMA in whichever CTA runs the L2 tiles
+        arrive_pending();
+        const int hrow0 = t.row0 + 64 * wg;
+        if (hrow0 + 64 <= t.row_end) {  // all 64 rows inside the expert: staged, TMA stores
+          if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the previous stores have read the staging
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          mega_fp8_l1_stage(p, acc, stg_half, stg_s, stg_sa, wg_tid);
+          ptx::fence_proxy_async_smem();
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          if (wg_tid == 0) {
+            if (p.l1.h != nullptr) {
+              const uint64_t pol = l2_policy_store(p.l2.l2_hints, 0);  // h is read by the backward only
+              ptx::tma_store_2d_hint(&tmap_h, stg_half, t.n0, hrow0, pol);
+              ptx::tma_store_2d_hint(&tmap_h, stg_half + TmaStaging<kBlockN>::kBoxBytes, p.inter + t.n0, hrow0, pol);
+            }
+            ptx::tma_store_2d(&tmap_sq_st, stg_s, t.n0, hrow0);
+            ptx::tma_store_2d(&tmap_ssa_st, stg_sa, hrow0, t.n0 / kSwigluFwdFp8Block);
+            ptx::bulk_commit_group();
+            pending_mb = t.mb;
+          }
+        } else {  // a tail half, or no rows: generic stores (or none), then the arrival at once
+          if (active) {
+            swiglu_fwd_fp8_epilogue(p.l1, acc, t.row0, t.row_end, t.n0, frag_row, lane);
+            ptx::fence_proxy_async_global();  // s_q, s_sa are read by TMA in whichever CTA runs the L2 tiles
+          }
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          if (wg_tid == 0) ptx::red_release_gpu_add(seq.l1_ctr + t.mb, 1);
         }
-        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        if (wg_tid == 0) ptx::red_release_gpu_add(seq.l1_ctr + t.mb, 1);
       } else {
         const float* sb_e = p.l2.sb + t.e * p.l2.sb_group_stride;
         // one partial, as the FP8 GEMM with 1 x 64 A scales
@@ -302,11 +386,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             RowTimesTileScalesSplitK<L::kSaBytes / 4, L::kSaBytes / 8, kBlockN / 2>{
                 sb_e + (t.n0 / kBlockN) * p.l2.sb_n_stride, s_sa, sa_row},
             release);
+        arrive_pending();
         if (active)
           store_acc_half_async<kBlockN>(acc, stg_half, wg, wg_tid, &tmap_o, t.row0 + 64 * wg, t.row_end, t.n0,
                                         p.hidden, p.l2.l2_hints, p.l2.d, p.l2.ldd);
       }
     }
+    arrive_pending();
     if (wg_tid == 0) ptx::bulk_wait_group<0>();  // o's stores complete before the CTA's shared memory goes away
   }
 #endif
