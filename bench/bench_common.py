@@ -466,14 +466,23 @@ def energy_per_call(fn, counter: EnergyCounter, seconds: float, chunk: int = 10)
 
 def peak_mem_gib(fn, device):
     """Peak allocated GiB while running ``fn`` once (reset_peak_memory_stats first); None on CPU."""
+    return peak_and_added_mem_gib(fn, device)[0]
+
+
+def peak_and_added_mem_gib(fn, device):
+    """(peak allocated GiB while running ``fn`` once, that peak less what was allocated just before: the memory the
+    call itself added, apart from what stays resident between calls, e.g. the weights and an FP8 weight cache);
+    (None, None) on CPU."""
     if torch.device(device).type != "cuda":
         fn()
-        return None
+        return None, None
     sync(device)
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     fn()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2 ** 30
+    peak = torch.cuda.max_memory_allocated()
+    return peak / 2 ** 30, (peak - before) / 2 ** 30
 
 
 def bf16_peak_tflops(device, n=8192, warmup=5, iters=20) -> float:

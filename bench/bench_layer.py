@@ -19,7 +19,8 @@ the first run, and docs/performance.md compares across runs. Timing: CUDA events
 of --iters; fwd with autograd on, fwdbwd = forward + torch.autograd.grad, bwd = fwdbwd - fwd; with
 --inference also infer = the forward under torch.no_grad() (nothing saved for a backward). Peak
 memory: reset_peak_memory_stats before a grad-enabled forward (fwd rows), a no-grad one (infer rows) or
-forward+backward (bwd, fwdbwd rows), inputs and weights resident. max_rel_err (non-torch rows): the largest
+forward+backward (bwd, fwdbwd rows), inputs and weights resident: peak_mem_gib, and added_mem_gib = that peak less
+what was allocated just before the call (what stays resident between calls, e.g. an FP8 weight cache, not counted). max_rel_err (non-torch rows): the largest
 ||out - ref|| / ||ref|| against the reference evaluated in float64 on the same inputs, over y (fwd,
 infer) and also dX, d topk_weights, dW13, dW2 (bwd, fwdbwd). floor_ms: the fastest any layer could be on
 the row's useful FLOPs, measured once per (shape, T) in the same run with the same timer: the forward's two
@@ -191,7 +192,7 @@ def _skipped_rows(shape, T, routing, ep, backends, reason, args):
     return [{"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens": T,
              "ep": ep, "routing": routing, "precision": _precision(b, args), "backend": b, "direction": d,
              "ms": None, "tflops": None, "pct_peak": None, "pct_peak_fp8": None, "ratio_vs_torch": None,
-             "peak_mem_gib": None, "max_rel_err": None, "skipped": reason}
+             "peak_mem_gib": None, "added_mem_gib": None, "max_rel_err": None, "skipped": reason}
             for b in backends for d in ("fwd", "bwd", "fwdbwd") + (("infer",) if args.inference else ())]
 
 
@@ -228,14 +229,14 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
         infer = _no_grad(fwd)
         _free(device)
         res = {"fwd": bc.time_ms(fwd, device, args.warmup, args.iters)}
-        res["mem_fwd"] = bc.peak_mem_gib(fwd, device)
+        res["mem_fwd"], res["added_fwd"] = bc.peak_and_added_mem_gib(fwd, device)
         if args.inference:
             res["infer"] = bc.time_ms(infer, device, args.warmup, args.iters)
-            res["mem_infer"] = bc.peak_mem_gib(infer, device)
+            res["mem_infer"], res["added_infer"] = bc.peak_and_added_mem_gib(infer, device)
         if with_bwd:
             res["fwdbwd"] = bc.time_ms(fwdbwd, device, args.warmup, args.iters)
             res["bwd"] = res["fwdbwd"] - res["fwd"]
-            res["mem_fwdbwd"] = bc.peak_mem_gib(fwdbwd, device)
+            res["mem_fwdbwd"], res["added_fwdbwd"] = bc.peak_and_added_mem_gib(fwdbwd, device)
         if backend != "torch" and not args.no_check and (not args.check_max_tokens or T <= args.check_max_tokens):
             y = fwd()
             grads = torch.autograd.grad(y, leaves, dy) if with_bwd else None
@@ -293,7 +294,9 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
             if direction not in res:
                 continue
             ms = bc.reduce_max(res[direction], device)
-            mem = bc.reduce_max(res[{"fwd": "mem_fwd", "infer": "mem_infer"}.get(direction, "mem_fwdbwd")], device)
+            mem_key = {"fwd": "fwd", "infer": "infer"}.get(direction, "fwdbwd")
+            mem = bc.reduce_max(res[f"mem_{mem_key}"], device)
+            added = bc.reduce_max(res[f"added_{mem_key}"], device)
             tflops = bc.layer_flops(routes, H, I, direction) / (ms * 1e-3) / 1e12 if ms > 0 else None
             tflops = bc.reduce_max(tflops, device)  # per rank; with EP the slowest rank sets ms anyway
             row = {
@@ -304,6 +307,7 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
                 "pct_peak_fp8": None if tflops is None or not peak_fp8 else round(100.0 * tflops / peak_fp8, 2),
                 "ratio_vs_torch": None,
                 "peak_mem_gib": None if mem is None else round(mem, 3),
+                "added_mem_gib": None if added is None else round(added, 3),
             }
             if f"{direction}_sustained" in res:
                 row["ms_sustained"] = round(bc.reduce_max(res[f"{direction}_sustained"], device), 4)

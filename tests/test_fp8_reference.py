@@ -224,8 +224,11 @@ def test_transposed_weight_copy_is_the_quantized_transpose(pow2):
     qt = fp8.quantize_weight(w.transpose(1, 2), pow2)
     assert torch.equal(_bits(q.t().data), _bits(qt.data)) and torch.equal(q.t().scale, qt.scale)
     assert torch.equal(q.t().dequantize(), q.dequantize().transpose(1, 2))
-    cached = fp8.Fp8WeightCache().get(w, pow2)
+    cache = fp8.Fp8WeightCache()
+    cached = cache.get(w, pow2)
+    assert cached._transposed is None  # made on first use: a forward holds one FP8 copy of the weight
     assert torch.equal(_bits(cached.transposed.data), _bits(qt.data)) and torch.equal(cached.transposed.scale, qt.scale)
+    assert cache.get(w, pow2).transposed is cached.transposed  # kept with the entry
     assert torch.equal(_bits(cached.weight[1].data), _bits(q.data[1]))
 
 

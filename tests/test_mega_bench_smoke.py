@@ -18,7 +18,7 @@ TOP = {"gpu", "num_gpus", "torch", "cuda", "git_sha", "date", "peak_bf16_tflops"
 ROW = {"shape", "num_experts", "hidden", "intermediate", "top_k", "tokens", "ep", "routing", "precision",
        "backend", "direction", "ms", "tflops", "pct_peak", "pct_peak_fp8", "ratio_vs_torch", "floor_ms",
        "ms_over_floor",
-       "peak_mem_gib"}
+       "peak_mem_gib", "added_mem_gib"}
 
 
 def _bench_module(name: str):

@@ -148,16 +148,7 @@ __device__ __forceinline__ void mega_fp8_rows_role(const MegaFwdFp8Params& p, in
       for (int off = lane * 16; off < p.hidden; off += 32 * 16) ptx::st_global_v4(out + off, make_uint4(0, 0, 0, 0));
       for (int j = lane; j < p.hidden / 128; j += 32) p.x_sa[j * p.ld_x_sa + zr] = 0.0f;
     }
-    const int prev_mb = __shfl_up_sync(0xffffffffu, mb, 1);
-    const bool first = mb >= 0 && (lane == 0 || prev_mb != mb);
-    const uint32_t firsts = __ballot_sync(0xffffffffu, first);
-    ptx::fence_proxy_async_global();
-    __syncwarp();
-    if (first) {
-      const uint32_t later = firsts & ~((2u << lane) - 1u);  // segment starts after this lane
-      const int end = later ? __ffs(later) - 1 : min(32, num_rows - base);
-      ptx::red_release_gpu_add(disp_ctr + mb, end - lane);
-    }
+    release_run_mblocks(disp_ctr, mb, lane, min(32, num_rows - base), 1);
   }
 }
 
@@ -174,17 +165,7 @@ __device__ __forceinline__ void mega_fp8_l1_stage(const MegaFwdFp8Params& p, con
   for (int hh = 0; hh < 2; ++hh) {
     const int row = r0 + 8 * hh;
     float sv[16];
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const float v = swiglu_value(acc[4 * j + 2 * hh + t], acc[4 * (j + 8) + 2 * hh + t], 0.f);
-        sv[2 * j + t] = v;
-        amax = fmaxf(amax, fabsf(v));
-      }
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the row's 64 columns: the quad
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const float amax = swiglu_fp8_row(acc, hh, sv);
     const float scale = common::fp8_block_scale(amax, p.l1.pow2_scales);
     const float rcp = common::fp8_scale_rcp(scale);
     if ((lane & 3) == 0) ptx::st_shared_u32(stg_sa + 4 * row, __float_as_uint(scale));

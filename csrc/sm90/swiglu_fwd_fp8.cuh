@@ -58,8 +58,26 @@ struct SwigluFwdFp8Params {
 
 constexpr int kSwigluFwdFp8Block = 64;  // the 1 x 64 blocks of s: one tile's columns
 
-// One consumer thread's part of a 128 x 64 tile: rows frag_row and frag_row + 8 of its warpgroup's fragment, the
-// columns 8 j + 2 (lane & 3) + t (j < 8) of gate (registers 4 j + 2 hh + t) and of up (the same plus 32).
+// s = silu(g) * u of one accumulator row of a 64 x 128 (gate | up) fragment of m64n128 (hh = 0: the thread's row
+// frag_row, 1: frag_row + 8): the columns 8 j + 2 (lane & 3) + t (j < 8) of gate (registers 4 j + 2 hh + t) and of up
+// (the same plus 32) into s[2 j + t]; returns the amax of the row's 64 values (its quad's four threads: every thread
+// of the quad must call it).
+__device__ __forceinline__ float swiglu_fp8_row(const float (&acc)[64], int hh, float (&s)[16]) {
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const float v = swiglu_value(acc[4 * j + 2 * hh + t], acc[4 * (j + 8) + 2 * hh + t], 0.f);
+      s[2 * j + t] = v;
+      amax = fmaxf(amax, fabsf(v));
+    }
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the row's 64 columns: the quad
+  return fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+}
+
+// One consumer thread's part of a 128 x 64 tile: rows frag_row and frag_row + 8 of its warpgroup's fragment
+// (swiglu_fp8_row), stored to global memory.
 template <int kAcc>
 __device__ __forceinline__ void swiglu_fwd_fp8_epilogue(const SwigluFwdFp8Params& p, const float (&acc)[kAcc],
                                                         int row0, int row_end, int n0, int frag_row, int lane) {
@@ -68,17 +86,7 @@ __device__ __forceinline__ void swiglu_fwd_fp8_epilogue(const SwigluFwdFp8Params
   for (int hh = 0; hh < 2; ++hh) {
     const int row = row0 + frag_row + 8 * hh;
     float s[16];
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        const float v = swiglu_value(acc[4 * j + 2 * hh + t], acc[4 * (j + 8) + 2 * hh + t], 0.f);
-        s[2 * j + t] = v;
-        amax = fmaxf(amax, fabsf(v));
-      }
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the row's 64 columns: the quad
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const float amax = swiglu_fp8_row(acc, hh, s);
     if (row >= row_end) continue;
     const float scale = common::fp8_block_scale(amax, p.pow2_scales);
     const float rcp = common::fp8_scale_rcp(scale);  // Q3 without a divide, the division's bits (common/fp8_div.hpp)

@@ -172,13 +172,22 @@ def fp8_gemm_nt(a: BlockQuantized, b: BlockQuantized) -> torch.Tensor:
     return c
 
 
-@dataclass
 class QuantizedWeight:
     """A weight [El, N, K] in 128x128 tiles, and the same tiles transposed ([El, K, N]) for the GEMMs that
-    read it the other way round (FP8 wgmma on sm90 takes K-major operands only)."""
+    read it the other way round (FP8 wgmma on sm90 takes K-major operands only). The transposed copy is made on
+    first use and kept: a forward reads only ``weight``, so its peak memory holds one FP8 copy of each weight,
+    and the backward of every micro-batch of the weight's version shares one transpose."""
 
-    weight: BlockQuantized
-    transposed: BlockQuantized
+    def __init__(self, weight: BlockQuantized):
+        self.weight = weight
+        self._transposed: BlockQuantized | None = None
+
+    @property
+    def transposed(self) -> BlockQuantized:
+        if self._transposed is None:
+            with torch.no_grad():
+                self._transposed = self.weight.t()
+        return self._transposed
 
 
 class Fp8WeightCache:
@@ -216,7 +225,7 @@ class Fp8WeightCache:
         self.misses += 1
         with torch.no_grad():
             q = quantize_weight(w.detach(), pow2_scales)
-        value = QuantizedWeight(q, q.t())
+        value = QuantizedWeight(q)
         entries = self._entries
 
         def _drop(_ref, key=key, entries=entries):
