@@ -620,7 +620,8 @@ def default_results_path(prefix: str, header: dict) -> Path:
 def format_table(rows: list[dict]) -> str:
     cols = [("shape", "{}"), ("tokens", "{}"), ("ep", "{}"), ("routing", "{}"), ("backend", "{}"),
             ("direction", "{}"), ("ms", "{:.3f}"), ("tflops", "{:.1f}"), ("pct_peak", "{:.1f}"),
-            ("ratio_vs_torch", "{:.2f}"), ("peak_mem_gib", "{:.2f}"), ("max_rel_err", "{:.2e}")]
+            ("ratio_vs_torch", "{:.2f}"), ("peak_mem_gib", "{:.2f}"), ("added_mem_gib", "{:.2f}"),
+            ("max_rel_err", "{:.2e}")]
     if any(r.get("pct_peak_fp8") is not None for r in rows):
         cols[9:9] = [("pct_peak_fp8", "{:.1f}")]
     if any("ms_sustained" in r for r in rows):
