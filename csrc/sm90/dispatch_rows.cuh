@@ -64,22 +64,6 @@ __host__ __device__ __forceinline__ int dispatch_pieces_per_row(int row_bytes) {
   return (row_bytes + kSlotBytes - 1) / kSlotBytes;
 }
 
-// The end of a run of `rows` pool rows, one per lane (my_mb: the lane's row's m-block, -1 past the run): a proxy fence
-// (the rows are read by TMA), then one release per m-block the run touches, by the lane holding its first row, adding
-// (its rows in the run) * chunks to disp_ctr[mb].
-__device__ __forceinline__ void release_run_mblocks(int32_t* disp_ctr, int my_mb, int lane, int rows, int chunks) {
-  const int prev_mb = __shfl_up_sync(0xffffffffu, my_mb, 1);
-  const bool first = my_mb >= 0 && (lane == 0 || prev_mb != my_mb);
-  const uint32_t firsts = __ballot_sync(0xffffffffu, first);
-  ptx::fence_proxy_async_global();
-  __syncwarp();
-  if (first) {
-    const uint32_t later = firsts & ~((2u << lane) - 1u);  // segment starts after this lane
-    const int end = later ? __ffs(later) - 1 : rows;
-    ptx::red_release_gpu_add(disp_ctr + my_mb, (end - lane) * chunks);
-  }
-}
-
 // One dispatch warp (dwarp = 0..kDispatchWarps-1) of a CTA. Pool rows [0, min(s_offs[num_groups], row_limit)) are
 // cut into runs (first one short run per dispatch warp of the grid, so the m-blocks the first tiles wait for land
 // in about a quarter of a full run's time, then runs of kDispatchRunRows rows), claimed in order from *run_claim by
@@ -137,7 +121,18 @@ __device__ __forceinline__ void dispatch_rows_role(SrcOf&& src_of, uint8_t* dst,
                                        slot0 + (i % kSlotsPerWarp) * kSlotBytes,
                                        min(kSlotBytes, row_bytes - c * kSlotBytes), lane);
     }
-    release_run_mblocks(disp_ctr, my_mb, lane, rows, chunks);
+    // release the run's rows per m-block: the lane with an m-block's first row in this run adds
+    // (its rows in the run) * chunks
+    const int prev_mb = __shfl_up_sync(0xffffffffu, my_mb, 1);
+    const bool first = my_mb >= 0 && (lane == 0 || prev_mb != my_mb);
+    const uint32_t firsts = __ballot_sync(0xffffffffu, first);
+    ptx::fence_proxy_async_global();
+    __syncwarp();
+    if (first) {
+      const uint32_t later = firsts & ~((2u << lane) - 1u);  // segment starts after this lane
+      const int end = later ? __ffs(later) - 1 : rows;
+      ptx::red_release_gpu_add(disp_ctr + my_mb, (end - lane) * chunks);
+    }
   }
   ptx::cp_async_wait<0>();
 }

@@ -148,7 +148,16 @@ __device__ __forceinline__ void mega_fp8_rows_role(const MegaFwdFp8Params& p, in
       for (int off = lane * 16; off < p.hidden; off += 32 * 16) ptx::st_global_v4(out + off, make_uint4(0, 0, 0, 0));
       for (int j = lane; j < p.hidden / 128; j += 32) p.x_sa[j * p.ld_x_sa + zr] = 0.0f;
     }
-    release_run_mblocks(disp_ctr, mb, lane, min(32, num_rows - base), 1);
+    const int prev_mb = __shfl_up_sync(0xffffffffu, mb, 1);
+    const bool first = mb >= 0 && (lane == 0 || prev_mb != mb);
+    const uint32_t firsts = __ballot_sync(0xffffffffu, first);
+    ptx::fence_proxy_async_global();
+    __syncwarp();
+    if (first) {
+      const uint32_t later = firsts & ~((2u << lane) - 1u);  // segment starts after this lane
+      const int end = later ? __ffs(later) - 1 : min(32, num_rows - base);
+      ptx::red_release_gpu_add(disp_ctr + mb, end - lane);
+    }
   }
 }
 
