@@ -150,3 +150,39 @@ def test_fused_fp8_layer_through_autograd(recompute):
     assert rel_err(y.cpu(), exact[0]) < 1.2e-1
     for name, a, b in zip(GRADS, grads, want):
         assert a is not None and torch.equal(a, b), name
+
+
+@requires_sm90
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fused_fp8_op_over_an_unpadded_plan_is_the_kernels_bits(pow2):
+    """A plan without padding (block_m = 1: every expert's last 128-row m-block is a tail, and its L1 and L2 tiles
+    read rows of the next expert): the tail halves' generic-store epilogue and the row counts of partial m-blocks,
+    which the layer's padded plans never reach. h and o against the pipeline's kernels on the same plan, bit for bit,
+    with general and power-of-two scales."""
+    skip_unless_available(KEY)
+    from prime_kernels.grouped_gemm import m_grouped_fp8_gemm_nt
+    from prime_kernels.mega import fp8
+    from prime_kernels.quantize import dispatch_rows_fp8
+    from prime_kernels.routing import routing_plan_reference
+    from prime_kernels.swiglu_fwd_fp8 import m_grouped_fp8_gemm_swiglu
+
+    T, E, H, I, K = 700, 8, 256, 256, 3
+    x, idx, _, w13, w2, _ = [t.cuda() for t in make_problem(T, H, I, E, K, routing="skewed", seed=31,
+                                                           masked_frac=0.1)]
+    plan = routing_plan_reference(idx, E, 1)
+    src, r2p, offs = plan.pool_src_route, plan.route_to_pool.reshape(-1).contiguous(), plan.expert_offsets
+    assert (offs[1:-1] % 128 != 0).any()  # tails inside the pool, not only at its end
+    q13, q2 = fp8.quantize_weight(w13, pow2), fp8.quantize_weight(w2, pow2)
+    poison_free_memory()
+    h, o = torch.ops.prime_kernels.mega_moe_fp8_fused_fwd(x, src, r2p, offs, q13.data, q13.scale, q2.data, q2.scale,
+                                                          K, True, pow2)
+    torch.cuda.synchronize()
+    poison_free_memory()
+    x_q, x_sa = dispatch_rows_fp8(x, r2p.view(T, K), src.shape[0], pow2_scales=pow2)
+    l1 = m_grouped_fp8_gemm_swiglu(x_q, x_sa, q13.data, q13.scale, offs, pow2_scales=pow2, save_h=True)
+    o_ref = m_grouped_fp8_gemm_nt(l1.s_q, l1.s_sa, q2.data, q2.scale, offs)
+    torch.cuda.synchronize()
+    end = int(offs[-1])
+    assert torch.isfinite(h[:end].float()).all() and torch.isfinite(o[:end].float()).all()
+    assert torch.equal(h[:end], l1.h[:end]), f"h differs in {(h[:end] != l1.h[:end]).sum().item()} values"
+    assert torch.equal(o[:end], o_ref[:end]), f"o differs in {(o[:end] != o_ref[:end]).sum().item()} values"
