@@ -1,0 +1,86 @@
+"""precision="fp8" as a trainer runs it (backend="auto": the fused FP8 forward, the FP8 backward pipeline) over a
+covering set of the backward's test matrix (the routings, T, E and (H, I) of test_mega_bwd_matrix.py; recompute and
+fp32 weight-gradient accumulation on some rows), against two references on the same inputs:
+
+* the FP8-emulating reference (backend="reference", precision="fp8": every quantization as the kernels do it, the
+  rest in fp32/float64): y, dX, d topk_weights, dW13 and dW2 within 1e-2 relative (dW13 1.5e-2: its qT(dh) column
+  scales come from bf16 amaxes, measured 1.03e-2 on the H200, test_fp8_bwd_pipeline.py says why);
+* the unquantized float64 evaluation: the recipe's own error, printed per output ("[err64]" lines, for the results
+  log) and bounded at 1.2e-1 (measured 6.3e-2 forward and 6.5e-2 backward by bench_layer at the Qwen3 shapes).
+
+Free memory is NaN-filled before each run; a second run must give the same bits. GPU only (an sm_90 device)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import requires_sm90
+from mega_helpers import poison_free_memory, rel_err, run_layer, skip_unless_available
+from test_mega_bwd_matrix import NAMES, _problem
+from test_mega_grouped import float64_reference
+
+BOUND_EMULATION = {"y": 1e-2, "dx": 1e-2, "dtopk": 1e-2, "dw13": 1.5e-2, "dw2": 1e-2}
+BOUND_FLOAT64 = 1.2e-1
+
+# T, E, H, I, K, routing, extra ("recompute", "accum", or "")
+CASES = [
+    (1, 8, 256, 128, 2, "uniform", ""),
+    (7, 16, 1024, 512, 8, "zipf", ""),
+    (7, 128, 4096, 1536, 8, "masked", "recompute"),
+    (128, 64, 2048, 768, 8, "one_hot", ""),
+    (128, 256, 256, 128, 8, "one_hot", "recompute"),
+    (300, 16, 256, 128, 4, "all_masked", ""),
+    (1000, 8, 4096, 1536, 2, "masked", ""),
+    (1000, 128, 2048, 768, 8, "uniform", "accum"),
+    (1000, 256, 1024, 512, 8, "empty_experts", ""),
+    (4096, 128, 2048, 768, 8, "zipf", ""),
+    (4096, 128, 4096, 1536, 8, "uniform", "recompute"),
+    (16384, 128, 2048, 768, 8, "uniform", ""),
+]
+
+
+def _run(prob, extra: str, accum_init=None, backend: str = "auto"):
+    """(y, dx, dtopk, dw13, dw2) in fp8; with "accum", dW13 / dW2 as what the backward added into fp32 accumulators
+    that held accum_init."""
+    x, idx, w, w13, w2, dy = prob
+    opts = dict(precision="fp8", backend=backend, recompute=extra == "recompute")
+    if extra != "accum":
+        return run_layer(x, idx, w, w13, w2, dy, **opts)
+    a13, a2 = (t.clone() for t in accum_init)
+    y, dx, dtopk, dw13, dw2 = run_layer(x, idx, w, w13, w2, dy, wgrad_accum=(a13, a2), **opts)
+    assert dw13 is None and dw2 is None, "with wgrad_accum the weights get no .grad"
+    return y, dx, dtopk, a13 - accum_init[0], a2 - accum_init[1]
+
+
+@requires_sm90
+@pytest.mark.parametrize("T,E,H,I,K,routing,extra", CASES)
+def test_fp8_layer_matches_the_emulation_and_float64_and_repeats_bitwise(T, E, H, I, K, routing, extra):
+    skip_unless_available("mega_moe.fp8.sm90")
+    skip_unless_available("mega_moe.fp8_bwd.sm90")
+    prob = _problem(T, E, H, I, K, routing, seed=T * 5 + E * 3 + H + I + K)
+    accum_init = None
+    if extra == "accum":
+        g = torch.Generator(device="cuda").manual_seed(E + H)
+        accum_init = (torch.randn(prob[3].shape, generator=g, device="cuda"),
+                      torch.randn(prob[4].shape, generator=g, device="cuda"))
+    poison_free_memory()
+    got = _run(prob, extra, accum_init)
+    if routing == "all_masked":
+        for name, t in zip(NAMES, got):
+            assert torch.count_nonzero(t) == 0, f"{name}: all routes masked, yet not zero"
+    else:
+        emulated = _run(prob, extra, accum_init, backend="reference")
+        exact = float64_reference(prob)
+        for name, a, b, c in zip(NAMES, got, emulated, exact):
+            assert torch.isfinite(a).all(), f"{name}: non-finite values (unwritten elements read as NaN)"
+            err, err64 = rel_err(a, b), rel_err(a, c)
+            print(f"[err64] T={T} E={E} H={H} I={I} {routing} {extra or '-'} {name}: {err64:.3e} "
+                  f"(against the emulation {err:.3e})")
+            assert err < BOUND_EMULATION[name], f"{name}: rel err {err:.3e} against the FP8 emulation"
+            assert err64 < BOUND_FLOAT64, f"{name}: rel err {err64:.3e} against float64"
+        del emulated, exact
+    poison_free_memory()
+    again = _run(prob, extra, accum_init)
+    for name, a, b in zip(NAMES, got, again):
+        assert torch.equal(a, b), f"{name}: a second run differs"
