@@ -14,6 +14,10 @@ pools it gathers itself). The dispatched pool rows are kept for the backward onl
 (``keep_pooled_x``: one more [capacity, H] buffer); otherwise L2's output overwrites them (lower peak memory)
 and the backward gathers x again.
 
+Forward (sm90, FP8, single rank; :func:`_forward_fp8`): the same plan, the weights' FP8 tiles from the weight cache,
+then ``torch.ops.prime_kernels.mega_moe_fp8_fused_fwd`` (the quantizing dispatch, then one persistent kernel for the
+FP8 L1 with SwiGLU and the FP8 L2, csrc/sm90/mega_moe_fwd_fp8.cuh) and the combine: the FP8 forward pipeline's bits.
+
 The fused backward is not written yet: ``prime_kernels.status()`` says so, and :mod:`prime_kernels.mega._backend`
 never resolves "fused" for it.
 """
@@ -30,7 +34,6 @@ from ..combine import combine
 from ..routing import routing_plan
 
 STATUS_KEY_FWD = "mega_moe.bf16.sm90"
-STATUS_KEY_FWD_FP8 = "mega_moe.fp8.sm90"
 
 
 def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", activation_clamp=None, group=None,
