@@ -8,7 +8,9 @@
 //                                                         route names back, a padded plan's padding rows, are zeroed
 //                                                         here by the row warps)
 //   h[m]  = G(x_q, W13_e) promoted every 128 of K        (gate | up, fp32; stored rounded to bf16 when asked)
-//   s_q[m], s_sa[., m] = qK(silu(g) * u, 64)             (on the fp32 accumulators: swiglu_fwd_fp8_epilogue)
+//   s_q[m], s_sa[., m] = qK(silu(g) * u, 64)             (on the fp32 accumulators: swiglu_fp8_row, then staged and
+//                                                         TMA-stored (mega_fp8_l1_stage) or, in a tail half, stored
+//                                                         by swiglu_fwd_fp8_epilogue)
 //   o[m]  = G(s_q, W2_e) promoted every 64 of K          (bf16, for the combine)
 // Every quantization, promotion and rounding is that of the FP8 forward pipeline's kernels (dispatch_rows_fp8.cuh,
 // swiglu_fwd_fp8.cuh, m_grouped_gemm_fp8.cuh with 1 x 64 A scales), each in the same order, so h, s and o are those
@@ -25,10 +27,14 @@
 // Forward progress, without assuming that the grid is resident (the BF16 kernel's argument, restated for this one):
 //   * each CTA's TMA thread claims tasks from a global counter (atomicAdd), so tasks are handed out in sequence
 //     order and only to running CTAs; a claimed task waits only for lower tasks (its m-block's L1 tiles) and for
-//     the row warps. The consumers arrive on an L1 counter as soon as the tile's stores are issued and fenced (no
-//     deferred arrival here), before they wait for anything else. By induction on the task index the lowest
-//     unfinished task can always proceed: its dependencies are finished, and the tasks its CTA claimed before it
-//     are finished, so its producer and consumers are on it.
+//     the row warps. A consumer warpgroup's arrival for an L1 tile is made once its stores have landed: a tail half
+//     arrives at once; a full half's arrival is deferred, and made before the warpgroup's next wait that could
+//     depend on it: at the top of its next task, when that task's first stage is not full yet (its producer may
+//     be waiting for this arrival), and otherwise right after that task's mainloop (once a task's first stage is
+//     full, its producer has passed the task's one dependency wait, so none of the task's later waits needs the
+//     arrival), and after the last task. By induction on the task index the lowest unfinished task can always
+//     proceed: its dependencies are finished (every arrival they need is made), and the tasks its CTA claimed
+//     before it are finished, so its producer and consumers are on it.
 //   * the row warps of every running CTA claim runs of 32 pool rows until none are left; they wait for nothing, so
 //     every claimed run is counted and every run is claimed.
 //   * within a CTA, the consumers wait only for their producer, the row warps for nothing.
