@@ -2,7 +2,8 @@
 # The official runs in one call on a GPU machine that already has torch (e.g. the lent H200): install a
 # wheel built elsewhere into /tmp/site, then run the chosen steps. Results and logs go to $OUT.
 #
-# usage: bash bench/run_h200.sh [tests|gemm|layer|floor|parity|staged|quantize]...  (default: tests gemm layer floor)
+# usage: bash bench/run_h200.sh [tests|fp8_tests|gemm|layer|fp8|floor|parity|staged|quantize]...
+#        (default: tests gemm layer floor)
 # environment:
 #   WHEEL_DIR    where prime_kernels_core-*.whl and the prime_kernels-*.whl drop-in are (default wheelhouse)
 #   OUT          results folder (default /tmp/pk_out)
@@ -24,9 +25,18 @@ for step in $steps; do
   case "$step" in
     tests)  (cd tests && timeout 400 python3 -m pytest -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
                | tee "$OUT/tests.log" | tail -25) ;;
+    fp8_tests) (cd tests && timeout 400 python3 -m pytest -q -ra -p no:cacheprovider test_mega_fused_fp8.py \
+               test_fp8_matrix.py test_fp8_fwd_pipeline.py test_fp8_bwd_pipeline.py test_fp8_reference.py \
+               test_integration_prime_rl_fp8.py test_swiglu_fwd_fp8.py test_swiglu_bwd_fp8.py test_quantize_fp8.py \
+               test_grouped_gemm_fp8.py test_grouped_gemm_fp8_k.py 2>&1 | tee "$OUT/tests_fp8.log" | tail -25) ;;
     gemm)   timeout 300 python3 bench/bench_gemm.py --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.log" | grep -v "^$" ;;
     layer)  timeout 500 python3 bench/bench_layer.py --out "$OUT/layer.json" ${LAYER_ARGS:---sustained-seconds 2 --inference} \
                2>&1 | tee "$OUT/bench_layer.log" | tail -40 ;;
+    fp8)    for prec in fp8 bf16; do  # the FP8 layer beside torch's BF16 one and the FP8 pipeline; our BF16 layer
+              b=torch,deep_gemm,deep_gemm_grouped; [ "$prec" = bf16 ] && b=deep_gemm
+              timeout 300 python3 bench/bench_layer.py --precision $prec --backends $b --no-plot \
+                --out "$OUT/layer_$prec.json" 2>&1 | tee "$OUT/bench_layer_$prec.log" | tail -30
+            done ;;
     floor)  timeout 300 python3 bench/floor_fwd.py --tokens 16384 --out "$OUT/floor_fwd.json" 2>&1 \
                | tee "$OUT/floor_fwd.log" | tail -15 ;;
     parity) timeout 500 python3 examples/train_parity.py --out "$OUT/train_parity.json" ${PARITY_ARGS:-} 2>&1 \
@@ -35,7 +45,7 @@ for step in $steps; do
                | tee "$OUT/bench_staged_fp8.log" | tail -12 ;;
     quantize) timeout 120 python3 bench/bench_quantize_fp8.py --tokens 16384 --out "$OUT/quantize_fp8.json" 2>&1 \
                | tee "$OUT/bench_quantize_fp8.log" | tail -12 ;;
-    *) echo "unknown step $step: choose from tests gemm layer floor parity staged quantize"; exit 2 ;;
+    *) echo "unknown step $step: choose from tests fp8_tests gemm layer fp8 floor parity staged quantize"; exit 2 ;;
   esac
 done
 ls "$OUT"
