@@ -17,27 +17,14 @@ import torch
 
 from conftest import requires_sm90
 from mega_helpers import poison_free_memory, rel_err, run_layer, skip_unless_available
-from test_mega_bwd_matrix import NAMES, _problem
+from test_mega_bwd_matrix import CASES as MATRIX_CASES, NAMES, _problem
 from test_mega_grouped import float64_reference
 
 BOUND_EMULATION = {"y": 1e-2, "dx": 1e-2, "dtopk": 1e-2, "dw13": 1.5e-2, "dw2": 1e-2}
 BOUND_FLOAT64 = 1.2e-1
 
-# T, E, H, I, K, routing, extra ("recompute", "accum", or "")
-CASES = [
-    (1, 8, 256, 128, 2, "uniform", ""),
-    (7, 16, 1024, 512, 8, "zipf", ""),
-    (7, 128, 4096, 1536, 8, "masked", "recompute"),
-    (128, 64, 2048, 768, 8, "one_hot", ""),
-    (128, 256, 256, 128, 8, "one_hot", "recompute"),
-    (300, 16, 256, 128, 4, "all_masked", ""),
-    (1000, 8, 4096, 1536, 2, "masked", ""),
-    (1000, 128, 2048, 768, 8, "uniform", "accum"),
-    (1000, 256, 1024, 512, 8, "empty_experts", ""),
-    (4096, 128, 2048, 768, 8, "zipf", ""),
-    (4096, 128, 4096, 1536, 8, "uniform", "recompute"),
-    (16384, 128, 2048, 768, 8, "uniform", ""),
-]
+# the BF16 matrix's cases but those whose FP8 emulation is slowest (T = 16384 at H = 4096)
+CASES = [c for c in MATRIX_CASES if c[0] * c[2] <= 16384 * 2048]
 
 
 def _run(prob, extra: str, accum_init=None, backend: str = "auto"):

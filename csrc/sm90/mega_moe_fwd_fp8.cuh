@@ -103,7 +103,6 @@ template <int kNumStages>
 struct MegaFwdFp8Layout : StageRingLayout<128, 128, 128, kNumStages, 1> {
   using Ring = StageRingLayout<128, 128, 128, kNumStages, 1>;
   using Scales = MGroupedFp8Layout<128, kNumStages, 2>;  // the A-scale boxes: two per stage (L2's 1 x 64 blocks)
-  static constexpr int kAScaleBlocks = 2;
   static constexpr int kSaBoxBytes = Scales::kSaBoxBytes;
   static constexpr int kSaBytes = Scales::kSaBytes;  // one stage's two box slots; L1 fills the first
   static constexpr int kCOff = Ring::kRingEnd;     // the L2 epilogue's staging tile (1024-aligned)

@@ -76,9 +76,10 @@ def _forward_fp8(x, topk_idx, topk_weights, w13, w2, *, activation_clamp, num_ex
                  id_check, num_sms):
     """precision="fp8": the routing plan, the weights' FP8 tiles from the weight cache, then the fused FP8 kernel
     (``torch.ops.prime_kernels.mega_moe_fp8_fused_fwd``: the quantizing dispatch, then one persistent kernel for the
-    FP8 L1 with SwiGLU, qK(s, 64) and h rounded to bf16, and the FP8 L2) and the combine. The kernels and the rounding points of the
-    FP8 forward pipeline (:mod:`._fp8_fwd`), so the same y and h bits; the default recipe (1 x 64 s, general scales),
-    no activation clamp. The 8th output is None: the layer gathers x_pool itself when it is asked to keep it."""
+    FP8 L1 with SwiGLU, qK(s, 64) and h rounded to bf16, and the FP8 L2) and the combine. The kernels and rounding
+    points of the FP8 forward pipeline (:mod:`._fp8_fwd`), so the same y and h bits; the default recipe (1 x 64 s,
+    general scales), no activation clamp. The 8th output is None: the layer gathers x_pool itself when it is asked
+    to keep it."""
     if activation_clamp is not None:
         raise FusedKernelUnavailable("prime_kernels.mega: the fused FP8 forward does not take activation_clamp")
     recipe = _fp8.DEFAULT_RECIPE
@@ -91,14 +92,13 @@ def _forward_fp8(x, topk_idx, topk_weights, w13, w2, *, activation_clamp, num_ex
         route_to_pool = plan.route_to_pool.view(T, K)
         c13 = _fp8.WEIGHT_CACHE.get(w13, recipe.pow2_scales)
         c2 = _fp8.WEIGHT_CACHE.get(w2, recipe.pow2_scales)
+        # h is [0, 2I] without save_h, the shape the other backends return
         h, o = torch.ops.prime_kernels.mega_moe_fp8_fused_fwd(
             _rows_for_kernels(x), plan.pool_src_route, route_to_pool.view(-1), plan.expert_offsets, c13.weight.data,
-            c13.weight.scale,
-            c2.weight.data, c2.weight.scale, K, save_h, recipe.pow2_scales, num_sms=int(num_sms))
+            c13.weight.scale, c2.weight.data, c2.weight.scale, K, save_h, recipe.pow2_scales, num_sms=int(num_sms))
         y = combine(o, route_to_pool, topk_weights.float())  # F5
         del o
-    h_saved = h if save_h else x.new_empty((0, w13.shape[1]))
-    return (y, h_saved, plan.expert_counts, plan.expert_offsets, plan.pool_src_route, plan.pool_src_rank,
+    return (y, h, plan.expert_counts, plan.expert_offsets, plan.pool_src_route, plan.pool_src_rank,
             route_to_pool, None)
 
 
