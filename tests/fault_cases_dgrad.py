@@ -1,5 +1,5 @@
 """The fault matrix's cases for the fused backward's dgrad kernel (prime_kernels.mega._fused_bwd.dgrad, op
-prime_kernels::mega_moe_bwd_dgrad), registered into tests/fault_cases.py's CASES and run by its worker like the
+prime_kernels::mega_moe_bwd_fused without its weight-gradient tiles), registered into tests/fault_cases.py's CASES and run by its worker like the
 others; every name starts with "dgrad_" (``python3 -m pytest tests/test_fault_matrix.py -k dgrad``).
 
 Classes: bad input (group_offsets decreasing, past the pool, negative: reported by the device check and nothing
@@ -253,7 +253,7 @@ def _graph():
 # is far below one L2-dgrad tile (128 x 128 x K = 2048: microseconds). With one expert of one m-block, two
 # L2-dgrad tiles and 16 L1-dgrad tiles, the CTAs that claim L1-dgrad tiles at the start wait for L2-dgrad tiles
 # that have not begun, so the wait must trap, and its record must name the kernel and the wait.
-_DGRAD_WAIT_WORDS = ("timed out", "CUDA context is lost", "mega_moe_bwd_dgrad_kernel",
+_DGRAD_WAIT_WORDS = ("timed out", "CUDA context is lost", "mega_moe_bwd_kernel",
                      "L1-dgrad tile waits for its m-block's L2-dgrad tiles", "expected", "observed")
 
 _DGRAD_WAIT_CHILD = fc.CHILD_PRELUDE + r"""

@@ -1,10 +1,11 @@
-"""The fused backward's dgrad kernel (prime_kernels.mega._fused_bwd.dgrad, op prime_kernels::mega_moe_bwd_dgrad)
-against the grouped backward's own two steps on the same inputs, and its host-side checks.
+"""The fused backward kernel (op prime_kernels::mega_moe_bwd_fused) against the grouped backward's own steps on the
+same inputs, and its host-side checks: prime_kernels.mega._fused_bwd.dgrad (the kernel without its weight-gradient
+tiles), dgrad_wgrad (with them) and backward (the layer's backward on it).
 
-GPU tests build the grouped pipeline's real backward state (its forward's plan and saved h, the dy rows gathered
-into the pool as its backward gathers them) and run both the fused kernel and the pipeline's steps
-(m_grouped_bf16_gemm_swiglu_bwd, then m_grouped_bf16_gemm_nn(dh, w13)) on it. They skip, with the reason, where
-the kernel cannot run (no sm_90 GPU, or a build without it). The CPU tests need no GPU."""
+GPU tests build the grouped pipeline's real backward state (its forward's plan and saved h, the dy and x rows
+gathered into the pool as its backward gathers them) and run both the fused kernel and the pipeline's steps
+(m_grouped_bf16_gemm_swiglu_bwd, m_grouped_bf16_gemm_nn(dh, w13), the two k-grouped GEMMs) on it. They skip, with
+the reason, where the kernel cannot run (no sm_90 GPU, or a build without it). The CPU tests need no GPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 import prime_kernels
 from prime_kernels import _status
-from prime_kernels.grouped_gemm import m_grouped_bf16_gemm_nn, m_grouped_bf16_gemm_swiglu_bwd, m_grouped_gemm_reference
+from prime_kernels.grouped_gemm import (k_grouped_bf16_gemm_tn, m_grouped_bf16_gemm_nn, m_grouped_bf16_gemm_swiglu_bwd,
+                                        m_grouped_gemm_reference)
 from prime_kernels.mega import _backend, _fused_bwd, _grouped
 from mega_helpers import make_problem, rel_err
 from test_grouped_gemm import _swiglu_bwd_ref64
@@ -137,6 +139,175 @@ def test_dgrad_reports_an_invalid_offset_on_the_device():
         prime_kernels.check_device_errors()
 
 
+# ------------------------------------------------------------------- the weight-gradient tiles and the layer
+
+
+def _layer_state(T, H, I, E, K, routing="uniform", masked=0.0, used=None, seed=0, clamp=None, fused_fwd=False):
+    """The inputs, the forward's plan and saved h (the grouped forward's, or with ``fused_fwd`` the fused one's,
+    which a clamp needs), and the dy and x rows gathered into the pool as the grouped backward gathers them."""
+    x, idx, w, w13, w2, dy = [t.cuda() for t in make_problem(T, H, I, E, K, routing=routing, seed=seed,
+                                                             masked_frac=masked, experts_used=used)]
+    cap = _backend.capacity(T, K, E, 1, None, 128)
+    if fused_fwd:
+        from prime_kernels.mega import _fused
+
+        fwd = _fused.forward(x, idx, w, w13, w2, num_experts=E, block_m=128, capacity=cap, save_h=True,
+                             activation_clamp=clamp)[:7]
+    else:
+        fwd = _grouped.forward(x, idx, w, w13, w2, num_experts=E, block_m=128, capacity=cap, save_h=True)
+    _y, h, counts, offsets, src, srank, r2p = fwd
+    r2p = r2p.contiguous()
+    pool = lambda rows: _grouped._gathered_pool(_grouped._rows_for_kernels(rows), r2p, counts, offsets, cap)
+    return dict(x=x, idx=idx, w=w, w13=w13, w2=w2, dy=dy, h=h, counts=counts, offsets=offsets, src=src, srank=srank,
+                r2p=r2p, dy_pool=pool(dy), x_pool=pool(x), wts=w.float().contiguous(), E=E)
+
+
+def _wgrad64(a, b, offsets):
+    """a_e^T b_e per expert in float64 (CPU)."""
+    a, b, off = a.cpu().double(), b.cpu().double(), offsets.tolist()
+    return torch.stack([a[off[e]:off[e + 1]].t() @ b[off[e]:off[e + 1]] for e in range(len(off) - 1)])
+
+
+@requires_dgrad
+@pytest.mark.parametrize("T,H,I,E,K,routing,masked,used", CASES)
+def test_wgrad_tiles_match_the_k_grouped_gemms(T, H, I, E, K, routing, masked, used):
+    """dW13 and dW2 from the kernel's weight-gradient tiles, in bf16, fp32 and added to fp32 accumulators, against
+    the pipeline's k-grouped GEMMs on the pipeline's own dh and w * s: bitwise (the same 64-row k-blocks of each
+    expert in increasing order, the same k16 wgmma steps into fp32, one rounding), and against float64. The dgrad
+    outputs stay the pipeline's bits with the weight-gradient tiles in the sequence."""
+    st = _layer_state(T, H, I, E, K, routing, masked, used, seed=T + H + I + E + 1)
+    args = (st["dy_pool"], st["x_pool"], st["w13"], st["w2"], st["h"], st["offsets"], st["src"], st["wts"])
+    dh_ref, aw_ref, dt_ref = m_grouped_bf16_gemm_swiglu_bwd(st["dy_pool"], st["w2"], st["offsets"], st["h"],
+                                                            st["src"], st["wts"])
+    dx_ref = m_grouped_bf16_gemm_nn(dh_ref, st["w13"], st["offsets"])
+    rows = int(st["offsets"][-1])
+    for dt in (torch.bfloat16, torch.float32):
+        _poison(((E, 2 * I, H), dt), ((E, H, I), dt))
+        dh, aw, dt_part, dx, dw13, dw2 = _fused_bwd.dgrad_wgrad(*args, wgrad_dtype=dt)
+        for name, got, ref in (("dh", dh, dh_ref), ("w*s", aw, aw_ref), ("dx", dx, dx_ref)):
+            assert torch.equal(got[:rows], ref[:rows]), f"{name} ({dt}): differs from the pipeline"
+        assert torch.equal(dt_part, dt_ref)
+        want13 = k_grouped_bf16_gemm_tn(dh_ref, st["x_pool"], st["offsets"], out_dtype=dt)
+        want2 = k_grouped_bf16_gemm_tn(st["dy_pool"], aw_ref, st["offsets"], out_dtype=dt)
+        assert dw13.dtype == dt and dw2.dtype == dt
+        assert torch.isfinite(dw13).all() and torch.isfinite(dw2).all(), "a gradient element left unwritten"
+        assert torch.equal(dw13, want13), f"dW13 ({dt}): differs from the k-grouped GEMM"
+        assert torch.equal(dw2, want2), f"dW2 ({dt}): differs from the k-grouped GEMM"
+    # added to caller-given fp32 accumulators: the same sums added to what they held
+    g = torch.Generator(device="cuda").manual_seed(5)
+    acc13 = torch.randn(E, 2 * I, H, device="cuda", generator=g)
+    acc2 = torch.randn(E, H, I, device="cuda", generator=g)
+    want13 = k_grouped_bf16_gemm_tn(dh_ref, st["x_pool"], st["offsets"], accumulate_into=acc13.clone())
+    want2 = k_grouped_bf16_gemm_tn(st["dy_pool"], aw_ref, st["offsets"], accumulate_into=acc2.clone())
+    out = _fused_bwd.dgrad_wgrad(*args, dw13_accum=acc13, dw2_accum=acc2)
+    assert out[4].numel() == 0 and out[5].numel() == 0
+    assert torch.equal(acc13, want13) and torch.equal(acc2, want2), "accumulated weight gradients"
+    # float64, from the pipeline's dh and w * s (their own bounds are the dgrad test's)
+    for name, got, ref in (("dW13", _fused_bwd.dgrad_wgrad(*args, wgrad_dtype=torch.float32)[4],
+                            _wgrad64(dh_ref, st["x_pool"], st["offsets"])),
+                           ("dW2", _fused_bwd.dgrad_wgrad(*args, wgrad_dtype=torch.float32)[5],
+                            _wgrad64(st["dy_pool"], aw_ref, st["offsets"]))):
+        if ref.abs().max() == 0:  # no rows anywhere (all masked): zeros
+            assert torch.count_nonzero(got) == 0, name
+            continue
+        err = rel_err(got.cpu(), ref)
+        assert err < 1e-2, f"{name}: rel err {err:.3e} against float64"
+
+
+@requires_dgrad
+def test_wgrad_tiles_are_bitwise_repeatable_and_independent_of_num_sms():
+    """With 1 and 3 CTAs the weight-gradient tiles wait for their experts' L2-dgrad tiles claimed by the same few
+    CTAs; the results do not depend on which CTA ran a tile."""
+    st = _layer_state(2048, 512, 256, 16, 4, "skewed", 0.05, seed=12)
+    args = (st["dy_pool"], st["x_pool"], st["w13"], st["w2"], st["h"], st["offsets"], st["src"], st["wts"])
+    runs = [_fused_bwd.dgrad_wgrad(*args), _fused_bwd.dgrad_wgrad(*args),
+            _fused_bwd.dgrad_wgrad(*args, num_sms=3), _fused_bwd.dgrad_wgrad(*args, num_sms=1)]
+    rows = int(st["offsets"][-1])
+    for i, r in enumerate(runs[1:], 1):
+        for name, a, b in zip(("dh", "w*s", "dt_part", "dx", "dw13", "dw2"), runs[0], r):
+            n = rows if name in ("dh", "w*s", "dx") else a.shape[0]
+            assert torch.equal(a[:n], b[:n]), f"run {i}: {name}"
+
+
+@requires_dgrad
+def test_wgrad_with_no_pool_rows_gives_zeros_or_adds_nothing():
+    H, I, E, K = 256, 128, 4, 2
+    dev = "cuda"
+    empty = dict(dy_pool=torch.empty(0, H, dtype=torch.bfloat16, device=dev),
+                 x_pool=torch.empty(0, H, dtype=torch.bfloat16, device=dev),
+                 w13=torch.randn(E, 2 * I, H, device=dev).bfloat16(), w2=torch.randn(E, H, I, device=dev).bfloat16(),
+                 h=torch.empty(0, 2 * I, dtype=torch.bfloat16, device=dev),
+                 expert_offsets=torch.zeros(E + 1, dtype=torch.int32, device=dev),
+                 pool_src_route=torch.empty(0, dtype=torch.int32, device=dev), topk_weights=torch.empty(0, K, device=dev))
+    out = _fused_bwd.dgrad_wgrad(**empty, wgrad_dtype=torch.float32)
+    assert out[4].shape == (E, 2 * I, H) and out[5].shape == (E, H, I)
+    assert torch.count_nonzero(out[4]) == 0 and torch.count_nonzero(out[5]) == 0
+    acc13, acc2 = torch.ones(E, 2 * I, H, device=dev), torch.ones(E, H, I, device=dev)
+    _fused_bwd.dgrad_wgrad(**empty, dw13_accum=acc13, dw2_accum=acc2)
+    assert bool((acc13 == 1).all()) and bool((acc2 == 1).all())
+
+
+LAYER_CASES = [  # T, H, I, E, K, routing, masked, used
+    (1, 256, 128, 8, 2, "uniform", 0.0, None),
+    (257, 1024, 384, 32, 8, "uniform", 0.0, None),
+    (301, 512, 192, 16, 4, "skewed", 0.25, None),
+    (999, 384, 128, 64, 8, "uniform", 0.1, 16),
+    (300, 256, 128, 16, 4, "all_masked", 0.0, None),
+]
+
+
+def _backward_args(st):
+    return (st["dy"], st["x"], st["idx"], st["w"], st["w13"], st["w2"], st["h"], st["counts"], st["offsets"],
+            st["src"], st["srank"], st["r2p"])
+
+
+@requires_dgrad
+@pytest.mark.parametrize("T,H,I,E,K,routing,masked,used", LAYER_CASES)
+@pytest.mark.parametrize("mode", ["plain", "recompute", "accum", "accum_one", "no_wgrad"])
+def test_layer_backward_equals_the_grouped_backward(T, H, I, E, K, routing, masked, used, mode):
+    """_fused_bwd.backward (the layer's "fused" backward) against _grouped.backward on the same forward state: dX,
+    d topk_weights, dW13 and dW2 bitwise, with recompute, with fp32 accumulators (both, or dW13's alone), and
+    without weight gradients. NaN-poisoned free memory before the fused run."""
+    st = _layer_state(T, H, I, E, K, routing, masked, used, seed=3 * T + E)
+    kw = dict(num_experts=E, recompute=mode == "recompute", need_wgrad=mode != "no_wgrad")
+    acc = {}
+    if mode in ("accum", "accum_one"):
+        acc["dw13_accum"] = torch.randn(E, 2 * I, H, device="cuda")
+        if mode == "accum":
+            acc["dw2_accum"] = torch.randn(E, H, I, device="cuda")
+    acc_ref = {k: v.clone() for k, v in acc.items()}
+    _poison(((T, H), torch.bfloat16), ((E, 2 * I, H), torch.bfloat16), ((E, H, I), torch.bfloat16))
+    got = _fused_bwd.backward(*_backward_args(st), **kw, **acc)
+    want = _grouped.backward(*_backward_args(st), **kw, **acc_ref)
+    for name, a, b in zip(("dx", "dtopk", "dw13", "dw2"), got, want):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert torch.equal(a, b), f"{name} ({mode}): differs from the grouped backward"
+    for k in acc:
+        assert torch.equal(acc[k], acc_ref[k]), f"{k} ({mode})"
+
+
+@requires_dgrad
+@pytest.mark.parametrize("clamp", [1.0, 7.0])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_layer_backward_with_a_clamp_against_float64(clamp, recompute):
+    """A clamped layer (the fused forward's h keeps the clamp masks): the fused backward, recomputing h through the
+    fused forward kernel when asked, against the reference backend's float64 backward on the same inputs."""
+    from prime_kernels.mega import reference
+
+    T, H, I, E, K = 301, 512, 192, 16, 4
+    st = _layer_state(T, H, I, E, K, "skewed", 0.1, seed=41, clamp=clamp, fused_fwd=True)
+    got = _fused_bwd.backward(*_backward_args(st), num_experts=E, recompute=recompute, activation_clamp=clamp)
+    d = {k: st[k].double() for k in ("dy", "x", "w", "w13", "w2")}
+    want = reference.backward(d["dy"], d["x"], st["idx"], d["w"], d["w13"], d["w2"], st["h"].double(), st["counts"],
+                              st["offsets"], st["src"], st["srank"], st["r2p"], num_experts=E, recompute=recompute,
+                              activation_clamp=clamp)
+    for name, a, b in zip(("dx", "dtopk", "dw13", "dw2"), got, want):
+        err = rel_err(a.double().cpu(), b.cpu())
+        assert err < 1e-2, f"{name}: rel err {err:.3e} against float64 (clamp {clamp}, recompute {recompute})"
+
+
 # --------------------------------------------------------------------------------------------- CPU
 
 
@@ -188,7 +359,7 @@ BAD = [  # (what changes, exception, message fragment)
 def test_dgrad_host_checks_raise_before_any_launch(case):
     change, exc, fragment = BAD[case]
     args = _with(**change(_cpu_inputs()))
-    with pytest.raises(exc, match="prime_kernels.mega._fused_bwd.dgrad: ") as info:
+    with pytest.raises(exc, match="prime_kernels.mega._fused_bwd: ") as info:
         _fused_bwd.dgrad(**args)
     assert fragment in str(info.value)
 
@@ -233,24 +404,86 @@ def test_dgrad_op_fake_gives_the_output_shapes():
     if not prime_kernels._lib.load().shim_loaded:
         pytest.skip(f"the torch shim is not loaded: {prime_kernels._lib.load().reason}")
     a = {k: v.to("meta") for k, v in _cpu_inputs(M=300, H=256, I=320, E=3).items()}
-    out = torch.ops.prime_kernels.mega_moe_bwd_dgrad(a["dy_pool"], a["w2"], a["w13"], a["expert_offsets"], a["h"],
-                                                     a["pool_src_route"], a["topk_weights"].reshape(-1), 0.0, 0)
-    assert [tuple(t.shape) for t in out] == [(300, 640), (300, 320), (300, 3), (300, 256)]
-    assert [t.dtype for t in out] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16]
+    args = (a["dy_pool"], a["w2"], a["w13"], a["expert_offsets"], a["h"], a["pool_src_route"],
+            a["topk_weights"].reshape(-1), 0.0)
+    out = torch.ops.prime_kernels.mega_moe_bwd_fused(*args)
+    assert [tuple(t.shape) for t in out] == [(300, 640), (300, 320), (300, 3), (300, 256), (0,), (0,)]
+    assert [t.dtype for t in out[:4]] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16]
+    x_pool = a["dy_pool"]
+    for fp32, dt in ((False, torch.bfloat16), (True, torch.float32)):
+        out = torch.ops.prime_kernels.mega_moe_bwd_fused(*args, x_pool, fp32)
+        assert [(tuple(t.shape), t.dtype) for t in out[4:]] == [((3, 640, 256), dt), ((3, 256, 320), dt)]
+    acc = (torch.empty(3, 640, 256, device="meta"), torch.empty(3, 256, 320, device="meta"))
+    out = torch.ops.prime_kernels.mega_moe_bwd_fused(*args, x_pool, False, *acc)
+    assert [tuple(t.shape) for t in out[4:]] == [(0,), (0,)]
 
 
-def test_status_lists_the_kernel_and_auto_does_not_use_it():
+def test_status_lists_the_kernel_and_auto_does_not_use_it_until_verified():
     st = prime_kernels.status()
+    assert KEY == "mega_moe_backward.bf16.sm90" == _backend.KERNEL_NAMES[("bf16", "bwd")]
     assert KEY in st and isinstance(st[KEY], str) and st[KEY]
-    assert KEY not in _status.unverified()  # its GPU tests have passed on an H200
     if not torch.cuda.is_available():
         assert st[KEY] == "no CUDA device"
-    # the layer's fused backward is still the unwritten whole kernel, so backend="auto" runs the grouped one
-    assert _backend.KERNEL_NAMES[("bf16", "bwd")] == "mega_moe_backward.bf16.sm90"
-    assert _status.KERNELS["mega_moe_backward.bf16.sm90"].missing
+    # built, but its weight-gradient tiles have not run on a GPU: status() names that, so backend="auto" runs the
+    # grouped backward (and backend="fused" refuses the backward with that reason)
+    assert KEY in _status.unverified()
+    if _WHY == _status.AVAILABLE:
+        assert st[KEY] == _status.unverified()[KEY]
+        assert _backend.resolve_backend("auto", "bf16", "bwd", hidden=256, intermediate=128) == "grouped"
 
 
 def test_the_build_lists_the_kernel_when_it_has_sm90():
     if "90a" not in prime_kernels._lib.built_archs():
         pytest.skip(f"this build has no sm90 kernels ({prime_kernels._lib.built_archs()})")
-    assert ("mega_moe_bwd_dgrad_bf16", "90a") in prime_kernels._lib.compiled_kernels()
+    assert ("mega_moe_bwd_bf16", "90a") in prime_kernels._lib.compiled_kernels()
+
+
+WGRAD_BAD = [  # (changes to dgrad_wgrad's extra arguments, exception, message fragment)
+    (lambda a: dict(x_pool=a["dy_pool"].float()), TypeError, "x_pool must be torch.bfloat16"),
+    (lambda a: dict(x_pool=a["dy_pool"][:10]), ValueError, "x_pool must be [>= 40 pool rows, H = 128]"),
+    (lambda a: dict(x_pool=a["dy_pool"][:, :64].contiguous()), ValueError, "x_pool must be [>= 40 pool rows"),
+    (lambda a: dict(wgrad_dtype=torch.float16), TypeError, "wgrad_dtype must be torch.bfloat16 or torch.float32"),
+    (lambda a: dict(dw13_accum=torch.zeros(3, 384, 128)), ValueError, "give both accumulators"),
+    (lambda a: dict(dw13_accum=torch.zeros(3, 384, 128), dw2_accum=torch.zeros(3, 192, 128)), ValueError,
+     "dw2_accum must be [3, 128, 192]"),
+    (lambda a: dict(dw13_accum=torch.zeros(3, 384, 128, dtype=torch.float64), dw2_accum=torch.zeros(3, 128, 192)),
+     TypeError, "dw13_accum must be torch.float32"),
+    (lambda a: dict(dw13_accum=torch.zeros(3, 384, 128).to("meta"), dw2_accum=torch.zeros(3, 128, 192).to("meta")),
+     ValueError, "dw13_accum must be on cpu"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(WGRAD_BAD)))
+def test_dgrad_wgrad_host_checks_raise_before_any_launch(case):
+    change, exc, fragment = WGRAD_BAD[case]
+    a = _cpu_inputs()
+    extra = dict(x_pool=a["dy_pool"].clone())
+    extra.update(change(a))
+    with pytest.raises(exc, match="prime_kernels.mega._fused_bwd: ") as info:
+        _fused_bwd.dgrad_wgrad(**a, **extra)
+    assert fragment in str(info.value)
+
+
+def test_dgrad_wgrad_valid_cpu_inputs_stop_at_the_device_check():
+    a = _cpu_inputs()
+    with pytest.raises(ValueError, match="must be CUDA tensors, got cpu"):
+        _fused_bwd.dgrad_wgrad(**a, x_pool=a["dy_pool"].clone())
+    with pytest.raises(ValueError, match="must be CUDA tensors, got cpu"):
+        _fused_bwd.dgrad_wgrad(**a, x_pool=a["dy_pool"].clone(), dw13_accum=torch.zeros(3, 384, 128),
+                               dw2_accum=torch.zeros(3, 128, 192))
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
+def test_dgrad_wgrad_with_no_pool_rows_gives_zero_gradients_without_a_launch(dt):
+    a = _with(dy_pool=torch.empty(0, 128, dtype=torch.bfloat16), pool_src_route=torch.empty(0, dtype=torch.int32))
+    out = _fused_bwd.dgrad_wgrad(**a, x_pool=torch.empty(0, 128, dtype=torch.bfloat16), wgrad_dtype=dt)
+    assert [tuple(t.shape) for t in out] == [(0, 384), (0, 192), (0, 2), (0, 128), (3, 384, 128), (3, 128, 192)]
+    assert out[4].dtype == dt and out[5].dtype == dt
+    assert torch.count_nonzero(out[4]) == 0 and torch.count_nonzero(out[5]) == 0
+
+
+def test_layer_backward_refuses_an_expert_parallel_group():
+    from prime_kernels.mega._validate import FusedKernelUnavailable
+
+    with pytest.raises(FusedKernelUnavailable, match="single rank"):
+        _fused_bwd.backward(*([None] * 12), group=object())

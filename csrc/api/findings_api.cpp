@@ -57,7 +57,7 @@ const char* kernel_name(int32_t kernel) {
   switch (kernel) {
     case kWaitKernelMegaFwd: return "mega_moe_fwd_kernel";
     case kWaitKernelProbe: return "wait_probe_kernel";
-    case kWaitKernelMegaBwd: return "mega_moe_bwd_dgrad_kernel";
+    case kWaitKernelMegaBwd: return "mega_moe_bwd_kernel";
     case kWaitKernelMegaFwdFp8: return "mega_moe_fwd_fp8_kernel";
     default: return "unknown kernel";
   }
@@ -69,6 +69,7 @@ const char* wait_name(int32_t wait) {
     case kWaitMegaFwdL1: return "L2 tile waits for its m-block's L1 tiles";
     case kWaitProbe: return "probe counter";
     case kWaitMegaBwdL2Dgrad: return "L1-dgrad tile waits for its m-block's L2-dgrad tiles";
+    case kWaitMegaBwdExpert: return "weight-gradient tile waits for its expert's L2-dgrad tiles";
     default: return "unknown wait";
   }
 }

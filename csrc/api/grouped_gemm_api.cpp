@@ -181,20 +181,20 @@ int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const vo
 #endif
 }
 
-int64_t pk_mega_moe_bwd_dgrad_counter_count(int64_t m_total, int num_groups) {
-  return prime_kernels::sm90::mega_moe_bwd_dgrad_counter_count(m_total, num_groups);
+int64_t pk_mega_moe_bwd_counter_count(int64_t m_total, int num_groups) {
+  return prime_kernels::sm90::mega_moe_bwd_counter_count(m_total, num_groups);
 }
 
-int pk_mega_moe_bwd_dgrad_bf16(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb, int64_t b_group_stride,
-                               const void* h, int64_t ldh, const int32_t* pool_src_route, const float* route_weights,
-                               int64_t num_routes, const void* w13, int64_t ldw13, int64_t w13_group_stride, void* dh,
-                               int64_t lddh, void* aw, int64_t ldaw, float* dt_part, int64_t dt_ld, void* dx,
-                               int64_t lddx, const int32_t* group_offsets, int num_groups, int64_t m_total,
-                               int64_t intermediate, int64_t hidden, float clamp, int32_t* counters, int num_sms,
-                               void* cuda_stream) {
+int pk_mega_moe_bwd_bf16(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb, int64_t b_group_stride,
+                         const void* h, int64_t ldh, const int32_t* pool_src_route, const float* route_weights,
+                         int64_t num_routes, const void* w13, int64_t ldw13, int64_t w13_group_stride, void* dh,
+                         int64_t lddh, void* aw, int64_t ldaw, float* dt_part, int64_t dt_ld, void* dx, int64_t lddx,
+                         const void* x_pool, int64_t ldx, int wgrad, void* dw2, void* dw13,
+                         const int32_t* group_offsets, int num_groups, int64_t m_total, int64_t intermediate,
+                         int64_t hidden, float clamp, int32_t* counters, int num_sms, void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
-  if (const int rc = current_device_is_sm90("mega_moe_bwd_dgrad_bf16"); rc != PK_OK) return rc;
-  prime_kernels::sm90::MegaBwdDgradArgs args;
+  if (const int rc = current_device_is_sm90("mega_moe_bwd_bf16"); rc != PK_OK) return rc;
+  prime_kernels::sm90::MegaBwdArgs args;
   args.l2 = swiglu_bwd_args(dy_pool, lda, w2, ldb, b_group_stride, h, ldh, pool_src_route, route_weights, num_routes,
                             dh, lddh, aw, ldaw, dt_part, dt_ld, group_offsets, num_groups, m_total, intermediate,
                             hidden, clamp, num_sms);
@@ -204,17 +204,23 @@ int pk_mega_moe_bwd_dgrad_bf16(const void* dy_pool, int64_t lda, const void* w2,
   args.dx = dx;
   args.lddx = lddx;
   args.counters = counters;
+  args.wgrad = wgrad;
+  args.x_pool = x_pool;
+  args.ldx = ldx;
+  args.dw2 = dw2;
+  args.dw13 = dw13;
   char message[512] = {0};
-  const int rc = prime_kernels::sm90::mega_moe_bwd_dgrad_bf16(args, static_cast<cudaStream_t>(cuda_stream), message,
-                                                               sizeof(message));
+  const int rc =
+      prime_kernels::sm90::mega_moe_bwd_bf16(args, static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
   return prime_kernels::api::from_status(rc, message);
 #else
   (void)dy_pool, (void)lda, (void)w2, (void)ldb, (void)b_group_stride, (void)h, (void)ldh, (void)pool_src_route;
   (void)route_weights, (void)num_routes, (void)w13, (void)ldw13, (void)w13_group_stride, (void)dh, (void)lddh;
-  (void)aw, (void)ldaw, (void)dt_part, (void)dt_ld, (void)dx, (void)lddx, (void)group_offsets, (void)num_groups;
-  (void)m_total, (void)intermediate, (void)hidden, (void)clamp, (void)counters, (void)num_sms, (void)cuda_stream;
+  (void)aw, (void)ldaw, (void)dt_part, (void)dt_ld, (void)dx, (void)lddx, (void)x_pool, (void)ldx, (void)wgrad;
+  (void)dw2, (void)dw13, (void)group_offsets, (void)num_groups, (void)m_total, (void)intermediate, (void)hidden;
+  (void)clamp, (void)counters, (void)num_sms, (void)cuda_stream;
   return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
-                              "mega_moe_bwd_dgrad_bf16 is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
+                                  "mega_moe_bwd_bf16 is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif
 }
 

@@ -28,7 +28,7 @@ enum {
 };
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatch.
-#define PK_ABI_VERSION 5
+#define PK_ABI_VERSION 6
 PK_API int pk_abi_version(void);
 
 // The message of the last failed call on this thread ("" if none).
@@ -220,23 +220,26 @@ PK_API int pk_mega_moe_fwd_fp8(const void* x, int64_t ld_x, int64_t num_tokens, 
                                void* cuda_stream);
 
 // ---------------------------------------------------------------------------------------------
-// Fused Mega MoE backward, dgrad part (sm90, BF16; csrc/sm90/mega_moe_bwd.hpp has the full contract): the L2 dgrad
-// with the SwiGLU backward (the outputs and arguments of pk_m_grouped_bf16_gemm_swiglu_bwd, same meaning) and the L1
-// dgrad dx = dh @ w13[g] (w13 [num_groups, 2I, hidden], row stride ldw13, group stride w13_group_stride; dx bf16
-// [m_total, hidden], row stride lddx, rows outside every group not written) in one persistent kernel whose L1-dgrad
-// tiles wait (bounded, see below) for their m-block's L2-dgrad tiles. hidden a multiple of 64. counters: device
-// int32 scratch of pk_mega_moe_bwd_dgrad_counter_count(m_total, num_groups) entries (zeroed by the call itself).
-// Not yet run on a GPU: prime_kernels.status() says so, and the library's backward does not call it.
+// Fused Mega MoE backward (sm90, BF16; csrc/sm90/mega_moe_bwd.hpp has the full contract): the L2 dgrad with the
+// SwiGLU backward (the outputs and arguments of pk_m_grouped_bf16_gemm_swiglu_bwd, same meaning), the L1 dgrad
+// dx = dh @ w13[g] (w13 [num_groups, 2I, hidden], row stride ldw13, group stride w13_group_stride; dx bf16
+// [m_total, hidden], row stride lddx, rows outside every group not written) and, unless wgrad = 0, the weight
+// gradients dw2[g] = dy_pool_g^T (w * s)_g [num_groups, hidden, I] and dw13[g] = dh_g^T x_pool_g [num_groups, 2I,
+// hidden] (both contiguous; x_pool bf16 [m_total, hidden], row stride ldx: the token rows in pool order) in one
+// persistent kernel whose L1-dgrad tiles wait (bounded) for their m-block's L2-dgrad tiles and whose weight-gradient
+// tiles wait for their expert's. wgrad: 0 none, 1 bf16 stores, 2 fp32 stores, 3 fp32 added to dw2 / dw13. hidden a
+// multiple of 64. counters: device int32 scratch of pk_mega_moe_bwd_counter_count(m_total, num_groups) entries
+// (zeroed by the call itself).
 // ---------------------------------------------------------------------------------------------
-PK_API int64_t pk_mega_moe_bwd_dgrad_counter_count(int64_t m_total, int num_groups);
-PK_API int pk_mega_moe_bwd_dgrad_bf16(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb,
-                                      int64_t b_group_stride, const void* h, int64_t ldh,
-                                      const int32_t* pool_src_route, const float* route_weights, int64_t num_routes,
-                                      const void* w13, int64_t ldw13, int64_t w13_group_stride, void* dh,
-                                      int64_t lddh, void* aw, int64_t ldaw, float* dt_part, int64_t dt_ld, void* dx,
-                                      int64_t lddx, const int32_t* group_offsets, int num_groups, int64_t m_total,
-                                      int64_t intermediate, int64_t hidden, float clamp, int32_t* counters,
-                                      int num_sms, void* cuda_stream);
+PK_API int64_t pk_mega_moe_bwd_counter_count(int64_t m_total, int num_groups);
+PK_API int pk_mega_moe_bwd_bf16(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb, int64_t b_group_stride,
+                                const void* h, int64_t ldh, const int32_t* pool_src_route, const float* route_weights,
+                                int64_t num_routes, const void* w13, int64_t ldw13, int64_t w13_group_stride,
+                                void* dh, int64_t lddh, void* aw, int64_t ldaw, float* dt_part, int64_t dt_ld,
+                                void* dx, int64_t lddx, const void* x_pool, int64_t ldx, int wgrad, void* dw2,
+                                void* dw13, const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                int64_t intermediate, int64_t hidden, float clamp, int32_t* counters, int num_sms,
+                                void* cuda_stream);
 
 // ---------------------------------------------------------------------------------------------
 // Bounded waits (csrc/common/watchdog.cuh). A kernel wait on another CTA that lasts longer than the timeout

@@ -24,6 +24,7 @@ enum WaitSite : int32_t {
   kWaitMegaFwdL1 = 2,        // an L2 tile waits until every L1 tile of its m-block is stored
   kWaitProbe = 3,            // the test probe's wait on a counter nobody releases
   kWaitMegaBwdL2Dgrad = 4,   // an L1-dgrad tile waits until every L2-dgrad tile of its m-block is stored
+  kWaitMegaBwdExpert = 5,    // a weight-gradient tile waits until every L2-dgrad tile of its expert is stored
 };
 
 // Host-mapped pinned memory, one per process; written once by the first wait that times out.

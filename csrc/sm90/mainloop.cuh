@@ -263,14 +263,16 @@ __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAc
 // (C7520), so rows past an m-block's end compute on whatever the box holds and are never stored. Stages
 // are released to the producer (empty_bar, one arrival per warp) as soon as the next k-block's MMAs are
 // issued; pass_turn() runs once all of the tile's MMAs are issued (the other warpgroup may then issue its
-// own), before the wait for them to finish.
+// own), before the wait for them to finish. A is K-major (a k16 step: 32 bytes) unless kAStepDesc says
+// otherwise: an MN-major A in two 64-row boxes of 8 KB steps 16 rows of 128 bytes, and its rows 64..127 start
+// 8 KB in as well. hook.on_stage(kb, stage) runs once k-block kb has landed, before its MMAs (NoTileHook).
 template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, uint32_t kBStepDesc,
-          int kAccRegs, typename PassTurn>
+          uint32_t kAStepDesc = (32 >> 4), int kAccRegs, typename PassTurn, typename Hook = NoTileHook>
 __device__ __forceinline__ void pingpong_tile_mainloop(float (&acc0)[kAccRegs], float (&acc1)[kAccRegs],
                                                        int num_k_blocks, uint64_t* full_bar, uint64_t* empty_bar,
                                                        int& stage, uint32_t& phase, uint32_t a_lo0, uint32_t a_hi,
                                                        uint32_t b_lo0, uint32_t b_hi, int lane,
-                                                       PassTurn&& pass_turn) {
+                                                       PassTurn&& pass_turn, const Hook& hook = Hook{}) {
   constexpr uint32_t kHalfADesc = (64 * 128) >> 4;  // rows 64..127 of a 128-byte-swizzled A stage
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) {
@@ -280,6 +282,7 @@ __device__ __forceinline__ void pingpong_tile_mainloop(float (&acc0)[kAccRegs], 
   int prev_stage = 0;
   for (int kb = 0; kb < num_k_blocks; ++kb) {
     ptx::mbar_wait(&full_bar[stage], phase);
+    hook.on_stage(kb, stage);
 #pragma unroll
     for (int i = 0; i < kAccRegs; ++i) {
       ptx::reg_fence(acc0[i]);
@@ -291,8 +294,8 @@ __device__ __forceinline__ void pingpong_tile_mainloop(float (&acc0)[kAccRegs], 
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 16; ++kk) {
       const uint64_t db = ptx::desc_from_halves(b_lo + kk * kBStepDesc, b_hi);
-      Mma::mma(acc0, ptx::desc_from_halves(a_lo + kk * (32 >> 4), a_hi), db, 1u);
-      Mma::mma(acc1, ptx::desc_from_halves(a_lo + kHalfADesc + kk * (32 >> 4), a_hi), db, 1u);
+      Mma::mma(acc0, ptx::desc_from_halves(a_lo + kk * kAStepDesc, a_hi), db, 1u);
+      Mma::mma(acc1, ptx::desc_from_halves(a_lo + kHalfADesc + kk * kAStepDesc, a_hi), db, 1u);
     }
     ptx::wgmma_commit();
 #pragma unroll

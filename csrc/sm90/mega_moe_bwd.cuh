@@ -1,26 +1,35 @@
-// prime-kernels: sm90a fused Mega MoE backward (BF16), dgrad part: the L2 dgrad with the SwiGLU backward and the L1
-// dgrad in one persistent kernel, over the task sequence of mega_moe_bwd_schedule.hpp (built without its
-// weight-gradient tiles: the k-grouped GEMM computes those after this kernel).
+// prime-kernels: sm90a fused Mega MoE backward (BF16): the L2 dgrad with the SwiGLU backward, the L1 dgrad and
+// (optionally) the weight gradients dW2 and dW13 in one persistent kernel, over the task sequence of
+// mega_moe_bwd_schedule.hpp. Without the weight-gradient tiles the sequence holds the dgrad tiles alone (the
+// k-grouped GEMM computes the weight gradients after the kernel).
 //
-// Per pool row m of expert e (dy_pool gathered by the dispatch kernel before this one):
+// Per pool row m of expert e (dy_pool gathered by the dispatch kernel before this one, x_pool likewise):
 //   L2-dgrad tile (128 rows x 128 columns of I): da = dy_pool @ w2_e, then dh, w * s and the d topk_weights
-//     partials (swiglu_bwd_pp.cuh's epilogue, SwigluBwdTileEpilogue); then the m-block's counter gains one.
+//     partials (swiglu_bwd_pp.cuh's epilogue, SwigluBwdTileEpilogue); then the m-block's and the expert's counters
+//     gain one.
 //   L1-dgrad tile (128 rows x 128 columns of H): dx = dh @ w13_e (K = 2I), stored bf16 to the row's dX slot.
+//   dW2 tile (128 rows of H x 128 columns of I of dW2_e): dy_pool_e^T @ (w * s)_e, K = the expert's rows.
+//   dW13 tile (128 rows of 2I x 128 columns of H of dW13_e): dh_e^T @ x_pool_e.
 // Each tile is one consumer warpgroup's (the ping-pong split of swiglu_bwd_pp.cuh: 64-row accumulator halves
-// acc0 / acc1); the CTA's claimed tiles alternate between its two warpgroups. Both kinds read B MN-major (w2_e
-// [H, I] and w13_e [2I, H], N contiguous), so one wgmma form serves them.
+// acc0 / acc1); the CTA's claimed tiles alternate between its two warpgroups. Every kind reads B MN-major (w2_e
+// [H, I], w13_e [2I, H], w * s and x_pool rows: N contiguous); A is K-major for the dgrad tiles (pool rows) and
+// MN-major for the weight-gradient tiles (the pool rows transposed), two wgmma forms chosen per task, warp-uniform.
+// A weight-gradient tile's last k-block may reach past the expert's rows: its warpgroup zeroes those rows of both
+// operands in shared memory before the MMAs read them (the k-grouped GEMM's rule). Its result goes out as bf16
+// (TMA stores, the 3-D map clips at the gradient's edges), fp32, or added to fp32 accumulators (generic stores; a
+// tile is one CTA's, so the sums are deterministic).
 //
 // Forward progress, without assuming that the grid is resident: the TMA thread of each CTA claims tasks from a
 // global counter (one ahead) in sequence order and announces each in the CTA's task ring (kMegaBwdTaskSlots
 // entries) once the previous task's loads are issued, before the task's own wait. An L1-dgrad tile waits (bounded,
-// common/watchdog.cuh) for its m-block's L2-dgrad tiles, all lower in the sequence (mega_moe_bwd_schedule.hpp), so
-// all claimed already by running CTAs.
+// common/watchdog.cuh) for its m-block's L2-dgrad tiles and a weight-gradient tile for all of its expert's, all
+// lower in the sequence (mega_moe_bwd_schedule.hpp), so all claimed already by running CTAs.
 // Within a CTA the TMA thread finishes one task's loads before it waits for the next task's counter, and the
 // consumers wait only for their own stages, their own h pieces and the task ring; an L2-dgrad tile's counter
-// release needs nothing but its own stores. So the lowest unfinished task can always run: a grid of any size
+// releases need nothing but its own stores. So the lowest unfinished task can always run: a grid of any size
 // completes with any subset of its CTAs running, with the same bits (a tile's result does not depend on the CTA).
-// Writes read by TMA in another CTA (dh: TMA stores, generic stores for an m-block's last partial rows) are
-// completed (bulk wait_group), fenced (fence.proxy.async.global) and released; the reader acquires, then fences
+// Writes read by TMA in another CTA (dh and w * s: TMA stores, generic stores for an m-block's last partial rows)
+// are completed (bulk wait_group), fenced (fence.proxy.async.global) and released; the reader acquires, then fences
 // before its TMA loads.
 #pragma once
 
@@ -44,7 +53,10 @@ namespace sm90 {
 constexpr int kMegaBwdMaxLag = kMegaBwdMaxLagHost;
 constexpr int kMegaBwdTaskSlots = 4;
 
-struct MegaBwdDgradParams {
+// MegaBwdParams::wgrad_out without weight-gradient tiles (else a KGroupedOut, epilogue.cuh).
+constexpr int32_t kMegaBwdNoWgrad = -1;
+
+struct MegaBwdParams {
   // The L2 dgrad + SwiGLU backward, as m_grouped_bf16_gemm_swiglu_bwd takes it (a = dy_pool, n = I, k = H,
   // group_offsets = the plan's expert offsets, m_total = pool rows).
   MGroupedParams l2;
@@ -53,7 +65,13 @@ struct MegaBwdDgradParams {
   int64_t lddx;
   int32_t hidden;
   int32_t lag;  // 0 .. kMegaBwdMaxLag
-  // [max_m_blocks] finished L2-dgrad tiles per m-block, then the task claim counter; zero before the launch.
+  // The weight gradients: kMegaBwdNoWgrad (no such tiles), kOutBf16Store (through tmap_dw2 / tmap_dw13), or
+  // kOutF32Store / kOutF32Accumulate into dw2_f32 [E, H, I] and dw13_f32 [E, 2I, H] (contiguous).
+  int32_t wgrad_out;
+  float* dw2_f32;
+  float* dw13_f32;
+  // [max_m_blocks] finished L2-dgrad tiles per m-block, [num_experts] per expert, then the task claim counter;
+  // zero before the launch.
   int32_t* counters;
   int32_t max_m_blocks;
   WaitGuard wait_guard;
@@ -73,11 +91,12 @@ struct MegaBwdLayout : SwigluBwdPPLayout<kNumStages> {
   static_assert(kSmemBytes <= Base::kSmemLimit, "shared memory budget exceeded");
 };
 
-// The kernel's sequence: dgrad tiles of 128 columns, no weight-gradient tiles, one release per L2-dgrad tile.
-__device__ __forceinline__ BwdSchedule mega_bwd_schedule(const MegaBwdDgradParams& p, const int32_t* s_mb,
+// The kernel's sequence: 128 x 128 tiles of every kind (weight-gradient tiles only with wgrad_out), one release
+// per L2-dgrad tile.
+__device__ __forceinline__ BwdSchedule mega_bwd_schedule(const MegaBwdParams& p, const int32_t* s_mb,
                                                          const int32_t* s_offs, const int32_t* s_steps) {
   BwdSchedule s;
-  s.shape = BwdTileShape{128, 128, 128, 128, p.hidden, p.l2.n, 0};
+  s.shape = BwdTileShape{128, 128, 128, 128, p.hidden, p.l2.n, p.wgrad_out != kMegaBwdNoWgrad ? 1 : 0};
   s.num_experts = p.l2.num_groups;
   s.lag = p.lag;
   s.arrivals = 1;
@@ -87,20 +106,61 @@ __device__ __forceinline__ BwdSchedule mega_bwd_schedule(const MegaBwdDgradParam
   return s;
 }
 
+// The k-blocks of task t's mainloop: K = H (L2 dgrad), 2I (L1 dgrad) or the expert's rows (weight gradients).
+template <int kBlockK>
+__device__ __forceinline__ int mega_bwd_k_blocks(const BwdTask& t, const MGroupedParams& g, const int32_t* s_offs) {
+  if (t.kind == kBwdL2Dgrad) return ceil_div(g.k, kBlockK);
+  if (t.kind == kBwdL1Dgrad) return ceil_div(2 * g.n, kBlockK);
+  return ceil_div(max(s_offs[t.expert + 1] - s_offs[t.expert], 0), kBlockK);
+}
+
+// A weight-gradient tile's k-block that reaches past its expert's `rows`: k-rows [valid, kBlockK) of the stage's
+// four 64-column boxes (A's two, B's two) are zeroed by the warpgroup's threads (whole 128-byte rows, so the swizzle
+// does not matter) and handed to the async proxy before the MMAs read them. They hold the next expert's rows, or
+// rows no kernel wrote (past the last expert), or the TMA's out-of-bounds zeros.
+template <typename L>
+struct ZeroRowsPastExpert {
+  uint32_t a0, b0;  // stage 0's A and B
+  int rows, wg, wg_tid;
+  __device__ __forceinline__ void on_stage(int kb, int stage) const {
+    const int valid = rows - kb * L::kBlockK;
+    if (valid >= L::kBlockK) return;  // warpgroup-uniform
+    const int per_box = (L::kBlockK - valid) * 8;  // 16-byte pieces
+    const uint32_t sa = a0 + stage * L::kABytes;
+    const uint32_t sb = b0 + stage * L::kBBytes;
+    for (int idx = wg_tid; idx < 4 * per_box; idx += 128) {
+      const int box = idx / per_box;
+      const int rem = idx - box * per_box;
+      const int r = valid + (rem >> 3);
+      const uint32_t base = box < 2 ? sa + box * L::kMnBoxBytes : sb + (box - 2) * L::kMnBoxBytes;
+      ptx::st_shared_v4(base + r * 128 + (rem & 7) * 16, make_uint4(0, 0, 0, 0));
+    }
+    ptx::fence_proxy_async_smem();
+    ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+  }
+};
+
 template <int kNumStages>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    mega_moe_bwd_dgrad_kernel(const __grid_constant__ CUtensorMap tmap_dy, const __grid_constant__ CUtensorMap tmap_w2,
-                              const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_dh,
-                              const __grid_constant__ CUtensorMap tmap_aw, const __grid_constant__ CUtensorMap tmap_dh_a,
-                              const __grid_constant__ CUtensorMap tmap_w13, const __grid_constant__ CUtensorMap tmap_dx,
-                              const __grid_constant__ MegaBwdDgradParams p) {
+    mega_moe_bwd_kernel(const __grid_constant__ CUtensorMap tmap_dy, const __grid_constant__ CUtensorMap tmap_w2,
+                        const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_dh,
+                        const __grid_constant__ CUtensorMap tmap_aw, const __grid_constant__ CUtensorMap tmap_dh_a,
+                        const __grid_constant__ CUtensorMap tmap_w13, const __grid_constant__ CUtensorMap tmap_dx,
+                        const __grid_constant__ CUtensorMap tmap_dy_mn, const __grid_constant__ CUtensorMap tmap_aw_mn,
+                        const __grid_constant__ CUtensorMap tmap_dh_mn, const __grid_constant__ CUtensorMap tmap_x_mn,
+                        const __grid_constant__ CUtensorMap tmap_dw2, const __grid_constant__ CUtensorMap tmap_dw13,
+                        const __grid_constant__ MegaBwdParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = MegaBwdLayout<kNumStages>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kBlockK = L::kBlockK;
   static_assert(kBlockM == kBwdBlockM && kBlockN == 128, "the schedule's 128 x 128 tiles");
-  using Mma = ptx::WgmmaBf16<kBlockN, 0, 1>;  // B MN-major
+  static_assert(L::kMnBoxBytes == 64 * 128 && L::kABytes == 2 * L::kMnBoxBytes,
+                "an MN-major A stage is two 64-row boxes of 64 k-rows, where a K-major one has its rows 64..127");
+  using Mma = ptx::WgmmaBf16<kBlockN, 0, 1>;   // dgrad: A K-major, B MN-major
+  using MmaT = ptx::WgmmaBf16<kBlockN, 1, 1>;  // weight gradients: both MN-major
+  constexpr uint32_t kAStepMn = (16 * 128) >> 4;  // one k16 step of an MN-major A: 16 rows of 128 bytes
   constexpr int kAcc = kBlockN / 2;
 
   extern __shared__ uint8_t smem_raw[];
@@ -116,6 +176,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int lane = tid & 31;
   const MGroupedParams& g = p.l2;
   const int num_experts = g.num_groups;
+  const bool with_wgrad = p.wgrad_out != kMegaBwdNoWgrad;
 
   // bad offsets or lag: nothing is written (the offsets are noted in the device-check record)
   if (common::group_offsets_invalid(g.group_offsets, num_experts, g.m_total, g.check, common::kCheckMGroupedOffsets) ||
@@ -140,7 +201,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   __syncthreads();
 
   int32_t* l2_done = p.counters;
-  int32_t* task_claim = p.counters + p.max_m_blocks;
+  int32_t* expert_done = p.counters + p.max_m_blocks;
+  int32_t* task_claim = expert_done + num_experts;
   if (warp < 4) {
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (warp == 0 && lane == 0) {
@@ -165,25 +227,49 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const int next = atomicAdd(task_claim, 1);
         const BwdTask t = sched.locate(u);
         const BwdWait w = sched.wait_of(t);
-        if (w.counter == kBwdWaitMBlock)
-          wait_counter_at_least(l2_done + w.index, w.target, p.wait_guard, kWaitKernelMegaBwd, kWaitMegaBwdL2Dgrad,
-                                w.index);
-        ptx::fence_proxy_async_global();  // dh rows another CTA wrote: acquired above, read by TMA below
-        const bool l2 = t.kind == kBwdL2Dgrad;
-        const int kbs = ceil_div(l2 ? g.k : 2 * g.n, kBlockK);
-        const CUtensorMap* map_a = l2 ? &tmap_dy : &tmap_dh_a;
-        const CUtensorMap* map_b = l2 ? &tmap_w2 : &tmap_w13;
-        for (int kb = 0; kb < kbs; ++kb) {
-          ptx::mbar_wait(&sm.empty_bar[stage], phase ^ 1);
-          uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
-          uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
-          ptx::mbar_arrive_expect_tx(&sm.full_bar[stage], L::kABytes + L::kBBytes);
-          ptx::tma_load_2d(sa, map_a, &sm.full_bar[stage], kb * kBlockK, t.row0);
+        if (w.counter != kBwdWaitNone) {  // one call site: the timed-out path stays out of line, spill-free
+          const bool mb = w.counter == kBwdWaitMBlock;
+          wait_counter_at_least((mb ? l2_done : expert_done) + w.index, w.target, p.wait_guard, kWaitKernelMegaBwd,
+                                mb ? kWaitMegaBwdL2Dgrad : kWaitMegaBwdExpert, w.index);
+        }
+        ptx::fence_proxy_async_global();  // dh and w * s rows another CTA wrote: acquired above, read by TMA below
+        const int kbs = mega_bwd_k_blocks<kBlockK>(t, g, sm.s_offs);
+        if (t.kind == kBwdL2Dgrad || t.kind == kBwdL1Dgrad) {
+          const bool l2 = t.kind == kBwdL2Dgrad;
+          const CUtensorMap* map_a = l2 ? &tmap_dy : &tmap_dh_a;
+          const CUtensorMap* map_b = l2 ? &tmap_w2 : &tmap_w13;
+          for (int kb = 0; kb < kbs; ++kb) {
+            ptx::mbar_wait(&sm.empty_bar[stage], phase ^ 1);
+            uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
+            uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
+            ptx::mbar_arrive_expect_tx(&sm.full_bar[stage], L::kABytes + L::kBBytes);
+            ptx::tma_load_2d(sa, map_a, &sm.full_bar[stage], kb * kBlockK, t.row0);
 #pragma unroll
-          for (int jb = 0; jb < kBlockN / 64; ++jb)
-            ptx::tma_load_3d_hint(sb + jb * L::kMnBoxBytes, map_b, &sm.full_bar[stage], t.col0 + 64 * jb, kb * kBlockK,
-                                  t.expert, pol_b);
-          advance_stage<kNumStages>(stage, phase);
+            for (int jb = 0; jb < kBlockN / 64; ++jb)
+              ptx::tma_load_3d_hint(sb + jb * L::kMnBoxBytes, map_b, &sm.full_bar[stage], t.col0 + 64 * jb,
+                                    kb * kBlockK, t.expert, pol_b);
+            advance_stage<kNumStages>(stage, phase);
+          }
+        } else {
+          // a weight-gradient tile: A and B are both the expert's pool rows, k-block by k-block, in 64-column boxes
+          const bool w2 = t.kind == kBwdWgradW2;
+          const CUtensorMap* map_a = w2 ? &tmap_dy_mn : &tmap_dh_mn;
+          const CUtensorMap* map_b = w2 ? &tmap_aw_mn : &tmap_x_mn;
+          const int k0 = sm.s_offs[t.expert];
+          for (int kb = 0; kb < kbs; ++kb) {
+            ptx::mbar_wait(&sm.empty_bar[stage], phase ^ 1);
+            uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
+            uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
+            ptx::mbar_arrive_expect_tx(&sm.full_bar[stage], L::kABytes + L::kBBytes);
+#pragma unroll
+            for (int jb = 0; jb < 2; ++jb) {
+              ptx::tma_load_2d(sa + jb * L::kMnBoxBytes, map_a, &sm.full_bar[stage], t.row0 + 64 * jb,
+                               k0 + kb * kBlockK);
+              ptx::tma_load_2d(sb + jb * L::kMnBoxBytes, map_b, &sm.full_bar[stage], t.col0 + 64 * jb,
+                               k0 + kb * kBlockK);
+            }
+            advance_stage<kNumStages>(stage, phase);
+          }
         }
         if (next < num_tasks) announce(next);
         u = next;
@@ -197,8 +283,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int wg = (warp >> 2) - 1;
     const int wg_tid = tid - 128 * (wg + 1);
     const PingPongDescs<L> d(smem);
+    // the weight-gradient tiles' MN-major A: the same stage, 64-row boxes 8 KB apart
+    const uint64_t desc_at = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kAOff), L::kMnBoxBytes, 1024);
+    const uint32_t at_lo0 = static_cast<uint32_t>(desc_at), at_hi = static_cast<uint32_t>(desc_at >> 32);
     SwigluBwdTileEpilogue<L> epi(smem, wg, wg_tid, lane);
-    // the L1-dgrad tile's staging: this warpgroup's two h slots, 4 boxes of 64 x 64 (rows 0..63: boxes 0, 1)
+    // the L1-dgrad and bf16 weight-gradient tiles' staging: this warpgroup's two h slots, 4 boxes of 64 x 64
+    // (rows 0..63: boxes 0, 1)
     const uint32_t stg = epi.hslots_addr;
     constexpr uint32_t kHalfStg = 2 * L::kBoxBytes;
 
@@ -213,25 +303,72 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if (lane == 0) ptx::mbar_arrive(&task_empty[slot]);
       if (u < 0) break;
       const BwdTask t = sched.locate(u);
-      const bool l2 = t.kind == kBwdL2Dgrad;
-      const int kbs = ceil_div(l2 ? g.k : 2 * g.n, kBlockK);
+      const int kbs = mega_bwd_k_blocks<kBlockK>(t, g, sm.s_offs);
       if ((j & 1) != wg) {  // the other warpgroup's tile
         skip_stages<kNumStages>(stage, phase, kbs);
         continue;
       }
+      if (t.kind == kBwdWgradW2 || t.kind == kBwdWgradW13) {
+        const bool w2 = t.kind == kBwdWgradW2;
+        const int rows = max(sm.s_offs[t.expert + 1] - sm.s_offs[t.expert], 0);
+        const ZeroRowsPastExpert<L> zero_tail{ptx::smem_addr(smem + L::kAOff), ptx::smem_addr(smem + L::kBOff), rows,
+                                              wg, wg_tid};
+        pingpong_tile_mainloop<MmaT, kNumStages, kBlockK, L::kABytes, L::kBBytes, PingPongDescs<L>::kBStepDesc,
+                               kAStepMn>(acc0, acc1, kbs, sm.full_bar, sm.empty_bar, stage, phase, at_lo0, at_hi,
+                                         d.b_lo0, d.b_hi, lane, [] {}, zero_tail);
+        // dW2_e is [H, I], dW13_e [2I, H]
+        const int m_dim = w2 ? p.hidden : 2 * g.n;
+        const int n_dim = w2 ? g.n : p.hidden;
+        if (p.wgrad_out == kOutBf16Store) {
+          if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          write_acc_boxes_to_staging<kBlockN, 2>(acc0, stg, wg_tid, 0);
+          write_acc_boxes_to_staging<kBlockN, 2>(acc1, stg + kHalfStg, wg_tid, 0);
+          ptx::fence_proxy_async_smem();
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          if (wg_tid == 0) {
+            const CUtensorMap* map_c = w2 ? &tmap_dw2 : &tmap_dw13;
+            const uint64_t pol = l2_policy_store(g.l2_hints, 0);
+#pragma unroll
+            for (int hm = 0; hm < 2; ++hm)
+#pragma unroll
+              for (int b = 0; b < 2; ++b)
+                if (t.row0 + 64 * hm < m_dim && t.col0 + 64 * b < n_dim)
+                  ptx::tma_store_3d_hint(map_c, stg + hm * kHalfStg + b * L::kBoxBytes, t.col0 + 64 * b,
+                                         t.row0 + 64 * hm, t.expert, pol);
+            ptx::bulk_commit_group();
+          }
+        } else {
+          float* c = (w2 ? p.dw2_f32 : p.dw13_f32) + static_cast<int64_t>(t.expert) * m_dim * n_dim;
+          if (p.wgrad_out == kOutF32Accumulate) {
+            if (kbs > 0) {  // an expert without rows adds nothing
+              store_acc_rows_direct<kBlockN, kOutF32Accumulate>(acc0, c, n_dim, t.row0, t.col0, wg_tid, m_dim, n_dim);
+              store_acc_rows_direct<kBlockN, kOutF32Accumulate>(acc1, c, n_dim, t.row0 + 64, t.col0, wg_tid, m_dim,
+                                                                n_dim);
+            }
+          } else {
+            store_acc_rows_direct<kBlockN, kOutF32Store>(acc0, c, n_dim, t.row0, t.col0, wg_tid, m_dim, n_dim);
+            store_acc_rows_direct<kBlockN, kOutF32Store>(acc1, c, n_dim, t.row0 + 64, t.col0, wg_tid, m_dim, n_dim);
+          }
+        }
+        continue;
+      }
+      const bool l2 = t.kind == kBwdL2Dgrad;
       const int row_end = max(sm.s_offs[t.expert + 1], sm.s_offs[t.expert]);
       if (l2) epi.prepare(g, &tmap_h, t.row0, row_end, t.col0);
       pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, PingPongDescs<L>::kBStepDesc>(
           acc0, acc1, kbs, sm.full_bar, sm.empty_bar, stage, phase, d.a_lo0, d.a_hi, d.b_lo0, d.b_hi, lane, [] {});
       if (l2) {
         epi.finish(g, &tmap_h, &tmap_dh, &tmap_aw, acc0, acc1, t.row0, row_end, t.col0, t.col0 / kBlockN);
-        // this tile's dh is read by the m-block's L1-dgrad tiles, in any CTA: stores complete, fenced, released
+        // this tile's dh and w * s are read by the m-block's L1-dgrad tiles and the expert's weight-gradient tiles,
+        // in any CTA: stores complete, fenced, released
         ptx::fence_proxy_async_global();  // this thread's generic stores (a partial m-block)
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
         if (wg_tid == 0) {
           ptx::bulk_wait_group<0>();
           ptx::fence_proxy_async_global();
           ptx::red_release_gpu_add(l2_done + t.mb, 1);
+          if (with_wgrad) ptx::red_release_gpu_add(expert_done + t.expert, 1);
         }
       } else {
         // dx rows: through the staging boxes (the h slots, free once this warpgroup's stores have read them)

@@ -18,15 +18,16 @@ Forward (sm90, FP8, single rank; :func:`_forward_fp8`): the same plan, the weigh
 then ``torch.ops.prime_kernels.mega_moe_fp8_fused_fwd`` (the quantizing dispatch, then one persistent kernel for the
 FP8 L1 with SwiGLU and the FP8 L2, csrc/sm90/mega_moe_fwd_fp8.cuh) and the combine: the FP8 forward pipeline's bits.
 
-The fused backward is not written yet: ``prime_kernels.status()`` says so, and :mod:`prime_kernels.mega._backend`
-never resolves "fused" for it.
+Backward (sm90, BF16): :func:`backward`, the fused backward kernel of :mod:`prime_kernels.mega._fused_bwd`, which
+:mod:`prime_kernels.mega._backend` resolves to only where ``prime_kernels.status()["mega_moe_backward.bf16.sm90"]``
+says "available".
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _fp8_fwd
+from . import _fp8_fwd, _fused_bwd
 from . import fp8 as _fp8
 from ._grouped import _rows_for_kernels
 from ._validate import FusedKernelUnavailable
@@ -102,8 +103,9 @@ def _forward_fp8(x, topk_idx, topk_weights, w13, w2, *, activation_clamp, num_ex
             route_to_pool, None)
 
 
-def backward(*args, precision: str = "bf16", **kwargs):
-    raise FusedKernelUnavailable(
-        f"prime_kernels.mega: no fused {precision} backward kernel yet (prime_kernels.status() "
-        f"'mega_moe_backward.bf16.sm90'); backend='auto' runs the grouped backward"
-    )
+def backward(*args, precision: str = "bf16", buffer=None, **kwargs):
+    """The fused BF16 backward (:func:`prime_kernels.mega._fused_bwd.backward`); the FP8 precisions' backward is the
+    FP8 pipeline's (:mod:`prime_kernels.mega._backend` sends them there)."""
+    if precision != "bf16":
+        raise FusedKernelUnavailable(f"prime_kernels.mega: no fused {precision} backward kernel")
+    return _fused_bwd.backward(*args, buffer=buffer, **kwargs)

@@ -1,15 +1,18 @@
-"""The fused backward's dgrad kernel (sm90, BF16).
+"""The fused backward (sm90, BF16): one persistent kernel for the L2 dgrad with the SwiGLU backward, the L1 dgrad and
+the weight gradients (``torch.ops.prime_kernels.mega_moe_bwd_fused``, csrc/sm90/mega_moe_bwd.cuh).
 
-:func:`dgrad` runs the two dgrad steps of the grouped backward (:func:`prime_kernels.mega._grouped.backward`) in
-one persistent kernel (``torch.ops.prime_kernels.mega_moe_bwd_dgrad``, csrc/sm90/mega_moe_bwd.cuh): the L2 dgrad
-with the SwiGLU backward in its epilogue (the pipeline's ``m_grouped_bf16_gemm_swiglu_bwd``) and the L1 dgrad
-(the pipeline's ``m_grouped_bf16_gemm_nn(dh, w13, offsets)``), whose tiles wait for their m-block's L2-dgrad tiles
-instead of for the end of a kernel. It takes what the pipeline hands those two steps and returns what they return.
+* :func:`dgrad` runs the kernel without its weight-gradient tiles: the pipeline's ``m_grouped_bf16_gemm_swiglu_bwd``
+  and ``m_grouped_bf16_gemm_nn(dh, w13, offsets)`` in one launch, whose L1-dgrad tiles wait for their m-block's
+  L2-dgrad tiles instead of for the end of a kernel. It takes what the pipeline hands those two steps and returns
+  what they return.
+* :func:`dgrad_wgrad` adds the weight-gradient tiles (the pipeline's two k-grouped GEMMs), each scheduled once its
+  expert's L2-dgrad tiles are stored: dW2_e = dy_pool_e^T (w * s)_e and dW13_e = dh_e^T x_pool_e, in bf16 or fp32, or
+  added to fp32 accumulators.
+* :func:`backward` is the layer's backward on it (backend "fused"): the dy dispatch, the kernel, the d topk_weights
+  sum and the dX combine, with the grouped backward's contract.
 
-Nothing in the library calls it yet: bitwise equal to the two pipeline steps on the H200, it takes 1.07-1.14x their
-time at the Qwen3 30B and 235B shapes (bench/bench_bwd_dgrad.py; docs/performance.md). So
-``backend="auto"`` (and "fused") keep running the grouped backward, and ``status()["mega_moe_backward.bf16.sm90"]``
-(the whole fused backward) says it is not written yet. The weight gradients, the dy dispatch before it and the dX combine after it stay the pipeline's kernels.
+``prime_kernels.status()["mega_moe_backward.bf16.sm90"]`` says whether it runs: until the kernel with its
+weight-gradient tiles is verified on a GPU it names that reason, and ``backend="auto"`` runs the grouped backward.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import numbers
 import torch
 
 from .. import _status
+from ._grouped import _gathered_pool, _rows_for_kernels, recompute_h
 from ._validate import FusedKernelUnavailable, check_activation_clamp
+from ..combine import combine
 
-STATUS_KEY = "mega_moe_bwd_dgrad.bf16.sm90"
+STATUS_KEY = "mega_moe_backward.bf16.sm90"
 
 # What the kernel's tiles and tables take (csrc/sm90/mega_moe_bwd.cu, prepare_swiglu_bwd): I in 64-column pieces
 # of the SwiGLU epilogue, H in 64-column TMA boxes of the L1-dgrad output, at most 1024 experts (their offsets live
@@ -31,7 +36,7 @@ HIDDEN_MULTIPLE = 64
 MAX_EXPERTS = 1024
 MAX_INDEX = 2 ** 31 - 1
 
-_PREFIX = "prime_kernels.mega._fused_bwd.dgrad: "
+_PREFIX = "prime_kernels.mega._fused_bwd: "
 
 
 def _fail(msg: str, exc=ValueError):
@@ -100,6 +105,18 @@ def _outputs_like(dy_pool, M: int, H: int, I: int):
             dy_pool.new_empty(M, (I + 127) // 128, dtype=torch.float32), dy_pool.new_empty(M, H))
 
 
+def _runnable_or_raise(dy_pool) -> None:
+    if dy_pool.device.type != "cuda":
+        _fail(f"the tensors must be CUDA tensors, got {dy_pool.device}")
+    why = _status.runnable(STATUS_KEY)
+    if why != _status.AVAILABLE:
+        raise FusedKernelUnavailable(f"{_PREFIX}{STATUS_KEY} cannot run here: {why}")
+
+
+def _clamp_arg(activation_clamp) -> float:
+    return 0.0 if activation_clamp is None else float(activation_clamp)  # the kernel's 0: no clamp
+
+
 def dgrad(dy_pool, w13, w2, h, expert_offsets, pool_src_route, topk_weights, *, activation_clamp=None,
           num_sms=None):
     """The grouped backward's L2 dgrad + SwiGLU backward and L1 dgrad in one kernel.
@@ -118,21 +135,139 @@ def dgrad(dy_pool, w13, w2, h, expert_offsets, pool_src_route, topk_weights, *, 
                                      activation_clamp, num_sms)
     if M == 0:
         return _outputs_like(dy_pool, 0, H, I)
-    if dy_pool.device.type != "cuda":
-        _fail(f"the tensors must be CUDA tensors, got {dy_pool.device}")
-    why = _status.runnable(STATUS_KEY)
-    if why != _status.AVAILABLE:
-        raise FusedKernelUnavailable(f"{_PREFIX}{STATUS_KEY} cannot run here: {why}")
-    clamp = 0.0 if activation_clamp is None else float(activation_clamp)  # the kernel's 0: no clamp
-    return torch.ops.prime_kernels.mega_moe_bwd_dgrad(dy_pool, w2, w13, expert_offsets, h, pool_src_route,
-                                                      topk_weights.reshape(-1), clamp,
-                                                      0 if num_sms is None else int(num_sms))
+    _runnable_or_raise(dy_pool)
+    out = torch.ops.prime_kernels.mega_moe_bwd_fused(dy_pool, w2, w13, expert_offsets, h, pool_src_route,
+                                                     topk_weights.reshape(-1), _clamp_arg(activation_clamp),
+                                                     num_sms=0 if num_sms is None else int(num_sms))
+    return out[:4]
+
+
+def check_wgrad_inputs(x_pool, M: int, H: int, I: int, E: int, like, wgrad_dtype, dw13_accum, dw2_accum) -> None:
+    """The host-side checks :func:`dgrad_wgrad` adds to :func:`check_dgrad_inputs`."""
+    _check_tensor(x_pool, "x_pool", torch.bfloat16, 2, aligned16=True)
+    if x_pool.shape[0] < M or x_pool.shape[1] != H:
+        _fail(f"x_pool must be [>= {M} pool rows, H = {H}], got {list(x_pool.shape)}")
+    if x_pool.device != like.device:
+        _fail(f"x_pool must be on {like.device}, got {x_pool.device}")
+    if (dw13_accum is None) != (dw2_accum is None):
+        _fail("give both accumulators (dw13_accum, dw2_accum) or neither")
+    if dw13_accum is None:
+        if wgrad_dtype not in (torch.bfloat16, torch.float32):
+            _fail(f"wgrad_dtype must be torch.bfloat16 or torch.float32, got {wgrad_dtype}", TypeError)
+        return
+    for name, t, shape in (("dw13_accum", dw13_accum, [E, 2 * I, H]), ("dw2_accum", dw2_accum, [E, H, I])):
+        _check_tensor(t, name, torch.float32, 3, aligned16=True)
+        if list(t.shape) != shape:
+            _fail(f"{name} must be {shape}, got {list(t.shape)}")
+        if t.device != like.device:
+            _fail(f"{name} must be on {like.device}, got {t.device}")
+
+
+def dgrad_wgrad(dy_pool, x_pool, w13, w2, h, expert_offsets, pool_src_route, topk_weights, *,
+                wgrad_dtype=torch.bfloat16, dw13_accum=None, dw2_accum=None, activation_clamp=None, num_sms=None):
+    """:func:`dgrad` and the weight gradients in one kernel.
+
+    x_pool [>= M, H] bf16: the token rows in pool order (every row of every expert finite; the padding rows zero).
+    Returns (dh, w * s, dt_part, dx_pool, dw13, dw2): the first four as :func:`dgrad`, then dW13_e = dh_e^T x_pool_e
+    [E, 2I, H] and dW2_e = dy_pool_e^T (w * s)_e [E, H, I] over each expert's rows (zeros for an expert without rows):
+    in ``wgrad_dtype`` (bf16: one rounding of the fp32 sum; or fp32), or, given both fp32 accumulators, added to them
+    (then dw13 and dw2 come back empty). The same bits as the pipeline's ``k_grouped_bf16_gemm_tn`` calls."""
+    M, H, I, E = check_dgrad_inputs(dy_pool, w13, w2, h, expert_offsets, pool_src_route, topk_weights,
+                                    activation_clamp, num_sms)
+    check_wgrad_inputs(x_pool, M, H, I, E, dy_pool, wgrad_dtype, dw13_accum, dw2_accum)
+    if M == 0:
+        dh, aw, dt, dx = _outputs_like(dy_pool, 0, H, I)
+        if dw13_accum is not None:
+            return dh, aw, dt, dx, dy_pool.new_empty(0), dy_pool.new_empty(0)
+        return (dh, aw, dt, dx, dy_pool.new_zeros(E, 2 * I, H, dtype=wgrad_dtype),
+                dy_pool.new_zeros(E, H, I, dtype=wgrad_dtype))
+    _runnable_or_raise(dy_pool)
+    return torch.ops.prime_kernels.mega_moe_bwd_fused(
+        dy_pool, w2, w13, expert_offsets, h, pool_src_route, topk_weights.reshape(-1), _clamp_arg(activation_clamp),
+        x_pool, wgrad_dtype == torch.float32, dw13_accum, dw2_accum, 0 if num_sms is None else int(num_sms))
+
+
+def _recompute(x, w13, w2, counts, offsets, pool_src_route, route_to_pool, capacity: int, x_pool, top_k: int,
+               activation_clamp, sms):
+    """(h, x_pool) for ``recompute=True``. Without a clamp: the pooled rows and the plain L1 GEMM (the grouped
+    backward's recompute, the forward's h bits). With one, h must keep the clamp masks of the fp32 pre-activation
+    (reference F6), which only the fused forward's epilogue does: that kernel runs again, keeping its pooled rows."""
+    if activation_clamp is None:
+        return recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms)
+    _s, h, _o, xp, _y = torch.ops.prime_kernels.mega_moe_fused_fwd(
+        _rows_for_kernels(x), pool_src_route, offsets, w13.contiguous(), w2.contiguous(), top_k, True,
+        _clamp_arg(activation_clamp), True, num_sms=int(sms or 0))
+    return h, xp
+
+
+def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, pool_src_route, pool_src_rank,
+             route_to_pool, *, activation_clamp=None, group=None, num_experts=None, recompute=False,
+             need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None, num_sms=0):
+    """The layer's backward on the fused kernel; the contract of :func:`prime_kernels.mega.reference.backward`
+    (``num_sms`` as in :func:`prime_kernels.mega._grouped.forward`). The dy rows are dispatched into the pool (and the
+    x rows, when the weight gradients are wanted and the forward did not keep them), then one kernel computes dh,
+    w * s, the d topk_weights partials, the dX slots and both weight gradients; the partials are summed in column
+    order and the slots combined, as the grouped backward does."""
+    if group is not None:
+        raise FusedKernelUnavailable("prime_kernels.mega: the fused backward runs on a single rank for now (group=None)")
+    sms = num_sms if num_sms else None
+    capacity = pool_src_route.shape[0]
+    route_to_pool = route_to_pool.contiguous()
+    want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None
+    h = h_saved
+    if recompute:
+        h, x_pool = _recompute(x, w13, w2, counts, offsets, pool_src_route, route_to_pool, capacity, x_pool,
+                               topk_idx.shape[1], activation_clamp, sms)
+    weights = topk_weights.float().contiguous()
+    dy_pool = _gathered_pool(_rows_for_kernels(dy.to(torch.bfloat16)), route_to_pool, counts, offsets, capacity)
+    if want_w and x_pool is None:
+        x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity)
+    both = dw13_accum is not None and dw2_accum is not None
+    if want_w:
+        # bf16 or fp32 parameters get their gradients in their dtype from the kernel; a single accumulator (or another
+        # dtype) gets fp32, added (or cast) here
+        direct = w13.dtype == w2.dtype and w13.dtype in (torch.bfloat16, torch.float32) and dw13_accum is None
+        _dh, _aw, dt_part, dx_pool, dw13, dw2 = dgrad_wgrad(
+            dy_pool, x_pool, w13, w2, h, offsets, pool_src_route, weights,
+            wgrad_dtype=w13.dtype if direct else torch.float32, dw13_accum=dw13_accum if both else None,
+            dw2_accum=dw2_accum if both else None, activation_clamp=activation_clamp, num_sms=sms)
+    else:
+        _dh, _aw, dt_part, dx_pool = dgrad(dy_pool, w13, w2, h, offsets, pool_src_route, weights,
+                                           activation_clamp=activation_clamp, num_sms=sms)
+    del _dh, _aw, dy_pool, h
+    # d topk_weights per pool row: the partials summed in column order, into a buffer whose last entry is a zero that
+    # masked routes (route_to_pool = -1, which indexes the last entry) read
+    dt_pool = dt_part.new_empty(capacity + 1)
+    dt_pool[capacity:].zero_()
+    torch.sum(dt_part, 1, out=dt_pool[:capacity])
+    dx = combine(dx_pool, route_to_pool, None)
+    del dx_pool
+    dtopk = dt_pool[route_to_pool.reshape(-1)].view_as(topk_weights).to(topk_weights.dtype)
+    out13 = out2 = None
+    if want_w and not both:
+        if dw13_accum is not None:
+            dw13_accum.add_(dw13)
+        elif need_wgrad:
+            out13 = dw13.to(w13.dtype)
+        if dw2_accum is not None:
+            dw2_accum.add_(dw2)
+        elif need_wgrad:
+            out2 = dw2.to(w2.dtype)
+    return dx, dtopk, out13, out2
 
 
 def _register() -> None:
     """The op's fake kernel (meta tensors, torch.compile tracing): the output shapes."""
 
-    def fake(dy_pool, w2, w13, group_offsets, h, pool_src_route, topk_weights, clamp=0.0, num_sms=0):
-        return _outputs_like(dy_pool, dy_pool.shape[0], dy_pool.shape[1], w2.shape[2])
+    def fake(dy_pool, w2, w13, group_offsets, h, pool_src_route, topk_weights, clamp=0.0, x_pool=None,
+             wgrad_fp32=False, dw13_accum=None, dw2_accum=None, num_sms=0):
+        M, H = dy_pool.shape
+        E, _, I = w2.shape
+        if x_pool is None or dw13_accum is not None:
+            dw13, dw2 = dy_pool.new_empty(0), dy_pool.new_empty(0)
+        else:
+            dt = torch.float32 if wgrad_fp32 else torch.bfloat16
+            dw13, dw2 = dy_pool.new_empty(E, 2 * I, H, dtype=dt), dy_pool.new_empty(E, H, I, dtype=dt)
+        return _outputs_like(dy_pool, M, H, I) + (dw13, dw2)
 
-    torch.library.register_fake("prime_kernels::mega_moe_bwd_dgrad", fake)
+    torch.library.register_fake("prime_kernels::mega_moe_bwd_fused", fake)
