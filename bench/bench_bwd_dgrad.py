@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The fused backward's dgrad kernel against the two pipeline steps it replaces, on the same inputs in the same run.
+"""The fused backward kernel against the pipeline steps it replaces, on the same inputs in the same run: without its
+weight-gradient tiles (the two dgrad steps) and with them (the dgrad steps and the two k-grouped GEMMs).
 
     python bench/bench_bwd_dgrad.py [--shapes qwen3-30b-a3b,qwen3-235b-a22b] [--tokens 4096,16384]
                                     [--routings uniform,zipf] [--warmup 5] [--reps 20] [--out PATH] [--max-seconds S]
@@ -12,10 +13,13 @@ these weight scales), topk_weights fp32.
   pipeline: m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route, topk_weights) -> dh, w * s,
             dt_part; then m_grouped_bf16_gemm_nn(dh, w13, offsets) -> dx_pool (each also timed alone: l2, l1)
   fused:    prime_kernels.mega._fused_bwd.dgrad(dy_pool, w13, w2, h, offsets, pool_src_route, topk_weights)
+  pipeline_full: pipeline, then k_grouped_bf16_gemm_tn(dy_pool, w * s) -> dW2 and (dh, x_pool) -> dW13, bf16
+  fused_full:    prime_kernels.mega._fused_bwd.dgrad_wgrad(dy_pool, x_pool, ...), bf16 weight gradients
 
 Timing: bench_gemm.time_interleaved (CUDA events around each call after a short GPU spin, so that the interval
 holds the call's GPU work only; rounds that run every function once; median of --reps after --warmup calls).
-Useful FLOPs: 2 M H I (L2 dgrad) + 2 M 2I H (L1 dgrad), M = routed rows (the pool's padding rows not counted);
+Useful FLOPs: 2 M H I (L2 dgrad) + 2 M 2I H (L1 dgrad), twice that with the weight gradients, M = routed rows
+(the pool's padding rows not counted);
 pct_peak against the bf16 matmul peak measured in the same run. Check, in the same run: the fused outputs against
 the pipeline's (dh, w * s, dx_pool over the experts' rows, all of dt_part): a bitwise flag per output and the
 largest relative error. Results: a table, and JSON (bench_common.run_header's fields, the timing, a row per
@@ -38,7 +42,7 @@ import bench_common as bc  # noqa: E402
 
 SHAPES = ("qwen3-30b-a3b", "qwen3-235b-a22b")
 BLOCK_M = 128  # the plans' m-block: both forwards pad to it, and the kernel's tiles are 128 rows
-OUTPUTS = ("dh", "w*s", "dt_part", "dx_pool")
+OUTPUTS = ("dh", "w*s", "dt_part", "dx_pool", "dw13", "dw2")
 
 
 def parse_args(argv=None):
@@ -85,15 +89,16 @@ def make_state(shape: str, T: int, routing: str, seed: int, device) -> dict:
     from prime_kernels.routing import routing_plan
 
     E, H, I, K = bc.SHAPES[shape]
-    _x, idx, w, dy = bc.make_tokens(T, E, H, K, routing, seed, device)
+    x, idx, w, dy = bc.make_tokens(T, E, H, K, routing, seed, device)
     w13, w2 = bc.make_weights(E, H, I, seed, device)
     plan = routing_plan(idx, num_experts=E, block_m=BLOCK_M)
     src = plan.pool_src_route
     tok = _grouped._token_rows(src, K)
-    dy_pool = dy.index_select(0, tok.clamp(min=0).long()).masked_fill_((tok < 0)[:, None], 0)
+    pooled = lambda rows: rows.index_select(0, tok.clamp(min=0).long()).masked_fill_((tok < 0)[:, None], 0)
+    dy_pool = pooled(dy)
     g = torch.Generator(device=device).manual_seed(seed * 1000 + 29)
     h = torch.randn(src.shape[0], 2 * I, generator=g, device=device).to(torch.bfloat16)
-    return {"inputs": [dy_pool, w13, w2, h, plan.expert_offsets, src, w.float().contiguous()],
+    return {"inputs": [dy_pool, w13, w2, h, plan.expert_offsets, src, w.float().contiguous()], "x_pool": pooled(x),
             "E": E, "H": H, "I": I, "K": K, "routed_rows": int((idx >= 0).sum()), "pool_rows": int(src.shape[0]),
             "expert_rows": int(plan.expert_offsets[-1])}
 
@@ -113,12 +118,30 @@ def fused(inputs):
     return dgrad(*inputs)
 
 
+def pipeline_full(inputs, x_pool):
+    """The two dgrad steps, then the weight gradients as the grouped backward computes them for bf16 weights."""
+    from prime_kernels.grouped_gemm import k_grouped_bf16_gemm_tn
+
+    dh, aw, dt_part, dx = pipeline(inputs)
+    offsets = inputs[4]
+    dw2 = k_grouped_bf16_gemm_tn(inputs[0], aw, offsets, out_dtype=torch.bfloat16)
+    dw13 = k_grouped_bf16_gemm_tn(dh, x_pool, offsets, out_dtype=torch.bfloat16)
+    return dh, aw, dt_part, dx, dw13, dw2
+
+
+def fused_full(inputs, x_pool):
+    from prime_kernels.mega._fused_bwd import dgrad_wgrad
+
+    dy_pool, *rest = inputs
+    return dgrad_wgrad(dy_pool, x_pool, *rest)
+
+
 def compare(got, want, expert_rows: int) -> dict:
     """Per output: bitwise equality and relative error of got against want, over what the op specifies (the
     experts' rows of dh, w * s and dx_pool; rows after them are not written; all of dt_part)."""
     bitwise, rel = {}, {}
     for name, a, b in zip(OUTPUTS, got, want):
-        if name != "dt_part":
+        if name in ("dh", "w*s", "dx_pool"):
             a, b = a[:expert_rows], b[:expert_rows]
         bitwise[name] = bool(torch.equal(a, b))
         rel[name] = 0.0 if bitwise[name] else bc.rel_err(a, b)
@@ -137,10 +160,12 @@ def bench_config(shape, T, routing, args, peak) -> dict:
     row = {"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens": T,
            "routing": routing, "precision": "bf16", "routed_rows": st["routed_rows"], "pool_rows": st["pool_rows"],
            "expert_rows": st["expert_rows"]}
-    got = fused(x)  # first: a kernel fault here is the fused op's, with the pipeline not yet run
+    xp = st["x_pool"]
+    got = fused_full(x, xp)  # first: a kernel fault here is the fused op's, with the pipeline not yet run
     torch.cuda.synchronize()
-    want = pipeline(x)
+    want = pipeline_full(x, xp)
     row.update(compare(got, want, st["expert_rows"]))
+    row["dgrad_only_bitwise"] = compare(fused(x) + want[4:], want, st["expert_rows"])["bitwise_all"]
     dh = want[0]
     del got, want
     ms = time_interleaved({
@@ -148,13 +173,16 @@ def bench_config(shape, T, routing, args, peak) -> dict:
         "pipeline_l2": lambda: m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, src, wts),
         "pipeline_l1": lambda: m_grouped_bf16_gemm_nn(dh, w13, offsets),
         "fused": lambda: fused(x),
+        "pipeline_full": lambda: pipeline_full(x, xp),
+        "fused_full": lambda: fused_full(x, xp),
     }, args.warmup, args.reps)
     flops = dgrad_flops(st["routed_rows"], H, I)
     for k, v in ms.items():
         row[f"{k}_ms"] = v
     row["ratio_fused_over_pipeline"] = ms["fused"] / ms["pipeline"]
-    for k in ("pipeline", "fused"):
-        row[f"{k}_tflops"] = flops / ms[k] / 1e9
+    row["ratio_full"] = ms["fused_full"] / ms["pipeline_full"]
+    for k, f in (("pipeline", flops), ("fused", flops), ("pipeline_full", 2 * flops), ("fused_full", 2 * flops)):
+        row[f"{k}_tflops"] = f / ms[k] / 1e9
         row[f"{k}_pct_peak"] = 100.0 * row[f"{k}_tflops"] / peak
     return row
 
@@ -162,7 +190,8 @@ def bench_config(shape, T, routing, args, peak) -> dict:
 def format_rows(rows) -> str:
     cols = [("shape", "{}"), ("tokens", "{}"), ("routing", "{}"), ("pipeline_ms", "{:.3f}"), ("pipeline_l2_ms", "{:.3f}"),
             ("pipeline_l1_ms", "{:.3f}"), ("fused_ms", "{:.3f}"), ("ratio_fused_over_pipeline", "{:.3f}"),
-            ("pipeline_tflops", "{:.0f}"), ("fused_tflops", "{:.0f}"), ("fused_pct_peak", "{:.1f}"),
+            ("pipeline_tflops", "{:.0f}"), ("fused_tflops", "{:.0f}"), ("pipeline_full_ms", "{:.3f}"),
+            ("fused_full_ms", "{:.3f}"), ("ratio_full", "{:.3f}"), ("fused_full_pct_peak", "{:.1f}"),
             ("bitwise_all", "{}"), ("max_rel_err", "{:.2e}"), ("error", "{}")]
     cells = [[c for c, _ in cols]]
     for r in rows:
@@ -189,7 +218,7 @@ def main(argv=None) -> int:
         _fused_bwd.STATUS_KEY]}, timing={"warmup": args.warmup, "reps": args.reps,
                                          "statistic": "median of reps CUDA-event times, rounds interleaved over the "
                                                       "functions, a GPU spin before each call"},
-               flops="2*M*H*I + 2*M*2I*H, M = routed rows", rows=[])
+               flops="2*M*H*I + 2*M*2I*H, M = routed rows (twice that for the *_full rows)", rows=[])
     path = Path(args.out) if args.out else bc.default_results_path("bwd_dgrad", header)
     print(f"[bench] {header['gpu']}, torch {header['torch']}, cuda {header['cuda']}, bf16 peak {peak:.0f} TFLOP/s; "
           f"{_fused_bwd.STATUS_KEY}: {doc['status'][_fused_bwd.STATUS_KEY]}", flush=True)

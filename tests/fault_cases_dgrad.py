@@ -1,6 +1,6 @@
-"""The fault matrix's cases for the fused backward's dgrad kernel (prime_kernels.mega._fused_bwd.dgrad, op
-prime_kernels::mega_moe_bwd_fused without its weight-gradient tiles), registered into tests/fault_cases.py's CASES and run by its worker like the
-others; every name starts with "dgrad_" (``python3 -m pytest tests/test_fault_matrix.py -k dgrad``).
+"""The fault matrix's cases for the fused backward kernel (op prime_kernels::mega_moe_bwd_fused), without its
+weight-gradient tiles (prime_kernels.mega._fused_bwd.dgrad) and with them (dgrad_wgrad, cases "dgrad_wgrad_*"),
+registered into tests/fault_cases.py's CASES and run by its worker like the others; every name starts with "dgrad_" (``python3 -m pytest tests/test_fault_matrix.py -k dgrad``).
 
 Classes: bad input (group_offsets decreasing, past the pool, negative: reported by the device check and nothing
 written; pool_src_route values outside [-1, routes): read as masked and reported), forward progress (the op while a
@@ -37,9 +37,23 @@ def _dgrad(st, **kw):
     return dgrad(*st, **kw)
 
 
+def _dgrad_wgrad(st, x_pool, **kw):
+    from prime_kernels.mega._fused_bwd import dgrad_wgrad
+
+    dy_pool, *rest = st
+    return dgrad_wgrad(dy_pool, x_pool, *rest, **kw)
+
+
 def _cut(out, rows: int):
-    dh, aw, dt_part, dx = out
-    return [dh[:rows], aw[:rows], dt_part, dx[:rows]]
+    dh, aw, dt_part, dx, *wgrad = out
+    return [dh[:rows], aw[:rows], dt_part, dx[:rows], *wgrad]
+
+
+def _x_pool(st, seed):
+    """Token rows in pool order for _state's plan: random rows, zero where the plan pads."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(st[0].shape, generator=g, device="cuda").bfloat16()
+    return x.masked_fill_((st[5] < 0)[:, None], 0)
 
 
 def _state(T, E, H, I, K, seed, masked=0.1, skewed=False):
@@ -188,6 +202,48 @@ for _k in (1, 8, 66):
     case(f"dgrad_forward_progress_{_k}_free_sms", 240)(lambda _k=_k: _progress(_k))
 
 
+def _progress_wgrad(k: int):
+    """As _progress, with the weight-gradient tiles: they wait for their experts' L2-dgrad tiles, which with one
+    resident CTA it runs itself, earlier in the sequence."""
+    _dgrad_or_skip()
+    fc.free_sms_or_skip(k)
+    st = _state(2048, 32, 1024, 512, 4, seed=61)
+    xp = _x_pool(st, 62)
+    rows = int(st[4][-1])
+    stream = torch.cuda.Stream()
+
+    def run(num_sms):
+        with torch.cuda.stream(stream):
+            out = _cut(_dgrad_wgrad(st, xp, num_sms=num_sms), rows)
+            done = torch.cuda.Event()
+            done.record(stream)
+            return out, done
+
+    return fc.progress_beside_helper(k, run, "the dgrad + wgrad op")
+
+
+for _k in (1, 66):
+    case(f"dgrad_wgrad_forward_progress_{_k}_free_sms", 240)(lambda _k=_k: _progress_wgrad(_k))
+
+
+@case("dgrad_wgrad_three_streams_bitwise", 180)
+def _three_streams_wgrad():
+    """The op with its weight-gradient tiles at the 30B shape (T 4096) on 3 streams at once, 3 calls each."""
+    _dgrad_or_skip()
+    states = [_state(4096, 128, 2048, 768, 8, seed=33 + i, masked=0.0) for i in range(3)]
+    pools = [_x_pool(s, 70 + i) for i, s in enumerate(states)]
+    rows = [int(s[4][-1]) for s in states]
+    serial = [_cut(_dgrad_wgrad(s, xp), r) for s, xp, r in zip(states, pools, rows)]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    fns = [fc._on_stream(stream, lambda s=s, xp=xp, r=r: _cut(_dgrad_wgrad(s, xp), r), reps=3)
+           for stream, s, xp, r in zip(streams, states, pools, rows)]
+    outs = fc._threads(fns, 120, "3 concurrent dgrad + wgrad ops")
+    for i in range(3):
+        fc._equal(f"stream {i}", outs[i], serial[i])
+    return "3 concurrent dgrad + wgrad streams equal to the serial results bit for bit"
+
+
 @case("dgrad_three_streams_bitwise", 150)
 def _three_streams():
     """The op at the 30B shape (E 128, H 2048, I 768, K 8, T 4096) on 3 streams at once, 5 calls each: three
@@ -283,3 +339,20 @@ print("\n".join(texts), file=sys.stderr, flush=True)
 def _wait_timeout():
     _dgrad_or_skip()
     return fc.trapping_child(_DGRAD_WAIT_CHILD, _DGRAD_WAIT_WORDS)
+
+
+# With the weight-gradient tiles the sequence has both waits (L1-dgrad on its m-block, weight-gradient on its expert);
+# whichever times out first writes the record, so the words name the kernel and a wait, not which one.
+_WGRAD_WAIT_WORDS = ("timed out", "CUDA context is lost", "mega_moe_bwd_kernel", "waits for its", "L2-dgrad tiles",
+                     "expected", "observed")
+_WGRAD_WAIT_CHILD = _DGRAD_WAIT_CHILD.replace("from prime_kernels.mega._fused_bwd import dgrad\n", """\
+from prime_kernels.mega._fused_bwd import dgrad_wgrad
+def dgrad(dy_pool, *rest):
+    return dgrad_wgrad(dy_pool, dy_pool.clone(), *rest)
+""")
+
+
+@case("dgrad_wgrad_wait_timeout_traps", 90)
+def _wait_timeout_wgrad():
+    _dgrad_or_skip()
+    return fc.trapping_child(_WGRAD_WAIT_CHILD, _WGRAD_WAIT_WORDS)

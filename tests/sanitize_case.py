@@ -10,9 +10,9 @@ one and sizes that are not multiples of 128 rows (77, 0, 200, 1, 130): the m-gro
 gathered rows, SwiGLU L1 with and without gathered rows, the SwiGLU backward L2 with and without a dy gather),
 the k-grouped GEMM (fp32 and bf16 out, and accumulating), combine (with and without weights), dispatch_rows_,
 the FP8 producers (dispatch_rows_fp8_, quantize_tokens_fp8_), swiglu_fwd and swiglu_bwd, routing_plan, and the
-dgrad part. dgrad (also on its own: --part dgrad): the fused backward's dgrad kernel
-(prime_kernels.mega._fused_bwd.dgrad) on those ragged groups with every SM and with 3 CTAs, and on 128-row groups
-with padding rows with I % 128 = H % 128 = 64; on its own it fails where the kernel cannot run, inside the ops part
+dgrad part. dgrad (also on its own: --part dgrad): the fused backward kernel without and with its weight-gradient
+tiles (prime_kernels.mega._fused_bwd.dgrad and dgrad_wgrad) on those ragged groups with every SM and with 3 CTAs,
+and on 128-row groups with padding rows with I % 128 = H % 128 = 64; on its own it fails where the kernel cannot run, inside the ops part
 it is skipped with the reason.
 
 Every group of the m-grouped calls covers the whole M so that every output row is written: reading rows a kernel
@@ -238,6 +238,20 @@ def _dgrad(dy_pool, w13, w2, h, offs, route, tw, num_sms=None):
     return _fused_bwd.dgrad(dy_pool, w13, w2, h, offs, route, tw, num_sms=num_sms)
 
 
+def _dgrad_wgrad(dy_pool, x_pool, w13, w2, h, offs, route, tw, num_sms=None):
+    """The kernel with its weight-gradient tiles (fp32 out): dh, w * s, dt_part, dx, dw13, dw2; on the CPU dry run
+    the pipeline's steps stand in, as in _dgrad."""
+    from prime_kernels import grouped_gemm as gg
+    from prime_kernels.mega import _fused_bwd
+
+    if DEVICE == "cpu":
+        dh, aw, dt_part, dx = _dgrad(dy_pool, w13, w2, h, offs, route, tw)
+        return (dh, aw, dt_part, dx, gg.k_grouped_bf16_gemm_tn(dh, x_pool, offs),
+                gg.k_grouped_bf16_gemm_tn(dy_pool, aw, offs))
+    return _fused_bwd.dgrad_wgrad(dy_pool, x_pool, w13, w2, h, offs, route, tw, wgrad_dtype=torch.float32,
+                                  num_sms=num_sms)
+
+
 def dgrad_part(required: bool):
     from prime_kernels import _status
     from prime_kernels import grouped_gemm as gg
@@ -281,7 +295,14 @@ def dgrad_part(required: bool):
             if READBACK:
                 _close_swiglu_bwd("dgrad", (dh, aw, dt_part), dy_pool, w2, offs, h, route, tw)
                 _close("dgrad dx", dx, gg.m_grouped_gemm_reference(dh.cpu(), w13.cpu(), offs.cpu(), False))
-            _done(f"mega_moe_bwd_dgrad (groups {list(sizes)}, H={H}, I={I}, num_sms={cap})")
+            _done(f"mega_moe_bwd_fused dgrad (groups {list(sizes)}, H={H}, I={I}, num_sms={cap})")
+            # the weight-gradient tiles: each expert's rows as K, ragged groups end inside a k-block
+            x_pool = rnd(M, H)
+            dh, aw, _dt, _dx, dw13, dw2 = _dgrad_wgrad(dy_pool, x_pool, w13, w2, h, offs, route, tw, num_sms=cap)
+            if READBACK:
+                _close("wgrad dw13", dw13, gg.k_grouped_gemm_reference(dh.cpu(), x_pool.cpu(), offs.cpu()))
+                _close("wgrad dw2", dw2, gg.k_grouped_gemm_reference(dy_pool.cpu(), aw.cpu(), offs.cpu()))
+            _done(f"mega_moe_bwd_fused wgrad (groups {list(sizes)}, H={H}, I={I}, num_sms={cap})")
 
 
 def main(argv=None) -> int:

@@ -434,6 +434,15 @@ def test_bench_bwd_dgrad_state_and_check_on_the_cpu():
     for t in (tail[0], tail[1], tail[3]):
         t[rows:] = float("nan")
     assert b.compare(tail, out, rows)["bitwise_all"]
+    # with the weight gradients: x_pool is x by pool row, and a changed gradient element is flagged
+    x, *_ = bc.make_tokens(40, E, H, K, "zipf", 0, "cpu")
+    assert torch.equal(st["x_pool"][live], x[src[live].long() // K]) and not bool(st["x_pool"][~live].any())
+    full = b.pipeline_full(st["inputs"], st["x_pool"])
+    assert [tuple(t.shape) for t in full[4:]] == [(E, 2 * I, H), (E, H, I)]
+    moved = [*full[:5], full[5].clone()]
+    moved[5][0, 0, 0] += 1
+    diff = b.compare(moved, full, rows)
+    assert not diff["bitwise"]["dw2"] and diff["bitwise"]["dw13"] and not diff["bitwise_all"]
 
 
 def test_bench_bwd_dgrad_needs_a_gpu(capsys):
