@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Verifies and measures the fused backward's dgrad kernel (prime_kernels.mega._fused_bwd.dgrad) in one GPU call, on
+# Verifies and measures the fused backward kernel (prime_kernels.mega._fused_bwd.dgrad, and dgrad_wgrad with its
+# weight-gradient tiles) in one GPU call, on
 # a machine that already has torch and compute-sanitizer (e.g. the lent H200): installs the wheels of WHEEL_DIR into
 # /tmp/site (as ci/gpu_tests.sh does), then runs, each under a timeout and whatever the earlier ones gave:
 #   1. pytest tests/test_mega_bwd_fused.py
-#   2. the fault matrix's dgrad cases (tests/fault_cases_dgrad.py, names dgrad_*)
-#   3. compute-sanitizer memcheck, racecheck, synccheck on the dgrad kernel alone (ci/sanitize.sh, part dgrad)
-#   4. bench/bench_bwd_dgrad.py (fused against the pipeline's two steps, 30B and 235B shapes)
+#   2. the fault matrix's dgrad cases (tests/fault_cases_dgrad.py, names dgrad_*, dgrad_wgrad_*)
+#   3. compute-sanitizer memcheck, racecheck, synccheck on the kernel alone (ci/sanitize.sh, part dgrad)
+#   4. bench/bench_bwd_dgrad.py (fused against the pipeline's two steps, and with the weight gradients against the
+#      pipeline's four; 30B and 235B shapes)
 # and prints a final table step -> pass / fail. What must come back is written to $OUT (default /tmp/out), seven
 # files: summary.txt (environment, each step's command and result, the table), pytest_bwd_fused.txt,
 # fault_matrix.txt, fault_matrix.json, sanitize.txt (the tools' lines and the tails of their reports),
