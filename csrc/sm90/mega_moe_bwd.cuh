@@ -140,6 +140,20 @@ struct ZeroRowsPastExpert {
   }
 };
 
+// A warpgroup's 128 x kBlockN tile (acc0: rows 0..63, acc1: rows 64..127) as bf16 into its staging boxes (the
+// halves at stg and stg + half_bytes), once its earlier TMA stores have read them; on return the boxes are complete
+// and visible to the async proxy.
+template <int kBlockN>
+__device__ __forceinline__ void stage_tile_bf16(const float (&acc0)[kBlockN / 2], const float (&acc1)[kBlockN / 2],
+                                                uint32_t stg, uint32_t half_bytes, int wg, int wg_tid) {
+  if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
+  ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+  write_acc_boxes_to_staging<kBlockN, 2>(acc0, stg, wg_tid, 0);
+  write_acc_boxes_to_staging<kBlockN, 2>(acc1, stg + half_bytes, wg_tid, 0);
+  ptx::fence_proxy_async_smem();
+  ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+}
+
 template <int kNumStages>
 __global__ void __launch_bounds__(kNumThreads, 1)
     mega_moe_bwd_kernel(const __grid_constant__ CUtensorMap tmap_dy, const __grid_constant__ CUtensorMap tmap_w2,
@@ -320,12 +334,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const int m_dim = w2 ? p.hidden : 2 * g.n;
         const int n_dim = w2 ? g.n : p.hidden;
         if (p.wgrad_out == kOutBf16Store) {
-          if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
-          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-          write_acc_boxes_to_staging<kBlockN, 2>(acc0, stg, wg_tid, 0);
-          write_acc_boxes_to_staging<kBlockN, 2>(acc1, stg + kHalfStg, wg_tid, 0);
-          ptx::fence_proxy_async_smem();
-          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          stage_tile_bf16<kBlockN>(acc0, acc1, stg, kHalfStg, wg, wg_tid);
           if (wg_tid == 0) {
             const CUtensorMap* map_c = w2 ? &tmap_dw2 : &tmap_dw13;
             const uint64_t pol = l2_policy_store(g.l2_hints, 0);
@@ -372,12 +381,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       } else {
         // dx rows: through the staging boxes (the h slots, free once this warpgroup's stores have read them)
-        if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
-        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        write_acc_boxes_to_staging<kBlockN, 2>(acc0, stg, wg_tid, 0);
-        write_acc_boxes_to_staging<kBlockN, 2>(acc1, stg + kHalfStg, wg_tid, 0);
-        ptx::fence_proxy_async_smem();
-        ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+        stage_tile_bf16<kBlockN>(acc0, acc1, stg, kHalfStg, wg, wg_tid);
 #pragma unroll
         for (int hm = 0; hm < 2; ++hm) {
           const int prow0 = t.row0 + 64 * hm;
