@@ -54,7 +54,7 @@ int mega_moe_bwd_bf16(const MegaBwdArgs& a, cudaStream_t stream, char* err, size
     return fail(kGemmInvalidArgument, err, err_len, "%s: wgrad = %d is not a MegaBwdWgrad", fn, a.wgrad);
   const bool with_wgrad = a.wgrad != kMegaBwdWgradNone;
   if (with_wgrad) {
-    if (a.x_pool == nullptr || a.dw2 == nullptr || a.dw13 == nullptr)
+    if ((m_total > 0 && a.x_pool == nullptr) || a.dw2 == nullptr || a.dw13 == nullptr)
       return fail(kGemmInvalidArgument, err, err_len, "%s: the weight gradients need x_pool, dw2 and dw13", fn);
     if (a.ldx < H || a.ldx % 8 != 0)
       return fail(kGemmInvalidArgument, err, err_len, "%s: ldx = %lld, must be >= hidden and a multiple of 8", fn,
