@@ -32,6 +32,7 @@ from .deepgemm_compat import (
     transform_weights_for_mega_moe,
 )
 from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe
+from .deferred import DeferredWgrad
 from .staged_fp8 import (
     FP8BackwardBuffers,
     FP8Pools,

@@ -403,12 +403,21 @@ def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, a
 def backward(which: str, dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
              pool_src_rank, route_to_pool, *, precision: str, activation_clamp, group, num_experts: int,
              recompute: bool, need_wgrad: bool, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None,
-             num_sms: int = 0):
+             num_sms: int = 0, defer_wgrad: bool = False):
     """Run the backward on backend ``which`` (from :func:`resolve`) with validated inputs and the forward's plan.
     Returns (dx, d topk_weights, dw13, dw2); a weight gradient is None where it was not asked for or was added
-    into its accumulation buffer. ``x_pool`` (the forward's pooled rows) is used when it covers the pool."""
+    into its accumulation buffer. ``x_pool`` (the forward's pooled rows) is used when it covers the pool.
+
+    ``defer_wgrad``: returns (dx, d topk_weights, a :class:`~prime_kernels.mega.deferred.WgradLater`) whose run adds
+    the weight gradients into the accumulators later, bitwise as this call would have added them (the accumulators
+    are not touched now). The bf16 kernel backends keep their weight-gradient GEMMs' operands; the others keep this
+    call's inputs and run the same backward again, its data gradients discarded."""
     args = (dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
             pool_src_rank, route_to_pool)
+    if defer_wgrad:
+        return _deferred_backward(which, args, precision=precision, activation_clamp=activation_clamp, group=group,
+                                  num_experts=num_experts, recompute=recompute, buffer=buffer, x_pool=x_pool,
+                                  num_sms=num_sms)
     kwargs = dict(activation_clamp=activation_clamp, group=group, num_experts=num_experts, recompute=recompute,
                   need_wgrad=need_wgrad, dw13_accum=dw13_accum, dw2_accum=dw2_accum)
     if x_pool is not None and x_pool.shape[0] == pool_src_route.shape[0] and x_pool.shape[0] > 0:
@@ -421,3 +430,26 @@ def backward(which: str, dy, x, topk_idx, topk_weights, w13, w2, h, expert_count
         if which == "grouped":
             return _grouped.backward(*args, buffer=buffer, num_sms=num_sms, **kwargs)
         return reference.backward(*args, precision=precision, **kwargs)
+
+
+def _deferred_backward(which: str, args, *, precision, activation_clamp, group, num_experts, recompute, buffer, x_pool,
+                       num_sms):
+    """:func:`backward` with ``defer_wgrad``."""
+    from .deferred import WgradLater
+
+    opts = dict(precision=precision, activation_clamp=activation_clamp, group=group, num_experts=num_experts,
+                recompute=recompute, buffer=buffer, x_pool=x_pool, num_sms=num_sms)
+    if which in ("fused", "grouped") and precision == "bf16":
+        pool = x_pool if x_pool is not None and x_pool.shape[0] == args[9].shape[0] and x_pool.shape[0] > 0 else None
+        impl = _fused.backward if which == "fused" else _grouped.backward
+        extra = dict(precision=precision) if which == "fused" else {}
+        with torch.no_grad():
+            return impl(*args, activation_clamp=activation_clamp, group=group, num_experts=num_experts,
+                        recompute=recompute, need_wgrad=False, buffer=buffer, x_pool=pool, num_sms=num_sms,
+                        defer_wgrad=True, **extra)
+    dx, dtopk, _, _ = backward(which, *args, need_wgrad=False, **opts)
+
+    def run(dw13_accum, dw2_accum):
+        backward(which, *args, need_wgrad=False, dw13_accum=dw13_accum, dw2_accum=dw2_accum, **opts)
+
+    return dx, dtopk, WgradLater(run, list(args) + [x_pool])

@@ -22,7 +22,7 @@ import numbers
 import torch
 
 from .. import _status
-from ._grouped import _gathered_pool, _rows_for_kernels, recompute_h
+from ._grouped import _gathered_pool, _rows_for_kernels, deferred_wgrad, recompute_h
 from ._validate import FusedKernelUnavailable, check_activation_clamp
 from ..combine import combine
 
@@ -202,9 +202,12 @@ def _recompute(x, w13, w2, counts, offsets, pool_src_route, route_to_pool, capac
 
 def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, pool_src_route, pool_src_rank,
              route_to_pool, *, activation_clamp=None, group=None, num_experts=None, recompute=False,
-             need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None, num_sms=0):
+             need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None, num_sms=0,
+             defer_wgrad=False):
     """The layer's backward on the fused kernel; the contract of :func:`prime_kernels.mega.reference.backward`
-    (``num_sms`` as in :func:`prime_kernels.mega._grouped.forward`). The dy rows are dispatched into the pool (and the
+    (``num_sms`` as in :func:`prime_kernels.mega._grouped.forward`; ``defer_wgrad`` as in
+    :func:`prime_kernels.mega._grouped.backward`: the kernel runs without its weight-gradient tiles, and the queued
+    work is the grouped backward's k-grouped GEMMs on the kept operands). The dy rows are dispatched into the pool (and the
     x rows, when the weight gradients are wanted and the forward did not keep them), then one kernel computes dh,
     w * s, the d topk_weights partials, the dX slots and both weight gradients; the partials are summed in column
     order and the slots combined, as the grouped backward does."""
@@ -213,14 +216,14 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     sms = num_sms if num_sms else None
     capacity = pool_src_route.shape[0]
     route_to_pool = route_to_pool.contiguous()
-    want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None
+    want_w = not defer_wgrad and (need_wgrad or dw13_accum is not None or dw2_accum is not None)
     h = h_saved
     if recompute:
         h, x_pool = _recompute(x, w13, w2, counts, offsets, pool_src_route, route_to_pool, capacity, x_pool,
                                topk_idx.shape[1], activation_clamp, sms)
     weights = topk_weights.float().contiguous()
     dy_pool = _gathered_pool(_rows_for_kernels(dy.to(torch.bfloat16)), route_to_pool, counts, offsets, capacity)
-    if want_w and x_pool is None:
+    if (want_w or defer_wgrad) and x_pool is None:
         x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity)
     both = dw13_accum is not None and dw2_accum is not None
     if want_w:
@@ -234,6 +237,7 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     else:
         _dh, _aw, dt_part, dx_pool = dgrad(dy_pool, w13, w2, h, offsets, pool_src_route, weights,
                                            activation_clamp=activation_clamp, num_sms=sms)
+    later = deferred_wgrad(dy_pool, _aw, _dh, x_pool, offsets, sms) if defer_wgrad else None
     del _dh, _aw, dy_pool, h
     # d topk_weights per pool row: the partials summed in column order, into a buffer whose last entry is a zero that
     # masked routes (route_to_pool = -1, which indexes the last entry) read
@@ -243,6 +247,8 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     dx = combine(dx_pool, route_to_pool, None)
     del dx_pool
     dtopk = dt_pool[route_to_pool.reshape(-1)].view_as(topk_weights).to(topk_weights.dtype)
+    if defer_wgrad:
+        return dx, dtopk, later
     out13 = out2 = None
     if want_w and not both:
         if dw13_accum is not None:

@@ -134,10 +134,29 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
     return (y, h_saved, plan.expert_counts, offsets, src, srank, plan.route_to_pool.view(T, K))
 
 
+def add_wgrad(dy_pool, a, dh, x_pool, offsets, dw13_accum, dw2_accum, sms) -> None:
+    """The weight gradients added into fp32 accumulators, as :func:`backward` adds them: dW2 from (dy_pool, w * s),
+    then dW13 from (dh, x_pool), each a k-grouped GEMM over the experts' pool rows."""
+    k_grouped_bf16_gemm_tn(dy_pool, a, offsets, accumulate_into=dw2_accum, num_sms=sms)  # B10
+    k_grouped_bf16_gemm_tn(dh, x_pool, offsets, accumulate_into=dw13_accum, num_sms=sms)
+
+
+def deferred_wgrad(dy_pool, a, dh, x_pool, offsets, sms):
+    """The :class:`~prime_kernels.mega.deferred.WgradLater` of a backward whose weight gradients wait: it keeps the
+    operands and runs :func:`add_wgrad` on them."""
+    from .deferred import WgradLater
+
+    operands = (dy_pool, a, dh, x_pool, offsets)
+    return WgradLater(lambda dw13_accum, dw2_accum: add_wgrad(*operands, dw13_accum, dw2_accum, sms), operands)
+
+
 def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, pool_src_route, pool_src_rank,
              route_to_pool, *, activation_clamp=None, group=None, num_experts=None, recompute=False,
-             need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None, num_sms=0):
-    """Same contract as :func:`prime_kernels.mega.reference.backward`; ``num_sms`` as in :func:`forward`."""
+             need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None, num_sms=0,
+             defer_wgrad=False):
+    """Same contract as :func:`prime_kernels.mega.reference.backward`; ``num_sms`` as in :func:`forward`. With
+    ``defer_wgrad`` it returns (dx, d topk_weights, a :class:`~prime_kernels.mega.deferred.WgradLater`) and computes
+    no weight gradient now (the accumulators are not touched)."""
     sms = _sms(num_sms)
     if group is not None:
         raise RuntimeError("prime_kernels.mega: the grouped backend runs on a single rank (group=None)")
@@ -166,10 +185,14 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     dx = combine(dx_pool, route_to_pool, None)  # B8
     del dx_pool
     dtopk = dt_pool[route_to_pool.reshape(-1)].view_as(topk_weights).to(topk_weights.dtype)
+    if defer_wgrad:
+        if x_pool is None:
+            x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity)
+        return dx, dtopk, deferred_wgrad(dy_pool, a, dh, x_pool, offsets, sms)
     out13 = out2 = None
     if need_wgrad or dw13_accum is not None or dw2_accum is not None:
         if dw2_accum is not None:
-            k_grouped_bf16_gemm_tn(dy_pool, a, offsets, accumulate_into=dw2_accum, num_sms=sms)  # B10
+            k_grouped_bf16_gemm_tn(dy_pool, a, offsets, accumulate_into=dw2_accum, num_sms=sms)  # B10 (add_wgrad's)
         elif need_wgrad:
             out2 = _wgrad(dy_pool, a, offsets, w2.dtype, sms)
         # dy_pool and w*s are dead once dW2 is queued: freed before dW13 (and a re-gathered x_pool) are allocated,

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _backend, _validate, reference
+from . import _backend, _validate, deferred, reference
 from .buffer import get_buffer
 
 
@@ -64,6 +64,7 @@ def mega_moe_fwd(
     buffer_id: int,
     keep_pooled_x: bool = False,
     num_sms: int = 0,
+    deferral_id: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """y plus the state the backward reuses: (y, h, expert_counts, expert_offsets,
     pool_src_route, pool_src_rank, route_to_pool, x_pool). ``dw13_accum``/``dw2_accum`` are not read
@@ -71,7 +72,9 @@ def mega_moe_fwd(
     El * ep_size. ``buffer_id`` names the staging buffer (:func:`prime_kernels.mega.buffer.get_buffer`; 0 = none)
     the fused kernels use; it bounds T. x_pool: the token rows in pool order [capacity, H] with
     ``keep_pooled_x`` (the fused forward keeps its dispatched rows; the other backends gather them), else [0, H].
-    ``num_sms``: the SMs the kernel backends may use (0 = every SM)."""
+    ``num_sms``: the SMs the kernel backends may use (0 = every SM). ``deferral_id`` (0 = none) names the
+    :class:`~prime_kernels.mega.deferred.DeferredWgrad` whose accumulators ``dw13_accum``/``dw2_accum`` are: the
+    backward queues its weight gradients there instead of adding them."""
     (T, H, I, K, El, E), buffer = _check_forward_args(
         x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, num_experts, ep_size,
         max_tokens_per_rank, block_m, backend, buffer_id, num_sms)
@@ -94,7 +97,8 @@ def empty_backward(x: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, nee
 
 @mega_moe_fwd.register_fake
 def _(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, group_name, num_experts,
-      ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id, keep_pooled_x=False, num_sms=0):
+      ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id, keep_pooled_x=False, num_sms=0,
+      deferral_id=0):
     _check_forward_args(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, num_experts,
                         ep_size, max_tokens_per_rank, block_m, backend, buffer_id, num_sms)
     T, H = x.shape
@@ -140,10 +144,13 @@ def mega_moe_bwd(
     buffer_id: int,
     x_pool: Optional[Tensor] = None,
     num_sms: int = 0,
+    deferral_id: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d topk_weights, dw13, dw2). ``x_pool`` (the forward's pooled token rows, when it kept
     them) spares the grouped backward its gather of x. dw13 (dw2) is an empty tensor when ``need_wgrad`` is False
-    or when it was added into ``dw13_accum`` (``dw2_accum``) instead. ``num_sms`` as in the forward op.
+    or when it was added into ``dw13_accum`` (``dw2_accum``) instead. ``num_sms`` as in the forward op. With a
+    ``deferral_id`` (the forward op's) the weight gradients are queued on that DeferredWgrad (added by its flush), and
+    dw13, dw2 are empty.
 
     Every other input is one the forward op checked (its tensors, accumulation buffers and options) or the state
     it returned, as autograd hands them over: only dy is checked here."""
@@ -157,6 +164,14 @@ def mega_moe_bwd(
     which = _backend.resolve("bwd", backend, precision, x, w13, ep_size=ep_size, activation_clamp=activation_clamp)
     if T == 0 and ep_size == 1:
         return empty_backward(x, topk_weights, w13, w2, need_wgrad, dw13_accum, dw2_accum)
+    if deferral_id:
+        dx, dtopk, later = _backend.backward(
+            which, dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
+            pool_src_rank, route_to_pool, precision=precision, activation_clamp=activation_clamp, group=group,
+            num_experts=E, recompute=recompute, need_wgrad=False, buffer=get_buffer(buffer_id), x_pool=x_pool,
+            num_sms=num_sms, defer_wgrad=True)
+        deferred.get(deferral_id).push(later)
+        return dx, dtopk, w13.new_empty((0,)), w2.new_empty((0,))
     dx, dtopk, dw13, dw2 = _backend.backward(
         which, dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
         pool_src_rank, route_to_pool, precision=precision, activation_clamp=activation_clamp, group=group,
@@ -172,7 +187,7 @@ def mega_moe_bwd(
 @mega_moe_bwd.register_fake
 def _(dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route, pool_src_rank,
       route_to_pool, dw13_accum, dw2_accum, activation_clamp, group_name, num_experts, recompute, need_wgrad,
-      backend, precision, buffer_id, x_pool=None, num_sms=0):
+      backend, precision, buffer_id, x_pool=None, num_sms=0, deferral_id=0):
     dw13 = w13.new_empty(w13.shape) if (need_wgrad and dw13_accum is None) else w13.new_empty((0,))
     dw2 = w2.new_empty(w2.shape) if (need_wgrad and dw2_accum is None) else w2.new_empty((0,))
     return x.new_empty(x.shape), topk_weights.new_empty(topk_weights.shape), dw13, dw2
@@ -196,18 +211,20 @@ def _setup_context(ctx, inputs, output):
     (x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, group_name, num_experts,
      ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id, *rest) = inputs
     num_sms = rest[1] if len(rest) > 1 else 0
+    deferral_id = rest[2] if len(rest) > 2 else 0
     y, h, counts, offsets, src, srank, r2p, x_pool = output
     ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, h, counts, offsets, src, srank, r2p,
                           dw13_accum, dw2_accum, x_pool)
     ctx.mark_non_differentiable(h, x_pool)
     ctx.set_materialize_grads(False)
-    ctx.opts = (activation_clamp, group_name, num_experts, not save_h, backend, precision, buffer_id, num_sms)
+    ctx.opts = (activation_clamp, group_name, num_experts, not save_h, backend, precision, buffer_id, num_sms,
+                deferral_id)
 
 
 def _backward(ctx, dy, *unused):
     (x, topk_idx, topk_weights, w13, w2, h, counts, offsets, src, srank, r2p,
      dw13_accum, dw2_accum, x_pool) = ctx.saved_tensors
-    activation_clamp, group_name, num_experts, recompute, backend, precision, buffer_id, num_sms = ctx.opts
+    activation_clamp, group_name, num_experts, recompute, backend, precision, buffer_id, num_sms, deferral_id = ctx.opts
     needs = ctx.needs_input_grad
     if dy is None:
         dy = torch.zeros_like(x)
@@ -215,10 +232,10 @@ def _backward(ctx, dy, *unused):
     dx, dtopk, dw13, dw2 = torch.ops.prime_kernels.mega_moe_bwd(
         dy.contiguous(), x, topk_idx, topk_weights, w13, w2, h, counts, offsets, src, srank, r2p,
         dw13_accum, dw2_accum, activation_clamp, group_name, num_experts, recompute, need_wgrad, backend, precision,
-        buffer_id, x_pool, num_sms)
+        buffer_id, x_pool, num_sms, deferral_id)
     g13 = dw13 if (needs[3] and dw13_accum is None) else None
     g2 = dw2 if (needs[4] and dw2_accum is None) else None
-    return (dx if needs[0] else None, None, dtopk if needs[2] else None, g13, g2) + (None,) * 14
+    return (dx if needs[0] else None, None, dtopk if needs[2] else None, g13, g2) + (None,) * 15
 
 
 mega_moe_fwd.register_autograd(_backward, setup_context=_setup_context)

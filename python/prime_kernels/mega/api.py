@@ -15,6 +15,7 @@ from torch import nn
 from . import _backend, _ops, _validate
 from ..routing import RoutingPlan
 from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe
+from .deferred import DeferredWgrad
 from .constants import BLOCK_M
 
 _MMA_FOR_PRECISION = {"bf16": "bf16xbf16", "fp8": "fp8xfp8", "fp8_bwd": "bf16xbf16", "mxfp8": "fp8xfp8"}
@@ -30,16 +31,19 @@ def _group_info(group):
 
 
 def _wgrad_accum_pair(wgrad_accum):
-    """The two accumulation buffers (each may be None); the forward op checks them against the weights."""
+    """(dw13 buffer, dw2 buffer, deferral id): the two accumulation buffers (each may be None; the forward op checks
+    them against the weights), and the id of the DeferredWgrad they belong to (0: added by the backward itself)."""
     if wgrad_accum is None:
-        return None, None
+        return None, None, 0
+    if isinstance(wgrad_accum, DeferredWgrad):
+        return wgrad_accum.dw13, wgrad_accum.dw2, wgrad_accum.deferral_id
     if not isinstance(wgrad_accum, (tuple, list)) or len(wgrad_accum) != 2:
         _validate._fail("wgrad_accum must be a pair (dw13_fp32, dw2_fp32) of tensors shaped like w13 and w2")
     a13, a2 = wgrad_accum
     for name, a in (("wgrad_accum[0]", a13), ("wgrad_accum[1]", a2)):
         if a is not None and not isinstance(a, torch.Tensor):
             _validate._fail(f"{name} must be a torch.Tensor or None, got {type(a).__name__}", TypeError)
-    return a13, a2
+    return a13, a2, 0
 
 
 def mega_moe(
@@ -90,7 +94,10 @@ def mega_moe(
         which then must be equal on every rank).
       wgrad_accum: optional pair (dw13_fp32, dw2_fp32) shaped like w13 / w2: the backward *adds*
         the weight gradients into them (fp32), and autograd returns None for w13 and w2 (so
-        ``w13.grad`` / ``w2.grad`` are left untouched). Either entry may be None.
+        ``w13.grad`` / ``w2.grad`` are left untouched). Either entry may be None. Or a
+        :class:`~prime_kernels.mega.DeferredWgrad`: the backward returns dX and d topk_weights and queues the weight
+        gradients, which its ``flush()`` adds into its accumulators later, bitwise as the pair would have had them
+        (:mod:`prime_kernels.mega.deferred`).
       block_m: pool m-block (rows per expert padded to a multiple of it): one of
         ``constants.KERNEL_BLOCK_MS`` (128) on the kernel backends, any int in [1, 1024] on the reference.
       return_plan: also return the routing plan the forward built (and the backward reuses).
@@ -117,7 +124,7 @@ def mega_moe(
     ep_size, group_name = _group_info(group)
     if buffer is not None and not isinstance(buffer, SymmBuffer):
         _validate._fail(f"buffer must come from get_symm_buffer_for_mega_moe, got {type(buffer).__name__}", TypeError)
-    a13, a2 = _wgrad_accum_pair(wgrad_accum)
+    a13, a2, deferral_id = _wgrad_accum_pair(wgrad_accum)
     clamp = _validate.check_activation_clamp(activation_clamp)
     block_m = _validate.check_block_m(block_m)
     sms = _validate.num_sms_arg(num_sms)
@@ -133,7 +140,7 @@ def mega_moe(
     out = _ops.mega_moe_fwd(
         x, topk_idx, topk_weights, w13, w2, a13, a2, clamp, group_name, -1 if num_experts is None else num_experts,
         ep_size, int(max_tokens), block_m, save_h, backend, precision, 0 if buffer is None else buffer.buffer_id,
-        bool(keep_pooled_x), sms)
+        bool(keep_pooled_x), sms, deferral_id)
     y = out[0]
     if not return_plan:
         return y
