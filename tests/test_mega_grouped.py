@@ -79,12 +79,71 @@ def test_low_level_calls_run_grouped():
         assert rel_err(a.cpu(), b) < 1e-2, name
 
 
-def test_grouped_refuses_the_clamp_with_its_reason():
+def _runnable_clamp_or_skip():
+    from prime_kernels import _status
+    from prime_kernels.mega import _grouped
+
+    why = _status.runnable(_grouped.CLAMP_STATUS_KEY)
+    if why != _status.AVAILABLE:
+        pytest.skip(f"{_grouped.CLAMP_STATUS_KEY} cannot run here: {why}")
+
+
+@requires_sm90
+@pytest.mark.parametrize("clamp", [1.0, 7.0, 10.0])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_grouped_with_a_clamp_against_float64_and_the_fused_h(clamp, recompute):
+    """The grouped pipeline with activation_clamp (its forward and backward called directly: the layer keeps it
+    behind its status entry until this passes on a GPU): y and every gradient against float64; the saved h bitwise
+    the fused forward's (both keep the clamp masks of the fp32 pre-activation, F6); recompute gives the same
+    gradients as the saved h."""
+    from prime_kernels.mega import _backend, _fused, _grouped
+
+    _runnable_clamp_or_skip()
+    T, E, H, I, K = 301, 16, 512, 192, 4
+    prob = make_problem(T, H, I, E, K, routing="skewed", seed=int(clamp) + 50, masked_frac=0.1)
+    x, idx, w, w13, w2, dy = [t.cuda() for t in prob]
+    cap = _backend.capacity(T, K, E, 1, None, 128)
+    fwd = _grouped.forward(x, idx, w, w13, w2, num_experts=E, block_m=128, capacity=cap, save_h=True,
+                           activation_clamp=clamp)
+    y, h = fwd[0], fwd[1]
+    fused = _fused.forward(x, idx, w, w13, w2, num_experts=E, block_m=128, capacity=cap, save_h=True,
+                           activation_clamp=clamp)
+    rows = int(fwd[3][-1])
+    assert torch.equal(h[:rows], fused[1][:rows]), "h differs from the fused forward's"
+    got = _grouped.backward(dy, x, idx, w, w13, w2, None if recompute else h, *fwd[2:7], num_experts=E,
+                            recompute=recompute, activation_clamp=clamp)
+    ref = float64_reference(prob, clamp)
+    for name, a, b in zip(NAMES, (y,) + tuple(got), ref):
+        assert torch.isfinite(a).all(), name
+        err = rel_err(a.cpu(), b.cpu())
+        assert err < 1e-2, f"{name}: rel err {err:.3e} (clamp {clamp}, recompute {recompute})"
+    if recompute:
+        saved = _grouped.backward(dy, x, idx, w, w13, w2, h, *fwd[2:7], num_experts=E, activation_clamp=clamp)
+        for name, a, b in zip(NAMES[1:], got, saved):
+            assert torch.equal(a, b), f"{name}: recompute differs from the saved h"
+
+
+def test_grouped_clamp_follows_its_own_status_entry():
+    """With activation_clamp the grouped pipeline runs where its clamp entry (the L1's kernels that save h with the
+    clamp masks) is available, and is refused with that entry's reason elsewhere (not yet verified on a GPU, no
+    GPU); the FP8 precisions refuse a clamp."""
+    from prime_kernels import _status
+    from prime_kernels.mega import _grouped
     from prime_kernels.mega._backend import FusedKernelUnavailable, resolve_backend
 
-    with pytest.raises(FusedKernelUnavailable, match="activation_clamp"):
-        resolve_backend("grouped", "bf16", "fwd", device_type="cuda", hidden=256, intermediate=256,
-                        activation_clamp=0.5)
+    key = _grouped.CLAMP_STATUS_KEY
+    why = _status.reason(key)
+    for direction in ("fwd", "bwd"):
+        if why == _status.AVAILABLE:
+            assert resolve_backend("grouped", "bf16", direction, device_type="cuda", hidden=256, intermediate=256,
+                                   activation_clamp=0.5) == "grouped"
+        else:
+            with pytest.raises(FusedKernelUnavailable, match=f"{key}: {why}"):
+                resolve_backend("grouped", "bf16", direction, device_type="cuda", hidden=256, intermediate=256,
+                                activation_clamp=0.5)
+    from prime_kernels.mega._backend import _grouped_reason
+
+    assert "activation_clamp in bf16 only" in _grouped_reason("fp8", 1, activation_clamp=0.5)
 
 
 def test_zero_padding_rows_touches_only_the_padding_rows():

@@ -20,11 +20,11 @@ using namespace host;
 
 namespace {
 
-template <int kBlockN, int kNumStages, bool kBKMajor, bool kGatherA, bool kSwiGLU = false>
+template <int kBlockN, int kNumStages, bool kBKMajor, bool kGatherA, bool kSwiGLU = false, bool kMaskedH = false>
 int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& md, const MGroupedParams& p,
                      int64_t max_units,
                      int sms, cudaStream_t stream, char* err, size_t err_len) {
-  constexpr auto kernel = &m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kGatherA, kSwiGLU>;
+  constexpr auto kernel = &m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kGatherA, kSwiGLU, kMaskedH>;
   constexpr int smem = MGroupedLayout<kBlockN, kNumStages>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
@@ -302,6 +302,17 @@ int m_grouped_bf16_gemm_swiglu(const SwigluGemmArgs& args, cudaStream_t stream, 
   p.clamp = clamp_limit;
   const int64_t n_blocks = (I + cfg.block_n / 2 - 1) / (cfg.block_n / 2);
   const int64_t max_units = max_m_blocks(m_total, num_groups) * n_blocks;
+  if (clamp_limit > 0.f) {  // h keeps the clamp masks (reference F6): the kMaskedH kernels
+    bf16_clamp_neighbours(clamp_limit, &p.clamp_below, &p.clamp_above);
+    if (cfg.block_n == 256) {
+      if (gather)
+        return launch_m_grouped<256, 3, true, true, true, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
+      return launch_m_grouped<256, 3, true, false, true, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
+    }
+    if (gather)
+      return launch_m_grouped<128, 5, true, true, true, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
+    return launch_m_grouped<128, 5, true, false, true, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
+  }
   if (cfg.block_n == 256) {
     if (gather) return launch_m_grouped<256, 3, true, true, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);
     return launch_m_grouped<256, 3, true, false, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);

@@ -9,6 +9,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 
 #include "status.hpp"
 
@@ -19,6 +20,23 @@ namespace host {
 constexpr int64_t kMaxDim = (int64_t(1) << 31) - 1;
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// The bf16 neighbours of a clamp c > 0: the largest bf16 value below c and the smallest above it (for a c that is a
+// bf16 value, its bit pattern - 1 and + 1), which the mask-preserving rounding of the saved h uses.
+inline void bf16_clamp_neighbours(float c, float* below, float* above) {
+  uint32_t fb;
+  std::memcpy(&fb, &c, 4);
+  const uint32_t rounded = (fb + 0x7fffu + ((fb >> 16) & 1u)) & 0xffff0000u;  // round to nearest even
+  float rf;
+  std::memcpy(&rf, &rounded, 4);
+  auto with_bits = [](uint32_t b) {
+    float v;
+    std::memcpy(&v, &b, 4);
+    return v;
+  };
+  *below = rf < c ? rf : with_bits(rounded - 0x10000u);
+  *above = rf > c ? rf : with_bits(rounded + 0x10000u);
+}
 
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {

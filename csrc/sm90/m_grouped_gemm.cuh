@@ -96,6 +96,10 @@ struct MGroupedParams {
   int64_t ldaw;
   float* dt_part;
   int32_t dt_ld;
+  // SwiGLU epilogue with kMaskedH (a clamp): the bf16 neighbours of clamp below and above it (PackBf16x2ClampMasks),
+  // so that the saved h keeps the clamp masks of the fp32 pre-activation (reference F6), as the fused forward's does.
+  float clamp_below;
+  float clamp_above;
 };
 
 template <int kBlockN, int kNumStages>
@@ -112,7 +116,7 @@ struct MGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
   static_assert(kBlockN % 128 == 0 && kBlockN <= 256, "kBlockN must be 128 or 256");
 };
 
-template <int kBlockN, int kNumStages, bool kBKMajor, bool kGatherA, bool kSwiGLU = false>
+template <int kBlockN, int kNumStages, bool kBKMajor, bool kGatherA, bool kSwiGLU = false, bool kMaskedH = false>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                                const __grid_constant__ CUtensorMap tmap_b,
@@ -124,6 +128,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   constexpr int kMnBoxBytes = 64 * kBlockK * 2;  // MN-major B: one 64-column box of one stage
   using Mma = ptx::WgmmaBf16<kBlockN, 0, kBKMajor ? 0 : 1>;
   static_assert(!kSwiGLU || kBKMajor, "SwiGLU: K-major B");
+  static_assert(!kMaskedH || kSwiGLU, "the clamp masks are the SwiGLU epilogue's");
   constexpr int kTileCols = kSwiGLU ? kBlockN / 2 : kBlockN;  // output columns per n-block (s columns)
   constexpr int kGatherWarps = 4;
   // The gathering producer warp needs more registers; the split keeps 128 * P + 256 * C = 384 * 168.
@@ -304,7 +309,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if constexpr (kSwiGLU) {
         const int hrow0 = w.row0 + 64 * wg;
         if (active) {
-          round_acc_as_saved_h<kBlockN>(acc, RoundHPlain{});  // s from h as saved (reference F3); h saved plainly
+          // s from h as saved (reference F3): with a clamp h keeps its masks (F6), else it is saved plainly
+          if constexpr (kMaskedH)
+            round_acc_as_saved_h<kBlockN>(acc, RoundHMasks{p.clamp, p.clamp_below, p.clamp_above});
+          else
+            round_acc_as_saved_h<kBlockN>(acc, RoundHPlain{});
           if (p.d != nullptr) {
             if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
             ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);

@@ -119,20 +119,7 @@ int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size
   p.h = static_cast<__nv_bfloat16*>(a.h);
   p.o = static_cast<__nv_bfloat16*>(a.o);
   p.clamp = a.clamp;
-  if (a.clamp > 0.f) {
-    // bf16 neighbours of clamp (positive: the next value up / down is the bit pattern + / - 1)
-    const __nv_bfloat16 r = __float2bfloat16_rn(a.clamp);
-    uint16_t bits;
-    memcpy(&bits, &r, 2);
-    auto from_bits = [](uint16_t b) {
-      __nv_bfloat16 v;
-      memcpy(&v, &b, 2);
-      return __bfloat162float(v);
-    };
-    const float rf = from_bits(bits);
-    p.clamp_below = rf < a.clamp ? rf : from_bits(static_cast<uint16_t>(bits - 1));
-    p.clamp_above = rf > a.clamp ? rf : from_bits(static_cast<uint16_t>(bits + 1));
-  }
+  if (a.clamp > 0.f) bf16_clamp_neighbours(a.clamp, &p.clamp_below, &p.clamp_above);
   // The rows past disp_split_row are dispatched token by token (single rank; MegaFwdParams::disp_split_row).
   const MegaFwdConfig cfg = mega_fwd_config(a.inter);
   const bool token_major = a.route_to_pool != nullptr && a.num_ranks == 1 && a.pool_src_rank == nullptr &&

@@ -122,6 +122,7 @@ def _fused_reason(precision: str, direction: str) -> str | None:
 
 
 GROUPED_KEY = _grouped.STATUS_KEY
+GROUPED_CLAMP_KEY = _grouped.CLAMP_STATUS_KEY
 GROUPED_FP8_KEY = _fp8_fwd.STATUS_KEY
 
 
@@ -137,10 +138,14 @@ def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None
                     num_local_experts: int | None = None) -> str | None:
     """None when the grouped pipeline can run this call, else why not."""
     if activation_clamp is not None:
-        # Its h is stored as plain bf16, so values within half an ulp of the bound land on it and
-        # lose their gradient (measured ~3% in dX); the mask-preserving rounding (reference F6)
-        # needs the fp32 accumulators, i.e. the fused L1 epilogue.
-        return "the grouped pipeline does not support activation_clamp (it needs the fused SwiGLU epilogue)"
+        # Its L1 saves h with the clamp masks (reference F6) in the kMaskedH kernels, which have a status entry of
+        # their own; plainly rounded, values within half an ulp of the bound would land on it and lose their
+        # gradient (measured ~3% in dX).
+        if precision != "bf16":
+            return f"the grouped pipeline takes activation_clamp in bf16 only (precision={precision!r})"
+        clamp_reason = _status().get(GROUPED_CLAMP_KEY, _NOT_IMPLEMENTED)
+        if clamp_reason != "available":
+            return f"{GROUPED_CLAMP_KEY}: {clamp_reason}"
     if precision not in ("bf16", "fp8_bwd", "fp8"):
         return f"the grouped pipeline runs bf16, fp8 and fp8_bwd (precision={precision!r})"
     if ep_size != 1:

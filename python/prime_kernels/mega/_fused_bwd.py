@@ -187,17 +187,6 @@ def dgrad_wgrad(dy_pool, x_pool, w13, w2, h, expert_offsets, pool_src_route, top
         x_pool, wgrad_dtype == torch.float32, dw13_accum, dw2_accum, 0 if num_sms is None else int(num_sms))
 
 
-def _recompute(x, w13, w2, counts, offsets, pool_src_route, route_to_pool, capacity: int, x_pool, top_k: int,
-               activation_clamp, sms):
-    """(h, x_pool) for ``recompute=True``. Without a clamp: the pooled rows and the plain L1 GEMM (the grouped
-    backward's recompute, the forward's h bits). With one, h must keep the clamp masks of the fp32 pre-activation
-    (reference F6), which only the fused forward's epilogue does: that kernel runs again, keeping its pooled rows."""
-    if activation_clamp is None:
-        return recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms)
-    _s, h, _o, xp, _y = torch.ops.prime_kernels.mega_moe_fused_fwd(
-        _rows_for_kernels(x), pool_src_route, offsets, w13.contiguous(), w2.contiguous(), top_k, True,
-        _clamp_arg(activation_clamp), True, num_sms=int(sms or 0))
-    return h, xp
 
 
 def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, pool_src_route, pool_src_rank,
@@ -218,9 +207,8 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     route_to_pool = route_to_pool.contiguous()
     want_w = not defer_wgrad and (need_wgrad or dw13_accum is not None or dw2_accum is not None)
     h = h_saved
-    if recompute:
-        h, x_pool = _recompute(x, w13, w2, counts, offsets, pool_src_route, route_to_pool, capacity, x_pool,
-                               topk_idx.shape[1], activation_clamp, sms)
+    if recompute:  # the grouped backward's recompute: with a clamp, h keeps the clamp masks as the forward's did
+        h, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms, activation_clamp)
     weights = topk_weights.float().contiguous()
     dy_pool = _gathered_pool(_rows_for_kernels(dy.to(torch.bfloat16)), route_to_pool, counts, offsets, capacity)
     if (want_w or defer_wgrad) and x_pool is None:

@@ -7,11 +7,9 @@ epilogue (weights read MN-major, no transposed copy; d topk_weights partials per
 -> L1 dgrad -> combine for dX, and the weight gradients as k-grouped GEMMs. Every stage is one of our
 kernels, but the stages meet in HBM (the fused forward keeps its stages on chip).
 
-Rounding points: those of :mod:`prime_kernels.mega.reference`, except where a pipeline stage has to
-store a tensor between kernels:
-  * F6 with a clamp: the saved h is plainly rounded (the mask-preserving rule is the fused epilogue's);
-It adds one bf16 rounding (relative 2^-9) at that point; the tests hold the pipeline to the same
-float64 tolerance as the reference. Single rank only (no expert-parallel group).
+Rounding points: those of :mod:`prime_kernels.mega.reference`, F6 included (with a clamp the L1's epilogue saves
+h with the clamp masks of the fp32 pre-activation, as the fused forward's does, and a recompute reruns that
+epilogue). Single rank only (no expert-parallel group).
 """
 
 from __future__ import annotations
@@ -24,6 +22,8 @@ from ..grouped_gemm import (k_grouped_bf16_gemm_tn, m_grouped_bf16_gemm_nn, m_gr
 from ..routing import routing_plan
 
 STATUS_KEY = "mega_moe_grouped.bf16.sm90"
+# With activation_clamp (the L1's kMaskedH kernels)
+CLAMP_STATUS_KEY = "mega_moe_grouped_clamp.bf16.sm90"
 
 
 def _token_rows(pool_src_route: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -83,13 +83,17 @@ def _gathered_pool(rows: torch.Tensor, route_to_pool: torch.Tensor, counts: torc
     return pool
 
 
-def recompute_h(x, w13, counts, offsets, route_to_pool, capacity: int, x_pool, sms):
+def recompute_h(x, w13, counts, offsets, route_to_pool, capacity: int, x_pool, sms, activation_clamp=None):
     """(h, x_pool) for a backward that recomputes h: the token rows pooled once (or the forward's x_pool, when it
     kept them), then L1 as the plain m-grouped GEMM on them. The pooled rows serve dW13 afterwards, so the
     recompute costs one GEMM; the gathering GEMM (``a_row_index``) instead took 1.89 ms beside a 5.06 ms backward at
-    30B, T=16384 on the H200, where the L1's FLOPs at the backward's own rate take about 1.4 ms."""
+    30B, T=16384 on the H200, where the L1's FLOPs at the backward's own rate take about 1.4 ms. With a clamp, h
+    keeps the clamp masks (F6): the L1 with the SwiGLU epilogue that saves them (its s is not used)."""
     if x_pool is None:
         x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity)
+    if activation_clamp is not None:
+        return m_grouped_bf16_gemm_swiglu(x_pool, w13, offsets, save_h=True, clamp=activation_clamp,
+                                          num_sms=sms)[1], x_pool
     return m_grouped_bf16_gemm_nt(x_pool, w13, offsets, num_sms=sms), x_pool
 
 
@@ -164,10 +168,9 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     route_to_pool = route_to_pool.contiguous()
     h = h_saved
     if recompute:
-        h, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms)
+        h, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms, activation_clamp)
     # B1 (gather), then B2-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn
-    # GEMM plus the pool-row kernel at 30B, T=16384 on the H200). (activation_clamp is None here:
-    # the grouped backend refuses a clamp, see _backend._grouped_reason.)
+    # GEMM plus the pool-row kernel at 30B, T=16384 on the H200); with a clamp, B5's masks from the saved h.
     weights = topk_weights.float().contiguous()
     dy = _rows_for_kernels(dy.to(torch.bfloat16))
     # B1, token-major: each dy row read once (an index_select by pool row re-read rows from HBM: 0.26 vs
