@@ -119,7 +119,7 @@ PK_API int pk_m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a
 // L1 with the SwiGLU epilogue: for the rows of group g (A read through a_row_index when non-null),
 // gate|up = A @ w13[g]^T in fp32 (w13 [num_groups, 2I, k], natural layout: gate rows then up rows),
 // s = bf16(silu(min(gate, c)) * clamp(up, -c, c)) [m_total, I], and h = bf16(gate|up) [m_total, 2I]
-// when h is non-null. I a multiple of 64; clamp 0 = none.
+// when h is non-null (with a clamp, rounded keeping the clamp masks: reference F6). I a multiple of 64; clamp 0 = none.
 PK_API int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
                                          const void* w13, int64_t ldb, int64_t b_group_stride,
                                          int64_t intermediate, void* s, int64_t lds, void* h, int64_t ldh,

@@ -71,7 +71,8 @@ int m_grouped_bf16_gemm_gather_a(const MGroupedGemmArgs& args, cudaStream_t stre
 // L1 of the fused MoE forward: m-grouped GEMM against w13 in its natural layout with a SwiGLU epilogue.
 //   hg = A_g @ w13_g[0:I, :]^T,  hu = A_g @ w13_g[I:2I, :]^T   (fp32 accumulation) for the rows of group g;
 //   s[m, :] = silu(hg) * hu   (with hg <= clamp_limit and |hu| <= clamp_limit first when clamp_limit > 0)
-//   h[m, :] = [hg | hu] in bf16 (only when h != null: the pre-activation for the backward).
+//   h[m, :] = [hg | hu] in bf16 (only when h != null: the pre-activation for the backward); with a clamp rounded so
+//   that it keeps the clamp masks of the fp32 values (reference F6: a value past the bound never rounds onto it).
 // Host-side arguments of m_grouped_bf16_gemm_swiglu:
 struct SwigluGemmArgs {
   // bf16 [m_total, k] (a_row_index == null) or [a_rows, k] read through a_row_index[m] (as in

@@ -272,7 +272,7 @@ def m_grouped_bf16_gemm_swiglu(a: torch.Tensor, w13: torch.Tensor, group_offsets
                                save_h: bool = False, clamp: float | None = None, num_sms: int | None = None):
     """L1 with the SwiGLU epilogue. w13 [E, 2I, K] in its natural layout (gate rows, then up rows).
     Returns (s [m_total, I], h [m_total, 2I] or [0, 2I]): h = bf16(g|u) from the fp32 accumulators (returned
-    when ``save_h``), and s = bf16(silu(min(g~, c)) * clamp(u~, -c, c)) on those bf16 values g~, u~ in fp32
+    when ``save_h``; with a clamp rounded so that it keeps the clamp masks, reference F6), and s = bf16(silu(min(g~, c)) * clamp(u~, -c, c)) on those bf16 values g~, u~ in fp32
     (the reference's F3: s is the rounding of what the backward differentiates)."""
     sms = _sms(num_sms)
     _ready("m_grouped_bf16_gemm_swiglu", a.device)
