@@ -53,12 +53,18 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lags", default="",
+                   help="comma list of task-sequence lags to time fused_full at as well (fused_full_lag<L>_ms; "
+                        "empty: the heuristic's only)")
     p.add_argument("--max-seconds", type=float, default=0.0,
                    help="start no new configuration after this many seconds (0: no limit); results so far are kept")
     p.add_argument("--out", default=None, help="results JSON (default bench/results/bwd_dgrad_<gpu>_x1_<date>.json)")
     a = p.parse_args(argv)
     a.shapes, a.routings = _split(a.shapes), _split(a.routings)
     a.tokens = [int(t) for t in _split(a.tokens)]
+    a.lags = [int(v) for v in _split(a.lags)]
+    if any(not 0 <= v <= 64 for v in a.lags):
+        p.error("--lags must be in [0, 64]")
     for s in a.shapes:
         if s not in bc.SHAPES:
             p.error(f"unknown shape {s!r}: choose from {sorted(bc.SHAPES)}")
@@ -129,11 +135,11 @@ def pipeline_full(inputs, x_pool):
     return dh, aw, dt_part, dx, dw13, dw2
 
 
-def fused_full(inputs, x_pool):
+def fused_full(inputs, x_pool, lag=None):
     from prime_kernels.mega._fused_bwd import dgrad_wgrad
 
     dy_pool, *rest = inputs
-    return dgrad_wgrad(dy_pool, x_pool, *rest)
+    return dgrad_wgrad(dy_pool, x_pool, *rest, lag=lag)
 
 
 def compare(got, want, expert_rows: int) -> dict:
@@ -175,6 +181,7 @@ def bench_config(shape, T, routing, args, peak) -> dict:
         "fused": lambda: fused(x),
         "pipeline_full": lambda: pipeline_full(x, xp),
         "fused_full": lambda: fused_full(x, xp),
+        **{f"fused_full_lag{v}": (lambda v=v: fused_full(x, xp, v)) for v in args.lags},
     }, args.warmup, args.reps)
     flops = dgrad_flops(st["routed_rows"], H, I)
     for k, v in ms.items():

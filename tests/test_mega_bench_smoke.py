@@ -385,7 +385,9 @@ def test_bench_bwd_dgrad_arguments():
                       "--max-seconds", "90", "--out", "x.json"])
     assert (a.shapes, a.tokens, a.routings, a.reps, a.max_seconds, a.out) == (["smoke"], [40, 24], ["zipf"], 3, 90.0,
                                                                                "x.json")
-    for bad in (["--shapes", "qwen3-7b"], ["--routings", "skewed"], ["--tokens", "0"], ["--reps", "0"]):
+    assert b.parse_args([]).lags == [] and b.parse_args(["--lags", "1, 3,6"]).lags == [1, 3, 6]
+    for bad in (["--shapes", "qwen3-7b"], ["--routings", "skewed"], ["--tokens", "0"], ["--reps", "0"],
+                ["--lags", "65"]):
         with pytest.raises(SystemExit):
             b.parse_args(bad)
 

@@ -217,11 +217,13 @@ def test_wgrad_tiles_match_the_k_grouped_gemms(T, H, I, E, K, routing, masked, u
 @requires_dgrad
 def test_wgrad_tiles_are_bitwise_repeatable_and_independent_of_num_sms():
     """With 1 and 3 CTAs the weight-gradient tiles wait for their experts' L2-dgrad tiles claimed by the same few
-    CTAs; the results do not depend on which CTA ran a tile."""
+    CTAs; the results do not depend on which CTA ran a tile, nor on the sequence's lag (0: an expert's waiting tiles
+    right behind its L2-dgrad tiles; 64: all L2-dgrad tiles first)."""
     st = _layer_state(2048, 512, 256, 16, 4, "skewed", 0.05, seed=12)
     args = (st["dy_pool"], st["x_pool"], st["w13"], st["w2"], st["h"], st["offsets"], st["src"], st["wts"])
     runs = [_fused_bwd.dgrad_wgrad(*args), _fused_bwd.dgrad_wgrad(*args),
-            _fused_bwd.dgrad_wgrad(*args, num_sms=3), _fused_bwd.dgrad_wgrad(*args, num_sms=1)]
+            _fused_bwd.dgrad_wgrad(*args, num_sms=3), _fused_bwd.dgrad_wgrad(*args, num_sms=1),
+            _fused_bwd.dgrad_wgrad(*args, lag=0), _fused_bwd.dgrad_wgrad(*args, lag=64, num_sms=5)]
     rows = int(st["offsets"][-1])
     for i, r in enumerate(runs[1:], 1):
         for name, a, b in zip(("dh", "w*s", "dt_part", "dx", "dw13", "dw2"), runs[0], r):
@@ -443,6 +445,8 @@ WGRAD_BAD = [  # (changes to dgrad_wgrad's extra arguments, exception, message f
     (lambda a: dict(x_pool=a["dy_pool"][:10]), ValueError, "x_pool must be [>= 40 pool rows, H = 128]"),
     (lambda a: dict(x_pool=a["dy_pool"][:, :64].contiguous()), ValueError, "x_pool must be [>= 40 pool rows"),
     (lambda a: dict(wgrad_dtype=torch.float16), TypeError, "wgrad_dtype must be torch.bfloat16 or torch.float32"),
+    (lambda a: dict(lag=65), ValueError, "lag must be None (the heuristic's) or an int in [0, 64]"),
+    (lambda a: dict(lag=True), ValueError, "lag must be None"),
     (lambda a: dict(dw13_accum=torch.zeros(3, 384, 128)), ValueError, "give both accumulators"),
     (lambda a: dict(dw13_accum=torch.zeros(3, 384, 128), dw2_accum=torch.zeros(3, 192, 128)), ValueError,
      "dw2_accum must be [3, 128, 192]"),

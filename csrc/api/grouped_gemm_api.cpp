@@ -191,7 +191,7 @@ int pk_mega_moe_bwd_bf16(const void* dy_pool, int64_t lda, const void* w2, int64
                          int64_t lddh, void* aw, int64_t ldaw, float* dt_part, int64_t dt_ld, void* dx, int64_t lddx,
                          const void* x_pool, int64_t ldx, int wgrad, void* dw2, void* dw13,
                          const int32_t* group_offsets, int num_groups, int64_t m_total, int64_t intermediate,
-                         int64_t hidden, float clamp, int32_t* counters, int num_sms, void* cuda_stream) {
+                         int64_t hidden, float clamp, int32_t* counters, int lag, int num_sms, void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90("mega_moe_bwd_bf16"); rc != PK_OK) return rc;
   prime_kernels::sm90::MegaBwdArgs args;
@@ -209,6 +209,7 @@ int pk_mega_moe_bwd_bf16(const void* dy_pool, int64_t lda, const void* w2, int64
   args.ldx = ldx;
   args.dw2 = dw2;
   args.dw13 = dw13;
+  args.lag = lag;
   char message[512] = {0};
   const int rc =
       prime_kernels::sm90::mega_moe_bwd_bf16(args, static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
@@ -218,7 +219,7 @@ int pk_mega_moe_bwd_bf16(const void* dy_pool, int64_t lda, const void* w2, int64
   (void)route_weights, (void)num_routes, (void)w13, (void)ldw13, (void)w13_group_stride, (void)dh, (void)lddh;
   (void)aw, (void)ldaw, (void)dt_part, (void)dt_ld, (void)dx, (void)lddx, (void)x_pool, (void)ldx, (void)wgrad;
   (void)dw2, (void)dw13, (void)group_offsets, (void)num_groups, (void)m_total, (void)intermediate, (void)hidden;
-  (void)clamp, (void)counters, (void)num_sms, (void)cuda_stream;
+  (void)clamp, (void)counters, (void)lag, (void)num_sms, (void)cuda_stream;
   return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
                                   "mega_moe_bwd_bf16 is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif

@@ -229,7 +229,7 @@ PK_API int pk_mega_moe_fwd_fp8(const void* x, int64_t ld_x, int64_t num_tokens, 
 // persistent kernel whose L1-dgrad tiles wait (bounded) for their m-block's L2-dgrad tiles and whose weight-gradient
 // tiles wait for their expert's. wgrad: 0 none, 1 bf16 stores, 2 fp32 stores, 3 fp32 added to dw2 / dw13. hidden a
 // multiple of 64. counters: device int32 scratch of pk_mega_moe_bwd_counter_count(m_total, num_groups) entries
-// (zeroed by the call itself).
+// (zeroed by the call itself). lag: the task sequence's lag, -1 for the heuristic's (the same bits for any lag).
 // ---------------------------------------------------------------------------------------------
 PK_API int64_t pk_mega_moe_bwd_counter_count(int64_t m_total, int num_groups);
 PK_API int pk_mega_moe_bwd_bf16(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb, int64_t b_group_stride,
@@ -238,8 +238,8 @@ PK_API int pk_mega_moe_bwd_bf16(const void* dy_pool, int64_t lda, const void* w2
                                 void* dh, int64_t lddh, void* aw, int64_t ldaw, float* dt_part, int64_t dt_ld,
                                 void* dx, int64_t lddx, const void* x_pool, int64_t ldx, int wgrad, void* dw2,
                                 void* dw13, const int32_t* group_offsets, int num_groups, int64_t m_total,
-                                int64_t intermediate, int64_t hidden, float clamp, int32_t* counters, int num_sms,
-                                void* cuda_stream);
+                                int64_t intermediate, int64_t hidden, float clamp, int32_t* counters, int lag,
+                                int num_sms, void* cuda_stream);
 
 // ---------------------------------------------------------------------------------------------
 // Bounded waits (csrc/common/watchdog.cuh). A kernel wait on another CTA that lasts longer than the timeout

@@ -50,6 +50,9 @@ int mega_moe_bwd_bf16(const MegaBwdArgs& a, cudaStream_t stream, char* err, size
     return fail(kGemmInvalidArgument, err, err_len,
                 "%s: w13_group_stride = %lld, must be >= 2 * intermediate * ldw13, multiple of 8", fn,
                 (long long)a.w13_group_stride);
+  if (a.lag < -1 || a.lag > kMegaBwdMaxLagHost)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: lag = %d, must be -1 (the heuristic's) or in [0, %d]", fn,
+                a.lag, kMegaBwdMaxLagHost);
   if (a.wgrad < kMegaBwdWgradNone || a.wgrad > kMegaBwdWgradF32Add)
     return fail(kGemmInvalidArgument, err, err_len, "%s: wgrad = %d is not a MegaBwdWgrad", fn, a.wgrad);
   const bool with_wgrad = a.wgrad != kMegaBwdWgradNone;
@@ -115,7 +118,7 @@ int mega_moe_bwd_bf16(const MegaBwdArgs& a, cudaStream_t stream, char* err, size
   p.dx = reinterpret_cast<__nv_bfloat16*>(a.dx);
   p.lddx = a.lddx;
   p.hidden = static_cast<int32_t>(H);
-  p.lag = mega_bwd_lag(m_total, num_experts, I, l.sms);
+  p.lag = a.lag >= 0 ? a.lag : mega_bwd_lag(m_total, num_experts, I, l.sms);
   p.wgrad_out = a.wgrad == kMegaBwdWgradNone   ? kMegaBwdNoWgrad
                 : a.wgrad == kMegaBwdWgradBf16 ? static_cast<int32_t>(kOutBf16Store)
                 : a.wgrad == kMegaBwdWgradF32  ? static_cast<int32_t>(kOutF32Store)

@@ -54,6 +54,9 @@ struct MegaBwdArgs {
   int64_t ldx = 0;
   void* dw2 = nullptr;
   void* dw13 = nullptr;
+  // The sequence's lag (mega_moe_bwd_schedule.hpp), 0 .. kMegaBwdMaxLagHost, or -1: the heuristic's
+  // (mega_bwd_lag). For the benchmark's sweep: any lag gives the same bits.
+  int lag = -1;
 };
 
 int mega_moe_bwd_bf16(const MegaBwdArgs& args, cudaStream_t stream, char* err, size_t err_len);

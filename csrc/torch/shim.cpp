@@ -608,10 +608,12 @@ std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_bwd_fused(
     Tensor dy_pool, Tensor w2, Tensor w13, Tensor group_offsets, Tensor h, Tensor pool_src_route, Tensor topk_weights,
     double clamp, std::optional<Tensor> x_pool, bool wgrad_fp32, std::optional<Tensor> dw13_accum,
-    std::optional<Tensor> dw2_accum, int64_t num_sms) {
+    std::optional<Tensor> dw2_accum, int64_t num_sms, int64_t lag) {
   const char* op = "mega_moe_bwd_fused";
   check_core(pk_device_check(), op);  // a lost context or an earlier call's findings, said first
   const int sms = check_num_sms(num_sms, op);
+  STD_TORCH_CHECK(lag >= -1 && lag <= 64, "prime_kernels.", op, ": lag = ", lag, ", must be -1 (the heuristic's) or "
+                  "in [0, 64]");
   check_bf16_cuda(w13, op, "w13", 3);
   check_bf16_cuda(dy_pool, op, "dy_pool", 2);  // before its device index is used
   torch::stable::accelerator::DeviceGuard guard(dy_pool.get_device_index());
@@ -666,8 +668,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_bwd_fused(
                  static_cast<float*>(o.dt_part.data_ptr()), o.n_blocks, dx.data_ptr(), dx.stride(0),
                  x_pool.has_value() ? x_pool->data_ptr() : nullptr, x_pool.has_value() ? x_pool->stride(0) : 0, wgrad,
                  dw2_ptr, dw13_ptr, static_cast<const int32_t*>(group_offsets.data_ptr()), o.num_groups, o.m_total,
-                 o.inter, o.hidden, static_cast<float>(clamp), static_cast<int32_t*>(counters.data_ptr()), sms,
-                 current_cuda_stream(dy_pool.get_device_index())),
+                 o.inter, o.hidden, static_cast<float>(clamp), static_cast<int32_t*>(counters.data_ptr()),
+                 static_cast<int>(lag), sms, current_cuda_stream(dy_pool.get_device_index())),
              op);
   return {o.dh, o.aw, o.dt_part, dx, dw13, dw2};
 }
@@ -764,7 +766,7 @@ STABLE_TORCH_LIBRARY(prime_kernels, m) {
         "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0, int num_sms=0) -> (Tensor, Tensor, Tensor)");
   m.def("mega_moe_bwd_fused(Tensor dy_pool, Tensor w2, Tensor w13, Tensor group_offsets, Tensor h, "
         "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0, Tensor? x_pool=None, bool wgrad_fp32=False, "
-        "Tensor(a!)? dw13_accum=None, Tensor(b!)? dw2_accum=None, int num_sms=0) -> "
+        "Tensor(a!)? dw13_accum=None, Tensor(b!)? dw2_accum=None, int num_sms=0, int lag=-1) -> "
         "(Tensor dh, Tensor aw, Tensor dt_part, Tensor dx_pool, Tensor dw13, Tensor dw2)");
   m.def("mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
         "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False, Tensor? route_to_pool=None, "

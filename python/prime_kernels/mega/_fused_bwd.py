@@ -164,17 +164,22 @@ def check_wgrad_inputs(x_pool, M: int, H: int, I: int, E: int, like, wgrad_dtype
 
 
 def dgrad_wgrad(dy_pool, x_pool, w13, w2, h, expert_offsets, pool_src_route, topk_weights, *,
-                wgrad_dtype=torch.bfloat16, dw13_accum=None, dw2_accum=None, activation_clamp=None, num_sms=None):
+                wgrad_dtype=torch.bfloat16, dw13_accum=None, dw2_accum=None, activation_clamp=None, num_sms=None,
+                lag=None):
     """:func:`dgrad` and the weight gradients in one kernel.
 
     x_pool [>= M, H] bf16: the token rows in pool order (every row of every expert finite; the padding rows zero).
     Returns (dh, w * s, dt_part, dx_pool, dw13, dw2): the first four as :func:`dgrad`, then dW13_e = dh_e^T x_pool_e
     [E, 2I, H] and dW2_e = dy_pool_e^T (w * s)_e [E, H, I] over each expert's rows (zeros for an expert without rows):
     in ``wgrad_dtype`` (bf16: one rounding of the fp32 sum; or fp32), or, given both fp32 accumulators, added to them
-    (then dw13 and dw2 come back empty). The same bits as the pipeline's ``k_grouped_bf16_gemm_tn`` calls."""
+    (then dw13 and dw2 come back empty). The same bits as the pipeline's ``k_grouped_bf16_gemm_tn`` calls.
+    ``lag`` (for the benchmark's sweep; None: the heuristic's): how many experts' L2-dgrad tiles the task sequence
+    runs ahead of the tiles that wait for them, 0 to 64; every lag gives the same bits."""
     M, H, I, E = check_dgrad_inputs(dy_pool, w13, w2, h, expert_offsets, pool_src_route, topk_weights,
                                     activation_clamp, num_sms)
     check_wgrad_inputs(x_pool, M, H, I, E, dy_pool, wgrad_dtype, dw13_accum, dw2_accum)
+    if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag <= 64):
+        _fail(f"lag must be None (the heuristic's) or an int in [0, 64], got {lag!r}")
     if M == 0:
         dh, aw, dt, dx = _outputs_like(dy_pool, 0, H, I)
         if dw13_accum is not None:
@@ -184,7 +189,8 @@ def dgrad_wgrad(dy_pool, x_pool, w13, w2, h, expert_offsets, pool_src_route, top
     _runnable_or_raise(dy_pool)
     return torch.ops.prime_kernels.mega_moe_bwd_fused(
         dy_pool, w2, w13, expert_offsets, h, pool_src_route, topk_weights.reshape(-1), _clamp_arg(activation_clamp),
-        x_pool, wgrad_dtype == torch.float32, dw13_accum, dw2_accum, 0 if num_sms is None else int(num_sms))
+        x_pool, wgrad_dtype == torch.float32, dw13_accum, dw2_accum, 0 if num_sms is None else int(num_sms),
+        -1 if lag is None else lag)
 
 
 
@@ -254,7 +260,7 @@ def _register() -> None:
     """The op's fake kernel (meta tensors, torch.compile tracing): the output shapes."""
 
     def fake(dy_pool, w2, w13, group_offsets, h, pool_src_route, topk_weights, clamp=0.0, x_pool=None,
-             wgrad_fp32=False, dw13_accum=None, dw2_accum=None, num_sms=0):
+             wgrad_fp32=False, dw13_accum=None, dw2_accum=None, num_sms=0, lag=-1):
         M, H = dy_pool.shape
         E, _, I = w2.shape
         if x_pool is None or dw13_accum is not None:
