@@ -22,7 +22,7 @@ import numbers
 import torch
 
 from .. import _status
-from ._grouped import _gathered_pool, _rows_for_kernels, deferred_wgrad, recompute_h
+from ._grouped import PaddingRows, _gathered_pool, _rows_for_kernels, deferred_wgrad, recompute_h
 from ._validate import FusedKernelUnavailable, check_activation_clamp
 from ..combine import combine
 
@@ -212,13 +212,16 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     capacity = pool_src_route.shape[0]
     route_to_pool = route_to_pool.contiguous()
     want_w = not defer_wgrad and (need_wgrad or dw13_accum is not None or dw2_accum is not None)
+    padding = PaddingRows(counts, offsets, route_to_pool.numel(), capacity)  # for every pool gathered below
     h = h_saved
     if recompute:  # the grouped backward's recompute: with a clamp, h keeps the clamp masks as the forward's did
-        h, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms, activation_clamp)
+        h, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms, activation_clamp,
+                                padding)
     weights = topk_weights.float().contiguous()
-    dy_pool = _gathered_pool(_rows_for_kernels(dy.to(torch.bfloat16)), route_to_pool, counts, offsets, capacity)
+    dy_pool = _gathered_pool(_rows_for_kernels(dy.to(torch.bfloat16)), route_to_pool, counts, offsets, capacity,
+                             padding)
     if (want_w or defer_wgrad) and x_pool is None:
-        x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity)
+        x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity, padding)
     both = dw13_accum is not None and dw2_accum is not None
     if want_w:
         # bf16 or fp32 parameters get their gradients in their dtype from the kernel; a single accumulator (or another

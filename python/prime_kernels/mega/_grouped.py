@@ -71,26 +71,40 @@ def _zero_padding_rows(buf: torch.Tensor, counts: torch.Tensor, offsets: torch.T
         buf.index_fill_(0, index, 0)
 
 
+class PaddingRows:
+    """A plan's :func:`_padding_row_index`, computed once for every pool a backward gathers (eight small kernels
+    each time otherwise: a backward that gathers dy and x rows paid them twice)."""
+
+    def __init__(self, counts: torch.Tensor, offsets: torch.Tensor, num_routes: int, capacity: int):
+        self.span = _padding_span(capacity, num_routes, counts.shape[0])
+        self.index = _padding_row_index(counts, offsets, num_routes, capacity) if self.span > 0 else None
+
+
 def _gathered_pool(rows: torch.Tensor, route_to_pool: torch.Tensor, counts: torch.Tensor,
-                   offsets: torch.Tensor, capacity: int) -> torch.Tensor:
+                   offsets: torch.Tensor, capacity: int, padding: PaddingRows | None = None) -> torch.Tensor:
     """rows (token-major, as :func:`_rows_for_kernels` gives them) dispatched into a [capacity, H] pool in plan
     order, each row read once, with the plan's padding rows zeroed. The pool is a view of a [capacity + span, H]
-    buffer whose last rows are scratch for :func:`_zero_padding_rows`."""
-    span = _padding_span(capacity, route_to_pool.numel(), counts.shape[0])
-    buf = rows.new_empty(capacity + span, rows.shape[1])
+    buffer whose last rows are scratch for :func:`_zero_padding_rows`. ``padding``: the plan's :class:`PaddingRows`
+    when the caller gathers several pools (else computed here)."""
+    if padding is None:
+        padding = PaddingRows(counts, offsets, route_to_pool.numel(), capacity)
+    buf = rows.new_empty(capacity + padding.span, rows.shape[1])
     pool = dispatch_rows(rows, route_to_pool, buf[:capacity])
-    _zero_padding_rows(buf, counts, offsets, route_to_pool.numel(), capacity)
+    if padding.index is not None:
+        buf.index_fill_(0, padding.index, 0)
     return pool
 
 
-def recompute_h(x, w13, counts, offsets, route_to_pool, capacity: int, x_pool, sms, activation_clamp=None):
+def recompute_h(x, w13, counts, offsets, route_to_pool, capacity: int, x_pool, sms, activation_clamp=None,
+                padding: PaddingRows | None = None):
     """(h, x_pool) for a backward that recomputes h: the token rows pooled once (or the forward's x_pool, when it
     kept them), then L1 as the plain m-grouped GEMM on them. The pooled rows serve dW13 afterwards, so the
     recompute costs one GEMM; the gathering GEMM (``a_row_index``) instead took 1.89 ms beside a 5.06 ms backward at
     30B, T=16384 on the H200, where the L1's FLOPs at the backward's own rate take about 1.4 ms. With a clamp, h
-    keeps the clamp masks (F6): the L1 with the SwiGLU epilogue that saves them (its s is not used)."""
+    keeps the clamp masks (F6): the L1 with the SwiGLU epilogue that saves them (its s is not used). ``padding`` as
+    in :func:`_gathered_pool`."""
     if x_pool is None:
-        x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity)
+        x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity, padding)
     if activation_clamp is not None:
         return m_grouped_bf16_gemm_swiglu(x_pool, w13, offsets, save_h=True, clamp=activation_clamp,
                                           num_sms=sms)[1], x_pool
@@ -166,16 +180,18 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         raise RuntimeError("prime_kernels.mega: the grouped backend runs on a single rank (group=None)")
     capacity = pool_src_route.shape[0]
     route_to_pool = route_to_pool.contiguous()
+    padding = PaddingRows(counts, offsets, route_to_pool.numel(), capacity)  # for every pool gathered below
     h = h_saved
     if recompute:
-        h, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms, activation_clamp)
+        h, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms, activation_clamp,
+                                padding)
     # B1 (gather), then B2-B6 and B9 in one GEMM: da stays in fp32 registers (0.80 ms against 0.94 for the nn
     # GEMM plus the pool-row kernel at 30B, T=16384 on the H200); with a clamp, B5's masks from the saved h.
     weights = topk_weights.float().contiguous()
     dy = _rows_for_kernels(dy.to(torch.bfloat16))
     # B1, token-major: each dy row read once (an index_select by pool row re-read rows from HBM: 0.26 vs
     # 0.17 ms at 30B, T=16384 on the H200). A padded plan's padding rows are zeroed.
-    dy_pool = _gathered_pool(dy, route_to_pool, counts, offsets, capacity)
+    dy_pool = _gathered_pool(dy, route_to_pool, counts, offsets, capacity, padding)
     dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, pool_src_route, weights,
                                                     clamp=activation_clamp, num_sms=sms)
     # d topk_weights per pool row: the per-128-column partials summed in column order, into a buffer whose last
@@ -190,7 +206,7 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     dtopk = dt_pool[route_to_pool.reshape(-1)].view_as(topk_weights).to(topk_weights.dtype)
     if defer_wgrad:
         if x_pool is None:
-            x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity)
+            x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity, padding)
         return dx, dtopk, deferred_wgrad(dy_pool, a, dh, x_pool, offsets, sms)
     out13 = out2 = None
     if need_wgrad or dw13_accum is not None or dw2_accum is not None:
@@ -202,7 +218,7 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         # the backward's peak drops by P * (H + I) * 2 bytes (30B, T=16384: 0.7 GiB; 235B: 1.4 GiB)
         del dy_pool, a
         if x_pool is None:  # the forward did not keep its pooled rows
-            x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity)
+            x_pool = _gathered_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity, padding)
         if dw13_accum is not None:
             k_grouped_bf16_gemm_tn(dh, x_pool, offsets, accumulate_into=dw13_accum, num_sms=sms)
         elif need_wgrad:
