@@ -202,12 +202,13 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     """The layer's backward on the fused kernel; the contract of :func:`prime_kernels.mega.reference.backward`
     (``num_sms`` as in :func:`prime_kernels.mega._grouped.forward`; ``defer_wgrad`` as in
     :func:`prime_kernels.mega._grouped.backward`: the kernel runs without its weight-gradient tiles, and the queued
-    work is the grouped backward's k-grouped GEMMs on the kept operands). The dy rows are dispatched into the pool (and the
-    x rows, when the weight gradients are wanted and the forward did not keep them), then one kernel computes dh,
-    w * s, the d topk_weights partials, the dX slots and both weight gradients; the partials are summed in column
-    order and the slots combined, as the grouped backward does."""
+    work is the grouped backward's k-grouped GEMMs on the kept operands). The dy rows are dispatched into the pool
+    (and the x rows, when the weight gradients are wanted and the forward did not keep them), then one kernel
+    computes dh, w * s, the d topk_weights partials, the dX slots and both weight gradients; the partials are summed
+    in column order and the slots combined, as the grouped backward does."""
     if group is not None:
-        raise FusedKernelUnavailable("prime_kernels.mega: the fused backward runs on a single rank for now (group=None)")
+        raise FusedKernelUnavailable("prime_kernels.mega: the fused backward runs on a single rank for now "
+                                     "(group=None)")
     sms = num_sms if num_sms else None
     capacity = pool_src_route.shape[0]
     route_to_pool = route_to_pool.contiguous()
@@ -226,7 +227,8 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     if want_w:
         # bf16 or fp32 parameters get their gradients in their dtype from the kernel; a single accumulator (or another
         # dtype) gets fp32, added (or cast) here
-        direct = w13.dtype == w2.dtype and w13.dtype in (torch.bfloat16, torch.float32) and dw13_accum is None
+        direct = (w13.dtype == w2.dtype and w13.dtype in (torch.bfloat16, torch.float32) and dw13_accum is None
+                  and dw2_accum is None)
         _dh, _aw, dt_part, dx_pool, dw13, dw2 = dgrad_wgrad(
             dy_pool, x_pool, w13, w2, h, offsets, pool_src_route, weights,
             wgrad_dtype=w13.dtype if direct else torch.float32, dw13_accum=dw13_accum if both else None,
