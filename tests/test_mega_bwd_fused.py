@@ -265,18 +265,18 @@ def _backward_args(st):
 
 @requires_dgrad
 @pytest.mark.parametrize("T,H,I,E,K,routing,masked,used", LAYER_CASES)
-@pytest.mark.parametrize("mode", ["plain", "recompute", "accum", "accum_one", "no_wgrad"])
+@pytest.mark.parametrize("mode", ["plain", "recompute", "accum", "accum_dw13", "accum_dw2", "no_wgrad"])
 def test_layer_backward_equals_the_grouped_backward(T, H, I, E, K, routing, masked, used, mode):
     """_fused_bwd.backward (the layer's "fused" backward) against _grouped.backward on the same forward state: dX,
-    d topk_weights, dW13 and dW2 bitwise, with recompute, with fp32 accumulators (both, or dW13's alone), and
+    d topk_weights, dW13 and dW2 bitwise, with recompute, with fp32 accumulators (both, or either alone), and
     without weight gradients. NaN-poisoned free memory before the fused run."""
     st = _layer_state(T, H, I, E, K, routing, masked, used, seed=3 * T + E)
     kw = dict(num_experts=E, recompute=mode == "recompute", need_wgrad=mode != "no_wgrad")
     acc = {}
-    if mode in ("accum", "accum_one"):
+    if mode in ("accum", "accum_dw13"):
         acc["dw13_accum"] = torch.randn(E, 2 * I, H, device="cuda")
-        if mode == "accum":
-            acc["dw2_accum"] = torch.randn(E, H, I, device="cuda")
+    if mode in ("accum", "accum_dw2"):
+        acc["dw2_accum"] = torch.randn(E, H, I, device="cuda")
     acc_ref = {k: v.clone() for k, v in acc.items()}
     _poison(((T, H), torch.bfloat16), ((E, 2 * I, H), torch.bfloat16), ((E, H, I), torch.bfloat16))
     got = _fused_bwd.backward(*_backward_args(st), **kw, **acc)
