@@ -101,14 +101,43 @@ def test_w2_shape(prob):
 
 def test_hidden_not_aligned_for_fused(prob):
     # H=32, I=16 are fine for the reference but not for the fused kernels
-    with pytest.raises(ValueError, match="multiples of HIDDEN_ALIGN=128") as e:
+    with pytest.raises(ValueError, match="multiples of HIDDEN_ALIGN=64") as e:
         _call(prob, backend="fused")
     _one_line(e)
 
 
 def test_intermediate_not_aligned_module():
-    with pytest.raises(ValueError, match="INTERMEDIATE_ALIGN=128"):
+    with pytest.raises(ValueError, match="INTERMEDIATE_ALIGN=64"):
         MegaMoE(8, 256, 100, 2, backend="fused")
+
+
+def test_fp8_needs_multiples_of_128():
+    with pytest.raises(ValueError, match="FP8_ALIGN=128"):
+        MegaMoE(8, 320, 256, 2, backend="fused", precision="fp8")
+    from prime_kernels.mega._backend import alignment_reason
+
+    assert "FP8_ALIGN=128" in alignment_reason(256, 192, "fp8_bwd")
+    assert alignment_reason(256, 192, "bf16") is None and alignment_reason(2880, 2880) is None
+
+
+def test_half_width_last_tiles_follow_their_status_entry():
+    """H or I a multiple of 64 but not of 128 (e.g. 2880, or I = 320) runs the kernel backends where the half-tiles
+    entry is available; elsewhere a kernel backend raises that entry's reason (a missing GPU, or the GPU
+    verification still to come), never a shape error."""
+    from prime_kernels import _status
+    from prime_kernels.mega import FusedKernelUnavailable
+    from prime_kernels.mega._backend import HALF_TILES_KEY, half_tiles_reason, resolve_backend
+
+    assert half_tiles_reason(2048, 768) is None
+    why = _status.reason(HALF_TILES_KEY)
+    for H, I in ((2880, 2880), (1088, 320), (2048, 320)):
+        if why == _status.AVAILABLE:
+            assert half_tiles_reason(H, I) is None
+            continue
+        assert f"{HALF_TILES_KEY}: {why}" in half_tiles_reason(H, I)
+        for backend in ("fused", "grouped"):
+            with pytest.raises(FusedKernelUnavailable, match=HALF_TILES_KEY):
+                resolve_backend(backend, "bf16", "fwd", device_type="cuda", hidden=H, intermediate=I)
 
 
 def test_expert_id_too_large(prob):

@@ -55,6 +55,10 @@ def _entries() -> list[KernelEntry]:
     # Its FP8 forward (prime_kernels.mega._fp8_fwd): the quantizing dispatch, the FP8 L1 with SwiGLU, the FP8 L2
     # and the combine; the layer's forward for precision="fp8" until the fused FP8 forward exists.
     e.append(KernelEntry("mega_moe_grouped.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90"))
+    # The kernel backends (bf16) with H or I a multiple of 64 but not of 128: every kernel's last tile half-width
+    e.append(KernelEntry("mega_moe_half_tiles.bf16.sm90", "mega_moe_fwd_bf16", "sm90",
+                         unverified="built, not yet verified on a GPU through the layer: H or I a multiple of 64 but "
+                                    "not of 128 (half-width last tiles)"))
     todo = "not implemented yet"
     e += [
         KernelEntry("mega_moe.bf16.sm90", "mega_moe_fwd_bf16", "sm90"),

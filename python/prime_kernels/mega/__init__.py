@@ -42,7 +42,7 @@ from .staged_fp8 import (
     fp8_mega_moe_weight_grads_add,
     fp8_weights_for_mega_moe,
 )
-from .constants import BLOCK_M, HIDDEN_ALIGN, INTERMEDIATE_ALIGN
+from .constants import BLOCK_M, FP8_ALIGN, FULL_TILE_ALIGN, HIDDEN_ALIGN, INTERMEDIATE_ALIGN
 
 # Names the package top level (prime_kernels) re-exports, as upstream does.
 __all__ = [

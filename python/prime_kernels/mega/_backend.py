@@ -39,8 +39,8 @@ from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _validate, reference
 from .._status import KERNELS
 from ..routing import pool_capacity
 from ._validate import FusedKernelUnavailable
-from .constants import (ALLOW_FALLBACK_ENV, env_flag, BACKENDS, FUSED_MAX_EXPERTS, GROUPED_MAX_EXPERTS, HIDDEN_ALIGN,
-                        INTERMEDIATE_ALIGN, PRECISIONS)
+from .constants import (ALLOW_FALLBACK_ENV, env_flag, BACKENDS, FP8_ALIGN, FULL_TILE_ALIGN, FUSED_MAX_EXPERTS,
+                        GROUPED_MAX_EXPERTS, HIDDEN_ALIGN, INTERMEDIATE_ALIGN, PRECISIONS)
 
 # (precision, direction) -> kernel name in prime_kernels.status().
 # "fp8_bwd" is a BF16 forward with an FP8 backward.
@@ -219,16 +219,35 @@ def fallback_allowed() -> bool:
     return env_flag(ALLOW_FALLBACK_ENV)
 
 
-def alignment_reason(hidden: int, intermediate: int) -> str | None:
-    """None when H and I suit the fused kernels, else a one-line reason."""
+def alignment_reason(hidden: int, intermediate: int, precision: str = "bf16") -> str | None:
+    """None when H and I suit the kernel backends at ``precision``, else a one-line reason (the exact rule)."""
     if hidden % HIDDEN_ALIGN or intermediate % INTERMEDIATE_ALIGN:
         return (
             f"hidden={hidden} and intermediate={intermediate} must be multiples of "
             f"HIDDEN_ALIGN={HIDDEN_ALIGN} and INTERMEDIATE_ALIGN={INTERMEDIATE_ALIGN} "
-            f"(prime_kernels.mega.constants) for the fused kernels; pad the weights or use "
+            f"(prime_kernels.mega.constants) for the kernel backends; pad the weights or use "
             f"backend='reference'"
         )
+    if precision in reference.FP8_PRECISIONS + ("mxfp8",) and (hidden % FP8_ALIGN or intermediate % FP8_ALIGN):
+        return (f"precision={precision!r}: hidden={hidden} and intermediate={intermediate} must be multiples of "
+                f"FP8_ALIGN={FP8_ALIGN} (prime_kernels.mega.constants: the FP8 kernels' 128-wide scale blocks); "
+                f"pad the weights, use precision='bf16', or backend='reference'")
     return None
+
+
+HALF_TILES_KEY = "mega_moe_half_tiles.bf16.sm90"
+
+
+def half_tiles_reason(hidden: int, intermediate: int) -> str | None:
+    """For H or I a multiple of 64 but not of 128 (a half-width last tile in the kernels): None where its status entry
+    says available, else why not; None for full tiles."""
+    if not (hidden % FULL_TILE_ALIGN or intermediate % FULL_TILE_ALIGN):
+        return None
+    why = _status().get(HALF_TILES_KEY, _NOT_IMPLEMENTED)
+    if why == "available":
+        return None
+    return (f"hidden={hidden} and intermediate={intermediate} are not both multiples of "
+            f"FULL_TILE_ALIGN={FULL_TILE_ALIGN}: {HALF_TILES_KEY}: {why}")
 
 
 def resolve_backend(backend: str, precision: str, direction: str, **shape) -> str:
@@ -273,9 +292,11 @@ def choose_backend(
 
     if backend in ("fused", "grouped"):  # a named kernel backend: the call is wrong on any device
         _require_kernel_block_m(block_m)
-    align = alignment_reason(hidden, intermediate) if hidden is not None and intermediate is not None else None
+    shaped = hidden is not None and intermediate is not None
+    align = alignment_reason(hidden, intermediate, precision) if shaped else None
     if align is not None and backend == "fused":
         raise ValueError(f"prime_kernels.mega: {align}")
+    align = align or (half_tiles_reason(hidden, intermediate) if shaped else None)
     too_many = fused_experts_reason(num_local_experts) if direction == "fwd" else None
     if too_many is not None and backend == "fused":
         raise ValueError(f"prime_kernels.mega: backend='fused' cannot run: {too_many}; use backend='auto' or "

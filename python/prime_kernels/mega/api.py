@@ -214,7 +214,7 @@ class MegaMoE(nn.Module):
             _validate._fail(f"num_experts={num_experts} is not divisible by the group size {ep_size}; "
                             f"use a group whose size divides it")
         if backend == "fused":
-            reason = _backend.alignment_reason(hidden, intermediate)
+            reason = _backend.alignment_reason(hidden, intermediate, precision)
             if reason is not None:
                 _validate._fail(reason)
         self.num_experts = int(num_experts)

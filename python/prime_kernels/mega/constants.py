@@ -3,8 +3,11 @@
 This is the one exported set: the host-side validation in :mod:`prime_kernels.mega` checks
 against these values and the CUDA kernels are written to them.
 
-* ``HIDDEN_ALIGN``: H (the hidden size) must be a multiple of this for the fused kernels.
+* ``HIDDEN_ALIGN``: H (the hidden size) must be a multiple of this for the kernel backends (bf16).
 * ``INTERMEDIATE_ALIGN``: I (the expert intermediate size) must be a multiple of this.
+* ``FP8_ALIGN``: with an FP8 precision both must be multiples of this (the FP8 kernels' 128-wide scale blocks).
+* ``FULL_TILE_ALIGN``: H and I multiples of this fill the kernels' 128-wide tiles; multiples of 64 that are not
+  leave a half-width last tile, which runs where ``status()["mega_moe_half_tiles.bf16.sm90"]`` says available.
 * ``BLOCK_M``: rows per m-block; every expert's rows start at a multiple of it in the pool
   (the routing plan pads each expert's row count up to a multiple of ``BLOCK_M``).
 
@@ -22,8 +25,10 @@ the alignment is enforced whenever a fused kernel would run.
 
 import os
 
-HIDDEN_ALIGN = 128
-INTERMEDIATE_ALIGN = 128
+HIDDEN_ALIGN = 64
+INTERMEDIATE_ALIGN = 64
+FP8_ALIGN = 128
+FULL_TILE_ALIGN = 128
 BLOCK_M = 128
 KERNEL_BLOCK_MS = (BLOCK_M,)
 MAX_BLOCK_M = 1024
@@ -61,6 +66,8 @@ BACKENDS = ("auto", "fused", "grouped", "reference")
 __all__ = [
     "HIDDEN_ALIGN",
     "INTERMEDIATE_ALIGN",
+    "FP8_ALIGN",
+    "FULL_TILE_ALIGN",
     "BLOCK_M",
     "KERNEL_BLOCK_MS",
     "MAX_BLOCK_M",
