@@ -43,6 +43,64 @@ Tensor new_tensor(const Tensor& like, std::vector<int64_t> sizes, ScalarType dty
                                   dtype);
 }
 
+void check_bf16_cuda(const Tensor& t, const char* op, const char* name, int64_t dim) {
+  STD_TORCH_CHECK(t.is_cuda(), "prime_kernels.", op, ": ", name, " must be a CUDA tensor");
+  STD_TORCH_CHECK(t.scalar_type() == ScalarType::BFloat16, "prime_kernels.", op, ": ", name, " must be bfloat16");
+  STD_TORCH_CHECK(t.dim() == dim, "prime_kernels.", op, ": ", name, " must be ", dim, "-D, got ", t.dim(), "-D");
+  STD_TORCH_CHECK(t.stride(dim - 1) == 1, "prime_kernels.", op, ": ", name, " must have unit stride in its last dim");
+}
+
+int32_t check_offsets(const Tensor& offsets, const Tensor& like, const char* op) {
+  STD_TORCH_CHECK(offsets.scalar_type() == ScalarType::Int && offsets.dim() == 1 && offsets.is_contiguous(),
+                  "prime_kernels.", op, ": group_offsets must be a contiguous 1-D int32 tensor [num_groups + 1]");
+  STD_TORCH_CHECK(offsets.is_cuda() && offsets.get_device_index() == like.get_device_index(), "prime_kernels.", op,
+                  ": group_offsets must be on the operands' CUDA device");
+  STD_TORCH_CHECK(offsets.size(0) >= 2, "prime_kernels.", op, ": group_offsets needs num_groups + 1 >= 2 entries");
+  return static_cast<int32_t>(offsets.size(0) - 1);
+}
+
+// The grouped ops' num_sms: the most SMs the kernel may use, 0 = every SM.
+int check_num_sms(int64_t num_sms, const char* op) {
+  STD_TORCH_CHECK(num_sms >= 0 && num_sms <= (int64_t(1) << 20), "prime_kernels.", op, ": num_sms = ", num_sms,
+                  ", must be >= 1 (or 0: every SM)");
+  return static_cast<int>(num_sms);
+}
+
+// The L2 dgrad's operands, checked (m_grouped_bf16_gemm_swiglu_bwd and mega_moe_bwd_fused), and its outputs
+// allocated: dh [M, 2I], aw = w * s [M, I], dt_part [M, ceil(I/128)] (M = dy_pool's rows) with dt_part zeroed: the
+// kernels write the rows of the groups only, and the rows after the last group must be zeros, so that a sum over
+// every row (the grouped backward's d topk_weights) reads nothing uninitialised.
+SwigluBwdOperands swiglu_bwd_operands(const Tensor& dy_pool, const Tensor& w2, const Tensor& group_offsets,
+                                      const Tensor& h, const Tensor& pool_src_route, const Tensor& topk_weights,
+                                      const char* op) {
+  check_bf16_cuda(dy_pool, op, "dy_pool", 2);
+  check_bf16_cuda(w2, op, "w2", 3);
+  check_bf16_cuda(h, op, "h", 2);
+  SwigluBwdOperands o;
+  o.num_groups = check_offsets(group_offsets, dy_pool, op);
+  o.m_total = dy_pool.size(0);
+  o.hidden = dy_pool.size(1);
+  o.inter = w2.size(2);
+  STD_TORCH_CHECK(w2.size(0) == o.num_groups && w2.size(1) == o.hidden && w2.stride(2) == 1, "prime_kernels.", op,
+                  ": w2 must be [num_groups, H, I] (I contiguous) with H = dy's columns");
+  STD_TORCH_CHECK(o.inter % 64 == 0, "prime_kernels.", op, ": I (w2's last dim) must be a multiple of 64, got ",
+                  o.inter);
+  STD_TORCH_CHECK(h.size(0) >= o.m_total && h.size(1) == 2 * o.inter, "prime_kernels.", op,
+                  ": h must be [>= pool rows, 2I]");
+  STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.is_contiguous() &&
+                      pool_src_route.numel() >= o.m_total && pool_src_route.is_cuda(),
+                  "prime_kernels.", op, ": pool_src_route must be a contiguous CUDA int32 tensor with >= rows entries");
+  STD_TORCH_CHECK(topk_weights.scalar_type() == ScalarType::Float && topk_weights.is_contiguous() &&
+                      topk_weights.is_cuda(),
+                  "prime_kernels.", op, ": topk_weights must be a contiguous CUDA fp32 tensor");
+  o.n_blocks = (o.inter + 127) / 128;  // d topk_weights partials: one per 128 columns of I
+  o.dh = new_tensor(dy_pool, {o.m_total, 2 * o.inter}, ScalarType::BFloat16);
+  o.aw = new_tensor(dy_pool, {o.m_total, o.inter}, ScalarType::BFloat16);
+  o.dt_part = new_tensor(dy_pool, {o.m_total, o.n_blocks}, ScalarType::Float);
+  torch::stable::zero_(o.dt_part);
+  return o;
+}
+
 }  // namespace prime_kernels::torch_shim
 
 namespace {
@@ -130,29 +188,6 @@ PlanOutputs routing_plan_cuda(Tensor topk_idx, int64_t num_experts, int64_t bloc
 // Grouped GEMMs. Operands may be row-strided (unit stride in the last dim); the core checks sizes
 // and alignment. Outputs are allocated here.
 // ---------------------------------------------------------------------------------------------
-void check_bf16_cuda(const Tensor& t, const char* op, const char* name, int64_t dim) {
-  STD_TORCH_CHECK(t.is_cuda(), "prime_kernels.", op, ": ", name, " must be a CUDA tensor");
-  STD_TORCH_CHECK(t.scalar_type() == ScalarType::BFloat16, "prime_kernels.", op, ": ", name, " must be bfloat16");
-  STD_TORCH_CHECK(t.dim() == dim, "prime_kernels.", op, ": ", name, " must be ", dim, "-D, got ", t.dim(), "-D");
-  STD_TORCH_CHECK(t.stride(dim - 1) == 1, "prime_kernels.", op, ": ", name, " must have unit stride in its last dim");
-}
-
-int32_t check_offsets(const Tensor& offsets, const Tensor& like, const char* op) {
-  STD_TORCH_CHECK(offsets.scalar_type() == ScalarType::Int && offsets.dim() == 1 && offsets.is_contiguous(),
-                  "prime_kernels.", op, ": group_offsets must be a contiguous 1-D int32 tensor [num_groups + 1]");
-  STD_TORCH_CHECK(offsets.is_cuda() && offsets.get_device_index() == like.get_device_index(), "prime_kernels.", op,
-                  ": group_offsets must be on the operands' CUDA device");
-  STD_TORCH_CHECK(offsets.size(0) >= 2, "prime_kernels.", op, ": group_offsets needs num_groups + 1 >= 2 entries");
-  return static_cast<int32_t>(offsets.size(0) - 1);
-}
-
-// The grouped ops' num_sms: the most SMs the kernel may use, 0 = every SM.
-int check_num_sms(int64_t num_sms, const char* op) {
-  STD_TORCH_CHECK(num_sms >= 0 && num_sms <= (int64_t(1) << 20), "prime_kernels.", op, ": num_sms = ", num_sms,
-                  ", must be >= 1 (or 0: every SM)");
-  return static_cast<int>(num_sms);
-}
-
 Tensor m_grouped_gemm(const Tensor& a, const Tensor& b, const Tensor& offsets, bool b_k_major, int64_t num_sms,
                       const char* op) {
   const int sms = check_num_sms(num_sms, op);
@@ -538,47 +573,6 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tens
 }
 
 
-// The L2 dgrad's operands, checked (m_grouped_bf16_gemm_swiglu_bwd and mega_moe_bwd_fused), and its outputs
-// allocated: dh [M, 2I], aw = w * s [M, I], dt_part [M, ceil(I/128)] (M = dy_pool's rows) with dt_part zeroed: the
-// kernels write the rows of the groups only, and the rows after the last group must be zeros, so that a sum over
-// every row (the grouped backward's d topk_weights) reads nothing uninitialised.
-struct SwigluBwdOperands {
-  int32_t num_groups;
-  int64_t m_total, hidden, inter, n_blocks;
-  Tensor dh, aw, dt_part;
-};
-
-SwigluBwdOperands swiglu_bwd_operands(const Tensor& dy_pool, const Tensor& w2, const Tensor& group_offsets,
-                                      const Tensor& h, const Tensor& pool_src_route, const Tensor& topk_weights,
-                                      const char* op) {
-  check_bf16_cuda(dy_pool, op, "dy_pool", 2);
-  check_bf16_cuda(w2, op, "w2", 3);
-  check_bf16_cuda(h, op, "h", 2);
-  SwigluBwdOperands o;
-  o.num_groups = check_offsets(group_offsets, dy_pool, op);
-  o.m_total = dy_pool.size(0);
-  o.hidden = dy_pool.size(1);
-  o.inter = w2.size(2);
-  STD_TORCH_CHECK(w2.size(0) == o.num_groups && w2.size(1) == o.hidden && w2.stride(2) == 1, "prime_kernels.", op,
-                  ": w2 must be [num_groups, H, I] (I contiguous) with H = dy's columns");
-  STD_TORCH_CHECK(o.inter % 64 == 0, "prime_kernels.", op, ": I (w2's last dim) must be a multiple of 64, got ",
-                  o.inter);
-  STD_TORCH_CHECK(h.size(0) >= o.m_total && h.size(1) == 2 * o.inter, "prime_kernels.", op,
-                  ": h must be [>= pool rows, 2I]");
-  STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.is_contiguous() &&
-                      pool_src_route.numel() >= o.m_total && pool_src_route.is_cuda(),
-                  "prime_kernels.", op, ": pool_src_route must be a contiguous CUDA int32 tensor with >= rows entries");
-  STD_TORCH_CHECK(topk_weights.scalar_type() == ScalarType::Float && topk_weights.is_contiguous() &&
-                      topk_weights.is_cuda(),
-                  "prime_kernels.", op, ": topk_weights must be a contiguous CUDA fp32 tensor");
-  o.n_blocks = (o.inter + 127) / 128;  // d topk_weights partials: one per 128 columns of I
-  o.dh = new_tensor(dy_pool, {o.m_total, 2 * o.inter}, ScalarType::BFloat16);
-  o.aw = new_tensor(dy_pool, {o.m_total, o.inter}, ScalarType::BFloat16);
-  o.dt_part = new_tensor(dy_pool, {o.m_total, o.n_blocks}, ScalarType::Float);
-  torch::stable::zero_(o.dt_part);
-  return o;
-}
-
 // L2 dgrad + SwiGLU backward (B2-B6, B9 in one GEMM): dh, aw, dt_part as swiglu_bwd_operands allocates them; route
 // weights are topk_weights flattened (every entry indexable by a route id).
 std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets,
@@ -598,80 +592,6 @@ std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool
                  o.hidden, static_cast<float>(clamp), sms, current_cuda_stream(dy_pool.get_device_index())),
              op);
   return {o.dh, o.aw, o.dt_part};
-}
-
-// The fused backward (csrc/sm90/mega_moe_bwd.cuh): the L2 dgrad's outputs as m_grouped_bf16_gemm_swiglu_bwd returns
-// them, dx_pool = dh @ w13[g] [M, H] (rows outside every group not written) and, given x_pool [M, H] (the token rows
-// in pool order), the weight gradients dw13 [E, 2I, H] and dw2 [E, H, I]: bf16, fp32 (wgrad_fp32), or added to the
-// fp32 accumulators dw13_accum / dw2_accum (both given; dw13 and dw2 come back empty), all from one persistent kernel.
-// Without x_pool the kernel runs no weight-gradient tile and dw13, dw2 are empty.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_bwd_fused(
-    Tensor dy_pool, Tensor w2, Tensor w13, Tensor group_offsets, Tensor h, Tensor pool_src_route, Tensor topk_weights,
-    double clamp, std::optional<Tensor> x_pool, bool wgrad_fp32, std::optional<Tensor> dw13_accum,
-    std::optional<Tensor> dw2_accum, int64_t num_sms, int64_t lag) {
-  const char* op = "mega_moe_bwd_fused";
-  check_core(pk_device_check(), op);  // a lost context or an earlier call's findings, said first
-  const int sms = check_num_sms(num_sms, op);
-  STD_TORCH_CHECK(lag >= -1 && lag <= 64, "prime_kernels.", op, ": lag = ", lag, ", must be -1 (the heuristic's) or "
-                  "in [0, 64]");
-  check_bf16_cuda(w13, op, "w13", 3);
-  check_bf16_cuda(dy_pool, op, "dy_pool", 2);  // before its device index is used
-  torch::stable::accelerator::DeviceGuard guard(dy_pool.get_device_index());
-  SwigluBwdOperands o = swiglu_bwd_operands(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, op);
-  const int64_t E = o.num_groups, H = o.hidden, I = o.inter;
-  STD_TORCH_CHECK(w13.get_device_index() == dy_pool.get_device_index() && w13.size(0) == E && w13.size(1) == 2 * I &&
-                      w13.size(2) == H,
-                  "prime_kernels.", op, ": w13 must be [num_groups, 2I, H] on dy_pool's device");
-  STD_TORCH_CHECK(dw13_accum.has_value() == dw2_accum.has_value(), "prime_kernels.", op,
-                  ": give both accumulators (dw13_accum, dw2_accum) or neither");
-  STD_TORCH_CHECK(!dw13_accum.has_value() || x_pool.has_value(), "prime_kernels.", op,
-                  ": the accumulators need x_pool (the weight gradients' operand)");
-  int wgrad = 0;  // pk_mega_moe_bwd_bf16's code: 0 none, 1 bf16, 2 fp32, 3 fp32 added
-  Tensor dw13 = new_tensor(dy_pool, {0}, ScalarType::BFloat16);
-  Tensor dw2 = new_tensor(dy_pool, {0}, ScalarType::BFloat16);
-  void* dw13_ptr = nullptr;
-  void* dw2_ptr = nullptr;
-  if (x_pool.has_value()) {
-    check_bf16_cuda(*x_pool, op, "x_pool", 2);
-    STD_TORCH_CHECK(x_pool->get_device_index() == dy_pool.get_device_index() && x_pool->size(0) >= o.m_total &&
-                        x_pool->size(1) == H,
-                    "prime_kernels.", op, ": x_pool must be [>= pool rows, H] on dy_pool's device");
-    if (dw13_accum.has_value()) {
-      const std::pair<const Tensor*, std::vector<int64_t>> accs[2] = {{&*dw13_accum, {E, 2 * I, H}},
-                                                                     {&*dw2_accum, {E, H, I}}};
-      for (const auto& [t, shape] : accs) {
-        STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float && t->is_contiguous() && t->is_cuda() &&
-                            t->get_device_index() == dy_pool.get_device_index() && t->dim() == 3 &&
-                            t->size(0) == shape[0] && t->size(1) == shape[1] && t->size(2) == shape[2],
-                        "prime_kernels.", op, ": dw13_accum must be fp32 [E, 2I, H] and dw2_accum fp32 [E, H, I], "
-                        "contiguous, on dy_pool's device");
-      }
-      wgrad = 3;
-      dw13_ptr = dw13_accum->data_ptr();
-      dw2_ptr = dw2_accum->data_ptr();
-    } else {
-      const ScalarType dt = wgrad_fp32 ? ScalarType::Float : ScalarType::BFloat16;
-      dw13 = new_tensor(dy_pool, {E, 2 * I, H}, dt);
-      dw2 = new_tensor(dy_pool, {E, H, I}, dt);
-      wgrad = wgrad_fp32 ? 2 : 1;
-      dw13_ptr = dw13.data_ptr();
-      dw2_ptr = dw2.data_ptr();
-    }
-  }
-  Tensor dx = new_tensor(dy_pool, {o.m_total, H}, ScalarType::BFloat16);
-  Tensor counters = new_tensor(dy_pool, {pk_mega_moe_bwd_counter_count(o.m_total, o.num_groups)}, ScalarType::Int);
-  check_core(pk_mega_moe_bwd_bf16(
-                 dy_pool.data_ptr(), dy_pool.stride(0), w2.data_ptr(), w2.stride(1), w2.stride(0), h.data_ptr(),
-                 h.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
-                 static_cast<const float*>(topk_weights.data_ptr()), topk_weights.numel(), w13.data_ptr(),
-                 w13.stride(1), w13.stride(0), o.dh.data_ptr(), o.dh.stride(0), o.aw.data_ptr(), o.aw.stride(0),
-                 static_cast<float*>(o.dt_part.data_ptr()), o.n_blocks, dx.data_ptr(), dx.stride(0),
-                 x_pool.has_value() ? x_pool->data_ptr() : nullptr, x_pool.has_value() ? x_pool->stride(0) : 0, wgrad,
-                 dw2_ptr, dw13_ptr, static_cast<const int32_t*>(group_offsets.data_ptr()), o.num_groups, o.m_total,
-                 o.inter, o.hidden, static_cast<float>(clamp), static_cast<int32_t*>(counters.data_ptr()),
-                 static_cast<int>(lag), sms, current_cuda_stream(dy_pool.get_device_index())),
-             op);
-  return {o.dh, o.aw, o.dt_part, dx, dw13, dw2};
 }
 
 // Fused Mega MoE forward (single rank: the pointer table holds x alone). Returns s, h, o, the dispatched
@@ -764,10 +684,6 @@ STABLE_TORCH_LIBRARY(prime_kernels, m) {
         "bool save_h, float clamp=0.0, int num_sms=0) -> (Tensor s, Tensor h)");
   m.def("m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets, Tensor h, "
         "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0, int num_sms=0) -> (Tensor, Tensor, Tensor)");
-  m.def("mega_moe_bwd_fused(Tensor dy_pool, Tensor w2, Tensor w13, Tensor group_offsets, Tensor h, "
-        "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0, Tensor? x_pool=None, bool wgrad_fp32=False, "
-        "Tensor(a!)? dw13_accum=None, Tensor(b!)? dw2_accum=None, int num_sms=0, int lag=-1) -> "
-        "(Tensor dh, Tensor aw, Tensor dt_part, Tensor dx_pool, Tensor dw13, Tensor dw2)");
   m.def("mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
         "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False, Tensor? route_to_pool=None, "
         "Tensor? topk_weights=None, int num_sms=0) -> (Tensor s, Tensor h, Tensor o, Tensor x_pool, Tensor y)");
@@ -800,7 +716,6 @@ STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("swiglu_bwd", TORCH_BOX(&swiglu_bwd));
   m.impl("m_grouped_bf16_gemm_swiglu_bwd", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_bwd));
   m.impl("mega_moe_fused_fwd", TORCH_BOX(&mega_moe_fused_fwd));
-  m.impl("mega_moe_bwd_fused", TORCH_BOX(&mega_moe_bwd_fused));
   m.impl("k_grouped_bf16_gemm_tn", TORCH_BOX(&k_grouped_bf16_gemm_tn));
   m.impl("k_grouped_bf16_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_bf16_gemm_tn_accumulate_));
   m.impl("k_grouped_fp8_gemm_tn", TORCH_BOX(&k_grouped_fp8_gemm_tn));

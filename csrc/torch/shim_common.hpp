@@ -1,5 +1,5 @@
-// What the shim's translation units share (csrc/torch/shim.cpp, quantize_ops.cpp): the stable-ABI types, the
-// core's error as a Python RuntimeError, the current CUDA stream, and output allocation.
+// What the shim's translation units share (csrc/torch/shim.cpp and the *_ops.cpp files): the stable-ABI types, the
+// core's error as a Python RuntimeError, the current CUDA stream, output allocation and the grouped ops' checks.
 #pragma once
 
 #include <torch/csrc/stable/tensor.h>
@@ -21,6 +21,25 @@ void check_core(int rc, const char* op);
 void* current_cuda_stream(int32_t device_index);
 // An uninitialised tensor on like's device.
 Tensor new_tensor(const Tensor& like, std::vector<int64_t> sizes, ScalarType dtype);
+
+// The grouped ops' operand checks (shim.cpp): a bf16 CUDA tensor of `dim` dims with unit stride in its last dim; the
+// groups' int32 offsets on like's device (returns num_groups); num_sms (0 = every SM).
+void check_bf16_cuda(const Tensor& t, const char* op, const char* name, int64_t dim);
+int32_t check_offsets(const Tensor& offsets, const Tensor& like, const char* op);
+int check_num_sms(int64_t num_sms, const char* op);
+
+// The L2 dgrad's operands, checked (m_grouped_bf16_gemm_swiglu_bwd and mega_moe_bwd_fused), and its outputs
+// allocated: dh [M, 2I], aw = w * s [M, I], dt_part [M, ceil(I/128)] (M = dy_pool's rows) with dt_part zeroed: the
+// kernels write the rows of the groups only, and the rows after the last group must be zeros, so that a sum over
+// every row (the grouped backward's d topk_weights) reads nothing uninitialised.
+struct SwigluBwdOperands {
+  int32_t num_groups;
+  int64_t m_total, hidden, inter, n_blocks;
+  Tensor dh, aw, dt_part;
+};
+SwigluBwdOperands swiglu_bwd_operands(const Tensor& dy_pool, const Tensor& w2, const Tensor& group_offsets,
+                                      const Tensor& h, const Tensor& pool_src_route, const Tensor& topk_weights,
+                                      const char* op);
 
 // The shim's FP8 operand checks (quantize_ops.cpp, swiglu_bwd_fp8_ops.cpp, swiglu_fwd_fp8_ops.cpp).
 inline void check_same_device(const Tensor& t, const Tensor& like, const char* op, const char* name) {
