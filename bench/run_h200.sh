@@ -2,7 +2,7 @@
 # The official runs in one call on a GPU machine that already has torch (e.g. the lent H200): install a
 # wheel built elsewhere into /tmp/site, then run the chosen steps. Results and logs go to $OUT.
 #
-# usage: bash bench/run_h200.sh [tests|fp8_tests|gemm|layer|fp8|floor|parity|staged|quantize]...
+# usage: bash bench/run_h200.sh [tests|fp8_tests|fused_bwd|bwd_lags|gemm|layer|fp8|floor|parity|staged|quantize]...
 #        (default: tests gemm layer floor)
 # environment:
 #   WHEEL_DIR    where prime_kernels_core-*.whl and the prime_kernels-*.whl drop-in are (default wheelhouse)
@@ -29,6 +29,10 @@ for step in $steps; do
                test_fp8_matrix.py test_fp8_fwd_pipeline.py test_fp8_bwd_pipeline.py test_fp8_reference.py \
                test_integration_prime_rl_fp8.py test_swiglu_fwd_fp8.py test_swiglu_bwd_fp8.py test_quantize_fp8.py \
                test_grouped_gemm_fp8.py test_grouped_gemm_fp8_k.py 2>&1 | tee "$OUT/tests_fp8.log" | tail -25) ;;
+    fused_bwd) OUT="$OUT/verify_fused_bwd" PK_VERIFY_BUDGET_S=${PK_VERIFY_BUDGET_S:-540} \
+               bash ci/verify_fused_bwd.sh "$WHEEL_DIR" 2>&1 | tail -20 ;;
+    bwd_lags) timeout 300 python3 bench/bench_bwd_dgrad.py --lags 1,2,3,4,6,8 --out "$OUT/bwd_lags.json" 2>&1 \
+               | tee "$OUT/bench_bwd_lags.log" | tail -12 ;;
     gemm)   timeout 300 python3 bench/bench_gemm.py --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.log" | grep -v "^$" ;;
     layer)  timeout 500 python3 bench/bench_layer.py --out "$OUT/layer.json" ${LAYER_ARGS:---sustained-seconds 2 --inference} \
                2>&1 | tee "$OUT/bench_layer.log" | tail -40 ;;
@@ -45,7 +49,8 @@ for step in $steps; do
                | tee "$OUT/bench_staged_fp8.log" | tail -12 ;;
     quantize) timeout 120 python3 bench/bench_quantize_fp8.py --tokens 16384 --out "$OUT/quantize_fp8.json" 2>&1 \
                | tee "$OUT/bench_quantize_fp8.log" | tail -12 ;;
-    *) echo "unknown step $step: choose from tests fp8_tests gemm layer fp8 floor parity staged quantize"; exit 2 ;;
+    *) echo "unknown step $step: choose from tests fp8_tests fused_bwd bwd_lags gemm layer fp8 floor parity staged" \
+            "quantize"; exit 2 ;;
   esac
 done
 ls "$OUT"
