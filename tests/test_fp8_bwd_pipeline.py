@@ -74,8 +74,38 @@ def test_fp8_pipeline_refuses_what_it_does_not_take():
     state = (h, counts, offsets, src, srank, r2p)
     with pytest.raises(ValueError, match="multiples of 128"):
         _fp8_bwd.backward(dy, x, idx, w, w13, w2, *state, num_experts=2)
-    with pytest.raises(RuntimeError, match="activation_clamp"):
-        _fp8_bwd.backward(dy, x, idx, w, w13, w2, *state, num_experts=2, activation_clamp=1.0)
+    with pytest.raises(RuntimeError, match="precision='fp8' takes no activation_clamp"):
+        _fp8_bwd.backward(dy, x, idx, w, w13, w2, *state, num_experts=2, activation_clamp=1.0, precision="fp8")
+
+
+@pytest.mark.parametrize("clamp", [1.0, 7.0])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fp8_bwd_with_a_clamp_matches_the_reference_on_cpu(clamp, recompute):
+    """fp8_bwd with activation_clamp: the bf16 forward saves h with the clamp masks (F6; the grouped L1's CPU op as
+    its kernel does), the FP8 L2 dgrad applies the clamp's gradient rule (B5); against the reference's FP8 backward
+    with the same clamp, from the saved h and recomputed."""
+    from prime_kernels.mega import _fp8_bwd, _grouped, fp8, reference
+    from prime_kernels.routing import pool_capacity
+
+    T, E, H, I, K = 61, 8, 128, 128, 3
+    x, idx, w, w13, w2, dy = make_problem(T, H, I, E, K, routing="skewed", seed=17, masked_frac=0.1)
+    x, w13 = x * 2, w13 * 2  # pre-activations of a few units, so that the clamp masks bite
+    cap = pool_capacity(T, K, E, 128)
+    fwd = _grouped.forward(x, idx, w, w13, w2, num_experts=E, block_m=128, capacity=cap, save_h=True,
+                           activation_clamp=clamp)
+    state = fwd[1:7]
+    g, u = state[0][:, :I].float(), state[0][:, I:].float()
+    assert bool((g > clamp).any()) and bool((u.abs() > clamp).any()), "the clamp never bites"
+    cache = fp8.Fp8WeightCache()
+    got = _fp8_bwd.backward(dy, x, idx, w, w13, w2, *state, num_experts=E, recompute=recompute, weight_cache=cache,
+                            activation_clamp=clamp)
+    want = reference.backward(dy, x, idx, w, w13, w2, *state, num_experts=E, precision="fp8_bwd",
+                              recompute=recompute, weight_cache=cache, activation_clamp=clamp)
+    for name, a, b in zip(NAMES, got, want):
+        assert torch.isfinite(a.float()).all(), name
+        bound = 1e-3 if recompute else (1e-5 if name == "dtopk" else 1e-6)
+        err = rel_err(a, b)
+        assert err < bound, f"{name}: rel err {err:.3e} (clamp {clamp}, recompute {recompute})"
 
 
 # --------------------------------------------------------------------------------------------- GPU

@@ -117,14 +117,21 @@ def test_fp8_on_kernel_backends_raises_never_runs_bf16(status, precision, backen
 
 
 @pytest.mark.parametrize("backend", ["auto", "fused", "grouped"])
-def test_fp8_bwd_refuses_the_clamp_and_expert_parallelism_before_any_forward(status, backend):
+def test_fp8_bwd_takes_the_clamp_with_its_entry_and_refuses_expert_parallelism(status, backend):
+    """fp8_bwd with activation_clamp runs where the grouped clamp entry (the L1 that saves h with the clamp masks,
+    which its recompute runs) is available, in both directions and before any forward; expert parallelism never."""
     for name in ("mega_moe.bf16.sm90", _backend.GROUPED_KEY, "mega_moe.fp8_bwd.sm90"):
         status[name] = "available"
     for direction in ("fwd", "bwd"):
-        with pytest.raises(_backend.FusedKernelUnavailable, match="does not take activation_clamp"):
+        with pytest.raises(_backend.FusedKernelUnavailable,
+                           match=f"with activation_clamp: {_backend.GROUPED_CLAMP_KEY}: not implemented yet"):
             _backend.resolve_backend(backend, "fp8_bwd", direction, activation_clamp=10.0, **SHAPE)
         with pytest.raises(_backend.FusedKernelUnavailable, match="runs on a single rank"):
             _backend.resolve_backend(backend, "fp8_bwd", direction, ep_size=2, **SHAPE)
+    status[_backend.GROUPED_CLAMP_KEY] = "available"
+    for direction in ("fwd", "bwd"):
+        assert _backend.resolve_backend(backend, "fp8_bwd", direction, activation_clamp=10.0, **SHAPE) in (
+            "fused", "grouped")
 
 
 def test_fp8_runs_on_the_kernels_once_both_directions_exist(status):
@@ -154,7 +161,7 @@ def test_fp8_runs_the_grouped_fp8_forward_where_no_fused_one_exists(status):
     with pytest.raises(_backend.FusedKernelUnavailable, match="no fused kernel for precision='fp8' fwd: "
                                                               "mega_moe.fp8.sm90: not implemented yet"):
         _backend.resolve_backend("fused", "fp8", "fwd", **SHAPE)
-    with pytest.raises(_backend.FusedKernelUnavailable, match="does not take activation_clamp"):
+    with pytest.raises(_backend.FusedKernelUnavailable, match="takes no activation_clamp"):
         _backend.resolve_backend("auto", "fp8", "fwd", activation_clamp=5.0, **SHAPE)
     x, idx, w, w13, w2, dy = make_problem(24, 128, 128, E, K, seed=59)
     opts = dict(precision="fp8", activation_clamp=None, group=None, num_experts=E)

@@ -123,6 +123,32 @@ def test_grouped_with_a_clamp_against_float64_and_the_fused_h(clamp, recompute):
             assert torch.equal(a, b), f"{name}: recompute differs from the saved h"
 
 
+@pytest.mark.parametrize("clamp", [1.0, 7.0])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_grouped_with_a_clamp_on_the_cpu_ops_against_float64(clamp, recompute):
+    """The grouped pipeline's own logic with a clamp (h saved with the clamp masks by the L1's CPU op, as its kernel
+    does; the clamp handed to the SwiGLU backward; the recompute through the masking L1) on the ops' CPU kernels,
+    against the reference in float64."""
+    from prime_kernels.mega import _grouped, reference
+    from prime_kernels.routing import pool_capacity
+
+    T, E, H, I, K = 61, 8, 128, 128, 3
+    x, idx, w, w13, w2, dy = make_problem(T, H, I, E, K, routing="skewed", seed=23, masked_frac=0.1)
+    x, w13 = x * 2, w13 * 2  # pre-activations of a few units, so that the clamp masks bite
+    cap = pool_capacity(T, K, E, 128)
+    fwd = _grouped.forward(x, idx, w, w13, w2, num_experts=E, block_m=128, capacity=cap, save_h=True,
+                           activation_clamp=clamp)
+    g = fwd[1][:, :I].float()
+    assert bool((g > clamp).any()), "the clamp never bites"
+    got = _grouped.backward(dy, x, idx, w, w13, w2, None if recompute else fwd[1], *fwd[2:7], num_experts=E,
+                            recompute=recompute, activation_clamp=clamp)
+    d = [t.double() for t in (x, w, w13, w2, dy)]
+    ref = run_layer(d[0], idx, d[1], d[2], d[3], d[4], backend="reference", activation_clamp=clamp)
+    for name, a, b in zip(NAMES, (fwd[0],) + tuple(got), ref):
+        err = rel_err(a, b)
+        assert err < 1e-2, f"{name}: rel err {err:.3e} (clamp {clamp}, recompute {recompute})"
+
+
 def test_grouped_clamp_follows_its_own_status_entry():
     """With activation_clamp the grouped pipeline runs where its clamp entry (the L1's kernels that save h with the
     clamp masks) is available, and is refused with that entry's reason elsewhere (not yet verified on a GPU, no
@@ -143,7 +169,7 @@ def test_grouped_clamp_follows_its_own_status_entry():
                                 activation_clamp=0.5)
     from prime_kernels.mega._backend import _grouped_reason
 
-    assert "activation_clamp in bf16 only" in _grouped_reason("fp8", 1, activation_clamp=0.5)
+    assert "FP8 forward takes no activation_clamp" in _grouped_reason("fp8", 1, activation_clamp=0.5)
 
 
 def test_zero_padding_rows_touches_only_the_padding_rows():

@@ -357,7 +357,10 @@ def _register() -> None:
         rows = gather_rows(a, a_row_index, m_total) if a_row_index is not None else a[:m_total]
         h = m_grouped_gemm_reference(rows, w13, group_offsets, True, torch.float32, round_output=False)
         I = w13.shape[1] // 2
-        hb = h.to(a.dtype)  # SwiGLU on h rounded as it is saved (reference F3)
+        from .mega.reference import round_h  # noqa: PLC0415 (the layer package imports this module)
+
+        # SwiGLU on h rounded as it is saved (reference F3); with a clamp, keeping its masks (F6) as the kernels do
+        hb = round_h(h, clamp if clamp > 0 else None, a.dtype)
         g, u = hb[:, :I].float(), hb[:, I:].float()
         if clamp > 0:
             g, u = torch.clamp(g, max=clamp), torch.clamp(u, min=-clamp, max=clamp)

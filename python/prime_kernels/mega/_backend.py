@@ -141,8 +141,8 @@ def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None
         # Its L1 saves h with the clamp masks (reference F6) in the kMaskedH kernels, which have a status entry of
         # their own; plainly rounded, values within half an ulp of the bound would land on it and lose their
         # gradient (measured ~3% in dX).
-        if precision != "bf16":
-            return f"the grouped pipeline takes activation_clamp in bf16 only (precision={precision!r})"
+        if precision == "fp8":
+            return "the grouped pipeline's FP8 forward takes no activation_clamp (precision='fp8_bwd' does)"
         clamp_reason = _status().get(GROUPED_CLAMP_KEY, _NOT_IMPLEMENTED)
         if clamp_reason != "available":
             return f"{GROUPED_CLAMP_KEY}: {clamp_reason}"
@@ -191,8 +191,12 @@ def _fp8_pipeline_reason(precision: str, ep_size: int, activation_clamp: float |
     after the forward); None when it can, and for the other precisions."""
     if precision not in reference.FP8_PRECISIONS:
         return None
-    if activation_clamp is not None:  # its recompute is the plain bf16 L1 GEMM, without the clamp's rounding rule
-        return f"precision={precision!r}: the FP8 backward pipeline does not take activation_clamp yet"
+    if activation_clamp is not None and precision == "fp8":
+        return "precision='fp8': the FP8 forward takes no activation_clamp (precision='fp8_bwd' does)"
+    if activation_clamp is not None:  # fp8_bwd: a recompute runs the grouped L1 that saves h with the clamp masks
+        clamp_reason = _status().get(GROUPED_CLAMP_KEY, _NOT_IMPLEMENTED)
+        if clamp_reason != "available":
+            return f"precision={precision!r} with activation_clamp: {GROUPED_CLAMP_KEY}: {clamp_reason}"
     if ep_size != 1:
         return f"precision={precision!r}: the FP8 backward pipeline runs on a single rank (no expert-parallel group)"
     return None

@@ -79,13 +79,14 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
              need_wgrad=True, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None, num_sms=0,
              precision="fp8_bwd", fp8_recipe=None, weight_cache=None):
     """Same contract as :func:`prime_kernels.mega.reference.backward` with ``precision="fp8_bwd"`` (the bf16
-    forward's state: h saved, or recomputed by the bf16 L1 GEMM); single rank, no activation clamp. With
-    ``precision="fp8"`` (an FP8 forward's saved h) the same steps run, and a recompute runs the FP8 forward's L1
+    forward's state: h saved, or recomputed by the bf16 L1 GEMM; with ``activation_clamp`` h keeps the clamp masks
+    and the FP8 L2 dgrad applies the clamp's gradient rule); single rank. With ``precision="fp8"`` (an FP8 forward's
+    saved h; no clamp: the FP8 forward takes none) the same steps run, and a recompute runs the FP8 forward's L1
     again (:func:`_fp8_fwd.recompute_h`: the same bits as the saved h)."""
     if group is not None:
         raise RuntimeError("prime_kernels.mega: the FP8 backward pipeline runs on a single rank (group=None)")
-    if activation_clamp is not None:
-        raise RuntimeError("prime_kernels.mega: the FP8 backward pipeline does not take activation_clamp yet")
+    if activation_clamp is not None and precision == "fp8":
+        raise RuntimeError("prime_kernels.mega: precision='fp8' takes no activation_clamp (the FP8 forward has none)")
     recipe = fp8_recipe or _fp8.DEFAULT_RECIPE
     pow2 = recipe.pow2_scales
     cache = _fp8.WEIGHT_CACHE if weight_cache is None else weight_cache
@@ -96,12 +97,12 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     if recompute and precision == "fp8":
         h_saved = _fp8_fwd.recompute_h(x, w13, counts, offsets, route_to_pool, capacity, recipe, cache, sms)
     elif recompute:
-        h_saved, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms)
+        h_saved, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms, activation_clamp)
     want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None
     dx, dtopk, dy_t, l2 = data_grads(dy, (c13.transposed.data, c13.transposed.scale),
                                      (c2.transposed.data, c2.transposed.scale), h_saved, counts, offsets,
                                      pool_src_route, route_to_pool, topk_weights.float().contiguous(), pow2=pow2,
-                                     sms=sms, want_wgrad_operands=want_w)
+                                     sms=sms, want_wgrad_operands=want_w, clamp=activation_clamp)
     dtopk = dtopk.to(topk_weights.dtype)
     top_k = route_to_pool.shape[1]
     out13 = out2 = None
