@@ -249,6 +249,20 @@ def test_wgrad_with_no_pool_rows_gives_zeros_or_adds_nothing():
     assert bool((acc13 == 1).all()) and bool((acc2 == 1).all())
 
 
+@requires_dgrad
+def test_the_op_passes_opcheck():
+    """torch.library.opcheck on the op with and without weight-gradient tiles and with the accumulators (schema,
+    the declared mutations only, the fake kernel's shapes, no aliasing of outputs and inputs)."""
+    st = _layer_state(257, 256, 128, 8, 4, seed=71)
+    base = (st["dy_pool"], st["w2"], st["w13"], st["offsets"], st["h"], st["src"], st["wts"].reshape(-1), 0.0)
+    E, I, H = st["E"], 128, 256
+    op = torch.ops.prime_kernels.mega_moe_bwd_fused.default
+    torch.library.opcheck(op, base)
+    torch.library.opcheck(op, base + (st["x_pool"], True))
+    torch.library.opcheck(op, base + (st["x_pool"], False, torch.zeros(E, 2 * I, H, device="cuda"),
+                                      torch.zeros(E, H, I, device="cuda")))
+
+
 LAYER_CASES = [  # T, H, I, E, K, routing, masked, used
     (1, 256, 128, 8, 2, "uniform", 0.0, None),
     (257, 1024, 384, 32, 8, "uniform", 0.0, None),
