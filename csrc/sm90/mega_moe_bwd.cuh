@@ -25,8 +25,9 @@
 // common/watchdog.cuh) for its m-block's L2-dgrad tiles and a weight-gradient tile for all of its expert's, all
 // lower in the sequence (mega_moe_bwd_schedule.hpp), so all claimed already by running CTAs.
 // Within a CTA the TMA thread finishes one task's loads before it waits for the next task's counter, and the
-// consumers wait only for their own stages, their own h pieces and the task ring; an L2-dgrad tile's counter
-// releases need nothing but its own stores. So the lowest unfinished task can always run: a grid of any size
+// consumers wait only for their own stages, their own h pieces, the task ring and the mainloop turn (passed by the
+// other warpgroup once it has waited for the stages of the task before, which the TMA thread loads first); an
+// L2-dgrad tile's counter releases need nothing but its own stores. So the lowest unfinished task can always run: a grid of any size
 // completes with any subset of its CTAs running, with the same bits (a tile's result does not depend on the CTA).
 // Writes read by TMA in another CTA (dh and w * s: TMA stores, generic stores for an m-block's last partial rows)
 // are completed (bulk wait_group), fenced (fence.proxy.async.global) and released; the reader acquires, then fences
@@ -309,16 +310,28 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     float acc0[kAcc], acc1[kAcc];
     int stage = 0;
     uint32_t phase = 0;
+    // The mainloops take turns in task order (kBarSwigluTurnWg0 + wg: the other warpgroup's 128 arrivals and this
+    // one's 128): a warpgroup waits for its tile's first stage only after the other has waited for every stage of
+    // the task before. Without the turns a warpgroup that skipped the other's stages could wait for ring position q
+    // while position q - kNumStages, of the same barrier, is still in flight: that phase has the other parity, so
+    // the wait would pass at once and the MMAs read the other tile's data (and its empty arrivals unbalance the
+    // ring). Task 0 is warpgroup 0's turn; the turn passed after the last task is taken when the -1 is read, so no
+    // arrival is left at exit.
+    if (wg == 1) ptx::named_bar_arrive(kBarSwigluTurnWg0, 256);
+    const auto pass_turn = [&] { ptx::named_bar_arrive(kBarSwigluTurnWg0 + (wg ^ 1), 256); };
     for (int j = 0;; ++j) {
       const int slot = j % kMegaBwdTaskSlots;
       ptx::mbar_wait(&task_full[slot], (j / kMegaBwdTaskSlots) & 1);
       // read by the lane that frees the slot, and broadcast
       const int u = __shfl_sync(0xffffffffu, lane == 0 ? ptx::ld_shared_handoff(&task_slot[slot]) : 0, 0);
       if (lane == 0) ptx::mbar_arrive(&task_empty[slot]);
-      if (u < 0) break;
+      if (u < 0) {
+        if ((j & 1) == wg) ptx::named_bar_sync(kBarSwigluTurnWg0 + wg, 256);
+        break;
+      }
       const BwdTask t = sched.locate(u);
       const int kbs = mega_bwd_k_blocks<kBlockK>(t, g, sm.s_offs);
-      if ((j & 1) != wg) {  // the other warpgroup's tile
+      if ((j & 1) != wg) {  // the other warpgroup's tile: its turn orders the waits on these stages
         skip_stages<kNumStages>(stage, phase, kbs);
         continue;
       }
@@ -327,9 +340,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const int rows = max(sm.s_offs[t.expert + 1] - sm.s_offs[t.expert], 0);
         const ZeroRowsPastExpert<L> zero_tail{ptx::smem_addr(smem + L::kAOff), ptx::smem_addr(smem + L::kBOff), rows,
                                               wg, wg_tid};
+        ptx::named_bar_sync(kBarSwigluTurnWg0 + wg, 256);
         pingpong_tile_mainloop<MmaT, kNumStages, kBlockK, L::kABytes, L::kBBytes, PingPongDescs<L>::kBStepDesc,
                                kAStepMn>(acc0, acc1, kbs, sm.full_bar, sm.empty_bar, stage, phase, at_lo0, at_hi,
-                                         d.b_lo0, d.b_hi, lane, [] {}, zero_tail);
+                                         d.b_lo0, d.b_hi, lane, pass_turn, zero_tail);
         // dW2_e is [H, I], dW13_e [2I, H]
         const int m_dim = w2 ? p.hidden : 2 * g.n;
         const int n_dim = w2 ? g.n : p.hidden;
@@ -365,8 +379,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const bool l2 = t.kind == kBwdL2Dgrad;
       const int row_end = max(sm.s_offs[t.expert + 1], sm.s_offs[t.expert]);
       if (l2) epi.prepare(g, &tmap_h, t.row0, row_end, t.col0);
+      ptx::named_bar_sync(kBarSwigluTurnWg0 + wg, 256);
       pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, PingPongDescs<L>::kBStepDesc>(
-          acc0, acc1, kbs, sm.full_bar, sm.empty_bar, stage, phase, d.a_lo0, d.a_hi, d.b_lo0, d.b_hi, lane, [] {});
+          acc0, acc1, kbs, sm.full_bar, sm.empty_bar, stage, phase, d.a_lo0, d.a_hi, d.b_lo0, d.b_hi, lane, pass_turn);
       if (l2) {
         epi.finish(g, &tmap_h, &tmap_dh, &tmap_aw, acc0, acc1, t.row0, row_end, t.col0, t.col0 / kBlockN);
         // this tile's dh and w * s are read by the m-block's L1-dgrad tiles and the expert's weight-gradient tiles,
