@@ -77,6 +77,29 @@ def test_an_unverified_entry_reports_its_note_and_stays_runnable(monkeypatch):
     assert _status.reason(other) == _status.AVAILABLE
 
 
+def test_a_withheld_entry_reports_its_reason_and_stays_runnable(monkeypatch):
+    """A kernel verified on a GPU that no layer chooses (KernelEntry.withheld) gets its reason from status() and
+    reason() in place of "available", require() refuses it unless allow_unverified, runnable() says it could run, and
+    withheld() lists it (unverified() does not)."""
+    import dataclasses
+
+    from prime_kernels import _status
+
+    key = "k_grouped_gemm_tn.fp8.sm90"
+    note = "verified, but slower than what runs instead"
+    shipped = _status.withheld()
+    assert key not in shipped
+    monkeypatch.setitem(_status.KERNELS, key, dataclasses.replace(_status.KERNELS[key], withheld=note))
+    monkeypatch.setattr(_status, "_current_cuda_device", lambda: None)  # no cached answers
+    monkeypatch.setattr(_status, "_reason", lambda k: _status.AVAILABLE)  # as if it could run here
+    assert _status.reason(key) == note and prime_kernels.status()[key] == note
+    assert _status.withheld() == {**shipped, key: note} and key not in _status.unverified()
+    assert _status.runnable(key) == _status.AVAILABLE
+    with pytest.raises(RuntimeError, match=note):
+        _status.require(key)
+    _status.require(key, allow_unverified=True)
+
+
 def test_build_info_is_importable():
     from prime_kernels import _build_info
 

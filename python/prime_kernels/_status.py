@@ -23,6 +23,10 @@ class KernelEntry:
     # reason in place of "available", so nothing that follows status() calls it (runnable() still says whether it
     # could run, for the tests that verify it)
     unverified: str = ""
+    # non-empty: the kernel is verified on a GPU and could run here, but no layer chooses it, for the measured reason
+    # given (e.g. slower than what runs instead); status() and reason() give this note in place of "available" as
+    # for `unverified`, and runnable() says it could run (its own op, tests and benchmarks run it)
+    withheld: str = ""
 
 
 def _entries() -> list[KernelEntry]:
@@ -65,8 +69,8 @@ def _entries() -> list[KernelEntry]:
         # The fused backward (prime_kernels.mega._fused_bwd): L2 dgrad with the SwiGLU backward, L1 dgrad and the
         # weight gradients in one persistent kernel, between the dy dispatch and the dX combine.
         KernelEntry("mega_moe_backward.bf16.sm90", "mega_moe_bwd_bf16", "sm90",
-                    unverified="built, not yet verified on a GPU with its weight-gradient tiles: the backward runs as "
-                               "the grouped pipeline of our kernels"),
+                    withheld="verified on a GPU, but slower than the grouped pipeline's kernels it would replace "
+                             "(docs/performance.md): the backward runs as the grouped pipeline of our kernels"),
         # The fused FP8 forward (dispatch with qK(x, 128), FP8 L1 with SwiGLU and qK(s, 64), FP8 L2 in one kernel)
         KernelEntry("mega_moe.fp8.sm90", "mega_moe_fwd_fp8", "sm90"),
         # The FP8 backward (prime_kernels.mega._fp8_bwd): the quantizing producers, the FP8 L2 dgrad with the SwiGLU
@@ -114,8 +118,9 @@ def reason(key: str) -> str:
 
 
 def runnable(key: str) -> str:
-    """As :func:`reason`, except that a built kernel not yet verified on a GPU is "available" where it could run:
-    for the code that verifies it, never for choosing what a layer runs."""
+    """As :func:`reason`, except that a built kernel not yet verified on a GPU (or withheld from the layers) is
+    "available" where it could run: for the code that verifies or measures it, never for choosing what a layer
+    runs."""
     return _cached(key, True)
 
 
@@ -126,8 +131,8 @@ def _cached(key: str, ignore_unverified: bool) -> str:
         return _answers[slot]
     why = _reason(key)
     entry = KERNELS[key]
-    if why == AVAILABLE and entry.unverified and not ignore_unverified:
-        why = entry.unverified
+    if why == AVAILABLE and (entry.unverified or entry.withheld) and not ignore_unverified:
+        why = entry.unverified or entry.withheld
     if dev is not None:
         _answers[slot] = why
     return why
@@ -181,6 +186,12 @@ def unverified() -> dict[str, str]:
     """Kernels that are compiled but not yet verified on a GPU, with what is missing (status() gives that note in
     place of "available" where they could run)."""
     return {k.key: k.unverified for k in KERNELS.values() if k.unverified}
+
+
+def withheld() -> dict[str, str]:
+    """Kernels verified on a GPU that no layer chooses, with the reason (status() gives it in place of "available"
+    where they could run)."""
+    return {k.key: k.withheld for k in KERNELS.values() if k.withheld}
 
 
 def require(key: str, *, allow_unverified: bool = False) -> None:
