@@ -257,45 +257,13 @@ __device__ __forceinline__ void consumer_tile_mainloop_promoted(float (&acc)[kAc
   }
 }
 
-// The k-loop of a ping-pong consumer warpgroup's tile: waits for each stage, runs hook.on_stage(kb, stage) once it
-// has landed (NoTileHook), issues its MMAs (issue(a_lo, b_lo): the stage's descriptor low halves) between register
-// fences of the accumulators (fence()), and releases each stage to the producer (empty_bar, one arrival per warp) as
-// soon as the next k-block's MMAs are issued; pass_turn() runs once all of the tile's MMAs are issued (the other
-// warpgroup may then issue its own), before the wait for them to finish.
-template <int kNumStages, int kStageABytes, int kStageBBytes, typename Issue, typename Fence, typename PassTurn,
-          typename Hook>
-__device__ __forceinline__ void pingpong_k_loop(int num_k_blocks, uint64_t* full_bar, uint64_t* empty_bar, int& stage,
-                                                uint32_t& phase, uint32_t a_lo0, uint32_t b_lo0, int lane,
-                                                Issue&& issue, Fence&& fence, PassTurn&& pass_turn, const Hook& hook) {
-  int prev_stage = 0;
-  for (int kb = 0; kb < num_k_blocks; ++kb) {
-    ptx::mbar_wait(&full_bar[stage], phase);
-    hook.on_stage(kb, stage);
-    fence();
-    ptx::wgmma_fence();
-    issue(a_lo0 + static_cast<uint32_t>(stage) * (kStageABytes >> 4),
-          b_lo0 + static_cast<uint32_t>(stage) * (kStageBBytes >> 4));
-    ptx::wgmma_commit();
-    fence();
-    if (kb > 0) {
-      ptx::wgmma_wait<1>();
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
-    }
-    prev_stage = stage;
-    advance_stage<kNumStages>(stage, phase);
-  }
-  pass_turn();
-  ptx::wgmma_wait<0>();
-  __syncwarp();
-  if (lane == 0 && num_k_blocks > 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
-}
-
 // One tile's mainloop for a ping-pong consumer warpgroup that owns 128 rows: acc0 gets rows 0..63 and acc1
 // rows 64..127 of each A stage (two m64 wgmma per k16 step against the same B). Both wgmma are issued
 // unconditionally: a wgmma under a divergent branch makes ptxas serialize every wgmma of the kernel
-// (C7520), so rows past an m-block's end compute on whatever the box holds and are never stored. The stage
-// releases and pass_turn() as in pingpong_k_loop. A is K-major (a k16 step: 32 bytes) unless kAStepDesc says
+// (C7520), so rows past an m-block's end compute on whatever the box holds and are never stored. Stages
+// are released to the producer (empty_bar, one arrival per warp) as soon as the next k-block's MMAs are
+// issued; pass_turn() runs once all of the tile's MMAs are issued (the other warpgroup may then issue its
+// own), before the wait for them to finish. A is K-major (a k16 step: 32 bytes) unless kAStepDesc says
 // otherwise: an MN-major A in two 64-row boxes of 8 KB steps 16 rows of 128 bytes, and its rows 64..127 start
 // 8 KB in as well. hook.on_stage(kb, stage) runs once k-block kb has landed, before its MMAs (NoTileHook).
 template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, uint32_t kBStepDesc,
@@ -311,49 +279,42 @@ __device__ __forceinline__ void pingpong_tile_mainloop(float (&acc0)[kAccRegs], 
     acc0[i] = 0.f;
     acc1[i] = 0.f;
   }
-  pingpong_k_loop<kNumStages, kStageABytes, kStageBBytes>(
-      num_k_blocks, full_bar, empty_bar, stage, phase, a_lo0, b_lo0, lane,
-      [&](uint32_t a_lo, uint32_t b_lo) {
+  int prev_stage = 0;
+  for (int kb = 0; kb < num_k_blocks; ++kb) {
+    ptx::mbar_wait(&full_bar[stage], phase);
+    hook.on_stage(kb, stage);
 #pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk) {
-          const uint64_t db = ptx::desc_from_halves(b_lo + kk * kBStepDesc, b_hi);
-          Mma::mma(acc0, ptx::desc_from_halves(a_lo + kk * kAStepDesc, a_hi), db, 1u);
-          Mma::mma(acc1, ptx::desc_from_halves(a_lo + kHalfADesc + kk * kAStepDesc, a_hi), db, 1u);
-        }
-      },
-      [&] {
+    for (int i = 0; i < kAccRegs; ++i) {
+      ptx::reg_fence(acc0[i]);
+      ptx::reg_fence(acc1[i]);
+    }
+    ptx::wgmma_fence();
+    const uint32_t a_lo = a_lo0 + static_cast<uint32_t>(stage) * (kStageABytes >> 4);
+    const uint32_t b_lo = b_lo0 + static_cast<uint32_t>(stage) * (kStageBBytes >> 4);
 #pragma unroll
-        for (int i = 0; i < kAccRegs; ++i) {
-          ptx::reg_fence(acc0[i]);
-          ptx::reg_fence(acc1[i]);
-        }
-      },
-      pass_turn, hook);
-}
-
-// The same for a warpgroup that owns a 64-row tile as one accumulator (one m64 wgmma per k16 step, e.g.
-// m64n256): A is one 64-row box per stage.
-template <typename Mma, int kNumStages, int kBlockK, int kStageABytes, int kStageBBytes, uint32_t kBStepDesc,
-          uint32_t kAStepDesc = (32 >> 4), int kAccRegs, typename PassTurn, typename Hook = NoTileHook>
-__device__ __forceinline__ void pingpong_rows64_mainloop(float (&acc)[kAccRegs], int num_k_blocks, uint64_t* full_bar,
-                                                         uint64_t* empty_bar, int& stage, uint32_t& phase,
-                                                         uint32_t a_lo0, uint32_t a_hi, uint32_t b_lo0, uint32_t b_hi,
-                                                         int lane, PassTurn&& pass_turn, const Hook& hook = Hook{}) {
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      const uint64_t db = ptx::desc_from_halves(b_lo + kk * kBStepDesc, b_hi);
+      Mma::mma(acc0, ptx::desc_from_halves(a_lo + kk * kAStepDesc, a_hi), db, 1u);
+      Mma::mma(acc1, ptx::desc_from_halves(a_lo + kHalfADesc + kk * kAStepDesc, a_hi), db, 1u);
+    }
+    ptx::wgmma_commit();
 #pragma unroll
-  for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.f;
-  pingpong_k_loop<kNumStages, kStageABytes, kStageBBytes>(
-      num_k_blocks, full_bar, empty_bar, stage, phase, a_lo0, b_lo0, lane,
-      [&](uint32_t a_lo, uint32_t b_lo) {
-#pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk)
-          Mma::mma(acc, ptx::desc_from_halves(a_lo + kk * kAStepDesc, a_hi),
-                   ptx::desc_from_halves(b_lo + kk * kBStepDesc, b_hi), 1u);
-      },
-      [&] {
-#pragma unroll
-        for (int i = 0; i < kAccRegs; ++i) ptx::reg_fence(acc[i]);
-      },
-      pass_turn, hook);
+    for (int i = 0; i < kAccRegs; ++i) {
+      ptx::reg_fence(acc0[i]);
+      ptx::reg_fence(acc1[i]);
+    }
+    if (kb > 0) {
+      ptx::wgmma_wait<1>();
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
+    }
+    prev_stage = stage;
+    advance_stage<kNumStages>(stage, phase);
+  }
+  pass_turn();
+  ptx::wgmma_wait<0>();
+  __syncwarp();
+  if (lane == 0 && num_k_blocks > 0) ptx::mbar_arrive(&empty_bar[prev_stage]);
 }
 
 }  // namespace sm90

@@ -85,7 +85,7 @@ int mega_moe_bwd_bf16(const MegaBwdArgs& a, cudaStream_t stream, char* err, size
   {
     const uint64_t dims[2] = {(uint64_t)(2 * I), (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)a.l2.lddh * 2};
-    const uint32_t box[2] = {64, 64};  // the L1-dgrad tiles' 64 rows
+    const uint32_t box[2] = {64, 128};
     if (int r = make_map(&m_dh_a, a.l2.dh, 2, dims, strides, box, err, err_len)) return r;
   }
   {
@@ -133,11 +133,10 @@ int mega_moe_bwd_bf16(const MegaBwdArgs& a, cudaStream_t stream, char* err, size
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
   e = cudaMemsetAsync(a.counters, 0, sizeof(int32_t) * mega_moe_bwd_counter_count(m_total, num_experts), stream);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
-  // the grid: at most one CTA per task (the dgrad tiles of every m-block: 128 x 128 L2 dgrad, 64 x 256 L1 dgrad;
-  // then every expert's 64 x 256 gradient tiles)
-  int64_t tasks = max_m_blocks(m_total, num_experts) * ((I + 127) / 128 + 2 * ((H + 255) / 256));
-  if (with_wgrad) tasks += int64_t(num_experts) * ((H + 63) / 64 * ((I + 255) / 256) + (2 * I + 63) / 64 * ((H + 255) / 256));
-  constexpr int kStages = 3;  // 40 KB stages beside the L2-dgrad epilogue's 80 KB
+  // the grid: at most one CTA per task (the dgrad tiles of every m-block, then every expert's gradient tiles)
+  int64_t tasks = max_m_blocks(m_total, num_experts) * ((I + 127) / 128 + (H + 127) / 128);
+  if (with_wgrad) tasks += int64_t(num_experts) * ((H + 127) / 128) * ((I + 127) / 128) * 3;
+  constexpr int kStages = 4;
   constexpr auto kernel = &mega_moe_bwd_kernel<kStages>;
   constexpr int smem = MegaBwdLayout<kStages>::kSmemBytes;
   e = set_max_dynamic_smem<kernel>(smem);

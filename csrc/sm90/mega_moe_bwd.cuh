@@ -7,17 +7,13 @@
 //   L2-dgrad tile (128 rows x 128 columns of I): da = dy_pool @ w2_e, then dh, w * s and the d topk_weights
 //     partials (swiglu_bwd_pp.cuh's epilogue, SwigluBwdTileEpilogue); then the m-block's and the expert's counters
 //     gain one.
-//   L1-dgrad tile (64 rows x 256 columns of H): dx = dh @ w13_e (K = 2I), stored bf16 to the rows' dX slots.
-//   dW2 tile (64 rows of H x 256 columns of I of dW2_e): dy_pool_e^T @ (w * s)_e, K = the expert's rows.
-//   dW13 tile (64 rows of 2I x 256 columns of H of dW13_e): dh_e^T @ x_pool_e.
-// Each tile is one consumer warpgroup's, and the CTA's claimed tiles alternate between its two warpgroups (the
-// ping-pong split of swiglu_bwd_pp.cuh, one warpgroup's epilogue under the other's mainloop). An L2-dgrad tile is
-// two m64n128 accumulator halves (its SwiGLU-backward epilogue needs gate and up of the same rows); the other tiles
-// are one m64n256 accumulator, which reads 17% less shared memory per MAC than two m64n128 (the grouped GEMMs'
-// 128 x 256 tiles split over two warpgroups read the same). A stage (40 KB) holds either shape's k-block. Every
-// kind reads B MN-major (w2_e [H, I], w13_e [2I, H], w * s and x_pool rows: N contiguous); A is K-major for the
-// dgrad tiles (pool rows) and MN-major for the weight-gradient tiles (the pool rows transposed), wgmma forms chosen
-// per task, warp-uniform.
+//   L1-dgrad tile (128 rows x 128 columns of H): dx = dh @ w13_e (K = 2I), stored bf16 to the row's dX slot.
+//   dW2 tile (128 rows of H x 128 columns of I of dW2_e): dy_pool_e^T @ (w * s)_e, K = the expert's rows.
+//   dW13 tile (128 rows of 2I x 128 columns of H of dW13_e): dh_e^T @ x_pool_e.
+// Each tile is one consumer warpgroup's (the ping-pong split of swiglu_bwd_pp.cuh: 64-row accumulator halves
+// acc0 / acc1); the CTA's claimed tiles alternate between its two warpgroups. Every kind reads B MN-major (w2_e
+// [H, I], w13_e [2I, H], w * s and x_pool rows: N contiguous); A is K-major for the dgrad tiles (pool rows) and
+// MN-major for the weight-gradient tiles (the pool rows transposed), two wgmma forms chosen per task, warp-uniform.
 // A weight-gradient tile's last k-block may reach past the expert's rows: its warpgroup zeroes those rows of both
 // operands in shared memory before the MMAs read them (the k-grouped GEMM's rule). Its result goes out as bf16
 // (TMA stores, the 3-D map clips at the gradient's edges), fp32, or added to fp32 accumulators (generic stores; a
@@ -82,51 +78,26 @@ struct MegaBwdParams {
   WaitGuard wait_guard;
 };
 
-// Shared memory: a ring of kNumStages 40 KB stages, then the L2-dgrad epilogue's pieces (swiglu_bwd_pp.cuh: per
-// warpgroup two h slots and a w * s box), the ring's and h slots' barriers, the experts' first rows and m-blocks, the
-// task ring and the sequence's steps. A stage holds one k-block (64 of K) of an L2-dgrad tile (A 128 x 64 at +0, B
-// 64 x 128 at kBOff) or of a 64-row tile (A 64 x 64 at +0, B 64 x 256 at kRows64BOff), each operand in 64 x 64
-// boxes of 8 KB (128-byte swizzle). The names are those SwigluBwdTileEpilogue, PingPongSmem and PingPongDescs read.
 template <int kNumStages>
-struct MegaBwdLayout {
-  static constexpr int kBlockM = 128, kBlockN = 128, kBlockK = 64;
-  static constexpr int kRows64N = 256;  // columns of an L1-dgrad or weight-gradient tile (64 rows per warpgroup)
-  static constexpr int kStages = kNumStages;
-  static constexpr int kBoxBytes = 64 * 64 * 2;
-  static constexpr int kMnBoxBytes = kBoxBytes;
-  static constexpr int kSlotBytes = 2 * kBoxBytes;  // gate and up boxes of one h piece
-  static constexpr int kStageBytes = 5 * kBoxBytes;
-  static constexpr int kAOff = 0;                   // stage s at kAOff + s * kStageBytes
-  static constexpr int kBOff = kAOff + 2 * kBoxBytes;       // an L2-dgrad k-block's B, in stage 0
-  static constexpr int kRows64BOff = kAOff + kBoxBytes;     // a 64-row tile's B, in stage 0
-  static constexpr int kL2StageBytes = 4 * kBoxBytes;       // what an L2-dgrad k-block loads
-  static constexpr int kRows64StageBytes = 5 * kBoxBytes;   // what a 64-row tile's k-block loads
-  static constexpr int kHOff = kNumStages * kStageBytes;    // per warpgroup: 2 slots
-  static constexpr int kAwOff = kHOff + 2 * 2 * kSlotBytes;  // per warpgroup: 1 w * s box
-  static constexpr int kBarOff = kAwOff + 2 * kBoxBytes;
-  static constexpr int kHBarOff = kBarOff + 2 * kNumStages * 8;  // per warpgroup: 2 slot barriers
-  static constexpr int kOffsOff = kHBarOff + 4 * 8;
-  static constexpr int kMbOff = kOffsOff + (kMaxGroups + 1) * 4;
+struct MegaBwdLayout : SwigluBwdPPLayout<kNumStages> {
+  using Base = SwigluBwdPPLayout<kNumStages>;
   // The task ring: task indices (-1: none left) and their full (one arrival: the TMA thread) and empty (one arrival
   // per consumer warp) barriers; then the sequence's steps.
-  static constexpr int kTaskOff = kMbOff + (kMaxGroups + 1) * 4;
+  static constexpr int kTaskOff = Base::kEnd;
   static constexpr int kTaskBarOff = kTaskOff + 4 * kMegaBwdTaskSlots;
   static constexpr int kStepOff = kTaskBarOff + 2 * kMegaBwdTaskSlots * 8;
   static constexpr int kEnd = kStepOff + (kMaxGroups + kMegaBwdMaxLag + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
-  static_assert(kStageBytes % 1024 == 0 && kHOff % 1024 == 0 && kAwOff % 1024 == 0, "swizzled boxes are 1 KB aligned");
-  static_assert(kTaskBarOff % 8 == 0 && kBarOff % 8 == 0, "mbarriers are 8-byte aligned");
-  static_assert(kSmemBytes <= 232448, "shared memory budget exceeded (sm90: 227 KB per block)");
+  static_assert(kTaskBarOff % 8 == 0, "mbarriers are 8-byte aligned");
+  static_assert(kSmemBytes <= Base::kSmemLimit, "shared memory budget exceeded");
 };
 
-// The kernel's sequence: L2-dgrad tiles 128 x 128 (a warpgroup's two m64n128 halves: the SwiGLU-backward epilogue
-// needs gate and up of the same rows), L1-dgrad and weight-gradient tiles 64 x 256 (one m64n256 per warpgroup, the
-// grouped GEMMs' shared-memory reads per MAC); weight-gradient tiles only with wgrad_out; one release per L2-dgrad
-// tile.
+// The kernel's sequence: 128 x 128 tiles of every kind (weight-gradient tiles only with wgrad_out), one release
+// per L2-dgrad tile.
 __device__ __forceinline__ BwdSchedule mega_bwd_schedule(const MegaBwdParams& p, const int32_t* s_mb,
                                                          const int32_t* s_offs, const int32_t* s_steps) {
   BwdSchedule s;
-  s.shape = BwdTileShape{128, 256, 64, 256, p.hidden, p.l2.n, p.wgrad_out != kMegaBwdNoWgrad ? 1 : 0, 64};
+  s.shape = BwdTileShape{128, 128, 128, 128, p.hidden, p.l2.n, p.wgrad_out != kMegaBwdNoWgrad ? 1 : 0};
   s.num_experts = p.l2.num_groups;
   s.lag = p.lag;
   s.arrivals = 1;
@@ -145,36 +116,41 @@ __device__ __forceinline__ int mega_bwd_k_blocks(const BwdTask& t, const MGroupe
 }
 
 // A weight-gradient tile's k-block that reaches past its expert's `rows`: k-rows [valid, kBlockK) of the stage's
-// five 64-column boxes (A's one, B's four, contiguous from the stage's start) are zeroed by the warpgroup's threads
-// (whole 128-byte rows, so the swizzle does not matter) and handed to the async proxy before the MMAs read them.
-// They hold the next expert's rows, or rows no kernel wrote (past the last expert), or the TMA's out-of-bounds zeros.
+// four 64-column boxes (A's two, B's two) are zeroed by the warpgroup's threads (whole 128-byte rows, so the swizzle
+// does not matter) and handed to the async proxy before the MMAs read them. They hold the next expert's rows, or
+// rows no kernel wrote (past the last expert), or the TMA's out-of-bounds zeros.
 template <typename L>
 struct ZeroRowsPastExpert {
-  uint32_t ring;  // stage 0
+  uint32_t a0, b0;  // stage 0's A and B
   int rows, wg, wg_tid;
   __device__ __forceinline__ void on_stage(int kb, int stage) const {
     const int valid = rows - kb * L::kBlockK;
     if (valid >= L::kBlockK) return;  // warpgroup-uniform
     const int per_box = (L::kBlockK - valid) * 8;  // 16-byte pieces
-    const uint32_t s0 = ring + stage * L::kStageBytes;
-    for (int idx = wg_tid; idx < 5 * per_box; idx += 128) {
+    const uint32_t sa = a0 + stage * L::kABytes;
+    const uint32_t sb = b0 + stage * L::kBBytes;
+    for (int idx = wg_tid; idx < 4 * per_box; idx += 128) {
       const int box = idx / per_box;
       const int rem = idx - box * per_box;
       const int r = valid + (rem >> 3);
-      ptx::st_shared_v4(s0 + box * L::kBoxBytes + r * 128 + (rem & 7) * 16, make_uint4(0, 0, 0, 0));
+      const uint32_t base = box < 2 ? sa + box * L::kMnBoxBytes : sb + (box - 2) * L::kMnBoxBytes;
+      ptx::st_shared_v4(base + r * 128 + (rem & 7) * 16, make_uint4(0, 0, 0, 0));
     }
     ptx::fence_proxy_async_smem();
     ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
   }
 };
 
-// A warpgroup's 64 x kN tile as bf16 into its staging boxes (kN / 64 boxes of 8 KB from stg), once its earlier TMA
-// stores have read them; on return the boxes are complete and visible to the async proxy.
-template <int kN>
-__device__ __forceinline__ void stage_rows_bf16(const float (&acc)[kN / 2], uint32_t stg, int wg, int wg_tid) {
+// A warpgroup's 128 x kBlockN tile (acc0: rows 0..63, acc1: rows 64..127) as bf16 into its staging boxes (the
+// halves at stg and stg + half_bytes), once its earlier TMA stores have read them; on return the boxes are complete
+// and visible to the async proxy.
+template <int kBlockN>
+__device__ __forceinline__ void stage_tile_bf16(const float (&acc0)[kBlockN / 2], const float (&acc1)[kBlockN / 2],
+                                                uint32_t stg, uint32_t half_bytes, int wg, int wg_tid) {
   if (wg_tid == 0) ptx::bulk_wait_group_read<0>();
   ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-  write_acc_boxes_to_staging<kN, kN / 64>(acc, stg, wg_tid, 0);
+  write_acc_boxes_to_staging<kBlockN, 2>(acc0, stg, wg_tid, 0);
+  write_acc_boxes_to_staging<kBlockN, 2>(acc1, stg + half_bytes, wg_tid, 0);
   ptx::fence_proxy_async_smem();
   ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
 }
@@ -194,15 +170,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
   constexpr int kBlockK = L::kBlockK;
-  constexpr int kRows64N = L::kRows64N;
-  static_assert(kBlockM == kBwdBlockM && kBlockN == 128, "the schedule's 128 x 128 L2-dgrad tiles");
-  static_assert(L::kMnBoxBytes == 64 * 128, "a box is 64 k-rows of 128 bytes");
-  using Mma = ptx::WgmmaBf16<kBlockN, 0, 1>;     // L2 dgrad: A K-major, B MN-major
-  using MmaL1 = ptx::WgmmaBf16<kRows64N, 0, 1>;  // L1 dgrad: A K-major, B MN-major
-  using MmaW = ptx::WgmmaBf16<kRows64N, 1, 1>;   // weight gradients: both MN-major
+  static_assert(kBlockM == kBwdBlockM && kBlockN == 128, "the schedule's 128 x 128 tiles");
+  static_assert(L::kMnBoxBytes == 64 * 128 && L::kABytes == 2 * L::kMnBoxBytes,
+                "an MN-major A stage is two 64-row boxes of 64 k-rows, where a K-major one has its rows 64..127");
+  using Mma = ptx::WgmmaBf16<kBlockN, 0, 1>;   // dgrad: A K-major, B MN-major
+  using MmaT = ptx::WgmmaBf16<kBlockN, 1, 1>;  // weight gradients: both MN-major
   constexpr uint32_t kAStepMn = (16 * 128) >> 4;  // one k16 step of an MN-major A: 16 rows of 128 bytes
   constexpr int kAcc = kBlockN / 2;
-  constexpr int kRows64Acc = kRows64N / 2;
 
   extern __shared__ uint8_t smem_raw[];
   const PingPongSmem<L> sm(smem_raw);
@@ -275,45 +249,39 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
         ptx::fence_proxy_async_global();  // dh and w * s rows another CTA wrote: acquired above, read by TMA below
         const int kbs = mega_bwd_k_blocks<kBlockK>(t, g, sm.s_offs);
-        if (t.kind == kBwdL2Dgrad) {
+        if (t.kind == kBwdL2Dgrad || t.kind == kBwdL1Dgrad) {
+          const bool l2 = t.kind == kBwdL2Dgrad;
+          const CUtensorMap* map_a = l2 ? &tmap_dy : &tmap_dh_a;
+          const CUtensorMap* map_b = l2 ? &tmap_w2 : &tmap_w13;
           for (int kb = 0; kb < kbs; ++kb) {
             ptx::mbar_wait(&sm.empty_bar[stage], phase ^ 1);
-            uint8_t* sa = smem + L::kAOff + stage * L::kStageBytes;
-            uint8_t* sb = smem + L::kBOff + stage * L::kStageBytes;
-            ptx::mbar_arrive_expect_tx(&sm.full_bar[stage], L::kL2StageBytes);
-            ptx::tma_load_2d(sa, &tmap_dy, &sm.full_bar[stage], kb * kBlockK, t.row0);
+            uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
+            uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
+            ptx::mbar_arrive_expect_tx(&sm.full_bar[stage], L::kABytes + L::kBBytes);
+            ptx::tma_load_2d(sa, map_a, &sm.full_bar[stage], kb * kBlockK, t.row0);
 #pragma unroll
             for (int jb = 0; jb < kBlockN / 64; ++jb)
-              ptx::tma_load_3d_hint(sb + jb * L::kMnBoxBytes, &tmap_w2, &sm.full_bar[stage], t.col0 + 64 * jb,
+              ptx::tma_load_3d_hint(sb + jb * L::kMnBoxBytes, map_b, &sm.full_bar[stage], t.col0 + 64 * jb,
                                     kb * kBlockK, t.expert, pol_b);
             advance_stage<kNumStages>(stage, phase);
           }
         } else {
-          // a 64-row tile: A one box, B four. L1 dgrad: dh rows (K-major) and w13_e (MN-major); a weight gradient: the
-          // expert's pool rows of both operands, k-block by k-block, read MN-major
-          const bool l1 = t.kind == kBwdL1Dgrad;
+          // a weight-gradient tile: A and B are both the expert's pool rows, k-block by k-block, in 64-column boxes
           const bool w2 = t.kind == kBwdWgradW2;
-          const CUtensorMap* map_a = l1 ? &tmap_dh_a : w2 ? &tmap_dy_mn : &tmap_dh_mn;
-          const CUtensorMap* map_b = l1 ? &tmap_w13 : w2 ? &tmap_aw_mn : &tmap_x_mn;
-          const int k0 = l1 ? 0 : sm.s_offs[t.expert];
+          const CUtensorMap* map_a = w2 ? &tmap_dy_mn : &tmap_dh_mn;
+          const CUtensorMap* map_b = w2 ? &tmap_aw_mn : &tmap_x_mn;
+          const int k0 = sm.s_offs[t.expert];
           for (int kb = 0; kb < kbs; ++kb) {
             ptx::mbar_wait(&sm.empty_bar[stage], phase ^ 1);
-            uint8_t* sa = smem + L::kAOff + stage * L::kStageBytes;
-            uint8_t* sb = smem + L::kRows64BOff + stage * L::kStageBytes;
-            ptx::mbar_arrive_expect_tx(&sm.full_bar[stage], L::kRows64StageBytes);
-            if (l1) {
-              ptx::tma_load_2d(sa, map_a, &sm.full_bar[stage], kb * kBlockK, t.row0);
-            } else {
-              ptx::tma_load_2d(sa, map_a, &sm.full_bar[stage], t.row0, k0 + kb * kBlockK);
-            }
+            uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
+            uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
+            ptx::mbar_arrive_expect_tx(&sm.full_bar[stage], L::kABytes + L::kBBytes);
 #pragma unroll
-            for (int jb = 0; jb < kRows64N / 64; ++jb) {
-              if (l1)
-                ptx::tma_load_3d_hint(sb + jb * L::kMnBoxBytes, map_b, &sm.full_bar[stage], t.col0 + 64 * jb,
-                                      kb * kBlockK, t.expert, pol_b);
-              else
-                ptx::tma_load_2d(sb + jb * L::kMnBoxBytes, map_b, &sm.full_bar[stage], t.col0 + 64 * jb,
-                                 k0 + kb * kBlockK);
+            for (int jb = 0; jb < 2; ++jb) {
+              ptx::tma_load_2d(sa + jb * L::kMnBoxBytes, map_a, &sm.full_bar[stage], t.row0 + 64 * jb,
+                               k0 + kb * kBlockK);
+              ptx::tma_load_2d(sb + jb * L::kMnBoxBytes, map_b, &sm.full_bar[stage], t.col0 + 64 * jb,
+                               k0 + kb * kBlockK);
             }
             advance_stage<kNumStages>(stage, phase);
           }
@@ -330,16 +298,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int wg = (warp >> 2) - 1;
     const int wg_tid = tid - 128 * (wg + 1);
     const PingPongDescs<L> d(smem);
-    // the 64-row tiles' descriptors: A K-major (L1 dgrad, PingPongDescs' A) or MN-major (weight gradients: 64
-    // columns of the operand in one box), B MN-major in four 64-column boxes 8 KB apart
+    // the weight-gradient tiles' MN-major A: the same stage, 64-row boxes 8 KB apart
     const uint64_t desc_at = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kAOff), L::kMnBoxBytes, 1024);
     const uint32_t at_lo0 = static_cast<uint32_t>(desc_at), at_hi = static_cast<uint32_t>(desc_at >> 32);
-    const uint64_t desc_b64 = ptx::make_desc_sw128(ptx::smem_addr(smem + L::kRows64BOff), L::kMnBoxBytes, 1024);
-    const uint32_t b64_lo0 = static_cast<uint32_t>(desc_b64), b64_hi = static_cast<uint32_t>(desc_b64 >> 32);
     SwigluBwdTileEpilogue<L> epi(smem, wg, wg_tid, lane);
-    // the 64-row tiles' staging: this warpgroup's two h slots, 4 boxes of 64 x 64
+    // the L1-dgrad and bf16 weight-gradient tiles' staging: this warpgroup's two h slots, 4 boxes of 64 x 64
+    // (rows 0..63: boxes 0, 1)
     const uint32_t stg = epi.hslots_addr;
+    constexpr uint32_t kHalfStg = 2 * L::kBoxBytes;
 
+    float acc0[kAcc], acc1[kAcc];
     int stage = 0;
     uint32_t phase = 0;
     // The mainloops take turns in task order (kBarSwigluTurnWg0 + wg: the other warpgroup's 128 arrivals and this
@@ -367,14 +335,54 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         skip_stages<kNumStages>(stage, phase, kbs);
         continue;
       }
-      const int row_end = max(sm.s_offs[t.expert + 1], sm.s_offs[t.expert]);
-      if (t.kind == kBwdL2Dgrad) {
-        float acc0[kAcc], acc1[kAcc];
-        epi.prepare(g, &tmap_h, t.row0, row_end, t.col0);
+      if (t.kind == kBwdWgradW2 || t.kind == kBwdWgradW13) {
+        const bool w2 = t.kind == kBwdWgradW2;
+        const int rows = max(sm.s_offs[t.expert + 1] - sm.s_offs[t.expert], 0);
+        const ZeroRowsPastExpert<L> zero_tail{ptx::smem_addr(smem + L::kAOff), ptx::smem_addr(smem + L::kBOff), rows,
+                                              wg, wg_tid};
         ptx::named_bar_sync(kBarSwigluTurnWg0 + wg, 256);
-        pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kStageBytes, L::kStageBytes, PingPongDescs<L>::kBStepDesc>(
-            acc0, acc1, kbs, sm.full_bar, sm.empty_bar, stage, phase, d.a_lo0, d.a_hi, d.b_lo0, d.b_hi, lane,
-            pass_turn);
+        pingpong_tile_mainloop<MmaT, kNumStages, kBlockK, L::kABytes, L::kBBytes, PingPongDescs<L>::kBStepDesc,
+                               kAStepMn>(acc0, acc1, kbs, sm.full_bar, sm.empty_bar, stage, phase, at_lo0, at_hi,
+                                         d.b_lo0, d.b_hi, lane, pass_turn, zero_tail);
+        // dW2_e is [H, I], dW13_e [2I, H]
+        const int m_dim = w2 ? p.hidden : 2 * g.n;
+        const int n_dim = w2 ? g.n : p.hidden;
+        if (p.wgrad_out == kOutBf16Store) {
+          stage_tile_bf16<kBlockN>(acc0, acc1, stg, kHalfStg, wg, wg_tid);
+          if (wg_tid == 0) {
+            const CUtensorMap* map_c = w2 ? &tmap_dw2 : &tmap_dw13;
+            const uint64_t pol = l2_policy_store(g.l2_hints, 0);
+#pragma unroll
+            for (int hm = 0; hm < 2; ++hm)
+#pragma unroll
+              for (int b = 0; b < 2; ++b)
+                if (t.row0 + 64 * hm < m_dim && t.col0 + 64 * b < n_dim)
+                  ptx::tma_store_3d_hint(map_c, stg + hm * kHalfStg + b * L::kBoxBytes, t.col0 + 64 * b,
+                                         t.row0 + 64 * hm, t.expert, pol);
+            ptx::bulk_commit_group();
+          }
+        } else {
+          float* c = (w2 ? p.dw2_f32 : p.dw13_f32) + static_cast<int64_t>(t.expert) * m_dim * n_dim;
+          if (p.wgrad_out == kOutF32Accumulate) {
+            if (kbs > 0) {  // an expert without rows adds nothing
+              store_acc_rows_direct<kBlockN, kOutF32Accumulate>(acc0, c, n_dim, t.row0, t.col0, wg_tid, m_dim, n_dim);
+              store_acc_rows_direct<kBlockN, kOutF32Accumulate>(acc1, c, n_dim, t.row0 + 64, t.col0, wg_tid, m_dim,
+                                                                n_dim);
+            }
+          } else {
+            store_acc_rows_direct<kBlockN, kOutF32Store>(acc0, c, n_dim, t.row0, t.col0, wg_tid, m_dim, n_dim);
+            store_acc_rows_direct<kBlockN, kOutF32Store>(acc1, c, n_dim, t.row0 + 64, t.col0, wg_tid, m_dim, n_dim);
+          }
+        }
+        continue;
+      }
+      const bool l2 = t.kind == kBwdL2Dgrad;
+      const int row_end = max(sm.s_offs[t.expert + 1], sm.s_offs[t.expert]);
+      if (l2) epi.prepare(g, &tmap_h, t.row0, row_end, t.col0);
+      ptx::named_bar_sync(kBarSwigluTurnWg0 + wg, 256);
+      pingpong_tile_mainloop<Mma, kNumStages, kBlockK, L::kABytes, L::kBBytes, PingPongDescs<L>::kBStepDesc>(
+          acc0, acc1, kbs, sm.full_bar, sm.empty_bar, stage, phase, d.a_lo0, d.a_hi, d.b_lo0, d.b_hi, lane, pass_turn);
+      if (l2) {
         epi.finish(g, &tmap_h, &tmap_dh, &tmap_aw, acc0, acc1, t.row0, row_end, t.col0, t.col0 / kBlockN);
         // this tile's dh and w * s are read by the m-block's L1-dgrad tiles and the expert's weight-gradient tiles,
         // in any CTA: stores complete, fenced, released
@@ -386,60 +394,28 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           ptx::red_release_gpu_add(l2_done + t.mb, 1);
           if (with_wgrad) ptx::red_release_gpu_add(expert_done + t.expert, 1);
         }
-        continue;
-      }
-      float acc[kRows64Acc];
-      const uint64_t pol = l2_policy_store(g.l2_hints, 0);
-      if (t.kind == kBwdL1Dgrad) {
-        ptx::named_bar_sync(kBarSwigluTurnWg0 + wg, 256);
-        pingpong_rows64_mainloop<MmaL1, kNumStages, kBlockK, L::kStageBytes, L::kStageBytes,
-                                 PingPongDescs<L>::kBStepDesc>(acc, kbs, sm.full_bar, sm.empty_bar, stage, phase,
-                                                               d.a_lo0, d.a_hi, b64_lo0, b64_hi, lane, pass_turn);
+      } else {
         // dx rows: through the staging boxes (the h slots, free once this warpgroup's stores have read them)
-        stage_rows_bf16<kRows64N>(acc, stg, wg, wg_tid);
-        const int rows = min(64, row_end - t.row0);
-        if (rows == 64) {
-          if (wg_tid == 0) {
+        stage_tile_bf16<kBlockN>(acc0, acc1, stg, kHalfStg, wg, wg_tid);
 #pragma unroll
-            for (int b = 0; b < kRows64N / 64; ++b)
-              if (t.col0 + 64 * b < p.hidden)
-                ptx::tma_store_2d_hint(&tmap_dx, stg + b * L::kBoxBytes, t.col0 + 64 * b, t.row0, pol);
+        for (int hm = 0; hm < 2; ++hm) {
+          const int prow0 = t.row0 + 64 * hm;
+          const int rows = min(64, row_end - prow0);
+          if (rows == 64) {
+            if (wg_tid == 0) {
+              const uint64_t pol = l2_policy_store(g.l2_hints, 0);
+#pragma unroll
+              for (int b = 0; b < 2; ++b)
+                if (t.col0 + 64 * b < p.hidden)
+                  ptx::tma_store_2d_hint(&tmap_dx, stg + hm * kHalfStg + b * L::kBoxBytes, t.col0 + 64 * b, prow0, pol);
+            }
+          } else if (rows > 0) {
+            copy_swizzled_half_to_global<kBlockN>(stg + hm * kHalfStg, wg_tid, rows, p.dx, p.lddx, prow0, t.col0,
+                                                  p.hidden);
           }
-        } else if (rows > 0) {
-          copy_swizzled_half_to_global<kRows64N>(stg, wg_tid, rows, p.dx, p.lddx, t.row0, t.col0, p.hidden);
         }
         if (wg_tid == 0) ptx::bulk_commit_group();
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);  // the generic copies have read the staging
-        continue;
-      }
-      // a weight-gradient tile: dW2_e [H, I] or dW13_e [2I, H], 64 rows x 256 columns
-      const bool w2 = t.kind == kBwdWgradW2;
-      const ZeroRowsPastExpert<L> zero_tail{ptx::smem_addr(smem + L::kAOff), row_end - sm.s_offs[t.expert], wg,
-                                            wg_tid};
-      ptx::named_bar_sync(kBarSwigluTurnWg0 + wg, 256);
-      pingpong_rows64_mainloop<MmaW, kNumStages, kBlockK, L::kStageBytes, L::kStageBytes, PingPongDescs<L>::kBStepDesc,
-                               kAStepMn>(acc, kbs, sm.full_bar, sm.empty_bar, stage, phase, at_lo0, at_hi, b64_lo0,
-                                         b64_hi, lane, pass_turn, zero_tail);
-      const int m_dim = w2 ? p.hidden : 2 * g.n;
-      const int n_dim = w2 ? g.n : p.hidden;
-      if (p.wgrad_out == kOutBf16Store) {
-        stage_rows_bf16<kRows64N>(acc, stg, wg, wg_tid);
-        if (wg_tid == 0) {
-          const CUtensorMap* map_c = w2 ? &tmap_dw2 : &tmap_dw13;
-#pragma unroll
-          for (int b = 0; b < kRows64N / 64; ++b)
-            if (t.col0 + 64 * b < n_dim)
-              ptx::tma_store_3d_hint(map_c, stg + b * L::kBoxBytes, t.col0 + 64 * b, t.row0, t.expert, pol);
-          ptx::bulk_commit_group();
-        }
-      } else {
-        float* c = (w2 ? p.dw2_f32 : p.dw13_f32) + static_cast<int64_t>(t.expert) * m_dim * n_dim;
-        if (p.wgrad_out == kOutF32Accumulate) {
-          if (kbs > 0)  // an expert without rows adds nothing
-            store_acc_rows_direct<kRows64N, kOutF32Accumulate>(acc, c, n_dim, t.row0, t.col0, wg_tid, m_dim, n_dim);
-        } else {
-          store_acc_rows_direct<kRows64N, kOutF32Store>(acc, c, n_dim, t.row0, t.col0, wg_tid, m_dim, n_dim);
-        }
       }
     }
     if (wg_tid == 0) ptx::bulk_wait_group<0>();  // the last stores are complete before the CTA exits

@@ -33,9 +33,9 @@ struct Case {
 
 Case make_case(std::mt19937& rng, int num_experts, int hidden, int inter, int lag, int arrivals, int routing) {
   Case c;
-  const int blocks[2] = {128, 256}, rows[3] = {64, 128, 256};
-  c.shape = BwdTileShape{blocks[rng() % 2], blocks[rng() % 2], rows[rng() % 3], blocks[rng() % 2], hidden, inter,
-                         static_cast<int>(rng() % 4 != 0), rows[rng() % 2]};
+  const int blocks[2] = {128, 256};
+  c.shape = BwdTileShape{blocks[rng() % 2], blocks[rng() % 2], blocks[rng() % 2], blocks[rng() % 2], hidden, inter,
+                         static_cast<int>(rng() % 4 != 0)};
   c.mb_first.assign(num_experts + 1, 0);
   c.row_first.assign(num_experts + 1, 0);
   std::uniform_int_distribution<int> small(0, 4), big(0, 40);
@@ -74,9 +74,7 @@ void check_coverage_and_waits(const Case& c) {
     const int e = t.expert;
     if (t.kind == kBwdL2Dgrad || t.kind == kBwdL1Dgrad) {
       CHECK(t.mb >= c.mb_first[e] && t.mb < c.mb_first[e + 1], "task %d: m-block %d outside expert %d", u, t.mb, e);
-      const int block_rows = t.kind == kBwdL2Dgrad ? kBwdBlockM : sh.l1_block_m;
-      const int in_mb = t.row0 - c.row_first[e] - (t.mb - c.mb_first[e]) * kBwdBlockM;  // the piece's first row
-      CHECK(in_mb >= 0 && in_mb < kBwdBlockM && in_mb % block_rows == 0, "task %d: row0 %d", u, t.row0);
+      CHECK(t.row0 == c.row_first[e] + (t.mb - c.mb_first[e]) * kBwdBlockM, "task %d: row0 %d", u, t.row0);
       const int bn = t.kind == kBwdL2Dgrad ? sh.l2_block_n : sh.l1_block_n;
       const int cols = t.kind == kBwdL2Dgrad ? sh.inter : sh.hidden;
       CHECK(t.col0 % bn == 0 && t.col0 >= 0 && t.col0 < cols, "task %d: col0 %d", u, t.col0);
@@ -87,7 +85,7 @@ void check_coverage_and_waits(const Case& c) {
         ++cnt_l2_mb[t.mb];
         ++cnt_l2_e[e];
       } else {
-        ++l1_seen[t.mb * sh.l1_per_mb() + (in_mb / sh.l1_block_m) * sh.l1_col_blocks() + t.col0 / bn];
+        ++l1_seen[t.mb * sh.l1_per_mb() + t.col0 / bn];
       }
     } else {
       CHECK(t.mb == -1, "task %d: weight-gradient tile with m-block %d", u, t.mb);
