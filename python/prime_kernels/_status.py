@@ -53,16 +53,12 @@ def _entries() -> list[KernelEntry]:
     e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     # The same pipeline with activation_clamp: its L1 saves h with the clamp masks (the m-grouped SwiGLU kernels'
     # kMaskedH variants), so its backward can take the clamp.
-    e.append(KernelEntry("mega_moe_grouped_clamp.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90",
-                         unverified="built, not yet verified on a GPU: the grouped pipeline with activation_clamp "
-                                    "(h saved with the clamp masks)"))
+    e.append(KernelEntry("mega_moe_grouped_clamp.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     # Its FP8 forward (prime_kernels.mega._fp8_fwd): the quantizing dispatch, the FP8 L1 with SwiGLU, the FP8 L2
     # and the combine; the layer's forward for precision="fp8" until the fused FP8 forward exists.
     e.append(KernelEntry("mega_moe_grouped.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90"))
     # The kernel backends (bf16) with H or I a multiple of 64 but not of 128: every kernel's last tile half-width
-    e.append(KernelEntry("mega_moe_half_tiles.bf16.sm90", "mega_moe_fwd_bf16", "sm90",
-                         unverified="built, not yet verified on a GPU through the layer: H or I a multiple of 64 but "
-                                    "not of 128 (half-width last tiles)"))
+    e.append(KernelEntry("mega_moe_half_tiles.bf16.sm90", "mega_moe_fwd_bf16", "sm90"))
     todo = "not implemented yet"
     e += [
         KernelEntry("mega_moe.bf16.sm90", "mega_moe_fwd_bf16", "sm90"),
