@@ -363,13 +363,6 @@ def test_low_level_interleaved_layouts():
     assert torch.equal(mega.interleave_l1(outs[0]), outs[1])
 
 
-def test_low_level_rejects_shared_experts():
-    x, idx, w, w13, w2, _ = make_problem(4, H, I, E, K, seed=58)
-    buf = get_symm_buffer_for_mega_moe(None, E, 40, K, H, I, device="cpu")
-    with pytest.raises(NotImplementedError, match="shared experts"):
-        bf16_mega_moe(torch.empty(4, H, dtype=torch.bfloat16), w13, w2, buf, shared_l1_weights=w13[0])
-
-
 def test_h_is_saved_only_when_a_backward_can_follow(monkeypatch):
     """mega_moe asks the forward op for h only when autograd can call the backward (grad mode on and an input
     that takes a gradient, and no recompute): inference neither computes nor keeps it. y is the same bits either

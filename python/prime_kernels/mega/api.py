@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _backend, _ops, _validate
+from . import _backend, _ops, _validate, shared
 from ..routing import RoutingPlan
 from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe
 from .deferred import DeferredWgrad
@@ -66,8 +66,12 @@ def mega_moe(
     return_plan: bool = False,
     keep_pooled_x: Optional[bool] = None,
     num_sms: Optional[int] = None,
+    shared_w13: Optional[torch.Tensor] = None,
+    shared_w2: Optional[torch.Tensor] = None,
+    shared_gate: Optional[torch.Tensor] = None,
 ):
-    """Routed-experts MoE layer: ``y[t] = sum_k w[t,k] * W2[e] (silu(Wg[e] x_t) * (Wu[e] x_t))``.
+    """Routed-experts MoE layer: ``y[t] = sum_k w[t,k] * W2[e] (silu(Wg[e] x_t) * (Wu[e] x_t))``, plus shared experts
+    when given.
 
     Args:
       x: [T, H] bf16 tokens of this rank (float64 is accepted with ``backend="reference"`` as an
@@ -112,6 +116,12 @@ def mega_moe(
         (docs/performance.md).
       num_sms: the most SMs the kernels of this call (forward and backward) may use, so that a trainer can leave
         SMs to its communication kernels; None (default) = all of them. The reference ignores it.
+      shared_w13, shared_w2: shared experts ([S, 2Is, H] and [S, H, Is], or 2-D for one), through which every token
+        goes and whose output is added to y (:mod:`prime_kernels.mega.shared`: semantics and rounding S1-S3). They
+        run on the same backend and options as the routed experts, replicated under a group; their gradients go to
+        their ``.grad`` (``wgrad_accum`` holds the routed weights' only).
+      shared_gate: None (weight 1), or float32 [T] or [T, S]: each token's weight on the shared experts (it gets a
+        gradient).
 
     Returns y [T, H] (x's dtype), or (y, plan) with ``return_plan=True``. T = 0 is allowed: y is [0, H]
     and the weight gradients are zero.
@@ -137,11 +147,16 @@ def mega_moe(
     if keep_pooled_x is None:
         keep_pooled_x = _keep_pooled_x_by_default(x, w13, a13, backend, precision, ep_size, clamp, block_m)
     save_h = not recompute and _backward_possible(x, topk_weights, w13, w2)
+    shared_call = shared.prepare(x, shared_w13, shared_w2, shared_gate, backend=backend, precision=precision,
+                                 activation_clamp=clamp, block_m=block_m)
     out = _ops.mega_moe_fwd(
         x, topk_idx, topk_weights, w13, w2, a13, a2, clamp, group_name, -1 if num_experts is None else num_experts,
         ep_size, int(max_tokens), block_m, save_h, backend, precision, 0 if buffer is None else buffer.buffer_id,
         bool(keep_pooled_x), sms, deferral_id)
     y = out[0]
+    if shared_call is not None:
+        y = shared.add_shared(y, shared.run(mega_moe, x, shared_call, precision=precision, activation_clamp=clamp,
+                                            backend=backend, recompute=recompute, block_m=block_m, num_sms=num_sms))
     if not return_plan:
         return y
     counts, offsets, src, srank, r2p = out[2:7]
@@ -178,7 +193,10 @@ class MegaMoE(nn.Module):
     topk_weights)`` calls :func:`mega_moe`. With ``max_tokens_per_rank`` the staging buffer is
     allocated here, once, and shared with every layer of the same shape (never inside forward).
     ``recompute`` and ``keep_pooled_x`` trade memory for backward time as in :func:`mega_moe`; ``num_sms``
-    bounds the SMs its kernels use, forward and backward (None: all).
+    bounds the SMs its kernels use, forward and backward (None: all). ``num_shared_experts=S`` adds S shared
+    experts of ``shared_intermediate`` (default: ``intermediate``) each, ``shared_w13 [S, 2Is, H]`` and ``shared_w2
+    [S, H, Is]``, replicated on every rank; ``forward(..., shared_gate=)`` weights them per token
+    (:mod:`prime_kernels.mega.shared`).
     """
 
     def __init__(
@@ -200,6 +218,8 @@ class MegaMoE(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         keep_pooled_x: Optional[bool] = None,
         num_sms: Optional[int] = None,
+        num_shared_experts: int = 0,
+        shared_intermediate: Optional[int] = None,
     ):
         super().__init__()
         # The layer's options, checked once here so that a bad one fails at construction (the per-call
@@ -213,10 +233,16 @@ class MegaMoE(nn.Module):
         if num_experts % ep_size:
             _validate._fail(f"num_experts={num_experts} is not divisible by the group size {ep_size}; "
                             f"use a group whose size divides it")
+        if isinstance(num_shared_experts, bool) or not isinstance(num_shared_experts, int) or num_shared_experts < 0:
+            _validate._fail(f"num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
+        shared_i = intermediate if shared_intermediate is None else shared_intermediate
+        if isinstance(shared_i, bool) or not isinstance(shared_i, int) or shared_i < 1:
+            _validate._fail(f"shared_intermediate must be a positive int, got {shared_intermediate!r}")
         if backend == "fused":
-            reason = _backend.alignment_reason(hidden, intermediate, precision)
-            if reason is not None:
-                _validate._fail(reason)
+            for inter in (intermediate, shared_i) if num_shared_experts else (intermediate,):
+                reason = _backend.alignment_reason(hidden, inter, precision)
+                if reason is not None:
+                    _validate._fail(reason)
         self.num_experts = int(num_experts)
         self.num_local_experts = self.num_experts // ep_size
         self.hidden = int(hidden)
@@ -239,22 +265,37 @@ class MegaMoE(nn.Module):
         El = self.num_local_experts
         self.w13 = nn.Parameter(torch.empty((El, 2 * intermediate, hidden), device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty((El, hidden, intermediate), device=device, dtype=dtype))
+        self.num_shared_experts = num_shared_experts
+        self.shared_intermediate = shared_i if num_shared_experts else None
+        if num_shared_experts:
+            S = num_shared_experts
+            self.shared_w13 = nn.Parameter(torch.empty((S, 2 * shared_i, hidden), device=device, dtype=dtype))
+            self.shared_w2 = nn.Parameter(torch.empty((S, hidden, shared_i), device=device, dtype=dtype))
+        else:
+            self.shared_w13 = self.shared_w2 = None
         self.reset_parameters()
 
     def reset_parameters(self):
         with torch.no_grad():
             nn.init.normal_(self.w13, std=1.0 / math.sqrt(self.hidden))
             nn.init.normal_(self.w2, std=1.0 / math.sqrt(self.intermediate))
+            if self.num_shared_experts:
+                nn.init.normal_(self.shared_w13, std=1.0 / math.sqrt(self.hidden))
+                nn.init.normal_(self.shared_w2, std=1.0 / math.sqrt(self.shared_intermediate))
 
-    def forward(self, x, topk_idx, topk_weights, *, wgrad_accum=None):
+    def forward(self, x, topk_idx, topk_weights, *, wgrad_accum=None, shared_gate=None):
+        if shared_gate is not None and not self.num_shared_experts:
+            _validate._fail("shared_gate needs shared experts (num_shared_experts > 0)")
         return mega_moe(
             x, topk_idx, topk_weights, self.w13, self.w2, group=self.group, precision=self.precision,
             activation_clamp=self.activation_clamp, backend=self.backend, recompute=self.recompute,
             num_experts=self.num_experts, buffer=self.buffer, max_tokens_per_rank=self.max_tokens_per_rank,
-            wgrad_accum=wgrad_accum, block_m=self.block_m, keep_pooled_x=self.keep_pooled_x, num_sms=self.num_sms)
+            wgrad_accum=wgrad_accum, block_m=self.block_m, keep_pooled_x=self.keep_pooled_x, num_sms=self.num_sms,
+            shared_w13=self.shared_w13, shared_w2=self.shared_w2, shared_gate=shared_gate)
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, local={self.num_local_experts}, hidden={self.hidden}, "
                 f"intermediate={self.intermediate}, top_k={self.top_k}, precision={self.precision!r}, "
                 f"backend={self.backend!r}, recompute={self.recompute}, activation_clamp={self.activation_clamp}, "
-                f"num_sms={self.num_sms}")
+                f"num_sms={self.num_sms}, num_shared_experts={self.num_shared_experts}, "
+                f"shared_intermediate={self.shared_intermediate}")

@@ -56,6 +56,7 @@ class SymmBuffer:
         activation: str = "swiglu",
         *,
         device=None,
+        num_shared_experts: int = 0,
     ):
         from ._validate import _fail  # noqa: PLC0415
 
@@ -67,6 +68,11 @@ class SymmBuffer:
                         ("num_topk", num_topk), ("hidden", hidden), ("intermediate_hidden", intermediate_hidden)):
             if int(v) < 1:
                 _fail(f"{name} must be >= 1, got {v}")
+        if isinstance(num_shared_experts, bool) or not isinstance(num_shared_experts, int) or num_shared_experts < 0:
+            _fail(f"num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
+        # the shared experts' weights come with each call (shared_l1_weights / shared_l2_weights); their rows are the
+        # staged tokens, so they need no staging of their own: the count is kept for the call sites that read it
+        self.num_shared_experts = num_shared_experts
         self.group = group
         self.num_ranks = 1
         self.rank = 0
@@ -195,12 +201,14 @@ def get_symm_buffer_for_mega_moe(
     *,
     device=None,
     reuse: bool = True,
+    num_shared_experts: int = 0,
 ) -> SymmBuffer:
     """Allocate (or, with ``reuse=True``, return the cached) staging buffer for this shape.
 
     Positional arguments as upstream DeepGEMM. ``use_fp8_dispatch`` is accepted for old call sites:
     True selects ``mma_type="fp8xfp8"``. Call it once before the first step, outside any compiled
-    or checkpointed region.
+    or checkpointed region. ``num_shared_experts`` (as the fork's buffer takes it) is recorded; the shared experts
+    stage nothing of their own.
     """
     if use_fp8_dispatch is not None and use_fp8_dispatch and mma_type == "bf16xbf16":
         mma_type = "fp8xfp8"
@@ -209,11 +217,11 @@ def get_symm_buffer_for_mega_moe(
     device = torch.device(device)
     gkey = None if group is None else (id(group), getattr(group, "group_name", None))
     key = (gkey, str(device), int(num_experts), int(num_max_tokens_per_rank), int(num_topk), int(hidden),
-           int(intermediate_hidden), mma_type, activation)
+           int(intermediate_hidden), mma_type, activation, num_shared_experts)
     if reuse and key in _cache:
         return _cache[key]
     buf = SymmBuffer(group, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden,
-                     mma_type, activation, device=device)
+                     mma_type, activation, device=device, num_shared_experts=num_shared_experts)
     if reuse:
         _cache[key] = buf
     return buf

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from . import _backend, _fused, _validate, reference
+from . import _backend, _fused, _validate, reference, shared
 from ..routing import RoutingPlan
 from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe  # noqa: F401  (one of the upstream names)
 from .staged_fp8 import fp8_mega_moe, fp8_mega_moe_backward, fp8_mega_moe_weight_grads  # noqa: F401
@@ -67,10 +67,24 @@ def deinterleave_l1(l1: torch.Tensor, granularity: int = 8) -> torch.Tensor:
     return torch.cat([v[:, :, 0].reshape(El, I, H), v[:, :, 1].reshape(El, I, H)], 1)
 
 
-def _no_shared(shared):
-    if any(s is not None for s in shared):
-        raise NotImplementedError("prime_kernels.mega: fused shared experts are not supported; run the shared "
-                                  "expert outside (e.g. a plain torch MLP) and pass shared_*=None")
+def _shared_call(x, shared_l1, shared_l2, l1_natural_layout, backend, precision, activation_clamp, block_m):
+    """The shared experts of a staged call (None without them), checked before anything runs: shared_l1 [S, 2Is, H]
+    or [2Is, H] in l1's layout, shared_l2 [S, H, Is] or [H, Is] (:mod:`prime_kernels.mega.shared`)."""
+    if shared_l1 is None and shared_l2 is None:
+        return None
+    if shared_l1 is None or shared_l2 is None:
+        _validate._fail("shared_l1_weights and shared_l2_weights go together")
+    w13, w2 = shared.shared_weights_3d(x, shared_l1, shared_l2)
+    if not l1_natural_layout:
+        w13 = deinterleave_l1(w13)
+    return shared.prepare(x, w13, w2, None, backend=backend, precision=precision, activation_clamp=activation_clamp,
+                          block_m=block_m)
+
+
+def _shared_layer(*args, **kwargs):
+    from .api import mega_moe  # noqa: PLC0415  (api imports this module's siblings; imported at the call)
+
+    return mega_moe(*args, **kwargs)
 
 
 def _staged(buffer, T):
@@ -117,8 +131,10 @@ def bf16_mega_moe(
     with ``save_h=True``) for ``bf16_mega_moe_backward``, tied to this staging of the buffer.
     ``num_sms``: the most SMs the kernels may use (None: all; the reference ignores it). T = 0 is allowed
     (nothing is written). Not differentiable: use :func:`mega_moe` for autograd.
+    ``shared_l1_weights`` [S, 2Is, H] or [2Is, H] (l1's layout) and ``shared_l2_weights`` [S, H, Is] or [H, Is]:
+    shared experts whose output is added to the routed one (:mod:`prime_kernels.mega.shared`, S1-S2), as a second
+    pass of the same backend's kernels.
     """
-    _no_shared((shared_l1_weights, shared_l2_weights))
     if activation != "swiglu":
         _validate._fail(f"only activation='swiglu' is supported, got {activation!r}")
     _validate.check_tensor_types(y=y, l1=l1, l2=l2)
@@ -134,6 +150,8 @@ def bf16_mega_moe(
     _check_out(y, "y", (T, H), (torch.bfloat16,), x.device)
     if cumulative_local_expert_recv_stats is not None:
         _check_out(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", (El,), (torch.int32,), x.device)
+    shared_call = _shared_call(x, shared_l1_weights, shared_l2_weights, l1_natural_layout, backend, "bf16",
+                               activation_clamp, block_m)
     which = _backend.resolve("fwd", backend, "bf16", x, l1, ep_size=buffer.num_ranks,
                              activation_clamp=activation_clamp, block_m=block_m)
     # the expert ids are checked before this returns, so before y is touched
@@ -143,6 +161,9 @@ def bf16_mega_moe(
         max_tokens_per_rank=buffer.num_max_tokens_per_rank, block_m=block_m, save_h=save_h, buffer=buffer,
         num_sms=sms)
     with torch.no_grad():
+        if shared_call is not None:
+            yy = shared.add_shared(yy, shared.run(_shared_layer, x, shared_call, precision="bf16", backend=backend,
+                                                  activation_clamp=activation_clamp, block_m=block_m, num_sms=num_sms))
         if accumulate:
             y.add_(yy)
         else:
@@ -218,6 +239,10 @@ def bf16_mega_moe_backward(
     from the inputs staged now (re-stage them before this call, as upstream). ``dw_natural_layout=False``
     writes dw1 in upstream's interleave. ``num_sms`` as in :func:`bf16_mega_moe`. T = 0 leaves dw1 and dw2
     zero (or, with ``accumulate=True``, as they were). Rounding points: see :mod:`prime_kernels.mega.reference`.
+    With shared experts (``shared_l1_weights``, ``shared_l2_weights`` as in :func:`bf16_mega_moe`) their forward
+    is recomputed, dx gets their part (S3 of :mod:`prime_kernels.mega.shared`), and ``shared_dw1_weights`` /
+    ``shared_dw2_weights`` (like the shared weights, bf16 or fp32, or None) their weight gradients, as dw1 / dw2
+    get the routed ones.
     """
     _staged_backward("bf16", **locals())
 
@@ -236,7 +261,6 @@ def _staged_backward(precision: str, *, dx, dw1, dw2, dtopk, dy, l1, l2, buffer,
                      state, accumulate, l1_natural_layout, dw_natural_layout, shared_l1_weights, shared_l2_weights,
                      shared_dw1_weights, shared_dw2_weights, fast_math, backend, block_m, num_sms) -> None:
     """The backward of the staged-buffer calls for ``precision`` ("bf16" or "fp8_bwd")."""
-    _no_shared((shared_l1_weights, shared_l2_weights, shared_dw1_weights, shared_dw2_weights))
     if activation != "swiglu":
         _validate._fail(f"only activation='swiglu' is supported, got {activation!r}")
     _validate.check_tensor_types(dx=dx, dtopk=dtopk, dy=dy, l1=l1, l2=l2)
@@ -255,13 +279,23 @@ def _staged_backward(precision: str, *, dx, dw1, dw2, dtopk, dy, l1, l2, buffer,
         _check_out(dw1, "dw1", l1.shape, (torch.bfloat16, torch.float32), dev)
     if dw2 is not None:
         _check_out(dw2, "dw2", l2.shape, (torch.bfloat16, torch.float32), dev)
+    shared_call = _shared_call(x, shared_l1_weights, shared_l2_weights, l1_natural_layout, backend, precision,
+                               activation_clamp, block_m)
+    if shared_call is None and (shared_dw1_weights is not None or shared_dw2_weights is not None):
+        _validate._fail("shared_dw1_weights / shared_dw2_weights need shared_l1_weights and shared_l2_weights")
+    if shared_dw1_weights is not None:
+        _check_out(shared_dw1_weights, "shared_dw1_weights", shared_l1_weights.shape, (torch.bfloat16, torch.float32),
+                   dev)
+    if shared_dw2_weights is not None:
+        _check_out(shared_dw2_weights, "shared_dw2_weights", shared_l2_weights.shape, (torch.bfloat16, torch.float32),
+                   dev)
     cap = _backend.capacity(T, K, El, buffer.num_ranks, buffer.num_max_tokens_per_rank, block_m)
     if state is not None:
         _check_state(state, buffer, T, K, El, I, block_m, cap)
     which = _backend.resolve("bwd", backend, precision, x, l1, ep_size=buffer.num_ranks,
                              activation_clamp=activation_clamp, block_m=block_m)
     if T == 0 and buffer.num_ranks == 1:  # no route: zero weight gradients, dx and dtopk are empty
-        for out in (dw1, dw2):
+        for out in (dw1, dw2, shared_dw1_weights, shared_dw2_weights):
             if out is not None and not accumulate:
                 out.zero_()
         return None
@@ -294,8 +328,15 @@ def _staged_backward(precision: str, *, dx, dw1, dw2, dtopk, dy, l1, l2, buffer,
         g2 = tmp2 if tmp2 is not None else g2
         if dw1 is not None and not dw_natural_layout:
             g13 = interleave_l1(g13)
+        outs = [(dx, gx), (dtopk, gt), (dw1, g13), (dw2, g2)]
+        if shared_call is not None:
+            gxs, gs13, gs2 = _shared_backward(shared_call, x, dy, shared_dw1_weights, shared_dw2_weights,
+                                              dw_natural_layout, precision=precision, backend=backend,
+                                              activation_clamp=activation_clamp, block_m=block_m, num_sms=num_sms)
+            outs[0] = (dx, shared.add_shared(gx, gxs))  # S3
+            outs += [(shared_dw1_weights, gs13), (shared_dw2_weights, gs2)]
         ids.finish()
-        for out, g in ((dx, gx), (dtopk, gt), (dw1, g13), (dw2, g2)):
+        for out, g in outs:
             if out is None:
                 continue
             if accumulate:
@@ -303,6 +344,32 @@ def _staged_backward(precision: str, *, dx, dw1, dw2, dtopk, dy, l1, l2, buffer,
             else:
                 out.copy_(g)
     return None
+
+
+def _shared_backward(call, x, dy, sdw1, sdw2, dw_natural_layout, **layer_kwargs):
+    """The shared experts' part of the staged backward: their forward recomputed and differentiated (dX, and the
+    weight gradients wanted: fp32 outputs get the unrounded fp32 sums through the layer's accumulators, bf16 ones the
+    gradients rounded once), as (dx_shared, d shared_l1 in its layout and shape or None, d shared_l2 or None)."""
+    fp32 = [o is not None and o.dtype == torch.float32 for o in (sdw1, sdw2)]
+    acc13 = torch.zeros(call.w13.shape, dtype=torch.float32, device=x.device) if fp32[0] else None
+    acc2 = torch.zeros(call.w2.shape, dtype=torch.float32, device=x.device) if fp32[1] else None
+    with torch.enable_grad():
+        xs = x.detach().requires_grad_(True)
+        w13 = call.w13.detach().requires_grad_(sdw1 is not None and not fp32[0])
+        w2 = call.w2.detach().requires_grad_(sdw2 is not None and not fp32[1])
+        ys = shared.run(_shared_layer, xs, shared.SharedCall(w13, w2, call.topk_idx, call.topk_weights),
+                        wgrad_accum=(acc13, acc2) if any(fp32) else None, **layer_kwargs)
+        leaves = [t for t in (xs, w13, w2) if t.requires_grad]
+        grads = dict(zip((id(t) for t in leaves), torch.autograd.grad(ys, leaves, dy)))
+    g13 = acc13 if fp32[0] else grads.get(id(w13))
+    g2 = acc2 if fp32[1] else grads.get(id(w2))
+    if g13 is not None and not dw_natural_layout:
+        g13 = interleave_l1(g13)
+    if sdw1 is not None:
+        g13 = g13.reshape(sdw1.shape)
+    if sdw2 is not None:
+        g2 = g2.reshape(sdw2.shape)
+    return grads[id(xs)], g13, g2
 
 
 # ----------------------------------------------------------------------------------------------

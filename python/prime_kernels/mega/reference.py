@@ -50,6 +50,9 @@ rounded here; the forward's F3 value is its bf16 rounding):
        accumulation buffers (``wgrad_accum``), in which case no weight gradient is returned.
   Padding rows of the pool are never read. Experts with no rows get zero weight gradients.
 
+Shared experts (``shared_w13`` / ``shared_w2``): a second layer of S experts that every token routes to, whose output
+is added to y in acc and rounded once; their rounding points S1-S3 are in :mod:`prime_kernels.mega.shared`.
+
 Order of accumulation: the fixed-order sums are F5 and B8 (over k) and nothing else is
 reduced across routes except the weight gradients B10, whose order inside an expert's GEMM is
 the GEMM's (a kernel may tile it differently; only the fp32 accumulation is specified).
