@@ -193,3 +193,91 @@ def _deinterleave(t):
 
     return deinterleave_l1(t)
 
+
+
+class PrimeRLFusedSharedExpert(torch.autograd.Function):
+    """Shaped like prime-rl's later BF16 dispatcher with ``fuses_shared_expert=True``: the shared expert's
+    ``shared_l1 = cat(gate_proj.weight, up_proj.weight)`` [2Is, H] and ``shared_l2 = down_proj.weight`` [H, Is] go
+    into bf16_mega_moe, and bf16_mega_moe_backward returns their gradients beside the routed ones."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, topk_idx, l1, l2, shared_l1, shared_l2, buffer, clamp):
+        T = x.shape[0]
+        buffer.x[:T].copy_(x)
+        buffer.topk_idx[:T].copy_(topk_idx)
+        buffer.topk_weights[:T].copy_(topk_weights)
+        y = _nan((T, x.shape[1]), torch.bfloat16, x.device)
+        deep_gemm.bf16_mega_moe(y, l1, l2, buffer, shared_l1_weights=shared_l1, shared_l2_weights=shared_l2,
+                                activation_clamp=clamp)
+        ctx.save_for_backward(x, topk_idx, topk_weights, l1, l2, shared_l1, shared_l2)
+        ctx.buffer, ctx.clamp = buffer, clamp
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, topk_idx, topk_weights, l1, l2, sl1, sl2 = ctx.saved_tensors
+        buffer, T = ctx.buffer, x.shape[0]
+        buffer.x[:T].copy_(x)
+        buffer.topk_idx[:T].copy_(topk_idx)
+        buffer.topk_weights[:T].copy_(topk_weights)
+        dx, dtopk = _nan(x.shape, x.dtype, x.device), _nan(topk_weights.shape, torch.float32, x.device)
+        dw1, dw2 = _nan(l1.shape, l1.dtype, x.device), _nan(l2.shape, l2.dtype, x.device)
+        dsw1, dsw2 = _nan(sl1.shape, sl1.dtype, x.device), _nan(sl2.shape, sl2.dtype, x.device)
+        deep_gemm.bf16_mega_moe_backward(dx, dw1, dw2, dtopk, dy.contiguous(), l1, l2, buffer, shared_l1_weights=sl1,
+                                         shared_l2_weights=sl2, shared_dw1_weights=dsw1, shared_dw2_weights=dsw2,
+                                         activation_clamp=ctx.clamp)
+        return dx, dtopk, None, dw1, dw2, dsw1, dsw2, None, None
+
+
+def _fused_shared_step(device, H, I, Is, clamp, seed):
+    """One layer with a fused shared expert through the call sequence, against mega_moe with the same shared expert
+    (backend "reference": bitwise on the CPU) and float64: (outputs, reference outputs, float64 outputs)."""
+    buf = deep_gemm.get_symm_buffer_for_mega_moe(None, E, TMAX, K, H, I, device=device, num_shared_experts=1)
+    x, idx, w, w13, w2, dy = make_problem(TMAX - 5, H, I, E, K, seed=seed, masked_frac=0.1, device=device)
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(2 * Is, H, generator=g) / H ** 0.5).to(torch.bfloat16).to(device)
+    down = (torch.randn(H, Is, generator=g) / Is ** 0.5).to(torch.bfloat16).to(device)
+    leaves = [_leaf(t) for t in (x, w, w13, w2, gate_up, down)]
+    y = PrimeRLFusedSharedExpert.apply(leaves[0], leaves[1], idx, leaves[2], leaves[3], leaves[4], leaves[5], buf,
+                                       clamp)
+    y.backward(dy)
+    got = [y.detach()] + [t.grad for t in leaves]
+    ref_leaves = [_leaf(t) for t in (x, w, w13, w2, gate_up, down)]
+    y_ref = deep_gemm.mega.mega_moe(ref_leaves[0], idx, ref_leaves[1], ref_leaves[2], ref_leaves[3], num_experts=E,
+                                    backend="reference", activation_clamp=clamp, shared_w13=ref_leaves[4],
+                                    shared_w2=ref_leaves[5])
+    y_ref.backward(dy)
+    ref = [y_ref.detach()] + [t.grad for t in ref_leaves]
+    ex = loop_reference(*[t.cpu() for t in (x, idx, w, w13, w2, dy)], clamp=clamp)
+    xs, a, b = (t.detach().cpu().double().requires_grad_() for t in (x, gate_up, down))
+    hs = xs @ a.t()
+    gte, up = hs[:, :Is], hs[:, Is:]
+    if clamp is not None:
+        gte, up = gte.clamp(max=clamp), up.clamp(-clamp, clamp)
+    ys = (torch.nn.functional.silu(gte) * up) @ b.t()
+    (ys * dy.cpu().double()).sum().backward()
+    exact = [ex[0] + ys.detach(), ex[1] + xs.grad, ex[2], ex[3], ex[4], a.grad, b.grad]
+    return got, ref, exact
+
+
+@pytest.mark.filterwarnings("ignore:prime_kernels.mega. falling back:RuntimeWarning")
+@pytest.mark.parametrize("clamp", [None, 0.75])
+def test_fused_shared_expert_call_sequence(clamp):
+    """On the CPU ("auto" falls back to the reference): bit for bit mega_moe with the shared expert, and every output
+    (y, dx, dtopk, dw1, dw2, and the shared expert's two gradients) within 1e-2 of float64."""
+    got, ref, exact = _fused_shared_step("cpu", H, I, 48, clamp, seed=90)
+    names = ("y", "dx", "dtopk", "dw1", "dw2", "d shared_l1", "d shared_l2")
+    for name, o, r, ex in zip(names, got, ref, exact):
+        assert torch.equal(o, r), name
+        assert rel_err(o.double(), ex) < 1e-2, name
+
+
+@pytest.mark.skipif(auto_kernel_skip_reason() is not None, reason=str(auto_kernel_skip_reason()))
+def test_gpu_fused_shared_expert_call_sequence(monkeypatch):
+    """The same on the GPU (our kernels for both passes, no fallback), within 1e-2 of the reference and float64."""
+    monkeypatch.delenv("DEEP_GEMM_ALLOW_REFERENCE_FALLBACK", raising=False)
+    got, ref, exact = _fused_shared_step("cuda", 256, 128, 256, None, seed=91)
+    names = ("y", "dx", "dtopk", "dw1", "dw2", "d shared_l1", "d shared_l2")
+    for name, o, r, ex in zip(names, got, ref, exact):
+        assert rel_err(o, r) <= 1e-2, name
+        assert rel_err(o.cpu().double(), ex) < 1e-2, name
