@@ -21,6 +21,7 @@ import torch
 
 from . import _backend, _fused, _validate, reference, shared
 from ..routing import RoutingPlan
+from .api import mega_moe
 from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe  # noqa: F401  (one of the upstream names)
 from .staged_fp8 import fp8_mega_moe, fp8_mega_moe_backward, fp8_mega_moe_weight_grads  # noqa: F401
 from .constants import BLOCK_M
@@ -79,12 +80,6 @@ def _shared_call(x, shared_l1, shared_l2, l1_natural_layout, backend, precision,
         w13 = deinterleave_l1(w13)
     return shared.prepare(x, w13, w2, None, backend=backend, precision=precision, activation_clamp=activation_clamp,
                           block_m=block_m)
-
-
-def _shared_layer(*args, **kwargs):
-    from .api import mega_moe  # noqa: PLC0415  (api imports this module's siblings; imported at the call)
-
-    return mega_moe(*args, **kwargs)
 
 
 def _staged(buffer, T):
@@ -162,7 +157,7 @@ def bf16_mega_moe(
         num_sms=sms)
     with torch.no_grad():
         if shared_call is not None:
-            yy = shared.add_shared(yy, shared.run(_shared_layer, x, shared_call, precision="bf16", backend=backend,
+            yy = shared.add_shared(yy, shared.run(mega_moe, x, shared_call, precision="bf16", backend=backend,
                                                   activation_clamp=activation_clamp, block_m=block_m, num_sms=num_sms))
         if accumulate:
             y.add_(yy)
@@ -357,7 +352,7 @@ def _shared_backward(call, x, dy, sdw1, sdw2, dw_natural_layout, **layer_kwargs)
         xs = x.detach().requires_grad_(True)
         w13 = call.w13.detach().requires_grad_(sdw1 is not None and not fp32[0])
         w2 = call.w2.detach().requires_grad_(sdw2 is not None and not fp32[1])
-        ys = shared.run(_shared_layer, xs, shared.SharedCall(w13, w2, call.topk_idx, call.topk_weights),
+        ys = shared.run(mega_moe, xs, shared.SharedCall(w13, w2, call.topk_idx, call.topk_weights),
                         wgrad_accum=(acc13, acc2) if any(fp32) else None, **layer_kwargs)
         leaves = [t for t in (xs, w13, w2) if t.requires_grad]
         grads = dict(zip((id(t) for t in leaves), torch.autograd.grad(ys, leaves, dy)))
