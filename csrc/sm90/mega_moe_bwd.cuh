@@ -27,8 +27,9 @@
 // Within a CTA the TMA thread finishes one task's loads before it waits for the next task's counter, and the
 // consumers wait only for their own stages, their own h pieces, the task ring and the mainloop turn (passed by the
 // other warpgroup once it has waited for the stages of the task before, which the TMA thread loads first); an
-// L2-dgrad tile's counter releases need nothing but its own stores. So the lowest unfinished task can always run: a grid of any size
-// completes with any subset of its CTAs running, with the same bits (a tile's result does not depend on the CTA).
+// L2-dgrad tile's counter releases need nothing but its own stores. So the lowest unfinished task can always run: a
+// grid of any size completes with any subset of its CTAs running, with the same bits (a tile's result does not
+// depend on the CTA).
 // Writes read by TMA in another CTA (dh and w * s: TMA stores, generic stores for an m-block's last partial rows)
 // are completed (bulk wait_group), fenced (fence.proxy.async.global) and released; the reader acquires, then fences
 // before its TMA loads.

@@ -75,7 +75,7 @@ def _shared_call(x, shared_l1, shared_l2, l1_natural_layout, backend, precision,
         return None
     if shared_l1 is None or shared_l2 is None:
         _validate._fail("shared_l1_weights and shared_l2_weights go together")
-    w13, w2 = shared.shared_weights_3d(x, shared_l1, shared_l2)
+    w13, w2 = shared.shared_weights_3d(shared_l1, shared_l2)
     if not l1_natural_layout:
         w13 = deinterleave_l1(w13)
     return shared.prepare(x, w13, w2, None, backend=backend, precision=precision, activation_clamp=activation_clamp,

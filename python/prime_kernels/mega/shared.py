@@ -42,7 +42,7 @@ class SharedCall:
     topk_weights: torch.Tensor
 
 
-def shared_weights_3d(x: torch.Tensor, shared_w13, shared_w2) -> tuple[torch.Tensor, torch.Tensor]:
+def shared_weights_3d(shared_w13, shared_w2) -> tuple[torch.Tensor, torch.Tensor]:
     """The shared weights as [S, 2Is, H] and [S, H, Is] views (a 2-D pair is one shared expert)."""
     for name, w in (("shared_w13", shared_w13), ("shared_w2", shared_w2)):
         if not isinstance(w, torch.Tensor):
@@ -85,7 +85,7 @@ def prepare(x: torch.Tensor, shared_w13, shared_w2, shared_gate, *, backend: str
         return None
     if shared_w13 is None or shared_w2 is None:
         _validate._fail("shared_w13 and shared_w2 go together (shared_gate needs both)")
-    w13, w2 = shared_weights_3d(x, shared_w13, shared_w2)
+    w13, w2 = shared_weights_3d(shared_w13, shared_w2)
     idx, weights = shared_routes(x, w13.shape[0], shared_gate)
     _validate.check_inputs(x, idx, weights, w13, w2, num_experts=w13.shape[0], ep_size=1,
                            activation_clamp=activation_clamp, block_m=block_m)
