@@ -9,8 +9,9 @@
 //                                                         here by the row warps)
 //   h[m]  = G(x_q, W13_e) promoted every 128 of K        (gate | up, fp32; stored rounded to bf16 when asked)
 //   s_q[m], s_sa[., m] = qK(silu(g) * u, 64)             (on the fp32 accumulators: swiglu_fp8_row, then staged and
-//                                                         TMA-stored (mega_fp8_l1_stage) or, in a tail half, stored
-//                                                         by swiglu_fwd_fp8_epilogue)
+//                                                         TMA-stored (mega_fp8_l1_stage) or, in a tail half or
+//                                                         one not on a 4-row boundary, stored by
+//                                                         swiglu_fwd_fp8_epilogue)
 //   o[m]  = G(s_q, W2_e) promoted every 64 of K          (bf16, for the combine)
 // Every quantization, promotion and rounding is that of the FP8 forward pipeline's kernels (dispatch_rows_fp8.cuh,
 // swiglu_fwd_fp8.cuh, m_grouped_gemm_fp8.cuh with 1 x 64 A scales), each in the same order, so h, s and o are those
@@ -25,27 +26,27 @@
 // arrivals).
 //
 // Forward progress, without assuming that the grid is resident (the BF16 kernel's argument, restated for this one):
-//   * each CTA's TMA thread claims tasks from a global counter (atomicAdd), so tasks are handed out in sequence
-//     order and only to running CTAs; a claimed task waits only for lower tasks (its m-block's L1 tiles) and for
-//     the row warps. A consumer warpgroup's arrival for an L1 tile is made once its stores have landed: a tail half
-//     arrives at once; a full half's arrival is deferred, and made before the warpgroup's next wait that could
-//     depend on it: at the top of its next task, when that task's first stage is not full yet (its producer may
-//     be waiting for this arrival), and otherwise right after that task's mainloop (once a task's first stage is
-//     full, its producer has passed the task's one dependency wait, so none of the task's later waits needs the
-//     arrival), and after the last task. By induction on the task index the lowest unfinished task can always
-//     proceed: its dependencies are finished (every arrival they need is made), and the tasks its CTA claimed
-//     before it are finished, so its producer and consumers are on it.
+//   * each CTA's TMA thread claims tasks from a global counter (atomicAdd), so tasks are handed out in sequence order
+//     and only to running CTAs; a claimed task waits only for lower tasks (its m-block's L1 tiles) and for the row
+//     warps. A consumer warpgroup's arrival for an L1 tile is made once its stores have landed: a half with generic
+//     stores arrives at once; a staged half's arrival is deferred, and made before the warpgroup's next wait that could
+//     depend on it: at the top of its next task, when that task's first stage is not full yet (its producer may be
+//     waiting for this arrival), and otherwise right after that task's mainloop (once a task's first stage is full, its
+//     producer has passed the task's one dependency wait, so none of the task's later waits needs the arrival), and
+//     after the last task. By induction on the task index the lowest unfinished task can always proceed: its
+//     dependencies are finished (every arrival they need is made), and the tasks its CTA claimed before it are
+//     finished, so its producer and consumers are on it.
 //   * the row warps of every running CTA claim runs of 32 pool rows until none are left; they wait for nothing, so
 //     every claimed run is counted and every run is claimed.
 //   * within a CTA, the consumers wait only for their producer, the row warps for nothing.
 // A grid of any size therefore completes with any subset of its CTAs running, with the same bits (a task's output
 // does not depend on which CTA ran it). Each wait on another CTA is bounded (common/watchdog.cuh): past the timeout
 // it records what it waited for and traps.
-// Writes read later by TMA in another CTA: the zeroed rows (generic stores) and the s_q, s_sa of a tail half
-// (generic stores) are followed by the writer's fence.proxy.async.global, then a release; the s_q, s_sa of a full
-// half (TMA stores, the common case) are waited for (bulk wait_group) and fenced the same way before the release;
-// the reader acquires, then fences before its TMA loads. The dispatch kernel's rows are complete at this kernel's
-// start (stream order).
+// Writes read later by TMA in another CTA: the zeroed rows (generic stores) and the s_q, s_sa of a tail or unaligned
+// half (generic stores) are followed by the writer's fence.proxy.async.global, then a release; the s_q, s_sa of a
+// staged half (TMA stores, the common case) are waited for (bulk wait_group) and fenced the same way before the
+// release; the reader acquires, then fences before its TMA loads. The dispatch kernel's rows are complete at this
+// kernel's start (stream order).
 #pragma once
 
 #include <cuda.h>
@@ -348,7 +349,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             release);
         arrive_pending();
         const int hrow0 = t.row0 + 64 * wg;
-        if (hrow0 + 64 <= t.row_end) {  // all 64 rows inside the expert: staged, TMA stores
+        // All 64 rows inside the expert and the half on a 4-row boundary: staged, TMA stores. The scales' store box
+        // starts at row hrow0 of s_sa, its innermost dimension, which TMA takes only on a 16-byte boundary (an
+        // unpadded plan's m-blocks start anywhere: their halves take the generic stores below).
+        if (hrow0 + 64 <= t.row_end && (hrow0 & 3) == 0) {
           if (wg_tid == 0) ptx::bulk_wait_group_read<0>();  // the previous stores have read the staging
           ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
           mega_fp8_l1_stage(p, acc, stg_half, stg_s, stg_sa, wg_tid);
@@ -365,7 +369,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             ptx::bulk_commit_group();
             pending_mb = t.mb;
           }
-        } else {  // a tail half, or no rows: generic stores (or none), then the arrival at once
+        } else {  // a tail half, an unaligned half or no rows: generic stores (or none), then the arrival at once
           if (active) {
             swiglu_fwd_fp8_epilogue(p.l1, acc, t.row0, t.row_end, t.n0, frag_row, lane);
             ptx::fence_proxy_async_global();  // s_q, s_sa are read by TMA in whichever CTA runs the L2 tiles
