@@ -127,6 +127,21 @@ def make_weights(E, H, I, seed, device, rank=0, ep=1):
     return w13, w2
 
 
+def make_shared_weights(S, H, Is, seed, device):
+    """S shared experts' seeded weights, the same on every rank (they are replicated under EP): bf16 shared_w13
+    [S, 2Is, H] (gate rows, then up rows, as w13) and shared_w2 [S, H, Is], scaled as make_weights' experts. Their
+    generator seeds count down from seed * 100_003 + 100_002, apart from every routed expert's (seed * 100_003 +
+    expert) below 100_003 - S experts (the CPU generator keeps a seed's low 32 bits only: no offset above them)."""
+    g = torch.Generator(device=device)
+    w13 = torch.empty(S, 2 * Is, H, device=device, dtype=torch.bfloat16)
+    w2 = torch.empty(S, H, Is, device=device, dtype=torch.bfloat16)
+    for s in range(S):
+        g.manual_seed(seed * 100_003 + 100_002 - s)
+        w13[s] = torch.randn(2 * Is, H, generator=g, device=device) * H ** -0.5
+        w2[s] = torch.randn(H, Is, generator=g, device=device) * Is ** -0.5
+    return w13, w2
+
+
 def make_tokens(T, E, H, K, routing, seed, device, rank=0):
     """This rank's x [T,H] bf16, topk_idx, topk_weights and dy [T,H] bf16 (fresh random, seeded)."""
     g = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
@@ -185,6 +200,22 @@ def torch_moe(x, topk_idx, topk_weights, w13, w2, group=None):
         o = _a2a(op[inv], send_splits, recv_splits, group)
     o = o * topk_weights.reshape(-1)[order].to(torch.bfloat16).unsqueeze(1)
     return torch.zeros_like(x).index_add(0, tok, o)
+
+
+def torch_shared_experts(x, shared_w13, shared_w2):
+    """The shared experts as a trainer without our kernels runs them beside torch_moe: one dense SwiGLU MLP per
+    shared expert s, y_s = (silu(x Wg_s^T) * (x Wu_s^T)) W2_s^T, every token through each (weight 1), bf16 matmuls.
+    x [T, H]; shared_w13 [S, 2Is, H] (gate rows [0, Is), up rows [Is, 2Is)); shared_w2 [S, H, Is]. Returns the sum
+    of the y_s, added in bf16 one expert at a time (prime_kernels sums in fp32 and rounds once: shared.py's S2).
+    Gate and up are one product over the 2Is rows, as a fused gate_up projection runs them: the same FLOPs as two,
+    and no slower. Local to the rank under EP (shared experts are replicated: no exchange)."""
+    Is = shared_w2.shape[-1]
+    y = None
+    for s in range(shared_w13.shape[0]):
+        h = x @ shared_w13[s].t()
+        o = (F.silu(h[:, :Is]) * h[:, Is:]) @ shared_w2[s].t()
+        y = o if y is None else y + o
+    return y
 
 
 # ------------------------------------------------------------------------------------------------
@@ -629,6 +660,8 @@ def format_table(rows: list[dict]) -> str:
     if any("floor_ms" in r for r in rows):
         at = [c for c, _ in cols].index("ratio_vs_torch") + 1
         cols[at:at] = [("floor_ms", "{:.3f}"), ("ms_over_floor", "{:.2f}")]
+    if any(r.get("shared_experts") for r in rows):
+        cols[5:5] = [("shared_experts", "{}"), ("shared_intermediate", "{}")]
     if any(r.get("skipped") for r in rows):
         cols.append(("skipped", "{}"))
     cells = [[c for c, _ in cols]]

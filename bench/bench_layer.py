@@ -28,6 +28,14 @@ GEMMs as dense cuBLAS products (fwd, infer), the backward's four (dgrad and wgra
 to write the weight gradients at the bandwidth of a large device copy (bwd), both (fwdbwd); ms_over_floor =
 ms / floor_ms. With EP every number is the slowest (largest) over the ranks. Results: JSON in bench/results/
 (fields: docs/performance.md), a table, and a PNG.
+
+--shared-experts S adds S shared experts (DeepSeek / Qwen2-MoE style: every token goes through each, weight 1) of
+intermediate --shared-intermediate (default: the shape's I) to every row's layer: our backends pass them to
+mega_moe (shared_w13 [S, 2Is, H], shared_w2 [S, H, Is]; their gradients are checked like the routed weights'), the
+torch baseline adds one dense bf16 SwiGLU MLP per shared expert to torch_moe (bench_common.torch_shared_experts),
+torch_fp8 and the peers have no shared experts and get skipped rows; TFLOP/s and floor_ms count the shared
+experts' FLOPs (6 T H Is each forward, 12 T H Is backward) and floor_ms their weight-gradient writes too. Rows
+record shared_experts and shared_intermediate (0 and None without).
 """
 
 from __future__ import annotations
@@ -80,6 +88,10 @@ def parse_args(argv=None):
     p.add_argument("--activation-clamp", type=float, default=None)
     p.add_argument("--precision", choices=("bf16", "fp8", "fp8_bwd"), default="bf16",
                    help="of our backends and the reference (torch and the peers run bf16, torch_fp8 fp8)")
+    p.add_argument("--shared-experts", type=int, default=0,
+                   help="shared experts per layer (every token through each, weight 1); 0 = none")
+    p.add_argument("--shared-intermediate", type=int, default=None,
+                   help="intermediate size of each shared expert (default: the shape's I)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=10.0,
                    help="stop starting new configurations after this many minutes (results so far are kept)")
@@ -92,6 +104,11 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="tiny shape, few iterations, CPU-runnable; results go to a temp dir unless --out")
     a = p.parse_args(argv)
+    if a.shared_experts < 0:
+        p.error(f"--shared-experts must be >= 0, got {a.shared_experts}")
+    if a.shared_intermediate is not None and (a.shared_intermediate < 1 or not a.shared_experts):
+        p.error(f"--shared-intermediate must be a positive int and needs --shared-experts > 0, got "
+                f"{a.shared_intermediate} with --shared-experts {a.shared_experts}")
     if a.smoke:  # smoke defaults, unless given on the command line
         for name, value in (("shapes", "smoke"), ("tokens", "64,130"), ("warmup", 2), ("iters", 5), ("peak_n", 256),
                             ("copy_mib", 8)):
@@ -111,9 +128,32 @@ def _fused_state():
     return _fused_reason("bf16", "fwd"), _fused_reason("bf16", "bwd")
 
 
+def _shared_dims(I: int, args) -> tuple[int, int | None]:
+    """(S, Is) of the rows: the shared experts and their intermediate size, (0, None) without."""
+    if not args.shared_experts:
+        return 0, None
+    return args.shared_experts, args.shared_intermediate or I
+
+
+def _useful_flops(routes: int, T: int, H: int, I: int, S: int, Is: int | None, direction: str) -> float:
+    """The row's useful FLOPs (bench_common.layer_flops): the routed experts' over their unmasked routes, plus each
+    of the S shared experts' over all T tokens (6 T H Is forward, 12 T H Is backward each)."""
+    return bc.layer_flops(routes, H, I, direction) + (bc.layer_flops(T * S, H, Is, direction) if S else 0.0)
+
+
+# Backends with no shared experts: with --shared-experts they get skipped rows with the reason.
+NO_SHARED = {"torch_fp8": "the torch_fp8 baseline has no shared experts (--shared-experts)",
+             "sonicmoe": "the sonicmoe adapter has no shared experts (--shared-experts)"}
+
+
 def _layer_fn(backend, group, E, args):
+    """fn(x, topk_idx, topk_weights, w13, w2, *shared) -> y, shared = () or (shared_w13, shared_w2)."""
     if backend == "torch":
-        return lambda x, i, w, a, b: bc.torch_moe(x, i, w, a, b, group=group)
+        def torch_layer(x, i, w, a, b, *shared):
+            y = bc.torch_moe(x, i, w, a, b, group=group)
+            # a trainer's bf16 add of the shared MLPs' output (ours sums in fp32 and rounds once)
+            return y + bc.torch_shared_experts(x, *shared) if shared else y
+        return torch_layer
     if backend == "torch_fp8":
         return lambda x, i, w, a, b: bc.torch_fp8_moe(x, i, w, a, b, group=group)
     if backend == "sonicmoe":
@@ -121,10 +161,14 @@ def _layer_fn(backend, group, E, args):
     from prime_kernels.mega import mega_moe
 
     which = {"deep_gemm": "auto", "deep_gemm_grouped": "grouped"}.get(backend, "reference")
-    return lambda x, i, w, a, b: mega_moe(x, i, w, a, b, group=group, num_experts=E, backend=which,
-                                          precision=_precision(backend, args),
-                                          recompute=args.recompute, activation_clamp=args.activation_clamp,
-                                          keep_pooled_x={"auto": None, "on": True, "off": False}[args.keep_pooled_x])
+    keep = {"auto": None, "on": True, "off": False}[args.keep_pooled_x]
+
+    def ours(x, i, w, a, b, *shared):
+        sw13, sw2 = shared if shared else (None, None)
+        return mega_moe(x, i, w, a, b, group=group, num_experts=E, backend=which, precision=_precision(backend, args),
+                        recompute=args.recompute, activation_clamp=args.activation_clamp, keep_pooled_x=keep,
+                        shared_w13=sw13, shared_w2=sw2)
+    return ours
 
 
 def _precision(backend, args):
@@ -152,7 +196,7 @@ def _free(device):
 def _peer_failure(fn, leaves, idx, dy, args):
     """None when the peer layer runs a forward, a backward and (with --inference) a no-grad forward on these
     inputs (the first call also compiles what it JIT-compiles, outside the timings); else the exception as
-    ``Type: message``."""
+    ``Type: message``. ``leaves``: (x, topk_weights, w13, w2), no shared experts (peers have none)."""
     xl, wl, w13l, w2l = leaves
     if bool((idx < 0).any()):
         return "masked routes (topk_idx < 0): the peer adapters take every route as valid"
@@ -168,28 +212,40 @@ def _peer_failure(fn, leaves, idx, dy, args):
 
 def _floor(shape, T, routes, grad_bytes, args, device, cache, copy_gbps):
     """floor_ms per direction for (shape, T), measured at its first configuration and kept in ``cache``: the
-    dense-GEMM times (best of --rounds) and, for the backward, the weight-gradient write at ``copy_gbps``."""
-    key = (shape, T, routes)
+    dense-GEMM times (best of --rounds) and, for the backward, the weight-gradient write at ``copy_gbps``
+    (``grad_bytes``: every weight gradient, the shared experts' included). With shared experts the dense times add
+    the shared experts' GEMMs as dense products over T * S rows of intermediate Is (their useful FLOPs: every token
+    through each), timed apart from the routed ones since Is may differ from I."""
+    _, H, I, _ = bc.shape_dims(shape)
+    S, Is = _shared_dims(I, args)
+    key = (shape, T, routes, S, Is)
     if key not in cache:
-        _, H, I, _ = bc.shape_dims(shape)
-        dense = None
-        for _ in range(max(1, args.rounds)):
-            d = bc.dense_gemm_ms(routes, H, I, device, args.warmup, args.iters)
-            dense = d if dense is None else {k: min(dense[k], d[k]) for k in d}
-        _free(device)
-        fwd, bwd = bc.reduce_max(dense["fwd"], device), bc.reduce_max(dense["bwd"], device)
+        parts = [(routes, I)] + ([(T * S, Is)] if S and T else [])
+        fwd = bwd = 0.0
+        for rows, inter in parts:
+            dense = None
+            for _ in range(max(1, args.rounds)):
+                d = bc.dense_gemm_ms(rows, H, inter, device, args.warmup, args.iters)
+                dense = d if dense is None else {k: min(dense[k], d[k]) for k in d}
+            _free(device)
+            fwd, bwd = fwd + dense["fwd"], bwd + dense["bwd"]
+        fwd, bwd = bc.reduce_max(fwd, device), bc.reduce_max(bwd, device)
         write = bc.reduce_max(grad_bytes / (copy_gbps * 1e9) * 1e3, device)
         cache[key] = {"shape": shape, "tokens": T, "routes": routes, "dense_fwd_ms": round(fwd, 4),
                       "dense_bwd_ms": round(bwd, 4), "weight_grad_bytes": grad_bytes,
                       "weight_grad_write_ms": round(write, 4),
                       "floor_ms": {"fwd": fwd, "infer": fwd, "bwd": bwd + write, "fwdbwd": fwd + bwd + write}}
+        if S:
+            cache[key].update(shared_experts=S, shared_intermediate=Is)
     return cache[key]["floor_ms"]
 
 
 def _skipped_rows(shape, T, routing, ep, backends, reason, args):
     """The rows of backends that did not run at one configuration, each direction with the reason."""
     E, H, I, K = bc.shape_dims(shape)
-    return [{"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens": T,
+    S, Is = _shared_dims(I, args)
+    return [{"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K,
+             "shared_experts": S, "shared_intermediate": Is, "tokens": T,
              "ep": ep, "routing": routing, "precision": _precision(b, args), "backend": b, "direction": d,
              "ms": None, "tflops": None, "pct_peak": None, "pct_peak_fp8": None, "ratio_vs_torch": None,
              "peak_mem_gib": None, "added_mem_gib": None, "max_rel_err": None, "skipped": reason}
@@ -202,19 +258,23 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
     cannot run at all (they get rows with the reason); ``floors``: the cache of floor_ms per (shape, T) and
     ``copy_gbps`` the run's copy bandwidth (floor_ms is left out without them)."""
     E, H, I, K = bc.shape_dims(shape)
+    S, Is = _shared_dims(I, args)
     rank, ep = bc.world()
     w13, w2 = bc.make_weights(E, H, I, args.seed, device, rank, ep)
+    # the shared experts' weights are leaves like the routed ones: every backward computes their gradients
+    shared = bc.make_shared_weights(S, H, Is, args.seed, device) if S else ()
     x, idx, w, dy = bc.make_tokens(T, E, H, K, routing, args.seed + T, device, rank)
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
-    xl, wl, w13l, w2l = leaves
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2, *shared)]
+    xl, wl = leaves[:2]
+    weights = leaves[2:]  # w13, w2, then shared_w13, shared_w2 with --shared-experts
     routes = int((idx >= 0).sum())
     floor = None
     if floors is not None and copy_gbps:
-        grad_bytes = w13l.numel() * w13l.element_size() + w2l.numel() * w2l.element_size()  # dW13 + dW2
+        grad_bytes = sum(t.numel() * t.element_size() for t in weights)  # dW13 + dW2 (+ the shared experts')
         floor = _floor(shape, T, routes, grad_bytes, args, device, floors, copy_gbps)
     skipped = dict(skipped or {})
     for backend in [b for b in backends if b in PEERS and b not in skipped]:
-        why = _peer_failure(_layer_fn(backend, group, E, args), leaves, idx, dy, args)
+        why = _peer_failure(_layer_fn(backend, group, E, args), leaves[:4], idx, dy, args)
         if why is not None:
             skipped[backend] = why
             if rank == 0:
@@ -223,7 +283,7 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
     results, outputs = {}, {}
     for backend in backends:
         fn = _layer_fn(backend, group, E, args)
-        fwd = lambda: fn(xl, idx, wl, w13l, w2l)  # noqa: E731
+        fwd = lambda: fn(xl, idx, wl, *weights)  # noqa: E731
         with_bwd = True
         fwdbwd = lambda: torch.autograd.grad(fwd(), leaves, dy)  # noqa: E731
         infer = _no_grad(fwd)
@@ -248,7 +308,7 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
     for _ in range(1, max(1, args.rounds)):
         for backend in backends:
             fn = _layer_fn(backend, group, E, args)
-            fwd = lambda: fn(xl, idx, wl, w13l, w2l)  # noqa: E731
+            fwd = lambda: fn(xl, idx, wl, *weights)  # noqa: E731
             fwdbwd = lambda: torch.autograd.grad(fwd(), leaves, dy)  # noqa: E731
             res = results[backend]
             res["fwd"] = min(res["fwd"], bc.time_ms(fwd, device, args.warmup, args.iters))
@@ -260,7 +320,7 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
     if args.sustained_seconds > 0:
         for backend in backends:
             fn = _layer_fn(backend, group, E, args)
-            fwd = lambda: fn(xl, idx, wl, w13l, w2l)  # noqa: E731
+            fwd = lambda: fn(xl, idx, wl, *weights)  # noqa: E731
             fwdbwd = lambda: torch.autograd.grad(fwd(), leaves, dy)  # noqa: E731
             res = results[backend]
             res["fwd_sustained"] = bc.sustained_ms(fwd, device, args.sustained_seconds)
@@ -274,9 +334,10 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
     if outputs:
         from prime_kernels.mega import mega_moe
 
-        ref_leaves = [t.detach().double().requires_grad_() for t in (x, w, w13, w2)]
+        ref_leaves = [t.detach().double().requires_grad_() for t in (x, w, w13, w2, *shared)]
+        sw13, sw2 = ref_leaves[4:] if S else (None, None)
         y64 = mega_moe(ref_leaves[0], idx, ref_leaves[1], ref_leaves[2], ref_leaves[3], group=group, num_experts=E,
-                       backend="reference", activation_clamp=args.activation_clamp)
+                       backend="reference", activation_clamp=args.activation_clamp, shared_w13=sw13, shared_w2=sw2)
         g64 = torch.autograd.grad(y64, ref_leaves, dy.double())
         for backend, (y, grads, y_infer) in outputs.items():
             e_fwd = bc.rel_err(y, y64)
@@ -297,11 +358,13 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
             mem_key = {"fwd": "fwd", "infer": "infer"}.get(direction, "fwdbwd")
             mem = bc.reduce_max(res[f"mem_{mem_key}"], device)
             added = bc.reduce_max(res[f"added_{mem_key}"], device)
-            tflops = bc.layer_flops(routes, H, I, direction) / (ms * 1e-3) / 1e12 if ms > 0 else None
+            flops = _useful_flops(routes, T, H, I, S, Is, direction)
+            tflops = flops / (ms * 1e-3) / 1e12 if ms > 0 else None
             tflops = bc.reduce_max(tflops, device)  # per rank; with EP the slowest rank sets ms anyway
             row = {
-                "shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens": T,
-                "ep": ep, "routing": routing, "precision": _precision(backend, args), "backend": backend,
+                "shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K,
+                "shared_experts": S, "shared_intermediate": Is, "tokens": T, "ep": ep, "routing": routing,
+                "precision": _precision(backend, args), "backend": backend,
                 "direction": direction, "ms": round(ms, 4), "tflops": None if tflops is None else round(tflops, 2),
                 "pct_peak": None if tflops is None else round(100.0 * tflops / peak, 2),
                 "pct_peak_fp8": None if tflops is None or not peak_fp8 else round(100.0 * tflops / peak_fp8, 2),
@@ -361,6 +424,9 @@ def main(argv=None):
             skipped[b] = f"the {b} adapter has no expert parallelism (ep={ep})"
     if "torch_fp8" in backends and ep > 1:
         skipped["torch_fp8"] = f"torch_fp8 runs on a single rank only (ep={ep})"
+    if args.shared_experts:
+        for b in (b for b in backends if b in NO_SHARED):
+            skipped.setdefault(b, NO_SHARED[b])  # a reason found above (an import error) stays the one reported
     for b, why in skipped.items():
         log(f"[bench] skipping backend {b}: {why}")
     shapes = [g for s in _split(args.shapes) for g in (bc.grid_shapes() if s == "grid" else [s])]
@@ -397,6 +463,15 @@ def main(argv=None):
         if why is not None:
             log(f"[bench] skipping backend deep_gemm_grouped: {why}")
             backends.remove("deep_gemm_grouped")
+    if args.shared_experts and any(b in backends for b in ("deep_gemm", "deep_gemm_grouped")):
+        # the kernels take the shared experts' Is under the routed I's alignment rule: refuse here, before any timing
+        from prime_kernels.mega._backend import alignment_reason
+
+        for s in shapes:
+            _, H, I, _ = bc.shape_dims(s)
+            why = alignment_reason(H, _shared_dims(I, args)[1], args.precision)
+            if why is not None:
+                raise SystemExit(f"shape {s} with --shared-experts {args.shared_experts}: {why}")
 
     t0 = time.time()
     peak = bc.reduce_max(bc.bf16_peak_tflops(device, args.peak_n, args.warmup, args.iters), device)

@@ -15,7 +15,8 @@ import torch
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 TOP = {"gpu", "num_gpus", "torch", "cuda", "git_sha", "date", "peak_bf16_tflops", "timing", "options", "floor", "rows"}
-ROW = {"shape", "num_experts", "hidden", "intermediate", "top_k", "tokens", "ep", "routing", "precision",
+ROW = {"shape", "num_experts", "hidden", "intermediate", "top_k", "shared_experts", "shared_intermediate", "tokens",
+       "ep", "routing", "precision",
        "backend", "direction", "ms", "tflops", "pct_peak", "pct_peak_fp8", "ratio_vs_torch", "floor_ms",
        "ms_over_floor",
        "peak_mem_gib", "added_mem_gib"}
@@ -67,6 +68,99 @@ def test_bench_layer_smoke(tmp_path, capsys):
         assert "matplotlib is not installed" in capsys.readouterr().out
     else:
         assert Path(png).exists() and Path(png).stat().st_size > 0
+
+
+def test_bench_layer_smoke_records_no_shared_experts(tmp_path):
+    """Without --shared-experts every row says so (0 and None), and the floor is the routed experts' alone."""
+    doc = _run_smoke(tmp_path / "plain.json", "--routings", "uniform", "--rounds", "1", "--no-check")
+    assert all(r["shared_experts"] == 0 and r["shared_intermediate"] is None for r in doc["rows"])
+    assert all("shared_experts" not in c for c in doc["floor"]["configs"])
+
+
+@pytest.mark.parametrize("S,Is", [(1, None), (2, 64)])
+def test_bench_layer_shared_experts_smoke(tmp_path, capsys, S, Is):
+    """--shared-experts S (--shared-intermediate Is, default the shape's I): the torch baseline (torch_moe plus a
+    dense MLP per shared expert) and our backends (here the reference) get every direction with S and Is in each row,
+    ours within BF16 error of float64 in y and every gradient, the shared weights' included; torch_fp8, which has no
+    shared experts, gets skipped rows with the reason; the floor counts the shared weights' gradient bytes."""
+    extra = ["--shared-experts", str(S)] + ([] if Is is None else ["--shared-intermediate", str(Is)])
+    doc = _run_smoke(tmp_path / "shared.json", "--backends", "torch,deep_gemm,deep_gemm_reference,torch_fp8",
+                     "--rounds", "1", "--inference", *extra)
+    E, H, I = 8, 128, 128  # the smoke shape (top-2)
+    want_is = I if Is is None else Is
+    rows = _timed_rows(doc)
+    got = {(r["backend"], r["direction"], r["routing"]) for r in rows}
+    assert got >= {(b, d, g) for b in ("torch", "deep_gemm_reference") for d in ("fwd", "bwd", "fwdbwd", "infer")
+                   for g in ("uniform", "zipf")}, got
+    for r in doc["rows"]:
+        assert r["shared_experts"] == S and r["shared_intermediate"] == want_is, r
+    for r in rows:
+        assert set(r) == ROW | ({"max_rel_err"} if r["backend"] != "torch" else set()), r
+        if r["backend"] != "torch":
+            assert math.isfinite(r["max_rel_err"]) and r["max_rel_err"] < 1e-2, r
+        if r["direction"] != "bwd":  # a difference of two timings: may be <= 0 at this size on the CPU
+            assert r["ms"] > 0 and r["ratio_vs_torch"] > 0, r
+    fp8 = [r for r in doc["rows"] if r["backend"] == "torch_fp8"]
+    assert len(fp8) == 8 and all(r["skipped"] == "the torch_fp8 baseline has no shared experts (--shared-experts)"
+                                 and r["ms"] is None for r in fp8), fp8
+    for c in doc["floor"]["configs"]:
+        assert (c["shared_experts"], c["shared_intermediate"]) == (S, want_is), c
+        assert c["weight_grad_bytes"] == (E * 3 * I * H + S * 3 * want_is * H) * 2  # dW13 + dW2 + the shared, bf16
+    out = capsys.readouterr().out
+    assert "shared_intermediate" in out.split("[bench] wrote")[0]  # the printed table has the shared columns
+
+
+def test_bench_layer_shared_flops_and_arguments():
+    """The useful FLOPs add 6 T H Is (forward) and 12 T H Is (backward) per shared expert to the routed ones; bad
+    --shared-* values are refused before anything runs."""
+    b = _bench_module("bench_layer")
+    routes, T, H, I, Is = 80, 40, 128, 96, 64
+    for S in (0, 1, 3):
+        fwd = 6.0 * H * (routes * I + S * T * Is)
+        want = {"fwd": fwd, "infer": fwd, "bwd": 2 * fwd, "fwdbwd": 3 * fwd}
+        for d, v in want.items():
+            assert b._useful_flops(routes, T, H, I, S, Is if S else None, d) == v, (S, d)
+    a = b.parse_args(["--shared-experts", "2"])
+    assert (a.shared_experts, a.shared_intermediate) == (2, None) and b._shared_dims(768, a) == (2, 768)
+    assert b._shared_dims(768, b.parse_args([])) == (0, None)
+    assert b._shared_dims(768, b.parse_args(["--shared-experts", "1", "--shared-intermediate", "256"])) == (1, 256)
+    for bad in (["--shared-experts", "-1"], ["--shared-intermediate", "64"],
+                ["--shared-experts", "1", "--shared-intermediate", "0"]):
+        with pytest.raises(SystemExit):
+            b.parse_args(bad)
+
+
+def test_bench_layer_torch_shared_baseline_matches_float64():
+    """The torch baseline with shared experts (bench_layer's "torch" layer: torch_moe plus one dense bf16 SwiGLU
+    MLP per shared expert, gate rows then up rows) is the layer our reference computes with the same shared weights,
+    in y and every gradient, to BF16 error; the shared weights with gate and up swapped are not."""
+    from prime_kernels.mega import mega_moe
+
+    b = _bench_module("bench_layer")
+    bc = _bench_module("bench_common")
+    E, H, I, K = bc.SHAPES["smoke"]
+    S, Is, T = 2, 64, 40
+    w13, w2 = bc.make_weights(E, H, I, 0, "cpu")
+    sw13, sw2 = bc.make_shared_weights(S, H, Is, 0, "cpu")
+    assert sw13.shape == (S, 2 * Is, H) and sw2.shape == (S, H, Is)
+    assert not torch.equal(sw13[0], sw13[1]) and not torch.equal(sw13[0, :, :64], w13[0, :2 * Is, :64])
+    x, idx, w, dy = bc.make_tokens(T, E, H, K, "zipf", 0, "cpu")
+    args = b.parse_args(["--shared-experts", str(S), "--shared-intermediate", str(Is)])
+    torch_layer = b._layer_fn("torch", None, E, args)
+
+    def errors(shared_w13):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2, shared_w13, sw2)]
+        y = torch_layer(leaves[0], idx, leaves[1], *leaves[2:])
+        grads = torch.autograd.grad(y, leaves, dy)
+        ref = [t.detach().double().requires_grad_() for t in (x, w, w13, w2, sw13, sw2)]
+        y64 = mega_moe(ref[0], idx, ref[1], ref[2], ref[3], num_experts=E, backend="reference", shared_w13=ref[4],
+                       shared_w2=ref[5])
+        g64 = torch.autograd.grad(y64, ref, dy.double())
+        return [bc.rel_err(y, y64)] + [bc.rel_err(g, r) for g, r in zip(grads, g64)]
+
+    assert max(errors(sw13)) < 1e-2
+    swapped = torch.cat([sw13[:, Is:], sw13[:, :Is]], dim=1)
+    assert errors(swapped)[0] > 0.1
 
 
 def test_bench_layer_sustained_smoke(tmp_path):
