@@ -1,0 +1,569 @@
+#!/usr/bin/env python3
+"""Full training steps of transformers' Qwen3-MoE with our experts against the trainer's own, in one process.
+
+    python3 bench/train_step.py --layers 2 --seq 4096 --batch 4 --checkpointing both \\
+        --out bench/results/train_step_h200_<date>.json
+    python3 bench/train_step.py --smoke --device cpu          # the CI path: a tiny model on the CPU, seconds
+
+What one step is: ``opt.zero_grad(set_to_none=True)``, ``loss = model(input_ids=ids, labels=ids).loss``,
+``loss.backward()``, ``opt.step()`` on ``transformers.Qwen3MoeForCausalLM`` built from a config (random weights, no
+download) at the Qwen3-30B-A3B layer shape (hidden 2048, moe_intermediate_size 768, 128 experts, top-8, 32 heads /
+4 KV heads, head_dim 128, vocab 151936; every layer sparse, no router auxiliary loss) with ``--layers`` decoder
+layers, ``--batch`` sequences of ``--seq`` tokens, SDPA attention.
+
+Precision: the model's parameters are bf16 (so are its gradients and AdamW's two moments); the optimizer is
+``torch.optim.AdamW`` (fused=True on CUDA, foreach on the CPU), no fp32 master copy, no autocast. The loss is
+transformers' own (logits upcast to fp32).
+
+Variants, each from the same state dict (the model is built once with ``--seed`` and copied to host memory; every
+variant builds its model and loads that copy) on the same seeded token batches:
+
+* ``grouped_mm``: transformers' own experts implementation of that name (``transformers.integrations.moe``;
+  ``config._experts_implementation``, chosen here with ``experts_implementation=`` in ``from_config``; it is also
+  transformers' default), torch's grouped GEMM.
+* ``prime_mega_moe``: ours, switched in with ``prime_kernels.integrations.transformers.apply(model, backend)``
+  (``--backend``: "auto" on a GPU; the package has no kernels without one and refuses "auto" there, so the CPU
+  runs the pure-PyTorch "reference" backend).
+* ``sonicmoe``: transformers' SonicMoE experts implementation, where its kernel loads (it needs the ``kernels``
+  package, a Hopper GPU and a hub build); otherwise the variant is recorded as skipped with the loader's error.
+
+Per variant and ``--checkpointing`` setting (full activation checkpointing of every decoder layer, transformers'
+``activation_checkpointing_enable()``, non-reentrant), after ``--warmup`` untimed steps:
+
+* step time: the median of ``--steps`` steps, each ``torch.cuda.synchronize()`` + ``time.perf_counter()`` around the
+  whole step (host overheads included, as a trainer sees them); tokens/s/GPU = batch * seq / step time (one GPU).
+* peak memory: ``torch.cuda.max_memory_allocated()`` from before the model is built to the end of the timed steps
+  (weights, gradients, optimizer state and activations).
+* the MoE experts' share of the step: ``--share-steps`` more steps with timing hooks on every experts module:
+  a forward pre-hook / forward hook pair stamps the experts' forward (recomputed forwards under checkpointing
+  included), and identity autograd functions on the experts' input and output stamp the start and end of their
+  backward (the gradients of the experts' weights, inputs and routing weights). Stamps are CUDA events (CPU:
+  perf_counter); share = the sum of those windows / that step's time. Attention, router, norms, embedding, the
+  LM head, the loss and the optimizer are the rest. These steps are not among the timed ones.
+* the loss of every step (warm-up, timed and share steps).
+
+Parity: every variant's loss at each of the first ``--parity-steps`` steps is within a relative 1e-2 of
+``grouped_mm``'s at the same checkpointing setting. Both runs compute in bf16 and their expert GEMMs sum in a
+different order, so the losses are not bitwise equal; after a step the weights differ in their last bits and a
+router's top-k can flip, so the runs drift apart slowly; 1e-2 bounds that drift over a few steps, while a wrong
+expert computation gives a different loss from the first step. The tokens are uniform random, so the loss stays
+near ln(vocab): this rule catches divergence, NaNs and gross errors, not small ones (tests/test_integration_
+transformers.py checks the mapping exactly in float64). The script exits 1 when a variant breaks the rule (2 when
+``--device cuda`` finds no GPU).
+
+Results: a table on stdout; the results JSON (``--out``, default
+bench/results/train_step_<gpu>_<date>.json) with the git sha, torch / transformers / CUDA versions, the GPU, every
+argument, the model's shape, each run's figures and losses, the parity verdicts and the step-time ratio of every
+variant to ``grouped_mm``; and a PNG beside it (step time per variant and setting, loss curves), unless
+``--no-plot`` or matplotlib is missing (then it says so).
+
+Scope: only transformers' model code is covered. TorchTitan's MoE models are the next item of the same issue; they
+need their own model construction, parallelism setup and optimizer wiring (TorchTitan builds models from its job
+configs and trains through its Trainer), which this script does not implement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
+
+VARIANTS = ("grouped_mm", "prime_mega_moe", "sonicmoe")
+REFERENCE = "grouped_mm"  # the trainer's own experts: what parity and the ratios are taken against
+PARITY_RTOL = 1e-2
+
+# Qwen3-30B-A3B's decoder layer (its config.json), with a chosen number of layers
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                     num_experts_per_tok=8, max_position_embeddings=40960, rms_norm_eps=1e-6)
+SMOKE = dict(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+             rms_norm_eps=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# arguments
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 4096; --smoke: 64)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 4; --smoke: 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --smoke: 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps before them (default 3; --smoke: 1)")
+    p.add_argument("--share-steps", type=int, default=1,
+                   help="steps after the timed ones with the experts' timing hooks on (default 1)")
+    p.add_argument("--checkpointing", choices=("off", "on", "both"), default="off",
+                   help="full activation checkpointing of every decoder layer: off, on, or both settings in turn")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma list from {','.join(VARIANTS)} ({REFERENCE} is always run: it is the reference)")
+    p.add_argument("--backend", default=None,
+                   help="prime_kernels backend for prime_mega_moe (default: auto on CUDA, reference on the CPU)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the token batches")
+    p.add_argument("--parity-steps", type=int, default=10,
+                   help=f"steps whose losses must agree within a relative {PARITY_RTOL:g} (default 10)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where to train (default cuda)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny model (hidden 128, 8 experts, top-2, vocab 256) that runs on the CPU in seconds")
+    p.add_argument("--out", default=None, help="results JSON (default bench/results/train_step_<gpu>_<date>.json)")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
+    a = p.parse_args(argv)
+    small = a.smoke
+    a.seq = a.seq or (64 if small else 4096)
+    a.batch = a.batch or (2 if small else 4)
+    a.steps = a.steps if a.steps is not None else (2 if small else 10)
+    a.warmup = a.warmup if a.warmup is not None else (1 if small else 3)
+    a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    unknown = sorted(set(a.variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown variants {unknown}: choose from {list(VARIANTS)}")
+    a.variants = [REFERENCE] + [v for v in VARIANTS if v in a.variants and v != REFERENCE]
+    a.backend = a.backend or ("reference" if a.device == "cpu" else "auto")
+    for name in ("layers", "seq", "batch", "steps"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.warmup < 0 or a.share_steps < 0 or a.parity_steps < 0:
+        p.error("--warmup, --share-steps and --parity-steps must be >= 0")
+    return a
+
+
+def checkpointing_settings(choice: str) -> list[bool]:
+    return {"off": [False], "on": [True], "both": [False, True]}[choice]
+
+
+# ------------------------------------------------------------------------------------------------
+# model, data, optimizer
+# ------------------------------------------------------------------------------------------------
+
+
+def make_config(args: argparse.Namespace):
+    from transformers import Qwen3MoeConfig  # noqa: PLC0415
+
+    shape = SMOKE if args.smoke else QWEN3_30B_A3B
+    # every layer sparse (decoder_sparse_step=1, no mlp_only_layers), as in Qwen3-30B-A3B; no router auxiliary
+    # loss, so the loss is the language-model loss alone
+    return Qwen3MoeConfig(**shape, num_hidden_layers=args.layers, decoder_sparse_step=1, mlp_only_layers=[],
+                          norm_topk_prob=True, tie_word_embeddings=False, output_router_logits=False,
+                          max_window_layers=args.layers, use_cache=False)
+
+
+def build_model(config, device: torch.device, impl: str):
+    """A bf16 Qwen3-MoE on ``device`` with transformers' experts implementation ``impl``, randomly initialised."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    with device:  # initialise on the device: the 30B-A3B layer shape is slow to initialise on the host
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, experts_implementation=impl,
+                                                 attn_implementation="sdpa")
+    return model.to(device)
+
+
+def host_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def make_batches(n: int, batch: int, seq: int, vocab: int, seed: int, device: torch.device) -> list[torch.Tensor]:
+    """n batches of uniform random token ids, the same for every variant (a host generator, then moved)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    return [torch.randint(0, vocab, (batch, seq), generator=g).to(device) for _ in range(n)]
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, device: torch.device) -> tuple[torch.optim.Optimizer, str]:
+    if device.type == "cuda":
+        return torch.optim.AdamW(model.parameters(), lr=lr, fused=True), "fused"
+    return torch.optim.AdamW(model.parameters(), lr=lr, foreach=True), "foreach"
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def sonicmoe_skip_reason() -> str | None:
+    """None when transformers' SonicMoE kernel loads here, else why not (the loader's exception)."""
+    try:
+        from transformers.integrations.sonicmoe import load_sonicmoe_kernel  # noqa: PLC0415
+
+        load_sonicmoe_kernel()
+    except Exception as exc:  # noqa: BLE001 - any failure to load means: not measurable here, say why
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# the experts' share of a step
+# ------------------------------------------------------------------------------------------------
+
+
+class _Stamp:
+    """A point in time on the device's stream (a CUDA event) or on the host clock (CPU, which runs synchronously)."""
+
+    def __init__(self, cuda: bool):
+        self.event = None
+        self.t = 0.0
+        if cuda:
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+        else:
+            self.t = time.perf_counter()
+
+    def ms_until(self, end: "_Stamp") -> float:
+        if self.event is not None:
+            return self.event.elapsed_time(end.event)
+        return (end.t - self.t) * 1e3
+
+
+class _BackwardMark(torch.autograd.Function):
+    """Identity whose backward stamps the timer: on an experts module's output it marks the start of the experts'
+    backward, on its input the end (autograd reaches the input's gradient after every node inside the experts)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, timer: "ExpertsTimer", edge: str) -> torch.Tensor:
+        ctx.timer, ctx.edge = timer, edge
+        # Under non-reentrant activation checkpointing, unpacking a saved tensor recomputes the layer's forward.
+        # Saving an empty one and unpacking it before stamping makes that recompute happen before the experts'
+        # backward window opens (it is counted by the recomputed forward's own hooks instead).
+        ctx.save_for_backward(x.new_empty(0))
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.saved_tensors  # noqa: B018 - see forward
+        ctx.timer.backward_edge(ctx.edge)
+        return grad, None, None
+
+
+class ExpertsTimer:
+    """Hooks on every experts module that stamp its forward and backward windows while enabled."""
+
+    def __init__(self, model: torch.nn.Module, cuda: bool):
+        from prime_kernels.integrations.transformers import is_experts_module  # noqa: PLC0415
+
+        self.cuda = cuda
+        self.enabled = False
+        self.modules = [m for _, m in model.named_modules() if is_experts_module(m)]
+        self.handles = []
+        for m in self.modules:
+            self.handles.append(m.register_forward_pre_hook(self._pre))
+            self.handles.append(m.register_forward_hook(self._post))
+        self.reset()
+
+    def reset(self) -> None:
+        self.fwd: list[tuple[_Stamp, _Stamp]] = []
+        self.bwd: list[tuple[_Stamp, _Stamp]] = []
+        self._fwd_open: list[_Stamp] = []
+        self._bwd_open: list[_Stamp] = []
+
+    def _pre(self, module, args):
+        if not self.enabled:
+            return None
+        self._fwd_open.append(_Stamp(self.cuda))
+        return (_BackwardMark.apply(args[0], self, "end"), *args[1:])
+
+    def _post(self, module, args, output):
+        if not self.enabled:
+            return None
+        self.fwd.append((self._fwd_open.pop(), _Stamp(self.cuda)))
+        return _BackwardMark.apply(output, self, "start")
+
+    def backward_edge(self, edge: str) -> None:
+        if not self.enabled:
+            return
+        if edge == "start":
+            self._bwd_open.append(_Stamp(self.cuda))
+        elif self._bwd_open:
+            self.bwd.append((self._bwd_open.pop(), _Stamp(self.cuda)))
+
+    def summary(self) -> dict:
+        """Milliseconds in the experts' forwards and backwards since reset() (call after synchronizing)."""
+        fwd = sum(a.ms_until(b) for a, b in self.fwd)
+        bwd = sum(a.ms_until(b) for a, b in self.bwd)
+        return {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_windows": len(self.fwd), "bwd_windows": len(self.bwd)}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+# ------------------------------------------------------------------------------------------------
+# one run: a variant at one checkpointing setting
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunSpec:
+    variant: str
+    checkpointing: bool
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def prepare_model(spec: RunSpec, config, state: dict, args: argparse.Namespace, device: torch.device):
+    """The variant's model with the shared weights; its experts implementation as transformers reports it."""
+    impl = "grouped_mm" if spec.variant == "prime_mega_moe" else spec.variant
+    model = build_model(config, device, impl)
+    model.load_state_dict(state, strict=True)
+    if spec.variant == "prime_mega_moe":
+        import prime_kernels.integrations.transformers as pk_hf  # noqa: PLC0415
+
+        pk_hf.apply(model, backend=args.backend)
+    if spec.checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+    model.train()
+    return model
+
+
+def timed_step(model, opt, ids, device) -> tuple[float, torch.Tensor]:
+    sync(device)
+    t0 = time.perf_counter()
+    loss = train_step(model, opt, ids)
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3, loss
+
+
+def run_variant(spec: RunSpec, config, state: dict, batches: list[torch.Tensor], args: argparse.Namespace,
+                device: torch.device) -> dict:
+    free_memory(device)
+    model = prepare_model(spec, config, state, args, device)
+    opt, opt_kind = make_optimizer(model, args.lr, device)
+    losses: list[torch.Tensor] = []
+    step_ms: list[float] = []
+    for i, ids in enumerate(batches[:args.warmup + args.steps]):
+        ms, loss = timed_step(model, opt, ids, device)
+        losses.append(loss)
+        if i >= args.warmup:
+            step_ms.append(ms)
+    peak_gib = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None
+    timer = ExpertsTimer(model, device.type == "cuda")
+    shares = []
+    for ids in batches[args.warmup + args.steps:]:
+        timer.reset()
+        timer.enabled = True
+        ms, loss = timed_step(model, opt, ids, device)
+        timer.enabled = False
+        losses.append(loss)
+        shares.append({"step_ms": ms, **timer.summary()})
+    timer.remove()
+    row = summarize_run(spec, model, step_ms, shares, [float(x) for x in losses], args)
+    row.update(optimizer=f"AdamW ({opt_kind})", peak_mem_gib=None if peak_gib is None else round(peak_gib, 3))
+    del model, opt, timer
+    free_memory(device)
+    return row
+
+
+def summarize_run(spec: RunSpec, model, step_ms: list[float], shares: list[dict], losses: list[float],
+                  args: argparse.Namespace) -> dict:
+    median = statistics.median(step_ms)
+    experts_ms = [s["fwd_ms"] + s["bwd_ms"] for s in shares]
+    share = statistics.median(e / s["step_ms"] for e, s in zip(experts_ms, shares)) if shares else None
+    return {
+        "variant": spec.variant,
+        "checkpointing": spec.checkpointing,
+        "experts_implementation": model.config._experts_implementation,
+        "backend": args.backend if spec.variant == "prime_mega_moe" else None,
+        "step_ms": round(median, 3),
+        "step_ms_all": [round(x, 3) for x in step_ms],
+        "tokens_per_s_per_gpu": round(args.batch * args.seq / (median / 1e3), 1),
+        "moe_experts_ms": None if not shares else round(statistics.median(experts_ms), 3),
+        "moe_share": None if share is None else round(share, 4),
+        "moe_share_steps": [{k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()} for s in shares],
+        "losses": losses,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# parity, ratios, output
+# ------------------------------------------------------------------------------------------------
+
+
+def parity(rows: list[dict], steps: int) -> list[dict]:
+    """Every timed variant's losses against grouped_mm's at the same checkpointing setting."""
+    out = []
+    for row in rows:
+        if row.get("skipped") or row["variant"] == REFERENCE:
+            continue
+        ref = next(r for r in rows if r["variant"] == REFERENCE and r["checkpointing"] == row["checkpointing"])
+        n = min(steps, len(row["losses"]), len(ref["losses"]))
+        diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(row["losses"][:n], ref["losses"][:n])]
+        finite = all(math.isfinite(x) for x in row["losses"] + ref["losses"])
+        ok = finite and all(d <= PARITY_RTOL for d in diffs)
+        out.append({"variant": row["variant"], "vs": REFERENCE, "checkpointing": row["checkpointing"],
+                    "steps_checked": n, "rtol": PARITY_RTOL, "max_rel_diff": max(diffs, default=0.0),
+                    "rel_diffs": [float(f"{d:.3e}") for d in diffs], "finite": finite, "ok": ok})
+    return out
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Step time of every timed variant over grouped_mm's at the same setting (< 1: faster than transformers')."""
+    out = []
+    for row in rows:
+        if row.get("skipped") or row["variant"] == REFERENCE:
+            continue
+        ref = next(r for r in rows if r["variant"] == REFERENCE and r["checkpointing"] == row["checkpointing"])
+        out.append({"variant": row["variant"], "vs": REFERENCE, "checkpointing": row["checkpointing"],
+                    "step_ms_ratio": round(row["step_ms"] / ref["step_ms"], 4)})
+    return out
+
+
+def gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+
+
+def default_out(device: torch.device) -> Path:
+    """bench/results/train_step_<gpu>_<date>.json, <gpu> the model's first word ("NVIDIA H200" -> "h200")."""
+    words = gpu_name(device).replace("NVIDIA", "").split()
+    gpu = words[0].lower() if words else "gpu"
+    return bc.RESULTS_DIR / f"train_step_{gpu}_{_dt.date.today().isoformat()}.json"
+
+
+def model_summary(config, state: dict, smoke: bool) -> dict:
+    experts = sum(v.numel() for k, v in state.items() if ".experts." in k)
+    return {"model": "Qwen3MoeForCausalLM", "shape": "smoke" if smoke else "qwen3-30b-a3b",
+            "layers": config.num_hidden_layers, "hidden": config.hidden_size,
+            "moe_intermediate": config.moe_intermediate_size, "experts": config.num_experts,
+            "top_k": config.num_experts_per_tok, "heads": config.num_attention_heads,
+            "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim, "vocab": config.vocab_size,
+            "params": sum(v.numel() for v in state.values()), "expert_params": experts,
+            "attention": "sdpa", "dtype": "bfloat16"}
+
+
+def header(args: argparse.Namespace, device: torch.device) -> dict:
+    import transformers  # noqa: PLC0415
+
+    import prime_kernels  # noqa: PLC0415
+
+    return {"benchmark": "train_step", "gpu": gpu_name(device), "device": device.type,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "prime_kernels": prime_kernels.build_info()["version"], "git_sha": bc.git_sha(),
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "args": vars(args),
+            "precision": "bf16 parameters, gradients and AdamW moments (no fp32 master weights, no autocast)"}
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'variant':<16} {'ckpt':<4} {'step_ms':>10} {'tok/s/gpu':>11} {'moe_share':>9} {'peak_GiB':>9}  note"]
+    for r in rows:
+        ck = "on" if r["checkpointing"] else "off"
+        if r.get("skipped"):
+            lines.append(f"{r['variant']:<16} {ck:<4} {'-':>10} {'-':>11} {'-':>9} {'-':>9}  skipped: {r['skipped']}")
+            continue
+        share = "-" if r["moe_share"] is None else f"{r['moe_share']:.3f}"
+        peak = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
+        lines.append(f"{r['variant']:<16} {ck:<4} {r['step_ms']:>10.2f} {r['tokens_per_s_per_gpu']:>11.0f} "
+                     f"{share:>9} {peak:>9}  losses {', '.join(f'{x:.4f}' for x in r['losses'])}")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: Path) -> Path | None:
+    """Step time per variant and setting (bars) and every run's loss curve, into ``path``."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        print("[train_step] matplotlib is not installed: no plot")
+        return None
+    rows = [r for r in doc["runs"] if not r.get("skipped")]
+    labels = [f"{r['variant']}\nckpt {'on' if r['checkpointing'] else 'off'}" for r in rows]
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bars.bar(range(len(rows)), [r["step_ms"] for r in rows], color=[f"C{VARIANTS.index(r['variant'])}" for r in rows])
+    bars.set_xticks(range(len(rows)), labels, fontsize=8)
+    bars.set_ylabel("step time, median (ms)")
+    bars.set_title(f"{doc['gpu']}: {doc['model']['layers']} layers, batch {doc['args']['batch']} x "
+                   f"seq {doc['args']['seq']}", fontsize=9)
+    for r in rows:
+        style = "--" if r["checkpointing"] else "-"
+        curves.plot(r["losses"], style, marker=".", color=f"C{VARIANTS.index(r['variant'])}",
+                    label=f"{r['variant']} ckpt {'on' if r['checkpointing'] else 'off'}")
+    curves.xaxis.get_major_locator().set_params(integer=True)
+    curves.set_xlabel("step (warm-up, timed, share)")
+    curves.set_ylabel("loss")
+    curves.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("[train_step] --device cuda needs a CUDA GPU; use --device cpu (with --smoke) on this machine")
+        return 2
+    config = make_config(args)
+    torch.manual_seed(args.seed)
+    base = build_model(config, device, REFERENCE)
+    state = host_state_dict(base)
+    del base
+    free_memory(device)
+    n_steps = args.warmup + args.steps + args.share_steps
+    batches = make_batches(n_steps, args.batch, args.seq, config.vocab_size, args.seed, device)
+    sonic_reason = sonicmoe_skip_reason() if "sonicmoe" in args.variants else None
+    rows = []
+    for ckpt in checkpointing_settings(args.checkpointing):
+        for variant in args.variants:
+            spec = RunSpec(variant, ckpt)
+            if variant == "sonicmoe" and sonic_reason:
+                print(f"[train_step] skipping sonicmoe: {sonic_reason}")
+                rows.append({"variant": variant, "checkpointing": ckpt, "skipped": sonic_reason})
+                continue
+            print(f"[train_step] {variant}, checkpointing {'on' if ckpt else 'off'} ...", flush=True)
+            rows.append(run_variant(spec, config, state, batches, args, device))
+    doc = header(args, device)
+    doc.update(model=model_summary(config, state, args.smoke), tokens_per_step=args.batch * args.seq, runs=rows,
+               parity=parity(rows, args.parity_steps), ratios=ratios(rows))
+    doc["parity_ok"] = all(p["ok"] for p in doc["parity"])
+    out = Path(args.out) if args.out else default_out(device)
+    bc.write_results(doc, out)
+    print(format_table(rows))
+    for r in doc["ratios"]:
+        print(f"[train_step] {r['variant']} / {r['vs']} step time, checkpointing "
+              f"{'on' if r['checkpointing'] else 'off'}: {r['step_ms_ratio']:.3f}")
+    print(f"[train_step] wrote {out}")
+    if not args.no_plot:
+        png = plot(doc, out.with_suffix(".png"))
+        if png is not None:
+            print(f"[train_step] wrote {png}")
+    for p in doc["parity"]:
+        if not p["ok"]:
+            print(f"[train_step] PARITY FAIL: {p['variant']} vs {p['vs']} (checkpointing "
+                  f"{'on' if p['checkpointing'] else 'off'}): max relative loss difference {p['max_rel_diff']:.3e} "
+                  f"> {PARITY_RTOL:g} over {p['steps_checked']} steps (finite: {p['finite']})")
+    return 0 if doc["parity_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
