@@ -129,6 +129,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=None, help="K (default 4)")
     p.add_argument("--aux-weight", type=float, default=0.01, help="weight of the load-balancing loss")
     p.add_argument("--recompute", action="store_true", help="MegaMoE(recompute=True)")
+    p.add_argument("--activation-clamp", type=float, default=None,
+                   help="MegaMoE(activation_clamp=C), in the reference runs and the candidate alike")
     p.add_argument("--wgrad-accum", action="store_true",
                    help="MegaMoE adds its weight gradients in fp32 into the masters' .grad (wgrad_accum)")
     p.add_argument("--staging-buffer", action="store_true",
@@ -283,7 +285,7 @@ class MoE(nn.Module):
             kw["max_tokens_per_rank"] = args.batch * args.seq
         self.experts = MegaMoE(args.experts, args.hidden, args.intermediate, args.top_k, backend=backend,
                                precision=precision, recompute=args.recompute, device=args.device,
-                               dtype=torch.bfloat16, **kw)
+                               activation_clamp=args.activation_clamp, dtype=torch.bfloat16, **kw)
         self.wgrad_accum = None  # set by the trainer with --wgrad-accum
 
     def forward(self, x):
