@@ -149,10 +149,17 @@ def _resolve_group(group_name: str):
     return _resolve_process_group(group_name)
 
 
+def _row_bytes(t: torch.Tensor) -> int:
+    """Bytes per row (first dim) of ``t``, from its shape: the same on every rank, rows or none."""
+    return int(torch.Size(t.shape[1:]).numel()) * t.element_size()
+
+
 def _pack(tensors):
+    """The tensors' rows side by side as bytes, [n, sum of their row bytes]; a rank that sends no row still has the
+    full row width, which sizes what it receives."""
     n = tensors[0].shape[0]
     parts = [t.contiguous().view(n, -1).view(torch.uint8) if t.numel() else
-             torch.empty((n, t[0].numel() * t.element_size() if n else 0), dtype=torch.uint8, device=t.device)
+             torch.empty((n, _row_bytes(t)), dtype=torch.uint8, device=t.device)
              for t in tensors]
     return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
 
