@@ -35,7 +35,7 @@ import warnings
 
 import torch
 
-from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _validate, reference
+from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _grouped_ep, _validate, reference
 from .._status import KERNELS
 from ..routing import pool_capacity
 from ._validate import FusedKernelUnavailable
@@ -148,8 +148,8 @@ def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None
             return f"{GROUPED_CLAMP_KEY}: {clamp_reason}"
     if precision not in ("bf16", "fp8_bwd", "fp8"):
         return f"the grouped pipeline runs bf16, fp8 and fp8_bwd (precision={precision!r})"
-    if ep_size != 1:
-        return "the grouped pipeline runs on a single rank (no expert-parallel group)"
+    if ep_size != 1 and precision != "bf16":
+        return f"the grouped pipeline runs precision={precision!r} on a single rank (no expert-parallel group)"
     if num_local_experts is not None and num_local_experts > GROUPED_MAX_EXPERTS:
         return (f"{num_local_experts} local experts exceed the grouped GEMMs' limit of "
                 f"GROUPED_MAX_EXPERTS={GROUPED_MAX_EXPERTS} (prime_kernels.mega.constants)")
@@ -313,7 +313,8 @@ def choose_backend(
         if why is not None:
             raise FusedKernelUnavailable(f"prime_kernels.mega: backend='grouped' cannot run: {why}")
         return "grouped", "backend='grouped' was asked for"
-    reason = common or too_many or _fused_reason(precision, direction)
+    single_rank = None if ep_size == 1 else "the fused kernels run on a single rank (no expert-parallel group)"
+    reason = common or too_many or single_rank or _fused_reason(precision, direction)
     if reason is None:
         _require_kernel_block_m(block_m)
         return "fused", None
@@ -419,6 +420,10 @@ def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, a
             out, x_pool = out[:7], out[7]
         elif which == "grouped" and precision == "fp8":
             out = _fp8_fwd.forward(x, topk_idx, topk_weights, w13, w2, id_check=ids, num_sms=num_sms, **kwargs)
+        elif which == "grouped" and group is not None:
+            out, pooled = _grouped_ep.forward(x, topk_idx, topk_weights, w13, w2, num_sms=num_sms, **kwargs)
+            if keep_pooled_x:  # the rows came from every rank: only this forward has them
+                x_pool = pooled
         elif which == "grouped":
             out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=buffer, id_check=ids,
                                    num_sms=num_sms, **kwargs)
@@ -457,6 +462,8 @@ def backward(which: str, dy, x, topk_idx, topk_weights, w13, w2, h, expert_count
             return _fp8_bwd.backward(*args, precision=precision, num_sms=num_sms, **kwargs)
         if which == "fused":
             return _fused.backward(*args, precision=precision, buffer=buffer, num_sms=num_sms, **kwargs)
+        if which == "grouped" and group is not None:
+            return _grouped_ep.backward(*args, num_sms=num_sms, **kwargs)
         if which == "grouped":
             return _grouped.backward(*args, buffer=buffer, num_sms=num_sms, **kwargs)
         return reference.backward(*args, precision=precision, **kwargs)
@@ -471,6 +478,11 @@ def _deferred_backward(which: str, args, *, precision, activation_clamp, group, 
                 recompute=recompute, buffer=buffer, x_pool=x_pool, num_sms=num_sms)
     if which in ("fused", "grouped") and precision == "bf16":
         pool = x_pool if x_pool is not None and x_pool.shape[0] == args[9].shape[0] and x_pool.shape[0] > 0 else None
+        if which == "grouped" and group is not None:
+            with torch.no_grad():
+                return _grouped_ep.backward(*args, activation_clamp=activation_clamp, group=group,
+                                            num_experts=num_experts, recompute=recompute, need_wgrad=False,
+                                            x_pool=pool, num_sms=num_sms, defer_wgrad=True)
         impl = _fused.backward if which == "fused" else _grouped.backward
         extra = dict(precision=precision) if which == "fused" else {}
         with torch.no_grad():

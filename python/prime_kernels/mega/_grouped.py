@@ -9,7 +9,8 @@ kernels, but the stages meet in HBM (the fused forward keeps its stages on chip)
 
 Rounding points: those of :mod:`prime_kernels.mega.reference`, F6 included (with a clamp the L1's epilogue saves
 h with the clamp masks of the fp32 pre-activation, as the fused forward's does, and a recompute reruns that
-epilogue). Single rank only (no expert-parallel group).
+epilogue). One rank here; with an expert-parallel group the same kernels run between all-to-all exchanges
+(:mod:`prime_kernels.mega._grouped_ep`).
 """
 
 from __future__ import annotations
