@@ -1,0 +1,177 @@
+"""The grouped backend's expert parallelism (the all-to-all path, prime_kernels.mega._grouped_ep) equals EP = 1 bit
+for bit: R ranks of a gloo group, each with E / R experts and its own tokens, give the one-rank call's y, dX and
+d topk_weights on their token slices and its weight gradients on their experts' slices, forward and backward, over
+routings that stress the exchange (unequal T per rank, a rank with T = 0, masked routes, every route to the
+first ranks' experts), a clamp, recompute, fp32 accumulators and deferred weight gradients.
+
+On the CPU the grouped pipeline's ops run their CPU implementations; each expert's GEMMs see the same rows in both
+runs, so the bits are the same. On a GPU the same test runs the kernels through gloo (which stages CUDA tensors
+through host memory), every rank on the one card."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from mega_helpers import make_problem
+
+E, H, I, K = 8, 128, 128, 3
+TIMEOUT_S = 180
+NAMES = ("y", "dx", "dtopk", "dw13", "dw2")
+
+# (name, tokens per rank, routing, masked fraction, options)
+CASES = {
+    2: [
+        ("skewed", (9, 5), "skewed", 0.1, {}),
+        ("empty_rank", (0, 11), "uniform", 0.0, {}),
+        ("clamp_recompute", (7, 6), "skewed", 0.2, {"activation_clamp": 0.6, "recompute": True}),
+        ("low_experts", (6, 8), "low_experts", 0.0, {}),
+        ("accum", (5, 9), "uniform", 0.1, {"accum": True}),
+        ("deferred", (8, 3), "skewed", 0.0, {"defer": True}),
+        ("all_masked", (4, 3), "uniform", 1.0, {}),
+    ],
+    4: [
+        ("skewed", (5, 0, 9, 3), "skewed", 0.1, {}),
+        ("low_experts", (3, 4, 2, 6), "low_experts", 0.0, {"activation_clamp": 0.6}),
+    ],
+}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _problem(tokens, routing, masked, seed):
+    T = sum(tokens)
+    kind = "skewed" if routing == "skewed" else "uniform"
+    x, idx, w, w13, w2, dy = make_problem(T, H, I, E, K, routing=kind, seed=seed, masked_frac=masked)
+    if routing == "low_experts":  # every route to experts 0-3: one rank's of two, two ranks' of four, the rest idle
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.stack([torch.randperm(4, generator=g)[:K] for _ in range(T)]) if T else idx
+    if masked >= 1.0:
+        idx[:] = -1
+    return x, idx, w, w13, w2, dy
+
+
+def _run(x, idx, w, w13, w2, dy, *, group, num_experts, tmax, opts):
+    """(y, dx, dtopk, dw13, dw2) of the grouped backend's forward and backward, on ``group`` or on one rank."""
+    from prime_kernels.mega import _backend
+
+    ep = 1 if group is None else torch.distributed.get_world_size(group)
+    clamp = opts.get("activation_clamp")
+    fwd = _backend.forward("grouped", x, idx, w, w13, w2, precision="bf16", activation_clamp=clamp, group=group,
+                           num_experts=num_experts, ep_size=ep, max_tokens_per_rank=tmax, block_m=128, save_h=True)
+    y, h, counts, offsets, src, srank, r2p, _ = fwd
+    state = (h, counts, offsets, src, srank, r2p)
+    common = dict(precision="bf16", activation_clamp=clamp, group=group, num_experts=num_experts,
+                  recompute=opts.get("recompute", False))
+    if opts.get("accum") or opts.get("defer"):
+        g = torch.Generator().manual_seed(11)
+        a13 = torch.randn((num_experts,) + w13.shape[1:], generator=g).to(x.device)
+        a2 = torch.randn((num_experts,) + w2.shape[1:], generator=g).to(x.device)
+        if ep > 1:  # this rank's experts' slice of the one-rank accumulators
+            r, El = torch.distributed.get_rank(group), w13.shape[0]
+            a13, a2 = a13[r * El:(r + 1) * El].contiguous(), a2[r * El:(r + 1) * El].contiguous()
+        init13, init2 = a13.clone(), a2.clone()
+        if opts.get("defer"):
+            dx, dtopk, later = _backend.backward("grouped", dy, x, idx, w, w13, w2, *state, need_wgrad=False,
+                                                 defer_wgrad=True, **common)
+            later.run(a13, a2)
+        else:
+            dx, dtopk, _, _ = _backend.backward("grouped", dy, x, idx, w, w13, w2, *state, need_wgrad=False,
+                                                dw13_accum=a13, dw2_accum=a2, **common)
+        return y, dx, dtopk, a13 - init13, a2 - init2
+    dx, dtopk, dw13, dw2 = _backend.backward("grouped", dy, x, idx, w, w13, w2, *state, need_wgrad=True, **common)
+    return y, dx, dtopk, dw13, dw2
+
+
+def _worker(rank, world, port, outdir, device_type):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dev = torch.device(device_type)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        out = {}
+        El = E // world
+        for seed, (name, tokens, routing, masked, opts) in enumerate(CASES[world]):
+            x, idx, w, w13, w2, dy = [t.to(dev) for t in _problem(tokens, routing, masked, 100 + seed)]
+            lo = sum(tokens[:rank])
+            sl = slice(lo, lo + tokens[rank])
+            es = slice(rank * El, (rank + 1) * El)
+            mine = [t[sl].contiguous() for t in (x, idx, w, dy)]
+            got = _run(mine[0], mine[1], mine[2], w13[es].contiguous(), w2[es].contiguous(), mine[3],
+                       group=dist.group.WORLD, num_experts=E, tmax=max(tokens), opts=opts)
+            out[name] = tuple(t.cpu() for t in got)
+            if device_type == "cuda" and name == CASES[world][0][0]:  # the public call, backend "auto"
+                from mega_helpers import run_layer
+
+                got = run_layer(mine[0], mine[1], mine[2], w13[es].contiguous(), w2[es].contiguous(), mine[3],
+                                group=dist.group.WORLD, num_experts=E, max_tokens_per_rank=max(tokens))
+                out["api"] = tuple(t.cpu() for t in got)
+        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world, device_type):
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, outdir, device_type)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(TIMEOUT_S)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        assert not alive, f"EP workers timed out after {TIMEOUT_S} s"
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_grouped_ep_equals_ep1_bitwise(world, device_type):
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    if device_type == "cuda":
+        from mega_helpers import skip_unless_available
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU (the CPU variant runs the same path on the pipeline's CPU ops)")
+        skip_unless_available("mega_moe_grouped.bf16.sm90")
+    outs = _spawn(world, device_type)
+    El = E // world
+    for seed, (name, tokens, routing, masked, opts) in enumerate(CASES[world]):
+        prob = [t.to(device_type) for t in _problem(tokens, routing, masked, 100 + seed)]
+        want = [t.cpu() for t in _run(*prob, group=None, num_experts=E, tmax=None, opts=opts)]
+        for r in range(world):
+            lo = sum(tokens[:r])
+            sl, es = slice(lo, lo + tokens[r]), slice(r * El, (r + 1) * El)
+            for what, a, b in zip(NAMES, outs[r][name], (want[0][sl], want[1][sl], want[2][sl], want[3][es],
+                                                        want[4][es])):
+                assert a.shape == b.shape and a.dtype == b.dtype, f"{name} rank {r} {what}: {a.shape} vs {b.shape}"
+                assert torch.equal(a, b), \
+                    f"{name} rank {r} {what}: max diff {(a.double() - b.double()).abs().max().item():.3e}"
+    if device_type == "cuda":  # mega_moe(group=...) under "auto" runs this path, and EP = 1's fused forward's bits
+        from mega_helpers import run_layer
+
+        name, tokens, routing, masked, _ = CASES[world][0]
+        want = [t.cpu() for t in run_layer(*[t.cuda() for t in _problem(tokens, routing, masked, 100)])]
+        for r in range(world):
+            lo = sum(tokens[:r])
+            sl, es = slice(lo, lo + tokens[r]), slice(r * El, (r + 1) * El)
+            for what, a, b in zip(NAMES, outs[r]["api"], (want[0][sl], want[1][sl], want[2][sl], want[3][es],
+                                                         want[4][es])):
+                assert torch.equal(a, b), f"api rank {r} {what}"
