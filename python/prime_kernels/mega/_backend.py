@@ -35,7 +35,7 @@ import warnings
 
 import torch
 
-from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _grouped_ep, _validate, reference
+from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _grouped_ep, _plan, _validate, reference
 from .._status import KERNELS
 from ..routing import pool_capacity
 from ._validate import FusedKernelUnavailable
@@ -412,6 +412,10 @@ def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, a
     ids = _validate.ExpertIdCheck(topk_idx, num_experts, which, from_plan=ep_size == 1)
     kwargs = dict(activation_clamp=activation_clamp, group=group, num_experts=num_experts,
                   max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, capacity=cap, save_h=save_h)
+    agreement = None
+    if group is not None:  # checked at the plan's first collective, on every rank
+        agreement = _plan.agreement_fields(x=x, w13=w13, precision=precision, backend=which,
+                                           activation_clamp=activation_clamp, keep_pooled_x=keep_pooled_x)
     x_pool = None
     with torch.no_grad():
         if which == "fused":
@@ -421,14 +425,16 @@ def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, a
         elif which == "grouped" and precision == "fp8":
             out = _fp8_fwd.forward(x, topk_idx, topk_weights, w13, w2, id_check=ids, num_sms=num_sms, **kwargs)
         elif which == "grouped" and group is not None:
-            out, pooled = _grouped_ep.forward(x, topk_idx, topk_weights, w13, w2, num_sms=num_sms, **kwargs)
+            out, pooled = _grouped_ep.forward(x, topk_idx, topk_weights, w13, w2, num_sms=num_sms,
+                                              agreement=agreement, **kwargs)
             if keep_pooled_x:  # the rows came from every rank: only this forward has them
                 x_pool = pooled
         elif which == "grouped":
             out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=buffer, id_check=ids,
                                    num_sms=num_sms, **kwargs)
         else:
-            out = reference.forward(x, topk_idx, topk_weights, w13, w2, precision=precision, **kwargs)
+            out = reference.forward(x, topk_idx, topk_weights, w13, w2, precision=precision, agreement=agreement,
+                                    **kwargs)
         if x_pool is None:
             x_pool = _gather_pool_rows(x, out[4], K) if keep_pooled_x else x.new_empty((0, x.shape[1]))
     ids.finish()

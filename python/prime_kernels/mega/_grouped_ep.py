@@ -19,9 +19,9 @@ kernels on the local pool:
 Why the result is the one-rank call's, bit for bit: every GEMM of an expert sees the rows it sees on one rank, in
 the same order, from the same block-aligned start, so its outputs and its k-grouped sums are the same; the combines
 read the route slots in (token, k) order with the same kernel and weights as the one-rank combine reads the pool;
-d topk_weights is the same per-row sum of the same partials. Shapes that disagree across ranks are the caller's
-(the plan's all-gathers take the routing of every rank); every wait is a collective of the process group, bounded
-by its timeout.
+d topk_weights is the same per-row sum of the same partials. Shapes, dtypes, precision, backend or options that
+disagree across ranks raise the same ValueError on every rank at the plan's first collective, before any exchange;
+every wait is a collective of the process group, bounded by its timeout.
 
 The exchanges run on the calling stream and block it; splitting the tokens into chunks so that one chunk's exchange
 runs under another's GEMMs is not done here.
@@ -69,16 +69,17 @@ def _has_rows(offsets: torch.Tensor) -> bool:
 
 
 def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group, num_experts, max_tokens_per_rank,
-            block_m, capacity, save_h=True, num_sms=0):
+            block_m, capacity, save_h=True, num_sms=0, agreement=None):
     """The forward over ``group``. Returns ((y, h, expert_counts, expert_offsets, pool_src_route, pool_src_rank,
     route_to_pool), x_pool): the reference forward's contract (pool_src_route / pool_src_rank name the route on its
-    source rank; route_to_pool the row in the owning rank's pool), and the pooled x rows [capacity, H]."""
+    source rank; route_to_pool the row in the owning rank's pool), and the pooled x rows [capacity, H].
+    ``agreement``: what every rank must agree on (:func:`prime_kernels.mega._plan.agreement_fields`)."""
     sms = _sms(num_sms)
     T, K = topk_idx.shape
     H = x.shape[1]
     twoI = w13.shape[1]
     counts, offsets, src, srank, r2p = build_plan(topk_idx, num_experts, block_m, capacity, group,
-                                                  max_tokens_per_rank)
+                                                  max_tokens_per_rank, agreement)
     ex = Exchange(topk_idx, r2p, src, srank, num_experts, group)
     tok = torch.div(ex.send_order, K, rounding_mode="floor")
     (x_pool,) = ex.to_pool([x.to(torch.bfloat16)[tok]])  # padding rows are zeros, as the one-rank gather's

@@ -19,6 +19,8 @@ rank that owns its expert.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from ..routing import routing_plan_reference
@@ -41,6 +43,41 @@ def _i32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32).contiguous()
 
 
+# What every rank of a group must agree on besides the routing shapes, in this order (a fixed-length descriptor: a
+# rank that passes no agreement sends -1 for each, so the gather itself always matches).
+AGREEMENT_KEYS = ("hidden", "intermediate", "x_dtype", "weight_dtype", "precision", "backend", "keep_pooled_x",
+                  "activation_clamp", "phase")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
+_BACKENDS = ("reference", "grouped", "fused")
+
+
+def _code(value, table) -> int:
+    return table.index(value) if value in table else len(table)
+
+
+def agreement_fields(*, x, w13, precision: str, backend: str, activation_clamp=None, keep_pooled_x: bool = False,
+                     phase: int = 0) -> dict[str, int]:
+    """The :data:`AGREEMENT_KEYS` of a call as ints (``phase``: 0 for a forward, 1 for a backward that plans again;
+    the clamp by its float64 bits, -1 without)."""
+    clamp = -1 if activation_clamp is None else struct.unpack("<q", struct.pack("<d", float(activation_clamp)))[0]
+    return {"hidden": int(x.shape[1]), "intermediate": int(w13.shape[1]) // 2, "x_dtype": _code(x.dtype, _DTYPES),
+            "weight_dtype": _code(w13.dtype, _DTYPES), "precision": _code(precision, _PRECISIONS),
+            "backend": _code(backend, _BACKENDS), "keep_pooled_x": int(bool(keep_pooled_x)),
+            "activation_clamp": clamp, "phase": int(phase)}
+
+
+def _check_agreement(names: list[str], rows: list[list[int]]) -> None:
+    """Raise on every rank (each has the same ``rows``: every rank's values of ``names``) when they differ."""
+    bad = [(n, [r[i] for r in rows]) for i, n in enumerate(names) if len({r[i] for r in rows}) > 1]
+    if bad:
+        what = "; ".join(f"{n}: " + ", ".join(f"rank {r} has {v}" for r, v in enumerate(vals)) for n, vals in bad)
+        raise ValueError(
+            f"prime_kernels.mega: the ranks of the expert-parallel group disagree ({what}); every rank must call the "
+            f"layer with the same top_k, num_experts, hidden and intermediate sizes, dtypes, precision, backend and "
+            f"options, or the exchanges that follow would not match")
+
+
 def build_plan(
     topk_idx: torch.Tensor,
     num_experts: int,
@@ -48,10 +85,16 @@ def build_plan(
     capacity: int,
     group=None,
     max_tokens_per_rank: int | None = None,
+    agreement: dict[str, int] | None = None,
 ):
     """Return the plan tensors of this rank, laid into ``capacity`` pool rows, all int32:
     (expert_counts [El], expert_offsets [El+1], pool_src_route [capacity],
     pool_src_rank [capacity], route_to_pool [T, K]).
+
+    Under a group the first collective gathers every rank's token count together with top_k, num_experts,
+    block_m, max_tokens_per_rank, capacity and the caller's ``agreement`` (:func:`agreement_fields`); if any
+    differs, every rank raises the same ValueError before an exchange whose sizes would not match (which gloo
+    aborts on and NCCL may hang on).
     """
     T, K = topk_idx.shape
     dev = topk_idx.device
@@ -71,11 +114,17 @@ def build_plan(
     r = dist.get_rank(group)
     El = num_experts // R
     tmax = int(max_tokens_per_rank if max_tokens_per_rank is not None else T)
-    # Every rank learns every rank's token count, then every rank's routing (padded to tmax).
-    t_local = torch.tensor([T], dtype=torch.long, device=dev)
-    t_all = [torch.zeros_like(t_local) for _ in range(R)]
-    dist.all_gather(t_all, t_local, group=group)
-    t_all = [int(t) for t in t_all]
+    # Every rank learns every rank's token count and call shape, then every rank's routing (padded to tmax).
+    agreement = agreement or {}
+    names = ["top_k", "num_experts", "block_m", "max_tokens_per_rank", "capacity", *AGREEMENT_KEYS]
+    fields = {"top_k": K, "num_experts": num_experts, "block_m": block_m, "max_tokens_per_rank": tmax,
+              "capacity": capacity, **{k: int(agreement.get(k, -1)) for k in AGREEMENT_KEYS}}
+    desc = torch.tensor([T] + [fields[n] for n in names], dtype=torch.long, device=dev)
+    gathered_desc = [torch.zeros_like(desc) for _ in range(R)]
+    dist.all_gather(gathered_desc, desc, group=group)
+    rows = [d.tolist() for d in gathered_desc]
+    _check_agreement(names, [row[1:] for row in rows])
+    t_all = [row[0] for row in rows]
     if max(t_all) > tmax:
         raise ValueError(
             f"prime_kernels.mega: a rank has {max(t_all)} tokens > max_tokens_per_rank={tmax} "

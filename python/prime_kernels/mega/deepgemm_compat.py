@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from . import _backend, _fused, _validate, reference, shared
+from ._plan import agreement_fields
 from ..routing import RoutingPlan
 from .api import mega_moe
 from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe  # noqa: F401  (one of the upstream names)
@@ -299,7 +300,9 @@ def _staged_backward(precision: str, *, dx, dw1, dw2, dtopk, dy, l1, l2, buffer,
     with torch.no_grad():
         if state is None:
             counts, offsets, src, srank, r2p = reference.build_plan(
-                topk_idx, E, block_m, cap, group, buffer.num_max_tokens_per_rank)
+                topk_idx, E, block_m, cap, group, buffer.num_max_tokens_per_rank,
+                agreement_fields(x=x, w13=l1, precision=precision, backend=which, activation_clamp=activation_clamp,
+                                 phase=1))
             h = None
         else:
             p = state.plan

@@ -329,12 +329,13 @@ def forward(
     precision="bf16",
     fp8_recipe=None,
     weight_cache=None,
+    agreement=None,
 ):
     """Reference forward (F1-F5). Returns (y, h_saved, counts, offsets, pool_src_route,
     pool_src_rank, route_to_pool); h_saved is [capacity, 2I] (or [0, 2I] if not save_h).
     ``precision`` "fp8" runs the FP8 forward (W, F1-F6 of the FP8 section), "bf16" and "fp8_bwd"
     the bf16 one; ``fp8_recipe`` (:class:`fp8.Fp8Recipe`) and ``weight_cache`` (default
-    ``fp8.WEIGHT_CACHE``) apply to "fp8"."""
+    ``fp8.WEIGHT_CACHE``) apply to "fp8"; ``agreement`` as in :func:`._plan.build_plan`."""
     fp8_fwd = _check_precision(precision, x) == "fp8"
     if fp8_fwd:
         recipe = fp8_recipe or _fp8.DEFAULT_RECIPE
@@ -345,7 +346,7 @@ def forward(
     T, H = x.shape
     K = topk_idx.shape[1]
     El, twoI, _ = w13.shape
-    plan = build_plan(topk_idx, num_experts, block_m, capacity, group, max_tokens_per_rank)
+    plan = build_plan(topk_idx, num_experts, block_m, capacity, group, max_tokens_per_rank, agreement)
     counts, offsets, pool_src_route, pool_src_rank, route_to_pool = plan
     ex = Exchange(topk_idx, route_to_pool, pool_src_route, pool_src_rank, num_experts, group)
     tok = torch.div(ex.send_order, K, rounding_mode="floor")
