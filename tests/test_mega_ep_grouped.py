@@ -175,3 +175,75 @@ def test_grouped_ep_equals_ep1_bitwise(world, device_type):
             for what, a, b in zip(NAMES, outs[r]["api"], (want[0][sl], want[1][sl], want[2][sl], want[3][es],
                                                          want[4][es])):
                 assert torch.equal(a, b), f"api rank {r} {what}"
+
+
+def _disagree_worker(rank, world, port, outdir, scenario):
+    """One rank of a call that must fail on every rank: the scenario's bad input on rank 1 only."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=5 if scenario == "raises_mid_call" else 60)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timeout)
+    try:
+        from prime_kernels.mega import _backend, _grouped_ep
+
+        tokens = (6, 5)
+        hidden = 256 if scenario == "hidden" and rank == 1 else H
+        x, idx, w, w13, w2, dy = make_problem(sum(tokens), hidden, I, E, K, routing="uniform", seed=3)
+        lo = sum(tokens[:rank])
+        x, idx, w = (t[lo:lo + tokens[rank]].contiguous() for t in (x, idx, w))
+        El = E // world
+        w13, w2 = w13[rank * El:(rank + 1) * El].contiguous(), w2[rank * El:(rank + 1) * El].contiguous()
+        which = "reference" if scenario == "backend" and rank == 1 else "grouped"
+        top_k_cut = scenario == "top_k" and rank == 1
+        if top_k_cut:
+            idx, w = idx[:, :2].contiguous(), w[:, :2].contiguous()
+        if scenario == "raises_mid_call" and rank == 1:
+            def broken(*args, **kwargs):
+                raise RuntimeError("injected failure on rank 1")
+            _grouped_ep.m_grouped_bf16_gemm_swiglu = broken
+        try:
+            _backend.forward(which, x, idx, w, w13, w2, precision="bf16", activation_clamp=None,
+                             group=dist.group.WORLD, num_experts=E, ep_size=world, max_tokens_per_rank=max(tokens),
+                             block_m=128, save_h=True)
+            result = "returned"
+        except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+            result = f"{type(e).__name__}: {e}"
+        with open(os.path.join(outdir, f"rank{rank}.txt"), "w") as f:
+            f.write(result)
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a group broken by the scenario
+            pass
+
+
+@pytest.mark.parametrize("scenario", ["hidden", "top_k", "backend", "raises_mid_call"])
+def test_ranks_that_disagree_or_fail_raise_on_every_rank_and_none_hangs(scenario):
+    """A call whose ranks disagree (hidden size, top_k, backend) raises the same ValueError on every rank, naming what
+    differs, before any exchange; a rank that raises mid-call makes the other raise within the group's timeout."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    world = 2
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_disagree_worker, args=(r, world, port, outdir, scenario)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        assert not alive, f"a rank hung in scenario {scenario}"
+        results = [open(os.path.join(outdir, f"rank{r}.txt")).read() for r in range(world)]
+    if scenario == "raises_mid_call":
+        assert results[1] == "RuntimeError: injected failure on rank 1", results
+        assert results[0] != "returned" and results[0].startswith("RuntimeError"), results
+        return
+    assert results[0] == results[1], results  # the same message on every rank
+    assert results[0].startswith("ValueError") and "disagree" in results[0], results
+    assert {"hidden": "hidden: rank 0 has 128, rank 1 has 256", "top_k": "top_k: rank 0 has 3, rank 1 has 2",
+            "backend": "backend: rank 0 has 1, rank 1 has 0"}[scenario] in results[0], results
