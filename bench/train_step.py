@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
-"""Full training steps of transformers' Qwen3-MoE with our experts against the trainer's own, in one process.
+"""Full training steps of a Qwen3-MoE with our experts against the trainer's own, in one process, for two model
+families: transformers' ``Qwen3MoeForCausalLM`` and TorchTitan's Qwen3 MoE (``--model``).
 
     python3 bench/train_step.py --layers 2 --seq 4096 --batch 4 --checkpointing both \\
-        --out bench/results/train_step_h200_<date>.json
-    python3 bench/train_step.py --smoke --device cpu          # the CI path: a tiny model on the CPU, seconds
+        --out bench/results/train_step_h200_<date>.json                  # transformers only (the default)
+    python3 bench/train_step.py --model both --layers 2 --seq 4096 --batch 4 --checkpointing both \\
+        --out bench/results/train_step_h200_<date>_both.json             # transformers, then TorchTitan
+    python3 bench/train_step.py --smoke --device cpu --model both   # the CI path: tiny models on the CPU, seconds
 
-What one step is: ``opt.zero_grad(set_to_none=True)``, ``loss = model(input_ids=ids, labels=ids).loss``,
-``loss.backward()``, ``opt.step()`` on ``transformers.Qwen3MoeForCausalLM`` built from a config (random weights, no
-download) at the Qwen3-30B-A3B layer shape (hidden 2048, moe_intermediate_size 768, 128 experts, top-8, 32 heads /
-4 KV heads, head_dim 128, vocab 151936; every layer sparse, no router auxiliary loss) with ``--layers`` decoder
-layers, ``--batch`` sequences of ``--seq`` tokens, SDPA attention.
+transformers family. What one step is: ``opt.zero_grad(set_to_none=True)``,
+``loss = model(input_ids=ids, labels=ids).loss``, ``loss.backward()``, ``opt.step()`` on
+``transformers.Qwen3MoeForCausalLM`` built from a config (random weights, no download) at the Qwen3-30B-A3B layer
+shape (hidden 2048, moe_intermediate_size 768, 128 experts, top-8, 32 heads / 4 KV heads, head_dim 128, vocab
+151936; every layer sparse, no router auxiliary loss) with ``--layers`` decoder layers, ``--batch`` sequences of
+``--seq`` tokens, SDPA attention.
 
 Precision: the model's parameters are bf16 (so are its gradients and AdamW's two moments); the optimizer is
 ``torch.optim.AdamW`` (fused=True on CUDA, foreach on the CPU), no fp32 master copy, no autocast. The loss is
@@ -42,24 +46,48 @@ Per variant and ``--checkpointing`` setting (full activation checkpointing of ev
   LM head, the loss and the optimizer are the rest. These steps are not among the timed ones.
 * the loss of every step (warm-up, timed and share steps).
 
-Parity: every variant's loss at each of the first ``--parity-steps`` steps is within a relative 1e-2 of
-``grouped_mm``'s at the same checkpointing setting. Both runs compute in bf16 and their expert GEMMs sum in a
-different order, so the losses are not bitwise equal; after a step the weights differ in their last bits and a
-router's top-k can flip, so the runs drift apart slowly; 1e-2 bounds that drift over a few steps, while a wrong
-expert computation gives a different loss from the first step. The tokens are uniform random, so the loss stays
-near ln(vocab): this rule catches divergence, NaNs and gross errors, not small ones (tests/test_integration_
-transformers.py checks the mapping exactly in float64). The script exits 1 when a variant breaks the rule (2 when
-``--device cuda`` finds no GPU).
+Parity: every variant's loss at each of the first ``--parity-steps`` steps is within a relative 1e-2 of its
+family's reference (``grouped_mm``; TorchTitan: ``torchtitan_grouped_mm``) at the same checkpointing setting.
+Both runs compute in bf16 and their expert GEMMs sum in a different order, so the losses are not bitwise equal;
+after a step the weights differ in their last bits and a router's top-k can flip, so the runs drift apart slowly;
+1e-2 bounds that drift over a few steps, while a wrong expert computation gives a different loss from the first
+step. The tokens are uniform random, so the loss stays near ln(vocab): this rule catches divergence, NaNs and gross
+errors, not small ones (tests/test_integration_transformers.py and tests/test_integration_torchtitan.py check the
+mappings exactly in float64). The script exits 1 when a variant breaks the rule (2 when ``--device cuda`` finds no
+GPU).
 
 Results: a table on stdout; the results JSON (``--out``, default
-bench/results/train_step_<gpu>_<date>.json) with the git sha, torch / transformers / CUDA versions, the GPU, every
-argument, the model's shape, each run's figures and losses, the parity verdicts and the step-time ratio of every
-variant to ``grouped_mm``; and a PNG beside it (step time per variant and setting, loss curves), unless
+bench/results/train_step_<gpu>_<date>.json) with the git sha, torch / transformers / torchtitan / CUDA versions,
+the GPU, every argument, each family's model shape (``models``; ``model``: the first family's), each run's family,
+figures and losses, the parity verdicts and the step-time ratio of every variant to its family's reference (ours /
+the family's own experts); and a PNG beside it (step time per run, loss curves), unless
 ``--no-plot`` or matplotlib is missing (then it says so).
 
-Scope: only transformers' model code is covered. TorchTitan's MoE models are the next item of the same issue; they
-need their own model construction, parallelism setup and optimizer wiring (TorchTitan builds models from its job
-configs and trains through its Trainer), which this script does not implement.
+TorchTitan family (``--model torchtitan`` or ``both``; written against torchtitan 0.3.0, the pinned version):
+``torchtitan.models.qwen3.Qwen3Model`` built from its config classes as its ``30B-A3B`` flavour builds them, at the
+same layer shape and ``--layers`` (bench/train_step_torchtitan.py; no checkpoint, no job config, no Trainer, no
+parallelism: one GPU), bf16 parameters (built on the meta device, materialised in bf16, initialised by TorchTitan's
+``init_states``), the same AdamW and the same batches. Two deliberate differences from TorchTitan's trainer: the
+attention is TorchTitan's ``ScaledDotProductAttention`` (causal; its language-model default is a compiled
+FlexAttention with a packed-document mask, the same attention for our one-document rows), and the MoE has no
+load-balancing bias (``load_balance_coeff=None``: its update is an optimizer hook of TorchTitan's Trainer). One step:
+``opt.zero_grad``, ``logits = model(ids)``, loss = fp32 cross-entropy of ``logits[:, :-1]`` against ``ids[:, 1:]``
+(as transformers computes its loss), ``backward``, ``opt.step()``. Variants:
+
+* ``torchtitan_grouped_mm``: TorchTitan's own routed experts (``RoutedExperts``: local token dispatch,
+  ``GroupedExperts`` on ``torch._grouped_mm`` (0.3 has no other path, so no ``use_grouped_mm`` flag), combine).
+* ``prime_mega_moe``: ours, switched in with ``prime_kernels.integrations.torchtitan.apply(model, backend)``
+  (``MegaMoERoutedExperts``), after loading the shared weights and before the optimizer is built.
+
+Checkpointing "on" is TorchTitan's own full activation checkpointing (``torchtitan.distributed.activation_checkpoint.
+FullAC``, as its Trainer applies ``activation_checkpoint=FullAC``: every transformer block in torch's
+``checkpoint_wrapper``, non-reentrant). The experts' share hooks sit on the routed experts module (TorchTitan's
+``RoutedExperts``, ours after the swap), whose input is the tokens and output the combined result, as for
+transformers' experts module. Parity and ratios are taken within a family: each family's own experts are its
+reference (``grouped_mm`` for transformers, ``torchtitan_grouped_mm`` for TorchTitan); its runs start from that
+family's state dict (the two families' weights differ). Every run in the results records its ``family``. If
+TorchTitan's Qwen3 model or our adapter does not import here, every TorchTitan run is recorded as skipped with the
+exception (``skipped``) and the family in ``families_skipped``; the transformers runs go on.
 """
 
 from __future__ import annotations
@@ -67,20 +95,26 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import importlib.metadata
 import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
+import train_step_torchtitan as titan  # noqa: E402 - imports torchtitan only when its family runs
 
-VARIANTS = ("grouped_mm", "prime_mega_moe", "sonicmoe")
-REFERENCE = "grouped_mm"  # the trainer's own experts: what parity and the ratios are taken against
+HF_VARIANTS = ("grouped_mm", "prime_mega_moe", "sonicmoe")
+REFERENCE = "grouped_mm"  # transformers' own experts: what its parity and ratios are taken against
+FAMILIES = {"transformers": HF_VARIANTS, titan.FAMILY: titan.VARIANTS}
+REFERENCES = {"transformers": REFERENCE, titan.FAMILY: titan.REFERENCE}  # each family's own experts
+VARIANTS = tuple(dict.fromkeys(v for vs in FAMILIES.values() for v in vs))  # every name, each once
 PARITY_RTOL = 1e-2
 
 # Qwen3-30B-A3B's decoder layer (its config.json), with a chosen number of layers
@@ -99,6 +133,8 @@ SMOKE = dict(vocab_size=256, hidden_size=128, intermediate_size=256, moe_interme
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("transformers", "torchtitan", "both"), default="transformers",
+                   help="model family: transformers' Qwen3MoeForCausalLM, TorchTitan's Qwen3 MoE, or both in turn")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 4096; --smoke: 64)")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default 4; --smoke: 2)")
@@ -109,7 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpointing", choices=("off", "on", "both"), default="off",
                    help="full activation checkpointing of every decoder layer: off, on, or both settings in turn")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma list from {','.join(VARIANTS)} ({REFERENCE} is always run: it is the reference)")
+                   help=f"comma list from {','.join(VARIANTS)}, each run in the families that have it (a family's "
+                        f"reference, {' / '.join(REFERENCES.values())}, always runs)")
     p.add_argument("--backend", default=None,
                    help="prime_kernels backend for prime_mega_moe (default: auto on CUDA, reference on the CPU)")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
@@ -131,7 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(a.variants) - set(VARIANTS))
     if unknown:
         p.error(f"unknown variants {unknown}: choose from {list(VARIANTS)}")
-    a.variants = [REFERENCE] + [v for v in VARIANTS if v in a.variants and v != REFERENCE]
+    a.variants = [v for v in VARIANTS if v in a.variants]
+    a.families = ["transformers", titan.FAMILY] if a.model == "both" else [a.model]
     a.backend = a.backend or ("reference" if a.device == "cpu" else "auto")
     for name in ("layers", "seq", "batch", "steps"):
         if getattr(a, name) < 1:
@@ -143,6 +181,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def checkpointing_settings(choice: str) -> list[bool]:
     return {"off": [False], "on": [True], "both": [False, True]}[choice]
+
+
+def family_variants(family: str, requested: list[str]) -> list[str]:
+    """The family's reference first, then its other variants that were asked for."""
+    ref = REFERENCES[family]
+    return [ref] + [v for v in FAMILIES[family] if v in requested and v != ref]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -187,9 +231,14 @@ def make_optimizer(model: torch.nn.Module, lr: float, device: torch.device) -> t
     return torch.optim.AdamW(model.parameters(), lr=lr, foreach=True), "foreach"
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor:
+def hf_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
+               loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     opt.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss = loss_fn(model, ids)
     loss.backward()
     opt.step()
     return loss.detach()
@@ -252,9 +301,7 @@ class _BackwardMark(torch.autograd.Function):
 class ExpertsTimer:
     """Hooks on every experts module that stamp its forward and backward windows while enabled."""
 
-    def __init__(self, model: torch.nn.Module, cuda: bool):
-        from prime_kernels.integrations.transformers import is_experts_module  # noqa: PLC0415
-
+    def __init__(self, model: torch.nn.Module, cuda: bool, is_experts_module: Callable[[torch.nn.Module], bool]):
         self.cuda = cuda
         self.enabled = False
         self.modules = [m for _, m in model.named_modules() if is_experts_module(m)]
@@ -302,7 +349,68 @@ class ExpertsTimer:
 
 
 # ------------------------------------------------------------------------------------------------
-# one run: a variant at one checkpointing setting
+# model families: how each builds, swaps, checkpoints and scores its model
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Family:
+    """One model family's hooks into the common run loop. ``state`` is its shared host state dict: every variant
+    builds a fresh model and loads it."""
+
+    name: str
+    state: dict[str, torch.Tensor]
+    build: Callable[[torch.device, str], torch.nn.Module]  # (device, variant): the model before our swap
+    swap_in_ours: Callable[[torch.nn.Module, str], None]  # (model, backend): our experts in place of its own
+    enable_checkpointing: Callable[[torch.nn.Module], object]
+    loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+    is_experts_module: Callable[[torch.nn.Module], bool]
+    experts_implementation: Callable[[torch.nn.Module], str]
+    summary: dict = field(default_factory=dict)
+
+
+def hf_family(args: argparse.Namespace, device: torch.device) -> Family:
+    from prime_kernels.integrations.transformers import is_experts_module  # noqa: PLC0415
+
+    config = make_config(args)
+
+    def build(dev: torch.device, variant: str) -> torch.nn.Module:
+        # prime_mega_moe is built as grouped_mm and swapped; the others are transformers' implementations by name
+        return build_model(config, dev, "grouped_mm" if variant == "prime_mega_moe" else variant)
+
+    def swap(model: torch.nn.Module, backend: str) -> None:
+        import prime_kernels.integrations.transformers as pk_hf  # noqa: PLC0415
+
+        pk_hf.apply(model, backend=backend)
+
+    def checkpointing(model: torch.nn.Module) -> None:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+
+    torch.manual_seed(args.seed)
+    base = build(device, REFERENCE)
+    state = host_state_dict(base)
+    del base
+    return Family(name="transformers", state=state, build=build, swap_in_ours=swap,
+                  enable_checkpointing=checkpointing, loss=hf_loss, is_experts_module=is_experts_module,
+                  experts_implementation=lambda model: model.config._experts_implementation,
+                  summary=model_summary(config, state, args.smoke))
+
+
+def titan_family(args: argparse.Namespace, device: torch.device) -> Family:
+    config = titan.make_config(SMOKE if args.smoke else QWEN3_30B_A3B, args.layers)
+    torch.manual_seed(args.seed)
+    base = titan.build_model(config, device)
+    state = host_state_dict(base)
+    del base
+    return Family(name=titan.FAMILY, state=state, build=lambda dev, variant: titan.build_model(config, dev),
+                  swap_in_ours=titan.apply_ours, enable_checkpointing=titan.enable_full_ac, loss=titan.loss,
+                  is_experts_module=titan.is_experts_module, experts_implementation=titan.experts_implementation,
+                  summary=titan.summary(config, state, args.smoke))
+
+
+# ------------------------------------------------------------------------------------------------
+# one run: a variant of a family at one checkpointing setting
 # ------------------------------------------------------------------------------------------------
 
 
@@ -310,6 +418,7 @@ class ExpertsTimer:
 class RunSpec:
     variant: str
     checkpointing: bool
+    family: str = "transformers"
 
 
 def sync(device: torch.device) -> None:
@@ -324,69 +433,67 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def prepare_model(spec: RunSpec, config, state: dict, args: argparse.Namespace, device: torch.device):
-    """The variant's model with the shared weights; its experts implementation as transformers reports it."""
-    impl = "grouped_mm" if spec.variant == "prime_mega_moe" else spec.variant
-    model = build_model(config, device, impl)
-    model.load_state_dict(state, strict=True)
+def prepare_model(spec: RunSpec, fam: Family, args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """The variant's model with the family's shared weights, ours swapped in, checkpointing as asked."""
+    model = fam.build(device, spec.variant)
+    model.load_state_dict(fam.state, strict=True)
     if spec.variant == "prime_mega_moe":
-        import prime_kernels.integrations.transformers as pk_hf  # noqa: PLC0415
-
-        pk_hf.apply(model, backend=args.backend)
+        fam.swap_in_ours(model, args.backend)
     if spec.checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable()
+        fam.enable_checkpointing(model)
     model.train()
     return model
 
 
-def timed_step(model, opt, ids, device) -> tuple[float, torch.Tensor]:
+def timed_step(model, opt, ids, device, loss_fn) -> tuple[float, torch.Tensor]:
     sync(device)
     t0 = time.perf_counter()
-    loss = train_step(model, opt, ids)
+    loss = train_step(model, opt, ids, loss_fn)
     sync(device)
     return (time.perf_counter() - t0) * 1e3, loss
 
 
-def run_variant(spec: RunSpec, config, state: dict, batches: list[torch.Tensor], args: argparse.Namespace,
+def run_variant(spec: RunSpec, fam: Family, batches: list[torch.Tensor], args: argparse.Namespace,
                 device: torch.device) -> dict:
     free_memory(device)
-    model = prepare_model(spec, config, state, args, device)
+    model = prepare_model(spec, fam, args, device)
     opt, opt_kind = make_optimizer(model, args.lr, device)
     losses: list[torch.Tensor] = []
     step_ms: list[float] = []
     for i, ids in enumerate(batches[:args.warmup + args.steps]):
-        ms, loss = timed_step(model, opt, ids, device)
+        ms, loss = timed_step(model, opt, ids, device, fam.loss)
         losses.append(loss)
         if i >= args.warmup:
             step_ms.append(ms)
     peak_gib = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None
-    timer = ExpertsTimer(model, device.type == "cuda")
+    timer = ExpertsTimer(model, device.type == "cuda", fam.is_experts_module)
     shares = []
     for ids in batches[args.warmup + args.steps:]:
         timer.reset()
         timer.enabled = True
-        ms, loss = timed_step(model, opt, ids, device)
+        ms, loss = timed_step(model, opt, ids, device, fam.loss)
         timer.enabled = False
         losses.append(loss)
         shares.append({"step_ms": ms, **timer.summary()})
     timer.remove()
-    row = summarize_run(spec, model, step_ms, shares, [float(x) for x in losses], args)
+    row = summarize_run(spec, fam.experts_implementation(model), step_ms, shares,
+                        [float(x) for x in losses], args)
     row.update(optimizer=f"AdamW ({opt_kind})", peak_mem_gib=None if peak_gib is None else round(peak_gib, 3))
     del model, opt, timer
     free_memory(device)
     return row
 
 
-def summarize_run(spec: RunSpec, model, step_ms: list[float], shares: list[dict], losses: list[float],
+def summarize_run(spec: RunSpec, experts_impl: str, step_ms: list[float], shares: list[dict], losses: list[float],
                   args: argparse.Namespace) -> dict:
     median = statistics.median(step_ms)
     experts_ms = [s["fwd_ms"] + s["bwd_ms"] for s in shares]
     share = statistics.median(e / s["step_ms"] for e, s in zip(experts_ms, shares)) if shares else None
     return {
+        "family": spec.family,
         "variant": spec.variant,
         "checkpointing": spec.checkpointing,
-        "experts_implementation": model.config._experts_implementation,
+        "experts_implementation": experts_impl,
         "backend": args.backend if spec.variant == "prime_mega_moe" else None,
         "step_ms": round(median, 3),
         "step_ms_all": [round(x, 3) for x in step_ms],
@@ -403,32 +510,45 @@ def summarize_run(spec: RunSpec, model, step_ms: list[float], shares: list[dict]
 # ------------------------------------------------------------------------------------------------
 
 
+def _family(row: dict) -> str:
+    return row.get("family", "transformers")  # rows written before TorchTitan was added have no family
+
+
+def _reference_row(rows: list[dict], row: dict) -> dict:
+    """The family's own experts at the same checkpointing setting."""
+    fam = _family(row)
+    return next(r for r in rows if _family(r) == fam and r["variant"] == REFERENCES[fam]
+                and r["checkpointing"] == row["checkpointing"])
+
+
+def _compared(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if not r.get("skipped") and r["variant"] != REFERENCES[_family(r)]]
+
+
 def parity(rows: list[dict], steps: int) -> list[dict]:
-    """Every timed variant's losses against grouped_mm's at the same checkpointing setting."""
+    """Every timed variant's losses against its family's reference at the same checkpointing setting."""
     out = []
-    for row in rows:
-        if row.get("skipped") or row["variant"] == REFERENCE:
-            continue
-        ref = next(r for r in rows if r["variant"] == REFERENCE and r["checkpointing"] == row["checkpointing"])
+    for row in _compared(rows):
+        ref = _reference_row(rows, row)
         n = min(steps, len(row["losses"]), len(ref["losses"]))
         diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(row["losses"][:n], ref["losses"][:n])]
         finite = all(math.isfinite(x) for x in row["losses"] + ref["losses"])
         ok = finite and all(d <= PARITY_RTOL for d in diffs)
-        out.append({"variant": row["variant"], "vs": REFERENCE, "checkpointing": row["checkpointing"],
-                    "steps_checked": n, "rtol": PARITY_RTOL, "max_rel_diff": max(diffs, default=0.0),
-                    "rel_diffs": [float(f"{d:.3e}") for d in diffs], "finite": finite, "ok": ok})
+        out.append({"family": _family(row), "variant": row["variant"], "vs": ref["variant"],
+                    "checkpointing": row["checkpointing"], "steps_checked": n, "rtol": PARITY_RTOL,
+                    "max_rel_diff": max(diffs, default=0.0), "rel_diffs": [float(f"{d:.3e}") for d in diffs],
+                    "finite": finite, "ok": ok})
     return out
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Step time of every timed variant over grouped_mm's at the same setting (< 1: faster than transformers')."""
+    """Step time of every timed variant over its family's reference at the same setting (< 1: faster than the
+    family's own experts)."""
     out = []
-    for row in rows:
-        if row.get("skipped") or row["variant"] == REFERENCE:
-            continue
-        ref = next(r for r in rows if r["variant"] == REFERENCE and r["checkpointing"] == row["checkpointing"])
-        out.append({"variant": row["variant"], "vs": REFERENCE, "checkpointing": row["checkpointing"],
-                    "step_ms_ratio": round(row["step_ms"] / ref["step_ms"], 4)})
+    for row in _compared(rows):
+        ref = _reference_row(rows, row)
+        out.append({"family": _family(row), "variant": row["variant"], "vs": ref["variant"],
+                    "checkpointing": row["checkpointing"], "step_ms_ratio": round(row["step_ms"] / ref["step_ms"], 4)})
     return out
 
 
@@ -454,34 +574,49 @@ def model_summary(config, state: dict, smoke: bool) -> dict:
             "attention": "sdpa", "dtype": "bfloat16"}
 
 
-def header(args: argparse.Namespace, device: torch.device) -> dict:
-    import transformers  # noqa: PLC0415
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
+
+def header(args: argparse.Namespace, device: torch.device) -> dict:
     import prime_kernels  # noqa: PLC0415
 
     return {"benchmark": "train_step", "gpu": gpu_name(device), "device": device.type,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-            "prime_kernels": prime_kernels.build_info()["version"], "git_sha": bc.git_sha(),
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "args": vars(args),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": _version("transformers"),
+            "torchtitan": titan.version(), "prime_kernels": prime_kernels.build_info()["version"],
+            "git_sha": bc.git_sha(), "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "args": vars(args),
             "precision": "bf16 parameters, gradients and AdamW moments (no fp32 master weights, no autocast)"}
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'variant':<16} {'ckpt':<4} {'step_ms':>10} {'tok/s/gpu':>11} {'moe_share':>9} {'peak_GiB':>9}  note"]
+    lines = [f"{'family':<12} {'variant':<22} {'ckpt':<4} {'step_ms':>10} {'tok/s/gpu':>11} {'moe_share':>9} "
+             f"{'peak_GiB':>9}  note"]
     for r in rows:
         ck = "on" if r["checkpointing"] else "off"
+        lead = f"{_family(r):<12} {r['variant']:<22} {ck:<4}"
         if r.get("skipped"):
-            lines.append(f"{r['variant']:<16} {ck:<4} {'-':>10} {'-':>11} {'-':>9} {'-':>9}  skipped: {r['skipped']}")
+            lines.append(f"{lead} {'-':>10} {'-':>11} {'-':>9} {'-':>9}  skipped: {r['skipped']}")
             continue
         share = "-" if r["moe_share"] is None else f"{r['moe_share']:.3f}"
         peak = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
-        lines.append(f"{r['variant']:<16} {ck:<4} {r['step_ms']:>10.2f} {r['tokens_per_s_per_gpu']:>11.0f} "
+        lines.append(f"{lead} {r['step_ms']:>10.2f} {r['tokens_per_s_per_gpu']:>11.0f} "
                      f"{share:>9} {peak:>9}  losses {', '.join(f'{x:.4f}' for x in r['losses'])}")
     return "\n".join(lines)
 
 
+_COLOR_KEYS = [(f, v) for f, vs in FAMILIES.items() for v in vs]  # one colour per family and variant
+
+
+def _color(row: dict) -> str:
+    return f"C{_COLOR_KEYS.index((_family(row), row['variant']))}"
+
+
 def plot(doc: dict, path: Path) -> Path | None:
-    """Step time per variant and setting (bars) and every run's loss curve, into ``path``."""
+    """Step time per family, variant and setting (bars) and every run's loss curve, into ``path``."""
     try:
         import matplotlib  # noqa: PLC0415
 
@@ -491,21 +626,26 @@ def plot(doc: dict, path: Path) -> Path | None:
         print("[train_step] matplotlib is not installed: no plot")
         return None
     rows = [r for r in doc["runs"] if not r.get("skipped")]
-    labels = [f"{r['variant']}\nckpt {'on' if r['checkpointing'] else 'off'}" for r in rows]
-    fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
-    bars.bar(range(len(rows)), [r["step_ms"] for r in rows], color=[f"C{VARIANTS.index(r['variant'])}" for r in rows])
-    bars.set_xticks(range(len(rows)), labels, fontsize=8)
+    if not rows:
+        print("[train_step] every run was skipped: no plot")
+        return None
+    # the family is on its own line, so "torchtitan_" need not be repeated under the bar (the labels would collide)
+    labels = [f"{_family(r)}\n{r['variant'].removeprefix('torchtitan_')}\nckpt {'on' if r['checkpointing'] else 'off'}"
+              for r in rows]
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(12 if len(rows) <= 6 else 16, 4.5))
+    bars.bar(range(len(rows)), [r["step_ms"] for r in rows], color=[_color(r) for r in rows])
+    bars.set_xticks(range(len(rows)), labels, fontsize=7)
     bars.set_ylabel("step time, median (ms)")
     bars.set_title(f"{doc['gpu']}: {doc['model']['layers']} layers, batch {doc['args']['batch']} x "
                    f"seq {doc['args']['seq']}", fontsize=9)
     for r in rows:
         style = "--" if r["checkpointing"] else "-"
-        curves.plot(r["losses"], style, marker=".", color=f"C{VARIANTS.index(r['variant'])}",
-                    label=f"{r['variant']} ckpt {'on' if r['checkpointing'] else 'off'}")
+        curves.plot(r["losses"], style, marker=".", color=_color(r),
+                    label=f"{_family(r)} {r['variant']} ckpt {'on' if r['checkpointing'] else 'off'}")
     curves.xaxis.get_major_locator().set_params(integer=True)
     curves.set_xlabel("step (warm-up, timed, share)")
     curves.set_ylabel("loss")
-    curves.legend(fontsize=8)
+    curves.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -517,41 +657,47 @@ def plot(doc: dict, path: Path) -> Path | None:
 # ------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("[train_step] --device cuda needs a CUDA GPU; use --device cpu (with --smoke) on this machine")
-        return 2
-    config = make_config(args)
-    torch.manual_seed(args.seed)
-    base = build_model(config, device, REFERENCE)
-    state = host_state_dict(base)
-    del base
-    free_memory(device)
-    n_steps = args.warmup + args.steps + args.share_steps
-    batches = make_batches(n_steps, args.batch, args.seq, config.vocab_size, args.seed, device)
-    sonic_reason = sonicmoe_skip_reason() if "sonicmoe" in args.variants else None
+def load_family(name: str, args: argparse.Namespace, device: torch.device) -> tuple[Family | None, str | None]:
+    """(the family, None), or (None, why it cannot run here). Only TorchTitan may be skipped: transformers is this
+    script's baseline, so its failures propagate."""
+    if name == "transformers":
+        return hf_family(args, device), None
+    reason = titan.skip_reason()
+    if reason is None:
+        try:
+            return titan_family(args, device), None
+        except Exception as exc:  # noqa: BLE001 - its model code imported but does not build here: record why
+            reason = f"{type(exc).__name__}: {exc}"
+    return None, reason
+
+
+def run_family(fam: Family, args: argparse.Namespace, device: torch.device,
+               batches: list[torch.Tensor]) -> list[dict]:
+    sonic_reason = sonicmoe_skip_reason() if fam.name == "transformers" and "sonicmoe" in args.variants else None
     rows = []
     for ckpt in checkpointing_settings(args.checkpointing):
-        for variant in args.variants:
-            spec = RunSpec(variant, ckpt)
+        for variant in family_variants(fam.name, args.variants):
             if variant == "sonicmoe" and sonic_reason:
                 print(f"[train_step] skipping sonicmoe: {sonic_reason}")
-                rows.append({"variant": variant, "checkpointing": ckpt, "skipped": sonic_reason})
+                rows.append({"family": fam.name, "variant": variant, "checkpointing": ckpt, "skipped": sonic_reason})
                 continue
-            print(f"[train_step] {variant}, checkpointing {'on' if ckpt else 'off'} ...", flush=True)
-            rows.append(run_variant(spec, config, state, batches, args, device))
-    doc = header(args, device)
-    doc.update(model=model_summary(config, state, args.smoke), tokens_per_step=args.batch * args.seq, runs=rows,
-               parity=parity(rows, args.parity_steps), ratios=ratios(rows))
-    doc["parity_ok"] = all(p["ok"] for p in doc["parity"])
-    out = Path(args.out) if args.out else default_out(device)
-    bc.write_results(doc, out)
-    print(format_table(rows))
+            print(f"[train_step] {fam.name} {variant}, checkpointing {'on' if ckpt else 'off'} ...", flush=True)
+            rows.append(run_variant(RunSpec(variant, ckpt, fam.name), fam, batches, args, device))
+    return rows
+
+
+def skipped_rows(name: str, reason: str, args: argparse.Namespace) -> list[dict]:
+    return [{"family": name, "variant": v, "checkpointing": ck, "skipped": reason}
+            for ck in checkpointing_settings(args.checkpointing) for v in family_variants(name, args.variants)]
+
+
+def report(doc: dict, out: Path, args: argparse.Namespace) -> None:
+    print(format_table(doc["runs"]))
     for r in doc["ratios"]:
-        print(f"[train_step] {r['variant']} / {r['vs']} step time, checkpointing "
+        print(f"[train_step] {r['family']}: {r['variant']} / {r['vs']} step time, checkpointing "
               f"{'on' if r['checkpointing'] else 'off'}: {r['step_ms_ratio']:.3f}")
+    for name, reason in doc["families_skipped"].items():
+        print(f"[train_step] {name} family skipped: {reason}")
     print(f"[train_step] wrote {out}")
     if not args.no_plot:
         png = plot(doc, out.with_suffix(".png"))
@@ -559,9 +705,43 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[train_step] wrote {png}")
     for p in doc["parity"]:
         if not p["ok"]:
-            print(f"[train_step] PARITY FAIL: {p['variant']} vs {p['vs']} (checkpointing "
+            print(f"[train_step] PARITY FAIL: {p['family']} {p['variant']} vs {p['vs']} (checkpointing "
                   f"{'on' if p['checkpointing'] else 'off'}): max relative loss difference {p['max_rel_diff']:.3e} "
                   f"> {PARITY_RTOL:g} over {p['steps_checked']} steps (finite: {p['finite']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("[train_step] --device cuda needs a CUDA GPU; use --device cpu (with --smoke) on this machine")
+        return 2
+    n_steps = args.warmup + args.steps + args.share_steps
+    vocab = (SMOKE if args.smoke else QWEN3_30B_A3B)["vocab_size"]  # both families: the same shape, same batches
+    batches = make_batches(n_steps, args.batch, args.seq, vocab, args.seed, device)
+    rows: list[dict] = []
+    summaries: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+    for name in args.families:  # one family at a time: its host state dict is dropped before the next is built
+        fam, reason = load_family(name, args, device)
+        free_memory(device)
+        if fam is None:
+            print(f"[train_step] skipping the {name} family: {reason}")
+            skipped[name] = reason
+            rows += skipped_rows(name, reason, args)
+            continue
+        summaries[name] = fam.summary
+        rows += run_family(fam, args, device, batches)
+        del fam
+    doc = header(args, device)
+    # "model": the first family's summary (the layer shape is the same for both); "models": each family's
+    doc.update(model=next(iter(summaries.values()), None), models=summaries, families_skipped=skipped,
+               tokens_per_step=args.batch * args.seq, runs=rows, parity=parity(rows, args.parity_steps),
+               ratios=ratios(rows))
+    doc["parity_ok"] = all(p["ok"] for p in doc["parity"])
+    out = Path(args.out) if args.out else default_out(device)
+    bc.write_results(doc, out)
+    report(doc, out, args)
     return 0 if doc["parity_ok"] else 1
 
 

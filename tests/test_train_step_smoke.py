@@ -1,6 +1,8 @@
-"""bench/train_step.py --smoke on the CPU: a tiny Qwen3-MoE trained a few steps with transformers' grouped_mm experts
-and with ours (the reference backend), from the same weights on the same batches; the results file has both runs
-with finite losses that agree, positive step times and an experts share in [0, 1]."""
+"""bench/train_step.py --smoke on the CPU: a tiny Qwen3-MoE trained a few steps with the trainer's own experts
+(transformers' grouped_mm; TorchTitan's grouped-mm GroupedExperts) and with ours (the reference backend), from the
+same weights on the same batches; the results file has every run with its family, finite losses that agree,
+positive step times and an experts share in [0, 1]. Without torchtitan the TorchTitan family must be recorded as
+skipped with the reason."""
 
 import importlib
 import json
@@ -17,51 +19,124 @@ pytest.importorskip("transformers", minversion="5.0",
                            "(ci/test.sh installs transformers==5.24.0)")
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
+TITAN_IMPL = {"torchtitan_grouped_mm": "RoutedExperts(GroupedExperts)",
+              "prime_mega_moe": "MegaMoERoutedExperts(MegaMoEGroupedExperts)"}
 
 
-def test_train_step_smoke(tmp_path):
+def _torchtitan_skip_reason() -> str | None:
+    """What bench/train_step.py will find: None when TorchTitan's Qwen3 model and our adapter import."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("train_step_torchtitan").skip_reason()
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def run_smoke(tmp_path, *extra: str) -> tuple[dict, str]:
     out = tmp_path / "x.json"
-    # as bench/ab.py's smoke test: the child sees no GPU, so the smoke run is the same on a GPU machine
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    # as bench/ab.py's smoke test: the child sees no GPU, so the smoke run is the same on a GPU machine. One CPU
+    # thread: the tiny model gains nothing from more, and on a busy machine OpenMP's spinning threads made the same
+    # run four times slower (56 s against 12 s for --model both on two loaded cores)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(BENCH / "train_step.py"), "--smoke", "--device", "cpu",
-                           "--checkpointing", "both", "--out", str(out), "--no-plot"],
+                           "--out", str(out), "--no-plot", *extra],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "prime_mega_moe / grouped_mm step time" in proc.stdout  # the printed ratios
     doc = json.loads(out.read_text())
-    assert doc["benchmark"] == "train_step" and doc["device"] == "cpu" and doc["transformers"]
+    assert doc["benchmark"] == "train_step" and doc["device"] == "cpu"
     assert doc["args"]["smoke"] and doc["args"]["backend"] == "reference"
-    runs = [run for run in doc["runs"] if not run.get("skipped")]
-    want = {(v, ck) for v in ("grouped_mm", "prime_mega_moe") for ck in (False, True)}
+    return doc, proc.stdout
+
+
+def check_family(doc: dict, family: str, reference: str, ckpts: tuple[bool, ...]) -> None:
+    """The family's reference and prime_mega_moe ran at every setting, with sane figures, and agree."""
+    runs = [run for run in doc["runs"] if run["family"] == family and not run.get("skipped")]
+    want = {(v, ck) for v in (reference, "prime_mega_moe") for ck in ckpts}
     assert {(run["variant"], run["checkpointing"]) for run in runs} >= want
     n_steps = doc["args"]["warmup"] + doc["args"]["steps"] + doc["args"]["share_steps"]
+    layers = doc["models"][family]["layers"]
     for run in runs:
-        assert run["experts_implementation"] == run["variant"], run
+        want_impl = run["variant"] if family == "transformers" else TITAN_IMPL[run["variant"]]
+        assert run["experts_implementation"] == want_impl, run
         assert len(run["losses"]) == n_steps and all(math.isfinite(x) for x in run["losses"]), run
         assert run["step_ms"] > 0 and all(t > 0 for t in run["step_ms_all"]), run
         assert run["tokens_per_s_per_gpu"] > 0, run
         assert 0.0 <= run["moe_share"] <= 1.0, run
         for s in run["moe_share_steps"]:  # every layer's experts: one backward, one forward (two when recomputed)
-            layers = doc["model"]["layers"]
             assert s["bwd_windows"] == layers and s["fwd_windows"] == layers * (2 if run["checkpointing"] else 1), s
+    ours = [p for p in doc["parity"] if p["family"] == family and p["variant"] == "prime_mega_moe"]
+    assert len(ours) == len(ckpts), ours
+    assert all(p["ok"] and p["vs"] == reference and p["steps_checked"] == n_steps for p in ours), ours
+    ratios = {(x["variant"], x["vs"], x["checkpointing"]) for x in doc["ratios"] if x["family"] == family}
+    assert ratios >= {("prime_mega_moe", reference, ck) for ck in ckpts}
+
+
+def test_train_step_smoke(tmp_path):
+    """--model both: transformers' family always; TorchTitan's where it imports, else skipped with the reason."""
+    doc, stdout = run_smoke(tmp_path, "--model", "both", "--checkpointing", "both")
+    assert "transformers: prime_mega_moe / grouped_mm step time" in stdout  # the printed ratios
+    assert doc["transformers"]
+    check_family(doc, "transformers", "grouped_mm", (False, True))
+    titan_reason = _torchtitan_skip_reason()
+    if titan_reason is None:
+        assert doc["torchtitan"] and doc["families_skipped"] == {}
+        check_family(doc, "torchtitan", "torchtitan_grouped_mm", (False, True))
+    else:  # the family is recorded as skipped, with the exception, and the transformers runs still count
+        assert doc["families_skipped"] == {"torchtitan": titan_reason}
+        titan_runs = [run for run in doc["runs"] if run["family"] == "torchtitan"]
+        assert titan_runs and all(run["skipped"] == titan_reason for run in titan_runs)
+        assert f"torchtitan family skipped: {titan_reason}" in stdout
     for run in doc["runs"]:
-        if run.get("skipped"):  # sonicmoe without its kernel: the reason is recorded
+        if run.get("skipped") and run["family"] == "transformers":  # sonicmoe without its kernel: the reason
             assert run["variant"] == "sonicmoe" and run["skipped"], run
-    ours = [p for p in doc["parity"] if p["variant"] == "prime_mega_moe"]
-    assert len(ours) == 2 and all(p["ok"] and p["steps_checked"] == n_steps for p in ours), ours
     assert doc["parity_ok"] is True
-    ratios = {(x["variant"], x["checkpointing"]) for x in doc["ratios"]}
-    assert ratios >= {("prime_mega_moe", ck) for ck in (False, True)}
     assert all(x["step_ms_ratio"] > 0 for x in doc["ratios"])
+
+
+def test_train_step_smoke_torchtitan(tmp_path):
+    """--model torchtitan alone, under TorchTitan's FullAC: its own experts against ours; no transformers runs."""
+    # exc_type=ImportError: a torchtitan that is installed but fails to import skips too, with its reason
+    pytest.importorskip("torchtitan", reason="the TorchTitan family needs torchtitan (ci/test.sh installs "
+                                             "torchtitan==0.3.0 with --no-deps plus spmd_types and tyro)",
+                        exc_type=ImportError)
+    reason = _torchtitan_skip_reason()
+    assert reason is None, f"torchtitan imports but its Qwen3 model or our adapter does not: {reason}"
+    doc, stdout = run_smoke(tmp_path, "--model", "torchtitan", "--checkpointing", "on", "--warmup", "0",
+                            "--steps", "1")
+    assert "torchtitan: prime_mega_moe / torchtitan_grouped_mm step time, checkpointing on" in stdout
+    assert {run["family"] for run in doc["runs"]} == {"torchtitan"} and list(doc["models"]) == ["torchtitan"]
+    assert doc["model"]["model"] == "torchtitan.models.qwen3.Qwen3Model" and doc["torchtitan"]
+    check_family(doc, "torchtitan", "torchtitan_grouped_mm", (True,))
+    assert doc["parity_ok"] is True
+
+
+def test_torchtitan_family_skip_is_recorded(monkeypatch):
+    """Where TorchTitan's model code does not import, the family becomes skipped rows carrying the exception."""
+    ts = _import_train_step()
+    assert ts.parse_args(["--smoke"]).families == ["transformers"]  # the default: the transformers family alone
+    monkeypatch.setattr(ts.titan, "skip_reason", lambda: "ImportError: no module named torchtitan")
+    args = ts.parse_args(["--smoke", "--device", "cpu", "--model", "torchtitan", "--checkpointing", "both"])
+    fam, reason = ts.load_family("torchtitan", args, ts.torch.device("cpu"))
+    assert fam is None and reason == "ImportError: no module named torchtitan"
+    rows = ts.skipped_rows("torchtitan", reason, args)
+    assert {(r["variant"], r["checkpointing"]) for r in rows} == {
+        (v, ck) for v in ("torchtitan_grouped_mm", "prime_mega_moe") for ck in (False, True)}
+    assert all(r["family"] == "torchtitan" and r["skipped"] == reason for r in rows)
+    assert ts.parity(rows, steps=10) == [] and ts.ratios(rows) == []
+    assert "skipped: ImportError: no module named torchtitan" in ts.format_table(rows)
+
+
+def _import_train_step():
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("train_step")
+    finally:
+        sys.path.remove(str(BENCH))
 
 
 def test_parity_rule_flags_divergence_and_nan():
     """The rule the script exits 1 on: a loss more than 1e-2 off the reference's, or a non-finite one, fails it."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        ts = importlib.import_module("train_step")
-    finally:
-        sys.path.remove(str(BENCH))
+    ts = _import_train_step()
 
     def runs(ours):
         return [{"variant": "grouped_mm", "checkpointing": False, "losses": [10.0, 10.0, 10.0]},
@@ -76,3 +151,10 @@ def test_parity_rule_flags_divergence_and_nan():
     assert late["ok"] and late["steps_checked"] == 2
     [nan] = ts.parity(runs([10.0, float("nan"), 10.0]), steps=10)
     assert not nan["ok"] and not nan["finite"]
+    # within a family: TorchTitan's runs are held to torchtitan_grouped_mm, not to transformers' grouped_mm
+    titan_rows = [{"family": "torchtitan", "variant": "torchtitan_grouped_mm", "checkpointing": False,
+                   "losses": [5.0, 5.0]},
+                  {"family": "torchtitan", "variant": "prime_mega_moe", "checkpointing": False, "losses": [5.01, 5.02]}]
+    [titan] = ts.parity(runs([10.0, 10.0, 10.0])[:1] + titan_rows, steps=10)
+    assert titan["family"] == "torchtitan" and titan["vs"] == "torchtitan_grouped_mm" and titan["ok"]
+    assert abs(titan["max_rel_diff"] - 4e-3) < 1e-9

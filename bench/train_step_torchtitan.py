@@ -1,0 +1,143 @@
+"""TorchTitan's Qwen3 MoE for bench/train_step.py: the model built from its config classes (no checkpoint, no job
+config, no Trainer), its loss, its activation checkpointing and the hooks' view of its experts.
+
+Written against torchtitan 0.3.0 (ci/test.sh, ci/device_wheels.sh). Everything TorchTitan-specific sits here, so a
+TorchTitan that does not import or build is one exception, which train_step.py records as the family's skip reason.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import warnings
+
+import torch
+from torch import nn
+
+FAMILY = "torchtitan"
+REFERENCE = "torchtitan_grouped_mm"  # TorchTitan's own GroupedExperts: torch._grouped_mm, always (no flag in 0.3)
+VARIANTS = (REFERENCE, "prime_mega_moe")
+
+
+def version() -> str | None:
+    try:
+        return importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def skip_reason() -> str | None:
+    """None when TorchTitan's Qwen3 model code and our adapter import here, else the exception (type: message)."""
+    try:
+        import torchtitan.models.qwen3  # noqa: F401, PLC0415
+
+        import prime_kernels.integrations.torchtitan  # noqa: F401, PLC0415
+    except Exception as exc:  # noqa: BLE001 - any failure means: this family is not measurable here, say why
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def make_config(shape: dict, layers: int):
+    """``Qwen3Model.Config`` as torchtitan's ``qwen3_configs["30B-A3B"]`` builds it, at ``shape`` (train_step's
+    transformers-style shape dict) with ``layers`` layers, and two changes for this benchmark:
+
+    * attention: TorchTitan's ``ScaledDotProductAttention`` (causal) instead of its language-model default,
+      FlexAttention with a packed-document block mask. Our batches are one document per row, so causal SDPA is the
+      same attention; it avoids inductor-compiling flex_attention (max-autotune) inside the measured run, and it is
+      what the transformers family runs too. The experts, the part compared, are untouched.
+    * ``load_balance_coeff=None``: the auxiliary-loss-free bias is updated by an optimizer hook that TorchTitan's
+      Trainer registers (``register_moe_load_balancing_hook``); without the Trainer it would stay zero anyway.
+    """
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear  # noqa: PLC0415
+    from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: PLC0415
+    from torchtitan.models.qwen3 import (  # noqa: PLC0415
+        _EMBEDDING_INIT,
+        _LINEAR_INIT,
+        Qwen3Model,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+    )
+
+    dim, vocab, head_dim = shape["hidden_size"], shape["vocab_size"], shape["head_dim"]
+    blocks = _build_qwen3_moe_layers(
+        fuse_qkv=True, n_layers=layers, dim=dim, n_heads=shape["num_attention_heads"],
+        n_kv_heads=shape["num_key_value_heads"], head_dim=head_dim, moe_hidden_dim=shape["moe_intermediate_size"],
+        num_experts=shape["num_experts"], top_k=shape["num_experts_per_tok"], attn_backend="flex",
+        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=shape["max_position_embeddings"], theta=1000000.0),
+        moe_comm_backend="standard")
+    for block in blocks:
+        block.attention.inner_attention = ScaledDotProductAttention.Config()
+        block.moe.load_balance_coeff = None
+    return Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=_qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_LINEAR_INIT),
+        layers=blocks)
+
+
+def build_model(config, device: torch.device) -> nn.Module:
+    """A Qwen3 MoE with bf16 parameters on ``device``, randomly initialised by TorchTitan's ``init_states``.
+
+    Built on the meta device and materialised in bf16, so no fp32 copy of the weights ever exists on the device
+    (it would count in the peak memory). Only parameters become bf16: the RoPE cache and the MoE's token counters
+    keep the dtypes TorchTitan gives them.
+    """
+    # the router computes its gate under autocast(float32), which the CPU does not offer: it warns on every step
+    # and runs the gate in bf16 instead (the CPU smoke run only)
+    warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
+    with torch.device("meta"):
+        model = config.build()
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    model.to_empty(device=device)
+    model.init_states(buffer_device=device)
+    return model
+
+
+def apply_ours(model: nn.Module, backend: str) -> None:
+    import prime_kernels.integrations.torchtitan as pk_tt  # noqa: PLC0415
+
+    pk_tt.apply(model, backend=backend)
+
+
+def enable_full_ac(model: nn.Module) -> str:
+    """TorchTitan's own full activation checkpointing (``FullAC``: every transformer block wrapped in torch's
+    ``checkpoint_wrapper``, non-reentrant), as its Trainer applies it with ``activation_checkpoint=FullAC``."""
+    from torchtitan.distributed.activation_checkpoint import FullAC  # noqa: PLC0415
+
+    FullAC(FullAC.Config()).apply(model)
+    return "torchtitan.distributed.activation_checkpoint.FullAC"
+
+
+def loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, mean over the B * (L - 1) predicted tokens, logits upcast to fp32 (as
+    transformers' ForCausalLMLoss computes it; TorchTitan's model returns logits only)."""
+    logits = model(ids)
+    return nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+
+
+def is_experts_module(m: nn.Module) -> bool:
+    """The routed experts (dispatch, grouped GEMMs, combine): TorchTitan's ``RoutedExperts`` or ours after the swap.
+    Their first argument is the tokens, their output the combined result, as the timing hooks expect."""
+    from prime_kernels.integrations.torchtitan import MegaMoERoutedExperts  # noqa: PLC0415
+    from torchtitan.models.common.moe import RoutedExperts  # noqa: PLC0415
+
+    return isinstance(m, (RoutedExperts, MegaMoERoutedExperts))
+
+
+def experts_implementation(model: nn.Module) -> str:
+    """e.g. "RoutedExperts(GroupedExperts)" or "MegaMoERoutedExperts(MegaMoEGroupedExperts)"."""
+    kinds = {f"{type(m).__name__}({type(m.inner_experts).__name__})" for m in model.modules() if is_experts_module(m)}
+    return ",".join(sorted(kinds))
+
+
+def summary(config, state: dict, smoke: bool) -> dict:
+    attn = config.layers[0].attention
+    moe = config.layers[0].moe
+    inner = moe.routed_experts.inner_experts
+    experts = sum(v.numel() for k, v in state.items() if ".routed_experts." in k)
+    return {"model": "torchtitan.models.qwen3.Qwen3Model", "shape": "smoke" if smoke else "qwen3-30b-a3b",
+            "layers": len(config.layers), "hidden": config.dim, "moe_intermediate": inner.hidden_dim,
+            "experts": moe.num_experts, "top_k": moe.router.top_k, "heads": attn.n_heads,
+            "kv_heads": attn.n_kv_heads, "head_dim": attn.head_dim, "vocab": config.vocab_size,
+            "params": sum(v.numel() for v in state.values()), "expert_params": experts,
+            "attention": "sdpa (torchtitan ScaledDotProductAttention, causal)", "dtype": "bfloat16"}
