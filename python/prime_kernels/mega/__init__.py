@@ -33,6 +33,7 @@ from .deepgemm_compat import (
 )
 from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe
 from .deferred import DeferredWgrad
+from .loopback import LoopbackGroup
 from .staged_fp8 import (
     FP8BackwardBuffers,
     FP8Pools,

@@ -1,13 +1,14 @@
 """The grouped backend under expert parallelism: the all-to-all path (bf16).
 
-R ranks of ``group`` each hold El = E / R experts (rank r the global ids [r*El, (r+1)*El)) and their own T
-tokens (T may differ per rank, 0 included). The plan is the reference's group plan
+R ranks of ``group`` each hold El = E / R experts (rank r the global ids [r*El, (r+1)*El)) and their own T tokens (T
+may differ per rank, 0 included). The plan is the reference's group plan
 (:func:`prime_kernels.mega._plan.build_plan`): rank r's pool is the slice, for its experts, of the one-rank pool
-over all ranks' tokens concatenated in rank order, so its rows are in (expert, source rank, token, k) order and
-each expert's rows start on a multiple of ``block_m``, as on one rank. Rows move between a rank's routes and the
-owning ranks' pools with ``torch.distributed.all_to_all_single`` (:class:`prime_kernels.mega.reference.Exchange`;
-NCCL on GPUs, gloo stages CUDA tensors through host memory). Between the exchanges run the grouped pipeline's
-kernels on the local pool:
+over all ranks' tokens concatenated in rank order, so its rows are in (expert, source rank, token, k) order and each
+expert's rows start on a multiple of ``block_m``, as on one rank. Rows move between a rank's routes and the owning
+ranks' pools with ``all_to_all_single`` (:class:`prime_kernels.mega.reference.Exchange` through
+:mod:`prime_kernels.mega._comm`: a torch.distributed group, NCCL on GPUs and gloo staging CUDA tensors through host
+memory, or a :class:`~prime_kernels.mega.loopback.LoopbackGroup` of R threads of one process). Between the exchanges
+run the grouped pipeline's kernels on the local pool:
 
   forward   x rows -> pool; L1 with SwiGLU (h saved); L2 -> o rows back to their routes; the combine over the
             route slots with the top-k weights, on the source rank;

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _backend, _validate, deferred, reference
+from . import _backend, _comm, _validate, deferred, reference
 from .buffer import get_buffer
 
 
@@ -157,7 +157,7 @@ def mega_moe_bwd(
     ep_size = 1
     group = reference.resolve_group(group_name)
     if group is not None:
-        ep_size = torch.distributed.get_world_size(group)
+        ep_size = _comm.world_size(group)
     _validate.check_dy(dy, x)
     T = x.shape[0]
     E = w13.shape[0] * ep_size if num_experts < 0 else num_experts

@@ -24,6 +24,7 @@ import struct
 import torch
 
 from ..routing import routing_plan_reference
+from . import _comm
 
 
 def _single_plan(topk_idx: torch.Tensor, num_experts: int, block_m: int):
@@ -108,10 +109,8 @@ def build_plan(
         pool_src_rank = torch.where(pool_src_route >= 0, 0, -1)
         return tuple(_i32(t) for t in (counts, offsets, pool_src_route, pool_src_rank, r2p))
 
-    import torch.distributed as dist  # noqa: PLC0415
-
-    R = dist.get_world_size(group)
-    r = dist.get_rank(group)
+    R = _comm.world_size(group)
+    r = _comm.rank(group)
     El = num_experts // R
     tmax = int(max_tokens_per_rank if max_tokens_per_rank is not None else T)
     # Every rank learns every rank's token count and call shape, then every rank's routing (padded to tmax).
@@ -121,7 +120,7 @@ def build_plan(
               "capacity": capacity, **{k: int(agreement.get(k, -1)) for k in AGREEMENT_KEYS}}
     desc = torch.tensor([T] + [fields[n] for n in names], dtype=torch.long, device=dev)
     gathered_desc = [torch.zeros_like(desc) for _ in range(R)]
-    dist.all_gather(gathered_desc, desc, group=group)
+    _comm.all_gather(gathered_desc, desc, group)
     rows = [d.tolist() for d in gathered_desc]
     _check_agreement(names, [row[1:] for row in rows])
     t_all = [row[0] for row in rows]
@@ -133,7 +132,7 @@ def build_plan(
     padded = torch.full((tmax, K), -1, dtype=torch.long, device=dev)
     padded[:T] = topk_idx.long()
     gathered = [torch.empty_like(padded) for _ in range(R)]
-    dist.all_gather(gathered, padded, group=group)
+    _comm.all_gather(gathered, padded, group)
     gidx = torch.cat(gathered, 0)  # [R*tmax, K]: global token g = rank*tmax + t
 
     counts_g, offsets_g, src_g, r2p_g = _single_plan(gidx, num_experts, block_m)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _backend, _ops, _validate, shared
+from . import _backend, _comm, _ops, _validate, shared
 from ..routing import RoutingPlan
 from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe
 from .deferred import DeferredWgrad
@@ -24,9 +24,7 @@ _MMA_FOR_PRECISION = {"bf16": "bf16xbf16", "fp8": "fp8xfp8", "fp8_bwd": "bf16xbf
 def _group_info(group):
     if group is None:
         return 1, ""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    R = dist.get_world_size(group)
+    R = _comm.world_size(group)
     return R, (group.group_name if R > 1 else "")
 
 

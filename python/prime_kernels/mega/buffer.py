@@ -79,6 +79,11 @@ class SymmBuffer:
         if group is not None:
             import torch.distributed as dist  # noqa: PLC0415
 
+            from .loopback import LoopbackGroup  # noqa: PLC0415
+
+            if isinstance(group, LoopbackGroup):
+                _fail("a LoopbackGroup has no symmetric buffer (its ranks are threads of one process): pass it to "
+                      "mega_moe / the backends directly")
             self.num_ranks = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
         if num_experts % self.num_ranks:

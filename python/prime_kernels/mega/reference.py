@@ -115,6 +115,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from . import _comm
 from . import fp8 as _fp8
 from ._plan import build_plan
 
@@ -142,11 +143,7 @@ def _no_tf32(device: torch.device):
 
 
 def _resolve_group(group_name: str):
-    if not group_name:
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: PLC0415
-
-    return _resolve_process_group(group_name)
+    return _comm.resolve(group_name)
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -185,7 +182,7 @@ class Exchange:
 
     def __init__(self, topk_idx, route_to_pool, pool_src_route, pool_src_rank, num_experts, group):
         self.group = group
-        self.num_ranks = 1 if group is None else torch.distributed.get_world_size(group)
+        self.num_ranks = _comm.world_size(group)
         R = self.num_ranks
         El = num_experts // R
         cap = pool_src_route.numel()
@@ -212,7 +209,7 @@ class Exchange:
         likes = [(t.shape[1:], t.dtype) for t in tensors]
         send = _pack(tensors)
         recv = send.new_empty((sum(out_splits), send.shape[1]))
-        torch.distributed.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
+        _comm.all_to_all_single(recv, send, out_splits, in_splits, self.group)
         return _unpack(recv, likes)
 
     def to_pool(self, route_rows):
@@ -535,7 +532,7 @@ def mega_moe_reference(x, topk_idx, topk_weights, w13, w2, *, precision="bf16", 
     from ..routing import pool_capacity  # noqa: PLC0415
 
     _check_precision(precision, x)
-    R = 1 if group is None else torch.distributed.get_world_size(group)
+    R = _comm.world_size(group)
     T, K = topk_idx.shape
     El = w13.shape[0]
     E = El * R if num_experts is None else int(num_experts)

@@ -1,0 +1,145 @@
+"""A loopback expert-parallel group: R virtual ranks in one process, for tests and single-GPU measurements.
+
+The layer's expert parallelism needs R ranks exchanging rows. Where one GPU (or none) is at hand, a
+:class:`LoopbackGroup` runs R ranks as R threads of this process: :meth:`LoopbackGroup.run` calls ``fn(rank)`` in
+each, and the collectives the layer makes (``all_gather`` and ``all_to_all_single``; see
+:mod:`prime_kernels.mega._comm`) meet at a barrier and copy between the ranks' tensors, on each rank's current
+stream (device copies on a GPU). With CUDA tensors every rank runs on its own stream of the one device, so one rank's
+copies can overlap another's GEMMs as they would across GPUs.
+
+What it does not model: the bandwidth and latency of a real interconnect (a copy within one card's memory), and
+autograd (the backward of a custom op runs on the autograd engine's device thread, which the ranks' threads share,
+so R ranks' backwards would wait on each other there): call the backends' forward and backward directly, as the
+tests and ``bench/bench_ep_loopback.py`` do.
+
+A rank that raises breaks the barrier: the others raise ``threading.BrokenBarrierError`` at their next collective
+instead of waiting, and :meth:`run` re-raises the first rank's exception. Every barrier wait is bounded by
+``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+_REGISTRY: dict[str, "LoopbackGroup"] = {}
+_COUNTER = itertools.count()
+
+
+class LoopbackGroup:
+    """R virtual ranks of this process (see the module docstring). ``group_name`` resolves back to the group
+    (:func:`resolve`), as a process group's name does."""
+
+    def __init__(self, world_size: int, timeout_s: float = 60.0):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"LoopbackGroup: world_size must be an int >= 1, got {world_size!r}")
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.group_name = f"prime_kernels.loopback.{next(_COUNTER)}"
+        self._barrier = threading.Barrier(world_size, timeout=self.timeout_s)
+        self._slots: list = [None] * world_size
+        self._local = threading.local()
+        _REGISTRY[self.group_name] = self
+
+    def size(self) -> int:
+        return self.world_size
+
+    def rank(self) -> int:
+        r = getattr(self._local, "rank", None)
+        if r is None:
+            raise RuntimeError(f"{self.group_name}: a collective outside LoopbackGroup.run (no rank on this thread)")
+        return r
+
+    def run(self, fn: Callable[[int], T], device: torch.device | str | None = None) -> list[T]:
+        """``fn(rank)`` for every rank, each in its own thread (on its own CUDA stream of ``device`` when that is a
+        CUDA device); returns their results in rank order, or raises the first exception a rank raised."""
+        dev = None if device is None else torch.device(device)
+        results: list = [None] * self.world_size
+        errors: list = [None] * self.world_size
+
+        def body(r: int) -> None:
+            self._local.rank = r
+            try:
+                if dev is not None and dev.type == "cuda":
+                    torch.cuda.set_device(dev)
+                    with torch.cuda.stream(torch.cuda.Stream(dev)):
+                        results[r] = fn(r)
+                        torch.cuda.current_stream(dev).synchronize()
+                else:
+                    results[r] = fn(r)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller below
+                errors[r] = e
+                self._barrier.abort()  # the other ranks raise at their next collective instead of waiting
+
+        threads = [threading.Thread(target=body, args=(r,), name=f"{self.group_name}.rank{r}")
+                   for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self._barrier.reset()
+        self._slots = [None] * self.world_size
+        first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+        first = first or next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        return results
+
+    # -- the collectives (prime_kernels.mega._comm calls these with a LoopbackGroup) ----------------------------
+
+    def _publish(self, value) -> None:
+        """Put this rank's operand where the others read it, once the rank's queued work that writes it is done."""
+        event = None
+        tensor = value[0] if isinstance(value, tuple) else value
+        if tensor.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(tensor.device))
+        self._slots[self.rank()] = (value, event)
+        self._barrier.wait()
+
+    def _read(self, src: int):
+        value, event = self._slots[src]
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        return value
+
+    def _done(self, sample: torch.Tensor) -> None:
+        """Every rank's copies out of the operands are complete before any rank goes on (and may reuse them)."""
+        if sample.is_cuda:
+            torch.cuda.current_stream(sample.device).synchronize()
+        self._barrier.wait()
+
+    def all_gather(self, out_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self._publish(tensor)
+        for src in range(self.world_size):
+            out_list[src].copy_(self._read(src))
+        self._done(tensor)
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                          in_splits: list[int]) -> None:
+        """Rows of ``inp`` split by ``in_splits`` go to the ranks in order; ``out`` receives ``out_splits[src]``
+        rows from each rank ``src`` in order (both as torch.distributed.all_to_all_single takes them)."""
+        r = self.rank()
+        self._publish((inp, list(in_splits)))
+        at = 0
+        for src in range(self.world_size):
+            src_inp, src_splits = self._read(src)
+            start = sum(src_splits[:r])
+            n = src_splits[r]
+            if n != out_splits[src]:
+                self._barrier.abort()
+                raise RuntimeError(f"{self.group_name}: rank {src} sends {n} rows to rank {r}, which expects "
+                                   f"{out_splits[src]}")
+            out[at:at + n].copy_(src_inp[start:start + n])
+            at += n
+        self._done(inp)
+
+
+def resolve(group_name: str) -> LoopbackGroup | None:
+    """The loopback group of this name, or None."""
+    return _REGISTRY.get(group_name)
