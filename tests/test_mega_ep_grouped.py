@@ -63,9 +63,9 @@ def _problem(tokens, routing, masked, seed):
 
 def _run(x, idx, w, w13, w2, dy, *, group, num_experts, tmax, opts):
     """(y, dx, dtopk, dw13, dw2) of the grouped backend's forward and backward, on ``group`` or on one rank."""
-    from prime_kernels.mega import _backend
+    from prime_kernels.mega import _backend, _comm
 
-    ep = 1 if group is None else torch.distributed.get_world_size(group)
+    ep = _comm.world_size(group)
     clamp = opts.get("activation_clamp")
     fwd = _backend.forward("grouped", x, idx, w, w13, w2, precision="bf16", activation_clamp=clamp, group=group,
                            num_experts=num_experts, ep_size=ep, max_tokens_per_rank=tmax, block_m=128, save_h=True)
@@ -78,7 +78,7 @@ def _run(x, idx, w, w13, w2, dy, *, group, num_experts, tmax, opts):
         a13 = torch.randn((num_experts,) + w13.shape[1:], generator=g).to(x.device)
         a2 = torch.randn((num_experts,) + w2.shape[1:], generator=g).to(x.device)
         if ep > 1:  # this rank's experts' slice of the one-rank accumulators
-            r, El = torch.distributed.get_rank(group), w13.shape[0]
+            r, El = _comm.rank(group), w13.shape[0]
             a13, a2 = a13[r * El:(r + 1) * El].contiguous(), a2[r * El:(r + 1) * El].contiguous()
         init13, init2 = a13.clone(), a2.clone()
         if opts.get("defer"):
