@@ -155,3 +155,22 @@ def test_loopback_through_the_public_call_and_autograd_on_the_cpu():
         sl, es = slice(lo, lo + tokens[r]), slice(4 * r, 4 * r + 4)
         for what, a, b in zip(NAMES, outs[r], (want[0][sl], want[1][sl], want[2][sl], want[3][es], want[4][es])):
             assert torch.equal(a, b), f"rank {r} {what}"
+
+
+def test_bench_ep_loopback_smoke(tmp_path):
+    """bench/bench_ep_loopback.py --smoke on the CPU: a row per rank count, the loopback path bit for bit EP = 1,
+    positive times."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "bench_ep_loopback.py"
+    out = tmp_path / "ep.json"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--device", "cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["ranks"] for r in rows] == [2, 4], rows
+    for r in rows:
+        assert r["bitwise"] is True and r["ep1_ms"] > 0 and r["loopback_ms"] > 0, r

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""What the all-to-all expert-parallel path costs on one GPU: R virtual ranks of a loopback group against EP = 1.
+
+    python3 bench/bench_ep_loopback.py --shapes qwen3-30b-a3b,qwen3-235b-a22b --tokens 2048,4096 --ranks 2,4,8
+    python3 bench/bench_ep_loopback.py --smoke --device cpu      # the CI path: a tiny shape on the CPU
+
+For each shape, T (tokens per rank) and R, the same work two ways on the one device:
+
+* ``ep1``: the grouped backend's forward and backward (``_backend.forward`` / ``backward``, no autograd) over all
+  R * T tokens with all E experts, on one stream;
+* ``loopback``: a :class:`prime_kernels.mega.LoopbackGroup` of R ranks (threads, each on its own CUDA stream), each
+  with its T tokens and E / R experts, running the all-to-all path (``prime_kernels.mega._grouped_ep``): the plan's
+  two all-gathers, the forward's two exchanges, the backward's two, the combines on the source ranks.
+
+Both are timed as wall-clock time per iteration (``torch.cuda.synchronize`` before and after a batch of iterations),
+host work included: the loopback ranks' host work is serialised by the GIL and their kernels share one GPU, so the
+ratio loopback / ep1 is the path's overhead on one card (its plan, its exchanges as device copies, its host syncs),
+not the speed of a multi-GPU run, where each rank has a GPU of its own and the exchanges cross NVLink or the network.
+The outputs of the two are compared bit for bit on every run (``bitwise``), as the tests do.
+
+Results: a table on stdout and a JSON (``--out``, default bench/results/ep_loopback_<gpu>_<date>.json) with the
+run's header (GPU, torch, git sha) and one row per (shape, T, R, routing): ep1_ms, loopback_ms, overhead, bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="qwen3-30b-a3b,qwen3-235b-a22b", help=f"comma list from {sorted(bc.SHAPES)}")
+    p.add_argument("--tokens", default="2048,4096", help="comma list of tokens per rank")
+    p.add_argument("--ranks", default="2,4,8", help="comma list of virtual rank counts (each must divide E)")
+    p.add_argument("--routings", default="uniform", help="comma list from uniform,zipf")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=8.0,
+                   help="stop starting new configurations after this many minutes (results so far are kept)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--out", default=None, help="results JSON path")
+    p.add_argument("--smoke", action="store_true", help="tiny shape, few iterations, CPU-runnable")
+    a = p.parse_args(argv)
+    if a.smoke:
+        for name, value in (("shapes", "smoke"), ("tokens", "40"), ("ranks", "2,4"), ("warmup", 1), ("iters", 2)):
+            if getattr(a, name) == p.get_default(name):
+                setattr(a, name, value)
+    return a
+
+
+def _split(s: str) -> list[str]:
+    return [v.strip() for v in s.split(",") if v.strip()]
+
+
+def _layer(x, idx, w, w13, w2, dy, *, group, num_experts: int, tmax: int | None):
+    """(y, dx, dtopk, dw13, dw2) of the grouped backend's forward and backward, without autograd."""
+    from prime_kernels.mega import _backend, _comm
+
+    ep = _comm.world_size(group)
+    fwd = _backend.forward("grouped", x, idx, w, w13, w2, precision="bf16", activation_clamp=None, group=group,
+                           num_experts=num_experts, ep_size=ep, max_tokens_per_rank=tmax, block_m=128, save_h=True)
+    y, h, counts, offsets, src, srank, r2p, _ = fwd
+    dx, dtopk, dw13, dw2 = _backend.backward("grouped", dy, x, idx, w, w13, w2, h, counts, offsets, src, srank, r2p,
+                                             precision="bf16", activation_clamp=None, group=group,
+                                             num_experts=num_experts, recompute=False, need_wgrad=True)
+    return y, dx, dtopk, dw13, dw2
+
+
+def _timed(fn, device, warmup: int, iters: int) -> float:
+    """Wall-clock ms per call of ``fn`` over ``iters`` calls after ``warmup``, host work included."""
+    for _ in range(warmup):
+        fn()
+    bc.sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    bc.sync(device)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def run_config(shape: str, T: int, R: int, routing: str, args, device) -> dict:
+    from prime_kernels.mega import LoopbackGroup
+
+    E, H, I, K = bc.shape_dims(shape)
+    if E % R:
+        raise ValueError(f"{R} ranks do not divide {E} experts")
+    El = E // R
+    w13, w2 = bc.make_weights(E, H, I, args.seed, device)
+    parts = [bc.make_tokens(T, E, H, K, routing, args.seed + T, device, rank=r) for r in range(R)]
+    x, idx, w, dy = (torch.cat([p[i] for p in parts]) for i in range(4))
+    group = LoopbackGroup(R, timeout_s=300)
+
+    def rank_args(r):
+        sl, es = slice(r * T, (r + 1) * T), slice(r * El, (r + 1) * El)
+        return (x[sl].contiguous(), idx[sl].contiguous(), w[sl].contiguous(), w13[es].contiguous(),
+                w2[es].contiguous(), dy[sl].contiguous())
+
+    per_rank = [rank_args(r) for r in range(R)]
+
+    def loop_once():
+        return group.run(lambda r: _layer(*per_rank[r], group=group, num_experts=E, tmax=T), device=device)
+
+    def ep1_once():
+        return _layer(x, idx, w, w13, w2, dy, group=None, num_experts=E, tmax=None)
+
+    want = ep1_once()
+    got = loop_once()
+    bitwise = all(torch.equal(got[r][i], want[i][r * T:(r + 1) * T]) for r in range(R) for i in range(3)) and all(
+        torch.equal(got[r][i], want[i][r * El:(r + 1) * El]) for r in range(R) for i in (3, 4))
+    del want, got
+    ep1_ms = _timed(ep1_once, device, args.warmup, args.iters)
+    loop_ms = _timed(loop_once, device, args.warmup, args.iters)
+    return {"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens_per_rank": T,
+            "ranks": R, "routing": routing, "ep1_ms": round(ep1_ms, 4), "loopback_ms": round(loop_ms, 4),
+            "overhead": round(loop_ms / ep1_ms, 4), "bitwise": bool(bitwise)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    header = bc.run_header(device, 0.0)
+    header.pop("peak_bf16_tflops")
+    rows = []
+    start = time.time()
+    for shape in _split(args.shapes):
+        for T in (int(t) for t in _split(args.tokens)):
+            for R in (int(r) for r in _split(args.ranks)):
+                for routing in _split(args.routings):
+                    if time.time() - start > args.max_minutes * 60:
+                        print(f"[ep_loopback] out of time before {shape} T={T} R={R} {routing}", flush=True)
+                        break
+                    row = run_config(shape, T, R, routing, args, device)
+                    rows.append(row)
+                    print(f"[ep_loopback] {shape} T={T}/rank R={R} {routing}: ep1 {row['ep1_ms']:.3f} ms, loopback "
+                          f"{row['loopback_ms']:.3f} ms ({row['overhead']:.2f}x), bitwise {row['bitwise']}",
+                          flush=True)
+    doc = {**header, "script": "bench/bench_ep_loopback.py", "args": vars(args),
+           "timing": "wall-clock ms per forward + backward over --iters after --warmup, host work included",
+           "rows": rows}
+    path = Path(args.out) if args.out else bc.default_results_path("ep_loopback", header)
+    bc.write_results(doc, path)
+    print(f"[ep_loopback] wrote {path}")
+    return 0 if all(r["bitwise"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
