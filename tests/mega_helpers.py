@@ -187,3 +187,29 @@ def auto_kernel_skip_reason() -> str | None:
         if fused is not None and grouped is not None:
             return f"backend='auto' has no kernel for bf16 {direction} here: {fused}; {grouped}"
     return None
+
+
+def spawn_ranks(target, world: int, outdir: str, args: tuple = (), timeout_s: float = 180.0) -> list[int]:
+    """Run ``target(rank, world, port, outdir, *args)`` in ``world`` spawned processes (``port``: a free localhost
+    port for their process group) and return their exit codes; a process still alive after ``timeout_s`` is killed
+    and fails the test as a hang."""
+    import socket
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, world, port, outdir, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    if alive:
+        pytest.fail(f"{len(alive)} of {world} ranks still running after {timeout_s} s: a hang")
+    return [p.exitcode for p in procs]

@@ -2,26 +2,18 @@
 gloo (bit for bit, in CI), and on two GPUs with NCCL and a symmetric-memory buffer when present."""
 
 import os
-import socket
 import tempfile
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from mega_helpers import make_problem, run_layer
+from mega_helpers import make_problem, run_layer, spawn_ranks
 
 E, H, I, K = 8, 32, 16, 3
 TOKENS = (5, 9)  # unequal tokens per rank
 CLAMP = 0.6
 TIMEOUT_S = 120
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full_problem():
@@ -81,18 +73,8 @@ def test_ep2_equals_ep1(device_type):
     ref = [t.cpu() for t in run_layer(*prob, backend="reference", activation_clamp=CLAMP)]
     world = 2
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.get_context("spawn")
-        port = _free_port()
-        procs = [ctx.Process(target=_ep_worker, args=(r, world, port, outdir, device_type)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(TIMEOUT_S)
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
-        assert not alive, f"EP workers timed out after {TIMEOUT_S} s"
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        codes = spawn_ranks(_ep_worker, world, outdir, (device_type,), TIMEOUT_S)
+        assert all(c == 0 for c in codes), codes
         outs = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
     El = E // world
     for key in ("autograd", "recompute", "low_level"):

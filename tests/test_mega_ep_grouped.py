@@ -11,15 +11,13 @@ through host memory), every rank on the one card."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from mega_helpers import make_problem
+from mega_helpers import make_problem, spawn_ranks
 
 E, H, I, K = 8, 128, 128, 3
 TIMEOUT_S = 180
@@ -41,12 +39,6 @@ CASES = {
         ("low_experts", (3, 4, 2, 6), "low_experts", 0.0, {"activation_clamp": 0.6}),
     ],
 }
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _problem(tokens, routing, masked, seed):
@@ -125,18 +117,8 @@ def _worker(rank, world, port, outdir, device_type):
 
 def _spawn(world, device_type):
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.get_context("spawn")
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, outdir, device_type)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(TIMEOUT_S)
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
-        assert not alive, f"EP workers timed out after {TIMEOUT_S} s"
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        codes = spawn_ranks(_worker, world, outdir, (device_type,), TIMEOUT_S)
+        assert all(c == 0 for c in codes), codes
         return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
 
 
@@ -227,17 +209,7 @@ def test_ranks_that_disagree_or_fail_raise_on_every_rank_and_none_hangs(scenario
         pytest.skip("torch.distributed with gloo is not available")
     world = 2
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.get_context("spawn")
-        port = _free_port()
-        procs = [ctx.Process(target=_disagree_worker, args=(r, world, port, outdir, scenario)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
-        assert not alive, f"a rank hung in scenario {scenario}"
+        spawn_ranks(_disagree_worker, world, outdir, (scenario,), 60)
         results = [open(os.path.join(outdir, f"rank{r}.txt")).read() for r in range(world)]
     if scenario == "raises_mid_call":
         assert results[1] == "RuntimeError: injected failure on rank 1", results
