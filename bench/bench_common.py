@@ -85,6 +85,16 @@ def reduce_max(value, device):
     return float(t.item())
 
 
+def gather_values(value: float, device) -> list[float]:
+    """Every rank's value, in rank order ([value] without torch.distributed)."""
+    if not dist_on():
+        return [float(value)]
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    out = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(out, t)
+    return [float(v.item()) for v in out]
+
+
 # ------------------------------------------------------------------------------------------------
 # inputs
 # ------------------------------------------------------------------------------------------------

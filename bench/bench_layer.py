@@ -354,7 +354,8 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
         for direction in ("fwd", "bwd", "fwdbwd", "infer"):
             if direction not in res:
                 continue
-            ms = bc.reduce_max(res[direction], device)
+            per_rank = bc.gather_values(res[direction], device)
+            ms = max(per_rank)  # the slowest rank's
             mem_key = {"fwd": "fwd", "infer": "infer"}.get(direction, "fwdbwd")
             mem = bc.reduce_max(res[f"mem_{mem_key}"], device)
             added = bc.reduce_max(res[f"added_{mem_key}"], device)
@@ -372,6 +373,8 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
                 "peak_mem_gib": None if mem is None else round(mem, 3),
                 "added_mem_gib": None if added is None else round(added, 3),
             }
+            if ep > 1:  # every rank's time; ms is the slowest
+                row["ms_per_rank"] = [round(v, 4) for v in per_rank]
             if f"{direction}_sustained" in res:
                 row["ms_sustained"] = round(bc.reduce_max(res[f"{direction}_sustained"], device), 4)
                 row["ratio_sustained"] = None

@@ -574,3 +574,24 @@ def test_bench_staged_fp8_smoke(tmp_path):
     staged = doc["rows"][-1]
     assert staged["fwd_ms"] > 0 and staged["bwd_ms"] > 0
     assert set(staged["parts_ms"]) == {"column_quant", "fp8_mega_moe_backward", "fp8_mega_moe_weight_grads"}
+
+
+def test_bench_layer_under_torchrun_reports_every_rank(tmp_path):
+    """bench_layer under torchrun with 2 ranks (gloo, CPU): every row has ep = 2, every rank's time and the slowest
+    as ms; torch's all-to-all layer beside the reference backend."""
+    import subprocess
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    out = tmp_path / "ep.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        str(BENCH / "bench_layer.py"), "--smoke", "--device", "cpu", "--tokens", "64",
+                        "--routings", "uniform", "--backends", "torch,deep_gemm_reference", "--no-plot",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [row for row in json.loads(out.read_text())["rows"] if not row.get("skipped")]
+    assert {row["backend"] for row in rows} == {"torch", "deep_gemm_reference"}, rows
+    for row in rows:
+        assert row["ep"] == 2 and len(row["ms_per_rank"]) == 2, row
+        assert row["ms"] == max(row["ms_per_rank"]) > 0, row
