@@ -2,7 +2,7 @@
 # The official runs in one call on a GPU machine that already has torch (e.g. the lent H200): install a
 # wheel built elsewhere into /tmp/site, then run the chosen steps. Results and logs go to $OUT.
 #
-# usage: bash bench/run_h200.sh [tests|fp8_tests|fused_bwd|bwd_lags|gemm|layer|fp8|floor|parity|staged|quantize]...
+# usage: bash bench/run_h200.sh [tests|fp8_tests|fused_bwd|bwd_lags|gemm|layer|fp8|floor|parity|staged|quantize|ep]...
 #        (default: tests gemm layer floor)
 # environment:
 #   WHEEL_DIR    where prime_kernels_core-*.whl and the prime_kernels-*.whl drop-in are (default wheelhouse)
@@ -47,10 +47,14 @@ for step in $steps; do
                | tee "$OUT/train_parity.log" | tail -30 ;;
     staged) timeout 300 python3 bench/bench_staged_fp8.py --out "$OUT/staged_fp8.json" 2>&1 \
                | tee "$OUT/bench_staged_fp8.log" | tail -12 ;;
+    ep)     (cd tests && timeout 240 python3 -m pytest -q -ra -p no:cacheprovider test_mega_loopback.py \
+               test_mega_ep_grouped.py test_mega_ep.py 2>&1 | tee "$OUT/tests_ep.log" | tail -8)
+            timeout 300 python3 bench/bench_ep_loopback.py --out "$OUT/ep_loopback.json" 2>&1 \
+               | tee "$OUT/bench_ep_loopback.log" | tail -12 ;;
     quantize) timeout 120 python3 bench/bench_quantize_fp8.py --tokens 16384 --out "$OUT/quantize_fp8.json" 2>&1 \
                | tee "$OUT/bench_quantize_fp8.log" | tail -12 ;;
     *) echo "unknown step $step: choose from tests fp8_tests fused_bwd bwd_lags gemm layer fp8 floor parity staged" \
-            "quantize"; exit 2 ;;
+            "quantize ep"; exit 2 ;;
   esac
 done
 ls "$OUT"
