@@ -148,8 +148,6 @@ def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None
             return f"{GROUPED_CLAMP_KEY}: {clamp_reason}"
     if precision not in ("bf16", "fp8_bwd", "fp8"):
         return f"the grouped pipeline runs bf16, fp8 and fp8_bwd (precision={precision!r})"
-    if ep_size != 1 and precision != "bf16":
-        return f"the grouped pipeline runs precision={precision!r} on a single rank (no expert-parallel group)"
     if num_local_experts is not None and num_local_experts > GROUPED_MAX_EXPERTS:
         return (f"{num_local_experts} local experts exceed the grouped GEMMs' limit of "
                 f"GROUPED_MAX_EXPERTS={GROUPED_MAX_EXPERTS} (prime_kernels.mega.constants)")
@@ -197,8 +195,6 @@ def _fp8_pipeline_reason(precision: str, ep_size: int, activation_clamp: float |
         clamp_reason = _status().get(GROUPED_CLAMP_KEY, _NOT_IMPLEMENTED)
         if clamp_reason != "available":
             return f"precision={precision!r} with activation_clamp: {GROUPED_CLAMP_KEY}: {clamp_reason}"
-    if ep_size != 1:
-        return f"precision={precision!r}: the FP8 backward pipeline runs on a single rank (no expert-parallel group)"
     return None
 
 
@@ -422,13 +418,14 @@ def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, a
             out = _fused.forward(x, topk_idx, topk_weights, w13, w2, precision=_kernel_forward_precision(precision),
                                  buffer=buffer, keep_x_pool=keep_pooled_x, id_check=ids, num_sms=num_sms, **kwargs)
             out, x_pool = out[:7], out[7]
-        elif which == "grouped" and precision == "fp8":
-            out = _fp8_fwd.forward(x, topk_idx, topk_weights, w13, w2, id_check=ids, num_sms=num_sms, **kwargs)
         elif which == "grouped" and group is not None:
             out, pooled = _grouped_ep.forward(x, topk_idx, topk_weights, w13, w2, num_sms=num_sms,
-                                              agreement=agreement, **kwargs)
+                                              agreement=agreement, precision=_kernel_forward_precision(precision),
+                                              **kwargs)
             if keep_pooled_x:  # the rows came from every rank: only this forward has them
                 x_pool = pooled
+        elif which == "grouped" and precision == "fp8":
+            out = _fp8_fwd.forward(x, topk_idx, topk_weights, w13, w2, id_check=ids, num_sms=num_sms, **kwargs)
         elif which == "grouped":
             out = _grouped.forward(x, topk_idx, topk_weights, w13, w2, buffer=buffer, id_check=ids,
                                    num_sms=num_sms, **kwargs)
@@ -464,12 +461,12 @@ def backward(which: str, dy, x, topk_idx, topk_weights, w13, w2, h, expert_count
     if x_pool is not None and x_pool.shape[0] == pool_src_route.shape[0] and x_pool.shape[0] > 0:
         kwargs["x_pool"] = x_pool
     with torch.no_grad():
+        if which == "grouped" and group is not None:
+            return _grouped_ep.backward(*args, num_sms=num_sms, precision=precision, **kwargs)
         if which in ("fused", "grouped") and precision in reference.FP8_PRECISIONS:
             return _fp8_bwd.backward(*args, precision=precision, num_sms=num_sms, **kwargs)
         if which == "fused":
             return _fused.backward(*args, precision=precision, buffer=buffer, num_sms=num_sms, **kwargs)
-        if which == "grouped" and group is not None:
-            return _grouped_ep.backward(*args, num_sms=num_sms, **kwargs)
         if which == "grouped":
             return _grouped.backward(*args, buffer=buffer, num_sms=num_sms, **kwargs)
         return reference.backward(*args, precision=precision, **kwargs)

@@ -1,4 +1,4 @@
-"""The grouped backend under expert parallelism: the all-to-all path (bf16).
+"""The grouped backend under expert parallelism: the all-to-all path (bf16, fp8 and fp8_bwd).
 
 R ranks of ``group`` each hold El = E / R experts (rank r the global ids [r*El, (r+1)*El)) and their own T tokens (T
 may differ per rank, 0 included). The plan is the reference's group plan
@@ -24,14 +24,22 @@ d topk_weights is the same per-row sum of the same partials. Shapes, dtypes, pre
 disagree across ranks raise the same ValueError on every rank at the plan's first collective, before any exchange;
 every wait is a collective of the process group, bounded by its timeout.
 
+FP8 (``precision="fp8"`` forward, ``"fp8"`` and ``"fp8_bwd"`` backward): the exchanges carry bf16 rows, and the
+FP8 pipeline's functions (:mod:`prime_kernels.mega._fp8_fwd`, :mod:`prime_kernels.mega._fp8_bwd`) run on the pool as
+if its rows were tokens with one route each (route_to_pool the identity on the used rows, -1 on padding rows): every
+quantization of the recipe is per row (qK) or per expert's rows from its first pool row (qT), so it sees the values
+the one-rank pipeline quantizes, and the per-row results (dx rows, d topk_weights) go back to be combined on the
+source rank as above.
+
 The exchanges run on the calling stream and block it; splitting the tokens into chunks so that one chunk's exchange
-runs under another's GEMMs is not done here.
+runs under another's GEMMs is not done here (docs/expert_parallel.md has the plan).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import _fp8_bwd, _fp8_fwd, fp8 as _fp8
 from ..combine import combine
 from ..grouped_gemm import (
     k_grouped_bf16_gemm_tn,
@@ -39,10 +47,12 @@ from ..grouped_gemm import (
     m_grouped_bf16_gemm_nt,
     m_grouped_bf16_gemm_swiglu,
     m_grouped_bf16_gemm_swiglu_bwd,
+    m_grouped_fp8_gemm_nt,
 )
-from ._grouped import _wgrad, deferred_wgrad
+from ..quantize import quantize_tokens_fp8
+from ._grouped import _wgrad, deferred_wgrad, recompute_h
 from ._plan import build_plan
-from .reference import Exchange
+from .reference import FP8_PRECISIONS, Exchange
 
 
 def _slot_index(topk_idx: torch.Tensor) -> torch.Tensor:
@@ -60,6 +70,13 @@ def _combine_slots(slots: torch.Tensor, topk_idx: torch.Tensor, weights: torch.T
     return combine(slots, _slot_index(topk_idx), weights)
 
 
+def _pool_routes(pool_src_route: torch.Tensor) -> torch.Tensor:
+    """The pool's rows as routes of their own, [capacity] int32: row m is route m (each row reads its own top-k
+    weight, its own token row), -1 for the padding rows."""
+    rows = torch.arange(pool_src_route.shape[0], dtype=torch.int32, device=pool_src_route.device)
+    return torch.where(pool_src_route >= 0, rows, torch.full_like(rows, -1))
+
+
 def _sms(num_sms):
     return num_sms if num_sms else None
 
@@ -69,12 +86,18 @@ def _has_rows(offsets: torch.Tensor) -> bool:
     return int(offsets[-1]) > 0
 
 
+def _recipe_and_cache(fp8_recipe, weight_cache):
+    return fp8_recipe or _fp8.DEFAULT_RECIPE, _fp8.WEIGHT_CACHE if weight_cache is None else weight_cache
+
+
 def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group, num_experts, max_tokens_per_rank,
-            block_m, capacity, save_h=True, num_sms=0, agreement=None):
+            block_m, capacity, save_h=True, num_sms=0, agreement=None, precision="bf16", fp8_recipe=None,
+            weight_cache=None):
     """The forward over ``group``. Returns ((y, h, expert_counts, expert_offsets, pool_src_route, pool_src_rank,
     route_to_pool), x_pool): the reference forward's contract (pool_src_route / pool_src_rank name the route on its
     source rank; route_to_pool the row in the owning rank's pool), and the pooled x rows [capacity, H].
-    ``agreement``: what every rank must agree on (:func:`prime_kernels.mega._plan.agreement_fields`)."""
+    ``agreement``: what every rank must agree on (:func:`prime_kernels.mega._plan.agreement_fields`). ``precision``
+    "fp8" runs the FP8 forward pipeline on the pool (the bf16 one otherwise)."""
     sms = _sms(num_sms)
     T, K = topk_idx.shape
     H = x.shape[1]
@@ -84,14 +107,24 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group,
     ex = Exchange(topk_idx, r2p, src, srank, num_experts, group)
     tok = torch.div(ex.send_order, K, rounding_mode="floor")
     (x_pool,) = ex.to_pool([x.to(torch.bfloat16)[tok]])  # padding rows are zeros, as the one-rank gather's
-    if _has_rows(offsets):
+    if not _has_rows(offsets):
+        h = x_pool.new_zeros((capacity if save_h else 0, twoI))
+        o = x_pool.new_zeros((capacity, H))
+    elif precision == "fp8":
+        if activation_clamp is not None:
+            raise RuntimeError("prime_kernels.mega: the FP8 forward pipeline does not take activation_clamp yet")
+        recipe, cache = _recipe_and_cache(fp8_recipe, weight_cache)
+        l1 = _fp8_fwd.l1(x_pool, w13, counts, offsets, _pool_routes(src).view(-1, 1), capacity, recipe, cache,
+                         save_h, sms)
+        h = l1.h if save_h else x_pool.new_empty((0, twoI))
+        c2 = cache.get(w2, recipe.pow2_scales)
+        o = m_grouped_fp8_gemm_nt(l1.s_q, l1.s_sa, c2.weight.data, c2.weight.scale, offsets, num_sms=sms)
+        del l1
+    else:
         s, h = m_grouped_bf16_gemm_swiglu(x_pool, w13, offsets, m_total=capacity, save_h=save_h,
                                           clamp=activation_clamp, num_sms=sms)
         o = m_grouped_bf16_gemm_nt(s, w2, offsets, num_sms=sms)
         del s
-    else:
-        h = x_pool.new_zeros((capacity if save_h else 0, twoI))
-        o = x_pool.new_zeros((capacity, H))
     (slots,) = ex.to_routes([o], T * K)
     del o
     y = _combine_slots(slots, topk_idx, topk_weights.float().contiguous())
@@ -101,11 +134,8 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group,
 def _add_wgrad(dy_pool, a, dh, x_pool, offsets, need_wgrad, dw13_accum, dw2_accum, w13, w2, sms):
     """dW2 from (dy_pool, w * s) and dW13 from (dh, x_pool), each a k-grouped GEMM over the local experts' rows, as
     the one-rank backward runs them: added into the fp32 accumulators when given, else in the weights' dtype (None
-    when not asked for). An empty local pool runs no GEMM: zero gradients, the accumulators untouched."""
+    when not asked for)."""
     out13 = out2 = None
-    if not _has_rows(offsets):
-        return (w13.new_zeros(w13.shape) if need_wgrad and dw13_accum is None else None,
-                w2.new_zeros(w2.shape) if need_wgrad and dw2_accum is None else None)
     if dw2_accum is not None:
         k_grouped_bf16_gemm_tn(dy_pool, a, offsets, accumulate_into=dw2_accum, num_sms=sms)
     elif need_wgrad:
@@ -117,12 +147,58 @@ def _add_wgrad(dy_pool, a, dh, x_pool, offsets, need_wgrad, dw13_accum, dw2_accu
     return out13, out2
 
 
+def _local_backward_bf16(dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offsets, routes, *, recompute, clamp,
+                         sms):
+    """The bf16 backward on the pool: (dx rows [capacity, H] bf16, d topk_weights rows [capacity] fp32, the
+    weight-gradient operands (dy_pool, w * s, dh, x_pool))."""
+    capacity = routes.shape[0]
+    h = h_saved
+    if recompute:  # the one-rank backward's recompute, on the pooled rows
+        h, x_pool = recompute_h(None, w13, counts, offsets, None, capacity, x_pool, sms, clamp)
+    dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, routes, w_pool, clamp=clamp, num_sms=sms)
+    del h
+    dt_rows = torch.sum(dt_part, 1)  # the one-rank backward's sum of the same partials, in column order
+    dx_rows = m_grouped_bf16_gemm_nn(dh, w13, offsets, num_sms=sms)
+    return dx_rows, dt_rows, (dy_pool, a, dh, x_pool)
+
+
+def _local_backward_fp8(dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offsets, routes, *, recompute, clamp,
+                        sms, precision, want_wgrad, need_wgrad, dw13_accum, dw2_accum, fp8_recipe, weight_cache):
+    """The FP8 backward pipeline on the pool (its rows as one-route tokens): (dx rows, d topk_weights rows, dW13,
+    dW2), the weight gradients as :func:`prime_kernels.mega._fp8_bwd.backward` gives them."""
+    recipe, cache = _recipe_and_cache(fp8_recipe, weight_cache)
+    pow2 = recipe.pow2_scales
+    c13, c2 = cache.get(w13, pow2), cache.get(w2, pow2)
+    capacity = routes.shape[0]
+    one_route = routes.view(-1, 1)
+    h = h_saved
+    if recompute and precision == "fp8":
+        h = _fp8_fwd.recompute_h(x_pool, w13, counts, offsets, one_route, capacity, recipe, cache, sms)
+    elif recompute:
+        h, x_pool = recompute_h(None, w13, counts, offsets, None, capacity, x_pool, sms, clamp)
+    dx_rows, dt_rows, dy_t, l2 = _fp8_bwd.data_grads(
+        dy_pool, (c13.transposed.data, c13.transposed.scale), (c2.transposed.data, c2.transposed.scale), h, counts,
+        offsets, routes, one_route, w_pool.view(-1, 1), pow2=pow2, sms=sms, want_wgrad_operands=want_wgrad,
+        clamp=clamp)
+    out13 = out2 = None
+    if want_wgrad:
+        if dw2_accum is not None or need_wgrad:
+            out2 = _fp8_bwd._wgrad(dy_t[0], dy_t[1], l2.awt_q, l2.awt_s, offsets, w2.dtype, dw2_accum, sms)
+        del dy_t
+        x_t = quantize_tokens_fp8(x_pool, offsets, counts, pow2_scales=pow2)  # qT(x_e) from the bf16 rows
+        if dw13_accum is not None or need_wgrad:
+            out13 = _fp8_bwd._wgrad(l2.dht_q, l2.dht_s, x_t[0], x_t[1], offsets, w13.dtype, dw13_accum, sms)
+    return dx_rows, dt_rows.view(-1), out13, out2
+
+
 def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, pool_src_route, pool_src_rank,
              route_to_pool, *, activation_clamp=None, group, num_experts, recompute=False, need_wgrad=True,
-             dw13_accum=None, dw2_accum=None, x_pool=None, num_sms=0, defer_wgrad=False):
+             dw13_accum=None, dw2_accum=None, x_pool=None, num_sms=0, defer_wgrad=False, precision="bf16",
+             fp8_recipe=None, weight_cache=None):
     """The backward over ``group``, with the grouped backward's contract (:func:`prime_kernels.mega._grouped.backward`):
-    (dx, d topk_weights, dw13, dw2), or with ``defer_wgrad`` (dx, d topk_weights, a WgradLater). ``x_pool``: the
-    forward's pooled rows (else the x rows are exchanged again)."""
+    (dx, d topk_weights, dw13, dw2), or with ``defer_wgrad`` (bf16 only) (dx, d topk_weights, a WgradLater).
+    ``x_pool``: the forward's pooled rows (else the x rows are exchanged again). ``precision`` "fp8" or "fp8_bwd" runs
+    the FP8 backward pipeline on the pool."""
     sms = _sms(num_sms)
     T, K = topk_idx.shape
     H = x.shape[1]
@@ -137,34 +213,38 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     dy_pool, w_pool = pooled[0], pooled[1].contiguous()
     if x_pool is None:
         x_pool = pooled[2]
-    # each pool row reads its own top-k weight: route index = its row (-1 for padding rows, weight 0)
-    rows = torch.arange(capacity, dtype=torch.int32, device=x.device)
-    local_route = torch.where(pool_src_route >= 0, rows, torch.full_like(rows, -1))
-    if _has_rows(offsets):
-        h = h_saved
-        if recompute:
-            _, h = m_grouped_bf16_gemm_swiglu(x_pool, w13, offsets, m_total=capacity, save_h=True,
-                                              clamp=activation_clamp, num_sms=sms)
-        dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, local_route, w_pool,
-                                                        clamp=activation_clamp, num_sms=sms)
-        del h
-        dt_pool = torch.sum(dt_part, 1)  # the one-rank backward's sum of the same partials, in column order
-        dx_pool = m_grouped_bf16_gemm_nn(dh, w13, offsets, num_sms=sms)
+    routes = _pool_routes(pool_src_route)
+    want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None
+    fp8_back = precision in FP8_PRECISIONS
+    out13 = out2 = operands = None
+    if not _has_rows(offsets):  # no GEMM: zero rows back, zero gradients, the accumulators untouched
+        dx_rows, dt_rows = dy_pool.new_zeros((capacity, H)), w_pool.new_zeros((capacity,))
+        if need_wgrad:
+            out13 = w13.new_zeros(w13.shape) if dw13_accum is None else None
+            out2 = w2.new_zeros(w2.shape) if dw2_accum is None else None
+    elif fp8_back:
+        dx_rows, dt_rows, out13, out2 = _local_backward_fp8(
+            dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offsets, routes, recompute=recompute,
+            clamp=activation_clamp, sms=sms, precision=precision, want_wgrad=want_w and not defer_wgrad,
+            need_wgrad=need_wgrad, dw13_accum=dw13_accum, dw2_accum=dw2_accum, fp8_recipe=fp8_recipe,
+            weight_cache=weight_cache)
     else:
-        twoI, I = w13.shape[1], w2.shape[2]
-        dh, a = dy_pool.new_zeros((capacity, twoI)), dy_pool.new_zeros((capacity, I))
-        dt_pool, dx_pool = w_pool.new_zeros((capacity,)), dy_pool.new_zeros((capacity, H))
-    dx_slots, dt_routes = ex.to_routes([dx_pool, dt_pool], T * K)
-    del dx_pool
+        dx_rows, dt_rows, operands = _local_backward_bf16(dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offsets,
+                                                          routes, recompute=recompute, clamp=activation_clamp,
+                                                          sms=sms)
+    dx_slots, dt_routes = ex.to_routes([dx_rows, dt_rows], T * K)
+    del dx_rows
     dx = _combine_slots(dx_slots, topk_idx, None)
     dtopk = dt_routes.view(T, K).to(topk_weights.dtype)
     if defer_wgrad:
-        if not _has_rows(offsets):  # nothing to add later
+        if fp8_back:
+            raise RuntimeError("prime_kernels.mega: deferred weight gradients of the FP8 expert-parallel backward run "
+                               "the whole backward again (the caller's path)")
+        if operands is None:  # nothing to add later
             from .deferred import WgradLater
 
             return dx, dtopk, WgradLater(lambda dw13_accum, dw2_accum: None, ())
-        return dx, dtopk, deferred_wgrad(dy_pool, a, dh, x_pool, offsets, sms)
-    if not (need_wgrad or dw13_accum is not None or dw2_accum is not None):
-        return dx, dtopk, None, None
-    out13, out2 = _add_wgrad(dy_pool, a, dh, x_pool, offsets, need_wgrad, dw13_accum, dw2_accum, w13, w2, sms)
+        return dx, dtopk, deferred_wgrad(*operands, offsets, sms)
+    if operands is not None and want_w:
+        out13, out2 = _add_wgrad(*operands, offsets, need_wgrad, dw13_accum, dw2_accum, w13, w2, sms)
     return dx, dtopk, out13, out2
