@@ -59,11 +59,12 @@ def _run(x, idx, w, w13, w2, dy, *, group, num_experts, tmax, opts):
 
     ep = _comm.world_size(group)
     clamp = opts.get("activation_clamp")
-    fwd = _backend.forward("grouped", x, idx, w, w13, w2, precision="bf16", activation_clamp=clamp, group=group,
+    precision = opts.get("precision", "bf16")
+    fwd = _backend.forward("grouped", x, idx, w, w13, w2, precision=precision, activation_clamp=clamp, group=group,
                            num_experts=num_experts, ep_size=ep, max_tokens_per_rank=tmax, block_m=128, save_h=True)
     y, h, counts, offsets, src, srank, r2p, _ = fwd
     state = (h, counts, offsets, src, srank, r2p)
-    common = dict(precision="bf16", activation_clamp=clamp, group=group, num_experts=num_experts,
+    common = dict(precision=precision, activation_clamp=clamp, group=group, num_experts=num_experts,
                   recompute=opts.get("recompute", False))
     if opts.get("accum") or opts.get("defer"):
         g = torch.Generator().manual_seed(11)

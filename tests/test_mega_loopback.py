@@ -56,6 +56,53 @@ def test_loopback_grouped_ep_equals_ep1_bitwise(world, device):
                 assert torch.equal(a, b), f"{name} rank {r} {what}"
 
 
+# FP8 over the same exchanges: the FP8 pipelines on each rank's pool (no clamp with the FP8 forward)
+FP8_CASES = [
+    ("skewed", (9, 5), "skewed", 0.1, {}),
+    ("empty_rank", (0, 11), "uniform", 0.0, {}),
+    ("low_experts_recompute", (6, 8), "low_experts", 0.0, {"recompute": True}),
+    ("accum", (5, 9), "uniform", 0.1, {"accum": True}),
+    ("deferred", (8, 3), "skewed", 0.0, {"defer": True}),
+]
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+@pytest.mark.parametrize("device", _devices())
+def test_loopback_fp8_ep_equals_ep1_bitwise(precision, device):
+    _skip_unless(device, "grouped")
+    if device == "cuda":
+        from mega_helpers import skip_unless_available
+
+        skip_unless_available("mega_moe_grouped.fp8.sm90")
+        skip_unless_available("mega_moe.fp8_bwd.sm90")
+    from prime_kernels.mega import LoopbackGroup
+
+    world = 2
+    group = LoopbackGroup(world)
+    El = E // world
+    cases = FP8_CASES + ([("clamp_recompute", (7, 6), "skewed", 0.2, {"activation_clamp": 0.6, "recompute": True})]
+                         if precision == "fp8_bwd" else [])
+    for seed, (name, tokens, routing, masked, opts) in enumerate(cases):
+        opts = {**opts, "precision": precision}
+        prob = [t.to(device) for t in _problem(tokens, routing, masked, 300 + seed)]
+        x, idx, w, w13, w2, dy = prob
+
+        def rank_fn(r):
+            lo = sum(tokens[:r])
+            mine = [t[lo:lo + tokens[r]].contiguous() for t in (x, idx, w, dy)]
+            return _run(mine[0], mine[1], mine[2], w13[r * El:(r + 1) * El].contiguous(),
+                        w2[r * El:(r + 1) * El].contiguous(), mine[3], group=group, num_experts=E,
+                        tmax=max(tokens), opts=opts)
+
+        outs = group.run(rank_fn, device=device)
+        want = _run(*prob, group=None, num_experts=E, tmax=None, opts=opts)
+        for r in range(world):
+            lo = sum(tokens[:r])
+            sl, es = slice(lo, lo + tokens[r]), slice(r * El, (r + 1) * El)
+            for what, a, b in zip(NAMES, outs[r], (want[0][sl], want[1][sl], want[2][sl], want[3][es], want[4][es])):
+                assert torch.equal(a, b), f"{precision} {name} rank {r} {what}"
+
+
 @pytest.mark.parametrize("device", _devices())
 def test_loopback_collectives_match_torch_semantics(device):
     _skip_unless(device, "none")
