@@ -41,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens", default="2048,4096", help="comma list of tokens per rank")
     p.add_argument("--ranks", default="2,4,8", help="comma list of virtual rank counts (each must divide E)")
     p.add_argument("--routings", default="uniform", help="comma list from uniform,zipf")
+    p.add_argument("--precision", choices=("bf16", "fp8", "fp8_bwd"), default="bf16")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -61,16 +62,16 @@ def _split(s: str) -> list[str]:
     return [v.strip() for v in s.split(",") if v.strip()]
 
 
-def _layer(x, idx, w, w13, w2, dy, *, group, num_experts: int, tmax: int | None):
+def _layer(x, idx, w, w13, w2, dy, *, group, num_experts: int, tmax: int | None, precision: str):
     """(y, dx, dtopk, dw13, dw2) of the grouped backend's forward and backward, without autograd."""
     from prime_kernels.mega import _backend, _comm
 
     ep = _comm.world_size(group)
-    fwd = _backend.forward("grouped", x, idx, w, w13, w2, precision="bf16", activation_clamp=None, group=group,
+    fwd = _backend.forward("grouped", x, idx, w, w13, w2, precision=precision, activation_clamp=None, group=group,
                            num_experts=num_experts, ep_size=ep, max_tokens_per_rank=tmax, block_m=128, save_h=True)
     y, h, counts, offsets, src, srank, r2p, _ = fwd
     dx, dtopk, dw13, dw2 = _backend.backward("grouped", dy, x, idx, w, w13, w2, h, counts, offsets, src, srank, r2p,
-                                             precision="bf16", activation_clamp=None, group=group,
+                                             precision=precision, activation_clamp=None, group=group,
                                              num_experts=num_experts, recompute=False, need_wgrad=True)
     return y, dx, dtopk, dw13, dw2
 
@@ -107,10 +108,11 @@ def run_config(shape: str, T: int, R: int, routing: str, args, device) -> dict:
     per_rank = [rank_args(r) for r in range(R)]
 
     def loop_once():
-        return group.run(lambda r: _layer(*per_rank[r], group=group, num_experts=E, tmax=T), device=device)
+        return group.run(lambda r: _layer(*per_rank[r], group=group, num_experts=E, tmax=T,
+                                          precision=args.precision), device=device)
 
     def ep1_once():
-        return _layer(x, idx, w, w13, w2, dy, group=None, num_experts=E, tmax=None)
+        return _layer(x, idx, w, w13, w2, dy, group=None, num_experts=E, tmax=None, precision=args.precision)
 
     want = ep1_once()
     got = loop_once()
@@ -120,7 +122,7 @@ def run_config(shape: str, T: int, R: int, routing: str, args, device) -> dict:
     ep1_ms = _timed(ep1_once, device, args.warmup, args.iters)
     loop_ms = _timed(loop_once, device, args.warmup, args.iters)
     return {"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens_per_rank": T,
-            "ranks": R, "routing": routing, "ep1_ms": round(ep1_ms, 4), "loopback_ms": round(loop_ms, 4),
+            "ranks": R, "routing": routing, "precision": args.precision, "ep1_ms": round(ep1_ms, 4), "loopback_ms": round(loop_ms, 4),
             "overhead": round(loop_ms / ep1_ms, 4), "bitwise": bool(bitwise)}
 
 
