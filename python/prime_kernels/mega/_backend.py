@@ -394,12 +394,14 @@ def _gather_pool_rows(x, pool_src_route, top_k: int):
 
 def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, activation_clamp, group,
             num_experts: int, ep_size: int, max_tokens_per_rank, block_m: int, save_h: bool, buffer=None,
-            keep_pooled_x: bool = False, num_sms: int = 0):
+            keep_pooled_x: bool = False, num_sms: int = 0, ep_chunks: int = 1):
     """Run the forward on backend ``which`` (from :func:`resolve`) with validated inputs. Returns (y, h,
     expert_counts, expert_offsets, pool_src_route, pool_src_rank, route_to_pool, x_pool): x_pool holds the token
     rows in pool order [capacity, H] with ``keep_pooled_x`` (the fused forward keeps its dispatched rows, the
     other backends gather them), else [0, H]. T = 0 on one rank runs no backend (:func:`empty_forward`). The
-    expert ids are checked before this returns, and so before the caller touches any memory of its own."""
+    expert ids are checked before this returns, and so before the caller touches any memory of its own.
+    ``ep_chunks``: under a group, the bf16 grouped path's chunk count (:mod:`prime_kernels.mega._ep_chunks`; the same
+    bits for any count; 1 until a measurement sets the count), the same on every rank and in the backward."""
     T, K = topk_idx.shape
     cap = capacity(T, K, w13.shape[0], ep_size, max_tokens_per_rank, block_m)
     if T == 0 and ep_size == 1:
@@ -411,7 +413,8 @@ def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, a
     agreement = None
     if group is not None:  # checked at the plan's first collective, on every rank
         agreement = _plan.agreement_fields(x=x, w13=w13, precision=precision, backend=which,
-                                           activation_clamp=activation_clamp, keep_pooled_x=keep_pooled_x)
+                                           activation_clamp=activation_clamp, keep_pooled_x=keep_pooled_x,
+                                           ep_chunks=ep_chunks)
     x_pool = None
     with torch.no_grad():
         if which == "fused":
@@ -421,7 +424,7 @@ def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, a
         elif which == "grouped" and group is not None:
             out, pooled = _grouped_ep.forward(x, topk_idx, topk_weights, w13, w2, num_sms=num_sms,
                                               agreement=agreement, precision=_kernel_forward_precision(precision),
-                                              **kwargs)
+                                              chunks=ep_chunks, **kwargs)
             if keep_pooled_x:  # the rows came from every rank: only this forward has them
                 x_pool = pooled
         elif which == "grouped" and precision == "fp8":
@@ -441,7 +444,7 @@ def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, a
 def backward(which: str, dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
              pool_src_rank, route_to_pool, *, precision: str, activation_clamp, group, num_experts: int,
              recompute: bool, need_wgrad: bool, dw13_accum=None, dw2_accum=None, buffer=None, x_pool=None,
-             num_sms: int = 0, defer_wgrad: bool = False):
+             num_sms: int = 0, defer_wgrad: bool = False, ep_chunks: int = 1):
     """Run the backward on backend ``which`` (from :func:`resolve`) with validated inputs and the forward's plan.
     Returns (dx, d topk_weights, dw13, dw2); a weight gradient is None where it was not asked for or was added
     into its accumulation buffer. ``x_pool`` (the forward's pooled rows) is used when it covers the pool.
@@ -455,14 +458,14 @@ def backward(which: str, dy, x, topk_idx, topk_weights, w13, w2, h, expert_count
     if defer_wgrad:
         return _deferred_backward(which, args, precision=precision, activation_clamp=activation_clamp, group=group,
                                   num_experts=num_experts, recompute=recompute, buffer=buffer, x_pool=x_pool,
-                                  num_sms=num_sms)
+                                  num_sms=num_sms, ep_chunks=ep_chunks)
     kwargs = dict(activation_clamp=activation_clamp, group=group, num_experts=num_experts, recompute=recompute,
                   need_wgrad=need_wgrad, dw13_accum=dw13_accum, dw2_accum=dw2_accum)
     if x_pool is not None and x_pool.shape[0] == pool_src_route.shape[0] and x_pool.shape[0] > 0:
         kwargs["x_pool"] = x_pool
     with torch.no_grad():
         if which == "grouped" and group is not None:
-            return _grouped_ep.backward(*args, num_sms=num_sms, precision=precision, **kwargs)
+            return _grouped_ep.backward(*args, num_sms=num_sms, precision=precision, chunks=ep_chunks, **kwargs)
         if which in ("fused", "grouped") and precision in reference.FP8_PRECISIONS:
             return _fp8_bwd.backward(*args, precision=precision, num_sms=num_sms, **kwargs)
         if which == "fused":
@@ -473,7 +476,7 @@ def backward(which: str, dy, x, topk_idx, topk_weights, w13, w2, h, expert_count
 
 
 def _deferred_backward(which: str, args, *, precision, activation_clamp, group, num_experts, recompute, buffer, x_pool,
-                       num_sms):
+                       num_sms, ep_chunks=1):
     """:func:`backward` with ``defer_wgrad``."""
     from .deferred import WgradLater
 
@@ -485,7 +488,7 @@ def _deferred_backward(which: str, args, *, precision, activation_clamp, group, 
             with torch.no_grad():
                 return _grouped_ep.backward(*args, activation_clamp=activation_clamp, group=group,
                                             num_experts=num_experts, recompute=recompute, need_wgrad=False,
-                                            x_pool=pool, num_sms=num_sms, defer_wgrad=True)
+                                            x_pool=pool, num_sms=num_sms, defer_wgrad=True, chunks=ep_chunks)
         impl = _fused.backward if which == "fused" else _grouped.backward
         extra = dict(precision=precision) if which == "fused" else {}
         with torch.no_grad():

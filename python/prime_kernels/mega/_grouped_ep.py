@@ -31,15 +31,15 @@ quantization of the recipe is per row (qK) or per expert's rows from its first p
 the one-rank pipeline quantizes, and the per-row results (dx rows, d topk_weights) go back to be combined on the
 source rank as above.
 
-The exchanges run on the calling stream and block it; splitting the tokens into chunks so that one chunk's exchange
-runs under another's GEMMs is not done here (docs/expert_parallel.md has the plan).
+In one chunk (the default) the exchanges run on the calling stream and block it; with ``chunks`` > 1 the bf16 path
+runs in :mod:`prime_kernels.mega._ep_chunks`, each chunk's exchange under another's GEMMs, with the same bits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _fp8_bwd, _fp8_fwd, fp8 as _fp8
+from . import _ep_chunks, _fp8_bwd, _fp8_fwd, fp8 as _fp8
 from ..combine import combine
 from ..grouped_gemm import (
     k_grouped_bf16_gemm_tn,
@@ -52,6 +52,7 @@ from ..grouped_gemm import (
 from ..quantize import quantize_tokens_fp8
 from ._grouped import _wgrad, deferred_wgrad, recompute_h
 from ._plan import build_plan
+from .constants import BLOCK_M
 from .reference import FP8_PRECISIONS, Exchange
 
 
@@ -92,18 +93,26 @@ def _recipe_and_cache(fp8_recipe, weight_cache):
 
 def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group, num_experts, max_tokens_per_rank,
             block_m, capacity, save_h=True, num_sms=0, agreement=None, precision="bf16", fp8_recipe=None,
-            weight_cache=None):
+            weight_cache=None, chunks=1):
     """The forward over ``group``. Returns ((y, h, expert_counts, expert_offsets, pool_src_route, pool_src_rank,
     route_to_pool), x_pool): the reference forward's contract (pool_src_route / pool_src_rank name the route on its
     source rank; route_to_pool the row in the owning rank's pool), and the pooled x rows [capacity, H].
     ``agreement``: what every rank must agree on (:func:`prime_kernels.mega._plan.agreement_fields`). ``precision``
-    "fp8" runs the FP8 forward pipeline on the pool (the bf16 one otherwise)."""
+    "fp8" runs the FP8 forward pipeline on the pool (the bf16 one otherwise). ``chunks`` > 1 (bf16) exchanges and
+    computes the tokens in that many chunks, each chunk's exchange under another's GEMMs
+    (:mod:`prime_kernels.mega._ep_chunks`; the same bits)."""
     sms = _sms(num_sms)
     T, K = topk_idx.shape
     H = x.shape[1]
     twoI = w13.shape[1]
     counts, offsets, src, srank, r2p = build_plan(topk_idx, num_experts, block_m, capacity, group,
                                                   max_tokens_per_rank, agreement)
+    if chunks > 1 and precision != "fp8":
+        plan = (counts, offsets, src, srank, r2p)
+        y, h, x_pool = _ep_chunks.forward(x, topk_idx, topk_weights, w13, w2, plan, chunks=chunks, block_m=block_m,
+                                          num_experts=num_experts, group=group, save_h=save_h, clamp=activation_clamp,
+                                          sms=sms)
+        return (y, h, counts, offsets, src, srank, r2p), x_pool
     ex = Exchange(topk_idx, r2p, src, srank, num_experts, group)
     tok = torch.div(ex.send_order, K, rounding_mode="floor")
     (x_pool,) = ex.to_pool([x.to(torch.bfloat16)[tok]])  # padding rows are zeros, as the one-rank gather's
@@ -194,12 +203,18 @@ def _local_backward_fp8(dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offse
 def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, pool_src_route, pool_src_rank,
              route_to_pool, *, activation_clamp=None, group, num_experts, recompute=False, need_wgrad=True,
              dw13_accum=None, dw2_accum=None, x_pool=None, num_sms=0, defer_wgrad=False, precision="bf16",
-             fp8_recipe=None, weight_cache=None):
+             fp8_recipe=None, weight_cache=None, chunks=1):
     """The backward over ``group``, with the grouped backward's contract (:func:`prime_kernels.mega._grouped.backward`):
     (dx, d topk_weights, dw13, dw2), or with ``defer_wgrad`` (bf16 only) (dx, d topk_weights, a WgradLater).
     ``x_pool``: the forward's pooled rows (else the x rows are exchanged again). ``precision`` "fp8" or "fp8_bwd" runs
-    the FP8 backward pipeline on the pool."""
+    the FP8 backward pipeline on the pool. ``chunks`` as in :func:`forward` (bf16)."""
     sms = _sms(num_sms)
+    if chunks > 1 and precision not in FP8_PRECISIONS:
+        return _backward_chunked(dy, x, topk_idx, topk_weights, w13, w2, h_saved,
+                                 (counts, offsets, pool_src_route, pool_src_rank, route_to_pool), x_pool,
+                                 chunks=chunks, clamp=activation_clamp, group=group, num_experts=num_experts,
+                                 recompute=recompute, need_wgrad=need_wgrad, dw13_accum=dw13_accum,
+                                 dw2_accum=dw2_accum, defer_wgrad=defer_wgrad, sms=sms)
     T, K = topk_idx.shape
     H = x.shape[1]
     capacity = pool_src_route.shape[0]
@@ -248,3 +263,25 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     if operands is not None and want_w:
         out13, out2 = _add_wgrad(*operands, offsets, need_wgrad, dw13_accum, dw2_accum, w13, w2, sms)
     return dx, dtopk, out13, out2
+
+
+def _backward_chunked(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_pool, *, chunks, clamp, group,
+                      num_experts, recompute, need_wgrad, dw13_accum, dw2_accum, defer_wgrad, sms):
+    """:func:`backward` in chunks (bf16): the data gradients chunk by chunk, the weight gradients once over the full
+    pool's operands."""
+    dx, dtopk, operands = _ep_chunks.backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_pool,
+                                              chunks=chunks, block_m=BLOCK_M, num_experts=num_experts, group=group,
+                                              recompute=recompute, clamp=clamp, sms=sms)
+    offsets = plan[1]
+    if defer_wgrad:
+        if not _has_rows(offsets):
+            from .deferred import WgradLater
+
+            return dx, dtopk, WgradLater(lambda dw13_accum, dw2_accum: None, ())
+        return dx, dtopk, deferred_wgrad(*operands, offsets, sms)
+    if not (need_wgrad or dw13_accum is not None or dw2_accum is not None):
+        return dx, dtopk, None, None
+    if not _has_rows(offsets):
+        return (dx, dtopk, w13.new_zeros(w13.shape) if need_wgrad and dw13_accum is None else None,
+                w2.new_zeros(w2.shape) if need_wgrad and dw2_accum is None else None)
+    return (dx, dtopk) + _add_wgrad(*operands, offsets, need_wgrad, dw13_accum, dw2_accum, w13, w2, sms)

@@ -47,7 +47,7 @@ def _i32(t: torch.Tensor) -> torch.Tensor:
 # What every rank of a group must agree on besides the routing shapes, in this order (a fixed-length descriptor: a
 # rank that passes no agreement sends -1 for each, so the gather itself always matches).
 AGREEMENT_KEYS = ("hidden", "intermediate", "x_dtype", "weight_dtype", "precision", "backend", "keep_pooled_x",
-                  "activation_clamp", "phase")
+                  "activation_clamp", "phase", "ep_chunks")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _PRECISIONS = ("bf16", "fp8", "fp8_bwd", "mxfp8")
 _BACKENDS = ("reference", "grouped", "fused")
@@ -58,14 +58,14 @@ def _code(value, table) -> int:
 
 
 def agreement_fields(*, x, w13, precision: str, backend: str, activation_clamp=None, keep_pooled_x: bool = False,
-                     phase: int = 0) -> dict[str, int]:
+                     phase: int = 0, ep_chunks: int = 1) -> dict[str, int]:
     """The :data:`AGREEMENT_KEYS` of a call as ints (``phase``: 0 for a forward, 1 for a backward that plans again;
     the clamp by its float64 bits, -1 without)."""
     clamp = -1 if activation_clamp is None else struct.unpack("<q", struct.pack("<d", float(activation_clamp)))[0]
     return {"hidden": int(x.shape[1]), "intermediate": int(w13.shape[1]) // 2, "x_dtype": _code(x.dtype, _DTYPES),
             "weight_dtype": _code(w13.dtype, _DTYPES), "precision": _code(precision, _PRECISIONS),
             "backend": _code(backend, _BACKENDS), "keep_pooled_x": int(bool(keep_pooled_x)),
-            "activation_clamp": clamp, "phase": int(phase)}
+            "activation_clamp": clamp, "phase": int(phase), "ep_chunks": int(ep_chunks)}
 
 
 def _check_agreement(names: list[str], rows: list[list[int]]) -> None:

@@ -178,9 +178,12 @@ class Exchange:
     ``send_order``: this rank's unmasked routes (t*K + k) in the order they are sent: by owning
     rank, then by pool row there. ``recv_order``: this rank's used pool rows in the order they
     arrive: by source rank, then by pool row. With one rank both are the pool order.
+    ``row_stride``: a bound on ``route_to_pool``'s values (default: this pool's capacity), for a
+    ``route_to_pool`` that names rows of a larger pool whose order this pool's rows keep.
     """
 
-    def __init__(self, topk_idx, route_to_pool, pool_src_route, pool_src_rank, num_experts, group):
+    def __init__(self, topk_idx, route_to_pool, pool_src_route, pool_src_rank, num_experts, group,
+                 row_stride=None):
         self.group = group
         self.num_ranks = _comm.world_size(group)
         R = self.num_ranks
@@ -192,7 +195,7 @@ class Exchange:
             dest = torch.div(topk_idx.reshape(-1)[ridx].long(), El, rounding_mode="floor")
         else:
             dest = torch.zeros_like(ridx)
-        self.send_order = ridx[torch.argsort(dest * cap + r2p[ridx])]
+        self.send_order = ridx[torch.argsort(dest * (cap if row_stride is None else row_stride) + r2p[ridx])]
         prow = torch.nonzero(pool_src_route >= 0).flatten()
         if R > 1:
             srank = pool_src_rank[prow].long()

@@ -1,0 +1,247 @@
+"""The all-to-all expert-parallel path in chunks (bf16): chunk c + 1's exchange under chunk c's GEMMs.
+
+The tokens of every rank are cut on one grid that every rank knows without a collective: token t is in chunk
+``t // ceil(capacity / (R * top_k * chunks))`` (the pool's capacity, R * max_tokens_per_rank * top_k and its padding,
+is the same on every rank; the forward checked it). The whole call keeps one plan (:func:`prime_kernels.mega._plan.
+build_plan`), and chunk c's pool is the subset of the full pool's rows whose token is in chunk c, compacted per
+expert and padded to ``block_m``. Within an expert that keeps the full pool's (source rank, token, k) order, so a
+rank's sends sorted by full-pool row are sorted by chunk-pool row (:class:`reference.Exchange` with ``row_stride``).
+
+Why the bits are the one-rank call's: every per-row result (h, o, dh, w * s, dx rows, d topk_weights) depends on its
+row alone, so computing it in chunk c's pool gives the value it has in the full pool; h, x, dy, dh and w * s are
+written back to their full-pool rows (padding rows zero), and the weight gradients run once over the full pool after
+the last chunk, in its order, as without chunks. The combines run once, over every route's slot. FP8 is not chunked:
+its qT blocks start at each expert's first pool row, which a chunk pool moves.
+
+On CUDA the exchanges run on a side stream: chunk c + 1's rows are exchanged while chunk c's GEMMs run, and chunk
+c's results go back while chunk c + 1's run; the compute stream waits on an event per chunk's arrival, the side stream
+on one per chunk's results, and every tensor handed across streams is recorded on the stream that reads it.
+Every split list is computed (host syncs) before the first launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ..grouped_gemm import m_grouped_bf16_gemm_nt, m_grouped_bf16_gemm_swiglu
+from . import _comm
+from ._grouped import recompute_h
+from .reference import Exchange
+
+
+@dataclass
+class ChunkPool:
+    """One chunk's pool: the exchange of its rows, each chunk-pool row's full-pool row (-1: padding), the local
+    experts' row counts and block-aligned offsets in the chunk pool, and its pool_src_route."""
+
+    exchange: Exchange
+    row_map: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    pool_src_route: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.row_map.shape[0]
+
+    @property
+    def has_rows(self) -> bool:
+        return bool(self.row_map.numel()) and int(self.offsets[-1]) > 0
+
+    def valid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chunk-pool rows that hold a route, their full-pool rows)."""
+        rows = torch.nonzero(self.row_map >= 0).flatten()
+        return rows, self.row_map[rows]
+
+
+def chunk_pools(topk_idx, route_to_pool, pool_src_route, pool_src_rank, offsets, *, chunks: int, block_m: int,
+                num_experts: int, group) -> list[ChunkPool]:
+    """The chunk pools of one call's plan (see the module docstring)."""
+    T, K = topk_idx.shape
+    dev = topk_idx.device
+    cap = pool_src_route.numel()
+    El = offsets.numel() - 1
+    step = max(1, -(-cap // (_comm.world_size(group) * K * chunks)))
+    token_chunk = torch.div(torch.arange(T, device=dev), step, rounding_mode="floor")
+    used = pool_src_route >= 0
+    row_chunk = torch.where(used, torch.div(pool_src_route.long(), K * step, rounding_mode="floor"), -1)
+    row_expert = torch.bucketize(torch.arange(cap, device=dev), offsets[1:].long(), right=True)
+    pools = []
+    for c in range(chunks):
+        rows = torch.nonzero(row_chunk == c).flatten()  # full-pool order: expert-major
+        expert = row_expert[rows]
+        counts = torch.bincount(expert, minlength=El)
+        padded = torch.div(counts + block_m - 1, block_m, rounding_mode="floor") * block_m
+        chunk_offsets = torch.cat([padded.new_zeros(1), torch.cumsum(padded, 0)])
+        group_start = torch.cumsum(counts, 0) - counts  # each expert's first index in ``rows``
+        pos = chunk_offsets[:-1][expert] + torch.arange(rows.numel(), device=dev) - group_start[expert]
+        ccap = int(chunk_offsets[-1])
+        row_map = torch.full((ccap,), -1, dtype=torch.long, device=dev)
+        row_map[pos] = rows
+        src = torch.full((ccap,), -1, dtype=pool_src_route.dtype, device=dev)
+        srank = torch.full((ccap,), -1, dtype=pool_src_rank.dtype, device=dev)
+        src[pos] = pool_src_route[rows]
+        srank[pos] = pool_src_rank[rows]
+        mine = (token_chunk == c)[:, None] & (route_to_pool >= 0)
+        r2p = torch.where(mine, route_to_pool, torch.full_like(route_to_pool, -1))
+        ex = Exchange(topk_idx, r2p, src, srank, num_experts, group, row_stride=cap)
+        pools.append(ChunkPool(ex, row_map, counts.to(torch.int32), chunk_offsets.to(torch.int32), src))
+    return pools
+
+
+class _Streams:
+    """The compute stream (the caller's) and a side stream for the exchanges, on CUDA; nothing on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.compute = torch.cuda.current_stream(device)
+            self.comm = torch.cuda.Stream(device)
+            self.comm.wait_stream(self.compute)  # the plan, the inputs and every index tensor are ready
+
+    def on_comm(self):
+        return torch.cuda.stream(self.comm) if self.cuda else contextlib.nullcontext()
+
+    def mark(self, stream_name: str):
+        """An event on ``stream_name``'s queue as it is now (None on the CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(getattr(self, stream_name))
+        return event
+
+    def wait(self, stream_name: str, event) -> None:
+        if event is not None:
+            getattr(self, stream_name).wait_event(event)
+
+    def hand(self, tensors, stream_name: str) -> None:
+        """Tensors made on one stream and read on ``stream_name``: kept from reuse until that stream is done."""
+        if self.cuda:
+            for t in tensors:
+                t.record_stream(getattr(self, stream_name))
+
+
+def forward(x, topk_idx, topk_weights, w13, w2, plan, *, chunks: int, block_m: int, num_experts: int, group,
+            save_h: bool, clamp, sms):
+    """The bf16 forward of :func:`prime_kernels.mega._grouped_ep.forward` in ``chunks`` chunks, on the call's
+    ``plan``: (y, h [capacity, 2I] in full-pool rows, x_pool [capacity, H] in full-pool rows)."""
+    from ._grouped_ep import _combine_slots
+
+    counts, offsets, src, srank, r2p = plan
+    T, K = topk_idx.shape
+    H, twoI, cap = x.shape[1], w13.shape[1], src.numel()
+    x = x.to(torch.bfloat16)
+    pools = chunk_pools(topk_idx, r2p, src, srank, offsets, chunks=chunks, block_m=block_m, num_experts=num_experts,
+                        group=group)
+    h_full = x.new_zeros((cap if save_h else 0, twoI))
+    x_full = x.new_zeros((cap, H))
+    slots = x.new_zeros((T * K, H))
+    st = _Streams(x.device)
+
+    def send_rows(p: ChunkPool):
+        with st.on_comm():
+            (rows,) = p.exchange.to_pool([x[torch.div(p.exchange.send_order, K, rounding_mode="floor")]])
+        return rows, st.mark("comm")
+
+    arrived = [send_rows(pools[0])]
+    for c, p in enumerate(pools):
+        x_c, ready = arrived[c]
+        st.wait("compute", ready)
+        st.hand([x_c], "compute")
+        if c + 1 < len(pools):  # the next chunk's rows cross while this chunk's GEMMs run
+            arrived.append(send_rows(pools[c + 1]))
+        rows, full_rows = p.valid()
+        if p.has_rows:
+            s, h_c = m_grouped_bf16_gemm_swiglu(x_c, w13, p.offsets, m_total=p.capacity, save_h=save_h, clamp=clamp,
+                                                num_sms=sms)
+            o_c = m_grouped_bf16_gemm_nt(s, w2, p.offsets, num_sms=sms)
+            del s
+            if save_h:
+                h_full[full_rows] = h_c[rows]
+        else:
+            o_c = x.new_zeros((p.capacity, H))
+        x_full[full_rows] = x_c[rows]
+        done = st.mark("compute")
+        with st.on_comm():
+            st.wait("comm", done)
+            st.hand([o_c, slots], "comm")
+            (back,) = p.exchange.to_routes([o_c], T * K)
+            order = p.exchange.send_order
+            slots.index_copy_(0, order, back[order])
+    st.wait("compute", st.mark("comm"))
+    y = _combine_slots(slots, topk_idx, topk_weights.float().contiguous())
+    return y, h_full, x_full
+
+
+def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_pool, *, chunks: int, block_m: int,
+             num_experts: int, group, recompute: bool, clamp, sms):
+    """The bf16 backward's data gradients in ``chunks`` chunks, on the forward's ``plan``: (dx, d topk_weights, the
+    weight-gradient operands (dy_pool, w * s, dh, x_pool) in full-pool rows, padding rows zero)."""
+    from ._grouped_ep import _combine_slots, _local_backward_bf16, _pool_routes
+
+    counts, offsets, src, srank, r2p = plan
+    T, K = topk_idx.shape
+    H, twoI, I, cap = x.shape[1], w13.shape[1], w2.shape[2], src.numel()
+    x = x.to(torch.bfloat16)
+    dy = dy.to(torch.bfloat16)
+    pools = chunk_pools(topk_idx, r2p, src, srank, offsets, chunks=chunks, block_m=block_m, num_experts=num_experts,
+                        group=group)
+    dy_full, a_full, dh_full = x.new_zeros((cap, H)), x.new_zeros((cap, I)), x.new_zeros((cap, twoI))
+    x_full = x_pool if x_pool is not None else x.new_zeros((cap, H))
+    dx_slots = x.new_zeros((T * K, H))
+    dt_slots = topk_weights.new_zeros((T * K,), dtype=torch.float32)
+    weights = topk_weights.reshape(-1).float()
+    st = _Streams(x.device)
+
+    def send_rows(p: ChunkPool):
+        order = p.exchange.send_order
+        tok = torch.div(order, K, rounding_mode="floor")
+        with st.on_comm():
+            got = p.exchange.to_pool([dy[tok], weights[order]] + ([x[tok]] if x_pool is None else []))
+        return got, st.mark("comm")
+
+    arrived = [send_rows(pools[0])]
+    for c, p in enumerate(pools):
+        got, ready = arrived[c]
+        st.wait("compute", ready)
+        st.hand(got, "compute")
+        if c + 1 < len(pools):
+            arrived.append(send_rows(pools[c + 1]))
+        rows, full_rows = p.valid()
+        dy_c, w_c = got[0], got[1].contiguous()
+        if x_pool is None:
+            x_c = got[2]
+        else:
+            x_c = x.new_zeros((p.capacity, H))
+            x_c[rows] = x_pool[full_rows]
+        if p.has_rows:
+            if recompute:
+                h_c = recompute_h(None, w13, p.counts, p.offsets, None, p.capacity, x_c, sms, clamp)[0]
+            else:
+                h_c = h_saved.new_zeros((p.capacity, twoI))
+                h_c[rows] = h_saved[full_rows]
+            dx_rows, dt_rows, (_, a_c, dh_c, _) = _local_backward_bf16(
+                dy_c, w_c, x_c, h_c, w13, w2, p.counts, p.offsets, _pool_routes(p.pool_src_route), recompute=False,
+                clamp=clamp, sms=sms)
+            a_full[full_rows] = a_c[rows]
+            dh_full[full_rows] = dh_c[rows]
+        else:
+            dx_rows, dt_rows = x.new_zeros((p.capacity, H)), w_c.new_zeros((p.capacity,))
+        dy_full[full_rows] = dy_c[rows]
+        if x_pool is None:
+            x_full[full_rows] = x_c[rows]
+        done = st.mark("compute")
+        with st.on_comm():
+            st.wait("comm", done)
+            st.hand([dx_rows, dt_rows, dx_slots, dt_slots], "comm")
+            dx_back, dt_back = p.exchange.to_routes([dx_rows, dt_rows], T * K)
+            order = p.exchange.send_order
+            dx_slots.index_copy_(0, order, dx_back[order])
+            dt_slots.index_copy_(0, order, dt_back[order])
+    st.wait("compute", st.mark("comm"))
+    dx = _combine_slots(dx_slots, topk_idx, None)
+    dtopk = dt_slots.view(T, K).to(topk_weights.dtype)
+    return dx, dtopk, (dy_full, a_full, dh_full, x_full)
