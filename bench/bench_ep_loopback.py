@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What the all-to-all expert-parallel path costs on one GPU: R virtual ranks of a loopback group against EP = 1.
 
-    python3 bench/bench_ep_loopback.py --shapes qwen3-30b-a3b,qwen3-235b-a22b --tokens 2048,4096 --ranks 2,4,8
+    python3 bench/bench_ep_loopback.py --shapes qwen3-30b-a3b,qwen3-235b-a22b --tokens 2048,4096 --ranks 2,4,8 \
+        --chunks 1,2,4
     python3 bench/bench_ep_loopback.py --smoke --device cpu      # the CI path: a tiny shape on the CPU
 
 For each shape, T (tokens per rank) and R, the same work two ways on the one device:
@@ -19,7 +20,9 @@ not the speed of a multi-GPU run, where each rank has a GPU of its own and the e
 The outputs of the two are compared bit for bit on every run (``bitwise``), as the tests do.
 
 Results: a table on stdout and a JSON (``--out``, default bench/results/ep_loopback_<gpu>_<date>.json) with the
-run's header (GPU, torch, git sha) and one row per (shape, T, R, routing): ep1_ms, loopback_ms, overhead, bitwise.
+run's header (GPU, torch, git sha) and one row per (shape, T, R, routing, chunks): ep1_ms, loopback_ms, overhead,
+bitwise. ``--chunks`` times the bf16 path in that many chunks (each chunk's exchange under another's GEMMs), the
+measurement that is to set the path's chunk count.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--ranks", default="2,4,8", help="comma list of virtual rank counts (each must divide E)")
     p.add_argument("--routings", default="uniform", help="comma list from uniform,zipf")
     p.add_argument("--precision", choices=("bf16", "fp8", "fp8_bwd"), default="bf16")
+    p.add_argument("--chunks", default="1", help="comma list of chunk counts of the path (bf16; 1: one exchange)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -62,17 +66,19 @@ def _split(s: str) -> list[str]:
     return [v.strip() for v in s.split(",") if v.strip()]
 
 
-def _layer(x, idx, w, w13, w2, dy, *, group, num_experts: int, tmax: int | None, precision: str):
+def _layer(x, idx, w, w13, w2, dy, *, group, num_experts: int, tmax: int | None, precision: str, chunks: int = 1):
     """(y, dx, dtopk, dw13, dw2) of the grouped backend's forward and backward, without autograd."""
     from prime_kernels.mega import _backend, _comm
 
     ep = _comm.world_size(group)
     fwd = _backend.forward("grouped", x, idx, w, w13, w2, precision=precision, activation_clamp=None, group=group,
-                           num_experts=num_experts, ep_size=ep, max_tokens_per_rank=tmax, block_m=128, save_h=True)
+                           num_experts=num_experts, ep_size=ep, max_tokens_per_rank=tmax, block_m=128, save_h=True,
+                           ep_chunks=chunks)
     y, h, counts, offsets, src, srank, r2p, _ = fwd
     dx, dtopk, dw13, dw2 = _backend.backward("grouped", dy, x, idx, w, w13, w2, h, counts, offsets, src, srank, r2p,
                                              precision=precision, activation_clamp=None, group=group,
-                                             num_experts=num_experts, recompute=False, need_wgrad=True)
+                                             num_experts=num_experts, recompute=False, need_wgrad=True,
+                                             ep_chunks=chunks)
     return y, dx, dtopk, dw13, dw2
 
 
@@ -88,7 +94,7 @@ def _timed(fn, device, warmup: int, iters: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def run_config(shape: str, T: int, R: int, routing: str, args, device) -> dict:
+def run_config(shape: str, T: int, R: int, routing: str, chunks: int, args, device) -> dict:
     from prime_kernels.mega import LoopbackGroup
 
     E, H, I, K = bc.shape_dims(shape)
@@ -109,7 +115,7 @@ def run_config(shape: str, T: int, R: int, routing: str, args, device) -> dict:
 
     def loop_once():
         return group.run(lambda r: _layer(*per_rank[r], group=group, num_experts=E, tmax=T,
-                                          precision=args.precision), device=device)
+                                          precision=args.precision, chunks=chunks), device=device)
 
     def ep1_once():
         return _layer(x, idx, w, w13, w2, dy, group=None, num_experts=E, tmax=None, precision=args.precision)
@@ -122,8 +128,9 @@ def run_config(shape: str, T: int, R: int, routing: str, args, device) -> dict:
     ep1_ms = _timed(ep1_once, device, args.warmup, args.iters)
     loop_ms = _timed(loop_once, device, args.warmup, args.iters)
     return {"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens_per_rank": T,
-            "ranks": R, "routing": routing, "precision": args.precision, "ep1_ms": round(ep1_ms, 4), "loopback_ms": round(loop_ms, 4),
-            "overhead": round(loop_ms / ep1_ms, 4), "bitwise": bool(bitwise)}
+            "ranks": R, "routing": routing, "precision": args.precision, "chunks": chunks,
+            "ep1_ms": round(ep1_ms, 4), "loopback_ms": round(loop_ms, 4), "overhead": round(loop_ms / ep1_ms, 4),
+            "bitwise": bool(bitwise)}
 
 
 def main(argv=None) -> int:
@@ -139,14 +146,16 @@ def main(argv=None) -> int:
         for T in (int(t) for t in _split(args.tokens)):
             for R in (int(r) for r in _split(args.ranks)):
                 for routing in _split(args.routings):
-                    if time.time() - start > args.max_minutes * 60:
-                        print(f"[ep_loopback] out of time before {shape} T={T} R={R} {routing}", flush=True)
-                        break
-                    row = run_config(shape, T, R, routing, args, device)
-                    rows.append(row)
-                    print(f"[ep_loopback] {shape} T={T}/rank R={R} {routing}: ep1 {row['ep1_ms']:.3f} ms, loopback "
-                          f"{row['loopback_ms']:.3f} ms ({row['overhead']:.2f}x), bitwise {row['bitwise']}",
-                          flush=True)
+                    for chunks in (int(c) for c in _split(args.chunks)):
+                        if time.time() - start > args.max_minutes * 60:
+                            print(f"[ep_loopback] out of time before {shape} T={T} R={R} {routing} chunks={chunks}",
+                                  flush=True)
+                            break
+                        row = run_config(shape, T, R, routing, chunks, args, device)
+                        rows.append(row)
+                        print(f"[ep_loopback] {shape} T={T}/rank R={R} {routing} chunks={chunks}: ep1 "
+                              f"{row['ep1_ms']:.3f} ms, loopback {row['loopback_ms']:.3f} ms ({row['overhead']:.2f}x), "
+                              f"bitwise {row['bitwise']}", flush=True)
     doc = {**header, "script": "bench/bench_ep_loopback.py", "args": vars(args),
            "timing": "wall-clock ms per forward + backward over --iters after --warmup, host work included",
            "rows": rows}

@@ -61,10 +61,12 @@ def _run(x, idx, w, w13, w2, dy, *, group, num_experts, tmax, opts):
     clamp = opts.get("activation_clamp")
     precision = opts.get("precision", "bf16")
     fwd = _backend.forward("grouped", x, idx, w, w13, w2, precision=precision, activation_clamp=clamp, group=group,
-                           num_experts=num_experts, ep_size=ep, max_tokens_per_rank=tmax, block_m=128, save_h=True)
+                           num_experts=num_experts, ep_size=ep, max_tokens_per_rank=tmax, block_m=128, save_h=True,
+                           ep_chunks=opts.get("chunks", 1))
     y, h, counts, offsets, src, srank, r2p, _ = fwd
     state = (h, counts, offsets, src, srank, r2p)
     common = dict(precision=precision, activation_clamp=clamp, group=group, num_experts=num_experts,
+                  ep_chunks=opts.get("chunks", 1),
                   recompute=opts.get("recompute", False))
     if opts.get("accum") or opts.get("defer"):
         g = torch.Generator().manual_seed(11)

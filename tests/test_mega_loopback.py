@@ -56,6 +56,62 @@ def test_loopback_grouped_ep_equals_ep1_bitwise(world, device):
                 assert torch.equal(a, b), f"{name} rank {r} {what}"
 
 
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("device", _devices())
+def test_loopback_chunked_ep_equals_ep1_bitwise(chunks, world, device):
+    """The bf16 path in chunks (each chunk's exchange under another's GEMMs on a GPU) gives the one-rank bits: the
+    same cases as unchunked, with more tokens so that every chunk holds some."""
+    _skip_unless(device, "grouped")
+    from prime_kernels.mega import LoopbackGroup
+
+    group = LoopbackGroup(world)
+    El = E // world
+    for seed, (name, tokens, routing, masked, opts) in enumerate(CASES[world]):
+        tokens = tuple(3 * t + (1 if t else 0) for t in tokens)
+        opts = {**opts, "chunks": chunks}
+        prob = [t.to(device) for t in _problem(tokens, routing, masked, 500 + seed)]
+        x, idx, w, w13, w2, dy = prob
+
+        def rank_fn(r):
+            lo = sum(tokens[:r])
+            mine = [t[lo:lo + tokens[r]].contiguous() for t in (x, idx, w, dy)]
+            return _run(mine[0], mine[1], mine[2], w13[r * El:(r + 1) * El].contiguous(),
+                        w2[r * El:(r + 1) * El].contiguous(), mine[3], group=group, num_experts=E,
+                        tmax=max(tokens), opts=opts)
+
+        outs = group.run(rank_fn, device=device)
+        want = _run(*prob, group=None, num_experts=E, tmax=None, opts={k: v for k, v in opts.items() if k != "chunks"})
+        for r in range(world):
+            lo = sum(tokens[:r])
+            sl, es = slice(lo, lo + tokens[r]), slice(r * El, (r + 1) * El)
+            for what, a, b in zip(NAMES, outs[r], (want[0][sl], want[1][sl], want[2][sl], want[3][es], want[4][es])):
+                assert torch.equal(a, b), f"chunks={chunks} {name} rank {r} {what}"
+
+
+def test_chunk_pools_partition_the_pool_in_order():
+    """Every used row of the full pool is in exactly one chunk pool, each chunk pool keeps the full pool's order
+    within an expert and starts every expert on a block boundary."""
+    from prime_kernels.mega import _ep_chunks
+    from prime_kernels.mega._plan import build_plan
+
+    T, K, El, block_m = 37, 3, 8, 16
+    _, idx, _, _, _, _ = make_problem(T, H, I, El, K, routing="skewed", seed=9, masked_frac=0.1)
+    cap = 512
+    counts, offsets, src, srank, r2p = build_plan(idx, El, block_m, cap)
+    pools = _ep_chunks.chunk_pools(idx, r2p, src, srank, offsets, chunks=4, block_m=block_m, num_experts=El,
+                                   group=None)
+    seen = torch.cat([p.row_map[p.row_map >= 0] for p in pools])
+    used = torch.nonzero(src >= 0).flatten()
+    assert torch.equal(torch.sort(seen).values, used)
+    for p in pools:
+        assert all(int(o) % block_m == 0 for o in p.offsets)
+        for e in range(El):
+            rows = p.row_map[int(p.offsets[e]):int(p.offsets[e]) + int(p.counts[e])]
+            assert (rows >= 0).all() and (rows[1:] > rows[:-1]).all()
+            assert ((rows >= int(offsets[e])) & (rows < int(offsets[e + 1]))).all()
+
+
 # FP8 over the same exchanges: the FP8 pipelines on each rank's pool (no clamp with the FP8 forward)
 FP8_CASES = [
     ("skewed", (9, 5), "skewed", 0.1, {}),
