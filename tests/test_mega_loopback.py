@@ -28,6 +28,30 @@ def _skip_unless(device: str, backend: str) -> None:
             skip_unless_available("mega_moe_grouped.bf16.sm90")
 
 
+def _check_against_ep1(group, world: int, device: str, case, seed: int) -> None:
+    """One case (name, tokens per rank, routing, masked fraction, options) over the loopback group's ranks against
+    the one-rank call on all ranks' tokens: every output bit for bit (the options' "chunks" apply to the group)."""
+    name, tokens, routing, masked, opts = case
+    El = E // world
+    prob = [t.to(device) for t in _problem(tokens, routing, masked, seed)]
+    x, idx, w, w13, w2, dy = prob
+
+    def rank_fn(r):
+        lo = sum(tokens[:r])
+        mine = [t[lo:lo + tokens[r]].contiguous() for t in (x, idx, w, dy)]
+        return _run(mine[0], mine[1], mine[2], w13[r * El:(r + 1) * El].contiguous(),
+                    w2[r * El:(r + 1) * El].contiguous(), mine[3], group=group, num_experts=E, tmax=max(tokens),
+                    opts=opts)
+
+    outs = group.run(rank_fn, device=device)
+    want = _run(*prob, group=None, num_experts=E, tmax=None, opts={k: v for k, v in opts.items() if k != "chunks"})
+    for r in range(world):
+        lo = sum(tokens[:r])
+        sl, es = slice(lo, lo + tokens[r]), slice(r * El, (r + 1) * El)
+        for what, a, b in zip(NAMES, outs[r], (want[0][sl], want[1][sl], want[2][sl], want[3][es], want[4][es])):
+            assert torch.equal(a, b), f"{opts} {name} rank {r} {what}"
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("device", _devices())
 def test_loopback_grouped_ep_equals_ep1_bitwise(world, device):
@@ -35,25 +59,8 @@ def test_loopback_grouped_ep_equals_ep1_bitwise(world, device):
     from prime_kernels.mega import LoopbackGroup
 
     group = LoopbackGroup(world)
-    El = E // world
-    for seed, (name, tokens, routing, masked, opts) in enumerate(CASES[world]):
-        prob = [t.to(device) for t in _problem(tokens, routing, masked, 100 + seed)]
-        x, idx, w, w13, w2, dy = prob
-
-        def rank_fn(r):
-            lo = sum(tokens[:r])
-            mine = [t[lo:lo + tokens[r]].contiguous() for t in (x, idx, w, dy)]
-            return _run(mine[0], mine[1], mine[2], w13[r * El:(r + 1) * El].contiguous(),
-                        w2[r * El:(r + 1) * El].contiguous(), mine[3], group=group, num_experts=E,
-                        tmax=max(tokens), opts=opts)
-
-        outs = group.run(rank_fn, device=device)
-        want = _run(*prob, group=None, num_experts=E, tmax=None, opts=opts)
-        for r in range(world):
-            lo = sum(tokens[:r])
-            sl, es = slice(lo, lo + tokens[r]), slice(r * El, (r + 1) * El)
-            for what, a, b in zip(NAMES, outs[r], (want[0][sl], want[1][sl], want[2][sl], want[3][es], want[4][es])):
-                assert torch.equal(a, b), f"{name} rank {r} {what}"
+    for seed, case in enumerate(CASES[world]):
+        _check_against_ep1(group, world, device, case, 100 + seed)
 
 
 @pytest.mark.parametrize("chunks", [2, 3])
@@ -66,27 +73,10 @@ def test_loopback_chunked_ep_equals_ep1_bitwise(chunks, world, device):
     from prime_kernels.mega import LoopbackGroup
 
     group = LoopbackGroup(world)
-    El = E // world
     for seed, (name, tokens, routing, masked, opts) in enumerate(CASES[world]):
         tokens = tuple(3 * t + (1 if t else 0) for t in tokens)
-        opts = {**opts, "chunks": chunks}
-        prob = [t.to(device) for t in _problem(tokens, routing, masked, 500 + seed)]
-        x, idx, w, w13, w2, dy = prob
-
-        def rank_fn(r):
-            lo = sum(tokens[:r])
-            mine = [t[lo:lo + tokens[r]].contiguous() for t in (x, idx, w, dy)]
-            return _run(mine[0], mine[1], mine[2], w13[r * El:(r + 1) * El].contiguous(),
-                        w2[r * El:(r + 1) * El].contiguous(), mine[3], group=group, num_experts=E,
-                        tmax=max(tokens), opts=opts)
-
-        outs = group.run(rank_fn, device=device)
-        want = _run(*prob, group=None, num_experts=E, tmax=None, opts={k: v for k, v in opts.items() if k != "chunks"})
-        for r in range(world):
-            lo = sum(tokens[:r])
-            sl, es = slice(lo, lo + tokens[r]), slice(r * El, (r + 1) * El)
-            for what, a, b in zip(NAMES, outs[r], (want[0][sl], want[1][sl], want[2][sl], want[3][es], want[4][es])):
-                assert torch.equal(a, b), f"chunks={chunks} {name} rank {r} {what}"
+        _check_against_ep1(group, world, device, (name, tokens, routing, masked, {**opts, "chunks": chunks}),
+                           500 + seed)
 
 
 def test_chunk_pools_partition_the_pool_in_order():
@@ -135,28 +125,11 @@ def test_loopback_fp8_ep_equals_ep1_bitwise(precision, device):
 
     world = 2
     group = LoopbackGroup(world)
-    El = E // world
     cases = FP8_CASES + ([("clamp_recompute", (7, 6), "skewed", 0.2, {"activation_clamp": 0.6, "recompute": True})]
                          if precision == "fp8_bwd" else [])
     for seed, (name, tokens, routing, masked, opts) in enumerate(cases):
-        opts = {**opts, "precision": precision}
-        prob = [t.to(device) for t in _problem(tokens, routing, masked, 300 + seed)]
-        x, idx, w, w13, w2, dy = prob
-
-        def rank_fn(r):
-            lo = sum(tokens[:r])
-            mine = [t[lo:lo + tokens[r]].contiguous() for t in (x, idx, w, dy)]
-            return _run(mine[0], mine[1], mine[2], w13[r * El:(r + 1) * El].contiguous(),
-                        w2[r * El:(r + 1) * El].contiguous(), mine[3], group=group, num_experts=E,
-                        tmax=max(tokens), opts=opts)
-
-        outs = group.run(rank_fn, device=device)
-        want = _run(*prob, group=None, num_experts=E, tmax=None, opts=opts)
-        for r in range(world):
-            lo = sum(tokens[:r])
-            sl, es = slice(lo, lo + tokens[r]), slice(r * El, (r + 1) * El)
-            for what, a, b in zip(NAMES, outs[r], (want[0][sl], want[1][sl], want[2][sl], want[3][es], want[4][es])):
-                assert torch.equal(a, b), f"{precision} {name} rank {r} {what}"
+        _check_against_ep1(group, world, device, (name, tokens, routing, masked, {**opts, "precision": precision}),
+                           300 + seed)
 
 
 @pytest.mark.parametrize("device", _devices())
