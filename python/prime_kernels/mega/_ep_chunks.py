@@ -35,26 +35,26 @@ from .reference import Exchange
 @dataclass
 class ChunkPool:
     """One chunk's pool: the exchange of its rows, each chunk-pool row's full-pool row (-1: padding), the local
-    experts' row counts and block-aligned offsets in the chunk pool, and its pool_src_route."""
+    experts' row counts and block-aligned offsets in the chunk pool, its pool_src_route, the chunk-pool rows that hold
+    a route with their full-pool rows, and whether there is any (all made before the first launch: reading them later
+    would be a host sync that ends the overlap)."""
 
     exchange: Exchange
     row_map: torch.Tensor
     counts: torch.Tensor
     offsets: torch.Tensor
     pool_src_route: torch.Tensor
+    rows: torch.Tensor
+    full_rows: torch.Tensor
+    has_rows: bool
 
     @property
     def capacity(self) -> int:
         return self.row_map.shape[0]
 
-    @property
-    def has_rows(self) -> bool:
-        return bool(self.row_map.numel()) and int(self.offsets[-1]) > 0
-
     def valid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(chunk-pool rows that hold a route, their full-pool rows)."""
-        rows = torch.nonzero(self.row_map >= 0).flatten()
-        return rows, self.row_map[rows]
+        return self.rows, self.full_rows
 
 
 def chunk_pools(topk_idx, route_to_pool, pool_src_route, pool_src_rank, offsets, *, chunks: int, block_m: int,
@@ -88,7 +88,8 @@ def chunk_pools(topk_idx, route_to_pool, pool_src_route, pool_src_rank, offsets,
         mine = (token_chunk == c)[:, None] & (route_to_pool >= 0)
         r2p = torch.where(mine, route_to_pool, torch.full_like(route_to_pool, -1))
         ex = Exchange(topk_idx, r2p, src, srank, num_experts, group, row_stride=cap)
-        pools.append(ChunkPool(ex, row_map, counts.to(torch.int32), chunk_offsets.to(torch.int32), src))
+        pools.append(ChunkPool(ex, row_map, counts.to(torch.int32), chunk_offsets.to(torch.int32), src, pos, rows,
+                               ccap > 0))
     return pools
 
 
