@@ -114,6 +114,9 @@ def _worker(rank, world, port, outdir, device_type):
                                 group=dist.group.WORLD, num_experts=E, max_tokens_per_rank=max(tokens))
                 out["api"] = tuple(t.cpu() for t in got)
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+        # every rank past its last exchange before any tears the group down: a rank whose gloo threads were still
+        # draining a peer's sends aborted at exit ("terminate called without an active exception", 1 of 4 ranks)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
