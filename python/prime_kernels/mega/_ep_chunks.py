@@ -26,9 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..grouped_gemm import m_grouped_bf16_gemm_nt, m_grouped_bf16_gemm_swiglu
 from . import _comm
-from ._grouped import recompute_h
 from .reference import Exchange
 
 
@@ -129,7 +127,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, plan, *, chunks: int, block_m: i
             save_h: bool, clamp, sms):
     """The bf16 forward of :func:`prime_kernels.mega._grouped_ep.forward` in ``chunks`` chunks, on the call's
     ``plan``: (y, h [capacity, 2I] in full-pool rows, x_pool [capacity, H] in full-pool rows)."""
-    from ._grouped_ep import _combine_slots
+    from ._grouped_ep import _combine_slots, local_forward_bf16
 
     counts, offsets, src, srank, r2p = plan
     T, K = topk_idx.shape
@@ -156,10 +154,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, plan, *, chunks: int, block_m: i
             arrived.append(send_rows(pools[c + 1]))
         rows, full_rows = p.valid()
         if p.has_rows:
-            s, h_c = m_grouped_bf16_gemm_swiglu(x_c, w13, p.offsets, m_total=p.capacity, save_h=save_h, clamp=clamp,
-                                                num_sms=sms)
-            o_c = m_grouped_bf16_gemm_nt(s, w2, p.offsets, num_sms=sms)
-            del s
+            h_c, o_c = local_forward_bf16(x_c, w13, w2, p.offsets, save_h=save_h, clamp=clamp, sms=sms)
             if save_h:
                 h_full[full_rows] = h_c[rows]
         else:
@@ -219,14 +214,13 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_pool, *, c
             x_c = x.new_zeros((p.capacity, H))
             x_c[rows] = x_pool[full_rows]
         if p.has_rows:
-            if recompute:
-                h_c = recompute_h(None, w13, p.counts, p.offsets, None, p.capacity, x_c, sms, clamp)[0]
-            else:
+            h_c = None
+            if not recompute:
                 h_c = h_saved.new_zeros((p.capacity, twoI))
                 h_c[rows] = h_saved[full_rows]
             dx_rows, dt_rows, (_, a_c, dh_c, _) = _local_backward_bf16(
-                dy_c, w_c, x_c, h_c, w13, w2, p.counts, p.offsets, _pool_routes(p.pool_src_route), recompute=False,
-                clamp=clamp, sms=sms)
+                dy_c, w_c, x_c, h_c, w13, w2, p.counts, p.offsets, _pool_routes(p.pool_src_route),
+                recompute=recompute, clamp=clamp, sms=sms)
             a_full[full_rows] = a_c[rows]
             dh_full[full_rows] = dh_c[rows]
         else:

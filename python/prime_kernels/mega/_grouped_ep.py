@@ -50,7 +50,7 @@ from ..grouped_gemm import (
     m_grouped_fp8_gemm_nt,
 )
 from ..quantize import quantize_tokens_fp8
-from ._grouped import _wgrad, deferred_wgrad, recompute_h
+from ._grouped import _sms, _wgrad, deferred_wgrad, recompute_h
 from ._plan import build_plan
 from .constants import BLOCK_M
 from .reference import FP8_PRECISIONS, Exchange
@@ -76,10 +76,6 @@ def _pool_routes(pool_src_route: torch.Tensor) -> torch.Tensor:
     weight, its own token row), -1 for the padding rows."""
     rows = torch.arange(pool_src_route.shape[0], dtype=torch.int32, device=pool_src_route.device)
     return torch.where(pool_src_route >= 0, rows, torch.full_like(rows, -1))
-
-
-def _sms(num_sms):
-    return num_sms if num_sms else None
 
 
 def _has_rows(offsets: torch.Tensor) -> bool:
@@ -130,14 +126,18 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group,
         o = m_grouped_fp8_gemm_nt(l1.s_q, l1.s_sa, c2.weight.data, c2.weight.scale, offsets, num_sms=sms)
         del l1
     else:
-        s, h = m_grouped_bf16_gemm_swiglu(x_pool, w13, offsets, m_total=capacity, save_h=save_h,
-                                          clamp=activation_clamp, num_sms=sms)
-        o = m_grouped_bf16_gemm_nt(s, w2, offsets, num_sms=sms)
-        del s
+        h, o = local_forward_bf16(x_pool, w13, w2, offsets, save_h=save_h, clamp=activation_clamp, sms=sms)
     (slots,) = ex.to_routes([o], T * K)
     del o
     y = _combine_slots(slots, topk_idx, topk_weights.float().contiguous())
     return (y, h, counts, offsets, src, srank, r2p), x_pool
+
+
+def local_forward_bf16(x_pool, w13, w2, offsets, *, save_h, clamp, sms):
+    """The bf16 forward on a pool with rows: (h as saved, o [capacity, H]), L1 with SwiGLU then L2."""
+    s, h = m_grouped_bf16_gemm_swiglu(x_pool, w13, offsets, m_total=x_pool.shape[0], save_h=save_h, clamp=clamp,
+                                      num_sms=sms)
+    return h, m_grouped_bf16_gemm_nt(s, w2, offsets, num_sms=sms)
 
 
 def _add_wgrad(dy_pool, a, dh, x_pool, offsets, need_wgrad, dw13_accum, dw2_accum, w13, w2, sms):
@@ -273,15 +273,16 @@ def _backward_chunked(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_p
                                               chunks=chunks, block_m=BLOCK_M, num_experts=num_experts, group=group,
                                               recompute=recompute, clamp=clamp, sms=sms)
     offsets = plan[1]
+    has_rows = _has_rows(offsets)
     if defer_wgrad:
-        if not _has_rows(offsets):
+        if not has_rows:
             from .deferred import WgradLater
 
             return dx, dtopk, WgradLater(lambda dw13_accum, dw2_accum: None, ())
         return dx, dtopk, deferred_wgrad(*operands, offsets, sms)
     if not (need_wgrad or dw13_accum is not None or dw2_accum is not None):
         return dx, dtopk, None, None
-    if not _has_rows(offsets):
+    if not has_rows:
         return (dx, dtopk, w13.new_zeros(w13.shape) if need_wgrad and dw13_accum is None else None,
                 w2.new_zeros(w2.shape) if need_wgrad and dw2_accum is None else None)
     return (dx, dtopk) + _add_wgrad(*operands, offsets, need_wgrad, dw13_accum, dw2_accum, w13, w2, sms)
