@@ -28,6 +28,9 @@ measurement that is to set the path's chunk count.
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -53,6 +56,9 @@ def parse_args(argv=None):
                    help="stop starting new configurations after this many minutes (results so far are kept)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--out", default=None, help="results JSON path")
+    p.add_argument("--trace", default=None,
+                   help="directory: profile one loopback call of every configuration with chunks > 1 into a gzipped "
+                        "chrome trace there, and add each rank's exchange/GEMM overlap to its row")
     p.add_argument("--smoke", action="store_true", help="tiny shape, few iterations, CPU-runnable")
     a = p.parse_args(argv)
     if a.smoke:
@@ -94,6 +100,49 @@ def _timed(fn, device, warmup: int, iters: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
+_GEMM = re.compile(r"grouped_.*(gemm|swiglu)")
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def trace_overlap(trace: dict) -> list[dict]:
+    """Per rank (host thread) of a chrome trace of one loopback call: the GPU time of its exchange work (every kernel
+    and copy it launched on a stream other than the one its GEMMs ran on) and how much of it ran while one of its own
+    GEMMs ran. Kernels are tied to the thread that launched them through the runtime call's correlation id."""
+    events = trace.get("traceEvents", [])
+    launcher = {e["args"]["correlation"]: e["tid"] for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    per_thread: dict = {}
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or e.get("ph") != "X":
+            continue
+        tid = launcher.get(e.get("args", {}).get("correlation"))
+        if tid is None:
+            continue
+        per_thread.setdefault(tid, []).append((e["name"], e["args"].get("stream"), e["ts"], e["ts"] + e["dur"]))
+    out = []
+    for tid, evs in per_thread.items():
+        gemms = [(a, b, st) for name, st, a, b in evs if _GEMM.search(name)]
+        if not gemms:
+            continue
+        compute = {st for _, _, st in gemms}
+        busy = _union([(a, b) for a, b, _ in gemms])
+        comm = [(a, b) for _, st, a, b in evs if st not in compute]
+        total = sum(b - a for a, b in comm)
+        hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in busy)
+        out.append({"thread": tid, "exchange_us": round(total, 1), "under_own_gemms_us": round(hidden, 1),
+                    "fraction": round(hidden / total, 3) if total else 0.0})
+    return out
+
+
 def run_config(shape: str, T: int, R: int, routing: str, chunks: int, args, device) -> dict:
     from prime_kernels.mega import LoopbackGroup
 
@@ -127,10 +176,26 @@ def run_config(shape: str, T: int, R: int, routing: str, chunks: int, args, devi
     del want, got
     ep1_ms = _timed(ep1_once, device, args.warmup, args.iters)
     loop_ms = _timed(loop_once, device, args.warmup, args.iters)
+    overlap = None
+    if args.trace and chunks > 1 and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            loop_once()
+            bc.sync(device)
+        trace_dir = Path(args.trace)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        raw = trace_dir / f"ep_loopback_{shape}_T{T}_R{R}_{routing}_c{chunks}.json"
+        prof.export_chrome_trace(str(raw))
+        trace = json.loads(raw.read_text())
+        with gzip.open(f"{raw}.gz", "wt") as f:
+            json.dump(trace, f)
+        raw.unlink()
+        overlap = trace_overlap(trace)
     return {"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens_per_rank": T,
             "ranks": R, "routing": routing, "precision": args.precision, "chunks": chunks,
             "ep1_ms": round(ep1_ms, 4), "loopback_ms": round(loop_ms, 4), "overhead": round(loop_ms / ep1_ms, 4),
-            "bitwise": bool(bitwise)}
+            "bitwise": bool(bitwise), "trace_overlap": overlap}
 
 
 def main(argv=None) -> int:
@@ -156,6 +221,10 @@ def main(argv=None) -> int:
                         print(f"[ep_loopback] {shape} T={T}/rank R={R} {routing} chunks={chunks}: ep1 "
                               f"{row['ep1_ms']:.3f} ms, loopback {row['loopback_ms']:.3f} ms ({row['overhead']:.2f}x), "
                               f"bitwise {row['bitwise']}", flush=True)
+                        for o in row["trace_overlap"] or []:
+                            print(f"[ep_loopback]   rank thread {o['thread']}: exchange {o['exchange_us']:.0f} us, "
+                                  f"{o['under_own_gemms_us']:.0f} us of it under its own GEMMs ({o['fraction']:.0%})",
+                                  flush=True)
     doc = {**header, "script": "bench/bench_ep_loopback.py", "args": vars(args),
            "timing": "wall-clock ms per forward + backward over --iters after --warmup, host work included",
            "rows": rows}

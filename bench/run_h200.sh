@@ -49,8 +49,13 @@ for step in $steps; do
                | tee "$OUT/bench_staged_fp8.log" | tail -12 ;;
     ep)     (cd tests && timeout 240 python3 -m pytest -q -ra -p no:cacheprovider test_mega_loopback.py \
                test_mega_ep_grouped.py test_mega_ep.py 2>&1 | tee "$OUT/tests_ep.log" | tail -8)
-            timeout 300 python3 bench/bench_ep_loopback.py --out "$OUT/ep_loopback.json" 2>&1 \
-               | tee "$OUT/bench_ep_loopback.log" | tail -12 ;;
+            timeout 200 python3 bench/bench_ep_loopback.py --shapes qwen3-30b-a3b --tokens 4096 --ranks 2,4,8 \
+               --chunks 1,2,4 --max-minutes 2.5 --trace "$OUT/ep_traces" --out "$OUT/ep_loopback_30b.json" 2>&1 \
+               | tee "$OUT/bench_ep_loopback_30b.log" | grep -v "^$"
+            timeout 150 python3 bench/bench_ep_loopback.py --shapes qwen3-235b-a22b --tokens 4096 --ranks 8 \
+               --chunks 1,2,4 --max-minutes 1.5 --trace "$OUT/ep_traces" --out "$OUT/ep_loopback_235b.json" 2>&1 \
+               | tee "$OUT/bench_ep_loopback_235b.log" | grep -v "^$"
+            tar czf "$OUT/ep_traces.tgz" -C "$OUT" ep_traces && rm -rf "$OUT/ep_traces" ;;
     quantize) timeout 120 python3 bench/bench_quantize_fp8.py --tokens 16384 --out "$OUT/quantize_fp8.json" 2>&1 \
                | tee "$OUT/bench_quantize_fp8.log" | tail -12 ;;
     *) echo "unknown step $step: choose from tests fp8_tests fused_bwd bwd_lags gemm layer fp8 floor parity staged" \

@@ -5,7 +5,9 @@ The layer's expert parallelism needs R ranks exchanging rows. Where one GPU (or 
 each, and the collectives the layer makes (``all_gather`` and ``all_to_all_single``; see
 :mod:`prime_kernels.mega._comm`) meet at a barrier and copy between the ranks' tensors, on each rank's current
 stream (device copies on a GPU). With CUDA tensors every rank runs on its own stream of the one device, so one rank's
-copies can overlap another's GEMMs as they would across GPUs.
+copies can overlap another's GEMMs as they would across GPUs. As a collective of a process group does, a call returns
+once the copies are queued: the host never waits for the GPU, each rank's stream is ordered after every rank's copies
+out of its operand, and an operand's memory stays allocated until the readers' streams are done with it.
 
 What it does not model: the bandwidth and latency of a real interconnect (a copy within one card's memory), and
 autograd (the backward of a custom op runs on the autograd engine's device thread, which the ranks' threads share,
@@ -43,6 +45,7 @@ class LoopbackGroup:
         self.group_name = f"prime_kernels.loopback.{next(_COUNTER)}"
         self._barrier = threading.Barrier(world_size, timeout=self.timeout_s)
         self._slots: list = [None] * world_size
+        self._done_events: list = [None] * world_size
         self._local = threading.local()
         _REGISTRY[self.group_name] = self
 
@@ -84,6 +87,7 @@ class LoopbackGroup:
             t.join()
         self._barrier.reset()
         self._slots = [None] * self.world_size
+        self._done_events = [None] * self.world_size
         first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
         first = first or next((e for e in errors if e is not None), None)
         if first is not None:
@@ -103,16 +107,30 @@ class LoopbackGroup:
         self._barrier.wait()
 
     def _read(self, src: int):
+        """Rank ``src``'s operand, ordered after the work that wrote it; the caching allocator keeps its memory until
+        this rank's stream has read it (as a collective on a stream would), without a host wait."""
         value, event = self._slots[src]
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            stream = torch.cuda.current_stream()
+            stream.wait_event(event)
+            (value[0] if isinstance(value, tuple) else value).record_stream(stream)
         return value
 
     def _done(self, sample: torch.Tensor) -> None:
-        """Every rank's copies out of the operands are complete before any rank goes on (and may reuse them)."""
+        """Like a collective launched on a stream: each rank's stream goes on only once every rank's copies out of
+        its operand are done (a device-side wait on the readers' events; the host does not wait for the GPU), and no
+        rank publishes its next operand before every rank has read this one."""
         if sample.is_cuda:
-            torch.cuda.current_stream(sample.device).synchronize()
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(sample.device))
+            self._done_events[self.rank()] = event
         self._barrier.wait()
+        if sample.is_cuda:
+            stream = torch.cuda.current_stream(sample.device)
+            for r, event in enumerate(self._done_events):
+                if r != self.rank():
+                    stream.wait_event(event)
+        self._barrier.wait()  # every rank has queued its waits before any overwrites its event
 
     def all_gather(self, out_list: list[torch.Tensor], tensor: torch.Tensor) -> None:
         self._publish(tensor)
