@@ -62,6 +62,8 @@ class LoopbackGroup:
         """``fn(rank)`` for every rank, each in its own thread (on its own CUDA stream of ``device`` when that is a
         CUDA device); returns their results in rank order, or raises the first exception a rank raised."""
         dev = None if device is None else torch.device(device)
+        if dev is not None and dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())  # the caller's device, not the new threads'
         results: list = [None] * self.world_size
         errors: list = [None] * self.world_size
 
