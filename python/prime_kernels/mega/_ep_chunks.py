@@ -193,9 +193,9 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_pool, *, c
     st = _Streams(x.device)
 
     def send_rows(p: ChunkPool):
-        order = p.exchange.send_order
-        tok = torch.div(order, K, rounding_mode="floor")
-        with st.on_comm():
+        with st.on_comm():  # the gathers too: made on the compute stream, the comm stream would not wait for them
+            order = p.exchange.send_order
+            tok = torch.div(order, K, rounding_mode="floor")
             got = p.exchange.to_pool([dy[tok], weights[order]] + ([x[tok]] if x_pool is None else []))
         return got, st.mark("comm")
 

@@ -66,6 +66,10 @@ class LoopbackGroup:
             dev = torch.device("cuda", torch.cuda.current_device())  # the caller's device, not the new threads'
         results: list = [None] * self.world_size
         errors: list = [None] * self.world_size
+        start = None
+        if dev is not None and dev.type == "cuda":  # the ranks' streams see what the caller's stream has queued
+            start = torch.cuda.Event()
+            start.record(torch.cuda.current_stream(dev))
 
         def body(r: int) -> None:
             self._local.rank = r
@@ -73,6 +77,7 @@ class LoopbackGroup:
                 if dev is not None and dev.type == "cuda":
                     torch.cuda.set_device(dev)
                     with torch.cuda.stream(torch.cuda.Stream(dev)):
+                        torch.cuda.current_stream(dev).wait_event(start)
                         results[r] = fn(r)
                         torch.cuda.current_stream(dev).synchronize()
                 else:
