@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _comm
-from .reference import Exchange
+from .reference import Exchange, gather_rows, scatter_rows
 
 
 @dataclass
@@ -91,6 +91,19 @@ def chunk_pools(topk_idx, route_to_pool, pool_src_route, pool_src_rank, offsets,
     return pools
 
 
+_COMM_STREAMS: dict = {}
+
+
+def _comm_stream(compute: torch.cuda.Stream) -> torch.cuda.Stream:
+    """The exchange stream beside ``compute``, the same one on every call (the caching allocator keeps freed blocks
+    per stream: a fresh stream per call would find none and fall back to cudaMalloc / cudaFree, which synchronises
+    the device)."""
+    key = (compute.device_index, compute.stream_id)
+    if key not in _COMM_STREAMS:
+        _COMM_STREAMS[key] = torch.cuda.Stream(compute.device)
+    return _COMM_STREAMS[key]
+
+
 class _Streams:
     """The compute stream (the caller's) and a side stream for the exchanges, on CUDA; nothing on the CPU."""
 
@@ -98,7 +111,7 @@ class _Streams:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.compute = torch.cuda.current_stream(device)
-            self.comm = torch.cuda.Stream(device)
+            self.comm = _comm_stream(self.compute)
             self.comm.wait_stream(self.compute)  # the plan, the inputs and every index tensor are ready
 
     def on_comm(self):
@@ -142,7 +155,8 @@ def forward(x, topk_idx, topk_weights, w13, w2, plan, *, chunks: int, block_m: i
 
     def send_rows(p: ChunkPool):
         with st.on_comm():
-            (rows,) = p.exchange.to_pool([x[torch.div(p.exchange.send_order, K, rounding_mode="floor")]])
+            tok = torch.div(p.exchange.send_order, K, rounding_mode="floor")
+            (rows,) = p.exchange.to_pool([gather_rows(x, tok)])
         return rows, st.mark("comm")
 
     arrived = [send_rows(pools[0])]
@@ -156,17 +170,17 @@ def forward(x, topk_idx, topk_weights, w13, w2, plan, *, chunks: int, block_m: i
         if p.has_rows:
             h_c, o_c = local_forward_bf16(x_c, w13, w2, p.offsets, save_h=save_h, clamp=clamp, sms=sms)
             if save_h:
-                h_full[full_rows] = h_c[rows]
+                scatter_rows(h_full, full_rows, gather_rows(h_c, rows))
         else:
             o_c = x.new_zeros((p.capacity, H))
-        x_full[full_rows] = x_c[rows]
+        scatter_rows(x_full, full_rows, gather_rows(x_c, rows))
         done = st.mark("compute")
         with st.on_comm():
             st.wait("comm", done)
             st.hand([o_c, slots], "comm")
             (back,) = p.exchange.to_routes([o_c], T * K)
             order = p.exchange.send_order
-            slots.index_copy_(0, order, back[order])
+            scatter_rows(slots, order, gather_rows(back, order))
     st.wait("compute", st.mark("comm"))
     y = _combine_slots(slots, topk_idx, topk_weights.float().contiguous())
     return y, h_full, x_full
@@ -196,7 +210,8 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_pool, *, c
         with st.on_comm():  # the gathers too: made on the compute stream, the comm stream would not wait for them
             order = p.exchange.send_order
             tok = torch.div(order, K, rounding_mode="floor")
-            got = p.exchange.to_pool([dy[tok], weights[order]] + ([x[tok]] if x_pool is None else []))
+            sends = [gather_rows(dy, tok), weights[order]] + ([gather_rows(x, tok)] if x_pool is None else [])
+            got = p.exchange.to_pool(sends)
         return got, st.mark("comm")
 
     arrived = [send_rows(pools[0])]
@@ -212,29 +227,29 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_pool, *, c
             x_c = got[2]
         else:
             x_c = x.new_zeros((p.capacity, H))
-            x_c[rows] = x_pool[full_rows]
+            scatter_rows(x_c, rows, gather_rows(x_pool, full_rows))
         if p.has_rows:
             h_c = None
             if not recompute:
                 h_c = h_saved.new_zeros((p.capacity, twoI))
-                h_c[rows] = h_saved[full_rows]
+                scatter_rows(h_c, rows, gather_rows(h_saved, full_rows))
             dx_rows, dt_rows, (_, a_c, dh_c, _) = _local_backward_bf16(
                 dy_c, w_c, x_c, h_c, w13, w2, p.counts, p.offsets, _pool_routes(p.pool_src_route),
                 recompute=recompute, clamp=clamp, sms=sms)
-            a_full[full_rows] = a_c[rows]
-            dh_full[full_rows] = dh_c[rows]
+            scatter_rows(a_full, full_rows, gather_rows(a_c, rows))
+            scatter_rows(dh_full, full_rows, gather_rows(dh_c, rows))
         else:
             dx_rows, dt_rows = x.new_zeros((p.capacity, H)), w_c.new_zeros((p.capacity,))
-        dy_full[full_rows] = dy_c[rows]
+        scatter_rows(dy_full, full_rows, gather_rows(dy_c, rows))
         if x_pool is None:
-            x_full[full_rows] = x_c[rows]
+            scatter_rows(x_full, full_rows, gather_rows(x_c, rows))
         done = st.mark("compute")
         with st.on_comm():
             st.wait("comm", done)
             st.hand([dx_rows, dt_rows, dx_slots, dt_slots], "comm")
             dx_back, dt_back = p.exchange.to_routes([dx_rows, dt_rows], T * K)
             order = p.exchange.send_order
-            dx_slots.index_copy_(0, order, dx_back[order])
+            scatter_rows(dx_slots, order, gather_rows(dx_back, order))
             dt_slots.index_copy_(0, order, dt_back[order])
     st.wait("compute", st.mark("comm"))
     dx = _combine_slots(dx_slots, topk_idx, None)

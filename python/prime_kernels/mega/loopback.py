@@ -46,6 +46,7 @@ class LoopbackGroup:
         self._barrier = threading.Barrier(world_size, timeout=self.timeout_s)
         self._slots: list = [None] * world_size
         self._done_events: list = [None] * world_size
+        self._streams: dict = {}
         self._local = threading.local()
         _REGISTRY[self.group_name] = self
 
@@ -76,7 +77,7 @@ class LoopbackGroup:
             try:
                 if dev is not None and dev.type == "cuda":
                     torch.cuda.set_device(dev)
-                    with torch.cuda.stream(torch.cuda.Stream(dev)):
+                    with torch.cuda.stream(self._rank_stream(dev, r)):
                         torch.cuda.current_stream(dev).wait_event(start)
                         results[r] = fn(r)
                         torch.cuda.current_stream(dev).synchronize()
@@ -100,6 +101,15 @@ class LoopbackGroup:
         if first is not None:
             raise first
         return results
+
+    def _rank_stream(self, device: torch.device, r: int) -> torch.cuda.Stream:
+        """Rank r's stream on ``device``, the same one on every call: the caching allocator keeps freed blocks per
+        stream, so a fresh stream per call would find none to reuse and fall back to cudaMalloc / cudaFree (which
+        synchronises the device)."""
+        key = (device.index, r)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device)
+        return self._streams[key]
 
     # -- the collectives (prime_kernels.mega._comm calls these with a LoopbackGroup) ----------------------------
 
