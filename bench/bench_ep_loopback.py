@@ -49,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--routings", default="uniform", help="comma list from uniform,zipf")
     p.add_argument("--precision", choices=("bf16", "fp8", "fp8_bwd"), default="bf16")
     p.add_argument("--chunks", default="1", help="comma list of chunk counts of the path (bf16; 1: one exchange)")
+    p.add_argument("--num-sms", default="0",
+                   help="comma list of the SMs the loopback path's kernels may use (0: all; fewer leave SMs to the "
+                        "exchanges running beside the GEMMs)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -57,8 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--out", default=None, help="results JSON path")
     p.add_argument("--trace", default=None,
-                   help="directory: profile one loopback call of every configuration with chunks > 1 into a gzipped "
-                        "chrome trace there, and add each rank's exchange/GEMM overlap to its row")
+                   help="directory: profile one loopback call of every configuration into a gzipped chrome trace "
+                        "there, and add each rank's GEMM, other-kernel and exchange-under-GEMM times to its row")
     p.add_argument("--smoke", action="store_true", help="tiny shape, few iterations, CPU-runnable")
     a = p.parse_args(argv)
     if a.smoke:
@@ -72,19 +75,20 @@ def _split(s: str) -> list[str]:
     return [v.strip() for v in s.split(",") if v.strip()]
 
 
-def _layer(x, idx, w, w13, w2, dy, *, group, num_experts: int, tmax: int | None, precision: str, chunks: int = 1):
+def _layer(x, idx, w, w13, w2, dy, *, group, num_experts: int, tmax: int | None, precision: str, chunks: int = 1,
+           num_sms: int = 0):
     """(y, dx, dtopk, dw13, dw2) of the grouped backend's forward and backward, without autograd."""
     from prime_kernels.mega import _backend, _comm
 
     ep = _comm.world_size(group)
     fwd = _backend.forward("grouped", x, idx, w, w13, w2, precision=precision, activation_clamp=None, group=group,
                            num_experts=num_experts, ep_size=ep, max_tokens_per_rank=tmax, block_m=128, save_h=True,
-                           ep_chunks=chunks)
+                           ep_chunks=chunks, num_sms=num_sms)
     y, h, counts, offsets, src, srank, r2p, _ = fwd
     dx, dtopk, dw13, dw2 = _backend.backward("grouped", dy, x, idx, w, w13, w2, h, counts, offsets, src, srank, r2p,
                                              precision=precision, activation_clamp=None, group=group,
                                              num_experts=num_experts, recompute=False, need_wgrad=True,
-                                             ep_chunks=chunks)
+                                             ep_chunks=chunks, num_sms=num_sms)
     return y, dx, dtopk, dw13, dw2
 
 
@@ -138,12 +142,14 @@ def trace_overlap(trace: dict) -> list[dict]:
         comm = [(a, b) for _, st, a, b in evs if st not in compute]
         total = sum(b - a for a, b in comm)
         hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in busy)
-        out.append({"thread": tid, "exchange_us": round(total, 1), "under_own_gemms_us": round(hidden, 1),
+        out.append({"thread": tid, "gemm_us": round(sum(b - a for a, b, _ in gemms), 1),
+                    "glue_us": round(sum(b - a for name, _, a, b in evs if not _GEMM.search(name)), 1),
+                    "exchange_us": round(total, 1), "under_own_gemms_us": round(hidden, 1),
                     "fraction": round(hidden / total, 3) if total else 0.0})
     return out
 
 
-def run_config(shape: str, T: int, R: int, routing: str, chunks: int, args, device) -> dict:
+def run_config(shape: str, T: int, R: int, routing: str, chunks: int, num_sms: int, args, device) -> dict:
     from prime_kernels.mega import LoopbackGroup
 
     E, H, I, K = bc.shape_dims(shape)
@@ -164,7 +170,8 @@ def run_config(shape: str, T: int, R: int, routing: str, chunks: int, args, devi
 
     def loop_once():
         return group.run(lambda r: _layer(*per_rank[r], group=group, num_experts=E, tmax=T,
-                                          precision=args.precision, chunks=chunks), device=device)
+                                          precision=args.precision, chunks=chunks, num_sms=num_sms),
+                         device=device)
 
     def ep1_once():
         return _layer(x, idx, w, w13, w2, dy, group=None, num_experts=E, tmax=None, precision=args.precision)
@@ -177,7 +184,7 @@ def run_config(shape: str, T: int, R: int, routing: str, chunks: int, args, devi
     ep1_ms = _timed(ep1_once, device, args.warmup, args.iters)
     loop_ms = _timed(loop_once, device, args.warmup, args.iters)
     overlap = None
-    if args.trace and chunks > 1 and device.type == "cuda":
+    if args.trace and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -185,7 +192,7 @@ def run_config(shape: str, T: int, R: int, routing: str, chunks: int, args, devi
             bc.sync(device)
         trace_dir = Path(args.trace)
         trace_dir.mkdir(parents=True, exist_ok=True)
-        raw = trace_dir / f"ep_loopback_{shape}_T{T}_R{R}_{routing}_c{chunks}.json"
+        raw = trace_dir / f"ep_loopback_{shape}_T{T}_R{R}_{routing}_c{chunks}_sms{num_sms}.json"
         prof.export_chrome_trace(str(raw))
         trace = json.loads(raw.read_text())
         with gzip.open(f"{raw}.gz", "wt") as f:
@@ -193,7 +200,7 @@ def run_config(shape: str, T: int, R: int, routing: str, chunks: int, args, devi
         raw.unlink()
         overlap = trace_overlap(trace)
     return {"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens_per_rank": T,
-            "ranks": R, "routing": routing, "precision": args.precision, "chunks": chunks,
+            "ranks": R, "routing": routing, "precision": args.precision, "chunks": chunks, "num_sms": num_sms,
             "ep1_ms": round(ep1_ms, 4), "loopback_ms": round(loop_ms, 4), "overhead": round(loop_ms / ep1_ms, 4),
             "bitwise": bool(bitwise), "trace_overlap": overlap}
 
@@ -213,19 +220,21 @@ def main(argv=None) -> int:
             for R in (int(r) for r in _split(args.ranks)):
                 for routing in _split(args.routings):
                     for chunks in (int(c) for c in _split(args.chunks)):
-                        if time.time() - start > args.max_minutes * 60:
-                            print(f"[ep_loopback] out of time before {shape} T={T} R={R} {routing} chunks={chunks}",
-                                  flush=True)
-                            break
-                        row = run_config(shape, T, R, routing, chunks, args, device)
-                        rows.append(row)
-                        print(f"[ep_loopback] {shape} T={T}/rank R={R} {routing} chunks={chunks}: ep1 "
-                              f"{row['ep1_ms']:.3f} ms, loopback {row['loopback_ms']:.3f} ms ({row['overhead']:.2f}x), "
-                              f"bitwise {row['bitwise']}", flush=True)
-                        for o in row["trace_overlap"] or []:
-                            print(f"[ep_loopback]   rank thread {o['thread']}: exchange {o['exchange_us']:.0f} us, "
-                                  f"{o['under_own_gemms_us']:.0f} us of it under its own GEMMs ({o['fraction']:.0%})",
-                                  flush=True)
+                        for num_sms in (int(n) for n in _split(args.num_sms)):
+                            if time.time() - start > args.max_minutes * 60:
+                                print(f"[ep_loopback] out of time before {shape} T={T} R={R} {routing} "
+                                      f"chunks={chunks} num_sms={num_sms}", flush=True)
+                                break
+                            row = run_config(shape, T, R, routing, chunks, num_sms, args, device)
+                            rows.append(row)
+                            print(f"[ep_loopback] {shape} T={T}/rank R={R} {routing} chunks={chunks} "
+                                  f"num_sms={num_sms}: ep1 {row['ep1_ms']:.3f} ms, loopback {row['loopback_ms']:.3f} "
+                                  f"ms ({row['overhead']:.2f}x), bitwise {row['bitwise']}", flush=True)
+                            for o in row["trace_overlap"] or []:
+                                print(f"[ep_loopback]   rank thread {o['thread']}: GEMMs {o['gemm_us']:.0f} us, other "
+                                      f"kernels {o['glue_us']:.0f} us, exchange stream {o['exchange_us']:.0f} "
+                                      f"us, {o['under_own_gemms_us']:.0f} us of it under its own GEMMs "
+                                      f"({o['fraction']:.0%})", flush=True)
     doc = {**header, "script": "bench/bench_ep_loopback.py", "args": vars(args),
            "timing": "wall-clock ms per forward + backward over --iters after --warmup, host work included",
            "rows": rows}

@@ -53,7 +53,7 @@ from ..quantize import quantize_tokens_fp8
 from ._grouped import _sms, _wgrad, deferred_wgrad, recompute_h
 from ._plan import build_plan
 from .constants import BLOCK_M
-from .reference import FP8_PRECISIONS, Exchange
+from .reference import FP8_PRECISIONS, Exchange, gather_rows
 
 
 def _slot_index(topk_idx: torch.Tensor) -> torch.Tensor:
@@ -111,7 +111,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group,
         return (y, h, counts, offsets, src, srank, r2p), x_pool
     ex = Exchange(topk_idx, r2p, src, srank, num_experts, group)
     tok = torch.div(ex.send_order, K, rounding_mode="floor")
-    (x_pool,) = ex.to_pool([x.to(torch.bfloat16)[tok]])  # padding rows are zeros, as the one-rank gather's
+    (x_pool,) = ex.to_pool([gather_rows(x.to(torch.bfloat16), tok)])  # padding rows are zeros, as the one-rank gather's
     if not _has_rows(offsets):
         h = x_pool.new_zeros((capacity if save_h else 0, twoI))
         o = x_pool.new_zeros((capacity, H))
@@ -221,9 +221,9 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     ex = Exchange(topk_idx, route_to_pool, pool_src_route, pool_src_rank, num_experts, group)
     tok = torch.div(ex.send_order, K, rounding_mode="floor")
     w_routes = topk_weights.reshape(-1)[ex.send_order].float()
-    send = [dy.to(torch.bfloat16)[tok], w_routes]
+    send = [gather_rows(dy.to(torch.bfloat16), tok), w_routes]
     if x_pool is None:
-        send.append(x.to(torch.bfloat16)[tok])
+        send.append(gather_rows(x.to(torch.bfloat16), tok))
     pooled = ex.to_pool(send)
     dy_pool, w_pool = pooled[0], pooled[1].contiguous()
     if x_pool is None:

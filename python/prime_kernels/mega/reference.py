@@ -179,27 +179,6 @@ def scatter_rows(dst, idx, rows) -> None:
         wide_dst[idx] = wide_rows
 
 
-def _pack(tensors):
-    """The tensors' rows side by side as bytes, [n, sum of their row bytes]; a rank that sends no row still has the
-    full row width, which sizes what it receives."""
-    n = tensors[0].shape[0]
-    parts = [t.contiguous().view(n, -1).view(torch.uint8) if t.numel() else
-             torch.empty((n, _row_bytes(t)), dtype=torch.uint8, device=t.device)
-             for t in tensors]
-    return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
-
-
-def _unpack(buf, likes):
-    n = buf.shape[0]
-    out, col = [], 0
-    for shape, dtype in likes:
-        width = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        part = buf[:, col : col + width].contiguous()
-        col += width
-        out.append(part.view(dtype).view(n, *shape))
-    return out
-
-
 class Exchange:
     """Moves per-route rows between this rank's routes and the owning ranks' pools.
 
@@ -235,13 +214,19 @@ class Exchange:
         self.capacity = cap
 
     def _a2a(self, tensors, in_splits, out_splits):
+        """One all-to-all per tensor (packing them side by side would cost a concatenation and a strided copy per
+        tensor on each side, more than the exchanges it saves). A rank that sends no row still has the row width
+        from its own (empty) tensor's shape, which sizes what it receives."""
         if self.group is None:
             return tensors
-        likes = [(t.shape[1:], t.dtype) for t in tensors]
-        send = _pack(tensors)
-        recv = send.new_empty((sum(out_splits), send.shape[1]))
-        _comm.all_to_all_single(recv, send, out_splits, in_splits, self.group)
-        return _unpack(recv, likes)
+        out = []
+        for t in tensors:  # as bytes: every backend moves uint8 (gloo has no e4m3)
+            row = int(torch.Size(t.shape[1:]).numel())
+            send = t.contiguous().view(t.shape[0], row).view(torch.uint8)
+            recv = send.new_empty((sum(out_splits), _row_bytes(t)))
+            _comm.all_to_all_single(recv, send, out_splits, in_splits, self.group)
+            out.append(recv.view(t.dtype).view(-1, *t.shape[1:]))
+        return out
 
     def to_pool(self, route_rows):
         """[n_send, ...] rows in send order -> [capacity, ...] pool tensors (zero padding rows)."""
