@@ -52,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--num-sms", default="0",
                    help="comma list of the SMs the loopback path's kernels may use (0: all; fewer leave SMs to the "
                         "exchanges running beside the GEMMs)")
+    p.add_argument("--link-gbps", default="0",
+                   help="comma list of modelled link bandwidths in GB/s for the loopback exchanges (0: none, the "
+                        "copies alone; see LoopbackGroup's link_gbps)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -149,7 +152,8 @@ def trace_overlap(trace: dict) -> list[dict]:
     return out
 
 
-def run_config(shape: str, T: int, R: int, routing: str, chunks: int, num_sms: int, args, device) -> dict:
+def run_config(shape: str, T: int, R: int, routing: str, chunks: int, num_sms: int, link: float, args,
+               device) -> dict:
     from prime_kernels.mega import LoopbackGroup
 
     E, H, I, K = bc.shape_dims(shape)
@@ -159,7 +163,7 @@ def run_config(shape: str, T: int, R: int, routing: str, chunks: int, num_sms: i
     w13, w2 = bc.make_weights(E, H, I, args.seed, device)
     parts = [bc.make_tokens(T, E, H, K, routing, args.seed + T, device, rank=r) for r in range(R)]
     x, idx, w, dy = (torch.cat([p[i] for p in parts]) for i in range(4))
-    group = LoopbackGroup(R, timeout_s=300)
+    group = LoopbackGroup(R, timeout_s=300, link_gbps=link or None)
 
     def rank_args(r):
         sl, es = slice(r * T, (r + 1) * T), slice(r * El, (r + 1) * El)
@@ -192,7 +196,7 @@ def run_config(shape: str, T: int, R: int, routing: str, chunks: int, num_sms: i
             bc.sync(device)
         trace_dir = Path(args.trace)
         trace_dir.mkdir(parents=True, exist_ok=True)
-        raw = trace_dir / f"ep_loopback_{shape}_T{T}_R{R}_{routing}_c{chunks}_sms{num_sms}.json"
+        raw = trace_dir / f"ep_loopback_{shape}_T{T}_R{R}_{routing}_c{chunks}_sms{num_sms}_link{link:g}.json"
         prof.export_chrome_trace(str(raw))
         trace = json.loads(raw.read_text())
         with gzip.open(f"{raw}.gz", "wt") as f:
@@ -200,7 +204,7 @@ def run_config(shape: str, T: int, R: int, routing: str, chunks: int, num_sms: i
         raw.unlink()
         overlap = trace_overlap(trace)
     return {"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens_per_rank": T,
-            "ranks": R, "routing": routing, "precision": args.precision, "chunks": chunks, "num_sms": num_sms,
+            "ranks": R, "routing": routing, "precision": args.precision, "chunks": chunks, "num_sms": num_sms, "link_gbps": link,
             "ep1_ms": round(ep1_ms, 4), "loopback_ms": round(loop_ms, 4), "overhead": round(loop_ms / ep1_ms, 4),
             "bitwise": bool(bitwise), "trace_overlap": overlap}
 
@@ -220,15 +224,16 @@ def main(argv=None) -> int:
             for R in (int(r) for r in _split(args.ranks)):
                 for routing in _split(args.routings):
                     for chunks in (int(c) for c in _split(args.chunks)):
-                        for num_sms in (int(n) for n in _split(args.num_sms)):
+                        for num_sms, link in ((int(n), float(g)) for n in _split(args.num_sms)
+                                              for g in _split(args.link_gbps)):
                             if time.time() - start > args.max_minutes * 60:
                                 print(f"[ep_loopback] out of time before {shape} T={T} R={R} {routing} "
-                                      f"chunks={chunks} num_sms={num_sms}", flush=True)
+                                      f"chunks={chunks} num_sms={num_sms} link={link:g}", flush=True)
                                 break
-                            row = run_config(shape, T, R, routing, chunks, num_sms, args, device)
+                            row = run_config(shape, T, R, routing, chunks, num_sms, link, args, device)
                             rows.append(row)
                             print(f"[ep_loopback] {shape} T={T}/rank R={R} {routing} chunks={chunks} "
-                                  f"num_sms={num_sms}: ep1 {row['ep1_ms']:.3f} ms, loopback {row['loopback_ms']:.3f} "
+                                  f"num_sms={num_sms} link={link:g} GB/s: ep1 {row['ep1_ms']:.3f} ms, loopback {row['loopback_ms']:.3f} "
                                   f"ms ({row['overhead']:.2f}x), bitwise {row['bitwise']}", flush=True)
                             for o in row["trace_overlap"] or []:
                                 print(f"[ep_loopback]   rank thread {o['thread']}: GEMMs {o['gemm_us']:.0f} us, other "

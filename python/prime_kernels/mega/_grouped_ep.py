@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from . import _ep_chunks, _fp8_bwd, _fp8_fwd, fp8 as _fp8
-from ..combine import combine
+from ..combine import combine, dispatch_rows
 from ..grouped_gemm import (
     k_grouped_bf16_gemm_tn,
     m_grouped_bf16_gemm_nn,
@@ -78,6 +78,28 @@ def _pool_routes(pool_src_route: torch.Tensor) -> torch.Tensor:
     return torch.where(pool_src_route >= 0, rows, torch.full_like(rows, -1))
 
 
+def _route_to_send(ex: Exchange, T: int, K: int) -> torch.Tensor:
+    """[T, K] int32: each route's row in this rank's send order (-1: masked). The rows that come back arrive in that
+    order too, so the same map drives the send-side dispatch and the combine."""
+    r2s = torch.full((T * K,), -1, dtype=torch.int32, device=ex.send_order.device)
+    r2s[ex.send_order] = torch.arange(ex.send_order.numel(), dtype=torch.int32, device=r2s.device)
+    return r2s.view(T, K)
+
+
+def _send_token_rows(x: torch.Tensor, route_to_send: torch.Tensor, num_send: int) -> torch.Tensor:
+    """x's token rows in send order (each token row read once, written once per route)."""
+    return dispatch_rows(x, route_to_send, x.new_empty((num_send, x.shape[1])))
+
+
+def _into_pool(recv: torch.Tensor, ex: Exchange, used_rows: int) -> torch.Tensor:
+    """The received rows (recv order) laid into a [capacity, H] pool: rows below ``used_rows`` (the local experts'
+    padded blocks, all the GEMMs read) are the rows or zero padding; rows above, never read, are left unset (the
+    capacity covers every route of every rank: zero-filling it would cost more than the layer's copies)."""
+    pool = recv.new_empty((ex.capacity, recv.shape[1]))
+    pool[:used_rows].zero_()
+    return dispatch_rows(recv, ex.recv_order.to(torch.int32).view(-1, 1), pool)
+
+
 def _has_rows(offsets: torch.Tensor) -> bool:
     """Whether any local expert received a row (the GEMMs take no all-empty plan)."""
     return int(offsets[-1]) > 0
@@ -110,9 +132,12 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group,
                                           sms=sms)
         return (y, h, counts, offsets, src, srank, r2p), x_pool
     ex = Exchange(topk_idx, r2p, src, srank, num_experts, group)
-    tok = torch.div(ex.send_order, K, rounding_mode="floor")
-    (x_pool,) = ex.to_pool([gather_rows(x.to(torch.bfloat16), tok)])  # padding rows are zeros, as the one-rank gather's
-    if not _has_rows(offsets):
+    r2s = _route_to_send(ex, T, K)
+    used = int(offsets[-1])
+    (recv,) = ex.send_rows([_send_token_rows(x.to(torch.bfloat16), r2s, ex.send_order.numel())])
+    x_pool = _into_pool(recv, ex, used)  # padding rows are zeros, as the one-rank gather's
+    del recv
+    if used == 0:
         h = x_pool.new_zeros((capacity if save_h else 0, twoI))
         o = x_pool.new_zeros((capacity, H))
     elif precision == "fp8":
@@ -127,9 +152,9 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group,
         del l1
     else:
         h, o = local_forward_bf16(x_pool, w13, w2, offsets, save_h=save_h, clamp=activation_clamp, sms=sms)
-    (slots,) = ex.to_routes([o], T * K)
+    (back,) = ex.return_rows([gather_rows(o, ex.recv_order)])
     del o
-    y = _combine_slots(slots, topk_idx, topk_weights.float().contiguous())
+    y = back.new_zeros((0, H)) if T == 0 else combine(back, r2s, topk_weights.float().contiguous())
     return (y, h, counts, offsets, src, srank, r2p), x_pool
 
 
@@ -219,20 +244,23 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     H = x.shape[1]
     capacity = pool_src_route.shape[0]
     ex = Exchange(topk_idx, route_to_pool, pool_src_route, pool_src_rank, num_experts, group)
-    tok = torch.div(ex.send_order, K, rounding_mode="floor")
-    w_routes = topk_weights.reshape(-1)[ex.send_order].float()
-    send = [gather_rows(dy.to(torch.bfloat16), tok), w_routes]
+    r2s = _route_to_send(ex, T, K)
+    used = int(offsets[-1])
+    n_send = ex.send_order.numel()
+    send = [_send_token_rows(dy.to(torch.bfloat16), r2s, n_send)]
     if x_pool is None:
-        send.append(gather_rows(x.to(torch.bfloat16), tok))
-    pooled = ex.to_pool(send)
-    dy_pool, w_pool = pooled[0], pooled[1].contiguous()
+        send.append(_send_token_rows(x.to(torch.bfloat16), r2s, n_send))
+    recv = ex.send_rows(send)
+    dy_pool = _into_pool(recv[0], ex, used)
     if x_pool is None:
-        x_pool = pooled[2]
+        x_pool = _into_pool(recv[1], ex, used)
+    del recv, send
+    (w_pool,) = ex.to_pool([topk_weights.reshape(-1)[ex.send_order].float()])
     routes = _pool_routes(pool_src_route)
     want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None
     fp8_back = precision in FP8_PRECISIONS
     out13 = out2 = operands = None
-    if not _has_rows(offsets):  # no GEMM: zero rows back, zero gradients, the accumulators untouched
+    if used == 0:  # no GEMM: zero rows back, zero gradients, the accumulators untouched
         dx_rows, dt_rows = dy_pool.new_zeros((capacity, H)), w_pool.new_zeros((capacity,))
         if need_wgrad:
             out13 = w13.new_zeros(w13.shape) if dw13_accum is None else None
@@ -247,9 +275,10 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         dx_rows, dt_rows, operands = _local_backward_bf16(dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offsets,
                                                           routes, recompute=recompute, clamp=activation_clamp,
                                                           sms=sms)
-    dx_slots, dt_routes = ex.to_routes([dx_rows, dt_rows], T * K)
+    (dx_back,) = ex.return_rows([gather_rows(dx_rows, ex.recv_order)])
     del dx_rows
-    dx = _combine_slots(dx_slots, topk_idx, None)
+    (dt_routes,) = ex.to_routes([dt_rows], T * K)
+    dx = dx_back.new_zeros((0, H)) if T == 0 else combine(dx_back, r2s, None)
     dtopk = dt_routes.view(T, K).to(topk_weights.dtype)
     if defer_wgrad:
         if fp8_back:

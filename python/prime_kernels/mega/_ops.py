@@ -65,6 +65,7 @@ def mega_moe_fwd(
     keep_pooled_x: bool = False,
     num_sms: int = 0,
     deferral_id: int = 0,
+    ep_chunks: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """y plus the state the backward reuses: (y, h, expert_counts, expert_offsets,
     pool_src_route, pool_src_rank, route_to_pool, x_pool). ``dw13_accum``/``dw2_accum`` are not read
@@ -74,16 +75,18 @@ def mega_moe_fwd(
     ``keep_pooled_x`` (the fused forward keeps its dispatched rows; the other backends gather them), else [0, H].
     ``num_sms``: the SMs the kernel backends may use (0 = every SM). ``deferral_id`` (0 = none) names the
     :class:`~prime_kernels.mega.deferred.DeferredWgrad` whose accumulators ``dw13_accum``/``dw2_accum`` are: the
-    backward queues its weight gradients there instead of adding them."""
+    backward queues its weight gradients there instead of adding them. ``ep_chunks``: the expert-parallel path's chunk
+    count (:mod:`prime_kernels.mega._ep_chunks`), the same on every rank."""
     (T, H, I, K, El, E), buffer = _check_forward_args(
         x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, num_experts, ep_size,
         max_tokens_per_rank, block_m, backend, buffer_id, num_sms)
     which = _backend.resolve("fwd", backend, precision, x, w13, ep_size=ep_size, activation_clamp=activation_clamp,
                              block_m=block_m)
+    _validate.check_ep_chunks(ep_chunks, ep_size=ep_size, backend=which, precision=precision)
     return _backend.forward(which, x, topk_idx, topk_weights, w13, w2, precision=precision,
                             activation_clamp=activation_clamp, group=reference.resolve_group(group_name), num_experts=E,
                             ep_size=ep_size, max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, save_h=save_h,
-                            buffer=buffer, keep_pooled_x=keep_pooled_x, num_sms=num_sms)
+                            buffer=buffer, keep_pooled_x=keep_pooled_x, num_sms=num_sms, ep_chunks=ep_chunks)
 
 
 def empty_backward(x: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, need_wgrad: bool, dw13_accum,
@@ -98,7 +101,7 @@ def empty_backward(x: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, nee
 @mega_moe_fwd.register_fake
 def _(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, group_name, num_experts,
       ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id, keep_pooled_x=False, num_sms=0,
-      deferral_id=0):
+      deferral_id=0, ep_chunks=1):
     _check_forward_args(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, num_experts,
                         ep_size, max_tokens_per_rank, block_m, backend, buffer_id, num_sms)
     T, H = x.shape
@@ -145,6 +148,7 @@ def mega_moe_bwd(
     x_pool: Optional[Tensor] = None,
     num_sms: int = 0,
     deferral_id: int = 0,
+    ep_chunks: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, d topk_weights, dw13, dw2). ``x_pool`` (the forward's pooled token rows, when it kept
     them) spares the grouped backward its gather of x. dw13 (dw2) is an empty tensor when ``need_wgrad`` is False
@@ -169,14 +173,14 @@ def mega_moe_bwd(
             which, dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
             pool_src_rank, route_to_pool, precision=precision, activation_clamp=activation_clamp, group=group,
             num_experts=E, recompute=recompute, need_wgrad=False, buffer=get_buffer(buffer_id), x_pool=x_pool,
-            num_sms=num_sms, defer_wgrad=True)
+            num_sms=num_sms, defer_wgrad=True, ep_chunks=ep_chunks)
         deferred.get(deferral_id).push(later)
         return dx, dtopk, w13.new_empty((0,)), w2.new_empty((0,))
     dx, dtopk, dw13, dw2 = _backend.backward(
         which, dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route,
         pool_src_rank, route_to_pool, precision=precision, activation_clamp=activation_clamp, group=group,
         num_experts=E, recompute=recompute, need_wgrad=need_wgrad, dw13_accum=dw13_accum, dw2_accum=dw2_accum,
-        buffer=get_buffer(buffer_id), x_pool=x_pool, num_sms=num_sms)
+        buffer=get_buffer(buffer_id), x_pool=x_pool, num_sms=num_sms, ep_chunks=ep_chunks)
     if dw13 is None:
         dw13 = w13.new_empty((0,))
     if dw2 is None:
@@ -187,7 +191,7 @@ def mega_moe_bwd(
 @mega_moe_bwd.register_fake
 def _(dy, x, topk_idx, topk_weights, w13, w2, h, expert_counts, expert_offsets, pool_src_route, pool_src_rank,
       route_to_pool, dw13_accum, dw2_accum, activation_clamp, group_name, num_experts, recompute, need_wgrad,
-      backend, precision, buffer_id, x_pool=None, num_sms=0, deferral_id=0):
+      backend, precision, buffer_id, x_pool=None, num_sms=0, deferral_id=0, ep_chunks=1):
     dw13 = w13.new_empty(w13.shape) if (need_wgrad and dw13_accum is None) else w13.new_empty((0,))
     dw2 = w2.new_empty(w2.shape) if (need_wgrad and dw2_accum is None) else w2.new_empty((0,))
     return x.new_empty(x.shape), topk_weights.new_empty(topk_weights.shape), dw13, dw2
@@ -212,19 +216,21 @@ def _setup_context(ctx, inputs, output):
      ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id, *rest) = inputs
     num_sms = rest[1] if len(rest) > 1 else 0
     deferral_id = rest[2] if len(rest) > 2 else 0
+    ep_chunks = rest[3] if len(rest) > 3 else 1
     y, h, counts, offsets, src, srank, r2p, x_pool = output
     ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, h, counts, offsets, src, srank, r2p,
                           dw13_accum, dw2_accum, x_pool)
     ctx.mark_non_differentiable(h, x_pool)
     ctx.set_materialize_grads(False)
     ctx.opts = (activation_clamp, group_name, num_experts, not save_h, backend, precision, buffer_id, num_sms,
-                deferral_id)
+                deferral_id, ep_chunks)
 
 
 def _backward(ctx, dy, *unused):
     (x, topk_idx, topk_weights, w13, w2, h, counts, offsets, src, srank, r2p,
      dw13_accum, dw2_accum, x_pool) = ctx.saved_tensors
-    activation_clamp, group_name, num_experts, recompute, backend, precision, buffer_id, num_sms, deferral_id = ctx.opts
+    (activation_clamp, group_name, num_experts, recompute, backend, precision, buffer_id, num_sms, deferral_id,
+     ep_chunks) = ctx.opts
     needs = ctx.needs_input_grad
     if dy is None:
         dy = torch.zeros_like(x)
@@ -232,10 +238,10 @@ def _backward(ctx, dy, *unused):
     dx, dtopk, dw13, dw2 = torch.ops.prime_kernels.mega_moe_bwd(
         dy.contiguous(), x, topk_idx, topk_weights, w13, w2, h, counts, offsets, src, srank, r2p,
         dw13_accum, dw2_accum, activation_clamp, group_name, num_experts, recompute, need_wgrad, backend, precision,
-        buffer_id, x_pool, num_sms, deferral_id)
+        buffer_id, x_pool, num_sms, deferral_id, ep_chunks)
     g13 = dw13 if (needs[3] and dw13_accum is None) else None
     g2 = dw2 if (needs[4] and dw2_accum is None) else None
-    return (dx if needs[0] else None, None, dtopk if needs[2] else None, g13, g2) + (None,) * 15
+    return (dx if needs[0] else None, None, dtopk if needs[2] else None, g13, g2) + (None,) * 16
 
 
 mega_moe_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -97,6 +97,27 @@ def check_op_num_sms(num_sms) -> int:
     return int(num_sms)
 
 
+MAX_EP_CHUNKS = 64
+
+
+def check_ep_chunks(ep_chunks, *, ep_size: int, backend: str, precision: str) -> int:
+    """``ep_chunks`` as the forward op takes it: an int in [1, MAX_EP_CHUNKS]; above 1 only where the chunked
+    exchange runs (a group of more than one rank, the grouped backend, bf16)."""
+    if isinstance(ep_chunks, bool) or not isinstance(ep_chunks, numbers.Integral) or not 1 <= ep_chunks <= MAX_EP_CHUNKS:
+        _fail(f"ep_chunks must be None (the default) or an int in [1, {MAX_EP_CHUNKS}], got {ep_chunks!r}")
+    if ep_chunks > 1:
+        if ep_size == 1:
+            _fail(f"ep_chunks={ep_chunks} splits the expert-parallel exchanges; without a group of more than one rank "
+                  "there is none (pass ep_chunks=None or 1)")
+        if backend != "grouped":
+            _fail(f"ep_chunks={ep_chunks}: the chunked exchange runs on the grouped backend, this call runs on "
+                  f"{backend!r}")
+        if precision != "bf16":
+            _fail(f"ep_chunks={ep_chunks}: the {precision} expert-parallel path exchanges its rows in one chunk "
+                  "(pass ep_chunks=None or 1)")
+    return int(ep_chunks)
+
+
 def check_buffer_shape(buffer, hidden, top_k):
     if buffer is not None and (buffer.hidden != hidden or buffer.num_topk != top_k):
         _fail(f"the buffer was allocated for H={buffer.hidden}, K={buffer.num_topk} but the inputs have "

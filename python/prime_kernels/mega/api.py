@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _backend, _comm, _ops, _validate, shared
+from . import _backend, _comm, _ep_heuristics, _ops, _validate, shared
 from ..routing import RoutingPlan
 from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe
 from .deferred import DeferredWgrad
@@ -64,6 +64,7 @@ def mega_moe(
     return_plan: bool = False,
     keep_pooled_x: Optional[bool] = None,
     num_sms: Optional[int] = None,
+    ep_chunks: Optional[int] = None,
     shared_w13: Optional[torch.Tensor] = None,
     shared_w2: Optional[torch.Tensor] = None,
     shared_gate: Optional[torch.Tensor] = None,
@@ -114,6 +115,9 @@ def mega_moe(
         (docs/performance.md).
       num_sms: the most SMs the kernels of this call (forward and backward) may use, so that a trainer can leave
         SMs to its communication kernels; None (default) = all of them. The reference ignores it.
+      ep_chunks: with a group, the tokens' exchange and expert GEMMs run in this many chunks, each chunk's exchange
+        under another's GEMMs (bf16, grouped backend; the same bits for any count). None (default): the count
+        :func:`prime_kernels.mega._ep_heuristics.default_ep_chunks` picks from the shapes, the same on every rank.
       shared_w13, shared_w2: shared experts ([S, 2Is, H] and [S, H, Is], or 2-D for one), through which every token
         goes and whose output is added to y (:mod:`prime_kernels.mega.shared`: semantics and rounding S1-S3). They
         run on the same backend and options as the routed experts, replicated under a group; their gradients go to
@@ -145,12 +149,16 @@ def mega_moe(
     if keep_pooled_x is None:
         keep_pooled_x = _keep_pooled_x_by_default(x, w13, a13, backend, precision, ep_size, clamp, block_m)
     save_h = not recompute and _backward_possible(x, topk_weights, w13, w2)
+    if ep_chunks is None:
+        ep_chunks = _ep_heuristics.default_ep_chunks(
+            ep_size=ep_size, backend=backend, precision=precision, max_tokens_per_rank=int(max_tokens),
+            top_k=topk_idx.shape[-1] if topk_idx.dim() == 2 else 1, hidden=x.shape[-1], w13=w13)
     shared_call = shared.prepare(x, shared_w13, shared_w2, shared_gate, backend=backend, precision=precision,
                                  activation_clamp=clamp, block_m=block_m)
     out = _ops.mega_moe_fwd(
         x, topk_idx, topk_weights, w13, w2, a13, a2, clamp, group_name, -1 if num_experts is None else num_experts,
         ep_size, int(max_tokens), block_m, save_h, backend, precision, 0 if buffer is None else buffer.buffer_id,
-        bool(keep_pooled_x), sms, deferral_id)
+        bool(keep_pooled_x), sms, deferral_id, ep_chunks)
     y = out[0]
     if shared_call is not None:
         y = shared.add_shared(y, shared.run(mega_moe, x, shared_call, precision=precision, activation_clamp=clamp,
@@ -191,7 +199,7 @@ class MegaMoE(nn.Module):
     topk_weights)`` calls :func:`mega_moe`. With ``max_tokens_per_rank`` the staging buffer is
     allocated here, once, and shared with every layer of the same shape (never inside forward).
     ``recompute`` and ``keep_pooled_x`` trade memory for backward time as in :func:`mega_moe`; ``num_sms``
-    bounds the SMs its kernels use, forward and backward (None: all). ``num_shared_experts=S`` adds S shared
+    bounds the SMs its kernels use, forward and backward (None: all); ``ep_chunks`` is :func:`mega_moe`'s. ``num_shared_experts=S`` adds S shared
     experts of ``shared_intermediate`` (default: ``intermediate``) each, ``shared_w13 [S, 2Is, H]`` and ``shared_w2
     [S, H, Is]``, replicated on every rank; ``forward(..., shared_gate=)`` weights them per token
     (:mod:`prime_kernels.mega.shared`).
@@ -216,6 +224,7 @@ class MegaMoE(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         keep_pooled_x: Optional[bool] = None,
         num_sms: Optional[int] = None,
+        ep_chunks: Optional[int] = None,
         num_shared_experts: int = 0,
         shared_intermediate: Optional[int] = None,
     ):
@@ -254,6 +263,10 @@ class MegaMoE(nn.Module):
         self.keep_pooled_x = None if keep_pooled_x is None else bool(keep_pooled_x)
         self.block_m = int(block_m)
         self.num_sms = num_sms
+        if ep_chunks is not None:
+            _validate.check_ep_chunks(ep_chunks, ep_size=ep_size, backend="grouped" if backend == "auto" else backend,
+                                      precision=precision)
+        self.ep_chunks = ep_chunks
         self.max_tokens_per_rank = max_tokens_per_rank
         if buffer is None and max_tokens_per_rank is not None:
             buffer = get_symm_buffer_for_mega_moe(
@@ -289,7 +302,7 @@ class MegaMoE(nn.Module):
             activation_clamp=self.activation_clamp, backend=self.backend, recompute=self.recompute,
             num_experts=self.num_experts, buffer=self.buffer, max_tokens_per_rank=self.max_tokens_per_rank,
             wgrad_accum=wgrad_accum, block_m=self.block_m, keep_pooled_x=self.keep_pooled_x, num_sms=self.num_sms,
-            shared_w13=self.shared_w13, shared_w2=self.shared_w2, shared_gate=shared_gate)
+            ep_chunks=self.ep_chunks, shared_w13=self.shared_w13, shared_w2=self.shared_w2, shared_gate=shared_gate)
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, local={self.num_local_experts}, hidden={self.hidden}, "

@@ -9,7 +9,12 @@ copies can overlap another's GEMMs as they would across GPUs. As a collective of
 once the copies are queued: the host never waits for the GPU, each rank's stream is ordered after every rank's copies
 out of its operand, and an operand's memory stays allocated until the readers' streams are done with it.
 
-What it does not model: the bandwidth and latency of a real interconnect (a copy within one card's memory), and
+``link_gbps`` models an interconnect's bandwidth: each ``all_to_all_single`` then also holds the receiving rank's
+stream, after its copies, for the time the rows from the other ranks would take over a link of that many GB/s (a
+one-thread spin kernel: the rank's next work on that stream waits, other streams and the rest of the GPU do not).
+Without it the exchanges are copies within one card's memory, far faster than any link.
+
+What it does not model: an interconnect's latency and contention (``link_gbps`` is bandwidth alone), and
 autograd (the backward of a custom op runs on the autograd engine's device thread, which the ranks' threads share,
 so R ranks' backwards would wait on each other there): call the backends' forward and backward directly, as the
 tests and ``bench/bench_ep_loopback.py`` do.
@@ -37,11 +42,14 @@ class LoopbackGroup:
     """R virtual ranks of this process (see the module docstring). ``group_name`` resolves back to the group
     (:func:`resolve`), as a process group's name does."""
 
-    def __init__(self, world_size: int, timeout_s: float = 60.0):
+    def __init__(self, world_size: int, timeout_s: float = 60.0, link_gbps: float | None = None):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"LoopbackGroup: world_size must be an int >= 1, got {world_size!r}")
+        if link_gbps is not None and not link_gbps > 0:
+            raise ValueError(f"LoopbackGroup: link_gbps must be > 0 (or None), got {link_gbps!r}")
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
+        self.link_gbps = link_gbps
         self.group_name = f"prime_kernels.loopback.{next(_COUNTER)}"
         self._barrier = threading.Barrier(world_size, timeout=self.timeout_s)
         self._slots: list = [None] * world_size
@@ -172,7 +180,29 @@ class LoopbackGroup:
                                    f"{out_splits[src]}")
             out[at:at + n].copy_(src_inp[start:start + n])
             at += n
+        if self.link_gbps is not None and out.is_cuda:  # the rows from other ranks cross the modelled link
+            row_bytes = out[0].numel() * out.element_size() if out.shape[0] else 0
+            _hold_stream((sum(out_splits) - out_splits[r]) * row_bytes / (self.link_gbps * 1e9), out.device)
         self._done(inp)
+
+
+_SPIN_CYCLES_PER_S: dict = {}
+
+
+def _hold_stream(seconds: float, device: torch.device) -> None:
+    """Keep the current stream busy for ``seconds`` with a one-thread spin kernel (a link's transfer time: the
+    stream's next work waits for it, the rest of the GPU does not)."""
+    if seconds <= 0:
+        return
+    if device.index not in _SPIN_CYCLES_PER_S:  # the spin kernel counts clock cycles: measure their rate once
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        start.record()
+        torch.cuda._sleep(2_000_000)
+        end.record()
+        end.synchronize()
+        _SPIN_CYCLES_PER_S[device.index] = 2_000_000 / (start.elapsed_time(end) * 1e-3)
+    torch.cuda._sleep(int(seconds * _SPIN_CYCLES_PER_S[device.index]))
 
 
 def resolve(group_name: str) -> LoopbackGroup | None:

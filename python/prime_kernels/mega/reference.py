@@ -228,9 +228,17 @@ class Exchange:
             out.append(recv.view(t.dtype).view(-1, *t.shape[1:]))
         return out
 
+    def send_rows(self, route_rows):
+        """[n_send, ...] rows in send order -> the rows this rank receives, [n_recv, ...] in recv order."""
+        return self._a2a(route_rows, getattr(self, "send_splits", None), getattr(self, "recv_splits", None))
+
+    def return_rows(self, pool_rows):
+        """[n_recv, ...] rows in recv order -> the rows that come back to this rank, [n_send, ...] in send order."""
+        return self._a2a(pool_rows, getattr(self, "recv_splits", None), getattr(self, "send_splits", None))
+
     def to_pool(self, route_rows):
         """[n_send, ...] rows in send order -> [capacity, ...] pool tensors (zero padding rows)."""
-        recv = self._a2a(route_rows, getattr(self, "send_splits", None), getattr(self, "recv_splits", None))
+        recv = self.send_rows(route_rows)
         out = []
         for t in recv:
             pool = t.new_zeros((self.capacity, *t.shape[1:]))
@@ -240,8 +248,7 @@ class Exchange:
 
     def to_routes(self, pool_tensors, num_routes):
         """[capacity, ...] pool tensors -> [num_routes, ...] per-route tensors (zero when masked)."""
-        rows = [gather_rows(p, self.recv_order) for p in pool_tensors]
-        back = self._a2a(rows, getattr(self, "recv_splits", None), getattr(self, "send_splits", None))
+        back = self.return_rows([gather_rows(p, self.recv_order) for p in pool_tensors])
         out = []
         for t in back:
             r = t.new_zeros((num_routes, *t.shape[1:]))
