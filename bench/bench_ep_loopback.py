@@ -211,6 +211,9 @@ def run_config(shape: str, T: int, R: int, routing: str, chunks: int, num_sms: i
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # The loopback ranks are threads: with the default 5 ms switch interval a rank woken at a collective's barrier
+    # waits for the GIL behind the others' host work, which serialises them far more than separate processes are.
+    sys.setswitchinterval(1e-4)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
