@@ -104,6 +104,15 @@ def _comm_stream(compute: torch.cuda.Stream) -> torch.cuda.Stream:
     return _COMM_STREAMS[key]
 
 
+def _pool_rows(like: torch.Tensor, capacity: int, width: int, used_rows: int) -> torch.Tensor:
+    """A [capacity, width] full-pool tensor whose rows below ``used_rows`` (every row a GEMM reads: the local experts'
+    padded blocks) start at zero; the rows above, never read, are left unset (the capacity covers every route of
+    every rank, up to R times the rows a rank gets: zero-filling it costs more than the chunks' copies)."""
+    rows = like.new_empty((capacity, width))
+    rows[:min(used_rows, capacity)].zero_()
+    return rows
+
+
 class _Streams:
     """The compute stream (the caller's) and a side stream for the exchanges, on CUDA; nothing on the CPU."""
 
@@ -148,9 +157,10 @@ def forward(x, topk_idx, topk_weights, w13, w2, plan, *, chunks: int, block_m: i
     x = x.to(torch.bfloat16)
     pools = chunk_pools(topk_idx, r2p, src, srank, offsets, chunks=chunks, block_m=block_m, num_experts=num_experts,
                         group=group)
-    h_full = x.new_zeros((cap if save_h else 0, twoI))
-    x_full = x.new_zeros((cap, H))
-    slots = x.new_zeros((T * K, H))
+    used = int(offsets[-1])
+    h_full = _pool_rows(x, cap if save_h else 0, twoI, used)
+    x_full = _pool_rows(x, cap, H, used)
+    slots = x.new_empty((T * K, H))  # every unmasked route's slot is written by its chunk; the combine reads no other
     st = _Streams(x.device)
 
     def send_rows(p: ChunkPool):
@@ -199,9 +209,10 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_pool, *, c
     dy = dy.to(torch.bfloat16)
     pools = chunk_pools(topk_idx, r2p, src, srank, offsets, chunks=chunks, block_m=block_m, num_experts=num_experts,
                         group=group)
-    dy_full, a_full, dh_full = x.new_zeros((cap, H)), x.new_zeros((cap, I)), x.new_zeros((cap, twoI))
-    x_full = x_pool if x_pool is not None else x.new_zeros((cap, H))
-    dx_slots = x.new_zeros((T * K, H))
+    used = int(offsets[-1])
+    dy_full, a_full, dh_full = (_pool_rows(x, cap, width, used) for width in (H, I, twoI))
+    x_full = x_pool if x_pool is not None else _pool_rows(x, cap, H, used)
+    dx_slots = x.new_empty((T * K, H))  # as the forward's slots
     dt_slots = topk_weights.new_zeros((T * K,), dtype=torch.float32)
     weights = topk_weights.reshape(-1).float()
     st = _Streams(x.device)
