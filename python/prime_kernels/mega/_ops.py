@@ -27,7 +27,8 @@ from .buffer import get_buffer
 
 
 def _check_forward_args(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, num_experts,
-                        ep_size, max_tokens_per_rank, block_m, backend, buffer_id, num_sms):
+                        ep_size, max_tokens_per_rank, block_m, backend, buffer_id, num_sms, precision="bf16",
+                        ep_chunks=1):
     """The forward op's metadata checks, run by its implementation and by its fake (which is what runs for meta
     tensors and while torch.compile traces). Returns ((T, H, I, K, El, E), the staging buffer or None)."""
     buffer = get_buffer(buffer_id)
@@ -39,6 +40,7 @@ def _check_forward_args(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accu
     _check_accum(dw13_accum, w13, "dw13_accum (wgrad_accum[0])", x)
     _check_accum(dw2_accum, w2, "dw2_accum (wgrad_accum[1])", x)
     _validate.check_op_num_sms(num_sms)
+    _validate.check_ep_chunks(ep_chunks, ep_size=ep_size, backend=backend, precision=precision)
     _validate.check_exact_mode(x, backend)
     return dims, buffer
 
@@ -79,10 +81,9 @@ def mega_moe_fwd(
     count (:mod:`prime_kernels.mega._ep_chunks`), the same on every rank."""
     (T, H, I, K, El, E), buffer = _check_forward_args(
         x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, num_experts, ep_size,
-        max_tokens_per_rank, block_m, backend, buffer_id, num_sms)
+        max_tokens_per_rank, block_m, backend, buffer_id, num_sms, precision, ep_chunks)
     which = _backend.resolve("fwd", backend, precision, x, w13, ep_size=ep_size, activation_clamp=activation_clamp,
                              block_m=block_m)
-    _validate.check_ep_chunks(ep_chunks, ep_size=ep_size, backend=which, precision=precision)
     return _backend.forward(which, x, topk_idx, topk_weights, w13, w2, precision=precision,
                             activation_clamp=activation_clamp, group=reference.resolve_group(group_name), num_experts=E,
                             ep_size=ep_size, max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, save_h=save_h,
@@ -103,7 +104,7 @@ def _(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clam
       ep_size, max_tokens_per_rank, block_m, save_h, backend, precision, buffer_id, keep_pooled_x=False, num_sms=0,
       deferral_id=0, ep_chunks=1):
     _check_forward_args(x, topk_idx, topk_weights, w13, w2, dw13_accum, dw2_accum, activation_clamp, num_experts,
-                        ep_size, max_tokens_per_rank, block_m, backend, buffer_id, num_sms)
+                        ep_size, max_tokens_per_rank, block_m, backend, buffer_id, num_sms, precision, ep_chunks)
     T, H = x.shape
     K = topk_idx.shape[1]
     El, twoI = w13.shape[0], w13.shape[1]

@@ -109,8 +109,8 @@ def check_ep_chunks(ep_chunks, *, ep_size: int, backend: str, precision: str) ->
         if ep_size == 1:
             _fail(f"ep_chunks={ep_chunks} splits the expert-parallel exchanges; without a group of more than one rank "
                   "there is none (pass ep_chunks=None or 1)")
-        if backend != "grouped":
-            _fail(f"ep_chunks={ep_chunks}: the chunked exchange runs on the grouped backend, this call runs on "
+        if backend not in ("auto", "grouped"):  # under a group, "auto" runs the grouped backend
+            _fail(f"ep_chunks={ep_chunks}: the chunked exchange runs on the grouped backend, this call asks for "
                   f"{backend!r}")
         if precision != "bf16":
             _fail(f"ep_chunks={ep_chunks}: the {precision} expert-parallel path exchanges its rows in one chunk "

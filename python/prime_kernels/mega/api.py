@@ -117,7 +117,8 @@ def mega_moe(
         SMs to its communication kernels; None (default) = all of them. The reference ignores it.
       ep_chunks: with a group, the tokens' exchange and expert GEMMs run in this many chunks, each chunk's exchange
         under another's GEMMs (bf16, grouped backend; the same bits for any count). None (default): the count
-        :func:`prime_kernels.mega._ep_heuristics.default_ep_chunks` picks from the shapes, the same on every rank.
+        :func:`prime_kernels.mega._ep_heuristics.default_ep_chunks` picks (1 on every shape measured so far:
+        docs/expert_parallel.md), the same on every rank.
       shared_w13, shared_w2: shared experts ([S, 2Is, H] and [S, H, Is], or 2-D for one), through which every token
         goes and whose output is added to y (:mod:`prime_kernels.mega.shared`: semantics and rounding S1-S3). They
         run on the same backend and options as the routed experts, replicated under a group; their gradients go to
@@ -150,9 +151,9 @@ def mega_moe(
         keep_pooled_x = _keep_pooled_x_by_default(x, w13, a13, backend, precision, ep_size, clamp, block_m)
     save_h = not recompute and _backward_possible(x, topk_weights, w13, w2)
     if ep_chunks is None:
-        ep_chunks = _ep_heuristics.default_ep_chunks(
-            ep_size=ep_size, backend=backend, precision=precision, max_tokens_per_rank=int(max_tokens),
-            top_k=topk_idx.shape[-1] if topk_idx.dim() == 2 else 1, hidden=x.shape[-1], w13=w13)
+        ep_chunks = _ep_heuristics.default_ep_chunks(ep_size=ep_size, backend=backend, precision=precision)
+    else:  # here too: the op's int argument would take True as 1
+        ep_chunks = _validate.check_ep_chunks(ep_chunks, ep_size=ep_size, backend=backend, precision=precision)
     shared_call = shared.prepare(x, shared_w13, shared_w2, shared_gate, backend=backend, precision=precision,
                                  activation_clamp=clamp, block_m=block_m)
     out = _ops.mega_moe_fwd(
@@ -264,8 +265,7 @@ class MegaMoE(nn.Module):
         self.block_m = int(block_m)
         self.num_sms = num_sms
         if ep_chunks is not None:
-            _validate.check_ep_chunks(ep_chunks, ep_size=ep_size, backend="grouped" if backend == "auto" else backend,
-                                      precision=precision)
+            _validate.check_ep_chunks(ep_chunks, ep_size=ep_size, backend=backend, precision=precision)
         self.ep_chunks = ep_chunks
         self.max_tokens_per_rank = max_tokens_per_rank
         if buffer is None and max_tokens_per_rank is not None:
