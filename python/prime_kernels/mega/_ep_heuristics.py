@@ -10,12 +10,17 @@ EXTRA_GLUE_PER_CHUNK``; the count is the c with the largest such margin, or 1 wh
 
 from __future__ import annotations
 
-# GPU time of the kernels an extra chunk adds, per rank, over the rank's GEMM time, the smallest seen
-# (bench/results/ep_loopback_h200_2026-12-06_58bbb4d_*.json, per-rank kernel times from the run's traces, the
-# copies within one card's memory: a link adds exchange time, which the GEMMs hide, not glue): Qwen3-30B-A3B, 2 ranks
-# of 16384 tokens, 11.8 ms more per rank with 2 chunks for 5.5 ms of GEMMs (2.2); 8 ranks of 4096, 5.9 ms for 1.7
-# ms (3.6). Every chunked row of those runs was slower than one chunk, with and without a 100 GB/s link modelled.
-EXTRA_GLUE_PER_CHUNK = 2.2
+# GPU time of the kernels an extra chunk adds, per rank, over the rank's GEMM time, the smallest seen (per-rank kernel
+# times from bench_ep_loopback.py's traces; copies within one card's memory, so no link time: a link adds exchange
+# time, which the GEMMs would hide, not glue), Qwen3-30B-A3B with 2 chunks:
+#   H200, 2 ranks x 16384 tokens: 11.8 ms more for 5.5 ms of GEMMs (2.2); 8 x 4096: 5.9 ms for 1.7 ms (3.6)
+#     (bench/results/ep_loopback_h200_2026-12-06_58bbb4d_*.json);
+#   H100, 2 x 16384, the full-pool tensors no longer zero-filled: 11.2 ms for 6.2 ms (1.8)
+#     (bench/results/ep_loopback_h100_2026-12-06_0e39c64_30b_t16k_r2.json).
+# Every chunked row of those runs was slower than one chunk, with and without a 100 GB/s link modelled. The extra
+# glue is the chunk pools' copies (each chunk's rows of x, h, dy, w * s and dh copied into and out of full-pool rows)
+# and each chunk's own exchange bookkeeping; 2 chunks pay only below 0.5.
+EXTRA_GLUE_PER_CHUNK = 1.8
 
 _CANDIDATES = (2, 4, 8)
 
