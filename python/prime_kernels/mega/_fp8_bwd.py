@@ -87,9 +87,8 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         raise RuntimeError("prime_kernels.mega: the FP8 backward pipeline runs on a single rank (group=None)")
     if activation_clamp is not None and precision == "fp8":
         raise RuntimeError("prime_kernels.mega: precision='fp8' takes no activation_clamp (the FP8 forward has none)")
-    recipe = fp8_recipe or _fp8.DEFAULT_RECIPE
+    recipe, cache = _fp8.recipe_and_cache(fp8_recipe, weight_cache)
     pow2 = recipe.pow2_scales
-    cache = _fp8.WEIGHT_CACHE if weight_cache is None else weight_cache
     c13, c2 = cache.get(w13, pow2), cache.get(w2, pow2)  # W: once per version of the weights
     sms = _sms(num_sms)
     capacity = pool_src_route.shape[0]

@@ -79,8 +79,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
         raise RuntimeError("prime_kernels.mega: the FP8 forward pipeline runs on a single rank (group=None)")
     if activation_clamp is not None:
         raise RuntimeError("prime_kernels.mega: the FP8 forward pipeline does not take activation_clamp yet")
-    recipe = fp8_recipe or _fp8.DEFAULT_RECIPE
-    cache = _fp8.WEIGHT_CACHE if weight_cache is None else weight_cache
+    recipe, cache = _fp8.recipe_and_cache(fp8_recipe, weight_cache)
     sms = _sms(num_sms)
     T, K = topk_idx.shape
     plan = routing_plan(topk_idx, num_experts, block_m, validate=False, capacity=capacity)

@@ -105,10 +105,6 @@ def _has_rows(offsets: torch.Tensor) -> bool:
     return int(offsets[-1]) > 0
 
 
-def _recipe_and_cache(fp8_recipe, weight_cache):
-    return fp8_recipe or _fp8.DEFAULT_RECIPE, _fp8.WEIGHT_CACHE if weight_cache is None else weight_cache
-
-
 def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group, num_experts, max_tokens_per_rank,
             block_m, capacity, save_h=True, num_sms=0, agreement=None, precision="bf16", fp8_recipe=None,
             weight_cache=None, chunks=1):
@@ -143,7 +139,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group,
     elif precision == "fp8":
         if activation_clamp is not None:
             raise RuntimeError("prime_kernels.mega: the FP8 forward pipeline does not take activation_clamp yet")
-        recipe, cache = _recipe_and_cache(fp8_recipe, weight_cache)
+        recipe, cache = _fp8.recipe_and_cache(fp8_recipe, weight_cache)
         l1 = _fp8_fwd.l1(x_pool, w13, counts, offsets, _pool_routes(src).view(-1, 1), capacity, recipe, cache,
                          save_h, sms)
         h = l1.h if save_h else x_pool.new_empty((0, twoI))
@@ -200,7 +196,7 @@ def _local_backward_fp8(dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offse
                         sms, precision, want_wgrad, need_wgrad, dw13_accum, dw2_accum, fp8_recipe, weight_cache):
     """The FP8 backward pipeline on the pool (its rows as one-route tokens): (dx rows, d topk_weights rows, dW13,
     dW2), the weight gradients as :func:`prime_kernels.mega._fp8_bwd.backward` gives them."""
-    recipe, cache = _recipe_and_cache(fp8_recipe, weight_cache)
+    recipe, cache = _fp8.recipe_and_cache(fp8_recipe, weight_cache)
     pow2 = recipe.pow2_scales
     c13, c2 = cache.get(w13, pow2), cache.get(w2, pow2)
     capacity = routes.shape[0]

@@ -241,6 +241,12 @@ class Fp8WeightCache:
 WEIGHT_CACHE = Fp8WeightCache()
 
 
+def recipe_and_cache(fp8_recipe: Fp8Recipe | None,
+                     weight_cache: Fp8WeightCache | None) -> tuple[Fp8Recipe, Fp8WeightCache]:
+    """The call's (recipe, weight cache): the ones given, else DEFAULT_RECIPE and the process-wide WEIGHT_CACHE."""
+    return fp8_recipe or DEFAULT_RECIPE, WEIGHT_CACHE if weight_cache is None else weight_cache
+
+
 #: The FP8 call sequence's names (:mod:`prime_kernels.mega.staged_fp8`), reachable here too because call sites
 #: written for a DeepGEMM fork import them from its ``mega.fp8`` module. Resolved on first use: that module
 #: imports the kernels' wrappers, which import this one.

@@ -358,8 +358,7 @@ def forward(
     ``fp8.WEIGHT_CACHE``) apply to "fp8"; ``agreement`` as in :func:`._plan.build_plan`."""
     fp8_fwd = _check_precision(precision, x) == "fp8"
     if fp8_fwd:
-        recipe = fp8_recipe or _fp8.DEFAULT_RECIPE
-        cache = _fp8.WEIGHT_CACHE if weight_cache is None else weight_cache
+        recipe, cache = _fp8.recipe_and_cache(fp8_recipe, weight_cache)
         q13 = cache.get(w13, recipe.pow2_scales).weight  # W
         q2 = cache.get(w2, recipe.pow2_scales).weight
     io, acc = dtypes_for(x.dtype)
@@ -435,8 +434,7 @@ def backward(
     the way the forward of that precision ran it)."""
     fp8_back = _check_precision(precision, x) in FP8_PRECISIONS
     if fp8_back:
-        recipe = fp8_recipe or _fp8.DEFAULT_RECIPE
-        cache = _fp8.WEIGHT_CACHE if weight_cache is None else weight_cache
+        recipe, cache = _fp8.recipe_and_cache(fp8_recipe, weight_cache)
         c13 = cache.get(w13, recipe.pow2_scales)  # W: the forward's tiles and their transposes
         c2 = cache.get(w2, recipe.pow2_scales)
         qz = _Quantizer(recipe)
