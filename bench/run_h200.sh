@@ -2,7 +2,7 @@
 # The official runs in one call on a GPU machine that already has torch (e.g. the lent H200): install a
 # wheel built elsewhere into /tmp/site, then run the chosen steps. Results and logs go to $OUT.
 #
-# usage: bash bench/run_h200.sh [tests|fp8_tests|fused_bwd|bwd_lags|gemm|layer|fp8|floor|parity|staged|quantize|ep]...
+# usage: bash bench/run_h200.sh [tests|fp8_tests|fused_bwd|bwd_lags|gemm|layer|fp8|floor|parity|staged|quantize|ep|multi]...
 #        (default: tests gemm layer floor)
 # environment:
 #   WHEEL_DIR    where prime_kernels_core-*.whl and the prime_kernels-*.whl drop-in are (default wheelhouse)
@@ -56,10 +56,21 @@ for step in $steps; do
                --chunks 1,2,4 --max-minutes 1.5 --trace "$OUT/ep_traces" --out "$OUT/ep_loopback_235b.json" 2>&1 \
                | tee "$OUT/bench_ep_loopback_235b.log" | grep -v "^$"
             tar czf "$OUT/ep_traces.tgz" -C "$OUT" ep_traces && rm -rf "$OUT/ep_traces" ;;
+    multi)  # a machine with several GPUs: EP over NCCL, one GPU per rank, multicast off in every process
+            export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+            ngpu=$(nvidia-smi -L | wc -l)
+            (cd tests && timeout 500 python3 -m pytest -q -ra -p no:cacheprovider test_mega_ep_grouped.py \
+               test_mega_ep.py -k "nccl or ep2_equals_ep1" 2>&1 | tee "$OUT/tests_multi_gpu.log" | tail -8)
+            for prec in bf16 fp8; do
+              timeout 900 python3 -m torch.distributed.run --nproc-per-node "$ngpu" bench/bench_layer.py \
+                 --shapes qwen3-30b-a3b,qwen3-235b-a22b --tokens 16384 --routings uniform,zipf --precision "$prec" \
+                 --backends torch,deep_gemm --no-plot --out "$OUT/layer_ep${ngpu}_${prec}.json" 2>&1 \
+                 | tee "$OUT/bench_layer_ep${ngpu}_${prec}.log" | grep -v "^$" | tail -40
+            done ;;
     quantize) timeout 120 python3 bench/bench_quantize_fp8.py --tokens 16384 --out "$OUT/quantize_fp8.json" 2>&1 \
                | tee "$OUT/bench_quantize_fp8.log" | tail -12 ;;
     *) echo "unknown step $step: choose from tests fp8_tests fused_bwd bwd_lags gemm layer fp8 floor parity staged" \
-            "quantize ep"; exit 2 ;;
+            "quantize ep multi"; exit 2 ;;
   esac
 done
 ls "$OUT"

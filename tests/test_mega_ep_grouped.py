@@ -88,17 +88,52 @@ def _run(x, idx, w, w13, w2, dy, *, group, num_experts, tmax, opts):
     return y, dx, dtopk, dw13, dw2
 
 
+# FP8 over the same exchanges: the FP8 pipelines on each rank's pool (no clamp with the FP8 forward)
+FP8_CASES = [
+    ("skewed", (9, 5), "skewed", 0.1, {}),
+    ("empty_rank", (0, 11), "uniform", 0.0, {}),
+    ("low_experts_recompute", (6, 8), "low_experts", 0.0, {"recompute": True}),
+    ("accum", (5, 9), "uniform", 0.1, {"accum": True}),
+    ("deferred", (8, 3), "skewed", 0.0, {"defer": True}),
+]
+
+# one GPU per rank over NCCL: the 2-rank cases (bf16, then FP8 both ways), and for 4 and 8 ranks a spread of tokens
+# with an empty rank and every route to the first ranks' experts
+NCCL_TOKENS = {2: None, 4: (5, 0, 9, 3), 8: (4, 0, 7, 3, 6, 1, 5, 2)}
+
+
+def _nccl_cases(world):
+    if world == 2:
+        return CASES[2] + [(f"{name}_{p}", tokens, routing, masked, {**opts, "precision": p})
+                           for p in ("fp8", "fp8_bwd") for name, tokens, routing, masked, opts in FP8_CASES]
+    tokens = NCCL_TOKENS[world]
+    return [("spread", tokens, "skewed", 0.1, {}), ("low_experts", tokens, "low_experts", 0.0, {}),
+            ("spread_fp8", tokens, "uniform", 0.1, {"precision": "fp8"})]
+
+
+def _cases(world, device_type):
+    return _nccl_cases(world) if device_type == "nccl" else CASES[world]
+
+
 def _worker(rank, world, port, outdir, device_type):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dev = torch.device(device_type)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    if device_type == "nccl":  # one GPU per rank; the library never uses NVLink multicast
+        for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+            os.environ[var] = "0" if var == "NCCL_NVLS_ENABLE" else "1"
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120), device_id=dev)
+    else:
+        dev = torch.device(device_type)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))
     try:
         out = {}
         El = E // world
-        for seed, (name, tokens, routing, masked, opts) in enumerate(CASES[world]):
+        for seed, (name, tokens, routing, masked, opts) in enumerate(_cases(world, device_type)):
             x, idx, w, w13, w2, dy = [t.to(dev) for t in _problem(tokens, routing, masked, 100 + seed)]
             lo = sum(tokens[:rank])
             sl = slice(lo, lo + tokens[rank])
@@ -107,7 +142,7 @@ def _worker(rank, world, port, outdir, device_type):
             got = _run(mine[0], mine[1], mine[2], w13[es].contiguous(), w2[es].contiguous(), mine[3],
                        group=dist.group.WORLD, num_experts=E, tmax=max(tokens), opts=opts)
             out[name] = tuple(t.cpu() for t in got)
-            if device_type == "cuda" and name == CASES[world][0][0]:  # the public call, backend "auto"
+            if device_type != "cpu" and name == _cases(world, device_type)[0][0]:  # the public call, "auto"
                 from mega_helpers import run_layer
 
                 got = run_layer(mine[0], mine[1], mine[2], w13[es].contiguous(), w2[es].contiguous(), mine[3],
@@ -128,6 +163,34 @@ def _spawn(world, device_type):
         return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
 
 
+def _check_against_ep1(world, device_type):
+    outs = _spawn(world, device_type)
+    El = E // world
+    device = "cuda" if device_type == "nccl" else device_type
+    for seed, (name, tokens, routing, masked, opts) in enumerate(_cases(world, device_type)):
+        prob = [t.to(device) for t in _problem(tokens, routing, masked, 100 + seed)]
+        want = [t.cpu() for t in _run(*prob, group=None, num_experts=E, tmax=None, opts=opts)]
+        for r in range(world):
+            lo = sum(tokens[:r])
+            sl, es = slice(lo, lo + tokens[r]), slice(r * El, (r + 1) * El)
+            for what, a, b in zip(NAMES, outs[r][name], (want[0][sl], want[1][sl], want[2][sl], want[3][es],
+                                                        want[4][es])):
+                assert a.shape == b.shape and a.dtype == b.dtype, f"{name} rank {r} {what}: {a.shape} vs {b.shape}"
+                assert torch.equal(a, b), \
+                    f"{name} rank {r} {what}: max diff {(a.double() - b.double()).abs().max().item():.3e}"
+    if device != "cpu":  # mega_moe(group=...) under "auto" runs this path, and EP = 1's fused forward's bits
+        from mega_helpers import run_layer
+
+        name, tokens, routing, masked, _ = _cases(world, device_type)[0]
+        want = [t.cpu() for t in run_layer(*[t.cuda() for t in _problem(tokens, routing, masked, 100)])]
+        for r in range(world):
+            lo = sum(tokens[:r])
+            sl, es = slice(lo, lo + tokens[r]), slice(r * El, (r + 1) * El)
+            for what, a, b in zip(NAMES, outs[r]["api"], (want[0][sl], want[1][sl], want[2][sl], want[3][es],
+                                                         want[4][es])):
+                assert torch.equal(a, b), f"api rank {r} {what}"
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_grouped_ep_equals_ep1_bitwise(world, device_type):
@@ -139,30 +202,23 @@ def test_grouped_ep_equals_ep1_bitwise(world, device_type):
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA GPU (the CPU variant runs the same path on the pipeline's CPU ops)")
         skip_unless_available("mega_moe_grouped.bf16.sm90")
-    outs = _spawn(world, device_type)
-    El = E // world
-    for seed, (name, tokens, routing, masked, opts) in enumerate(CASES[world]):
-        prob = [t.to(device_type) for t in _problem(tokens, routing, masked, 100 + seed)]
-        want = [t.cpu() for t in _run(*prob, group=None, num_experts=E, tmax=None, opts=opts)]
-        for r in range(world):
-            lo = sum(tokens[:r])
-            sl, es = slice(lo, lo + tokens[r]), slice(r * El, (r + 1) * El)
-            for what, a, b in zip(NAMES, outs[r][name], (want[0][sl], want[1][sl], want[2][sl], want[3][es],
-                                                        want[4][es])):
-                assert a.shape == b.shape and a.dtype == b.dtype, f"{name} rank {r} {what}: {a.shape} vs {b.shape}"
-                assert torch.equal(a, b), \
-                    f"{name} rank {r} {what}: max diff {(a.double() - b.double()).abs().max().item():.3e}"
-    if device_type == "cuda":  # mega_moe(group=...) under "auto" runs this path, and EP = 1's fused forward's bits
-        from mega_helpers import run_layer
+    _check_against_ep1(world, device_type)
 
-        name, tokens, routing, masked, _ = CASES[world][0]
-        want = [t.cpu() for t in run_layer(*[t.cuda() for t in _problem(tokens, routing, masked, 100)])]
-        for r in range(world):
-            lo = sum(tokens[:r])
-            sl, es = slice(lo, lo + tokens[r]), slice(r * El, (r + 1) * El)
-            for what, a, b in zip(NAMES, outs[r]["api"], (want[0][sl], want[1][sl], want[2][sl], want[3][es],
-                                                         want[4][es])):
-                assert torch.equal(a, b), f"api rank {r} {what}"
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_grouped_ep_over_nccl_equals_ep1_bitwise(world):
+    """One GPU per rank over NCCL (the multi-GPU machines): bf16 and FP8 against EP = 1 on one of the same GPUs."""
+    if not torch.distributed.is_available() or not torch.distributed.is_nccl_available():
+        pytest.skip("torch.distributed with NCCL is not available")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        pytest.skip(f"needs {world} CUDA GPUs, one per rank (this machine has {have})")
+    from mega_helpers import skip_unless_available
+
+    skip_unless_available("mega_moe_grouped.bf16.sm90")
+    skip_unless_available("mega_moe_grouped.fp8.sm90")
+    skip_unless_available("mega_moe.fp8_bwd.sm90")
+    _check_against_ep1(world, "nccl")
 
 
 def _disagree_worker(rank, world, port, outdir, scenario):

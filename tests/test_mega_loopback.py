@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mega_helpers import make_problem
-from test_mega_ep_grouped import CASES, E, H, I, K, NAMES, _problem, _run
+from test_mega_ep_grouped import CASES, E, FP8_CASES, H, I, K, NAMES, _problem, _run
 
 
 def _devices():
@@ -100,16 +100,6 @@ def test_chunk_pools_partition_the_pool_in_order():
             rows = p.row_map[int(p.offsets[e]):int(p.offsets[e]) + int(p.counts[e])]
             assert (rows >= 0).all() and (rows[1:] > rows[:-1]).all()
             assert ((rows >= int(offsets[e])) & (rows < int(offsets[e + 1]))).all()
-
-
-# FP8 over the same exchanges: the FP8 pipelines on each rank's pool (no clamp with the FP8 forward)
-FP8_CASES = [
-    ("skewed", (9, 5), "skewed", 0.1, {}),
-    ("empty_rank", (0, 11), "uniform", 0.0, {}),
-    ("low_experts_recompute", (6, 8), "low_experts", 0.0, {"recompute": True}),
-    ("accum", (5, 9), "uniform", 0.1, {"accum": True}),
-    ("deferred", (8, 3), "skewed", 0.0, {"defer": True}),
-]
 
 
 @pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
