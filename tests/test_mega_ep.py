@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from mega_helpers import make_problem, run_layer, spawn_ranks
+from mega_helpers import end_rank, make_problem, run_layer, spawn_ranks
 
 E, H, I, K = 8, 32, 16, 3
 TOKENS = (5, 9)  # unequal tokens per rank
@@ -57,8 +57,10 @@ def _ep_worker(rank, world, port, outdir, device_type="cpu"):
         out["low_level"] = (y, dx, dt, d13, d2)
         out = {k: tuple(t.cpu() for t in v) for k, v in out.items()}
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+        end_rank(rank, outdir)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
