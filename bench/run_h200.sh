@@ -49,21 +49,25 @@ for step in $steps; do
                | tee "$OUT/bench_staged_fp8.log" | tail -12 ;;
     ep)     (cd tests && timeout 240 python3 -m pytest -q -ra -p no:cacheprovider test_mega_loopback.py \
                test_mega_ep_grouped.py test_mega_ep.py 2>&1 | tee "$OUT/tests_ep.log" | tail -8)
-            timeout 200 python3 bench/bench_ep_loopback.py --shapes qwen3-30b-a3b --tokens 4096 --ranks 2,4,8 \
-               --chunks 1,2,4 --max-minutes 2.5 --trace "$OUT/ep_traces" --out "$OUT/ep_loopback_30b.json" 2>&1 \
-               | tee "$OUT/bench_ep_loopback_30b.log" | grep -v "^$"
-            timeout 150 python3 bench/bench_ep_loopback.py --shapes qwen3-235b-a22b --tokens 4096 --ranks 8 \
-               --chunks 1,2,4 --max-minutes 1.5 --trace "$OUT/ep_traces" --out "$OUT/ep_loopback_235b.json" 2>&1 \
+            timeout 150 python3 bench/bench_ep_loopback.py --shapes qwen3-30b-a3b --tokens 16384 --ranks 2 \
+               --chunks 1,2,4 --link-gbps 0,100 --warmup 2 --iters 5 --max-minutes 2 --trace "$OUT/ep_traces" \
+               --out "$OUT/ep_loopback_30b_t16k_r2.json" 2>&1 | tee "$OUT/bench_ep_loopback_30b_t16k.log" | grep -v "^$"
+            timeout 150 python3 bench/bench_ep_loopback.py --shapes qwen3-30b-a3b --tokens 4096 --ranks 8 \
+               --chunks 1,2 --warmup 2 --iters 4 --max-minutes 1.5 --trace "$OUT/ep_traces" \
+               --out "$OUT/ep_loopback_30b_r8.json" 2>&1 | tee "$OUT/bench_ep_loopback_30b_r8.log" | grep -v "^$"
+            timeout 100 python3 bench/bench_ep_loopback.py --shapes qwen3-235b-a22b --tokens 4096 --ranks 4 \
+               --chunks 1 --warmup 2 --iters 4 --max-minutes 1 --out "$OUT/ep_loopback_235b_r4.json" 2>&1 \
                | tee "$OUT/bench_ep_loopback_235b.log" | grep -v "^$"
             tar czf "$OUT/ep_traces.tgz" -C "$OUT" ep_traces && rm -rf "$OUT/ep_traces" ;;
     multi)  # a machine with several GPUs: EP over NCCL, one GPU per rank, multicast off in every process
             export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
             ngpu=$(nvidia-smi -L | wc -l)
-            (cd tests && timeout 500 python3 -m pytest -q -ra -p no:cacheprovider test_mega_ep_grouped.py \
+            (cd tests && timeout 100 python3 -m pytest -q -ra -p no:cacheprovider test_mega_ep_grouped.py \
                test_mega_ep.py -k "nccl or ep2_equals_ep1" 2>&1 | tee "$OUT/tests_multi_gpu.log" | tail -8)
             for prec in bf16 fp8; do
-              timeout 900 python3 -m torch.distributed.run --nproc-per-node "$ngpu" bench/bench_layer.py \
+              timeout 240 python3 -m torch.distributed.run --nproc-per-node "$ngpu" bench/bench_layer.py \
                  --shapes qwen3-30b-a3b,qwen3-235b-a22b --tokens 16384 --routings uniform,zipf --precision "$prec" \
+                 --rounds 1 \
                  --backends torch,deep_gemm --no-plot --out "$OUT/layer_ep${ngpu}_${prec}.json" 2>&1 \
                  | tee "$OUT/bench_layer_ep${ngpu}_${prec}.log" | grep -v "^$" | tail -40
             done ;;
