@@ -213,7 +213,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     # The loopback ranks are threads: with the default 5 ms switch interval a rank woken at a collective's barrier
     # waits for the GIL behind the others' host work, which serialises them far more than separate processes are.
+    switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)
+    try:
+        return _run(args)
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def _run(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())

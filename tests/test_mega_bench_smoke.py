@@ -598,3 +598,42 @@ def test_bench_layer_under_torchrun_reports_every_rank(tmp_path):
     for row in rows:
         assert row["ep"] == 2 and len(row["ms_per_rank"]) == 2, row
         assert row["ms"] == max(row["ms_per_rank"]) > 0, row
+
+
+def test_bench_ep_loopback_smoke(tmp_path):
+    """bench/bench_ep_loopback.py --smoke on the CPU: every row's loopback output is bitwise EP = 1's, with and
+    without chunks and a modelled link (which the CPU ignores)."""
+    out = tmp_path / "ep.json"
+    assert _bench_module("bench_ep_loopback").main(["--smoke", "--device", "cpu", "--ranks", "2", "--chunks", "1,2",
+                                                    "--link-gbps", "0,50", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["chunks"], r["link_gbps"]) for r in rows] == [(1, 0.0), (1, 50.0), (2, 0.0), (2, 50.0)]
+    assert all(r["bitwise"] and r["ep1_ms"] > 0 and r["loopback_ms"] > 0 for r in rows), rows
+
+
+def test_trace_overlap_ties_kernels_to_their_rank_and_measures_the_overlap():
+    """bench_ep_loopback.trace_overlap on a hand-made trace: kernels belong to the thread that launched them (by
+    correlation id), a rank's GEMM streams are its compute streams, and the exchange time under its own GEMMs is
+    the intersection with their union (another rank's GEMMs do not count)."""
+    m = _bench_module("bench_ep_loopback")
+
+    def launch(corr, tid):
+        return {"cat": "cuda_runtime", "ph": "X", "tid": tid, "ts": 0, "dur": 1, "name": "cudaLaunchKernel",
+                "args": {"correlation": corr}}
+
+    def kernel(corr, name, stream, ts, dur, cat="kernel"):
+        return {"cat": cat, "ph": "X", "name": name, "ts": ts, "dur": dur,
+                "args": {"correlation": corr, "stream": stream}}
+
+    events = [launch(c, 10) for c in (1, 2, 3, 4)] + [launch(c, 11) for c in (5, 6)] + [
+        kernel(1, "void m_grouped_bf16_gemm_kernel<256>", 7, 0, 100),
+        kernel(2, "void m_grouped_bf16_gemm_swiglu_bwd_pp_kernel<4>", 7, 150, 100),
+        kernel(3, "Memcpy DtoD (Device -> Device)", 8, 50, 150, "gpu_memcpy"),  # 50 under each GEMM
+        kernel(4, "index_elementwise_kernel", 7, 260, 10),  # same stream as the GEMMs: not exchange
+        kernel(5, "void k_grouped_bf16_gemm_kernel<256>", 9, 0, 1000),  # rank 11's GEMM over all of it
+        kernel(6, "copy", 12, 300, 20),
+    ]
+    got = {o["thread"]: o for o in m.trace_overlap({"traceEvents": events})}
+    assert got[10]["gemm_us"] == 200 and got[10]["glue_us"] == 160
+    assert got[10]["exchange_us"] == 150 and got[10]["under_own_gemms_us"] == 100
+    assert got[11]["exchange_us"] == 20 and got[11]["under_own_gemms_us"] == 20 and got[11]["fraction"] == 1.0
