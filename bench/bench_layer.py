@@ -11,6 +11,8 @@ wgrad, in e4m3 with rowwise fp32 scales through torch._scaled_grouped_mm: bench_
 its rows say precision "fp8"; in the default list only with --precision fp8 or fp8_bwd; ratio_vs_torch stays
 relative to the BF16 torch row), "deep_gemm" (backend="auto", what a user gets: the fused kernel of each
 direction where prime_kernels.status() says it is available, else the grouped pipeline; the log says which), "deep_gemm_grouped" (the single-rank pipeline of our grouped GEMMs, prime_kernels.mega._grouped),
+"deep_gemm_torch_gemms" (that pipeline with torch's grouped GEMM in place of ours, prime_kernels.grouped_gemm_torch
+forced: the path for GPUs without our sm90 kernels, timed on one that has them; bf16, no clamp; only when requested),
 "deep_gemm_reference" (the pure-PyTorch reference; by default timed only at
 T <= --reference-max-tokens because it is slow), "sonicmoe" (the SonicMoE package as a peer, bench/peer_sonicmoe.py;
 in the default list only when it imports; a requested peer that cannot run gets rows with "skipped": the reason,
@@ -53,7 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 import peer_sonicmoe  # noqa: E402
 
-BACKENDS = ("torch", "torch_fp8", "deep_gemm", "deep_gemm_grouped", "deep_gemm_reference", "sonicmoe")
+BACKENDS = ("torch", "torch_fp8", "deep_gemm", "deep_gemm_grouped", "deep_gemm_torch_gemms", "deep_gemm_reference",
+            "sonicmoe")
+TORCH_GEMMS = "deep_gemm_torch_gemms"
 PEERS = ("sonicmoe",)  # other libraries' layers: timed and checked like ours, skipped with a reason when unusable
 
 
@@ -160,7 +164,7 @@ def _layer_fn(backend, group, E, args):
         return peer_sonicmoe.sonicmoe_layer
     from prime_kernels.mega import mega_moe
 
-    which = {"deep_gemm": "auto", "deep_gemm_grouped": "grouped"}.get(backend, "reference")
+    which = {"deep_gemm": "auto", "deep_gemm_grouped": "grouped", TORCH_GEMMS: "grouped"}.get(backend, "reference")
     keep = {"auto": None, "on": True, "off": False}[args.keep_pooled_x]
 
     def ours(x, i, w, a, b, *shared):
@@ -177,6 +181,20 @@ def _precision(backend, args):
     if backend == "torch_fp8":
         return "fp8"
     return "bf16" if backend in ("torch", "sonicmoe") else args.precision
+
+
+def _in_context(backend, fn):
+    """fn run with torch's grouped GEMM forced in place of ours for the deep_gemm_torch_gemms rows (forward and the
+    backward that autograd.grad runs inside the same call), as it is for the others."""
+    if backend != TORCH_GEMMS:
+        return fn
+
+    def call():
+        from prime_kernels.grouped_gemm_torch import forced
+
+        with forced():
+            return fn()
+    return call
 
 
 def _no_grad(fn):
@@ -283,9 +301,9 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
     results, outputs = {}, {}
     for backend in backends:
         fn = _layer_fn(backend, group, E, args)
-        fwd = lambda: fn(xl, idx, wl, *weights)  # noqa: E731
+        fwd = _in_context(backend, lambda: fn(xl, idx, wl, *weights))
         with_bwd = True
-        fwdbwd = lambda: torch.autograd.grad(fwd(), leaves, dy)  # noqa: E731
+        fwdbwd = _in_context(backend, lambda: torch.autograd.grad(fwd(), leaves, dy))
         infer = _no_grad(fwd)
         _free(device)
         res = {"fwd": bc.time_ms(fwd, device, args.warmup, args.iters)}
@@ -298,8 +316,11 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
             res["bwd"] = res["fwdbwd"] - res["fwd"]
             res["mem_fwdbwd"], res["added_fwdbwd"] = bc.peak_and_added_mem_gib(fwdbwd, device)
         if backend != "torch" and not args.no_check and (not args.check_max_tokens or T <= args.check_max_tokens):
-            y = fwd()
-            grads = torch.autograd.grad(y, leaves, dy) if with_bwd else None
+            def check_run():
+                y = fwd()
+                return y, (torch.autograd.grad(y, leaves, dy) if with_bwd else None)
+
+            y, grads = _in_context(backend, check_run)()
             outputs[backend] = (y.detach(), grads, infer() if args.inference else None)
         results[backend] = res
         _free(device)
@@ -308,8 +329,8 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
     for _ in range(1, max(1, args.rounds)):
         for backend in backends:
             fn = _layer_fn(backend, group, E, args)
-            fwd = lambda: fn(xl, idx, wl, *weights)  # noqa: E731
-            fwdbwd = lambda: torch.autograd.grad(fwd(), leaves, dy)  # noqa: E731
+            fwd = _in_context(backend, lambda: fn(xl, idx, wl, *weights))
+            fwdbwd = _in_context(backend, lambda: torch.autograd.grad(fwd(), leaves, dy))
             res = results[backend]
             res["fwd"] = min(res["fwd"], bc.time_ms(fwd, device, args.warmup, args.iters))
             res["fwdbwd"] = min(res["fwdbwd"], bc.time_ms(fwdbwd, device, args.warmup, args.iters))
@@ -320,8 +341,8 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
     if args.sustained_seconds > 0:
         for backend in backends:
             fn = _layer_fn(backend, group, E, args)
-            fwd = lambda: fn(xl, idx, wl, *weights)  # noqa: E731
-            fwdbwd = lambda: torch.autograd.grad(fwd(), leaves, dy)  # noqa: E731
+            fwd = _in_context(backend, lambda: fn(xl, idx, wl, *weights))
+            fwdbwd = _in_context(backend, lambda: torch.autograd.grad(fwd(), leaves, dy))
             res = results[backend]
             res["fwd_sustained"] = bc.sustained_ms(fwd, device, args.sustained_seconds)
             res["fwdbwd_sustained"] = bc.sustained_ms(fwdbwd, device, args.sustained_seconds)
@@ -409,7 +430,7 @@ def main(argv=None):
     peer_errors = {"sonicmoe": peer_sonicmoe.import_error()}  # None = it imports
     if args.backends is None:
         backends = [b for b in BACKENDS if (b not in PEERS or peer_errors[b] is None)
-                    and (b != "torch_fp8" or args.precision in ("fp8", "fp8_bwd"))]
+                    and (b != "torch_fp8" or args.precision in ("fp8", "fp8_bwd")) and b != TORCH_GEMMS]
         for b in PEERS:
             if peer_errors[b] is not None:
                 log(f"[bench] {b} is not in the default backends: {peer_errors[b]}")
@@ -466,7 +487,18 @@ def main(argv=None):
         if why is not None:
             log(f"[bench] skipping backend deep_gemm_grouped: {why}")
             backends.remove("deep_gemm_grouped")
-    if args.shared_experts and any(b in backends for b in ("deep_gemm", "deep_gemm_grouped")):
+    if TORCH_GEMMS in backends:
+        from prime_kernels.mega._backend import _grouped_reason
+
+        why = (f"torch {torch.__version__} has no torch._grouped_mm" if not hasattr(torch, "_grouped_mm") else
+               "tensors are not on CUDA" if torch.device(device).type != "cuda" else
+               "bf16 only" if args.precision != "bf16" else
+               "no activation_clamp (its L1 keeps no fp32 h)" if args.activation_clamp is not None else
+               _grouped_reason("bf16", ep, None))
+        if why is not None:
+            log(f"[bench] skipping backend {TORCH_GEMMS}: {why}")
+            backends.remove(TORCH_GEMMS)
+    if args.shared_experts and any(b in backends for b in ("deep_gemm", "deep_gemm_grouped", TORCH_GEMMS)):
         # the kernels take the shared experts' Is under the routed I's alignment rule: refuse here, before any timing
         from prime_kernels.mega._backend import alignment_reason
 

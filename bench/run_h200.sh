@@ -2,7 +2,8 @@
 # The official runs in one call on a GPU machine that already has torch (e.g. the lent H200): install a
 # wheel built elsewhere into /tmp/site, then run the chosen steps. Results and logs go to $OUT.
 #
-# usage: bash bench/run_h200.sh [tests|fp8_tests|fused_bwd|bwd_lags|gemm|layer|fp8|floor|parity|staged|quantize|ep|multi]...
+# usage: bash bench/run_h200.sh [tests|fp8_tests|fused_bwd|bwd_lags|gemm|layer|fp8|floor|parity|staged|quantize|ep|multi|
+#                                torch_gemms]...
 #        (default: tests gemm layer floor)
 # environment:
 #   WHEEL_DIR    where prime_kernels_core-*.whl and the prime_kernels-*.whl drop-in are (default wheelhouse)
@@ -71,10 +72,17 @@ for step in $steps; do
                  --backends torch,deep_gemm --no-plot --out "$OUT/layer_ep${ngpu}_${prec}.json" 2>&1 \
                  | tee "$OUT/bench_layer_ep${ngpu}_${prec}.log" | grep -v "^$" | tail -40
             done ;;
+    torch_gemms)  # the grouped pipeline on torch's grouped GEMM (the path for GPUs without our sm90 kernels), forced
+            (cd tests && timeout 300 python3 -m pytest -q -ra -p no:cacheprovider test_grouped_torch_gemms.py \
+               test_mega_bwd_matrix.py -k "torch_gemms" 2>&1 | tee "$OUT/tests_torch_gemms.log" | tail -8)
+            timeout 280 python3 bench/bench_layer.py --shapes qwen3-30b-a3b,qwen3-235b-a22b --tokens 4096,16384 \
+               --routings uniform --backends torch,deep_gemm_grouped,deep_gemm_torch_gemms --rounds 1 --no-plot \
+               --out "$OUT/layer_torch_gemms.json" 2>&1 | tee "$OUT/bench_layer_torch_gemms.log" | grep -v "^$" \
+               | tail -30 ;;
     quantize) timeout 120 python3 bench/bench_quantize_fp8.py --tokens 16384 --out "$OUT/quantize_fp8.json" 2>&1 \
                | tee "$OUT/bench_quantize_fp8.log" | tail -12 ;;
     *) echo "unknown step $step: choose from tests fp8_tests fused_bwd bwd_lags gemm layer fp8 floor parity staged" \
-            "quantize ep multi"; exit 2 ;;
+            "quantize ep multi torch_gemms"; exit 2 ;;
   esac
 done
 ls "$OUT"

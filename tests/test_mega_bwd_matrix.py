@@ -7,8 +7,9 @@ Every value of every axis appears in at least one case, the two Qwen3 shapes at 
 Each case: inputs drawn fresh on the GPU; the caching allocator's free memory filled with NaN before the run, so
 an output element nothing wrote shows; y, dX, d topk_weights, dW13 and dW2 within 1e-2 relative of the reference
 backend in float64 (the unrounded formula, which equals an independent per-token loop to ~1e-12, see
-test_mega_reference.py); a second run bitwise equal to the first. GPU only (an sm_90 device): the kernels'
-CPU-side checks and the reference have their own tests."""
+test_mega_reference.py); a second run bitwise equal to the first. The same matrix runs again through the grouped
+backend with torch's grouped GEMM forced in place of ours (the path for GPUs without our sm90 kernels). GPU only (an
+sm_90 device): the kernels' CPU-side checks and the reference have their own tests."""
 
 from __future__ import annotations
 
@@ -79,14 +80,14 @@ def _problem(T, E, H, I, K, kind, seed):
     return x, idx, w, w13, w2, dy
 
 
-def _run(prob, extra: str, accum_init=None):
-    """(y, dx, dtopk, dw13, dw2) of backend "auto"; with "accum", dW13 / dW2 as what the backward added into fp32
+def _run(prob, extra: str, accum_init=None, backend: str = "auto"):
+    """(y, dx, dtopk, dw13, dw2) of ``backend``; with "accum", dW13 / dW2 as what the backward added into fp32
     accumulators that held accum_init."""
     x, idx, w, w13, w2, dy = prob
     if extra != "accum":
-        return run_layer(x, idx, w, w13, w2, dy, recompute=extra == "recompute")
+        return run_layer(x, idx, w, w13, w2, dy, recompute=extra == "recompute", backend=backend)
     a13, a2 = (t.clone() for t in accum_init)
-    y, dx, dtopk, dw13, dw2 = run_layer(x, idx, w, w13, w2, dy, wgrad_accum=(a13, a2))
+    y, dx, dtopk, dw13, dw2 = run_layer(x, idx, w, w13, w2, dy, wgrad_accum=(a13, a2), backend=backend)
     assert dw13 is None and dw2 is None, "with wgrad_accum the weights get no .grad"
     return y, dx, dtopk, a13 - accum_init[0], a2 - accum_init[1]
 
@@ -98,7 +99,20 @@ def test_layer_matches_float64_and_repeats_bitwise(T, E, H, I, K, routing, extra
         _check_case(T, E, H, I, K, routing, extra)
 
 
-def _check_case(T, E, H, I, K, routing, extra):
+@requires_sm90
+@pytest.mark.parametrize("T,E,H,I,K,routing,extra", CASES)
+def test_grouped_on_torch_gemms_matches_float64_and_repeats_bitwise(T, E, H, I, K, routing, extra):
+    """The same matrix through backend="grouped" with torch's grouped GEMM in place of ours
+    (prime_kernels.grouped_gemm_torch, the path for GPUs without our sm90 kernels), forced on this one."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip(f"torch {torch.__version__} has no torch._grouped_mm")
+    from prime_kernels.grouped_gemm_torch import forced
+
+    with skip_if_out_of_memory_on_a_small_card(), forced():
+        _check_case(T, E, H, I, K, routing, extra, backend="grouped")
+
+
+def _check_case(T, E, H, I, K, routing, extra, backend="auto"):
     prob = _problem(T, E, H, I, K, routing, seed=T * 7 + E * 3 + H + I + K)
     accum_init = None
     if extra == "accum":
@@ -106,7 +120,7 @@ def _check_case(T, E, H, I, K, routing, extra):
         accum_init = (torch.randn(prob[3].shape, generator=g, device="cuda"),
                       torch.randn(prob[4].shape, generator=g, device="cuda"))
     poison_free_memory()
-    got = _run(prob, extra, accum_init)
+    got = _run(prob, extra, accum_init, backend)
     if routing == "all_masked":
         for name, t in zip(NAMES, got):
             assert torch.count_nonzero(t) == 0, f"{name}: all routes masked, yet not zero"
@@ -118,7 +132,7 @@ def _check_case(T, E, H, I, K, routing, extra):
             assert err < BOUND, f"{name}: rel err {err:.3e}"
         del ref
     poison_free_memory()
-    again = _run(prob, extra, accum_init)
+    again = _run(prob, extra, accum_init, backend)
     for name, a, b in zip(NAMES, got, again):
         assert torch.equal(a, b), f"{name}: a second run differs"
 
