@@ -204,7 +204,8 @@ def run_config(shape: str, T: int, R: int, routing: str, chunks: int, num_sms: i
         raw.unlink()
         overlap = trace_overlap(trace)
     return {"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens_per_rank": T,
-            "ranks": R, "routing": routing, "precision": args.precision, "chunks": chunks, "num_sms": num_sms, "link_gbps": link,
+            "ranks": R, "routing": routing, "precision": args.precision, "chunks": chunks, "num_sms": num_sms,
+            "link_gbps": link,
             "ep1_ms": round(ep1_ms, 4), "loopback_ms": round(loop_ms, 4), "overhead": round(loop_ms / ep1_ms, 4),
             "bitwise": bool(bitwise), "trace_overlap": overlap}
 
@@ -244,7 +245,8 @@ def _run(args) -> int:
                             row = run_config(shape, T, R, routing, chunks, num_sms, link, args, device)
                             rows.append(row)
                             print(f"[ep_loopback] {shape} T={T}/rank R={R} {routing} chunks={chunks} "
-                                  f"num_sms={num_sms} link={link:g} GB/s: ep1 {row['ep1_ms']:.3f} ms, loopback {row['loopback_ms']:.3f} "
+                                  f"num_sms={num_sms} link={link:g} GB/s: ep1 {row['ep1_ms']:.3f} ms, "
+                                  f"loopback {row['loopback_ms']:.3f} "
                                   f"ms ({row['overhead']:.2f}x), bitwise {row['bitwise']}", flush=True)
                             for o in row["trace_overlap"] or []:
                                 print(f"[ep_loopback]   rank thread {o['thread']}: GEMMs {o['gemm_us']:.0f} us, other "

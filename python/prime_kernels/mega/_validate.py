@@ -103,7 +103,8 @@ MAX_EP_CHUNKS = 64
 def check_ep_chunks(ep_chunks, *, ep_size: int, backend: str, precision: str) -> int:
     """``ep_chunks`` as the forward op takes it: an int in [1, MAX_EP_CHUNKS]; above 1 only where the chunked
     exchange runs (a group of more than one rank, the grouped backend, bf16)."""
-    if isinstance(ep_chunks, bool) or not isinstance(ep_chunks, numbers.Integral) or not 1 <= ep_chunks <= MAX_EP_CHUNKS:
+    if (isinstance(ep_chunks, bool) or not isinstance(ep_chunks, numbers.Integral)
+            or not 1 <= ep_chunks <= MAX_EP_CHUNKS):
         _fail(f"ep_chunks must be None (the default) or an int in [1, {MAX_EP_CHUNKS}], got {ep_chunks!r}")
     if ep_chunks > 1:
         if ep_size == 1:

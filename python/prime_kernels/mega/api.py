@@ -200,10 +200,10 @@ class MegaMoE(nn.Module):
     topk_weights)`` calls :func:`mega_moe`. With ``max_tokens_per_rank`` the staging buffer is
     allocated here, once, and shared with every layer of the same shape (never inside forward).
     ``recompute`` and ``keep_pooled_x`` trade memory for backward time as in :func:`mega_moe`; ``num_sms``
-    bounds the SMs its kernels use, forward and backward (None: all); ``ep_chunks`` is :func:`mega_moe`'s. ``num_shared_experts=S`` adds S shared
-    experts of ``shared_intermediate`` (default: ``intermediate``) each, ``shared_w13 [S, 2Is, H]`` and ``shared_w2
-    [S, H, Is]``, replicated on every rank; ``forward(..., shared_gate=)`` weights them per token
-    (:mod:`prime_kernels.mega.shared`).
+    bounds the SMs its kernels use, forward and backward (None: all); ``ep_chunks`` is :func:`mega_moe`'s.
+    ``num_shared_experts=S`` adds S shared experts of ``shared_intermediate`` (default: ``intermediate``) each,
+    ``shared_w13 [S, 2Is, H]`` and ``shared_w2 [S, H, Is]``, replicated on every rank; ``forward(..., shared_gate=)``
+    weights them per token (:mod:`prime_kernels.mega.shared`).
     """
 
     def __init__(
@@ -308,5 +308,5 @@ class MegaMoE(nn.Module):
         return (f"num_experts={self.num_experts}, local={self.num_local_experts}, hidden={self.hidden}, "
                 f"intermediate={self.intermediate}, top_k={self.top_k}, precision={self.precision!r}, "
                 f"backend={self.backend!r}, recompute={self.recompute}, activation_clamp={self.activation_clamp}, "
-                f"num_sms={self.num_sms}, num_shared_experts={self.num_shared_experts}, "
+                f"num_sms={self.num_sms}, ep_chunks={self.ep_chunks}, num_shared_experts={self.num_shared_experts}, "
                 f"shared_intermediate={self.shared_intermediate}")
