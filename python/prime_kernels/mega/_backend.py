@@ -401,7 +401,8 @@ def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, a
     other backends gather them), else [0, H]. T = 0 on one rank runs no backend (:func:`empty_forward`). The
     expert ids are checked before this returns, and so before the caller touches any memory of its own.
     ``ep_chunks``: under a group, the bf16 grouped path's chunk count (:mod:`prime_kernels.mega._ep_chunks`; the same
-    bits for any count; 1 until a measurement sets the count), the same on every rank and in the backward."""
+    bits for any count; the public calls' default is :mod:`prime_kernels.mega._ep_heuristics`), the same on every
+    rank and in the backward."""
     T, K = topk_idx.shape
     cap = capacity(T, K, w13.shape[0], ep_size, max_tokens_per_rank, block_m)
     if T == 0 and ep_size == 1:

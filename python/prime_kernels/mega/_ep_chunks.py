@@ -104,7 +104,7 @@ def _comm_stream(compute: torch.cuda.Stream) -> torch.cuda.Stream:
     return _COMM_STREAMS[key]
 
 
-def _pool_rows(like: torch.Tensor, capacity: int, width: int, used_rows: int) -> torch.Tensor:
+def pool_rows(like: torch.Tensor, capacity: int, width: int, used_rows: int) -> torch.Tensor:
     """A [capacity, width] full-pool tensor whose rows below ``used_rows`` (every row a GEMM reads: the local experts'
     padded blocks) start at zero; the rows above, never read, are left unset (the capacity covers every route of
     every rank, up to R times the rows a rank gets: zero-filling it costs more than the chunks' copies)."""
@@ -149,7 +149,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, plan, *, chunks: int, block_m: i
             save_h: bool, clamp, sms):
     """The bf16 forward of :func:`prime_kernels.mega._grouped_ep.forward` in ``chunks`` chunks, on the call's
     ``plan``: (y, h [capacity, 2I] in full-pool rows, x_pool [capacity, H] in full-pool rows)."""
-    from ._grouped_ep import _combine_slots, local_forward_bf16
+    from ._grouped_ep import _combine_slots, local_forward_bf16, pool_rows
 
     counts, offsets, src, srank, r2p = plan
     T, K = topk_idx.shape
@@ -158,8 +158,8 @@ def forward(x, topk_idx, topk_weights, w13, w2, plan, *, chunks: int, block_m: i
     pools = chunk_pools(topk_idx, r2p, src, srank, offsets, chunks=chunks, block_m=block_m, num_experts=num_experts,
                         group=group)
     used = int(offsets[-1])
-    h_full = _pool_rows(x, cap if save_h else 0, twoI, used)
-    x_full = _pool_rows(x, cap, H, used)
+    h_full = pool_rows(x, cap if save_h else 0, twoI, used)
+    x_full = pool_rows(x, cap, H, used)
     slots = x.new_empty((T * K, H))  # every unmasked route's slot is written by its chunk; the combine reads no other
     st = _Streams(x.device)
 
@@ -199,8 +199,9 @@ def forward(x, topk_idx, topk_weights, w13, w2, plan, *, chunks: int, block_m: i
 def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_pool, *, chunks: int, block_m: int,
              num_experts: int, group, recompute: bool, clamp, sms):
     """The bf16 backward's data gradients in ``chunks`` chunks, on the forward's ``plan``: (dx, d topk_weights, the
-    weight-gradient operands (dy_pool, w * s, dh, x_pool) in full-pool rows, padding rows zero)."""
-    from ._grouped_ep import _combine_slots, _local_backward_bf16, _pool_routes
+    weight-gradient operands (dy_pool, w * s, dh, x_pool) in full-pool rows, padding rows zero, or None when no local
+    expert received a row)."""
+    from ._grouped_ep import _combine_slots, _local_backward_bf16, _pool_routes, pool_rows
 
     counts, offsets, src, srank, r2p = plan
     T, K = topk_idx.shape
@@ -210,8 +211,8 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_pool, *, c
     pools = chunk_pools(topk_idx, r2p, src, srank, offsets, chunks=chunks, block_m=block_m, num_experts=num_experts,
                         group=group)
     used = int(offsets[-1])
-    dy_full, a_full, dh_full = (_pool_rows(x, cap, width, used) for width in (H, I, twoI))
-    x_full = x_pool if x_pool is not None else _pool_rows(x, cap, H, used)
+    dy_full, a_full, dh_full = (pool_rows(x, cap, width, used) for width in (H, I, twoI))
+    x_full = x_pool if x_pool is not None else pool_rows(x, cap, H, used)
     dx_slots = x.new_empty((T * K, H))  # as the forward's slots
     dt_slots = topk_weights.new_zeros((T * K,), dtype=torch.float32)
     weights = topk_weights.reshape(-1).float()
@@ -265,4 +266,4 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_pool, *, c
     st.wait("compute", st.mark("comm"))
     dx = _combine_slots(dx_slots, topk_idx, None)
     dtopk = dt_slots.view(T, K).to(topk_weights.dtype)
-    return dx, dtopk, (dy_full, a_full, dh_full, x_full)
+    return dx, dtopk, (dy_full, a_full, dh_full, x_full) if used else None

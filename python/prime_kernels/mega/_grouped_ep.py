@@ -91,18 +91,19 @@ def _send_token_rows(x: torch.Tensor, route_to_send: torch.Tensor, num_send: int
     return dispatch_rows(x, route_to_send, x.new_empty((num_send, x.shape[1])))
 
 
+def pool_rows(like: torch.Tensor, capacity: int, width: int, used_rows: int) -> torch.Tensor:
+    """A [capacity, width] pool tensor whose rows below ``used_rows`` (every row a GEMM reads: the local experts'
+    padded blocks) start at zero; the rows above, never read, are left unset (the capacity covers every route of
+    every rank, up to R times the rows a rank gets: zero-filling it would cost more than the layer's copies)."""
+    rows = like.new_empty((capacity, width))
+    rows[:min(used_rows, capacity)].zero_()
+    return rows
+
+
 def _into_pool(recv: torch.Tensor, ex: Exchange, used_rows: int) -> torch.Tensor:
-    """The received rows (recv order) laid into a [capacity, H] pool: rows below ``used_rows`` (the local experts'
-    padded blocks, all the GEMMs read) are the rows or zero padding; rows above, never read, are left unset (the
-    capacity covers every route of every rank: zero-filling it would cost more than the layer's copies)."""
-    pool = recv.new_empty((ex.capacity, recv.shape[1]))
-    pool[:used_rows].zero_()
+    """The received rows (recv order) laid into a :func:`pool_rows` pool."""
+    pool = pool_rows(recv, ex.capacity, recv.shape[1], used_rows)
     return dispatch_rows(recv, ex.recv_order.to(torch.int32).view(-1, 1), pool)
-
-
-def _has_rows(offsets: torch.Tensor) -> bool:
-    """Whether any local expert received a row (the GEMMs take no all-empty plan)."""
-    return int(offsets[-1]) > 0
 
 
 def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group, num_experts, max_tokens_per_rank,
@@ -258,9 +259,8 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     out13 = out2 = operands = None
     if used == 0:  # no GEMM: zero rows back, zero gradients, the accumulators untouched
         dx_rows, dt_rows = dy_pool.new_zeros((capacity, H)), w_pool.new_zeros((capacity,))
-        if need_wgrad:
-            out13 = w13.new_zeros(w13.shape) if dw13_accum is None else None
-            out2 = w2.new_zeros(w2.shape) if dw2_accum is None else None
+        if fp8_back:  # (the bf16 path's: _weight_grads)
+            out13, out2 = _zero_wgrads(need_wgrad, dw13_accum, dw2_accum, w13, w2)
     elif fp8_back:
         dx_rows, dt_rows, out13, out2 = _local_backward_fp8(
             dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offsets, routes, recompute=recompute,
@@ -276,18 +276,37 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     (dt_routes,) = ex.to_routes([dt_rows], T * K)
     dx = dx_back.new_zeros((0, H)) if T == 0 else combine(dx_back, r2s, None)
     dtopk = dt_routes.view(T, K).to(topk_weights.dtype)
-    if defer_wgrad:
-        if fp8_back:
+    if fp8_back:
+        if defer_wgrad:
             raise RuntimeError("prime_kernels.mega: deferred weight gradients of the FP8 expert-parallel backward run "
                                "the whole backward again (the caller's path)")
+        return dx, dtopk, out13, out2
+    return _weight_grads(dx, dtopk, operands, offsets, need_wgrad=need_wgrad, dw13_accum=dw13_accum,
+                         dw2_accum=dw2_accum, defer_wgrad=defer_wgrad, w13=w13, w2=w2, sms=sms)
+
+
+def _zero_wgrads(need_wgrad, dw13_accum, dw2_accum, w13, w2):
+    """(dW13, dW2) where no row reached the local experts: zeros where returned, None where not asked for or where an
+    accumulator takes them (left untouched)."""
+    return (w13.new_zeros(w13.shape) if need_wgrad and dw13_accum is None else None,
+            w2.new_zeros(w2.shape) if need_wgrad and dw2_accum is None else None)
+
+
+def _weight_grads(dx, dtopk, operands, offsets, *, need_wgrad, dw13_accum, dw2_accum, defer_wgrad, w13, w2, sms):
+    """The bf16 backward's return from its data gradients and its weight-gradient operands (None: no local row):
+    with ``defer_wgrad`` a WgradLater over the operands; else the weight gradients as :func:`_add_wgrad` gives them,
+    zero where no row reached the experts (the accumulators untouched)."""
+    if defer_wgrad:
         if operands is None:  # nothing to add later
             from .deferred import WgradLater
 
             return dx, dtopk, WgradLater(lambda dw13_accum, dw2_accum: None, ())
         return dx, dtopk, deferred_wgrad(*operands, offsets, sms)
-    if operands is not None and want_w:
-        out13, out2 = _add_wgrad(*operands, offsets, need_wgrad, dw13_accum, dw2_accum, w13, w2, sms)
-    return dx, dtopk, out13, out2
+    if not (need_wgrad or dw13_accum is not None or dw2_accum is not None):
+        return dx, dtopk, None, None
+    if operands is None:
+        return (dx, dtopk) + _zero_wgrads(need_wgrad, dw13_accum, dw2_accum, w13, w2)
+    return (dx, dtopk) + _add_wgrad(*operands, offsets, need_wgrad, dw13_accum, dw2_accum, w13, w2, sms)
 
 
 def _backward_chunked(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_pool, *, chunks, clamp, group,
@@ -297,17 +316,5 @@ def _backward_chunked(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_p
     dx, dtopk, operands = _ep_chunks.backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, plan, x_pool,
                                               chunks=chunks, block_m=BLOCK_M, num_experts=num_experts, group=group,
                                               recompute=recompute, clamp=clamp, sms=sms)
-    offsets = plan[1]
-    has_rows = _has_rows(offsets)
-    if defer_wgrad:
-        if not has_rows:
-            from .deferred import WgradLater
-
-            return dx, dtopk, WgradLater(lambda dw13_accum, dw2_accum: None, ())
-        return dx, dtopk, deferred_wgrad(*operands, offsets, sms)
-    if not (need_wgrad or dw13_accum is not None or dw2_accum is not None):
-        return dx, dtopk, None, None
-    if not has_rows:
-        return (dx, dtopk, w13.new_zeros(w13.shape) if need_wgrad and dw13_accum is None else None,
-                w2.new_zeros(w2.shape) if need_wgrad and dw2_accum is None else None)
-    return (dx, dtopk) + _add_wgrad(*operands, offsets, need_wgrad, dw13_accum, dw2_accum, w13, w2, sms)
+    return _weight_grads(dx, dtopk, operands, plan[1], need_wgrad=need_wgrad, dw13_accum=dw13_accum,
+                         dw2_accum=dw2_accum, defer_wgrad=defer_wgrad, w13=w13, w2=w2, sms=sms)
