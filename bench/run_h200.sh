@@ -78,7 +78,9 @@ for step in $steps; do
             timeout 280 python3 bench/bench_layer.py --shapes qwen3-30b-a3b,qwen3-235b-a22b --tokens 4096,16384 \
                --routings uniform --backends torch,deep_gemm_grouped,deep_gemm_torch_gemms --rounds 1 --no-plot \
                --out "$OUT/layer_torch_gemms.json" 2>&1 | tee "$OUT/bench_layer_torch_gemms.log" | grep -v "^$" \
-               | tail -30 ;;
+               | tail -30
+            timeout 300 python3 examples/train_parity.py --backend grouped --torch-gemms \
+               --out "$OUT/train_parity_torch_gemms.json" 2>&1 | tee "$OUT/train_parity_torch_gemms.log" | tail -12 ;;
     quantize) timeout 120 python3 bench/bench_quantize_fp8.py --tokens 16384 --out "$OUT/quantize_fp8.json" 2>&1 \
                | tee "$OUT/bench_quantize_fp8.log" | tail -12 ;;
     *) echo "unknown step $step: choose from tests fp8_tests fused_bwd bwd_lags gemm layer fp8 floor parity staged" \

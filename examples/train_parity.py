@@ -65,6 +65,7 @@ bench/results/ (``--out`` to change). With the reference as the candidate (on a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -136,6 +137,10 @@ def parse_args(argv=None):
     p.add_argument("--staging-buffer", action="store_true",
                    help="MegaMoE(max_tokens_per_rank=batch*seq): allocate the staging buffer up front")
     p.add_argument("--no-autocast", action="store_true", help="run the non-MoE parts in fp32")
+    p.add_argument("--torch-gemms", action="store_true",
+                   help="the candidate's grouped GEMMs on torch's grouped GEMM (prime_kernels.grouped_gemm_torch."
+                   "forced): the path of GPUs without our sm90 GEMMs, checked on one that has them; needs "
+                   "--backend grouped and bf16")
     # data and optimisation
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 256)")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default 16: 4096 tokens)")
@@ -180,6 +185,8 @@ def parse_args(argv=None):
         p.error("--top-k must be <= --experts")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.torch_gemms and (args.backend != "grouped" or args.precision != "bf16"):
+        p.error("--torch-gemms needs --backend grouped --precision bf16 (torch's grouped GEMMs are bf16 here)")
     return args
 
 
@@ -682,7 +689,11 @@ def run_parity(args) -> dict:
           f"I={args.intermediate} E={args.experts} top-{args.top_k}; {args.batch}x{args.seq} tokens x {args.steps} steps")
     refs = [train_run(args, corpus, init, "reference", s, f"reference seed {s}") for s in range(args.reference_seeds)]
     label = f"candidate {args.backend}" + (f" {args.precision}" if args.precision != "bf16" else "")
-    cand = train_run(args, corpus, init, args.backend, args.candidate_seed, label, precision=args.precision)
+    label += " on torch's grouped GEMMs" if args.torch_gemms else ""
+    from prime_kernels import grouped_gemm_torch  # noqa: PLC0415
+
+    with grouped_gemm_torch.forced() if args.torch_gemms else contextlib.nullcontext():
+        cand = train_run(args, corpus, init, args.backend, args.candidate_seed, label, precision=args.precision)
     verdict = judge(cand, refs, smooth_w=args.smooth, check_last=args.check_last, margin=args.margin,
                     margin_frac=args.margin_frac, precision=args.precision)
     dev = torch.device(args.device)
