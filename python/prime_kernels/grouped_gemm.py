@@ -1,4 +1,6 @@
-"""BF16 grouped GEMMs (sm90 wgmma kernels on CUDA; a float32-accumulating reference on the CPU).
+"""BF16 grouped GEMMs (sm90 wgmma kernels on CUDA; a float32-accumulating reference on the CPU). On a CUDA device
+whose compute capability major is not 9 the bf16 ones run on torch's grouped GEMM instead
+(:func:`prime_kernels.grouped_gemm_torch.selected` decides, for every one of them).
 
 Rows are grouped by ``group_offsets`` (int32 [E + 1], cumulative row starts, last entry = rows used;
 no padding needed, empty groups allowed).
@@ -252,7 +254,7 @@ def m_grouped_bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, group_offsets: torc
                            num_sms: int | None = None) -> torch.Tensor:
     """With ``a_row_index`` (int32 [>= m_total]), output row r is a[a_row_index[r]] @ b[g]^T (-1 reads a zero
     row): a token gather without a materialised copy."""
-    if _torch_gemms.is_forced():
+    if _torch_gemms.selected(a.device):
         return _torch_gemms.m_grouped_bf16_gemm_nt(a, b, group_offsets, a_row_index=a_row_index, m_total=m_total)
     sms = _sms(num_sms)
     if a_row_index is None:
@@ -265,7 +267,7 @@ def m_grouped_bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, group_offsets: torc
 
 def m_grouped_bf16_gemm_nn(a: torch.Tensor, b: torch.Tensor, group_offsets: torch.Tensor, *,
                            num_sms: int | None = None) -> torch.Tensor:
-    if _torch_gemms.is_forced():
+    if _torch_gemms.selected(a.device):
         return _torch_gemms.m_grouped_bf16_gemm_nn(a, b, group_offsets)
     sms = _sms(num_sms)
     _ready("m_grouped_bf16_gemm_nn", a.device)
@@ -279,7 +281,7 @@ def m_grouped_bf16_gemm_swiglu(a: torch.Tensor, w13: torch.Tensor, group_offsets
     Returns (s [m_total, I], h [m_total, 2I] or [0, 2I]): h = bf16(g|u) from the fp32 accumulators (returned
     when ``save_h``; with a clamp rounded so that it keeps the clamp masks, reference F6), and s = bf16(silu(min(g~, c)) * clamp(u~, -c, c)) on those bf16 values g~, u~ in fp32
     (the reference's F3: s is the rounding of what the backward differentiates)."""
-    if _torch_gemms.is_forced():
+    if _torch_gemms.selected(a.device):
         return _torch_gemms.m_grouped_bf16_gemm_swiglu(a, w13, group_offsets, a_row_index=a_row_index,
                                                       m_total=m_total, save_h=save_h, clamp=clamp)
     sms = _sms(num_sms)
@@ -300,7 +302,7 @@ def m_grouped_bf16_gemm_swiglu_bwd(dy_pool: torch.Tensor, w2: torch.Tensor, grou
     ids (-1: padding), topk_weights [T, K] fp32 (indexed by route id, so every id must be < T * K). Returns
     (dh [M, 2I], w * s [M, I], dt_part [M, ceil(I / 128)] fp32): the row's d topk_weight is dt_part's row summed
     left to right. Rows outside every group are not written in dh and w * s, and are zeros in dt_part."""
-    if _torch_gemms.is_forced():
+    if _torch_gemms.selected(dy_pool.device):
         return _torch_gemms.m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, group_offsets, h, pool_src_route,
                                                           topk_weights, clamp=clamp)
     if clamp is not None and clamp <= 0:
@@ -316,7 +318,7 @@ def k_grouped_bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, group_offsets: torc
                            out_dtype: torch.dtype = torch.float32,
                            accumulate_into: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
     """C_g = a_g^T @ b_g. With ``accumulate_into`` (fp32 [E, M, N]) adds into it and returns it."""
-    if _torch_gemms.is_forced():
+    if _torch_gemms.selected(a.device):
         return _torch_gemms.k_grouped_bf16_gemm_tn(a, b, group_offsets, out_dtype=out_dtype,
                                                   accumulate_into=accumulate_into)
     sms = _sms(num_sms)

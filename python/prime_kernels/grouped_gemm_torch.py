@@ -12,7 +12,10 @@ Each function takes what its namesake in :mod:`prime_kernels.grouped_gemm` takes
 
 Rows outside every group are left as torch's GEMM leaves them; the pipeline reads none of them.
 
-Selection: :func:`forced` (tests) makes :mod:`prime_kernels.grouped_gemm` run these instead of its kernels.
+Selection (:func:`selected`, asked by every bf16 GEMM of :mod:`prime_kernels.grouped_gemm`): these run on a CUDA
+device whose compute capability major is not 9 (sm_100, sm_103 and later: our sm90 GEMM kernels cannot run there),
+and on any device within :func:`forced` (how the tests check them on a GPU that has our kernels); our kernels run
+everywhere else. Nothing here has run on Blackwell hardware: verified on Hopper with them forced.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import torch
 
 from .swiglu import swiglu_bwd, swiglu_fwd
 
-__all__ = ["forced", "is_forced", "m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "m_grouped_bf16_gemm_swiglu",
-           "m_grouped_bf16_gemm_swiglu_bwd", "k_grouped_bf16_gemm_tn"]
+__all__ = ["forced", "is_forced", "selected", "m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn",
+           "m_grouped_bf16_gemm_swiglu", "m_grouped_bf16_gemm_swiglu_bwd", "k_grouped_bf16_gemm_tn"]
 
 _forced = False
 
@@ -43,6 +46,27 @@ def forced():
 
 def is_forced() -> bool:
     return _forced
+
+
+# CUDA device index -> whether its GEMMs are torch's (a device's compute capability cannot change, and every GEMM of
+# the pipeline asks)
+_selected_by_device: dict[int, bool] = {}
+
+
+def selected(device: torch.device) -> bool:
+    """Whether :mod:`prime_kernels.grouped_gemm`'s bf16 GEMMs on ``device`` run here: within :func:`forced`, or on a
+    CUDA device whose compute capability major is not 9 (our GEMM kernels are sm_90a only). CPU tensors run our
+    kernels' CPU references unless forced."""
+    if _forced:
+        return True
+    if device.type != "cuda":
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    answer = _selected_by_device.get(index)
+    if answer is None:
+        answer = torch.cuda.get_device_capability(index)[0] != 9
+        _selected_by_device[index] = answer
+    return answer
 
 
 def _ends(group_offsets: torch.Tensor) -> torch.Tensor:
