@@ -18,7 +18,7 @@ class KernelEntry:
     key: str          # "<kernel>.<precision>.<arch family>", the status() key
     compiled_as: str  # name in pk_compiled_kernels(), or "" when not implemented
     family: str       # "sm90" or "sm100"
-    missing: str = ""  # non-empty: the kernel is not written yet, and why/where it is tracked
+    missing: str = ""  # non-empty: the kernel is not written yet (or cannot be), and why/where it is tracked
     # non-empty: the kernel is built and could run here but has not been verified on a GPU yet; this is its status()
     # reason in place of "available", so nothing that follows status() calls it (runnable() still says whether it
     # could run, for the tests that verify it)
@@ -27,6 +27,18 @@ class KernelEntry:
     # given (e.g. slower than what runs instead); status() and reason() give this note in place of "available" as
     # for `unverified`, and runnable() says it could run (its own op, tests and benchmarks run it)
     withheld: str = ""
+    # further kernels (names in pk_compiled_kernels()) the entry runs besides `compiled_as`: every one must be built
+    # for an arch that runs here
+    also_compiled: tuple[str, ...] = ()
+    # non-empty: a torch function the entry runs (an attribute of the torch module), which this torch must have
+    torch_function: str = ""
+    # non-empty: where the entry can run, status() and reason() give "available: <this>" in place of "available",
+    # with {arch} replaced by the built arch that runs here (is_available() reads both as available): what runs and
+    # how far it was checked, for entries that run here with a caveat
+    available_note: str = ""
+
+    def kernels(self) -> tuple[str, ...]:
+        return (self.compiled_as,) + self.also_compiled
 
 
 def _entries() -> list[KernelEntry]:
@@ -57,6 +69,22 @@ def _entries() -> list[KernelEntry]:
     # Its FP8 forward (prime_kernels.mega._fp8_fwd): the quantizing dispatch, the FP8 L1 with SwiGLU, the FP8 L2
     # and the combine; the layer's forward for precision="fp8" until the fused FP8 forward exists.
     e.append(KernelEntry("mega_moe_grouped.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90"))
+    # The same pipeline where our sm90 GEMMs cannot run: our arch-neutral kernels (csrc/common, built for every
+    # requested arch) around torch's grouped GEMM (prime_kernels.grouped_gemm_torch), which has sm_100 kernels.
+    e.append(KernelEntry(
+        "mega_moe_grouped.bf16.sm100", "routing_plan", "sm100", also_compiled=("dispatch_rows", "swiglu", "combine"),
+        torch_function="_grouped_mm",
+        available_note="our routing plan, dispatch, SwiGLU and combine kernels, compiled for {arch}, around torch's "
+                       "grouped GEMM (torch._grouped_mm) for the five bf16 GEMMs (prime_kernels.grouped_gemm_torch: "
+                       "da and the weight gradients rounded to bf16); never run on Blackwell hardware, verified on "
+                       "Hopper with torch's GEMMs forced"))
+    # Its clamp: F6 keeps the clamp masks of the fp32 pre-activation, which torch's grouped GEMM (bf16 out) does not
+    # give
+    e.append(KernelEntry(
+        "mega_moe_grouped_clamp.bf16.sm100", "", "sm100",
+        missing="the grouped pipeline on torch's grouped GEMM takes no activation_clamp: keeping the clamp masks of "
+                "the fp32 pre-activation (reference F6) needs an fp32 L1 output, and torch's grouped GEMM returns "
+                "bf16"))
     # The kernel backends (bf16) with H or I a multiple of 64 but not of 128: every kernel's last tile half-width
     e.append(KernelEntry("mega_moe_half_tiles.bf16.sm90", "mega_moe_fwd_bf16", "sm90"))
     todo = "not implemented yet"
@@ -108,8 +136,15 @@ def _current_cuda_device() -> int | None:
 _answers: dict = {}
 
 
+def is_available(why: str) -> bool:
+    """Whether a status() / reason() answer says the kernel runs here: "available", or "available: <note>" (an entry
+    with an ``available_note``)."""
+    return why == AVAILABLE or why.startswith(AVAILABLE + ": ")
+
+
 def reason(key: str) -> str:
-    """"available", or why kernel `key` cannot run here (for a kernel not yet verified on a GPU, that reason)."""
+    """"available" (or "available: <note>", see :func:`is_available`), or why kernel `key` cannot run here (for a
+    kernel not yet verified on a GPU, that reason)."""
     return _cached(key, False)
 
 
@@ -127,7 +162,7 @@ def _cached(key: str, ignore_unverified: bool) -> str:
         return _answers[slot]
     why = _reason(key)
     entry = KERNELS[key]
-    if why == AVAILABLE and (entry.unverified or entry.withheld) and not ignore_unverified:
+    if is_available(why) and (entry.unverified or entry.withheld) and not ignore_unverified:
         why = entry.unverified or entry.withheld
     if dev is not None:
         _answers[slot] = why
@@ -144,17 +179,29 @@ def _reason(key: str) -> str:
         return res.reason
     if entry.missing:
         return entry.missing
-    built = [a for a in _FAMILY_ARCHS[entry.family] if (entry.compiled_as, a) in _lib.compiled_kernels()]
+    family_archs = _FAMILY_ARCHS[entry.family]
+    compiled = _lib.compiled_kernels()
+    built = [a for a in family_archs if all((k, a) in compiled for k in entry.kernels())]
     if not built:
         hint = "90a" if entry.family == "sm90" else "100a"
-        if any(a in _lib.built_archs() for a in _FAMILY_ARCHS[entry.family]):
-            return f"not compiled into this build of {entry.family} (its sources were not part of it)"
+        if any(a in _lib.built_archs() for a in family_archs):
+            absent = [k for k in entry.kernels() if not any((k, a) in compiled for a in family_archs)]
+            which = f"our {', '.join(absent)} kernel(s) " if entry.also_compiled else ""
+            return f"{which}not compiled into this build of {entry.family} (its sources were not part of it)"
         return (f"not built for {entry.family} (this build has {','.join(_lib.built_archs()) or 'no arches'}): "
                 f"rebuild with PRIME_KERNELS_CUDA_ARCHS={hint}")
+    if entry.torch_function:
+        import torch
+
+        if not hasattr(torch, entry.torch_function):
+            return f"torch {torch.__version__} has no torch.{entry.torch_function}: upgrade torch"
     cc = _device_capability()
     if cc is None:
         return "no CUDA device"
-    if any(cc in _ARCH_RUNS_ON[a] for a in built):
+    runs = [a for a in built if cc in _ARCH_RUNS_ON[a]]
+    if runs:
+        if entry.available_note:
+            return f"{AVAILABLE}: {entry.available_note.format(arch=f'sm_{runs[0]}')}"
         return AVAILABLE
     want = _SUGGESTED.get(cc)
     if want is None or (want == "90a") != (entry.family == "sm90"):
@@ -194,7 +241,7 @@ def require(key: str, *, allow_unverified: bool = False) -> None:
     """Raise RuntimeError with the status() reason unless kernel `key` can run here; with allow_unverified, a
     built kernel not yet verified on a GPU counts as able to run (its explicit op only, never a layer's choice)."""
     why = runnable(key) if allow_unverified else reason(key)
-    if why != AVAILABLE:
+    if not is_available(why):
         raise RuntimeError(f"prime_kernels: {key} is not available: {why}")
 
 

@@ -18,11 +18,13 @@ Rules (the same for every entry point):
   (:mod:`prime_kernels.mega._fp8_bwd`).
 * ``backend="fused"`` runs the fused kernel, or raises the reason ``prime_kernels.status()`` gives.
 * ``backend="grouped"`` runs the pipeline of our grouped-GEMM kernels (:mod:`prime_kernels.mega._grouped`,
-  bf16, fp8 and fp8_bwd, single rank), or raises the reason.
+  bf16, fp8 and fp8_bwd; one rank or expert-parallel), or raises the reason. On Blackwell its five bf16 GEMMs are
+  torch's grouped GEMM around our other kernels (status key ``mega_moe_grouped.bf16.sm100``, :func:`grouped_keys`):
+  bf16 only, without activation_clamp.
 * ``backend="auto"`` runs the fused kernel when it is available, else the grouped pipeline where
-  that is available (single rank); otherwise it falls back to the reference only when the
+  that is available; otherwise it falls back to the reference only when the
   environment variable ``PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK=1`` is set, with a one-time warning,
-  and raises the reason otherwise. Never silently.
+  and raises the reasons otherwise. Never silently.
 * A forward with more local experts than the fused kernel takes (``FUSED_MAX_EXPERTS``) is a ValueError
   under ``backend="fused"`` and runs the grouped pipeline under ``"auto"`` (:func:`choose_backend` says why).
 * The kernel backends take ``block_m`` in ``KERNEL_BLOCK_MS`` only: another value is a ValueError listing
@@ -36,7 +38,7 @@ import warnings
 import torch
 
 from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _grouped_ep, _plan, _validate, reference
-from .._status import KERNELS
+from .._status import KERNELS, is_available
 from ..routing import pool_capacity
 from ._validate import FusedKernelUnavailable
 from .constants import (ALLOW_FALLBACK_ENV, env_flag, BACKENDS, FP8_ALIGN, FULL_TILE_ALIGN, FUSED_MAX_EXPERTS,
@@ -116,7 +118,7 @@ def _fused_reason(precision: str, direction: str) -> str | None:
     reason = st.get(name)
     if reason is None:
         return f"{name}: {_NOT_IMPLEMENTED}"
-    if reason == "available":
+    if is_available(reason):
         return None
     return f"{name}: {reason}"
 
@@ -124,6 +126,14 @@ def _fused_reason(precision: str, direction: str) -> str | None:
 GROUPED_KEY = _grouped.STATUS_KEY
 GROUPED_CLAMP_KEY = _grouped.CLAMP_STATUS_KEY
 GROUPED_FP8_KEY = _fp8_fwd.STATUS_KEY
+
+
+def grouped_keys() -> tuple[str, str]:
+    """(the bf16 grouped pipeline's status key, its key with activation_clamp) on the current device: on Blackwell
+    its GEMMs are torch's grouped GEMM (prime_kernels.grouped_gemm_torch.selected), which have entries of their own."""
+    if _device_arch() == "sm100":
+        return _grouped.TORCH_GEMMS_STATUS_KEY, _grouped.TORCH_GEMMS_CLAMP_STATUS_KEY
+    return GROUPED_KEY, GROUPED_CLAMP_KEY
 
 
 def fused_experts_reason(num_local_experts: int | None) -> str | None:
@@ -137,23 +147,24 @@ def fused_experts_reason(num_local_experts: int | None) -> str | None:
 def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None = None,
                     num_local_experts: int | None = None) -> str | None:
     """None when the grouped pipeline can run this call, else why not."""
+    bf16_key, clamp_key = grouped_keys()
     if activation_clamp is not None:
         # Its L1 saves h with the clamp masks (reference F6) in the kMaskedH kernels, which have a status entry of
         # their own; plainly rounded, values within half an ulp of the bound would land on it and lose their
         # gradient (measured ~3% in dX).
         if precision == "fp8":
             return "the grouped pipeline's FP8 forward takes no activation_clamp (precision='fp8_bwd' does)"
-        clamp_reason = _status().get(GROUPED_CLAMP_KEY, _NOT_IMPLEMENTED)
-        if clamp_reason != "available":
-            return f"{GROUPED_CLAMP_KEY}: {clamp_reason}"
+        clamp_reason = _status().get(clamp_key, _NOT_IMPLEMENTED)
+        if not is_available(clamp_reason):
+            return f"{clamp_key}: {clamp_reason}"
     if precision not in ("bf16", "fp8_bwd", "fp8"):
         return f"the grouped pipeline runs bf16, fp8 and fp8_bwd (precision={precision!r})"
     if num_local_experts is not None and num_local_experts > GROUPED_MAX_EXPERTS:
         return (f"{num_local_experts} local experts exceed the grouped GEMMs' limit of "
                 f"GROUPED_MAX_EXPERTS={GROUPED_MAX_EXPERTS} (prime_kernels.mega.constants)")
-    key = GROUPED_FP8_KEY if precision == "fp8" else GROUPED_KEY
+    key = GROUPED_FP8_KEY if precision == "fp8" else bf16_key
     reason = _status().get(key, f"{_NOT_IMPLEMENTED}")
-    return None if reason == "available" else f"{key}: {reason}"
+    return None if is_available(reason) else f"{key}: {reason}"
 
 
 def fp8_kernel_reason(precision: str, direction: str = "fwd") -> str | None:
@@ -176,7 +187,7 @@ def _fp8_direction_reason(precision: str, direction: str) -> str | None:
     if why is None or (precision, direction) != ("fp8", "fwd"):
         return why
     grouped = _status().get(GROUPED_FP8_KEY, _NOT_IMPLEMENTED)
-    if grouped == "available":
+    if is_available(grouped):
         return None
     entry = KERNELS.get(kernel_name(precision, direction))
     if entry is not None and entry.missing:  # the fused kernel is not written: the pipeline's reason is the one
@@ -192,9 +203,10 @@ def _fp8_pipeline_reason(precision: str, ep_size: int, activation_clamp: float |
     if activation_clamp is not None and precision == "fp8":
         return "precision='fp8': the FP8 forward takes no activation_clamp (precision='fp8_bwd' does)"
     if activation_clamp is not None:  # fp8_bwd: a recompute runs the grouped L1 that saves h with the clamp masks
-        clamp_reason = _status().get(GROUPED_CLAMP_KEY, _NOT_IMPLEMENTED)
-        if clamp_reason != "available":
-            return f"precision={precision!r} with activation_clamp: {GROUPED_CLAMP_KEY}: {clamp_reason}"
+        clamp_key = grouped_keys()[1]
+        clamp_reason = _status().get(clamp_key, _NOT_IMPLEMENTED)
+        if not is_available(clamp_reason):
+            return f"precision={precision!r} with activation_clamp: {clamp_key}: {clamp_reason}"
     return None
 
 
@@ -240,11 +252,13 @@ HALF_TILES_KEY = "mega_moe_half_tiles.bf16.sm90"
 
 def half_tiles_reason(hidden: int, intermediate: int) -> str | None:
     """For H or I a multiple of 64 but not of 128 (a half-width last tile in the kernels): None where its status entry
-    says available, else why not; None for full tiles."""
-    if not (hidden % FULL_TILE_ALIGN or intermediate % FULL_TILE_ALIGN):
+    says available, else why not; None for full tiles, and on Blackwell, where no GEMM of ours runs: the half tiles are
+    our GEMM kernels' (there torch's grouped GEMM runs, which with our row kernels needs only the 16-byte aligned rows
+    HIDDEN_ALIGN and INTERMEDIATE_ALIGN give, and the fused kernels are unavailable for their own reason)."""
+    if not (hidden % FULL_TILE_ALIGN or intermediate % FULL_TILE_ALIGN) or _device_arch() == "sm100":
         return None
     why = _status().get(HALF_TILES_KEY, _NOT_IMPLEMENTED)
-    if why == "available":
+    if is_available(why):
         return None
     return (f"hidden={hidden} and intermediate={intermediate} are not both multiples of "
             f"FULL_TILE_ALIGN={FULL_TILE_ALIGN}: {HALF_TILES_KEY}: {why}")
@@ -319,8 +333,9 @@ def choose_backend(
         if grouped_why is None:
             _require_kernel_block_m(block_m)
             return "grouped", reason
-        if too_many is not None:  # the reason the fused kernel cannot run is not the only one
-            reason = f"{reason}, and the grouped pipeline cannot run either: {grouped_why}"
+        # both reasons: the fused kernel's alone would hide why the pipeline "auto" falls to cannot run (a clamp
+        # where the grouped GEMMs take none, too many experts for both)
+        reason = f"{reason}, and the grouped pipeline cannot run either: {grouped_why}"
 
     advice = (
         "use backend='reference', or set "

@@ -5,7 +5,9 @@ SwiGLU in its epilogue -> L2 as an m-grouped GEMM -> the deterministic combine. 
 the dy rows (and of x, unless the fused forward kept them) -> L2 dgrad with the SwiGLU backward in its
 epilogue (weights read MN-major, no transposed copy; d topk_weights partials per 128 columns, dh, w*s)
 -> L1 dgrad -> combine for dX, and the weight gradients as k-grouped GEMMs. Every stage is one of our
-kernels, but the stages meet in HBM (the fused forward keeps its stages on chip).
+kernels, but the stages meet in HBM (the fused forward keeps its stages on chip). On a GPU our sm90 GEMMs cannot run
+on (Blackwell), the five GEMMs are torch's grouped GEMM (:mod:`prime_kernels.grouped_gemm`, which asks
+:func:`prime_kernels.grouped_gemm_torch.selected`), the other stages ours; status key :data:`TORCH_GEMMS_STATUS_KEY`.
 
 Rounding points: those of :mod:`prime_kernels.mega.reference`, F6 included (with a clamp the L1's epilogue saves
 h with the clamp masks of the fp32 pre-activation, as the fused forward's does, and a recompute reruns that
@@ -25,6 +27,10 @@ from ..routing import routing_plan
 STATUS_KEY = "mega_moe_grouped.bf16.sm90"
 # With activation_clamp (the L1's kMaskedH kernels)
 CLAMP_STATUS_KEY = "mega_moe_grouped_clamp.bf16.sm90"
+# On Blackwell the same pipeline runs its GEMMs on torch's grouped GEMM (prime_kernels.grouped_gemm_torch.selected),
+# which takes no clamp
+TORCH_GEMMS_STATUS_KEY = "mega_moe_grouped.bf16.sm100"
+TORCH_GEMMS_CLAMP_STATUS_KEY = "mega_moe_grouped_clamp.bf16.sm100"
 
 
 def _token_rows(pool_src_route: torch.Tensor, top_k: int) -> torch.Tensor:
