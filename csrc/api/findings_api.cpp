@@ -17,6 +17,9 @@ namespace {
 // other processes, and still end a hung job long before a trainer's collective timeouts do.
 constexpr double kDefaultWaitTimeoutSeconds = 5.0;
 constexpr double kMaxWaitTimeoutSeconds = 3600.0;
+// Waits for another rank (common/ep_signal.hpp) include that rank's lateness: a rank that is seconds behind (a
+// slower data loader, a longer step before the layer) must still succeed, so these get their own, longer bound.
+constexpr double kDefaultPeerWaitTimeoutSeconds = 60.0;
 
 // Everything kernels write for the host, in one pinned, mapped allocation per process (under unified addressing
 // the one pointer serves every device): the wait record and the device-check findings.
@@ -26,6 +29,7 @@ struct MappedRecords {
 };
 std::atomic<MappedRecords*> g_records{nullptr};
 std::atomic<uint64_t> g_timeout_ns{static_cast<uint64_t>(kDefaultWaitTimeoutSeconds * 1e9)};
+std::atomic<uint64_t> g_peer_timeout_ns{static_cast<uint64_t>(kDefaultPeerWaitTimeoutSeconds * 1e9)};
 
 // The records, allocated on first use; null if the allocation failed (kernels then check their values as before
 // but record nothing, and a timed-out wait traps without a record).
@@ -59,6 +63,7 @@ const char* kernel_name(int32_t kernel) {
     case kWaitKernelProbe: return "wait_probe_kernel";
     case kWaitKernelMegaBwd: return "mega_moe_bwd_kernel";
     case kWaitKernelMegaFwdFp8: return "mega_moe_fwd_fp8_kernel";
+    case kWaitKernelEpBarrier: return "ep_barrier_kernel";
     default: return "unknown kernel";
   }
 }
@@ -70,6 +75,8 @@ const char* wait_name(int32_t wait) {
     case kWaitProbe: return "probe counter";
     case kWaitMegaBwdL2Dgrad: return "L1-dgrad tile waits for its m-block's L2-dgrad tiles";
     case kWaitMegaBwdExpert: return "weight-gradient tile waits for its expert's L2-dgrad tiles";
+    case kWaitEpEnter: return "entering the call";
+    case kWaitEpExit: return "after pushing its rows";
     default: return "unknown wait";
   }
 }
@@ -86,11 +93,27 @@ cudaError_t wait_guard_for_current_device(WaitGuard* guard) {
   return cudaSuccess;
 }
 
+cudaError_t peer_wait_guard_for_current_device(WaitGuard* guard) {
+  const cudaError_t e = wait_guard_for_current_device(guard);
+  guard->timeout_ns = g_peer_timeout_ns.load(std::memory_order_relaxed);
+  return e;
+}
+
 bool wait_record_message(char* out, size_t out_len) {
   const MappedRecords* records = g_records.load(std::memory_order_acquire);
   if (records == nullptr) return false;
   const volatile WaitRecord* r = &records->wait;
   if (r->state != 2) return false;
+  if (r->kernel == kWaitKernelEpBarrier) {
+    std::snprintf(out, out_len,
+                  "expert-parallel rank %d (CUDA device %d) waited %.2f s for rank %d, %s (expected its epoch >= "
+                  "%lld, observed %lld), and trapped: the CUDA context is lost, restart the process. The peer did not "
+                  "reach the same call: every rank of the group must call the layer the same number of times, in "
+                  "the same order (set_peer_wait_timeout raises the bound for ranks that are legitimately late)",
+                  r->cta, r->device, static_cast<double>(r->waited_ns) * 1e-9, r->index, wait_name(r->wait),
+                  static_cast<long long>(r->expected), static_cast<long long>(r->observed));
+    return true;
+  }
   std::snprintf(out, out_len,
                 "a wait inside %s timed out on CUDA device %d after %.2f s (%s; CTA %d, thread %d, index %d: "
                 "expected a value >= %lld, observed %lld). The kernel trapped and the CUDA context is lost: "
@@ -169,6 +192,18 @@ int pk_set_wait_timeout(double seconds) {
                                 prime_kernels::kMaxWaitTimeoutSeconds);
   prime_kernels::g_timeout_ns.store(static_cast<uint64_t>(std::llround(seconds * 1e9)), std::memory_order_relaxed);
   return prime_kernels::api::ok();
+}
+
+int pk_set_peer_wait_timeout(double seconds) {
+  if (!(seconds > 0.0) || !(seconds <= prime_kernels::kMaxWaitTimeoutSeconds))
+    return prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT, "peer wait timeout = %g s, must be in (0, %g]", seconds,
+                                prime_kernels::kMaxWaitTimeoutSeconds);
+  prime_kernels::g_peer_timeout_ns.store(static_cast<uint64_t>(std::llround(seconds * 1e9)), std::memory_order_relaxed);
+  return prime_kernels::api::ok();
+}
+
+double pk_get_peer_wait_timeout(void) {
+  return static_cast<double>(prime_kernels::g_peer_timeout_ns.load(std::memory_order_relaxed)) * 1e-9;
 }
 
 int pk_device_check(void) { return prime_kernels::api::check_device_findings("device check"); }

@@ -54,6 +54,52 @@ int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x
 #endif
 }
 
+int pk_mega_moe_fwd_bf16_ranks(const pk_mega_fwd_rank* ranks, int num_ranks, int num_sms, void* cuda_stream) {
+#if PK_HAS_SM90_KERNELS
+  if (const int rc = prime_kernels::api::check_device_findings("mega_moe_fwd_bf16_ranks"); rc != PK_OK) return rc;
+  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kSm90); rc != PK_OK) return rc;
+  constexpr int kMax = prime_kernels::sm90::kMegaFwdMaxLaunchRanks;
+  PK_CHECK_ARG(ranks != nullptr && num_ranks >= 1 && num_ranks <= kMax, "mega_moe_fwd_bf16_ranks: %d ranks, must be in "
+               "[1, %d]", num_ranks, kMax);
+  prime_kernels::sm90::MegaFwdArgs args[kMax];
+  for (int r = 0; r < num_ranks; ++r) {
+    const pk_mega_fwd_rank& c = ranks[r];
+    prime_kernels::sm90::MegaFwdArgs& a = args[r];
+    a.x_ranks = c.x_ranks;
+    a.num_ranks = c.num_ranks;
+    a.ld_x = c.ld_x;
+    a.pool_src_route = c.pool_src_route;
+    a.pool_src_rank = c.pool_src_rank;
+    a.top_k = c.top_k;
+    a.expert_offsets = c.expert_offsets;
+    a.num_experts = c.num_experts;
+    a.m_total = c.m_total;
+    a.hidden = c.hidden;
+    a.inter = c.inter;
+    a.w13 = c.w13;
+    a.w2 = c.w2;
+    a.x_pool = c.x_pool;
+    a.s = c.s;
+    a.h = c.h;
+    a.o = c.o;
+    a.o_slots = c.o_slots;
+    a.ld_slots = c.ld_slots;
+    a.num_tokens = c.num_tokens;
+    a.route_to_pool = c.route_to_pool;
+    a.clamp = c.clamp;
+    a.counters = c.counters;
+  }
+  char message[512] = {0};
+  const int rc = prime_kernels::sm90::mega_moe_fwd_bf16_ranks(args, num_ranks, num_sms,
+                                                           static_cast<cudaStream_t>(cuda_stream), message,
+                                                           sizeof(message));
+  return prime_kernels::api::from_status(rc, message);
+#else
+  (void)ranks, (void)num_ranks, (void)num_sms, (void)cuda_stream;
+  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
+                              "mega_moe_fwd_bf16_ranks is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
+#endif
+}
 
 int pk_mega_moe_fwd_fp8(const void* x, int64_t ld_x, int64_t num_tokens, const int32_t* pool_src_route, int top_k,
                         const int32_t* route_to_pool, const int32_t* expert_offsets, int num_experts, int64_t m_total,

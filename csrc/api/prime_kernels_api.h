@@ -205,6 +205,53 @@ PK_API int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64
                                 void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
                                 int32_t* counters, int num_sms, void* cuda_stream);
 
+// The forwards of several ranks in one launch, CTAs split evenly over the ranks that have pool rows (the one-GPU
+// emulation of expert parallelism over peer memory). Each entry holds one rank's arguments of pk_mega_moe_fwd_bf16
+// plus o_slots / ld_slots: null, or num_ranks pointers to the source ranks' combine slots (bf16 [>= num_tokens *
+// top_k, ld_slots]): each L2 row then goes to o_slots[pool_src_rank[m]] + pool_src_route[m] * ld_slots instead of o
+// (csrc/sm90/mega_moe.hpp, MegaFwdArgs). num_ranks: 1..8 entries; num_sms: the launch's CTAs (0 = every SM). Every
+// entry is checked before anything is launched.
+typedef struct pk_mega_fwd_rank {
+  const void* const* x_ranks;
+  int num_ranks;
+  int64_t ld_x;
+  const int32_t* pool_src_route;
+  const int32_t* pool_src_rank;
+  int top_k;
+  const int32_t* expert_offsets;
+  int num_experts;
+  int64_t m_total;
+  int64_t hidden;
+  int64_t inter;
+  const void* w13;
+  const void* w2;
+  void* x_pool;
+  void* s;
+  void* h;
+  void* o;
+  void* const* o_slots;
+  int64_t ld_slots;
+  int64_t num_tokens;
+  const int32_t* route_to_pool;
+  float clamp;
+  int32_t* counters;
+} pk_mega_fwd_rank;
+PK_API int pk_mega_moe_fwd_bf16_ranks(const pk_mega_fwd_rank* ranks, int num_ranks, int num_sms, void* cuda_stream);
+
+// ---------------------------------------------------------------------------------------------
+// Expert parallelism over peer memory (csrc/common/ep_signal.hpp): each rank owns pk_ep_signals_bytes() of zeroed
+// memory its peers can write (a symmetric buffer). pk_ep_barrier launches one CTA per played rank (played: the
+// ranks this process plays, {rank} on its own GPU, every rank in the one-GPU emulator; signals: every rank's, in rank
+// order), kind 0 (enter: the epoch goes up by one, then every peer is waited for) or 1 (exit: after the rank's
+// pushes into its peers). Waits are bounded by the peer wait timeout (default 60 s), then record the rank, the peer
+// and the epochs, and trap.
+// ---------------------------------------------------------------------------------------------
+PK_API int64_t pk_ep_signals_bytes(void);
+PK_API int pk_ep_barrier(void* const* signals, int num_ranks, int kind, const int32_t* played, int num_played,
+                         void* cuda_stream);
+PK_API int pk_set_peer_wait_timeout(double seconds);  // (0, 3600]
+PK_API double pk_get_peer_wait_timeout(void);
+
 // The fused forward in blockwise FP8 (sm90; csrc/sm90/mega_moe.hpp, MegaFwdFp8Args, has the full contract): the
 // quantizing dispatch (qK(x, 128), each token row once), then the FP8 L1 with SwiGLU and qK(s, 64) and the FP8 L2 in
 // one persistent kernel. Single rank; counters as above. The same bits as the FP8 pipeline's kernels

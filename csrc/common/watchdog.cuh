@@ -18,6 +18,7 @@ enum WaitKernel : int32_t {
   kWaitKernelProbe = 2,
   kWaitKernelMegaBwd = 3,
   kWaitKernelMegaFwdFp8 = 4,
+  kWaitKernelEpBarrier = 5,  // a rank waits for its peers (common/ep_signal.hpp); cta = the rank, index = the peer
 };
 enum WaitSite : int32_t {
   kWaitMegaFwdDispatch = 1,  // an L1 tile waits until its m-block's rows are dispatched
@@ -25,6 +26,8 @@ enum WaitSite : int32_t {
   kWaitProbe = 3,            // the test probe's wait on a counter nobody releases
   kWaitMegaBwdL2Dgrad = 4,   // an L1-dgrad tile waits until every L2-dgrad tile of its m-block is stored
   kWaitMegaBwdExpert = 5,    // a weight-gradient tile waits until every L2-dgrad tile of its expert is stored
+  kWaitEpEnter = 6,          // a rank waits until every peer has entered the call
+  kWaitEpExit = 7,           // a rank waits until every peer has pushed its rows of the call
 };
 
 // Host-mapped pinned memory, one per process; written once by the first wait that times out.
@@ -80,6 +83,27 @@ static __device__ __noinline__ void wait_timed_out(const WaitGuard& g, int32_t k
     r->observed = observed;
     r->waited_ns = waited_ns;
     __threadfence_system();  // the fields are visible to the host before the state says they are complete
+    r->state = 2;
+    __threadfence_system();
+  }
+  __trap();
+}
+
+// The cold path of a wait on another rank: the record names the waiting rank (in its cta field) and the peer.
+static __device__ __noinline__ void wait_timed_out_ranks(const WaitGuard& g, int32_t wait, int32_t rank, int32_t peer,
+                                                  int64_t expected, int64_t observed, uint64_t waited_ns) {
+  volatile WaitRecord* r = g.record;
+  if (r != nullptr && atomicCAS(&g_wait_record_claim, 0, 1) == 0 && r->state == 0) {
+    r->device = g.device;
+    r->kernel = kWaitKernelEpBarrier;
+    r->wait = wait;
+    r->cta = rank;
+    r->thread = static_cast<int32_t>(threadIdx.x);
+    r->index = peer;
+    r->expected = expected;
+    r->observed = observed;
+    r->waited_ns = waited_ns;
+    __threadfence_system();
     r->state = 2;
     __threadfence_system();
   }

@@ -13,6 +13,8 @@ namespace prime_kernels {
 // The guard for kernels launched on the current device: its host-mapped record is allocated on first use.
 // Returns cudaSuccess or the error of the allocation.
 cudaError_t wait_guard_for_current_device(WaitGuard* guard);
+// The same with the bound on waits for another rank (pk_set_peer_wait_timeout; default 60 s).
+cudaError_t peer_wait_guard_for_current_device(WaitGuard* guard);
 
 // Launches one CTA that waits on a counter nothing releases, under `guard`: it traps after the timeout.
 cudaError_t launch_wait_probe(const WaitGuard& guard, cudaStream_t stream);

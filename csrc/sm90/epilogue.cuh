@@ -84,6 +84,32 @@ __device__ __forceinline__ void copy_swizzled_half_to_global(uint32_t stg_half, 
   }
 }
 
+// Copies rows [0, rows) of a swizzled staging half (pool rows row0..) to their routes' rows of their source ranks'
+// buffers: pool row m goes to slots[src_rank[m]] + src_route[m] * ld (src_rank null: rank 0), columns col0..;
+// rows with src_route outside [0, num_routes) (padding; a bad route, which the dispatch reports) and columns >=
+// col_limit are skipped; ranks are clamped to [0, num_ranks). The warpgroup's 128 threads, 16-byte loads and stores.
+template <int kBlockN>
+__device__ __forceinline__ void copy_swizzled_half_to_routes(uint32_t stg_half, int wg_tid, int rows,
+                                                             const int32_t* src_route, const int32_t* src_rank,
+                                                             int num_routes, __nv_bfloat16* const* slots,
+                                                             int num_ranks, int64_t ld, int row0, int col0,
+                                                             int col_limit) {
+  constexpr int kChunksPerRow = kBlockN / 8;
+  const int total = rows * kChunksPerRow;
+#pragma unroll 2
+  for (int idx = wg_tid; idx < total; idx += 128) {
+    const int r = idx / kChunksPerRow;
+    const int ch = idx - r * kChunksPerRow;
+    const int route = __ldg(src_route + row0 + r);
+    if (route >= 0 && route < num_routes && col0 + ch * 8 < col_limit) {
+      const int rank = src_rank != nullptr ? min(max(__ldg(src_rank + row0 + r), 0), num_ranks - 1) : 0;
+      const uint32_t a = stg_half + (ch >> 3) * TmaStaging<kBlockN>::kBoxBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
+      const uint4 v = ptx::ld_shared_v4(a);
+      *reinterpret_cast<uint4*>(slots[rank] + static_cast<int64_t>(route) * ld + col0 + ch * 8) = v;
+    }
+  }
+}
+
 // L2 cache policies for the kernels' hint bits (MegaFwdParams, MGroupedParams, KGroupedParams::l2_hints): bit 3
 // asks evict_last for the loads that many tiles read again (the weights; the k-grouped GEMM's operands); bit `bit`
 // (0-2) evict_first for one kind of output store. A clear bit gives evict_normal, i.e. no preference.

@@ -15,9 +15,13 @@ namespace prime_kernels {
 namespace sm90 {
 using namespace host;
 
-int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size_t err_len) {
-  clear_err(err, err_len);
-  const char* fn = "mega_moe_fwd_bf16";
+namespace {
+
+// Checks one rank's arguments and makes its tensor maps and kernel parameters; *empty: no pool rows (nothing to
+// launch for this rank). kGemmOk or the error, before anything touches the device.
+int prepare_rank(const MegaFwdArgs& a, MegaFwdMaps* maps, MegaFwdParams* out, bool* empty, const char* fn, char* err,
+                 size_t err_len) {
+  *empty = false;
   if (a.num_ranks < 1 || a.num_ranks > kMegaMaxRanks || a.x_ranks == nullptr)
     return fail(kGemmInvalidArgument, err, err_len, "%s: num_ranks = %d, must be in [1, %d]", fn, a.num_ranks,
                 kMegaMaxRanks);
@@ -42,7 +46,18 @@ int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size
                 (long long)a.num_tokens);
   if (a.num_sms < 0)
     return fail(kGemmInvalidArgument, err, err_len, "%s: num_sms = %d, must be >= 1 (or 0: every SM)", fn, a.num_sms);
-  if (a.m_total == 0) return kGemmOk;  // no pool rows: nothing to compute
+  if (a.o_slots != nullptr) {
+    if (a.ld_slots < a.hidden || a.ld_slots % 8 != 0)
+      return fail(kGemmInvalidArgument, err, err_len, "%s: ld_slots = %lld, must be >= hidden and a multiple of 8",
+                  fn, (long long)a.ld_slots);
+    for (int r = 0; r < a.num_ranks; ++r)
+      if (a.o_slots[r] == nullptr || !aligned16(a.o_slots[r]))
+        return fail(kGemmInvalidArgument, err, err_len, "%s: o_slots[%d] is null or not 16-byte aligned", fn, r);
+  }
+  if (a.m_total == 0) {  // no pool rows: nothing to compute
+    *empty = true;
+    return kGemmOk;
+  }
   for (int r = 0; r < a.num_ranks; ++r)
     if (a.x_ranks[r] == nullptr || !aligned16(a.x_ranks[r]))
       return fail(kGemmInvalidArgument, err, err_len, "%s: x_ranks[%d] is null or not 16-byte aligned", fn, r);
@@ -52,11 +67,12 @@ int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size
   if (!aligned16(a.w13) || !aligned16(a.w2) || !aligned16(a.x_pool) || !aligned16(a.s) || !aligned16(a.o) ||
       (a.h != nullptr && !aligned16(a.h)))
     return fail(kGemmInvalidArgument, err, err_len, "%s: w13, w2, x_pool, s, h and o must be 16-byte aligned", fn);
-  int sms = 0;
-  if (int r = device_sms(&sms, err, err_len)) return r;
-  if (a.num_sms > 0 && a.num_sms < sms) sms = a.num_sms;
-
-  CUtensorMap m_xpool, m_w13, m_s, m_w2, m_h, m_o;
+  CUtensorMap& m_xpool = maps->xpool;
+  CUtensorMap& m_w13 = maps->w13;
+  CUtensorMap& m_s = maps->s;
+  CUtensorMap& m_w2 = maps->w2;
+  CUtensorMap& m_h = maps->h;
+  CUtensorMap& m_o = maps->o;
   {
     const uint64_t dims[2] = {(uint64_t)a.hidden, (uint64_t)a.m_total};
     const uint64_t strides[1] = {(uint64_t)a.hidden * 2};
@@ -94,7 +110,7 @@ int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size
     if (int r = make_map(&m_o, a.o, 2, dims, strides, box, err, err_len)) return r;
   }
   if (a.h == nullptr) m_h = m_o;  // never used
-  CUtensorMap m_s_st;  // s as the L1 epilogue stores it: 64-row boxes
+  CUtensorMap& m_s_st = maps->s_st;  // s as the L1 epilogue stores it: 64-row boxes
   {
     const uint64_t dims[2] = {(uint64_t)a.inter, (uint64_t)a.m_total};
     const uint64_t strides[1] = {(uint64_t)a.inter * 2};
@@ -102,7 +118,8 @@ int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size
     if (int r = make_map(&m_s_st, a.s, 2, dims, strides, box, err, err_len)) return r;
   }
 
-  MegaFwdParams p{};
+  MegaFwdParams& p = *out;
+  p = MegaFwdParams{};
   for (int r = 0; r < a.num_ranks; ++r) p.x_ranks[r] = static_cast<const __nv_bfloat16*>(a.x_ranks[r]);
   p.num_ranks = a.num_ranks;
   p.ld_x = a.ld_x;
@@ -118,6 +135,9 @@ int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size
   p.s = static_cast<__nv_bfloat16*>(a.s);
   p.h = static_cast<__nv_bfloat16*>(a.h);
   p.o = static_cast<__nv_bfloat16*>(a.o);
+  if (a.o_slots != nullptr)
+    for (int r = 0; r < a.num_ranks; ++r) p.o_slots[r] = static_cast<__nv_bfloat16*>(a.o_slots[r]);
+  p.ld_slots = a.ld_slots;
   p.clamp = a.clamp;
   if (a.clamp > 0.f) bf16_clamp_neighbours(a.clamp, &p.clamp_below, &p.clamp_above);
   // The rows past disp_split_row are dispatched token by token (single rank; MegaFwdParams::disp_split_row).
@@ -129,23 +149,82 @@ int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size
   p.num_tokens = static_cast<int32_t>(a.num_tokens);
   p.counters = a.counters;
   p.max_m_blocks = (int32_t)max_m_blocks(a.m_total, a.num_experts);
-  p.handoff = cfg.handoff;
+  // The L2 hand-off TMA-stores whole tiles to o; pushed rows go out one by one from the consumers' staging.
+  p.handoff = a.o_slots != nullptr ? (cfg.handoff & ~2) : cfg.handoff;
   p.l2_hints = cfg.l2_hints;
   cudaError_t e = wait_guard_for_current_device(&p.wait_guard);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "%s: allocating the wait record: %s", fn, cudaGetErrorString(e));
   p.check = common::device_check_record();
 
-  const int64_t num_counters = mega_moe_fwd_counter_count(a.m_total, a.num_experts);
-  e = cudaMemsetAsync(a.counters, 0, sizeof(int32_t) * num_counters, stream);
+  return kGemmOk;
+}
+
+cudaError_t zero_counters(const MegaFwdArgs& a, cudaStream_t stream) {
+  return cudaMemsetAsync(a.counters, 0, sizeof(int32_t) * mega_moe_fwd_counter_count(a.m_total, a.num_experts),
+                         stream);
+}
+
+// The one instantiation of each kernel is kMegaFwdStages x kMegaFwdDispatchSlots (mega_moe_heuristics.hpp).
+constexpr int kFwdSmem = MegaFwdLayout<kMegaFwdStages, kMegaFwdDispatchSlots>::kSmemBytes;
+
+}  // namespace
+
+int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size_t err_len) {
+  clear_err(err, err_len);
+  const char* fn = "mega_moe_fwd_bf16";
+  MegaFwdMaps maps;
+  MegaFwdParams p;
+  bool empty = false;
+  if (int r = prepare_rank(a, &maps, &p, &empty, fn, err, err_len)) return r;
+  if (empty) return kGemmOk;
+  int sms = 0;
+  if (int r = device_sms(&sms, err, err_len)) return r;
+  if (a.num_sms > 0 && a.num_sms < sms) sms = a.num_sms;
+  cudaError_t e = zero_counters(a, stream);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
-  // Any number of CTAs may run at once (the kernel claims its work: mega_moe_fwd.cuh), one per SM at most. The one
-  // instantiation is cfg.num_stages x cfg.dispatch_slots.
+  // Any number of CTAs may run at once (the kernel claims its work: mega_moe_fwd.cuh), one per SM at most.
   constexpr auto kernel = &mega_moe_fwd_kernel<kMegaFwdStages, kMegaFwdDispatchSlots>;
-  constexpr int smem = MegaFwdLayout<kMegaFwdStages, kMegaFwdDispatchSlots>::kSmemBytes;
-  e = set_max_dynamic_smem<kernel>(smem);
+  e = set_max_dynamic_smem<kernel>(kFwdSmem);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-  kernel<<<sms, kNumThreads, smem, stream>>>(m_xpool, m_w13, m_s, m_w2, m_h, m_o, m_s_st, p);
+  kernel<<<sms, kNumThreads, kFwdSmem, stream>>>(maps, p);
+  return check_launch(fn, err, err_len);
+}
+
+static_assert(kMegaFwdMaxLaunchRanks == kMegaMaxRanks, "the launch holds one pointer table per rank");
+
+int mega_moe_fwd_bf16_ranks(const MegaFwdArgs* ranks, int num_ranks, int num_sms, cudaStream_t stream, char* err,
+                            size_t err_len) {
+  clear_err(err, err_len);
+  const char* fn = "mega_moe_fwd_bf16_ranks";
+  if (ranks == nullptr || num_ranks < 1 || num_ranks > kMegaMaxRanks)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: %d ranks, must be in [1, %d]", fn, num_ranks, kMegaMaxRanks);
+  if (num_sms < 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_sms = %d, must be >= 1 (or 0: every SM)", fn, num_sms);
+  // Ranks without pool rows take no CTAs: the launch's slots hold the others, each with its own parameters.
+  MegaFwdRanksLaunch launch{};  // ~10 KB of kernel parameters (sm90 takes up to 32 KB)
+  int used = 0;
+  for (int r = 0; r < num_ranks; ++r) {
+    bool empty = false;
+    if (int rc = prepare_rank(ranks[r], &launch.maps[used], &launch.p[used], &empty, fn, err, err_len)) return rc;
+    if (!empty) ++used;
+  }
+  if (used == 0) return kGemmOk;
+  int sms = 0;
+  if (int r = device_sms(&sms, err, err_len)) return r;
+  if (num_sms > 0 && num_sms < sms) sms = num_sms;
+  launch.num_ranks = used;
+  launch.ctas_per_rank = sms / used > 0 ? sms / used : 1;
+  for (int r = 0; r < num_ranks; ++r) {
+    if (ranks[r].m_total == 0) continue;
+    const cudaError_t e = zero_counters(ranks[r], stream);
+    if (e != cudaSuccess)
+      return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
+  }
+  constexpr auto kernel = &mega_moe_fwd_ranks_kernel<kMegaFwdStages, kMegaFwdDispatchSlots>;
+  const cudaError_t e = set_max_dynamic_smem<kernel>(kFwdSmem);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+  kernel<<<used * launch.ctas_per_rank, kNumThreads, kFwdSmem, stream>>>(launch);
   return check_launch(fn, err, err_len);
 }
 

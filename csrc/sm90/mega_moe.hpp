@@ -19,6 +19,8 @@ namespace sm90 {
 // int32 counters the forward needs (zeroed by the launch itself, on `stream`): dispatch and L1 per m-block, then
 // the work-claim counters (mega_moe_fwd.cuh, MegaFwdClaim).
 constexpr int64_t kMegaFwdClaimCounters = 4;
+// The most ranks one launch of mega_moe_fwd_bf16_ranks plays (= the pointer tables' length, kMegaMaxRanks).
+constexpr int kMegaFwdMaxLaunchRanks = 8;
 inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts) {
   return 2 * max_m_blocks(m_total, num_experts) + kMegaFwdClaimCounters;
 }
@@ -56,6 +58,11 @@ struct MegaFwdArgs {
   // m-block are overwritten only after every L1 tile of it has read them; the dispatched rows are then gone): the
   // forward's peak memory drops by m_total * hidden * 2 bytes.
   void* o = nullptr;
+  // Expert parallelism over peer memory, or null: num_ranks pointers to the source ranks' combine slots, bf16 [>=
+  // num_tokens * top_k, ld_slots]; L2 row m then goes to o_slots[pool_src_rank[m]] + pool_src_route[m] * ld_slots
+  // instead of o (o is not written; it may be x_pool's buffer still). Padding rows go nowhere.
+  void* const* o_slots = nullptr;
+  int64_t ld_slots = 0;
   // rows of x (of every rank's x: each has at least this many); pool_src_route values must be < num_tokens * top_k:
   // a larger one is not read (its row is dispatched as zeros) and is reported at the next call into the library
   // (common/watchdog.hpp, input flags)
@@ -76,6 +83,12 @@ struct MegaFwdArgs {
 // is written when expert_offsets is not a plan (reported like a bad route). The combine is a separate launch
 // (common/combine.hpp).
 int mega_moe_fwd_bf16(const MegaFwdArgs& args, cudaStream_t stream, char* err, size_t err_len);
+
+// The forwards of num_ranks (1..8) ranks in one launch, CTAs split evenly over the ranks with pool rows (the one-GPU
+// emulation of expert parallelism; mega_moe_fwd.cuh, MegaFwdRanksLaunch). Each rank's arguments as above (their
+// num_sms is ignored: num_sms, 0 = every SM, is the launch's). Every rank is checked before anything is launched.
+int mega_moe_fwd_bf16_ranks(const MegaFwdArgs* ranks, int num_ranks, int num_sms, cudaStream_t stream, char* err,
+                            size_t err_len);
 
 // One FP8 forward over a routing plan: the quantizing dispatch (common/dispatch_rows_fp8.cuh: token rows to their
 // routes' pool rows through route_to_pool), then the fused kernel (csrc/sm90/mega_moe_fwd_fp8.cuh), which zeroes the

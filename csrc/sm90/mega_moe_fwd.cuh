@@ -92,6 +92,11 @@ struct MegaFwdParams {
   __nv_bfloat16* s;       // [m_total, inter]
   __nv_bfloat16* h;       // [m_total, 2 * inter] or null
   __nv_bfloat16* o;       // [m_total, hidden]: L2 output per pool row (may alias x_pool, see mega_moe.hpp)
+  // Expert parallelism over peer memory: when o_slots[0] is set, o is not written; each L2 row goes to its source
+  // rank's combine slots instead, o_slots[pool_src_rank[m]] + pool_src_route[m] * ld_slots (generic 16-byte stores
+  // from the staging tile: the rows of a tile go to scattered routes, maybe on several GPUs). Padding rows go nowhere.
+  __nv_bfloat16* o_slots[kMegaMaxRanks];
+  int64_t ld_slots;
   float clamp;
   float clamp_below;  // the largest bf16 value < clamp and the smallest > clamp (F6 rounding of the saved h)
   float clamp_above;
@@ -358,12 +363,13 @@ struct MegaTileSequence {
 // of every CTA alike, when expert_offsets is not a plan (offsets[0] != 0, decreasing, or past m_total): the
 // dispatch would count rows to the wrong m-blocks and the tiles would wait for counts that never come, so the
 // kernel then writes nothing and flags it (MegaFwdParams::bad_offsets).
-// P: MegaFwdParams or MegaFwdFp8Params (expert_offsets, num_experts, m_total, check); maps: the kernel's tensor maps
-// for kernel_prologue to prefetch.
+// P: MegaFwdParams or MegaFwdFp8Params (expert_offsets, num_experts, m_total, check); reporter: the one CTA of the
+// launch (of its rank, in a launch over several ranks) that reports bad offsets; maps: the kernel's tensor maps for
+// kernel_prologue to prefetch.
 template <int kNumStages, int kBlockM, typename P, typename... TensorMaps>
 __device__ __forceinline__ bool mega_fwd_prologue(const P& p, uint64_t* full_bar, uint64_t* empty_bar,
                                                   uint32_t empty_arrivals, int32_t* s_offs, int32_t* s_mb,
-                                                  const TensorMaps&... maps) {
+                                                  bool reporter, const TensorMaps&... maps) {
   const int tid = threadIdx.x;
   kernel_prologue<kNumStages>(full_bar, empty_bar, 1, empty_arrivals, maps...);
   bool bad = false;
@@ -376,7 +382,7 @@ __device__ __forceinline__ bool mega_fwd_prologue(const P& p, uint64_t* full_bar
     }
   }
   if (__syncthreads_or(bad)) {
-    if (bad && blockIdx.x == 0) common::report_device_check(p.check, common::kCheckMegaFwdOffsets, bad_value, p.m_total);
+    if (bad && reporter) common::report_device_check(p.check, common::kCheckMegaFwdOffsets, bad_value, p.m_total);
     return false;
   }
   load_group_offsets_and_mblocks<kBlockM>(p.expert_offsets, p.num_experts, p.m_total, s_offs, s_mb);
@@ -529,13 +535,23 @@ __device__ __forceinline__ void mega_handoff_helper(const MegaFwdParams& p, int3
   if (htid == 0) ptx::bulk_wait_group<0>();  // the last L2 tiles' o stores are complete before the CTA exits
 }
 
+// The tensor maps of one rank's forward (mega_moe.cu makes them): the dispatched rows, w13, s as L2 reads it, w2,
+// h, o, and s as the L1 epilogue stores it (64-row boxes).
+struct MegaFwdMaps {
+  CUtensorMap xpool, w13, s, w2, h, o, s_st;
+};
+
+// One CTA of a rank's forward: the whole kernel but for where its maps and parameters come from. reporter: the CTA
+// that reports bad offsets (the rank's first).
 template <int kNumStages, int kDispatchSlots>
-__global__ void __launch_bounds__(kNumThreads, 1)
-    mega_moe_fwd_kernel(const __grid_constant__ CUtensorMap tmap_xpool, const __grid_constant__ CUtensorMap tmap_w13,
-                        const __grid_constant__ CUtensorMap tmap_s, const __grid_constant__ CUtensorMap tmap_w2,
-                        const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_o,
-                        const __grid_constant__ CUtensorMap tmap_s_st, const __grid_constant__ MegaFwdParams p) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+__device__ __forceinline__ void mega_moe_fwd_cta(const MegaFwdMaps& maps, const MegaFwdParams& p, bool reporter) {
+  const CUtensorMap& tmap_xpool = maps.xpool;
+  const CUtensorMap& tmap_w13 = maps.w13;
+  const CUtensorMap& tmap_s = maps.s;
+  const CUtensorMap& tmap_w2 = maps.w2;
+  const CUtensorMap& tmap_h = maps.h;
+  const CUtensorMap& tmap_o = maps.o;
+  const CUtensorMap& tmap_s_st = maps.s_st;
   using L = MegaFwdLayout<kNumStages, kDispatchSlots>;
   constexpr int kBlockM = L::kBlockM;
   constexpr int kBlockN = L::kBlockN;
@@ -560,7 +576,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     ptx::mbar_init(reinterpret_cast<uint64_t*>(smem + L::kHoFreeOff), 1);
     ptx::fence_mbar_init();  // published to the CTA by the prologue's __syncthreads
   }
-  if (!mega_fwd_prologue<kNumStages, kBlockM>(p, full_bar, empty_bar, kNumConsumerThreads / 32, s_offs, s_mb,
+  if (!mega_fwd_prologue<kNumStages, kBlockM>(p, full_bar, empty_bar, kNumConsumerThreads / 32, s_offs, s_mb, reporter,
                                               &tmap_xpool, &tmap_w13, &tmap_s, &tmap_w2, &tmap_o,
                                               [&] { return p.h != nullptr ? &tmap_h : nullptr; }))
     return;
@@ -674,6 +690,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                : (ptx::mbar_wait(disp_done, 0), true);
         if (done) stage_b_state = 1u;  // the latest group read the first tile
       }
+      // L2 rows pushed to their source ranks' combine slots (MegaFwdParams::o_slots; the host turns the L2 hand-off
+      // off then)
+      const bool push = !t.l1 && p.o_slots[0] != nullptr;
       auto staged_pass = [&](int box0, __nv_bfloat16* out, int64_t ld, int c0, int limit, const CUtensorMap* map,
                              auto pack, int hint_bit) {
         const bool alternate = (stage_b_state & 1u) != 0;
@@ -687,7 +706,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         write_acc_boxes_to_staging<kBlockN, kStageCols / 64>(acc, stg, wg_tid, box0, pack);
         ptx::fence_proxy_async_smem();
         ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
-        if (full_half) {
+        if (push) {
+          copy_swizzled_half_to_routes<kStageCols>(stg, wg_tid, min(t.row_end - hrow0, 64), p.pool_src_route,
+                                                   p.pool_src_rank, p.num_tokens * p.top_k, p.o_slots, p.num_ranks,
+                                                   p.ld_slots, hrow0, c0, limit);
+        } else if (full_half) {
           if (wg_tid == 0) {
             const uint64_t pol = l2_policy_store(p.l2_hints, hint_bit);
 #pragma unroll
@@ -769,6 +792,34 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
     }
   }
+}
+
+template <int kNumStages, int kDispatchSlots>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    mega_moe_fwd_kernel(const __grid_constant__ MegaFwdMaps maps, const __grid_constant__ MegaFwdParams p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  mega_moe_fwd_cta<kNumStages, kDispatchSlots>(maps, p, blockIdx.x == 0);
+#endif
+}
+
+// The forwards of several ranks in one launch (the one-GPU emulation of expert parallelism: each virtual rank's
+// buffers are its own, its peers' rows are read and its L2 rows pushed through the pointer tables of its
+// parameters). CTAs [r * ctas_per_rank, (r + 1) * ctas_per_rank) run rank r's forward. A rank's forward waits
+// only for its own CTAs' work (the argument above, per rank): no CTA waits for another rank's, so the launch
+// completes with any subset of its CTAs running, as one rank's does.
+struct MegaFwdRanksLaunch {
+  MegaFwdMaps maps[kMegaMaxRanks];
+  MegaFwdParams p[kMegaMaxRanks];
+  int32_t num_ranks;
+  int32_t ctas_per_rank;
+};
+
+template <int kNumStages, int kDispatchSlots>
+__global__ void __launch_bounds__(kNumThreads, 1) mega_moe_fwd_ranks_kernel(const __grid_constant__ MegaFwdRanksLaunch l) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  const int r = static_cast<int>(blockIdx.x) / l.ctas_per_rank;
+  if (r < l.num_ranks)
+    mega_moe_fwd_cta<kNumStages, kDispatchSlots>(l.maps[r], l.p[r], static_cast<int>(blockIdx.x) % l.ctas_per_rank == 0);
 #endif
 }
 

@@ -273,6 +273,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int warp = tid >> 5;
   const int lane = tid & 31;
   if (!mega_fwd_prologue<kNumStages, kBlockM>(p, full_bar, empty_bar, kNumConsumerThreads / 32, s_offs, s_mb,
+                                              blockIdx.x == 0,
                                               &tmap_xq, &tmap_xsa, &tmap_w13, &tmap_sq, &tmap_ssa, &tmap_w2, &tmap_o,
                                               &tmap_sq_st, &tmap_ssa_st,
                                               [&] { return p.l1.h != nullptr ? &tmap_h : nullptr; }))

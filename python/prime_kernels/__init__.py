@@ -51,7 +51,7 @@ from .quantize import dispatch_rows_fp8, quantize_tokens_fp8  # noqa: E402
 from .routing import RoutingPlan, pool_capacity, routing_plan, routing_plan_reference  # noqa: E402
 
 from . import _watchdog  # noqa: E402
-from ._watchdog import check_device_errors, set_wait_timeout, wait_timeout  # noqa: E402
+from ._watchdog import check_device_errors, peer_wait_timeout, set_peer_wait_timeout, set_wait_timeout, wait_timeout  # noqa: E402,E501
 from . import mega  # noqa: E402
 
 if _lib.load().shim_loaded:
@@ -69,4 +69,5 @@ from .mega import *  # noqa: E402,F401,F403  (upstream's top-level names: bf16_m
 __all__ = list(mega.__all__) + ["status", "build_info", "__version__", "RoutingPlan", "routing_plan", "routing_plan_reference",
            "pool_capacity", "combine", "dispatch_rows", "m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "k_grouped_bf16_gemm_tn",
            "m_grouped_fp8_gemm_nt", "k_grouped_fp8_gemm_tn", "set_wait_timeout", "wait_timeout", "check_device_errors",
+           "set_peer_wait_timeout", "peer_wait_timeout",
            "dispatch_rows_fp8", "quantize_tokens_fp8"]

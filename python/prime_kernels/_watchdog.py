@@ -25,6 +25,10 @@ def _core() -> ctypes.CDLL:
         core.pk_get_wait_timeout.restype = ctypes.c_double
         core.pk_device_check.argtypes = []
         core.pk_device_check.restype = ctypes.c_int
+        core.pk_set_peer_wait_timeout.argtypes = [ctypes.c_double]
+        core.pk_set_peer_wait_timeout.restype = ctypes.c_int
+        core.pk_get_peer_wait_timeout.argtypes = []
+        core.pk_get_peer_wait_timeout.restype = ctypes.c_double
         core.pk_wait_timeout_probe.argtypes = [ctypes.c_double, ctypes.c_void_p]
         core.pk_wait_timeout_probe.restype = ctypes.c_int
         core._pk_watchdog_declared = True
@@ -48,6 +52,22 @@ def set_wait_timeout(seconds: float) -> None:
 def wait_timeout() -> float:
     """The bound, in seconds, on every kernel wait for another CTA's work."""
     return float(_core().pk_get_wait_timeout())
+
+
+def set_peer_wait_timeout(seconds: float) -> None:
+    """Sets the bound (seconds, in (0, 3600]; default 60) on every wait for another rank of an expert-parallel group
+    over peer memory (a rank waits for its peers to enter a call and to finish pushing their rows; a peer that is
+    late by up to this long still succeeds), for the launches after this call."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        raise ValueError(f"set_peer_wait_timeout: seconds must be a finite number, got {seconds!r}")
+    core = _core()
+    if core.pk_set_peer_wait_timeout(float(seconds)) != 0:
+        raise ValueError(f"prime_kernels.set_peer_wait_timeout: {core.pk_last_error().decode()}")
+
+
+def peer_wait_timeout() -> float:
+    """The bound, in seconds, on every wait for another rank."""
+    return float(_core().pk_get_peer_wait_timeout())
 
 
 def check_device_errors() -> None:

@@ -1,0 +1,51 @@
+// C ABI of the expert-parallel barriers over peer memory (csrc/common/ep_signal.hpp).
+#include <cstdint>
+
+#include "api/prime_kernels_api.h"
+#include "api/errors.hpp"
+#include "common/ep_signal.hpp"
+#include "common/watchdog.hpp"
+
+extern "C" {
+
+int64_t pk_ep_signals_bytes(void) { return static_cast<int64_t>(sizeof(prime_kernels::common::EpSignals)); }
+
+int pk_ep_barrier(void* const* signals, int num_ranks, int kind, const int32_t* played, int num_played,
+                  void* cuda_stream) {
+  using prime_kernels::common::kEpMaxRanks;
+  if (const int rc = prime_kernels::api::check_device_findings("ep_barrier"); rc != PK_OK) return rc;
+  PK_CHECK_ARG(signals != nullptr && played != nullptr, "ep_barrier: null signals or played");
+  PK_CHECK_ARG(num_ranks >= 1 && num_ranks <= kEpMaxRanks, "ep_barrier: num_ranks = %d, must be in [1, %d]", num_ranks,
+               kEpMaxRanks);
+  PK_CHECK_ARG(kind == prime_kernels::common::kEpEnter || kind == prime_kernels::common::kEpExit,
+               "ep_barrier: kind = %d, must be 0 (enter) or 1 (exit)", kind);
+  PK_CHECK_ARG(num_played >= 1 && num_played <= num_ranks, "ep_barrier: num_played = %d, must be in [1, %d]",
+               num_played, num_ranks);
+  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kAny); rc != PK_OK)
+    return rc;
+  prime_kernels::common::EpBarrierArgs args{};
+  args.num_ranks = num_ranks;
+  args.kind = kind;
+  args.num_played = num_played;
+  for (int r = 0; r < num_ranks; ++r) {
+    PK_CHECK_ARG(signals[r] != nullptr && reinterpret_cast<uintptr_t>(signals[r]) % 8 == 0,
+                 "ep_barrier: signals[%d] is null or not 8-byte aligned", r);
+    args.signals[r] = static_cast<prime_kernels::common::EpSignals*>(signals[r]);
+  }
+  unsigned seen = 0;
+  for (int i = 0; i < num_played; ++i) {
+    PK_CHECK_ARG(played[i] >= 0 && played[i] < num_ranks && !(seen >> played[i] & 1u),
+                 "ep_barrier: played[%d] = %d is not a rank of the group or is played twice", i, played[i]);
+    seen |= 1u << played[i];
+    args.played[i] = played[i];
+  }
+  prime_kernels::WaitGuard guard{};
+  if (const cudaError_t e = prime_kernels::peer_wait_guard_for_current_device(&guard); e != cudaSuccess)
+    return prime_kernels::api::fail_cuda(e, "ep_barrier: allocating the wait record");
+  if (const cudaError_t e = prime_kernels::common::launch_ep_barrier(args, guard, static_cast<cudaStream_t>(cuda_stream));
+      e != cudaSuccess)
+    return prime_kernels::api::fail_cuda(e, "ep_barrier: launch");
+  return prime_kernels::api::ok();
+}
+
+}  // extern "C"

@@ -1,0 +1,267 @@
+"""Expert parallelism over peer memory (prime_kernels.mega._peer_ep), proven on one GPU by its emulator: R virtual
+ranks with their own buffers, the barriers and the fused forward's pushes of the R-GPU path, equal to EP = 1 over the
+concatenated tokens bit for bit (y, and each rank's h rows against EP = 1's pool slice of its experts), over routings
+that stress the exchange (a rank with T = 0, every route to one rank's experts, skewed, masked routes), with the ranks
+in one launch or each on its own stream with random delays; long loops, CUDA-graph replay, a late rank, and a rank
+that never arrives (bounded: the wait traps with the ranks named).
+
+On the CPU only the plan slicing runs (the barriers and the fused forward are CUDA kernels)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from mega_helpers import make_problem
+
+E, H, I, K = 16, 256, 256, 4
+BLOCK_M = 128
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the emulator runs CUDA kernels)")
+
+
+def _skip_unless_fused():
+    from prime_kernels import _status
+
+    why = _status.reason("mega_moe.bf16.sm90")
+    if why != "available":
+        pytest.skip(f"mega_moe.bf16.sm90: {why}")
+
+
+def _routing(name: str, tokens: list[int], num_ranks: int, seed: int):
+    """Per rank (x, topk_idx, topk_weights); routing "uniform", "skewed", "one_rank" (every route to rank 0's
+    experts) or "masked"."""
+    out = []
+    for r, T in enumerate(tokens):
+        if T == 0:
+            out.append((torch.empty(0, H, dtype=torch.bfloat16), torch.empty(0, K, dtype=torch.int64),
+                        torch.empty(0, K, dtype=torch.float32)))
+            continue
+        kind = {"one_rank": "uniform", "masked": "uniform"}.get(name, name)
+        used = E // num_ranks if name == "one_rank" else None
+        x, idx, w, *_ = make_problem(T, H, I, E, K, routing=kind, seed=seed * 31 + r, experts_used=used,
+                                     masked_frac=0.3 if name == "masked" else 0.0)
+        out.append((x, idx, w))
+    return out
+
+
+def _weights(seed: int):
+    g = torch.Generator().manual_seed(1000 + seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(torch.bfloat16)
+    return w13, w2
+
+
+def _ep1(inputs, w13, w2):
+    """EP = 1 over the concatenated tokens: (y, h, expert_offsets) of the fused forward."""
+    from prime_kernels.mega import _fused
+    from prime_kernels.routing import pool_capacity
+
+    x = torch.cat([t[0] for t in inputs]).cuda()
+    idx = torch.cat([t[1] for t in inputs]).cuda()
+    w = torch.cat([t[2] for t in inputs]).cuda()
+    T = x.shape[0]
+    outs = _fused.forward(x, idx, w, w13.cuda(), w2.cuda(), num_experts=E, block_m=BLOCK_M,
+                          capacity=pool_capacity(T, K, E, BLOCK_M))
+    return outs[0], outs[1], outs[3]
+
+
+def _emulated(inputs, w13, w2, num_ranks, *, delays=0.0, seed=0, group=None):
+    from prime_kernels.mega._peer_ep import EmulatedGroup
+
+    El = E // num_ranks
+    tmax = max(1, max(t[0].shape[0] for t in inputs))
+    if group is None:
+        group = EmulatedGroup(num_ranks, num_experts=E, hidden=H, top_k=K, max_tokens=tmax, delays=delays, seed=seed)
+    for b in group.buffers:  # a slot the forward should write and does not shows as NaN in y
+        b.slots.fill_(float("nan"))
+    outs = group.forward([t[0].cuda() for t in inputs], [t[1].cuda() for t in inputs],
+                         [t[2].cuda() for t in inputs], [w13[r * El:(r + 1) * El].cuda() for r in range(num_ranks)],
+                         [w2[r * El:(r + 1) * El].cuda() for r in range(num_ranks)], block_m=BLOCK_M)
+    return outs, group
+
+
+def _assert_equal_to_ep1(inputs, outs, ep1):
+    y1, h1, off1 = ep1
+    R = len(outs)
+    El = E // R
+    row = 0
+    for r, (y, h, plan) in enumerate(outs):
+        T = inputs[r][0].shape[0]
+        assert torch.equal(y, y1[row:row + T]), f"rank {r}: y differs from EP = 1 on its tokens"
+        row += T
+        base, end = int(off1[r * El]), int(off1[(r + 1) * El])
+        n = int(plan[0][-1])
+        assert n == end - base, f"rank {r}: its pool has {n} rows, EP = 1's slice {end - base}"
+        assert torch.equal(h[:n], h1[base:end]), f"rank {r}: h differs from EP = 1's rows of its experts"
+
+
+CASES = [
+    ("uniform", (40, 56)),
+    ("skewed", (131, 64)),
+    ("empty_rank", (0, 77)),
+    ("one_rank", (50, 61)),
+    ("masked", (45, 1)),
+    ("uniform4", (33, 0, 70, 128)),
+    ("skewed4", (90, 17, 1, 64)),
+    ("one_rank4", (20, 30, 0, 41)),
+]
+
+
+@cuda
+@pytest.mark.parametrize("delays", [0.0, 2e-4], ids=["one_launch", "delays"])
+@pytest.mark.parametrize("case,tokens", CASES, ids=[c[0] for c in CASES])
+def test_emulated_forward_equals_ep1_bitwise(case, tokens, delays):
+    _skip_unless_fused()
+    name = case.rstrip("4").replace("empty_rank", "uniform")
+    R = len(tokens)
+    seed = CASES.index((case, tokens))
+    inputs = _routing(name, list(tokens), R, seed)
+    w13, w2 = _weights(seed)
+    outs, _ = _emulated(inputs, w13, w2, R, delays=delays, seed=seed)
+    torch.cuda.synchronize()
+    _assert_equal_to_ep1(inputs, outs, _ep1(inputs, w13, w2))
+
+
+@cuda
+def test_emulated_back_to_back_calls_are_stable_and_never_hang():
+    _skip_unless_fused()
+    R = 4
+    inputs = _routing("skewed", [24, 9, 0, 31], R, 7)
+    w13, w2 = _weights(7)
+    outs, group = _emulated(inputs, w13, w2, R)
+    first = [o[0].clone() for o in outs]
+    El = E // R
+    args = ([t[0].cuda() for t in inputs], [t[1].cuda() for t in inputs], [t[2].cuda() for t in inputs],
+            [w13[r * El:(r + 1) * El].cuda() for r in range(R)], [w2[r * El:(r + 1) * El].cuda() for r in range(R)])
+    for i in range(2000):
+        outs = group.forward(*args, block_m=BLOCK_M)
+        if i % 500 == 499:
+            torch.cuda.synchronize()
+            for r in range(R):
+                assert torch.equal(outs[r][0], first[r]), f"call {i}: rank {r}'s y changed"
+    torch.cuda.synchronize()
+    epochs = [int(b.signals[:8].view(torch.int64).item()) for b in group.buffers]
+    assert epochs == [2001] * R, f"every rank entered 2001 calls, epochs {epochs}"
+
+
+@cuda
+def test_emulated_forward_replays_in_a_cuda_graph():
+    _skip_unless_fused()
+    R = 2
+    inputs = _routing("uniform", [37, 52], R, 3)
+    w13, w2 = _weights(3)
+    El = E // R
+    eager, group = _emulated(inputs, w13, w2, R)
+    args = ([t[0].cuda() for t in inputs], [t[1].cuda() for t in inputs], [t[2].cuda() for t in inputs],
+            [w13[r * El:(r + 1) * El].cuda() for r in range(R)], [w2[r * El:(r + 1) * El].cuda() for r in range(R)])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        group.forward(*args, block_m=BLOCK_M)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = group.forward(*args, block_m=BLOCK_M)
+    before = [int(b.signals[:8].view(torch.int64).item()) for b in group.buffers]
+    for _ in range(3):
+        for b in group.buffers:
+            b.slots.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    after = [int(b.signals[:8].view(torch.int64).item()) for b in group.buffers]
+    assert after == [e + 3 for e in before], f"epochs advance on replay: {before} -> {after}"
+    for r in range(R):
+        assert torch.equal(captured[r][0], eager[r][0]), f"rank {r}: the replay's y differs from eager"
+
+
+@cuda
+def test_a_rank_seconds_late_still_succeeds():
+    """Rank 1 enters 2 s after rank 0 (each on its own stream): rank 0's waits outlast it (the peer bound is 60 s)."""
+    _skip_unless_fused()
+    from prime_kernels.mega import _peer_ep
+
+    R = 2
+    inputs = _routing("uniform", [16, 16], R, 5)
+    w13, w2 = _weights(5)
+    outs, group = _emulated(inputs, w13, w2, R)
+    ref = [o[0].clone() for o in outs]
+    El = E // R
+    streams = [torch.cuda.Stream() for _ in range(R)]
+    res = [None] * R
+    for r in (0, 1):
+        streams[r].wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(streams[r]):
+            if r == 1:
+                torch.cuda._sleep(int(2.0 * 1.4e9))
+            res[r] = _peer_ep.forward_ranks(group.buffers, [r], [inputs[r][1].cuda()], [inputs[r][2].cuda()],
+                                            [w13[r * El:(r + 1) * El].cuda()], [w2[r * El:(r + 1) * El].cuda()],
+                                            num_experts=E, block_m=BLOCK_M, num_sms=16)[0]
+    torch.cuda.synchronize()
+    for r in range(R):
+        assert torch.equal(res[r][0], ref[r])
+
+
+_ABSENT_PEER = textwrap.dedent("""
+    import torch, prime_kernels
+    from prime_kernels.mega import _peer_ep
+    prime_kernels.set_peer_wait_timeout(0.5)
+    bufs = [_peer_ep.PeerBuffers.allocate(4, 128, 2, "cuda") for _ in range(3)]
+    _peer_ep.barrier(bufs, 0, [0, 2])  # rank 1 never arrives
+    try:
+        torch.cuda.synchronize()
+    except Exception:
+        pass
+    try:
+        prime_kernels.check_device_errors()
+    except RuntimeError as e:
+        print("ERROR:", e)
+""")
+
+
+@cuda
+def test_a_rank_that_never_arrives_traps_with_the_ranks_named():
+    _skip_unless_fused()
+    r = subprocess.run([sys.executable, "-c", _ABSENT_PEER], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = r.stdout + r.stderr
+    assert "ERROR:" in out, out[-2000:]
+    msg = out.split("ERROR:", 1)[1]
+    assert "rank 0" in msg or "rank 2" in msg, msg
+    assert "rank 1" in msg and "entering the call" in msg and "expected its epoch >= 1, observed 0" in msg, msg
+
+
+def test_rank_plan_is_the_group_plans_slice():
+    """rank_plan (no host sync) gives each rank the rows of its experts in the group's plan over tokens (rank, t), with
+    their source ranks and routes, on the CPU too."""
+    from prime_kernels.mega._peer_ep import rank_plan
+    from prime_kernels.routing import routing_plan_reference
+
+    R, tmax = 4, 9
+    g = torch.Generator().manual_seed(0)
+    topk = []
+    for r, T in enumerate((9, 0, 5, 7)):
+        t = torch.full((tmax, K), -1, dtype=torch.int64)
+        for i in range(T):
+            t[i] = torch.randperm(E, generator=g)[:K]
+        t[:T][torch.rand(T, K, generator=g) < 0.2] = -1
+        topk.append(t)
+    ref = routing_plan_reference(torch.cat(topk), E, BLOCK_M)
+    El = E // R
+    for r in range(R):
+        offsets, src_route, src_rank = rank_plan(topk, r, E, BLOCK_M)
+        base, end = int(ref.expert_offsets[r * El]), int(ref.expert_offsets[(r + 1) * El])
+        assert offsets.tolist() == [int(v) - base for v in ref.expert_offsets[r * El:(r + 1) * El + 1]]
+        g_src = ref.pool_src_route[base:end].long()
+        ok = g_src >= 0
+        g_tok = torch.div(g_src, K, rounding_mode="floor")
+        want_rank = torch.where(ok, torch.div(g_tok, tmax, rounding_mode="floor"), -1)
+        want_route = torch.where(ok, (g_tok % tmax) * K + g_src % K, -1)
+        assert src_rank[:end - base].tolist() == want_rank.tolist()
+        assert src_route[:end - base].tolist() == want_route.tolist()
+        assert (src_route[end - base:] == -1).all() and (src_rank[end - base:] == -1).all()
