@@ -3,7 +3,7 @@
 # wheel built elsewhere into /tmp/site, then run the chosen steps. Results and logs go to $OUT.
 #
 # usage: bash bench/run_h200.sh [tests|fp8_tests|fused_bwd|bwd_lags|gemm|layer|fp8|floor|parity|staged|quantize|ep|multi|
-#                                torch_gemms]...
+#                                torch_gemms|peer]...
 #        (default: tests gemm layer floor)
 # environment:
 #   WHEEL_DIR    where prime_kernels_core-*.whl and the prime_kernels-*.whl drop-in are (default wheelhouse)
@@ -81,10 +81,15 @@ for step in $steps; do
                | tail -30
             timeout 300 python3 examples/train_parity.py --backend grouped --torch-gemms \
                --out "$OUT/train_parity_torch_gemms.json" 2>&1 | tee "$OUT/train_parity_torch_gemms.log" | tail -12 ;;
+    peer)   # expert parallelism over peer memory, on the one-GPU emulator: its tests, then its cost against EP = 1
+            (cd tests && timeout 300 python3 -m pytest -q -ra -p no:cacheprovider test_mega_peer_ep.py 2>&1 \
+               | tee "$OUT/tests_peer_ep.log" | tail -8)
+            timeout 280 python3 bench/bench_peer_ep.py --shapes qwen3-30b-a3b,qwen3-235b-a22b --tokens 4096 \
+               --ranks 2,4,8 --out "$OUT/peer_ep.json" 2>&1 | tee "$OUT/bench_peer_ep.log" | tail -12 ;;
     quantize) timeout 120 python3 bench/bench_quantize_fp8.py --tokens 16384 --out "$OUT/quantize_fp8.json" 2>&1 \
                | tee "$OUT/bench_quantize_fp8.log" | tail -12 ;;
     *) echo "unknown step $step: choose from tests fp8_tests fused_bwd bwd_lags gemm layer fp8 floor parity staged" \
-            "quantize ep multi torch_gemms"; exit 2 ;;
+            "quantize ep multi torch_gemms peer"; exit 2 ;;
   esac
 done
 ls "$OUT"

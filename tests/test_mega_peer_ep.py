@@ -57,9 +57,10 @@ def _weights(seed: int):
     return w13, w2
 
 
-def _ep1(inputs, w13, w2):
-    """EP = 1 over the concatenated tokens: (y, h, expert_offsets) of the fused forward."""
-    from prime_kernels.mega import _fused
+def _ep1(inputs, w13, w2, dys=None):
+    """EP = 1 over the concatenated tokens: (y, h, expert_offsets) of the fused forward, and with dys (per rank dy)
+    (dX, d topk_weights, dW13, dW2) of the fused backward."""
+    from prime_kernels.mega import _fused, _fused_bwd
     from prime_kernels.routing import pool_capacity
 
     x = torch.cat([t[0] for t in inputs]).cuda()
@@ -68,21 +69,36 @@ def _ep1(inputs, w13, w2):
     T = x.shape[0]
     outs = _fused.forward(x, idx, w, w13.cuda(), w2.cuda(), num_experts=E, block_m=BLOCK_M,
                           capacity=pool_capacity(T, K, E, BLOCK_M))
-    return outs[0], outs[1], outs[3]
+    fwd = (outs[0], outs[1], outs[3])
+    if dys is None:
+        return fwd
+    dy = torch.cat(dys).cuda()
+    grads = _fused_bwd.backward(dy, x, idx, w, w13.cuda(), w2.cuda(), *outs[1:7])
+    return fwd, grads
+
+
+def _poison(group):
+    """NaN in every slot a call should write: one it does not write shows in y, dX or d topk_weights."""
+    for b in group.buffers:
+        b.slots.fill_(float("nan"))
+        b.dt_slots.fill_(float("nan"))
+
+
+def _slices(w, num_ranks):
+    El = E // num_ranks
+    return [w[r * El:(r + 1) * El].cuda() for r in range(num_ranks)]
 
 
 def _emulated(inputs, w13, w2, num_ranks, *, delays=0.0, seed=0, group=None):
     from prime_kernels.mega._peer_ep import EmulatedGroup
 
-    El = E // num_ranks
     tmax = max(1, max(t[0].shape[0] for t in inputs))
     if group is None:
         group = EmulatedGroup(num_ranks, num_experts=E, hidden=H, top_k=K, max_tokens=tmax, delays=delays, seed=seed)
-    for b in group.buffers:  # a slot the forward should write and does not shows as NaN in y
-        b.slots.fill_(float("nan"))
+    _poison(group)
     outs = group.forward([t[0].cuda() for t in inputs], [t[1].cuda() for t in inputs],
-                         [t[2].cuda() for t in inputs], [w13[r * El:(r + 1) * El].cuda() for r in range(num_ranks)],
-                         [w2[r * El:(r + 1) * El].cuda() for r in range(num_ranks)], block_m=BLOCK_M)
+                         [t[2].cuda() for t in inputs], _slices(w13, num_ranks), _slices(w2, num_ranks),
+                         block_m=BLOCK_M)
     return outs, group
 
 
@@ -91,14 +107,14 @@ def _assert_equal_to_ep1(inputs, outs, ep1):
     R = len(outs)
     El = E // R
     row = 0
-    for r, (y, h, plan) in enumerate(outs):
+    for r, (y, saved) in enumerate(outs):
         T = inputs[r][0].shape[0]
         assert torch.equal(y, y1[row:row + T]), f"rank {r}: y differs from EP = 1 on its tokens"
         row += T
         base, end = int(off1[r * El]), int(off1[(r + 1) * El])
-        n = int(plan[0][-1])
+        n = int(saved.offsets[-1])
         assert n == end - base, f"rank {r}: its pool has {n} rows, EP = 1's slice {end - base}"
-        assert torch.equal(h[:n], h1[base:end]), f"rank {r}: h differs from EP = 1's rows of its experts"
+        assert torch.equal(saved.h[:n], h1[base:end]), f"rank {r}: h differs from EP = 1's rows of its experts"
 
 
 CASES = [
@@ -128,6 +144,43 @@ def test_emulated_forward_equals_ep1_bitwise(case, tokens, delays):
     _assert_equal_to_ep1(inputs, outs, _ep1(inputs, w13, w2))
 
 
+BWD_CASES = [c for c in CASES if c[0] in ("skewed", "empty_rank", "masked", "uniform4", "one_rank4")]
+
+
+@cuda
+@pytest.mark.parametrize("delays", [0.0, 2e-4], ids=["one_launch", "delays"])
+@pytest.mark.parametrize("case,tokens", BWD_CASES, ids=[c[0] for c in BWD_CASES])
+def test_emulated_backward_equals_ep1_bitwise(case, tokens, delays):
+    _skip_unless_fused()
+    from prime_kernels import _status
+
+    why = _status.reason("mega_moe_backward.bf16.sm90")
+    if why != "available":
+        pytest.skip(f"mega_moe_backward.bf16.sm90: {why}")
+    name = case.rstrip("4").replace("empty_rank", "uniform")
+    R = len(tokens)
+    seed = 50 + CASES.index((case, tokens))
+    inputs = _routing(name, list(tokens), R, seed)
+    w13, w2 = _weights(seed)
+    g = torch.Generator().manual_seed(seed)
+    dys = [torch.randn(T, H, generator=g).to(torch.bfloat16) for T in tokens]
+    outs, group = _emulated(inputs, w13, w2, R, delays=delays, seed=seed)
+    _poison(group)
+    grads = group.backward([d.cuda() for d in dys], [t[1].cuda() for t in inputs], [t[2].cuda() for t in inputs],
+                           [o[1] for o in outs], _slices(w13, R), _slices(w2, R))
+    torch.cuda.synchronize()
+    fwd1, (dx1, dt1, dw13_1, dw2_1) = _ep1(inputs, w13, w2, dys)
+    _assert_equal_to_ep1(inputs, outs, fwd1)
+    El, row = E // R, 0
+    for r, (dx, dt, dw13, dw2) in enumerate(grads):
+        T = tokens[r]
+        assert torch.equal(dx, dx1[row:row + T]), f"rank {r}: dX differs from EP = 1"
+        assert torch.equal(dt, dt1[row:row + T].float()), f"rank {r}: d topk_weights differ from EP = 1"
+        assert torch.equal(dw13, dw13_1[r * El:(r + 1) * El]), f"rank {r}: dW13 differs from EP = 1"
+        assert torch.equal(dw2, dw2_1[r * El:(r + 1) * El]), f"rank {r}: dW2 differs from EP = 1"
+        row += T
+
+
 @cuda
 def test_emulated_back_to_back_calls_are_stable_and_never_hang():
     _skip_unless_fused()
@@ -136,9 +189,8 @@ def test_emulated_back_to_back_calls_are_stable_and_never_hang():
     w13, w2 = _weights(7)
     outs, group = _emulated(inputs, w13, w2, R)
     first = [o[0].clone() for o in outs]
-    El = E // R
     args = ([t[0].cuda() for t in inputs], [t[1].cuda() for t in inputs], [t[2].cuda() for t in inputs],
-            [w13[r * El:(r + 1) * El].cuda() for r in range(R)], [w2[r * El:(r + 1) * El].cuda() for r in range(R)])
+            _slices(w13, R), _slices(w2, R))
     for i in range(2000):
         outs = group.forward(*args, block_m=BLOCK_M)
         if i % 500 == 499:
@@ -156,10 +208,9 @@ def test_emulated_forward_replays_in_a_cuda_graph():
     R = 2
     inputs = _routing("uniform", [37, 52], R, 3)
     w13, w2 = _weights(3)
-    El = E // R
     eager, group = _emulated(inputs, w13, w2, R)
     args = ([t[0].cuda() for t in inputs], [t[1].cuda() for t in inputs], [t[2].cuda() for t in inputs],
-            [w13[r * El:(r + 1) * El].cuda() for r in range(R)], [w2[r * El:(r + 1) * El].cuda() for r in range(R)])
+            _slices(w13, R), _slices(w2, R))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -170,8 +221,7 @@ def test_emulated_forward_replays_in_a_cuda_graph():
         captured = group.forward(*args, block_m=BLOCK_M)
     before = [int(b.signals[:8].view(torch.int64).item()) for b in group.buffers]
     for _ in range(3):
-        for b in group.buffers:
-            b.slots.fill_(float("nan"))
+        _poison(group)
         graph.replay()
     torch.cuda.synchronize()
     after = [int(b.signals[:8].view(torch.int64).item()) for b in group.buffers]
@@ -191,7 +241,6 @@ def test_a_rank_seconds_late_still_succeeds():
     w13, w2 = _weights(5)
     outs, group = _emulated(inputs, w13, w2, R)
     ref = [o[0].clone() for o in outs]
-    El = E // R
     streams = [torch.cuda.Stream() for _ in range(R)]
     res = [None] * R
     for r in (0, 1):
@@ -200,8 +249,8 @@ def test_a_rank_seconds_late_still_succeeds():
             if r == 1:
                 torch.cuda._sleep(int(2.0 * 1.4e9))
             res[r] = _peer_ep.forward_ranks(group.buffers, [r], [inputs[r][1].cuda()], [inputs[r][2].cuda()],
-                                            [w13[r * El:(r + 1) * El].cuda()], [w2[r * El:(r + 1) * El].cuda()],
-                                            num_experts=E, block_m=BLOCK_M, num_sms=16)[0]
+                                            [_slices(w13, R)[r]], [_slices(w2, R)[r]], num_experts=E,
+                                            block_m=BLOCK_M, num_sms=16)[0]
     torch.cuda.synchronize()
     for r in range(R):
         assert torch.equal(res[r][0], ref[r])

@@ -4,6 +4,7 @@
 #include "api/prime_kernels_api.h"
 #include "api/errors.hpp"
 #include "common/ep_signal.hpp"
+#include "common/peer_rows.hpp"
 #include "common/watchdog.hpp"
 
 extern "C" {
@@ -45,6 +46,48 @@ int pk_ep_barrier(void* const* signals, int num_ranks, int kind, const int32_t* 
   if (const cudaError_t e = prime_kernels::common::launch_ep_barrier(args, guard, static_cast<cudaStream_t>(cuda_stream));
       e != cudaSuccess)
     return prime_kernels::api::fail_cuda(e, "ep_barrier: launch");
+  return prime_kernels::api::ok();
+}
+
+int pk_peer_rows(void* pool, int64_t ld_pool, void* const* peers, int num_ranks, int64_t ld_peer, int64_t peer_rows,
+                 int64_t num_rows, int64_t row_bytes, const int32_t* src_route, const int32_t* src_rank,
+                 int route_divisor, int gather, void* cuda_stream) {
+  using prime_kernels::common::kEpMaxRanks;
+  if (const int rc = prime_kernels::api::check_device_findings("peer_rows"); rc != PK_OK) return rc;
+  PK_CHECK_ARG(num_ranks >= 1 && num_ranks <= kEpMaxRanks, "peer_rows: num_ranks = %d, must be in [1, %d]", num_ranks,
+               kEpMaxRanks);
+  PK_CHECK_ARG(num_rows >= 0 && peer_rows >= 0 && row_bytes >= 0 && row_bytes % 4 == 0 && route_divisor >= 1,
+               "peer_rows: bad sizes (num_rows %lld, peer_rows %lld, row_bytes %lld: a multiple of 4, route_divisor "
+               "%d)", static_cast<long long>(num_rows), static_cast<long long>(peer_rows),
+               static_cast<long long>(row_bytes), route_divisor);
+  PK_CHECK_ARG(ld_pool >= row_bytes && ld_peer >= row_bytes && ld_pool % 4 == 0 && ld_peer % 4 == 0,
+               "peer_rows: the row strides (%lld, %lld bytes) must be multiples of 4 and >= row_bytes",
+               static_cast<long long>(ld_pool), static_cast<long long>(ld_peer));
+  if (num_rows == 0 || row_bytes == 0) return prime_kernels::api::ok();
+  PK_CHECK_ARG(pool != nullptr && peers != nullptr && src_route != nullptr && src_rank != nullptr,
+               "peer_rows: a pointer is null");
+  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kAny); rc != PK_OK)
+    return rc;
+  prime_kernels::common::PeerRowsArgs a{};
+  a.pool = pool;
+  a.ld_pool = ld_pool;
+  for (int r = 0; r < num_ranks; ++r) {
+    PK_CHECK_ARG(peers[r] != nullptr && reinterpret_cast<uintptr_t>(peers[r]) % 4 == 0,
+                 "peer_rows: peers[%d] is null or not 4-byte aligned", r);
+    a.peers[r] = peers[r];
+  }
+  a.ld_peer = ld_peer;
+  a.num_ranks = num_ranks;
+  a.num_rows = num_rows;
+  a.row_bytes = row_bytes;
+  a.peer_rows = peer_rows;
+  a.src_route = src_route;
+  a.src_rank = src_rank;
+  a.route_divisor = route_divisor;
+  a.gather = gather != 0;
+  if (const cudaError_t e = prime_kernels::common::launch_peer_rows(a, static_cast<cudaStream_t>(cuda_stream));
+      e != cudaSuccess)
+    return prime_kernels::api::fail_cuda(e, "peer_rows: launch");
   return prime_kernels::api::ok();
 }
 

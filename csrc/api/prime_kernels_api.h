@@ -249,6 +249,12 @@ PK_API int pk_mega_moe_fwd_bf16_ranks(const pk_mega_fwd_rank* ranks, int num_ran
 PK_API int64_t pk_ep_signals_bytes(void);
 PK_API int pk_ep_barrier(void* const* signals, int num_ranks, int kind, const int32_t* played, int num_played,
                          void* cuda_stream);
+// Row moves between a pool and every rank's buffer (csrc/common/peer_rows.hpp): gather (pool[m] = peers[src_rank[m]]
+// row src_route[m] / route_divisor, zeros for src_route < 0) or scatter (that peer row = pool[m]). Strides in bytes,
+// row_bytes a multiple of 4, peer_rows: the rows of each peer buffer (a larger row index is skipped).
+PK_API int pk_peer_rows(void* pool, int64_t ld_pool, void* const* peers, int num_ranks, int64_t ld_peer,
+                        int64_t peer_rows, int64_t num_rows, int64_t row_bytes, const int32_t* src_route,
+                        const int32_t* src_rank, int route_divisor, int gather, void* cuda_stream);
 PK_API int pk_set_peer_wait_timeout(double seconds);  // (0, 3600]
 PK_API double pk_get_peer_wait_timeout(void);
 

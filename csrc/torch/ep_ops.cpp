@@ -4,11 +4,14 @@
 //   mega_moe_fused_fwd_ranks(...): the fused forwards of the played ranks in one launch, each reading its pool rows
 //     from every rank's staged x and pushing its L2 rows into their source ranks' combine slots (slots[r] [>= T_max *
 //     top_k, H]: row token * top_k + k of rank r). Per played rank (in the order of pool_src_route etc.) it returns h
-//     ([m_total, 2I] with save_h, else [0, 2I]); x_pool and s are its own temporaries.
+//     ([m_total, 2I] with save_h, else [0, 2I]) and x_pool (the dispatched rows, [m_total, H]: the backward's operand
+//     of dW13); s is a temporary.
+//   peer_rows_(pool, peers, src_route, src_rank, route_divisor, gather): csrc/common/peer_rows.hpp over tensors.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "api/prime_kernels_api.h"
@@ -52,7 +55,7 @@ void check_int32_vector(const Tensor& t, const Tensor& like, const char* op, con
   check_same_device(t, like, op, name);
 }
 
-std::vector<Tensor> mega_moe_fused_fwd_ranks(std::vector<Tensor> x_ranks, std::vector<Tensor> slots,
+std::tuple<std::vector<Tensor>, std::vector<Tensor>> mega_moe_fused_fwd_ranks(std::vector<Tensor> x_ranks, std::vector<Tensor> slots,
                                              std::vector<Tensor> pool_src_route, std::vector<Tensor> pool_src_rank,
                                              std::vector<Tensor> expert_offsets, std::vector<Tensor> w13,
                                              std::vector<Tensor> w2, int64_t top_k, bool save_h, double clamp,
@@ -93,7 +96,7 @@ std::vector<Tensor> mega_moe_fused_fwd_ranks(std::vector<Tensor> x_ranks, std::v
     ld_slots = slots[r].stride(0);
   }
   torch::stable::accelerator::DeviceGuard guard(x0.get_device_index());
-  std::vector<Tensor> h_out, keep;  // keep: the temporaries, alive until the launch is queued
+  std::vector<Tensor> h_out, x_pool_out, keep;  // keep: the temporaries, alive until the launch is queued
   pk_mega_fwd_rank args[kMaxRanks] = {};
   for (size_t i = 0; i < played; ++i) {
     check_bf16_cuda(w13[i], op, "w13", 3);
@@ -113,7 +116,7 @@ std::vector<Tensor> mega_moe_fused_fwd_ranks(std::vector<Tensor> x_ranks, std::v
     const int64_t m_total = pool_src_route[i].size(0);
     STD_TORCH_CHECK(pool_src_rank[i].size(0) == m_total, "prime_kernels.", op,
                     ": pool_src_rank must have pool_src_route's length");
-    Tensor x_pool = new_tensor(x0, {m_total, hidden}, ScalarType::BFloat16);  // also o's (never written: pushed)
+    Tensor x_pool = new_tensor(x0, {m_total, hidden}, ScalarType::BFloat16);  // o's too (never written: pushed)
     Tensor s = new_tensor(x0, {m_total, inter}, ScalarType::BFloat16);
     Tensor h = new_tensor(x0, {save_h ? m_total : 0, 2 * inter}, ScalarType::BFloat16);
     Tensor counters = new_tensor(x0, {pk_mega_moe_fwd_counter_count(m_total, num_experts)}, ScalarType::Int);
@@ -142,14 +145,59 @@ std::vector<Tensor> mega_moe_fused_fwd_ranks(std::vector<Tensor> x_ranks, std::v
     a.clamp = static_cast<float>(clamp);
     a.counters = static_cast<int32_t*>(counters.data_ptr());
     h_out.push_back(h);
-    keep.push_back(x_pool);
+    x_pool_out.push_back(x_pool);
     keep.push_back(s);
     keep.push_back(counters);
   }
   check_core(pk_mega_moe_fwd_bf16_ranks(args, static_cast<int>(played), static_cast<int>(num_sms),
                                         current_cuda_stream(x0.get_device_index())),
              op);
-  return h_out;
+  return {h_out, x_pool_out};
+}
+
+// row_bytes and the strides of a pool or peer tensor (2-D rows, or 1-D: one element a row)
+void row_layout(const Tensor& t, const char* op, const char* name, int64_t* row_bytes, int64_t* ld) {
+  STD_TORCH_CHECK(t.is_cuda() && (t.dim() == 1 || t.dim() == 2) && t.stride(t.dim() - 1) == 1, "prime_kernels.", op,
+                  ": ", name, " must be a 1-D or 2-D CUDA tensor with unit stride in its last dim");
+  const int64_t elem = t.element_size();
+  *row_bytes = (t.dim() == 2 ? t.size(1) : 1) * elem;
+  *ld = (t.dim() == 2 ? (t.size(0) > 1 ? t.stride(0) : t.size(1)) : 1) * elem;
+}
+
+void peer_rows_(Tensor pool, std::vector<Tensor> peers, Tensor src_route, Tensor src_rank, int64_t route_divisor,
+                bool gather) {
+  const char* op = "peer_rows_";
+  check_core(pk_device_check(), op);
+  const int64_t num_ranks = static_cast<int64_t>(peers.size());
+  STD_TORCH_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "prime_kernels.", op, ": ", num_ranks,
+                  " peer buffers, must be 1..", kMaxRanks);
+  int64_t row_bytes = 0, ld_pool = 0;
+  row_layout(pool, op, "pool", &row_bytes, &ld_pool);
+  const int64_t num_rows = pool.size(0);
+  check_int32_vector(src_route, pool, op, "src_route");
+  check_int32_vector(src_rank, pool, op, "src_rank");
+  STD_TORCH_CHECK(src_route.size(0) >= num_rows && src_rank.size(0) >= num_rows, "prime_kernels.", op,
+                  ": src_route and src_rank need an entry per pool row");
+  void* ptrs[kMaxRanks];
+  int64_t ld_peer = 0, peer_rows = 0;
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    int64_t rb = 0, ld = 0;
+    row_layout(peers[r], op, "peers", &rb, &ld);
+    STD_TORCH_CHECK(peers[r].scalar_type() == pool.scalar_type() && rb == row_bytes && peers[r].dim() == pool.dim() &&
+                        (r == 0 || (ld == ld_peer && peers[r].size(0) == peer_rows)),
+                    "prime_kernels.", op, ": every peer buffer must have the pool's dtype and row size, and the same "
+                    "rows and row stride");
+    check_same_device(peers[r], pool, op, "peers");
+    ld_peer = ld;
+    peer_rows = peers[r].size(0);
+    ptrs[r] = peers[r].data_ptr();
+  }
+  torch::stable::accelerator::DeviceGuard guard(pool.get_device_index());
+  check_core(pk_peer_rows(pool.data_ptr(), ld_pool, ptrs, static_cast<int>(num_ranks), ld_peer, peer_rows, num_rows,
+                          row_bytes, static_cast<const int32_t*>(src_route.data_ptr()),
+                          static_cast<const int32_t*>(src_rank.data_ptr()), static_cast<int>(route_divisor),
+                          gather ? 1 : 0, current_cuda_stream(pool.get_device_index())),
+             op);
 }
 
 }  // namespace
@@ -158,10 +206,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
   m.def("ep_barrier_(Tensor(a!)[] signals, int kind, int[] played) -> ()");
   m.def("mega_moe_fused_fwd_ranks(Tensor[] x_ranks, Tensor(a!)[] slots, Tensor[] pool_src_route, "
         "Tensor[] pool_src_rank, Tensor[] expert_offsets, Tensor[] w13, Tensor[] w2, int top_k, bool save_h, "
-        "float clamp=0.0, int num_sms=0) -> Tensor[]");
+        "float clamp=0.0, int num_sms=0) -> (Tensor[] h, Tensor[] x_pool)");
+  m.def("peer_rows_(Tensor(a!) pool, Tensor(b!)[] peers, Tensor src_route, Tensor src_rank, int route_divisor, "
+        "bool gather) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("ep_barrier_", TORCH_BOX(&ep_barrier_));
   m.impl("mega_moe_fused_fwd_ranks", TORCH_BOX(&mega_moe_fused_fwd_ranks));
+  m.impl("peer_rows_", TORCH_BOX(&peer_rows_));
 }

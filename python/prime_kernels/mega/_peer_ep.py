@@ -1,9 +1,11 @@
 """Expert parallelism over peer memory (path 2): the ranks of one NVLink domain read each other's token rows and
 write each other's combine slots directly, with no communication kernels.
 
-Each rank owns a :class:`PeerBuffers`: its staged token rows ``x`` [T_max, H] and routing ``topk_idx`` [T_max, K]
-(rows past its T masked with -1), the combine ``slots`` [T_max * K, H] that the ranks owning its routes' experts write
-its L2 rows into (row token * K + k), and its signal block (csrc/common/ep_signal.hpp). On several GPUs the four live
+Each rank owns a :class:`PeerBuffers`: its staged token rows ``x`` [T_max, H] (dy in a backward), routing
+``topk_idx`` [T_max, K] (rows past its T masked with -1) and top-k weights ``weights`` [T_max * K] fp32, the combine
+``slots`` [T_max * K, H] that the ranks owning its routes' experts write its L2 rows (dX rows in a backward) into
+(row token * K + k), ``dt_slots`` [T_max * K] fp32 for the d topk_weights of its routes, and its signal block
+(csrc/common/ep_signal.hpp). On several GPUs the four live
 in torch symmetric memory and a rank sees its peers' through their peer pointers; in the one-GPU emulator
 (:class:`EmulatedGroup`) the R virtual ranks' buffers are plain allocations on the one GPU. The device code is the
 same: a forward is
@@ -19,9 +21,14 @@ same: a forward is
 6. combine: each rank sums its own slots (fixed k order, fp32 weights): the bits of EP = 1 over the concatenated
    tokens, because every expert's tiles hold the same rows in the same order and the combine is the same.
 
-The emulator plays every rank in each launch (the barrier: one CTA per rank; the forward: its CTAs split over the
-ranks), or, with ``delays``, each rank on a stream of its own with random waits before each of its steps, so that the
-ranks run in the orders separate GPUs would.
+A backward is: stage dy and the top-k weights; enter; gather each pool row's dy row and weight from its source rank
+(csrc/common/peer_rows.hpp); the fused backward kernel over the rank's pool (the forward's plan, h and dispatched x
+rows; weights by pool row); scatter each pool row's dX row and d topk_weights to its source rank; exit; each rank
+sums its dX slots (fixed k order) and reads its d topk_weights. The weight gradients of a rank's experts stay on it.
+
+The emulator plays every rank in each launch of the barriers and the fused forward (its CTAs split over the ranks;
+the backward's kernels run rank by rank), or, with ``delays``, each rank on a stream of its own with random waits
+between its steps, so that the ranks meet in the orders separate GPUs would produce.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _lib
+from . import _fused_bwd
 from ..combine import combine
 from ..routing import pool_capacity
 
@@ -51,27 +59,43 @@ def signals_bytes() -> int:
 
 @dataclass
 class PeerBuffers:
-    """One rank's buffers that its peers read (x, topk_idx) or write (slots), and its signal block."""
+    """One rank's buffers that its peers read (x, topk_idx, weights) or write (slots, dt_slots), and its signals."""
 
-    x: torch.Tensor         # bf16 [T_max, H]
+    x: torch.Tensor         # bf16 [T_max, H]: x in a forward, dy in a backward
     topk_idx: torch.Tensor  # int64 [T_max, K]; rows past the call's T are -1
-    slots: torch.Tensor     # bf16 [T_max * K, H]
+    weights: torch.Tensor   # fp32 [T_max * K]: the top-k weights (a backward's)
+    slots: torch.Tensor     # bf16 [T_max * K, H]: L2 rows (forward) or dX rows (backward) of this rank's routes
+    dt_slots: torch.Tensor  # fp32 [T_max * K]: d topk_weights of this rank's routes
     signals: torch.Tensor   # uint8 [signals_bytes()], zeroed once, never reset
 
     @classmethod
     def allocate(cls, max_tokens: int, hidden: int, top_k: int, device) -> "PeerBuffers":
+        routes = max_tokens * top_k
         return cls(torch.empty(max_tokens, hidden, dtype=torch.bfloat16, device=device),
                    torch.full((max_tokens, top_k), -1, dtype=torch.int64, device=device),
-                   torch.empty(max_tokens * top_k, hidden, dtype=torch.bfloat16, device=device),
+                   torch.zeros(routes, dtype=torch.float32, device=device),
+                   torch.empty(routes, hidden, dtype=torch.bfloat16, device=device),
+                   torch.empty(routes, dtype=torch.float32, device=device),
                    torch.zeros(signals_bytes(), dtype=torch.uint8, device=device))
 
-    def stage(self, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
-        T = x.shape[0]
+    def _rows(self, T: int) -> None:
         if T > self.x.shape[0]:
             raise ValueError(f"{T} tokens exceed the buffers' max_tokens={self.x.shape[0]}")
+
+    def stage(self, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
+        """A forward's rows and routing."""
+        T = x.shape[0]
+        self._rows(T)
         self.x[:T].copy_(x)
         self.topk_idx[:T].copy_(topk_idx)
         self.topk_idx[T:].fill_(-1)
+
+    def stage_backward(self, dy: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """A backward's dy rows and top-k weights (the routing is the forward's, kept in its plans)."""
+        T = dy.shape[0]
+        self._rows(T)
+        self.x[:T].copy_(dy)
+        self.weights[: topk_weights.numel()].copy_(topk_weights.reshape(-1))
 
 
 def rank_plan(all_topk: list[torch.Tensor], rank: int, num_experts: int, block_m: int):
@@ -109,27 +133,86 @@ def barrier(buffers: list[PeerBuffers], kind: int, played: list[int]) -> None:
     torch.ops.prime_kernels.ep_barrier_([b.signals for b in buffers], kind, played)
 
 
+def _no_pause() -> None:
+    pass
+
+
+@dataclass
+class Saved:
+    """What a rank's forward keeps for its backward."""
+
+    offsets: torch.Tensor     # int32 [El + 1]
+    src_route: torch.Tensor   # int32 [cap]
+    src_rank: torch.Tensor    # int32 [cap]
+    h: torch.Tensor           # bf16 [cap, 2I]
+    x_pool: torch.Tensor      # bf16 [cap, H]
+
+
 def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[torch.Tensor],
                   topk_weights: list[torch.Tensor], w13: list[torch.Tensor], w2: list[torch.Tensor], *,
-                  num_experts: int, block_m: int, save_h: bool = True, clamp: float | None = None,
-                  num_sms: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, tuple]]:
+                  num_experts: int, block_m: int, clamp: float | None = None, num_sms: int = 0,
+                  pause=_no_pause) -> list[tuple[torch.Tensor, Saved]]:
     """Steps 2-6 of the module docstring for the ``played`` ranks (their rows already staged), on the current
-    stream. topk_idx, topk_weights, w13 ([El, 2I, H]), w2 ([El, H, I]): one per played rank. Returns, per played rank,
-    (y [T, H], h [pool, 2I] or [0, 2I], (expert_offsets, pool_src_route, pool_src_rank))."""
+    stream; ``pause`` runs between the steps (the emulator's delays). topk_idx, topk_weights, w13 ([El, 2I, H]), w2
+    ([El, H, I]): one per played rank. Returns, per played rank, (y [T, H], what its backward needs)."""
     K = buffers[0].topk_idx.shape[1]
     barrier(buffers, _ENTER, played)
+    pause()
     all_topk = [b.topk_idx for b in buffers]
     plans = [rank_plan(all_topk, r, num_experts, block_m) for r in played]
-    hs = torch.ops.prime_kernels.mega_moe_fused_fwd_ranks(
+    hs, x_pools = torch.ops.prime_kernels.mega_moe_fused_fwd_ranks(
         [b.x for b in buffers], [b.slots for b in buffers], [p[1] for p in plans], [p[2] for p in plans],
-        [p[0] for p in plans], w13, w2, K, save_h, 0.0 if clamp is None else float(clamp), num_sms)
+        [p[0] for p in plans], w13, w2, K, True, 0.0 if clamp is None else float(clamp), num_sms)
+    pause()
     barrier(buffers, _EXIT, played)
+    pause()
     out = []
     for i, r in enumerate(played):
         T = topk_idx[i].shape[0]
-        slots = buffers[r].slots[: T * K]
-        y = combine(slots, _own_routes(topk_idx[i]), topk_weights[i].float().contiguous())
-        out.append((y, hs[i], plans[i]))
+        y = combine(buffers[r].slots[: T * K], _own_routes(topk_idx[i]), topk_weights[i].float().contiguous())
+        out.append((y, Saved(*plans[i], hs[i], x_pools[i])))
+    return out
+
+
+def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[torch.Tensor],
+                   saved: list[Saved], w13: list[torch.Tensor], w2: list[torch.Tensor], *,
+                   clamp: float | None = None, num_sms: int = 0, pause=_no_pause):
+    """The backward of the module docstring for the ``played`` ranks (dy and weights already staged), on the current
+    stream. Returns, per played rank, (dX [T, H], d topk_weights [T, K] fp32, dW13 [El, 2I, H], dW2 [El, H, I]) (the
+    weight gradients in w13's dtype)."""
+    K = buffers[0].topk_idx.shape[1]
+    barrier(buffers, _ENTER, played)
+    pause()
+    xs, ws = [b.x for b in buffers], [b.weights for b in buffers]
+    grads = []
+    for i, r in enumerate(played):
+        sv = saved[i]
+        cap = sv.src_route.shape[0]
+        dy_pool = buffers[r].x.new_empty(cap, buffers[r].x.shape[1])
+        torch.ops.prime_kernels.peer_rows_(dy_pool, xs, sv.src_route, sv.src_rank, K, True)
+        w_pool = ws[r].new_empty(cap)
+        torch.ops.prime_kernels.peer_rows_(w_pool, ws, sv.src_route, sv.src_rank, 1, True)
+        # the kernel reads each pool row's weight at its route: here the pool row itself
+        rows = torch.arange(cap, dtype=torch.int32, device=dy_pool.device)
+        local_route = torch.where(sv.src_route >= 0, rows, -1)
+        _dh, _aw, dt_part, dx_pool, dw13, dw2 = _fused_bwd.dgrad_wgrad(
+            dy_pool, sv.x_pool, w13[i], w2[i], sv.h, sv.offsets, local_route, w_pool, wgrad_dtype=w13[i].dtype,
+            activation_clamp=clamp, num_sms=num_sms or None)
+        dt_pool = dt_part.sum(1)
+        torch.ops.prime_kernels.peer_rows_(dx_pool, [b.slots for b in buffers], sv.src_route, sv.src_rank, 1, False)
+        torch.ops.prime_kernels.peer_rows_(dt_pool, [b.dt_slots for b in buffers], sv.src_route, sv.src_rank, 1,
+                                           False)
+        grads.append((dw13, dw2))
+    pause()
+    barrier(buffers, _EXIT, played)
+    pause()
+    out = []
+    for i, r in enumerate(played):
+        T = topk_idx[i].shape[0]
+        dx = combine(buffers[r].slots[: T * K], _own_routes(topk_idx[i]), None)
+        dt = buffers[r].dt_slots[: T * K].view(T, K)
+        dtopk = torch.where(topk_idx[i] >= 0, dt, torch.zeros((), dtype=dt.dtype, device=dt.device))
+        out.append((dx, dtopk, *grads[i]))
     return out
 
 
@@ -138,8 +221,8 @@ class EmulatedGroup:
     same device code as R GPUs. Rank r owns experts [r * E / R, (r + 1) * E / R).
 
     ``delays`` (seconds, or 0): each rank runs on a stream of its own and waits a random time up to ``delays``
-    (seeded by ``seed``) before each of its steps, so that the barriers and pushes meet in the orders separate GPUs
-    would produce; without it every step is one launch over all ranks."""
+    (seeded by ``seed``) before each of its steps; without it each barrier and the fused forward are one launch over
+    all ranks."""
 
     def __init__(self, num_ranks: int, *, num_experts: int, hidden: int, top_k: int, max_tokens: int,
                  device=None, delays: float = 0.0, seed: int = 0):
@@ -160,50 +243,70 @@ class EmulatedGroup:
         # a spin kernel of a random length on the current stream (~1.4 GHz: cycles per second, roughly)
         torch.cuda._sleep(int(self._rng.uniform(0.0, self.delays) * 1.4e9))
 
-    def forward(self, x: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
-                w13: list[torch.Tensor], w2: list[torch.Tensor], *, block_m: int = 128, save_h: bool = True,
-                clamp: float | None = None, num_sms: int = 0):
-        """One forward of every rank: per rank (y, h, plan) as :func:`forward_ranks` returns them."""
-        R = self.num_ranks
-        kw = dict(num_experts=self.num_experts, block_m=block_m, save_h=save_h, clamp=clamp)
-        if not self.delays:
-            for b, xr, tr in zip(self.buffers, x, topk_idx):
-                b.stage(xr, tr)
-            return forward_ranks(self.buffers, list(range(R)), topk_idx, topk_weights, w13, w2, num_sms=num_sms, **kw)
+    def _per_rank(self, step):
+        """step(r) for every rank, each on its own stream after a random wait, in a random host order; the caller's
+        stream waits for all of them. Returns the results by rank."""
         caller = torch.cuda.current_stream(self.device)
-        sms = num_sms or torch.cuda.get_device_properties(self.device).multi_processor_count
-        outs = [None] * R
-        for r in self._rng.sample(range(R), R):  # the ranks' host work in a random order too
+        outs = [None] * self.num_ranks
+        for r in self._rng.sample(range(self.num_ranks), self.num_ranks):
             s = self._streams[r]
             s.wait_stream(caller)
             with torch.cuda.stream(s):
                 self._sleep()
-                self.buffers[r].stage(x[r], topk_idx[r])
-                outs[r] = _forward_one_delayed(self, r, topk_idx[r], topk_weights[r], w13[r], w2[r],
-                                               num_sms=max(1, sms // R), **kw)
+                outs[r] = step(r)
         for s in self._streams:
             caller.wait_stream(s)
-        for r in range(R):
-            for t in (outs[r][0], outs[r][1], *outs[r][2]):
+        for o in outs:
+            for t in _tensors(o):
                 t.record_stream(caller)
         return outs
 
+    def _sms_per_rank(self, num_sms: int) -> int:
+        sms = num_sms or torch.cuda.get_device_properties(self.device).multi_processor_count
+        return max(1, sms // self.num_ranks)
 
-def _forward_one_delayed(group: EmulatedGroup, r: int, topk_idx, topk_weights, w13, w2, *, num_sms: int, **kw):
-    """Rank r's forward alone on the current stream, with the group's random waits between its steps (each launch
-    plays rank r only: the barriers then meet across streams, as across GPUs)."""
-    bufs = group.buffers
-    K = group.top_k
-    barrier(bufs, _ENTER, [r])
-    group._sleep()
-    offsets, src_route, src_rank = rank_plan([b.topk_idx for b in bufs], r, kw["num_experts"], kw["block_m"])
-    clamp = kw["clamp"]
-    (h,) = torch.ops.prime_kernels.mega_moe_fused_fwd_ranks(
-        [b.x for b in bufs], [b.slots for b in bufs], [src_route], [src_rank], [offsets], [w13], [w2], K,
-        kw["save_h"], 0.0 if clamp is None else float(clamp), num_sms)
-    group._sleep()
-    barrier(bufs, _EXIT, [r])
-    group._sleep()
-    T = topk_idx.shape[0]
-    y = combine(bufs[r].slots[: T * K], _own_routes(topk_idx), topk_weights.float().contiguous())
-    return y, h, (offsets, src_route, src_rank)
+    def forward(self, x: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
+                w13: list[torch.Tensor], w2: list[torch.Tensor], *, block_m: int = 128, clamp: float | None = None,
+                num_sms: int = 0) -> list[tuple[torch.Tensor, Saved]]:
+        """One forward of every rank: per rank (y, saved) as :func:`forward_ranks` returns them."""
+        R = self.num_ranks
+        kw = dict(num_experts=self.num_experts, block_m=block_m, clamp=clamp)
+        if not self.delays:
+            for b, xr, tr in zip(self.buffers, x, topk_idx):
+                b.stage(xr, tr)
+            return forward_ranks(self.buffers, list(range(R)), topk_idx, topk_weights, w13, w2, num_sms=num_sms, **kw)
+
+        def step(r):
+            self.buffers[r].stage(x[r], topk_idx[r])
+            return forward_ranks(self.buffers, [r], [topk_idx[r]], [topk_weights[r]], [w13[r]], [w2[r]],
+                                 num_sms=self._sms_per_rank(num_sms), pause=self._sleep, **kw)[0]
+
+        return self._per_rank(step)
+
+    def backward(self, dy: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
+                 saved: list[Saved], w13: list[torch.Tensor], w2: list[torch.Tensor], *, clamp: float | None = None,
+                 num_sms: int = 0):
+        """One backward of every rank: per rank (dX, d topk_weights, dW13, dW2) as :func:`backward_ranks`."""
+        R = self.num_ranks
+        if not self.delays:
+            for b, d, w in zip(self.buffers, dy, topk_weights):
+                b.stage_backward(d, w.float())
+            return backward_ranks(self.buffers, list(range(R)), topk_idx, saved, w13, w2, clamp=clamp,
+                                  num_sms=num_sms)
+
+        def step(r):
+            self.buffers[r].stage_backward(dy[r], topk_weights[r].float())
+            return backward_ranks(self.buffers, [r], [topk_idx[r]], [saved[r]], [w13[r]], [w2[r]], clamp=clamp,
+                                  num_sms=self._sms_per_rank(num_sms), pause=self._sleep)[0]
+
+        return self._per_rank(step)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Saved):
+        yield from (obj.offsets, obj.src_route, obj.src_rank, obj.h, obj.x_pool)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
