@@ -314,3 +314,79 @@ def test_rank_plan_is_the_group_plans_slice():
         assert src_rank[:end - base].tolist() == want_rank.tolist()
         assert src_route[:end - base].tolist() == want_route.tolist()
         assert (src_route[end - base:] == -1).all() and (src_rank[end - base:] == -1).all()
+
+
+# One GPU per rank, the ranks NVLink peers (the multi-GPU machines): PeerGroup over torch symmetric memory.
+NCCL_TOKENS = {2: (40, 0), 4: (33, 0, 70, 128), 8: (4, 0, 7, 3, 6, 1, 5, 2)}
+
+
+def _nccl_worker(rank, world, port, outdir):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from mega_helpers import end_rank
+
+    from prime_kernels.mega import _nvlink_domain
+    from prime_kernels.mega._peer_ep import PeerGroup
+
+    _nvlink_domain.disable_multicast_env()
+    torch.set_num_threads(1)
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120), device_id=dev)
+    try:
+        tokens = NCCL_TOKENS[world]
+        inputs = _routing("skewed", list(tokens), world, 11)
+        w13, w2 = _weights(11)
+        g = torch.Generator().manual_seed(11)
+        dys = [torch.randn(T, H, generator=g).to(torch.bfloat16) for T in tokens]
+        x, idx, w = (t.to(dev) for t in inputs[rank])
+        El = E // world
+        pg = PeerGroup(dist.group.WORLD, num_experts=E, hidden=H, top_k=K, max_tokens=max(tokens), device=dev)
+        w13_r, w2_r = w13[rank * El:(rank + 1) * El].to(dev), w2[rank * El:(rank + 1) * El].to(dev)
+        outs = []
+        for _ in range(3):  # epochs advance across calls
+            y, saved = pg.forward(x, idx, w, w13_r, w2_r)
+            grads = pg.backward(dys[rank].to(dev), idx, w, saved, w13_r, w2_r)
+            outs.append([t.cpu() for t in (y, *grads)])
+        torch.cuda.synchronize()
+        torch.save(outs, os.path.join(outdir, f"rank{rank}.pt"))
+        end_rank(rank, outdir)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_peer_group_over_nvlink_equals_ep1_bitwise(world):
+    import tempfile
+
+    from mega_helpers import spawn_ranks
+
+    if not torch.distributed.is_available() or not torch.distributed.is_nccl_available():
+        pytest.skip("torch.distributed with NCCL is not available")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        pytest.skip(f"needs {world} CUDA GPUs, one per rank (this machine has {have})")
+    _skip_unless_fused()
+    tokens = NCCL_TOKENS[world]
+    with tempfile.TemporaryDirectory() as outdir:
+        codes = spawn_ranks(_nccl_worker, world, outdir, (), 240)
+        assert all(c == 0 for c in codes), codes
+        outs = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
+    inputs = _routing("skewed", list(tokens), world, 11)
+    w13, w2 = _weights(11)
+    g = torch.Generator().manual_seed(11)
+    dys = [torch.randn(T, H, generator=g).to(torch.bfloat16) for T in tokens]
+    (y1, _h, _off), (dx1, dt1, dw13_1, dw2_1) = _ep1(inputs, w13, w2, dys)
+    El, row = E // world, 0
+    for r in range(world):
+        T = tokens[r]
+        sl, es = slice(row, row + T), slice(r * El, (r + 1) * El)
+        want = (y1[sl], dx1[sl], dt1[sl].float(), dw13_1[es], dw2_1[es])
+        for call, got in enumerate(outs[r]):
+            for what, a, b in zip(("y", "dX", "dtopk", "dW13", "dW2"), got, want):
+                assert torch.equal(a, b.cpu()), f"rank {r} call {call}: {what} differs from EP = 1"
+        row += T

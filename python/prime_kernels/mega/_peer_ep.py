@@ -68,15 +68,43 @@ class PeerBuffers:
     dt_slots: torch.Tensor  # fp32 [T_max * K]: d topk_weights of this rank's routes
     signals: torch.Tensor   # uint8 [signals_bytes()], zeroed once, never reset
 
+    @staticmethod
+    def layout(max_tokens: int, hidden: int, top_k: int) -> tuple[list[tuple[str, tuple, torch.dtype, int]], int]:
+        """The buffers' places in one allocation: (name, shape, dtype, byte offset) each, and the total bytes (every
+        rank's allocation has the same layout, so a peer's buffer is its allocation at the same offset)."""
+        routes = max_tokens * top_k
+        specs = [("x", (max_tokens, hidden), torch.bfloat16), ("topk_idx", (max_tokens, top_k), torch.int64),
+                 ("weights", (routes,), torch.float32), ("slots", (routes, hidden), torch.bfloat16),
+                 ("dt_slots", (routes,), torch.float32), ("signals", (signals_bytes(),), torch.uint8)]
+        out, total = [], 0
+        for name, shape, dt in specs:
+            out.append((name, shape, dt, total))
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+            total = (total + n + 255) // 256 * 256
+        return out, total
+
+    @classmethod
+    def view(cls, raw: torch.Tensor, max_tokens: int, hidden: int, top_k: int) -> "PeerBuffers":
+        """The buffers inside ``raw`` (uint8, at least :meth:`layout`'s total bytes), as laid out there."""
+        specs, _ = cls.layout(max_tokens, hidden, top_k)
+        views = {}
+        for name, shape, dt, off in specs:
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+            views[name] = raw[off:off + n].view(dt).view(shape)
+        return cls(**views)
+
+    def initialize(self) -> None:
+        """The state a rank's buffers start in (before any peer may use them): no routes, zero signals."""
+        self.topk_idx.fill_(-1)
+        self.weights.zero_()
+        self.signals.zero_()
+
     @classmethod
     def allocate(cls, max_tokens: int, hidden: int, top_k: int, device) -> "PeerBuffers":
-        routes = max_tokens * top_k
-        return cls(torch.empty(max_tokens, hidden, dtype=torch.bfloat16, device=device),
-                   torch.full((max_tokens, top_k), -1, dtype=torch.int64, device=device),
-                   torch.zeros(routes, dtype=torch.float32, device=device),
-                   torch.empty(routes, hidden, dtype=torch.bfloat16, device=device),
-                   torch.empty(routes, dtype=torch.float32, device=device),
-                   torch.zeros(signals_bytes(), dtype=torch.uint8, device=device))
+        _, total = cls.layout(max_tokens, hidden, top_k)
+        bufs = cls.view(torch.empty(total, dtype=torch.uint8, device=device), max_tokens, hidden, top_k)
+        bufs.initialize()
+        return bufs
 
     def _rows(self, T: int) -> None:
         if T > self.x.shape[0]:
@@ -214,6 +242,63 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
         dtopk = torch.where(topk_idx[i] >= 0, dt, torch.zeros((), dtype=dt.dtype, device=dt.device))
         out.append((dx, dtopk, *grads[i]))
     return out
+
+
+class PeerGroup:
+    """Expert parallelism over peer memory on a process group whose ranks are GPUs of one NVLink domain (one per
+    rank): this rank's :class:`PeerBuffers` in torch symmetric memory, every peer's seen through its peer pointer.
+    Creating it is a collective; it raises ValueError, on every rank alike, when the group is not one NVLink domain
+    (NVML's answer per pair of GPUs; :mod:`prime_kernels.mega._nvlink_domain`). Multicast is never used: the
+    variables that turn it off are set for this process first."""
+
+    def __init__(self, group, *, num_experts: int, hidden: int, top_k: int, max_tokens: int, device=None):
+        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415
+
+        from . import _nvlink_domain  # noqa: PLC0415
+
+        _nvlink_domain.disable_multicast_env()
+        self.group = group
+        self.num_ranks = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if not 1 <= self.num_ranks <= MAX_RANKS:
+            raise ValueError(f"a group of {self.num_ranks} ranks: expert parallelism over peer memory takes 1 to "
+                             f"{MAX_RANKS}")
+        if num_experts % self.num_ranks:
+            raise ValueError(f"num_experts = {num_experts} is not divisible by the group size {self.num_ranks}")
+        self.device = torch.device(device if device is not None else torch.cuda.current_device())
+        ok, why = _nvlink_domain.check_group(group, self.device)
+        if not ok:
+            raise ValueError(f"prime_kernels.mega: the group is not one NVLink domain ({why})")
+        self.num_experts, self.top_k = num_experts, top_k
+        _, total = PeerBuffers.layout(max_tokens, hidden, top_k)
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # older torch needs it; idempotent
+            enable(group.group_name)
+        raw = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        self.handle = symm_mem.rendezvous(raw, group.group_name)
+        mine = PeerBuffers.view(raw, max_tokens, hidden, top_k)
+        mine.initialize()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=group)  # every rank's buffers are initialized before any peer reads or signals them
+        self.buffers = [mine if r == self.rank else
+                        PeerBuffers.view(self.handle.get_buffer(r, (total,), torch.uint8, 0), max_tokens, hidden,
+                                         top_k)
+                        for r in range(self.num_ranks)]
+
+    def forward(self, x, topk_idx, topk_weights, w13, w2, *, block_m: int = 128, clamp: float | None = None,
+                num_sms: int = 0) -> tuple[torch.Tensor, Saved]:
+        """This rank's forward (w13 / w2: its experts): (y, what its backward needs)."""
+        self.buffers[self.rank].stage(x, topk_idx)
+        return forward_ranks(self.buffers, [self.rank], [topk_idx], [topk_weights], [w13], [w2],
+                             num_experts=self.num_experts, block_m=block_m, clamp=clamp, num_sms=num_sms)[0]
+
+    def backward(self, dy, topk_idx, topk_weights, saved: Saved, w13, w2, *, clamp: float | None = None,
+                 num_sms: int = 0):
+        """This rank's backward: (dX, d topk_weights, dW13, dW2)."""
+        self.buffers[self.rank].stage_backward(dy, topk_weights.float())
+        return backward_ranks(self.buffers, [self.rank], [topk_idx], [saved], [w13], [w2], clamp=clamp,
+                              num_sms=num_sms)[0]
 
 
 class EmulatedGroup:
