@@ -181,6 +181,63 @@ def test_emulated_backward_equals_ep1_bitwise(case, tokens, delays):
         row += T
 
 
+def _ep1_grouped(inputs, w13, w2, dys, precision):
+    """EP = 1 on the grouped backend (the FP8 pipelines): y and (dX, d topk_weights, dW13, dW2)."""
+    from prime_kernels.mega import _backend
+
+    x, idx, w = (torch.cat([t[i] for t in inputs]).cuda() for i in range(3))
+    w13, w2, dy = w13.cuda(), w2.cuda(), torch.cat(dys).cuda()
+    fwd = _backend.forward("grouped", x, idx, w, w13, w2, precision=precision, activation_clamp=None, group=None,
+                           num_experts=E, ep_size=1, max_tokens_per_rank=None, block_m=BLOCK_M, save_h=True)
+    grads = _backend.backward("grouped", dy, x, idx, w, w13, w2, *fwd[1:7], precision=precision,
+                              activation_clamp=None, group=None, num_experts=E, recompute=False, need_wgrad=True)
+    return fwd[0], grads
+
+
+FP8_CASES = [("skewed", (131, 64), 0.0), ("empty_rank4", (33, 0, 70, 128), 0.0), ("one_rank", (50, 61), 2e-4)]
+
+
+@cuda
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+@pytest.mark.parametrize("case,tokens,delays", FP8_CASES, ids=[c[0] for c in FP8_CASES])
+def test_emulated_fp8_equals_ep1_bitwise(case, tokens, delays, precision):
+    """FP8 forward (fp8) or the bf16 fused forward (fp8_bwd), then the FP8 backward pipeline on each rank's pool,
+    against EP = 1's FP8 pipelines."""
+    from mega_helpers import skip_unless_available
+
+    _skip_unless_fused()
+    skip_unless_available("mega_moe_grouped.fp8.sm90")
+    skip_unless_available("mega_moe.fp8_bwd.sm90")
+    name = case.rstrip("4").replace("empty_rank", "uniform")
+    R = len(tokens)
+    seed = 80 + [c[0] for c in FP8_CASES].index(case)
+    inputs = _routing(name, list(tokens), R, seed)
+    w13, w2 = _weights(seed)
+    g = torch.Generator().manual_seed(seed)
+    dys = [torch.randn(T, H, generator=g).to(torch.bfloat16) for T in tokens]
+    from prime_kernels.mega._peer_ep import EmulatedGroup
+
+    group = EmulatedGroup(R, num_experts=E, hidden=H, top_k=K, max_tokens=max(tokens), delays=delays, seed=seed)
+    _poison(group)
+    outs = group.forward([t[0].cuda() for t in inputs], [t[1].cuda() for t in inputs], [t[2].cuda() for t in inputs],
+                         _slices(w13, R), _slices(w2, R), block_m=BLOCK_M,
+                         precision="fp8" if precision == "fp8" else "bf16")
+    _poison(group)
+    grads = group.backward([d.cuda() for d in dys], [t[1].cuda() for t in inputs], [t[2].cuda() for t in inputs],
+                           [o[1] for o in outs], _slices(w13, R), _slices(w2, R), fp8=True)
+    torch.cuda.synchronize()
+    y1, (dx1, dt1, dw13_1, dw2_1) = _ep1_grouped(inputs, w13, w2, dys, precision)
+    El, row = E // R, 0
+    for r in range(R):
+        T = tokens[r]
+        sl, es = slice(row, row + T), slice(r * El, (r + 1) * El)
+        dx, dt, dw13, dw2 = grads[r]
+        for what, a, b in (("y", outs[r][0], y1[sl]), ("dX", dx, dx1[sl]), ("dtopk", dt, dt1[sl].float()),
+                           ("dW13", dw13, dw13_1[es]), ("dW2", dw2, dw2_1[es])):
+            assert torch.equal(a, b), f"rank {r}: {what} differs from EP = 1 ({precision})"
+        row += T
+
+
 @cuda
 def test_emulated_back_to_back_calls_are_stable_and_never_hang():
     _skip_unless_fused()
@@ -303,7 +360,8 @@ def test_rank_plan_is_the_group_plans_slice():
     ref = routing_plan_reference(torch.cat(topk), E, BLOCK_M)
     El = E // R
     for r in range(R):
-        offsets, src_route, src_rank = rank_plan(topk, r, E, BLOCK_M)
+        offsets, src_route, src_rank, counts = rank_plan(topk, r, E, BLOCK_M)
+        assert counts.tolist() == ref.expert_counts[r * El:(r + 1) * El].tolist()
         base, end = int(ref.expert_offsets[r * El]), int(ref.expert_offsets[(r + 1) * El])
         assert offsets.tolist() == [int(v) - base for v in ref.expert_offsets[r * El:(r + 1) * El + 1]]
         g_src = ref.pool_src_route[base:end].long()

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import _lib
-from . import _fused_bwd
+from . import _fp8_fwd, _fused_bwd, _grouped_ep, fp8 as _fp8
 from ..combine import combine
+from ..grouped_gemm import m_grouped_fp8_gemm_nt
 from ..routing import pool_capacity
 
 _ENTER, _EXIT = 0, 1
@@ -128,8 +129,8 @@ class PeerBuffers:
 
 def rank_plan(all_topk: list[torch.Tensor], rank: int, num_experts: int, block_m: int):
     """Rank ``rank``'s pool from every rank's staged routing (each [T_max, K], rows past a rank's T at -1), without a
-    host sync: (expert_offsets [El + 1], pool_src_route [cap], pool_src_rank [cap]) as int32, cap = the most rows the
-    rank's pool can need (every route of the group to its experts, plus padding)."""
+    host sync: (expert_offsets [El + 1], pool_src_route [cap], pool_src_rank [cap], expert_counts [El]) as int32,
+    cap = the most rows the rank's pool can need (every route of the group to its experts, plus padding)."""
     R = len(all_topk)
     tmax, K = all_topk[0].shape
     El = num_experts // R
@@ -147,7 +148,7 @@ def rank_plan(all_topk: list[torch.Tensor], rank: int, num_experts: int, block_m
     pool_src_rank = torch.where(ok, torch.div(g_tok, tmax, rounding_mode="floor"), -1).to(torch.int32)
     pool_src_route = torch.where(ok, (g_tok % tmax) * K + src % K, -1).to(torch.int32)
     offsets = (offsets_g[lo:hi + 1].long() - base).to(torch.int32)
-    return offsets, pool_src_route, pool_src_rank
+    return offsets, pool_src_route, pool_src_rank, gplan[0][lo:hi]
 
 
 def _own_routes(topk_idx: torch.Tensor) -> torch.Tensor:
@@ -172,25 +173,53 @@ class Saved:
     offsets: torch.Tensor     # int32 [El + 1]
     src_route: torch.Tensor   # int32 [cap]
     src_rank: torch.Tensor    # int32 [cap]
+    counts: torch.Tensor      # int32 [El]
     h: torch.Tensor           # bf16 [cap, 2I]
     x_pool: torch.Tensor      # bf16 [cap, H]
+
+
+def _forward_fp8(buffers: list[PeerBuffers], plan, w13, w2, *, num_sms: int):
+    """One rank's FP8 forward on its pool: the pool's rows gathered from their source ranks, the FP8 forward
+    pipeline on them as one-route tokens (every quantization is per row or per expert's rows: EP = 1's values), the
+    L2 rows scattered to their source ranks' slots. Returns (h, x_pool)."""
+    offsets, src_route, src_rank, counts = plan
+    K = buffers[0].topk_idx.shape[1]
+    cap = src_route.shape[0]
+    x_pool = buffers[0].x.new_empty(cap, buffers[0].x.shape[1])
+    torch.ops.prime_kernels.peer_rows_(x_pool, [b.x for b in buffers], src_route, src_rank, K, True)
+    if int(offsets[-1]) == 0:  # no rows for this rank's experts (the pipeline wants some)
+        return x_pool.new_zeros(cap, w13.shape[1]), x_pool
+    recipe, cache = _fp8.recipe_and_cache(None, None)
+    sms = num_sms or None
+    l1 = _fp8_fwd.l1(x_pool, w13, counts, offsets, _grouped_ep._pool_routes(src_route).view(-1, 1), cap, recipe,
+                     cache, True, sms)
+    c2 = cache.get(w2, recipe.pow2_scales)
+    o = m_grouped_fp8_gemm_nt(l1.s_q, l1.s_sa, c2.weight.data, c2.weight.scale, offsets, num_sms=sms)
+    torch.ops.prime_kernels.peer_rows_(o, [b.slots for b in buffers], src_route, src_rank, 1, False)
+    return l1.h, x_pool
 
 
 def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[torch.Tensor],
                   topk_weights: list[torch.Tensor], w13: list[torch.Tensor], w2: list[torch.Tensor], *,
                   num_experts: int, block_m: int, clamp: float | None = None, num_sms: int = 0,
-                  pause=_no_pause) -> list[tuple[torch.Tensor, Saved]]:
+                  precision: str = "bf16", pause=_no_pause) -> list[tuple[torch.Tensor, Saved]]:
     """Steps 2-6 of the module docstring for the ``played`` ranks (their rows already staged), on the current
     stream; ``pause`` runs between the steps (the emulator's delays). topk_idx, topk_weights, w13 ([El, 2I, H]), w2
-    ([El, H, I]): one per played rank. Returns, per played rank, (y [T, H], what its backward needs)."""
+    ([El, H, I]): one per played rank. ``precision`` "bf16" (the fused forward) or "fp8" (:func:`_forward_fp8` per
+    rank). Returns, per played rank, (y [T, H], what its backward needs)."""
     K = buffers[0].topk_idx.shape[1]
     barrier(buffers, _ENTER, played)
     pause()
     all_topk = [b.topk_idx for b in buffers]
     plans = [rank_plan(all_topk, r, num_experts, block_m) for r in played]
-    hs, x_pools = torch.ops.prime_kernels.mega_moe_fused_fwd_ranks(
-        [b.x for b in buffers], [b.slots for b in buffers], [p[1] for p in plans], [p[2] for p in plans],
-        [p[0] for p in plans], w13, w2, K, True, 0.0 if clamp is None else float(clamp), num_sms)
+    if precision == "fp8":
+        if clamp is not None:
+            raise ValueError("prime_kernels.mega: the FP8 forward pipeline does not take activation_clamp yet")
+        hs, x_pools = zip(*[_forward_fp8(buffers, p, w13[i], w2[i], num_sms=num_sms) for i, p in enumerate(plans)])
+    else:
+        hs, x_pools = torch.ops.prime_kernels.mega_moe_fused_fwd_ranks(
+            [b.x for b in buffers], [b.slots for b in buffers], [p[1] for p in plans], [p[2] for p in plans],
+            [p[0] for p in plans], w13, w2, K, True, 0.0 if clamp is None else float(clamp), num_sms)
     pause()
     barrier(buffers, _EXIT, played)
     pause()
@@ -204,10 +233,11 @@ def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[
 
 def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[torch.Tensor],
                    saved: list[Saved], w13: list[torch.Tensor], w2: list[torch.Tensor], *,
-                   clamp: float | None = None, num_sms: int = 0, pause=_no_pause):
+                   clamp: float | None = None, num_sms: int = 0, fp8: bool = False, pause=_no_pause):
     """The backward of the module docstring for the ``played`` ranks (dy and weights already staged), on the current
-    stream. Returns, per played rank, (dX [T, H], d topk_weights [T, K] fp32, dW13 [El, 2I, H], dW2 [El, H, I]) (the
-    weight gradients in w13's dtype)."""
+    stream; ``fp8``: the FP8 backward pipeline on each rank's pool (precision "fp8" or "fp8_bwd") in place of the
+    fused bf16 kernel. Returns, per played rank, (dX [T, H], d topk_weights [T, K] fp32, dW13 [El, 2I, H], dW2 [El,
+    H, I]) (the weight gradients in w13's dtype)."""
     K = buffers[0].topk_idx.shape[1]
     barrier(buffers, _ENTER, played)
     pause()
@@ -220,13 +250,22 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
         torch.ops.prime_kernels.peer_rows_(dy_pool, xs, sv.src_route, sv.src_rank, K, True)
         w_pool = ws[r].new_empty(cap)
         torch.ops.prime_kernels.peer_rows_(w_pool, ws, sv.src_route, sv.src_rank, 1, True)
-        # the kernel reads each pool row's weight at its route: here the pool row itself
-        rows = torch.arange(cap, dtype=torch.int32, device=dy_pool.device)
-        local_route = torch.where(sv.src_route >= 0, rows, -1)
-        _dh, _aw, dt_part, dx_pool, dw13, dw2 = _fused_bwd.dgrad_wgrad(
-            dy_pool, sv.x_pool, w13[i], w2[i], sv.h, sv.offsets, local_route, w_pool, wgrad_dtype=w13[i].dtype,
-            activation_clamp=clamp, num_sms=num_sms or None)
-        dt_pool = dt_part.sum(1)
+        # the kernels read each pool row's weight at its route: here the pool row itself
+        local_route = _grouped_ep._pool_routes(sv.src_route)
+        if fp8:
+            if int(sv.offsets[-1]) == 0:  # no rows for this rank's experts: nothing goes back, zero gradients
+                dx_pool, dt_pool = dy_pool[:0], w_pool[:0]
+                dw13, dw2 = torch.zeros_like(w13[i]), torch.zeros_like(w2[i])
+            else:
+                dx_pool, dt_pool, dw13, dw2 = _grouped_ep._local_backward_fp8(
+                    dy_pool, w_pool, sv.x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route,
+                    recompute=False, clamp=clamp, sms=num_sms or None, precision="fp8", want_wgrad=True,
+                    need_wgrad=True, dw13_accum=None, dw2_accum=None, fp8_recipe=None, weight_cache=None)
+        else:
+            _dh, _aw, dt_part, dx_pool, dw13, dw2 = _fused_bwd.dgrad_wgrad(
+                dy_pool, sv.x_pool, w13[i], w2[i], sv.h, sv.offsets, local_route, w_pool, wgrad_dtype=w13[i].dtype,
+                activation_clamp=clamp, num_sms=num_sms or None)
+            dt_pool = dt_part.sum(1)
         torch.ops.prime_kernels.peer_rows_(dx_pool, [b.slots for b in buffers], sv.src_route, sv.src_rank, 1, False)
         torch.ops.prime_kernels.peer_rows_(dt_pool, [b.dt_slots for b in buffers], sv.src_route, sv.src_rank, 1,
                                            False)
@@ -287,18 +326,19 @@ class PeerGroup:
                         for r in range(self.num_ranks)]
 
     def forward(self, x, topk_idx, topk_weights, w13, w2, *, block_m: int = 128, clamp: float | None = None,
-                num_sms: int = 0) -> tuple[torch.Tensor, Saved]:
+                num_sms: int = 0, precision: str = "bf16") -> tuple[torch.Tensor, Saved]:
         """This rank's forward (w13 / w2: its experts): (y, what its backward needs)."""
         self.buffers[self.rank].stage(x, topk_idx)
         return forward_ranks(self.buffers, [self.rank], [topk_idx], [topk_weights], [w13], [w2],
-                             num_experts=self.num_experts, block_m=block_m, clamp=clamp, num_sms=num_sms)[0]
+                             num_experts=self.num_experts, block_m=block_m, clamp=clamp, num_sms=num_sms,
+                             precision=precision)[0]
 
     def backward(self, dy, topk_idx, topk_weights, saved: Saved, w13, w2, *, clamp: float | None = None,
-                 num_sms: int = 0):
+                 num_sms: int = 0, fp8: bool = False):
         """This rank's backward: (dX, d topk_weights, dW13, dW2)."""
         self.buffers[self.rank].stage_backward(dy, topk_weights.float())
         return backward_ranks(self.buffers, [self.rank], [topk_idx], [saved], [w13], [w2], clamp=clamp,
-                              num_sms=num_sms)[0]
+                              num_sms=num_sms, fp8=fp8)[0]
 
 
 class EmulatedGroup:
@@ -352,10 +392,10 @@ class EmulatedGroup:
 
     def forward(self, x: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
                 w13: list[torch.Tensor], w2: list[torch.Tensor], *, block_m: int = 128, clamp: float | None = None,
-                num_sms: int = 0) -> list[tuple[torch.Tensor, Saved]]:
+                num_sms: int = 0, precision: str = "bf16") -> list[tuple[torch.Tensor, Saved]]:
         """One forward of every rank: per rank (y, saved) as :func:`forward_ranks` returns them."""
         R = self.num_ranks
-        kw = dict(num_experts=self.num_experts, block_m=block_m, clamp=clamp)
+        kw = dict(num_experts=self.num_experts, block_m=block_m, clamp=clamp, precision=precision)
         if not self.delays:
             for b, xr, tr in zip(self.buffers, x, topk_idx):
                 b.stage(xr, tr)
@@ -370,19 +410,19 @@ class EmulatedGroup:
 
     def backward(self, dy: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
                  saved: list[Saved], w13: list[torch.Tensor], w2: list[torch.Tensor], *, clamp: float | None = None,
-                 num_sms: int = 0):
+                 num_sms: int = 0, fp8: bool = False):
         """One backward of every rank: per rank (dX, d topk_weights, dW13, dW2) as :func:`backward_ranks`."""
         R = self.num_ranks
         if not self.delays:
             for b, d, w in zip(self.buffers, dy, topk_weights):
                 b.stage_backward(d, w.float())
             return backward_ranks(self.buffers, list(range(R)), topk_idx, saved, w13, w2, clamp=clamp,
-                                  num_sms=num_sms)
+                                  num_sms=num_sms, fp8=fp8)
 
         def step(r):
             self.buffers[r].stage_backward(dy[r], topk_weights[r].float())
             return backward_ranks(self.buffers, [r], [topk_idx[r]], [saved[r]], [w13[r]], [w2[r]], clamp=clamp,
-                                  num_sms=self._sms_per_rank(num_sms), pause=self._sleep)[0]
+                                  num_sms=self._sms_per_rank(num_sms), fp8=fp8, pause=self._sleep)[0]
 
         return self._per_rank(step)
 
@@ -391,7 +431,7 @@ def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, Saved):
-        yield from (obj.offsets, obj.src_route, obj.src_rank, obj.h, obj.x_pool)
+        yield from (obj.offsets, obj.src_route, obj.src_rank, obj.counts, obj.h, obj.x_pool)
     elif isinstance(obj, (tuple, list)):
         for o in obj:
             yield from _tensors(o)
