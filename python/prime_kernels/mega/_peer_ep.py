@@ -306,6 +306,17 @@ class PeerGroup:
         if num_experts % self.num_ranks:
             raise ValueError(f"num_experts = {num_experts} is not divisible by the group size {self.num_ranks}")
         self.device = torch.device(device if device is not None else torch.cuda.current_device())
+        # The buffers' layout follows these: a rank with other values would read and write its peers' memory at the
+        # wrong places, so every rank raises the same error first.
+        mine = {"num_experts": int(num_experts), "hidden": int(hidden), "top_k": int(top_k),
+                "max_tokens": int(max_tokens)}
+        every = [None] * self.num_ranks
+        dist.all_gather_object(every, mine, group=group)
+        bad = [f"{k}: " + ", ".join(f"rank {r} has {e[k]}" for r, e in enumerate(every))
+               for k in mine if len({e[k] for e in every}) > 1]
+        if bad:
+            raise ValueError("prime_kernels.mega: the ranks of the group disagree on the peer buffers' shape ("
+                             + "; ".join(bad) + ")")
         ok, why = _nvlink_domain.check_group(group, self.device)
         if not ok:
             raise ValueError(f"prime_kernels.mega: the group is not one NVLink domain ({why})")
