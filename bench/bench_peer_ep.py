@@ -19,6 +19,17 @@ compared bit for bit (``bitwise``: y, dX, d topk_weights, dW13, dW2), as the tes
 
 Results: a table on stdout and a JSON (``--out``, default bench/results/peer_ep_<gpu>_<date>.json) with the run's
 header and one row per (shape, T, R, routing).
+
+Under torchrun (one GPU per rank, the ranks NVLink peers) it times :class:`prime_kernels.mega._peer_ep.PeerGroup`
+instead, T tokens per rank, every rank's experts its E / R:
+
+    torchrun --nproc-per-node 8 bench/bench_peer_ep.py --shapes qwen3-30b-a3b --tokens 16384
+
+per rank: ``ms`` (forward + backward), ``local_ms`` (the same call with the exchange left out: every peer pointer on
+the rank's own buffers and no barriers, the same plan and kernels), ``moves_ms`` (the exchange's row moves alone: the
+pool's x and dy rows gathered from their ranks, the L2 and dX rows scattered back, by ``peer_rows``), and
+``hidden`` = 1 - (ms - local_ms) / moves_ms, the share of the moves the call hides under its compute; the row
+reports every rank's values and the slowest rank's ``ms``.
 """
 
 from __future__ import annotations
@@ -120,8 +131,87 @@ def run_config(shape: str, T: int, R: int, routing: str, args, device) -> dict:
     return row
 
 
+def run_torchrun(args) -> int:
+    """The multi-GPU mode (see the module docstring): one row per (shape, T, routing), rank 0 writes the results."""
+    import os
+
+    import torch.distributed as dist
+
+    from prime_kernels.mega import _nvlink_domain
+    from prime_kernels.mega._peer_ep import PeerGroup
+
+    _nvlink_domain.disable_multicast_env()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    rank, R = dist.get_rank(), dist.get_world_size()
+    header = bc.run_header(device, 0.0)
+    header.pop("peak_bf16_tflops")
+    header["num_gpus"] = R
+    rows = []
+    for shape in _split(args.shapes):
+        E, H, I, K = bc.shape_dims(shape)
+        El = E // R
+        w13, w2 = bc.make_weights(E, H, I, args.seed, device, rank=rank, ep=R)
+        for T in (int(t) for t in _split(args.tokens)):
+            pg = PeerGroup(dist.group.WORLD, num_experts=E, hidden=H, top_k=K, max_tokens=T, device=device)
+            for routing in _split(args.routings):
+                x, idx, w, dy = bc.make_tokens(T, E, H, K, routing, args.seed + T, device, rank=rank)
+                w = w.float()
+
+                def call(exchange=True):
+                    y, saved = pg.forward(x, idx, w, w13, w2, exchange=exchange)
+                    return pg.backward(dy, idx, w, saved, w13, w2, exchange=exchange)
+
+                _y, saved = pg.forward(x, idx, w, w13, w2)
+                bufs = pg.buffers
+                xs, slots = [b.x for b in bufs], [b.slots for b in bufs]
+                pool = torch.empty_like(saved.x_pool)
+
+                def moves():
+                    for gather, peers, div in ((True, xs, K), (False, slots, 1), (True, xs, K), (False, slots, 1)):
+                        torch.ops.prime_kernels.peer_rows_(pool, peers, saved.src_route, saved.src_rank, div, gather)
+
+                dist.barrier()
+                ms = _timed(call, args.warmup, args.iters)
+                dist.barrier()
+                local_ms = _timed(lambda: call(False), args.warmup, args.iters)
+                dist.barrier()
+                moves_ms = _timed(moves, args.warmup, args.iters)
+                dist.barrier()
+                hidden = 1.0 - (ms - local_ms) / moves_ms if moves_ms > 0 else None
+                every = bc.gather_values(ms, device)
+                row = {"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K,
+                       "tokens_per_rank": T, "ranks": R, "routing": routing, "precision": "bf16",
+                       "ms_per_rank": every, "slowest_ms": max(every),
+                       "local_ms_per_rank": bc.gather_values(local_ms, device),
+                       "moves_ms_per_rank": bc.gather_values(moves_ms, device),
+                       "hidden_per_rank": bc.gather_values(hidden if hidden is not None else float("nan"), device)}
+                rows.append(row)
+                if rank == 0:
+                    print(f"[peer_ep] {shape} T={T}/rank R={R} {routing}: slowest rank {row['slowest_ms']:.3f} ms "
+                          f"(ranks {', '.join(f'{v:.3f}' for v in every)}); exchange left out "
+                          f"{max(row['local_ms_per_rank']):.3f} ms; moves alone {max(row['moves_ms_per_rank']):.3f} "
+                          f"ms; hidden {', '.join(f'{v:.0%}' for v in row['hidden_per_rank'])}", flush=True)
+            del pg
+    if rank == 0:
+        doc = {**header, "script": "bench/bench_peer_ep.py (torchrun)", "args": vars(args),
+               "timing": "wall-clock ms per forward + backward over --iters after --warmup, per rank", "rows": rows}
+        path = Path(args.out) if args.out else bc.default_results_path("peer_ep_multi", header)
+        bc.write_results(doc, path)
+        print(f"[peer_ep] wrote {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return run_torchrun(args)
     if not torch.cuda.is_available():
         print("[peer_ep] needs a CUDA GPU (the emulator runs CUDA kernels)")
         return 2

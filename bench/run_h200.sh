@@ -71,7 +71,12 @@ for step in $steps; do
                  --rounds 1 \
                  --backends torch,deep_gemm --no-plot --out "$OUT/layer_ep${ngpu}_${prec}.json" 2>&1 \
                  | tee "$OUT/bench_layer_ep${ngpu}_${prec}.log" | grep -v "^$" | tail -40
-            done ;;
+            done
+            (cd tests && timeout 200 python3 -m pytest -q -ra -p no:cacheprovider test_mega_peer_ep.py -k nvlink 2>&1 \
+               | tee "$OUT/tests_peer_multi_gpu.log" | tail -6)
+            timeout 240 python3 -m torch.distributed.run --nproc-per-node "$ngpu" bench/bench_peer_ep.py \
+               --shapes qwen3-30b-a3b,qwen3-235b-a22b --tokens 16384 --routings uniform,zipf \
+               --out "$OUT/peer_ep${ngpu}.json" 2>&1 | tee "$OUT/bench_peer_ep${ngpu}.log" | grep "peer_ep" | tail -12 ;;
     torch_gemms)  # the grouped pipeline on torch's grouped GEMM (the path for GPUs without our sm90 kernels), forced
             (cd tests && timeout 300 python3 -m pytest -q -ra -p no:cacheprovider test_grouped_torch_gemms.py \
                test_mega_bwd_matrix.py -k "torch_gemms" 2>&1 | tee "$OUT/tests_torch_gemms.log" | tail -8)

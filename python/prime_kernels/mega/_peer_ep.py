@@ -202,16 +202,26 @@ def _forward_fp8(buffers: list[PeerBuffers], plan, w13, w2, *, num_sms: int):
 def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[torch.Tensor],
                   topk_weights: list[torch.Tensor], w13: list[torch.Tensor], w2: list[torch.Tensor], *,
                   num_experts: int, block_m: int, clamp: float | None = None, num_sms: int = 0,
-                  precision: str = "bf16", pause=_no_pause) -> list[tuple[torch.Tensor, Saved]]:
+                  precision: str = "bf16", pause=_no_pause,
+                  exchange: bool = True) -> list[tuple[torch.Tensor, Saved]]:
     """Steps 2-6 of the module docstring for the ``played`` ranks (their rows already staged), on the current
     stream; ``pause`` runs between the steps (the emulator's delays). topk_idx, topk_weights, w13 ([El, 2I, H]), w2
     ([El, H, I]): one per played rank. ``precision`` "bf16" (the fused forward) or "fp8" (:func:`_forward_fp8` per
-    rank). Returns, per played rank, (y [T, H], what its backward needs)."""
+    rank). Returns, per played rank, (y [T, H], what its backward needs).
+
+    ``exchange=False`` (one played rank; the benchmark's measure of what the exchange costs): the same plan and
+    kernels with every peer pointer on the rank's own buffers and no barriers: the same work without a byte over
+    the link and without waiting for a peer. Its results are not the layer's."""
     K = buffers[0].topk_idx.shape[1]
-    barrier(buffers, _ENTER, played)
-    pause()
     all_topk = [b.topk_idx for b in buffers]
-    plans = [rank_plan(all_topk, r, num_experts, block_m) for r in played]
+    if not exchange:
+        (r,) = played
+        plans = [rank_plan(all_topk, r, num_experts, block_m)]
+        buffers = [buffers[r]] * len(buffers)
+    else:
+        barrier(buffers, _ENTER, played)
+        pause()
+        plans = [rank_plan(all_topk, r, num_experts, block_m) for r in played]
     if precision == "fp8":
         if clamp is not None:
             raise ValueError("prime_kernels.mega: the FP8 forward pipeline does not take activation_clamp yet")
@@ -221,7 +231,8 @@ def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[
             [b.x for b in buffers], [b.slots for b in buffers], [p[1] for p in plans], [p[2] for p in plans],
             [p[0] for p in plans], w13, w2, K, True, 0.0 if clamp is None else float(clamp), num_sms)
     pause()
-    barrier(buffers, _EXIT, played)
+    if exchange:
+        barrier(buffers, _EXIT, played)
     pause()
     out = []
     for i, r in enumerate(played):
@@ -233,14 +244,19 @@ def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[
 
 def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[torch.Tensor],
                    saved: list[Saved], w13: list[torch.Tensor], w2: list[torch.Tensor], *,
-                   clamp: float | None = None, num_sms: int = 0, fp8: bool = False, pause=_no_pause):
+                   clamp: float | None = None, num_sms: int = 0, fp8: bool = False, pause=_no_pause,
+                   exchange: bool = True):
     """The backward of the module docstring for the ``played`` ranks (dy and weights already staged), on the current
     stream; ``fp8``: the FP8 backward pipeline on each rank's pool (precision "fp8" or "fp8_bwd") in place of the
-    fused bf16 kernel. Returns, per played rank, (dX [T, H], d topk_weights [T, K] fp32, dW13 [El, 2I, H], dW2 [El,
-    H, I]) (the weight gradients in w13's dtype)."""
+    fused bf16 kernel; ``exchange`` as in :func:`forward_ranks`. Returns, per played rank, (dX [T, H], d topk_weights
+    [T, K] fp32, dW13 [El, 2I, H], dW2 [El, H, I]) (the weight gradients in w13's dtype)."""
     K = buffers[0].topk_idx.shape[1]
-    barrier(buffers, _ENTER, played)
-    pause()
+    if not exchange:
+        (r,) = played
+        buffers = [buffers[r]] * len(buffers)
+    else:
+        barrier(buffers, _ENTER, played)
+        pause()
     xs, ws = [b.x for b in buffers], [b.weights for b in buffers]
     grads = []
     for i, r in enumerate(played):
@@ -271,7 +287,8 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
                                            False)
         grads.append((dw13, dw2))
     pause()
-    barrier(buffers, _EXIT, played)
+    if exchange:
+        barrier(buffers, _EXIT, played)
     pause()
     out = []
     for i, r in enumerate(played):
@@ -337,19 +354,20 @@ class PeerGroup:
                         for r in range(self.num_ranks)]
 
     def forward(self, x, topk_idx, topk_weights, w13, w2, *, block_m: int = 128, clamp: float | None = None,
-                num_sms: int = 0, precision: str = "bf16") -> tuple[torch.Tensor, Saved]:
-        """This rank's forward (w13 / w2: its experts): (y, what its backward needs)."""
+                num_sms: int = 0, precision: str = "bf16", exchange: bool = True) -> tuple[torch.Tensor, Saved]:
+        """This rank's forward (w13 / w2: its experts): (y, what its backward needs). ``exchange`` as in
+        :func:`forward_ranks` (the benchmark's)."""
         self.buffers[self.rank].stage(x, topk_idx)
         return forward_ranks(self.buffers, [self.rank], [topk_idx], [topk_weights], [w13], [w2],
                              num_experts=self.num_experts, block_m=block_m, clamp=clamp, num_sms=num_sms,
-                             precision=precision)[0]
+                             precision=precision, exchange=exchange)[0]
 
     def backward(self, dy, topk_idx, topk_weights, saved: Saved, w13, w2, *, clamp: float | None = None,
-                 num_sms: int = 0, fp8: bool = False):
+                 num_sms: int = 0, fp8: bool = False, exchange: bool = True):
         """This rank's backward: (dX, d topk_weights, dW13, dW2)."""
         self.buffers[self.rank].stage_backward(dy, topk_weights.float())
         return backward_ranks(self.buffers, [self.rank], [topk_idx], [saved], [w13], [w2], clamp=clamp,
-                              num_sms=num_sms, fp8=fp8)[0]
+                              num_sms=num_sms, fp8=fp8, exchange=exchange)[0]
 
 
 class EmulatedGroup:
