@@ -22,8 +22,6 @@ int pk_ep_barrier(void* const* signals, int num_ranks, int kind, const int32_t* 
                "ep_barrier: kind = %d, must be 0 (enter) or 1 (exit)", kind);
   PK_CHECK_ARG(num_played >= 1 && num_played <= num_ranks, "ep_barrier: num_played = %d, must be in [1, %d]",
                num_played, num_ranks);
-  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kAny); rc != PK_OK)
-    return rc;
   prime_kernels::common::EpBarrierArgs args{};
   args.num_ranks = num_ranks;
   args.kind = kind;
@@ -40,6 +38,8 @@ int pk_ep_barrier(void* const* signals, int num_ranks, int kind, const int32_t* 
     seen |= 1u << played[i];
     args.played[i] = played[i];
   }
+  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kAny); rc != PK_OK)
+    return rc;
   prime_kernels::WaitGuard guard{};
   if (const cudaError_t e = prime_kernels::peer_wait_guard_for_current_device(&guard); e != cudaSuccess)
     return prime_kernels::api::fail_cuda(e, "ep_barrier: allocating the wait record");
@@ -66,8 +66,6 @@ int pk_peer_rows(void* pool, int64_t ld_pool, void* const* peers, int num_ranks,
   if (num_rows == 0 || row_bytes == 0) return prime_kernels::api::ok();
   PK_CHECK_ARG(pool != nullptr && peers != nullptr && src_route != nullptr && src_rank != nullptr,
                "peer_rows: a pointer is null");
-  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kAny); rc != PK_OK)
-    return rc;
   prime_kernels::common::PeerRowsArgs a{};
   a.pool = pool;
   a.ld_pool = ld_pool;
@@ -85,6 +83,8 @@ int pk_peer_rows(void* pool, int64_t ld_pool, void* const* peers, int num_ranks,
   a.src_rank = src_rank;
   a.route_divisor = route_divisor;
   a.gather = gather != 0;
+  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kAny); rc != PK_OK)
+    return rc;
   if (const cudaError_t e = prime_kernels::common::launch_peer_rows(a, static_cast<cudaStream_t>(cuda_stream));
       e != cudaSuccess)
     return prime_kernels::api::fail_cuda(e, "peer_rows: launch");
