@@ -5,12 +5,13 @@
 
 For each shape, T (tokens per rank) and R, the same work two ways on the one GPU:
 
-* ``ep1``: the fused forward (``prime_kernels.mega._fused.forward``) and the fused backward
-  (``prime_kernels.mega._fused_bwd.backward``) over all R * T tokens with all E experts;
+* ``ep1``: the layer's kernels on one rank over all R * T tokens with all E experts: the fused forward
+  (``prime_kernels.mega._fused.forward``) and the bf16 backward as the layer runs it (the grouped pipeline);
 * ``emulated``: :class:`prime_kernels.mega._peer_ep.EmulatedGroup` of R ranks, each with its T tokens and E / R
   experts: staging, the enter and exit barriers, each rank's plan from every rank's routing, the fused forward of
   all ranks in one launch (dispatch reading the ranks' staged rows, L2 rows pushed to their source ranks' slots), the
-  combines; the backward's row gathers and scatters between the ranks around each rank's fused backward.
+  combines; the backward's row gathers and scatters between the ranks around each rank's backward (the same
+  pipeline on its pool).
 
 Both are timed as wall-clock ms per forward + backward (synchronised before and after a batch of iterations), host
 work included; ``fwd`` columns time the forward alone. The ratio emulated / ep1 is the path's overhead on one card
@@ -75,7 +76,7 @@ def _timed(fn, warmup: int, iters: int) -> float:
 
 
 def run_config(shape: str, T: int, R: int, routing: str, args, device) -> dict:
-    from prime_kernels.mega import _fused, _fused_bwd
+    from prime_kernels.mega import _backend, _fused
     from prime_kernels.mega._peer_ep import EmulatedGroup
     from prime_kernels.routing import pool_capacity
 
@@ -94,7 +95,9 @@ def run_config(shape: str, T: int, R: int, routing: str, args, device) -> dict:
 
     def ep1_once():
         outs = ep1_fwd()
-        return outs[0], _fused_bwd.backward(dy, x, idx, w, w13, w2, *outs[1:7])
+        return outs[0], _backend.backward("grouped", dy, x, idx, w, w13, w2, *outs[1:7], precision="bf16",
+                                          activation_clamp=None, group=None, num_experts=E, recompute=False,
+                                          need_wgrad=True)
 
     group = EmulatedGroup(R, num_experts=E, hidden=H, top_k=K, max_tokens=T, device=device)
     xs = [p[0] for p in parts]

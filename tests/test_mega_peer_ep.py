@@ -59,8 +59,8 @@ def _weights(seed: int):
 
 def _ep1(inputs, w13, w2, dys=None):
     """EP = 1 over the concatenated tokens: (y, h, expert_offsets) of the fused forward, and with dys (per rank dy)
-    (dX, d topk_weights, dW13, dW2) of the fused backward."""
-    from prime_kernels.mega import _fused, _fused_bwd
+    (dX, d topk_weights, dW13, dW2) of the layer's bf16 backward (the grouped pipeline)."""
+    from prime_kernels.mega import _backend, _fused
     from prime_kernels.routing import pool_capacity
 
     x = torch.cat([t[0] for t in inputs]).cuda()
@@ -73,7 +73,8 @@ def _ep1(inputs, w13, w2, dys=None):
     if dys is None:
         return fwd
     dy = torch.cat(dys).cuda()
-    grads = _fused_bwd.backward(dy, x, idx, w, w13.cuda(), w2.cuda(), *outs[1:7])
+    grads = _backend.backward("grouped", dy, x, idx, w, w13.cuda(), w2.cuda(), *outs[1:7], precision="bf16",
+                              activation_clamp=None, group=None, num_experts=E, recompute=False, need_wgrad=True)
     return fwd, grads
 
 
@@ -151,12 +152,10 @@ BWD_CASES = [c for c in CASES if c[0] in ("skewed", "empty_rank", "masked", "uni
 @pytest.mark.parametrize("delays", [0.0, 2e-4], ids=["one_launch", "delays"])
 @pytest.mark.parametrize("case,tokens", BWD_CASES, ids=[c[0] for c in BWD_CASES])
 def test_emulated_backward_equals_ep1_bitwise(case, tokens, delays):
-    _skip_unless_fused()
-    from prime_kernels import _status
+    from mega_helpers import skip_unless_available
 
-    why = _status.reason("mega_moe_backward.bf16.sm90")
-    if why != "available":
-        pytest.skip(f"mega_moe_backward.bf16.sm90: {why}")
+    _skip_unless_fused()
+    skip_unless_available("mega_moe_grouped.bf16.sm90")
     name = case.rstrip("4").replace("empty_rank", "uniform")
     R = len(tokens)
     seed = 50 + CASES.index((case, tokens))

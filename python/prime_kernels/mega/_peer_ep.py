@@ -22,8 +22,8 @@ same: a forward is
    tokens, because every expert's tiles hold the same rows in the same order and the combine is the same.
 
 A backward is: stage dy and the top-k weights; enter; gather each pool row's dy row and weight from its source rank
-(csrc/common/peer_rows.hpp); the fused backward kernel over the rank's pool (the forward's plan, h and dispatched x
-rows; weights by pool row); scatter each pool row's dX row and d topk_weights to its source rank; exit; each rank
+(csrc/common/peer_rows.hpp); the one-rank layer's backward over the rank's pool (the grouped pipeline of our kernels,
+as the layer runs it on one rank; the forward's plan, h and dispatched x rows; weights by pool row); scatter each pool row's dX row and d topk_weights to its source rank; exit; each rank
 sums its dX slots (fixed k order) and reads its d topk_weights. The weight gradients of a rank's experts stay on it.
 
 The emulator plays every rank in each launch of the barriers and the fused forward (its CTAs split over the ranks;
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _lib
-from . import _fp8_fwd, _fused_bwd, _grouped_ep, fp8 as _fp8
+from . import _fp8_fwd, _grouped_ep, fp8 as _fp8
 from ..combine import combine
 from ..grouped_gemm import m_grouped_fp8_gemm_nt
 from ..routing import pool_capacity
@@ -277,11 +277,13 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
                     dy_pool, w_pool, sv.x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route,
                     recompute=False, clamp=clamp, sms=num_sms or None, precision="fp8", want_wgrad=True,
                     need_wgrad=True, dw13_accum=None, dw2_accum=None, fp8_recipe=None, weight_cache=None)
-        else:
-            _dh, _aw, dt_part, dx_pool, dw13, dw2 = _fused_bwd.dgrad_wgrad(
-                dy_pool, sv.x_pool, w13[i], w2[i], sv.h, sv.offsets, local_route, w_pool, wgrad_dtype=w13[i].dtype,
-                activation_clamp=clamp, num_sms=num_sms or None)
-            dt_pool = dt_part.sum(1)
+        else:  # the one-rank layer's bf16 backward: the grouped pipeline of our kernels (the fused one is withheld)
+            sms = num_sms or None
+            dx_pool, dt_pool, (dy_p, aw, dh, xp) = _grouped_ep._local_backward_bf16(
+                dy_pool, w_pool, sv.x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route, recompute=False,
+                clamp=clamp, sms=sms)
+            dw13, dw2 = _grouped_ep._add_wgrad(dy_p, aw, dh, xp, sv.offsets, True, None, None, w13[i], w2[i], sms)
+            del dy_p, aw, dh, xp
         torch.ops.prime_kernels.peer_rows_(dx_pool, [b.slots for b in buffers], sv.src_route, sv.src_rank, 1, False)
         torch.ops.prime_kernels.peer_rows_(dt_pool, [b.dt_slots for b in buffers], sv.src_route, sv.src_rank, 1,
                                            False)
