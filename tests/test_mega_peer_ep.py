@@ -149,9 +149,10 @@ BWD_CASES = [c for c in CASES if c[0] in ("skewed", "empty_rank", "masked", "uni
 
 
 @cuda
+@pytest.mark.parametrize("regather", [False, True], ids=["kept_x_pool", "regather_x"])
 @pytest.mark.parametrize("delays", [0.0, 2e-4], ids=["one_launch", "delays"])
 @pytest.mark.parametrize("case,tokens", BWD_CASES, ids=[c[0] for c in BWD_CASES])
-def test_emulated_backward_equals_ep1_bitwise(case, tokens, delays):
+def test_emulated_backward_equals_ep1_bitwise(case, tokens, delays, regather):
     from mega_helpers import skip_unless_available
 
     _skip_unless_fused()
@@ -165,8 +166,16 @@ def test_emulated_backward_equals_ep1_bitwise(case, tokens, delays):
     dys = [torch.randn(T, H, generator=g).to(torch.bfloat16) for T in tokens]
     outs, group = _emulated(inputs, w13, w2, R, delays=delays, seed=seed)
     _poison(group)
+    saved = [o[1] for o in outs]
+    if regather:  # the dispatched rows not kept: every rank stages x again and the pools are gathered anew
+        import dataclasses
+
+        saved = [dataclasses.replace(sv, x_pool=None) for sv in saved]
+        for b in group.buffers:
+            b.x.fill_(float("nan"))
     grads = group.backward([d.cuda() for d in dys], [t[1].cuda() for t in inputs], [t[2].cuda() for t in inputs],
-                           [o[1] for o in outs], _slices(w13, R), _slices(w2, R))
+                           saved, _slices(w13, R), _slices(w2, R),
+                           x=[t[0].cuda() for t in inputs] if regather else None)
     torch.cuda.synchronize()
     fwd1, (dx1, dt1, dw13_1, dw2_1) = _ep1(inputs, w13, w2, dys)
     _assert_equal_to_ep1(inputs, outs, fwd1)

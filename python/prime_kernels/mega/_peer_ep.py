@@ -62,7 +62,8 @@ def signals_bytes() -> int:
 class PeerBuffers:
     """One rank's buffers that its peers read (x, topk_idx, weights) or write (slots, dt_slots), and its signals."""
 
-    x: torch.Tensor         # bf16 [T_max, H]: x in a forward, dy in a backward
+    x: torch.Tensor         # bf16 [T_max, H]: the tokens' rows (a forward's; a backward's when it gathers them again)
+    dy: torch.Tensor        # bf16 [T_max, H]: a backward's dy rows
     topk_idx: torch.Tensor  # int64 [T_max, K]; rows past the call's T are -1
     weights: torch.Tensor   # fp32 [T_max * K]: the top-k weights (a backward's)
     slots: torch.Tensor     # bf16 [T_max * K, H]: L2 rows (forward) or dX rows (backward) of this rank's routes
@@ -74,7 +75,8 @@ class PeerBuffers:
         """The buffers' places in one allocation: (name, shape, dtype, byte offset) each, and the total bytes (every
         rank's allocation has the same layout, so a peer's buffer is its allocation at the same offset)."""
         routes = max_tokens * top_k
-        specs = [("x", (max_tokens, hidden), torch.bfloat16), ("topk_idx", (max_tokens, top_k), torch.int64),
+        specs = [("x", (max_tokens, hidden), torch.bfloat16), ("dy", (max_tokens, hidden), torch.bfloat16),
+                 ("topk_idx", (max_tokens, top_k), torch.int64),
                  ("weights", (routes,), torch.float32), ("slots", (routes, hidden), torch.bfloat16),
                  ("dt_slots", (routes,), torch.float32), ("signals", (signals_bytes(),), torch.uint8)]
         out, total = [], 0
@@ -119,12 +121,15 @@ class PeerBuffers:
         self.topk_idx[:T].copy_(topk_idx)
         self.topk_idx[T:].fill_(-1)
 
-    def stage_backward(self, dy: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        """A backward's dy rows and top-k weights (the routing is the forward's, kept in its plans)."""
+    def stage_backward(self, dy: torch.Tensor, topk_weights: torch.Tensor, x: torch.Tensor | None = None) -> None:
+        """A backward's dy rows and top-k weights (the routing is the forward's, kept in its plans), and the token
+        rows again when the backward gathers its pool's x rows anew (a forward's dispatched rows not kept)."""
         T = dy.shape[0]
         self._rows(T)
-        self.x[:T].copy_(dy)
+        self.dy[:T].copy_(dy)
         self.weights[: topk_weights.numel()].copy_(topk_weights.reshape(-1))
+        if x is not None:
+            self.x[:T].copy_(x)
 
 
 def rank_plan(all_topk: list[torch.Tensor], rank: int, num_experts: int, block_m: int):
@@ -175,7 +180,7 @@ class Saved:
     src_rank: torch.Tensor    # int32 [cap]
     counts: torch.Tensor      # int32 [El]
     h: torch.Tensor           # bf16 [cap, 2I]
-    x_pool: torch.Tensor      # bf16 [cap, H]
+    x_pool: torch.Tensor | None  # bf16 [cap, H], or None: the backward gathers the rows again (x staged anew)
 
 
 def _forward_fp8(buffers: list[PeerBuffers], plan, w13, w2, *, num_sms: int):
@@ -257,13 +262,17 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
     else:
         barrier(buffers, _ENTER, played)
         pause()
-    xs, ws = [b.x for b in buffers], [b.weights for b in buffers]
+    xs, dys, ws = [b.x for b in buffers], [b.dy for b in buffers], [b.weights for b in buffers]
     grads = []
     for i, r in enumerate(played):
         sv = saved[i]
         cap = sv.src_route.shape[0]
-        dy_pool = buffers[r].x.new_empty(cap, buffers[r].x.shape[1])
-        torch.ops.prime_kernels.peer_rows_(dy_pool, xs, sv.src_route, sv.src_rank, K, True)
+        dy_pool = buffers[r].dy.new_empty(cap, buffers[r].dy.shape[1])
+        torch.ops.prime_kernels.peer_rows_(dy_pool, dys, sv.src_route, sv.src_rank, K, True)
+        x_pool = sv.x_pool
+        if x_pool is None:  # the forward's dispatched rows were not kept: every rank staged its x again
+            x_pool = torch.empty_like(dy_pool)
+            torch.ops.prime_kernels.peer_rows_(x_pool, xs, sv.src_route, sv.src_rank, K, True)
         w_pool = ws[r].new_empty(cap)
         torch.ops.prime_kernels.peer_rows_(w_pool, ws, sv.src_route, sv.src_rank, 1, True)
         # the kernels read each pool row's weight at its route: here the pool row itself
@@ -274,13 +283,13 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
                 dw13, dw2 = torch.zeros_like(w13[i]), torch.zeros_like(w2[i])
             else:
                 dx_pool, dt_pool, dw13, dw2 = _grouped_ep._local_backward_fp8(
-                    dy_pool, w_pool, sv.x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route,
+                    dy_pool, w_pool, x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route,
                     recompute=False, clamp=clamp, sms=num_sms or None, precision="fp8", want_wgrad=True,
                     need_wgrad=True, dw13_accum=None, dw2_accum=None, fp8_recipe=None, weight_cache=None)
         else:  # the one-rank layer's bf16 backward: the grouped pipeline of our kernels (the fused one is withheld)
             sms = num_sms or None
             dx_pool, dt_pool, (dy_p, aw, dh, xp) = _grouped_ep._local_backward_bf16(
-                dy_pool, w_pool, sv.x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route, recompute=False,
+                dy_pool, w_pool, x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route, recompute=False,
                 clamp=clamp, sms=sms)
             dw13, dw2 = _grouped_ep._add_wgrad(dy_p, aw, dh, xp, sv.offsets, True, None, None, w13[i], w2[i], sms)
             del dy_p, aw, dh, xp
@@ -365,9 +374,10 @@ class PeerGroup:
                              precision=precision, exchange=exchange)[0]
 
     def backward(self, dy, topk_idx, topk_weights, saved: Saved, w13, w2, *, clamp: float | None = None,
-                 num_sms: int = 0, fp8: bool = False, exchange: bool = True):
-        """This rank's backward: (dX, d topk_weights, dW13, dW2)."""
-        self.buffers[self.rank].stage_backward(dy, topk_weights.float())
+                 num_sms: int = 0, fp8: bool = False, exchange: bool = True, x=None):
+        """This rank's backward: (dX, d topk_weights, dW13, dW2). ``x``: this rank's token rows, needed (on every
+        rank alike) when ``saved.x_pool`` is None."""
+        self.buffers[self.rank].stage_backward(dy, topk_weights.float(), x)
         return backward_ranks(self.buffers, [self.rank], [topk_idx], [saved], [w13], [w2], clamp=clamp,
                               num_sms=num_sms, fp8=fp8, exchange=exchange)[0]
 
@@ -441,17 +451,18 @@ class EmulatedGroup:
 
     def backward(self, dy: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
                  saved: list[Saved], w13: list[torch.Tensor], w2: list[torch.Tensor], *, clamp: float | None = None,
-                 num_sms: int = 0, fp8: bool = False):
-        """One backward of every rank: per rank (dX, d topk_weights, dW13, dW2) as :func:`backward_ranks`."""
+                 num_sms: int = 0, fp8: bool = False, x: list[torch.Tensor] | None = None):
+        """One backward of every rank: per rank (dX, d topk_weights, dW13, dW2) as :func:`backward_ranks`. ``x``:
+        the token rows, staged again for the ranks whose ``saved`` has no x_pool (gathered anew)."""
         R = self.num_ranks
         if not self.delays:
-            for b, d, w in zip(self.buffers, dy, topk_weights):
-                b.stage_backward(d, w.float())
+            for r, (b, d, w) in enumerate(zip(self.buffers, dy, topk_weights)):
+                b.stage_backward(d, w.float(), None if x is None else x[r])
             return backward_ranks(self.buffers, list(range(R)), topk_idx, saved, w13, w2, clamp=clamp,
                                   num_sms=num_sms, fp8=fp8)
 
         def step(r):
-            self.buffers[r].stage_backward(dy[r], topk_weights[r].float())
+            self.buffers[r].stage_backward(dy[r], topk_weights[r].float(), None if x is None else x[r])
             return backward_ranks(self.buffers, [r], [topk_idx[r]], [saved[r]], [w13[r]], [w2[r]], clamp=clamp,
                                   num_sms=self._sms_per_rank(num_sms), fp8=fp8, pause=self._sleep)[0]
 
@@ -462,7 +473,8 @@ def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, Saved):
-        yield from (obj.offsets, obj.src_route, obj.src_rank, obj.counts, obj.h, obj.x_pool)
+        yield from (t for t in (obj.offsets, obj.src_route, obj.src_rank, obj.counts, obj.h, obj.x_pool)
+                    if t is not None)
     elif isinstance(obj, (tuple, list)):
         for o in obj:
             yield from _tensors(o)
