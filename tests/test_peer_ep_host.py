@@ -97,7 +97,7 @@ def test_buffers_layout_is_one_aligned_allocation_with_the_same_offsets():
 
     specs, total = PeerBuffers.layout(37, 256, 8)
     names = [s[0] for s in specs]
-    assert names == ["x", "topk_idx", "weights", "slots", "dt_slots", "signals"]
+    assert names == ["x", "dy", "topk_idx", "weights", "slots", "dt_slots", "signals"]
     ends = []
     for name, shape, dt, off in specs:
         assert off % 256 == 0, (name, off)
