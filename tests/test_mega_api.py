@@ -120,7 +120,8 @@ def test_fp8_on_kernel_backends_raises_never_runs_bf16(status, precision, backen
 def test_fp8_bwd_takes_the_clamp_with_its_entry_and_expert_parallelism_on_the_grouped_path(status, backend):
     """fp8_bwd with activation_clamp runs where the grouped clamp entry (the L1 that saves h with the clamp masks,
     which its recompute runs) is available, in both directions and before any forward; under an expert-parallel
-    group the grouped path (all-to-all) runs it, and backend "fused" says its kernels run on a single rank."""
+    group the grouped path (all-to-all) runs it, and backend "fused" (the peer-memory path there) gives its entry's
+    reason."""
     for name in ("mega_moe.bf16.sm90", _backend.GROUPED_KEY, "mega_moe.fp8_bwd.sm90"):
         status[name] = "available"
     for direction in ("fwd", "bwd"):
@@ -128,7 +129,7 @@ def test_fp8_bwd_takes_the_clamp_with_its_entry_and_expert_parallelism_on_the_gr
                            match=f"with activation_clamp: {_backend.GROUPED_CLAMP_KEY}: not implemented yet"):
             _backend.resolve_backend(backend, "fp8_bwd", direction, activation_clamp=10.0, **SHAPE)
         if backend == "fused":
-            with pytest.raises(_backend.FusedKernelUnavailable, match="fused kernels run on a single rank"):
+            with pytest.raises(_backend.FusedKernelUnavailable, match=f"{_backend.PEER_KEY}: not implemented yet"):
                 _backend.resolve_backend(backend, "fp8_bwd", direction, ep_size=2, **SHAPE)
         else:
             assert _backend.resolve_backend(backend, "fp8_bwd", direction, ep_size=2, **SHAPE) == "grouped"

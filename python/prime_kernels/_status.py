@@ -85,6 +85,12 @@ def _entries() -> list[KernelEntry]:
         missing="the grouped pipeline on torch's grouped GEMM takes no activation_clamp: keeping the clamp masks of "
                 "the fp32 pre-activation (reference F6) needs an fp32 L1 output, and torch's grouped GEMM returns "
                 "bf16"))
+    # Expert parallelism over peer memory (prime_kernels.mega._peer_ep): the epoch barriers, the fused forward that
+    # reads its pool rows from their ranks and pushes its L2 rows back, the row moves of the backward.
+    e.append(KernelEntry(
+        "mega_moe_ep_peer.bf16.sm90", "mega_moe_fwd_bf16_ranks", "sm90", also_compiled=("ep_barrier", "peer_rows"),
+        unverified="built, not yet run on a GPU (its one-GPU emulator's tests wait for one) nor on several: "
+                   "backend='fused' with a group runs it, backend='auto' runs the all-to-all path"))
     # The kernel backends (bf16) with H or I a multiple of 64 but not of 128: every kernel's last tile half-width
     e.append(KernelEntry("mega_moe_half_tiles.bf16.sm90", "mega_moe_fwd_bf16", "sm90"))
     todo = "not implemented yet"

@@ -37,7 +37,7 @@ import warnings
 
 import torch
 
-from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _grouped_ep, _plan, _validate, reference
+from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _grouped_ep, _peer_ep, _plan, _validate, reference
 from .._status import KERNELS, is_available
 from ..routing import pool_capacity
 from ._validate import FusedKernelUnavailable
@@ -121,6 +121,22 @@ def _fused_reason(precision: str, direction: str) -> str | None:
     if is_available(reason):
         return None
     return f"{name}: {reason}"
+
+
+#: The expert-parallel path over peer memory (prime_kernels.mega._peer_ep): backend "fused" under a group.
+PEER_KEY = "mega_moe_ep_peer.bf16.sm90"
+
+
+def _peer_reason(precision: str, activation_clamp: float | None, num_local_experts: int | None) -> str | None:
+    """None when the peer-memory path can run this expert-parallel call (the group's NVLink domain is checked when its
+    buffers are made), else why not. Its forward is our fused bf16 forward (or the grouped FP8 forward pipeline) and
+    its backward the one-rank layer's pipeline on each rank's pool, so it needs those too."""
+    if precision not in ("bf16", "fp8", "fp8_bwd"):
+        return f"the peer-memory path runs bf16, fp8 and fp8_bwd (precision={precision!r})"
+    why = _status().get(PEER_KEY, _NOT_IMPLEMENTED)
+    if not is_available(why):
+        return f"{PEER_KEY}: {why}"
+    return _grouped_reason(precision, 1, activation_clamp, num_local_experts)
 
 
 GROUPED_KEY = _grouped.STATUS_KEY
@@ -323,8 +339,9 @@ def choose_backend(
         if why is not None:
             raise FusedKernelUnavailable(f"prime_kernels.mega: backend='grouped' cannot run: {why}")
         return "grouped", "backend='grouped' was asked for"
-    single_rank = None if ep_size == 1 else "the fused kernels run on a single rank (no expert-parallel group)"
-    reason = common or too_many or single_rank or _fused_reason(precision, direction)
+    # under a group, "fused" is the peer-memory path (its own entry; its backward is the one-rank pipeline's)
+    peer = None if ep_size == 1 else _peer_reason(precision, activation_clamp, num_local_experts)
+    reason = common or too_many or (peer if ep_size > 1 else _fused_reason(precision, direction))
     if reason is None:
         _require_kernel_block_m(block_m)
         return "fused", None
@@ -480,6 +497,8 @@ def backward(which: str, dy, x, topk_idx, topk_weights, w13, w2, h, expert_count
     if x_pool is not None and x_pool.shape[0] == pool_src_route.shape[0] and x_pool.shape[0] > 0:
         kwargs["x_pool"] = x_pool
     with torch.no_grad():
+        if which == "fused" and group is not None:
+            return _peer_ep.layer_backward(*args, precision=precision, num_sms=num_sms, **kwargs)
         if which == "grouped" and group is not None:
             return _grouped_ep.backward(*args, num_sms=num_sms, precision=precision, chunks=ep_chunks, **kwargs)
         if which in ("fused", "grouped") and precision in reference.FP8_PRECISIONS:
@@ -498,6 +517,9 @@ def _deferred_backward(which: str, args, *, precision, activation_clamp, group, 
 
     opts = dict(precision=precision, activation_clamp=activation_clamp, group=group, num_experts=num_experts,
                 recompute=recompute, buffer=buffer, x_pool=x_pool, num_sms=num_sms)
+    if which == "fused" and group is not None:
+        raise FusedKernelUnavailable("prime_kernels.mega: the peer-memory expert-parallel path does not defer its "
+                                     "weight gradients yet; use backend='grouped' for deferred weight gradients")
     if which in ("fused", "grouped") and precision == "bf16":
         pool = x_pool if x_pool is not None and x_pool.shape[0] == args[9].shape[0] and x_pool.shape[0] > 0 else None
         if which == "grouped" and group is not None:

@@ -47,8 +47,13 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
     trainer can leave some to its communication kernels."""
     if precision not in ("bf16", "fp8"):
         raise FusedKernelUnavailable(f"prime_kernels.mega: no fused {precision} forward kernel")
-    if group is not None:
-        raise FusedKernelUnavailable("prime_kernels.mega: the fused forward runs on a single rank for now (group=None)")
+    if group is not None:  # the peer-memory path (prime_kernels.mega._peer_ep)
+        from . import _peer_ep  # noqa: PLC0415
+
+        return _peer_ep.layer_forward(x, topk_idx, topk_weights, w13, w2, precision=precision,
+                                      activation_clamp=activation_clamp, group=group, num_experts=num_experts,
+                                      max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, capacity=capacity,
+                                      save_h=save_h, keep_x_pool=keep_x_pool, num_sms=num_sms)
     if precision == "fp8":
         return _forward_fp8(x, topk_idx, topk_weights, w13, w2, activation_clamp=activation_clamp,
                             num_experts=num_experts, block_m=block_m, capacity=capacity, save_h=save_h,

@@ -207,8 +207,8 @@ def _forward_fp8(buffers: list[PeerBuffers], plan, w13, w2, *, num_sms: int):
 def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[torch.Tensor],
                   topk_weights: list[torch.Tensor], w13: list[torch.Tensor], w2: list[torch.Tensor], *,
                   num_experts: int, block_m: int, clamp: float | None = None, num_sms: int = 0,
-                  precision: str = "bf16", pause=_no_pause,
-                  exchange: bool = True) -> list[tuple[torch.Tensor, Saved]]:
+                  precision: str = "bf16", pause=_no_pause, exchange: bool = True,
+                  max_tokens: int | None = None) -> list[tuple[torch.Tensor, Saved]]:
     """Steps 2-6 of the module docstring for the ``played`` ranks (their rows already staged), on the current
     stream; ``pause`` runs between the steps (the emulator's delays). topk_idx, topk_weights, w13 ([El, 2I, H]), w2
     ([El, H, I]): one per played rank. ``precision`` "bf16" (the fused forward) or "fp8" (:func:`_forward_fp8` per
@@ -216,9 +216,12 @@ def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[
 
     ``exchange=False`` (one played rank; the benchmark's measure of what the exchange costs): the same plan and
     kernels with every peer pointer on the rank's own buffers and no barriers: the same work without a byte over
-    the link and without waiting for a peer. Its results are not the layer's."""
+    the link and without waiting for a peer. Its results are not the layer's.
+
+    ``max_tokens`` (default: the buffers' rows) sizes the plan: its pool capacity is that of max_tokens tokens on
+    every rank (the layer's, whose buffers may hold more rows)."""
     K = buffers[0].topk_idx.shape[1]
-    all_topk = [b.topk_idx for b in buffers]
+    all_topk = [b.topk_idx[:max_tokens] for b in buffers]
     if not exchange:
         (r,) = played
         plans = [rank_plan(all_topk, r, num_experts, block_m)]
@@ -250,11 +253,16 @@ def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[
 def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[torch.Tensor],
                    saved: list[Saved], w13: list[torch.Tensor], w2: list[torch.Tensor], *,
                    clamp: float | None = None, num_sms: int = 0, fp8: bool = False, pause=_no_pause,
-                   exchange: bool = True):
-    """The backward of the module docstring for the ``played`` ranks (dy and weights already staged), on the current
-    stream; ``fp8``: the FP8 backward pipeline on each rank's pool (precision "fp8" or "fp8_bwd") in place of the
-    fused bf16 kernel; ``exchange`` as in :func:`forward_ranks`. Returns, per played rank, (dX [T, H], d topk_weights
-    [T, K] fp32, dW13 [El, 2I, H], dW2 [El, H, I]) (the weight gradients in w13's dtype)."""
+                   exchange: bool = True, recompute: bool = False, need_wgrad: bool = True, dw13_accum=None,
+                   dw2_accum=None):
+    """The backward of the module docstring for the ``played`` ranks (dy and weights already staged, and x where a
+    rank's ``saved`` has no x_pool), on the current stream; ``fp8``: the FP8 backward pipeline on each rank's pool
+    (precision "fp8" or "fp8_bwd") in place of the bf16 one; ``exchange`` as in :func:`forward_ranks`;
+    ``fp8`` is False or the precision ("fp8" or "fp8_bwd", which picks how ``recompute`` computes h; True reads as
+    "fp8_bwd"); ``recompute``: h computed again from the pool's rows; ``dw13_accum`` / ``dw2_accum``: per played rank, fp32
+    accumulators the weight gradients are added into (or None). Returns, per played rank, (dX [T, H], d topk_weights
+    [T, K] fp32, dW13 [El, 2I, H], dW2 [El, H, I]), a weight gradient None where not asked for or accumulated (else
+    in w13's dtype)."""
     K = buffers[0].topk_idx.shape[1]
     if not exchange:
         (r,) = played
@@ -263,9 +271,13 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
         barrier(buffers, _ENTER, played)
         pause()
     xs, dys, ws = [b.x for b in buffers], [b.dy for b in buffers], [b.weights for b in buffers]
+    sms = num_sms or None
+    want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None
     grads = []
     for i, r in enumerate(played):
         sv = saved[i]
+        a13 = None if dw13_accum is None else dw13_accum[i]
+        a2 = None if dw2_accum is None else dw2_accum[i]
         cap = sv.src_route.shape[0]
         dy_pool = buffers[r].dy.new_empty(cap, buffers[r].dy.shape[1])
         torch.ops.prime_kernels.peer_rows_(dy_pool, dys, sv.src_route, sv.src_rank, K, True)
@@ -280,18 +292,19 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
         if fp8:
             if int(sv.offsets[-1]) == 0:  # no rows for this rank's experts: nothing goes back, zero gradients
                 dx_pool, dt_pool = dy_pool[:0], w_pool[:0]
-                dw13, dw2 = torch.zeros_like(w13[i]), torch.zeros_like(w2[i])
+                dw13, dw2 = _grouped_ep._zero_wgrads(need_wgrad, a13, a2, w13[i], w2[i])
             else:
                 dx_pool, dt_pool, dw13, dw2 = _grouped_ep._local_backward_fp8(
                     dy_pool, w_pool, x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route,
-                    recompute=False, clamp=clamp, sms=num_sms or None, precision="fp8", want_wgrad=True,
-                    need_wgrad=True, dw13_accum=None, dw2_accum=None, fp8_recipe=None, weight_cache=None)
+                    recompute=recompute, clamp=clamp, sms=sms, precision="fp8" if fp8 == "fp8" else "fp8_bwd",
+                    want_wgrad=want_w, need_wgrad=need_wgrad, dw13_accum=a13, dw2_accum=a2, fp8_recipe=None,
+                    weight_cache=None)
         else:  # the one-rank layer's bf16 backward: the grouped pipeline of our kernels (the fused one is withheld)
-            sms = num_sms or None
             dx_pool, dt_pool, (dy_p, aw, dh, xp) = _grouped_ep._local_backward_bf16(
-                dy_pool, w_pool, x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route, recompute=False,
+                dy_pool, w_pool, x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route, recompute=recompute,
                 clamp=clamp, sms=sms)
-            dw13, dw2 = _grouped_ep._add_wgrad(dy_p, aw, dh, xp, sv.offsets, True, None, None, w13[i], w2[i], sms)
+            dw13, dw2 = (_grouped_ep._add_wgrad(dy_p, aw, dh, xp, sv.offsets, need_wgrad, a13, a2, w13[i], w2[i], sms)
+                         if want_w else (None, None))
             del dy_p, aw, dh, xp
         torch.ops.prime_kernels.peer_rows_(dx_pool, [b.slots for b in buffers], sv.src_route, sv.src_rank, 1, False)
         torch.ops.prime_kernels.peer_rows_(dt_pool, [b.dt_slots for b in buffers], sv.src_route, sv.src_rank, 1,
@@ -348,7 +361,7 @@ class PeerGroup:
         ok, why = _nvlink_domain.check_group(group, self.device)
         if not ok:
             raise ValueError(f"prime_kernels.mega: the group is not one NVLink domain ({why})")
-        self.num_experts, self.top_k = num_experts, top_k
+        self.num_experts, self.top_k, self.max_tokens = num_experts, top_k, max_tokens
         _, total = PeerBuffers.layout(max_tokens, hidden, top_k)
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # older torch needs it; idempotent
@@ -365,13 +378,14 @@ class PeerGroup:
                         for r in range(self.num_ranks)]
 
     def forward(self, x, topk_idx, topk_weights, w13, w2, *, block_m: int = 128, clamp: float | None = None,
-                num_sms: int = 0, precision: str = "bf16", exchange: bool = True) -> tuple[torch.Tensor, Saved]:
-        """This rank's forward (w13 / w2: its experts): (y, what its backward needs). ``exchange`` as in
-        :func:`forward_ranks` (the benchmark's)."""
+                num_sms: int = 0, precision: str = "bf16", exchange: bool = True,
+                max_tokens: int | None = None) -> tuple[torch.Tensor, Saved]:
+        """This rank's forward (w13 / w2: its experts): (y, what its backward needs). ``exchange`` and
+        ``max_tokens`` as in :func:`forward_ranks`."""
         self.buffers[self.rank].stage(x, topk_idx)
         return forward_ranks(self.buffers, [self.rank], [topk_idx], [topk_weights], [w13], [w2],
                              num_experts=self.num_experts, block_m=block_m, clamp=clamp, num_sms=num_sms,
-                             precision=precision, exchange=exchange)[0]
+                             precision=precision, exchange=exchange, max_tokens=max_tokens)[0]
 
     def backward(self, dy, topk_idx, topk_weights, saved: Saved, w13, w2, *, clamp: float | None = None,
                  num_sms: int = 0, fp8: bool = False, exchange: bool = True, x=None):
@@ -478,3 +492,70 @@ def _tensors(obj):
     elif isinstance(obj, (tuple, list)):
         for o in obj:
             yield from _tensors(o)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The layer's calls (backend "fused" under a group): one PeerGroup per (group, device, shape), made at first use
+# ---------------------------------------------------------------------------------------------------------------
+
+STATUS_KEY = "mega_moe_ep_peer.bf16.sm90"
+_groups: dict = {}
+
+
+def peer_group(group, device, *, num_experts: int, hidden: int, top_k: int, max_tokens: int) -> PeerGroup:
+    """The :class:`PeerGroup` of these shapes on ``group``, holding at least ``max_tokens`` rows per rank: made on
+    first use, and made again larger when a call needs more rows (a collective each time: max_tokens_per_rank is the
+    same on every rank, so every rank makes it in the same call). A backward never reads what its forward left in
+    the buffers (it stages what it needs), so one of any size serves both."""
+    key = (group.group_name, torch.device(device).index, num_experts, hidden, top_k)
+    pg = _groups.get(key)
+    if pg is None or pg.max_tokens < max_tokens:
+        _groups.pop(key, None)
+        pg = _groups[key] = PeerGroup(group, num_experts=num_experts, hidden=hidden, top_k=top_k,
+                                      max_tokens=max_tokens, device=device)
+    return pg
+
+
+def layer_forward(x, topk_idx, topk_weights, w13, w2, *, precision, activation_clamp, group, num_experts,
+                  max_tokens_per_rank, block_m, capacity, save_h, keep_x_pool, num_sms):
+    """The forward's contract of :func:`prime_kernels.mega._fused.forward` on the peer-memory path: (y, h, counts,
+    offsets, pool_src_route, pool_src_rank, route_to_pool, x_pool), route_to_pool being this rank's own slot map (its
+    routes' rows come back to its own slots) and x_pool the dispatched rows with ``keep_x_pool`` (else [0, H]: the
+    backward gathers them again)."""
+    T, K = topk_idx.shape
+    H = x.shape[1]
+    tmax = int(max_tokens_per_rank if max_tokens_per_rank is not None else T)
+    pg = peer_group(group, x.device, num_experts=num_experts, hidden=H, top_k=K, max_tokens=tmax)
+    y, sv = pg.forward(x.to(torch.bfloat16), topk_idx, topk_weights, w13, w2, block_m=block_m, clamp=activation_clamp,
+                       num_sms=num_sms, precision=precision, max_tokens=tmax)
+    if sv.src_route.shape[0] != capacity:  # the plan's rows are the layer's capacity: a mismatch is a bug here
+        raise RuntimeError(f"prime_kernels.mega: the peer-memory plan has {sv.src_route.shape[0]} pool rows, the "
+                           f"layer {capacity}")
+    h = sv.h if save_h else sv.h[:0]
+    x_pool = sv.x_pool if keep_x_pool else sv.x_pool[:0]
+    return (y.to(x.dtype), h, sv.counts, sv.offsets, sv.src_route, sv.src_rank, _own_routes(topk_idx), x_pool)
+
+
+def layer_backward(dy, x, topk_idx, topk_weights, w13, w2, h, counts, offsets, pool_src_route, pool_src_rank,
+                   route_to_pool, *, precision, activation_clamp, group, num_experts, recompute, need_wgrad,
+                   dw13_accum=None, dw2_accum=None, x_pool=None, num_sms=0):
+    """The backward's contract of :func:`prime_kernels.mega._grouped_ep.backward` on the peer-memory path:
+    (dx, d topk_weights, dw13, dw2), a weight gradient None where not asked for or added into its accumulator.
+    Without the forward's dispatched rows (``x_pool``) every rank stages its x again and the pools are gathered anew.
+    ``recompute``: h is computed again from the pool's rows (as the one-rank pipelines do)."""
+    T, K = topk_idx.shape
+    pg = _groups.get((group.group_name, x.device.index, num_experts, x.shape[1], K))
+    if pg is None or pg.max_tokens < T:
+        raise RuntimeError("prime_kernels.mega: no peer-memory buffers of this shape on this group: the backward of "
+                           "the peer-memory path runs after its forward")
+    keep = x_pool is not None and x_pool.shape[0] == pool_src_route.shape[0] and x_pool.shape[0] > 0
+    sv = Saved(offsets, pool_src_route, pool_src_rank, counts, h, x_pool if keep else None)
+    pg.buffers[pg.rank].stage_backward(dy.to(torch.bfloat16), topk_weights.float(),
+                                       None if keep else x.to(torch.bfloat16))
+    dx, dt, dw13, dw2 = backward_ranks(
+        pg.buffers, [pg.rank], [topk_idx], [sv], [w13], [w2], clamp=activation_clamp, num_sms=num_sms,
+        fp8=precision if precision in ("fp8", "fp8_bwd") else False, recompute=recompute, need_wgrad=need_wgrad,
+        dw13_accum=None if dw13_accum is None else [dw13_accum],
+        dw2_accum=None if dw2_accum is None else [dw2_accum])[0]
+    return dx.to(dy.dtype), dt.to(topk_weights.dtype), dw13, dw2
+
