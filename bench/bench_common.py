@@ -414,6 +414,19 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def wall_ms(fn, device, warmup: int, iters: int) -> float:
+    """Wall-clock ms per call of ``fn`` over ``iters`` calls after ``warmup``, host work included (synchronised
+    before and after the batch): for paths whose host work is part of their cost."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
 def time_ms(fn, device, warmup=5, iters=20) -> float:
     """Median milliseconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (CUDA events on
     the GPU, perf_counter on the CPU)."""

@@ -95,18 +95,6 @@ def _layer(x, idx, w, w13, w2, dy, *, group, num_experts: int, tmax: int | None,
     return y, dx, dtopk, dw13, dw2
 
 
-def _timed(fn, device, warmup: int, iters: int) -> float:
-    """Wall-clock ms per call of ``fn`` over ``iters`` calls after ``warmup``, host work included."""
-    for _ in range(warmup):
-        fn()
-    bc.sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    bc.sync(device)
-    return (time.perf_counter() - t0) * 1e3 / iters
-
-
 _GEMM = re.compile(r"grouped_.*(gemm|swiglu)")
 
 
@@ -185,8 +173,8 @@ def run_config(shape: str, T: int, R: int, routing: str, chunks: int, num_sms: i
     bitwise = all(torch.equal(got[r][i], want[i][r * T:(r + 1) * T]) for r in range(R) for i in range(3)) and all(
         torch.equal(got[r][i], want[i][r * El:(r + 1) * El]) for r in range(R) for i in (3, 4))
     del want, got
-    ep1_ms = _timed(ep1_once, device, args.warmup, args.iters)
-    loop_ms = _timed(loop_once, device, args.warmup, args.iters)
+    ep1_ms = bc.wall_ms(ep1_once, device, args.warmup, args.iters)
+    loop_ms = bc.wall_ms(loop_once, device, args.warmup, args.iters)
     overlap = None
     if args.trace and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile

@@ -65,14 +65,7 @@ def _split(s: str) -> list[str]:
 
 
 def _timed(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / iters
+    return bc.wall_ms(fn, torch.device("cuda"), warmup, iters)
 
 
 def run_config(shape: str, T: int, R: int, routing: str, args, device) -> dict:

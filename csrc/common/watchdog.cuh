@@ -68,15 +68,17 @@ __device__ __forceinline__ int32_t ld_acquire_gpu_s32(const int32_t* p) {
 // thread out): device atomics on host memory would need PCIe atomics, a word in device memory does not.
 static __device__ int32_t g_wait_record_claim = 0;
 
-// Cold path: records what was waited for (the first timed-out thread only) and traps.
-static __device__ __noinline__ void wait_timed_out(const WaitGuard& g, int32_t kernel, int32_t wait, int32_t index,
-                                            int64_t expected, int64_t observed, uint64_t waited_ns) {
+// Cold path: records what was waited for (the first timed-out thread only) and traps. cta: the waiting CTA, or for a
+// wait on another rank the waiting rank (WaitKernel says which).
+static __device__ __noinline__ void record_wait_and_trap(const WaitGuard& g, int32_t kernel, int32_t wait, int32_t cta,
+                                                  int32_t index, int64_t expected, int64_t observed,
+                                                  uint64_t waited_ns) {
   volatile WaitRecord* r = g.record;
   if (r != nullptr && atomicCAS(&g_wait_record_claim, 0, 1) == 0 && r->state == 0) {
     r->device = g.device;
     r->kernel = kernel;
     r->wait = wait;
-    r->cta = static_cast<int32_t>(blockIdx.x);
+    r->cta = cta;
     r->thread = static_cast<int32_t>(threadIdx.x);
     r->index = index;
     r->expected = expected;
@@ -89,25 +91,15 @@ static __device__ __noinline__ void wait_timed_out(const WaitGuard& g, int32_t k
   __trap();
 }
 
-// The cold path of a wait on another rank: the record names the waiting rank (in its cta field) and the peer.
-static __device__ __noinline__ void wait_timed_out_ranks(const WaitGuard& g, int32_t wait, int32_t rank, int32_t peer,
-                                                  int64_t expected, int64_t observed, uint64_t waited_ns) {
-  volatile WaitRecord* r = g.record;
-  if (r != nullptr && atomicCAS(&g_wait_record_claim, 0, 1) == 0 && r->state == 0) {
-    r->device = g.device;
-    r->kernel = kWaitKernelEpBarrier;
-    r->wait = wait;
-    r->cta = rank;
-    r->thread = static_cast<int32_t>(threadIdx.x);
-    r->index = peer;
-    r->expected = expected;
-    r->observed = observed;
-    r->waited_ns = waited_ns;
-    __threadfence_system();
-    r->state = 2;
-    __threadfence_system();
-  }
-  __trap();
+__device__ __forceinline__ void wait_timed_out(const WaitGuard& g, int32_t kernel, int32_t wait, int32_t index,
+                                               int64_t expected, int64_t observed, uint64_t waited_ns) {
+  record_wait_and_trap(g, kernel, wait, static_cast<int32_t>(blockIdx.x), index, expected, observed, waited_ns);
+}
+
+// A wait on another rank (common/ep_signal.hpp): the record names the waiting rank and the peer.
+__device__ __forceinline__ void wait_timed_out_ranks(const WaitGuard& g, int32_t wait, int32_t rank, int32_t peer,
+                                                     int64_t expected, int64_t observed, uint64_t waited_ns) {
+  record_wait_and_trap(g, kWaitKernelEpBarrier, wait, rank, peer, expected, observed, waited_ns);
 }
 
 // Spins until *counter >= target (acquire, GPU scope); traps with a record after g.timeout_ns.

@@ -60,6 +60,12 @@ __device__ __forceinline__ void write_acc_to_swizzled_staging(const float (&acc)
   write_acc_boxes_to_staging<kBlockN, kBlockN / 64>(acc, stg_half, wg_tid, 0);
 }
 
+// The shared-memory address of 16-byte chunk ch (columns 8 ch..) of row r of a swizzled staging half.
+template <int kBlockN>
+__device__ __forceinline__ uint32_t staging_chunk_addr(uint32_t stg_half, int r, int ch) {
+  return stg_half + (ch >> 3) * TmaStaging<kBlockN>::kBoxBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
+}
+
 // Copies rows [0, rows) of a swizzled staging half to out (row stride ldo), columns col0.. below col_limit,
 // with the warpgroup's 128 threads (16-byte loads and stores). kSplit (SwiGLU h): the left half of the
 // tile's columns goes to out columns col0.., the right half to col_limit + col0.., each below col_limit.
@@ -77,8 +83,7 @@ __device__ __forceinline__ void copy_swizzled_half_to_global(uint32_t stg_half, 
     const int c = col0 + (right ? ch - kChunksPerRow / 2 : ch) * 8;
     const int gcol = c + (right ? col_limit : 0);
     if (c < col_limit) {
-      const uint32_t a = stg_half + (ch >> 3) * TmaStaging<kBlockN>::kBoxBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
-      const uint4 v = ptx::ld_shared_v4(a);
+      const uint4 v = ptx::ld_shared_v4(staging_chunk_addr<kBlockN>(stg_half, r, ch));
       *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row0 + r) * ldo + gcol) = v;
     }
   }
@@ -103,8 +108,7 @@ __device__ __forceinline__ void copy_swizzled_half_to_routes(uint32_t stg_half, 
     const int route = __ldg(src_route + row0 + r);
     if (route >= 0 && route < num_routes && col0 + ch * 8 < col_limit) {
       const int rank = src_rank != nullptr ? min(max(__ldg(src_rank + row0 + r), 0), num_ranks - 1) : 0;
-      const uint32_t a = stg_half + (ch >> 3) * TmaStaging<kBlockN>::kBoxBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
-      const uint4 v = ptx::ld_shared_v4(a);
+      const uint4 v = ptx::ld_shared_v4(staging_chunk_addr<kBlockN>(stg_half, r, ch));
       *reinterpret_cast<uint4*>(slots[rank] + static_cast<int64_t>(route) * ld + col0 + ch * 8) = v;
     }
   }

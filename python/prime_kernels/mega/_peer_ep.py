@@ -171,6 +171,24 @@ def _no_pause() -> None:
     pass
 
 
+def _enter(buffers: list[PeerBuffers], played: list[int], exchange: bool, pause) -> list[PeerBuffers]:
+    """The enter barrier; the buffers the call's pointer tables hold (with ``exchange=False``, one played rank's own
+    buffers in every entry, and no barrier)."""
+    if not exchange:
+        (r,) = played
+        return [buffers[r]] * len(buffers)
+    barrier(buffers, _ENTER, played)
+    pause()
+    return buffers
+
+
+def _exit(buffers: list[PeerBuffers], played: list[int], exchange: bool, pause) -> None:
+    pause()
+    if exchange:
+        barrier(buffers, _EXIT, played)
+    pause()
+
+
 @dataclass
 class Saved:
     """What a rank's forward keeps for its backward."""
@@ -222,14 +240,8 @@ def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[
     every rank (the layer's, whose buffers may hold more rows)."""
     K = buffers[0].topk_idx.shape[1]
     all_topk = [b.topk_idx[:max_tokens] for b in buffers]
-    if not exchange:
-        (r,) = played
-        plans = [rank_plan(all_topk, r, num_experts, block_m)]
-        buffers = [buffers[r]] * len(buffers)
-    else:
-        barrier(buffers, _ENTER, played)
-        pause()
-        plans = [rank_plan(all_topk, r, num_experts, block_m) for r in played]
+    buffers = _enter(buffers, played, exchange, pause)
+    plans = [rank_plan(all_topk, r, num_experts, block_m) for r in played]
     if precision == "fp8":
         if clamp is not None:
             raise ValueError("prime_kernels.mega: the FP8 forward pipeline does not take activation_clamp yet")
@@ -238,10 +250,7 @@ def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[
         hs, x_pools = torch.ops.prime_kernels.mega_moe_fused_fwd_ranks(
             [b.x for b in buffers], [b.slots for b in buffers], [p[1] for p in plans], [p[2] for p in plans],
             [p[0] for p in plans], w13, w2, K, True, 0.0 if clamp is None else float(clamp), num_sms)
-    pause()
-    if exchange:
-        barrier(buffers, _EXIT, played)
-    pause()
+    _exit(buffers, played, exchange, pause)
     out = []
     for i, r in enumerate(played):
         T = topk_idx[i].shape[0]
@@ -264,12 +273,7 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
     [T, K] fp32, dW13 [El, 2I, H], dW2 [El, H, I]), a weight gradient None where not asked for or accumulated (else
     in w13's dtype)."""
     K = buffers[0].topk_idx.shape[1]
-    if not exchange:
-        (r,) = played
-        buffers = [buffers[r]] * len(buffers)
-    else:
-        barrier(buffers, _ENTER, played)
-        pause()
+    buffers = _enter(buffers, played, exchange, pause)
     xs, dys, ws = [b.x for b in buffers], [b.dy for b in buffers], [b.weights for b in buffers]
     sms = num_sms or None
     want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None
@@ -310,10 +314,7 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
         torch.ops.prime_kernels.peer_rows_(dt_pool, [b.dt_slots for b in buffers], sv.src_route, sv.src_rank, 1,
                                            False)
         grads.append((dw13, dw2))
-    pause()
-    if exchange:
-        barrier(buffers, _EXIT, played)
-    pause()
+    _exit(buffers, played, exchange, pause)
     out = []
     for i, r in enumerate(played):
         T = topk_idx[i].shape[0]
