@@ -1,0 +1,73 @@
+// MXFP8 quantization (e4m3 values, one e8m0 scale per 32 elements along a row), the bits of
+// python/prime_kernels/mxfp8.py quantize_mxfp8_reference (docs/mxfp8.md), with the scales written either as a plain
+// [rows, cols/32] matrix or directly in the 128 x 4 blocked layout torch._scaled_grouped_mm reads on sm_100
+// (optionally per row group, each group padded to 128 rows: the 2d-3d grouped GEMM's A operand).
+//
+// Rounding, per block of 32: amax = max |x| (fp32); the scale exponent E from amax's bits,
+//   rceil: E = p - 8 + (s > 1.75), floor: E = p - 8, where amax = s * 2^p, s in [1, 2);
+//   E clamped to [-127, 127]; amax == 0 (or subnormal) -> -127; amax == inf -> 127; stored as the byte E + 127.
+// q = e4m3(x * 2^-E), the product exact, round to nearest even with saturation to +-448 (infinities included).
+// A block holding a NaN: scale byte 0xFF and every q of the block 0x7F.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace prime_kernels::common {
+
+constexpr int kMxfp8Block = 32;
+
+enum class Mxfp8InputType : int { kBf16 = 0, kFp32 = 1 };
+enum class Mxfp8ScaleLayout : int { kPlain = 0, kBlocked = 1 };
+
+struct QuantizeMxfp8Args {
+  const void* x = nullptr;  // bf16 or fp32, element (r, c) at x[r * x_stride_row + c * x_stride_col]
+  Mxfp8InputType x_type = Mxfp8InputType::kBf16;
+  int64_t rows = 0;
+  int64_t cols = 0;  // the blocked axis: a multiple of 32
+  int64_t x_stride_row = 0;
+  int64_t x_stride_col = 1;  // 1 for coalesced reads; any stride is correct
+
+  uint8_t* q = nullptr;  // e4m3 bytes, element (r, c) at q[r * q_stride_row + c * q_stride_col]
+  int64_t q_stride_row = 0;
+  int64_t q_stride_col = 1;
+
+  // e8m0 bytes. kPlain: block (r, j) at scale[r * scale_ld + j]. kBlocked: the 128 x 4 tile layout of a
+  // [padded rows, cols/32] matrix (tiles of 512 bytes, row-tile major; inside a tile (r % 32) * 16 +
+  // ((r % 128) / 32) * 4 + j % 4). Padding bytes are not written: zero-fill the buffer first, as torch does.
+  uint8_t* scale = nullptr;
+  Mxfp8ScaleLayout scale_layout = Mxfp8ScaleLayout::kPlain;
+  int64_t scale_ld = 0;
+
+  // kBlocked only, optional (device int32 [num_groups]): group g holds rows [group_ends[g-1], group_ends[g]) (the
+  // offsets torch takes) and its scales start at padded row blocked_row_starts[g] = sum_{j<g} round_up(m_j, 128)
+  // (launch_mxfp8_blocked_row_starts computes them). Rows past the last end get q but no scale. Without groups
+  // row r's scales sit at padded row r.
+  const int32_t* group_ends = nullptr;
+  const int32_t* blocked_row_starts = nullptr;
+  int32_t num_groups = 0;
+
+  bool rceil = true;  // false: the OCP floor rule
+};
+
+// nullptr when the arguments are usable, else what is wrong (host-side checks only; group offsets live on the
+// device and are not read here: non-decreasing ends within [0, rows] are the caller's to keep).
+const char* check_quantize_mxfp8_args(const QuantizeMxfp8Args& args);
+
+// One warp per block of 32; the arguments must have passed check_quantize_mxfp8_args.
+cudaError_t launch_quantize_mxfp8(const QuantizeMxfp8Args& args, cudaStream_t stream);
+
+// out[g] = sum_{j<g} round_up(group_ends[j] - group_ends[j-1], 128), on the device (one small block), so that no
+// host synchronisation is needed between the routing and the quantization.
+cudaError_t launch_mxfp8_blocked_row_starts(const int32_t* group_ends, int32_t num_groups, int32_t* out,
+                                            cudaStream_t stream);
+
+// Same bits on the CPU (x, q and scale host memory); group_ends / row_starts are host copies of args' device arrays
+// (args.group_ends and args.blocked_row_starts are not read), nullptr without groups.
+void quantize_mxfp8_host(const QuantizeMxfp8Args& args, const int32_t* group_ends, const int32_t* row_starts);
+
+// The unbiased scale exponent of a block from its amax's fp32 bits (sign ignored); exposed for host-side tests.
+int mxfp8_scale_exponent_host(float amax, bool rceil);
+
+}  // namespace prime_kernels::common
