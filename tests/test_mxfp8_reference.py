@@ -386,3 +386,129 @@ def test_agrees_with_torch_mx_helpers(tmp_path: Path):
         pytest.skip(f"torch's MX test helpers are not importable here: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr
     assert "MISMATCHES 0" in r.stdout, r.stdout
+
+
+# ---- the CUDA kernel's host loop (csrc/common/quantize_mxfp8.cu) computes the reference's bits ----------------
+
+_REPO = Path(__file__).resolve().parent.parent
+
+_HOST_DRIVER = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <cuda_bf16.h>
+#include "common/quantize_mxfp8.hpp"
+using namespace prime_kernels::common;
+// in.bin (fp32 rows x cols) rows cols bf16? rceil? G ends... -> out.bin: q, plain scales, blocked scales
+int main(int argc, char** argv) {
+  const long rows = atol(argv[2]), cols = atol(argv[3]);
+  const int bf16 = atoi(argv[4]), rceil = atoi(argv[5]), G = atoi(argv[6]);
+  std::vector<float> x(rows * cols);
+  FILE* f = fopen(argv[1], "rb");
+  if (fread(x.data(), 4, x.size(), f) != x.size()) return 2;
+  fclose(f);
+  std::vector<__nv_bfloat16> xb(x.size());
+  for (size_t i = 0; i < x.size(); ++i) xb[i] = __float2bfloat16_rn(x[i]);
+  std::vector<int> ends(G), starts(G);
+  int prev = 0, acc = 0;
+  for (int g = 0; g < G; ++g) {
+    ends[g] = atoi(argv[7 + g]);
+    starts[g] = acc;
+    acc += (ends[g] - prev + 127) / 128 * 128;
+    prev = ends[g];
+  }
+  const long per = cols / 32, padded_rows = G ? acc : (rows + 127) / 128 * 128, padded_cols = (per + 3) / 4 * 4;
+  std::vector<unsigned char> q(rows * cols), q2(rows * cols), plain(rows * per), blk(padded_rows * padded_cols, 0);
+  QuantizeMxfp8Args a;
+  a.x = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
+  a.x_type = bf16 ? Mxfp8InputType::kBf16 : Mxfp8InputType::kFp32;
+  a.rows = rows; a.cols = cols; a.x_stride_row = cols; a.q = q.data(); a.q_stride_row = cols; a.rceil = rceil;
+  a.scale = plain.data(); a.scale_ld = per;
+  if (check_quantize_mxfp8_args(a)) return 3;
+  quantize_mxfp8_host(a, nullptr, nullptr);
+  a.q = q2.data(); a.scale = blk.data(); a.scale_layout = Mxfp8ScaleLayout::kBlocked;
+  if (G) { a.group_ends = ends.data(); a.blocked_row_starts = starts.data(); a.num_groups = G; }
+  if (check_quantize_mxfp8_args(a)) return 4;
+  quantize_mxfp8_host(a, G ? ends.data() : nullptr, G ? starts.data() : nullptr);
+  if (q != q2) return 5;
+  FILE* o = fopen(argv[argc - 1], "wb");
+  fwrite(q.data(), 1, q.size(), o); fwrite(plain.data(), 1, plain.size(), o); fwrite(blk.data(), 1, blk.size(), o);
+  fclose(o);
+  return 0;
+}
+"""
+
+
+def _find_nvcc() -> str | None:
+    try:
+        found = subprocess.run(["bash", str(_REPO / "ci" / "find_nvcc.sh")], capture_output=True, text=True,
+                               check=True, cwd=_REPO, timeout=120).stdout.strip()
+        return found or None
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        return None
+
+
+@pytest.fixture(scope="module")
+def mxfp8_host_driver(tmp_path_factory) -> Path:
+    src = _REPO / "csrc" / "common" / "quantize_mxfp8.cu"
+    if not src.exists():
+        pytest.skip("the CUDA sources are not next to these tests")
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc to build the kernel's host loop")
+    d = tmp_path_factory.mktemp("mxfp8_host")
+    (d / "drv.cpp").write_text(_HOST_DRIVER)
+    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-I", str(_REPO / "csrc"), str(d / "drv.cpp"), str(src),
+                        "-o", str(d / "drv")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return d / "drv"
+
+
+def _host_quantize(drv: Path, x: torch.Tensor, bf16: bool, rceil: bool, ends: list[int]):
+    rows, cols = x.shape
+    inp, out = drv.parent / "in.bin", drv.parent / "out.bin"
+    inp.write_bytes(x.to(torch.float32).contiguous().numpy().tobytes())
+    r = subprocess.run([str(drv), str(inp), str(rows), str(cols), str(int(bf16)), str(int(rceil)), str(len(ends))]
+                       + [str(e) for e in ends] + [str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    raw = torch.frombuffer(bytearray(out.read_bytes()), dtype=torch.uint8)
+    per = cols // 32
+    return raw[:rows * cols].reshape(rows, cols), raw[rows * cols:rows * cols + rows * per].reshape(rows, per), \
+        raw[rows * cols + rows * per:]
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+@pytest.mark.parametrize("rceil", [True, False])
+def test_cuda_host_loop_matches_reference(mxfp8_host_driver, bf16, rceil):
+    g = torch.Generator().manual_seed(4)
+    for spread in (1e-35, 1e-3, 1.0, 1e30):
+        x = torch.randn(300, 160, generator=g) * spread * torch.exp2(torch.randint(-8, 8, (300, 1), generator=g).float())
+        x[0, :32] = 0
+        x[1, 3] = float("nan")
+        x[2, 40] = float("inf")
+        x[3, 70] = -float("inf")
+        x[4, :32] = -0.0
+        x[5] = torch.tensor([448.0 * 2.0 ** k for k in range(-20, 20)] * 4)
+        x[6] = torch.nextafter(x[5], x[5] * 2)  # one ulp above 448 * 2^k (fp32 only: bf16 rounds it back)
+        xin = x.to(torch.bfloat16) if bf16 else x
+        rq, rs = mxfp8.quantize_mxfp8_reference(xin, scale_mode="rceil" if rceil else "floor")
+        for ends in ([], [50, 50, 177, 300]):
+            q, plain, blk = _host_quantize(mxfp8_host_driver, x, bf16, rceil, ends)
+            assert torch.equal(q, rq.view(torch.uint8)), (spread, ends)
+            assert torch.equal(plain, rs.view(torch.uint8)), (spread, ends)
+            want = mxfp8.blocked_scales_row_groups(rs, ends) if ends else mxfp8.to_blocked_scales(rs)
+            assert torch.equal(blk, want.view(torch.uint8).flatten()), (spread, ends)
+
+
+def test_cuda_host_loop_every_bf16_amax(mxfp8_host_driver):
+    # each bf16 bit pattern once as a block's amax (element 0), with a fraction of it beside it to be rounded
+    vals = torch.arange(0, 0x10000, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    blocks = torch.zeros(vals.numel(), 32)
+    blocks[:, 0] = vals
+    blocks[:, 1] = vals * 0.3
+    blocks[:, 2] = -vals * 0.0071
+    allb = blocks.reshape(-1, 512)
+    for rceil in (True, False):
+        rq, rs = mxfp8.quantize_mxfp8_reference(allb, scale_mode="rceil" if rceil else "floor")
+        q, plain, _ = _host_quantize(mxfp8_host_driver, allb, False, rceil, [])
+        assert torch.equal(q, rq.view(torch.uint8)) and torch.equal(plain, rs.view(torch.uint8))
