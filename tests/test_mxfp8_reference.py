@@ -399,37 +399,39 @@ _HOST_DRIVER = r"""
 #include <cuda_bf16.h>
 #include "common/quantize_mxfp8.hpp"
 using namespace prime_kernels::common;
-// in.bin (fp32 rows x cols) rows cols bf16? rceil? G ends... -> out.bin: q, plain scales, blocked scales
+// in.bin (fp32 rows x cols) rows cols bf16? rceil? axis G ends... out.bin -> q, plain scales, blocked scales
 int main(int argc, char** argv) {
   const long rows = atol(argv[2]), cols = atol(argv[3]);
-  const int bf16 = atoi(argv[4]), rceil = atoi(argv[5]), G = atoi(argv[6]);
+  const int bf16 = atoi(argv[4]), rceil = atoi(argv[5]), axis = atoi(argv[6]), G = atoi(argv[7]);
   std::vector<float> x(rows * cols);
   FILE* f = fopen(argv[1], "rb");
   if (fread(x.data(), 4, x.size(), f) != x.size()) return 2;
   fclose(f);
   std::vector<__nv_bfloat16> xb(x.size());
   for (size_t i = 0; i < x.size(); ++i) xb[i] = __float2bfloat16_rn(x[i]);
-  std::vector<int> ends(G), starts(G);
-  int prev = 0, acc = 0;
-  for (int g = 0; g < G; ++g) {
-    ends[g] = atoi(argv[7 + g]);
-    starts[g] = acc;
-    acc += (ends[g] - prev + 127) / 128 * 128;
-    prev = ends[g];
+  std::vector<int> ends(G + 1), starts(G + 1);
+  for (int g = 0; g < G; ++g) ends[g] = atoi(argv[8 + g]);
+  const Mxfp8GroupAxis gaxis = static_cast<Mxfp8GroupAxis>(axis);
+  mxfp8_blocked_group_starts_host(ends.data(), G, gaxis, starts.data());
+  const long per = cols / 32, prow = (rows + 127) / 128 * 128, pcol = (per + 3) / 4 * 4;
+  long blk_bytes = prow * pcol;
+  if (G) {  // the starts past the last group: one more group after it
+    ends[G] = ends[G - 1];
+    mxfp8_blocked_group_starts_host(ends.data(), G + 1, gaxis, starts.data());
+    blk_bytes = gaxis == Mxfp8GroupAxis::kRows ? starts[G] * pcol : prow * starts[G];
   }
-  const long per = cols / 32, padded_rows = G ? acc : (rows + 127) / 128 * 128, padded_cols = (per + 3) / 4 * 4;
-  std::vector<unsigned char> q(rows * cols), q2(rows * cols), plain(rows * per), blk(padded_rows * padded_cols, 0);
+  std::vector<unsigned char> q(rows * cols), q2(rows * cols), plain(rows * per), blk(blk_bytes, 0);
   QuantizeMxfp8Args a;
   a.x = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
   a.x_type = bf16 ? Mxfp8InputType::kBf16 : Mxfp8InputType::kFp32;
   a.rows = rows; a.cols = cols; a.x_stride_row = cols; a.q = q.data(); a.q_stride_row = cols; a.rceil = rceil;
   a.scale = plain.data(); a.scale_ld = per;
   if (check_quantize_mxfp8_args(a)) return 3;
-  quantize_mxfp8_host(a, nullptr, nullptr);
+  quantize_mxfp8_host(a);
   a.q = q2.data(); a.scale = blk.data(); a.scale_layout = Mxfp8ScaleLayout::kBlocked;
-  if (G) { a.group_ends = ends.data(); a.blocked_row_starts = starts.data(); a.num_groups = G; }
+  if (G) { a.group_axis = gaxis; a.group_ends = ends.data(); a.group_starts = starts.data(); a.num_groups = G; }
   if (check_quantize_mxfp8_args(a)) return 4;
-  quantize_mxfp8_host(a, G ? ends.data() : nullptr, G ? starts.data() : nullptr);
+  quantize_mxfp8_host(a);
   if (q != q2) return 5;
   FILE* o = fopen(argv[argc - 1], "wb");
   fwrite(q.data(), 1, q.size(), o); fwrite(plain.data(), 1, plain.size(), o); fwrite(blk.data(), 1, blk.size(), o);
@@ -464,11 +466,13 @@ def mxfp8_host_driver(tmp_path_factory) -> Path:
     return d / "drv"
 
 
-def _host_quantize(drv: Path, x: torch.Tensor, bf16: bool, rceil: bool, ends: list[int]):
+def _host_quantize(drv: Path, x: torch.Tensor, bf16: bool, rceil: bool, ends: list[int], axis: int = 0):
+    """(q, plain scales, blocked scales) from the kernel's host loop; axis 1: row groups, 2: column groups."""
     rows, cols = x.shape
     inp, out = drv.parent / "in.bin", drv.parent / "out.bin"
     inp.write_bytes(x.to(torch.float32).contiguous().numpy().tobytes())
-    r = subprocess.run([str(drv), str(inp), str(rows), str(cols), str(int(bf16)), str(int(rceil)), str(len(ends))]
+    r = subprocess.run([str(drv), str(inp), str(rows), str(cols), str(int(bf16)), str(int(rceil)), str(axis),
+                        str(len(ends))]
                        + [str(e) for e in ends] + [str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr)
     raw = torch.frombuffer(bytearray(out.read_bytes()), dtype=torch.uint8)
@@ -482,7 +486,8 @@ def _host_quantize(drv: Path, x: torch.Tensor, bf16: bool, rceil: bool, ends: li
 def test_cuda_host_loop_matches_reference(mxfp8_host_driver, bf16, rceil):
     g = torch.Generator().manual_seed(4)
     for spread in (1e-35, 1e-3, 1.0, 1e30):
-        x = torch.randn(300, 160, generator=g) * spread * torch.exp2(torch.randint(-8, 8, (300, 1), generator=g).float())
+        x = torch.randn(300, 160, generator=g) * spread
+        x = x * torch.exp2(torch.randint(-8, 8, (300, 1), generator=g).float())
         x[0, :32] = 0
         x[1, 3] = float("nan")
         x[2, 40] = float("inf")
@@ -492,12 +497,16 @@ def test_cuda_host_loop_matches_reference(mxfp8_host_driver, bf16, rceil):
         x[6] = torch.nextafter(x[5], x[5] * 2)  # one ulp above 448 * 2^k (fp32 only: bf16 rounds it back)
         xin = x.to(torch.bfloat16) if bf16 else x
         rq, rs = mxfp8.quantize_mxfp8_reference(xin, scale_mode="rceil" if rceil else "floor")
-        for ends in ([], [50, 50, 177, 300]):
-            q, plain, blk = _host_quantize(mxfp8_host_driver, x, bf16, rceil, ends)
+        cases = [(0, [], mxfp8.to_blocked_scales(rs)),
+                 (1, [50, 50, 177, 300], mxfp8.blocked_scales_row_groups(rs, [50, 50, 177, 300])),
+                 (1, [20, 130], mxfp8.blocked_scales_row_groups(rs[:130], [20, 130])),  # rows past the last end
+                 (2, [64, 64, 96, 160], mxfp8.blocked_scales_k_groups(rs, [64, 64, 96, 160])),
+                 (2, [32], mxfp8.blocked_scales_k_groups(rs[:, :1], [32]))]  # columns past the last end
+        for axis, ends, want in cases:
+            q, plain, blk = _host_quantize(mxfp8_host_driver, x, bf16, rceil, ends, axis)
             assert torch.equal(q, rq.view(torch.uint8)), (spread, ends)
             assert torch.equal(plain, rs.view(torch.uint8)), (spread, ends)
-            want = mxfp8.blocked_scales_row_groups(rs, ends) if ends else mxfp8.to_blocked_scales(rs)
-            assert torch.equal(blk, want.view(torch.uint8).flatten()), (spread, ends)
+            assert torch.equal(blk, want.view(torch.uint8).flatten()), (spread, axis, ends)
 
 
 def test_cuda_host_loop_every_bf16_amax(mxfp8_host_driver):

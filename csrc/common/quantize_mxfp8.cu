@@ -75,31 +75,49 @@ __host__ __device__ __forceinline__ int64_t mx_blocked_pos(int64_t pr, int64_t j
   return ((pr >> 7) * tiles_per_row + (j >> 2)) * 512 + (pr & 31) * 16 + ((pr & 127) >> 5) * 4 + (j & 3);
 }
 
-#ifdef __CUDACC__
-__device__ __forceinline__ float mx_load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ float mx_load(const float* p) { return *p; }
-
-// Padded row of row r in the blocked scale matrix, or -1 for a row in no group.
-__device__ __forceinline__ int64_t mx_blocked_row(int64_t r, const int32_t* group_ends, const int32_t* row_starts,
-                                                  int32_t num_groups) {
-  if (group_ends == nullptr) return r;
-  // First group whose end lies past r; empty groups (end == previous end) are skipped by the same test.
+// First group whose end lies past `at`, or g == num_groups; empty groups (end == previous end) fail the same test.
+__host__ __device__ __forceinline__ int mx_find_group(int64_t at, const int32_t* ends, int32_t num_groups) {
   int lo = 0, hi = num_groups;
   while (lo < hi) {
     const int mid = (lo + hi) >> 1;
-    if (static_cast<int64_t>(group_ends[mid]) > r) hi = mid; else lo = mid + 1;
+    if (static_cast<int64_t>(ends[mid]) > at) hi = mid; else lo = mid + 1;
   }
-  if (lo == num_groups) return -1;
-  const int64_t start = lo == 0 ? 0 : group_ends[lo - 1];
-  return static_cast<int64_t>(row_starts[lo]) + (r - start);
+  return lo;
 }
+
+// Byte position of block (r, j) (j counts blocks of 32 along the row) in the blocked scale buffer, or -1 where
+// it has none (a row or column past the last group).
+__host__ __device__ __forceinline__ int64_t mx_scale_pos(int64_t r, int64_t j, int64_t rows, int64_t per_row,
+                                                         Mxfp8GroupAxis axis, const int32_t* ends,
+                                                         const int32_t* starts, int32_t num_groups) {
+  if (axis == Mxfp8GroupAxis::kRows) {
+    const int g = mx_find_group(r, ends, num_groups);
+    if (g == num_groups) return -1;
+    const int64_t first = g == 0 ? 0 : ends[g - 1];
+    return mx_blocked_pos(static_cast<int64_t>(starts[g]) + (r - first), j, per_row);
+  }
+  if (axis == Mxfp8GroupAxis::kCols) {
+    const int64_t c = j * kMxfp8Block;
+    const int g = mx_find_group(c, ends, num_groups);
+    if (g == num_groups) return -1;
+    const int64_t first = g == 0 ? 0 : ends[g - 1];
+    const int64_t group_blocks = (static_cast<int64_t>(ends[g]) - first) / kMxfp8Block;
+    const int64_t padded_rows = (rows + 127) / 128 * 128;
+    return padded_rows * starts[g] + mx_blocked_pos(r, (c - first) / kMxfp8Block, group_blocks);
+  }
+  return mx_blocked_pos(r, j, per_row);
+}
+
+#ifdef __CUDACC__
+__device__ __forceinline__ float mx_load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ float mx_load(const float* p) { return *p; }
 
 template <typename T>
 __global__ void __launch_bounds__(kMxfp8Threads)
 quantize_mxfp8_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64_t x_sr, int64_t x_sc,
                       uint8_t* __restrict__ q, int64_t q_sr, int64_t q_sc, uint8_t* __restrict__ scale,
-                      bool blocked, int64_t scale_ld, const int32_t* __restrict__ group_ends,
-                      const int32_t* __restrict__ row_starts, int32_t num_groups, bool rceil) {
+                      bool blocked, int64_t scale_ld, Mxfp8GroupAxis axis, const int32_t* __restrict__ group_ends,
+                      const int32_t* __restrict__ group_starts, int32_t num_groups, bool rceil) {
   const int lane = threadIdx.x & 31;
   const int64_t per_row = cols / kMxfp8Block;
   const int64_t total = rows * per_row;
@@ -134,8 +152,8 @@ quantize_mxfp8_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64
       if (!blocked) {
         scale[r * scale_ld + j] = static_cast<uint8_t>(sbyte);
       } else {
-        const int64_t pr = mx_blocked_row(r, group_ends, row_starts, num_groups);
-        if (pr >= 0) scale[mx_blocked_pos(pr, j, per_row)] = static_cast<uint8_t>(sbyte);
+        const int64_t pos = mx_scale_pos(r, j, rows, per_row, axis, group_ends, group_starts, num_groups);
+        if (pos >= 0) scale[pos] = static_cast<uint8_t>(sbyte);
       }
     }
   }
@@ -143,14 +161,14 @@ quantize_mxfp8_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64
 
 // Serial on one thread: the number of groups is the number of experts, and this keeps the prefix exact and
 // ordered without a scan.
-__global__ void mxfp8_blocked_row_starts_kernel(const int32_t* __restrict__ group_ends, int32_t num_groups,
-                                                int32_t* __restrict__ out) {
+__global__ void mxfp8_blocked_group_starts_kernel(const int32_t* __restrict__ group_ends, int32_t num_groups,
+                                                  Mxfp8GroupAxis axis, int32_t* __restrict__ out) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   int32_t prev = 0, acc = 0;
   for (int32_t g = 0; g < num_groups; ++g) {
     out[g] = acc;
-    const int32_t m = group_ends[g] - prev;
-    acc += (m + 127) / 128 * 128;
+    const int32_t n = group_ends[g] - prev;
+    acc += axis == Mxfp8GroupAxis::kRows ? (n + 127) / 128 * 128 : (n / kMxfp8Block + 3) / 4 * 4;
     prev = group_ends[g];
   }
 }
@@ -162,15 +180,18 @@ const char* check_quantize_mxfp8_args(const QuantizeMxfp8Args& a) {
   if (a.rows < 0 || a.cols < 0) return "rows and cols must be non-negative";
   if (a.cols % kMxfp8Block != 0) return "cols (the blocked axis) must be a multiple of 32";
   if (a.x_type != Mxfp8InputType::kBf16 && a.x_type != Mxfp8InputType::kFp32) return "x must be bf16 or fp32";
+  if (a.group_axis != Mxfp8GroupAxis::kNone && a.group_axis != Mxfp8GroupAxis::kRows &&
+      a.group_axis != Mxfp8GroupAxis::kCols)
+    return "unknown group axis";
   if (a.rows == 0 || a.cols == 0) return nullptr;
   if (a.x == nullptr || a.q == nullptr || a.scale == nullptr) return "x, q and scale must be set";
-  const bool grouped = a.group_ends != nullptr || a.blocked_row_starts != nullptr;
+  const bool grouped = a.group_axis != Mxfp8GroupAxis::kNone;
   if (a.scale_layout == Mxfp8ScaleLayout::kPlain) {
-    if (grouped) return "row groups need the blocked scale layout";
+    if (grouped) return "groups need the blocked scale layout";
     if (a.scale_ld < a.cols / kMxfp8Block) return "scale_ld must be at least cols / 32";
   } else if (a.scale_layout == Mxfp8ScaleLayout::kBlocked) {
-    if (grouped && (a.group_ends == nullptr || a.blocked_row_starts == nullptr || a.num_groups <= 0))
-      return "row groups need group_ends, blocked_row_starts and num_groups > 0";
+    if (grouped && (a.group_ends == nullptr || a.group_starts == nullptr || a.num_groups <= 0))
+      return "groups need group_ends, group_starts and num_groups > 0";
   } else {
     return "unknown scale layout";
   }
@@ -187,33 +208,39 @@ cudaError_t launch_quantize_mxfp8(const QuantizeMxfp8Args& a, cudaStream_t strea
   if (a.x_type == Mxfp8InputType::kBf16) {
     quantize_mxfp8_kernel<__nv_bfloat16><<<grid, kMxfp8Threads, 0, stream>>>(
         static_cast<const __nv_bfloat16*>(a.x), a.rows, a.cols, a.x_stride_row, a.x_stride_col, a.q,
-        a.q_stride_row, a.q_stride_col, a.scale, blocked, a.scale_ld, a.group_ends, a.blocked_row_starts,
+        a.q_stride_row, a.q_stride_col, a.scale, blocked, a.scale_ld, a.group_axis, a.group_ends, a.group_starts,
         a.num_groups, a.rceil);
   } else {
     quantize_mxfp8_kernel<float><<<grid, kMxfp8Threads, 0, stream>>>(
         static_cast<const float*>(a.x), a.rows, a.cols, a.x_stride_row, a.x_stride_col, a.q, a.q_stride_row,
-        a.q_stride_col, a.scale, blocked, a.scale_ld, a.group_ends, a.blocked_row_starts, a.num_groups, a.rceil);
+        a.q_stride_col, a.scale, blocked, a.scale_ld, a.group_axis, a.group_ends, a.group_starts, a.num_groups,
+        a.rceil);
   }
   return cudaGetLastError();
 }
 
-cudaError_t launch_mxfp8_blocked_row_starts(const int32_t* group_ends, int32_t num_groups, int32_t* out,
-                                            cudaStream_t stream) {
-  if (num_groups <= 0) return cudaSuccess;
-  mxfp8_blocked_row_starts_kernel<<<1, 32, 0, stream>>>(group_ends, num_groups, out);
+cudaError_t launch_mxfp8_blocked_group_starts(const int32_t* group_ends, int32_t num_groups, Mxfp8GroupAxis axis,
+                                              int32_t* out, cudaStream_t stream) {
+  if (num_groups <= 0 || axis == Mxfp8GroupAxis::kNone) return cudaSuccess;
+  mxfp8_blocked_group_starts_kernel<<<1, 32, 0, stream>>>(group_ends, num_groups, axis, out);
   return cudaGetLastError();
 }
 
-void quantize_mxfp8_host(const QuantizeMxfp8Args& a, const int32_t* group_ends, const int32_t* row_starts) {
+void mxfp8_blocked_group_starts_host(const int32_t* group_ends, int32_t num_groups, Mxfp8GroupAxis axis,
+                                     int32_t* out) {
+  int32_t prev = 0, acc = 0;
+  for (int32_t g = 0; g < num_groups; ++g) {
+    out[g] = acc;
+    const int32_t n = group_ends[g] - prev;
+    acc += axis == Mxfp8GroupAxis::kRows ? (n + 127) / 128 * 128 : (n / kMxfp8Block + 3) / 4 * 4;
+    prev = group_ends[g];
+  }
+}
+
+void quantize_mxfp8_host(const QuantizeMxfp8Args& a) {
   const int64_t per_row = a.cols / kMxfp8Block;
   const bool blocked = a.scale_layout == Mxfp8ScaleLayout::kBlocked;
   for (int64_t r = 0; r < a.rows; ++r) {
-    int64_t pr = r;
-    if (blocked && group_ends != nullptr) {
-      int g = 0;
-      while (g < a.num_groups && group_ends[g] <= r) ++g;
-      pr = g == a.num_groups ? -1 : row_starts[g] + (r - (g == 0 ? 0 : group_ends[g - 1]));
-    }
     for (int64_t j = 0; j < per_row; ++j) {
       float v[kMxfp8Block];
       bool nan_block = false;
@@ -232,8 +259,10 @@ void quantize_mxfp8_host(const QuantizeMxfp8Args& a, const int32_t* group_ends, 
       const auto sbyte = static_cast<uint8_t>(nan_block ? kE8m0Nan : e + kE8m0Bias);
       if (!blocked) {
         a.scale[r * a.scale_ld + j] = sbyte;
-      } else if (pr >= 0) {
-        a.scale[mx_blocked_pos(pr, j, per_row)] = sbyte;
+      } else {
+        const int64_t pos = mx_scale_pos(r, j, a.rows, per_row, a.group_axis, a.group_ends, a.group_starts,
+                                         a.num_groups);
+        if (pos >= 0) a.scale[pos] = sbyte;
       }
     }
   }

@@ -20,6 +20,7 @@ constexpr int kMxfp8Block = 32;
 
 enum class Mxfp8InputType : int { kBf16 = 0, kFp32 = 1 };
 enum class Mxfp8ScaleLayout : int { kPlain = 0, kBlocked = 1 };
+enum class Mxfp8GroupAxis : int { kNone = 0, kRows = 1, kCols = 2 };
 
 struct QuantizeMxfp8Args {
   const void* x = nullptr;  // bf16 or fp32, element (r, c) at x[r * x_stride_row + c * x_stride_col]
@@ -40,32 +41,40 @@ struct QuantizeMxfp8Args {
   Mxfp8ScaleLayout scale_layout = Mxfp8ScaleLayout::kPlain;
   int64_t scale_ld = 0;
 
-  // kBlocked only, optional (device int32 [num_groups]): group g holds rows [group_ends[g-1], group_ends[g]) (the
-  // offsets torch takes) and its scales start at padded row blocked_row_starts[g] = sum_{j<g} round_up(m_j, 128)
-  // (launch_mxfp8_blocked_row_starts computes them). Rows past the last end get q but no scale. Without groups
-  // row r's scales sit at padded row r.
+  // kBlocked only, optional: groups, each blocked on its own (device int32 [num_groups] arrays; host arrays for
+  // quantize_mxfp8_host). group_ends[g] is where group g ends (the offsets torch takes), group_starts[g] where its
+  // scales start (launch_mxfp8_blocked_group_starts computes them from the ends, on the device: no host sync).
+  //   kRows (2d-3d A operand): groups of rows; group g's scales at padded row group_starts[g] =
+  //     sum_{h<g} round_up(m_h, 128). Rows past the last end get q but no scale.
+  //   kCols (2d-2d operands, groups along the blocked axis; every end a multiple of 32): group g's [rows, k_g/32]
+  //     scales blocked on their own at byte round_up(rows, 128) * group_starts[g], group_starts[g] =
+  //     sum_{h<g} round_up(k_h / 32, 4).
+  //   kNone: row r's scales at padded row r.
+  Mxfp8GroupAxis group_axis = Mxfp8GroupAxis::kNone;
   const int32_t* group_ends = nullptr;
-  const int32_t* blocked_row_starts = nullptr;
+  const int32_t* group_starts = nullptr;
   int32_t num_groups = 0;
 
   bool rceil = true;  // false: the OCP floor rule
 };
 
 // nullptr when the arguments are usable, else what is wrong (host-side checks only; group offsets live on the
-// device and are not read here: non-decreasing ends within [0, rows] are the caller's to keep).
+// device and are not read here: non-decreasing ends within [0, rows] (kRows) or [0, cols] (kCols) are the
+// caller's to keep).
 const char* check_quantize_mxfp8_args(const QuantizeMxfp8Args& args);
 
 // One warp per block of 32; the arguments must have passed check_quantize_mxfp8_args.
 cudaError_t launch_quantize_mxfp8(const QuantizeMxfp8Args& args, cudaStream_t stream);
 
-// out[g] = sum_{j<g} round_up(group_ends[j] - group_ends[j-1], 128), on the device (one small block), so that no
-// host synchronisation is needed between the routing and the quantization.
-cudaError_t launch_mxfp8_blocked_row_starts(const int32_t* group_ends, int32_t num_groups, int32_t* out,
-                                            cudaStream_t stream);
+// group_starts for QuantizeMxfp8Args from group_ends, on the device (one thread: there are as many groups as
+// experts), so that no host synchronisation sits between the routing and the quantization.
+cudaError_t launch_mxfp8_blocked_group_starts(const int32_t* group_ends, int32_t num_groups, Mxfp8GroupAxis axis,
+                                              int32_t* out, cudaStream_t stream);
+void mxfp8_blocked_group_starts_host(const int32_t* group_ends, int32_t num_groups, Mxfp8GroupAxis axis,
+                                     int32_t* out);
 
-// Same bits on the CPU (x, q and scale host memory); group_ends / row_starts are host copies of args' device arrays
-// (args.group_ends and args.blocked_row_starts are not read), nullptr without groups.
-void quantize_mxfp8_host(const QuantizeMxfp8Args& args, const int32_t* group_ends, const int32_t* row_starts);
+// Same bits on the CPU; every pointer in args (group arrays included) is host memory.
+void quantize_mxfp8_host(const QuantizeMxfp8Args& args);
 
 // The unbiased scale exponent of a block from its amax's fp32 bits (sign ignored); exposed for host-side tests.
 int mxfp8_scale_exponent_host(float amax, bool rceil);
