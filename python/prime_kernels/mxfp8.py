@@ -44,9 +44,10 @@ def mxfp8_scale_exponent(amax: torch.Tensor, scale_mode: ScaleMode = "rceil") ->
     Write amax = s * 2^p with s in [1, 2) (exact, from the float's bits; subnormals included). Then
 
     - ``"rceil"``: E = ceil(log2(amax / 448)) computed exactly = p - 8 + (s > 1.75). The smallest power of two
-      that brings amax to at most 448, so no element of the block saturates. This is what torch's own MX test
-      helper, DeepGEMM's UE8M0 casts and Blackwell's ``cvt.rp.satfinite.ue8m0x2.f32`` produce (for the latter,
-      given amax / 448 as fp32: that quotient never rounds across a power of two, see docs/mxfp8.md).
+      that brings amax to at most 448, so no element of the block saturates. The rule of torch's own MX test
+      helper (whose fp32 log2 misses by one for fp32 amax a few ulps above 448 * 2^k), DeepGEMM's UE8M0 casts
+      and Blackwell's ``cvt.rp.satfinite.ue8m0x2.f32`` (given amax / 448 as fp32: that quotient never rounds
+      across a power of two, see docs/mxfp8.md).
     - ``"floor"``: E = floor(log2(amax)) - 8 = p - 8 (OCP MX v1.0 section 6.3, emax(e4m3) = 8). amax / 2^E lies
       in [256, 512), so blocks with s > 1.75 saturate their largest elements to 448.
 
