@@ -148,7 +148,6 @@ def run_torchrun(args) -> int:
     rows = []
     for shape in _split(args.shapes):
         E, H, I, K = bc.shape_dims(shape)
-        El = E // R
         w13, w2 = bc.make_weights(E, H, I, args.seed, device, rank=rank, ep=R)
         for T in (int(t) for t in _split(args.tokens)):
             pg = PeerGroup(dist.group.WORLD, num_experts=E, hidden=H, top_k=K, max_tokens=T, device=device)
@@ -156,7 +155,7 @@ def run_torchrun(args) -> int:
                 x, idx, w, dy = bc.make_tokens(T, E, H, K, routing, args.seed + T, device, rank=rank)
                 w = w.float()
 
-                def call(exchange=True):
+                def call(exchange=True, pg=pg, x=x, idx=idx, w=w, dy=dy):
                     y, saved = pg.forward(x, idx, w, w13, w2, exchange=exchange)
                     return pg.backward(dy, idx, w, saved, w13, w2, exchange=exchange)
 
@@ -190,7 +189,7 @@ def run_torchrun(args) -> int:
                           f"(ranks {', '.join(f'{v:.3f}' for v in every)}); exchange left out "
                           f"{max(row['local_ms_per_rank']):.3f} ms; moves alone {max(row['moves_ms_per_rank']):.3f} "
                           f"ms; hidden {', '.join(f'{v:.0%}' for v in row['hidden_per_rank'])}", flush=True)
-            del pg
+            del pg  # its symmetric memory goes before the next size's
     if rank == 0:
         doc = {**header, "script": "bench/bench_peer_ep.py (torchrun)", "args": vars(args),
                "timing": "wall-clock ms per forward + backward over --iters after --warmup, per rank", "rows": rows}
