@@ -108,6 +108,19 @@ __host__ __device__ __forceinline__ int64_t mx_scale_pos(int64_t r, int64_t j, i
   return mx_blocked_pos(r, j, per_row);
 }
 
+// group_starts[g] = the padded extent of the groups before g (QuantizeMxfp8Args): 128-row tiles for groups of rows,
+// 4-column tiles of scales for groups along the blocked axis. Shared by the device kernel and the host loop.
+__host__ __device__ inline void group_starts_from_ends(const int32_t* group_ends, int32_t num_groups,
+                                                       Mxfp8GroupAxis axis, int32_t* out) {
+  int32_t prev = 0, acc = 0;
+  for (int32_t g = 0; g < num_groups; ++g) {
+    out[g] = acc;
+    const int32_t n = group_ends[g] - prev;
+    acc += axis == Mxfp8GroupAxis::kRows ? (n + 127) / 128 * 128 : (n / kMxfp8Block + 3) / 4 * 4;
+    prev = group_ends[g];
+  }
+}
+
 #ifdef __CUDACC__
 __device__ __forceinline__ float mx_load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 __device__ __forceinline__ float mx_load(const float* p) { return *p; }
@@ -164,13 +177,7 @@ quantize_mxfp8_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64
 __global__ void mxfp8_blocked_group_starts_kernel(const int32_t* __restrict__ group_ends, int32_t num_groups,
                                                   Mxfp8GroupAxis axis, int32_t* __restrict__ out) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  int32_t prev = 0, acc = 0;
-  for (int32_t g = 0; g < num_groups; ++g) {
-    out[g] = acc;
-    const int32_t n = group_ends[g] - prev;
-    acc += axis == Mxfp8GroupAxis::kRows ? (n + 127) / 128 * 128 : (n / kMxfp8Block + 3) / 4 * 4;
-    prev = group_ends[g];
-  }
+  group_starts_from_ends(group_ends, num_groups, axis, out);
 }
 #endif  // __CUDACC__
 
@@ -228,13 +235,7 @@ cudaError_t launch_mxfp8_blocked_group_starts(const int32_t* group_ends, int32_t
 
 void mxfp8_blocked_group_starts_host(const int32_t* group_ends, int32_t num_groups, Mxfp8GroupAxis axis,
                                      int32_t* out) {
-  int32_t prev = 0, acc = 0;
-  for (int32_t g = 0; g < num_groups; ++g) {
-    out[g] = acc;
-    const int32_t n = group_ends[g] - prev;
-    acc += axis == Mxfp8GroupAxis::kRows ? (n + 127) / 128 * 128 : (n / kMxfp8Block + 3) / 4 * 4;
-    prev = group_ends[g];
-  }
+  group_starts_from_ends(group_ends, num_groups, axis, out);
 }
 
 void quantize_mxfp8_host(const QuantizeMxfp8Args& a) {
