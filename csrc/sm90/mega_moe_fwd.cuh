@@ -7,7 +7,10 @@
 //   s[m]      = silu(h~_gate) * h~_up                                   (h~: h rounded as saved; fp32 math, bf16 out;
 //                                                                       optional clamp)
 //   o[m]      = s[m] @ w2_e^T                                           (bf16 out)
-// and the deterministic combine (a second launch) sums o over each token's routes.
+// and the deterministic combine (a second launch) sums o over each token's routes. Under expert parallelism over peer
+// memory x_{rank} is a peer's staged rows, and o[m] goes instead to its source rank's combine slot for its route
+// (MegaFwdParams::o_slots); mega_moe_fwd_ranks_kernel runs several ranks' forwards in one launch (the one-GPU
+// emulator).
 //
 // Work: one task sequence (the scheduling of DeepGEMM's Mega MoE, rewritten for Hopper's register-resident
 // accumulators): all L1 tiles (per expert: the I/128 n-blocks, each pairing gate rows c.. and up rows I + c.. of
@@ -815,11 +818,13 @@ struct MegaFwdRanksLaunch {
 };
 
 template <int kNumStages, int kDispatchSlots>
-__global__ void __launch_bounds__(kNumThreads, 1) mega_moe_fwd_ranks_kernel(const __grid_constant__ MegaFwdRanksLaunch l) {
+__global__ void __launch_bounds__(kNumThreads, 1)
+    mega_moe_fwd_ranks_kernel(const __grid_constant__ MegaFwdRanksLaunch l) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   const int r = static_cast<int>(blockIdx.x) / l.ctas_per_rank;
   if (r < l.num_ranks)
-    mega_moe_fwd_cta<kNumStages, kDispatchSlots>(l.maps[r], l.p[r], static_cast<int>(blockIdx.x) % l.ctas_per_rank == 0);
+    mega_moe_fwd_cta<kNumStages, kDispatchSlots>(l.maps[r], l.p[r],
+                                                 static_cast<int>(blockIdx.x) % l.ctas_per_rank == 0);
 #endif
 }
 
