@@ -351,9 +351,9 @@ def test_a_rank_that_never_arrives_traps_with_the_ranks_named():
 
 
 def test_rank_plan_is_the_group_plans_slice():
-    """rank_plan (no host sync) gives each rank the rows of its experts in the group's plan over tokens (rank, t), with
+    """rank_plans (no host sync) gives each rank the rows of its experts in the group's plan over tokens (rank, t), with
     their source ranks and routes, on the CPU too."""
-    from prime_kernels.mega._peer_ep import rank_plan
+    from prime_kernels.mega._peer_ep import rank_plans
     from prime_kernels.routing import routing_plan_reference
 
     R, tmax = 4, 9
@@ -368,7 +368,7 @@ def test_rank_plan_is_the_group_plans_slice():
     ref = routing_plan_reference(torch.cat(topk), E, BLOCK_M)
     El = E // R
     for r in range(R):
-        offsets, src_route, src_rank, counts = rank_plan(topk, r, E, BLOCK_M)
+        offsets, src_route, src_rank, counts = rank_plans(topk, [r], E, BLOCK_M)[0]
         assert counts.tolist() == ref.expert_counts[r * El:(r + 1) * El].tolist()
         base, end = int(ref.expert_offsets[r * El]), int(ref.expert_offsets[(r + 1) * El])
         assert offsets.tolist() == [int(v) - base for v in ref.expert_offsets[r * El:(r + 1) * El + 1]]

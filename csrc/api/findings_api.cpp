@@ -57,6 +57,14 @@ MappedRecords* mapped_records() {
   return r;
 }
 
+// Stores a bound of (0, kMaxWaitTimeoutSeconds] seconds into `bound`; PK_ERR_INVALID_ARGUMENT naming `what` otherwise.
+int set_timeout(std::atomic<uint64_t>& bound, double seconds, const char* what) {
+  if (!(seconds > 0.0) || !(seconds <= kMaxWaitTimeoutSeconds))
+    return api::fail(PK_ERR_INVALID_ARGUMENT, "%s = %g s, must be in (0, %g]", what, seconds, kMaxWaitTimeoutSeconds);
+  bound.store(static_cast<uint64_t>(std::llround(seconds * 1e9)), std::memory_order_relaxed);
+  return api::ok();
+}
+
 const char* kernel_name(int32_t kernel) {
   switch (kernel) {
     case kWaitKernelMegaFwd: return "mega_moe_fwd_kernel";
@@ -187,19 +195,11 @@ bool take_device_checks(char* out, size_t out_len) {
 extern "C" {
 
 int pk_set_wait_timeout(double seconds) {
-  if (!(seconds > 0.0) || !(seconds <= prime_kernels::kMaxWaitTimeoutSeconds))
-    return prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT, "wait timeout = %g s, must be in (0, %g]", seconds,
-                                prime_kernels::kMaxWaitTimeoutSeconds);
-  prime_kernels::g_timeout_ns.store(static_cast<uint64_t>(std::llround(seconds * 1e9)), std::memory_order_relaxed);
-  return prime_kernels::api::ok();
+  return prime_kernels::set_timeout(prime_kernels::g_timeout_ns, seconds, "wait timeout");
 }
 
 int pk_set_peer_wait_timeout(double seconds) {
-  if (!(seconds > 0.0) || !(seconds <= prime_kernels::kMaxWaitTimeoutSeconds))
-    return prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT, "peer wait timeout = %g s, must be in (0, %g]", seconds,
-                                prime_kernels::kMaxWaitTimeoutSeconds);
-  prime_kernels::g_peer_timeout_ns.store(static_cast<uint64_t>(std::llround(seconds * 1e9)), std::memory_order_relaxed);
-  return prime_kernels::api::ok();
+  return prime_kernels::set_timeout(prime_kernels::g_peer_timeout_ns, seconds, "peer wait timeout");
 }
 
 double pk_get_peer_wait_timeout(void) {

@@ -49,12 +49,6 @@ void ep_barrier_(std::vector<Tensor> signals, int64_t kind, std::vector<int64_t>
              op);
 }
 
-void check_int32_vector(const Tensor& t, const Tensor& like, const char* op, const char* name) {
-  STD_TORCH_CHECK(t.scalar_type() == ScalarType::Int && t.dim() == 1 && t.is_contiguous(), "prime_kernels.", op, ": ",
-                  name, " must be a contiguous int32 vector");
-  check_same_device(t, like, op, name);
-}
-
 std::tuple<std::vector<Tensor>, std::vector<Tensor>> mega_moe_fused_fwd_ranks(std::vector<Tensor> x_ranks, std::vector<Tensor> slots,
                                              std::vector<Tensor> pool_src_route, std::vector<Tensor> pool_src_rank,
                                              std::vector<Tensor> expert_offsets, std::vector<Tensor> w13,

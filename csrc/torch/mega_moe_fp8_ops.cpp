@@ -18,12 +18,6 @@ using namespace prime_kernels::torch_shim;
 
 constexpr const char* kOp = "mega_moe_fp8_fused_fwd";
 
-void check_int32_vector(const Tensor& t, const Tensor& like, const char* name) {
-  STD_TORCH_CHECK(t.scalar_type() == ScalarType::Int && t.dim() == 1 && t.is_contiguous(), "prime_kernels.", kOp,
-                  ": ", name, " must be a contiguous int32 vector");
-  check_same_device(t, like, kOp, name);
-}
-
 std::tuple<Tensor, Tensor> mega_moe_fp8_fused_fwd(Tensor x, Tensor pool_src_route, Tensor route_to_pool,
                                                   Tensor expert_offsets, Tensor w13_q, Tensor w13_sb, Tensor w2_q,
                                                   Tensor w2_sb, int64_t top_k, bool save_h, bool pow2_scales,
@@ -52,9 +46,9 @@ std::tuple<Tensor, Tensor> mega_moe_fp8_fused_fwd(Tensor x, Tensor pool_src_rout
                       w2_sb.size(0) == experts && w2_sb.size(1) == hb && w2_sb.size(2) == ib,
                   "prime_kernels.", kOp, ": w2_sb must be a contiguous float32 [E, H / 128, I / 128] tensor");
   check_same_device(w2_sb, x, kOp, "w2_sb");
-  check_int32_vector(pool_src_route, x, "pool_src_route");
-  check_int32_vector(expert_offsets, x, "expert_offsets");
-  check_int32_vector(route_to_pool, x, "route_to_pool");
+  check_int32_vector(pool_src_route, x, kOp, "pool_src_route");
+  check_int32_vector(expert_offsets, x, kOp, "expert_offsets");
+  check_int32_vector(route_to_pool, x, kOp, "route_to_pool");
   STD_TORCH_CHECK(route_to_pool.size(0) == num_tokens * top_k, "prime_kernels.", kOp,
                   ": route_to_pool must have T * top_k = ", num_tokens * top_k, " entries");
   STD_TORCH_CHECK(expert_offsets.size(0) == experts + 1, "prime_kernels.", kOp, ": expert_offsets must have E + 1 = ",

@@ -47,6 +47,13 @@ inline void check_same_device(const Tensor& t, const Tensor& like, const char* o
                   op, ": ", name, " must be on the input's device");
 }
 
+// A contiguous int32 vector on like's device (a plan's per-row or per-group indices).
+inline void check_int32_vector(const Tensor& t, const Tensor& like, const char* op, const char* name) {
+  STD_TORCH_CHECK(t.scalar_type() == ScalarType::Int && t.dim() == 1 && t.is_contiguous(), "prime_kernels.", op, ": ",
+                  name, " must be a contiguous int32 vector");
+  check_same_device(t, like, op, name);
+}
+
 // A scale tensor [outer, blocks] laid out K-block major (stride(0) == 1, stride(1) the core's ld): its ld. With one
 // block the stride between blocks is never used (torch may report any value for it).
 inline int64_t block_major_ld(const Tensor& s, int64_t outer, int64_t blocks, const char* op, const char* name,

@@ -39,14 +39,19 @@ def _raise(core: ctypes.CDLL, what: str) -> None:
     raise RuntimeError(f"prime_kernels.{what}: {core.pk_last_error().decode()}")
 
 
+def _set_bound(name: str, seconds: float) -> None:
+    """Checks ``seconds`` and hands it to the core's pk_<name>; ValueError with the reason otherwise."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        raise ValueError(f"{name}: seconds must be a finite number, got {seconds!r}")
+    core = _core()
+    if getattr(core, f"pk_{name}")(float(seconds)) != 0:
+        raise ValueError(f"prime_kernels.{name}: {core.pk_last_error().decode()}")
+
+
 def set_wait_timeout(seconds: float) -> None:
     """Sets the bound (seconds, in (0, 3600]; default 5) on every kernel wait for another CTA's work, for the
     kernels launched after this call."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
-        raise ValueError(f"set_wait_timeout: seconds must be a finite number, got {seconds!r}")
-    core = _core()
-    if core.pk_set_wait_timeout(float(seconds)) != 0:
-        raise ValueError(f"prime_kernels.set_wait_timeout: {core.pk_last_error().decode()}")
+    _set_bound("set_wait_timeout", seconds)
 
 
 def wait_timeout() -> float:
@@ -58,11 +63,7 @@ def set_peer_wait_timeout(seconds: float) -> None:
     """Sets the bound (seconds, in (0, 3600]; default 60) on every wait for another rank of an expert-parallel group
     over peer memory (a rank waits for its peers to enter a call and to finish pushing their rows; a peer that is
     late by up to this long still succeeds), for the launches after this call."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
-        raise ValueError(f"set_peer_wait_timeout: seconds must be a finite number, got {seconds!r}")
-    core = _core()
-    if core.pk_set_peer_wait_timeout(float(seconds)) != 0:
-        raise ValueError(f"prime_kernels.set_peer_wait_timeout: {core.pk_last_error().decode()}")
+    _set_bound("set_peer_wait_timeout", seconds)
 
 
 def peer_wait_timeout() -> float:

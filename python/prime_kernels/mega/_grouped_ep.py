@@ -140,19 +140,25 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group,
     elif precision == "fp8":
         if activation_clamp is not None:
             raise RuntimeError("prime_kernels.mega: the FP8 forward pipeline does not take activation_clamp yet")
-        recipe, cache = _fp8.recipe_and_cache(fp8_recipe, weight_cache)
-        l1 = _fp8_fwd.l1(x_pool, w13, counts, offsets, _pool_routes(src).view(-1, 1), capacity, recipe, cache,
-                         save_h, sms)
-        h = l1.h if save_h else x_pool.new_empty((0, twoI))
-        c2 = cache.get(w2, recipe.pow2_scales)
-        o = m_grouped_fp8_gemm_nt(l1.s_q, l1.s_sa, c2.weight.data, c2.weight.scale, offsets, num_sms=sms)
-        del l1
+        h, o = local_forward_fp8(x_pool, w13, w2, counts, offsets, src, save_h=save_h, sms=sms,
+                                 fp8_recipe=fp8_recipe, weight_cache=weight_cache)
     else:
         h, o = local_forward_bf16(x_pool, w13, w2, offsets, save_h=save_h, clamp=activation_clamp, sms=sms)
     (back,) = ex.return_rows([gather_rows(o, ex.recv_order)])
     del o
     y = back.new_zeros((0, H)) if T == 0 else combine(back, r2s, topk_weights.float().contiguous())
     return (y, h, counts, offsets, src, srank, r2p), x_pool
+
+
+def local_forward_fp8(x_pool, w13, w2, counts, offsets, pool_src_route, *, save_h, sms, fp8_recipe, weight_cache):
+    """The FP8 forward pipeline on a pool with rows, its rows as one-route tokens (every quantization is per row or
+    per expert's rows, so it sees the one-rank values): (h as saved or [0, 2I], o [capacity, H] bf16)."""
+    recipe, cache = _fp8.recipe_and_cache(fp8_recipe, weight_cache)
+    l1 = _fp8_fwd.l1(x_pool, w13, counts, offsets, _pool_routes(pool_src_route).view(-1, 1), x_pool.shape[0], recipe,
+                     cache, save_h, sms)
+    h = l1.h if save_h else x_pool.new_empty((0, w13.shape[1]))
+    c2 = cache.get(w2, recipe.pow2_scales)
+    return h, m_grouped_fp8_gemm_nt(l1.s_q, l1.s_sa, c2.weight.data, c2.weight.scale, offsets, num_sms=sms)
 
 
 def local_forward_bf16(x_pool, w13, w2, offsets, *, save_h, clamp, sms):

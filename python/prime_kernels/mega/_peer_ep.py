@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import _lib
-from . import _fp8_fwd, _grouped_ep, fp8 as _fp8
+from . import _grouped_ep
+from .buffer import packed_offsets, packed_views, symmetric_empty
 from ..combine import combine
-from ..grouped_gemm import m_grouped_fp8_gemm_nt
 from ..routing import pool_capacity
 
 _ENTER, _EXIT = 0, 1
@@ -79,22 +79,14 @@ class PeerBuffers:
                  ("topk_idx", (max_tokens, top_k), torch.int64),
                  ("weights", (routes,), torch.float32), ("slots", (routes, hidden), torch.bfloat16),
                  ("dt_slots", (routes,), torch.float32), ("signals", (signals_bytes(),), torch.uint8)]
-        out, total = [], 0
-        for name, shape, dt in specs:
-            out.append((name, shape, dt, total))
-            n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-            total = (total + n + 255) // 256 * 256
-        return out, total
+        offsets, total = packed_offsets(specs)
+        return [(*spec, off) for spec, off in zip(specs, offsets)], total
 
     @classmethod
     def view(cls, raw: torch.Tensor, max_tokens: int, hidden: int, top_k: int) -> "PeerBuffers":
         """The buffers inside ``raw`` (uint8, at least :meth:`layout`'s total bytes), as laid out there."""
-        specs, _ = cls.layout(max_tokens, hidden, top_k)
-        views = {}
-        for name, shape, dt, off in specs:
-            n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-            views[name] = raw[off:off + n].view(dt).view(shape)
-        return cls(**views)
+        laid, _ = cls.layout(max_tokens, hidden, top_k)
+        return cls(**packed_views(raw, [spec[:3] for spec in laid], [spec[3] for spec in laid]))
 
     def initialize(self) -> None:
         """The state a rank's buffers start in (before any peer may use them): no routes, zero signals."""
@@ -132,28 +124,31 @@ class PeerBuffers:
             self.x[:T].copy_(x)
 
 
-def rank_plan(all_topk: list[torch.Tensor], rank: int, num_experts: int, block_m: int):
-    """Rank ``rank``'s pool from every rank's staged routing (each [T_max, K], rows past a rank's T at -1), without a
-    host sync: (expert_offsets [El + 1], pool_src_route [cap], pool_src_rank [cap], expert_counts [El]) as int32,
-    cap = the most rows the rank's pool can need (every route of the group to its experts, plus padding)."""
+def rank_plans(all_topk: list[torch.Tensor], ranks: list[int], num_experts: int, block_m: int):
+    """The pools of ``ranks`` from every rank's staged routing (each [T_max, K], rows past a rank's T at -1), without
+    a host sync: per rank (expert_offsets [El + 1], pool_src_route [cap], pool_src_rank [cap], expert_counts [El]) as
+    int32, cap = the most rows a rank's pool can need (every route of the group to its experts, plus padding). The
+    group's plan is made once and sliced for each rank."""
     R = len(all_topk)
     tmax, K = all_topk[0].shape
     El = num_experts // R
     gidx = torch.cat(all_topk, 0)  # global token g = rank * T_max + t
-    gplan = torch.ops.prime_kernels.routing_plan(gidx, num_experts, block_m, 0, -1)
-    offsets_g, src_g = gplan[1], gplan[2]
+    counts_g, offsets_g, src_g = torch.ops.prime_kernels.routing_plan(gidx, num_experts, block_m, 0, -1)[:3]
     cap = pool_capacity(R * tmax, K, El, block_m)
-    lo, hi = rank * El, (rank + 1) * El
-    base = offsets_g[lo].long()
-    rows = base + torch.arange(cap, device=gidx.device)
-    inside = rows < offsets_g[hi].long()
-    src = torch.where(inside, src_g[rows.clamp(max=src_g.numel() - 1)].long(), -1)
-    ok = src >= 0
-    g_tok = torch.div(src, K, rounding_mode="floor")
-    pool_src_rank = torch.where(ok, torch.div(g_tok, tmax, rounding_mode="floor"), -1).to(torch.int32)
-    pool_src_route = torch.where(ok, (g_tok % tmax) * K + src % K, -1).to(torch.int32)
-    offsets = (offsets_g[lo:hi + 1].long() - base).to(torch.int32)
-    return offsets, pool_src_route, pool_src_rank, gplan[0][lo:hi]
+    plans = []
+    for rank in ranks:
+        lo, hi = rank * El, (rank + 1) * El
+        base = offsets_g[lo].long()
+        rows = base + torch.arange(cap, device=gidx.device)
+        inside = rows < offsets_g[hi].long()
+        src = torch.where(inside, src_g[rows.clamp(max=src_g.numel() - 1)].long(), -1)
+        ok = src >= 0
+        g_tok = torch.div(src, K, rounding_mode="floor")
+        pool_src_rank = torch.where(ok, torch.div(g_tok, tmax, rounding_mode="floor"), -1).to(torch.int32)
+        pool_src_route = torch.where(ok, (g_tok % tmax) * K + src % K, -1).to(torch.int32)
+        offsets = (offsets_g[lo:hi + 1].long() - base).to(torch.int32)
+        plans.append((offsets, pool_src_route, pool_src_rank, counts_g[lo:hi]))
+    return plans
 
 
 def _own_routes(topk_idx: torch.Tensor) -> torch.Tensor:
@@ -212,14 +207,10 @@ def _forward_fp8(buffers: list[PeerBuffers], plan, w13, w2, *, num_sms: int):
     torch.ops.prime_kernels.peer_rows_(x_pool, [b.x for b in buffers], src_route, src_rank, K, True)
     if int(offsets[-1]) == 0:  # no rows for this rank's experts (the pipeline wants some)
         return x_pool.new_zeros(cap, w13.shape[1]), x_pool
-    recipe, cache = _fp8.recipe_and_cache(None, None)
-    sms = num_sms or None
-    l1 = _fp8_fwd.l1(x_pool, w13, counts, offsets, _grouped_ep._pool_routes(src_route).view(-1, 1), cap, recipe,
-                     cache, True, sms)
-    c2 = cache.get(w2, recipe.pow2_scales)
-    o = m_grouped_fp8_gemm_nt(l1.s_q, l1.s_sa, c2.weight.data, c2.weight.scale, offsets, num_sms=sms)
+    h, o = _grouped_ep.local_forward_fp8(x_pool, w13, w2, counts, offsets, src_route, save_h=True,
+                                         sms=num_sms or None, fp8_recipe=None, weight_cache=None)
     torch.ops.prime_kernels.peer_rows_(o, [b.slots for b in buffers], src_route, src_rank, 1, False)
-    return l1.h, x_pool
+    return h, x_pool
 
 
 def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[torch.Tensor],
@@ -241,7 +232,7 @@ def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[
     K = buffers[0].topk_idx.shape[1]
     all_topk = [b.topk_idx[:max_tokens] for b in buffers]
     buffers = _enter(buffers, played, exchange, pause)
-    plans = [rank_plan(all_topk, r, num_experts, block_m) for r in played]
+    plans = rank_plans(all_topk, played, num_experts, block_m)
     if precision == "fp8":
         if clamp is not None:
             raise ValueError("prime_kernels.mega: the FP8 forward pipeline does not take activation_clamp yet")
@@ -334,7 +325,6 @@ class PeerGroup:
 
     def __init__(self, group, *, num_experts: int, hidden: int, top_k: int, max_tokens: int, device=None):
         import torch.distributed as dist  # noqa: PLC0415
-        import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415
 
         from . import _nvlink_domain  # noqa: PLC0415
 
@@ -364,11 +354,7 @@ class PeerGroup:
             raise ValueError(f"prime_kernels.mega: the group is not one NVLink domain ({why})")
         self.num_experts, self.top_k, self.max_tokens = num_experts, top_k, max_tokens
         _, total = PeerBuffers.layout(max_tokens, hidden, top_k)
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # older torch needs it; idempotent
-            enable(group.group_name)
-        raw = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
-        self.handle = symm_mem.rendezvous(raw, group.group_name)
+        raw, self.handle = symmetric_empty(total, self.device, group)
         mine = PeerBuffers.view(raw, max_tokens, hidden, top_k)
         mine.initialize()
         torch.cuda.synchronize(self.device)
@@ -392,7 +378,7 @@ class PeerGroup:
                  num_sms: int = 0, fp8: bool = False, exchange: bool = True, x=None):
         """This rank's backward: (dX, d topk_weights, dW13, dW2). ``x``: this rank's token rows, needed (on every
         rank alike) when ``saved.x_pool`` is None."""
-        self.buffers[self.rank].stage_backward(dy, topk_weights.float(), x)
+        self.buffers[self.rank].stage_backward(dy, topk_weights, x)
         return backward_ranks(self.buffers, [self.rank], [topk_idx], [saved], [w13], [w2], clamp=clamp,
                               num_sms=num_sms, fp8=fp8, exchange=exchange)[0]
 
@@ -472,12 +458,12 @@ class EmulatedGroup:
         R = self.num_ranks
         if not self.delays:
             for r, (b, d, w) in enumerate(zip(self.buffers, dy, topk_weights)):
-                b.stage_backward(d, w.float(), None if x is None else x[r])
+                b.stage_backward(d, w, None if x is None else x[r])
             return backward_ranks(self.buffers, list(range(R)), topk_idx, saved, w13, w2, clamp=clamp,
                                   num_sms=num_sms, fp8=fp8)
 
         def step(r):
-            self.buffers[r].stage_backward(dy[r], topk_weights[r].float(), None if x is None else x[r])
+            self.buffers[r].stage_backward(dy[r], topk_weights[r], None if x is None else x[r])
             return backward_ranks(self.buffers, [r], [topk_idx[r]], [saved[r]], [w13[r]], [w2[r]], clamp=clamp,
                                   num_sms=self._sms_per_rank(num_sms), fp8=fp8, pause=self._sleep)[0]
 
@@ -527,7 +513,7 @@ def layer_forward(x, topk_idx, topk_weights, w13, w2, *, precision, activation_c
     H = x.shape[1]
     tmax = int(max_tokens_per_rank if max_tokens_per_rank is not None else T)
     pg = peer_group(group, x.device, num_experts=num_experts, hidden=H, top_k=K, max_tokens=tmax)
-    y, sv = pg.forward(x.to(torch.bfloat16), topk_idx, topk_weights, w13, w2, block_m=block_m, clamp=activation_clamp,
+    y, sv = pg.forward(x, topk_idx, topk_weights, w13, w2, block_m=block_m, clamp=activation_clamp,
                        num_sms=num_sms, precision=precision, max_tokens=tmax)
     if sv.src_route.shape[0] != capacity:  # the plan's rows are the layer's capacity: a mismatch is a bug here
         raise RuntimeError(f"prime_kernels.mega: the peer-memory plan has {sv.src_route.shape[0]} pool rows, the "
@@ -551,8 +537,7 @@ def layer_backward(dy, x, topk_idx, topk_weights, w13, w2, h, counts, offsets, p
                            "the peer-memory path runs after its forward")
     keep = x_pool is not None and x_pool.shape[0] == pool_src_route.shape[0] and x_pool.shape[0] > 0
     sv = Saved(offsets, pool_src_route, pool_src_rank, counts, h, x_pool if keep else None)
-    pg.buffers[pg.rank].stage_backward(dy.to(torch.bfloat16), topk_weights.float(),
-                                       None if keep else x.to(torch.bfloat16))
+    pg.buffers[pg.rank].stage_backward(dy, topk_weights, None if keep else x)
     dx, dt, dw13, dw2 = backward_ranks(
         pg.buffers, [pg.rank], [topk_idx], [sv], [w13], [w2], clamp=activation_clamp, num_sms=num_sms,
         fp8=precision if precision in ("fp8", "fp8_bwd") else False, recompute=recompute, need_wgrad=need_wgrad,

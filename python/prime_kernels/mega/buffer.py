@@ -41,6 +41,38 @@ def _round_up(v, a):
     return (v + a - 1) // a * a
 
 
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return int(torch.Size(shape).numel()) * dtype.itemsize
+
+
+def packed_offsets(specs) -> tuple[list[int], int]:
+    """Byte offsets of (name, shape, dtype) buffers laid one after another in one allocation, each starting on a
+    multiple of _ALIGN bytes, and the allocation's size."""
+    offsets, total = [], 0
+    for _, shape, dt in specs:
+        offsets.append(total)
+        total = _round_up(total + _nbytes(shape, dt), _ALIGN)
+    return offsets, total
+
+
+def packed_views(raw: torch.Tensor, specs, offsets) -> dict[str, torch.Tensor]:
+    """The buffers of :func:`packed_offsets` inside ``raw`` (uint8), by name."""
+    return {name: raw[off:off + _nbytes(shape, dt)].view(dt).view(shape)
+            for (name, shape, dt), off in zip(specs, offsets)}
+
+
+def symmetric_empty(num_bytes: int, device, group):
+    """(uint8 [num_bytes] in torch symmetric memory on ``device``, its rendezvous handle over ``group``): a
+    collective; every peer's allocation is then reachable through the handle."""
+    import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:  # needed by older torch; idempotent
+        enable(group.group_name)
+    raw = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
+    return raw, symm_mem.rendezvous(raw, group.group_name)
+
+
 class SymmBuffer:
     """A staging buffer (see the module docstring)."""
 
@@ -112,29 +144,19 @@ class SymmBuffer:
             ("topk_weights", (Tm, K), torch.float32),
             ("dy", (Tm, H), torch.bfloat16),
         ]
-        offsets, total = [], 0
-        for _, shape, dt in specs:
-            offsets.append(total)
-            total = _round_up(total + int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size(), _ALIGN)
+        offsets, total = packed_offsets(specs)
         self.num_bytes = total
         self.symmetric = False
         self.handle = None
         if self.num_ranks > 1 and self.device.type == "cuda":
-            import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415
-
-            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-            if enable is not None:  # needed by older torch; idempotent
-                enable(group.group_name)
-            raw = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
-            self.handle = symm_mem.rendezvous(raw, group.group_name)
+            raw, self.handle = symmetric_empty(total, self.device, group)
             self.symmetric = True
         else:
             raw = torch.empty(total, dtype=torch.uint8, device=self.device)
         raw.zero_()
         self.raw = raw
-        for (name, shape, dt), off in zip(specs, offsets):
-            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-            setattr(self, name, raw[off : off + n].view(dt).view(shape))
+        for name, view in packed_views(raw, specs, offsets).items():
+            setattr(self, name, view)
         self.topk_idx.fill_(-1)
         self._generation = 0
         self._seen_version = self._raw_version()
