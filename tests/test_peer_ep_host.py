@@ -113,3 +113,38 @@ def test_buffers_layout_is_one_aligned_allocation_with_the_same_offsets():
     assert torch.equal(bufs.x[:5], x) and torch.equal(bufs.topk_idx[:5], idx) and (bufs.topk_idx[5:] == -1).all()
     with pytest.raises(ValueError, match="max_tokens=37"):
         bufs.stage(torch.zeros(38, 256, dtype=torch.bfloat16), torch.zeros(38, 8, dtype=torch.int64))
+
+
+class _Group:
+    group_name = "fake-group"
+
+
+def test_auto_takes_the_all_to_all_path_on_a_group_that_is_not_one_nvlink_domain(monkeypatch):
+    from prime_kernels.mega import _nvlink_domain, _peer_ep
+
+    asked = []
+
+    def check(group, device):
+        asked.append(group.group_name)
+        return False, "ranks 0 and 1 are not NVLink peers"
+
+    monkeypatch.setattr(_nvlink_domain, "check_group", check)
+    monkeypatch.setattr(_nvlink_domain, "_warned", False)
+    monkeypatch.setattr(_peer_ep, "_domains", {})
+    group, dev = _Group(), torch.device("cuda", 0)
+    with pytest.warns(RuntimeWarning, match="not NVLink peers.*all-to-all path"):
+        assert _peer_ep.path_for_group("fused", "auto", group, dev) == "grouped"
+    assert _peer_ep.path_for_group("fused", "auto", group, dev) == "grouped"  # said once, asked once
+    assert asked == ["fake-group"]
+    # a backend named by the caller is not changed here: "fused" raises the reason when its buffers are made
+    assert _peer_ep.path_for_group("fused", "fused", group, dev) == "fused"
+    assert _peer_ep.path_for_group("grouped", "auto", group, dev) == "grouped"
+    assert _peer_ep.path_for_group("fused", "auto", None, dev) == "fused"  # one rank: no group to check
+
+
+def test_auto_keeps_the_peer_path_on_one_nvlink_domain(monkeypatch):
+    from prime_kernels.mega import _nvlink_domain, _peer_ep
+
+    monkeypatch.setattr(_nvlink_domain, "check_group", lambda group, device: (True, ""))
+    monkeypatch.setattr(_peer_ep, "_domains", {})
+    assert _peer_ep.path_for_group("fused", "auto", _Group(), torch.device("cuda", 0)) == "fused"

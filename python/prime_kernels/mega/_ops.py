@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _backend, _comm, _validate, deferred, reference
+from . import _backend, _comm, _peer_ep, _validate, deferred, reference
 from .buffer import get_buffer
 
 
@@ -84,8 +84,10 @@ def mega_moe_fwd(
         max_tokens_per_rank, block_m, backend, buffer_id, num_sms, precision, ep_chunks)
     which = _backend.resolve("fwd", backend, precision, x, w13, ep_size=ep_size, activation_clamp=activation_clamp,
                              block_m=block_m)
+    group = reference.resolve_group(group_name)
+    which = _peer_ep.path_for_group(which, backend, group, x.device)
     return _backend.forward(which, x, topk_idx, topk_weights, w13, w2, precision=precision,
-                            activation_clamp=activation_clamp, group=reference.resolve_group(group_name), num_experts=E,
+                            activation_clamp=activation_clamp, group=group, num_experts=E,
                             ep_size=ep_size, max_tokens_per_rank=max_tokens_per_rank, block_m=block_m, save_h=save_h,
                             buffer=buffer, keep_pooled_x=keep_pooled_x, num_sms=num_sms, ep_chunks=ep_chunks)
 
@@ -167,6 +169,7 @@ def mega_moe_bwd(
     T = x.shape[0]
     E = w13.shape[0] * ep_size if num_experts < 0 else num_experts
     which = _backend.resolve("bwd", backend, precision, x, w13, ep_size=ep_size, activation_clamp=activation_clamp)
+    which = _peer_ep.path_for_group(which, backend, group, x.device)
     if T == 0 and ep_size == 1:
         return empty_backward(x, topk_weights, w13, w2, need_wgrad, dw13_accum, dw2_accum)
     if deferral_id:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _lib
-from . import _grouped_ep
+from . import _grouped_ep, _nvlink_domain
 from .buffer import packed_offsets, packed_views, symmetric_empty
 from ..combine import combine
 from ..routing import pool_capacity
@@ -326,8 +326,6 @@ class PeerGroup:
     def __init__(self, group, *, num_experts: int, hidden: int, top_k: int, max_tokens: int, device=None):
         import torch.distributed as dist  # noqa: PLC0415
 
-        from . import _nvlink_domain  # noqa: PLC0415
-
         _nvlink_domain.disable_multicast_env()
         self.group = group
         self.num_ranks = dist.get_world_size(group)
@@ -349,8 +347,8 @@ class PeerGroup:
         if bad:
             raise ValueError("prime_kernels.mega: the ranks of the group disagree on the peer buffers' shape ("
                              + "; ".join(bad) + ")")
-        ok, why = _nvlink_domain.check_group(group, self.device)
-        if not ok:
+        why = domain_reason(group, self.device)
+        if why is not None:
             raise ValueError(f"prime_kernels.mega: the group is not one NVLink domain ({why})")
         self.num_experts, self.top_k, self.max_tokens = num_experts, top_k, max_tokens
         _, total = PeerBuffers.layout(max_tokens, hidden, top_k)
@@ -487,6 +485,30 @@ def _tensors(obj):
 
 STATUS_KEY = "mega_moe_ep_peer.bf16.sm90"
 _groups: dict = {}
+_domains: dict = {}
+
+
+def domain_reason(group, device) -> str | None:
+    """None when the ranks of ``group`` are one NVLink domain, else why not. A collective the first time per (group,
+    device): every rank asks in the same call, since every rank resolves the same backend for it; the answer is kept,
+    since which GPUs are peers does not change while the process runs."""
+    key = (group.group_name, torch.device(device).index)
+    if key not in _domains:
+        ok, why = _nvlink_domain.check_group(group, device)
+        _domains[key] = None if ok else why
+    return _domains[key]
+
+
+def path_for_group(which: str, backend: str, group, device) -> str:
+    """``which`` (the resolved backend) unless "auto" resolved the peer-memory path for a group that is not one
+    NVLink domain: then the all-to-all path ("grouped"), and the process says so once."""
+    if which != "fused" or backend != "auto" or group is None:
+        return which
+    why = domain_reason(group, device)
+    if why is None:
+        return which
+    _nvlink_domain.warn_fallback_once(why)
+    return "grouped"
 
 
 def peer_group(group, device, *, num_experts: int, hidden: int, top_k: int, max_tokens: int) -> PeerGroup:
