@@ -1,0 +1,180 @@
+// prime-kernels: host side of the sm_100a BF16 fused MoE forward, round one (checks, tensor maps, three launches).
+// The tensor maps, error strings and argument helpers are sm90's host_utils.hpp (plain host code: one
+// cuTensorMapEncodeTiled entry point, through the driver, for the whole library).
+#include "mega_moe_sm100.hpp"
+
+#include "common/device_check.hpp"
+#include "dispatch_pool_sm100.cuh"
+#include "mega_moe_fwd_sm100.cuh"
+#include "mega_moe_heuristics_sm100.hpp"
+#include "sm90/host_utils.hpp"
+#include "sm90/m_blocks.hpp"
+
+namespace prime_kernels {
+namespace sm100 {
+using namespace sm90::host;
+using sm90::kGemmCudaError;
+using sm90::kGemmInvalidArgument;
+using sm90::kGemmNotAvailable;
+using sm90::kGemmOk;
+
+namespace {
+
+// The current device's multiprocessor count, once it is known to be an sm_100 (the kernels are built for 100a,
+// 103a or 100f; which of those the device takes is the C ABI's check, api.cpp).
+int blackwell_sms(int* sms, char* err, size_t err_len) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaGetDevice: %s", cudaGetErrorString(e));
+  int major = 0, minor = 0;
+  e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess)
+    return fail(kGemmCudaError, err, err_len, "cudaDeviceGetAttribute: %s", cudaGetErrorString(e));
+  if (major != 10)
+    return fail(kGemmNotAvailable, err, err_len, "mega_moe_fwd_bf16_sm100 needs an sm_100 device (found sm_%d%d)",
+                major, minor);
+  return kGemmOk;
+}
+
+int check_args(const MegaFwdSm100Args& a, const char* fn, char* err, size_t err_len) {
+  if (a.num_experts < 1 || a.num_experts > kMegaSm100MaxExperts)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_experts = %d, must be in [1, %d]", fn, a.num_experts,
+                kMegaSm100MaxExperts);
+  if (a.top_k < 1) return fail(kGemmInvalidArgument, err, err_len, "%s: top_k = %d, must be >= 1", fn, a.top_k);
+  if (a.m_total < 0 || a.m_total > kMaxDim || a.hidden < 64 || a.hidden % 64 != 0 || a.hidden > 65536 ||
+      a.inter < 64 || a.inter % 64 != 0 || 2 * a.inter > kMaxDim)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: bad sizes m_total=%lld hidden=%lld inter=%lld (hidden and inter multiples of 64)", fn,
+                (long long)a.m_total, (long long)a.hidden, (long long)a.inter);
+  if (a.num_tokens < 0 || a.num_tokens * a.top_k >= (int64_t(1) << 31))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_tokens = %lld, num_tokens * top_k must be < 2^31", fn,
+                (long long)a.num_tokens);
+  if (a.num_tokens > 0 && (a.ld_x < a.hidden || a.ld_x % 8 != 0))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: ld_x = %lld, must be >= hidden and a multiple of 8", fn,
+                (long long)a.ld_x);
+  if (!(a.clamp >= 0.f)) return fail(kGemmInvalidArgument, err, err_len, "%s: clamp must be >= 0 (0 = none)", fn);
+  if (a.m_total == 0) return kGemmOk;
+  if (a.num_tokens > 0 && (a.x == nullptr || !aligned16(a.x)))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: x is null or not 16-byte aligned", fn);
+  if (a.pool_src_route == nullptr || a.expert_offsets == nullptr || a.w13 == nullptr || a.w2 == nullptr ||
+      a.x_pool == nullptr || a.s == nullptr || a.o == nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: null pointer argument", fn);
+  if (!aligned16(a.w13) || !aligned16(a.w2) || !aligned16(a.x_pool) || !aligned16(a.s) || !aligned16(a.o) ||
+      (a.h != nullptr && !aligned16(a.h)))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: w13, w2, x_pool, s, h and o must be 16-byte aligned", fn);
+  return kGemmOk;
+}
+
+// The tensor maps of the two GEMM launches (mega_moe_fwd_sm100.cuh, MegaFwdSm100Maps).
+int make_maps(const MegaFwdSm100Args& a, MegaFwdSm100Maps* l1, MegaFwdSm100Maps* l2, char* err, size_t err_len) {
+  const uint64_t H = static_cast<uint64_t>(a.hidden), I = static_cast<uint64_t>(a.inter);
+  const uint64_t M = static_cast<uint64_t>(a.m_total), E = static_cast<uint64_t>(a.num_experts);
+  {
+    const uint64_t dims[2] = {H, M};
+    const uint64_t strides[1] = {H * 2};
+    const uint32_t box[2] = {64, 128};
+    if (int r = make_map(&l1->a, a.x_pool, 2, dims, strides, box, err, err_len)) return r;
+  }
+  {
+    const uint64_t dims[3] = {H, 2 * I, E};
+    const uint64_t strides[2] = {H * 2, 2 * I * H * 2};
+    const uint32_t box[3] = {64, 128, 1};
+    if (int r = make_map(&l1->b, a.w13, 3, dims, strides, box, err, err_len)) return r;
+  }
+  {
+    const uint64_t dims[2] = {I, M};
+    const uint64_t strides[1] = {I * 2};
+    const uint32_t box[2] = {64, 128};
+    if (int r = make_map(&l2->a, a.s, 2, dims, strides, box, err, err_len)) return r;
+  }
+  {
+    const uint64_t dims[3] = {I, H, E};
+    const uint64_t strides[2] = {I * 2, H * I * 2};
+    const uint32_t box[3] = {64, 256, 1};
+    if (int r = make_map(&l2->b, a.w2, 3, dims, strides, box, err, err_len)) return r;
+  }
+  return kGemmOk;
+}
+
+// The kernel's tile constants are fixed in its code; the heuristics name them.
+static_assert(kMegaSm100BlockM == 128 && kMegaSm100BlockK == 64 && kMegaSm100L1BlockN == 128 &&
+                  kMegaSm100L2BlockN == 256 && kMegaSm100TmemCols == 256,
+              "mega_moe_fwd_sm100.cuh is written for these tiles");
+
+// The one instantiation of each phase (mega_moe_heuristics_sm100.hpp).
+constexpr int kGemmSmem = MegaFwdSm100Layout<kMegaSm100Stages>::kSmemBytes;
+
+template <auto kKernel>
+int launch_gemm(const char* fn, int64_t ctas, const MegaFwdSm100Maps& maps, const MegaFwdSm100Params& p,
+                cudaStream_t stream, char* err, size_t err_len) {
+  cudaError_t e = set_max_dynamic_smem<kKernel>(kGemmSmem);
+  if (e != cudaSuccess)
+    return fail(kGemmCudaError, err, err_len, "%s: cudaFuncSetAttribute: %s", fn, cudaGetErrorString(e));
+  kKernel<<<static_cast<unsigned>(ctas), kMegaSm100Threads, kGemmSmem, stream>>>(maps, p);
+  return check_launch(fn, err, err_len);
+}
+
+}  // namespace
+
+int mega_moe_fwd_bf16_sm100(const MegaFwdSm100Args& a, cudaStream_t stream, char* err, size_t err_len) {
+  clear_err(err, err_len);
+  const char* fn = "mega_moe_fwd_bf16_sm100";
+  if (int r = check_args(a, fn, err, err_len)) return r;
+  if (a.m_total == 0) return kGemmOk;
+  const MegaFwdSm100Config cfg = mega_fwd_sm100_config(a.hidden, a.inter);
+  const int64_t m_blocks = sm90::max_m_blocks(a.m_total, a.num_experts);
+  const int64_t l1_ctas = m_blocks * cfg.l1_n_blocks, l2_ctas = m_blocks * cfg.l2_n_blocks;
+  if (l1_ctas > kMaxDim || l2_ctas > kMaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: m_total = %lld is too large for one launch", fn,
+                (long long)a.m_total);
+  MegaFwdSm100Maps l1_maps, l2_maps;
+  if (int r = make_maps(a, &l1_maps, &l2_maps, err, err_len)) return r;
+  int sms = 0;
+  if (int r = blackwell_sms(&sms, err, err_len)) return r;
+
+  DispatchPoolSm100Params d{};
+  d.x = static_cast<const __nv_bfloat16*>(a.x);
+  d.ld_x = a.ld_x;
+  d.pool_src_route = a.pool_src_route;
+  d.top_k = a.top_k;
+  d.num_tokens = static_cast<int32_t>(a.num_tokens);
+  d.expert_offsets = a.expert_offsets;
+  d.num_experts = a.num_experts;
+  d.m_total = static_cast<int32_t>(a.m_total);
+  d.hidden = static_cast<int32_t>(a.hidden);
+  d.x_pool = static_cast<__nv_bfloat16*>(a.x_pool);
+  d.check = common::device_check_record();
+
+  MegaFwdSm100Params p{};
+  p.expert_offsets = a.expert_offsets;
+  p.num_experts = a.num_experts;
+  p.m_total = static_cast<int32_t>(a.m_total);
+  p.hidden = static_cast<int32_t>(a.hidden);
+  p.inter = static_cast<int32_t>(a.inter);
+  p.s = static_cast<__nv_bfloat16*>(a.s);
+  p.h = static_cast<__nv_bfloat16*>(a.h);
+  p.o = static_cast<__nv_bfloat16*>(a.o);
+  p.clamp = a.clamp;
+  if (a.clamp > 0.f) bf16_clamp_neighbours(a.clamp, &p.clamp_below, &p.clamp_above);
+  p.check = d.check;
+
+  // Dispatch: a few warps per SM walk the pool rows (a grid-stride loop: any grid size is correct).
+  const int64_t want = (a.m_total + kDispatchPoolThreads / 32 - 1) / (kDispatchPoolThreads / 32);
+  const int dispatch_ctas = static_cast<int>(want < 4 * static_cast<int64_t>(sms) ? want : 4 * sms);
+  mega_dispatch_pool_sm100_kernel<<<dispatch_ctas, kDispatchPoolThreads, 0, stream>>>(d);
+  if (int r = check_launch(fn, err, err_len)) return r;
+
+  p.n_blocks = cfg.l1_n_blocks;
+  p.k_blocks = static_cast<int32_t>(a.hidden / 64);
+  if (int r = launch_gemm<&mega_moe_fwd_sm100_kernel<1, kMegaSm100Stages>>(fn, l1_ctas, l1_maps, p, stream, err,
+                                                                             err_len))
+    return r;
+  p.n_blocks = cfg.l2_n_blocks;
+  p.k_blocks = static_cast<int32_t>(a.inter / 64);
+  return launch_gemm<&mega_moe_fwd_sm100_kernel<2, kMegaSm100Stages>>(fn, l2_ctas, l2_maps, p, stream, err, err_len);
+}
+
+}  // namespace sm100
+}  // namespace prime_kernels
