@@ -168,6 +168,9 @@ bool take_device_checks(char* out, size_t out_len) {
       "128 or m_total (each tile's rows are one 128-row qT block); that call wrote nothing",
       "a gathering quantize_tokens_fp8's pool_src_route names a route past num_tokens * top_k on a live pool row "
       "(only values < 0 and [0, routes) are valid); that row was quantized as zeros",
+      "quantize_mxfp8's group ends are not non-decreasing within [0, rows] (row groups) or [0, cols] with every "
+      "end a multiple of 32 (column groups), or their padded blocked scales do not fit in the scale buffer; that "
+      "call wrote nothing",
   };
   size_t used = 0;
   bool any = false;

@@ -392,6 +392,29 @@ PK_API int pk_quantize_tokens_fp8_cpu(const void* v, int64_t ld_v, int64_t rows,
                                       int64_t v_scale_block_stride);
 
 // ---------------------------------------------------------------------------------------------
+// MXFP8 quantization (csrc/common/quantize_mxfp8.hpp has the full contract; docs/mxfp8.md the format): every run of
+// 32 elements along a row of x [rows, cols] (bf16, or fp32 with x_fp32; element (r, c) at x[r * x_stride_row +
+// c * x_stride_col]; cols a multiple of 32) -> e4m3 values q (bytes at q[r * q_stride_row + c * q_stride_col]) and one
+// e8m0 scale byte, RCEIL (rceil != 0) or the OCP floor rule. scale_layout 0: plain, block (r, j) at
+// scale[r * scale_ld + j]; 1: the 128 x 4 blocked layout of torch._scaled_grouped_mm, whole (group_axis 0) or per
+// group: group_axis 1 groups rows (2d-3d A operand), 2 groups columns (2d-2d operands), group g ending at
+// group_ends[g] (int32 [num_groups], device memory for _cuda, host for _cpu). group_starts: an int32 [num_groups]
+// workspace in the same memory, filled by the call. The blocked padding is not written (zero the buffer first).
+// scale_bytes: the scale buffer's size. The group ends must be non-decreasing within [0, rows] (rows) or [0, cols],
+// multiples of 32 (columns), and their padded extent must fit in scale_bytes: checked before anything is written
+// on the CPU; on CUDA checked by the device, where a violation makes the call write nothing and is a device finding.
+// ---------------------------------------------------------------------------------------------
+PK_API int pk_quantize_mxfp8_cuda(const void* x, int x_fp32, int64_t rows, int64_t cols, int64_t x_stride_row,
+                                  int64_t x_stride_col, void* q, int64_t q_stride_row, int64_t q_stride_col,
+                                  void* scale, int64_t scale_bytes, int scale_layout, int64_t scale_ld,
+                                  int group_axis, const int32_t* group_ends, int32_t* group_starts,
+                                  int32_t num_groups, int rceil, void* cuda_stream);
+PK_API int pk_quantize_mxfp8_cpu(const void* x, int x_fp32, int64_t rows, int64_t cols, int64_t x_stride_row,
+                                 int64_t x_stride_col, void* q, int64_t q_stride_row, int64_t q_stride_col,
+                                 void* scale, int64_t scale_bytes, int scale_layout, int64_t scale_ld, int group_axis,
+                                 const int32_t* group_ends, int32_t* group_starts, int32_t num_groups, int rceil);
+
+// ---------------------------------------------------------------------------------------------
 // SwiGLU over pool rows (the grouped pipeline's epilogues). Rows below *num_rows (device int32)
 // only; I, the row strides multiples of 8; pointers 16-byte aligned. clamp < 0 means no clamp.
 //   fwd: s = bf16(silu(min(g, c)) * clamp(u, -c, c))            h [rows, 2I] = gate | up

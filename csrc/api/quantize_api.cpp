@@ -1,11 +1,13 @@
-// C ABI of the blockwise-FP8 quantizing producers (dispatch_rows_fp8, quantize_tokens_fp8): argument checks, then
-// the CUDA kernel or the host loop. Nothing is launched or written on a bad argument.
+// C ABI of the blockwise-FP8 quantizing producers (dispatch_rows_fp8, quantize_tokens_fp8) and of the MXFP8
+// quantization: argument checks, then the CUDA kernel or the host loop. Nothing is launched or written on a bad
+// argument.
 #include <cstdint>
 
 #include "api/prime_kernels_api.h"
 #include "api/errors.hpp"
 #include "common/combine.hpp"
 #include "common/quantize_fp8.hpp"
+#include "common/quantize_mxfp8.hpp"
 
 namespace {
 
@@ -33,6 +35,69 @@ int run_on_device(const char* op, int (*check)(const Args&, bool, char*, size_t)
   const cudaError_t err = launch(a, static_cast<cudaStream_t>(cuda_stream));
   if (err != cudaSuccess) return prime_kernels::api::fail_cuda(err, op);
   return prime_kernels::api::ok();
+}
+
+namespace mx = prime_kernels::common;
+
+// Every host-side rule of pk_quantize_mxfp8_*: the kernel's own checks, then the sizes and strides its indexing
+// assumes (nothing it writes may fall outside what the caller described).
+int check_mxfp8(const mx::QuantizeMxfp8Args& a, int x_fp32, int scale_layout, int group_axis, int32_t* starts) {
+  PK_CHECK_ARG(x_fp32 == 0 || x_fp32 == 1, "quantize_mxfp8: x_fp32 must be 0 or 1, got %d", x_fp32);
+  PK_CHECK_ARG(scale_layout == 0 || scale_layout == 1, "quantize_mxfp8: scale_layout must be 0 (plain) or 1 "
+               "(blocked), got %d", scale_layout);
+  PK_CHECK_ARG(group_axis >= 0 && group_axis <= 2, "quantize_mxfp8: group_axis must be 0 (none), 1 (rows) or 2 "
+               "(columns), got %d", group_axis);
+  if (const char* why = mx::check_quantize_mxfp8_args(a)) return prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT,
+                                                                                           "quantize_mxfp8: %s", why);
+  if (a.rows == 0 || a.cols == 0) return PK_OK;
+  PK_CHECK_ARG(a.x_stride_row >= 0 && a.x_stride_col >= 0 && a.q_stride_row >= 0 && a.q_stride_col >= 0,
+               "quantize_mxfp8: strides must be non-negative");
+  const int64_t per_row = a.cols / mx::kMxfp8Block;
+  PK_CHECK_ARG(a.scale_bytes > 0, "quantize_mxfp8: scale_bytes must be positive, got %lld",
+               static_cast<long long>(a.scale_bytes));
+  if (a.scale_layout == mx::Mxfp8ScaleLayout::kPlain) {
+    const int64_t need = (a.rows - 1) * a.scale_ld + per_row;
+    PK_CHECK_ARG(need <= a.scale_bytes, "quantize_mxfp8: plain scales [%lld, %lld] with scale_ld %lld need %lld "
+                 "bytes, the buffer has %lld", static_cast<long long>(a.rows), static_cast<long long>(per_row),
+                 static_cast<long long>(a.scale_ld), static_cast<long long>(need),
+                 static_cast<long long>(a.scale_bytes));
+  } else if (a.group_axis == mx::Mxfp8GroupAxis::kNone) {
+    const int64_t need = (a.rows + 127) / 128 * 128 * ((per_row + 3) / 4 * 4);
+    PK_CHECK_ARG(need <= a.scale_bytes, "quantize_mxfp8: blocked scales of [%lld, %lld] need %lld bytes, the buffer "
+                 "has %lld", static_cast<long long>(a.rows), static_cast<long long>(per_row),
+                 static_cast<long long>(need), static_cast<long long>(a.scale_bytes));
+  } else {
+    PK_CHECK_ARG(starts != nullptr, "quantize_mxfp8: groups need a group_starts workspace");
+    PK_CHECK_ARG(a.rows <= INT32_MAX - 128 * static_cast<int64_t>(a.num_groups) && a.cols <= INT32_MAX,
+                 "quantize_mxfp8: grouped rows and cols must stay within int32 (the group ends' type)");
+  }
+  return PK_OK;
+}
+
+mx::QuantizeMxfp8Args mxfp8_args(const void* x, int x_fp32, int64_t rows, int64_t cols, int64_t x_stride_row,
+                                 int64_t x_stride_col, void* q, int64_t q_stride_row, int64_t q_stride_col,
+                                 void* scale, int64_t scale_bytes, int scale_layout, int64_t scale_ld, int group_axis,
+                                 const int32_t* group_ends, int32_t* group_starts, int32_t num_groups, int rceil) {
+  mx::QuantizeMxfp8Args a;
+  a.x = x;
+  a.x_type = x_fp32 ? mx::Mxfp8InputType::kFp32 : mx::Mxfp8InputType::kBf16;
+  a.rows = rows;
+  a.cols = cols;
+  a.x_stride_row = x_stride_row;
+  a.x_stride_col = x_stride_col;
+  a.q = static_cast<uint8_t*>(q);
+  a.q_stride_row = q_stride_row;
+  a.q_stride_col = q_stride_col;
+  a.scale = static_cast<uint8_t*>(scale);
+  a.scale_bytes = scale_bytes;
+  a.scale_layout = static_cast<mx::Mxfp8ScaleLayout>(scale_layout);
+  a.scale_ld = scale_ld;
+  a.group_axis = static_cast<mx::Mxfp8GroupAxis>(group_axis);
+  a.group_ends = group_ends;
+  a.group_starts = group_starts;
+  a.num_groups = num_groups;
+  a.rceil = rceil != 0;
+  return a;
 }
 
 }  // namespace
@@ -94,6 +159,43 @@ int pk_quantize_tokens_fp8_cpu(const void* v, int64_t ld_v, int64_t rows, int64_
                                                     num_tokens * top_k, message, sizeof(message)) != 0)
     return prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT, "%s", message);
   prime_kernels::common::quantize_tokens_fp8_host(a);
+  return prime_kernels::api::ok();
+}
+
+int pk_quantize_mxfp8_cuda(const void* x, int x_fp32, int64_t rows, int64_t cols, int64_t x_stride_row,
+                           int64_t x_stride_col, void* q, int64_t q_stride_row, int64_t q_stride_col, void* scale,
+                           int64_t scale_bytes, int scale_layout, int64_t scale_ld, int group_axis,
+                           const int32_t* group_ends, int32_t* group_starts, int32_t num_groups, int rceil,
+                           void* cuda_stream) {
+  const mx::QuantizeMxfp8Args a = mxfp8_args(x, x_fp32, rows, cols, x_stride_row, x_stride_col, q, q_stride_row,
+                                             q_stride_col, scale, scale_bytes, scale_layout, scale_ld, group_axis,
+                                             group_ends, group_starts, num_groups, rceil);
+  if (const int rc = prime_kernels::api::check_device_findings("quantize_mxfp8"); rc != PK_OK) return rc;
+  if (const int rc = check_mxfp8(a, x_fp32, scale_layout, group_axis, group_starts); rc != PK_OK) return rc;
+  if (a.rows == 0 || a.cols == 0) return prime_kernels::api::ok();
+  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kAny); rc != PK_OK)
+    return rc;
+  const auto stream = static_cast<cudaStream_t>(cuda_stream);
+  cudaError_t err = mx::launch_mxfp8_blocked_group_starts(a, group_starts, mx::device_check_record(), stream);
+  if (err == cudaSuccess) err = mx::launch_quantize_mxfp8(a, stream);
+  if (err != cudaSuccess) return prime_kernels::api::fail_cuda(err, "quantize_mxfp8");
+  return prime_kernels::api::ok();
+}
+
+int pk_quantize_mxfp8_cpu(const void* x, int x_fp32, int64_t rows, int64_t cols, int64_t x_stride_row,
+                          int64_t x_stride_col, void* q, int64_t q_stride_row, int64_t q_stride_col, void* scale,
+                          int64_t scale_bytes, int scale_layout, int64_t scale_ld, int group_axis,
+                          const int32_t* group_ends, int32_t* group_starts, int32_t num_groups, int rceil) {
+  const mx::QuantizeMxfp8Args a = mxfp8_args(x, x_fp32, rows, cols, x_stride_row, x_stride_col, q, q_stride_row,
+                                             q_stride_col, scale, scale_bytes, scale_layout, scale_ld, group_axis,
+                                             group_ends, group_starts, num_groups, rceil);
+  if (const int rc = check_mxfp8(a, x_fp32, scale_layout, group_axis, group_starts); rc != PK_OK) return rc;
+  if (a.rows == 0 || a.cols == 0) return prime_kernels::api::ok();
+  if (const char* why = mx::check_mxfp8_group_ends_host(a))
+    return prime_kernels::api::fail(PK_ERR_INVALID_ARGUMENT, "quantize_mxfp8: %s", why);
+  if (a.group_axis != mx::Mxfp8GroupAxis::kNone)
+    mx::mxfp8_blocked_group_starts_host(a.group_ends, a.num_groups, a.group_axis, group_starts);
+  mx::quantize_mxfp8_host(a);
   return prime_kernels::api::ok();
 }
 

@@ -33,6 +33,8 @@ enum DeviceCheck : int {
   kCheckQuantizeTokensLayout,  // quantize_tokens_fp8's expert_offsets / expert_counts (bound: rows); nothing written
   kCheckSwigluBwdFp8Offsets,  // the FP8 L2 dgrad's group_offsets (bound: m_total; 128-row starts); nothing written
   kCheckQuantizeTokensRoute,  // a gathering quantize_tokens_fp8's pool_src_route (bound: routes); read as zeros
+  kCheckMxfp8GroupEnds,       // quantize_mxfp8's group ends (bound: rows or cols), or their padded scale extent
+                              // (bound: the scale buffer's bytes); nothing written
   kNumDeviceChecks,
 };
 

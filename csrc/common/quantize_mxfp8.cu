@@ -3,6 +3,7 @@
 
 #include <cstring>
 
+#include "common/device_check.hpp"
 #include "common/quantize_mxfp8.hpp"
 
 namespace prime_kernels::common {
@@ -110,8 +111,9 @@ __host__ __device__ __forceinline__ int64_t mx_scale_pos(int64_t r, int64_t j, i
 
 // group_starts[g] = the padded extent of the groups before g (QuantizeMxfp8Args): 128-row tiles for groups of rows,
 // 4-column tiles of scales for groups along the blocked axis. Shared by the device kernel and the host loop.
-__host__ __device__ inline void group_starts_from_ends(const int32_t* group_ends, int32_t num_groups,
-                                                       Mxfp8GroupAxis axis, int32_t* out) {
+// Returns the extent of all groups (in the same unit).
+__host__ __device__ inline int64_t group_starts_from_ends(const int32_t* group_ends, int32_t num_groups,
+                                                          Mxfp8GroupAxis axis, int32_t* out) {
   int32_t prev = 0, acc = 0;
   for (int32_t g = 0; g < num_groups; ++g) {
     out[g] = acc;
@@ -119,6 +121,27 @@ __host__ __device__ inline void group_starts_from_ends(const int32_t* group_ends
     acc += axis == Mxfp8GroupAxis::kRows ? (n + 127) / 128 * 128 : (n / kMxfp8Block + 3) / 4 * 4;
     prev = group_ends[g];
   }
+  return acc;
+}
+
+// The first end that breaks the rule of check_mxfp8_group_ends_host (its index), or -1 when they all keep it; a
+// valid set's padded extent in bytes goes to *bytes. The sums run in 64 bits so that no end can wrap them back
+// into range.
+__host__ __device__ inline int32_t first_bad_group_end(const int32_t* ends, int32_t num_groups, Mxfp8GroupAxis axis,
+                                                       int64_t rows, int64_t cols, int64_t* bytes) {
+  const int64_t bound = axis == Mxfp8GroupAxis::kRows ? rows : cols;
+  int64_t prev = 0, extent = 0;
+  for (int32_t g = 0; g < num_groups; ++g) {
+    const int64_t end = ends[g];
+    if (end < prev || end > bound) return g;
+    if (axis == Mxfp8GroupAxis::kCols && end % kMxfp8Block != 0) return g;
+    const int64_t n = end - prev;
+    extent += axis == Mxfp8GroupAxis::kRows ? (n + 127) / 128 * 128 : (n / kMxfp8Block + 3) / 4 * 4;
+    prev = end;
+  }
+  const int64_t per_row = cols / kMxfp8Block;
+  *bytes = axis == Mxfp8GroupAxis::kRows ? extent * ((per_row + 3) / 4 * 4) : (rows + 127) / 128 * 128 * extent;
+  return -1;
 }
 
 #ifdef __CUDACC__
@@ -131,6 +154,8 @@ quantize_mxfp8_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64
                       uint8_t* __restrict__ q, int64_t q_sr, int64_t q_sc, uint8_t* __restrict__ scale,
                       bool blocked, int64_t scale_ld, Mxfp8GroupAxis axis, const int32_t* __restrict__ group_ends,
                       const int32_t* __restrict__ group_starts, int32_t num_groups, bool rceil) {
+  // The group-start kernel marks ends it found invalid: then nothing is written, neither values nor scales.
+  if (axis != Mxfp8GroupAxis::kNone && group_starts[0] < 0) return;
   const int lane = threadIdx.x & 31;
   const int64_t per_row = cols / kMxfp8Block;
   const int64_t total = rows * per_row;
@@ -175,8 +200,22 @@ quantize_mxfp8_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64
 // Serial on one thread: the number of groups is the number of experts, and this keeps the prefix exact and
 // ordered without a scan.
 __global__ void mxfp8_blocked_group_starts_kernel(const int32_t* __restrict__ group_ends, int32_t num_groups,
-                                                  Mxfp8GroupAxis axis, int32_t* __restrict__ out) {
+                                                  Mxfp8GroupAxis axis, int64_t rows, int64_t cols,
+                                                  int64_t scale_bytes, int32_t* __restrict__ out,
+                                                  DeviceCheckRecord* check) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  int64_t bytes = 0;
+  const int32_t bad = first_bad_group_end(group_ends, num_groups, axis, rows, cols, &bytes);
+  if (bad >= 0) {
+    report_device_check(check, kCheckMxfp8GroupEnds, group_ends[bad], axis == Mxfp8GroupAxis::kRows ? rows : cols);
+    out[0] = -1;
+    return;
+  }
+  if (bytes > scale_bytes) {
+    report_device_check(check, kCheckMxfp8GroupEnds, bytes, scale_bytes);
+    out[0] = -1;
+    return;
+  }
   group_starts_from_ends(group_ends, num_groups, axis, out);
 }
 #endif  // __CUDACC__
@@ -226,11 +265,23 @@ cudaError_t launch_quantize_mxfp8(const QuantizeMxfp8Args& a, cudaStream_t strea
   return cudaGetLastError();
 }
 
-cudaError_t launch_mxfp8_blocked_group_starts(const int32_t* group_ends, int32_t num_groups, Mxfp8GroupAxis axis,
-                                              int32_t* out, cudaStream_t stream) {
-  if (num_groups <= 0 || axis == Mxfp8GroupAxis::kNone) return cudaSuccess;
-  mxfp8_blocked_group_starts_kernel<<<1, 32, 0, stream>>>(group_ends, num_groups, axis, out);
+cudaError_t launch_mxfp8_blocked_group_starts(const QuantizeMxfp8Args& a, int32_t* out, DeviceCheckRecord* check,
+                                              cudaStream_t stream) {
+  if (a.num_groups <= 0 || a.group_axis == Mxfp8GroupAxis::kNone) return cudaSuccess;
+  mxfp8_blocked_group_starts_kernel<<<1, 32, 0, stream>>>(a.group_ends, a.num_groups, a.group_axis, a.rows, a.cols,
+                                                          a.scale_bytes, out, check);
   return cudaGetLastError();
+}
+
+const char* check_mxfp8_group_ends_host(const QuantizeMxfp8Args& a) {
+  if (a.group_axis == Mxfp8GroupAxis::kNone) return nullptr;
+  int64_t bytes = 0;
+  if (first_bad_group_end(a.group_ends, a.num_groups, a.group_axis, a.rows, a.cols, &bytes) >= 0)
+    return a.group_axis == Mxfp8GroupAxis::kRows
+               ? "group ends must be non-decreasing within [0, rows]"
+               : "group ends must be non-decreasing within [0, cols], each a multiple of 32";
+  if (bytes > a.scale_bytes) return "the scale buffer is smaller than the groups' padded blocked layout";
+  return nullptr;
 }
 
 void mxfp8_blocked_group_starts_host(const int32_t* group_ends, int32_t num_groups, Mxfp8GroupAxis axis,

@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "common/device_check.hpp"
+
 namespace prime_kernels::common {
 
 constexpr int kMxfp8Block = 32;
@@ -40,6 +42,9 @@ struct QuantizeMxfp8Args {
   uint8_t* scale = nullptr;
   Mxfp8ScaleLayout scale_layout = Mxfp8ScaleLayout::kPlain;
   int64_t scale_ld = 0;
+  // The scale buffer's size in bytes. Where the groups live on the device its needed size is only known there:
+  // the group-start kernel checks the padded extent against it (an overflow makes the call write nothing).
+  int64_t scale_bytes = 0;
 
   // kBlocked only, optional: groups, each blocked on its own (device int32 [num_groups] arrays; host arrays for
   // quantize_mxfp8_host). group_ends[g] is where group g ends (the offsets torch takes), group_starts[g] where its
@@ -58,18 +63,26 @@ struct QuantizeMxfp8Args {
   bool rceil = true;  // false: the OCP floor rule
 };
 
-// nullptr when the arguments are usable, else what is wrong (host-side checks only; group offsets live on the
-// device and are not read here: non-decreasing ends within [0, rows] (kRows) or [0, cols] (kCols) are the
-// caller's to keep).
+// nullptr when the arguments are usable, else what is wrong (host-side checks only; group ends live on the device
+// and are not read here: launch_mxfp8_blocked_group_starts checks them there).
 const char* check_quantize_mxfp8_args(const QuantizeMxfp8Args& args);
+
+// nullptr when host-resident group ends are non-decreasing within [0, rows] (kRows) or [0, cols] with every end a
+// multiple of 32 (kCols), and the padded extent they give fits in scale_bytes; else what is wrong. For the host
+// loop, whose group arrays are host memory; on the device the group-start kernel applies the same rule.
+const char* check_mxfp8_group_ends_host(const QuantizeMxfp8Args& args);
 
 // One warp per block of 32; the arguments must have passed check_quantize_mxfp8_args.
 cudaError_t launch_quantize_mxfp8(const QuantizeMxfp8Args& args, cudaStream_t stream);
 
 // group_starts for QuantizeMxfp8Args from group_ends, on the device (one thread: there are as many groups as
-// experts), so that no host synchronisation sits between the routing and the quantization.
-cudaError_t launch_mxfp8_blocked_group_starts(const int32_t* group_ends, int32_t num_groups, Mxfp8GroupAxis axis,
-                                              int32_t* out, cudaStream_t stream);
+// experts), so that no host synchronisation sits between the routing and the quantization. It also applies
+// check_mxfp8_group_ends_host's rule to the ends (bounds from args: rows, cols, scale_bytes): on a violation it
+// notes a device finding (kCheckMxfp8GroupEnds) and writes -1 as the first start, which makes the following
+// launch_quantize_mxfp8 of the same arguments write nothing at all. `check`: the process's record (the caller's, so
+// that this file links without the API's translation units).
+cudaError_t launch_mxfp8_blocked_group_starts(const QuantizeMxfp8Args& args, int32_t* out, DeviceCheckRecord* check,
+                                              cudaStream_t stream);
 void mxfp8_blocked_group_starts_host(const int32_t* group_ends, int32_t num_groups, Mxfp8GroupAxis axis,
                                      int32_t* out);
 

@@ -1,7 +1,8 @@
 // torch.ops.prime_kernels.dispatch_rows_fp8_, quantize_tokens_fp8_, quantize_tokens_gathered_fp8_ (the same qT,
 // reading each pool row from its token row) and quantize_tokens_e4m3_fp8_ (the same qT of e4m3 pool rows with their
-// 1 x 128 scales, read as their bf16 dequantization), the blockwise-FP8 recipe's quantizing producers (CPU: the core's host
-// loops, the same bits as the kernels). Both write into the tensors they are given;
+// 1 x 128 scales, read as their bf16 dequantization), the blockwise-FP8 recipe's quantizing producers, and
+// quantize_mxfp8_ (e4m3 values with one e8m0 scale per 32 along a row; CPU: the core's host loops, the same bits as
+// the kernels). All write into the tensors they are given;
 // the core checks sizes, strides, alignment and, on the CPU, the values it reads.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -163,6 +164,65 @@ void quantize_tokens_e4m3_fp8_op(Tensor v, Tensor v_scale, Tensor expert_offsets
                                     v_scale.stride(1)});
 }
 
+// x [rows, cols] bf16 or fp32, any strides, blocked along cols; q e4m3 of x's shape, any strides; scale the bytes of
+// the e8m0 scales, contiguous: [rows, cols / 32] when plain, any shape holding enough bytes when blocked. group_axis 1 or 2:
+// group_ends int32 [G] (the groups' ends) and group_starts int32 [G] (a workspace the call fills), both contiguous on
+// x's device; group_axis 0 ignores them.
+template <bool kOnCuda>
+void quantize_mxfp8_op(Tensor x, Tensor q, Tensor scale, Tensor group_ends, Tensor group_starts, int64_t group_axis,
+                       bool blocked, bool rceil) {
+  const char* op = "quantize_mxfp8_";
+  STD_TORCH_CHECK((x.scalar_type() == ScalarType::BFloat16 || x.scalar_type() == ScalarType::Float) && x.dim() == 2,
+                  "prime_kernels.", op, ": x must be a bfloat16 or float32 2-D tensor (blocked along its dim 1)");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  STD_TORCH_CHECK(cols % 32 == 0, "prime_kernels.", op, ": x.size(1) = ", cols,
+                  " must be a multiple of 32 (one scale per 32 elements)");
+  STD_TORCH_CHECK(q.scalar_type() == ScalarType::Float8_e4m3fn && q.dim() == 2 && q.size(0) == rows &&
+                      q.size(1) == cols,
+                  "prime_kernels.", op, ": q must be a float8_e4m3fn tensor of x's shape [", rows, ", ", cols, "]");
+  // uint8: the stable ABI of torch 2.10 does not carry float8_e8m0fnu tensors (the Python side passes a byte view)
+  STD_TORCH_CHECK(scale.scalar_type() == ScalarType::Byte && scale.is_contiguous(), "prime_kernels.", op,
+                  ": scale must be a contiguous uint8 tensor (the bytes of float8_e8m0fnu scales)");
+  if (!blocked)
+    STD_TORCH_CHECK(scale.dim() == 2 && scale.size(0) == rows && scale.size(1) == cols / 32, "prime_kernels.", op,
+                    ": plain scales must be [rows, cols / 32] = [", rows, ", ", cols / 32, "]");
+  STD_TORCH_CHECK(group_axis >= 0 && group_axis <= 2, "prime_kernels.", op,
+                  ": group_axis must be 0 (none), 1 (row groups) or 2 (column groups), got ", group_axis);
+  STD_TORCH_CHECK(group_axis == 0 || blocked, "prime_kernels.", op, ": groups need the blocked scale layout");
+  check_same_device(q, x, op, "q");
+  check_same_device(scale, x, op, "scale");
+  int64_t num_groups = 0;
+  const int32_t* ends = nullptr;
+  int32_t* starts = nullptr;
+  if (group_axis != 0) {
+    check_int32_vector(group_ends, x, op, "group_ends");
+    check_int32_vector(group_starts, x, op, "group_starts");
+    num_groups = group_ends.size(0);
+    STD_TORCH_CHECK(num_groups >= 1 && num_groups <= INT32_MAX && group_starts.size(0) == num_groups,
+                    "prime_kernels.", op, ": group_ends must hold at least one group and group_starts as many "
+                    "entries, got ", num_groups, " and ", group_starts.size(0));
+    ends = static_cast<const int32_t*>(group_ends.data_ptr());
+    starts = static_cast<int32_t*>(group_starts.data_ptr());
+  }
+  const int64_t scale_bytes = scale.numel();
+  const int64_t scale_ld = blocked ? 0 : (rows <= 1 ? cols / 32 : scale.stride(0));
+  const int x_fp32 = x.scalar_type() == ScalarType::Float ? 1 : 0;
+  if (!kOnCuda) {
+    check_core(pk_quantize_mxfp8_cpu(x.data_ptr(), x_fp32, rows, cols, x.stride(0), x.stride(1), q.data_ptr(),
+                                     q.stride(0), q.stride(1), scale.data_ptr(), scale_bytes, blocked ? 1 : 0, scale_ld,
+                                     static_cast<int>(group_axis), ends, starts, static_cast<int32_t>(num_groups),
+                                     rceil ? 1 : 0),
+               op);
+    return;
+  }
+  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
+  check_core(pk_quantize_mxfp8_cuda(x.data_ptr(), x_fp32, rows, cols, x.stride(0), x.stride(1), q.data_ptr(),
+                                    q.stride(0), q.stride(1), scale.data_ptr(), scale_bytes, blocked ? 1 : 0, scale_ld,
+                                    static_cast<int>(group_axis), ends, starts, static_cast<int32_t>(num_groups),
+                                    rceil ? 1 : 0, current_cuda_stream(x.get_device_index())),
+             op);
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
@@ -173,6 +233,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
         "Tensor expert_counts, Tensor(a!) q, Tensor(b!) scale, bool pow2_scales=False) -> ()");
   m.def("quantize_tokens_e4m3_fp8_(Tensor v, Tensor v_scale, Tensor expert_offsets, Tensor expert_counts, "
         "Tensor(a!) q, Tensor(b!) scale, bool pow2_scales=False) -> ()");
+  m.def("quantize_mxfp8_(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor group_ends, Tensor(c!) group_starts, "
+        "int group_axis=0, bool blocked=True, bool rceil=True) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CPU, m) {
@@ -180,6 +242,7 @@ STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CPU, m) {
   m.impl("quantize_tokens_fp8_", TORCH_BOX(&quantize_tokens_fp8_op<false>));
   m.impl("quantize_tokens_gathered_fp8_", TORCH_BOX(&quantize_tokens_gathered_fp8_op<false>));
   m.impl("quantize_tokens_e4m3_fp8_", TORCH_BOX(&quantize_tokens_e4m3_fp8_op<false>));
+  m.impl("quantize_mxfp8_", TORCH_BOX(&quantize_mxfp8_op<false>));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
@@ -187,4 +250,5 @@ STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("quantize_tokens_fp8_", TORCH_BOX(&quantize_tokens_fp8_op<true>));
   m.impl("quantize_tokens_gathered_fp8_", TORCH_BOX(&quantize_tokens_gathered_fp8_op<true>));
   m.impl("quantize_tokens_e4m3_fp8_", TORCH_BOX(&quantize_tokens_e4m3_fp8_op<true>));
+  m.impl("quantize_mxfp8_", TORCH_BOX(&quantize_mxfp8_op<true>));
 }

@@ -12,7 +12,14 @@ producer of the scale layout ``torch._scaled_grouped_mm`` / ``torch._scaled_mm``
 - ``blocked_scales_row_groups`` / ``blocked_scales_k_groups``: the per-group padded layouts of the grouped
   GEMM's 2d-3d (groups along M) and 2d-2d (groups along K) cases.
 
-Everything runs on whatever device its inputs are on; nothing here needs the compiled library.
+Everything above runs on whatever device its inputs are on; nothing there needs the compiled library.
+
+Our kernel (csrc/common/quantize_mxfp8.cu, the same bits as the reference):
+
+- ``quantize_mxfp8(x [rows, cols], blocked=True, group_ends=None, group_axis="rows") -> (q, scale)``: on CUDA the
+  kernel, on the CPU its host loop (through the op ``torch.ops.prime_kernels.quantize_mxfp8_``).
+- ``quantize_mxfp8_weights(w [G, N, K]) -> (q, scale [G, round_up(N, 128) * round_up(K/32, 4)])``: a stack of
+  weights blocked along K, each expert's scales blocked on their own: the ``scale_b`` of the 2d-3d grouped GEMM.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ __all__ = [
     "mxfp8_scale_exponent", "quantize_mxfp8_reference", "dequantize_mxfp8_reference",
     "to_blocked_scales", "from_blocked_scales", "blocked_index",
     "blocked_scales_row_groups", "blocked_scales_k_groups",
+    "quantize_mxfp8", "quantize_mxfp8_weights", "row_groups_scale_rows", "k_groups_scale_cols",
 ]
 
 BLOCK = 32
@@ -227,3 +235,118 @@ def blocked_scales_k_groups(scale: torch.Tensor, group_ends: Sequence[int] | tor
     if not parts:
         return scale.new_empty((rp, 0))
     return torch.cat(parts).reshape(rp, -1)
+
+
+# ---- our kernel ---------------------------------------------------------------------------------------------------
+
+#: The status() key stem of the quantization kernel (``quantize.mxfp8.sm90`` / ``.sm100``).
+STATUS_STEM = "quantize.mxfp8"
+_GROUP_AXES = {"rows": 1, "cols": 2}
+
+
+def row_groups_scale_rows(rows: int, num_groups: int) -> int:
+    """Rows of a blocked scale buffer that holds any ``num_groups`` row groups of ``rows`` rows in all, each padded
+    to 128 (the largest sum_g round_up(m_g, 128) with sum_g m_g <= rows): the ends can stay on the device."""
+    return (rows + 127 * num_groups) // 128 * 128
+
+
+def k_groups_scale_cols(cols: int, num_groups: int) -> int:
+    """Columns (scale blocks, each 32 of K) of a blocked scale buffer that holds any ``num_groups`` column groups of
+    ``cols`` elements in all, each padded to 4 blocks."""
+    return (cols // BLOCK + 3 * num_groups) // 4 * 4
+
+
+def quantize_mxfp8(x: torch.Tensor, *, blocked: bool = True,
+                   group_ends: Sequence[int] | torch.Tensor | None = None, group_axis: str = "rows",
+                   scale_mode: ScaleMode = "rceil",
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [rows, cols], scale float8_e8m0fnu) of x [rows, cols] (bf16 or fp32, any strides), one scale
+    per 32 consecutive elements of a row: :func:`quantize_mxfp8_reference` with ``axis=-1``, bit for bit. For the
+    other axis pass ``x.t()`` (correct, with uncoalesced reads).
+
+    Scales: ``blocked=False`` gives them plain [rows, cols/32]; blocked (the default) in the layout of
+    :func:`to_blocked_scales`, zero padded: [round_up(rows, 128), round_up(cols/32, 4)] without groups. With
+    ``group_ends`` (int32 on x's device, or a sequence of ints) each group is blocked on its own:
+    ``group_axis="rows"`` (2d-3d A operand, groups of rows, as :func:`blocked_scales_row_groups`) into
+    [:func:`row_groups_scale_rows`, round_up(cols/32, 4)] or ``"cols"`` (2d-2d operands, every end a multiple of 32,
+    as :func:`blocked_scales_k_groups`) into [round_up(rows, 128), :func:`k_groups_scale_cols`] bytes laid end to
+    end; the bytes past the groups' padded extent are zeros. Those sizes hold any ends, so ends on the device need no
+    synchronisation; there a bad set of ends (not non-decreasing within the axis, a column end not a multiple of 32)
+    makes the call write nothing and the next call into the library raise, on the CPU it raises at once.
+
+    ``out`` = (q, scale) to write into (returned): q e4m3 of x's shape (any strides), scale contiguous e8m0: [rows,
+    cols/32] when plain, else any shape with enough bytes, zeroed by the caller (padding bytes are not written).
+    """
+    from . import _status  # the library's loader: only this part needs the compiled ops
+
+    if x.dim() != 2:
+        raise ValueError(f"quantize_mxfp8: x must be 2-D [rows, cols], got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"quantize_mxfp8: x must be bf16 or fp32, got {x.dtype}")
+    rows, cols = x.shape
+    if cols % BLOCK:
+        raise ValueError(f"quantize_mxfp8: x.shape[1] = {cols} must be a multiple of {BLOCK}")
+    if scale_mode not in ("rceil", "floor"):
+        raise ValueError(f"quantize_mxfp8: scale_mode must be 'rceil' or 'floor', got {scale_mode!r}")
+    if group_axis not in _GROUP_AXES:
+        raise ValueError(f"quantize_mxfp8: group_axis must be 'rows' or 'cols', got {group_axis!r}")
+    if group_ends is not None and not blocked:
+        raise ValueError("quantize_mxfp8: groups need the blocked scale layout (blocked=True)")
+    _status.require_on(x.device, STATUS_STEM, "quantize_mxfp8", allow_unverified=True)
+    dev = x.device
+    axis = 0
+    if group_ends is None:
+        ends = torch.empty(0, dtype=torch.int32, device=dev)
+    else:
+        ends = (group_ends if isinstance(group_ends, torch.Tensor)
+                else torch.tensor([int(v) for v in group_ends], dtype=torch.int32)).to(dev)
+        if ends.dtype != torch.int32 or ends.dim() != 1 or ends.numel() == 0:
+            raise ValueError("quantize_mxfp8: group_ends must be a non-empty 1-D int32 tensor (or sequence of ints)")
+        ends = ends.contiguous()
+        axis = _GROUP_AXES[group_axis]
+    starts = torch.empty(ends.numel() if axis else 0, dtype=torch.int32, device=dev)
+    if out is not None:
+        q, scale = out
+    else:
+        q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=dev)
+        per = cols // BLOCK
+        if not blocked:
+            shape = (rows, per)
+        elif axis == 1:
+            shape = (row_groups_scale_rows(rows, ends.numel()), _round_up(per, 4))
+        elif axis == 2:
+            shape = (_round_up(rows, 128), k_groups_scale_cols(cols, ends.numel()))
+        else:
+            shape = (_round_up(rows, 128), _round_up(per, 4))
+        alloc = torch.empty if not blocked else torch.zeros
+        scale = alloc(shape, dtype=torch.uint8, device=dev).view(torch.float8_e8m0fnu)
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(f"quantize_mxfp8: scale must be float8_e8m0fnu (or its uint8 bytes), got {scale.dtype}")
+    torch.ops.prime_kernels.quantize_mxfp8_(x, q, scale.view(torch.uint8), ends, starts, axis, bool(blocked),
+                                            scale_mode == "rceil")
+    return q, scale
+
+
+def quantize_mxfp8_weights(w: torch.Tensor, *, scale_mode: ScaleMode = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """(q e4m3 [G, N, K], scale e8m0 [G, round_up(N, 128) * round_up(K/32, 4)]) of a weight stack w [G, N, K]
+    blocked along K (its last, contiguous dimension): expert g's [N, K/32] scales blocked on their own in row g, the
+    ``scale_b`` of ``torch._scaled_grouped_mm``'s 2d-3d case, whose ``mat_b`` is ``q.transpose(-2, -1)``."""
+    if w.dim() != 3:
+        raise ValueError(f"quantize_mxfp8_weights: w must be 3-D [G, N, K], got shape {tuple(w.shape)}")
+    G, N, K = w.shape
+    per_expert = _round_up(N, 128) * _round_up(K // BLOCK, 4)
+    scale = torch.zeros(G, per_expert, dtype=torch.uint8, device=w.device).view(torch.float8_e8m0fnu)
+    q = torch.empty(G, N, K, dtype=torch.float8_e4m3fn, device=w.device)
+    if G == 0 or N == 0:
+        return q, scale
+    # equal groups of N rows: every expert's padded extent is round_up(N, 128) rows, so the buffer is exact
+    ends = torch.arange(1, G + 1, dtype=torch.int32, device=w.device) * N
+    quantize_mxfp8(w.reshape(G * N, K), group_ends=ends, scale_mode=scale_mode, out=(q.view(G * N, K), scale))
+    return q, scale
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("prime_kernels::quantize_mxfp8_")
+    def _(x, q, scale, group_ends, group_starts, group_axis=0, blocked=True, rceil=True):
+        return None
+

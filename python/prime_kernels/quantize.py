@@ -84,6 +84,10 @@ def quantize_tokens_fp8(v: torch.Tensor, expert_offsets: torch.Tensor, expert_co
 
 
 def _register() -> None:
+    from .mxfp8 import _register_fake as _register_mxfp8
+
+    _register_mxfp8()
+
     @torch.library.register_fake("prime_kernels::dispatch_rows_fp8_")
     def _(src, route_to_pool, q, sa, pow2_scales=False):
         return None
