@@ -311,6 +311,10 @@ __global__ void __launch_bounds__(kMegaSm100Threads, 1)
     ptx::tcgen05_fence_after();
     ptx::tmem_dealloc(tmem_base, kTmemCols);
   }
+#elif defined(__CUDA_ARCH__)
+  // Built for a target without tcgen05 (CMake compiles this file for 100a, 103a and 100f only): a launch must not
+  // return with its outputs unwritten.
+  __trap();
 #endif
 }
 
