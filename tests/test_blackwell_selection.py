@@ -18,7 +18,8 @@ from prime_kernels.mega import _backend
 from prime_kernels.mega._validate import FusedKernelUnavailable
 
 # Compiled for every requested arch (CMakeLists.txt, PK_COMPILED_KERNELS)
-ARCH_NEUTRAL = ("routing_plan", "combine", "dispatch_rows", "swiglu", "dispatch_rows_fp8", "quantize_tokens_fp8")
+ARCH_NEUTRAL = ("routing_plan", "combine", "dispatch_rows", "swiglu", "dispatch_rows_fp8", "quantize_tokens_fp8",
+                "quantize_mxfp8")
 SM90_ONLY = sorted({e.compiled_as for e in _status.KERNELS.values()
                     if e.family == "sm90" and e.compiled_as and e.compiled_as not in ARCH_NEUTRAL})
 KEY = "mega_moe_grouped.bf16.sm100"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 from . import _lib
 
@@ -36,6 +38,9 @@ class KernelEntry:
     # with {arch} replaced by the built arch that runs here (is_available() reads both as available): what runs and
     # how far it was checked, for entries that run here with a caveat
     available_note: str = ""
+    # set: what this torch can run on the device of compute capability cc, asked once everything else holds (None:
+    # it can, else the reason), for entries that run a torch kernel narrower than the arches they are built for
+    torch_check: Callable[[tuple[int, int]], str | None] | None = None
 
     def kernels(self) -> tuple[str, ...]:
         return (self.compiled_as,) + self.also_compiled
@@ -85,6 +90,22 @@ def _entries() -> list[KernelEntry]:
         missing="the grouped pipeline on torch's grouped GEMM takes no activation_clamp: keeping the clamp masks of "
                 "the fp32 pre-activation (reference F6) needs an fp32 L1 output, and torch's grouped GEMM returns "
                 "bf16"))
+    # MXFP8 on Blackwell (docs/mxfp8.md): our quantization kernel, arch-neutral, and the grouped pipeline's forward
+    # on torch's MXFP8 grouped GEMM (prime_kernels.mega._mxfp8)
+    for fam in ("sm90", "sm100"):
+        e.append(KernelEntry(
+            f"quantize.mxfp8.{fam}", "quantize_mxfp8", fam,
+            unverified="built, its device path not yet run on a GPU (tests/test_mxfp8_kernel.py compares it with "
+                       "the reference bit for bit); its host loop matches the reference"))
+    e.append(KernelEntry(
+        "mega_moe_grouped.mxfp8.sm100", "quantize_mxfp8", "sm100",
+        also_compiled=("routing_plan", "dispatch_rows", "swiglu", "combine"), torch_function="_scaled_grouped_mm",
+        torch_check=_torch_mxfp8_grouped_reason,
+        available_note="our routing plan, dispatch, MXFP8 quantization, SwiGLU and combine kernels, compiled for "
+                       "{arch}, around torch's MXFP8 grouped GEMM (torch._scaled_grouped_mm) for the forward's L1 "
+                       "and L2; the backward in bf16 on torch's grouped GEMM (prime_kernels.mega._mxfp8); never run "
+                       "on Blackwell hardware nor the quantization kernel on any GPU: its plumbing checked on the "
+                       "CPU with the GEMM emulated"))
     # Expert parallelism over peer memory (prime_kernels.mega._peer_ep): the epoch barriers, the fused forward that
     # reads its pool rows from their ranks and pushes its L2 rows back, the row moves of the backward.
     e.append(KernelEntry(
@@ -110,6 +131,34 @@ def _entries() -> list[KernelEntry]:
         KernelEntry("mega_moe.mxfp8.sm100", "", "sm100", f"{todo} (Blackwell mxfp8)"),
     ]
     return e
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_build_config() -> str:
+    import torch
+
+    try:
+        return torch.__config__.show()
+    except Exception:  # a torch without the build summary: read as built without the MXFP8 grouped kernels
+        return ""
+
+
+def _torch_mxfp8_grouped_reason(cc: tuple[int, int]) -> str | None:
+    """None when torch's MXFP8 grouped GEMM runs on compute capability cc: torch's own test condition
+    (PLATFORM_SUPPORTS_MXFP8_GROUPED_GEMM: a CUDA build with USE_MSLK, or its predecessor USE_FBGEMM_GENAI, and a
+    device of capability exactly 10.0, the only one its CUTLASS kernel is compiled for); else why not."""
+    import torch
+
+    if torch.version.hip is not None:
+        return f"torch {torch.__version__} is a ROCm build: its MXFP8 grouped GEMM here is the CUDA sm_100 one"
+    config = _torch_build_config()
+    if "USE_MSLK" not in config and "USE_FBGEMM_GENAI" not in config:
+        return (f"torch {torch.__version__} was built without USE_MSLK (or USE_FBGEMM_GENAI): its "
+                "torch._scaled_grouped_mm has no MXFP8 kernel")
+    if cc != (10, 0):
+        return (f"torch's MXFP8 grouped GEMM (torch._scaled_grouped_mm) runs on sm_100 (compute capability 10.0) "
+                f"only, this device is sm_{cc[0]}{cc[1]}")
+    return None
 
 
 KERNELS: dict[str, KernelEntry] = {k.key: k for k in _entries()}
@@ -205,6 +254,10 @@ def _reason(key: str) -> str:
     if cc is None:
         return "no CUDA device"
     runs = [a for a in built if cc in _ARCH_RUNS_ON[a]]
+    if runs and entry.torch_check is not None:
+        why = entry.torch_check(cc)
+        if why is not None:
+            return why
     if runs:
         if entry.available_note:
             return f"{AVAILABLE}: {entry.available_note.format(arch=f'sm_{runs[0]}')}"

@@ -20,7 +20,10 @@ Rules (the same for every entry point):
 * ``backend="grouped"`` runs the pipeline of our grouped-GEMM kernels (:mod:`prime_kernels.mega._grouped`,
   bf16, fp8 and fp8_bwd; one rank or expert-parallel), or raises the reason. On Blackwell its five bf16 GEMMs are
   torch's grouped GEMM around our other kernels (status key ``mega_moe_grouped.bf16.sm100``, :func:`grouped_keys`):
-  bf16 only, without activation_clamp.
+  bf16 without activation_clamp, and ``precision="mxfp8"`` (:mod:`prime_kernels.mega._mxfp8`, status key
+  ``mega_moe_grouped.mxfp8.sm100``: the forward's two GEMMs on torch's MXFP8 grouped GEMM, which runs on sm_100
+  only, the backward the bf16 one; one rank, no activation_clamp). On any other device "mxfp8" raises that key's
+  reason before anything runs.
 * ``backend="auto"`` runs the fused kernel when it is available, else the grouped pipeline where
   that is available; otherwise it falls back to the reference only when the
   environment variable ``PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK=1`` is set, with a one-time warning,
@@ -37,7 +40,7 @@ import warnings
 
 import torch
 
-from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _grouped_ep, _peer_ep, _plan, _validate, reference
+from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _grouped_ep, _mxfp8, _peer_ep, _plan, _validate, reference
 from .._status import KERNELS, is_available
 from ..routing import pool_capacity
 from ._validate import FusedKernelUnavailable
@@ -142,6 +145,7 @@ def _peer_reason(precision: str, activation_clamp: float | None, num_local_exper
 GROUPED_KEY = _grouped.STATUS_KEY
 GROUPED_CLAMP_KEY = _grouped.CLAMP_STATUS_KEY
 GROUPED_FP8_KEY = _fp8_fwd.STATUS_KEY
+GROUPED_MXFP8_KEY = _mxfp8.STATUS_KEY
 
 
 def grouped_keys() -> tuple[str, str]:
@@ -164,6 +168,8 @@ def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None
                     num_local_experts: int | None = None) -> str | None:
     """None when the grouped pipeline can run this call, else why not."""
     bf16_key, clamp_key = grouped_keys()
+    if precision == "mxfp8":
+        return _grouped_mxfp8_reason(ep_size, activation_clamp, num_local_experts)
     if activation_clamp is not None:
         # Its L1 saves h with the clamp masks (reference F6) in the kMaskedH kernels, which have a status entry of
         # their own; plainly rounded, values within half an ulp of the bound would land on it and lose their
@@ -181,6 +187,23 @@ def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None
     key = GROUPED_FP8_KEY if precision == "fp8" else bf16_key
     reason = _status().get(key, f"{_NOT_IMPLEMENTED}")
     return None if is_available(reason) else f"{key}: {reason}"
+
+
+def _grouped_mxfp8_reason(ep_size: int, activation_clamp: float | None, num_local_experts: int | None) -> str | None:
+    """None when the MXFP8 pipeline (:mod:`prime_kernels.mega._mxfp8`) can run this call, else why not: its status
+    entry first (on a device other than sm_100 that is the whole answer), then the limits of the call."""
+    reason = _status().get(GROUPED_MXFP8_KEY, _NOT_IMPLEMENTED)
+    if not is_available(reason):
+        return f"{GROUPED_MXFP8_KEY}: {reason}"
+    if ep_size != 1:
+        return "precision='mxfp8' runs on a single rank (its pipeline has no expert-parallel path)"
+    if activation_clamp is not None:
+        return ("precision='mxfp8' takes no activation_clamp (torch's MXFP8 grouped GEMM returns h in bf16; the clamp "
+                "masks need the fp32 h)")
+    if num_local_experts is not None and num_local_experts > GROUPED_MAX_EXPERTS:
+        return (f"{num_local_experts} local experts exceed the grouped pipeline's limit of "
+                f"GROUPED_MAX_EXPERTS={GROUPED_MAX_EXPERTS} (prime_kernels.mega.constants)")
+    return None
 
 
 def fp8_kernel_reason(precision: str, direction: str = "fwd") -> str | None:
@@ -460,6 +483,8 @@ def forward(which: str, x, topk_idx, topk_weights, w13, w2, *, precision: str, a
                                               chunks=ep_chunks, **kwargs)
             if keep_pooled_x:  # the rows came from every rank: only this forward has them
                 x_pool = pooled
+        elif which == "grouped" and precision == "mxfp8":
+            out = _mxfp8.forward(x, topk_idx, topk_weights, w13, w2, id_check=ids, num_sms=num_sms, **kwargs)
         elif which == "grouped" and precision == "fp8":
             out = _fp8_fwd.forward(x, topk_idx, topk_weights, w13, w2, id_check=ids, num_sms=num_sms, **kwargs)
         elif which == "grouped":
@@ -501,6 +526,8 @@ def backward(which: str, dy, x, topk_idx, topk_weights, w13, w2, h, expert_count
             return _peer_ep.layer_backward(*args, precision=precision, num_sms=num_sms, **kwargs)
         if which == "grouped" and group is not None:
             return _grouped_ep.backward(*args, num_sms=num_sms, precision=precision, chunks=ep_chunks, **kwargs)
+        if which == "grouped" and precision == "mxfp8":
+            return _mxfp8.backward(*args, num_sms=num_sms, **kwargs)
         if which in ("fused", "grouped") and precision in reference.FP8_PRECISIONS:
             return _fp8_bwd.backward(*args, precision=precision, num_sms=num_sms, **kwargs)
         if which == "fused":

@@ -84,7 +84,10 @@ def mega_moe(
       precision: "bf16"; "fp8" (blockwise FP8 forward and backward) and "fp8_bwd" (the bf16 forward, the FP8
         backward) run on ``backend="reference"`` only for now, as an emulation of the recipe (docs/fp8.md), with
         the default recipe and weight cache (``reference.mega_moe_reference`` takes the options); the kernel
-        backends raise the ``prime_kernels.status()`` reason. "mxfp8" raises everywhere.
+        backends raise the ``prime_kernels.status()`` reason. "mxfp8": the forward's GEMMs on torch's MXFP8
+        grouped GEMM, the backward in bf16, on backend "grouped" (or "auto") of one rank on an sm_100 GPU
+        (status key ``mega_moe_grouped.mxfp8.sm100``, :mod:`prime_kernels.mega._mxfp8`); elsewhere it raises that
+        key's reason.
       activation_clamp: None (no clamp) or a finite c > 0: gate <= c and -c <= up <= c before SiLU
         (DeepSeek-V4).
       backend: "auto" | "fused" | "grouped" | "reference" (see :mod:`prime_kernels.mega._backend`).
