@@ -18,9 +18,13 @@ except ImportError:  # running from a source tree that was never built
 
 
 def build_info() -> dict[str, object]:
-    """Arches, nvcc version, git sha and build date of this build."""
+    """Arches, nvcc version, git sha and build date of this build; "verified": for each built arch, status key ->
+    how far that kernel was checked on hardware ("verified on an H200", "compiled only, never run on hardware", ...;
+    kernels not written for the arch are left out), the table README.md's status table is made from."""
+    from ._verification import by_arch
+
     return {"version": __version__, "cuda_archs": cuda_archs, "nvcc_version": nvcc_version,
-            "git_sha": git_sha, "build_date": build_date}
+            "git_sha": git_sha, "build_date": build_date, "verified": by_arch(cuda_archs)}
 
 
 if _lib.load().shim_loaded:
@@ -53,6 +57,7 @@ from .routing import RoutingPlan, pool_capacity, routing_plan, routing_plan_refe
 from . import _watchdog  # noqa: E402
 from ._watchdog import check_device_errors, peer_wait_timeout, set_peer_wait_timeout, set_wait_timeout, wait_timeout  # noqa: E402,E501
 from . import mega  # noqa: E402
+from .mega._selftest import selftest  # noqa: E402
 
 if _lib.load().shim_loaded:
     from .mega import _fused_bwd  # noqa: E402
@@ -66,7 +71,7 @@ if _lib.load().shim_loaded:
     _swiglu_fwd_fp8._register()
 from .mega import *  # noqa: E402,F401,F403  (upstream's top-level names: bf16_mega_moe, ...)
 
-__all__ = list(mega.__all__) + ["status", "build_info", "__version__", "RoutingPlan", "routing_plan", "routing_plan_reference",
+__all__ = list(mega.__all__) + ["status", "build_info", "selftest", "__version__", "RoutingPlan", "routing_plan", "routing_plan_reference",
            "pool_capacity", "combine", "dispatch_rows", "m_grouped_bf16_gemm_nt", "m_grouped_bf16_gemm_nn", "k_grouped_bf16_gemm_tn",
            "m_grouped_fp8_gemm_nt", "k_grouped_fp8_gemm_tn", "set_wait_timeout", "wait_timeout", "check_device_errors",
            "set_peer_wait_timeout", "peer_wait_timeout",

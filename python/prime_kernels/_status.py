@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from . import _lib
@@ -41,6 +41,12 @@ class KernelEntry:
     # set: what this torch can run on the device of compute capability cc, asked once everything else holds (None:
     # it can, else the reason), for entries that run a torch kernel narrower than the arches they are built for
     torch_check: Callable[[tuple[int, int]], str | None] | None = None
+
+    # the kernel is a native one that runs only after proving itself on the device (prime_kernels.mega._selftest):
+    # while no kernel is registered for the entry its reason is `missing`; once one is, its compiled name is the
+    # registered one, and where it could run status() and reason() give its self-test verdict on the current device
+    # (runnable() says whether it could run at all, for the self-test itself)
+    self_tested: bool = False
 
     def kernels(self) -> tuple[str, ...]:
         return (self.compiled_as,) + self.also_compiled
@@ -127,7 +133,10 @@ def _entries() -> list[KernelEntry]:
         # The FP8 backward (prime_kernels.mega._fp8_bwd): the quantizing producers, the FP8 L2 dgrad with the SwiGLU
         # backward, the FP8 grouped GEMMs and the combine; its status is that of its last kernel to be verified.
         KernelEntry("mega_moe.fp8_bwd.sm90", "m_grouped_fp8_gemm_swiglu_bwd", "sm90"),
-        KernelEntry("mega_moe.bf16.sm100", "", "sm100", f"{todo} (Blackwell)"),
+        # The native fused forward on Blackwell: no Blackwell GPU has run it, so it is used on a device only after
+        # its self-test there has agreed with the grouped pipeline
+        KernelEntry("mega_moe.bf16.sm100", "", "sm100", f"{todo} (Blackwell): no native sm100 forward kernel is wired "
+                    "into prime_kernels yet", self_tested=True),
         KernelEntry("mega_moe.mxfp8.sm100", "", "sm100", f"{todo} (Blackwell mxfp8)"),
     ]
     return e
@@ -215,8 +224,10 @@ def _cached(key: str, ignore_unverified: bool) -> str:
     slot = (key, dev, ignore_unverified)
     if dev is not None and slot in _answers:
         return _answers[slot]
+    entry = KERNELS.get(key)
+    if entry is not None and entry.self_tested:
+        return _self_tested_reason(key, dev, ignore_unverified)
     why = _reason(key)
-    entry = KERNELS[key]
     if is_available(why) and (entry.unverified or entry.withheld) and not ignore_unverified:
         why = entry.unverified or entry.withheld
     if dev is not None:
@@ -224,14 +235,43 @@ def _cached(key: str, ignore_unverified: bool) -> str:
     return why
 
 
+def _registered(key: str):
+    """The native kernel registered for the self-tested entry ``key`` (prime_kernels.mega._selftest), or None."""
+    if not _lib.load().shim_loaded:
+        return None
+    from .mega import _selftest  # noqa: PLC0415  (the layer package imports this module first)
+
+    return _selftest.candidate(key)
+
+
+def _self_tested_reason(key: str, dev: int | None, ignore_unverified: bool) -> str:
+    """As _cached for an entry with ``self_tested``: whether its registered kernel could run here is remembered per
+    device and kernel, its self-test verdict is asked afresh (it changes when the test runs)."""
+    slot = (key, dev, True, id(_registered(key)))
+    why = _answers.get(slot) if dev is not None else None
+    if why is None:
+        why = _reason(key)
+        if dev is not None:
+            _answers[slot] = why
+    if ignore_unverified or not is_available(why):
+        return why
+    from .mega import _selftest  # noqa: PLC0415
+
+    return _selftest.verdict_reason(key, dev)
+
+
 def _reason(key: str) -> str:
-    """Whether kernel `key` is built and can run here, whether or not it was verified."""
+    """Whether kernel `key` is built and can run here, whether or not it was verified (for a self-tested entry, the
+    kernel registered for it)."""
     entry = KERNELS.get(key)
     if entry is None:
         raise KeyError(f"unknown kernel {key!r}; known: {', '.join(sorted(KERNELS))}")
     res = _lib.load()
     if res.reason is not None:
         return res.reason
+    native = _registered(key) if entry.self_tested else None
+    if native is not None:
+        entry = replace(entry, compiled_as=native.compiled_as, missing="")
     if entry.missing:
         return entry.missing
     family_archs = _FAMILY_ARCHS[entry.family]
@@ -281,7 +321,11 @@ def status() -> dict[str, str]:
         answer = {key: reason(key) for key in KERNELS}
         if dev is not None:
             _status_by_device[dev] = answer
-    return dict(answer)
+    answer = dict(answer)
+    for key, entry in KERNELS.items():
+        if entry.self_tested:  # its verdict changes once its self-test has run on the device
+            answer[key] = reason(key)
+    return answer
 
 
 def unverified() -> dict[str, str]:

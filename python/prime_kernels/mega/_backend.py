@@ -44,6 +44,7 @@ from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _grouped_ep, _mxfp8, _peer_e
 from .._status import KERNELS, is_available
 from ..routing import pool_capacity
 from ._validate import FusedKernelUnavailable
+from . import _selftest
 from .constants import (ALLOW_FALLBACK_ENV, env_flag, BACKENDS, FP8_ALIGN, FULL_TILE_ALIGN, FUSED_MAX_EXPERTS,
                         GROUPED_MAX_EXPERTS, HIDDEN_ALIGN, INTERMEDIATE_ALIGN, PRECISIONS)
 
@@ -415,7 +416,11 @@ def choose_backend(
 def resolve(direction: str, backend: str, precision: str, x, w13, *, ep_size: int = 1, activation_clamp=None,
             block_m: int | None = None) -> str:
     """The backend that runs this call's ``direction`` ("fwd" or "bwd"), or raise with the reason: the shape
-    arguments of :func:`resolve_backend` read from the (validated) tokens ``x [T, H]`` and ``w13 [El, 2I, H]``."""
+    arguments of :func:`resolve_backend` read from the (validated) tokens ``x [T, H]`` and ``w13 [El, 2I, H]``.
+    The first eager forward on a device runs the self-test of the native kernels that could run there
+    (:mod:`prime_kernels.mega._selftest`), so that the status() this resolution reads has their verdicts."""
+    if direction == "fwd" and backend in ("auto", "fused") and ep_size == 1:
+        _selftest.on_layer_call(x)
     return resolve_backend(backend, precision, direction, device_type=x.device.type, hidden=x.shape[1],
                            intermediate=w13.shape[1] // 2, ep_size=ep_size, activation_clamp=activation_clamp,
                            num_local_experts=w13.shape[0], block_m=block_m)

@@ -18,6 +18,11 @@ Forward (sm90, FP8, single rank; :func:`_forward_fp8`): the same plan, the weigh
 then ``torch.ops.prime_kernels.mega_moe_fp8_fused_fwd`` (the quantizing dispatch, then one persistent kernel for the
 FP8 L1 with SwiGLU and the FP8 L2, csrc/sm90/mega_moe_fwd_fp8.cuh) and the combine: the FP8 forward pipeline's bits.
 
+Forward (sm100, BF16, single rank): the native kernel registered for ``mega_moe.bf16.sm100``
+(:mod:`prime_kernels.mega._selftest`), once its self-test has passed on the device; the backend resolution chooses
+"fused" there only then, and this raises status()'s reason otherwise. Its self-test covers no activation clamp,
+so a clamp is refused.
+
 Backward (sm90, BF16): :func:`backward`, the fused backward kernel of :mod:`prime_kernels.mega._fused_bwd`, which
 :mod:`prime_kernels.mega._backend` resolves to only where ``prime_kernels.status()["mega_moe_backward.bf16.sm90"]``
 says "available".
@@ -27,14 +32,17 @@ from __future__ import annotations
 
 import torch
 
-from . import _fp8_fwd, _fused_bwd
+from . import _fp8_fwd, _fused_bwd, _selftest
 from . import fp8 as _fp8
 from ._grouped import _rows_for_kernels
 from ._validate import FusedKernelUnavailable
+from .. import _status
 from ..combine import combine
 from ..routing import routing_plan
 
 STATUS_KEY_FWD = "mega_moe.bf16.sm90"
+# arch family -> the status key of its native bf16 forward, where ours is not the sm90 kernel
+NATIVE_FWD_KEYS = {"sm100": "mega_moe.bf16.sm100"}
 
 
 def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", activation_clamp=None, group=None,
@@ -58,6 +66,14 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
         return _forward_fp8(x, topk_idx, topk_weights, w13, w2, activation_clamp=activation_clamp,
                             num_experts=num_experts, block_m=block_m, capacity=capacity, save_h=save_h,
                             id_check=id_check, num_sms=num_sms)
+    native_key = NATIVE_FWD_KEYS.get(_status.family_of_device(x.device.index)) if x.device.type == "cuda" else None
+    if native_key is not None:
+        if activation_clamp is not None:
+            raise FusedKernelUnavailable(f"prime_kernels.mega: {native_key}: its self-test covers no activation_clamp")
+        native = _selftest.native_forward(x.device, native_key)
+        return native(x, topk_idx, topk_weights, w13, w2, activation_clamp=None, num_experts=num_experts,
+                      block_m=block_m, capacity=capacity, save_h=save_h, keep_x_pool=keep_x_pool, id_check=id_check,
+                      num_sms=num_sms)
     T = x.shape[0]
     K = topk_idx.shape[1]
     with torch.no_grad():

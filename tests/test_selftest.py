@@ -1,0 +1,383 @@
+"""The self-test that gates native kernels (prime_kernels.mega._selftest): on the CPU against a faked sm_100 device
+and build with fake candidates (right, wrong, raising), the harness, the status() strings, the backend resolution,
+the deferral under CUDA-graph capture and torch.compile, the caching and its thread safety; on a Hopper GPU the
+harness pointed at our sm90 fused forward (must pass) and at deliberately wrong copies of it (must fail)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+import prime_kernels
+from conftest import requires_sm90
+from prime_kernels import _lib, _status
+from prime_kernels import grouped_gemm_torch as torch_gemms
+from prime_kernels.mega import _backend, _fused, _selftest, reference
+from prime_kernels.mega._selftest_cases import CASES, REL_TOL, ROW_TOL
+from prime_kernels.mega._validate import FusedKernelUnavailable
+
+KEY = "mega_moe.bf16.sm100"
+COMPILED = "mega_moe_fwd_bf16_sm100"
+ARCH_NEUTRAL = ("routing_plan", "combine", "dispatch_rows", "swiglu", "dispatch_rows_fp8", "quantize_tokens_fp8")
+PASSED = ("available: native sm100 forward: self-test passed on this device (not verified by the project's CI)")
+SHAPE = dict(device_type="cuda", hidden=256, intermediate=128)
+
+
+def _reference_forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp, num_experts, block_m, capacity,
+                       save_h, keep_x_pool, id_check, num_sms):
+    """A right candidate on the CPU: the pure-PyTorch reference (another code path than the grouped pipeline's)."""
+    out = reference.forward(x, topk_idx, topk_weights, w13, w2, precision="bf16", activation_clamp=activation_clamp,
+                            group=None, num_experts=num_experts, max_tokens_per_rank=None, block_m=block_m,
+                            capacity=capacity, save_h=save_h)
+    pool = None
+    if keep_x_pool:
+        src = out[4].long()
+        pool = x.index_select(0, src.clamp(min=0) // topk_idx.shape[1]).masked_fill((src < 0)[:, None], 0)
+    return tuple(out) + (pool,)
+
+
+def _wrong_slice(fwd):
+    """The classic indexing bug: the last expert computed with the first expert's L1 weights."""
+    def run(x, topk_idx, topk_weights, w13, w2, **kw):
+        bad = w13.clone()
+        bad[-1] = w13[0]
+        return fwd(x, topk_idx, topk_weights, bad, w2, **kw)
+    return run
+
+
+def _one_row_off(fwd):
+    """A small local error: one token's output 5% too large (under the relative bound at T > 25, over the row one)."""
+    def run(x, topk_idx, *args, **kw):
+        out = list(fwd(x, topk_idx, *args, **kw))
+        out[0] = out[0].clone()
+        out[0][x.shape[0] // 2] *= 1.05
+        return tuple(out)
+    return run
+
+
+def _raises(*args, **kwargs):
+    raise RuntimeError("boom: illegal instruction")
+
+
+def _noisy(fwd):
+    """Within the bounds but not the same bits twice."""
+    def run(*args, **kw):
+        out = list(fwd(*args, **kw))
+        out[0] = out[0] + 1e-3 * torch.randn_like(out[0].float()).to(out[0].dtype) * out[0].abs()
+        return tuple(out)
+    return run
+
+
+def _cand(forward, name="fake", compiled=COMPILED) -> _selftest.Candidate:
+    return _selftest.Candidate(name=name, key=KEY, compiled_as=compiled, forward=forward)
+
+
+class Counted:
+    def __init__(self, fwd, delay=0.0):
+        self.fwd, self.calls, self.delay = fwd, 0, delay
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        time.sleep(self.delay)
+        return self.fwd(*args, **kwargs)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """fake(cc=(10, 0), archs=("90a", "100a"), native_built=True): a CUDA device of capability cc whose self-test
+    tensors live on the CPU, a build of ``archs`` (the native kernel in it for 100a when ``native_built``), and an
+    empty candidate registry. Returns a namespace whose ``capturing`` / ``compiling`` flags the fakes read."""
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
+    flags = types.SimpleNamespace(capturing=False, compiling=False)
+    monkeypatch.setattr(_selftest, "_candidates", {})
+    monkeypatch.setattr(_selftest, "_verdicts", {})
+    monkeypatch.setattr(_selftest, "_settled", set())
+    monkeypatch.setattr(_selftest, "_tensor_device", lambda index: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: flags.capturing)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: flags.compiling)
+    monkeypatch.setattr(_backend, "_warned", set())
+
+    def set_up(cc=(10, 0), archs=("90a", "100a"), native_built=True):
+        pairs = {(k, a) for a in archs for k in ARCH_NEUTRAL}
+        if native_built:
+            pairs |= {(COMPILED, a) for a in archs if a != "90a"}
+        monkeypatch.setattr(_lib, "built_archs", lambda: tuple(archs))
+        monkeypatch.setattr(_lib, "compiled_kernels", lambda: frozenset(pairs))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+        monkeypatch.setattr(torch_gemms, "_selected_by_device", {})
+        monkeypatch.setattr(_backend, "_ARCH_BY_DEVICE", {})
+        # as once CUDA is up: answers remembered per device (fresh for this test)
+        monkeypatch.setattr(_status, "_current_cuda_device", lambda: 0)
+        monkeypatch.setattr(_status, "_answers", {})
+        monkeypatch.setattr(_status, "_status_by_device", {})
+        return flags
+
+    return set_up
+
+
+def _x():
+    return types.SimpleNamespace(device=torch.device("cuda", 0), shape=(64, 256))
+
+
+def _w13():
+    return types.SimpleNamespace(shape=(8, 256, 256))
+
+
+def _resolve(backend="auto", direction="fwd"):
+    return _backend.resolve(direction, backend, "bf16", _x(), _w13(), block_m=128)
+
+
+# --- the harness ------------------------------------------------------------------------------------------------------
+
+def test_the_harness_passes_a_right_candidate_and_records_its_errors():
+    v = _selftest.check(_cand(_reference_forward), torch.device("cpu"))
+    assert v.passed, v.report()
+    assert [o.case for o in v.outcomes] == list(CASES)
+    for o in v.outcomes:
+        assert o.passed and set(o.errors) == {"y", "h"}
+        for rel, row in o.errors.values():
+            assert rel <= REL_TOL and row <= ROW_TOL
+    assert "passed" in v.report() and "one token" in v.report()
+
+
+@pytest.mark.parametrize("make, case, words", [
+    (lambda: _wrong_slice(_reference_forward), "odd T", "y relative error"),
+    (lambda: _one_row_off(_reference_forward), "one token", "y relative error"),
+    (lambda: _raises, "one token", "the candidate raised RuntimeError: boom: illegal instruction"),
+    (lambda: _noisy(_reference_forward), "many routes, masked", "repeated: y or h differs"),
+])
+def test_the_harness_fails_wrong_candidates_and_names_the_case(make, case, words):
+    v = _selftest.check(_cand(make()), torch.device("cpu"))
+    assert not v.passed
+    label = next(c.label() for c in CASES if c.name == case)
+    assert v.why.startswith(label) and words in v.why, v.why
+    assert "FAILED" in v.report() and label in v.report()
+
+
+def test_the_row_bound_catches_one_row_the_relative_bound_lets_through():
+    bad = _one_row_off(_reference_forward)
+    cases = tuple(c for c in CASES if c.name == "odd T")
+    v = _selftest.check(_cand(bad), torch.device("cpu"), cases)
+    assert not v.passed and "y row error" in v.why, v.why
+    rel, row = v.outcomes[0].errors["y"]
+    assert rel <= REL_TOL < ROW_TOL < row
+
+
+def test_the_harness_checks_the_plan_and_the_pooled_rows():
+    def wrong_plan(*args, **kw):
+        out = list(_reference_forward(*args, **kw))
+        out[6] = out[6].flip(0)
+        return tuple(out)
+
+    def wrong_pool(*args, **kw):
+        out = list(_reference_forward(*args, **kw))
+        if out[7] is not None:
+            out[7] = torch.zeros_like(out[7])
+        return tuple(out)
+
+    v = _selftest.check(_cand(wrong_plan), torch.device("cpu"))
+    assert not v.passed and "route_to_pool differs" in v.why, v.why
+    v = _selftest.check(_cand(wrong_pool), torch.device("cpu"))
+    assert not v.passed and v.why.startswith(CASES[1].label()) and "x_pool" in v.why, v.why
+
+
+# --- status() ---------------------------------------------------------------------------------------------------------
+
+def test_status_without_a_registered_kernel(fake):
+    fake()
+    assert prime_kernels.status()[KEY] == ("not implemented yet (Blackwell): no native sm100 forward kernel is wired "
+                                           "into prime_kernels yet")
+    assert _selftest.candidate(KEY) is None
+    report = prime_kernels.selftest()
+    assert report.passed and not report and "no native kernel is registered" in str(report)
+
+
+@pytest.mark.parametrize("case", ["not compiled", "not built", "sm_90 device", "sm_103 on 100a"])
+def test_status_says_why_a_registered_kernel_cannot_run(fake, case):
+    want = {"not compiled": "not compiled into this build of sm100 (its sources were not part of it)",
+            "not built": "not built for sm100 (this build has 90a): rebuild with PRIME_KERNELS_CUDA_ARCHS=100a",
+            "sm_90 device": "device sm_90 cannot run this sm100 kernel",
+            "sm_103 on 100a": "device sm_103 needs a rebuild with PRIME_KERNELS_CUDA_ARCHS=103a"}[case]
+    fake(cc={"sm_90 device": (9, 0), "sm_103 on 100a": (10, 3)}.get(case, (10, 0)),
+         archs=("90a",) if case == "not built" else ("90a", "100a"), native_built=case != "not compiled")
+    ran = Counted(_reference_forward)
+    _selftest.register(_cand(ran))
+    why = prime_kernels.status()[KEY]
+    assert want in why and why == _status.runnable(KEY), why
+    _selftest.on_layer_call(_x())
+    report = prime_kernels.selftest(0)
+    assert ran.calls == 0 and report.skipped == {KEY: why}
+
+
+def test_status_before_the_self_test_and_runnable(fake):
+    fake()
+    _selftest.register(_cand(_reference_forward))
+    assert prime_kernels.status()[KEY] == _selftest.NOT_RUN and not _status.is_available(_selftest.NOT_RUN)
+    assert _status.runnable(KEY) == "available"
+    with pytest.raises(RuntimeError, match="not used until its self-test passes"):
+        _status.require(KEY)
+
+
+# --- the first eager call, the resolution and the caching ---------------------------------------------------------
+
+def test_first_eager_call_runs_the_self_test_and_auto_runs_a_passed_kernel(fake):
+    fake()
+    ran = Counted(_reference_forward)
+    _selftest.register(_cand(ran, name="right"))
+    assert _resolve("grouped") == "grouped" and ran.calls == 0  # a named grouped backend tests nothing
+    assert _resolve("auto", "bwd") == "grouped" and ran.calls == 0  # nor a backward (no fused one on sm100)
+    assert _resolve("auto") == "fused"
+    calls = ran.calls
+    assert calls == len(CASES) + 2  # every case, then the repeat of the last
+    assert prime_kernels.status()[KEY] == PASSED and _status.is_available(PASSED)
+    assert _resolve("auto") == "fused" and _resolve("fused") == "fused" and _resolve("grouped") == "grouped"
+    assert ran.calls == calls  # once per device
+    assert _resolve("auto", "bwd") == "grouped"  # the backward stays the grouped pipeline's
+
+
+@pytest.mark.parametrize("bad, words", [(lambda: _wrong_slice(_reference_forward), "y relative error"),
+                                        (lambda: _raises, "the candidate raised RuntimeError: boom")])
+def test_a_failed_kernel_is_not_used_and_status_says_why(fake, bad, words):
+    fake()
+    _selftest.register(_cand(bad(), name="wrong"))
+    assert _resolve("auto") == "grouped"
+    why = prime_kernels.status()[KEY]
+    assert why.startswith("self-test failed on this device, so the grouped pipeline runs: ") and words in why, why
+    assert "candidate wrong" in why and not _status.is_available(why)
+    which, fused_why = _backend.choose_backend("auto", "bf16", "fwd", **SHAPE)
+    assert which == "grouped" and fused_why == f"{KEY}: {why}"
+    with pytest.raises(FusedKernelUnavailable, match="self-test failed on this device"):
+        _resolve("fused")
+    with pytest.raises(FusedKernelUnavailable, match="self-test failed"):
+        _selftest.native_forward(torch.device("cuda", 0), KEY)
+    report = prime_kernels.selftest(0)
+    assert not report.passed and words in str(report)
+
+
+@pytest.mark.parametrize("flag", ["capturing", "compiling"])
+def test_capture_and_compile_defer_the_self_test_to_a_later_eager_call(fake, flag):
+    flags = fake()
+    ran = Counted(_reference_forward)
+    _selftest.register(_cand(ran))
+    setattr(flags, flag, True)
+    assert _resolve("auto") == "grouped" and ran.calls == 0
+    assert prime_kernels.status()[KEY] == _selftest.NOT_RUN
+    with pytest.raises(FusedKernelUnavailable, match="not used until its self-test passes"):
+        _resolve("fused")
+    with pytest.raises(RuntimeError, match="outside CUDA-graph capture and torch.compile"):
+        prime_kernels.selftest()
+    setattr(flags, flag, False)
+    assert _resolve("auto") == "fused" and ran.calls > 0
+
+
+def test_fake_tensors_defer_the_self_test(fake):
+    """What torch.compile or torch.export trace with: a fake tensor defers the test, as capture does."""
+    fake()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.empty(4, 256))
+    assert _selftest._deferred(x) and not _selftest._deferred(torch.empty(4, 256))
+
+
+def test_selftest_reports_and_reruns_on_request(fake):
+    fake()
+    ran = Counted(_reference_forward)
+    _selftest.register(_cand(ran, name="right"))
+    report = prime_kernels.selftest(0)
+    assert report.passed and report[KEY].passed and report.device == "cuda:0"
+    text = str(report)
+    assert f"{KEY} (right) on cpu: passed" in text and "rel" in text and "odd T" in text
+    calls = ran.calls
+    assert prime_kernels.selftest(torch.device("cuda", 0))[KEY] is report[KEY] and ran.calls == calls
+    assert prime_kernels.selftest(rerun=True).passed and ran.calls == 2 * calls
+    with pytest.raises(ValueError, match="runs on a CUDA device"):
+        prime_kernels.selftest("cpu")
+
+
+def test_register_replaces_the_kernel_and_its_verdicts(fake):
+    fake()
+    _selftest.register(_cand(_raises, name="first"))
+    assert _resolve("auto") == "grouped"
+    _selftest.register(_cand(_reference_forward, name="second"))
+    assert prime_kernels.status()[KEY] == _selftest.NOT_RUN
+    assert _resolve("auto") == "fused"
+    with pytest.raises(ValueError, match="not a status entry that takes a self-tested kernel"):
+        _selftest.register(_selftest.Candidate("x", "mega_moe.bf16.sm90", COMPILED, _reference_forward))
+    _selftest.unregister(KEY)
+    assert prime_kernels.status()[KEY].startswith("not implemented yet (Blackwell)")
+
+
+def test_threads_share_one_self_test(fake):
+    fake()
+    ran = Counted(_reference_forward, delay=0.01)
+    _selftest.register(_cand(ran))
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(_resolve("auto"))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == ["fused"] * 4 and ran.calls == len(CASES) + 2
+
+
+def test_the_fused_backend_runs_the_passed_kernel_on_sm100(fake):
+    fake()
+    seen = []
+
+    def native(x, *args, **kwargs):
+        if isinstance(x, torch.Tensor):
+            return _reference_forward(x, *args, **kwargs)
+        seen.append(kwargs)
+        return "native"
+
+    _selftest.register(_cand(native))
+    x = types.SimpleNamespace(device=torch.device("cuda", 0), shape=(3, 128))
+    with pytest.raises(FusedKernelUnavailable, match="not used until its self-test passes"):
+        _fused.forward(x, None, None, None, None, block_m=128, capacity=256)
+    prime_kernels.selftest()
+    assert _fused.forward(x, None, None, None, None, num_experts=4, block_m=128, capacity=256) == "native"
+    assert seen[0]["capacity"] == 256 and seen[0]["activation_clamp"] is None
+    with pytest.raises(FusedKernelUnavailable, match="self-test covers no activation_clamp"):
+        _fused.forward(x, None, None, None, None, activation_clamp=7.0, block_m=128, capacity=256)
+
+
+# --- on a Hopper GPU: the harness against a real kernel -------------------------------------------------------------
+
+@requires_sm90
+def test_on_hopper_the_harness_passes_our_fused_forward_and_fails_wrong_copies():
+    """Run on the H200: our sm90 fused forward as the candidate must pass; the same kernel with the last expert's L1
+    weights taken from the first, with one expert's L2 weights 25% off, and writing no output, must fail, with the
+    failing shape named."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not _status.is_available(_status.reason("mega_moe.bf16.sm90")):
+        pytest.skip(f"mega_moe.bf16.sm90: {_status.reason('mega_moe.bf16.sm90')}")
+    start = time.perf_counter()
+    v = _selftest.check(_cand(_fused.forward, name="sm90 fused forward"), device)
+    assert v.passed, v.report()
+
+    def one_expert_off(x, topk_idx, topk_weights, w13, w2, **kw):
+        bad = w2.clone()
+        bad[0] *= 1.25
+        return _fused.forward(x, topk_idx, topk_weights, w13, bad, **kw)
+
+    def writes_nothing(x, topk_idx, topk_weights, w13, w2, **kw):
+        out = list(_fused.forward(x, topk_idx, topk_weights, w13, w2, **kw))
+        out[0], out[1] = torch.empty_like(out[0]), torch.empty_like(out[1])
+        return tuple(out)
+
+    for name, bad in (("wrong slice", _wrong_slice(_fused.forward)), ("one expert off", one_expert_off),
+                      ("writes nothing", writes_nothing), ("raises", _raises)):
+        v = _selftest.check(_cand(bad, name=name), device)
+        assert not v.passed, name
+        assert any(v.why.startswith(c.label()) for c in CASES), v.why
+        print(f"{name}: {v.why}")
+    assert time.perf_counter() - start < 20
