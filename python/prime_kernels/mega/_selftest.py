@@ -79,6 +79,7 @@ class Report(dict):
 
     @property
     def passed(self) -> bool:
+        """No tested kernel failed (also true when none was tested: see ``skipped`` and ``str()``)."""
         return all(v.passed for v in self.values())
 
     def __str__(self) -> str:

@@ -134,8 +134,7 @@ def compare(case: Case, out, ref, inputs: dict) -> Outcome:
     """Check the candidate's forward outputs ``out`` (8: y, h, the plan's five, x_pool) against the reference's
     ``ref`` (its first 7) by the rules of the module docstring."""
     if not isinstance(out, (tuple, list)) or len(out) != 8:
-        return Outcome(case, False, {}, f"returned {type(out).__name__} of {len(out) if hasattr(out, '__len__') else '?'} "
-                                        "items, not the 8 outputs of the fused forward")
+        return Outcome(case, False, {}, f"returned {type(out).__name__}, not the 8 outputs of the fused forward")
     for name, a, b in zip(_PLAN, out[2:7], ref[2:7]):
         if a.shape != b.shape or not torch.equal(a.cpu(), b.cpu()):
             return Outcome(case, False, {}, f"{name} differs from the grouped pipeline's plan")
@@ -143,7 +142,8 @@ def compare(case: Case, out, ref, inputs: dict) -> Outcome:
     span = int(ref[3][-1].item())
     for name, a, b in (("y", out[0], ref[0]), ("h", out[1][:span], ref[1][:span])):
         if a.shape != b.shape or a.dtype != b.dtype:
-            return Outcome(case, False, errors, f"{name} is {a.dtype} {tuple(a.shape)}, want {b.dtype} {tuple(b.shape)}")
+            return Outcome(case, False, errors,
+                           f"{name} is {a.dtype} {tuple(a.shape)}, want {b.dtype} {tuple(b.shape)}")
         if not bool(torch.isfinite(a).all()):
             return Outcome(case, False, errors, f"{name} has NaN or Inf ({int((~torch.isfinite(a)).sum())} values)")
         errors[name] = _rel(a, b)
