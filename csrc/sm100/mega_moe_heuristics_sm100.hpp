@@ -22,9 +22,13 @@ constexpr int kMegaSm100BlockK = 64;
 constexpr int kMegaSm100L1BlockN = 128;
 // L2 tile: 256 columns of hidden, the widest N of one MMA (the same 256 accumulator columns).
 constexpr int kMegaSm100L2BlockN = 256;
-// Tensor-memory columns each CTA allocates (a power of two >= the accumulator's 256). Only one CTA fits on an SM
-// (the stage ring below takes most of shared memory), so the allocation never waits on another CTA of this kernel.
-constexpr int kMegaSm100TmemCols = 256;
+// Accumulator stages in tensor memory: two, so that the epilogue warps drain tile i's accumulator while the MMA
+// warp fills the other with tile i + 1 (the persistent launch's overlap). Each stage is the N = 256 MMA's 256
+// fp32 columns, so the CTA allocates all 512 columns of the SM; that is safe because only one CTA of these
+// kernels fits on an SM (the stage ring below takes most of shared memory), and another kernel's CTA holding
+// columns never waits for ours, so an allocation that has to wait is released in time.
+constexpr int kMegaSm100AccStages = 2;
+constexpr int kMegaSm100TmemCols = 512;
 // Stage ring: each stage is a 128 x 64 A box and a 256 x 64 B box (16 + 32 KB). Four stages (192 KB) fit the 227 KB
 // of an sm_100 CTA and cover, by expectation only, the HBM latency at one CTA per SM; five do not fit.
 constexpr int kMegaSm100Stages = 4;
@@ -35,7 +39,7 @@ struct MegaFwdSm100Config {
   int l1_block_n;    // s columns per L1 tile
   int l2_block_n;    // o columns per L2 tile
   int stages;        // stage ring depth (the instantiated kMegaSm100Stages)
-  int tmem_cols;     // tensor-memory columns allocated per CTA
+  int tmem_cols;     // tensor-memory columns allocated per CTA (kMegaSm100AccStages accumulators)
   int l1_n_blocks;   // L1 tiles per m-block: ceil(inter / l1_block_n)
   int l2_n_blocks;   // L2 tiles per m-block: ceil(hidden / l2_block_n)
 };

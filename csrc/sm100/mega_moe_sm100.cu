@@ -1,4 +1,4 @@
-// prime-kernels: host side of the sm_100a BF16 fused MoE forward, round one (checks, tensor maps, three launches).
+// prime-kernels: host side of the sm_100a BF16 fused MoE forward (checks, tensor maps, the launches).
 // The tensor maps, error strings and argument helpers are sm90's host_utils.hpp (plain host code: one
 // cuTensorMapEncodeTiled entry point, through the driver, for the whole library).
 #include "mega_moe_sm100.hpp"
@@ -100,20 +100,20 @@ int make_maps(const MegaFwdSm100Args& a, MegaFwdSm100Maps* l1, MegaFwdSm100Maps*
 
 // The kernel's tile constants are fixed in its code; the heuristics name them.
 static_assert(kMegaSm100BlockM == 128 && kMegaSm100BlockK == 64 && kMegaSm100L1BlockN == 128 &&
-                  kMegaSm100L2BlockN == 256 && kMegaSm100TmemCols == 256,
+                  kMegaSm100L2BlockN == 256 && kMegaSm100AccStages == 2 &&
+                  kMegaSm100TmemCols == kMegaSm100TmemAlloc && kMegaSm100AccCols == 256,
               "mega_moe_fwd_sm100.cuh is written for these tiles");
 
 // The one instantiation of each phase (mega_moe_heuristics_sm100.hpp).
 constexpr int kGemmSmem = MegaFwdSm100Layout<kMegaSm100Stages>::kSmemBytes;
 
+// A persistent launch: one CTA per SM, fewer when the tile bound is smaller (mega_moe_tiles_sm100.cuh strides
+// the tiles over whatever grid runs).
 template <auto kKernel>
-int launch_gemm(const char* fn, int64_t ctas, const MegaFwdSm100Maps& maps, const MegaFwdSm100Params& p,
+int launch_gemm(const char* fn, int64_t tiles, int sms, const MegaFwdSm100Maps& maps, const MegaFwdSm100Params& p,
                 cudaStream_t stream, char* err, size_t err_len) {
-  cudaError_t e = set_max_dynamic_smem<kKernel>(kGemmSmem);
-  if (e != cudaSuccess)
-    return fail(kGemmCudaError, err, err_len, "%s: cudaFuncSetAttribute: %s", fn, cudaGetErrorString(e));
-  kKernel<<<static_cast<unsigned>(ctas), kMegaSm100Threads, kGemmSmem, stream>>>(maps, p);
-  return check_launch(fn, err, err_len);
+  return launch_persistent_checked<kKernel>(fn, kMegaSm100Threads, kGemmSmem, tiles, sms, stream, err, err_len, maps,
+                                            p);
 }
 
 }  // namespace
@@ -168,12 +168,13 @@ int mega_moe_fwd_bf16_sm100(const MegaFwdSm100Args& a, cudaStream_t stream, char
 
   p.n_blocks = cfg.l1_n_blocks;
   p.k_blocks = static_cast<int32_t>(a.hidden / 64);
-  if (int r = launch_gemm<&mega_moe_fwd_sm100_kernel<1, kMegaSm100Stages>>(fn, l1_ctas, l1_maps, p, stream, err,
+  if (int r = launch_gemm<&mega_moe_fwd_sm100_kernel<1, kMegaSm100Stages>>(fn, l1_ctas, sms, l1_maps, p, stream, err,
                                                                              err_len))
     return r;
   p.n_blocks = cfg.l2_n_blocks;
   p.k_blocks = static_cast<int32_t>(a.inter / 64);
-  return launch_gemm<&mega_moe_fwd_sm100_kernel<2, kMegaSm100Stages>>(fn, l2_ctas, l2_maps, p, stream, err, err_len);
+  return launch_gemm<&mega_moe_fwd_sm100_kernel<2, kMegaSm100Stages>>(fn, l2_ctas, sms, l2_maps, p, stream, err,
+                                                                        err_len);
 }
 
 }  // namespace sm100

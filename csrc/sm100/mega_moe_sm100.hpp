@@ -1,9 +1,9 @@
-// prime-kernels: host launch of the sm_100a BF16 fused MoE forward (csrc/sm100/mega_moe_fwd_sm100.cuh), round one.
+// prime-kernels: host launch of the sm_100a BF16 fused MoE forward (csrc/sm100/mega_moe_fwd_sm100.cuh).
 //
 // Plain C++ over raw device pointers, the conventions of csrc/sm90/mega_moe.hpp (sm90/status.hpp's codes, err
 // message, asynchronous on `stream`, every argument checked before the device is touched). The arguments are the
 // single-rank subset of sm90::MegaFwdArgs with the same meaning and layouts, so the same host routing plan drives
-// both; what round one does not support is rejected, not ignored.
+// both; what this kernel does not support is rejected, not ignored.
 #pragma once
 
 #include <cstddef>
@@ -47,7 +47,7 @@ struct MegaFwdSm100Args {
   float clamp = 0.f;  // >= 0 (0 = none)
 };
 
-// Three launches on `stream`: the dispatch, the L1 + SwiGLU tiles, the L2 tiles. All pointers 16-byte aligned.
+// Three launches on `stream`: the dispatch, the persistent L1 + SwiGLU launch, the persistent L2 launch. All pointers 16-byte aligned.
 int mega_moe_fwd_bf16_sm100(const MegaFwdSm100Args& args, cudaStream_t stream, char* err, size_t err_len);
 
 }  // namespace sm100
