@@ -3,7 +3,7 @@ this project, so this is all the checking its kernels get before the self-test o
 
 csrc/sm100/mega_moe_sm100.cu is compiled for sm_100a into a cubin; its kernels must be there, the GEMM kernels with
 the tcgen05 instruction families (UTCHMMA: tcgen05.mma kind::f16; UTCBAR: tcgen05.commit; LDTM: tcgen05.ld;
-UTCATOMSWS: the tensor-memory allocator) and TMA loads (UTMALDG); no kernel may touch local memory (LDL / STL, a
+UTCATOMSWS: the tensor-memory allocator), TMA loads (UTMALDG) and the epilogue's TMA stores (UTMASTG); no kernel may touch local memory (LDL / STL, a
 stack frame, LOCAL in the resource usage) or spill (ptxas -v). The same checks run on two small kernels built to
 break them, so a checker that can no longer see a problem fails too."""
 
@@ -20,9 +20,12 @@ from conftest import REPO, find_tool
 SRC = REPO / "csrc" / "sm100" / "mega_moe_sm100.cu"
 GEMM_KERNELS = ("mega_moe_fwd_sm100_kernelILi1E", "mega_moe_fwd_sm100_kernelILi2E")
 DISPATCH_KERNEL = "mega_dispatch_pool_sm100_kernel"
-# Per GEMM kernel: the least count of each instruction family (one tile: four K = 16 MMAs unrolled per stage, a
-# commit per stage and one for the accumulator, A and B loads, at least one tensor-memory load).
-GEMM_MIN_COUNTS = {"UTCHMMA": 4, "UTCBAR": 2, "LDTM": 1, "UTMALDG": 2, "UTCATOMSWS": 1}
+# Per GEMM kernel: the least count of each instruction family (four K = 16 MMAs unrolled per stage, a commit per
+# stage and one per accumulator stage, A and B loads, at least one tensor-memory load, a TMA store of the staged
+# epilogue box).
+GEMM_MIN_COUNTS = {"UTCHMMA": 4, "UTCBAR": 2, "LDTM": 1, "UTMALDG": 2, "UTCATOMSWS": 1, "UTMASTG": 1}
+# The L1 epilogue stores s alone, or s with the gate and up halves of h: at least two store sites.
+L1_MIN_COUNTS = {**GEMM_MIN_COUNTS, "UTMASTG": 2}
 LOCAL_MEMORY_OPS = ("LDL", "STL")
 
 
@@ -124,7 +127,7 @@ def sm100_cubin(tmp_path_factory):
 
 def test_fused_forward_sass_has_tcgen05_and_tma_and_no_local_memory(sm100_cubin):
     sass, usage, ptxas = sm100_cubin
-    want = {k: GEMM_MIN_COUNTS for k in GEMM_KERNELS}
+    want = {GEMM_KERNELS[0]: L1_MIN_COUNTS, GEMM_KERNELS[1]: GEMM_MIN_COUNTS}
     want[DISPATCH_KERNEL] = {}
     problems = findings(sass, usage, ptxas, want)
     assert not problems, "\n".join(problems)
@@ -152,7 +155,7 @@ def test_the_checks_catch_local_memory_and_missing_tcgen05(tmp_path):
     problems = findings(_sass_by_function(cuobjdump, cubin), _res_usage(cuobjdump, cubin), _ptxas_by_function(log),
                         {"pk_bad_kernel": GEMM_MIN_COUNTS})
     text = "\n".join(problems)
-    for expected in ("UTCHMMA", "UTMALDG", "LDTM", "STACK", "ptxas"):
+    for expected in ("UTCHMMA", "UTMALDG", "UTMASTG", "LDTM", "STACK", "ptxas"):
         assert expected in text, text
     assert "LDL" in text or "STL" in text, text
 

@@ -25,11 +25,14 @@
 //              tcgen05.mma (M 128, N 256, K 16, four per stage) of this CTA's i-th tile into accumulator i % 2
 //              once its "accumulator empty" mbarrier says the epilogue has drained tile i - 2, frees each stage
 //              with tcgen05.commit to its "empty" mbarrier, and commits the tile to "accumulator full";
-//   warps 2-5  the epilogue: warp w reads tensor-memory lanes 32 (w % 4) .. + 31 (the only lanes a warp may
-//              address), so each thread owns one row of the tile; tcgen05.ld 32 columns at a time, SwiGLU (L1) or
-//              plain rounding (L2), 16-byte stores of the row's columns, rows past the expert and columns past the
-//              tensor not stored; then one arrival per warp on "accumulator empty". While they do this the MMA
-//              warp already runs the next tile's mainloop into the other accumulator.
+//   warps 2-5  the epilogue (mega_moe_epilogue_sm100.cuh): warp w reads tensor-memory lanes 32 (w % 4) .. + 31
+//              (the only lanes a warp may address), so each thread owns one row of the tile; tcgen05.ld 32
+//              columns at a time, SwiGLU (L1) or plain rounding (L2), each row's 64 bytes into the warp's staging
+//              box in shared memory, then one TMA store per 32 x 32 box (s, and gate | up of h when asked; o). A
+//              warp whose rows run past the expert copies its boxes out with 16-byte generic stores instead,
+//              skipping those rows; columns past the tensor are never computed into a store. Then one arrival per
+//              warp on "accumulator empty". While they do this the MMA warp already runs the next tile's mainloop
+//              into the other accumulator.
 // Every role walks the tile sequence itself (no descriptor is passed between warps); the mbarriers keep them in
 // step, each with a phase that flips per use: stage s's k-th use waits parity k & 1, accumulator a's j-th use
 // parity j & 1, and a producer (of stages or of accumulators) waits the opposite parity, which a fresh barrier
@@ -45,8 +48,7 @@
 // tensor-memory allocation can block only while another kernel's CTA on the same SM holds columns; that CTA does
 // not wait for this one, and this CTA relinquishes its allocation permit at once.
 //
-// Known gaps (for the next rounds): epilogue stores straight from registers (a thread per row: each warp store
-// touches 32 rows; a staged TMA store would coalesce), the dispatch as a separate launch (the TMA gather4 in
+// Known gaps (for the next rounds): the dispatch as a separate launch (the TMA gather4 in
 // ptx_sm100.cuh could read the token rows in the L1 producer), L1 and L2 as two launches, single rank only, no
 // cluster multicast.
 #pragma once
@@ -57,130 +59,14 @@
 #include <cstdint>
 
 #include "common/device_check.hpp"
+#include "mega_moe_epilogue_sm100.cuh"
+#include "mega_moe_params_sm100.cuh"
 #include "mega_moe_tiles_sm100.cuh"
 #include "ptx_sm100.cuh"
 #include "sm90/swiglu_math.cuh"
 
 namespace prime_kernels {
 namespace sm100 {
-
-constexpr int kMegaSm100Threads = 192;
-constexpr int kMegaSm100EpiWarp0 = 2;  // warps 2..5 read tensor memory
-constexpr int kMegaSm100EpiWarps = 4;
-// Tensor memory: two accumulator stages of 256 fp32 columns (the N = 256 MMA's D), all 512 columns of the SM.
-constexpr int kMegaSm100AccCols = 256;
-constexpr int kMegaSm100TmemAlloc = 2 * kMegaSm100AccCols;
-constexpr int kMegaSm100MaxExperts = 512;
-
-// The tensor maps of one phase: kPhase 1: a = x_pool [m_total, hidden] (box 64 x 128), b = w13 [E, 2I, hidden]
-// (box 64 x 128 x 1); kPhase 2: a = s [m_total, inter] (box 64 x 128), b = w2 [E, hidden, inter] (box 64 x 256 x 1).
-// bf16, 128-byte swizzle, zero fill out of bounds.
-struct MegaFwdSm100Maps {
-  CUtensorMap a;
-  CUtensorMap b;
-};
-
-struct MegaFwdSm100Params {
-  const int32_t* expert_offsets;  // [num_experts + 1]
-  int32_t num_experts;
-  int32_t m_total;
-  int32_t hidden;
-  int32_t inter;
-  int32_t n_blocks;  // tiles per m-block in this phase
-  int32_t k_blocks;  // 64-wide K steps: hidden / 64 (L1) or inter / 64 (L2)
-  __nv_bfloat16* s;  // [m_total, inter]
-  __nv_bfloat16* h;  // [m_total, 2 * inter] or null
-  __nv_bfloat16* o;  // [m_total, hidden]
-  float clamp;       // 0: none
-  float clamp_below; // the bf16 neighbours of clamp (sm90/swiglu_math.cuh, PackBf16x2ClampMasks)
-  float clamp_above;
-  common::DeviceCheckRecord* check;
-};
-
-// Shared memory of one CTA. Stage buffers are 1024-byte aligned (the 128-byte swizzle's atom; the MMA descriptors
-// assume base offset 0).
-template <int kStages>
-struct MegaFwdSm100Layout {
-  static constexpr int kABytes = 128 * 64 * 2;
-  static constexpr int kBBytes = 256 * 64 * 2;
-  static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kFullOff = kStages * kStageBytes;
-  static constexpr int kEmptyOff = kFullOff + 8 * kStages;
-  static constexpr int kAccFullOff = kEmptyOff + 8 * kStages;  // two accumulator stages
-  static constexpr int kAccEmptyOff = kAccFullOff + 16;
-  static constexpr int kTmemOff = kAccEmptyOff + 16;
-  static constexpr int kEnd = kTmemOff + 16;
-  static constexpr int kSmemBytes = kEnd + 1024;  // the dynamic base is aligned up to 1024 in the kernel
-  static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "1024-byte aligned stage buffers");
-  static_assert(kSmemBytes <= 232448, "sm_100 allows 227 KB of shared memory per CTA");
-};
-
-#if defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM103_ALL) || \
-    (defined(__CUDA_ARCH_FAMILY_SPECIFIC__) && (__CUDA_ARCH_FAMILY_SPECIFIC__ == 1000))
-#define PK_SM100_HAS_TCGEN05 1
-#endif
-
-// The L1 epilogue of one thread's row: 32 s columns at a time, from the gate accumulator columns c and the up
-// columns 128 + c. Round: sm90's RoundHPlain or RoundHMasks (clamp), the saved h's rounding.
-template <typename Round>
-__device__ __forceinline__ void mega_sm100_l1_epilogue(const MegaFwdSm100Params& p, uint32_t taddr, int nb,
-                                                       int64_t row, bool valid, const Round& round) {
-#pragma unroll 1
-  for (int c = 0; c < 128; c += 32) {
-    const int col = nb * 128 + c;
-    if (col >= p.inter) break;  // the same for the whole warp: tcgen05.ld is warp-collective
-    uint32_t g[32], u[32];
-    ptx::tmem_ld_32x32b_x32(taddr + c, g);
-    ptx::tmem_ld_32x32b_x32(taddr + 128 + c, u);
-    ptx::tmem_wait_ld();
-    if (!valid) continue;
-    uint32_t sw[16], gw[16], uw[16];
-#pragma unroll
-    for (int i = 0; i < 32; i += 2) {
-      float g0 = __uint_as_float(g[i]), g1 = __uint_as_float(g[i + 1]);
-      float u0 = __uint_as_float(u[i]), u1 = __uint_as_float(u[i + 1]);
-      round.gate(g0, g1);
-      round.up(u0, u1);
-      gw[i / 2] = sm90::PackBf16x2Exact{}(g0, g1);
-      uw[i / 2] = sm90::PackBf16x2Exact{}(u0, u1);
-      sw[i / 2] = ptx::pack_bf16x2(sm90::swiglu_value(g0, u0, p.clamp), sm90::swiglu_value(g1, u1, p.clamp));
-    }
-    __nv_bfloat16* s_row = p.s + row * p.inter + col;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      ptx::st_global_v4(s_row + 8 * j, make_uint4(sw[4 * j], sw[4 * j + 1], sw[4 * j + 2], sw[4 * j + 3]));
-    if (p.h != nullptr) {
-      __nv_bfloat16* h_row = p.h + row * (2 * static_cast<int64_t>(p.inter)) + col;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        ptx::st_global_v4(h_row + 8 * j, make_uint4(gw[4 * j], gw[4 * j + 1], gw[4 * j + 2], gw[4 * j + 3]));
-        ptx::st_global_v4(h_row + p.inter + 8 * j,
-                          make_uint4(uw[4 * j], uw[4 * j + 1], uw[4 * j + 2], uw[4 * j + 3]));
-      }
-    }
-  }
-}
-
-// The L2 epilogue of one thread's row: 32 o columns at a time, rounded to bf16.
-__device__ __forceinline__ void mega_sm100_l2_epilogue(const MegaFwdSm100Params& p, uint32_t taddr, int nb,
-                                                       int64_t row, bool valid) {
-#pragma unroll 1
-  for (int c = 0; c < 256; c += 32) {
-    const int col = nb * 256 + c;
-    if (col >= p.hidden) break;
-    uint32_t v[32];
-    ptx::tmem_ld_32x32b_x32(taddr + c, v);
-    ptx::tmem_wait_ld();
-    if (!valid) continue;
-    uint32_t w[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) w[i] = ptx::pack_bf16x2(__uint_as_float(v[2 * i]), __uint_as_float(v[2 * i + 1]));
-    __nv_bfloat16* o_row = p.o + row * p.hidden + col;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      ptx::st_global_v4(o_row + 8 * j, make_uint4(w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]));
-  }
-}
 
 template <int kPhase, int kStages>
 __global__ void __launch_bounds__(kMegaSm100Threads, 1)
@@ -227,6 +113,8 @@ __global__ void __launch_bounds__(kMegaSm100Threads, 1)
   if (warp == 0 && lane == 0) {
     ptx::tma_prefetch_desc(&maps.a);
     ptx::tma_prefetch_desc(&maps.b);
+    ptx::tma_prefetch_desc(&maps.c);
+    if (kPhase == 1 && p.h != nullptr) ptx::tma_prefetch_desc(&maps.d);
   }
   ptx::tcgen05_fence_before();
   __syncthreads();
@@ -291,7 +179,8 @@ __global__ void __launch_bounds__(kMegaSm100Threads, 1)
   } else {
     // Epilogue warps 2..5: quarter q = warp % 4 of the tensor-memory lanes, i.e. rows 32 q .. 32 q + 31.
     const int q = warp % 4;
-    uint32_t i = 0;
+    uint8_t* const out = smem + L::kOutOff + (warp - kMegaSm100EpiWarp0) * L::kOutWarpBytes;
+    uint32_t i = 0, seq = 0;
     for (int t = first_tile;; t += stride, ++i) {
       const MegaSm100Tile tile = mega_sm100_locate(p.expert_offsets, p.num_experts, t / p.n_blocks);
       if (tile.expert < 0) break;
@@ -299,23 +188,27 @@ __global__ void __launch_bounds__(kMegaSm100Threads, 1)
       const uint32_t acc = i & 1u;
       ptx::mbar_wait(&acc_full[acc], (i >> 1) & 1u);
       ptx::tcgen05_fence_after();
-      const int64_t row = static_cast<int64_t>(tile.row0) + q * 32 + lane;
-      const bool valid = row < tile.row_end;
+      const int row0 = tile.row0 + q * 32;
+      const int rows = min(32, tile.row_end - row0);  // a warp with none reads nothing
       const uint32_t taddr = tmem_base + acc * kMegaSm100AccCols + (static_cast<uint32_t>(q * 32) << 16);
-      if (kPhase == 1) {
-        if (p.clamp > 0.f)
-          mega_sm100_l1_epilogue(p, taddr, nb, row, valid,
-                                 sm90::RoundHMasks{p.clamp, p.clamp_below, p.clamp_above});
-        else
-          mega_sm100_l1_epilogue(p, taddr, nb, row, valid, sm90::RoundHPlain{});
-      } else {
-        mega_sm100_l2_epilogue(p, taddr, nb, row, valid);
+      if (rows > 0) {
+        if (kPhase == 1) {
+          if (p.clamp > 0.f)
+            mega_sm100_l1_epilogue(maps, p, out, taddr, nb, row0, rows,
+                                   sm90::RoundHMasks{p.clamp, p.clamp_below, p.clamp_above});
+          else
+            mega_sm100_l1_epilogue(maps, p, out, taddr, nb, row0, rows, sm90::RoundHPlain{});
+        } else {
+          mega_sm100_l2_epilogue(maps, p, out, taddr, nb, row0, rows, seq);
+        }
       }
       // Every tensor-memory read of this stage is complete (tcgen05.wait::ld); the MMA warp may overwrite it.
       ptx::tcgen05_fence_before();
       __syncwarp();
       if (lane == 0) ptx::mbar_arrive(&acc_empty[acc]);
     }
+    // The last stores' global writes are done before the CTA (and its shared memory) goes away.
+    if (lane == 0) ptx::bulk_wait_group_all();
   }
 
   // Every tensor-memory read is complete before the barrier; the allocating warp frees.

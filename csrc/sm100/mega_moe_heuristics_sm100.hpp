@@ -29,8 +29,9 @@ constexpr int kMegaSm100L2BlockN = 256;
 // columns never waits for ours, so an allocation that has to wait is released in time.
 constexpr int kMegaSm100AccStages = 2;
 constexpr int kMegaSm100TmemCols = 512;
-// Stage ring: each stage is a 128 x 64 A box and a 256 x 64 B box (16 + 32 KB). Four stages (192 KB) fit the 227 KB
-// of an sm_100 CTA and cover, by expectation only, the HBM latency at one CTA per SM; five do not fit.
+// Stage ring: each stage is a 128 x 64 A box and a 256 x 64 B box (16 + 32 KB). Four stages (192 KB) plus the
+// epilogue's staging boxes (24 KB: three 2 KB boxes per epilogue warp, the most an L1 chunk needs) fit the 227 KB
+// of an sm_100 CTA and cover, by expectation only, the HBM latency at one CTA per SM; five stages do not fit.
 constexpr int kMegaSm100Stages = 4;
 
 // What the launcher configures for one forward.

@@ -95,6 +95,19 @@ int make_maps(const MegaFwdSm100Args& a, MegaFwdSm100Maps* l1, MegaFwdSm100Maps*
     const uint32_t box[3] = {64, 256, 1};
     if (int r = make_map(&l2->b, a.w2, 3, dims, strides, box, err, err_len)) return r;
   }
+  // The epilogue's stores: one warp's 32 rows by 32 columns, in the 64-byte swizzle its staging boxes use.
+  const uint32_t out_box[2] = {32, 32};
+  auto store_map = [&](CUtensorMap* m, const void* base, uint64_t cols) {
+    const uint64_t dims[2] = {cols, M};
+    const uint64_t strides[1] = {cols * 2};
+    return make_map(m, base, 2, dims, strides, out_box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                    CU_TENSOR_MAP_SWIZZLE_64B);
+  };
+  if (int r = store_map(&l1->c, a.s, I)) return r;
+  if (a.h != nullptr) {
+    if (int r = store_map(&l1->d, a.h, 2 * I)) return r;
+  }
+  if (int r = store_map(&l2->c, a.o, H)) return r;
   return kGemmOk;
 }
 
@@ -129,7 +142,7 @@ int mega_moe_fwd_bf16_sm100(const MegaFwdSm100Args& a, cudaStream_t stream, char
   if (l1_ctas > kMaxDim || l2_ctas > kMaxDim)
     return fail(kGemmInvalidArgument, err, err_len, "%s: m_total = %lld is too large for one launch", fn,
                 (long long)a.m_total);
-  MegaFwdSm100Maps l1_maps, l2_maps;
+  MegaFwdSm100Maps l1_maps{}, l2_maps{};
   if (int r = make_maps(a, &l1_maps, &l2_maps, err, err_len)) return r;
   int sms = 0;
   if (int r = blackwell_sms(&sms, err, err_len)) return r;

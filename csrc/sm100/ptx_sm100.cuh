@@ -1,8 +1,8 @@
 // prime-kernels: thin inline-PTX wrappers for the sm_100a (Blackwell) kernels of csrc/sm100.
 //
 // Every instruction the sm100 kernels need beyond plain C++ lives here: mbarriers, TMA tile loads (and the tile
-// gather4 form), and the tcgen05 family (tensor-memory allocation, the MMA with shared-memory descriptors, its
-// commit to an mbarrier, tensor-memory loads, the fences). Written from the PTX ISA (tcgen05 needs PTX 8.6 and the
+// gather4 form), TMA tile stores with their bulk groups, and the tcgen05 family (tensor-memory allocation, the MMA
+// with shared-memory descriptors, its commit to an mbarrier, tensor-memory loads, the fences). Written from the PTX ISA (tcgen05 needs PTX 8.6 and the
 // "a" target: -gencode arch=compute_100a,code=sm_100a). Our own wrappers rather than CuTe's: the kernels use a
 // dozen instructions, and this keeps the wheel free of a CUTLASS pin.
 //
@@ -100,6 +100,28 @@ __device__ __forceinline__ void tma_gather4(void* dst, const void* desc, uint64_
       "%6, %7}], [%2];" ::"r"(smem_addr(dst)),
       "l"(desc), "r"(smem_addr(bar)), "r"(c0), "r"(r0), "r"(r1), "r"(r2), "r"(r3)
       : "memory");
+}
+
+// Shared -> global: a box of the map at (c0, c1) from src (laid out as the map's swizzle dictates), in this
+// thread's current bulk group. Elements past the tensor's extent are not written; nothing else clips.
+__device__ __forceinline__ void tma_store_2d(const void* desc, const void* src, int32_t c0, int32_t c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];" ::"l"(desc),
+               "r"(smem_addr(src)), "r"(c0), "r"(c1)
+               : "memory");
+}
+// Closes this thread's current bulk group (an empty group is legal and completes at once).
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until at most kPending of this thread's bulk groups still read their shared-memory source.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+// Until every bulk group of this thread has completed, its global writes included.
+__device__ __forceinline__ void bulk_wait_group_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Makes this thread's generic-proxy shared-memory writes visible to the async proxy (a TMA store reading them),
+// before the synchronisation that hands them to the issuing thread.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -200,6 +222,18 @@ __device__ __forceinline__ void tmem_wait_ld() { asm volatile("tcgen05.wait::ld.
 __device__ __forceinline__ void st_global_v4(void* p, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
+}
+__device__ __forceinline__ void st_shared_v4(void* p, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr(p)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem_addr(p))
+               : "memory");
+  return v;
 }
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   uint32_t r;
