@@ -131,7 +131,10 @@ def test_fused_forward_sass_has_tcgen05_and_tma_and_no_local_memory(sm100_cubin)
     want[DISPATCH_KERNEL] = {}
     problems = findings(sass, usage, ptxas, want)
     assert not problems, "\n".join(problems)
-    assert len(sass) == 3, sorted(sass)  # the dispatch and the two GEMM phases, nothing else
+    assert len(sass) == 3, sorted(sass)  # the dispatch (run only when x_pool is kept) and the two GEMM phases
+    # The L1 producer reads its A rows from x by TMA gather4 (four token rows per instruction), not from x_pool.
+    l1 = next(n for n in sass if GEMM_KERNELS[0] in n)
+    assert re.search(r"UTMALDG\.2D\.GATHER4\b", sass[l1]), "the L1 kernel has no UTMALDG.2D.GATHER4"
     for name in sass:
         print(name, ptxas[name], {f: _opcodes(sass[name]).count(f) for f in GEMM_MIN_COUNTS})
 
@@ -160,7 +163,8 @@ def test_the_checks_catch_local_memory_and_missing_tcgen05(tmp_path):
     assert "LDL" in text or "STL" in text, text
 
 
-# The gather4 wrapper is not used by the round-one kernels yet: this keeps it assembling to the TMA gather.
+# The gather4 wrapper on its own, in the smallest kernel that uses it: the L1 kernel's check above could pass on
+# some other gather, this one pins the wrapper's encoding.
 _GATHER4_SRC = r"""
 #include <cuda.h>
 #include "sm100/ptx_sm100.cuh"

@@ -1,8 +1,9 @@
 // prime-kernels: the dispatch of the sm_100a fused forward (mega_moe_sm100.cu): x_pool[m] = x[pool_src_route[m] /
 // top_k] for every pool row of the plan, in pool order, zeros where the route is negative (a padded plan's padding
 // rows) or past num_tokens * top_k (noted as kCheckMegaFwdRoute), the rows past expert_offsets[num_experts] not
-// written, nothing written when the offsets are not a plan. The contract of the sm90 forward's dispatch, as a
-// launch of its own before the tcgen05 GEMMs (mega_moe_fwd_sm100.cuh says why round one is not fused).
+// written, nothing written when the offsets are not a plan. The contract of the sm90 forward's x_pool, as a
+// launch of its own beside the tcgen05 GEMMs, which gather their rows from x themselves: mega_moe_sm100.cu runs it
+// only when the caller keeps x_pool (o is another buffer).
 //
 // One warp per pool row at a time (grid-stride), 16-byte loads and stores; no cross-CTA waits.
 #pragma once

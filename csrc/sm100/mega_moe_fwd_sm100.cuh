@@ -1,13 +1,17 @@
-// prime-kernels: sm_100a fused MoE forward (BF16), round two: the L1 GEMM with SwiGLU and the L2 GEMM on tcgen05
+// prime-kernels: sm_100a fused MoE forward (BF16): the L1 GEMM with SwiGLU and the L2 GEMM on tcgen05
 // (accumulators in tensor memory, operands by TMA), persistent CTAs over a static tile schedule.
 //
 // Per pool row m of expert e (rows grouped by expert through expert_offsets, the routing plan's order; the same
 // contract as csrc/sm90/mega_moe_fwd.cuh, whose host plan drives this kernel unchanged):
-//   h[m] = [x_pool[m] @ w13_e[0:I]^T | x_pool[m] @ w13_e[I:2I]^T]   (fp32 in tensor memory; stored as bf16 if asked)
+//   h[m] = [x~[m] @ w13_e[0:I]^T | x~[m] @ w13_e[I:2I]^T]   (x~[m] = x[pool_src_route[m] / top_k], zeros for a
+//                                                             padding or bad route: x_pool's row, gathered from x
+//                                                             by the L1 producer; fp32 in tensor memory; stored
+//                                                             as bf16 if asked)
 //   s[m] = silu(h~_gate) * h~_up                                     (h~: h rounded as saved; sm90/swiglu_math.cuh,
 //                                                                     so both archs round s alike; optional clamp)
 //   o[m] = s[m] @ w2_e^T                                             (bf16, pool order: the combine's input)
-// The dispatch x -> x_pool is its own launch before this one (dispatch_pool_sm100.cuh).
+// x_pool itself is written by a launch of its own (dispatch_pool_sm100.cuh), only when the caller keeps it (o is
+// not x_pool); nothing here reads it.
 //
 // Structure, chosen to be simple enough to be right before anything here has run (no Blackwell GPU exists for this
 // project; this code is compiled and disassembled only, never run on hardware): NOT one fused launch. kPhase = 1 is
@@ -18,9 +22,11 @@
 // max_m_blocks, since the plan lives on the device; a tile past the plan's last m-block ends a CTA's sequence.
 //
 // Roles (192 threads, one CTA per SM by its shared memory):
-//   warp 0     TMA producer (one thread): A (x_pool or s rows, 128 x 64 boxes) and B (w13 gate + up rows, or w2
-//              rows, 256 x 64) into a ring of kStages stages, "full" mbarriers with the transaction count; the
-//              ring runs on from one tile into the next;
+//   warp 0     TMA producer: per tile the whole warp turns the tile's 128 pool rows into x row indices (L1;
+//              shared memory, 4 per lane); one thread then loads A (L1: 32 tile::gather4 loads of four token
+//              rows x 64 columns from x; L2: a 128 x 64 box of s) and B (w13 gate + up rows, or w2 rows, 256 x
+//              64) into a ring of kStages stages, "full" mbarriers with the transaction count; the ring runs on
+//              from one tile into the next;
 //   warp 1     allocates all 512 tensor-memory columns: two accumulator stages of 256. One thread issues the
 //              tcgen05.mma (M 128, N 256, K 16, four per stage) of this CTA's i-th tile into accumulator i % 2
 //              once its "accumulator empty" mbarrier says the epilogue has drained tile i - 2, frees each stage
@@ -48,9 +54,9 @@
 // tensor-memory allocation can block only while another kernel's CTA on the same SM holds columns; that CTA does
 // not wait for this one, and this CTA relinquishes its allocation permit at once.
 //
-// Known gaps (for the next rounds): the dispatch as a separate launch (the TMA gather4 in
-// ptx_sm100.cuh could read the token rows in the L1 producer), L1 and L2 as two launches, single rank only, no
-// cluster multicast.
+// Known gaps (for the next rounds): x_pool, when kept, still written by a launch of its own (an L1 tile of
+// n-block 0 could TMA-store its gathered A stages), L1 and L2 as two launches, single rank only, no cluster
+// multicast.
 #pragma once
 
 #include <cuda.h>
@@ -123,11 +129,15 @@ __global__ void __launch_bounds__(kMegaSm100Threads, 1)
 
   if (warp == 0) {
     // Producer: the stage ring runs on across tiles (it counts stage uses, not k-blocks of one tile).
+    int4* const gather = reinterpret_cast<int4*>(smem + L::kGatherOff);
     uint32_t it = 0;
     for (int t = first_tile;; t += stride) {
       const MegaSm100Tile tile = mega_sm100_locate(p.expert_offsets, p.num_experts, t / p.n_blocks);
       if (tile.expert < 0) break;
       const int nb = t % p.n_blocks;
+      // The previous tile's gathers took their row indices from registers at issue: the slots are free.
+      if (kPhase == 1) mega_sm100_gather_rows(p.pool_src_route, p.top_k, p.num_tokens, tile, gather, p.check);
+      __syncwarp();
       if (lane == 0) {
         for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
           const uint32_t st = it % kStages;
@@ -136,11 +146,18 @@ __global__ void __launch_bounds__(kMegaSm100Threads, 1)
           uint8_t* a_dst = smem + st * L::kStageBytes;
           uint8_t* b_dst = a_dst + L::kABytes;
           ptx::mbar_arrive_expect_tx(&full[st], L::kStageBytes);  // out-of-bounds box elements count too
-          ptx::tma_load_2d(a_dst, &maps.a, &full[st], kb * 64, tile.row0);
           if (kPhase == 1) {
+            // A straight from the token rows: 32 gathers of four 128-byte rows, each landing where a 128-row
+            // tile load would put those rows (the 128-byte swizzle is a function of the shared address).
+#pragma unroll 4
+            for (int g = 0; g < 32; ++g) {
+              const int4 r = gather[g];
+              ptx::tma_gather4(a_dst + g * 512, &maps.a, &full[st], kb * 64, r.x, r.y, r.z, r.w);
+            }
             ptx::tma_load_3d(b_dst, &maps.b, &full[st], kb * 64, nb * 128, tile.expert);
             ptx::tma_load_3d(b_dst + L::kBBytes / 2, &maps.b, &full[st], kb * 64, p.inter + nb * 128, tile.expert);
           } else {
+            ptx::tma_load_2d(a_dst, &maps.a, &full[st], kb * 64, tile.row0);
             ptx::tma_load_3d(b_dst, &maps.b, &full[st], kb * 64, nb * 256, tile.expert);
           }
         }

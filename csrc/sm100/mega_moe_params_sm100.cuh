@@ -20,8 +20,9 @@ constexpr int kMegaSm100AccCols = 256;
 constexpr int kMegaSm100TmemAlloc = 2 * kMegaSm100AccCols;
 constexpr int kMegaSm100MaxExperts = 512;
 
-// The tensor maps of one phase, bf16. Loads (128-byte swizzle, zero fill out of bounds): kPhase 1: a = x_pool
-// [m_total, hidden] (box 64 x 128), b = w13 [E, 2I, hidden] (box 64 x 128 x 1); kPhase 2: a = s [m_total, inter]
+// The tensor maps of one phase, bf16. Loads (128-byte swizzle, zero fill out of bounds): kPhase 1: a = the token
+// rows x [num_tokens, hidden] (row stride ld_x; box 64 x 1, read by gather4, four rows at a time; a dummy map
+// when there are no tokens, whose rows are then never named), b = w13 [E, 2I, hidden] (box 64 x 128 x 1); kPhase 2: a = s [m_total, inter]
 // (box 64 x 128), b = w2 [E, hidden, inter] (box 64 x 256 x 1). Stores (64-byte swizzle, box 32 x 32: one epilogue
 // warp's rows and one 32-column chunk): kPhase 1: c = s, d = h [m_total, 2I] (unset when h is null); kPhase 2: c = o.
 struct MegaFwdSm100Maps {
@@ -39,6 +40,11 @@ struct MegaFwdSm100Params {
   int32_t inter;
   int32_t n_blocks;  // tiles per m-block in this phase
   int32_t k_blocks;  // 64-wide K steps: hidden / 64 (L1) or inter / 64 (L2)
+  // L1's gather: x row of pool row m = pool_src_route[m] / top_k; routes outside [0, num_tokens * top_k) read
+  // zeros (those past the end are reported, kCheckMegaFwdRoute)
+  const int32_t* pool_src_route;
+  int32_t top_k;
+  int32_t num_tokens;
   __nv_bfloat16* s;  // [m_total, inter]
   __nv_bfloat16* h;  // [m_total, 2 * inter] or null
   __nv_bfloat16* o;  // [m_total, hidden]
@@ -65,7 +71,8 @@ struct MegaFwdSm100Layout {
   static constexpr int kAccFullOff = kEmptyOff + 8 * kStages;  // two accumulator stages
   static constexpr int kAccEmptyOff = kAccFullOff + 16;
   static constexpr int kTmemOff = kAccEmptyOff + 16;
-  static constexpr int kEnd = kTmemOff + 16;
+  static constexpr int kGatherOff = kTmemOff + 16;  // int32 [128]: the x row of each row of the L1 tile
+  static constexpr int kEnd = kGatherOff + 128 * 4;
   static constexpr int kSmemBytes = kEnd + 1024;  // the dynamic base is aligned up to 1024 in the kernel
   static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "1024-byte aligned stage buffers");
   static_assert(kSmemBytes <= 232448, "sm_100 allows 227 KB of shared memory per CTA");

@@ -72,10 +72,13 @@ int make_maps(const MegaFwdSm100Args& a, MegaFwdSm100Maps* l1, MegaFwdSm100Maps*
   const uint64_t H = static_cast<uint64_t>(a.hidden), I = static_cast<uint64_t>(a.inter);
   const uint64_t M = static_cast<uint64_t>(a.m_total), E = static_cast<uint64_t>(a.num_experts);
   {
-    const uint64_t dims[2] = {H, M};
-    const uint64_t strides[1] = {H * 2};
-    const uint32_t box[2] = {64, 128};
-    if (int r = make_map(&l1->a, a.x_pool, 2, dims, strides, box, err, err_len)) return r;
+    // The gather4 map over the token rows: box 64 x 1 (the form gather4 needs). With no tokens every gathered
+    // row index is -1, so any valid one-row map will do: w13's first row.
+    const bool none = a.num_tokens == 0;
+    const uint64_t dims[2] = {H, none ? 1 : static_cast<uint64_t>(a.num_tokens)};
+    const uint64_t strides[1] = {none ? H * 2 : static_cast<uint64_t>(a.ld_x) * 2};
+    const uint32_t box[2] = {64, 1};
+    if (int r = make_map(&l1->a, none ? a.w13 : a.x, 2, dims, strides, box, err, err_len)) return r;
   }
   {
     const uint64_t dims[3] = {H, 2 * I, E};
@@ -169,15 +172,22 @@ int mega_moe_fwd_bf16_sm100(const MegaFwdSm100Args& a, cudaStream_t stream, char
   p.s = static_cast<__nv_bfloat16*>(a.s);
   p.h = static_cast<__nv_bfloat16*>(a.h);
   p.o = static_cast<__nv_bfloat16*>(a.o);
+  p.pool_src_route = a.pool_src_route;
+  p.top_k = a.top_k;
+  p.num_tokens = static_cast<int32_t>(a.num_tokens);
   p.clamp = a.clamp;
   if (a.clamp > 0.f) bf16_clamp_neighbours(a.clamp, &p.clamp_below, &p.clamp_above);
   p.check = d.check;
 
-  // Dispatch: a few warps per SM walk the pool rows (a grid-stride loop: any grid size is correct).
-  const int64_t want = (a.m_total + kDispatchPoolThreads / 32 - 1) / (kDispatchPoolThreads / 32);
-  const int dispatch_ctas = static_cast<int>(want < 4 * static_cast<int64_t>(sms) ? want : 4 * sms);
-  mega_dispatch_pool_sm100_kernel<<<dispatch_ctas, kDispatchPoolThreads, 0, stream>>>(d);
-  if (int r = check_launch(fn, err, err_len)) return r;
+  // The L1 launch gathers its A rows from x itself, so x_pool is written only for the caller: by the dispatch
+  // launch (a few warps per SM walk the pool rows, a grid-stride loop: any grid size is correct), unless o is
+  // x_pool, whose rows the L2 launch overwrites in full anyway (the contract: the dispatched rows are then gone).
+  if (a.x_pool != a.o) {
+    const int64_t want = (a.m_total + kDispatchPoolThreads / 32 - 1) / (kDispatchPoolThreads / 32);
+    const int dispatch_ctas = static_cast<int>(want < 4 * static_cast<int64_t>(sms) ? want : 4 * sms);
+    mega_dispatch_pool_sm100_kernel<<<dispatch_ctas, kDispatchPoolThreads, 0, stream>>>(d);
+    if (int r = check_launch(fn, err, err_len)) return r;
+  }
 
   p.n_blocks = cfg.l1_n_blocks;
   p.k_blocks = static_cast<int32_t>(a.hidden / 64);

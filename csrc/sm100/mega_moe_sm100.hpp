@@ -38,8 +38,8 @@ struct MegaFwdSm100Args {
   const void* w2 = nullptr;
   // outputs, rows [0, expert_offsets[num_experts]) written: x_pool bf16 [m_total, hidden] (the dispatched rows),
   // s bf16 [m_total, inter], h bf16 [m_total, 2 * inter] or null (gate | up as saved), o bf16 [m_total, hidden] (the
-  // combine's input, pool order). o may be x_pool itself, as in the sm90 forward: the L2 launch writes o only after
-  // the L1 launch has read every x_pool row (stream order); the dispatched rows are then gone.
+  // combine's input, pool order). o may be x_pool itself, as in the sm90 forward: the dispatched rows are then gone,
+  // so they are never written (the L1 launch gathers its rows from x, not from x_pool).
   void* x_pool = nullptr;
   void* s = nullptr;
   void* h = nullptr;
@@ -47,7 +47,8 @@ struct MegaFwdSm100Args {
   float clamp = 0.f;  // >= 0 (0 = none)
 };
 
-// Three launches on `stream`: the dispatch, the persistent L1 + SwiGLU launch, the persistent L2 launch. All pointers 16-byte aligned.
+// On `stream`: the dispatch of x_pool (only when o is not x_pool), the persistent L1 + SwiGLU launch (its A rows
+// gathered from x), the persistent L2 launch. All pointers 16-byte aligned.
 int mega_moe_fwd_bf16_sm100(const MegaFwdSm100Args& args, cudaStream_t stream, char* err, size_t err_len);
 
 }  // namespace sm100

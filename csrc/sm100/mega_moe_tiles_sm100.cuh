@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "common/device_check.hpp"
+
 namespace prime_kernels {
 namespace sm100 {
 
@@ -56,6 +58,26 @@ __device__ __forceinline__ MegaSm100Tile mega_sm100_locate(const int32_t* expert
     before += __shfl_sync(0xffffffffu, incl, 31);
   }
   return t;
+}
+
+// Whole warp: the x row each of the 128 rows of an L1 tile reads (gather4 row indices), lane l the rows 4 l ..
+// 4 l + 3, into idx[l] (shared memory). -1 (out of the map: the gather reads zeros) for a row past the expert
+// (the next tile's; its outputs are not stored), a padding row (route < 0) and a route past num_tokens * top_k,
+// which is also reported as the dispatch launch would.
+__device__ __forceinline__ void mega_sm100_gather_rows(const int32_t* pool_src_route, int top_k, int num_tokens,
+                                                       const MegaSm100Tile& tile, int4* idx,
+                                                       common::DeviceCheckRecord* check) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t routes = static_cast<int64_t>(num_tokens) * top_k;
+  int r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int row = tile.row0 + 4 * lane + k;
+    const int route = row < tile.row_end ? __ldg(pool_src_route + row) : -1;
+    r[k] = route >= 0 && route < routes ? route / top_k : -1;
+    if (route >= routes) common::report_device_check(check, common::kCheckMegaFwdRoute, route, routes);
+  }
+  idx[lane] = make_int4(r[0], r[1], r[2], r[3]);
 }
 
 }  // namespace sm100
