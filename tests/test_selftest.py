@@ -17,8 +17,8 @@ import prime_kernels
 from conftest import requires_sm90
 from prime_kernels import _lib, _status
 from prime_kernels import grouped_gemm_torch as torch_gemms
-from prime_kernels.mega import _backend, _fused, _selftest, reference
-from prime_kernels.mega._selftest_cases import CASES, REL_TOL, ROW_TOL
+from prime_kernels.mega import _backend, _fused, _native_sm100, _selftest, reference
+from prime_kernels.mega._selftest_cases import CASES, REL_TOL, ROW_TOL, capacity, make_inputs
 from prime_kernels.mega._validate import FusedKernelUnavailable
 
 KEY = "mega_moe.bf16.sm100"
@@ -193,8 +193,8 @@ def test_the_harness_checks_the_plan_and_the_pooled_rows():
 
 def test_status_without_a_registered_kernel(fake):
     fake()
-    assert prime_kernels.status()[KEY] == ("not implemented yet (Blackwell): no native sm100 forward kernel is wired "
-                                           "into prime_kernels yet")
+    assert prime_kernels.status()[KEY] == ("no native sm100 forward kernel is registered (prime_kernels.mega."
+                                           "_native_sm100 registers it when the torch shim loads)")
     assert _selftest.candidate(KEY) is None
     report = prime_kernels.selftest()
     assert report.passed and not report and "no native kernel is registered" in str(report)
@@ -313,7 +313,7 @@ def test_register_replaces_the_kernel_and_its_verdicts(fake):
     with pytest.raises(ValueError, match="not a status entry that takes a self-tested kernel"):
         _selftest.register(_selftest.Candidate("x", "mega_moe.bf16.sm90", COMPILED, _reference_forward))
     _selftest.unregister(KEY)
-    assert prime_kernels.status()[KEY].startswith("not implemented yet (Blackwell)")
+    assert prime_kernels.status()[KEY].startswith("no native sm100 forward kernel is registered")
 
 
 def test_threads_share_one_self_test(fake):
@@ -350,6 +350,147 @@ def test_the_fused_backend_runs_the_passed_kernel_on_sm100(fake):
         _fused.forward(x, None, None, None, None, activation_clamp=7.0, block_m=128, capacity=256)
 
 
+# --- the native sm100 forward, as registered when the package loads -------------------------------------------------
+
+PK_ERR_INVALID_ARGUMENT, PK_ERR_NOT_AVAILABLE, PK_ERR_CUDA = 1, 2, 3
+NOT_BUILT = "mega_moe_fwd_bf16_sm100 is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS including 100a"
+
+
+def _blackwell_built() -> tuple[str, ...]:
+    return tuple(a for a in prime_kernels.build_info()["cuda_archs"] if a in ("100a", "103a", "100f"))
+
+
+def _status_on(cc: tuple[int, int]) -> str:
+    """What status() must say for the native forward on a device of capability ``cc`` with this build (none of them
+    has run its self-test)."""
+    archs = tuple(prime_kernels.build_info()["cuda_archs"])
+    if not _blackwell_built():
+        return f"not built for sm100 (this build has {','.join(archs)}): rebuild with PRIME_KERNELS_CUDA_ARCHS=100a"
+    if cc[0] != 10:
+        return f"device sm_{cc[0]}{cc[1]} cannot run this sm100 kernel"
+    if any(cc in _status._ARCH_RUNS_ON[a] for a in _blackwell_built()):
+        return _selftest.NOT_RUN
+    return f"device sm_{cc[0]}{cc[1]} needs a rebuild with PRIME_KERNELS_CUDA_ARCHS={_status._SUGGESTED[cc]}"
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """device(cc): a CUDA device of capability cc, with this build and the registry as the package left it (its
+    verdicts fresh and dropped afterwards)."""
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.setattr(_selftest, "_verdicts", {})
+    monkeypatch.setattr(_selftest, "_settled", set())
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def set_up(cc):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+        monkeypatch.setattr(_backend, "_ARCH_BY_DEVICE", {})
+        monkeypatch.setattr(_status, "_current_cuda_device", lambda: 0)
+        monkeypatch.setattr(_status, "_answers", {})
+        monkeypatch.setattr(_status, "_status_by_device", {})
+
+    return set_up
+
+
+def test_the_native_forward_is_registered_with_its_op():
+    cand = _selftest.candidate(KEY)
+    assert cand is not None and cand.forward is _native_sm100.forward
+    assert (cand.key, cand.compiled_as, cand.name) == (KEY, COMPILED, _native_sm100.CANDIDATE_NAME)
+    assert hasattr(torch.ops.prime_kernels, _native_sm100.OP)
+    # the name the build lists for each Blackwell arch it has, and for no other
+    compiled = {a for k, a in _lib.compiled_kernels() if k == COMPILED}
+    assert compiled == set(_blackwell_built()), compiled
+
+
+@pytest.mark.parametrize("cc", [(10, 0), (10, 3), (9, 0)])
+def test_native_forward_status_on_a_device_before_its_self_test(device, cc):
+    device(cc)
+    want = _status_on(cc)
+    assert prime_kernels.status()[KEY] == want and _status.reason(KEY) == want
+    assert not _status.is_available(want)
+    if want != _selftest.NOT_RUN:  # it cannot run here: never tested, the reason reported instead
+        report = prime_kernels.selftest(0)
+        assert report.skipped == {KEY: want} and not report
+    if cc[0] == 10:  # the fused backend's reason there is the native forward's
+        assert _backend._fused_reason("bf16", "fwd") == f"{KEY}: {want}"
+
+
+def test_native_forward_refuses_another_device_before_the_plan(monkeypatch):
+    planned = []
+    monkeypatch.setattr(_native_sm100, "routing_plan", lambda *a, **k: planned.append(a))
+    kw = dict(activation_clamp=None, num_experts=4, block_m=128, capacity=256, save_h=True, keep_x_pool=False)
+    x = torch.zeros(3, 128, dtype=torch.bfloat16)
+    with pytest.raises(FusedKernelUnavailable, match=r"mega_moe.bf16.sm100: .*runs on an sm_100 device, x is on cpu"):
+        _native_sm100.forward(x, torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2), None, None, **kw)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    on_hopper = types.SimpleNamespace(device=torch.device("cuda", 0), shape=(3, 128))
+    with pytest.raises(FusedKernelUnavailable, match=r"x is on cuda:0 \(sm90\)"):
+        _native_sm100.forward(on_hopper, None, None, None, None, **kw)
+    assert planned == []
+
+
+def test_native_forward_op_fake_gives_the_shims_shapes():
+    T, H, I, E, K, M = 5, 128, 64, 4, 2, 512
+    meta = dict(device="meta")
+    x = torch.empty(T, H, dtype=torch.bfloat16, **meta)
+    src, offs = torch.empty(M, dtype=torch.int32, **meta), torch.empty(E + 1, dtype=torch.int32, **meta)
+    w13, w2 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, **meta), torch.empty(E, H, I, dtype=torch.bfloat16, **meta)
+    r2p, wts = torch.empty(T, K, dtype=torch.int32, **meta), torch.empty(T, K, **meta)
+    op = getattr(torch.ops.prime_kernels, _native_sm100.OP)
+    shapes = [tuple(t.shape) for t in op(x, src, offs, w13, w2, K, True, 0.0, True, r2p, wts)]
+    assert shapes == [(0, I), (M, 2 * I), (M, H), (M, H), (T, H)]
+    shapes = [tuple(t.shape) for t in op(x, src, offs, w13, w2, K, False)]
+    assert shapes == [(M, I), (0, 2 * I), (M, H), (0, H), (0, H)]
+
+
+def _abi():
+    import ctypes  # noqa: PLC0415
+
+    core = _lib.load().core
+    fn = core.pk_mega_moe_fwd_bf16_sm100
+    c = ctypes
+    fn.argtypes = [c.c_void_p, c.c_int, c.c_int64, c.c_void_p, c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_int64,
+                   c.c_int64, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
+                   c.c_int64, c.c_void_p, c.c_float, c.c_void_p, c.c_int, c.c_void_p]
+    fn.restype = c.c_int
+
+    def call(num_ranks=1, pool_src_rank=None, num_sms=0):
+        table = (c.c_void_p * 2)(0x1000, 0x1000)
+        rc = fn(c.cast(table, c.c_void_p), num_ranks, 128, 0x2000, pool_src_rank, 2, 0x3000, 4, 256, 128, 64, 0x4000,
+                0x5000, 0x6000, 0x7000, 0x8000, 0x6000, 3, None, 0.0, None, num_sms, None)
+        return rc, core.pk_last_error().decode()
+
+    return call
+
+
+@pytest.mark.parametrize("bad, words", [(dict(num_ranks=2), "num_ranks = 2, the sm100 forward takes one rank"),
+                                        (dict(pool_src_rank=0x9000), "pool_src_rank must be null (one rank)"),
+                                        (dict(num_sms=-1), "num_sms = -1, must be >= 0")])
+def test_native_forward_c_abi_refuses_bad_input_before_the_device(bad, words):
+    """Through the C ABI on any machine: a build with a Blackwell arch refuses what the kernel does not take, before
+    it asks for a device; a build without one says it is not built, whatever the arguments."""
+    rc, msg = _abi()(**bad)
+    if _blackwell_built():
+        assert rc == PK_ERR_INVALID_ARGUMENT and words in msg, (rc, msg)
+    else:
+        assert rc == PK_ERR_NOT_AVAILABLE and msg == NOT_BUILT, (rc, msg)
+
+
+def test_native_forward_c_abi_needs_an_sm100_device():
+    """Its arguments accepted, the call still launches nothing on a machine without an sm_100 device (the project
+    has none): the device check comes before the kernel's own."""
+    rc, msg = _abi()()
+    if not _blackwell_built():
+        assert (rc, msg) == (PK_ERR_NOT_AVAILABLE, NOT_BUILT)
+    elif torch.cuda.is_available():
+        assert rc == PK_ERR_NOT_AVAILABLE and "this kernel is for sm_100 (Blackwell)" in msg, (rc, msg)
+    else:  # no device, or a CUDA runtime without a driver: its own error (PK_ERR_CUDA)
+        assert rc in (PK_ERR_NOT_AVAILABLE, PK_ERR_CUDA) and ("no CUDA device" in msg or "cudaGetDevice" in msg), msg
+
+
 # --- on a Hopper GPU: the harness against a real kernel -------------------------------------------------------------
 
 @requires_sm90
@@ -381,3 +522,35 @@ def test_on_hopper_the_harness_passes_our_fused_forward_and_fails_wrong_copies()
         assert any(v.why.startswith(c.label()) for c in CASES), v.why
         print(f"{name}: {v.why}")
     assert time.perf_counter() - start < 20
+
+
+@requires_sm90
+def test_on_hopper_the_native_forward_op_raises_its_reason_and_nothing_breaks():
+    """On Hopper: the sm100 op, called with a layer's arguments, raises the C ABI's NOT_AVAILABLE reason (not built,
+    or not this device) before any launch; the device stays usable (the sm90 fused forward runs after it), status and
+    the self-test leave the candidate alone, and its forward refuses before the routing plan."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    case = CASES[1]
+    inputs = make_inputs(case, device, 7)
+    T, K = inputs["topk_idx"].shape
+    plan = prime_kernels.routing_plan(inputs["topk_idx"], case.experts, 128, validate=False, capacity=capacity(case))
+    op = getattr(torch.ops.prime_kernels, _native_sm100.OP)
+    with pytest.raises(RuntimeError) as info:
+        op(inputs["x"], plan.pool_src_route, plan.expert_offsets, inputs["w13"], inputs["w2"], K, True, 0.0, False,
+           plan.route_to_pool.view(T, K), inputs["topk_weights"].float())
+    msg = str(info.value)
+    assert f"prime_kernels.{_native_sm100.OP}: " in msg, msg
+    reason = NOT_BUILT if not _blackwell_built() else "this kernel is for sm_100 (Blackwell); the device is sm_90"
+    assert reason in msg, msg
+    torch.cuda.synchronize()
+    prime_kernels.check_device_errors()  # raises if the refused call left anything behind
+    want = _status_on((9, 0))
+    assert prime_kernels.status()[KEY] == want
+    assert prime_kernels.selftest(device).skipped == {KEY: want}
+    with pytest.raises(FusedKernelUnavailable, match=r"x is on cuda:\d+ \(sm90\)"):
+        _native_sm100.forward(*inputs.values(), activation_clamp=None, num_experts=case.experts, block_m=128,
+                              capacity=capacity(case), save_h=True, keep_x_pool=False)
+    if _status.is_available(_status.reason("mega_moe.bf16.sm90")):
+        y = _fused.forward(*inputs.values(), num_experts=case.experts, block_m=128, capacity=capacity(case))[0]
+        torch.cuda.synchronize()
+        assert y.shape == inputs["x"].shape and bool(torch.isfinite(y).all())

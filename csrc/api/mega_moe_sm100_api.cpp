@@ -7,14 +7,7 @@
 // num_ranks must be 1 and pool_src_rank null (no expert parallelism yet). route_to_pool, counters and num_sms are
 // accepted and unused (no token-major dispatch, no cross-CTA counters, one CTA per tile; num_sms must still be
 // >= 0). Invalid plan values found on the device are reported by the next call into the library, as in the sm90
-// forward.
-//
-//   int pk_mega_moe_fwd_bf16_sm100(const void* const* x_ranks, int num_ranks, int64_t ld_x,
-//                                  const int32_t* pool_src_route, const int32_t* pool_src_rank, int top_k,
-//                                  const int32_t* expert_offsets, int num_experts, int64_t m_total, int64_t hidden,
-//                                  int64_t inter, const void* w13, const void* w2, void* x_pool, void* s, void* h,
-//                                  void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
-//                                  int32_t* counters, int num_sms, void* cuda_stream);
+// forward. Declared in api/prime_kernels_api.h.
 #include "api/errors.hpp"
 #include "api/prime_kernels_api.h"
 #include "sm100/mega_moe_sm100.hpp"

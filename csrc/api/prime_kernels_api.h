@@ -204,6 +204,17 @@ PK_API int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64
                                 int64_t inter, const void* w13, const void* w2, void* x_pool, void* s, void* h,
                                 void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
                                 int32_t* counters, int num_sms, void* cuda_stream);
+// The sm_100a BF16 fused forward (csrc/sm100/mega_moe_sm100.hpp has the contract), never run on hardware: a caller
+// uses it on a device only after it has matched the grouped backend there. pk_mega_moe_fwd_bf16's parameters, so
+// one caller's arguments drive either; num_ranks must be 1 and pool_src_rank null (PK_ERR_INVALID_ARGUMENT
+// otherwise, before anything is launched); route_to_pool and counters are unused. PK_ERR_NOT_AVAILABLE on a device
+// that is not sm_100 and in a build without a Blackwell arch (the function exists in every build).
+PK_API int pk_mega_moe_fwd_bf16_sm100(const void* const* x_ranks, int num_ranks, int64_t ld_x,
+                                      const int32_t* pool_src_route, const int32_t* pool_src_rank, int top_k,
+                                      const int32_t* expert_offsets, int num_experts, int64_t m_total, int64_t hidden,
+                                      int64_t inter, const void* w13, const void* w2, void* x_pool, void* s, void* h,
+                                      void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
+                                      int32_t* counters, int num_sms, void* cuda_stream);
 
 // The forwards of several ranks in one launch, CTAs split evenly over the ranks that have pool rows (the one-GPU
 // emulation of expert parallelism over peer memory). Each entry holds one rank's arguments of pk_mega_moe_fwd_bf16

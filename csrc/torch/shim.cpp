@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -599,11 +600,15 @@ std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool
 // y = the weighted combine over o (the combine kernel right after the forward kernel; else an empty [0, hidden]
 // tensor). With the combine, s (dead once the forward kernel is queued) is freed before y is allocated, so y can
 // take its memory and the op's peak is lower by y's size; s is then returned empty ([0, I]).
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
-    Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, int64_t top_k, bool save_h,
-    double clamp, bool keep_x_pool, std::optional<Tensor> route_to_pool, std::optional<Tensor> topk_weights,
-    int64_t num_sms) {
-  const char* op = "mega_moe_fused_fwd";
+// `forward` is the sm90 kernel's C ABI or the sm100 one's (one parameter list): both ops share every check and
+// allocation, so the native sm100 forward sees exactly the arguments the verified sm90 forward does.
+using FusedFwdAbi = decltype(&pk_mega_moe_fwd_bf16);
+static_assert(std::is_same_v<FusedFwdAbi, decltype(&pk_mega_moe_fwd_bf16_sm100)>);
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_fwd(
+    FusedFwdAbi forward, const char* op, Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13,
+    Tensor w2, int64_t top_k, bool save_h, double clamp, bool keep_x_pool, std::optional<Tensor> route_to_pool,
+    std::optional<Tensor> topk_weights, int64_t num_sms) {
   check_core(pk_device_check(), op);  // a lost context or an earlier call's findings, said first
   check_bf16_cuda(x, op, "x", 2);
   check_bf16_cuda(w13, op, "w13", 3);
@@ -643,14 +648,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
   }
   Tensor counters = new_tensor(x, {pk_mega_moe_fwd_counter_count(m_total, num_experts)}, ScalarType::Int);
   const void* x_ranks[1] = {x.data_ptr()};
-  check_core(pk_mega_moe_fwd_bf16(x_ranks, 1, x.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
-                                  nullptr, static_cast<int>(top_k),
-                                  static_cast<const int32_t*>(expert_offsets.data_ptr()), num_experts, m_total, hidden,
-                                  inter, w13.data_ptr(), w2.data_ptr(), keep_x_pool ? x_pool.data_ptr() : o.data_ptr(),
-                                  s.data_ptr(), save_h ? h.data_ptr() : nullptr, o.data_ptr(), num_tokens,
-                                  combine ? static_cast<const int32_t*>(route_to_pool->data_ptr()) : nullptr,
-                                  static_cast<float>(clamp), static_cast<int32_t*>(counters.data_ptr()),
-                                  static_cast<int>(num_sms), current_cuda_stream(x.get_device_index())),
+  check_core(forward(x_ranks, 1, x.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()), nullptr,
+                     static_cast<int>(top_k), static_cast<const int32_t*>(expert_offsets.data_ptr()), num_experts,
+                     m_total, hidden, inter, w13.data_ptr(), w2.data_ptr(),
+                     keep_x_pool ? x_pool.data_ptr() : o.data_ptr(), s.data_ptr(), save_h ? h.data_ptr() : nullptr,
+                     o.data_ptr(), num_tokens,
+                     combine ? static_cast<const int32_t*>(route_to_pool->data_ptr()) : nullptr,
+                     static_cast<float>(clamp), static_cast<int32_t*>(counters.data_ptr()),
+                     static_cast<int>(num_sms), current_cuda_stream(x.get_device_index())),
              op);
   Tensor y = new_tensor(x, {0, hidden}, ScalarType::BFloat16);
   if (combine) {
@@ -663,6 +668,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
                op);
   }
   return {s, h, o, x_pool, y};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
+    Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, int64_t top_k, bool save_h,
+    double clamp, bool keep_x_pool, std::optional<Tensor> route_to_pool, std::optional<Tensor> topk_weights,
+    int64_t num_sms) {
+  return fused_fwd(&pk_mega_moe_fwd_bf16, "mega_moe_fused_fwd", x, pool_src_route, expert_offsets, w13, w2, top_k,
+                   save_h, clamp, keep_x_pool, route_to_pool, topk_weights, num_sms);
+}
+
+// The native sm_100a forward: PK_ERR_NOT_AVAILABLE (raised with its reason) on any other device and in a build
+// without a Blackwell arch, before anything is launched.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd_sm100(
+    Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, int64_t top_k, bool save_h,
+    double clamp, bool keep_x_pool, std::optional<Tensor> route_to_pool, std::optional<Tensor> topk_weights,
+    int64_t num_sms) {
+  return fused_fwd(&pk_mega_moe_fwd_bf16_sm100, "mega_moe_fused_fwd_sm100", x, pool_src_route, expert_offsets, w13,
+                   w2, top_k, save_h, clamp, keep_x_pool, route_to_pool, topk_weights, num_sms);
 }
 
 }  // namespace
@@ -685,6 +708,9 @@ STABLE_TORCH_LIBRARY(prime_kernels, m) {
   m.def("m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool, Tensor w2, Tensor group_offsets, Tensor h, "
         "Tensor pool_src_route, Tensor topk_weights, float clamp=0.0, int num_sms=0) -> (Tensor, Tensor, Tensor)");
   m.def("mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
+        "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False, Tensor? route_to_pool=None, "
+        "Tensor? topk_weights=None, int num_sms=0) -> (Tensor s, Tensor h, Tensor o, Tensor x_pool, Tensor y)");
+  m.def("mega_moe_fused_fwd_sm100(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
         "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False, Tensor? route_to_pool=None, "
         "Tensor? topk_weights=None, int num_sms=0) -> (Tensor s, Tensor h, Tensor o, Tensor x_pool, Tensor y)");
   m.def("combine(Tensor slots, Tensor route_to_pool, Tensor? weights=None) -> Tensor");
@@ -716,6 +742,7 @@ STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("swiglu_bwd", TORCH_BOX(&swiglu_bwd));
   m.impl("m_grouped_bf16_gemm_swiglu_bwd", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_bwd));
   m.impl("mega_moe_fused_fwd", TORCH_BOX(&mega_moe_fused_fwd));
+  m.impl("mega_moe_fused_fwd_sm100", TORCH_BOX(&mega_moe_fused_fwd_sm100));
   m.impl("k_grouped_bf16_gemm_tn", TORCH_BOX(&k_grouped_bf16_gemm_tn));
   m.impl("k_grouped_bf16_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_bf16_gemm_tn_accumulate_));
   m.impl("k_grouped_fp8_gemm_tn", TORCH_BOX(&k_grouped_fp8_gemm_tn));

@@ -63,6 +63,9 @@ if _lib.load().shim_loaded:
     from .mega import _fused_bwd  # noqa: E402
 
     _fused_bwd._register()
+    from .mega import _native_sm100  # noqa: E402
+
+    _native_sm100._register()  # a candidate only: it runs on a device once its self-test has passed there
     from . import swiglu_bwd_fp8 as _swiglu_bwd_fp8  # noqa: E402
 
     _swiglu_bwd_fp8._register()

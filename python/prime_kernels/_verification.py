@@ -56,12 +56,13 @@ def _v(gpu: str, note: str = "") -> Cell:
 
 _NOT = Cell(NOT_WRITTEN)
 _COMPILED = Cell(COMPILED)
-_SELFTEST = ("a native forward, once wired, is used on a device only after its self-test against the grouped "
-             "pipeline passes there: `prime_kernels.selftest()`, `status()[\"mega_moe.bf16.sm100\"]`")
+_SELFTEST = ("the native forward of `csrc/sm100`, in builds with a Blackwell arch; used on a device only after its "
+             "self-test against the grouped pipeline passes there: `prime_kernels.selftest()`, "
+             "`status()[\"mega_moe.bf16.sm100\"]`; [docs/blackwell.md](docs/blackwell.md)")
 
 ROWS: tuple[Row, ...] = (
     Row("fused forward (`mega_moe`)", "bf16", ("mega_moe.bf16.sm90", "mega_moe.bf16.sm100"),
-        _v("H200"), Cell(NOT_WRITTEN, note=_SELFTEST)),
+        _v("H200"), Cell(COMPILED, note=_SELFTEST)),
     Row("fused backward (`mega_moe_backward`: L2 dgrad + SwiGLU backward, L1 dgrad and the weight gradients in one "
         "kernel)", "bf16", ("mega_moe_backward.bf16.sm90",),
         _v("H100", "bitwise the pipeline's kernels; sanitizer-clean; but 1.18-1.30x the time of the four pipeline "
