@@ -1,12 +1,12 @@
-// C ABI of the sm_100a BF16 fused MoE forward, round one (csrc/sm100/mega_moe_sm100.hpp has the contract). Never
+// C ABI of the sm_100a BF16 fused MoE forward (csrc/sm100/mega_moe_sm100.hpp has the contract). Never
 // run: no Blackwell GPU exists for this project, so a caller runs it only after it has matched the grouped backend
 // on the device at hand.
 //
 // The parameter list is pk_mega_moe_fwd_bf16's, so that a caller holding the sm90 call's arguments calls either;
 // what this kernel does not support is refused with PK_ERR_INVALID_ARGUMENT before anything is launched:
-// num_ranks must be 1 and pool_src_rank null (no expert parallelism yet). route_to_pool, counters and num_sms are
-// accepted and unused (no token-major dispatch, no cross-CTA counters, one CTA per tile; num_sms must still be
-// >= 0). Invalid plan values found on the device are reported by the next call into the library, as in the sm90
+// num_ranks must be 1 and pool_src_rank null (no expert parallelism yet). route_to_pool and counters are accepted
+// and unused (no token-major dispatch; L1 and L2 are separate launches, so no cross-CTA counters); num_sms (>= 0)
+// bounds the persistent launches' grids. Invalid plan values found on the device are reported by the next call into the library, as in the sm90
 // forward. Declared in api/prime_kernels_api.h.
 #include "api/errors.hpp"
 #include "api/prime_kernels_api.h"
@@ -47,6 +47,7 @@ PK_API int pk_mega_moe_fwd_bf16_sm100(const void* const* x_ranks, int num_ranks,
   args.h = h;
   args.o = o;
   args.clamp = clamp;
+  args.num_sms = num_sms;
   char message[512] = {0};
   const int rc = prime_kernels::sm100::mega_moe_fwd_bf16_sm100(args, static_cast<cudaStream_t>(cuda_stream), message,
                                                                sizeof(message));

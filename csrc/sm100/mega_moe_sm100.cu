@@ -55,6 +55,7 @@ int check_args(const MegaFwdSm100Args& a, const char* fn, char* err, size_t err_
     return fail(kGemmInvalidArgument, err, err_len, "%s: ld_x = %lld, must be >= hidden and a multiple of 8", fn,
                 (long long)a.ld_x);
   if (!(a.clamp >= 0.f)) return fail(kGemmInvalidArgument, err, err_len, "%s: clamp must be >= 0 (0 = none)", fn);
+  if (a.num_sms < 0) return fail(kGemmInvalidArgument, err, err_len, "%s: num_sms = %d, must be >= 0", fn, a.num_sms);
   if (a.m_total == 0) return kGemmOk;
   if (a.num_tokens > 0 && (a.x == nullptr || !aligned16(a.x)))
     return fail(kGemmInvalidArgument, err, err_len, "%s: x is null or not 16-byte aligned", fn);
@@ -149,6 +150,7 @@ int mega_moe_fwd_bf16_sm100(const MegaFwdSm100Args& a, cudaStream_t stream, char
   if (int r = make_maps(a, &l1_maps, &l2_maps, err, err_len)) return r;
   int sms = 0;
   if (int r = blackwell_sms(&sms, err, err_len)) return r;
+  if (a.num_sms > 0 && a.num_sms < sms) sms = a.num_sms;
 
   DispatchPoolSm100Params d{};
   d.x = static_cast<const __nv_bfloat16*>(a.x);

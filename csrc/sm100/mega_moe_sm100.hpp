@@ -45,6 +45,8 @@ struct MegaFwdSm100Args {
   void* h = nullptr;
   void* o = nullptr;
   float clamp = 0.f;  // >= 0 (0 = none)
+  // the SMs the persistent launches may use (0 = every SM), so that a trainer can leave some to its other kernels
+  int num_sms = 0;
 };
 
 // On `stream`: the dispatch of x_pool (only when o is not x_pool), the persistent L1 + SwiGLU launch (its A rows
