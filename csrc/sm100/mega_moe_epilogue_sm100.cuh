@@ -63,7 +63,7 @@ __device__ __forceinline__ void mega_sm100_emit(const CUtensorMap* const (&maps)
                                                 const int (&cols)[kBoxes], int row0, int rows) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   if (rows == 32) {
-    ptx::fence_proxy_async_shared();  // each lane's st.shared, before lane 0's TMA store reads them
+    ptx::fence_proxy_async_smem();  // each lane's st.shared, before lane 0's TMA store reads them
     __syncwarp();
     if (lane == 0) {
 #pragma unroll

@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kMegaSm100Threads, 1)
       if (lane == 0) ptx::mbar_arrive(&acc_empty[acc]);
     }
     // The last stores' global writes are done before the CTA (and its shared memory) goes away.
-    if (lane == 0) ptx::bulk_wait_group_all();
+    if (lane == 0) ptx::bulk_wait_group<0>();
   }
 
   // Every tensor-memory read is complete before the barrier; the allocating warp frees.

@@ -1,8 +1,9 @@
 // prime-kernels: thin inline-PTX wrappers for the sm_100a (Blackwell) kernels of csrc/sm100.
 //
-// Every instruction the sm100 kernels need beyond plain C++ lives here: mbarriers, TMA tile loads (and the tile
-// gather4 form), TMA tile stores with their bulk groups, and the tcgen05 family (tensor-memory allocation, the MMA
-// with shared-memory descriptors, its commit to an mbarrier, tensor-memory loads, the fences). Written from the PTX ISA (tcgen05 needs PTX 8.6 and the
+// Every instruction the sm100 kernels need beyond plain C++ is reached through here: the mbarriers, TMA tile loads
+// and bulk groups that sm90 uses too (common/ptx_async.cuh), and what only sm_100a has: the TMA tile gather4 form,
+// the TMA tile store, and the tcgen05 family (tensor-memory allocation, the MMA with shared-memory descriptors, its
+// commit to an mbarrier, tensor-memory loads, the fences). Written from the PTX ISA (tcgen05 needs PTX 8.6 and the
 // "a" target: -gencode arch=compute_100a,code=sm_100a). Our own wrappers rather than CuTe's: the kernels use a
 // dozen instructions, and this keeps the wheel free of a CUTLASS pin.
 //
@@ -16,43 +17,31 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "common/ptx_async.cuh"
+
 namespace prime_kernels {
 namespace sm100 {
 namespace ptx {
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+// The arch-neutral wrappers (mbarriers, TMA tile loads, bulk groups): common/ptx_async.cuh.
+using common::ptx::bulk_commit_group;
+using common::ptx::bulk_wait_group;
+using common::ptx::bulk_wait_group_read;
+using common::ptx::fence_mbar_init;
+using common::ptx::fence_proxy_async_smem;
+using common::ptx::mbar_arrive;
+using common::ptx::mbar_arrive_expect_tx;
+using common::ptx::mbar_init;
+using common::ptx::mbar_try_wait;
+using common::ptx::smem_addr;
+using common::ptx::st_global_v4;
+using common::ptx::tma_load_2d;
+using common::ptx::tma_load_3d;
+using common::ptx::tma_prefetch_desc;
 
 // ------------------------------------------------------------------------------------------------
 // mbarrier
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-// Makes mbarrier.init visible to the async proxy (TMA, tcgen05.commit) before the CTA barrier that publishes it.
-__device__ __forceinline__ void fence_mbar_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.shared::cta.b64 st, [%0];\n\t}" ::"r"(smem_addr(bar))
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n\t}" ::"r"(
-                   smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-      : "=r"(done)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
-  return done != 0;
-}
 // Blocks until the phase with the given parity has completed (bounded only in debug builds: these waits are on
 // this CTA's own warps and its own asynchronous copies and MMAs, never on another CTA).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
@@ -73,24 +62,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 // ------------------------------------------------------------------------------------------------
 // TMA (cp.async.bulk.tensor), completion through an mbarrier's transaction count
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void tma_prefetch_desc(const void* desc) {
-  asm volatile("prefetch.tensormap [%0];" ::"l"(desc) : "memory");
-}
-__device__ __forceinline__ void tma_load_2d(void* dst, const void* desc, uint64_t* bar, int32_t c0, int32_t c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
-          smem_addr(dst)),
-      "l"(desc), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_3d(void* dst, const void* desc, uint64_t* bar, int32_t c0, int32_t c1,
-                                            int32_t c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::
-          "r"(smem_addr(dst)),
-      "l"(desc), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
 // Four rows of a 2-D tensor, rows r0..r3 (any order, any distance) at column c0, into four consecutive box rows
 // of dst; a row index past the tensor reads as zeros. The map's box is {columns, 1}.
 __device__ __forceinline__ void tma_gather4(void* dst, const void* desc, uint64_t* bar, int32_t c0, int32_t r0,
@@ -108,20 +79,6 @@ __device__ __forceinline__ void tma_store_2d(const void* desc, const void* src, 
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];" ::"l"(desc),
                "r"(smem_addr(src)), "r"(c0), "r"(c1)
                : "memory");
-}
-// Closes this thread's current bulk group (an empty group is legal and completes at once).
-__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// Until at most kPending of this thread's bulk groups still read their shared-memory source.
-template <int kPending>
-__device__ __forceinline__ void bulk_wait_group_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
-}
-// Until every bulk group of this thread has completed, its global writes included.
-__device__ __forceinline__ void bulk_wait_group_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-// Makes this thread's generic-proxy shared-memory writes visible to the async proxy (a TMA store reading them),
-// before the synchronisation that hands them to the issuing thread.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -219,10 +176,6 @@ __device__ __forceinline__ void tmem_wait_ld() { asm volatile("tcgen05.wait::ld.
 // ------------------------------------------------------------------------------------------------
 // Plain memory
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void st_global_v4(void* p, uint4 v) {
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
 __device__ __forceinline__ void st_shared_v4(void* p, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr(p)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");

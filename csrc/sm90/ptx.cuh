@@ -11,53 +11,31 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include "common/ptx_async.cuh"
+
 namespace prime_kernels {
 namespace sm90 {
 namespace ptx {
 
-// ------------------------------------------------------------------------------------------------
-// Addresses
-// ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+// The arch-neutral wrappers (mbarriers, TMA tile loads, bulk groups): common/ptx_async.cuh.
+using common::ptx::bulk_commit_group;
+using common::ptx::bulk_wait_group;
+using common::ptx::bulk_wait_group_read;
+using common::ptx::fence_mbar_init;
+using common::ptx::fence_proxy_async_smem;
+using common::ptx::mbar_arrive;
+using common::ptx::mbar_arrive_expect_tx;
+using common::ptx::mbar_init;
+using common::ptx::mbar_try_wait;
+using common::ptx::smem_addr;
+using common::ptx::st_global_v4;
+using common::ptx::tma_load_2d;
+using common::ptx::tma_load_3d;
+using common::ptx::tma_prefetch_desc;
 
 // ------------------------------------------------------------------------------------------------
 // mbarrier
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-
-// Makes mbarrier.init visible to the async proxy (TMA) and to other threads after a CTA barrier.
-__device__ __forceinline__ void fence_mbar_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile(
-      "{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar))
-      : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile(
-      "{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
-          smem_addr(bar)),
-      "r"(bytes)
-      : "memory");
-}
-
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.b32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
-
 // Non-blocking probe: has the phase with the given parity completed? (never suspends the thread)
 __device__ __forceinline__ bool mbar_test_wait(uint64_t* bar, uint32_t parity) {
   uint32_t ok;
@@ -107,11 +85,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 // ------------------------------------------------------------------------------------------------
 // Fences and named barriers
 // ------------------------------------------------------------------------------------------------
-// Orders this thread's generic-proxy shared-memory writes before later async-proxy (wgmma/TMA) accesses.
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 __device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t num_threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
@@ -136,28 +109,6 @@ __device__ __forceinline__ void named_bar_arrive(uint32_t id, uint32_t num_threa
 // ------------------------------------------------------------------------------------------------
 // TMA (cp.async.bulk.tensor), completion through an mbarrier's transaction count
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void tma_prefetch_desc(const void* desc) {
-  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(desc)) : "memory");
-}
-
-__device__ __forceinline__ void tma_load_2d(void* dst, const void* desc, uint64_t* bar, int32_t c0,
-                                            int32_t c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4}], [%2];" ::"r"(smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_load_3d(void* dst, const void* desc, uint64_t* bar, int32_t c0,
-                                            int32_t c1, int32_t c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-
 // L2 cache policies (createpolicy) for the .L2::cache_hint forms below: evict_first for data no later
 // access in the kernel reads, evict_last for data many tiles read again, evict_normal = no preference.
 __device__ __forceinline__ uint64_t l2_policy_evict_first() {
@@ -231,18 +182,6 @@ __device__ __forceinline__ void tma_reduce_add_3d(const void* desc, uint32_t src
                "r"(src_smem), "r"(c0), "r"(c1), "r"(c2)
                : "memory");
 }
-__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// Waits until at most N bulk groups of this thread are pending reads of their shared-memory source.
-template <int N>
-__device__ __forceinline__ void bulk_wait_group_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-// Waits until at most N bulk groups of this thread are pending (writes complete).
-template <int N>
-__device__ __forceinline__ void bulk_wait_group() {
-  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-}
-
 // ------------------------------------------------------------------------------------------------
 // Clusters: multicast TMA, remote mbarrier arrive, cluster-wide barrier
 // ------------------------------------------------------------------------------------------------
@@ -268,9 +207,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void st_global_v4(void* p, uint4 v) {
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
 // Arrives on bar once all of this thread's earlier cp.async copies have landed (the arrival is counted in
