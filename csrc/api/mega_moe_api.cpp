@@ -18,28 +18,14 @@ int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x
   if (const int rc = prime_kernels::api::check_device_findings("mega_moe_fwd_bf16"); rc != PK_OK) return rc;
   if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kSm90); rc != PK_OK) return rc;
   prime_kernels::sm90::MegaFwdArgs args;
+  static_cast<prime_kernels::common::MegaFwdCommonArgs&>(args) = prime_kernels::common::mega_fwd_common_args(
+      ld_x, pool_src_route, top_k, expert_offsets, num_experts, m_total, hidden, inter, w13, w2, x_pool, s, h, o,
+      num_tokens, clamp, num_sms);
   args.x_ranks = x_ranks;
   args.num_ranks = num_ranks;
-  args.ld_x = ld_x;
-  args.pool_src_route = pool_src_route;
   args.pool_src_rank = pool_src_rank;
-  args.top_k = top_k;
-  args.expert_offsets = expert_offsets;
-  args.num_experts = num_experts;
-  args.m_total = m_total;
-  args.hidden = hidden;
-  args.inter = inter;
-  args.w13 = w13;
-  args.w2 = w2;
-  args.x_pool = x_pool;
-  args.s = s;
-  args.h = h;
-  args.o = o;
-  args.num_tokens = num_tokens;
   args.route_to_pool = route_to_pool;
-  args.clamp = clamp;
   args.counters = counters;
-  args.num_sms = num_sms;
   char message[512] = {0};
   const int rc = prime_kernels::sm90::mega_moe_fwd_bf16(args, static_cast<cudaStream_t>(cuda_stream), message,
                                                     sizeof(message));
@@ -65,28 +51,16 @@ int pk_mega_moe_fwd_bf16_ranks(const pk_mega_fwd_rank* ranks, int num_ranks, int
   for (int r = 0; r < num_ranks; ++r) {
     const pk_mega_fwd_rank& c = ranks[r];
     prime_kernels::sm90::MegaFwdArgs& a = args[r];
+    // The launch's num_sms is the call's (each rank's is ignored).
+    static_cast<prime_kernels::common::MegaFwdCommonArgs&>(a) = prime_kernels::common::mega_fwd_common_args(
+        c.ld_x, c.pool_src_route, c.top_k, c.expert_offsets, c.num_experts, c.m_total, c.hidden, c.inter, c.w13, c.w2,
+        c.x_pool, c.s, c.h, c.o, c.num_tokens, c.clamp, 0);
     a.x_ranks = c.x_ranks;
     a.num_ranks = c.num_ranks;
-    a.ld_x = c.ld_x;
-    a.pool_src_route = c.pool_src_route;
     a.pool_src_rank = c.pool_src_rank;
-    a.top_k = c.top_k;
-    a.expert_offsets = c.expert_offsets;
-    a.num_experts = c.num_experts;
-    a.m_total = c.m_total;
-    a.hidden = c.hidden;
-    a.inter = c.inter;
-    a.w13 = c.w13;
-    a.w2 = c.w2;
-    a.x_pool = c.x_pool;
-    a.s = c.s;
-    a.h = c.h;
-    a.o = c.o;
     a.o_slots = c.o_slots;
     a.ld_slots = c.ld_slots;
-    a.num_tokens = c.num_tokens;
     a.route_to_pool = c.route_to_pool;
-    a.clamp = c.clamp;
     a.counters = c.counters;
   }
   char message[512] = {0};

@@ -30,24 +30,10 @@ PK_API int pk_mega_moe_fwd_bf16_sm100(const void* const* x_ranks, int num_ranks,
   if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kSm100); rc != PK_OK)
     return rc;
   prime_kernels::sm100::MegaFwdSm100Args args;
+  static_cast<prime_kernels::common::MegaFwdCommonArgs&>(args) = prime_kernels::common::mega_fwd_common_args(
+      ld_x, pool_src_route, top_k, expert_offsets, num_experts, m_total, hidden, inter, w13, w2, x_pool, s, h, o,
+      num_tokens, clamp, num_sms);
   args.x = x_ranks[0];
-  args.ld_x = ld_x;
-  args.num_tokens = num_tokens;
-  args.pool_src_route = pool_src_route;
-  args.top_k = top_k;
-  args.expert_offsets = expert_offsets;
-  args.num_experts = num_experts;
-  args.m_total = m_total;
-  args.hidden = hidden;
-  args.inter = inter;
-  args.w13 = w13;
-  args.w2 = w2;
-  args.x_pool = x_pool;
-  args.s = s;
-  args.h = h;
-  args.o = o;
-  args.clamp = clamp;
-  args.num_sms = num_sms;
   char message[512] = {0};
   const int rc = prime_kernels::sm100::mega_moe_fwd_bf16_sm100(args, static_cast<cudaStream_t>(cuda_stream), message,
                                                                sizeof(message));

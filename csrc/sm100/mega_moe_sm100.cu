@@ -1,6 +1,7 @@
 // prime-kernels: host side of the sm_100a BF16 fused MoE forward (checks, tensor maps, the launches).
-// The tensor maps, error strings and argument helpers are sm90's host_utils.hpp (plain host code: one
-// cuTensorMapEncodeTiled entry point, through the driver, for the whole library).
+// The tensor maps, the SM count, error strings and the checks both fused forwards make of their common arguments are
+// sm90's host_utils.hpp (plain host code: one cuTensorMapEncodeTiled entry point, through the driver, for the whole
+// library).
 #include "mega_moe_sm100.hpp"
 
 #include "common/device_check.hpp"
@@ -13,41 +14,13 @@
 namespace prime_kernels {
 namespace sm100 {
 using namespace sm90::host;
-using sm90::kGemmCudaError;
 using sm90::kGemmInvalidArgument;
-using sm90::kGemmNotAvailable;
 using sm90::kGemmOk;
 
 namespace {
 
-// The current device's multiprocessor count, once it is known to be an sm_100 (the kernels are built for 100a,
-// 103a or 100f; which of those the device takes is the C ABI's check, api.cpp).
-int blackwell_sms(int* sms, char* err, size_t err_len) {
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaGetDevice: %s", cudaGetErrorString(e));
-  int major = 0, minor = 0;
-  e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
-  if (e != cudaSuccess)
-    return fail(kGemmCudaError, err, err_len, "cudaDeviceGetAttribute: %s", cudaGetErrorString(e));
-  if (major != 10)
-    return fail(kGemmNotAvailable, err, err_len, "mega_moe_fwd_bf16_sm100 needs an sm_100 device (found sm_%d%d)",
-                major, minor);
-  return kGemmOk;
-}
-
 int check_args(const MegaFwdSm100Args& a, const char* fn, char* err, size_t err_len) {
-  if (a.num_experts < 1 || a.num_experts > kMegaSm100MaxExperts)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: num_experts = %d, must be in [1, %d]", fn, a.num_experts,
-                kMegaSm100MaxExperts);
-  if (a.top_k < 1) return fail(kGemmInvalidArgument, err, err_len, "%s: top_k = %d, must be >= 1", fn, a.top_k);
-  if (a.m_total < 0 || a.m_total > kMaxDim || a.hidden < 64 || a.hidden % 64 != 0 || a.hidden > 65536 ||
-      a.inter < 64 || a.inter % 64 != 0 || 2 * a.inter > kMaxDim)
-    return fail(kGemmInvalidArgument, err, err_len,
-                "%s: bad sizes m_total=%lld hidden=%lld inter=%lld (hidden and inter multiples of 64)", fn,
-                (long long)a.m_total, (long long)a.hidden, (long long)a.inter);
+  if (int r = check_mega_fwd_sizes(a, kMegaSm100MaxExperts, fn, err, err_len)) return r;
   if (a.num_tokens < 0 || a.num_tokens * a.top_k >= (int64_t(1) << 31))
     return fail(kGemmInvalidArgument, err, err_len, "%s: num_tokens = %lld, num_tokens * top_k must be < 2^31", fn,
                 (long long)a.num_tokens);
@@ -59,13 +32,7 @@ int check_args(const MegaFwdSm100Args& a, const char* fn, char* err, size_t err_
   if (a.m_total == 0) return kGemmOk;
   if (a.num_tokens > 0 && (a.x == nullptr || !aligned16(a.x)))
     return fail(kGemmInvalidArgument, err, err_len, "%s: x is null or not 16-byte aligned", fn);
-  if (a.pool_src_route == nullptr || a.expert_offsets == nullptr || a.w13 == nullptr || a.w2 == nullptr ||
-      a.x_pool == nullptr || a.s == nullptr || a.o == nullptr)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: null pointer argument", fn);
-  if (!aligned16(a.w13) || !aligned16(a.w2) || !aligned16(a.x_pool) || !aligned16(a.s) || !aligned16(a.o) ||
-      (a.h != nullptr && !aligned16(a.h)))
-    return fail(kGemmInvalidArgument, err, err_len, "%s: w13, w2, x_pool, s, h and o must be 16-byte aligned", fn);
-  return kGemmOk;
+  return check_mega_fwd_pointers(a, false, fn, err, err_len);
 }
 
 // The tensor maps of the two GEMM launches (mega_moe_fwd_sm100.cuh, MegaFwdSm100Maps).
@@ -149,7 +116,8 @@ int mega_moe_fwd_bf16_sm100(const MegaFwdSm100Args& a, cudaStream_t stream, char
   MegaFwdSm100Maps l1_maps{}, l2_maps{};
   if (int r = make_maps(a, &l1_maps, &l2_maps, err, err_len)) return r;
   int sms = 0;
-  if (int r = blackwell_sms(&sms, err, err_len)) return r;
+  // The kernels are built for 100a, 103a or 100f; which of those the device takes is the C ABI's check (api.cpp).
+  if (int r = device_sms_of(10, -1, fn, "sm_100", &sms, err, err_len)) return r;
   if (a.num_sms > 0 && a.num_sms < sms) sms = a.num_sms;
 
   DispatchPoolSm100Params d{};

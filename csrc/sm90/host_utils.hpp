@@ -1,4 +1,5 @@
-// prime-kernels: host helpers shared by the sm90 launch files (tensor maps, device checks; status.hpp has the errors).
+// prime-kernels: host helpers shared by the sm90 launch files and the sm100 fused forward's (tensor maps, device checks,
+// the fused forwards' common argument checks; status.hpp has the errors).
 #pragma once
 
 #include <cuda.h>
@@ -11,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "common/mega_fwd_args.hpp"
 #include "status.hpp"
 
 namespace prime_kernels {
@@ -69,8 +71,10 @@ inline int make_map(CUtensorMap* map, const void* base, int rank, const uint64_t
   return kGemmOk;
 }
 
-// Checks that the current device is sm_90 and returns its multiprocessor count.
-inline int device_sms(int* sms, char* err, size_t err_len) {
+// Checks that the current device is an sm_<major><minor> (minor < 0: any minor) and returns its multiprocessor count;
+// otherwise kGemmNotAvailable with "<what> needs an <arch> device (found sm_XY)".
+inline int device_sms_of(int major_want, int minor_want, const char* what, const char* arch, int* sms, char* err,
+                         size_t err_len) {
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaGetDevice: %s", cudaGetErrorString(e));
@@ -80,10 +84,14 @@ inline int device_sms(int* sms, char* err, size_t err_len) {
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "cudaDeviceGetAttribute: %s", cudaGetErrorString(e));
-  if (major != 9 || minor != 0)
-    return fail(kGemmNotAvailable, err, err_len,
-                "the sm90 grouped GEMM needs an sm_90 device (found sm_%d%d)", major, minor);
+  if (major != major_want || (minor_want >= 0 && minor != minor_want))
+    return fail(kGemmNotAvailable, err, err_len, "%s needs an %s device (found sm_%d%d)", what, arch, major, minor);
   return kGemmOk;
+}
+
+// Checks that the current device is sm_90 and returns its multiprocessor count.
+inline int device_sms(int* sms, char* err, size_t err_len) {
+  return device_sms_of(9, 0, "the sm90 grouped GEMM", "sm_90", sms, err, err_len);
 }
 
 inline int check_launch(const char* what, char* err, size_t err_len) {
@@ -133,6 +141,35 @@ inline int launch_persistent_checked(const char* fn, int threads, int smem, int6
   e = launch_persistent<kKernel>(threads, smem, max_units, sms, stream, args...);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s launch: %s", fn, cudaGetErrorString(e));
   return check_launch(fn, err, err_len);
+}
+
+// The checks of the BF16 fused forwards' common fields (common/mega_fwd_args.hpp) that the sm90 and sm100 launchers
+// make alike, fn naming the entry point in the message. First the counts and sizes (max_experts: the launcher's
+// bound on num_experts):
+inline int check_mega_fwd_sizes(const common::MegaFwdCommonArgs& a, int max_experts, const char* fn, char* err,
+                                size_t err_len) {
+  if (a.num_experts < 1 || a.num_experts > max_experts)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: num_experts = %d, must be in [1, %d]", fn, a.num_experts,
+                max_experts);
+  if (a.top_k < 1) return fail(kGemmInvalidArgument, err, err_len, "%s: top_k = %d, must be >= 1", fn, a.top_k);
+  if (a.m_total < 0 || a.m_total > kMaxDim || a.hidden < 64 || a.hidden % 64 != 0 || a.hidden > 65536 ||
+      a.inter < 64 || a.inter % 64 != 0 || 2 * a.inter > kMaxDim)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: bad sizes m_total=%lld hidden=%lld inter=%lld (hidden and inter multiples of 64)", fn,
+                (long long)a.m_total, (long long)a.hidden, (long long)a.inter);
+  return kGemmOk;
+}
+// Then, once there are pool rows, the device pointers: the plan, the weights and the outputs present (and
+// own_missing false: the launcher's own required pointer present), all 16-byte aligned.
+inline int check_mega_fwd_pointers(const common::MegaFwdCommonArgs& a, bool own_missing, const char* fn, char* err,
+                                   size_t err_len) {
+  if (a.pool_src_route == nullptr || a.expert_offsets == nullptr || own_missing || a.w13 == nullptr ||
+      a.w2 == nullptr || a.x_pool == nullptr || a.s == nullptr || a.o == nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: null pointer argument", fn);
+  if (!aligned16(a.w13) || !aligned16(a.w2) || !aligned16(a.x_pool) || !aligned16(a.s) || !aligned16(a.o) ||
+      (a.h != nullptr && !aligned16(a.h)))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: w13, w2, x_pool, s, h and o must be 16-byte aligned", fn);
+  return kGemmOk;
 }
 
 }  // namespace host

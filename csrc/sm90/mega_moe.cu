@@ -25,15 +25,7 @@ int prepare_rank(const MegaFwdArgs& a, MegaFwdMaps* maps, MegaFwdParams* out, bo
   if (a.num_ranks < 1 || a.num_ranks > kMegaMaxRanks || a.x_ranks == nullptr)
     return fail(kGemmInvalidArgument, err, err_len, "%s: num_ranks = %d, must be in [1, %d]", fn, a.num_ranks,
                 kMegaMaxRanks);
-  if (a.num_experts < 1 || a.num_experts > kMegaMaxExperts)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: num_experts = %d, must be in [1, %d]", fn, a.num_experts,
-                kMegaMaxExperts);
-  if (a.top_k < 1) return fail(kGemmInvalidArgument, err, err_len, "%s: top_k = %d, must be >= 1", fn, a.top_k);
-  if (a.m_total < 0 || a.m_total > kMaxDim || a.hidden < 64 || a.hidden % 64 != 0 || a.hidden > 65536 ||
-      a.inter < 64 || a.inter % 64 != 0 || 2 * a.inter > kMaxDim)
-    return fail(kGemmInvalidArgument, err, err_len,
-                "%s: bad sizes m_total=%lld hidden=%lld inter=%lld (hidden and inter multiples of 64)", fn,
-                (long long)a.m_total, (long long)a.hidden, (long long)a.inter);
+  if (int r = check_mega_fwd_sizes(a, kMegaMaxExperts, fn, err, err_len)) return r;
   if (a.ld_x < a.hidden || a.ld_x % 8 != 0)
     return fail(kGemmInvalidArgument, err, err_len, "%s: ld_x = %lld, must be >= hidden and a multiple of 8", fn,
                 (long long)a.ld_x);
@@ -61,12 +53,7 @@ int prepare_rank(const MegaFwdArgs& a, MegaFwdMaps* maps, MegaFwdParams* out, bo
   for (int r = 0; r < a.num_ranks; ++r)
     if (a.x_ranks[r] == nullptr || !aligned16(a.x_ranks[r]))
       return fail(kGemmInvalidArgument, err, err_len, "%s: x_ranks[%d] is null or not 16-byte aligned", fn, r);
-  if (a.pool_src_route == nullptr || a.expert_offsets == nullptr || a.counters == nullptr || a.w13 == nullptr ||
-      a.w2 == nullptr || a.x_pool == nullptr || a.s == nullptr || a.o == nullptr)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: null pointer argument", fn);
-  if (!aligned16(a.w13) || !aligned16(a.w2) || !aligned16(a.x_pool) || !aligned16(a.s) || !aligned16(a.o) ||
-      (a.h != nullptr && !aligned16(a.h)))
-    return fail(kGemmInvalidArgument, err, err_len, "%s: w13, w2, x_pool, s, h and o must be 16-byte aligned", fn);
+  if (int r = check_mega_fwd_pointers(a, a.counters == nullptr, fn, err, err_len)) return r;
   CUtensorMap& m_xpool = maps->xpool;
   CUtensorMap& m_w13 = maps->w13;
   CUtensorMap& m_s = maps->s;

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "common/mega_fwd_args.hpp"
 #include "m_blocks.hpp"
 #include "status.hpp"
 
@@ -26,57 +27,28 @@ inline int64_t mega_moe_fwd_counter_count(int64_t m_total, int num_experts) {
 }
 
 // One forward of the layer's routed experts over a routing plan (pool rows grouped by expert, no padding
-// needed). Host-side arguments of mega_moe_fwd_bf16, all required unless marked:
-struct MegaFwdArgs {
-  // num_ranks (1..8) pointers to bf16 token rows [< 2^28, hidden], row stride ld_x (>= hidden, % 8)
+// needed). Host-side arguments of mega_moe_fwd_bf16, all required unless marked: the fields of
+// common::MegaFwdCommonArgs (common/mega_fwd_args.hpp), with x_ranks as the token rows, and these. Here o may be
+// x_pool because the rows of an m-block are overwritten only after every L1 tile of it has read them; num_sms is the
+// number of CTAs to launch (one per SM).
+struct MegaFwdArgs : common::MegaFwdCommonArgs {
+  // num_ranks (1..8) pointers to bf16 token rows [< 2^28, hidden] (each rank's x has at least num_tokens rows),
+  // row stride ld_x
   const void* const* x_ranks = nullptr;
   int num_ranks = 0;
-  int64_t ld_x = 0;
-  // device int32 [m_total]: token * top_k + k and source rank per pool row (pool_src_rank may be null: rank 0)
-  const int32_t* pool_src_route = nullptr;
+  // device int32 [m_total]: the source rank per pool row, or null: rank 0
   const int32_t* pool_src_rank = nullptr;
-  int top_k = 0;
-  // device int32 [num_experts + 1] (1..512 experts), non-decreasing, last <= m_total
-  const int32_t* expert_offsets = nullptr;
-  int num_experts = 0;
-  int64_t m_total = 0;
-  // multiples of 64
-  int64_t hidden = 0;
-  int64_t inter = 0;
-  // w13: bf16 [num_experts, 2 * inter, hidden] contiguous (gate rows, then up rows);
-  // w2: bf16 [num_experts, hidden, inter] contiguous
-  const void* w13 = nullptr;
-  const void* w2 = nullptr;
-  // bf16 [m_total, hidden] out: the dispatched rows (the backward's pooled x; zeros where pool_src_route < 0, e.g. a
-  // padded plan's padding rows, whose h, s and o rows are then zeros)
-  void* x_pool = nullptr;
-  // bf16 [m_total, inter] out: silu(gate) * up
-  void* s = nullptr;
-  // bf16 [m_total, 2 * inter] out, or null: gate | up pre-activation
-  void* h = nullptr;
-  // bf16 [m_total, hidden] out: s @ w2^T per pool row (the combine's input). o may be x_pool itself (the rows of an
-  // m-block are overwritten only after every L1 tile of it has read them; the dispatched rows are then gone): the
-  // forward's peak memory drops by m_total * hidden * 2 bytes.
-  void* o = nullptr;
   // Expert parallelism over peer memory, or null: num_ranks pointers to the source ranks' combine slots, bf16 [>=
   // num_tokens * top_k, ld_slots]; L2 row m then goes to o_slots[pool_src_rank[m]] + pool_src_route[m] * ld_slots
   // instead of o (o is not written; it may be x_pool's buffer still). Padding rows go nowhere.
   void* const* o_slots = nullptr;
   int64_t ld_slots = 0;
-  // rows of x (of every rank's x: each has at least this many); pool_src_route values must be < num_tokens * top_k:
-  // a larger one is not read (its row is dispatched as zeros) and is reported at the next call into the library
-  // (common/watchdog.hpp, input flags)
-  int64_t num_tokens = 0;
   // device int32 [num_tokens * top_k] (pool row per route, < 0: none), or null. With one rank the dispatch walks
   // the tokens through it for the pool rows past a split (each x row read once); a row it does not name
   // consistently with pool_src_route is copied from pool_src_route.
   const int32_t* route_to_pool = nullptr;
-  // >= 0 (0 = none)
-  float clamp = 0.f;
   // device int32 [mega_moe_fwd_counter_count(m_total, num_experts)] scratch
   int32_t* counters = nullptr;
-  // CTAs to launch (one per SM), 0: every SM of the device. The result is the same at every value.
-  int num_sms = 0;
 };
 
 // All pointers 16-byte aligned. Rows of the outputs outside [0, expert_offsets[num_experts]) are not written; nothing
