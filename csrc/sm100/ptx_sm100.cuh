@@ -24,20 +24,7 @@ namespace sm100 {
 namespace ptx {
 
 // The arch-neutral wrappers (mbarriers, TMA tile loads, bulk groups): common/ptx_async.cuh.
-using common::ptx::bulk_commit_group;
-using common::ptx::bulk_wait_group;
-using common::ptx::bulk_wait_group_read;
-using common::ptx::fence_mbar_init;
-using common::ptx::fence_proxy_async_smem;
-using common::ptx::mbar_arrive;
-using common::ptx::mbar_arrive_expect_tx;
-using common::ptx::mbar_init;
-using common::ptx::mbar_try_wait;
-using common::ptx::smem_addr;
-using common::ptx::st_global_v4;
-using common::ptx::tma_load_2d;
-using common::ptx::tma_load_3d;
-using common::ptx::tma_prefetch_desc;
+using namespace common::ptx;
 
 // ------------------------------------------------------------------------------------------------
 // mbarrier
