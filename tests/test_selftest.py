@@ -350,6 +350,22 @@ def test_the_fused_backend_runs_the_passed_kernel_on_sm100(fake):
         _fused.forward(x, None, None, None, None, activation_clamp=7.0, block_m=128, capacity=256)
 
 
+def test_a_clamp_resolves_past_the_passed_kernel_with_the_reason(fake, monkeypatch):
+    fake()
+    _selftest.register(_cand(_reference_forward))
+    prime_kernels.selftest()
+    clamped = dict(block_m=128, activation_clamp=7.0)
+    assert _backend.resolve("fwd", "auto", "bf16", _x(), _w13(), block_m=128) == "fused"
+    # the grouped pipeline on sm100 takes no clamp either: "auto" names both reasons, "fused" its own
+    with pytest.raises(FusedKernelUnavailable, match="self-test covers no activation_clamp.*grouped pipeline cannot"):
+        _backend.resolve("fwd", "auto", "bf16", _x(), _w13(), **clamped)
+    with pytest.raises(FusedKernelUnavailable, match="self-test covers no activation_clamp"):
+        _backend.resolve("fwd", "fused", "bf16", _x(), _w13(), **clamped)
+    monkeypatch.setenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", "1")
+    with pytest.warns(RuntimeWarning, match="falling back to the pure-PyTorch reference"):
+        assert _backend.resolve("fwd", "auto", "bf16", _x(), _w13(), **clamped) == "reference"
+
+
 # --- the native sm100 forward, as registered when the package loads -------------------------------------------------
 
 PK_ERR_INVALID_ARGUMENT, PK_ERR_NOT_AVAILABLE, PK_ERR_CUDA = 1, 2, 3

@@ -127,6 +127,15 @@ def _fused_reason(precision: str, direction: str) -> str | None:
     return f"{name}: {reason}"
 
 
+def _native_clamp_reason(precision: str, direction: str, activation_clamp: float | None) -> str | None:
+    """Why a native kernel that proved itself on the device cannot take this call's clamp (its self-test runs
+    without one, so a clamp would run it on numerics nothing checked), or None."""
+    name = kernel_name(precision, direction)
+    if activation_clamp is None or name not in _fused.NATIVE_FWD_KEYS.values():
+        return None
+    return f"{name}: its self-test covers no activation_clamp"
+
+
 #: The expert-parallel path over peer memory (prime_kernels.mega._peer_ep): backend "fused" under a group.
 PEER_KEY = "mega_moe_ep_peer.bf16.sm90"
 
@@ -365,7 +374,8 @@ def choose_backend(
         return "grouped", "backend='grouped' was asked for"
     # under a group, "fused" is the peer-memory path (its own entry; its backward is the one-rank pipeline's)
     peer = None if ep_size == 1 else _peer_reason(precision, activation_clamp, num_local_experts)
-    reason = common or too_many or (peer if ep_size > 1 else _fused_reason(precision, direction))
+    reason = common or too_many or (peer if ep_size > 1 else _fused_reason(precision, direction)
+                                    or _native_clamp_reason(precision, direction, activation_clamp))
     if reason is None:
         _require_kernel_block_m(block_m)
         return "fused", None
