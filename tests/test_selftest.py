@@ -73,6 +73,17 @@ def _noisy(fwd):
     return run
 
 
+def _noisy_past_the_spans(fwd):
+    """Different bits on every call only in h's rows past the experts' spans, which no kernel writes."""
+    def run(*args, **kw):
+        out = list(fwd(*args, **kw))
+        span = int(out[3][-1])
+        out[1] = out[1].clone()
+        out[1][span:] = torch.randn_like(out[1][span:].float()).to(out[1].dtype)
+        return tuple(out)
+    return run
+
+
 def _cand(forward, name="fake", compiled=COMPILED) -> _selftest.Candidate:
     return _selftest.Candidate(name=name, key=KEY, compiled_as=compiled, forward=forward)
 
@@ -160,6 +171,11 @@ def test_the_harness_fails_wrong_candidates_and_names_the_case(make, case, words
     label = next(c.label() for c in CASES if c.name == case)
     assert v.why.startswith(label) and words in v.why, v.why
     assert "FAILED" in v.report() and label in v.report()
+
+
+def test_the_repeat_reads_only_the_rows_a_kernel_writes():
+    v = _selftest.check(_cand(_noisy_past_the_spans(_reference_forward)), torch.device("cpu"))
+    assert v.passed, v.report()
 
 
 def test_the_row_bound_catches_one_row_the_relative_bound_lets_through():

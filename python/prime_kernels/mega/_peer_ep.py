@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -205,7 +206,9 @@ def _forward_fp8(buffers: list[PeerBuffers], plan, w13, w2, *, num_sms: int):
     cap = src_route.shape[0]
     x_pool = buffers[0].x.new_empty(cap, buffers[0].x.shape[1])
     torch.ops.prime_kernels.peer_rows_(x_pool, [b.x for b in buffers], src_route, src_rank, K, True)
-    if int(offsets[-1]) == 0:  # no rows for this rank's experts (the pipeline wants some)
+    # no rows for this rank's experts (the pipeline wants some): a host sync, after the enter barrier, so this rank's
+    # host waits for every peer's entry here (the bf16 forward has none and is capturable in a CUDA graph)
+    if int(offsets[-1]) == 0:
         return x_pool.new_zeros(cap, w13.shape[1]), x_pool
     h, o = _grouped_ep.local_forward_fp8(x_pool, w13, w2, counts, offsets, src_route, save_h=True,
                                          sms=num_sms or None, fp8_recipe=None, weight_cache=None)
@@ -402,23 +405,45 @@ class EmulatedGroup:
         self.buffers = [PeerBuffers.allocate(max_tokens, hidden, top_k, self.device) for _ in range(num_ranks)]
         self.delays = float(delays)
         self._rng = random.Random(seed)
+        # one generator per rank: each rank's waits are drawn by its own host thread
+        self._rank_rngs = [random.Random(seed * MAX_RANKS + r) for r in range(num_ranks)]
         self._streams = [torch.cuda.Stream(self.device) for _ in range(num_ranks)] if delays else None
 
-    def _sleep(self) -> None:
-        # a spin kernel of a random length on the current stream (~1.4 GHz: cycles per second, roughly)
-        torch.cuda._sleep(int(self._rng.uniform(0.0, self.delays) * 1.4e9))
+    def _pause(self, r: int):
+        """Rank r's wait between its steps: a spin kernel of a random length on the current stream (~1.4 GHz:
+        cycles per second, roughly)."""
+        rng = self._rank_rngs[r]
+        return lambda: torch.cuda._sleep(int(rng.uniform(0.0, self.delays) * 1.4e9))
 
     def _per_rank(self, step):
-        """step(r) for every rank, each on its own stream after a random wait, in a random host order; the caller's
-        stream waits for all of them. Returns the results by rank."""
+        """step(r, pause) for every rank, each from a host thread of its own on a stream of its own after a random
+        wait, the threads started in a random order: as R processes would run, so that a rank whose host waits for
+        its stream between its barriers (a host sync, which waits for every peer's entry) does not keep the other
+        ranks from launching theirs. The caller's stream waits for all of them. Returns the results by rank."""
         caller = torch.cuda.current_stream(self.device)
-        outs = [None] * self.num_ranks
-        for r in self._rng.sample(range(self.num_ranks), self.num_ranks):
-            s = self._streams[r]
+        outs: list = [None] * self.num_ranks
+        errors: list = [None] * self.num_ranks
+        for s in self._streams:
             s.wait_stream(caller)
-            with torch.cuda.stream(s):
-                self._sleep()
-                outs[r] = step(r)
+
+        def run(r: int) -> None:
+            try:
+                with torch.cuda.device(self.device), torch.cuda.stream(self._streams[r]):
+                    pause = self._pause(r)
+                    pause()
+                    outs[r] = step(r, pause)
+            except BaseException as exc:  # raised again by the caller's thread
+                errors[r] = exc
+
+        threads = [threading.Thread(target=run, args=(r,), name=f"prime-kernels-emulated-rank-{r}")
+                   for r in self._rng.sample(range(self.num_ranks), self.num_ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for exc in errors:
+            if exc is not None:
+                raise exc
         for s in self._streams:
             caller.wait_stream(s)
         for o in outs:
@@ -441,10 +466,10 @@ class EmulatedGroup:
                 b.stage(xr, tr)
             return forward_ranks(self.buffers, list(range(R)), topk_idx, topk_weights, w13, w2, num_sms=num_sms, **kw)
 
-        def step(r):
+        def step(r, pause):
             self.buffers[r].stage(x[r], topk_idx[r])
             return forward_ranks(self.buffers, [r], [topk_idx[r]], [topk_weights[r]], [w13[r]], [w2[r]],
-                                 num_sms=self._sms_per_rank(num_sms), pause=self._sleep, **kw)[0]
+                                 num_sms=self._sms_per_rank(num_sms), pause=pause, **kw)[0]
 
         return self._per_rank(step)
 
@@ -460,10 +485,10 @@ class EmulatedGroup:
             return backward_ranks(self.buffers, list(range(R)), topk_idx, saved, w13, w2, clamp=clamp,
                                   num_sms=num_sms, fp8=fp8)
 
-        def step(r):
+        def step(r, pause):
             self.buffers[r].stage_backward(dy[r], topk_weights[r], None if x is None else x[r])
             return backward_ranks(self.buffers, [r], [topk_idx[r]], [saved[r]], [w13[r]], [w2[r]], clamp=clamp,
-                                  num_sms=self._sms_per_rank(num_sms), fp8=fp8, pause=self._sleep)[0]
+                                  num_sms=self._sms_per_rank(num_sms), fp8=fp8, pause=pause)[0]
 
         return self._per_rank(step)
 
