@@ -118,8 +118,8 @@ ROWS: tuple[Row, ...] = (
     Row("MXFP8 quantization (`quantize.mxfp8`; [docs/mxfp8.md](docs/mxfp8.md))",
         "bf16 / fp32 -> e4m3 with one e8m0 scale per 32, plain or in torch's blocked layout (whole or per group)",
         ("quantize.mxfp8.sm90", "quantize.mxfp8.sm100"),
-        Cell(COMPILED, note="its host loop is bit for bit the reference on the CPU, `tests/test_mxfp8_kernel.py` "
-                            "waits for a GPU"), _COMPILED),
+        _v("H100", "bit for bit the reference (`tests/test_mxfp8_kernel.py`), the same source as the sm_100 build's"),
+        _COMPILED),
     Row("MXFP8 forward in the layer, pipeline (`mega_moe_grouped.mxfp8.sm100`: `precision=\"mxfp8\"` on backend "
         "\"grouped\" / \"auto\", one rank)", "mxfp8 forward, bf16 backward", ("mega_moe_grouped.mxfp8.sm100",),
         Cell(NOT_WRITTEN, note="torch's MXFP8 grouped GEMM runs on sm_100 only, and `\"mxfp8\"` raises that reason "
