@@ -452,7 +452,7 @@ def test_native_forward_status_on_a_device_before_its_self_test(device, cc):
 
 def test_native_forward_refuses_another_device_before_the_plan(monkeypatch):
     planned = []
-    monkeypatch.setattr(_native_sm100, "routing_plan", lambda *a, **k: planned.append(a))
+    monkeypatch.setattr(_fused, "routing_plan", lambda *a, **k: planned.append(a))
     kw = dict(activation_clamp=None, num_experts=4, block_m=128, capacity=256, save_h=True, keep_x_pool=False)
     x = torch.zeros(3, 128, dtype=torch.bfloat16)
     with pytest.raises(FusedKernelUnavailable, match=r"mega_moe.bf16.sm100: .*runs on an sm_100 device, x is on cpu"):

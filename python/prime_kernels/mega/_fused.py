@@ -74,24 +74,30 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
         return native(x, topk_idx, topk_weights, w13, w2, activation_clamp=None, num_experts=num_experts,
                       block_m=block_m, capacity=capacity, save_h=save_h, keep_x_pool=keep_x_pool, id_check=id_check,
                       num_sms=num_sms)
-    T = x.shape[0]
-    K = topk_idx.shape[1]
+    return run_bf16(torch.ops.prime_kernels.mega_moe_fused_fwd, x, topk_idx, topk_weights, w13, w2,
+                    activation_clamp=activation_clamp, num_experts=num_experts, block_m=block_m, capacity=capacity,
+                    save_h=save_h, keep_x_pool=keep_x_pool, id_check=id_check, num_sms=num_sms)
+
+
+def run_bf16(op, x, topk_idx, topk_weights, w13, w2, *, activation_clamp, num_experts, block_m, capacity, save_h,
+             keep_x_pool, id_check, num_sms):
+    """The routing plan, then ``op`` (a bf16 fused forward op: sm90's, or the native sm100 one with the same
+    arguments and outputs, the combine included): :func:`forward`'s 8 outputs."""
+    T, K = topk_idx.shape
     with torch.no_grad():
         plan = routing_plan(topk_idx, num_experts, block_m, validate=False, capacity=capacity)
         if id_check is not None:
             id_check.watch(plan.num_invalid)
-        src = plan.pool_src_route
-        srank = plan.pool_src_rank
         route_to_pool = plan.route_to_pool.view(T, K)
         # The kernels read clamp 0 as "no clamp": the public boundary rejects a clamp <= 0, so 0 can only
         # come from None here.
         clamp = 0.0 if activation_clamp is None else float(activation_clamp)
-        _s, h, _o, x_pool, y = torch.ops.prime_kernels.mega_moe_fused_fwd(
-            x.contiguous(), src, plan.expert_offsets, w13.contiguous(), w2.contiguous(), K, save_h, clamp,
-            keep_x_pool, route_to_pool, topk_weights.float().contiguous(),  # F5: the op's combine
+        _s, h, _o, x_pool, y = op(
+            x.contiguous(), plan.pool_src_route, plan.expert_offsets, w13.contiguous(), w2.contiguous(), K, save_h,
+            clamp, keep_x_pool, route_to_pool, topk_weights.float().contiguous(),  # F5: the op's combine
             num_sms=int(num_sms))
-    return (y, h, plan.expert_counts, plan.expert_offsets, src, srank,
-            route_to_pool, x_pool)
+    return (y, h, plan.expert_counts, plan.expert_offsets, plan.pool_src_route, plan.pool_src_rank, route_to_pool,
+            x_pool)
 
 
 def _forward_fp8(x, topk_idx, topk_weights, w13, w2, *, activation_clamp, num_experts, block_m, capacity, save_h,

@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _selftest
+from . import _fused, _selftest
 from ._validate import FusedKernelUnavailable
 from .. import _status
-from ..routing import routing_plan
 
 STATUS_KEY = "mega_moe.bf16.sm100"
 COMPILED_AS = "mega_moe_fwd_bf16_sm100"  # its name in the build's compiled-kernel list (CMakeLists.txt)
@@ -43,22 +42,13 @@ def forward(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: 
             keep_x_pool: bool, id_check=None, num_sms: int = 0) -> tuple:
     """:func:`prime_kernels.mega._fused.forward`'s contract for a bf16 layer on one rank: (y, h, expert_counts,
     expert_offsets, pool_src_route, pool_src_rank, route_to_pool, x_pool), x_pool [capacity, H] with ``keep_x_pool``
-    else [0, H]. ``id_check`` gets the plan's count of out-of-range expert ids; ``num_sms`` is checked (>= 0) and
-    otherwise unused by this kernel (one CTA per tile)."""
+    else [0, H]. ``id_check`` gets the plan's count of out-of-range expert ids; ``num_sms`` bounds the persistent
+    launches' grids (0: every SM)."""
     _check_device(x)
-    T, K = topk_idx.shape
-    with torch.no_grad():
-        plan = routing_plan(topk_idx, num_experts, block_m, validate=False, capacity=capacity)
-        if id_check is not None:
-            id_check.watch(plan.num_invalid)
-        route_to_pool = plan.route_to_pool.view(T, K)
-        # the kernels read clamp 0 as "no clamp" (the public boundary rejects a clamp <= 0)
-        clamp = 0.0 if activation_clamp is None else float(activation_clamp)
-        _s, h, _o, x_pool, y = torch.ops.prime_kernels.mega_moe_fused_fwd_sm100(
-            x.contiguous(), plan.pool_src_route, plan.expert_offsets, w13.contiguous(), w2.contiguous(), K, save_h,
-            clamp, keep_x_pool, route_to_pool, topk_weights.float().contiguous(), num_sms=int(num_sms))
-    return (y, h, plan.expert_counts, plan.expert_offsets, plan.pool_src_route, plan.pool_src_rank, route_to_pool,
-            x_pool)
+    return _fused.run_bf16(getattr(torch.ops.prime_kernels, OP), x, topk_idx, topk_weights, w13, w2,
+                           activation_clamp=activation_clamp, num_experts=num_experts, block_m=block_m,
+                           capacity=capacity, save_h=save_h, keep_x_pool=keep_x_pool, id_check=id_check,
+                           num_sms=num_sms)
 
 
 def _fake(x, pool_src_route, expert_offsets, w13, w2, top_k, save_h, clamp=0.0, keep_x_pool=False,
