@@ -164,6 +164,13 @@ __global__ void __launch_bounds__(kMegaSm100Threads, 1)
       }
       __syncwarp();
     }
+    // The MMA thread's last tcgen05.commit arrivals on the stage barriers are asynchronous and nothing else waits
+    // for them; waiting here, as the producer of one more round would, keeps any of them from landing in shared
+    // memory after this CTA has left it to the next one on the SM.
+    if (lane == 0) {
+      for (int s = 0; s < kStages; ++s, ++it) ptx::mbar_wait(&empty[it % kStages], ((it / kStages) & 1u) ^ 1u);
+    }
+    __syncwarp();
   } else if (warp == 1) {
     // MMA issuer: tile i of this CTA accumulates into stage i % 2 of tensor memory, once the epilogue has
     // drained what tile i - 2 left there.
