@@ -40,11 +40,11 @@ import warnings
 
 import torch
 
-from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _grouped_ep, _mxfp8, _peer_ep, _plan, _validate, reference
+from . import _fp8_bwd, _fp8_fwd, _fused, _grouped, _grouped_ep, _mxfp8, _peer_ep, _plan, _selftest, _validate, \
+    reference
 from .._status import KERNELS, is_available
 from ..routing import pool_capacity
 from ._validate import FusedKernelUnavailable
-from . import _selftest
 from .constants import (ALLOW_FALLBACK_ENV, env_flag, BACKENDS, FP8_ALIGN, FULL_TILE_ALIGN, FUSED_MAX_EXPERTS,
                         GROUPED_MAX_EXPERTS, HIDDEN_ALIGN, INTERMEDIATE_ALIGN, PRECISIONS)
 
@@ -125,15 +125,6 @@ def _fused_reason(precision: str, direction: str) -> str | None:
     if is_available(reason):
         return None
     return f"{name}: {reason}"
-
-
-def _native_clamp_reason(precision: str, direction: str, activation_clamp: float | None) -> str | None:
-    """Why a native kernel that proved itself on the device cannot take this call's clamp (its self-test runs
-    without one, so a clamp would run it on numerics nothing checked), or None."""
-    name = kernel_name(precision, direction)
-    if activation_clamp is None or name not in _fused.NATIVE_FWD_KEYS.values():
-        return None
-    return f"{name}: its self-test covers no activation_clamp"
 
 
 #: The expert-parallel path over peer memory (prime_kernels.mega._peer_ep): backend "fused" under a group.
@@ -375,7 +366,8 @@ def choose_backend(
     # under a group, "fused" is the peer-memory path (its own entry; its backward is the one-rank pipeline's)
     peer = None if ep_size == 1 else _peer_reason(precision, activation_clamp, num_local_experts)
     reason = common or too_many or (peer if ep_size > 1 else _fused_reason(precision, direction)
-                                    or _native_clamp_reason(precision, direction, activation_clamp))
+                                    or _fused.native_clamp_reason(kernel_name(precision, direction),
+                                                                  activation_clamp))
     if reason is None:
         _require_kernel_block_m(block_m)
         return "fused", None

@@ -45,6 +45,14 @@ STATUS_KEY_FWD = "mega_moe.bf16.sm90"
 NATIVE_FWD_KEYS = {"sm100": "mega_moe.bf16.sm100"}
 
 
+def native_clamp_reason(key: str, activation_clamp: float | None) -> str | None:
+    """Why the fused forward of status key ``key`` cannot take this call's clamp when it is a native one: its
+    self-test runs without a clamp, so a clamp would run it on numerics nothing checked. None otherwise."""
+    if activation_clamp is None or key not in NATIVE_FWD_KEYS.values():
+        return None
+    return f"{key}: its self-test covers no activation_clamp"
+
+
 def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", activation_clamp=None, group=None,
             num_experts=None, max_tokens_per_rank=None, block_m, capacity, save_h=True, buffer=None,
             keep_x_pool=False, id_check=None, num_sms=0):
@@ -68,8 +76,9 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
                             id_check=id_check, num_sms=num_sms)
     native_key = NATIVE_FWD_KEYS.get(_status.family_of_device(x.device.index)) if x.device.type == "cuda" else None
     if native_key is not None:
-        if activation_clamp is not None:
-            raise FusedKernelUnavailable(f"prime_kernels.mega: {native_key}: its self-test covers no activation_clamp")
+        why = native_clamp_reason(native_key, activation_clamp)
+        if why is not None:
+            raise FusedKernelUnavailable(f"prime_kernels.mega: {why}")
         native = _selftest.native_forward(x.device, native_key)
         return native(x, topk_idx, topk_weights, w13, w2, activation_clamp=None, num_experts=num_experts,
                       block_m=block_m, capacity=capacity, save_h=save_h, keep_x_pool=keep_x_pool, id_check=id_check,
