@@ -18,7 +18,7 @@ def _core():
     core = _lib.load().core
     if core is None:
         pytest.skip(f"the native core is not loaded: {_lib.load().reason}")
-    core.pk_ep_barrier.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int,
+    core.pk_ep_barrier.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                    ctypes.POINTER(ctypes.c_int32), ctypes.c_int, ctypes.c_void_p]
     core.pk_ep_barrier.restype = ctypes.c_int
     core.pk_peer_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
@@ -29,25 +29,30 @@ def _core():
     return core
 
 
-def _barrier(core, num_ranks, kind, played, signals=None):
+def _barrier(core, num_ranks, kind, played, signals=None, phase=0):
     sig = (ctypes.c_void_p * max(num_ranks, 1))(*([signals] * max(num_ranks, 1) if signals is not None else
                                                    [0x1000] * max(num_ranks, 1)))
     pl = (ctypes.c_int32 * max(len(played), 1))(*played)
-    rc = core.pk_ep_barrier(sig, num_ranks, kind, pl, len(played), None)
+    rc = core.pk_ep_barrier(sig, num_ranks, kind, phase, pl, len(played), None)
     return rc, core.pk_last_error().decode()
 
 
-@pytest.mark.parametrize("num_ranks,kind,played,want", [
-    (0, 0, [0], "num_ranks = 0"),
-    (9, 0, [0], "num_ranks = 9"),
-    (2, 2, [0], "kind = 2"),
-    (2, 0, [], "num_played = 0"),
-    (2, 0, [0, 0], "played twice"),
-    (2, 0, [2], "played[0] = 2"),
-    (2, 0, [-1], "played[0] = -1"),
+@pytest.mark.parametrize("num_ranks,kind,played,phase,want", [
+    (0, 0, [0], 0, "num_ranks = 0"),
+    (9, 0, [0], 0, "num_ranks = 9"),
+    (2, 2, [0], 0, "kind = 2"),
+    (2, 0, [], 0, "num_played = 0"),
+    (2, 0, [0, 0], 0, "played twice"),
+    (2, 0, [2], 0, "played[0] = 2"),
+    (2, 0, [-1], 0, "played[0] = -1"),
+    # an enter's wait may not be split from its arrival: nothing may touch a peer in between
+    (2, 0, [0], 1, "phase = 1"),
+    (2, 0, [0], 2, "phase = 2"),
+    (2, 1, [0], 3, "phase = 3"),
+    (2, 1, [0], -1, "phase = -1"),
 ])
-def test_barrier_refuses_a_bad_call_before_any_launch(num_ranks, kind, played, want):
-    rc, msg = _barrier(_core(), num_ranks, kind, played)
+def test_barrier_refuses_a_bad_call_before_any_launch(num_ranks, kind, played, phase, want):
+    rc, msg = _barrier(_core(), num_ranks, kind, played, phase=phase)
     assert rc == PK_ERR_INVALID_ARGUMENT, (rc, msg)
     assert want in msg, msg
 

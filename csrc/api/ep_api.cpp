@@ -11,7 +11,7 @@ extern "C" {
 
 int64_t pk_ep_signals_bytes(void) { return static_cast<int64_t>(sizeof(prime_kernels::common::EpSignals)); }
 
-int pk_ep_barrier(void* const* signals, int num_ranks, int kind, const int32_t* played, int num_played,
+int pk_ep_barrier(void* const* signals, int num_ranks, int kind, int phase, const int32_t* played, int num_played,
                   void* cuda_stream) {
   using prime_kernels::common::kEpMaxRanks;
   if (const int rc = prime_kernels::api::check_device_findings("ep_barrier"); rc != PK_OK) return rc;
@@ -20,11 +20,17 @@ int pk_ep_barrier(void* const* signals, int num_ranks, int kind, const int32_t* 
                kEpMaxRanks);
   PK_CHECK_ARG(kind == prime_kernels::common::kEpEnter || kind == prime_kernels::common::kEpExit,
                "ep_barrier: kind = %d, must be 0 (enter) or 1 (exit)", kind);
+  PK_CHECK_ARG(phase == prime_kernels::common::kEpArriveAndWait ||
+                   (kind == prime_kernels::common::kEpExit && (phase == prime_kernels::common::kEpArriveOnly ||
+                                                               phase == prime_kernels::common::kEpWaitOnly)),
+               "ep_barrier: phase = %d, must be 0 (arrive and wait), or for an exit 1 (arrive only) or 2 (wait only)",
+               phase);
   PK_CHECK_ARG(num_played >= 1 && num_played <= num_ranks, "ep_barrier: num_played = %d, must be in [1, %d]",
                num_played, num_ranks);
   prime_kernels::common::EpBarrierArgs args{};
   args.num_ranks = num_ranks;
   args.kind = kind;
+  args.phase = phase;
   args.num_played = num_played;
   for (int r = 0; r < num_ranks; ++r) {
     PK_CHECK_ARG(signals[r] != nullptr && reinterpret_cast<uintptr_t>(signals[r]) % 8 == 0,

@@ -28,7 +28,7 @@ enum {
 };
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatch.
-#define PK_ABI_VERSION 6
+#define PK_ABI_VERSION 7
 PK_API int pk_abi_version(void);
 
 // The message of the last failed call on this thread ("" if none).
@@ -254,12 +254,13 @@ PK_API int pk_mega_moe_fwd_bf16_ranks(const pk_mega_fwd_rank* ranks, int num_ran
 // memory its peers can write (a symmetric buffer). pk_ep_barrier launches one CTA per played rank (played: the
 // ranks this process plays, {rank} on its own GPU, every rank in the one-GPU emulator; signals: every rank's, in rank
 // order), kind 0 (enter: the epoch goes up by one, then every peer is waited for) or 1 (exit: after the rank's
-// pushes into its peers). Waits are bounded by the peer wait timeout (default 60 s), then record the rank, the peer
+// pushes into its peers); phase 0 arrives and waits, and an exit may instead be two launches, phase 1 (arrive only)
+// then phase 2 (wait only), with work between them that touches no peer. Waits are bounded by the peer wait timeout (default 60 s), then record the rank, the peer
 // and the epochs, and trap.
 // ---------------------------------------------------------------------------------------------
 PK_API int64_t pk_ep_signals_bytes(void);
-PK_API int pk_ep_barrier(void* const* signals, int num_ranks, int kind, const int32_t* played, int num_played,
-                         void* cuda_stream);
+PK_API int pk_ep_barrier(void* const* signals, int num_ranks, int kind, int phase, const int32_t* played,
+                         int num_played, void* cuda_stream);
 // Row moves between a pool and every rank's buffer (csrc/common/peer_rows.hpp): gather (pool[m] = peers[src_rank[m]]
 // row src_route[m] / route_divisor, zeros for src_route < 0) or scatter (that peer row = pool[m]). Strides in bytes,
 // row_bytes a multiple of 4, peer_rows: the rows of each peer buffer (a larger row index is skipped).

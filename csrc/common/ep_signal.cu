@@ -25,11 +25,13 @@ __global__ void __launch_bounds__(32) ep_barrier_kernel(const __grid_constant__ 
     if (args.kind == kEpEnter) *reinterpret_cast<volatile uint64_t*>(&mine->epoch) = ++epoch;
   }
   epoch = __shfl_sync(0xffffffffu, epoch, 0);
-  // Every write this rank made before this launch (its staged rows, or the rows its kernels pushed into the peers'
-  // buffers) is ordered before the arrival a peer acquires.
-  __threadfence_system();
-  if (lane < args.num_ranks) st_release_sys_u64(&args.signals[lane]->arrived[args.kind][rank], epoch);
-  if (lane < args.num_ranks) {
+  if (args.phase != kEpWaitOnly) {
+    // Every write this rank made before this launch (its staged rows, or the rows its kernels pushed into the
+    // peers' buffers) is ordered before the arrival a peer acquires.
+    __threadfence_system();
+    if (lane < args.num_ranks) st_release_sys_u64(&args.signals[lane]->arrived[args.kind][rank], epoch);
+  }
+  if (args.phase != kEpArriveOnly && lane < args.num_ranks) {
     const uint64_t* arrived = &mine->arrived[args.kind][lane];
     uint64_t seen = ld_acquire_sys_u64(arrived);
     if (seen < epoch) {

@@ -1,5 +1,5 @@
 // torch.ops.prime_kernels ops of expert parallelism over peer memory (CUDA only):
-//   ep_barrier_(signals, kind, played): the enter / exit barrier of csrc/common/ep_signal.hpp; signals holds every
+//   ep_barrier_(signals, kind, played, phase): the enter / exit barrier of csrc/common/ep_signal.hpp; signals holds every
 //     rank's signal block (uint8 [pk_ep_signals_bytes()], zeroed once at allocation, never reset), in rank order.
 //   mega_moe_fused_fwd_ranks(...): the fused forwards of the played ranks in one launch, each reading its pool rows
 //     from every rank's staged x and pushing its L2 rows into their source ranks' combine slots (slots[r] [>= T_max *
@@ -23,7 +23,7 @@ using namespace prime_kernels::torch_shim;
 
 constexpr int kMaxRanks = 8;
 
-void ep_barrier_(std::vector<Tensor> signals, int64_t kind, std::vector<int64_t> played) {
+void ep_barrier_(std::vector<Tensor> signals, int64_t kind, std::vector<int64_t> played, int64_t phase) {
   const char* op = "ep_barrier_";
   check_core(pk_device_check(), op);
   const int64_t num_ranks = static_cast<int64_t>(signals.size());
@@ -44,7 +44,7 @@ void ep_barrier_(std::vector<Tensor> signals, int64_t kind, std::vector<int64_t>
   for (size_t i = 0; i < played.size(); ++i) ranks[i] = static_cast<int32_t>(played[i]);
   const int32_t device = signals[0].get_device_index();
   torch::stable::accelerator::DeviceGuard guard(device);
-  check_core(pk_ep_barrier(ptrs, static_cast<int>(num_ranks), static_cast<int>(kind), ranks,
+  check_core(pk_ep_barrier(ptrs, static_cast<int>(num_ranks), static_cast<int>(kind), static_cast<int>(phase), ranks,
                            static_cast<int>(played.size()), current_cuda_stream(device)),
              op);
 }
@@ -197,7 +197,7 @@ void peer_rows_(Tensor pool, std::vector<Tensor> peers, Tensor src_route, Tensor
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
-  m.def("ep_barrier_(Tensor(a!)[] signals, int kind, int[] played) -> ()");
+  m.def("ep_barrier_(Tensor(a!)[] signals, int kind, int[] played, int phase=0) -> ()");
   m.def("mega_moe_fused_fwd_ranks(Tensor[] x_ranks, Tensor(a!)[] slots, Tensor[] pool_src_route, "
         "Tensor[] pool_src_rank, Tensor[] expert_offsets, Tensor[] w13, Tensor[] w2, int top_k, bool save_h, "
         "float clamp=0.0, int num_sms=0) -> (Tensor[] h, Tensor[] x_pool)");

@@ -201,8 +201,9 @@ def _local_backward_bf16(dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offs
 
 def _local_backward_fp8(dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offsets, routes, *, recompute, clamp,
                         sms, precision, want_wgrad, need_wgrad, dw13_accum, dw2_accum, fp8_recipe, weight_cache):
-    """The FP8 backward pipeline on the pool (its rows as one-route tokens): (dx rows, d topk_weights rows, dW13,
-    dW2), the weight gradients as :func:`prime_kernels.mega._fp8_bwd.backward` gives them."""
+    """The FP8 backward pipeline on the pool (its rows as one-route tokens): (dx rows, d topk_weights rows, wgrads),
+    where ``wgrads()`` computes (dW13, dW2) as :func:`prime_kernels.mega._fp8_bwd.backward` gives them, whenever the
+    caller runs it (its operands are held until then)."""
     recipe, cache = _fp8.recipe_and_cache(fp8_recipe, weight_cache)
     pow2 = recipe.pow2_scales
     c13, c2 = cache.get(w13, pow2), cache.get(w2, pow2)
@@ -217,15 +218,20 @@ def _local_backward_fp8(dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offse
         dy_pool, (c13.transposed.data, c13.transposed.scale), (c2.transposed.data, c2.transposed.scale), h, counts,
         offsets, routes, one_route, w_pool.view(-1, 1), pow2=pow2, sms=sms, want_wgrad_operands=want_wgrad,
         clamp=clamp)
-    out13 = out2 = None
-    if want_wgrad:
-        if dw2_accum is not None or need_wgrad:
-            out2 = _fp8_bwd._wgrad(dy_t[0], dy_t[1], l2.awt_q, l2.awt_s, offsets, w2.dtype, dw2_accum, sms)
-        del dy_t
-        x_t = quantize_tokens_fp8(x_pool, offsets, counts, pow2_scales=pow2)  # qT(x_e) from the bf16 rows
-        if dw13_accum is not None or need_wgrad:
-            out13 = _fp8_bwd._wgrad(l2.dht_q, l2.dht_s, x_t[0], x_t[1], offsets, w13.dtype, dw13_accum, sms)
-    return dx_rows, dt_rows.view(-1), out13, out2
+
+    def wgrads():
+        nonlocal dy_t
+        out13 = out2 = None
+        if want_wgrad:
+            if dw2_accum is not None or need_wgrad:
+                out2 = _fp8_bwd._wgrad(dy_t[0], dy_t[1], l2.awt_q, l2.awt_s, offsets, w2.dtype, dw2_accum, sms)
+            dy_t = None
+            x_t = quantize_tokens_fp8(x_pool, offsets, counts, pow2_scales=pow2)  # qT(x_e) from the bf16 rows
+            if dw13_accum is not None or need_wgrad:
+                out13 = _fp8_bwd._wgrad(l2.dht_q, l2.dht_s, x_t[0], x_t[1], offsets, w13.dtype, dw13_accum, sms)
+        return out13, out2
+
+    return dx_rows, dt_rows.view(-1), wgrads
 
 
 def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, pool_src_route, pool_src_rank,
@@ -268,11 +274,13 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
         if fp8_back:  # (the bf16 path's: _weight_grads)
             out13, out2 = _zero_wgrads(need_wgrad, dw13_accum, dw2_accum, w13, w2)
     elif fp8_back:
-        dx_rows, dt_rows, out13, out2 = _local_backward_fp8(
+        dx_rows, dt_rows, wgrads = _local_backward_fp8(
             dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offsets, routes, recompute=recompute,
             clamp=activation_clamp, sms=sms, precision=precision, want_wgrad=want_w and not defer_wgrad,
             need_wgrad=need_wgrad, dw13_accum=dw13_accum, dw2_accum=dw2_accum, fp8_recipe=fp8_recipe,
             weight_cache=weight_cache)
+        out13, out2 = wgrads()
+        del wgrads
     else:
         dx_rows, dt_rows, operands = _local_backward_bf16(dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offsets,
                                                           routes, recompute=recompute, clamp=activation_clamp,

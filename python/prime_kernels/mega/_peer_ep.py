@@ -23,8 +23,10 @@ same: a forward is
 
 A backward is: stage dy and the top-k weights; enter; gather each pool row's dy row and weight from its source rank
 (csrc/common/peer_rows.hpp); the one-rank layer's backward over the rank's pool (the grouped pipeline of our kernels,
-as the layer runs it on one rank; the forward's plan, h and dispatched x rows; weights by pool row); scatter each pool row's dX row and d topk_weights to its source rank; exit; each rank
-sums its dX slots (fixed k order) and reads its d topk_weights. The weight gradients of a rank's experts stay on it.
+as the layer runs it on one rank; the forward's plan, h and dispatched x rows; weights by pool row) up to dX and d
+topk_weights; scatter each pool row's dX row and d topk_weights to its source rank; arrive at the exit; the weight
+gradients of the rank's experts (they stay on it), which fill the time the slower ranks still take to push into this
+rank's slots; wait at the exit; each rank sums its dX slots (fixed k order) and reads its d topk_weights.
 
 The emulator plays every rank in each launch of the barriers and the fused forward (its CTAs split over the ranks;
 the backward's kernels run rank by rank), or, with ``delays``, each rank on a stream of its own with random waits
@@ -47,6 +49,7 @@ from ..combine import combine
 from ..routing import pool_capacity
 
 _ENTER, _EXIT = 0, 1
+_ARRIVE_AND_WAIT, _ARRIVE_ONLY, _WAIT_ONLY = 0, 1, 2  # csrc/common/ep_signal.hpp, EpBarrierPhase
 MAX_RANKS = 8
 
 
@@ -159,8 +162,8 @@ def _own_routes(topk_idx: torch.Tensor) -> torch.Tensor:
     return torch.where(topk_idx >= 0, ids, -1)
 
 
-def barrier(buffers: list[PeerBuffers], kind: int, played: list[int]) -> None:
-    torch.ops.prime_kernels.ep_barrier_([b.signals for b in buffers], kind, played)
+def barrier(buffers: list[PeerBuffers], kind: int, played: list[int], phase: int = _ARRIVE_AND_WAIT) -> None:
+    torch.ops.prime_kernels.ep_barrier_([b.signals for b in buffers], kind, played, phase)
 
 
 def _no_pause() -> None:
@@ -178,10 +181,12 @@ def _enter(buffers: list[PeerBuffers], played: list[int], exchange: bool, pause)
     return buffers
 
 
-def _exit(buffers: list[PeerBuffers], played: list[int], exchange: bool, pause) -> None:
+def _exit(buffers: list[PeerBuffers], played: list[int], exchange: bool, pause,
+          phase: int = _ARRIVE_AND_WAIT) -> None:
+    """The exit barrier, whole or one of its halves (csrc/common/ep_signal.hpp, EpBarrierPhase)."""
     pause()
     if exchange:
-        barrier(buffers, _EXIT, played)
+        barrier(buffers, _EXIT, played, phase)
     pause()
 
 
@@ -271,7 +276,7 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
     xs, dys, ws = [b.x for b in buffers], [b.dy for b in buffers], [b.weights for b in buffers]
     sms = num_sms or None
     want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None
-    grads = []
+    later = []  # per played rank: what computes its weight gradients, after its rows have gone back
     for i, r in enumerate(played):
         sv = saved[i]
         a13 = None if dw13_accum is None else dw13_accum[i]
@@ -290,25 +295,33 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
         if fp8:
             if int(sv.offsets[-1]) == 0:  # no rows for this rank's experts: nothing goes back, zero gradients
                 dx_pool, dt_pool = dy_pool[:0], w_pool[:0]
-                dw13, dw2 = _grouped_ep._zero_wgrads(need_wgrad, a13, a2, w13[i], w2[i])
+                wgrads = _bind(_grouped_ep._zero_wgrads, need_wgrad, a13, a2, w13[i], w2[i])
             else:
-                dx_pool, dt_pool, dw13, dw2 = _grouped_ep._local_backward_fp8(
+                dx_pool, dt_pool, wgrads = _grouped_ep._local_backward_fp8(
                     dy_pool, w_pool, x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route,
                     recompute=recompute, clamp=clamp, sms=sms, precision="fp8" if fp8 == "fp8" else "fp8_bwd",
                     want_wgrad=want_w, need_wgrad=need_wgrad, dw13_accum=a13, dw2_accum=a2, fp8_recipe=None,
                     weight_cache=None)
         else:  # the one-rank layer's bf16 backward: the grouped pipeline of our kernels (the fused one is withheld)
-            dx_pool, dt_pool, (dy_p, aw, dh, xp) = _grouped_ep._local_backward_bf16(
+            dx_pool, dt_pool, operands = _grouped_ep._local_backward_bf16(
                 dy_pool, w_pool, x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route, recompute=recompute,
                 clamp=clamp, sms=sms)
-            dw13, dw2 = (_grouped_ep._add_wgrad(dy_p, aw, dh, xp, sv.offsets, need_wgrad, a13, a2, w13[i], w2[i], sms)
-                         if want_w else (None, None))
-            del dy_p, aw, dh, xp
+            wgrads = (_bind(_grouped_ep._add_wgrad, *operands, sv.offsets, need_wgrad, a13, a2, w13[i], w2[i], sms)
+                      if want_w else lambda: (None, None))
+            del operands
         torch.ops.prime_kernels.peer_rows_(dx_pool, [b.slots for b in buffers], sv.src_route, sv.src_rank, 1, False)
         torch.ops.prime_kernels.peer_rows_(dt_pool, [b.dt_slots for b in buffers], sv.src_route, sv.src_rank, 1,
                                            False)
-        grads.append((dw13, dw2))
-    _exit(buffers, played, exchange, pause)
+        later.append(wgrads)
+        del dy_pool, x_pool, w_pool, dx_pool, dt_pool, wgrads
+    # The rows have gone back: arrive, and let the weight gradients (local work, no peer's memory) fill the time in
+    # which the slower ranks finish their pushes into this rank's slots; then wait for them and combine.
+    _exit(buffers, played, exchange, pause, _ARRIVE_ONLY)
+    grads = []
+    for wgrads in later:
+        grads.append(wgrads())
+    del later, wgrads
+    _exit(buffers, played, exchange, pause, _WAIT_ONLY)
     out = []
     for i, r in enumerate(played):
         T = topk_idx[i].shape[0]
@@ -317,6 +330,11 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
         dtopk = torch.where(topk_idx[i] >= 0, dt, torch.zeros((), dtype=dt.dtype, device=dt.device))
         out.append((dx, dtopk, *grads[i]))
     return out
+
+
+def _bind(fn, *args):
+    """fn(*args), later."""
+    return lambda: fn(*args)
 
 
 class PeerGroup:
