@@ -399,3 +399,18 @@ def test_h_is_saved_only_when_a_backward_can_follow(monkeypatch):
     mega_moe(leaves[0], idx, *leaves[1:], backend="reference", recompute=True)
     assert asked[4:] == [False, False, False, False, False, False]
     assert torch.equal(y_train.detach(), y_infer) and torch.equal(y_infer, y_plain)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_auto_under_a_group_runs_the_all_to_all_path_while_fused_runs_the_peer_path(status, direction):
+    """With the peer-memory path available, backend "fused" under a group runs it, and "auto" runs the all-to-all
+    path (grouped) with the reason that says why."""
+    for name in ("mega_moe.bf16.sm90", "mega_moe_backward.bf16.sm90", _backend.GROUPED_KEY, _backend.PEER_KEY):
+        status[name] = "available"
+    assert _backend.choose_backend("fused", "bf16", direction, ep_size=2, **SHAPE) == ("fused", None)
+    assert _backend.choose_backend("auto", "bf16", direction, ep_size=2, **SHAPE) == (
+        "grouped", _backend.AUTO_PEER_REASON)
+    assert _backend.choose_backend("auto", "bf16", direction, ep_size=1, **SHAPE)[0] == "fused"
+    status[_backend.PEER_KEY] = "not implemented yet"
+    which, why = _backend.choose_backend("auto", "bf16", direction, ep_size=2, **SHAPE)
+    assert which == "grouped" and why == f"{_backend.PEER_KEY}: not implemented yet"

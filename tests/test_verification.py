@@ -59,7 +59,7 @@ def test_build_info_says_per_built_arch_what_ran():
         assert all(ver.cell(k).text() == text for k, text in kernels.items())
     every = ver.by_arch(("90a", "100a", "103a", "100f"))
     assert every["90a"]["mega_moe.bf16.sm90"] == "verified on an H200"
-    assert every["90a"]["mega_moe_ep_peer.bf16.sm90"] == "partly run on an H100, not yet verified"
+    assert every["90a"]["mega_moe_ep_peer.bf16.sm90"] == "verified on an H100"
     assert every["100a"]["routing_plan.int32.sm100"] == "compiled only, never run on hardware"
     assert every["100a"]["mega_moe_grouped.bf16.sm100"].startswith("runs torch's kernels, never run on Blackwell")
     assert every["100a"]["mega_moe.bf16.sm100"] == "compiled only, never run on hardware"

@@ -118,9 +118,10 @@ def _entries() -> list[KernelEntry]:
     # reads its pool rows from their ranks and pushes its L2 rows back, the row moves of the backward.
     e.append(KernelEntry(
         "mega_moe_ep_peer.bf16.sm90", "mega_moe_fwd_bf16_ranks", "sm90", also_compiled=("ep_barrier", "peer_rows"),
-        unverified="its one-GPU emulator ran on an H100 (forward and backward bit for bit EP = 1, bf16 and FP8, "
-                   "sanitizer-clean), but not all of its tests yet, and it has not run on several GPUs; under a group "
-                   "backend='auto' runs the all-to-all path instead"))
+        available_note="backend='fused' under a group whose ranks are NVLink peers; verified through its one-GPU "
+                       "emulator on an H100 (forward and backward bit for bit EP = 1, bf16 and FP8, with per-rank "
+                       "delays, 2,000 calls, CUDA-graph replay, a late rank; sanitizer-clean), never run on several "
+                       "GPUs, so backend='auto' under a group runs the all-to-all path"))
     # The kernel backends (bf16) with H or I a multiple of 64 but not of 128: every kernel's last tile half-width
     e.append(KernelEntry("mega_moe_half_tiles.bf16.sm90", "mega_moe_fwd_bf16", "sm90"))
     todo = "not implemented yet"

@@ -115,11 +115,10 @@ ROWS: tuple[Row, ...] = (
         ("mega_moe.fp8_bwd.sm90",), _v("H200", "1.3-1.6x torch's BF16 backward: [docs/fp8.md](docs/fp8.md)"), _NOT),
     Row("expert parallelism over peer memory (`mega_moe_ep_peer`: backend \"fused\" under a group)", "bf16",
         ("mega_moe_ep_peer.bf16.sm90",),
-        Cell(PARTLY, "H100", "its one-GPU emulator: forward and backward bit for bit EP = 1, bf16 over 8 routings in "
-                             "one launch and with per-rank delays, FP8 in one launch, sanitizer-clean; the FP8 "
-                             "emulation with delays, 2,000 back-to-back calls, the CUDA-graph replay and a late rank "
-                             "wait for a rerun, several GPUs for a lent machine; `status()` gives that note, so "
-                             "\"fused\" under a group refuses and \"auto\" runs the all-to-all path"), _NOT),
+        _v("H100", "through its one-GPU emulator: forward and backward bit for bit EP = 1, bf16 and FP8, in one "
+                   "launch and with per-rank delays, 2,000 back-to-back calls, a CUDA-graph replay, a late rank, "
+                   "sanitizer-clean; never run on several GPUs, so \"auto\" under a group runs the all-to-all path "
+                   "and \"fused\" runs this one"), _NOT),
     Row("MXFP8 quantization (`quantize.mxfp8`; [docs/mxfp8.md](docs/mxfp8.md))",
         "bf16 / fp32 -> e4m3 with one e8m0 scale per 32, plain or in torch's blocked layout (whole or per group)",
         ("quantize.mxfp8.sm90", "quantize.mxfp8.sm100"),

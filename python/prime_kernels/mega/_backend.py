@@ -131,6 +131,13 @@ def _fused_reason(precision: str, direction: str) -> str | None:
 PEER_KEY = "mega_moe_ep_peer.bf16.sm90"
 
 
+#: Why "auto" under a group takes the all-to-all path even where the peer-memory path could run: the emulator proves
+#: the peer path's protocol and bits on one GPU, but which of the two is faster on real NVLink (and whether the peer
+#: path's reads and pushes hide under its tiles) is measured only on several GPUs.
+AUTO_PEER_REASON = ("backend='auto' under a group runs the all-to-all path until the peer-memory path is measured on "
+                    "several GPUs; backend='fused' runs it")
+
+
 def _peer_reason(precision: str, activation_clamp: float | None, num_local_experts: int | None) -> str | None:
     """None when the peer-memory path can run this expert-parallel call (the group's NVLink domain is checked when its
     buffers are made), else why not. Its forward is our fused bf16 forward (or the grouped FP8 forward pipeline) and
@@ -365,6 +372,9 @@ def choose_backend(
         return "grouped", "backend='grouped' was asked for"
     # under a group, "fused" is the peer-memory path (its own entry; its backward is the one-rank pipeline's)
     peer = None if ep_size == 1 else _peer_reason(precision, activation_clamp, num_local_experts)
+    if (ep_size > 1 and backend == "auto" and peer is None and common is None
+            and _grouped_reason(precision, ep_size, activation_clamp, num_local_experts) is None):
+        peer = AUTO_PEER_REASON
     reason = common or too_many or (peer if ep_size > 1 else _fused_reason(precision, direction)
                                     or _fused.native_clamp_reason(kernel_name(precision, direction),
                                                                   activation_clamp))
