@@ -260,6 +260,89 @@ def test_auto_backend_is_passed_through(monkeypatch):
         pk_hf.apply(model, backend="fast")
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_bwd"])
+def test_precision_is_passed_through(monkeypatch, precision):
+    """apply(precision=) reaches every layer call with the backend; the default is bf16."""
+    model = build(9, torch.bfloat16)
+    seen = []
+    real = pk_hf.mega_moe
+
+    def spy(*a, **k):
+        seen.append((k["backend"], k["precision"]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(pk_hf, "mega_moe", spy)
+    ids = torch.randint(0, VOCAB, (1, 8))
+    pk_hf.apply(model, backend="reference")
+    model(input_ids=ids)
+    assert seen == [("reference", "bf16")] * 2
+    seen.clear()
+    pk_hf.apply(model, backend="reference", precision=precision)
+    model(input_ids=ids)
+    assert seen == [("reference", precision)] * 2
+
+
+def test_fp8_without_its_kernels_raises_the_layer_reason_at_the_first_call(monkeypatch):
+    """As for bf16: apply switches the model, and the first call under "auto" raises the layer's own reason
+    (the FP8 kernels' status on the CPU; the FP8 alignment of H and I on a GPU, this model being tiny)."""
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
+    monkeypatch.setattr(_backend, "_warned", set())
+    model = build(9, torch.bfloat16)
+    assert pk_hf.apply(model, precision="fp8") == EXPERT_NAMES
+    with pytest.raises(_backend.FusedKernelUnavailable, match="precision='fp8'"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 8)))
+
+
+@pytest.mark.parametrize("bad", ["fp16", "FP8", "mxfp8", None])
+def test_bad_precision_raises_before_the_model_is_touched(bad):
+    model = build(9, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"precision must be one of \('bf16', 'fp8', 'fp8_bwd'\)"):
+        pk_hf.apply(model, precision=bad)
+    assert model.config._experts_implementation == "eager"
+    assert not any(hasattr(m, "_prime_mega_moe_options") for m in model.modules())
+    pk_hf.apply(model, backend="reference", precision="fp8")  # a switched model keeps its options too
+    with pytest.raises(ValueError, match="precision must be one of"):
+        pk_hf.apply(model, backend="grouped", precision=bad)
+    assert {m._prime_mega_moe_options["precision"] for m in model.modules()
+            if hasattr(m, "_prime_mega_moe_options")} == {"fp8"}
+
+
+def test_fp8_precisions_change_the_numerics_where_they_should():
+    """On the reference (the recipe's emulation): "fp8" moves the logits by the FP8 rounding and no more, "fp8_bwd"
+    keeps the bf16 forward bit for bit and quantizes the backward only."""
+    base = build(5, torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(7))
+    runs = {}
+    for precision in ("bf16", "fp8", "fp8_bwd"):
+        model = copy.deepcopy(base)
+        pk_hf.apply(model, backend="reference", precision=precision)
+        runs[precision] = forward_backward(model, ids)
+    (lb, sb, gb), (l8, s8, g8), (lw, sw, gw) = runs["bf16"], runs["fp8"], runs["fp8_bwd"]
+    assert 1e-3 < rel_err(l8, lb) < 0.15 and abs(s8.item() - sb.item()) < 5e-3 * abs(sb.item())
+    assert torch.equal(lw, lb) and torch.equal(sw, sb)
+    for n in (f"{e}.{w}" for e in EXPERT_NAMES for w in ("gate_up_proj", "down_proj")):
+        assert 1e-3 < rel_err(gw[n], gb[n]) < 0.2, n
+        assert 1e-3 < rel_err(g8[n], gb[n]) < 0.3, n
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_fp8_weights_are_quantized_again_after_a_fused_adamw_step(precision):
+    """The layer caches each weight's FP8 copy keyed on its version counter, which torch's fused AdamW does not bump:
+    after fused steps the model must compute exactly what a copy with never-quantized parameters computes (the
+    version bump after each step is what makes it; without it the logits moved by 0.9 here)."""
+    model = build(5, torch.bfloat16)
+    pk_hf.apply(model, backend="reference", precision=precision)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    g = torch.Generator().manual_seed(8)
+    for _ in range(2):
+        step(model, opt, torch.randint(0, VOCAB, (2, 16), generator=g))
+    fresh = copy.deepcopy(model)  # new parameter objects: their FP8 copies are made now
+    ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+    (lo, so, go), (lf, sf, gf) = forward_backward(model, ids), forward_backward(fresh, ids)
+    assert torch.equal(lo, lf) and torch.equal(so, sf)
+    assert all(torch.equal(go[n], gf[n]) for n in go if go[n] is not None), precision
+
+
 # ------------------------------------------------------------------------------------------------
 # Unsupported layouts raise and switch nothing
 # ------------------------------------------------------------------------------------------------

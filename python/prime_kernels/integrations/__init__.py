@@ -14,6 +14,9 @@ Backend choice: every entry point takes ``backend=`` (one of ``prime_kernels.meg
 follow :mod:`prime_kernels.mega._backend`: under "auto" the fused kernels as soon as
 ``prime_kernels.status()`` reports them, else the grouped-GEMM pipeline where it runs (CUDA, bf16, one
 rank), else the reference only where ``PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK=1`` allows it.
+
+Precision: the transformers integration's ``apply`` also takes ``precision=`` (``_common.PRECISIONS``: "bf16",
+"fp8", "fp8_bwd"), passed to every layer call the same way.
 """
 
 from ._common import UnsupportedLayerError

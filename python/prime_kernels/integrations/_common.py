@@ -13,10 +13,24 @@ class UnsupportedLayerError(ValueError):
     The message names the layer and what is missing; nothing was switched when it is raised."""
 
 
+#: The precisions an integration may pass to the layer: bf16, and the blockwise FP8 recipe of the Hopper kernels for
+#: the forward and backward ("fp8") or the backward alone ("fp8_bwd"). The layer's "mxfp8" (a forward on sm_100 only)
+#: is not offered until an integration is tested with it.
+PRECISIONS = ("bf16", "fp8", "fp8_bwd")
+#: The ones whose weights the layer quantizes into its FP8 weight cache.
+FP8_PRECISIONS = ("fp8", "fp8_bwd")
+
+
 def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"prime_kernels.integrations: backend must be one of {BACKENDS}, got {backend!r}")
     return backend
+
+
+def check_precision(precision: str) -> str:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"prime_kernels.integrations: precision must be one of {PRECISIONS}, got {precision!r}")
+    return precision
 
 
 def compute_dtypes(x_dtype: torch.dtype):

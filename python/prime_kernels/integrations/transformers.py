@@ -11,7 +11,8 @@ Usage::
 
     import prime_kernels.integrations.transformers as pk_hf
     switched = pk_hf.apply(model)              # backend="auto"; returns the module names it switched
-    # or, at load time (after the import above):
+    pk_hf.apply(model, precision="fp8")        # the blockwise FP8 forward and backward (or "fp8_bwd")
+    # or, at load time (after the import above; bf16):
     model = AutoModelForCausalLM.from_pretrained(..., experts_implementation="prime_mega_moe")
 
 Mapping onto :func:`prime_kernels.mega.mega_moe`:
@@ -27,6 +28,20 @@ Mapping onto :func:`prime_kernels.mega.mega_moe`:
   local ids, with off-rank routes marked by the sentinel id ``num_experts`` (weight 0): those
   become ``-1`` (masked) routes here.
 
+Precision (``apply(..., precision=)``, passed to every call): "bf16" (default); "fp8", the blockwise e4m3 recipe
+(1x128 activation and gradient scales, 128x128 weight tiles; docs/fp8.md) in the forward and the backward; "fp8_bwd",
+the bf16 forward with that backward. The model keeps its bf16 parameters and the optimizer steps them as before: the
+layer quantizes each weight itself and keeps the FP8 copy in its weight cache (``prime_kernels.mega.fp8.WEIGHT_CACHE``)
+keyed on the parameter's version counter, so a weight is quantized once per optimizer step, the recomputed forward of
+activation checkpointing and every micro-batch of the step included. Keep the parameters in bf16: fp32 ones are cast
+on every call, and the cast copy is quantized again each time. torch's fused optimizers (``AdamW(fused=True)``) update
+parameters in place without bumping that counter, so after every optimizer step (a global
+``register_optimizer_step_post_hook``, installed at the first FP8 call) the counters of the FP8 experts' weights the
+optimizer holds are bumped, which a non-fused optimizer does itself; a weight changed through ``.data`` needs
+``WEIGHT_CACHE.clear()``. FP8 needs H and I multiples of 128 on the kernel backends. Where the FP8 kernels cannot run
+(no sm90 GPU), ``apply`` still switches the model and the first call raises the layer's reason, as for bf16;
+``backend="reference"`` runs the recipe's emulation on any device.
+
 Supported: gated SiLU experts (``act_fn`` SiLU, transformers' default gate function), concatenated
 ``[gate; up]`` layout, non-transposed weights, no biases, no post-expert norm. Anything else raises
 :class:`~prime_kernels.integrations.UnsupportedLayerError` naming the module and what is missing.
@@ -36,13 +51,39 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..mega import mega_moe
-from ._common import UnsupportedLayerError, check_backend, compute_dtypes, fail
+from ._common import FP8_PRECISIONS, PRECISIONS, UnsupportedLayerError, check_backend, check_precision, \
+    compute_dtypes, fail
 
 NAME = "prime_mega_moe"
 _OPTIONS_ATTR = "_prime_mega_moe_options"
 _CHECKED_ATTR = "_prime_mega_moe_checked"
+
+# The expert weights an FP8 call has quantized (weakly held, by identity: a tensor's == is elementwise).
+_FP8_WEIGHTS = WeakIdKeyDictionary()
+_step_hook = None
+
+
+def _bump_fp8_weight_versions(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """After an optimizer step: bump the version counter of every FP8 expert weight the optimizer holds, so that the
+    layer's FP8 weight cache quantizes it again (a fused optimizer's in-place update leaves the counter as it was,
+    and the cache would keep serving the weight's FP8 copy from before the step)."""
+    if not _FP8_WEIGHTS:
+        return
+    held = [p for group in optimizer.param_groups for p in group["params"] if p in _FP8_WEIGHTS]
+    if held:
+        torch.autograd.graph.increment_version(held)
+
+
+def _track_fp8_weights(*weights: torch.Tensor) -> None:
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_bump_fp8_weight_versions)
+    for w in weights:
+        _FP8_WEIGHTS[w] = True
 
 
 def _hf_moe():
@@ -139,12 +180,14 @@ def mega_moe_experts_forward(
 ) -> torch.Tensor:
     """The ``"prime_mega_moe"`` experts implementation (transformers' experts-interface signature).
 
-    Uses the options :func:`apply` stored on the module (``backend``), else ``backend="auto"``."""
+    Uses the options :func:`apply` stored on the module (``backend``, ``precision``), else ``backend="auto"`` and
+    ``precision="bf16"``."""
     if not getattr(self, _CHECKED_ATTR, False):
         check_experts_module(self)
         setattr(self, _CHECKED_ATTR, True)
     opts = getattr(self, _OPTIONS_ATTR, None) or {}
     backend = opts.get("backend", "auto")
+    precision = opts.get("precision", "bf16")
     where = type(self).__name__
     w13 = _local(self.gate_up_proj, where)
     w2 = _local(self.down_proj, where)
@@ -154,8 +197,10 @@ def mega_moe_experts_forward(
     if getattr(self, "_is_expert_parallel", False):
         # transformers' EP marks routes to other ranks' experts with local id >= num_experts (weight 0)
         idx = torch.where(idx >= E, torch.full_like(idx, -1), idx)
+    if precision in FP8_PRECISIONS:
+        _track_fp8_weights(w13, w2)
     y = mega_moe(hidden_states.to(io), idx, top_k_weights.to(wdt), w13.to(io), w2.to(io),
-                 backend=backend, num_experts=E)
+                 backend=backend, precision=precision, num_experts=E)
     return y.to(hidden_states.dtype)
 
 
@@ -175,7 +220,7 @@ def _named_candidates(model: nn.Module):
             yield name, m
 
 
-def apply(model: nn.Module, backend: str = "auto") -> list[str]:
+def apply(model: nn.Module, backend: str = "auto", precision: str = "bf16") -> list[str]:
     """Switch every experts module of ``model`` to the ``"prime_mega_moe"`` implementation.
 
     Args:
@@ -185,12 +230,18 @@ def apply(model: nn.Module, backend: str = "auto") -> list[str]:
         the grouped-GEMM pipeline where it runs, else the reference only with
         ``PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK=1``), or "fused", "grouped", "reference"; passed to
         :func:`prime_kernels.mega.mega_moe` on every call.
+      precision: "bf16" (default), "fp8" (blockwise FP8 forward and backward) or "fp8_bwd" (bf16 forward,
+        FP8 backward); passed to :func:`prime_kernels.mega.mega_moe` on every call. The parameters stay
+        bf16 (the module docstring says how the FP8 copies are kept); where the FP8 kernels cannot run,
+        the first call raises the layer's reason.
 
-    Returns the qualified names of the experts modules switched (all of them). Raises
-    :class:`UnsupportedLayerError` naming every module that cannot be switched, before switching
-    anything, and when the model has no experts module at all.
+    Returns the qualified names of the experts modules switched (all of them). Raises ValueError for a
+    backend or precision not listed above, and :class:`UnsupportedLayerError` naming every module that
+    cannot be switched, and when the model has no experts module at all; in each case before switching
+    anything.
     """
     check_backend(backend)
+    check_precision(precision)
     register()
     found = list(_named_candidates(model))
     if not found:
@@ -207,7 +258,7 @@ def apply(model: nn.Module, backend: str = "auto") -> list[str]:
         raise UnsupportedLayerError(f"prime_kernels.integrations: {len(problems)} of {len(found)} experts modules cannot "
                                     f"run on prime_kernels.mega; nothing was switched:\n  " + "\n  ".join(problems))
     for _, m in found:
-        setattr(m, _OPTIONS_ATTR, {"backend": backend})
+        setattr(m, _OPTIONS_ATTR, {"backend": backend, "precision": precision})
         setattr(m, _CHECKED_ATTR, True)
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(NAME)
@@ -223,5 +274,5 @@ def apply(model: nn.Module, backend: str = "auto") -> list[str]:
 
 register()
 
-__all__ = ["NAME", "apply", "register", "mega_moe_experts_forward", "check_experts_module", "is_experts_module",
-           "UnsupportedLayerError"]
+__all__ = ["NAME", "PRECISIONS", "apply", "register", "mega_moe_experts_forward", "check_experts_module",
+           "is_experts_module", "UnsupportedLayerError"]
