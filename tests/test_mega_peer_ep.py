@@ -202,7 +202,8 @@ def _ep1_grouped(inputs, w13, w2, dys, precision):
     return fwd[0], grads
 
 
-FP8_CASES = [("skewed", (131, 64), 0.0), ("empty_rank4", (33, 0, 70, 128), 0.0), ("one_rank", (50, 61), 2e-4)]
+FP8_CASES = [("uniform", (40, 56), 0.0), ("skewed", (131, 64), 0.0), ("empty_rank4", (33, 0, 70, 128), 0.0),
+             ("one_rank", (50, 61), 2e-4)]
 
 
 @cuda
@@ -244,6 +245,41 @@ def test_emulated_fp8_equals_ep1_bitwise(case, tokens, delays, precision):
                            ("dW13", dw13, dw13_1[es]), ("dW2", dw2, dw2_1[es])):
             assert torch.equal(a, b), f"rank {r}: {what} differs from EP = 1 ({precision})"
         row += T
+
+
+@cuda
+@pytest.mark.parametrize("n,slot_cols", [(256, 256), (192, 200)], ids=["wide", "narrow_strided"])
+def test_dx_gemm_pushes_its_rows_to_their_routes_bitwise(n, slot_cols):
+    """The dX GEMM whose epilogue writes each row into its source rank's slot equals the plain GEMM followed by the
+    row scatter, bit for bit: groups of 0, odd and whole-block sizes, padding rows (route -1) and rows past every
+    group going nowhere, two ranks' slot buffers NaN-filled first (a slot no row names must stay NaN)."""
+    _skip_unless_fused()
+    g = torch.Generator().manual_seed(7)
+    k, ranks, routes = 384, 2, 600
+    offsets = torch.tensor([0, 0, 300, 301, 429, 506], dtype=torch.int32)
+    m_total = 512
+    a = torch.randn(m_total, k, generator=g).to(torch.bfloat16)
+    b = (torch.randn(5, k, n, generator=g) / k ** 0.5).to(torch.bfloat16)
+    pairs = torch.randperm(ranks * routes, generator=g)[:m_total]
+    src_rank, src_route = (pairs // routes).to(torch.int32), (pairs % routes).to(torch.int32)
+    src_route[torch.rand(m_total, generator=g) < 0.1] = -1  # a plan's padding rows
+    src_route[int(offsets[-1]):] = -1                        # rows in no group
+    a, b, offsets, src_route, src_rank = (t.cuda() for t in (a, b, offsets, src_route, src_rank))
+
+    def slots():
+        return [torch.full((routes, slot_cols), float("nan"), dtype=torch.bfloat16, device="cuda")[:, :n]
+                for _ in range(ranks)]
+
+    want = slots()
+    d = torch.ops.prime_kernels.m_grouped_bf16_gemm_nn(a, b, offsets, 0)
+    torch.ops.prime_kernels.peer_rows_(d, want, src_route, src_rank, 1, False)
+    got = slots()
+    torch.ops.prime_kernels.m_grouped_bf16_gemm_nn_to_routes_(a, b, offsets, got, src_route, src_rank, 0)
+    torch.cuda.synchronize()
+    for r in range(ranks):
+        assert torch.equal(got[r].view(torch.int16), want[r].view(torch.int16)), f"rank {r}'s slots differ"
+    written = sum(int((~torch.isnan(w.float())).any(1).sum()) for w in want)
+    assert written == int((src_route >= 0).sum()), "the scatter wrote another number of slots than rows have routes"
 
 
 @cuda

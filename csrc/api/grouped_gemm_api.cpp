@@ -16,11 +16,22 @@ int current_device_is_sm90(const char* op) {
   return prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kSm90);
 }
 
-// Both m-grouped entry points: the plain GEMM and (gather) the one that gathers A's rows through a_row_index, each
-// launcher checking its own arguments.
+// Where an m-grouped GEMM's rows go when they are pushed to their routes (MGroupedGemmArgs, the fields of the name).
+struct PushRoutes {
+  void* const* slots;
+  int num_ranks;
+  int64_t ld_slots;
+  const int32_t* pool_src_route;
+  const int32_t* pool_src_rank;
+  int64_t num_routes;
+};
+
+// The m-grouped entry points: the plain GEMM, (gather) the one that gathers A's rows through a_row_index, and (push)
+// the one whose rows go to their routes; each launcher checks its own arguments.
 int m_grouped(const char* op, bool gather, const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
               const void* b, int b_k_major, int64_t ldb, int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
-              int num_groups, int64_t m_total, int64_t n, int64_t k, int num_sms, void* cuda_stream) {
+              int num_groups, int64_t m_total, int64_t n, int64_t k, int num_sms, void* cuda_stream,
+              const PushRoutes* push = nullptr) {
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90(op); rc != PK_OK) return rc;
   PK_CHECK_ARG(num_sms >= 0, "%s: num_sms = %d, must be >= 0 (0 = every SM)", op, num_sms);
@@ -43,15 +54,26 @@ int m_grouped(const char* op, bool gather, const void* a, int64_t lda, int64_t a
   args.n = n;
   args.k = k;
   args.config = &cfg;
+  if (push != nullptr) {
+    PK_CHECK_ARG(push->slots != nullptr, "%s: null push_slots", op);
+    args.push_slots = push->slots;
+    args.num_push_ranks = push->num_ranks;
+    args.ld_slots = push->ld_slots;
+    args.pool_src_route = push->pool_src_route;
+    args.pool_src_rank = push->pool_src_rank;
+    args.num_routes = push->num_routes;
+  }
   char message[512] = {0};
   const cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
-  const int rc = gather ? prime_kernels::sm90::m_grouped_bf16_gemm_gather_a(args, stream, message, sizeof(message))
-                        : prime_kernels::sm90::m_grouped_bf16_gemm(args, stream, message, sizeof(message));
+  const int rc =
+      push != nullptr ? prime_kernels::sm90::m_grouped_bf16_gemm_nn_to_routes(args, stream, message, sizeof(message))
+      : gather        ? prime_kernels::sm90::m_grouped_bf16_gemm_gather_a(args, stream, message, sizeof(message))
+                      : prime_kernels::sm90::m_grouped_bf16_gemm(args, stream, message, sizeof(message));
   return prime_kernels::api::from_status(rc, message);
 #else
   (void)gather, (void)a, (void)lda, (void)a_rows, (void)a_row_index, (void)b, (void)b_k_major, (void)ldb;
   (void)b_group_stride, (void)d, (void)ldd, (void)group_offsets, (void)num_groups, (void)m_total, (void)n, (void)k;
-  (void)num_sms, (void)cuda_stream;
+  (void)num_sms, (void)cuda_stream, (void)push;
   return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE, "%s is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a", op);
 #endif
 }
@@ -103,6 +125,16 @@ int pk_m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int b_k_ma
                            int num_groups, int64_t m_total, int64_t n, int64_t k, int num_sms, void* cuda_stream) {
   return m_grouped("m_grouped_bf16_gemm", false, a, lda, 0, nullptr, b, b_k_major, ldb, b_group_stride, d, ldd,
                    group_offsets, num_groups, m_total, n, k, num_sms, cuda_stream);
+}
+
+int pk_m_grouped_bf16_gemm_nn_to_routes(const void* a, int64_t lda, const void* b, int64_t ldb, int64_t b_group_stride,
+                                        void* const* push_slots, int num_ranks, int64_t ld_slots,
+                                        const int32_t* pool_src_route, const int32_t* pool_src_rank,
+                                        int64_t num_routes, const int32_t* group_offsets, int num_groups,
+                                        int64_t m_total, int64_t n, int64_t k, int num_sms, void* cuda_stream) {
+  const PushRoutes push{push_slots, num_ranks, ld_slots, pool_src_route, pool_src_rank, num_routes};
+  return m_grouped("m_grouped_bf16_gemm_nn_to_routes", false, a, lda, 0, nullptr, b, 0, ldb, b_group_stride, nullptr,
+                   0, group_offsets, num_groups, m_total, n, k, num_sms, cuda_stream, &push);
 }
 
 int pk_m_grouped_bf16_gemm_gather_a(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,

@@ -107,6 +107,18 @@ PK_API int pk_m_grouped_bf16_gemm(const void* a, int64_t lda, const void* b, int
                                   int num_groups, int64_t m_total, int64_t n, int64_t k, int num_sms,
                                   void* cuda_stream);
 
+// m-grouped "nn" (A [m_total, k] pooled, B [num_groups, k, n] MN-major) whose rows go to their routes in the ranks'
+// buffers instead of an output tensor: row m to push_slots[pool_src_rank[m]] + pool_src_route[m] * ld_slots (bf16,
+// 16-byte aligned; expert parallelism over peer memory: a backward's dX rows into their source ranks' combine slots,
+// written by the epilogue while the remaining tiles run). Rows whose route lies outside [0, num_routes) (a plan's
+// padding) go nowhere; pool_src_rank null: every row to rank 0; 1 <= num_ranks <= 8.
+PK_API int pk_m_grouped_bf16_gemm_nn_to_routes(const void* a, int64_t lda, const void* b, int64_t ldb,
+                                               int64_t b_group_stride, void* const* push_slots, int num_ranks,
+                                               int64_t ld_slots, const int32_t* pool_src_route,
+                                               const int32_t* pool_src_rank, int64_t num_routes,
+                                               const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                               int64_t n, int64_t k, int num_sms, void* cuda_stream);
+
 // m-grouped with A gathered: pool row r reads row a_row_index[r] of A [a_rows, k] (-1 reads zeros; another index
 // outside [0, a_rows) reads zeros too and is a device finding), so a token gather needs no materialised copy. D is
 // [m_total, n].

@@ -8,6 +8,7 @@
 #include <cstdarg>
 #include <cstdio>
 
+#include "common/ep_signal.hpp"
 #include "host_utils.hpp"
 #include "k_grouped_gemm.cuh"
 #include "m_grouped_gemm.cuh"
@@ -20,11 +21,13 @@ using namespace host;
 
 namespace {
 
-template <int kBlockN, int kNumStages, bool kBKMajor, bool kGatherA, bool kSwiGLU = false, bool kMaskedH = false>
+template <int kBlockN, int kNumStages, bool kBKMajor, bool kGatherA, bool kSwiGLU = false, bool kMaskedH = false,
+          bool kPushRoutes = false>
 int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& md, const MGroupedParams& p,
                      int64_t max_units,
                      int sms, cudaStream_t stream, char* err, size_t err_len) {
-  constexpr auto kernel = &m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kGatherA, kSwiGLU, kMaskedH>;
+  constexpr auto kernel =
+      &m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kGatherA, kSwiGLU, kMaskedH, kPushRoutes>;
   constexpr int smem = MGroupedLayout<kBlockN, kNumStages>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
@@ -74,6 +77,7 @@ int m_grouped_impl(const MGroupedGemmArgs& args, cudaStream_t stream, char* err,
   const int64_t m_total = args.m_total, n = args.n, k = args.k;
   const GroupedGemmConfig* config = args.config;
   const bool gather = a_row_index != nullptr;
+  const bool push = args.push_slots != nullptr;
   if (int r = check_num_groups(num_groups, fn, err, err_len)) return r;
   if (m_total < 0 || m_total > kMaxDim || n < 8 || n > kMaxDim || k < 0 || k > kMaxDim)
     return fail(kGemmInvalidArgument, err, err_len, "%s: bad sizes m_total=%lld n=%lld k=%lld", fn,
@@ -81,13 +85,31 @@ int m_grouped_impl(const MGroupedGemmArgs& args, cudaStream_t stream, char* err,
   if (n % 8 != 0 || k % 8 != 0)
     return fail(kGemmInvalidArgument, err, err_len, "%s: n (%lld) and k (%lld) must be multiples of 8", fn,
                 (long long)n, (long long)k);
-  if (ldd < n || ldd % 8 != 0)
+  if (push) {
+    static_assert(kMaxPushRanks == common::kEpMaxRanks, "one bound on the ranks of expert parallelism");
+    if (d != nullptr || b_k_major || gather)
+      return fail(kGemmInvalidArgument, err, err_len, "%s: pushing rows to routes takes d null, B MN-major, A pooled",
+                  fn);
+    if (args.num_push_ranks < 1 || args.num_push_ranks > kMaxPushRanks)
+      return fail(kGemmInvalidArgument, err, err_len, "%s: num_push_ranks = %d, must be in [1, %d]", fn,
+                  args.num_push_ranks, kMaxPushRanks);
+    if (args.ld_slots < n || args.ld_slots % 8 != 0 || args.num_routes < 0 || args.num_routes > kMaxDim)
+      return fail(kGemmInvalidArgument, err, err_len,
+                  "%s: ld_slots = %lld (must be >= n and a multiple of 8), num_routes = %lld (must be in [0, 2^31))",
+                  fn, (long long)args.ld_slots, (long long)args.num_routes);
+    for (int r = 0; r < args.num_push_ranks; ++r)
+      if (args.push_slots[r] == nullptr || !aligned16(args.push_slots[r]))
+        return fail(kGemmInvalidArgument, err, err_len, "%s: push_slots[%d] is null or not 16-byte aligned", fn, r);
+    if (m_total > 0 && args.pool_src_route == nullptr)
+      return fail(kGemmInvalidArgument, err, err_len, "%s: null pool_src_route", fn);
+  } else if (ldd < n || ldd % 8 != 0) {
     return fail(kGemmInvalidArgument, err, err_len, "%s: ldd = %lld, must be >= n and a multiple of 8", fn,
                 (long long)ldd);
+  }
   if (m_total == 0) return kGemmOk;
-  if (group_offsets == nullptr || d == nullptr)
+  if (group_offsets == nullptr || (d == nullptr && !push))
     return fail(kGemmInvalidArgument, err, err_len, "%s: null group_offsets or d", fn);
-  if (!aligned16(d)) return fail(kGemmInvalidArgument, err, err_len, "%s: d must be 16-byte aligned", fn);
+  if (!push && !aligned16(d)) return fail(kGemmInvalidArgument, err, err_len, "%s: d must be 16-byte aligned", fn);
   if (k > 0) {
     if (a == nullptr || b == nullptr) return fail(kGemmInvalidArgument, err, err_len, "%s: null a or b", fn);
     if (!aligned16(a) || !aligned16(b))
@@ -119,8 +141,9 @@ int m_grouped_impl(const MGroupedGemmArgs& args, cudaStream_t stream, char* err,
   if (cfg.num_sms > 0 && cfg.num_sms < sms) sms = cfg.num_sms;
 
   // k == 0: maps over a dummy 64-wide K extent that is never loaded (no k-blocks).
-  const void* a_ptr = k > 0 ? a : d;
-  const void* b_ptr = k > 0 ? b : d;
+  const void* dummy = push ? args.push_slots[0] : d;
+  const void* a_ptr = k > 0 ? a : dummy;
+  const void* b_ptr = k > 0 ? b : dummy;
   const int64_t kk = k > 0 ? k : 64;
   const int64_t lda_ = k > 0 ? lda : 64;
   CUtensorMap ma, mb;
@@ -148,8 +171,8 @@ int m_grouped_impl(const MGroupedGemmArgs& args, cudaStream_t stream, char* err,
     }
   }
   if (gather) ma = mb;  // unused by the cp.async gathering kernel
-  CUtensorMap md = mb;    // output map: 64 x 64 boxes, clipped at [m_total, n]
-  {
+  CUtensorMap md = mb;    // output map: 64 x 64 boxes, clipped at [m_total, n] (unused when the rows are pushed)
+  if (!push) {
     const uint64_t dims[2] = {(uint64_t)n, (uint64_t)m_total};
     const uint64_t strides[1] = {(uint64_t)ldd * 2};
     const uint32_t box[2] = {64, 64};
@@ -174,6 +197,19 @@ int m_grouped_impl(const MGroupedGemmArgs& args, cudaStream_t stream, char* err,
   p.clamp = 0.f;
   const int64_t n_blocks = (n + cfg.block_n - 1) / cfg.block_n;
   const int64_t max_units = max_m_blocks(m_total, num_groups) * n_blocks;
+  if (push) {
+    for (int r = 0; r < args.num_push_ranks; ++r) p.push_slots[r] = static_cast<__nv_bfloat16*>(args.push_slots[r]);
+    p.num_push_ranks = args.num_push_ranks;
+    p.ld_slots = args.ld_slots;
+    p.pool_src_route = args.pool_src_route;
+    p.pool_src_rank = args.pool_src_rank;
+    p.num_routes = static_cast<int32_t>(args.num_routes);
+    if (cfg.block_n == 256)
+      return launch_m_grouped<256, 3, false, false, false, false, true>(ma, mb, md, p, max_units, sms, stream, err,
+                                                                        err_len);
+    return launch_m_grouped<128, 5, false, false, false, false, true>(ma, mb, md, p, max_units, sms, stream, err,
+                                                                      err_len);
+  }
 #define PK_M_LAUNCH2(BN, ST, GA)                                                                                 \
   return b_k_major ? launch_m_grouped<BN, ST, true, GA>(ma, mb, md, p, max_units, sms, stream, err, err_len) \
                    : launch_m_grouped<BN, ST, false, GA>(ma, mb, md, p, max_units, sms, stream, err, err_len)
@@ -189,8 +225,18 @@ int m_grouped_impl(const MGroupedGemmArgs& args, cudaStream_t stream, char* err,
 }
 }  // namespace
 
+int m_grouped_bf16_gemm_nn_to_routes(const MGroupedGemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
+  clear_err(err, err_len);
+  if (args.push_slots == nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "m_grouped_bf16_gemm_nn_to_routes: null push_slots");
+  return m_grouped_impl(args, stream, err, err_len, "m_grouped_bf16_gemm_nn_to_routes");
+}
+
 int m_grouped_bf16_gemm(const MGroupedGemmArgs& args, cudaStream_t stream, char* err, size_t err_len) {
   clear_err(err, err_len);
+  if (args.push_slots != nullptr)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "m_grouped_bf16_gemm: push_slots must be null (m_grouped_bf16_gemm_nn_to_routes pushes)");
   // a set row index would silently turn this into the gather; the caller asks for that by name
   if (args.a_row_index != nullptr)
     return fail(kGemmInvalidArgument, err, err_len,
@@ -202,6 +248,8 @@ int m_grouped_bf16_gemm_gather_a(const MGroupedGemmArgs& args, cudaStream_t stre
   clear_err(err, err_len);
   if (args.a_row_index == nullptr && args.m_total > 0 && args.k > 0)
     return fail(kGemmInvalidArgument, err, err_len, "m_grouped_bf16_gemm_gather_a: null a_row_index");
+  if (args.push_slots != nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "m_grouped_bf16_gemm_gather_a: push_slots must be null");
   return m_grouped_impl(args, stream, err, err_len, "m_grouped_bf16_gemm_gather_a");
 }
 

@@ -62,9 +62,22 @@ struct MGroupedGemmArgs {
   int64_t k = 0;
   // null = gemm_heuristics' choice; else an instantiated (block_n, num_stages) pair with async_epilogue 1
   const GroupedGemmConfig* config = nullptr;
+  // m_grouped_bf16_gemm_nn_to_routes only (d null then): row m of the product goes to its source rank's route row,
+  // push_slots[pool_src_rank[m]] + pool_src_route[m] * ld_slots (bf16, 16-byte aligned, ld_slots >= n and % 8 == 0),
+  // instead of d: expert parallelism over peer memory, a backward's dX rows written into the ranks' combine slots by
+  // the GEMM's epilogue while its remaining tiles run. Rows whose route lies outside [0, num_routes) (a plan's
+  // padding) go nowhere; pool_src_rank may be null (every row to rank 0); 1 <= num_push_ranks <= 8.
+  void* const* push_slots = nullptr;
+  int num_push_ranks = 0;
+  int64_t ld_slots = 0;
+  const int32_t* pool_src_route = nullptr;
+  const int32_t* pool_src_rank = nullptr;
+  int64_t num_routes = 0;
 };
 
 int m_grouped_bf16_gemm(const MGroupedGemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
+// B MN-major ("nn"), A pooled (not gathered), the rows pushed to their routes (push_slots ... num_routes) and d null.
+int m_grouped_bf16_gemm_nn_to_routes(const MGroupedGemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
 // a_row_index is required (unless m_total or k is 0).
 int m_grouped_bf16_gemm_gather_a(const MGroupedGemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
 

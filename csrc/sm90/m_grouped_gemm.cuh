@@ -56,6 +56,9 @@
 namespace prime_kernels {
 namespace sm90 {
 
+// The most ranks an m-grouped GEMM pushes its rows to (= common::kEpMaxRanks, checked on the host).
+constexpr int kMaxPushRanks = 8;
+
 struct MGroupedParams {
   // L2 cache hints (kGemmL2Hints in gemm_heuristics.hpp): bit 0: the outputs' TMA stores (d, dh, aw) evict_first;
   // bit 3: the B (weight) loads evict_last. A clear bit: no hint.
@@ -100,6 +103,13 @@ struct MGroupedParams {
   // so that the saved h keeps the clamp masks of the fp32 pre-activation (reference F6), as the fused forward's does.
   float clamp_below;
   float clamp_above;
+  // Pushing the rows to their routes only (kPushRoutes; expert parallelism over peer memory): row m of the product
+  // goes to push_slots[pool_src_rank[m]] + pool_src_route[m] * ld_slots instead of d (rows whose route lies outside
+  // [0, num_routes), a plan's padding, go nowhere; ranks are clamped to [0, num_push_ranks)).
+  __nv_bfloat16* push_slots[kMaxPushRanks];
+  int32_t num_push_ranks;
+  int64_t ld_slots;
+  const int32_t* pool_src_rank;
 };
 
 template <int kBlockN, int kNumStages>
@@ -116,7 +126,8 @@ struct MGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
   static_assert(kBlockN % 128 == 0 && kBlockN <= 256, "kBlockN must be 128 or 256");
 };
 
-template <int kBlockN, int kNumStages, bool kBKMajor, bool kGatherA, bool kSwiGLU = false, bool kMaskedH = false>
+template <int kBlockN, int kNumStages, bool kBKMajor, bool kGatherA, bool kSwiGLU = false, bool kMaskedH = false,
+          bool kPushRoutes = false>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                                const __grid_constant__ CUtensorMap tmap_b,
@@ -129,6 +140,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   using Mma = ptx::WgmmaBf16<kBlockN, 0, kBKMajor ? 0 : 1>;
   static_assert(!kSwiGLU || kBKMajor, "SwiGLU: K-major B");
   static_assert(!kMaskedH || kSwiGLU, "the clamp masks are the SwiGLU epilogue's");
+  static_assert(!kPushRoutes || (!kSwiGLU && !kGatherA), "rows are pushed by the plain epilogue of a pooled A");
   constexpr int kTileCols = kSwiGLU ? kBlockN / 2 : kBlockN;  // output columns per n-block (s columns)
   constexpr int kGatherWarps = 4;
   // The gathering producer warp needs more registers; the split keeps 128 * P + 256 * C = 384 * 168.
@@ -338,6 +350,19 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             }
           }
           store_swiglu_from_acc<kBlockN>(acc, wg_tid, p.s, p.lds, hrow0, w.row_end, w.n0, p.n, p.clamp);
+        }
+      } else if constexpr (kPushRoutes) {
+        if (active) {
+          // The rows go to other ranks' memory, row by row, so through the staging half by the warpgroup's threads
+          // (a TMA store writes one tensor's boxes); the first barrier keeps the previous tile's copy from reading
+          // what this one writes.
+          const int hrow0 = w.row0 + 64 * wg;
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          write_acc_to_swizzled_staging<kBlockN>(acc, stg_half, wg_tid);
+          ptx::named_bar_sync(kBarEpilogueWg0 + wg, 128);
+          copy_swizzled_half_to_routes<kBlockN>(stg_half, wg_tid, min(w.row_end - hrow0, 64), p.pool_src_route,
+                                                p.pool_src_rank, p.num_routes, p.push_slots, p.num_push_ranks,
+                                                p.ld_slots, hrow0, w.n0, p.n);
         }
       } else {
         if (active)

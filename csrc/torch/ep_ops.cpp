@@ -7,6 +7,8 @@
 //     ([m_total, 2I] with save_h, else [0, 2I]) and x_pool (the dispatched rows, [m_total, H]: the backward's operand
 //     of dW13); s is a temporary.
 //   peer_rows_(pool, peers, src_route, src_rank, route_divisor, gather): csrc/common/peer_rows.hpp over tensors.
+//   m_grouped_bf16_gemm_nn_to_routes_(a, b, group_offsets, slots, pool_src_route, pool_src_rank, num_sms): the
+//     m-grouped "nn" GEMM whose rows go to their source ranks' slots (pk_m_grouped_bf16_gemm_nn_to_routes).
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
@@ -194,6 +196,46 @@ void peer_rows_(Tensor pool, std::vector<Tensor> peers, Tensor src_route, Tensor
              op);
 }
 
+// dX rows of a rank's pool straight into their source ranks' combine slots: a [m_total, k] @ b_g [k, n] per group,
+// row m to slots[pool_src_rank[m]] at row pool_src_route[m] (slots: every rank's [>= num_routes, n] bf16 buffer,
+// the same rows and stride on every rank).
+void m_grouped_bf16_gemm_nn_to_routes_(Tensor a, Tensor b, Tensor group_offsets, std::vector<Tensor> slots,
+                                       Tensor pool_src_route, Tensor pool_src_rank, int64_t num_sms) {
+  const char* op = "m_grouped_bf16_gemm_nn_to_routes_";
+  const int sms = check_num_sms(num_sms, op);
+  check_bf16_cuda(a, op, "a", 2);
+  check_bf16_cuda(b, op, "b", 3);
+  check_same_device(b, a, op, "b");
+  const int32_t num_groups = check_offsets(group_offsets, a, op);
+  STD_TORCH_CHECK(b.size(0) == num_groups && b.size(1) == a.size(1), "prime_kernels.", op, ": b must be [",
+                  num_groups, ", ", a.size(1), ", n] (a group per offset, a's K rows)");
+  const int64_t n = b.size(2);
+  const int64_t num_ranks = static_cast<int64_t>(slots.size());
+  STD_TORCH_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "prime_kernels.", op, ": ", num_ranks,
+                  " slot buffers, must be 1..", kMaxRanks);
+  check_int32_vector(pool_src_route, a, op, "pool_src_route");
+  check_int32_vector(pool_src_rank, a, op, "pool_src_rank");
+  STD_TORCH_CHECK(pool_src_route.size(0) >= a.size(0) && pool_src_rank.size(0) >= a.size(0), "prime_kernels.", op,
+                  ": pool_src_route and pool_src_rank need an entry per row of a");
+  void* ptrs[kMaxRanks];
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    check_bf16_cuda(slots[r], op, "slots", 2);
+    check_same_device(slots[r], a, op, "slots");
+    STD_TORCH_CHECK(slots[r].size(1) == n && slots[r].size(0) == slots[0].size(0) &&
+                        slots[r].stride(0) == slots[0].stride(0),
+                    "prime_kernels.", op, ": every slot buffer must be [rows, ", n, "] with the same rows and stride");
+    ptrs[r] = slots[r].data_ptr();
+  }
+  torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
+  check_core(pk_m_grouped_bf16_gemm_nn_to_routes(
+                 a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(1), b.stride(0), ptrs, static_cast<int>(num_ranks),
+                 slots[0].size(0) > 1 ? slots[0].stride(0) : n, static_cast<const int32_t*>(pool_src_route.data_ptr()),
+                 static_cast<const int32_t*>(pool_src_rank.data_ptr()), slots[0].size(0),
+                 static_cast<const int32_t*>(group_offsets.data_ptr()), num_groups, a.size(0), n, a.size(1), sms,
+                 current_cuda_stream(a.get_device_index())),
+             op);
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
@@ -203,10 +245,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
         "float clamp=0.0, int num_sms=0) -> (Tensor[] h, Tensor[] x_pool)");
   m.def("peer_rows_(Tensor(a!) pool, Tensor(b!)[] peers, Tensor src_route, Tensor src_rank, int route_divisor, "
         "bool gather) -> ()");
+  m.def("m_grouped_bf16_gemm_nn_to_routes_(Tensor a, Tensor b, Tensor group_offsets, Tensor(a!)[] slots, "
+        "Tensor pool_src_route, Tensor pool_src_rank, int num_sms=0) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("ep_barrier_", TORCH_BOX(&ep_barrier_));
   m.impl("mega_moe_fused_fwd_ranks", TORCH_BOX(&mega_moe_fused_fwd_ranks));
   m.impl("peer_rows_", TORCH_BOX(&peer_rows_));
+  m.impl("m_grouped_bf16_gemm_nn_to_routes_", TORCH_BOX(&m_grouped_bf16_gemm_nn_to_routes_));
 }

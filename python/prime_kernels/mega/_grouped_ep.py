@@ -185,9 +185,11 @@ def _add_wgrad(dy_pool, a, dh, x_pool, offsets, need_wgrad, dw13_accum, dw2_accu
 
 
 def _local_backward_bf16(dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offsets, routes, *, recompute, clamp,
-                         sms):
+                         sms, dx_to_slots=None):
     """The bf16 backward on the pool: (dx rows [capacity, H] bf16, d topk_weights rows [capacity] fp32, the
-    weight-gradient operands (dy_pool, w * s, dh, x_pool))."""
+    weight-gradient operands (dy_pool, w * s, dh, x_pool)). ``dx_to_slots`` (slots, pool_src_route, pool_src_rank):
+    the dX GEMM's epilogue writes each row into its source rank's slot instead (expert parallelism over peer memory),
+    and the dx rows returned are None."""
     capacity = routes.shape[0]
     h = h_saved
     if recompute:  # the one-rank backward's recompute, on the pooled rows
@@ -195,6 +197,11 @@ def _local_backward_bf16(dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offs
     dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, offsets, h, routes, w_pool, clamp=clamp, num_sms=sms)
     del h
     dt_rows = torch.sum(dt_part, 1)  # the one-rank backward's sum of the same partials, in column order
+    if dx_to_slots is not None:
+        slots, src_route, src_rank = dx_to_slots
+        torch.ops.prime_kernels.m_grouped_bf16_gemm_nn_to_routes_(dh, w13, offsets, slots, src_route, src_rank,
+                                                                  sms or 0)
+        return None, dt_rows, (dy_pool, a, dh, x_pool)
     dx_rows = m_grouped_bf16_gemm_nn(dh, w13, offsets, num_sms=sms)
     return dx_rows, dt_rows, (dy_pool, a, dh, x_pool)
 

@@ -303,13 +303,16 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
                     want_wgrad=want_w, need_wgrad=need_wgrad, dw13_accum=a13, dw2_accum=a2, fp8_recipe=None,
                     weight_cache=None)
         else:  # the one-rank layer's bf16 backward: the grouped pipeline of our kernels (the fused one is withheld)
+            # dX rows leave the dX GEMM's epilogue for their source ranks' slots while its remaining tiles run
             dx_pool, dt_pool, operands = _grouped_ep._local_backward_bf16(
                 dy_pool, w_pool, x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route, recompute=recompute,
-                clamp=clamp, sms=sms)
+                clamp=clamp, sms=sms, dx_to_slots=([b.slots for b in buffers], sv.src_route, sv.src_rank))
             wgrads = (_bind(_grouped_ep._add_wgrad, *operands, sv.offsets, need_wgrad, a13, a2, w13[i], w2[i], sms)
                       if want_w else lambda: (None, None))
             del operands
-        torch.ops.prime_kernels.peer_rows_(dx_pool, [b.slots for b in buffers], sv.src_route, sv.src_rank, 1, False)
+        if dx_pool is not None:  # the FP8 backward's dX rows: moved by a kernel of their own
+            torch.ops.prime_kernels.peer_rows_(dx_pool, [b.slots for b in buffers], sv.src_route, sv.src_rank, 1,
+                                               False)
         torch.ops.prime_kernels.peer_rows_(dt_pool, [b.dt_slots for b in buffers], sv.src_route, sv.src_rank, 1,
                                            False)
         later.append(wgrads)
