@@ -28,6 +28,15 @@ variant builds its model and loads that copy) on the same seeded token batches:
 * ``prime_mega_moe``: ours, switched in with ``prime_kernels.integrations.transformers.apply(model, backend)``
   (``--backend``: "auto" on a GPU; the package has no kernels without one and refuses "auto" there, so the CPU
   runs the pure-PyTorch "reference" backend).
+* ``prime_mega_moe_fp8`` and ``prime_mega_moe_fp8_bwd``: ours through ``apply(model, backend, precision="fp8")``
+  (the blockwise FP8 forward and backward, docs/fp8.md) and ``precision="fp8_bwd"`` (bf16 forward, FP8 backward).
+  The parameters, gradients and AdamW stay bf16 as in every run: the layer quantizes the expert weights itself, once
+  per optimizer step. Where the layer cannot run that precision with ``--backend`` on this device and shape (no
+  sm90 GPU, H or I not multiples of 128, or "auto" only by falling back to the reference), the variant is recorded
+  as skipped with the layer's reason. On the CPU (reference backend) they run the recipe's emulation. transformers
+  has no FP8 training path for its MoE experts (checked in 5.24.0: its finegrained-FP8 experts hold frozen FP8
+  weights that take no gradient, for inference and adapters), so these rows too are compared with ``grouped_mm``,
+  its bf16 experts; the results JSON says so (``fp8_baseline``).
 * ``sonicmoe``: transformers' SonicMoE experts implementation, where its kernel loads (it needs the ``kernels``
   package, a Hopper GPU and a hub build); otherwise the variant is recorded as skipped with the loader's error.
 
@@ -53,13 +62,14 @@ after a step the weights differ in their last bits and a router's top-k can flip
 1e-2 bounds that drift over a few steps, while a wrong expert computation gives a different loss from the first
 step. The tokens are uniform random, so the loss stays near ln(vocab): this rule catches divergence, NaNs and gross
 errors, not small ones (tests/test_integration_transformers.py and tests/test_integration_torchtitan.py check the
-mappings exactly in float64). The script exits 1 when a variant breaks the rule (2 when ``--device cuda`` finds no
-GPU).
+mappings exactly in float64). The FP8 variants are held to a relative 1.5e-2 (FP8_PARITY_RTOL: the bf16 rule widened
+by 0.5% of the loss, as the FP8 training-parity rule widens its bf16 band). The script exits 1 when a variant breaks
+its rule (2 when ``--device cuda`` finds no GPU).
 
 Results: a table on stdout; the results JSON (``--out``, default
 bench/results/train_step_<gpu>_<date>.json) with the git sha, torch / transformers / torchtitan / CUDA versions,
 the GPU, every argument, each family's model shape (``models``; ``model``: the first family's), each run's family,
-figures and losses, the parity verdicts and the step-time ratio of every variant to its family's reference (ours /
+experts' precision, figures and losses, the parity verdicts (each with its ``rtol``) and the step-time ratio of every variant to its family's reference (ours /
 the family's own experts); and a PNG beside it (step time per run, loss curves), unless
 ``--no-plot`` or matplotlib is missing (then it says so).
 
@@ -111,12 +121,22 @@ import bench_common as bc  # noqa: E402
 import train_step_torchtitan as titan  # noqa: E402 - imports torchtitan only when its family runs
 from train_step_timer import ExpertsTimer  # noqa: E402
 
-HF_VARIANTS = ("grouped_mm", "prime_mega_moe", "sonicmoe")
+HF_VARIANTS = ("grouped_mm", "prime_mega_moe", "prime_mega_moe_fp8", "prime_mega_moe_fp8_bwd", "sonicmoe")
 REFERENCE = "grouped_mm"  # transformers' own experts: what its parity and ratios are taken against
 FAMILIES = {"transformers": HF_VARIANTS, titan.FAMILY: titan.VARIANTS}
 REFERENCES = {"transformers": REFERENCE, titan.FAMILY: titan.REFERENCE}  # each family's own experts
 VARIANTS = tuple(dict.fromkeys(v for vs in FAMILIES.values() for v in vs))  # every name, each once
+OURS = {"prime_mega_moe": "bf16", "prime_mega_moe_fp8": "fp8", "prime_mega_moe_fp8_bwd": "fp8_bwd"}  # -> precision
 PARITY_RTOL = 1e-2
+# FP8 rounding is a real change of the numerics (the FP8 layer's error against float64 is about 6.5e-2, docs/fp8.md),
+# so an FP8 run may sit a little further from the bf16 reference without a bug. 0.5% of the loss is the widening the
+# FP8 training-parity runs passed under (examples/train_parity.py, FP8_MARGIN_REL, against the bf16 band); a wrong
+# expert computation still moves the loss by far more from the first step.
+FP8_PARITY_RTOL = PARITY_RTOL + 0.005
+# What the FP8 rows are compared with, in the results.
+FP8_BASELINE = ("grouped_mm, transformers' bf16 experts: transformers has no FP8 training path for its MoE experts "
+                "(checked in 5.24.0: transformers.integrations.finegrained_fp8's experts hold frozen FP8 weights that "
+                "take no gradient, for inference and adapters)")
 
 # Qwen3-30B-A3B's decoder layer (its config.json), with a chosen number of layers
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -147,13 +167,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="full activation checkpointing of every decoder layer: off, on, or both settings in turn")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma list from {','.join(VARIANTS)}, each run in the families that have it (a family's "
-                        f"reference, {' / '.join(REFERENCES.values())}, always runs)")
+                        f"reference, {' / '.join(REFERENCES.values())}, always runs; default: all of them, those "
+                        f"this device cannot run recorded as skipped)")
     p.add_argument("--backend", default=None,
-                   help="prime_kernels backend for prime_mega_moe (default: auto on CUDA, reference on the CPU)")
+                   help=f"prime_kernels backend for {', '.join(OURS)} (default: auto on CUDA, reference on the CPU)")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the token batches")
     p.add_argument("--parity-steps", type=int, default=10,
-                   help=f"steps whose losses must agree within a relative {PARITY_RTOL:g} (default 10)")
+                   help=f"steps whose losses must agree within a relative {PARITY_RTOL:g} ({FP8_PARITY_RTOL:g} for "
+                        f"the FP8 variants; default 10)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where to train (default cuda)")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny model (hidden 128, 8 experts, top-2, vocab 256) that runs on the CPU in seconds")
@@ -256,6 +278,25 @@ def sonicmoe_skip_reason() -> str | None:
     return None
 
 
+def precision_skip_reason(precision: str, args: argparse.Namespace, device: torch.device) -> str | None:
+    """None when our layer runs ``precision`` with ``--backend`` on this device at the model's experts shape, forward
+    and backward, else the layer's reason. "auto" resolving to the reference (PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK
+    set on a device without the kernels) counts as not runnable: that would time the emulation, not the kernels."""
+    from prime_kernels.mega import _backend  # noqa: PLC0415
+
+    shape = SMOKE if args.smoke else QWEN3_30B_A3B
+    try:
+        for direction in ("fwd", "bwd"):
+            which, why = _backend.choose_backend(
+                args.backend, precision, direction, device_type=device.type, hidden=shape["hidden_size"],
+                intermediate=shape["moe_intermediate_size"], num_local_experts=shape["num_experts"])
+            if which == "reference" and args.backend != "reference":
+                return f"precision={precision!r} {direction} would run the reference fallback here: {why}"
+    except Exception as exc:  # noqa: BLE001 - the layer refuses this precision here: its reason is the record
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 # ------------------------------------------------------------------------------------------------
 # model families: how each builds, swaps, checkpoints and scores its model
 # ------------------------------------------------------------------------------------------------
@@ -269,7 +310,8 @@ class Family:
     name: str
     state: dict[str, torch.Tensor]
     build: Callable[[torch.device, str], torch.nn.Module]  # (device, variant): the model before our swap
-    swap_in_ours: Callable[[torch.nn.Module, str], None]  # (model, backend): our experts in place of its own
+    # (model, backend, precision): our experts in place of its own
+    swap_in_ours: Callable[[torch.nn.Module, str, str], None]
     enable_checkpointing: Callable[[torch.nn.Module], object]
     loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
     is_experts_module: Callable[[torch.nn.Module], bool]
@@ -283,13 +325,13 @@ def hf_family(args: argparse.Namespace, device: torch.device) -> Family:
     config = make_config(args)
 
     def build(dev: torch.device, variant: str) -> torch.nn.Module:
-        # prime_mega_moe is built as grouped_mm and swapped; the others are transformers' implementations by name
-        return build_model(config, dev, "grouped_mm" if variant == "prime_mega_moe" else variant)
+        # ours are built as grouped_mm and swapped; the others are transformers' implementations by name
+        return build_model(config, dev, "grouped_mm" if variant in OURS else variant)
 
-    def swap(model: torch.nn.Module, backend: str) -> None:
+    def swap(model: torch.nn.Module, backend: str, precision: str) -> None:
         import prime_kernels.integrations.transformers as pk_hf  # noqa: PLC0415
 
-        pk_hf.apply(model, backend=backend)
+        pk_hf.apply(model, backend=backend, precision=precision)
 
     def checkpointing(model: torch.nn.Module) -> None:
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
@@ -311,8 +353,10 @@ def titan_family(args: argparse.Namespace, device: torch.device) -> Family:
     base = titan.build_model(config, device)
     state = host_state_dict(base)
     del base
+    # the family has our bf16 experts only (titan.VARIANTS), so the precision is always "bf16" here
     return Family(name=titan.FAMILY, state=state, build=lambda dev, variant: titan.build_model(config, dev),
-                  swap_in_ours=titan.apply_ours, enable_checkpointing=titan.enable_full_ac, loss=titan.loss,
+                  swap_in_ours=lambda model, backend, precision: titan.apply_ours(model, backend),
+                  enable_checkpointing=titan.enable_full_ac, loss=titan.loss,
                   is_experts_module=titan.is_experts_module, experts_implementation=titan.experts_implementation,
                   summary=titan.summary(config, state, args.smoke))
 
@@ -345,8 +389,8 @@ def prepare_model(spec: RunSpec, fam: Family, args: argparse.Namespace, device: 
     """The variant's model with the family's shared weights, ours swapped in, checkpointing as asked."""
     model = fam.build(device, spec.variant)
     model.load_state_dict(fam.state, strict=True)
-    if spec.variant == "prime_mega_moe":
-        fam.swap_in_ours(model, args.backend)
+    if spec.variant in OURS:
+        fam.swap_in_ours(model, args.backend, OURS[spec.variant])
     if spec.checkpointing:
         fam.enable_checkpointing(model)
     model.train()
@@ -402,7 +446,8 @@ def summarize_run(spec: RunSpec, experts_impl: str, step_ms: list[float], shares
         "variant": spec.variant,
         "checkpointing": spec.checkpointing,
         "experts_implementation": experts_impl,
-        "backend": args.backend if spec.variant == "prime_mega_moe" else None,
+        "backend": args.backend if spec.variant in OURS else None,
+        "precision": OURS.get(spec.variant, "bf16"),  # the experts'; the rest of the model is bf16 in every run
         "step_ms": round(median, 3),
         "step_ms_all": [round(x, 3) for x in step_ms],
         "tokens_per_s_per_gpu": round(args.batch * args.seq / (median / 1e3), 1),
@@ -433,6 +478,10 @@ def _compared(rows: list[dict]) -> list[dict]:
     return [r for r in rows if not r.get("skipped") and r["variant"] != REFERENCES[_family(r)]]
 
 
+def parity_rtol(variant: str) -> float:
+    return PARITY_RTOL if OURS.get(variant, "bf16") == "bf16" else FP8_PARITY_RTOL
+
+
 def parity(rows: list[dict], steps: int) -> list[dict]:
     """Every timed variant's losses against its family's reference at the same checkpointing setting."""
     out = []
@@ -441,9 +490,10 @@ def parity(rows: list[dict], steps: int) -> list[dict]:
         n = min(steps, len(row["losses"]), len(ref["losses"]))
         diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(row["losses"][:n], ref["losses"][:n])]
         finite = all(math.isfinite(x) for x in row["losses"] + ref["losses"])
-        ok = finite and all(d <= PARITY_RTOL for d in diffs)
+        rtol = parity_rtol(row["variant"])
+        ok = finite and all(d <= rtol for d in diffs)
         out.append({"family": _family(row), "variant": row["variant"], "vs": ref["variant"],
-                    "checkpointing": row["checkpointing"], "steps_checked": n, "rtol": PARITY_RTOL,
+                    "checkpointing": row["checkpointing"], "steps_checked": n, "rtol": rtol,
                     "max_rel_diff": max(diffs, default=0.0), "rel_diffs": [float(f"{d:.3e}") for d in diffs],
                     "finite": finite, "ok": ok})
     return out
@@ -497,7 +547,8 @@ def header(args: argparse.Namespace, device: torch.device) -> dict:
             "torchtitan": titan.version(), "prime_kernels": prime_kernels.build_info()["version"],
             "git_sha": bc.git_sha(), "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "args": vars(args),
-            "precision": "bf16 parameters, gradients and AdamW moments (no fp32 master weights, no autocast)"}
+            "precision": "bf16 parameters, gradients and AdamW moments (no fp32 master weights, no autocast)",
+            "fp8_baseline": FP8_BASELINE}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -581,13 +632,16 @@ def load_family(name: str, args: argparse.Namespace, device: torch.device) -> tu
 
 def run_family(fam: Family, args: argparse.Namespace, device: torch.device,
                batches: list[torch.Tensor]) -> list[dict]:
-    sonic_reason = sonicmoe_skip_reason() if fam.name == "transformers" and "sonicmoe" in args.variants else None
+    variants = family_variants(fam.name, args.variants)
+    skip = {v: precision_skip_reason(OURS[v], args, device) for v in variants if OURS.get(v, "bf16") != "bf16"}
+    if "sonicmoe" in variants:
+        skip["sonicmoe"] = sonicmoe_skip_reason()
     rows = []
     for ckpt in checkpointing_settings(args.checkpointing):
-        for variant in family_variants(fam.name, args.variants):
-            if variant == "sonicmoe" and sonic_reason:
-                print(f"[train_step] skipping sonicmoe: {sonic_reason}")
-                rows.append({"family": fam.name, "variant": variant, "checkpointing": ckpt, "skipped": sonic_reason})
+        for variant in variants:
+            if skip.get(variant):
+                print(f"[train_step] skipping {variant}: {skip[variant]}")
+                rows.append({"family": fam.name, "variant": variant, "checkpointing": ckpt, "skipped": skip[variant]})
                 continue
             print(f"[train_step] {fam.name} {variant}, checkpointing {'on' if ckpt else 'off'} ...", flush=True)
             rows.append(run_variant(RunSpec(variant, ckpt, fam.name), fam, batches, args, device))
@@ -615,7 +669,7 @@ def report(doc: dict, out: Path, args: argparse.Namespace) -> None:
         if not p["ok"]:
             print(f"[train_step] PARITY FAIL: {p['family']} {p['variant']} vs {p['vs']} (checkpointing "
                   f"{'on' if p['checkpointing'] else 'off'}): max relative loss difference {p['max_rel_diff']:.3e} "
-                  f"> {PARITY_RTOL:g} over {p['steps_checked']} steps (finite: {p['finite']})")
+                  f"> {p['rtol']:g} over {p['steps_checked']} steps (finite: {p['finite']})")
 
 
 def main(argv: list[str] | None = None) -> int:

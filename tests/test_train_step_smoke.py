@@ -21,6 +21,9 @@ pytest.importorskip("transformers", minversion="5.0",
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 TITAN_IMPL = {"torchtitan_grouped_mm": "RoutedExperts(GroupedExperts)",
               "prime_mega_moe": "MegaMoERoutedExperts(MegaMoEGroupedExperts)"}
+# our FP8 variants are the same transformers experts implementation, given another precision
+HF_IMPL = {"prime_mega_moe_fp8": "prime_mega_moe", "prime_mega_moe_fp8_bwd": "prime_mega_moe"}
+FP8_VARIANTS = {"prime_mega_moe_fp8": "fp8", "prime_mega_moe_fp8_bwd": "fp8_bwd"}
 
 
 def _torchtitan_skip_reason() -> str | None:
@@ -56,7 +59,7 @@ def check_family(doc: dict, family: str, reference: str, ckpts: tuple[bool, ...]
     n_steps = doc["args"]["warmup"] + doc["args"]["steps"] + doc["args"]["share_steps"]
     layers = doc["models"][family]["layers"]
     for run in runs:
-        want_impl = run["variant"] if family == "transformers" else TITAN_IMPL[run["variant"]]
+        want_impl = TITAN_IMPL[run["variant"]] if family == "torchtitan" else HF_IMPL.get(run["variant"], run["variant"])
         assert run["experts_implementation"] == want_impl, run
         assert len(run["losses"]) == n_steps and all(math.isfinite(x) for x in run["losses"]), run
         assert run["step_ms"] > 0 and all(t > 0 for t in run["step_ms_all"]), run
@@ -89,8 +92,26 @@ def test_train_step_smoke(tmp_path):
     for run in doc["runs"]:
         if run.get("skipped") and run["family"] == "transformers":  # sonicmoe without its kernel: the reason
             assert run["variant"] == "sonicmoe" and run["skipped"], run
+    check_fp8_variants(doc, stdout, (False, True))
     assert doc["parity_ok"] is True
     assert all(x["step_ms_ratio"] > 0 for x in doc["ratios"])
+
+
+def check_fp8_variants(doc: dict, stdout: str, ckpts: tuple[bool, ...]) -> None:
+    """On the CPU our FP8 variants run the reference's emulation of the recipe (the kernels' own FP8 runs are the
+    GPU's): each at every setting, with its precision, held to the wider FP8 tolerance against grouped_mm, and the
+    baseline's lack of an FP8 path recorded."""
+    for variant, precision in FP8_VARIANTS.items():
+        runs = [r for r in doc["runs"] if r["variant"] == variant]
+        assert [r["checkpointing"] for r in runs] == list(ckpts), runs
+        assert all(not r.get("skipped") and r["precision"] == precision and r["backend"] == "reference"
+                   for r in runs), runs
+        verdicts = [p for p in doc["parity"] if p["variant"] == variant]
+        assert len(verdicts) == len(ckpts) and all(p["ok"] and p["vs"] == "grouped_mm" for p in verdicts), verdicts
+        assert all(p["rtol"] == pytest.approx(1.5e-2) for p in verdicts), verdicts
+        assert f"transformers: {variant} / grouped_mm step time" in stdout
+    assert {r["precision"] for r in doc["runs"] if r["variant"] == "prime_mega_moe"} <= {"bf16"}
+    assert "no FP8 training path" in doc["fp8_baseline"]
 
 
 def test_train_step_smoke_torchtitan(tmp_path):
@@ -158,3 +179,43 @@ def test_parity_rule_flags_divergence_and_nan():
     [titan] = ts.parity(runs([10.0, 10.0, 10.0])[:1] + titan_rows, steps=10)
     assert titan["family"] == "torchtitan" and titan["vs"] == "torchtitan_grouped_mm" and titan["ok"]
     assert abs(titan["max_rel_diff"] - 4e-3) < 1e-9
+
+
+def test_parity_rule_is_wider_for_fp8_variants():
+    """An FP8 variant may sit 1.5e-2 off the bf16 reference (FP8 rounding); the bf16 variant at the same distance
+    fails, and an FP8 one beyond it or with a NaN fails too."""
+    ts = _import_train_step()
+    ref = {"variant": "grouped_mm", "checkpointing": True, "losses": [10.0, 10.0]}
+
+    def verdict(variant, losses):
+        [p] = ts.parity([ref, {"variant": variant, "checkpointing": True, "losses": losses}], steps=10)
+        return p
+
+    assert verdict("prime_mega_moe_fp8", [10.0, 10.14])["ok"]
+    assert verdict("prime_mega_moe_fp8_bwd", [9.86, 10.0])["rtol"] == pytest.approx(1.5e-2)
+    assert not verdict("prime_mega_moe", [10.0, 10.14])["ok"]
+    assert not verdict("prime_mega_moe_fp8", [10.0, 10.16])["ok"]
+    assert not verdict("prime_mega_moe_fp8", [10.0, float("nan")])["ok"]
+
+
+def test_fp8_variant_skip_is_recorded(monkeypatch):
+    """Where the layer cannot run FP8 with --backend (here "auto" on the CPU: no FP8 kernels), each FP8 variant is a
+    skipped row carrying the layer's reason, and the other variants still run."""
+    ts = _import_train_step()
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
+    args = ts.parse_args(["--smoke", "--device", "cpu", "--backend", "auto", "--checkpointing", "both",
+                          "--variants", "grouped_mm,prime_mega_moe_fp8,prime_mega_moe_fp8_bwd"])
+    cpu = ts.torch.device("cpu")
+    reasons = {v: ts.precision_skip_reason(p, args, cpu) for v, p in FP8_VARIANTS.items()}
+    assert all(f"precision={p!r}" in reasons[v] for v, p in FP8_VARIANTS.items()), reasons
+    assert ts.precision_skip_reason("fp8", ts.parse_args(["--smoke", "--device", "cpu"]), cpu) is None  # reference
+    ran = []
+    monkeypatch.setattr(ts, "run_variant", lambda spec, *a: ran.append(spec.variant) or {
+        "family": spec.family, "variant": spec.variant, "checkpointing": spec.checkpointing})
+    fam = ts.Family(name="transformers", state={}, build=None, swap_in_ours=None, enable_checkpointing=None, loss=None,
+                    is_experts_module=None, experts_implementation=None)
+    rows = ts.run_family(fam, args, cpu, batches=[])
+    assert ran == ["grouped_mm", "grouped_mm"]
+    skipped = [(r["variant"], r["checkpointing"], r["skipped"]) for r in rows if r.get("skipped")]
+    assert skipped == [(v, ck, reasons[v]) for ck in (False, True) for v in FP8_VARIANTS]
+    assert ts.parity(rows, steps=10) == [] and ts.ratios(rows) == []
