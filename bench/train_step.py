@@ -6,6 +6,8 @@ families: transformers' ``Qwen3MoeForCausalLM`` and TorchTitan's Qwen3 MoE (``--
         --out bench/results/train_step_h200_<date>.json                  # transformers only (the default)
     python3 bench/train_step.py --model both --layers 2 --seq 4096 --batch 4 --checkpointing both \\
         --out bench/results/train_step_h200_<date>_both.json             # transformers, then TorchTitan
+    python3 bench/train_step.py --layers 9 --checkpointing both \\
+        --variants grouped_mm,prime_mega_moe,prime_mega_moe_fp8 --out ...  # our bf16 and FP8 experts only
     python3 bench/train_step.py --smoke --device cpu --model both   # the CI path: tiny models on the CPU, seconds
 
 transformers family. What one step is: ``opt.zero_grad(set_to_none=True)``,
