@@ -18,7 +18,6 @@ class UnsupportedLayerError(ValueError):
 #: is not offered until an integration is tested with it.
 PRECISIONS = ("bf16", "fp8", "fp8_bwd")
 #: The ones whose weights the layer quantizes into its FP8 weight cache.
-FP8_PRECISIONS = ("fp8", "fp8_bwd")
 
 
 def check_backend(backend: str) -> str:

@@ -32,13 +32,11 @@ Precision (``apply(..., precision=)``, passed to every call): "bf16" (default); 
 (1x128 activation and gradient scales, 128x128 weight tiles; docs/fp8.md) in the forward and the backward; "fp8_bwd",
 the bf16 forward with that backward. The model keeps its bf16 parameters and the optimizer steps them as before: the
 layer quantizes each weight itself and keeps the FP8 copy in its weight cache (``prime_kernels.mega.fp8.WEIGHT_CACHE``)
-keyed on the parameter's version counter, so a weight is quantized once per optimizer step, the recomputed forward of
-activation checkpointing and every micro-batch of the step included. Keep the parameters in bf16: fp32 ones are cast
-on every call, and the cast copy is quantized again each time. torch's fused optimizers (``AdamW(fused=True)``) update
-parameters in place without bumping that counter, so after every optimizer step (a global
-``register_optimizer_step_post_hook``, installed at the first FP8 call) the counters of the FP8 experts' weights the
-optimizer holds are bumped, which a non-fused optimizer does itself; a weight changed through ``.data`` needs
-``WEIGHT_CACHE.clear()``. FP8 needs H and I multiples of 128 on the kernel backends. Where the FP8 kernels cannot run
+keyed on the parameter's version counter and on the count of torch.optim steps (fused optimizers such as
+``AdamW(fused=True)`` leave the counter as it was), so a weight is quantized once per optimizer step, the recomputed
+forward of activation checkpointing and every micro-batch of the step included. Keep the parameters in bf16: fp32
+ones are cast on every call, and the cast copy is quantized again each time. A weight changed through ``.data``
+outside an optimizer needs ``WEIGHT_CACHE.clear()``. FP8 needs H and I multiples of 128 on the kernel backends. Where the FP8 kernels cannot run
 (no sm90 GPU), ``apply`` still switches the model and the first call raises the layer's reason, as for bf16;
 ``backend="reference"`` runs the recipe's emulation on any device.
 
@@ -51,40 +49,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..mega import mega_moe
-from ._common import FP8_PRECISIONS, PRECISIONS, UnsupportedLayerError, check_backend, check_precision, \
+from ._common import PRECISIONS, UnsupportedLayerError, check_backend, check_precision, \
     compute_dtypes, fail
 
 NAME = "prime_mega_moe"
 _OPTIONS_ATTR = "_prime_mega_moe_options"
 _CHECKED_ATTR = "_prime_mega_moe_checked"
-
-# The expert weights an FP8 call has quantized (weakly held, by identity: a tensor's == is elementwise).
-_FP8_WEIGHTS = WeakIdKeyDictionary()
-_step_hook = None
-
-
-def _bump_fp8_weight_versions(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """After an optimizer step: bump the version counter of every FP8 expert weight the optimizer holds, so that the
-    layer's FP8 weight cache quantizes it again (a fused optimizer's in-place update leaves the counter as it was,
-    and the cache would keep serving the weight's FP8 copy from before the step)."""
-    if not _FP8_WEIGHTS:
-        return
-    held = [p for group in optimizer.param_groups for p in group["params"] if p in _FP8_WEIGHTS]
-    if held:
-        torch.autograd.graph.increment_version(held)
-
-
-def _track_fp8_weights(*weights: torch.Tensor) -> None:
-    global _step_hook
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(_bump_fp8_weight_versions)
-    for w in weights:
-        _FP8_WEIGHTS[w] = True
-
 
 def _hf_moe():
     try:
@@ -197,8 +169,6 @@ def mega_moe_experts_forward(
     if getattr(self, "_is_expert_parallel", False):
         # transformers' EP marks routes to other ranks' experts with local id >= num_experts (weight 0)
         idx = torch.where(idx >= E, torch.full_like(idx, -1), idx)
-    if precision in FP8_PRECISIONS:
-        _track_fp8_weights(w13, w2)
     y = mega_moe(hidden_states.to(io), idx, top_k_weights.to(wdt), w13.to(io), w2.to(io),
                  backend=backend, precision=precision, num_experts=E)
     return y.to(hidden_states.dtype)

@@ -40,6 +40,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 E4M3 = torch.float8_e4m3fn
 #: The largest finite e4m3 (fn) value.
@@ -190,14 +191,30 @@ class QuantizedWeight:
         return self._transposed
 
 
+#: Steps taken by any torch.optim optimizer in this process (a global post-step hook counts them). torch's fused
+#: optimizers (``AdamW(fused=True)``) update the parameters without bumping their version counters, so a cache keyed
+#: on ``_version`` alone would keep serving the pre-step FP8 copy; every cached copy is made anew after any step.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(_optimizer, _args, _kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 class Fp8WeightCache:
-    """FP8 copies of weights, made once per version of the weight.
+    """FP8 copies of weights, made once per version of the weight and optimizer step.
 
     An entry is keyed on the weight tensor object (``id``) and holds its ``data_ptr``, shape, strides, dtype,
-    device, ``_version`` and the scale option; it is reused only while all of them are unchanged and the
-    object is alive. An in-place update through the tensor (``w.add_``, an optimizer step) bumps
-    ``_version`` and so invalidates the entry; an update through ``w.data`` does not (``.data`` has its own
-    version counter): call :meth:`clear` after one. An entry goes when its weight is freed.
+    device, ``_version``, the count of torch.optim steps taken in the process and the scale option; it is reused
+    only while all of them are unchanged and the object is alive. An in-place update through the tensor
+    (``w.add_``) bumps ``_version``, and any torch.optim step (fused ones included, which leave ``_version`` as it
+    was) bumps the step count, so either invalidates the entry; an update through ``w.data`` outside an optimizer
+    does neither (``.data`` has its own version counter): call :meth:`clear` after one. An entry goes when its
+    weight is freed.
     """
 
     def __init__(self):
@@ -213,7 +230,8 @@ class Fp8WeightCache:
 
     @staticmethod
     def _signature(w: torch.Tensor, pow2_scales: bool):
-        return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device, w._version, bool(pow2_scales))
+        return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device, w._version, _optimizer_steps,
+                bool(pow2_scales))
 
     def get(self, w: torch.Tensor, pow2_scales: bool = False) -> QuantizedWeight:
         key = id(w)
