@@ -26,6 +26,8 @@ def _plan_and_state(T, E, H, I, K, seed, masked_frac, routing="skewed"):
     (61, 8, 128, 128, 3, 0.15, False),   # skewed: empty experts, tails shorter than a 128-row block
     (300, 4, 256, 128, 2, 0.0, True),    # experts over one 128-row block: qT scale blocks 2 and 3
     (1, 2, 128, 256, 1, 0.0, False),     # one token
+    (40, 4, 1088, 320, 2, 0.1, False),   # H and I = 64 (mod 128): 64-wide last blocks, dh blocked per half
+    (30, 3, 192, 192, 2, 0.0, True),
 ])
 def test_fp8_pipeline_matches_the_reference_on_cpu(T, E, H, I, K, masked, recompute):
     from prime_kernels.mega import _fp8_bwd, fp8, reference
@@ -44,6 +46,11 @@ def test_fp8_pipeline_matches_the_reference_on_cpu(T, E, H, I, K, masked, recomp
         # order; recomputed, h comes from two different bf16 GEMMs (ours and the reference's fp32 matmul), whose
         # last-bit differences move a few quantized values
         bound = 1e-3 if recompute else (1e-5 if name == "dtopk" else 1e-6)
+        if I % 128 and name == "dx" and not recompute:
+            # dh promoted every 64 of 2I: twice the promotions, each rounded in another fp32 order by the GEMM's CPU
+            # op ((P * sa) * sb) than by fp8.py (P * fp32(sa * sb)); a last fp32 bit then moves a few bf16 values
+            # of dX one ulp (measured 3.0e-5 at H = 1088, I = 320)
+            bound = 2e-4
         err = rel_err(a, b)
         assert err < bound, f"{name}: rel err {err:.3e}"
 
@@ -70,9 +77,9 @@ def test_fp8_pipeline_accumulates_into_fp32_buffers_and_skips_wgrad():
 def test_fp8_pipeline_refuses_what_it_does_not_take():
     from prime_kernels.mega import _fp8_bwd
 
-    (x, idx, w, w13, w2, dy), (y, h, counts, offsets, src, srank, r2p) = _plan_and_state(20, 2, 128, 64, 1, 1, 0.0)
+    (x, idx, w, w13, w2, dy), (y, h, counts, offsets, src, srank, r2p) = _plan_and_state(20, 2, 128, 96, 1, 1, 0.0)
     state = (h, counts, offsets, src, srank, r2p)
-    with pytest.raises(ValueError, match="multiples of 128"):
+    with pytest.raises(ValueError, match=r"H \(128\) and I \(96\) must be positive multiples of 64"):
         _fp8_bwd.backward(dy, x, idx, w, w13, w2, *state, num_experts=2)
     with pytest.raises(RuntimeError, match="precision='fp8' takes no activation_clamp"):
         _fp8_bwd.backward(dy, x, idx, w, w13, w2, *state, num_experts=2, activation_clamp=1.0, precision="fp8")
@@ -118,6 +125,9 @@ GPU_CASES = [
     (777, 8, 256, 384, 3, "skewed", 0.1),    # uneven experts, tails, masked routes
     (300, 32, 256, 128, 2, "skewed", 0.0),   # empty experts
     (1, 4, 128, 128, 1, "uniform", 0.0),
+    # H and I = 64 (mod 128): the tail dispatch and L2 dgrad, dh_sa per 64 columns into the L1 dgrad
+    (300, 8, 1088, 320, 4, "skewed", 0.1),
+    (256, 4, 2880, 2880, 4, "uniform", 0.0),
 ]
 
 

@@ -40,6 +40,8 @@ def _check_same_state(got, want) -> None:
     (61, 8, 128, 128, 3, 0.15, "skewed"),   # empty experts, tails shorter than a 128-row block, masked routes
     (300, 4, 256, 256, 2, 0.0, "uniform"),  # experts over one 128-row block
     (1, 2, 128, 128, 1, 0.0, "uniform"),    # one token
+    (40, 4, 1088, 320, 2, 0.1, "skewed"),   # H and I = 64 (mod 128): 64-wide last blocks
+    (30, 3, 192, 128, 2, 0.0, "uniform"),
 ])
 def test_fp8_forward_pipeline_matches_the_reference_on_cpu(T, E, H, I, K, masked, routing):
     problem = make_problem(T, H, I, E, K, routing=routing, seed=T + E, masked_frac=masked)
@@ -96,6 +98,8 @@ GPU_CASES = [
     (300, 32, 256, 128, 2, "skewed", 0.0),   # empty experts
     (1, 4, 128, 128, 1, "uniform", 0.0),
     (129, 8, 128, 128, 8, "uniform", 0.0),   # odd T
+    (300, 8, 1088, 320, 4, "skewed", 0.1),   # H and I = 64 (mod 128): the tail dispatch, 64-wide last k-blocks
+    (256, 4, 2880, 2880, 4, "uniform", 0.0),
 ]
 
 

@@ -126,7 +126,11 @@ def recipe_emulation(x, idx, w, w13, w2, dy, *, clamp=None, precision="fp8", pow
             dg = dg * (g < clamp)
             du = du * ((u > -clamp) & (u < clamp))
         dh = torch.cat([dg, du], 1).to(bf).double()  # B6 and B9: rounded to bf16, then quantized
-        dx_slots[tt, kk] = (fake_quant(dh, 1, 128, pow2) @ W13).to(bf).double()
+        if I % 128 and I % 64 == 0:  # the kernels' sizes of I = 64 (mod 128): dg and du blocked on their own
+            dh_k = torch.cat([fake_quant(dh[:, :I], 1, 128, pow2), fake_quant(dh[:, I:], 1, 128, pow2)], 1)
+        else:
+            dh_k = fake_quant(dh, 1, 128, pow2)
+        dx_slots[tt, kk] = (dh_k @ W13).to(bf).double()
         dw2[e] = fake_quant(dye, 128, 1, pow2).t() @ fake_quant((we * s_b).to(bf).double(), 128, 1, pow2)
         dw13[e] = fake_quant(dh, 128, 1, pow2).t() @ fake_quant(xe, 128, 1, pow2)
     y = (w.double()[:, :, None] * slots).sum(1).to(bf)
@@ -330,16 +334,64 @@ def test_fp8_reference_follows_the_recipe(case, variant):
         assert err < TOL_RECIPE, f"{case} {variant} {name}: {err:.3e} from the recipe"
 
 
-def test_recipe_with_tail_blocks():
-    """H and I not multiples of 128: every quantization has a narrower last block."""
-    problem = make_problem(75, 200, 96, 4, 2, routing="skewed", seed=400)
-    for variant in (dict(), dict(pow2=True), dict(l2_block=64)):
+@pytest.mark.parametrize("H,I,block_m,last_variant", [
+    (200, 96, 8, dict(l2_block=64)),  # sizes only the reference takes: narrower last blocks of any width
+    # the kernels' sizes, H or I = 64 (mod 128): the last block along each is 64 wide, and dh is blocked per half
+    # (B7 then promotes every 64 of 2I)
+    (192, 320, 128, dict(l2_block=64, precision="fp8_bwd", clamp=1.0)),
+    (320, 64, 128, dict(l2_block=64, precision="fp8_bwd", clamp=1.0)),
+    (256, 192, 128, dict(l2_block=64, precision="fp8_bwd", clamp=1.0)),
+])
+def test_recipe_with_tail_blocks(H, I, block_m, last_variant):
+    """H and I not multiples of 128: every quantization has a narrower last block; within TOL_RECIPE of the
+    independent emulation and TOL_FORMULA of the formula."""
+    problem = make_problem(75, H, I, 4, 2, routing="skewed", seed=400 if H == 200 else 410 + H + I)
+    for variant in (dict(), dict(pow2=True), last_variant):
         for name, err in recipe_errors(problem, **variant).items():
             assert err < TOL_RECIPE, f"{variant} {name}: {err:.3e}"
     x, idx, w, w13, w2, dy = problem
-    got = run_fp8(x, idx, w, w13, w2, dy, precision="fp8", block_m=8)
+    got = run_fp8(x, idx, w, w13, w2, dy, precision="fp8", block_m=block_m)
     for name, a, b in zip(OUTPUTS, got, loop_reference(x, idx, w, w13, w2, dy)):
         assert rel_err(a, b) < TOL_FORMULA, name
+
+
+def test_a_64_wide_last_block_is_scaled_by_its_own_64_values():
+    """quantize_along_k with 64 columns past the last multiple of 128: that block's scale is the amax of its 64
+    values / 448, its largest value lands on 448, and the values round-trip (dequantize, quantize again: same bits)."""
+    g = torch.Generator().manual_seed(9)
+    v = torch.randn(5, 320, generator=g).bfloat16()
+    v[:, 250] = 1000.0  # large, in block 1: must not raise the tail block's scale
+    q = fp8.quantize_along_k(v, 128)
+    assert q.scale.shape == (5, 3) and q.data.shape == (5, 320)
+    tail = v[:, 256:].float()
+    assert torch.equal(q.scale[:, 2], tail.abs().amax(1) / 448)
+    assert bool((q.data[:, 256:].float().abs().amax(1) == 448).all())
+    again = fp8.quantize_along_k(q.dequantize(), 128)
+    assert torch.equal(again.data.view(torch.uint8), q.data.view(torch.uint8))
+    w0 = torch.randn(2, 320, 192, generator=g)
+    w = fp8.quantize_weight(w0)  # 128 x 128 tiles, 64-wide tails both ways
+    assert w.scale.shape == (2, 3, 2)
+    wt = fp8.quantize_weight(w0.transpose(1, 2).contiguous())  # the transposed copy is qW of the transpose
+    assert torch.equal(w.t().data.view(torch.uint8), wt.data.view(torch.uint8)) and torch.equal(w.t().scale, wt.scale)
+
+
+def test_dh_halves_are_blocked_from_their_own_first_columns():
+    """quantize_halves_along_k: I a multiple of 128 is the grid along 2I; I = 320 blocks dg and du apart, with a
+    64-wide last block each, scales given per 64 columns (block_cols 64), each block's in both of its slots."""
+    g = torch.Generator().manual_seed(10)
+    v = torch.randn(7, 512, generator=g).bfloat16().float()
+    a, b = fp8.quantize_halves_along_k(v), fp8.quantize_along_k(v, 128)
+    assert a.block_cols == 128 and torch.equal(a.scale, b.scale) and torch.equal(a.data.view(torch.uint8),
+                                                                                    b.data.view(torch.uint8))
+    v = torch.randn(7, 640, generator=g).bfloat16().float()
+    h = fp8.quantize_halves_along_k(v)
+    assert h.block_cols == 64 and h.scale.shape == (7, 10)
+    for half, cols in ((0, slice(0, 320)), (1, slice(320, 640))):
+        own = fp8.quantize_along_k(v[:, cols], 128)
+        assert torch.equal(h.data[:, cols].view(torch.uint8), own.data.view(torch.uint8))
+        assert torch.equal(h.scale[:, 5 * half:5 * half + 5], own.scale.repeat_interleave(2, 1)[:, :5])
+    assert torch.equal(h.expanded_scale(), torch.cat([fp8.quantize_along_k(v[:, :320], 128).expanded_scale(),
+                                                       fp8.quantize_along_k(v[:, 320:], 128).expanded_scale()], 1))
 
 
 @pytest.mark.parametrize("mutation", ["scale_max", "pow2_floor", "no_promotion_scale"])

@@ -26,23 +26,27 @@ SPECIAL = [0, 1, 7, 127, 128, 129, 255, 1000]
 
 
 def quantize_rows(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> e4m3 [M, K] and fp32 scales [M, K / block] (one per row per block of K): x ~ q * s."""
+    """x [M, K] -> e4m3 [M, K] and fp32 scales [M, ceil(K / block)] (one per row per block of K, the last one over the
+    columns that exist): x ~ q * s."""
     m, k = x.shape
-    blocks = x.float().view(m, k // block, block)
+    kb = -(-k // block)
+    pad = torch.zeros(m, kb * block, dtype=torch.float32)
+    pad[:, :k] = x.float()
+    blocks = pad.view(m, kb, block)
     s = (blocks.abs().amax(-1) / E4M3_MAX).clamp_min(1e-12)
-    q = (blocks / s[..., None]).to(torch.float8_e4m3fn).view(m, k)
+    q = (blocks / s[..., None]).to(torch.float8_e4m3fn).view(m, kb * block)[:, :k].contiguous()
     return q, s
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, N, K] -> e4m3 [E, N, K] and fp32 scales [E, ceil(N / 128), K / 128] (one per 128 x 128 block)."""
+    """w [E, N, K] -> e4m3 [E, N, K] and fp32 scales [E, ceil(N / 128), ceil(K / 128)] (one per 128 x 128 block)."""
     e, n, k = w.shape
-    nb = (n + 127) // 128
-    pad = torch.zeros(e, nb * 128, k, dtype=torch.float32)
-    pad[:, :n] = w.float()
-    blocks = pad.view(e, nb, 128, k // 128, 128)
+    nb, kb = (n + 127) // 128, (k + 127) // 128
+    pad = torch.zeros(e, nb * 128, kb * 128, dtype=torch.float32)
+    pad[:, :n, :k] = w.float()
+    blocks = pad.view(e, nb, 128, kb, 128)
     s = (blocks.abs().amax(dim=(2, 4)) / E4M3_MAX).clamp_min(1e-12)
-    q = (blocks / s[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, nb * 128, k)[:, :n].contiguous()
+    q = (blocks / s[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, nb * 128, kb * 128)[:, :n, :k].contiguous()
     return q, s
 
 
@@ -108,10 +112,13 @@ def test_cpu_op_passes_opcheck():
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
-def test_cpu_emulation_is_within_the_bound_of_float64():
-    """The fp32 emulation (the kernel's order, bf16 out) against the float64 product of the dequantized operands."""
+@pytest.mark.parametrize("K", [384, 320])
+def test_cpu_emulation_is_within_the_bound_of_float64(K):
+    """The fp32 emulation (the kernel's order, bf16 out) against the float64 product of the dequantized operands;
+    K = 320 ends on a 64-wide k-block."""
     sizes = [5, 0, 130, 1, 77]
-    M, a, sa, b, sb = make_inputs(5, sizes, 264, 384, seed=1)
+    M, a, sa, b, sb = make_inputs(5, sizes, 264, K, seed=1)
+    assert sa.shape == (M, -(-K // 128)) and sb.shape == (5, 3, -(-K // 128))
     offs = offsets_of(sizes, "cpu")
     out = prime_kernels.m_grouped_fp8_gemm_nt(a, sa, b, sb, offs)
     assert out.dtype == torch.bfloat16 and out.shape == (M, 264)
@@ -161,7 +168,9 @@ def _bad_calls():
         "offsets not int32": ((a, sa, b, sb, offs.long()), "int32"),
         "groups mismatch": ((a, sa, b[:1], sb[:1], offs), "groups"),
         "K mismatch": ((a, sa, b[:, :, :128], sb[:, :, :1], offs), "K"),
-        "K not a multiple of 128": ((a[:, :200], sa, b[:, :, :200].contiguous(), sb, offs), "multiple of 128"),
+        "K not a multiple of 64": ((a[:, :200], sa, b[:, :, :200].contiguous(), sb, offs),
+                                   r"k \(200\) must be a positive multiple of 64 \(one scale block per 128 of K, the "
+                                   r"last one 64 wide when k is 64 mod 128\)"),
         "sa shape": ((a, sa[:, :1], b, sb, offs), r"sa must be \[M, ceil\(K / 128\)\]"),
         "sb shape": ((a, sa, b, sb[:, :1], offs), r"sb must be \[E, ceil\(N / 128\), ceil\(K / 128\)\]"),
         "offsets past rows": ((a, sa, b, sb, torch.tensor([0, 40, M + 1], dtype=torch.int32)), "non-decreasing"),
@@ -200,7 +209,9 @@ def test_status_lists_the_fp8_gemm():
 # L2 [H, I]), plus one group with a ragged N and the smallest K, many groups, and M_total = 1.
 CASES = [(8, "uniform", 1536, 2048), (8, "skewed", 2048, 768), (8, "special", 1536, 2048), (8, "special", 2048, 768),
          (4, "uniform", 3072, 4096), (4, "special", 4096, 1536), (1, "uniform", 136, 128), (128, "skewed", 264, 256),
-         (4, "single_row", 2048, 768)]
+         (4, "single_row", 2048, 768),
+         # K = 64 (mod 128): a 64-wide last k-block (H = 1088, 2880 and 2I = 640 as K; the L1 dgrad's N = 1088)
+         (4, "uniform", 640, 1088), (4, "skewed", 1088, 640), (4, "special", 5760, 2880), (1, "uniform", 136, 64)]
 
 
 @requires_sm90
@@ -230,7 +241,9 @@ def test_fp8_gemm_matches_float64(E, kind, N, K):
 
 @requires_sm90
 @pytest.mark.parametrize("E,kind,N,K", [(8, "uniform", 2048, 768), (8, "special", 4096, 1536), (1, "uniform", 136, 128),
-                                        (4, "single_row", 2048, 768)])
+                                        (4, "single_row", 2048, 768),
+                                        # K = I = 64 (mod 128): the last k-block's second scale box lies past K
+                                        (4, "uniform", 1088, 320), (4, "skewed", 2880, 2880)])
 def test_fp8_gemm_with_a_quantized_1x64_matches_float64(E, kind, N, K):
     """sa [M, K / 64]: each 128-wide k-block promoted in two halves with their own A scales (NaN-poisoned output,
     bitwise repeatable over grid sizes)."""
@@ -285,8 +298,8 @@ def test_fp8_gemm_bad_cuda_inputs_raise_before_launch():
     with pytest.raises(RuntimeError, match="K-block major"):
         op(a, sa.contiguous(), b, sb, offs)  # row-major sa is what the Python wrapper converts, not the op
     sak = k_block_major_scales(sa)
-    with pytest.raises(RuntimeError, match="multiple of 128"):
-        op(a[:, :192].contiguous(), sak, b[:, :, :192].contiguous(), sb, offs)
+    with pytest.raises(RuntimeError, match=r"K \(160\) must be a multiple of 64"):
+        op(a[:, :160].contiguous(), sak, b[:, :, :160].contiguous(), sb, offs)
     with pytest.raises(RuntimeError, match=r"sb must be \[E"):
         op(a, sak, b, sb[:, :, :1], offs)
     with pytest.raises(RuntimeError, match="ld_sa"):  # a stride between k-blocks that TMA cannot use

@@ -55,11 +55,12 @@ def hard_rows(T: int, H: int, gen: torch.Generator) -> torch.Tensor:
     x = torch.randn(T, H, generator=gen) * torch.exp2(torch.randint(-133, 100, (T, 1), generator=gen).float())
     x = x.bfloat16()
     mids = e4m3_midpoints()
-    blocks = H // 128
+    blocks = -(-H // 128)  # a 64-wide last block when H = 64 (mod 128): its part of each pattern below
     for t in range(T):
         kind = t % 5
         j = t % blocks
-        blk = slice(128 * j, 128 * (j + 1))
+        blk = slice(128 * j, min(128 * (j + 1), H))
+        n = blk.stop - blk.start
         if kind == 1:
             x[t, blk] = 0
         elif kind == 2:  # amax 448 * 2^e: scale 2^e exactly (both options), quotients exactly on the midpoints
@@ -67,15 +68,15 @@ def hard_rows(T: int, H: int, gen: torch.Generator) -> torch.Tensor:
             vals = torch.cat([torch.tensor([448.0]), mids[torch.randint(0, len(mids), (127,), generator=gen)]])
             sign = torch.where(torch.rand(128, generator=gen) < 0.5, -1.0, 1.0)
             sign[0] = 1.0
-            x[t, blk] = (vals * sign * 2.0 ** e).bfloat16()
+            x[t, blk] = (vals * sign * 2.0 ** e).bfloat16()[:n]
         elif kind == 3:  # a general scale: quotients near the midpoints, one bf16 step to either side
             amax = 300.0 * 2.0 ** int(torch.randint(-60, 60, (1,), generator=gen))
             scale = torch.tensor(amax, dtype=torch.float32) / 448.0
             pick = mids[torch.randint(0, len(mids), (43,), generator=gen)] * scale
             vals = torch.cat([torch.tensor([amax]).bfloat16(), bf16_neighbours(pick)[:127]])
-            x[t, blk] = vals[torch.randperm(128, generator=gen)]
+            x[t, blk] = vals[torch.randperm(128, generator=gen)][:n]
         elif kind == 4:  # tiny: the quotient underflows to 0 (scale 1) or is a subnormal fp32
-            x[t, blk] = (torch.randn(128, generator=gen) * 2.0 ** -130).bfloat16()
+            x[t, blk] = (torch.randn(128, generator=gen) * 2.0 ** -130).bfloat16()[:n]
     return x
 
 
@@ -104,7 +105,7 @@ def dispatch_expected(src, r2p, num_rows, pow2):
     """The recipe's qK(src) placed at the routes' rows; other rows NaN (q) / NaN (sa)."""
     qk = recipe.quantize_along_k(src, pow2_scales=pow2)
     q = poisoned_e4m3(num_rows, src.shape[1])
-    sa = torch.full((num_rows, src.shape[1] // 128), float("nan"))
+    sa = torch.full((num_rows, -(-src.shape[1] // 128)), float("nan"))
     for t, row in enumerate(r2p.tolist()):
         for p in row:
             if p >= 0:
@@ -113,13 +114,14 @@ def dispatch_expected(src, r2p, num_rows, pow2):
 
 
 def poisoned_dispatch_out(num_rows, H, device="cpu"):
-    sa = k_block_major_empty(num_rows, H // 128, device)
+    sa = k_block_major_empty(num_rows, -(-H // 128), device)
     sa.fill_(float("nan"))
     return poisoned_e4m3(num_rows, H, device=device), sa
 
 
 @pytest.mark.parametrize("pow2", POW2)
-@pytest.mark.parametrize("T,K,H", [(0, 1, 128), (1, 1, 128), (1, 8, 256), (7, 2, 384), (33, 8, 128), (64, 1, 1024)])
+@pytest.mark.parametrize("T,K,H", [(0, 1, 128), (1, 1, 128), (1, 8, 256), (7, 2, 384), (33, 8, 128), (64, 1, 1024),
+                                   (5, 2, 64), (9, 3, 192), (17, 4, 1088)])  # the last three: a 64-wide last block
 def test_dispatch_cpu_is_the_recipe_bit_for_bit(T, K, H, pow2):
     gen = torch.Generator().manual_seed(1000 * T + 10 * K + pow2)
     src = hard_rows(T, H, gen) if T else torch.zeros(0, H, dtype=torch.bfloat16)
@@ -178,7 +180,9 @@ def _dispatch_bad_cases():
         ("route dtype", (src, r2p.long(), None, None), "route_to_pool must be a contiguous int32"),
         ("q dtype", (src, r2p, torch.empty(rows, 256, dtype=torch.uint8), None), "q must be a float8_e4m3fn"),
         ("sa dtype", (src, r2p, None, torch.empty(2, rows, dtype=torch.float64).t()), "sa must be a float32"),
-        ("H not a multiple of 128", (torch.randn(4, 136).bfloat16(), r2p, None, None), "multiple of 128"),
+        ("H not a multiple of 64", (torch.randn(4, 136).bfloat16(), r2p, None, None),
+         r"H \(src's columns, 136\) must be a multiple of 64 \(one fp32 scale per 1 x 128 block, the last block 64 "
+         r"wide when H is 64 mod 128\)"),
         ("route outside q", (src, torch.tensor([[0, 1], [2, 8], [3, 4], [5, 6]], dtype=torch.int32), None, None),
          r"route_to_pool\[3\] = 8 is outside \[-1, 8\)"),
         ("route below -1", (src, torch.tensor([[0, 1], [2, -2], [3, 4], [5, 6]], dtype=torch.int32), None, None),
@@ -449,9 +453,11 @@ def test_status_says_both_producers_are_available_on_sm90():
 
 @on_cuda
 @pytest.mark.parametrize("pow2", POW2)
-@pytest.mark.parametrize("T,K,H", [(1, 1, 128), (7, 8, 384), (1000, 8, 2048), (70000, 1, 128)])
+@pytest.mark.parametrize("T,K,H", [(1, 1, 128), (7, 8, 384), (1000, 8, 2048), (70000, 1, 128), (3, 2, 64),
+                                   (300, 4, 1088), (1000, 8, 2880)])
 def test_dispatch_cuda_equals_cpu_bit_for_bit(T, K, H, pow2):
-    """T = 70000 runs past the grid's 65535 token rows (the kernel strides over the rest)."""
+    """T = 70000 runs past the grid's 65535 token rows (the kernel strides over the rest); H = 64, 1088 and 2880 end
+    on a 64-wide block (the tail kernel)."""
     gen = torch.Generator().manual_seed(T + K + H + pow2)
     src = hard_rows(T, H, gen)
     num_rows = T * K + 3

@@ -103,8 +103,9 @@ def test_status_lists_the_kernel():
 
 
 @pytest.mark.parametrize("clamp", [0.0, 1.5])
-def test_cpu_op_follows_the_unquantized_formula(clamp):
-    case, x = make_case([200, 0, 128, 77], masked=4)
+@pytest.mark.parametrize("H,I", [(256, 256), (1088, 320)])  # (1088, 320): 64-wide last blocks along H and I
+def test_cpu_op_follows_the_unquantized_formula(clamp, H, I):
+    case, x = make_case([200, 0, 128, 77], H=H, I=I, masked=4)
     out = run(case, "cpu", clamp=clamp)
     offs, I = x["offs"], x["I"]
     rows = group_rows(offs)
@@ -130,7 +131,7 @@ def test_cpu_op_follows_the_unquantized_formula(clamp):
     def rel(a, b):
         return float((a - b).norm() / b.norm())
 
-    deq_k = (out.dh_q.float() * out.dh_sa.repeat_interleave(128, 1)).double()[rows][ok]
+    deq_k = (out.dh_q.float() * out.dh_sa.repeat_interleave(sbf.dh_scale_block(I), 1)).double()[rows][ok]
     assert rel(deq_k, dh) < 0.08
     tb = torch.arange(x["M"]) // 128
     deq_t = (out.dht_q.float() * out.dht_s[:, tb]).t().double()[rows][ok]
@@ -143,6 +144,24 @@ def test_cpu_op_follows_the_unquantized_formula(clamp):
     dead = rows[~ok]
     assert bool((out.dh_q[dead].float() == 0).all()) and bool((out.dht_q[:, dead].float() == 0).all())
     assert bool((out.awt_q[:, dead].float() == 0).all()) and bool((out.dt_part[dead] == 0).all())
+
+
+def test_cpu_op_blocks_dh_per_half_with_64_wide_last_blocks():
+    """I = 320: dg and du are each quantized from their own first column in 1 x 128 blocks, the last 64 wide (its
+    scale the amax of its 64 values / 448), and dh_sa gives every block's scale in each of its 64-column slots."""
+    case, x = make_case([130, 77], H=192, I=320, masked=0, seed=5)
+    out = run(case, "cpu")
+    I, rows = 320, group_rows(x["offs"])
+    assert out.dh_sa.shape == (x["M"], 2 * I // 64) and out.dt_part.shape == (x["M"], 3)
+    rows = rows[case["pool_src_route"][rows] >= 0]  # routed rows (padding rows are zeros)
+    q = out.dh_q[rows].float().abs()
+    sa = out.dh_sa[rows]
+    for base in (0, I):  # each block's largest value lands on 448: its amax is over that block's columns alone
+        for b0, b1 in ((0, 128), (128, 256), (256, 320)):
+            assert bool((q[:, base + b0:base + b1].amax(1) == 448).all()), (base, b0)
+        s0 = base // 64
+        assert torch.equal(sa[:, s0], sa[:, s0 + 1]) and torch.equal(sa[:, s0 + 2], sa[:, s0 + 3])
+    assert not torch.equal(sa[:, 4], sa[:, 5]), "du's first block starts at column I, not in dg's tail block"
 
 
 def test_cpu_op_is_the_recipe_on_its_own_da():
@@ -184,8 +203,8 @@ def test_cpu_rejects_bad_arguments_before_writing():
     bad = out._replace(dht_q=torch.empty(2 * I, M + 1, dtype=E4M3))
     with pytest.raises(ValueError, match="out.dht_q"):
         sbf.m_grouped_fp8_gemm_swiglu_bwd(**case, out=bad, allow_unverified=True)
-    c = dict(case, w2t_q=case["w2t_q"][:, :192].contiguous(), w2t_sb=case["w2t_sb"])
-    with pytest.raises(ValueError, match="multiples of 128"):
+    c = dict(case, w2t_q=case["w2t_q"][:, :160].contiguous(), w2t_sb=case["w2t_sb"])
+    with pytest.raises(ValueError, match=r"H \(\d+\) and I \(160\) must be positive multiples of 64"):
         sbf.m_grouped_fp8_gemm_swiglu_bwd(**c, allow_unverified=True)
 
 
@@ -247,8 +266,9 @@ def compare(got, want, offs, M, pow2):
         check_scales(name, getattr(got, name)[:, :tb_end], getattr(want, name)[:, :tb_end], pow2)
     dt_got, dt_want = got.dt_part[rows], want.dt_part[rows]  # sums of 128 products that may cancel: absolute bound
     torch.testing.assert_close(dt_got, dt_want, rtol=ACC_RTOL, atol=ACC_RTOL * dt_want.abs().max().item())
-    pairs = [("dh_q", got.dh_q[rows], want.dh_q[rows], got.dh_sa[rows].repeat_interleave(128, 1),
-              want.dh_sa[rows].repeat_interleave(128, 1)),
+    kb = got.dh_q.shape[1] // got.dh_sa.shape[1]  # dh_sa's columns per scale: 128, or 64 with I = 64 (mod 128)
+    pairs = [("dh_q", got.dh_q[rows], want.dh_q[rows], got.dh_sa[rows].repeat_interleave(kb, 1),
+              want.dh_sa[rows].repeat_interleave(kb, 1)),
              ("dht_q", got.dht_q[:, rows], want.dht_q[:, rows], got.dht_s[:, rows // 128], want.dht_s[:, rows // 128]),
              ("awt_q", got.awt_q[:, rows], want.awt_q[:, rows], got.awt_s[:, rows // 128], want.awt_s[:, rows // 128])]
     for name, q, r, q_scale, r_scale in pairs:
@@ -274,6 +294,25 @@ def test_cuda_matches_the_emulation(counts, pad_last, clamp, pow2):
     prime_kernels.check_device_errors()
     want = run(case, "cpu", clamp=clamp, pow2=pow2)
     compare(got, want, x["offs"], x["M"], pow2)
+
+
+@requires_sm90
+@pytest.mark.parametrize("clamp", [0.0, 1.5])
+@pytest.mark.parametrize("counts,H,I", [([200, 0, 128, 77], 1088, 320), ([1, 300, 0], 256, 192),
+                                        ([130, 256, 5, 60], 2880, 2880), ([513], 128, 64)])
+def test_cuda_matches_the_emulation_with_64_wide_last_blocks(counts, H, I, clamp):
+    """H or I = 64 (mod 128): the tail kernel, whose last tile holds 64 columns of I (nothing past I written: h's
+    up half, the next row and the outputs' neighbours would show it), dh_sa per 64 columns."""
+    case, x = make_case(counts, H=H, I=I, masked=5, seed=H + I)
+    got = run(case, "cuda", clamp=clamp)
+    torch.cuda.synchronize()
+    prime_kernels.check_device_errors()
+    want = run(case, "cpu", clamp=clamp)
+    assert got.dh_sa.shape[1] == 2 * I // sbf.dh_scale_block(I)
+    compare(got, want, x["offs"], x["M"], False)
+    again = run(case, "cuda", clamp=clamp, num_sms=3)
+    for a, b in zip(got, again):
+        assert torch.equal(bits(a), bits(b))
 
 
 @requires_sm90

@@ -67,8 +67,9 @@ def test_status_lists_the_kernel():
         assert prime_kernels.status()[KEY] == _status.AVAILABLE
 
 
-def test_cpu_op_follows_the_unquantized_formula():
-    case, x = make_case([200, 0, 128, 77])
+@pytest.mark.parametrize("H,I", [(256, 256), (1088, 320)])  # (1088, 320): 64-wide last blocks along H and I
+def test_cpu_op_follows_the_unquantized_formula(H, I):
+    case, x = make_case([200, 0, 128, 77], H=H, I=I)
     out = run(case, "cpu")
     offs, I = x["offs"], x["I"]
     h = torch.empty(x["M"], 2 * I, dtype=torch.float64)
@@ -158,6 +159,22 @@ def test_cuda_matches_the_emulation(counts, pow2):
     torch.cuda.synchronize()
     prime_kernels.check_device_errors()
     compare(got, run(case, "cpu", pow2=pow2), x["offs"], pow2)
+
+
+@requires_sm90
+@pytest.mark.parametrize("counts,H,I", [([200, 0, 128, 77], 1088, 320), ([1, 300, 0], 192, 192),
+                                        ([130, 256, 5, 60], 2880, 2880), ([513], 64, 64)])
+def test_cuda_matches_the_emulation_with_64_wide_last_blocks(counts, H, I):
+    """H = 64 (mod 128): the last k-block holds 64 columns (the rest load as zeros); I = 64 (mod 128): a W13 scale
+    block holds the last 64 gate and the first 64 up rows. Bitwise repeatable over grid sizes."""
+    case, x = make_case(counts, H=H, I=I, seed=H + I)
+    got = run(case, "cuda")
+    torch.cuda.synchronize()
+    prime_kernels.check_device_errors()
+    compare(got, run(case, "cpu"), x["offs"], False)
+    again = run(case, "cuda", num_sms=5)
+    for a, b in zip(got, again):
+        assert torch.equal(bits(a), bits(b)) if a.dtype == E4M3 else torch.equal(a, b)
 
 
 @requires_sm90

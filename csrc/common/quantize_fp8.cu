@@ -23,11 +23,24 @@ float quantize_block_host(const float* vals, int n, bool pow2_scales, uint8_t* o
 
 cudaError_t launch_dispatch_rows_fp8(const DispatchRowsFp8Args& a, cudaStream_t stream) {
   if (a.num_tokens == 0 || a.hidden == 0) return cudaSuccess;
-  const int64_t chunks = (a.hidden / 8 + kDispatchFp8Threads - 1) / kDispatchFp8Threads;
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min<int64_t>(a.num_tokens, 65535)));
-  dispatch_rows_fp8_kernel<<<grid, kDispatchFp8Threads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(a.src), a.ld_src, a.route_to_pool, a.num_tokens, static_cast<int>(a.top_k),
-      a.hidden, static_cast<uint8_t*>(a.q), a.ld_q, a.sa, a.ld_sa, a.num_rows, a.pow2_scales, device_check_record());
+  const auto* src = static_cast<const __nv_bfloat16*>(a.src);
+  auto* q = static_cast<uint8_t*>(a.q);
+  // the whole 128-column blocks, then (hidden = 64 mod 128) the 64-wide last one by its own kernel
+  const int64_t whole = a.hidden / kFp8Block * kFp8Block;
+  if (whole > 0) {
+    const int64_t chunks = (whole / 8 + kDispatchFp8Threads - 1) / kDispatchFp8Threads;
+    const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(std::min<int64_t>(a.num_tokens, 65535)));
+    dispatch_rows_fp8_kernel<<<grid, kDispatchFp8Threads, 0, stream>>>(
+        src, a.ld_src, a.route_to_pool, a.num_tokens, static_cast<int>(a.top_k), whole, q, a.ld_q, a.sa, a.ld_sa,
+        a.num_rows, a.pow2_scales, device_check_record());
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess || whole == a.hidden) return e;
+  }
+  const int64_t ctas = (a.num_tokens + kDispatchFp8TailRows - 1) / kDispatchFp8TailRows;
+  dispatch_rows_fp8_tail_kernel<<<static_cast<unsigned>(std::min<int64_t>(ctas, 65535)), kDispatchFp8Threads, 0,
+                                  stream>>>(
+      src + whole, a.ld_src, a.route_to_pool, a.num_tokens, static_cast<int>(a.top_k), q + whole, a.ld_q,
+      a.sa + (whole / kFp8Block) * a.ld_sa, a.num_rows, a.pow2_scales, device_check_record());
   return cudaGetLastError();
 }
 
@@ -36,12 +49,13 @@ void dispatch_rows_fp8_host(const DispatchRowsFp8Args& a) {
   auto* q = static_cast<uint8_t*>(a.q);
   std::vector<float> row(a.hidden);
   std::vector<uint8_t> qrow(a.hidden);
-  std::vector<float> scales(a.hidden / kFp8Block);
+  std::vector<float> scales((a.hidden + kFp8Block - 1) / kFp8Block);
   for (int64_t t = 0; t < a.num_tokens; ++t) {
     for (int64_t h = 0; h < a.hidden; ++h) row[h] = __bfloat162float(src[t * a.ld_src + h]);
-    for (size_t j = 0; j < scales.size(); ++j)
-      scales[j] = quantize_block_host(row.data() + j * kFp8Block, kFp8Block, a.pow2_scales,
-                                      qrow.data() + j * kFp8Block);
+    for (size_t j = 0; j < scales.size(); ++j)  // the last block: the columns that exist
+      scales[j] = quantize_block_host(row.data() + j * kFp8Block,
+                                      static_cast<int>(std::min<int64_t>(kFp8Block, a.hidden - j * kFp8Block)),
+                                      a.pow2_scales, qrow.data() + j * kFp8Block);
     for (int64_t k = 0; k < a.top_k; ++k) {
       const int32_t p = a.route_to_pool[t * a.top_k + k];
       if (p < 0) continue;

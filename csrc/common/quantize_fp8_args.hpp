@@ -25,11 +25,11 @@ struct DispatchRowsFp8Args {
   const int32_t* route_to_pool = nullptr;  // [num_tokens, top_k]
   int64_t num_tokens = 0;
   int64_t top_k = 0;
-  int64_t hidden = 0;  // a multiple of 128
+  int64_t hidden = 0;  // a multiple of 64 (hidden = 64 mod 128: the last block is 64 columns wide)
   void* q = nullptr;   // e4m3 [num_rows, >= hidden], row stride ld_q (bytes; a multiple of 16), 16-byte aligned
   int64_t ld_q = 0;
-  // fp32: the scale of pool row p and 128-column block j at sa[j * ld_sa + p]; ld_sa >= num_rows, a multiple of 4,
-  // sa 16-byte aligned (m_grouped_fp8_gemm_nt's A scales)
+  // fp32: the scale of pool row p and 128-column block j (j < ceil(hidden / 128)) at sa[j * ld_sa + p]; ld_sa >=
+  // num_rows, a multiple of 4, sa 16-byte aligned (m_grouped_fp8_gemm_nt's A scales)
   float* sa = nullptr;
   int64_t ld_sa = 0;
   int64_t num_rows = 0;
@@ -108,8 +108,10 @@ inline int check_dispatch_rows_fp8_args(const DispatchRowsFp8Args& x, bool on_de
                    "%s: need num_tokens >= 0, top_k >= 1, hidden >= 0, 0 <= num_rows < 2^31 (got %lld, %lld, %lld, "
                    "%lld)",
                    fn, (long long)x.num_tokens, (long long)x.top_k, (long long)x.hidden, (long long)x.num_rows);
-  if (x.hidden % 128 != 0)
-    return invalid(err, err_len, "%s: hidden (%lld) must be a multiple of 128 (one fp32 scale per 1 x 128 block)",
+  if (x.hidden % 64 != 0)
+    return invalid(err, err_len,
+                   "%s: hidden (%lld) must be a multiple of 64 (one fp32 scale per 1 x 128 block, the last block 64 "
+                   "wide when hidden is 64 mod 128)",
                    fn, (long long)x.hidden);
   if (check_stride(err, err_len, fn, "ld_src", x.ld_src, "hidden", x.hidden, 8) ||
       check_stride(err, err_len, fn, "ld_q", x.ld_q, "hidden", x.hidden, 16) ||

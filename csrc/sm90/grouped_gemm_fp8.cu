@@ -38,7 +38,9 @@ int make_m_grouped_fp8_operand_maps(CUtensorMap* ma, CUtensorMap* mb, CUtensorMa
     const uint32_t box[3] = {128, b_box_rows, 1};
     if (int r = make_map(mb, b, 3, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_UINT8)) return r;
   }
-  const uint64_t dims[2] = {(uint64_t)m_total, (uint64_t)(k / a_scale_block)};
+  // ceil: with k = 64 (mod 128) the last 128-wide k-block has one 64-wide scale block (a_scale_block 128: its 64
+  // columns; 64: its second box falls past the map and loads zero, beside zero values)
+  const uint64_t dims[2] = {(uint64_t)m_total, (uint64_t)((k + a_scale_block - 1) / a_scale_block)};
   const uint64_t strides[1] = {(uint64_t)ld_sa * 4};
   const uint32_t box[2] = {(uint32_t)MGroupedFp8Layout<128, 1>::kSaBoxRows, 1};
   return make_map(msa, sa, 2, dims, strides, box, err, err_len, CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
@@ -236,9 +238,14 @@ int m_grouped_fp8_gemm_swiglu_bwd(const SwigluBwdFp8GemmArgs& args, cudaStream_t
   p.ld_awt_s = args.ld_awt_s;
   p.dt_part = args.dt_part;
   p.dt_ld = (int32_t)args.dt_ld;
-  const int64_t max_units = max_m_blocks(m_total, args.num_groups) * (I / 128);
+  const int64_t max_units = max_m_blocks(m_total, args.num_groups) * ((I + 127) / 128);
 
   constexpr int kStages = 3;
+  // I = 64 (mod 128): the instantiation whose last tile holds 64 columns of I (dh_sa per 64 columns)
+  if (I % 128 != 0)
+    return launch_persistent_checked<&m_grouped_fp8_swiglu_bwd_tail_kernel<kStages>>(
+        fn, kNumThreads, SwigluBwdFp8Layout<kStages>::kSmemBytes, max_units, sms, stream, err, err_len, ma, mb, msa,
+        p);
   return launch_persistent_checked<&m_grouped_fp8_swiglu_bwd_kernel<kStages>>(
       fn, kNumThreads, SwigluBwdFp8Layout<kStages>::kSmemBytes, max_units, sms, stream, err, err_len, ma, mb, msa, p);
 }

@@ -33,8 +33,8 @@ struct MGroupedFp8GemmArgs {
   const void* b = nullptr;
   int64_t ldb = 0;
   int64_t b_group_stride = 0;
-  // fp32 B scales [num_groups, ceil(n / 128), k / 128]: block (nb, kb) of group g at
-  // sb[g * sb_group_stride + nb * sb_n_stride + kb]; sb_n_stride >= k / 128, sb_group_stride >= ceil(n / 128) *
+  // fp32 B scales [num_groups, ceil(n / 128), ceil(k / 128)]: block (nb, kb) of group g at
+  // sb[g * sb_group_stride + nb * sb_n_stride + kb]; sb_n_stride >= ceil(k / 128), sb_group_stride >= ceil(n / 128) *
   // sb_n_stride when num_groups > 1; 4-byte aligned
   const float* sb = nullptr;
   int64_t sb_group_stride = 0;
@@ -46,7 +46,9 @@ struct MGroupedFp8GemmArgs {
   const int32_t* group_offsets = nullptr;
   int num_groups = 0;
   int64_t m_total = 0;
-  // n a multiple of 8 (>= 8); k a multiple of 128 (>= 128): every k-block is one whole scale block
+  // n a multiple of 8 (>= 8); k a multiple of 64 (>= 64): every k-block is one scale block of A (two with
+  // a_scale_block 64) and of B; with k = 64 (mod 128) the last k-block has 64 columns, the TMA loads fill the other
+  // 64 with zeros (the maps carry the true k), so its products add nothing
   int64_t n = 0;
   int64_t k = 0;
   // null = m_grouped_fp8_gemm_config(); else it must be that config (num_sms may differ)
@@ -115,7 +117,11 @@ struct SwigluBwdFp8GemmArgs {
   const float* route_weights = nullptr;
   int64_t num_routes = 0;
   // qK(dh): e4m3 [m_total, 2I] (row stride ld_dh_q bytes, >= 2I, % 16 == 0) and fp32 scales at
-  // dh_sa[j * ld_dh_sa + m], j < 2I / 128 (ld_dh_sa >= m_total, % 4 == 0): m_grouped_fp8_gemm_nt's A
+  // dh_sa[j * ld_dh_sa + m] (ld_dh_sa >= m_total, % 4 == 0): m_grouped_fp8_gemm_nt's A. dg and du are each quantized
+  // 1 x 128 along I from their first column. I a multiple of 128: j < 2I / 128, the grid along 2I. I = 64 (mod 128):
+  // the last block of each half is 64 wide and the scales are written per 64 columns, j < 2I / 64 (a block's scale
+  // in both of its slots), so that the L1 dgrad reads them with a_scale_block 64 (W13^T's 128-column blocks along
+  // 2I then meet dh's every 64 columns).
   void* dh_q = nullptr;
   int64_t ld_dh_q = 0;
   float* dh_sa = nullptr;
@@ -131,7 +137,7 @@ struct SwigluBwdFp8GemmArgs {
   int64_t ld_awt_q = 0;
   float* awt_s = nullptr;
   int64_t ld_awt_s = 0;
-  // fp32 [m_total, dt_ld] (dt_ld >= I / 128): d topk_weights partials, one per 128 columns of I
+  // fp32 [m_total, dt_ld] (dt_ld >= ceil(I / 128)): d topk_weights partials, one per 128 columns of I
   float* dt_part = nullptr;
   int64_t dt_ld = 0;
   // device int32 [num_groups + 1]: non-decreasing within [0, m_total], each a multiple of 128 or m_total (the
@@ -139,7 +145,8 @@ struct SwigluBwdFp8GemmArgs {
   const int32_t* group_offsets = nullptr;
   int num_groups = 0;
   int64_t m_total = 0;
-  // intermediate a multiple of 128 (>= 128), hidden a multiple of 128 (>= 128)
+  // intermediate and hidden multiples of 64 (>= 64); I = 64 (mod 128) runs the kernel's tail instantiation (its last
+  // tile holds 64 columns of I) and takes dh_sa per 64 columns (above)
   int64_t intermediate = 0;
   int64_t hidden = 0;
   float clamp_limit = 0.f;  // >= 0 (0 = no clamp)
@@ -178,7 +185,7 @@ struct SwigluFwdFp8GemmArgs {
   const int32_t* group_offsets = nullptr;
   int num_groups = 0;
   int64_t m_total = 0;
-  // intermediate and hidden multiples of 128 (>= 128)
+  // intermediate and hidden multiples of 64 (>= 64)
   int64_t intermediate = 0;
   int64_t hidden = 0;
   bool pow2_scales = false;
@@ -199,14 +206,16 @@ inline int check_m_grouped_fp8_args(const MGroupedFp8GemmArgs& x, char* err, siz
   if (x.num_groups < 1 || x.num_groups > kFp8MaxGroups)
     return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, x.num_groups,
                 kFp8MaxGroups);
-  if (x.m_total < 0 || x.m_total > kFp8MaxDim || x.n < 8 || x.n > kFp8MaxDim || x.k < 128 || x.k > kFp8MaxDim)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: bad sizes m_total=%lld n=%lld k=%lld (n >= 8, k >= 128)", fn,
+  if (x.m_total < 0 || x.m_total > kFp8MaxDim || x.n < 8 || x.n > kFp8MaxDim || x.k < 64 || x.k > kFp8MaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: bad sizes m_total=%lld n=%lld k=%lld (n >= 8, k >= 64)", fn,
                 (long long)x.m_total, (long long)x.n, (long long)x.k);
   if (x.n % 8 != 0)
     return fail(kGemmInvalidArgument, err, err_len, "%s: n (%lld) must be a multiple of 8", fn, (long long)x.n);
-  if (x.k % 128 != 0)
+  if (x.k % 64 != 0)
     return fail(kGemmInvalidArgument, err, err_len,
-                "%s: k (%lld) must be a multiple of 128 (one scale block per 128 of K)", fn, (long long)x.k);
+                "%s: k (%lld) must be a multiple of 64 (one scale block per 128 of K, the last one 64 wide when k is "
+                "64 mod 128)",
+                fn, (long long)x.k);
   if (x.ldd < x.n || x.ldd % 8 != 0)
     return fail(kGemmInvalidArgument, err, err_len, "%s: ldd = %lld, must be >= n and a multiple of 8", fn,
                 (long long)x.ldd);
@@ -234,13 +243,13 @@ inline int check_m_grouped_fp8_args(const MGroupedFp8GemmArgs& x, char* err, siz
   if (x.num_groups > 1 && (x.b_group_stride < x.n * x.ldb || x.b_group_stride % 16 != 0))
     return fail(kGemmInvalidArgument, err, err_len, "%s: b_group_stride = %lld, must be >= %lld and a multiple of 16",
                 fn, (long long)x.b_group_stride, (long long)(x.n * x.ldb));
-  const int64_t k_blocks = x.k / 128, n_blocks = (x.n + 127) / 128;
+  const int64_t k_blocks = (x.k + 127) / 128, n_blocks = (x.n + 127) / 128;
   if (x.ld_sa < x.m_total || x.ld_sa % 4 != 0 || x.ld_sa > kFp8MaxDim)
     return fail(kGemmInvalidArgument, err, err_len,
                 "%s: ld_sa = %lld (sa's stride between k-blocks), must be >= m_total (%lld) and a multiple of 4", fn,
                 (long long)x.ld_sa, (long long)x.m_total);
   if (x.sb_n_stride < k_blocks)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: sb_n_stride = %lld, must be >= k / 128 = %lld", fn,
+    return fail(kGemmInvalidArgument, err, err_len, "%s: sb_n_stride = %lld, must be >= ceil(k / 128) = %lld", fn,
                 (long long)x.sb_n_stride, (long long)k_blocks);
   if (x.num_groups > 1 && x.sb_group_stride < n_blocks * x.sb_n_stride)
     return fail(kGemmInvalidArgument, err, err_len, "%s: sb_group_stride = %lld, must be >= %lld", fn,
@@ -310,14 +319,14 @@ inline int check_swiglu_bwd_fp8_args(const SwigluBwdFp8GemmArgs& x, char* err, s
   if (x.num_groups < 1 || x.num_groups > kFp8MaxGroups)
     return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, x.num_groups,
                 kFp8MaxGroups);
-  if (m < 0 || m > kFp8MaxDim || I < 128 || 2 * I > kFp8MaxDim || H < 128 || H > kFp8MaxDim)
+  if (m < 0 || m > kFp8MaxDim || I < 64 || 2 * I > kFp8MaxDim || H < 64 || H > kFp8MaxDim)
     return fail(kGemmInvalidArgument, err, err_len,
-                "%s: bad sizes m_total=%lld intermediate=%lld hidden=%lld (intermediate, hidden >= 128)", fn,
+                "%s: bad sizes m_total=%lld intermediate=%lld hidden=%lld (intermediate, hidden >= 64)", fn,
                 (long long)m, (long long)I, (long long)H);
-  if (I % 128 != 0 || H % 128 != 0)
+  if (I % 64 != 0 || H % 64 != 0)
     return fail(kGemmInvalidArgument, err, err_len,
-                "%s: intermediate (%lld) and hidden (%lld) must be multiples of 128 (one scale block per 128 "
-                "columns of dh, one k-block per 128 of H)",
+                "%s: intermediate (%lld) and hidden (%lld) must be multiples of 64 (one scale block per 128 columns "
+                "of dg and of du, one k-block per 128 of H; the last of each 64 wide when the size is 64 mod 128)",
                 fn, (long long)I, (long long)H);
   if (!(x.clamp_limit >= 0.f))
     return fail(kGemmInvalidArgument, err, err_len, "%s: clamp_limit must be >= 0 (0 = no clamp)", fn);
@@ -344,7 +353,7 @@ inline int check_swiglu_bwd_fp8_args(const SwigluBwdFp8GemmArgs& x, char* err, s
   if (x.num_groups > 1 && (x.b_group_stride < I * x.ldb || x.b_group_stride % 16 != 0))
     return fail(kGemmInvalidArgument, err, err_len, "%s: b_group_stride = %lld, must be >= %lld and a multiple of 16",
                 fn, (long long)x.b_group_stride, (long long)(I * x.ldb));
-  const int64_t k_blocks = H / 128, n_blocks = I / 128, t_blocks = (m + 127) / 128;
+  const int64_t k_blocks = (H + 127) / 128, n_blocks = (I + 127) / 128, t_blocks = (m + 127) / 128;
   if (x.ld_sa < m || x.ld_sa % 4 != 0 || x.ld_sa > kFp8MaxDim)
     return fail(kGemmInvalidArgument, err, err_len, "%s: ld_sa = %lld, must be >= m_total (%lld) and a multiple of 4",
                 fn, (long long)x.ld_sa, (long long)m);
@@ -381,14 +390,15 @@ inline int check_swiglu_fwd_fp8_args(const SwigluFwdFp8GemmArgs& x, char* err, s
   if (x.num_groups < 1 || x.num_groups > kFp8MaxGroups)
     return fail(kGemmInvalidArgument, err, err_len, "%s: num_groups = %d, must be in [1, %d]", fn, x.num_groups,
                 kFp8MaxGroups);
-  if (m < 0 || m > kFp8MaxDim || I < 128 || 2 * I > kFp8MaxDim || H < 128 || H > kFp8MaxDim)
+  if (m < 0 || m > kFp8MaxDim || I < 64 || 2 * I > kFp8MaxDim || H < 64 || H > kFp8MaxDim)
     return fail(kGemmInvalidArgument, err, err_len,
-                "%s: bad sizes m_total=%lld intermediate=%lld hidden=%lld (intermediate, hidden >= 128)", fn,
+                "%s: bad sizes m_total=%lld intermediate=%lld hidden=%lld (intermediate, hidden >= 64)", fn,
                 (long long)m, (long long)I, (long long)H);
-  if (I % 128 != 0 || H % 128 != 0)
+  if (I % 64 != 0 || H % 64 != 0)
     return fail(kGemmInvalidArgument, err, err_len,
-                "%s: intermediate (%lld) and hidden (%lld) must be multiples of 128 (W13's 128 x 128 scale blocks hold "
-                "whole 64-column tiles, one k-block per 128 of H)",
+                "%s: intermediate (%lld) and hidden (%lld) must be multiples of 64 (a tile's 64 gate and 64 up rows of "
+                "W13 each lie in one 128 x 128 scale block; one k-block per 128 of H, the last one 64 wide when H is "
+                "64 mod 128)",
                 fn, (long long)I, (long long)H);
   if (x.num_sms < 0) return fail(kGemmInvalidArgument, err, err_len, "%s: num_sms = %d, must be >= 0", fn, x.num_sms);
   if (m == 0) return kGemmOk;
@@ -407,7 +417,7 @@ inline int check_swiglu_fwd_fp8_args(const SwigluFwdFp8GemmArgs& x, char* err, s
   if (x.num_groups > 1 && (x.b_group_stride < 2 * I * x.ldb || x.b_group_stride % 16 != 0))
     return fail(kGemmInvalidArgument, err, err_len, "%s: b_group_stride = %lld, must be >= %lld and a multiple of 16",
                 fn, (long long)x.b_group_stride, (long long)(2 * I * x.ldb));
-  const int64_t k_blocks = H / 128, n_blocks = 2 * I / 128, t_blocks = (m + 127) / 128;
+  const int64_t k_blocks = (H + 127) / 128, n_blocks = 2 * I / 128, t_blocks = (m + 127) / 128;
   if (x.ld_sa < m || x.ld_sa % 4 != 0 || x.ld_sa > kFp8MaxDim)
     return fail(kGemmInvalidArgument, err, err_len, "%s: ld_sa = %lld, must be >= m_total (%lld) and a multiple of 4",
                 fn, (long long)x.ld_sa, (long long)m);

@@ -223,8 +223,11 @@ struct RowTimesGateUpScales {
 // L1 with the SwiGLU epilogue): p.n is I, an n-block covers kBlockN / 2 columns c of it, and B's tile holds W13's
 // gate rows c and up rows I + c (m_grouped_fp8_produce), so work.n0 is a column of I. kTwoPartials: the promoted
 // mainloop's (consumer_tile_mainloop_promoted, mainloop.cuh).
-template <typename L, int kNumStages, bool kGateUp = false, bool kTwoPartials = true, typename P, typename Epilogue,
-          typename Finish>
+// kReloadUnits: the consumers read the tile count from shared memory again after setmaxnreg (a volatile load), so
+// that no copy of it is live across the reconfiguration; a kernel whose epilogue leaves ptxas no register for that
+// copy spills it otherwise.
+template <typename L, int kNumStages, bool kGateUp = false, bool kTwoPartials = true, bool kReloadUnits = false,
+          typename P, typename Epilogue, typename Finish>
 __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, const CUtensorMap* tmap_a,
                                                           const CUtensorMap* tmap_b, const CUtensorMap* tmap_sa,
                                                           const CUtensorMap* tmap_out, const P& p, int check_kind,
@@ -283,7 +286,9 @@ __device__ __forceinline__ void m_grouped_fp8_kernel_body(uint8_t* smem_raw, con
     int stage = 0;
     uint32_t phase = 0;
     int g = 0;
-    for (int u = (int)ptx::ctaid_x_volatile(); u < num_units; u += unit_step) {
+    int consumer_units = num_units;
+    if constexpr (kReloadUnits) consumer_units = *reinterpret_cast<const volatile int32_t*>(s_tile + num_groups);
+    for (int u = (int)ptx::ctaid_x_volatile(); u < consumer_units; u += unit_step) {
       const MGroupedWork w = locate(u, g);
       // A warpgroup whose 64 rows all lie past the group's end (a tail m-block) only keeps the pipeline moving.
       const bool active = w.row0 + 64 * wg < w.row_end;

@@ -6,15 +6,18 @@
 //   dg, du, a = w * s, and the d topk_weights partials: the SwiGLU backward on fp32 da and the saved bf16 h
 //                                  (swiglu_bwd_f32; the partials as the BF16 kernel, swiglu_bwd_pp.cuh, writes them)
 //   outputs, rounded to bf16 and quantized as python/prime_kernels/mega/fp8.py does (common/fp8_quant_math.cuh):
-//     qK(dh, 128) along 2I: e4m3 [M, 2I] and its row scales K-block major (dh_sa[j * ld + m], j < 2I / 128): the A
-//                           operand of m_grouped_fp8_gemm_nt for the L1 dgrad;
+//     qK(dh, 128) of dg and of du: e4m3 [M, 2I] and its row scales K-block major (dh_sa[j * ld + m], j < 2I / 128;
+//                           with I = 64 mod 128 per 64 columns, j < 2I / 64): the A operand of m_grouped_fp8_gemm_nt
+//                           for the L1 dgrad;
 //     qT(dh_e), qT(a_e):    e4m3 [2I, M] and [I, M], token axis contiguous, one scale per column and 128-row block at
 //                           s[b * ld + c]: the operands of k_grouped_fp8_gemm_tn for dW13 and dW2.
 //
 // Every quantization block is inside one 128 x 128 tile (128 rows of one expert's m-block, 128 columns of I: one 1x128
 // block of dg and one of du per row, one 128x1 block of dg, du and a per column), so the CTA needs nobody else's
-// values. I must be a multiple of 128 and every group offset a multiple of 128 (or m_total): then a tile's rows are
-// one qT block of the pool's 128-row grid. Padding rows (route -1) and rows past the group's end are zeros in every
+// values. dg and du are each blocked from their own first column. I a multiple of 64: with I = 64 (mod 128)
+// m_grouped_fp8_swiglu_bwd_tail_kernel runs, whose last tile holds 64 columns of I (SwigluBwdFp8Epilogue::run). H a
+// multiple of 64 (the mainloop's last k-block may hold 64 columns: the maps carry the true H). Every group offset a
+// multiple of 128 (or m_total): then a tile's rows are one qT block of the pool's 128-row grid. Padding rows (route -1) and rows past the group's end are zeros in every
 // output (they raise no amax), whatever dy and h hold there; their d weight partial is 0.
 //
 // Structure: the FP8 m-grouped GEMM's (384 threads; warpgroup 0's elected thread loads A, B and A's scales into the
@@ -189,12 +192,19 @@ struct SwigluBwdFp8Epilogue {
     }
   }
 
-  template <int kClamp, int kAcc>
+  // kITail (I = 64 mod 128): dh_sa holds a scale per 64 columns (a tail block's one slot, a whole block's two).
+  // kHalf (the tail kernel's last tile): its columns 64.. lie past I. There the accumulators are zeros (B's rows past
+  // I load as zeros), so dg and du are zeros and raise no row amax: the tile's row blocks are the 64 columns that
+  // exist. Nothing past I is stored (nor its column scales). A template parameter, not a runtime test, because the
+  // shifted h loads below would otherwise hold a register more across the whole epilogue (spills at 168).
+  template <int kClamp, bool kITail, bool kHalf, int kAcc>
   __device__ __forceinline__ void run(const SwigluBwdFp8Params& p, const float (&acc)[kAcc], int row0, int row_end,
                                       int n0, int frag_row) const {
     constexpr int kJ = kAcc / 4;
     static_assert(kJ == 16, "a 64 x 128 fragment of m64n128");
+    static_assert(kITail || !kHalf, "a half tile is the tail kernel's");
     const int q = lane & 3;
+    constexpr bool half_tile = kHalf;  // columns 64.. (fragment groups j >= kJ / 2) past I
     bool routed[2];
     float wgt[2];
     // The thread's h, kAhead column groups of it in flight ahead of the values (all of it beside the accumulators
@@ -210,11 +220,14 @@ struct SwigluBwdFp8Epilogue {
       // a row that is not routed reads row 0 (always there) and its values are discarded
       hrow[hh] = p.h + static_cast<int64_t>(routed[hh] ? row : 0) * p.ldh + n0 + 2 * q;
     }
+    // A half tile's groups j >= kJ / 2 (columns past I) read the row's h 64 columns before instead: in bounds and
+    // finite, and with da = 0 there dg and du are zeros whatever h is; a = w * s there is never stored.
     auto load_h = [&](int j) {
+      const int col = half_tile && j >= kJ / 2 ? 8 * (j - kJ / 2) : 8 * j;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        hv[0][j][hh] = __ldg(reinterpret_cast<const unsigned int*>(hrow[hh] + 8 * j));
-        hv[1][j][hh] = __ldg(reinterpret_cast<const unsigned int*>(hrow[hh] + p.n + 8 * j));
+        hv[0][j][hh] = __ldg(reinterpret_cast<const unsigned int*>(hrow[hh] + col));
+        hv[1][j][hh] = __ldg(reinterpret_cast<const unsigned int*>(hrow[hh] + p.n + col));
       }
     };
 #pragma unroll
@@ -283,8 +296,10 @@ struct SwigluBwdFp8Epilogue {
       in_range = r0 != 0.f && r1 != 0.f;
       col_scale[o * 64 + pair] = make_float4(s0, r0, s1, r1);
       float* dst = o < 2 ? p.dht_s + tb * p.ld_dht_s + o * p.n : p.awt_s + tb * p.ld_awt_s;
-      dst[n0 + 2 * pair] = s0;
-      dst[n0 + 2 * pair + 1] = s1;
+      if (!kITail || n0 + 2 * pair < p.n) {
+        dst[n0 + 2 * pair] = s0;
+        dst[n0 + 2 * pair + 1] = s1;
+      }
     }
     float rs[2][2], rr[2][2];
 #pragma unroll
@@ -296,7 +311,16 @@ struct SwigluBwdFp8Epilogue {
         in_range = in_range && rr[hh][o] != 0.f;
       }
       const int row = row0 + frag_row + 8 * hh;
-      if (row < row_end && q == 0) {
+      if constexpr (kITail) {
+        if (row < row_end && q == 0) {
+#pragma unroll
+          for (int o = 0; o < 2; ++o) {
+            const int64_t slot = (o * p.n + n0) / 64;
+            p.dh_sa[slot * p.ld_dh_sa + row] = rs[hh][o];
+            if (!half_tile) p.dh_sa[(slot + 1) * p.ld_dh_sa + row] = rs[hh][o];
+          }
+        }
+      } else if (row < row_end && q == 0) {
         p.dh_sa[static_cast<int64_t>(nb) * p.ld_dh_sa + row] = rs[hh][0];
         p.dh_sa[static_cast<int64_t>(p.n / 128 + nb) * p.ld_dh_sa + row] = rs[hh][1];
       }
@@ -315,6 +339,7 @@ struct SwigluBwdFp8Epilogue {
     const int rows = min(128, row_end - row0);
     for (int idx = ctid; idx < rows * 16; idx += kNumConsumerThreads) {
       const int r = idx >> 4, ch = idx & 15;
+      if (kITail && half_tile && (ch & 7) >= 4) continue;  // columns past I
       const int64_t col = (ch < 8 ? n0 : p.n + n0) + 16 * (ch & 7);
       *reinterpret_cast<uint4*>(p.dh_q + static_cast<int64_t>(row0 + r) * p.ld_dh_q + col) =
           *reinterpret_cast<const uint4*>(qk + r * 256 + ((ch ^ (r & 7)) << 4));
@@ -326,6 +351,7 @@ struct SwigluBwdFp8Epilogue {
     if (rows == 128) {
       for (int idx = ctid; idx < 384 * 8; idx += kNumConsumerThreads) {
         const int cc = idx >> 3, ch = idx & 7;
+        if (kITail && half_tile && (cc & 127) >= 64) continue;  // columns past I
         const uint4 s = *reinterpret_cast<const uint4*>(qt + cc * 128 + ((ch ^ ((cc >> 1) & 7)) << 4));
         // staged order r, r + 8 (r < 8) -> token order: the even bytes, then the odd ones
         const uint4 out = make_uint4(__byte_perm(s.x, s.y, 0x6420), __byte_perm(s.z, s.w, 0x6420),
@@ -335,6 +361,7 @@ struct SwigluBwdFp8Epilogue {
     } else {
       for (int idx = ctid; idx < 384 * rows; idx += kNumConsumerThreads) {
         const int cc = idx / rows, r = idx - cc * rows;
+        if (kITail && half_tile && (cc & 127) >= 64) continue;
         const int k = r & 15, pos = k < 8 ? 2 * k : 2 * k - 15;
         qt_dst(cc)[row0 + r] = qt[cc * 128 + (((r >> 4) ^ ((cc >> 1) & 7)) << 4) + pos];
       }
@@ -342,17 +369,16 @@ struct SwigluBwdFp8Epilogue {
   }
 };
 
-template <int kNumStages>
-__global__ void __launch_bounds__(kNumThreads, 1)
-    m_grouped_fp8_swiglu_bwd_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                                    const __grid_constant__ CUtensorMap tmap_sa, const SwigluBwdFp8Params p) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+// The kernels' whole body (kITail: SwigluBwdFp8Epilogue::run's).
+template <int kNumStages, bool kITail>
+__device__ __forceinline__ void swiglu_bwd_fp8_kernel_body(uint8_t* smem_raw, const CUtensorMap* tmap_a,
+                                                           const CUtensorMap* tmap_b, const CUtensorMap* tmap_sa,
+                                                           const SwigluBwdFp8Params& p) {
   using L = SwigluBwdFp8Layout<kNumStages>;
-  extern __shared__ uint8_t smem_raw[];
   // 128-row starts: each tile's rows are one qT block of the pool's grid. One partial: the ring has 3 stages (the
   // epilogue's staging takes the rest of shared memory), and holding two of them measured slower (docs/performance.md)
-  m_grouped_fp8_kernel_body<L, kNumStages, false, false>(
-      smem_raw, &tmap_a, &tmap_b, &tmap_sa, static_cast<const CUtensorMap*>(nullptr), p,
+  m_grouped_fp8_kernel_body<L, kNumStages, false, false, kITail>(
+      smem_raw, tmap_a, tmap_b, tmap_sa, static_cast<const CUtensorMap*>(nullptr), p,
       common::kCheckSwigluBwdFp8Offsets, L::kBlockM,
       [&](const float (&acc)[L::kBlockN / 2], const MGroupedWork& w, bool, int, int, int frag_row) {
         // (derived here, not before the roles split: a value live across setmaxnreg is spilled)
@@ -365,12 +391,47 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                        smem + L::kQtOff,
                                        reinterpret_cast<uint32_t*>(smem + L::kColMaxOff),
                                        reinterpret_cast<float4*>(smem + L::kColScaleOff)};
-        if (p.clamp > 0.f)
-          epi.run<kClampOn>(p, acc, w.row0, w.row_end, w.n0, frag_row);
-        else
-          epi.run<kClampOff>(p, acc, w.row0, w.row_end, w.n0, frag_row);
+        if constexpr (kITail) {
+          const bool half = w.n0 + 128 > p.n;
+          if (p.clamp > 0.f) {
+            if (half)
+              epi.run<kClampOn, true, true>(p, acc, w.row0, w.row_end, w.n0, frag_row);
+            else
+              epi.run<kClampOn, true, false>(p, acc, w.row0, w.row_end, w.n0, frag_row);
+          } else if (half) {
+            epi.run<kClampOff, true, true>(p, acc, w.row0, w.row_end, w.n0, frag_row);
+          } else {
+            epi.run<kClampOff, true, false>(p, acc, w.row0, w.row_end, w.n0, frag_row);
+          }
+        } else if (p.clamp > 0.f) {
+          epi.run<kClampOn, false, false>(p, acc, w.row0, w.row_end, w.n0, frag_row);
+        } else {
+          epi.run<kClampOff, false, false>(p, acc, w.row0, w.row_end, w.n0, frag_row);
+        }
       },
       [](int) {});  // every store is a generic one, complete before the threads exit
+}
+
+// I a multiple of 128.
+template <int kNumStages>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    m_grouped_fp8_swiglu_bwd_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                                    const __grid_constant__ CUtensorMap tmap_sa, const SwigluBwdFp8Params p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  extern __shared__ uint8_t smem_raw[];
+  swiglu_bwd_fp8_kernel_body<kNumStages, false>(smem_raw, &tmap_a, &tmap_b, &tmap_sa, p);
+#endif
+}
+
+// I = 64 (mod 128): its own instantiation, so that the kernel for multiples of 128 keeps its code.
+template <int kNumStages>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    m_grouped_fp8_swiglu_bwd_tail_kernel(const __grid_constant__ CUtensorMap tmap_a,
+                                         const __grid_constant__ CUtensorMap tmap_b,
+                                         const __grid_constant__ CUtensorMap tmap_sa, const SwigluBwdFp8Params p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  extern __shared__ uint8_t smem_raw[];
+  swiglu_bwd_fp8_kernel_body<kNumStages, true>(smem_raw, &tmap_a, &tmap_b, &tmap_sa, p);
 #endif
 }
 

@@ -11,8 +11,10 @@
 //     h~ (optional):      the fp32 h rounded to bf16 (F6 without a clamp), [M, 2I] gate | up, for the backward.
 //
 // A tile is 128 rows x 64 columns of I: each row's 64 values of s are one 1x64 block, held by the four threads of a
-// quad (16 each), so a row's amax is two shuffles and the CTA needs nobody else's values. I must be a multiple of 128
-// (W13's 128 x 128 scale blocks hold whole 64-column halves). No activation clamp: its saved-h rounding rule (F6 with
+// quad (16 each), so a row's amax is two shuffles and the CTA needs nobody else's values. H and I multiples of 64: a
+// tile's 64 gate rows c and 64 up rows I + c each lie in one of W13's 128 x 128 scale blocks (blocked along 2I from
+// row 0; with I = 64 mod 128 one block holds gate and up rows), and H's last k-block may hold 64 columns (the maps
+// carry the true H, the rest loads as zeros). No activation clamp: its saved-h rounding rule (F6 with
 // a clamp) is the BF16 forward's and is not wired here; the layer refuses a clamp with precision "fp8".
 // Padding rows hold zeros in A (the dispatch quantizes them so): their s and h are zeros and are written as such.
 // Rows past the group's end are not written.

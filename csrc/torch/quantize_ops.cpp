@@ -26,8 +26,9 @@ DispatchFp8Input check_dispatch_fp8_input(const Tensor& src, const Tensor& route
   STD_TORCH_CHECK(src.scalar_type() == ScalarType::BFloat16 && src.dim() == 2 && src.stride(1) == 1, "prime_kernels.",
                   op, ": src must be a bfloat16 [T, H] tensor with unit column stride");
   const int64_t hidden = src.size(1);
-  STD_TORCH_CHECK(hidden % 128 == 0, "prime_kernels.", op, ": H (src's columns, ", hidden,
-                  ") must be a multiple of 128 (one fp32 scale per 1 x 128 block)");
+  STD_TORCH_CHECK(hidden % 64 == 0, "prime_kernels.", op, ": H (src's columns, ", hidden,
+                  ") must be a multiple of 64 (one fp32 scale per 1 x 128 block, the last block 64 wide when H is 64 "
+                  "mod 128)");
   STD_TORCH_CHECK(route_to_pool.scalar_type() == ScalarType::Int && route_to_pool.dim() == 2 &&
                       route_to_pool.is_contiguous() && route_to_pool.size(0) == src.size(0),
                   "prime_kernels.", op, ": route_to_pool must be a contiguous int32 [T, K] tensor with src's T rows");
@@ -38,7 +39,7 @@ DispatchFp8Input check_dispatch_fp8_input(const Tensor& src, const Tensor& route
   check_same_device(q, src, op, "q");
   check_same_device(sa, src, op, "sa");
   const int64_t rows = q.size(0);
-  const int64_t ld_sa = block_major_ld(sa, rows, hidden / 128, op, "sa", "[rows, H / 128]");
+  const int64_t ld_sa = block_major_ld(sa, rows, (hidden + 127) / 128, op, "sa", "[rows, ceil(H / 128)]");
   return DispatchFp8Input{src.size(0), route_to_pool.size(1), hidden, rows, ld_sa};
 }
 

@@ -308,10 +308,14 @@ Tensor m_grouped_fp8_gemm_nt(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor gr
   const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
   STD_TORCH_CHECK(sa.is_cuda() && sa.get_device_index() == a.get_device_index() && sa.scalar_type() == ScalarType::Float,
                   "prime_kernels.", op, ": sa must be a float32 tensor on a's device");
-  // sa [M, K / 64]: A quantized 1 x 64 (the FP8 forward's L2 operand); else one scale per 128 of K
-  const bool a64 = sa.dim() == 2 && k % 128 == 0 && sa.size(1) == 2 * kb;
+  STD_TORCH_CHECK(k % 64 == 0, "prime_kernels.", op, ": K (", k,
+                  ") must be a multiple of 64 (one scale block per 128 of K, the last one 64 wide when K is 64 mod "
+                  "128)");
+  // sa [M, K / 64]: A quantized 1 x 64 (the FP8 forward's L2 operand); else one scale per 128 of K. At K = 64 the
+  // two read alike (one block of 64 columns), and it is taken as the latter.
+  const bool a64 = sa.dim() == 2 && sa.size(1) == k / 64 && k / 64 != kb;
   STD_TORCH_CHECK(sa.dim() == 2 && sa.size(0) == m && (sa.size(1) == kb || a64), "prime_kernels.", op,
-                  ": sa must be [M, ceil(K / 128)] = [", m, ", ", kb, "] or [M, K / 64] = [", m, ", ", 2 * kb, "]");
+                  ": sa must be [M, ceil(K / 128)] = [", m, ", ", kb, "] or [M, K / 64] = [", m, ", ", k / 64, "]");
   STD_TORCH_CHECK(m <= 1 || sa.stride(0) == 1, "prime_kernels.", op,
                   ": sa must be K-block major (stride(0) == 1, e.g. the transpose of a contiguous [K / 128, M'] tensor "
                   "with M' >= M a multiple of 4), got strides (", sa.stride(0), ", ", sa.stride(1), ")");

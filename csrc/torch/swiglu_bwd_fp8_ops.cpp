@@ -29,20 +29,22 @@ void m_grouped_fp8_gemm_swiglu_bwd_cuda(Tensor dy_q, Tensor dy_sa, Tensor w2t_q,
                   "prime_kernels.", kOp, ": w2t_q must be a float8_e4m3fn [E, I, H] tensor (H contiguous)");
   check_same_device(w2t_q, dy_q, kOp, "w2t_q");
   const int64_t experts = w2t_q.size(0), inter = w2t_q.size(1);
-  STD_TORCH_CHECK(hidden % 128 == 0 && inter % 128 == 0, "prime_kernels.", kOp, ": H (", hidden, ") and I (", inter,
-                  ") must be multiples of 128");
+  STD_TORCH_CHECK(hidden > 0 && inter > 0 && hidden % 64 == 0 && inter % 64 == 0, "prime_kernels.", kOp, ": H (",
+                  hidden, ") and I (", inter, ") must be positive multiples of 64");
   STD_TORCH_CHECK(group_offsets.scalar_type() == ScalarType::Int && group_offsets.dim() == 1 &&
                       group_offsets.is_contiguous() && group_offsets.size(0) == experts + 1,
                   "prime_kernels.", kOp, ": group_offsets must be a contiguous int32 [E + 1] tensor (E = ", experts,
                   ")");
   check_same_device(group_offsets, dy_q, kOp, "group_offsets");
-  const int64_t kb = hidden / 128, nb = inter / 128, tb = (m + 127) / 128;
-  const int64_t ld_sa = block_major_ld(dy_sa, m, kb, kOp, "dy_sa", "[M, H / 128]");
+  const int64_t kb = (hidden + 127) / 128, nb = (inter + 127) / 128, tb = (m + 127) / 128;
+  // dh's scales: per 128 columns along 2I, or per 64 when I = 64 (mod 128) (grouped_gemm_fp8.hpp)
+  const int64_t dh_blocks = inter % 128 == 0 ? 2 * nb : 2 * inter / 64;
+  const int64_t ld_sa = block_major_ld(dy_sa, m, kb, kOp, "dy_sa", "[M, ceil(H / 128)]");
   check_same_device(dy_sa, dy_q, kOp, "dy_sa");
   STD_TORCH_CHECK(w2t_sb.scalar_type() == ScalarType::Float && w2t_sb.dim() == 3 && w2t_sb.size(0) == experts &&
                       w2t_sb.size(1) == nb && w2t_sb.size(2) == kb && (w2t_sb.stride(2) == 1 || kb == 1),
-                  "prime_kernels.", kOp, ": w2t_sb must be a float32 [E, I / 128, H / 128] = [", experts, ", ", nb,
-                  ", ", kb, "] tensor with unit stride in its last dim");
+                  "prime_kernels.", kOp, ": w2t_sb must be a float32 [E, ceil(I / 128), ceil(H / 128)] = [", experts,
+                  ", ", nb, ", ", kb, "] tensor with unit stride in its last dim");
   check_same_device(w2t_sb, dy_q, kOp, "w2t_sb");
   STD_TORCH_CHECK(h.scalar_type() == ScalarType::BFloat16 && h.dim() == 2 && h.size(0) >= m &&
                       h.size(1) == 2 * inter && h.stride(1) == 1,
@@ -56,7 +58,8 @@ void m_grouped_fp8_gemm_swiglu_bwd_cuda(Tensor dy_q, Tensor dy_sa, Tensor w2t_q,
                   kOp, ": route_weights must be a contiguous float32 tensor (topk_weights flattened)");
   check_same_device(route_weights, dy_q, kOp, "route_weights");
   check_e4m3(dh_q, dy_q, kOp, "dh_q", m, 2 * inter);
-  const int64_t ld_dh_sa = block_major_ld(dh_sa, m, 2 * nb, kOp, "dh_sa", "[M, 2I / 128]");
+  const int64_t ld_dh_sa = block_major_ld(dh_sa, m, dh_blocks, kOp, "dh_sa",
+                                          inter % 128 == 0 ? "[M, 2I / 128]" : "[M, 2I / 64] (I = 64 mod 128)");
   check_e4m3(dht_q, dy_q, kOp, "dht_q", 2 * inter, m);
   const int64_t ld_dht_s = block_major_ld(dht_s, 2 * inter, tb, kOp, "dht_s", "[2I, ceil(M / 128)]");
   check_e4m3(awt_q, dy_q, kOp, "awt_q", inter, m);
@@ -64,7 +67,8 @@ void m_grouped_fp8_gemm_swiglu_bwd_cuda(Tensor dy_q, Tensor dy_sa, Tensor w2t_q,
   for (const Tensor* t : {&dh_sa, &dht_s, &awt_s}) check_same_device(*t, dy_q, kOp, "a scale output");
   STD_TORCH_CHECK(dt_part.scalar_type() == ScalarType::Float && dt_part.dim() == 2 && dt_part.size(0) == m &&
                       dt_part.size(1) == nb && (dt_part.stride(1) == 1 || nb == 1),
-                  "prime_kernels.", kOp, ": dt_part must be a float32 [M, I / 128] tensor with unit column stride");
+                  "prime_kernels.", kOp,
+                  ": dt_part must be a float32 [M, ceil(I / 128)] tensor with unit column stride");
   check_same_device(dt_part, dy_q, kOp, "dt_part");
   torch::stable::accelerator::DeviceGuard guard(dy_q.get_device_index());
   check_core(pk_m_grouped_fp8_gemm_swiglu_bwd(

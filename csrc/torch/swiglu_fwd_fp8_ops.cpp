@@ -27,20 +27,20 @@ void m_grouped_fp8_gemm_swiglu_cuda(Tensor x_q, Tensor x_sa, Tensor w13_q, Tenso
                   "prime_kernels.", kOp, ": w13_q must be a float8_e4m3fn [E, 2I, H] tensor (H contiguous)");
   check_same_device(w13_q, x_q, kOp, "w13_q");
   const int64_t experts = w13_q.size(0), inter = w13_q.size(1) / 2;
-  STD_TORCH_CHECK(hidden % 128 == 0 && inter % 128 == 0, "prime_kernels.", kOp, ": H (", hidden, ") and I (", inter,
-                  ") must be multiples of 128");
+  STD_TORCH_CHECK(hidden > 0 && inter > 0 && hidden % 64 == 0 && inter % 64 == 0, "prime_kernels.", kOp, ": H (",
+                  hidden, ") and I (", inter, ") must be positive multiples of 64");
   STD_TORCH_CHECK(group_offsets.scalar_type() == ScalarType::Int && group_offsets.dim() == 1 &&
                       group_offsets.is_contiguous() && group_offsets.size(0) == experts + 1,
                   "prime_kernels.", kOp, ": group_offsets must be a contiguous int32 [E + 1] tensor (E = ", experts,
                   ")");
   check_same_device(group_offsets, x_q, kOp, "group_offsets");
-  const int64_t kb = hidden / 128, nb = 2 * inter / 128;
-  const int64_t ld_sa = block_major_ld(x_sa, m, kb, kOp, "x_sa", "[M, H / 128]");
+  const int64_t kb = (hidden + 127) / 128, nb = 2 * inter / 128;
+  const int64_t ld_sa = block_major_ld(x_sa, m, kb, kOp, "x_sa", "[M, ceil(H / 128)]");
   check_same_device(x_sa, x_q, kOp, "x_sa");
   STD_TORCH_CHECK(w13_sb.scalar_type() == ScalarType::Float && w13_sb.dim() == 3 && w13_sb.size(0) == experts &&
                       w13_sb.size(1) == nb && w13_sb.size(2) == kb && (w13_sb.stride(2) == 1 || kb == 1),
-                  "prime_kernels.", kOp, ": w13_sb must be a float32 [E, 2I / 128, H / 128] = [", experts, ", ", nb,
-                  ", ", kb, "] tensor with unit stride in its last dim");
+                  "prime_kernels.", kOp, ": w13_sb must be a float32 [E, 2I / 128, ceil(H / 128)] = [", experts, ", ",
+                  nb, ", ", kb, "] tensor with unit stride in its last dim");
   check_same_device(w13_sb, x_q, kOp, "w13_sb");
   check_e4m3(s_q, x_q, kOp, "s_q", m, inter);
   const int64_t ld_s_sa = block_major_ld(s_sa, m, inter / 64, kOp, "s_sa", "[M, I / 64]");

@@ -141,6 +141,12 @@ def k_block_major_scales(sa: torch.Tensor) -> torch.Tensor:
     return buf
 
 
+def _a_scales_are_64(k: int, sa_cols: int) -> bool:
+    """Whether an A scale tensor with ``sa_cols`` columns holds 1 x 64 blocks (K / 64 of them) rather than 1 x 128
+    (ceil(K / 128)); at K = 64 the two are one block and read alike."""
+    return k % 64 == 0 and sa_cols == k // 64 and k // 64 != -(-k // FP8_BLOCK)
+
+
 def m_grouped_fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                                  group_offsets: torch.Tensor, acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The blockwise-FP8 m-grouped GEMM emulated. float32: the kernel's order (each K block's products summed,
@@ -150,7 +156,7 @@ def m_grouped_fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Ten
     offs = group_offsets.tolist()
     m, k = a.shape
     n = b.shape[1]
-    a_block = FP8_BLOCK // 2 if k % FP8_BLOCK == 0 and sa.shape[1] == 2 * (k // FP8_BLOCK) else FP8_BLOCK
+    a_block = FP8_BLOCK // 2 if _a_scales_are_64(k, sa.shape[1]) else FP8_BLOCK
     kb = (k + a_block - 1) // a_block
     out = torch.zeros(m, n, dtype=acc_dtype, device=a.device)
     sa_c = sa.to(acc_dtype)
@@ -173,11 +179,11 @@ def m_grouped_fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Ten
 
 def m_grouped_fp8_gemm_nt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                           group_offsets: torch.Tensor, *, num_sms: int | None = None) -> torch.Tensor:
-    """Blockwise-FP8 m-grouped GEMM, bf16 [M, N] out. a float8_e4m3fn [M, K] (K a multiple of 128), sa float32
-    [M, K/128], or [M, K/64] for an A quantized 1 x 64 (the FP8 forward's L2 operand; each 128-wide k-block is then
-    promoted in two halves), in any layout (it is made K-block major first, see k_block_major_scales), b
-    float8_e4m3fn [E, N, K] (K contiguous), sb float32 [E, ceil(N/128), K/128]. Rows outside every group are left
-    unspecified."""
+    """Blockwise-FP8 m-grouped GEMM, bf16 [M, N] out. a float8_e4m3fn [M, K] (K a multiple of 64: with K = 64 mod
+    128 the last scale block along K is 64 wide), sa float32 [M, ceil(K/128)], or [M, K/64] for an A quantized
+    1 x 64 (the FP8 forward's L2 operand; each 128-wide k-block is then promoted in two halves), in any layout (it is
+    made K-block major first, see k_block_major_scales), b float8_e4m3fn [E, N, K] (K contiguous), sb float32
+    [E, ceil(N/128), ceil(K/128)]. Rows outside every group are left unspecified."""
     sms = _sms(num_sms)
     _ready("m_grouped_fp8_gemm_nt", a.device)
     if sa.dim() == 2 and sa.dtype == torch.float32:
@@ -432,14 +438,15 @@ def _register() -> None:
             raise RuntimeError(f"prime_kernels.{op}: b has {b.shape[0]} groups, group_offsets {e}")
         if b.shape[2] != k:
             raise RuntimeError(f"prime_kernels.{op}: b's K ({b.shape[2]}) does not match a's K ({k})")
-        if k < FP8_BLOCK or k % FP8_BLOCK != 0:
-            raise RuntimeError(f"prime_kernels.{op}: k ({k}) must be a multiple of 128 (one scale block per 128 of K)")
+        if k < 64 or k % 64 != 0:
+            raise RuntimeError(f"prime_kernels.{op}: k ({k}) must be a positive multiple of 64 (one scale block per "
+                               f"128 of K, the last one 64 wide when k is 64 mod 128)")
         if n < 8 or n % 8 != 0:
             raise RuntimeError(f"prime_kernels.{op}: n ({n}) must be a multiple of 8")
-        kb, nb = k // FP8_BLOCK, (n + FP8_BLOCK - 1) // FP8_BLOCK
-        if tuple(sa.shape) not in ((m, kb), (m, 2 * kb)):
+        kb, nb = -(-k // FP8_BLOCK), (n + FP8_BLOCK - 1) // FP8_BLOCK
+        if tuple(sa.shape) not in ((m, kb), (m, k // 64)):
             raise RuntimeError(f"prime_kernels.{op}: sa must be [M, ceil(K / 128)] = [{m}, {kb}] or [M, K / 64] = "
-                               f"[{m}, {2 * kb}], got {list(sa.shape)}")
+                               f"[{m}, {k // 64}], got {list(sa.shape)}")
         if tuple(sb.shape) != (e, nb, kb):
             raise RuntimeError(f"prime_kernels.{op}: sb must be [E, ceil(N / 128), ceil(K / 128)] = [{e}, {nb}, {kb}], "
                                f"got {list(sb.shape)}")

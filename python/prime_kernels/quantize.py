@@ -1,6 +1,6 @@
 """The blockwise-FP8 recipe's quantizing producers (docs/fp8.md), rounding as :mod:`prime_kernels.mega.fp8` does.
 
-- ``dispatch_rows_fp8(src [T, H], route_to_pool [T, K], num_rows) -> (q [rows, H], sa [rows, H/128])``: the
+- ``dispatch_rows_fp8(src [T, H], route_to_pool [T, K], num_rows) -> (q [rows, H], sa [rows, ceil(H/128)])``: the
   dispatch of bf16 token rows into the pool with qK(., 128): q[p] is ``fp8.quantize_along_k(src)[t]`` for every
   route p = route_to_pool[t, k], sa its scales K-block major (``sa.stride(0) == 1``), the A operand
   :func:`prime_kernels.m_grouped_fp8_gemm_nt` takes. Routes of -1 write nothing; rows no route names keep their
@@ -37,12 +37,13 @@ def _ready(key_stem: str, op: str, device: torch.device) -> None:
 
 def dispatch_rows_fp8(src: torch.Tensor, route_to_pool: torch.Tensor, num_rows: int, *, pow2_scales: bool = False,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, sa) of the routed rows; ``out`` = (q e4m3 [num_rows, H], sa fp32 [num_rows, H/128] K-block major) to write
-    into (returned), else both are allocated. H must be a multiple of 128."""
+    """(q, sa) of the routed rows; ``out`` = (q e4m3 [num_rows, H], sa fp32 [num_rows, ceil(H/128)] K-block major) to
+    write into (returned), else both are allocated. H must be a multiple of 64; with H = 64 (mod 128) the last block
+    is 64 columns wide (its amax over those 64, as ``fp8.quantize_along_k``)."""
     _ready("dispatch_rows.fp8", "dispatch_rows_fp8", src.device)
     if out is None:
         q = torch.empty(num_rows, src.shape[-1], dtype=E4M3, device=src.device)
-        sa = k_block_major_empty(num_rows, src.shape[-1] // BLOCK, src.device)
+        sa = k_block_major_empty(num_rows, -(-src.shape[-1] // BLOCK), src.device)
     else:
         q, sa = out
     torch.ops.prime_kernels.dispatch_rows_fp8_(src, route_to_pool, q, sa, bool(pow2_scales))

@@ -6,16 +6,18 @@ e4m3 products, promotion into fp32 every 128 of H), the SwiGLU backward on fp32 
 weight ``w = topk_weights.flatten()[pool_src_route[r]]``, rounds dh = [dg, du] and w * s to bf16 (the operands the
 BF16 backward hands on) and returns them quantized as :mod:`prime_kernels.mega.fp8` quantizes (:class:`Fp8SwigluBwd`):
 
-- ``dh_q`` e4m3 [M, 2I], ``dh_sa`` fp32 [M, 2I/128] K-block major: qK(dh, 128) along 2I, the A operand of
-  :func:`prime_kernels.m_grouped_fp8_gemm_nt` for the L1 dgrad;
+- ``dh_q`` e4m3 [M, 2I], ``dh_sa`` fp32 K-block major: qK(dh, 128) of dg and of du (``fp8.quantize_halves_along_k``),
+  the A operand of :func:`prime_kernels.m_grouped_fp8_gemm_nt` for the L1 dgrad; [M, 2I/128], or with I = 64
+  (mod 128) [M, 2I/64], a scale per 64 columns (:func:`dh_scale_block`);
 - ``dht_q`` e4m3 [2I, M] (token axis contiguous), ``dht_s`` fp32 [2I, ceil(M/128)]: qT(dh_e), and ``awt_q`` [I, M],
   ``awt_s`` [I, ceil(M/128)]: qT((w * s)_e), the operands of :func:`prime_kernels.k_grouped_fp8_gemm_tn`;
-- ``dt_part`` fp32 [M, I/128]: the d topk_weights partials (``sum`` over 128 columns of ``da * s``), whose row sums
-  are the d weights, as the BF16 kernel writes them.
+- ``dt_part`` fp32 [M, ceil(I/128)]: the d topk_weights partials (``sum`` over 128 columns of ``da * s``), whose row
+  sums are the d weights, as the BF16 kernel writes them.
 
 dy_q / dy_sa come from :func:`prime_kernels.dispatch_rows_fp8`; w2t_q / w2t_sb are the weight cache's transposed
-copy of w2 ([E, I, H], 128 x 128 block scales [E, I/128, H/128]). H and I must be multiples of 128 and every group
-offset a multiple of 128 or M (the routing plan's layout with block_m = 128: each 128-row tile is one qT block).
+copy of w2 ([E, I, H], 128 x 128 block scales [E, ceil(I/128), ceil(H/128)]). H and I must be multiples of 64 (a size
+of 64 mod 128 has a 64-wide last block) and every group offset a multiple of 128 or M (the routing plan's layout
+with block_m = 128: each 128-row tile is one qT block).
 Padding rows (route -1) are zeros in every output; rows outside every group are not written (dt_part: zeros).
 
 On CUDA (sm90a) one kernel does all of it (verified on an H200 against the emulation, tests/test_swiglu_bwd_fp8.py).
@@ -55,14 +57,22 @@ def _token_major_empty(cols: int, rows: int, device) -> torch.Tensor:
     return torch.empty(cols, (rows + 15) // 16 * 16, dtype=E4M3, device=device)[:, :rows]
 
 
+def dh_scale_block(inter: int) -> int:
+    """The column width of one ``dh_sa`` entry: 128 (the 1 x 128 blocks along 2I), or 64 when I = 64 (mod 128), where
+    dg's and du's last blocks are 64 wide and every block's scale sits in each of its 64-column slots (the L1 dgrad
+    then promotes every 64 of 2I: W13^T's 128-column blocks start at column 0 of 2I, du's at column I)."""
+    return BLOCK if inter % BLOCK == 0 else BLOCK // 2
+
+
 def allocate_outputs(m: int, inter: int, device) -> Fp8SwigluBwd:
     """The outputs for M pool rows and I columns, uninitialised except dt_part (zeros: rows outside every group)."""
     tb = (m + BLOCK - 1) // BLOCK
     return Fp8SwigluBwd(
-        torch.empty(m, 2 * inter, dtype=E4M3, device=device), k_block_major_empty(m, 2 * inter // BLOCK, device),
+        torch.empty(m, 2 * inter, dtype=E4M3, device=device),
+        k_block_major_empty(m, 2 * inter // dh_scale_block(inter), device),
         _token_major_empty(2 * inter, m, device), k_block_major_empty(2 * inter, tb, device),
         _token_major_empty(inter, m, device), k_block_major_empty(inter, tb, device),
-        torch.zeros(m, inter // BLOCK, dtype=torch.float32, device=device))
+        torch.zeros(m, -(-inter // BLOCK), dtype=torch.float32, device=device))
 
 
 def _check(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route, route_weights, out, clamp) -> None:
@@ -74,13 +84,13 @@ def _check(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route, route_w
     experts, inter, hk = w2t_q.shape
     if hk != hidden:
         raise ValueError(f"{op}: w2t_q's H ({hk}) does not match dy_q's ({hidden})")
-    if hidden % BLOCK or inter % BLOCK or hidden == 0 or inter == 0:
-        raise ValueError(f"{op}: H ({hidden}) and I ({inter}) must be positive multiples of 128")
-    if dy_sa.dtype != torch.float32 or tuple(dy_sa.shape) != (m, hidden // BLOCK):
-        raise ValueError(f"{op}: dy_sa must be float32 [M, H/128] = [{m}, {hidden // BLOCK}]")
-    if w2t_sb.dtype != torch.float32 or tuple(w2t_sb.shape) != (experts, inter // BLOCK, hidden // BLOCK):
-        raise ValueError(f"{op}: w2t_sb must be float32 [E, I/128, H/128] = [{experts}, {inter // BLOCK}, "
-                         f"{hidden // BLOCK}]")
+    if hidden % 64 or inter % 64 or hidden == 0 or inter == 0:
+        raise ValueError(f"{op}: H ({hidden}) and I ({inter}) must be positive multiples of 64")
+    hb, ib = -(-hidden // BLOCK), -(-inter // BLOCK)
+    if dy_sa.dtype != torch.float32 or tuple(dy_sa.shape) != (m, hb):
+        raise ValueError(f"{op}: dy_sa must be float32 [M, ceil(H/128)] = [{m}, {hb}]")
+    if w2t_sb.dtype != torch.float32 or tuple(w2t_sb.shape) != (experts, ib, hb):
+        raise ValueError(f"{op}: w2t_sb must be float32 [E, ceil(I/128), ceil(H/128)] = [{experts}, {ib}, {hb}]")
     if group_offsets.dtype != torch.int32 or tuple(group_offsets.shape) != (experts + 1,):
         raise ValueError(f"{op}: group_offsets must be int32 [E + 1] = [{experts + 1}]")
     if h.dtype != torch.bfloat16 or h.dim() != 2 or h.shape[0] < m or h.shape[1] != 2 * inter:
@@ -95,8 +105,8 @@ def _check(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route, route_w
     if any(t.device != dy_q.device for t in tensors):
         raise ValueError(f"{op}: every tensor must be on dy_q's device ({dy_q.device})")
     want = allocate_outputs(0, inter, "meta")
-    shapes = [(m, 2 * inter), (m, 2 * inter // BLOCK), (2 * inter, m), (2 * inter, (m + BLOCK - 1) // BLOCK),
-              (inter, m), (inter, (m + BLOCK - 1) // BLOCK), (m, inter // BLOCK)]
+    shapes = [(m, 2 * inter), (m, 2 * inter // dh_scale_block(inter)), (2 * inter, m),
+              (2 * inter, (m + BLOCK - 1) // BLOCK), (inter, m), (inter, (m + BLOCK - 1) // BLOCK), (m, ib)]
     for name, t, w, shape in zip(Fp8SwigluBwd._fields, out, want, shapes):
         if t.dtype != w.dtype or tuple(t.shape) != shape:
             raise ValueError(f"{op}: out.{name} must be {w.dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
@@ -138,7 +148,7 @@ def swiglu_bwd_fp8_reference(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_
     SwiGLU backward (B3-B5), dh and w * s rounded to bf16 (B6, B9), written into ``out`` for the rows of the groups (the
     rows a kernel writes)."""
     m, inter = dy_q.shape[0], w2t_q.shape[1]
-    nb = inter // BLOCK
+    nb = -(-inter // BLOCK)
     offs = group_offsets.tolist()
     route = pool_src_route.reshape(-1)[:m].long()
     routed_all = (route >= 0) & (route < route_weights.numel())
@@ -175,7 +185,7 @@ def swiglu_bwd_fp8_reference(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_
         n = hi - lo
         part = torch.nn.functional.pad(da * s, (0, nb * BLOCK - inter)).view(n, nb, BLOCK).sum(-1)  # B3, per 128
         out.dt_part[rows] = torch.where(routed, part, zero)
-        qk = _fp8.quantize_along_k(dh, BLOCK, pow2_scales)
+        qk = _fp8.quantize_halves_along_k(dh, pow2_scales)
         out.dh_q[rows] = qk.data
         out.dh_sa[rows] = qk.scale
         b0 = lo // BLOCK

@@ -11,8 +11,9 @@ g, ``h = G(qK(x_p), W13[g])`` in fp32 (the FP8 m-grouped GEMM's numbers: e4m3 pr
 
 x_q / x_sa come from :func:`prime_kernels.dispatch_rows_fp8` (padding rows quantize to zeros, so their s and h are
 zeros); w13_q / w13_sb are the weight cache's copy of w13 ([E, 2I, H] gate rows then up rows, 128 x 128 block scales
-[E, 2I/128, H/128]). H and I must be multiples of 128; there is no activation clamp. Rows outside every group are not
-written.
+[E, 2I/128, ceil(H/128)], the grid along 2I: with I = 64 mod 128 one block holds the last 64 gate and the first 64 up
+rows). H and I must be multiples of 64 (H = 64 mod 128: the last k-block is 64 wide); there is no activation clamp.
+Rows outside every group are not written.
 
 On CUDA (sm90a) one kernel does all of it (verified on an H200 against the emulation, tests/test_swiglu_fwd_fp8.py);
 the FP8 forward pipeline (:mod:`prime_kernels.mega._fp8_fwd`) calls it, then m_grouped_fp8_gemm_nt with sa [M, I/64]
@@ -61,13 +62,14 @@ def _check(x_q, x_sa, w13_q, w13_sb, group_offsets, out) -> None:
     inter = two_i // 2
     if hk != hidden:
         raise ValueError(f"{op}: w13_q's H ({hk}) does not match x_q's ({hidden})")
-    if hidden % BLOCK or inter % BLOCK or hidden == 0 or inter == 0 or two_i % 2:
-        raise ValueError(f"{op}: H ({hidden}) and I ({two_i} / 2) must be positive multiples of 128")
-    if x_sa.dtype != torch.float32 or tuple(x_sa.shape) != (m, hidden // BLOCK):
-        raise ValueError(f"{op}: x_sa must be float32 [M, H/128] = [{m}, {hidden // BLOCK}]")
-    if w13_sb.dtype != torch.float32 or tuple(w13_sb.shape) != (experts, two_i // BLOCK, hidden // BLOCK):
-        raise ValueError(f"{op}: w13_sb must be float32 [E, 2I/128, H/128] = [{experts}, {two_i // BLOCK}, "
-                         f"{hidden // BLOCK}]")
+    if hidden % 64 or inter % 64 or hidden == 0 or inter == 0 or two_i % 2:
+        raise ValueError(f"{op}: H ({hidden}) and I ({two_i} / 2) must be positive multiples of 64")
+    hb = -(-hidden // BLOCK)
+    if x_sa.dtype != torch.float32 or tuple(x_sa.shape) != (m, hb):
+        raise ValueError(f"{op}: x_sa must be float32 [M, ceil(H/128)] = [{m}, {hb}]")
+    if w13_sb.dtype != torch.float32 or tuple(w13_sb.shape) != (experts, two_i // BLOCK, hb):
+        raise ValueError(f"{op}: w13_sb must be float32 [E, 2I/128, ceil(H/128)] = [{experts}, {two_i // BLOCK}, "
+                         f"{hb}]")
     if group_offsets.dtype != torch.int32 or tuple(group_offsets.shape) != (experts + 1,):
         raise ValueError(f"{op}: group_offsets must be int32 [E + 1] = [{experts + 1}]")
     tensors = [x_q, x_sa, w13_q, w13_sb, group_offsets, *out]

@@ -99,8 +99,15 @@ int main() {
   expect("no groups", [](MGroupedFp8GemmArgs& x) { x.num_groups = 0; }, bad, "num_groups = 0");
   expect("too many groups", [](MGroupedFp8GemmArgs& x) { x.num_groups = 1025; }, bad, "num_groups = 1025");
   expect("negative m_total", [](MGroupedFp8GemmArgs& x) { x.m_total = -1; }, bad, "bad sizes");
-  expect("k below 128", [](MGroupedFp8GemmArgs& x) { x.k = 64; x.lda = x.ldb = 64; }, bad, "bad sizes");
-  expect("k not a multiple of 128", [](MGroupedFp8GemmArgs& x) { x.k = 200; }, bad, "multiple of 128");
+  expect("k below 64", [](MGroupedFp8GemmArgs& x) { x.k = 32; x.lda = x.ldb = 32; }, bad, "bad sizes");
+  expect("k not a multiple of 64", [](MGroupedFp8GemmArgs& x) { x.k = 200; }, bad,
+         "k (200) must be a multiple of 64 (one scale block per 128 of K, the last one 64 wide when k is 64 mod 128)");
+  expect("k = 64 (mod 128): a 64-wide last k-block", [](MGroupedFp8GemmArgs& x) { x.k = 192; x.sb_n_stride = 2; },
+         kGemmOk, nullptr);
+  expect("k = 64 (mod 128) needs ceil(k / 128) scale columns", [](MGroupedFp8GemmArgs& x) {
+    x.k = 192;
+    x.sb_n_stride = 1;
+  }, bad, "sb_n_stride = 1, must be >= ceil(k / 128) = 2");
   expect("n not a multiple of 8", [](MGroupedFp8GemmArgs& x) { x.n = 100; }, bad, "n (100) must be a multiple of 8");
   expect("ldd below n", [](MGroupedFp8GemmArgs& x) { x.ldd = 200; }, bad, "ldd = 200");
   expect("A scales per 64 of K", [](MGroupedFp8GemmArgs& x) { x.a_scale_block = 64; }, kGemmOk, nullptr);

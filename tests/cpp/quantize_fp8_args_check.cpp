@@ -82,8 +82,10 @@ int main() {
   expect_d("negative tokens", [](DispatchRowsFp8Args& x) { x.num_tokens = -1; }, 1, "need num_tokens >= 0");
   expect_d("top_k 0", [](DispatchRowsFp8Args& x) { x.top_k = 0; }, 1, "top_k >= 1");
   expect_d("rows past int32", [](DispatchRowsFp8Args& x) { x.num_rows = int64_t(1) << 31; }, 1, "num_rows < 2^31");
-  expect_d("hidden not a multiple of 128", [](DispatchRowsFp8Args& x) { x.hidden = 200; }, 1,
-           "hidden (200) must be a multiple of 128");
+  expect_d("hidden not a multiple of 64", [](DispatchRowsFp8Args& x) { x.hidden = 200; }, 1,
+           "hidden (200) must be a multiple of 64 (one fp32 scale per 1 x 128 block, the last block 64 wide when "
+           "hidden is 64 mod 128)");
+  expect_d("hidden = 64 (mod 128): a 64-wide last block", [](DispatchRowsFp8Args& x) { x.hidden = 192; }, 0, nullptr);
   expect_d("ld_src below hidden", [](DispatchRowsFp8Args& x) { x.ld_src = 248; }, 1, "ld_src = 248");
   expect_d("ld_src not a multiple of 8", [](DispatchRowsFp8Args& x) { x.ld_src = 260; }, 1, "ld_src = 260");
   expect_d("ld_q not a multiple of 16", [](DispatchRowsFp8Args& x) { x.ld_q = 264; }, 1, "ld_q = 264");

@@ -32,14 +32,14 @@ STATUS_KEY = "mega_moe_grouped.fp8.sm90"
 
 
 def quantized_pool(x, route_to_pool, counts, offsets, capacity: int, pow2_scales: bool, zero_padding: bool = True):
-    """qK(x, 128) of the token rows dispatched into a [capacity, H] pool (e4m3, and fp32 scales [capacity, H/128]
+    """qK(x, 128) of the token rows dispatched into a [capacity, H] pool (e4m3, and fp32 scales [capacity, ceil(H/128)]
     K-block major), each token row read once. With ``zero_padding`` the plan's padding rows are zeros (value bytes
     and scales; both are then views of buffers with ``span`` scratch rows past the pool, as
     :func:`_grouped._gathered_pool`), else they are left unspecified, for a consumer that ignores them."""
     hidden = x.shape[1]
     span = _padding_span(capacity, route_to_pool.numel(), counts.shape[0]) if zero_padding else 0
     q_buf = torch.empty(capacity + span, hidden, dtype=_fp8.E4M3, device=x.device)
-    sa_buf = k_block_major_empty(capacity + span, hidden // _fp8.BLOCK, x.device)
+    sa_buf = k_block_major_empty(capacity + span, -(-hidden // _fp8.BLOCK), x.device)
     q, sa = dispatch_rows_fp8(x, route_to_pool, capacity, pow2_scales=pow2_scales,
                               out=(q_buf[:capacity], sa_buf[:capacity]))
     if zero_padding:  # e4m3 has no index_fill: the bytes are zeroed (0x00 is +0)

@@ -139,6 +139,23 @@ def quantize_along_k(v: torch.Tensor, block: int = BLOCK, pow2_scales: bool = Fa
     return quantize_blocks(v, 1, block, pow2_scales)
 
 
+def quantize_halves_along_k(v: torch.Tensor, pow2_scales: bool = False) -> BlockQuantized:
+    """qK(v, 128) of a gate | up operand [..., 2I] (dh = [dg, du], the L1 dgrad's A), each half blocked from its own
+    first column. I a multiple of 128: the grid along 2I, :func:`quantize_along_k` itself. I = 64 (mod 128): each
+    half's last block is 64 wide (a kernel tile of 128 columns of I holds one block of dg and one of du per row), and
+    the scales are given per 64 columns (``block_cols`` 64, a block's scale in each of its slots): W13^T's 128-column
+    blocks along 2I start at column 0, dg's and du's at 0 and I, so the two grids meet every 64 columns and the GEMM
+    promotes every 64 (G1-G3). Any other I (sizes only the reference runs): the grid along 2I."""
+    inter = v.shape[-1] // 2
+    if inter % BLOCK == 0 or inter % HALF_BLOCK:
+        return quantize_along_k(v, BLOCK, pow2_scales)
+    halves = (quantize_along_k(v[..., :inter], BLOCK, pow2_scales),
+              quantize_along_k(v[..., inter:], BLOCK, pow2_scales))
+    data = torch.cat([h.data for h in halves], -1)
+    scale = torch.cat([h.scale.repeat_interleave(2, -1)[..., :inter // HALF_BLOCK] for h in halves], -1)
+    return BlockQuantized(data, scale, 1, HALF_BLOCK)
+
+
 def quantize_along_tokens(v: torch.Tensor, block: int = BLOCK, pow2_scales: bool = False) -> BlockQuantized:
     """A weight-gradient operand [tokens, C]: one scale per column and ``block`` rows of the token axis
     (block x 1), the token axis being the weight-gradient GEMM's K."""

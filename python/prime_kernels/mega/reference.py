@@ -73,6 +73,15 @@ blocks along the token axis, the grid starting at each expert's first pool row (
 block_m = 128 these are the pool's m-blocks), so results do not depend on block_m; qW(w): 128 x 128.
 x and dy are bf16; everything else below is fp32 unless said.
 
+Tail blocks (H or I a multiple of 64 but not of 128, which the kernels take): every grid starts at index 0 of
+its axis, and the last block along H or I is 64 wide, its amax over those 64 values (scale = amax / 448),
+ceil(len / 128) scales along that axis; a GEMM whose K is H or I has a 64-wide last slice (G1 over 64
+products). qW(w13) is blocked along 2I from row 0, so with I = 64 (mod 128) one block holds the last 64
+gate and the first 64 up rows. dh (B6, B7) is the one exception to a grid along the whole axis: its gate
+and up halves are blocked from their own first columns (``fp8.quantize_halves_along_k``: a kernel tile of
+128 columns of I holds one block of dg and one of du), so with I = 64 (mod 128) both halves end on a
+64-wide block and B7 promotes every 64 of 2I, where dh's and W13^T's grids meet.
+
   W.  W13 = qW(w13[e]) [2I, H] and W2 = qW(w2[e]) [H, I], made once per version of the weight
       (``fp8.Fp8WeightCache``), with their transposes W13^T [H, 2I] and W2^T [I, H]: the same tiles
       transposed, which is exactly qW of the transposed weight. The backward reuses the forward's.
@@ -91,8 +100,10 @@ x and dy are bf16; everything else below is fp32 unless said.
   B2. da_p = G(qK(dy_p), W2^T)             fp32 [I]
   B3-B5. as above, in fp32
   B6. dh_p = round_io([dg, du]) (bf16, the BF16 backward's operand), quantized by the L2-dgrad epilogue
-      twice: qK(dh_p, 128) along 2I for B7, and qT(dh_e) for B10 (the amaxes are the bf16 values')
-  B7. dx_p = round_io(G(qK(dh_p), W13^T))  bf16 per-route dx slot
+      twice: qK(dh_p, 128) of dg and of du for B7 (each half's grid from its first column; with I a
+      multiple of 128, the grid along 2I), and qT(dh_e) for B10 (the amaxes are the bf16 values')
+  B7. dx_p = round_io(G(qK(dh_p), W13^T))  bf16 per-route dx slot; promoted every 128 of 2I, or every
+                                           64 when I = 64 (mod 128)
   B8. as above
   B9. a_p = round_io(w_p * s) (bf16), qT(a_e) in the same epilogue
   B10. dW2[e]  = G(qT(dy_e)^T, qT(a_e)^T)  K = the expert's rows, promoted every 128 rows
@@ -313,6 +324,9 @@ class _Quantizer:
     def along_k(self, v, block=_fp8.BLOCK):
         return _fp8.quantize_along_k(v, block, self.pow2)
 
+    def halves_along_k(self, v):
+        return _fp8.quantize_halves_along_k(v, self.pow2)
+
     def along_tokens(self, v):
         return _fp8.quantize_along_tokens(v, _fp8.BLOCK, self.pow2)
 
@@ -489,7 +503,7 @@ def backward(
                 du = du * ((u > -c) & (u < c))
             if fp8_back:
                 dh = torch.cat([dg, du], 1).to(torch.bfloat16).to(acc)  # B6: bf16, quantized below
-                dxp[rows] = _fp8.fp8_gemm_nt(qz.along_k(dh), c13.transposed[e]).to(io)  # B7
+                dxp[rows] = _fp8.fp8_gemm_nt(qz.halves_along_k(dh), c13.transposed[e]).to(io)  # B7
                 if want_w:  # B9, B10
                     a = qz.along_tokens((we * s).to(torch.bfloat16).to(acc))
                     dw2[e] = _fp8.fp8_gemm_nt(qz.along_tokens(dyp[rows]).t(), a.t())
