@@ -111,13 +111,29 @@ def test_intermediate_not_aligned_module():
         MegaMoE(8, 256, 100, 2, backend="fused")
 
 
-def test_fp8_needs_multiples_of_128():
+def test_fp8_multiples_of_64_wait_for_their_gpu_run(monkeypatch):
+    """FP8 takes H and I multiples of 64 on the kernels (the last scale block 64 wide); until its tail kernels have run
+    on a GPU the kernel backends refuse them with that rule, and the fused FP8 forward keeps whole 128-wide blocks."""
+    from prime_kernels.mega import _backend
+    from prime_kernels.mega._backend import alignment_reason, fused_fp8_tails_reason
+
     with pytest.raises(ValueError, match="FP8_ALIGN=128"):
         MegaMoE(8, 320, 256, 2, backend="fused", precision="fp8")
-    from prime_kernels.mega._backend import alignment_reason
-
-    assert "FP8_ALIGN=128" in alignment_reason(256, 192, "fp8_bwd")
+    for precision in ("fp8", "fp8_bwd"):
+        why = alignment_reason(1088, 320, precision)
+        assert ("are multiples of 64 but not both of FP8_ALIGN=128: the FP8 kernels take multiples of 64 (the last "
+                "1 x 128 / 128 x 128 scale block along H or I 64 wide, docs/fp8.md), but their tail instantiations "
+                "have not run on a GPU yet") in why
+        assert alignment_reason(256, 128, precision) is None
+    assert "HIDDEN_ALIGN=64" in alignment_reason(1000, 320, "fp8")
+    assert "FP8_ALIGN=128" in alignment_reason(256, 192, "mxfp8")
     assert alignment_reason(256, 192, "bf16") is None and alignment_reason(2880, 2880) is None
+    monkeypatch.setattr(_backend, "FP8_TAILS_UNVERIFIED", None)
+    assert alignment_reason(2880, 2880, "fp8") is None and alignment_reason(1088, 320, "fp8_bwd") is None
+    assert "the fused FP8 forward takes hidden and intermediate multiples of FP8_ALIGN=128" in \
+        fused_fp8_tails_reason("fp8", "fwd", 1088, 320)
+    assert fused_fp8_tails_reason("fp8", "bwd", 1088, 320) is None
+    assert fused_fp8_tails_reason("fp8", "fwd", 1024, 256) is None
 
 
 def test_half_width_last_tiles_follow_their_status_entry():
