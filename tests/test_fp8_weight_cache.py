@@ -42,3 +42,35 @@ def test_an_in_place_update_outside_an_optimizer_makes_the_copy_anew():
     with torch.no_grad():
         w.mul_(2)
     assert cache.get(w) is not first
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pow2_scales", [False, True])
+def test_weight_quantization_is_the_generic_blocks_bit_for_bit(monkeypatch, dtype, pow2_scales):
+    """quantize_weight's path for whole 128 x 128 tiles (amax by reductions, quotients a few experts at a time)
+    against quantize_blocks, the recipe's generic Q1-Q3: a zero block (scale 1), a block with one huge value, tiny
+    values, several chunks; and the generic path where a block needs padding."""
+    from prime_kernels.mega import fp8
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(5, 256, 384, generator=g) * torch.logspace(-8, 2, 384)).to(dtype)
+    w[1, :128, :128] = 0
+    w[2, 5, 7] = 3e4
+    monkeypatch.setattr(fp8, "_WEIGHT_CHUNK_ELEMENTS", 2 * 256 * 384)  # 2 experts a chunk: 3 chunks
+    got, want = fp8.quantize_weight(w, pow2_scales), fp8.quantize_blocks(w, 128, 128, pow2_scales)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scale, want.scale) and (got.block_rows, got.block_cols) == (128, 128)
+    assert float(got.scale[1, 0, 0]) == 1.0
+    odd = w[:, :192, :]
+    got, want = fp8.quantize_weight(odd, pow2_scales), fp8.quantize_blocks(odd, 128, 128, pow2_scales)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(got.scale, want.scale)
+
+
+def test_an_alias_of_the_weight_finds_its_copy():
+    """The backward of a checkpointed call gets a detached alias of a saved parameter (another tensor object): it
+    must reuse the parameter's copy, not quantize the weight again."""
+    w = _weight()
+    cache = Fp8WeightCache()
+    first = cache.get(w)
+    assert cache.get(w.detach()) is first and (cache.hits, cache.misses) == (1, 1)
+    assert cache.get(w[:1]) is not first  # another view: another weight

@@ -162,9 +162,32 @@ def quantize_along_tokens(v: torch.Tensor, block: int = BLOCK, pow2_scales: bool
     return quantize_blocks(v, block, 1, pow2_scales)
 
 
+#: The most fp32 elements :func:`quantize_weight` holds at once (1 GiB): it quantizes a weight some experts at a time.
+_WEIGHT_CHUNK_ELEMENTS = 1 << 28
+
+
 def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> BlockQuantized:
-    """A weight [..., N, K] in 128 x 128 tiles."""
-    return quantize_blocks(w, BLOCK, BLOCK, pow2_scales)
+    """A weight [..., N, K] in 128 x 128 tiles: Q1-Q3 as :func:`quantize_blocks` computes them, bit for bit. Where N and
+    K are multiples of 128 (no block needs padding) it reads the weight in its own dtype, the amaxes by two
+    reductions and the quotients a few leading entries at a time, since the generic path's fp32 and padded copies of
+    a whole layer's experts (over a GB of bf16 each at Qwen3-30B-A3B) made each weight's quantization, once per
+    optimizer step, cost more than the layer's FP8 forward and backward together."""
+    *lead, R, C = w.shape
+    if R % BLOCK or C % BLOCK or not R or not C or w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return quantize_blocks(w, BLOCK, BLOCK, pow2_scales)
+    nr, nc = R // BLOCK, C // BLOCK
+    flat = w.reshape(-1, R, C)
+    blocks = flat.view(-1, nr, BLOCK, nc, BLOCK)
+    # max |v| of each block, exact: the larger of its max and minus its min
+    amax = torch.maximum(blocks.amax(dim=(-3, -1)), blocks.amin(dim=(-3, -1)).neg()).float()
+    scale = scales_from_amax(amax, pow2_scales)
+    q = torch.empty(flat.shape, dtype=E4M3, device=w.device)
+    step = max(1, _WEIGHT_CHUNK_ELEMENTS // (R * C))
+    for e0 in range(0, flat.shape[0], step):
+        e1 = min(e0 + step, flat.shape[0])
+        quotient = torch.div(blocks[e0:e1], scale[e0:e1, :, None, :, None])  # fp32: v is exact in it
+        q[e0:e1].view(-1, nr, BLOCK, nc, BLOCK).copy_(quotient.clamp_(-E4M3_MAX, E4M3_MAX))
+    return BlockQuantized(q.view(*lead, R, C), scale.view(*lead, nr, nc), BLOCK, BLOCK)
 
 
 def fp8_gemm_nt(a: BlockQuantized, b: BlockQuantized) -> torch.Tensor:
@@ -225,13 +248,15 @@ register_optimizer_step_post_hook(_count_optimizer_step)
 class Fp8WeightCache:
     """FP8 copies of weights, made once per version of the weight and optimizer step.
 
-    An entry is keyed on the weight tensor object (``id``) and holds its ``data_ptr``, shape, strides, dtype,
-    device, ``_version``, the count of torch.optim steps taken in the process and the scale option; it is reused
-    only while all of them are unchanged and the object is alive. An in-place update through the tensor
-    (``w.add_``) bumps ``_version``, and any torch.optim step (fused ones included, which leave ``_version`` as it
-    was) bumps the step count, so either invalidates the entry; an update through ``w.data`` outside an optimizer
-    does neither (``.data`` has its own version counter): call :meth:`clear` after one. An entry goes when its
-    weight is freed.
+    An entry is keyed on where the weight lies (``data_ptr``, shape, strides, dtype, device) and the scale option, so
+    that an alias of the weight (autograd hands the backward of a checkpointed call a detached alias of a saved
+    parameter, a new tensor object) finds the copy its parameter made. It holds a weak reference to the tensor that
+    made it, that tensor's ``_version`` and the count of torch.optim steps taken in the process; it is reused only
+    while that tensor is alive (so the memory is still its weight's), the asking tensor's ``_version`` (aliases share
+    the counter) and the step count are unchanged. An in-place update through the tensor (``w.add_``) bumps
+    ``_version``, and any torch.optim step (fused ones included, which leave ``_version`` as it was) bumps the step
+    count, so either invalidates the entry; an update through ``w.data`` outside an optimizer does neither (``.data``
+    has its own version counter): call :meth:`clear` after one. An entry goes when its weight is freed.
     """
 
     def __init__(self):
@@ -246,15 +271,14 @@ class Fp8WeightCache:
         return len(self._entries)
 
     @staticmethod
-    def _signature(w: torch.Tensor, pow2_scales: bool):
-        return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device, w._version, _optimizer_steps,
-                bool(pow2_scales))
+    def _key(w: torch.Tensor, pow2_scales: bool):
+        return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device, bool(pow2_scales))
 
     def get(self, w: torch.Tensor, pow2_scales: bool = False) -> QuantizedWeight:
-        key = id(w)
-        sig = self._signature(w, pow2_scales)
+        key = self._key(w, pow2_scales)
+        state = (w._version, _optimizer_steps)
         entry = self._entries.get(key)
-        if entry is not None and entry[0]() is w and entry[1] == sig:
+        if entry is not None and entry[0]() is not None and entry[1] == state:
             self.hits += 1
             return entry[2]
         self.misses += 1
@@ -268,7 +292,7 @@ class Fp8WeightCache:
             if current is not None and current[0] is _ref:
                 del entries[key]
 
-        self._entries[key] = (weakref.ref(w, _drop), sig, value)
+        self._entries[key] = (weakref.ref(w, _drop), state, value)
         return value
 
 
