@@ -74,3 +74,18 @@ def test_an_alias_of_the_weight_finds_its_copy():
     first = cache.get(w)
     assert cache.get(w.detach()) is first and (cache.hits, cache.misses) == (1, 1)
     assert cache.get(w[:1]) is not first  # another view: another weight
+
+
+def test_a_copy_made_for_an_alias_outlives_the_alias():
+    """The FP8 backward after a bf16 forward (fp8_bwd) only ever sees aliases of a checkpointed parameter, a new one
+    each step: the copy the first made must serve the next while the parameter lives, and go when it is freed."""
+    import gc
+
+    w = _weight()
+    cache = Fp8WeightCache()
+    first = cache.get(w.detach())
+    gc.collect()
+    assert cache.get(w.detach()) is first and len(cache) == 1
+    del w
+    gc.collect()
+    assert len(cache) == 0

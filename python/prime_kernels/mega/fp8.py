@@ -250,13 +250,14 @@ class Fp8WeightCache:
 
     An entry is keyed on where the weight lies (``data_ptr``, shape, strides, dtype, device) and the scale option, so
     that an alias of the weight (autograd hands the backward of a checkpointed call a detached alias of a saved
-    parameter, a new tensor object) finds the copy its parameter made. It holds a weak reference to the tensor that
-    made it, that tensor's ``_version`` and the count of torch.optim steps taken in the process; it is reused only
-    while that tensor is alive (so the memory is still its weight's), the asking tensor's ``_version`` (aliases share
-    the counter) and the step count are unchanged. An in-place update through the tensor (``w.add_``) bumps
+    parameter, a new tensor object each time) finds the copy its parameter made. It holds a weak reference to the
+    weight's storage (one Python object as long as the storage lives, whichever alias asked), the asking tensor's
+    ``_version`` and the count of torch.optim steps taken in the process; it is reused only while that storage is
+    alive (so the memory is still its weight's) and the ``_version`` (aliases share the counter) and the step count
+    are unchanged. An in-place update through the tensor (``w.add_``) bumps
     ``_version``, and any torch.optim step (fused ones included, which leave ``_version`` as it was) bumps the step
     count, so either invalidates the entry; an update through ``w.data`` outside an optimizer does neither (``.data``
-    has its own version counter): call :meth:`clear` after one. An entry goes when its weight is freed.
+    has its own version counter): call :meth:`clear` after one. An entry goes when its weight's storage is freed.
     """
 
     def __init__(self):
@@ -292,7 +293,7 @@ class Fp8WeightCache:
             if current is not None and current[0] is _ref:
                 del entries[key]
 
-        self._entries[key] = (weakref.ref(w, _drop), state, value)
+        self._entries[key] = (weakref.ref(w.untyped_storage(), _drop), state, value)
         return value
 
 
