@@ -89,3 +89,46 @@ def test_a_copy_made_for_an_alias_outlives_the_alias():
     del w
     gc.collect()
     assert len(cache) == 0
+
+
+def _weights_to_quantize(device, num_mats=3, rows=256, cols=384):
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(num_mats, rows, cols, generator=g) * torch.logspace(-6, 3, cols)
+    w[0, :128, :128] = 0  # a zero tile: scale 1
+    w[1, 3, 5] = 6e4      # one huge value in a tile
+    return w.to(torch.bfloat16).to(device)
+
+
+def _ops(device):
+    from prime_kernels import _lib
+
+    if _lib.load().core is None or not _lib.load().shim_loaded:
+        pytest.skip(f"the native library is not loaded: {_lib.load().reason}")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("pow2_scales", [False, True])
+def test_the_weight_quantizing_op_is_the_reference_bit_for_bit(device, pow2_scales):
+    """quantize_weight_fp8_ (our kernel on CUDA, the host loop on the CPU) against quantize_blocks, the recipe's
+    generic Q1-Q3, outputs NaN-filled first."""
+    from prime_kernels.mega import fp8
+
+    _ops(device)
+    w = _weights_to_quantize(device)
+    q = torch.full(w.shape, float("nan"), device=device).to(torch.float8_e4m3fn)
+    scale = torch.full((w.shape[0], w.shape[1] // 128, w.shape[2] // 128), float("nan"), device=device)
+    torch.ops.prime_kernels.quantize_weight_fp8_(w, q, scale, pow2_scales)
+    want = fp8.quantize_blocks(w.cpu(), 128, 128, pow2_scales)
+    assert torch.equal(q.cpu().view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(scale.cpu(), want.scale) and float(scale[0, 0, 0]) == 1.0
+
+
+def test_the_weight_quantizing_op_refuses_partial_tiles():
+    _ops("cpu")
+    w = torch.zeros(1, 192, 128, dtype=torch.bfloat16)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(1, 1, 1)
+    with pytest.raises(RuntimeError, match=r"multiples of 128 \(whole 128 x 128 tiles\)"):
+        torch.ops.prime_kernels.quantize_weight_fp8_(w, q, scale, False)

@@ -415,6 +415,15 @@ PK_API int pk_quantize_tokens_fp8_cpu(const void* v, int64_t ld_v, int64_t rows,
                                       const float* v_scale, int64_t v_scale_row_stride,
                                       int64_t v_scale_block_stride);
 
+// A layer's weights w (bf16 [num_mats, rows, cols], rows and cols multiples of 128, contiguous) in 128 x 128 tiles of
+// the blockwise-FP8 recipe (python/prime_kernels/mega/fp8.py, quantize_weight): q e4m3 [num_mats, rows, cols] and
+// scale fp32 [num_mats, rows / 128, cols / 128], contiguous, w and q 16-byte aligned; one read of w. The CPU entry
+// computes the same bits.
+PK_API int pk_quantize_weight_fp8_cuda(const void* w, int64_t num_mats, int64_t rows, int64_t cols, void* q,
+                                       float* scale, int pow2_scales, void* cuda_stream);
+PK_API int pk_quantize_weight_fp8_cpu(const void* w, int64_t num_mats, int64_t rows, int64_t cols, void* q,
+                                      float* scale, int pow2_scales);
+
 // ---------------------------------------------------------------------------------------------
 // MXFP8 quantization (csrc/common/quantize_mxfp8.hpp has the full contract; docs/mxfp8.md the format): every run of
 // 32 elements along a row of x [rows, cols] (bf16, or fp32 with x_fp32; element (r, c) at x[r * x_stride_row +

@@ -1,6 +1,6 @@
-// C ABI of the blockwise-FP8 quantizing producers (dispatch_rows_fp8, quantize_tokens_fp8) and of the MXFP8
-// quantization: argument checks, then the CUDA kernel or the host loop. Nothing is launched or written on a bad
-// argument.
+// C ABI of the blockwise-FP8 quantizing producers (dispatch_rows_fp8, quantize_tokens_fp8, quantize_weight_fp8) and of
+// the MXFP8 quantization: argument checks, then the CUDA kernel or the host loop. Nothing is launched or written on a
+// bad argument.
 #include <cstdint>
 
 #include "api/prime_kernels_api.h"
@@ -125,6 +125,21 @@ int pk_dispatch_rows_fp8_cpu(const void* src, int64_t ld_src, const int32_t* rou
   PK_CHECK_ARG(bad < 0, "dispatch_rows_fp8: route_to_pool[%lld] = %d is outside [-1, %lld) (q rows)",
                static_cast<long long>(bad), bad < 0 ? 0 : route_to_pool[bad], static_cast<long long>(num_rows));
   prime_kernels::common::dispatch_rows_fp8_host(a);
+  return prime_kernels::api::ok();
+}
+
+int pk_quantize_weight_fp8_cuda(const void* w, int64_t num_mats, int64_t rows, int64_t cols, void* q, float* scale,
+                                int pow2_scales, void* cuda_stream) {
+  const prime_kernels::common::QuantizeWeightFp8Args a{w, num_mats, rows, cols, q, scale, pow2_scales != 0};
+  return run_on_device("quantize_weight_fp8", qh::check_quantize_weight_fp8_args,
+                       prime_kernels::common::launch_quantize_weight_fp8, a, cuda_stream);
+}
+
+int pk_quantize_weight_fp8_cpu(const void* w, int64_t num_mats, int64_t rows, int64_t cols, void* q, float* scale,
+                               int pow2_scales) {
+  const prime_kernels::common::QuantizeWeightFp8Args a{w, num_mats, rows, cols, q, scale, pow2_scales != 0};
+  if (const int rc = check_args(qh::check_quantize_weight_fp8_args, a, false); rc != PK_OK) return rc;
+  prime_kernels::common::quantize_weight_fp8_host(a);
   return prime_kernels::api::ok();
 }
 

@@ -18,4 +18,9 @@ cudaError_t launch_quantize_tokens_fp8(const QuantizeTokensFp8Args& args, cudaSt
 // Same bits on the CPU; the pool layout must have passed quantize_host::check_pool_layout.
 void quantize_tokens_fp8_host(const QuantizeTokensFp8Args& args);
 
+// The arguments must have passed check_quantize_weight_fp8_args.
+cudaError_t launch_quantize_weight_fp8(const QuantizeWeightFp8Args& args, cudaStream_t stream);
+// Same bits on the CPU.
+void quantize_weight_fp8_host(const QuantizeWeightFp8Args& args);
+
 }  // namespace prime_kernels::common

@@ -1,4 +1,4 @@
-// prime-kernels: the arguments of the two quantizing producers of the blockwise-FP8 recipe and their validation
+// prime-kernels: the arguments of the quantizing producers of the blockwise-FP8 recipe and their validation
 // (plain host C++, no CUDA headers: tests/cpp/quantize_fp8_args_check.cpp compiles it with the host compiler alone).
 //
 //   dispatch_rows_fp8: the dispatch of token rows into the pool with qK(., 128): q[p] = e4m3 of src[t] in 1 x 128
@@ -33,6 +33,18 @@ struct DispatchRowsFp8Args {
   float* sa = nullptr;
   int64_t ld_sa = 0;
   int64_t num_rows = 0;
+  bool pow2_scales = false;
+};
+
+// A layer's weights [num_mats, rows, cols] in 128 x 128 tiles (fp8.quantize_weight): e4m3 values and one fp32 scale
+// per tile. Every array contiguous.
+struct QuantizeWeightFp8Args {
+  const void* w = nullptr;  // bf16 [num_mats, rows, cols], 16-byte aligned
+  int64_t num_mats = 0;
+  int64_t rows = 0;         // a multiple of 128
+  int64_t cols = 0;         // a multiple of 128
+  void* q = nullptr;        // e4m3 [num_mats, rows, cols], 16-byte aligned
+  float* scale = nullptr;   // [num_mats, rows / 128, cols / 128]
   bool pow2_scales = false;
 };
 
@@ -153,6 +165,23 @@ inline int check_quantize_tokens_fp8_args(const QuantizeTokensFp8Args& x, bool o
   if (on_device && !aligned16(x.v)) return invalid(err, err_len, "%s: v must be 16-byte aligned", fn);
   if (!aligned16(x.q) || !aligned16(x.scale))
     return invalid(err, err_len, "%s: q and scale must be 16-byte aligned", fn);
+  return 0;
+}
+
+inline int check_quantize_weight_fp8_args(const QuantizeWeightFp8Args& x, bool on_device, char* err, size_t err_len) {
+  const char* fn = "quantize_weight_fp8";
+  if (x.num_mats < 0 || x.num_mats > 65535 || x.rows < 0 || x.rows > kQuantizeMaxRows || x.cols < 0 ||
+      x.cols > kQuantizeMaxRows)
+    return invalid(err, err_len, "%s: bad sizes num_mats=%lld rows=%lld cols=%lld (num_mats <= 65535, rows and cols "
+                   "< 2^31)", fn, (long long)x.num_mats, (long long)x.rows, (long long)x.cols);
+  if (x.rows % 128 != 0 || x.cols % 128 != 0)
+    return invalid(err, err_len, "%s: rows (%lld) and cols (%lld) must be multiples of 128 (whole 128 x 128 tiles)", fn,
+                   (long long)x.rows, (long long)x.cols);
+  if (x.num_mats == 0 || x.rows == 0 || x.cols == 0) return 0;  // nothing to read or write
+  if (x.w == nullptr || x.q == nullptr || x.scale == nullptr)
+    return invalid(err, err_len, "%s: null w, q or scale", fn);
+  if ((on_device && !aligned16(x.w)) || !aligned16(x.q))
+    return invalid(err, err_len, "%s: w and q must be 16-byte aligned", fn);
   return 0;
 }
 

@@ -1,8 +1,8 @@
 // torch.ops.prime_kernels.dispatch_rows_fp8_, quantize_tokens_fp8_, quantize_tokens_gathered_fp8_ (the same qT,
 // reading each pool row from its token row) and quantize_tokens_e4m3_fp8_ (the same qT of e4m3 pool rows with their
 // 1 x 128 scales, read as their bf16 dequantization), the blockwise-FP8 recipe's quantizing producers, and
-// quantize_mxfp8_ (e4m3 values with one e8m0 scale per 32 along a row; CPU: the core's host loops, the same bits as
-// the kernels). All write into the tensors they are given;
+// quantize_mxfp8_ (e4m3 values with one e8m0 scale per 32 along a row) and quantize_weight_fp8_ (a layer's weights
+// in 128 x 128 tiles); CPU: the core's host loops, the same bits as the kernels. All write into the tensors they are given;
 // the core checks sizes, strides, alignment and, on the CPU, the values it reads.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -224,6 +224,35 @@ void quantize_mxfp8_op(Tensor x, Tensor q, Tensor scale, Tensor group_ends, Tens
              op);
 }
 
+// A layer's weights in 128 x 128 tiles: w bf16 [L, R, C] -> q e4m3 [L, R, C], scale fp32 [L, R/128, C/128]; every
+// tensor contiguous, on w's device.
+template <bool kCuda>
+void quantize_weight_fp8_op(Tensor w, Tensor q, Tensor scale, bool pow2_scales) {
+  const char* op = "quantize_weight_fp8_";
+  STD_TORCH_CHECK(w.scalar_type() == ScalarType::BFloat16 && w.dim() == 3 && w.is_contiguous(), "prime_kernels.", op,
+                  ": w must be a contiguous bfloat16 [L, R, C] tensor");
+  const int64_t L = w.size(0), R = w.size(1), C = w.size(2);
+  STD_TORCH_CHECK(q.scalar_type() == ScalarType::Float8_e4m3fn && q.dim() == 3 && q.is_contiguous() &&
+                      q.size(0) == L && q.size(1) == R && q.size(2) == C,
+                  "prime_kernels.", op, ": q must be a contiguous float8_e4m3fn tensor shaped as w");
+  STD_TORCH_CHECK(scale.scalar_type() == ScalarType::Float && scale.dim() == 3 && scale.is_contiguous() &&
+                      scale.size(0) == L && scale.size(1) == R / 128 && scale.size(2) == C / 128,
+                  "prime_kernels.", op, ": scale must be a contiguous float32 [L, R / 128, C / 128] tensor");
+  check_same_device(q, w, op, "q");
+  check_same_device(scale, w, op, "scale");
+  if constexpr (kCuda) {
+    torch::stable::accelerator::DeviceGuard guard(w.get_device_index());
+    check_core(pk_quantize_weight_fp8_cuda(w.data_ptr(), L, R, C, q.data_ptr(), static_cast<float*>(scale.data_ptr()),
+                                           pow2_scales ? 1 : 0,
+                                           current_cuda_stream(w.get_device_index())),
+               op);
+  } else {
+    check_core(pk_quantize_weight_fp8_cpu(w.data_ptr(), L, R, C, q.data_ptr(), static_cast<float*>(scale.data_ptr()),
+                                          pow2_scales ? 1 : 0),
+               op);
+  }
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
@@ -236,6 +265,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
         "Tensor(a!) q, Tensor(b!) scale, bool pow2_scales=False) -> ()");
   m.def("quantize_mxfp8_(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor group_ends, Tensor(c!) group_starts, "
         "int group_axis=0, bool blocked=True, bool rceil=True) -> ()");
+  m.def("quantize_weight_fp8_(Tensor w, Tensor(a!) q, Tensor(b!) scale, bool pow2_scales=False) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CPU, m) {
@@ -244,6 +274,7 @@ STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CPU, m) {
   m.impl("quantize_tokens_gathered_fp8_", TORCH_BOX(&quantize_tokens_gathered_fp8_op<false>));
   m.impl("quantize_tokens_e4m3_fp8_", TORCH_BOX(&quantize_tokens_e4m3_fp8_op<false>));
   m.impl("quantize_mxfp8_", TORCH_BOX(&quantize_mxfp8_op<false>));
+  m.impl("quantize_weight_fp8_", TORCH_BOX(&quantize_weight_fp8_op<false>));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
@@ -252,4 +283,5 @@ STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("quantize_tokens_gathered_fp8_", TORCH_BOX(&quantize_tokens_gathered_fp8_op<true>));
   m.impl("quantize_tokens_e4m3_fp8_", TORCH_BOX(&quantize_tokens_e4m3_fp8_op<true>));
   m.impl("quantize_mxfp8_", TORCH_BOX(&quantize_mxfp8_op<true>));
+  m.impl("quantize_weight_fp8_", TORCH_BOX(&quantize_weight_fp8_op<true>));
 }

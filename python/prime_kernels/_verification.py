@@ -100,6 +100,10 @@ ROWS: tuple[Row, ...] = (
         "bf16 (qT: or e4m3 with 1 x 128 scales) -> e4m3, fp32 block scales",
         tuple(f"{k}.{f}" for k in ("dispatch_rows.fp8", "quantize_tokens.fp8") for f in ("sm90", "sm100")),
         _v("H200", "bit for bit to the recipe; the FP8 backward calls them"), _COMPILED),
+    Row("FP8 weight quantization kernel (`quantize_weight.fp8`: a layer's weights in 128 x 128 tiles, one read)",
+        "bf16 -> e4m3, fp32 tile scales", ("quantize_weight.fp8.sm90",),
+        Cell(COMPILED, note="its CPU host loop is the reference bit for bit; until the kernel has run on a GPU the FP8 "
+                            "layer quantizes its weights with torch ops (the same bits)"), _NOT),
     Row("FP8 L2 dgrad with the SwiGLU backward, quantizing epilogue (`m_grouped_gemm_swiglu_bwd.fp8`; "
         "[docs/fp8.md](docs/fp8.md))", "e4m3 in, e4m3 + fp32 block scales out",
         ("m_grouped_gemm_swiglu_bwd.fp8.sm90",), _v("H200"), _NOT),

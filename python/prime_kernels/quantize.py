@@ -12,7 +12,10 @@
   expert as zeros whatever they hold; q token axis contiguous, the operand layout
   :func:`prime_kernels.k_grouped_fp8_gemm_tn` takes. Every offset must be a multiple of 128 or P.
 
-Both run on CUDA (one kernel each, arch-neutral) and on the CPU (the core's host loops, the same bits). On CUDA,
+- ``quantize_weight_fp8(w [L, R, C]) -> (q [L, R, C], scale [L, R/128, C/128])``: a layer's bf16 weights in 128 x
+  128 tiles (``fp8.quantize_weight`` bit for bit), R and C multiples of 128, in one read of w.
+
+All run on CUDA (one kernel each, arch-neutral) and on the CPU (the core's host loops, the same bits). On CUDA,
 invalid routes or pool layouts are checked by the kernels without a synchronisation (an invalid route writes
 nothing, a broken layout makes the call write nothing; the next call into the library raises); on the CPU they
 raise before anything is written.
@@ -25,7 +28,7 @@ import torch
 from . import _status
 from .grouped_gemm import k_block_major_empty
 
-__all__ = ["dispatch_rows_fp8", "quantize_tokens_fp8", "k_block_major_empty"]
+__all__ = ["dispatch_rows_fp8", "quantize_tokens_fp8", "quantize_weight_fp8", "k_block_major_empty"]
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
@@ -84,6 +87,22 @@ def quantize_tokens_fp8(v: torch.Tensor, expert_offsets: torch.Tensor, expert_co
     return q, scale
 
 
+def quantize_weight_fp8(w: torch.Tensor, *, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): ``w`` bf16 [L, R, C] (R, C multiples of 128) in 128 x 128 tiles, as ``fp8.quantize_weight`` gives
+    them bit for bit."""
+    _ready("quantize_weight.fp8", "quantize_weight_fp8", w.device)
+    if w.dtype != torch.bfloat16 or w.dim() != 3:
+        raise ValueError(f"quantize_weight_fp8: w must be a bfloat16 [L, R, C] tensor, got {w.dtype} {list(w.shape)}")
+    L, R, C = w.shape
+    if R % BLOCK or C % BLOCK:
+        raise ValueError(f"quantize_weight_fp8: R ({R}) and C ({C}) must be multiples of {BLOCK} (whole tiles)")
+    w = w.contiguous()
+    q = torch.empty((L, R, C), dtype=E4M3, device=w.device)
+    scale = torch.empty((L, R // BLOCK, C // BLOCK), dtype=torch.float32, device=w.device)
+    torch.ops.prime_kernels.quantize_weight_fp8_(w, q, scale, bool(pow2_scales))
+    return q, scale
+
+
 def _register() -> None:
     from .mxfp8 import _register_fake as _register_mxfp8
 
@@ -99,6 +118,10 @@ def _register() -> None:
 
     @torch.library.register_fake("prime_kernels::quantize_tokens_gathered_fp8_")
     def _(src, pool_src_route, top_k, expert_offsets, expert_counts, q, scale, pow2_scales=False):
+        return None
+
+    @torch.library.register_fake("prime_kernels::quantize_weight_fp8_")
+    def _(w, q, scale, pow2_scales=False):
         return None
 
     @torch.library.register_fake("prime_kernels::quantize_tokens_e4m3_fp8_")

@@ -42,6 +42,9 @@ from dataclasses import dataclass
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .. import _status
+from ..quantize import quantize_weight_fp8
+
 E4M3 = torch.float8_e4m3fn
 #: The largest finite e4m3 (fn) value.
 E4M3_MAX = 448.0
@@ -162,19 +165,29 @@ def quantize_along_tokens(v: torch.Tensor, block: int = BLOCK, pow2_scales: bool
     return quantize_blocks(v, block, 1, pow2_scales)
 
 
+def _weight_kernel_runs(device: torch.device) -> bool:
+    """Whether our weight-quantizing kernel (prime_kernels.quantize.quantize_weight_fp8) runs on ``device``."""
+    family = _status.family_of_device(device.index) or "sm90"
+    return _status.is_available(_status.reason(f"quantize_weight.fp8.{family}"))
+
+
 #: The most fp32 elements :func:`quantize_weight` holds at once (1 GiB): it quantizes a weight some experts at a time.
 _WEIGHT_CHUNK_ELEMENTS = 1 << 28
 
 
 def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> BlockQuantized:
     """A weight [..., N, K] in 128 x 128 tiles: Q1-Q3 as :func:`quantize_blocks` computes them, bit for bit. Where N and
-    K are multiples of 128 (no block needs padding) it reads the weight in its own dtype, the amaxes by two
-    reductions and the quotients a few leading entries at a time, since the generic path's fp32 and padded copies of
-    a whole layer's experts (over a GB of bf16 each at Qwen3-30B-A3B) made each weight's quantization, once per
-    optimizer step, cost more than the layer's FP8 forward and backward together."""
+    K are multiples of 128 (no block needs padding): a bf16 weight on a GPU where our kernel runs goes through it (one
+    read of the weight); otherwise the weight is read in its own dtype, the amaxes by two reductions and the quotients
+    a few leading entries at a time, since the generic path's fp32 and padded copies of a whole layer's experts (over
+    a GB of bf16 each at Qwen3-30B-A3B) made each weight's quantization, once per optimizer step, cost more than the
+    layer's FP8 forward and backward together."""
     *lead, R, C = w.shape
     if R % BLOCK or C % BLOCK or not R or not C or w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return quantize_blocks(w, BLOCK, BLOCK, pow2_scales)
+    if w.is_cuda and w.dtype == torch.bfloat16 and _weight_kernel_runs(w.device):
+        q, scale = quantize_weight_fp8(w.reshape(-1, R, C), pow2_scales=pow2_scales)
+        return BlockQuantized(q.view(*lead, R, C), scale.view(*lead, R // BLOCK, C // BLOCK), BLOCK, BLOCK)
     nr, nc = R // BLOCK, C // BLOCK
     flat = w.reshape(-1, R, C)
     blocks = flat.view(-1, nr, BLOCK, nc, BLOCK)
