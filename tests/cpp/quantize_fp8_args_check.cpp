@@ -63,6 +63,17 @@ void expect_t(const char* what, const std::function<void(QuantizeTokensFp8Args&)
                                      edit, want_rc, want_text);
 }
 
+QuantizeWeightFp8Args valid_weight() {
+  // 2 matrices of 256 x 384 in 128 x 128 tiles
+  return QuantizeWeightFp8Args{g_buf, 2, 256, 384, g_buf, reinterpret_cast<float*>(g_buf), false};
+}
+
+void expect_w(const char* what, const std::function<void(QuantizeWeightFp8Args&)>& edit, int want_rc,
+              const char* want_text, bool on_device = true) {
+  expect_case<QuantizeWeightFp8Args>(valid_weight, quantize_host::check_quantize_weight_fp8_args, what, on_device,
+                                     edit, want_rc, want_text);
+}
+
 void expect_layout(const char* what, const int32_t* offsets, const int32_t* counts, int experts, int64_t rows,
                    int want_rc, const char* want_text) {
   char err[512];
@@ -118,6 +129,21 @@ int main() {
   expect_t("misaligned v", [](QuantizeTokensFp8Args& x) { x.v = g_buf + 4; }, 1, "v must be 16-byte aligned");
   expect_t("misaligned scale", [](QuantizeTokensFp8Args& x) { x.scale = reinterpret_cast<float*>(g_buf + 8); }, 1,
            "q and scale must be 16-byte aligned", false);
+
+  expect_w("valid weight", [](QuantizeWeightFp8Args&) {}, 0, nullptr);
+  expect_w("no matrices needs no pointers", [](QuantizeWeightFp8Args& x) { x.num_mats = 0; x.w = x.q = nullptr; }, 0,
+           nullptr);
+  expect_w("rows not whole tiles", [](QuantizeWeightFp8Args& x) { x.rows = 192; }, 1,
+           "rows (192) and cols (384) must be multiples of 128");
+  expect_w("cols not whole tiles", [](QuantizeWeightFp8Args& x) { x.cols = 320; }, 1, "cols (320)");
+  expect_w("negative matrices", [](QuantizeWeightFp8Args& x) { x.num_mats = -1; }, 1, "bad sizes");
+  expect_w("more matrices than a grid's z", [](QuantizeWeightFp8Args& x) { x.num_mats = 65536; }, 1, "bad sizes");
+  expect_w("null scale", [](QuantizeWeightFp8Args& x) { x.scale = nullptr; }, 1, "null w, q or scale");
+  expect_w("misaligned w on the device", [](QuantizeWeightFp8Args& x) { x.w = g_buf + 8; }, 1,
+           "w and q must be 16-byte aligned");
+  expect_w("misaligned w on the host", [](QuantizeWeightFp8Args& x) { x.w = g_buf + 2; }, 0, nullptr, false);
+  expect_w("misaligned q", [](QuantizeWeightFp8Args& x) { x.q = g_buf + 8; }, 1, "w and q must be 16-byte aligned",
+           false);
 
   expect_layout("valid layout", g_offsets, g_counts, 3, 400, 0, nullptr);
   const int32_t ragged[4] = {0, 128, 200, 400};
