@@ -38,6 +38,7 @@ between its steps, so that the ranks meet in the orders separate GPUs would prod
 from __future__ import annotations
 
 import ctypes
+import functools
 import random
 import threading
 from dataclasses import dataclass
@@ -297,7 +298,7 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
         if fp8:
             if int(sv.offsets[-1]) == 0:  # no rows for this rank's experts: nothing goes back, zero gradients
                 dx_pool, dt_pool = dy_pool[:0], w_pool[:0]
-                wgrads = _bind(_grouped_ep._zero_wgrads, need_wgrad, a13, a2, w13[i], w2[i])
+                wgrads = functools.partial(_grouped_ep._zero_wgrads, need_wgrad, a13, a2, w13[i], w2[i])
             else:
                 dx_pool, dt_pool, wgrads = _grouped_ep._local_backward_fp8(
                     dy_pool, w_pool, x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route,
@@ -309,7 +310,8 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
             dx_pool, dt_pool, operands = _grouped_ep._local_backward_bf16(
                 dy_pool, w_pool, x_pool, sv.h, w13[i], w2[i], sv.counts, sv.offsets, local_route, recompute=recompute,
                 clamp=clamp, sms=sms, dx_to_slots=([b.slots for b in buffers], sv.src_route, sv.src_rank))
-            wgrads = (_bind(_grouped_ep._add_wgrad, *operands, sv.offsets, need_wgrad, a13, a2, w13[i], w2[i], sms)
+            wgrads = (functools.partial(_grouped_ep._add_wgrad, *operands, sv.offsets, need_wgrad, a13, a2, w13[i],
+                                        w2[i], sms)
                       if want_w else lambda: (None, None))
             del operands
         if dx_pool is not None:  # the FP8 backward's dX rows: moved by a kernel of their own
@@ -335,11 +337,6 @@ def backward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list
         dtopk = torch.where(topk_idx[i] >= 0, dt, torch.zeros((), dtype=dt.dtype, device=dt.device))
         out.append((dx, dtopk, *grads[i]))
     return out
-
-
-def _bind(fn, *args):
-    """fn(*args), later."""
-    return lambda: fn(*args)
 
 
 class PeerGroup:
