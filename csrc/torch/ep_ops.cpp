@@ -1,6 +1,6 @@
 // torch.ops.prime_kernels ops of expert parallelism over peer memory (CUDA only):
-//   ep_barrier_(signals, kind, played, phase): the enter / exit barrier of csrc/common/ep_signal.hpp; signals holds every
-//     rank's signal block (uint8 [pk_ep_signals_bytes()], zeroed once at allocation, never reset), in rank order.
+//   ep_barrier_(signals, kind, played, phase): the enter / exit barrier of csrc/common/ep_signal.hpp; signals holds
+//     every rank's signal block (uint8 [pk_ep_signals_bytes()], zeroed once at allocation, never reset), in rank order.
 //   mega_moe_fused_fwd_ranks(...): the fused forwards of the played ranks in one launch, each reading its pool rows
 //     from every rank's staged x and pushing its L2 rows into their source ranks' combine slots (slots[r] [>= T_max *
 //     top_k, H]: row token * top_k + k of rank r). Per played rank (in the order of pool_src_route etc.) it returns h
