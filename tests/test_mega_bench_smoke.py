@@ -597,7 +597,10 @@ def test_bench_layer_under_torchrun_reports_every_rank(tmp_path):
     assert {row["backend"] for row in rows} == {"torch", "deep_gemm_reference"}, rows
     for row in rows:
         assert row["ep"] == 2 and len(row["ms_per_rank"]) == 2, row
-        assert row["ms"] == max(row["ms_per_rank"]) > 0, row
+        assert row["ms"] == max(row["ms_per_rank"]), row
+        # bwd is fwd+bwd minus fwd, two timings of a few ms on a loaded 2-core machine: only the measured ones must
+        # be positive
+        assert row["direction"] == "bwd" or row["ms"] > 0, row
 
 
 def test_bench_ep_loopback_smoke(tmp_path):
