@@ -59,8 +59,8 @@ def test_fp8_layer_matches_the_emulation_and_float64_and_repeats_bitwise(T, E, H
 
 # H and I = 64 (mod 128): the FP8 kernels' 64-wide last scale blocks (backend "auto": the grouped FP8 forward, the
 # fused one keeping whole 128-wide blocks; fp8_bwd's BF16 forward with half-width last tiles), small enough to run in
-# seconds. Those shapes are refused by the layer until these pass on a GPU (_backend.FP8_TAILS_UNVERIFIED), so the
-# test lifts that refusal.
+# seconds. Those shapes are refused by the layer until these pass on a GPU (the status entry
+# mega_moe_half_tiles.fp8.sm90 says so), so the test presents that entry as available to the layer.
 TAIL_CASES = [(precision, *case) for precision in ("fp8", "fp8_bwd") for case in [
     (300, 8, 1088, 320, 4, "masked", ""),
     (300, 8, 1088, 320, 4, "zipf", "recompute"),
@@ -72,12 +72,17 @@ TAIL_CASES = [(precision, *case) for precision in ("fp8", "fp8_bwd") for case in
 @pytest.mark.parametrize("precision,T,E,H,I,K,routing,extra", TAIL_CASES)
 def test_fp8_layer_with_64_wide_last_blocks_matches_the_emulation_and_float64(monkeypatch, precision, T, E, H, I, K,
                                                                                routing, extra):
+    from prime_kernels import _status
     from prime_kernels.mega import _backend
 
     skip_unless_available("mega_moe_grouped.fp8.sm90")
     skip_unless_available("mega_moe.fp8_bwd.sm90")
     skip_unless_available("mega_moe_half_tiles.bf16.sm90")
-    monkeypatch.setattr(_backend, "FP8_TAILS_UNVERIFIED", None)
+    why = _status.runnable(_backend.FP8_TAILS_KEY)
+    if not _status.is_available(why):
+        pytest.skip(f"{_backend.FP8_TAILS_KEY}: {why}")
+    real = _backend._status
+    monkeypatch.setattr(_backend, "_status", lambda: {**real(), _backend.FP8_TAILS_KEY: _status.AVAILABLE})
     assert _backend.resolve_backend("auto", "fp8", "fwd", hidden=H, intermediate=I) == "grouped"
     with skip_if_out_of_memory_on_a_small_card():
         _check_case(T, E, H, I, K, routing, extra, precision)

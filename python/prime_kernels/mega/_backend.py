@@ -292,18 +292,19 @@ def alignment_reason(hidden: int, intermediate: int, precision: str = "bf16") ->
         return (f"precision={precision!r}: hidden={hidden} and intermediate={intermediate} must be multiples of "
                 f"FP8_ALIGN={FP8_ALIGN} (prime_kernels.mega.constants: the FP8 kernels' 128-wide scale blocks); "
                 f"pad the weights, use precision='bf16', or backend='reference'")
-    if precision in reference.FP8_PRECISIONS and tails and FP8_TAILS_UNVERIFIED:
-        return (f"precision={precision!r}: hidden={hidden} and intermediate={intermediate} are multiples of "
-                f"{HIDDEN_ALIGN} but not both of FP8_ALIGN={FP8_ALIGN}: {FP8_TAILS_UNVERIFIED}; pad the weights to "
-                f"multiples of {FP8_ALIGN}, use precision='bf16', or backend='reference'")
+    if precision in reference.FP8_PRECISIONS and tails:
+        why = _status().get(FP8_TAILS_KEY, _NOT_IMPLEMENTED)
+        if not is_available(why):
+            return (f"precision={precision!r}: hidden={hidden} and intermediate={intermediate} are multiples of "
+                    f"{HIDDEN_ALIGN} but not both of FP8_ALIGN={FP8_ALIGN}: {FP8_TAILS_KEY}: {why}; pad the weights "
+                    f"to multiples of {FP8_ALIGN}, use precision='bf16', or backend='reference'")
     return None
 
 
-#: Why the kernel backends do not yet take precision "fp8" / "fp8_bwd" with H or I = 64 (mod 128) (None once they
-#: do): the rule is the kernels' (multiples of 64, the last scale block 64 wide: prime_kernels.mega.reference), but
-#: their tail instantiations have not run on a GPU.
-FP8_TAILS_UNVERIFIED = ("the FP8 kernels take multiples of 64 (the last 1 x 128 / 128 x 128 scale block along H or I "
-                        "64 wide, docs/fp8.md), but their tail instantiations have not run on a GPU yet")
+#: The status entry of precision "fp8" / "fp8_bwd" on the kernel backends with H or I = 64 (mod 128): the kernels'
+#: rule (multiples of 64, the last scale block 64 wide: prime_kernels.mega.reference), which the layer takes where
+#: the entry says available (its `unverified` note until the tail cases pass their GPU tests).
+FP8_TAILS_KEY = "mega_moe_half_tiles.fp8.sm90"
 
 
 def fused_fp8_tails_reason(precision: str, direction: str, hidden: int | None,
