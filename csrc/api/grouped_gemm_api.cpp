@@ -55,7 +55,6 @@ int m_grouped(const char* op, bool gather, const void* a, int64_t lda, int64_t a
   args.k = k;
   args.config = &cfg;
   if (push != nullptr) {
-    PK_CHECK_ARG(push->slots != nullptr, "%s: null push_slots", op);
     args.push_slots = push->slots;
     args.num_push_ranks = push->num_ranks;
     args.ld_slots = push->ld_slots;

@@ -17,7 +17,6 @@ class UnsupportedLayerError(ValueError):
 #: the forward and backward ("fp8") or the backward alone ("fp8_bwd"). The layer's "mxfp8" (a forward on sm_100 only)
 #: is not offered until an integration is tested with it.
 PRECISIONS = ("bf16", "fp8", "fp8_bwd")
-#: The ones whose weights the layer quantizes into its FP8 weight cache.
 
 
 def check_backend(backend: str) -> str:

@@ -36,9 +36,9 @@ keyed on the parameter's version counter and on the count of torch.optim steps (
 ``AdamW(fused=True)`` leave the counter as it was), so a weight is quantized once per optimizer step, the recomputed
 forward of activation checkpointing and every micro-batch of the step included. Keep the parameters in bf16: fp32
 ones are cast on every call, and the cast copy is quantized again each time. A weight changed through ``.data``
-outside an optimizer needs ``WEIGHT_CACHE.clear()``. FP8 needs H and I multiples of 128 on the kernel backends. Where the FP8 kernels cannot run
-(no sm90 GPU), ``apply`` still switches the model and the first call raises the layer's reason, as for bf16;
-``backend="reference"`` runs the recipe's emulation on any device.
+outside an optimizer needs ``WEIGHT_CACHE.clear()``. FP8 needs H and I multiples of 128 on the kernel backends. Where
+the FP8 kernels cannot run (no sm90 GPU), ``apply`` still switches the model and the first call raises the layer's
+reason, as for bf16; ``backend="reference"`` runs the recipe's emulation on any device.
 
 Supported: gated SiLU experts (``act_fn`` SiLU, transformers' default gate function), concatenated
 ``[gate; up]`` layout, non-transposed weights, no biases, no post-expert norm. Anything else raises
@@ -57,6 +57,7 @@ from ._common import PRECISIONS, UnsupportedLayerError, check_backend, check_pre
 NAME = "prime_mega_moe"
 _OPTIONS_ATTR = "_prime_mega_moe_options"
 _CHECKED_ATTR = "_prime_mega_moe_checked"
+
 
 def _hf_moe():
     try:

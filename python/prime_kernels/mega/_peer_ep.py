@@ -26,9 +26,9 @@ A backward is: stage dy and the top-k weights; enter; gather each pool row's dy 
 as the layer runs it on one rank; the forward's plan, h and dispatched x rows; weights by pool row) up to dX and d
 topk_weights, the bf16 dX GEMM's epilogue writing each pool row's dX row into its source rank's slot while its
 remaining tiles run (the FP8 backward's dX rows and every d topk_weights go by a row-move kernel after their
-kernels); arrive at the exit; the weight
-gradients of the rank's experts (they stay on it), which fill the time the slower ranks still take to push into this
-rank's slots; wait at the exit; each rank sums its dX slots (fixed k order) and reads its d topk_weights.
+kernels); arrive at the exit; the weight gradients of the rank's experts (they stay on it), which fill the time the
+slower ranks still take to push into this rank's slots; wait at the exit; each rank sums its dX slots (fixed k order)
+and reads its d topk_weights.
 
 The emulator plays every rank in each launch of the barriers and the fused forward (its CTAs split over the ranks;
 the backward's kernels run rank by rank), or, with ``delays``, each rank on a stream of its own with random waits
