@@ -132,3 +132,47 @@ def test_the_weight_quantizing_op_refuses_partial_tiles():
     scale = torch.empty(1, 1, 1)
     with pytest.raises(RuntimeError, match=r"multiples of 128 \(whole 128 x 128 tiles\)"):
         torch.ops.prime_kernels.quantize_weight_fp8_(w, q, scale, False)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_tile_transposing_op_is_the_transpose_byte_for_byte(device):
+    """transpose_tiles_fp8_ (our kernel on CUDA, the host loop on the CPU) against torch's transposed copy, every byte
+    pattern present (NaN encodings included), the output NaN-filled first."""
+    _ops(device)
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randint(0, 256, (3, 256, 384), generator=g, dtype=torch.uint8)
+    q = raw.view(torch.float8_e4m3fn).to(device)
+    qt = torch.full((3, 384, 256), float("nan"), device=device).to(torch.float8_e4m3fn)
+    torch.ops.prime_kernels.transpose_tiles_fp8_(q, qt)
+    assert torch.equal(qt.cpu().view(torch.uint8), raw.transpose(1, 2).contiguous())
+
+
+def test_the_tile_transposing_op_refuses_bad_shapes():
+    _ops("cpu")
+    q = torch.zeros(1, 192, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=r"multiples of 128 \(whole 128 x 128 tiles\)"):
+        torch.ops.prime_kernels.transpose_tiles_fp8_(q, torch.empty(1, 128, 192, dtype=torch.float8_e4m3fn))
+    with pytest.raises(RuntimeError, match=r"qt must be a contiguous float8_e4m3fn \[L, C, R\]"):
+        torch.ops.prime_kernels.transpose_tiles_fp8_(q, torch.empty(1, 192, 128, dtype=torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_cached_transposed_copy_is_the_tiles_transposed(monkeypatch, device):
+    """QuantizedWeight.transposed through the kernel (forced on where it runs) equals BlockQuantized.t()."""
+    from prime_kernels.mega import fp8
+
+    _ops(device)
+    import prime_kernels.quantize as quantize
+
+    monkeypatch.setattr(fp8, "_transpose_kernel_runs", lambda d: True)
+    ready = quantize._ready
+    monkeypatch.setattr(quantize, "_ready", lambda stem, op, dev: None if stem == "transpose_tiles.fp8"
+                        else ready(stem, op, dev))
+    if device == "cpu":  # the kernel path is CUDA's; the CPU keeps torch's copy
+        monkeypatch.setattr(fp8, "transpose_tiles_fp8", lambda q: pytest.fail("the CPU called the CUDA path"))
+    w = _weights_to_quantize(device)
+    got = fp8.QuantizedWeight(fp8.quantize_blocks(w, 128, 128)).transposed
+    want = fp8.quantize_blocks(w, 128, 128).t()
+    assert got.data.shape == want.data.shape and (got.block_rows, got.block_cols) == (want.block_rows, want.block_cols)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scale, want.scale)

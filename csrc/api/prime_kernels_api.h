@@ -28,7 +28,7 @@ enum {
 };
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatch.
-#define PK_ABI_VERSION 7
+#define PK_ABI_VERSION 8
 PK_API int pk_abi_version(void);
 
 // The message of the last failed call on this thread ("" if none).
@@ -423,6 +423,11 @@ PK_API int pk_quantize_weight_fp8_cuda(const void* w, int64_t num_mats, int64_t 
                                        float* scale, int pow2_scales, void* cuda_stream);
 PK_API int pk_quantize_weight_fp8_cpu(const void* w, int64_t num_mats, int64_t rows, int64_t cols, void* q,
                                       float* scale, int pow2_scales);
+// The transposed copy of such tiles: qt e4m3 [num_mats, cols, rows] with qt[m, c, r] = q[m, r, c] (rows and cols
+// multiples of 128, both contiguous and 16-byte aligned, qt not q).
+PK_API int pk_transpose_tiles_fp8_cuda(const void* q, int64_t num_mats, int64_t rows, int64_t cols, void* qt,
+                                       void* cuda_stream);
+PK_API int pk_transpose_tiles_fp8_cpu(const void* q, int64_t num_mats, int64_t rows, int64_t cols, void* qt);
 
 // ---------------------------------------------------------------------------------------------
 // MXFP8 quantization (csrc/common/quantize_mxfp8.hpp has the full contract; docs/mxfp8.md the format): every run of

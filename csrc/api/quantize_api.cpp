@@ -1,4 +1,5 @@
-// C ABI of the blockwise-FP8 quantizing producers (dispatch_rows_fp8, quantize_tokens_fp8, quantize_weight_fp8) and of
+// C ABI of the blockwise-FP8 quantizing producers (dispatch_rows_fp8, quantize_tokens_fp8, quantize_weight_fp8 and its
+// transposed copy, transpose_tiles_fp8) and of
 // the MXFP8 quantization: argument checks, then the CUDA kernel or the host loop. Nothing is launched or written on a
 // bad argument.
 #include <cstdint>
@@ -140,6 +141,20 @@ int pk_quantize_weight_fp8_cpu(const void* w, int64_t num_mats, int64_t rows, in
   const prime_kernels::common::QuantizeWeightFp8Args a{w, num_mats, rows, cols, q, scale, pow2_scales != 0};
   if (const int rc = check_args(qh::check_quantize_weight_fp8_args, a, false); rc != PK_OK) return rc;
   prime_kernels::common::quantize_weight_fp8_host(a);
+  return prime_kernels::api::ok();
+}
+
+int pk_transpose_tiles_fp8_cuda(const void* q, int64_t num_mats, int64_t rows, int64_t cols, void* qt,
+                                void* cuda_stream) {
+  const prime_kernels::common::TransposeTilesFp8Args a{q, num_mats, rows, cols, qt};
+  return run_on_device("transpose_tiles_fp8", qh::check_transpose_tiles_fp8_args,
+                       prime_kernels::common::launch_transpose_tiles_fp8, a, cuda_stream);
+}
+
+int pk_transpose_tiles_fp8_cpu(const void* q, int64_t num_mats, int64_t rows, int64_t cols, void* qt) {
+  const prime_kernels::common::TransposeTilesFp8Args a{q, num_mats, rows, cols, qt};
+  if (const int rc = check_args(qh::check_transpose_tiles_fp8_args, a, false); rc != PK_OK) return rc;
+  prime_kernels::common::transpose_tiles_fp8_host(a);
   return prime_kernels::api::ok();
 }
 

@@ -23,4 +23,8 @@ cudaError_t launch_quantize_weight_fp8(const QuantizeWeightFp8Args& args, cudaSt
 // Same bits on the CPU.
 void quantize_weight_fp8_host(const QuantizeWeightFp8Args& args);
 
+// The arguments must have passed check_transpose_tiles_fp8_args.
+cudaError_t launch_transpose_tiles_fp8(const TransposeTilesFp8Args& args, cudaStream_t stream);
+void transpose_tiles_fp8_host(const TransposeTilesFp8Args& args);
+
 }  // namespace prime_kernels::common

@@ -48,6 +48,16 @@ struct QuantizeWeightFp8Args {
   bool pow2_scales = false;
 };
 
+// The transposed copy of a weight's e4m3 tiles (fp8.QuantizedWeight.transposed): qt[m, c, r] = q[m, r, c], byte for
+// byte. Both arrays contiguous.
+struct TransposeTilesFp8Args {
+  const void* q = nullptr;  // e4m3 [num_mats, rows, cols], 16-byte aligned
+  int64_t num_mats = 0;
+  int64_t rows = 0;         // a multiple of 128
+  int64_t cols = 0;         // a multiple of 128
+  void* qt = nullptr;       // e4m3 [num_mats, cols, rows], 16-byte aligned
+};
+
 // Expert e owns pool rows [expert_offsets[e], expert_offsets[e + 1]); its first expert_counts[e] rows are its
 // tokens, the rest padding, quantized as zeros whatever they hold. Rows in no expert quantize as zeros as well.
 // The layout rule (checked by the kernel on the device, by the host loop's caller on the host):
@@ -182,6 +192,23 @@ inline int check_quantize_weight_fp8_args(const QuantizeWeightFp8Args& x, bool o
     return invalid(err, err_len, "%s: null w, q or scale", fn);
   if ((on_device && !aligned16(x.w)) || !aligned16(x.q))
     return invalid(err, err_len, "%s: w and q must be 16-byte aligned", fn);
+  return 0;
+}
+
+inline int check_transpose_tiles_fp8_args(const TransposeTilesFp8Args& x, bool /*on_device*/, char* err,
+                                          size_t err_len) {
+  const char* fn = "transpose_tiles_fp8";
+  if (x.num_mats < 0 || x.num_mats > 65535 || x.rows < 0 || x.rows > kQuantizeMaxRows || x.cols < 0 ||
+      x.cols > kQuantizeMaxRows)
+    return invalid(err, err_len, "%s: bad sizes num_mats=%lld rows=%lld cols=%lld (num_mats <= 65535, rows and cols "
+                   "< 2^31)", fn, (long long)x.num_mats, (long long)x.rows, (long long)x.cols);
+  if (x.rows % 128 != 0 || x.cols % 128 != 0)
+    return invalid(err, err_len, "%s: rows (%lld) and cols (%lld) must be multiples of 128 (whole 128 x 128 tiles)", fn,
+                   (long long)x.rows, (long long)x.cols);
+  if (x.num_mats == 0 || x.rows == 0 || x.cols == 0) return 0;
+  if (x.q == nullptr || x.qt == nullptr) return invalid(err, err_len, "%s: null q or qt", fn);
+  if (!aligned16(x.q) || !aligned16(x.qt)) return invalid(err, err_len, "%s: q and qt must be 16-byte aligned", fn);
+  if (x.q == x.qt) return invalid(err, err_len, "%s: qt must not be q (the copy is not in place)", fn);
   return 0;
 }
 

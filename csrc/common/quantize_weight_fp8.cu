@@ -1,7 +1,9 @@
 // prime-kernels: the blockwise-FP8 recipe's weight quantization (recipe step W1, python/prime_kernels/mega/fp8.py's
 // quantize_weight) in one pass over the weight: one CTA per 128 x 128 tile reads the tile once, reduces its amax,
 // writes its scale and its e4m3 values. The rounding is fp8_quant_math.cuh's, shared with the other quantizing kernels
-// and the host loop below, so the three give the bits of the reference. No CTA waits for another: each owns its tile.
+// and the host loop below, so the three give the bits of the reference. The tiles' transposed copy (the dgrad GEMMs
+// read the weight K-major the other way round: FP8 wgmma on sm90 takes K-major operands only) is a byte transpose of
+// the e4m3 copy, one CTA per tile through shared memory. No CTA waits for another: each owns its tile.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -72,6 +74,51 @@ __global__ void __launch_bounds__(kThreads) quantize_weight_fp8_kernel(const __n
   }
 }
 
+// Shared-memory row stride of the transposing kernel: 132 bytes = 33 words, so the stores (a warp covers 4 rows x 8
+// 16-byte chunks) and the column reads (a warp reads 32 columns of one 16-row group) touch distinct banks.
+constexpr int kTransposeStride = kTile + 4;
+constexpr int kChunkBytes = 16;
+constexpr int kChunksPerRow = kTile / kChunkBytes;  // 8
+
+__global__ void __launch_bounds__(kThreads) transpose_tiles_fp8_kernel(const uint8_t* __restrict__ q, int64_t rows,
+                                                                       int64_t cols, uint8_t* __restrict__ qt) {
+  __shared__ __align__(16) uint32_t tile[kTile * kTransposeStride / 4];
+  const int64_t mat = blockIdx.z;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile, col0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int tid = static_cast<int>(threadIdx.x);
+  {
+    const int chunk = tid % kChunksPerRow;
+    const uint8_t* src = q + (mat * rows + row0) * cols + col0 + kChunkBytes * chunk;
+#pragma unroll
+    for (int r = tid / kChunksPerRow; r < kTile; r += kThreads / kChunksPerRow) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r) * cols));
+      uint32_t* dst = tile + (r * kTransposeStride + kChunkBytes * chunk) / 4;
+      dst[0] = v.x;
+      dst[1] = v.y;
+      dst[2] = v.z;
+      dst[3] = v.w;
+    }
+  }
+  __syncthreads();
+  // warp w writes bytes [16 w, 16 w + 16) of 32 output rows (input columns) per pass
+  const int group = tid / 32, lane = tid % 32;
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(tile);
+#pragma unroll
+  for (int c = lane; c < kTile; c += 32) {
+    uint32_t packed[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        word |= static_cast<uint32_t>(bytes[(kChunkBytes * group + 4 * k + j) * kTransposeStride + c]) << (8 * j);
+      packed[k] = word;
+    }
+    uint8_t* dst = qt + (mat * cols + col0 + c) * rows + row0 + kChunkBytes * group;
+    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_quantize_weight_fp8(const QuantizeWeightFp8Args& a, cudaStream_t stream) {
@@ -81,6 +128,23 @@ cudaError_t launch_quantize_weight_fp8(const QuantizeWeightFp8Args& a, cudaStrea
   quantize_weight_fp8_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(a.w), a.rows, a.cols,
                                                             static_cast<uint8_t*>(a.q), a.scale, a.pow2_scales);
   return cudaGetLastError();
+}
+
+cudaError_t launch_transpose_tiles_fp8(const TransposeTilesFp8Args& a, cudaStream_t stream) {
+  if (a.num_mats == 0 || a.rows == 0 || a.cols == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(a.cols / kTile), static_cast<unsigned>(a.rows / kTile),
+                  static_cast<unsigned>(a.num_mats));
+  transpose_tiles_fp8_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const uint8_t*>(a.q), a.rows, a.cols,
+                                                            static_cast<uint8_t*>(a.qt));
+  return cudaGetLastError();
+}
+
+void transpose_tiles_fp8_host(const TransposeTilesFp8Args& a) {
+  const auto* q = static_cast<const uint8_t*>(a.q);
+  auto* qt = static_cast<uint8_t*>(a.qt);
+  for (int64_t m = 0; m < a.num_mats; ++m)
+    for (int64_t r = 0; r < a.rows; ++r)
+      for (int64_t c = 0; c < a.cols; ++c) qt[(m * a.cols + c) * a.rows + r] = q[(m * a.rows + r) * a.cols + c];
 }
 
 void quantize_weight_fp8_host(const QuantizeWeightFp8Args& a) {

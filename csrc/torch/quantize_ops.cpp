@@ -1,8 +1,8 @@
 // torch.ops.prime_kernels.dispatch_rows_fp8_, quantize_tokens_fp8_, quantize_tokens_gathered_fp8_ (the same qT,
 // reading each pool row from its token row) and quantize_tokens_e4m3_fp8_ (the same qT of e4m3 pool rows with their
 // 1 x 128 scales, read as their bf16 dequantization), the blockwise-FP8 recipe's quantizing producers, and
-// quantize_mxfp8_ (e4m3 values with one e8m0 scale per 32 along a row) and quantize_weight_fp8_ (a layer's weights
-// in 128 x 128 tiles); CPU: the core's host loops, the same bits as the kernels. All write into the tensors they are given;
+// quantize_mxfp8_ (e4m3 values with one e8m0 scale per 32 along a row), quantize_weight_fp8_ (a layer's weights
+// in 128 x 128 tiles) and transpose_tiles_fp8_ (their transposed copy); CPU: the core's host loops, the same bits as the kernels. All write into the tensors they are given;
 // the core checks sizes, strides, alignment and, on the CPU, the values it reads.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -253,6 +253,26 @@ void quantize_weight_fp8_op(Tensor w, Tensor q, Tensor scale, bool pow2_scales) 
   }
 }
 
+// The transposed copy of a weight's e4m3 tiles: q [L, R, C] -> qt [L, C, R], both contiguous, on q's device.
+template <bool kCuda>
+void transpose_tiles_fp8_op(Tensor q, Tensor qt) {
+  const char* op = "transpose_tiles_fp8_";
+  STD_TORCH_CHECK(q.scalar_type() == ScalarType::Float8_e4m3fn && q.dim() == 3 && q.is_contiguous(), "prime_kernels.",
+                  op, ": q must be a contiguous float8_e4m3fn [L, R, C] tensor");
+  const int64_t L = q.size(0), R = q.size(1), C = q.size(2);
+  STD_TORCH_CHECK(qt.scalar_type() == ScalarType::Float8_e4m3fn && qt.dim() == 3 && qt.is_contiguous() &&
+                      qt.size(0) == L && qt.size(1) == C && qt.size(2) == R,
+                  "prime_kernels.", op, ": qt must be a contiguous float8_e4m3fn [L, C, R] tensor");
+  check_same_device(qt, q, op, "qt");
+  if constexpr (kCuda) {
+    torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
+    check_core(pk_transpose_tiles_fp8_cuda(q.data_ptr(), L, R, C, qt.data_ptr(), current_cuda_stream(q.get_device_index())),
+               op);
+  } else {
+    check_core(pk_transpose_tiles_fp8_cpu(q.data_ptr(), L, R, C, qt.data_ptr()), op);
+  }
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
@@ -266,6 +286,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
   m.def("quantize_mxfp8_(Tensor x, Tensor(a!) q, Tensor(b!) scale, Tensor group_ends, Tensor(c!) group_starts, "
         "int group_axis=0, bool blocked=True, bool rceil=True) -> ()");
   m.def("quantize_weight_fp8_(Tensor w, Tensor(a!) q, Tensor(b!) scale, bool pow2_scales=False) -> ()");
+  m.def("transpose_tiles_fp8_(Tensor q, Tensor(a!) qt) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CPU, m) {
@@ -275,6 +296,7 @@ STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CPU, m) {
   m.impl("quantize_tokens_e4m3_fp8_", TORCH_BOX(&quantize_tokens_e4m3_fp8_op<false>));
   m.impl("quantize_mxfp8_", TORCH_BOX(&quantize_mxfp8_op<false>));
   m.impl("quantize_weight_fp8_", TORCH_BOX(&quantize_weight_fp8_op<false>));
+  m.impl("transpose_tiles_fp8_", TORCH_BOX(&transpose_tiles_fp8_op<false>));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
@@ -284,4 +306,5 @@ STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("quantize_tokens_e4m3_fp8_", TORCH_BOX(&quantize_tokens_e4m3_fp8_op<true>));
   m.impl("quantize_mxfp8_", TORCH_BOX(&quantize_mxfp8_op<true>));
   m.impl("quantize_weight_fp8_", TORCH_BOX(&quantize_weight_fp8_op<true>));
+  m.impl("transpose_tiles_fp8_", TORCH_BOX(&transpose_tiles_fp8_op<true>));
 }

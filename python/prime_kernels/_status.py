@@ -67,9 +67,11 @@ def _entries() -> list[KernelEntry]:
         compiled = name.replace("_gemm_", "_bf16_gemm_")
         e.append(KernelEntry(f"{name}.bf16.sm90", compiled, "sm90"))
     # the layer's weights in 128 x 128 tiles, once per optimizer step (fp8.quantize_weight)
-    e.append(KernelEntry("quantize_weight.fp8.sm90", "quantize_weight_fp8", "sm90",
-                         unverified="compiled, not yet run on a GPU: the FP8 layer quantizes its weights with torch ops "
-                                    "(the same bits, several passes over the weight where the kernel makes one)"))
+    e.append(KernelEntry("quantize_weight.fp8.sm90", "quantize_weight_fp8", "sm90"))
+    # their transposed copy for the dgrad GEMMs (fp8.QuantizedWeight.transposed), byte for byte
+    e.append(KernelEntry("transpose_tiles.fp8.sm90", "transpose_tiles_fp8", "sm90",
+                         unverified="compiled, not yet run on a GPU: the FP8 layer transposes its weights' e4m3 tiles "
+                                    "with torch ops (the same bytes, slower)"))
     e.append(KernelEntry("m_grouped_gemm_nt.fp8.sm90", "m_grouped_fp8_gemm_nt", "sm90"))
     e.append(KernelEntry("k_grouped_gemm_tn.fp8.sm90", "k_grouped_fp8_gemm_tn", "sm90"))
     # The FP8 L2 dgrad with the SwiGLU backward and the quantizing epilogue (prime_kernels.swiglu_bwd_fp8)

@@ -14,6 +14,8 @@
 
 - ``quantize_weight_fp8(w [L, R, C]) -> (q [L, R, C], scale [L, R/128, C/128])``: a layer's bf16 weights in 128 x
   128 tiles (``fp8.quantize_weight`` bit for bit), R and C multiples of 128, in one read of w.
+- ``transpose_tiles_fp8(q [L, R, C]) -> qt [L, C, R]``: such tiles transposed byte for byte (the K-major copy the
+  GEMMs that read a weight the other way round take).
 
 All run on CUDA (one kernel each, arch-neutral) and on the CPU (the core's host loops, the same bits). On CUDA,
 invalid routes or pool layouts are checked by the kernels without a synchronisation (an invalid route writes
@@ -28,7 +30,8 @@ import torch
 from . import _status
 from .grouped_gemm import k_block_major_empty
 
-__all__ = ["dispatch_rows_fp8", "quantize_tokens_fp8", "quantize_weight_fp8", "k_block_major_empty"]
+__all__ = ["dispatch_rows_fp8", "quantize_tokens_fp8", "quantize_weight_fp8", "transpose_tiles_fp8",
+           "k_block_major_empty"]
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
@@ -103,6 +106,22 @@ def quantize_weight_fp8(w: torch.Tensor, *, pow2_scales: bool = False) -> tuple[
     return q, scale
 
 
+def transpose_tiles_fp8(q: torch.Tensor) -> torch.Tensor:
+    """qt [L, C, R]: the e4m3 tiles of ``q`` [L, R, C] (R, C multiples of 128) transposed, byte for byte (the copy
+    ``fp8.QuantizedWeight.transposed`` makes for the GEMMs that read a weight the other way round)."""
+    _ready("transpose_tiles.fp8", "transpose_tiles_fp8", q.device)
+    if q.dtype != E4M3 or q.dim() != 3:
+        raise ValueError(f"transpose_tiles_fp8: q must be a float8_e4m3fn [L, R, C] tensor, got {q.dtype} "
+                         f"{list(q.shape)}")
+    L, R, C = q.shape
+    if R % BLOCK or C % BLOCK:
+        raise ValueError(f"transpose_tiles_fp8: R ({R}) and C ({C}) must be multiples of {BLOCK} (whole tiles)")
+    q = q.contiguous()
+    qt = torch.empty((L, C, R), dtype=E4M3, device=q.device)
+    torch.ops.prime_kernels.transpose_tiles_fp8_(q, qt)
+    return qt
+
+
 def _register() -> None:
     from .mxfp8 import _register_fake as _register_mxfp8
 
@@ -122,6 +141,10 @@ def _register() -> None:
 
     @torch.library.register_fake("prime_kernels::quantize_weight_fp8_")
     def _(w, q, scale, pow2_scales=False):
+        return None
+
+    @torch.library.register_fake("prime_kernels::transpose_tiles_fp8_")
+    def _(q, qt):
         return None
 
     @torch.library.register_fake("prime_kernels::quantize_tokens_e4m3_fp8_")

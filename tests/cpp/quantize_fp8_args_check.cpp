@@ -74,6 +74,16 @@ void expect_w(const char* what, const std::function<void(QuantizeWeightFp8Args&)
                                      edit, want_rc, want_text);
 }
 
+TransposeTilesFp8Args valid_transpose() {
+  return TransposeTilesFp8Args{g_buf, 2, 256, 384, g_buf + 1024};
+}
+
+void expect_x(const char* what, const std::function<void(TransposeTilesFp8Args&)>& edit, int want_rc,
+              const char* want_text) {
+  expect_case<TransposeTilesFp8Args>(valid_transpose, quantize_host::check_transpose_tiles_fp8_args, what, true, edit,
+                                     want_rc, want_text);
+}
+
 void expect_layout(const char* what, const int32_t* offsets, const int32_t* counts, int experts, int64_t rows,
                    int want_rc, const char* want_text) {
   char err[512];
@@ -144,6 +154,14 @@ int main() {
   expect_w("misaligned w on the host", [](QuantizeWeightFp8Args& x) { x.w = g_buf + 2; }, 0, nullptr, false);
   expect_w("misaligned q", [](QuantizeWeightFp8Args& x) { x.q = g_buf + 8; }, 1, "w and q must be 16-byte aligned",
            false);
+
+  expect_x("valid transpose", [](TransposeTilesFp8Args&) {}, 0, nullptr);
+  expect_x("no matrices needs no pointers", [](TransposeTilesFp8Args& x) { x.num_mats = 0; x.q = x.qt = nullptr; }, 0,
+           nullptr);
+  expect_x("rows not whole tiles", [](TransposeTilesFp8Args& x) { x.rows = 64; }, 1, "rows (64) and cols (384)");
+  expect_x("null qt", [](TransposeTilesFp8Args& x) { x.qt = nullptr; }, 1, "null q or qt");
+  expect_x("misaligned qt", [](TransposeTilesFp8Args& x) { x.qt = g_buf + 8; }, 1, "q and qt must be 16-byte aligned");
+  expect_x("in place", [](TransposeTilesFp8Args& x) { x.q = x.qt; }, 1, "qt must not be q");
 
   expect_layout("valid layout", g_offsets, g_counts, 3, 400, 0, nullptr);
   const int32_t ragged[4] = {0, 128, 200, 400};

@@ -43,7 +43,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _status
-from ..quantize import quantize_weight_fp8
+from ..quantize import quantize_weight_fp8, transpose_tiles_fp8
 
 E4M3 = torch.float8_e4m3fn
 #: The largest finite e4m3 (fn) value.
@@ -112,7 +112,10 @@ class BlockQuantized:
 
 def scales_from_amax(amax: torch.Tensor, pow2_scales: bool = False) -> torch.Tensor:
     """Q2: fp32 block scales from fp32 block amaxes."""
-    scale = amax.float() / E4M3_MAX
+    amax = amax.float()
+    # a tensor divisor: torch on CUDA multiplies by the reciprocal of a Python-number divisor, which is not Q2's
+    # rounded quotient (one ulp off in about 5% of blocks on an H100, where our kernels and the CPU agree bit for bit)
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     if pow2_scales:
         mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2^exponent, mantissa in [0.5, 1)
         exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two keeps its exponent
@@ -171,6 +174,12 @@ def _weight_kernel_runs(device: torch.device) -> bool:
     return _status.is_available(_status.reason(f"quantize_weight.fp8.{family}"))
 
 
+def _transpose_kernel_runs(device: torch.device) -> bool:
+    """Whether our tile-transposing kernel (prime_kernels.quantize.transpose_tiles_fp8) runs on ``device``."""
+    family = _status.family_of_device(device.index) or "sm90"
+    return _status.is_available(_status.reason(f"transpose_tiles.fp8.{family}"))
+
+
 #: The most fp32 elements :func:`quantize_weight` holds at once (1 GiB): it quantizes a weight some experts at a time.
 _WEIGHT_CHUNK_ELEMENTS = 1 << 28
 
@@ -201,6 +210,18 @@ def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> BlockQuantize
         quotient = torch.div(blocks[e0:e1], scale[e0:e1, :, None, :, None])  # fp32: v is exact in it
         q[e0:e1].view(-1, nr, BLOCK, nc, BLOCK).copy_(quotient.clamp_(-E4M3_MAX, E4M3_MAX))
     return BlockQuantized(q.view(*lead, R, C), scale.view(*lead, nr, nc), BLOCK, BLOCK)
+
+
+def _transpose_weight(w: BlockQuantized) -> BlockQuantized:
+    """``w.t()``: through our tile-transposing kernel where it runs (torch's copy of a transposed byte tensor is several
+    times slower: about 3 ms a step for a Qwen3-30B-A3B layer's two weights on an H100)."""
+    q = w.data
+    *lead, R, C = q.shape
+    if (q.is_cuda and q.dtype == E4M3 and w.block_rows == w.block_cols == BLOCK and not R % BLOCK and not C % BLOCK
+            and R and C and _transpose_kernel_runs(q.device)):
+        qt = transpose_tiles_fp8(q.reshape(-1, R, C))
+        return BlockQuantized(qt.view(*lead, C, R), w.scale.transpose(-2, -1).contiguous(), BLOCK, BLOCK)
+    return w.t()
 
 
 def fp8_gemm_nt(a: BlockQuantized, b: BlockQuantized) -> torch.Tensor:
@@ -240,7 +261,7 @@ class QuantizedWeight:
     def transposed(self) -> BlockQuantized:
         if self._transposed is None:
             with torch.no_grad():
-                self._transposed = self.weight.t()
+                self._transposed = _transpose_weight(self.weight)
         return self._transposed
 
 
