@@ -27,6 +27,7 @@ def test_a_step_of_any_optimizer_makes_the_copy_anew(fused):
         pytest.skip(f"AdamW(fused={fused}) is not available here: {e}")
     w.grad = torch.ones_like(w)
     opt.step()  # fused: the update leaves w._version as it was (why the cache counts optimizer steps)
+    assert len(cache) == 0  # the step freed the stale copies
     second = cache.get(w)
     assert second is not first and cache.misses == 2
     fresh = Fp8WeightCache().get(w)

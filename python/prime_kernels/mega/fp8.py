@@ -270,10 +270,16 @@ class QuantizedWeight:
 #: on ``_version`` alone would keep serving the pre-step FP8 copy; every cached copy is made anew after any step.
 _optimizer_steps = 0
 
+#: Every live cache: the step hook empties them, since no entry survives a step and a stale one would hold its FP8
+#: copies (a layer's weights and their transposes, 1.2 GB at Qwen3-30B-A3B) until that layer's next forward.
+_caches: "weakref.WeakSet[Fp8WeightCache]" = weakref.WeakSet()
+
 
 def _count_optimizer_step(_optimizer, _args, _kwargs) -> None:
     global _optimizer_steps
     _optimizer_steps += 1
+    for cache in list(_caches):
+        cache.clear()
 
 
 register_optimizer_step_post_hook(_count_optimizer_step)
@@ -291,13 +297,15 @@ class Fp8WeightCache:
     are unchanged. An in-place update through the tensor (``w.add_``) bumps
     ``_version``, and any torch.optim step (fused ones included, which leave ``_version`` as it was) bumps the step
     count, so either invalidates the entry; an update through ``w.data`` outside an optimizer does neither (``.data``
-    has its own version counter): call :meth:`clear` after one. An entry goes when its weight's storage is freed.
+    has its own version counter): call :meth:`clear` after one. An entry goes when its weight's storage is freed, and
+    every entry goes at any torch.optim step (its copies freed then, not at the weight's next use).
     """
 
     def __init__(self):
         self._entries: dict = {}
         self.hits = 0
         self.misses = 0
+        _caches.add(self)
 
     def clear(self) -> None:
         self._entries.clear()
