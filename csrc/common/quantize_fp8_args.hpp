@@ -178,15 +178,22 @@ inline int check_quantize_tokens_fp8_args(const QuantizeTokensFp8Args& x, bool o
   return 0;
 }
 
+// The sizes of a stack of matrices in whole 128 x 128 tiles (a grid of cols/128 x rows/128 x num_mats CTAs): 0, or
+// 1 with the reason in err.
+inline int check_weight_tiles(const char* fn, int64_t num_mats, int64_t rows, int64_t cols, char* err,
+                              size_t err_len) {
+  if (num_mats < 0 || num_mats > 65535 || rows < 0 || rows > kQuantizeMaxRows || cols < 0 || cols > kQuantizeMaxRows)
+    return invalid(err, err_len, "%s: bad sizes num_mats=%lld rows=%lld cols=%lld (num_mats <= 65535, rows and cols "
+                   "< 2^31)", fn, (long long)num_mats, (long long)rows, (long long)cols);
+  if (rows % 128 != 0 || cols % 128 != 0)
+    return invalid(err, err_len, "%s: rows (%lld) and cols (%lld) must be multiples of 128 (whole 128 x 128 tiles)", fn,
+                   (long long)rows, (long long)cols);
+  return 0;
+}
+
 inline int check_quantize_weight_fp8_args(const QuantizeWeightFp8Args& x, bool on_device, char* err, size_t err_len) {
   const char* fn = "quantize_weight_fp8";
-  if (x.num_mats < 0 || x.num_mats > 65535 || x.rows < 0 || x.rows > kQuantizeMaxRows || x.cols < 0 ||
-      x.cols > kQuantizeMaxRows)
-    return invalid(err, err_len, "%s: bad sizes num_mats=%lld rows=%lld cols=%lld (num_mats <= 65535, rows and cols "
-                   "< 2^31)", fn, (long long)x.num_mats, (long long)x.rows, (long long)x.cols);
-  if (x.rows % 128 != 0 || x.cols % 128 != 0)
-    return invalid(err, err_len, "%s: rows (%lld) and cols (%lld) must be multiples of 128 (whole 128 x 128 tiles)", fn,
-                   (long long)x.rows, (long long)x.cols);
+  if (const int rc = check_weight_tiles(fn, x.num_mats, x.rows, x.cols, err, err_len); rc != 0) return rc;
   if (x.num_mats == 0 || x.rows == 0 || x.cols == 0) return 0;  // nothing to read or write
   if (x.w == nullptr || x.q == nullptr || x.scale == nullptr)
     return invalid(err, err_len, "%s: null w, q or scale", fn);
@@ -198,13 +205,7 @@ inline int check_quantize_weight_fp8_args(const QuantizeWeightFp8Args& x, bool o
 inline int check_transpose_tiles_fp8_args(const TransposeTilesFp8Args& x, bool /*on_device*/, char* err,
                                           size_t err_len) {
   const char* fn = "transpose_tiles_fp8";
-  if (x.num_mats < 0 || x.num_mats > 65535 || x.rows < 0 || x.rows > kQuantizeMaxRows || x.cols < 0 ||
-      x.cols > kQuantizeMaxRows)
-    return invalid(err, err_len, "%s: bad sizes num_mats=%lld rows=%lld cols=%lld (num_mats <= 65535, rows and cols "
-                   "< 2^31)", fn, (long long)x.num_mats, (long long)x.rows, (long long)x.cols);
-  if (x.rows % 128 != 0 || x.cols % 128 != 0)
-    return invalid(err, err_len, "%s: rows (%lld) and cols (%lld) must be multiples of 128 (whole 128 x 128 tiles)", fn,
-                   (long long)x.rows, (long long)x.cols);
+  if (const int rc = check_weight_tiles(fn, x.num_mats, x.rows, x.cols, err, err_len); rc != 0) return rc;
   if (x.num_mats == 0 || x.rows == 0 || x.cols == 0) return 0;
   if (x.q == nullptr || x.qt == nullptr) return invalid(err, err_len, "%s: null q or qt", fn);
   if (!aligned16(x.q) || !aligned16(x.qt)) return invalid(err, err_len, "%s: q and qt must be 16-byte aligned", fn);
