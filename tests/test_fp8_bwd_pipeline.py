@@ -159,6 +159,10 @@ def test_fp8_pipeline_on_the_gpu_matches_the_reference_and_repeats_bitwise(T, E,
         # difference that moves one by a bf16 step (2^-8 to 2^-7 relative) moves ~1/16 of its block's e4m3
         # roundings (measured on the H200: 1.03e-2 at T=1000, E=16, H=512, I=256)
         bound = 1.5e-2 if name == "dw13" else 1e-2
+        if H >= 1024 and name != "dtopk":
+            # the accumulation difference grows with K: dX measured 1.08e-2 (1088, 320) and 1.26e-2 (2880, 2880) on
+            # an H100, as at the layer matrix's 128-multiple shapes (test_fp8_matrix.BOUND_EMULATION, docs/fp8.md)
+            bound = 2.5e-2
         assert err < bound, f"{name}: rel err {err:.3e}"
     poison_free_memory()
     again = _fp8_bwd.backward(dy, x, idx, w, w13, w2, *state, num_experts=E, weight_cache=cache)

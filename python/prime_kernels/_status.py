@@ -132,11 +132,8 @@ def _entries() -> list[KernelEntry]:
     e.append(KernelEntry("mega_moe_half_tiles.bf16.sm90", "mega_moe_fwd_bf16", "sm90"))
     # The FP8 kernel backends with H or I = 64 (mod 128): a 64-wide last scale block along H or I (the L2 dgrad's
     # and the dispatch's tail instantiations, the GEMMs' 64-wide last k-blocks); the layer refuses these shapes
-    # for precision "fp8" / "fp8_bwd" while this entry is not available (_backend.alignment_reason)
-    e.append(KernelEntry("mega_moe_half_tiles.fp8.sm90", "m_grouped_fp8_gemm_swiglu_bwd", "sm90",
-                         unverified="the FP8 kernels take H and I multiples of 64 (the last 1 x 128 / 128 x 128 scale "
-                                    "block 64 wide, docs/fp8.md), but their tail cases have not yet passed their GPU "
-                                    "tests"))
+    # for precision "fp8" / "fp8_bwd" where this entry is not available (_backend.alignment_reason)
+    e.append(KernelEntry("mega_moe_half_tiles.fp8.sm90", "m_grouped_fp8_gemm_swiglu_bwd", "sm90"))
     todo = "not implemented yet"
     e += [
         KernelEntry("mega_moe.bf16.sm90", "mega_moe_fwd_bf16", "sm90"),

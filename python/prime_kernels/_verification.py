@@ -122,10 +122,8 @@ ROWS: tuple[Row, ...] = (
         ("mega_moe.fp8_bwd.sm90",), _v("H200", "1.3-1.6x torch's BF16 backward: [docs/fp8.md](docs/fp8.md)"), _NOT),
     Row("FP8 with H or I a multiple of 64 but not of 128: 64-wide last scale blocks (`mega_moe_half_tiles.fp8`; "
         "[docs/fp8.md](docs/fp8.md))", "fp8 / fp8_bwd", ("mega_moe_half_tiles.fp8.sm90",),
-        Cell(PARTLY, "H100", "its GPU tests ran once and stopped after 6 failures, 301 passed: the L2 dgrad's tail "
-                             "kernel at (2880, 2880), on a column-scale bound since corrected, and the FP8 pipelines' "
-                             "y and dX at (1088, 320) and (2880, 2880), 1.1-1.4e-2 of the emulation against a 1e-2 "
-                             "bound; the layer refuses these shapes for FP8 until they pass"), _NOT),
+        _v("H100", "the kernels' tail cases against their emulation; the layer at (1088, 320) and (2880, 2880) within "
+                   "the matrix's bounds"), _NOT),
     Row("expert parallelism over peer memory (`mega_moe_ep_peer`: backend \"fused\" under a group)", "bf16",
         ("mega_moe_ep_peer.bf16.sm90",),
         _v("H100", "through its one-GPU emulator: forward and backward bit for bit EP = 1, bf16 and FP8, in one "

@@ -303,7 +303,7 @@ def alignment_reason(hidden: int, intermediate: int, precision: str = "bf16") ->
 
 #: The status entry of precision "fp8" / "fp8_bwd" on the kernel backends with H or I = 64 (mod 128): the kernels'
 #: rule (multiples of 64, the last scale block 64 wide: prime_kernels.mega.reference), which the layer takes where
-#: the entry says available (its `unverified` note until the tail cases pass their GPU tests).
+#: the entry says available (a GPU of the sm90 family with the kernels built).
 FP8_TAILS_KEY = "mega_moe_half_tiles.fp8.sm90"
 
 

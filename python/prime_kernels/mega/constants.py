@@ -5,7 +5,9 @@ against these values and the CUDA kernels are written to them.
 
 * ``HIDDEN_ALIGN``: H (the hidden size) must be a multiple of this for the kernel backends (bf16).
 * ``INTERMEDIATE_ALIGN``: I (the expert intermediate size) must be a multiple of this.
-* ``FP8_ALIGN``: with an FP8 precision both must be multiples of this (the FP8 kernels' 128-wide scale blocks).
+* ``FP8_ALIGN``: the FP8 kernels' scale blocks. H and I multiples of it fill them; multiples of 64 that are not end
+  on a 64-wide last block, which runs where ``status()["mega_moe_half_tiles.fp8.sm90"]`` says available (not for
+  MXFP8, nor in the fused FP8 forward: "auto" then runs the FP8 forward pipeline).
 * ``FULL_TILE_ALIGN``: H and I multiples of this fill the kernels' 128-wide tiles; multiples of 64 that are not
   leave a half-width last tile, which runs where ``status()["mega_moe_half_tiles.bf16.sm90"]`` says available.
 * ``BLOCK_M``: rows per m-block; every expert's rows start at a multiple of it in the pool
