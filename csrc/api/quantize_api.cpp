@@ -1,7 +1,6 @@
 // C ABI of the blockwise-FP8 quantizing producers (dispatch_rows_fp8, quantize_tokens_fp8, quantize_weight_fp8 and its
-// transposed copy, transpose_tiles_fp8) and of
-// the MXFP8 quantization: argument checks, then the CUDA kernel or the host loop. Nothing is launched or written on a
-// bad argument.
+// transposed copy, transpose_tiles_fp8) and of the MXFP8 quantization: argument checks, then the CUDA kernel or the
+// host loop. Nothing is launched or written on a bad argument.
 #include <cstdint>
 
 #include "api/prime_kernels_api.h"

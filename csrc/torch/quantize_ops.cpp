@@ -2,8 +2,9 @@
 // reading each pool row from its token row) and quantize_tokens_e4m3_fp8_ (the same qT of e4m3 pool rows with their
 // 1 x 128 scales, read as their bf16 dequantization), the blockwise-FP8 recipe's quantizing producers, and
 // quantize_mxfp8_ (e4m3 values with one e8m0 scale per 32 along a row), quantize_weight_fp8_ (a layer's weights
-// in 128 x 128 tiles) and transpose_tiles_fp8_ (their transposed copy); CPU: the core's host loops, the same bits as the kernels. All write into the tensors they are given;
-// the core checks sizes, strides, alignment and, on the CPU, the values it reads.
+// in 128 x 128 tiles) and transpose_tiles_fp8_ (their transposed copy); CPU: the core's host loops, the same bits as
+// the kernels. All write into the tensors they are given; the core checks sizes, strides, alignment and, on the CPU,
+// the values it reads.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
