@@ -3,7 +3,7 @@
 # wheel built elsewhere into /tmp/site, then run the chosen steps. Results and logs go to $OUT.
 #
 # usage: bash bench/run_h200.sh [tests|fp8_tests|fused_bwd|bwd_lags|gemm|layer|fp8|floor|parity|staged|quantize|ep|multi|
-#                                torch_gemms|peer]...
+#                                torch_gemms|peer|train_step]...
 #        (default: tests gemm layer floor)
 # environment:
 #   WHEEL_DIR    where prime_kernels_core-*.whl and the prime_kernels-*.whl drop-in are (default wheelhouse)
@@ -91,10 +91,22 @@ for step in $steps; do
                | tee "$OUT/tests_peer_ep.log" | tail -8)
             timeout 280 python3 bench/bench_peer_ep.py --shapes qwen3-30b-a3b,qwen3-235b-a22b --tokens 4096 \
                --ranks 2,4,8 --out "$OUT/peer_ep.json" 2>&1 | tee "$OUT/bench_peer_ep.log" | tail -12 ;;
+    train_step)  # whole training steps, as many Qwen3-30B-A3B layers as this card holds with every variant (the FP8
+            # ones hold the weights' FP8 copies too): 18 / 12 layers with / without checkpointing on a 141 GB H200,
+            # 6 / 4 on an 80 GB H100 (8 with checkpointing did not fit there)
+            mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+            l_on=6; l_off=4; [ "$mem" -gt 120000 ] && { l_on=18; l_off=12; }
+            for ck in on off; do
+              layers=$l_on; [ "$ck" = off ] && layers=$l_off
+              timeout 280 python3 bench/train_step.py --model both --layers "$layers" --checkpointing "$ck" \
+                 --variants grouped_mm,prime_mega_moe,prime_mega_moe_fp8,prime_mega_moe_fp8_bwd,sonicmoe,torchtitan_grouped_mm \
+                 --out "$OUT/train_step_l${layers}_ckpt_${ck}.json" 2>&1 \
+                 | tee "$OUT/train_step_l${layers}_ckpt_${ck}.log" | grep -v "^$" | tail -14
+            done ;;
     quantize) timeout 120 python3 bench/bench_quantize_fp8.py --tokens 16384 --out "$OUT/quantize_fp8.json" 2>&1 \
                | tee "$OUT/bench_quantize_fp8.log" | tail -12 ;;
     *) echo "unknown step $step: choose from tests fp8_tests fused_bwd bwd_lags gemm layer fp8 floor parity staged" \
-            "quantize ep multi torch_gemms peer"; exit 2 ;;
+            "quantize ep multi torch_gemms peer train_step"; exit 2 ;;
   esac
 done
 ls "$OUT"
