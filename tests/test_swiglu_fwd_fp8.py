@@ -50,19 +50,33 @@ def poisoned(M, I, device, save_h=True):
     return out
 
 
-def run(case, device, pow2=False, num_sms=None, save_h=True):
+def run(case, device, pow2=False, num_sms=None, save_h=True, clamp=None):
     c = {k: v.to(device) for k, v in case.items()}
     M, I = c["x_q"].shape[0], c["w13_q"].shape[1] // 2
     return sff.m_grouped_fp8_gemm_swiglu(**c, pow2_scales=pow2, num_sms=num_sms, out=poisoned(M, I, device, save_h),
-                                         allow_unverified=True)
+                                         clamp=clamp, allow_unverified=True)
+
+
+def emulated_h(case):
+    """The emulation's fp32 h of every group's rows (fp8.py's G1-G3), the values the kernel's epilogue holds."""
+    offs = case["group_offsets"].tolist()
+    h = torch.zeros(case["x_q"].shape[0], case["w13_q"].shape[1])
+    for g in range(len(offs) - 1):
+        r = slice(offs[g], offs[g + 1])
+        a = recipe.BlockQuantized(case["x_q"][r], case["x_sa"][r], 1, 128)
+        b = recipe.BlockQuantized(case["w13_q"][g], case["w13_sb"][g], 128, 128)
+        h[r] = recipe.fp8_gemm_nt(a, b)
+    return h
 
 
 # ---------------------------------------------------------------------------------------------------------- CPU
 
 
 def test_status_lists_the_kernel():
-    """Verified on an H200: status() lists it like any built kernel."""
+    """Verified on an H200: status() lists it like any built kernel; its clamp instantiation is listed as not yet
+    verified."""
     assert KEY in prime_kernels.status() and KEY not in _status.unverified()
+    assert "m_grouped_gemm_swiglu_clamp.fp8.sm90" in _status.unverified()
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         assert prime_kernels.status()[KEY] == _status.AVAILABLE
 
@@ -95,6 +109,28 @@ def test_cpu_op_is_the_recipe_on_its_own_s():
     again = recipe.quantize_along_k(deq, 64)
     assert torch.equal(bits(again.data), bits(out.s_q))
     assert not bool(out.h.isnan().any())
+
+
+@pytest.mark.parametrize("clamp", [0.25, 1.0])
+def test_cpu_op_with_a_clamp_clamps_on_the_fp32_h_and_saves_its_masks(clamp):
+    """With a clamp c: s is silu(min(g, c)) * clamp(u, -c, c) of the fp32 h (against the float64 formula on that h), and
+    the saved bf16 h gives every clamp mask the fp32 h gives (F6: no value rounds onto or across a bound), where a
+    plain rounding would move some (c = 0.25 and 1.0 are bf16 values, so values near them round onto them)."""
+    case, x = make_case([200, 0, 128, 77], seed=5)
+    out = run(case, "cpu", clamp=clamp)
+    h = emulated_h(case)
+    I = x["I"]
+    g, u = h[:, :I].double(), h[:, I:].double()
+    s = torch.nn.functional.silu(g.clamp(max=clamp)) * u.clamp(-clamp, clamp)
+    deq = (out.s_q.float() * out.s_sa.repeat_interleave(64, 1)).double()
+    assert float((deq - s).norm() / s.norm()) < 0.08
+    saved = out.h.float()
+    for got, exact, bound in ((saved[:, :I], h[:, :I], clamp), (saved[:, I:], h[:, I:], clamp),
+                              (saved[:, I:], h[:, I:], -clamp)):
+        assert torch.equal(got < bound, exact < bound) and torch.equal(got > bound, exact > bound)
+    plain = h.bfloat16().float()
+    assert not torch.equal(plain[:, :I] < clamp, h[:, :I] < clamp)  # the case has values the plain rounding moves
+    assert float((saved - plain).abs().max()) <= 2 ** -7 * clamp  # one bf16 step, at the bounds only
 
 
 def test_cpu_rejects_bad_arguments_before_writing():
@@ -173,6 +209,28 @@ def test_cuda_matches_the_emulation_with_64_wide_last_blocks(counts, H, I):
     prime_kernels.check_device_errors()
     compare(got, run(case, "cpu"), x["offs"], False)
     again = run(case, "cuda", num_sms=5)
+    for a, b in zip(got, again):
+        assert torch.equal(bits(a), bits(b)) if a.dtype == E4M3 else torch.equal(a, b)
+
+
+@requires_sm90
+@pytest.mark.parametrize("clamp", [0.25, 1.0, 7.0])
+def test_cuda_with_a_clamp_matches_the_emulation(clamp):
+    """The kernel's clamp instantiation (status entry m_grouped_gemm_swiglu_clamp.fp8.sm90) against the emulation with
+    the same clamp, h's clamp masks included; bitwise repeatable over grid sizes."""
+    case, x = make_case([200, 0, 128, 77], H=512, I=320, seed=11)
+    got = run(case, "cuda", clamp=clamp)
+    torch.cuda.synchronize()
+    prime_kernels.check_device_errors()
+    want = run(case, "cpu", clamp=clamp)
+    compare(got, want, x["offs"], False)
+    rows = group_rows(x["offs"])
+    hg, hw = got.h.cpu()[rows].float(), want.h[rows].float()
+    I = x["I"]
+    for a, b, bound in ((hg[:, :I], hw[:, :I], clamp), (hg[:, I:], hw[:, I:], clamp), (hg[:, I:], hw[:, I:], -clamp)):
+        # masks differ only where the tensor core's sum and the emulation's straddle the bound itself
+        assert float(((a < bound) != (b < bound)).float().mean()) < 1e-3
+    again = run(case, "cuda", num_sms=3, clamp=clamp)
     for a, b in zip(got, again):
         assert torch.equal(bits(a), bits(b)) if a.dtype == E4M3 else torch.equal(a, b)
 

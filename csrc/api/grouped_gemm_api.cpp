@@ -337,12 +337,13 @@ int pk_m_grouped_fp8_gemm_swiglu(const void* x_q, int64_t lda, const float* x_sa
                                  int64_t sb_n_stride, void* s_q, int64_t ld_s_q, float* s_sa, int64_t ld_s_sa, void* h,
                                  int64_t ldh, const int32_t* group_offsets, int num_groups, int64_t m_total,
                                  int64_t intermediate, int64_t hidden, int pow2_scales, int num_sms,
-                                 void* cuda_stream) {
+                                 float clamp_limit, void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90("m_grouped_fp8_gemm_swiglu"); rc != PK_OK) return rc;
   const prime_kernels::sm90::SwigluFwdFp8GemmArgs args{
       x_q, lda, x_sa, ld_sa, w13_q, ldb, b_group_stride, w13_sb, sb_group_stride, sb_n_stride, s_q, ld_s_q, s_sa,
-      ld_s_sa, h, ldh, group_offsets, num_groups, m_total, intermediate, hidden, pow2_scales != 0, num_sms};
+      ld_s_sa, h, ldh, group_offsets, num_groups, m_total, intermediate, hidden, pow2_scales != 0, num_sms,
+      clamp_limit};
   char message[512] = {0};
   const int rc = prime_kernels::sm90::m_grouped_fp8_gemm_swiglu(args, static_cast<cudaStream_t>(cuda_stream), message,
                                                                 sizeof(message));
@@ -351,7 +352,7 @@ int pk_m_grouped_fp8_gemm_swiglu(const void* x_q, int64_t lda, const float* x_sa
   (void)x_q, (void)lda, (void)x_sa, (void)ld_sa, (void)w13_q, (void)ldb, (void)b_group_stride, (void)w13_sb;
   (void)sb_group_stride, (void)sb_n_stride, (void)s_q, (void)ld_s_q, (void)s_sa, (void)ld_s_sa, (void)h, (void)ldh;
   (void)group_offsets, (void)num_groups, (void)m_total, (void)intermediate, (void)hidden, (void)pow2_scales;
-  (void)num_sms, (void)cuda_stream;
+  (void)num_sms, (void)clamp_limit, (void)cuda_stream;
   return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
                                   "m_grouped_fp8_gemm_swiglu is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif

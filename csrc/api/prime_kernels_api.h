@@ -189,9 +189,10 @@ PK_API int pk_m_grouped_fp8_gemm_swiglu_bwd(const void* dy_q, int64_t lda, const
 
 // The FP8 L1 GEMM with the SwiGLU forward and the quantization of s (sm90; precision "fp8", docs/fp8.md):
 // h = G(qK(x_pool), W13) per group in fp32 (x_q / x_sa as pk_m_grouped_fp8_gemm_nt's A, w13_q / w13_sb its B with
-// n = 2 * intermediate gate | up rows, k = hidden), s = silu(gate) * up on the fp32 h, written as qK(s, 64) along I
-// (s_q e4m3 [m_total, I], ld_s_q bytes; s_sa[j * ld_s_sa + r], j < I / 64: the L2 GEMM's A operand) and, when h is
-// not null, h rounded to bf16 ([m_total, 2I] gate | up, ldh elements). intermediate and hidden multiples of 128;
+// n = 2 * intermediate gate | up rows, k = hidden), s = silu(gate) * up on the fp32 h (clamp_limit > 0: gate <= c and
+// -c <= up <= c first), written as qK(s, 64) along I (s_q e4m3 [m_total, I], ld_s_q bytes; s_sa[j * ld_s_sa + r],
+// j < I / 64: the L2 GEMM's A operand) and, when h is not null, h rounded to bf16 ([m_total, 2I] gate | up, ldh
+// elements; with a clamp no value rounds onto or across a bound). intermediate and hidden multiples of 64;
 // group_offsets as pk_m_grouped_fp8_gemm_nt's (checked on the device: the call then writes nothing).
 PK_API int pk_m_grouped_fp8_gemm_swiglu(const void* x_q, int64_t lda, const float* x_sa, int64_t ld_sa,
                                         const void* w13_q, int64_t ldb, int64_t b_group_stride, const float* w13_sb,
@@ -199,7 +200,7 @@ PK_API int pk_m_grouped_fp8_gemm_swiglu(const void* x_q, int64_t lda, const floa
                                         float* s_sa, int64_t ld_s_sa, void* h, int64_t ldh,
                                         const int32_t* group_offsets, int num_groups, int64_t m_total,
                                         int64_t intermediate, int64_t hidden, int pow2_scales, int num_sms,
-                                        void* cuda_stream);
+                                        float clamp_limit, void* cuda_stream);
 
 // ---------------------------------------------------------------------------------------------
 // Fused Mega MoE forward (sm90, BF16): dispatch of the token rows into the pool, L1 with SwiGLU and L2 in one

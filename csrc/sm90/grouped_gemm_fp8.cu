@@ -287,9 +287,17 @@ int m_grouped_fp8_gemm_swiglu(const SwigluFwdFp8GemmArgs& args, cudaStream_t str
 
   // the FP8 GEMM's ring (m_grouped_fp8_gemm_nt's 5 stages, measured there)
   constexpr int kStages = 5;
-  return launch_persistent_checked<&m_grouped_fp8_swiglu_kernel<kStages>>(
-      fn, kNumThreads, MGroupedFp8Layout<128, kStages>::kSmemBytes, max_units, sms, stream, err, err_len, ma, mb, msa,
-      p);
+  constexpr int kSmem = MGroupedFp8Layout<128, kStages>::kSmemBytes;
+  if (args.clamp_limit > 0.f) {
+    SwigluFwdFp8ClampParams pc{};
+    static_cast<SwigluFwdFp8Params&>(pc) = p;
+    pc.clamp = args.clamp_limit;
+    bf16_clamp_neighbours(args.clamp_limit, &pc.clamp_below, &pc.clamp_above);
+    return launch_persistent_checked<&m_grouped_fp8_swiglu_kernel<kStages, true>>(
+        fn, kNumThreads, kSmem, max_units, sms, stream, err, err_len, ma, mb, msa, pc);
+  }
+  return launch_persistent_checked<&m_grouped_fp8_swiglu_kernel<kStages, false>>(
+      fn, kNumThreads, kSmem, max_units, sms, stream, err, err_len, ma, mb, msa, p);
 }
 
 }  // namespace sm90

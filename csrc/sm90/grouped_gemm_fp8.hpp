@@ -155,8 +155,9 @@ struct SwigluBwdFp8GemmArgs {
 };
 
 // The FP8 L1 GEMM with the SwiGLU forward and the quantization of s (swiglu_fwd_fp8.cuh; precision "fp8", reference
-// F1, F3, F6): h = G(qK(x_pool), W13) per group in fp32, never stored as such; writes qK(s, 64) along I with
-// s = silu(gate) * up on the fp32 h, and (when h is given) h rounded to bf16. Host-side arguments of
+// F1-F3, F6): h = G(qK(x_pool), W13) per group in fp32, never stored as such; writes qK(s, 64) along I with
+// s = silu(gate) * up on the fp32 h (gate and up clamped first with clamp_limit > 0), and (when h is given) h rounded
+// to bf16 (with a clamp, by the masked rule: the backward's masks on it are the forward's). Host-side arguments of
 // m_grouped_fp8_gemm_swiglu:
 struct SwigluFwdFp8GemmArgs {
   // A: e4m3 [m_total, hidden] and its scales, as MGroupedFp8GemmArgs' a / lda / sa / ld_sa (dispatch_rows_fp8's output)
@@ -190,6 +191,7 @@ struct SwigluFwdFp8GemmArgs {
   int64_t hidden = 0;
   bool pow2_scales = false;
   int num_sms = 0;  // caps the grid (0 = every multiprocessor)
+  float clamp_limit = 0.f;  // finite and >= 0 (0 = no clamp)
 };
 
 namespace host {
@@ -401,6 +403,9 @@ inline int check_swiglu_fwd_fp8_args(const SwigluFwdFp8GemmArgs& x, char* err, s
                 "64 mod 128)",
                 fn, (long long)I, (long long)H);
   if (x.num_sms < 0) return fail(kGemmInvalidArgument, err, err_len, "%s: num_sms = %d, must be >= 0", fn, x.num_sms);
+  if (!(x.clamp_limit >= 0.f && x.clamp_limit <= 3.4e38f))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: clamp_limit = %g, must be finite and >= 0 (0 = no clamp)", fn,
+                (double)x.clamp_limit);
   if (m == 0) return kGemmOk;
   if (x.x_q == nullptr || x.x_sa == nullptr || x.w13_q == nullptr || x.w13_sb == nullptr || x.s_q == nullptr ||
       x.s_sa == nullptr || x.group_offsets == nullptr)

@@ -16,7 +16,8 @@ using namespace prime_kernels::torch_shim;
 constexpr const char* kOp = "m_grouped_fp8_gemm_swiglu_";
 
 void m_grouped_fp8_gemm_swiglu_cuda(Tensor x_q, Tensor x_sa, Tensor w13_q, Tensor w13_sb, Tensor group_offsets,
-                                    Tensor s_q, Tensor s_sa, Tensor h, bool pow2_scales, int64_t num_sms) {
+                                    Tensor s_q, Tensor s_sa, Tensor h, bool pow2_scales, int64_t num_sms,
+                                    double clamp_limit) {
   STD_TORCH_CHECK(x_q.is_cuda() && x_q.dim() == 2, "prime_kernels.", kOp, ": x_q must be a 2-D CUDA tensor");
   STD_TORCH_CHECK(num_sms >= 0 && num_sms <= (int64_t(1) << 30), "prime_kernels.", kOp, ": num_sms = ", num_sms,
                   ", must be >= 0 (0 = every SM)");
@@ -59,7 +60,8 @@ void m_grouped_fp8_gemm_swiglu_cuda(Tensor x_q, Tensor x_sa, Tensor w13_q, Tenso
                  static_cast<float*>(s_sa.data_ptr()), ld_s_sa, save_h ? h.data_ptr() : nullptr,
                  save_h ? (m <= 1 ? 2 * inter : h.stride(0)) : 0,
                  static_cast<const int32_t*>(group_offsets.data_ptr()), static_cast<int>(experts), m, inter, hidden,
-                 pow2_scales ? 1 : 0, static_cast<int>(num_sms), current_cuda_stream(x_q.get_device_index())),
+                 pow2_scales ? 1 : 0, static_cast<int>(num_sms), static_cast<float>(clamp_limit),
+                 current_cuda_stream(x_q.get_device_index())),
              kOp);
 }
 
@@ -67,7 +69,8 @@ void m_grouped_fp8_gemm_swiglu_cuda(Tensor x_q, Tensor x_sa, Tensor w13_q, Tenso
 
 STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
   m.def("m_grouped_fp8_gemm_swiglu_(Tensor x_q, Tensor x_sa, Tensor w13_q, Tensor w13_sb, Tensor group_offsets, "
-        "Tensor(a!) s_q, Tensor(b!) s_sa, Tensor(c!) h, bool pow2_scales=False, int num_sms=0) -> ()");
+        "Tensor(a!) s_q, Tensor(b!) s_sa, Tensor(c!) h, bool pow2_scales=False, int num_sms=0, "
+        "float clamp_limit=0.0) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {

@@ -2,20 +2,24 @@
 
 ``m_grouped_fp8_gemm_swiglu(x_q, x_sa, w13_q, w13_sb, group_offsets)`` computes, for the rows of each group (expert)
 g, ``h = G(qK(x_p), W13[g])`` in fp32 (the FP8 m-grouped GEMM's numbers: e4m3 products, promotion into fp32 every
-128 of H; reference F1), ``s = silu(gate) * up`` on that fp32 h (F3), and returns (:class:`Fp8SwigluFwd`):
+128 of H; reference F1), ``s = silu(gate) * up`` on that fp32 h (F3; with ``clamp`` c, gate <= c and -c <= up <= c
+first: F2), and returns (:class:`Fp8SwigluFwd`):
 
 - ``s_q`` e4m3 [M, I], ``s_sa`` fp32 [M, I/64] K-block major: qK(s, 64) along I (the recipe with
   ``l2_act_block=64``), the A operand of the L2 GEMM, which promotes every 64 of K;
-- ``h`` bf16 [M, 2I] (gate | up): the fp32 h rounded to nearest even (F6, no clamp), for the backward; only with
+- ``h`` bf16 [M, 2I] (gate | up): the fp32 h rounded to nearest even (F6: with a clamp, a value never rounds onto
+  or across a bound, so the backward's clamp masks on h are the forward's), for the backward; only with
   ``save_h=True``.
 
 x_q / x_sa come from :func:`prime_kernels.dispatch_rows_fp8` (padding rows quantize to zeros, so their s and h are
 zeros); w13_q / w13_sb are the weight cache's copy of w13 ([E, 2I, H] gate rows then up rows, 128 x 128 block scales
 [E, 2I/128, ceil(H/128)], the grid along 2I: with I = 64 mod 128 one block holds the last 64 gate and the first 64 up
-rows). H and I must be multiples of 64 (H = 64 mod 128: the last k-block is 64 wide); there is no activation clamp.
-Rows outside every group are not written.
+rows). H and I must be multiples of 64 (H = 64 mod 128: the last k-block is 64 wide). Rows outside every group are
+not written.
 
-On CUDA (sm90a) one kernel does all of it (verified on an H200 against the emulation, tests/test_swiglu_fwd_fp8.py);
+On CUDA (sm90a) one kernel does all of it (verified on an H200 against the emulation, tests/test_swiglu_fwd_fp8.py;
+with a clamp, its own instantiation, which needs ``allow_unverified=True`` until it has run on a GPU: status entry
+``m_grouped_gemm_swiglu_clamp.fp8.sm90``);
 the FP8 forward pipeline (:mod:`prime_kernels.mega._fp8_fwd`) calls it, then m_grouped_fp8_gemm_nt with sa [M, I/64]
 for the L2. On the CPU the op runs :func:`swiglu_fwd_fp8_reference`, the emulation the GPU
 tests compare the kernel with.
@@ -30,6 +34,7 @@ import torch
 from . import _status
 from .grouped_gemm import check_offsets_cpu, k_block_major_empty
 from .mega import fp8 as _fp8
+from .mega import reference
 
 __all__ = ["Fp8SwigluFwd", "m_grouped_fp8_gemm_swiglu", "swiglu_fwd_fp8_reference", "allocate_outputs"]
 
@@ -37,6 +42,7 @@ E4M3 = torch.float8_e4m3fn
 BLOCK = 128
 S_BLOCK = 64  # the 1 x 64 blocks of s: one L1 tile's 64 columns of I (64 gate + 64 up accumulators)
 KEY_STEM = "m_grouped_gemm_swiglu.fp8"
+CLAMP_KEY_STEM = "m_grouped_gemm_swiglu_clamp.fp8"
 
 
 class Fp8SwigluFwd(NamedTuple):
@@ -89,10 +95,13 @@ def _check(x_q, x_sa, w13_q, w13_sb, group_offsets, out) -> None:
 def m_grouped_fp8_gemm_swiglu(x_q: torch.Tensor, x_sa: torch.Tensor, w13_q: torch.Tensor, w13_sb: torch.Tensor,
                               group_offsets: torch.Tensor, *, pow2_scales: bool = False, save_h: bool = True,
                               num_sms: int | None = None, out: Fp8SwigluFwd | None = None,
-                              allow_unverified: bool = False) -> Fp8SwigluFwd:
+                              clamp: float | None = None, allow_unverified: bool = False) -> Fp8SwigluFwd:
     """See the module docstring; ``out`` (an :class:`Fp8SwigluFwd` in those layouts) to write into, else allocated
-    by :func:`allocate_outputs` (with ``save_h``)."""
-    _status.require_on(x_q.device, KEY_STEM, "m_grouped_fp8_gemm_swiglu", allow_unverified=allow_unverified)
+    by :func:`allocate_outputs` (with ``save_h``); ``clamp`` None or a finite c > 0."""
+    if clamp is not None and not (0.0 < float(clamp) < float("inf")):
+        raise ValueError(f"prime_kernels.m_grouped_fp8_gemm_swiglu: clamp must be None or finite and > 0, got {clamp}")
+    _status.require_on(x_q.device, KEY_STEM if clamp is None else CLAMP_KEY_STEM, "m_grouped_fp8_gemm_swiglu",
+                       allow_unverified=allow_unverified)
     sms = 0 if num_sms is None else int(num_sms)
     if sms < 0:
         raise ValueError(f"num_sms must be None or >= 0, got {num_sms}")
@@ -106,13 +115,14 @@ def m_grouped_fp8_gemm_swiglu(x_q: torch.Tensor, x_sa: torch.Tensor, w13_q: torc
     out = Fp8SwigluFwd(*out)
     _check(x_q, x_sa, w13_q, w13_sb, group_offsets, out)
     torch.ops.prime_kernels.m_grouped_fp8_gemm_swiglu_(x_q, x_sa, w13_q, w13_sb, group_offsets, *out,
-                                                       bool(pow2_scales), sms)
+                                                       bool(pow2_scales), sms, 0.0 if clamp is None else float(clamp))
     return out
 
 
-def swiglu_fwd_fp8_reference(x_q, x_sa, w13_q, w13_sb, group_offsets, out, pow2_scales: bool = False) -> None:
+def swiglu_fwd_fp8_reference(x_q, x_sa, w13_q, w13_sb, group_offsets, out, pow2_scales: bool = False,
+                             clamp: float | None = None) -> None:
     """The emulation of the kernel from :mod:`prime_kernels.mega.fp8` (G1-G3, Q1-Q3) and the reference's fp32
-    SwiGLU (F3, F6 without a clamp), written into ``out`` for the rows of the groups (the rows a kernel writes)."""
+    SwiGLU (F2, F3, F6), written into ``out`` for the rows of the groups (the rows a kernel writes)."""
     inter = w13_q.shape[1] // 2
     offs = group_offsets.tolist()
     for g in range(len(offs) - 1):
@@ -123,23 +133,25 @@ def swiglu_fwd_fp8_reference(x_q, x_sa, w13_q, w13_sb, group_offsets, out, pow2_
         a = _fp8.BlockQuantized(x_q[rows], x_sa[rows].contiguous(), 1, BLOCK)
         b = _fp8.BlockQuantized(w13_q[g], w13_sb[g].contiguous(), BLOCK, BLOCK)
         h = _fp8.fp8_gemm_nt(a, b)  # F1, fp32
-        s = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]  # F3 on the fp32 accumulators
+        _, _, gc, uc = reference._swiglu_parts(h, clamp)  # F2 on the fp32 accumulators
+        s = torch.nn.functional.silu(gc) * uc  # F3
         q = _fp8.quantize_along_k(s, S_BLOCK, pow2_scales)
         out.s_q[rows] = q.data
         out.s_sa[rows] = q.scale
         if out.h.numel():
-            out.h[rows] = h.to(torch.bfloat16)  # F6
+            out.h[rows] = reference.round_h(h, clamp, torch.bfloat16)  # F6
 
 
 def _register() -> None:
     lib = "prime_kernels::m_grouped_fp8_gemm_swiglu_"
 
-    def cpu(x_q, x_sa, w13_q, w13_sb, group_offsets, s_q, s_sa, h, pow2_scales=False, num_sms=0):
+    def cpu(x_q, x_sa, w13_q, w13_sb, group_offsets, s_q, s_sa, h, pow2_scales=False, num_sms=0, clamp_limit=0.0):
         out = Fp8SwigluFwd(s_q, s_sa, h)
         _check(x_q, x_sa, w13_q, w13_sb, group_offsets, out)
-        swiglu_fwd_fp8_reference(x_q, x_sa, w13_q, w13_sb, group_offsets, out, pow2_scales)
+        swiglu_fwd_fp8_reference(x_q, x_sa, w13_q, w13_sb, group_offsets, out, pow2_scales,
+                                 clamp_limit if clamp_limit > 0 else None)
 
-    def fake(x_q, x_sa, w13_q, w13_sb, group_offsets, s_q, s_sa, h, pow2_scales=False, num_sms=0):
+    def fake(x_q, x_sa, w13_q, w13_sb, group_offsets, s_q, s_sa, h, pow2_scales=False, num_sms=0, clamp_limit=0.0):
         return None
 
     torch.library.register_kernel(lib, "cpu", cpu)
