@@ -1,7 +1,7 @@
 """The sm_90a FP8 kernels' machine code, checked on the build machine (no GPU needed), the instantiations for H or I =
-64 (mod 128) among them: the FP8 grouped GEMMs, the L1 and L2-dgrad kernels with their SwiGLU epilogues
-(csrc/sm90/grouped_gemm_fp8.cu) and the quantizing producers (csrc/common/quantize_fp8.cu) are compiled for sm_90a
-into cubins; every GEMM kernel must hold the e4m3 wgmma (QGMMA) and TMA loads (UTMALDG), and no kernel may touch
+64 (mod 128) among them: the FP8 grouped GEMMs, the L1 (with and without the clamp) and L2-dgrad kernels with their
+SwiGLU epilogues (csrc/sm90/grouped_gemm_fp8.cu) and the quantizing producers (csrc/common/quantize_fp8.cu) are
+compiled for sm_90a into cubins; every GEMM kernel must hold the e4m3 wgmma (QGMMA) and TMA loads (UTMALDG), and no kernel may touch
 local memory (LDL / STL, a stack frame, LOCAL in the resource usage) or spill (ptxas -v). The checker is
 tests/test_sm100_sass.py's, whose own test shows it sees such problems."""
 
@@ -16,7 +16,8 @@ QUANT_SRC = REPO / "csrc" / "common" / "quantize_fp8.cu"
 GEMM_MIN_COUNTS = {"QGMMA": 4, "UTMALDG": 2}
 GEMM_KERNELS = ("m_grouped_fp8_gemm_kernelILi128ELi5ELi1E", "m_grouped_fp8_gemm_kernelILi128ELi5ELi2E",
                 "k_grouped_fp8_gemm_kernelILi4ELi0E", "k_grouped_fp8_gemm_kernelILi4ELi1E",
-                "k_grouped_fp8_gemm_kernelILi5ELi2E", "m_grouped_fp8_swiglu_kernelILi5E",
+                "k_grouped_fp8_gemm_kernelILi5ELi2E", "m_grouped_fp8_swiglu_kernelILi5ELb0E",
+                "m_grouped_fp8_swiglu_kernelILi5ELb1E",
                 "m_grouped_fp8_swiglu_bwd_kernelILi3E", "m_grouped_fp8_swiglu_bwd_tail_kernelILi3E")
 QUANT_KERNELS = ("dispatch_rows_fp8_kernel", "dispatch_rows_fp8_tail_kernel", "quantize_tokens_fp8_kernelILb0E",
                  "quantize_tokens_fp8_kernelILb1E")
