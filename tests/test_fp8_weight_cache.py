@@ -26,7 +26,7 @@ def test_a_step_of_any_optimizer_makes_the_copy_anew(fused):
     except (RuntimeError, ValueError) as e:  # a torch without fused AdamW on this device
         pytest.skip(f"AdamW(fused={fused}) is not available here: {e}")
     w.grad = torch.ones_like(w)
-    opt.step()  # fused: the update leaves w._version as it was (why the cache counts optimizer steps)
+    opt.step()  # fused: the update leaves w._version as it was (why every step empties the caches)
     assert len(cache) == 0  # the step freed the stale copies
     second = cache.get(w)
     assert second is not first and cache.misses == 2
@@ -165,7 +165,8 @@ def test_the_cached_transposed_copy_is_the_tiles_transposed(monkeypatch, device)
     _ops(device)
     import prime_kernels.quantize as quantize
 
-    monkeypatch.setattr(fp8, "_transpose_kernel_runs", lambda d: True)
+    runs = fp8._kernel_runs
+    monkeypatch.setattr(fp8, "_kernel_runs", lambda stem, d: stem == "transpose_tiles.fp8" or runs(stem, d))
     ready = quantize._ready
     monkeypatch.setattr(quantize, "_ready", lambda stem, op, dev: None if stem == "transpose_tiles.fp8"
                         else ready(stem, op, dev))

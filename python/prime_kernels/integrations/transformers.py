@@ -32,7 +32,7 @@ Precision (``apply(..., precision=)``, passed to every call): "bf16" (default); 
 (1x128 activation and gradient scales, 128x128 weight tiles; docs/fp8.md) in the forward and the backward; "fp8_bwd",
 the bf16 forward with that backward. The model keeps its bf16 parameters and the optimizer steps them as before: the
 layer quantizes each weight itself and keeps the FP8 copy in its weight cache (``prime_kernels.mega.fp8.WEIGHT_CACHE``)
-keyed on the parameter's version counter and on the count of torch.optim steps (fused optimizers such as
+keyed on the parameter's version counter and emptied at every torch.optim step (fused optimizers such as
 ``AdamW(fused=True)`` leave the counter as it was), so a weight is quantized once per optimizer step, the recomputed
 forward of activation checkpointing and every micro-batch of the step included. Keep the parameters in bf16: fp32
 ones are cast on every call, and the cast copy is quantized again each time. A weight changed through ``.data``

@@ -168,16 +168,11 @@ def quantize_along_tokens(v: torch.Tensor, block: int = BLOCK, pow2_scales: bool
     return quantize_blocks(v, block, 1, pow2_scales)
 
 
-def _weight_kernel_runs(device: torch.device) -> bool:
-    """Whether our weight-quantizing kernel (prime_kernels.quantize.quantize_weight_fp8) runs on ``device``."""
+def _kernel_runs(key_stem: str, device: torch.device) -> bool:
+    """Whether the kernel of status entry ``key_stem`` (``"quantize_weight.fp8"``: prime_kernels.quantize's weight
+    quantizer, ``"transpose_tiles.fp8"``: its tile transpose) runs on ``device``."""
     family = _status.family_of_device(device.index) or "sm90"
-    return _status.is_available(_status.reason(f"quantize_weight.fp8.{family}"))
-
-
-def _transpose_kernel_runs(device: torch.device) -> bool:
-    """Whether our tile-transposing kernel (prime_kernels.quantize.transpose_tiles_fp8) runs on ``device``."""
-    family = _status.family_of_device(device.index) or "sm90"
-    return _status.is_available(_status.reason(f"transpose_tiles.fp8.{family}"))
+    return _status.is_available(_status.reason(f"{key_stem}.{family}"))
 
 
 #: The most fp32 elements :func:`quantize_weight` holds at once (1 GiB): it quantizes a weight some experts at a time.
@@ -194,7 +189,7 @@ def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> BlockQuantize
     *lead, R, C = w.shape
     if R % BLOCK or C % BLOCK or not R or not C or w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return quantize_blocks(w, BLOCK, BLOCK, pow2_scales)
-    if w.is_cuda and w.dtype == torch.bfloat16 and _weight_kernel_runs(w.device):
+    if w.is_cuda and w.dtype == torch.bfloat16 and _kernel_runs("quantize_weight.fp8", w.device):
         q, scale = quantize_weight_fp8(w.reshape(-1, R, C), pow2_scales=pow2_scales)
         return BlockQuantized(q.view(*lead, R, C), scale.view(*lead, R // BLOCK, C // BLOCK), BLOCK, BLOCK)
     nr, nc = R // BLOCK, C // BLOCK
@@ -218,7 +213,7 @@ def _transpose_weight(w: BlockQuantized) -> BlockQuantized:
     q = w.data
     *lead, R, C = q.shape
     if (q.is_cuda and q.dtype == E4M3 and w.block_rows == w.block_cols == BLOCK and not R % BLOCK and not C % BLOCK
-            and R and C and _transpose_kernel_runs(q.device)):
+            and R and C and _kernel_runs("transpose_tiles.fp8", q.device)):
         qt = transpose_tiles_fp8(q.reshape(-1, R, C))
         return BlockQuantized(qt.view(*lead, C, R), w.scale.transpose(-2, -1).contiguous(), BLOCK, BLOCK)
     return w.t()
@@ -265,40 +260,33 @@ class QuantizedWeight:
         return self._transposed
 
 
-#: Steps taken by any torch.optim optimizer in this process (a global post-step hook counts them). torch's fused
-#: optimizers (``AdamW(fused=True)``) update the parameters without bumping their version counters, so a cache keyed
-#: on ``_version`` alone would keep serving the pre-step FP8 copy; every cached copy is made anew after any step.
-_optimizer_steps = 0
-
-#: Every live cache: the step hook empties them, since no entry survives a step and a stale one would hold its FP8
-#: copies (a layer's weights and their transposes, 1.2 GB at Qwen3-30B-A3B) until that layer's next forward.
+#: Every live cache. A global post-step hook empties them at any torch.optim step: torch's fused optimizers
+#: (``AdamW(fused=True)``) update the parameters without bumping their version counters, so a cache keyed on
+#: ``_version`` alone would keep serving the pre-step FP8 copy, and emptying (rather than marking stale) frees the
+#: copies (a layer's weights and their transposes, 1.2 GB at Qwen3-30B-A3B) at the step, not at the layer's next use.
 _caches: "weakref.WeakSet[Fp8WeightCache]" = weakref.WeakSet()
 
 
-def _count_optimizer_step(_optimizer, _args, _kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
+def _clear_caches_after_a_step(_optimizer, _args, _kwargs) -> None:
     for cache in list(_caches):
         cache.clear()
 
 
-register_optimizer_step_post_hook(_count_optimizer_step)
+register_optimizer_step_post_hook(_clear_caches_after_a_step)
 
 
 class Fp8WeightCache:
-    """FP8 copies of weights, made once per version of the weight and optimizer step.
+    """FP8 copies of weights, made once per version of the weight and optimizer step (any step empties the cache).
 
     An entry is keyed on where the weight lies (``data_ptr``, shape, strides, dtype, device) and the scale option, so
     that an alias of the weight (autograd hands the backward of a checkpointed call a detached alias of a saved
     parameter, a new tensor object each time) finds the copy its parameter made. It holds a weak reference to the
-    weight's storage (one Python object as long as the storage lives, whichever alias asked), the asking tensor's
-    ``_version`` and the count of torch.optim steps taken in the process; it is reused only while that storage is
-    alive (so the memory is still its weight's) and the ``_version`` (aliases share the counter) and the step count
-    are unchanged. An in-place update through the tensor (``w.add_``) bumps
-    ``_version``, and any torch.optim step (fused ones included, which leave ``_version`` as it was) bumps the step
-    count, so either invalidates the entry; an update through ``w.data`` outside an optimizer does neither (``.data``
-    has its own version counter): call :meth:`clear` after one. An entry goes when its weight's storage is freed, and
-    every entry goes at any torch.optim step (its copies freed then, not at the weight's next use).
+    weight's storage (one Python object as long as the storage lives, whichever alias asked) and the asking tensor's
+    ``_version``; it is reused only while that storage is alive (so the memory is still its weight's) and the
+    ``_version`` (aliases share the counter) is unchanged. An in-place update through the tensor (``w.add_``) bumps
+    ``_version`` and so invalidates the entry; any torch.optim step (fused ones included, which leave ``_version`` as
+    it was) empties every cache; an update through ``w.data`` outside an optimizer does neither (``.data`` has its own
+    version counter): call :meth:`clear` after one. An entry goes when its weight's storage is freed.
     """
 
     def __init__(self):
@@ -319,7 +307,7 @@ class Fp8WeightCache:
 
     def get(self, w: torch.Tensor, pow2_scales: bool = False) -> QuantizedWeight:
         key = self._key(w, pow2_scales)
-        state = (w._version, _optimizer_steps)
+        state = w._version
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is not None and entry[1] == state:
             self.hits += 1
