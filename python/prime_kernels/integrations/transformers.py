@@ -36,7 +36,7 @@ keyed on the parameter's version counter and emptied at every torch.optim step (
 ``AdamW(fused=True)`` leave the counter as it was), so a weight is quantized once per optimizer step, the recomputed
 forward of activation checkpointing and every micro-batch of the step included. Keep the parameters in bf16: fp32
 ones are cast on every call, and the cast copy is quantized again each time. A weight changed through ``.data``
-outside an optimizer needs ``WEIGHT_CACHE.clear()``. FP8 needs H and I multiples of 128 on the kernel backends. Where
+outside an optimizer needs ``WEIGHT_CACHE.clear()``. FP8 needs H and I multiples of 64 on the kernel backends. Where
 the FP8 kernels cannot run (no sm90 GPU), ``apply`` still switches the model and the first call raises the layer's
 reason, as for bf16; ``backend="reference"`` runs the recipe's emulation on any device.
 
