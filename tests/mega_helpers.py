@@ -139,14 +139,14 @@ def skip_if_out_of_memory_on_a_small_card():
         pytest.skip(reason)
 
 
-def autograd_run(problem, backend, precision, recompute=False):
+def autograd_run(problem, backend, precision, recompute=False, activation_clamp=None):
     """(y, [dx, dtopk, dw13, dw2]) of mega_moe through autograd on ``problem`` (make_problem's list), dy =
     problem[5]."""
     from prime_kernels.mega import mega_moe
 
     leaves = [t.clone().requires_grad_(i in (0, 2, 3, 4)) for i, t in enumerate(problem[:5])]
     y = mega_moe(*leaves, precision=precision, backend=backend, recompute=recompute,
-                 num_experts=problem[3].shape[0])
+                 num_experts=problem[3].shape[0], activation_clamp=activation_clamp)
     y.backward(problem[5])
     return y.detach(), [leaves[i].grad for i in (0, 2, 3, 4)]
 

@@ -32,8 +32,9 @@ class Layer:
     """What prime-rl's dispatcher holds for one layer shape: the staging buffer, the shared L2 operand pool, the
     step's FP8 weights, the fp32 gradient accumulators and the deferred micro-batches."""
 
-    def __init__(self, E, T_max, K, H, I, w13, w2, device, defer=False, pow2=True):
-        self.pow2 = pow2  # the caller's cast and the kernels' own quantization: power-of-two scales, or general
+    def __init__(self, E, T_max, K, H, I, w13, w2, device, defer=False, pow2=True, clamp=None):
+        self.pow2 = pow2
+        self.clamp = clamp  # the model's activation_clamp, given to the forward and backward calls alike  # the caller's cast and the kernels' own quantization: power-of-two scales, or general
         self.buffer = dg_fp8.FP8SymmBuffer(None, E, T_max, K, H, device=device)
         self.capacity = dg_fp8.pool_capacity(T_max, K, E, 1.0)
         self.h, self.h_sf = dg_fp8.FP8Pools.l2_operand(self.capacity, I, device=device)
@@ -60,7 +61,8 @@ class PrimeRLFP8Experts(torch.autograd.Function):
         pools = dg_fp8.FP8Pools.allocate(layer.capacity, layer.H, layer.I, layer.E, layer.h, layer.h_sf)
         y = _nan((T, layer.H), torch.bfloat16, x.device)
         w13, w13_sf, w2, w2_sf = layer.weights[:4]
-        dg_fp8.fp8_mega_moe(y, (w13, w13_sf), (w2, w2_sf), pools, buf, pow2_scales=layer.pow2)
+        dg_fp8.fp8_mega_moe(y, (w13, w13_sf), (w2, w2_sf), pools, buf, pow2_scales=layer.pow2,
+                            activation_clamp=layer.clamp)
         x_t, x_t_sf = dg_fp8.allocate_column_quant(layer.capacity, layer.H, device=x.device)
         if layer.side is not None:
             layer.side.wait_stream(torch.cuda.current_stream())
@@ -91,7 +93,7 @@ class PrimeRLFP8Experts(torch.autograd.Function):
         grad_w = _nan((T, layer.buffer.num_topk), torch.float32, dy.device)
         w13_t, w13_t_sf, w2_t, w2_t_sf = layer.weights[4:]
         dg_fp8.fp8_mega_moe_backward(grad_x, grad_w, (w13_t, w13_t_sf), (w2_t, w2_t_sf), pools, bufs, layer.buffer,
-                                     pow2_scales=layer.pow2)
+                                     pow2_scales=layer.pow2, activation_clamp=layer.clamp)
         dg_fp8.fp8_mega_moe_weight_grads(pools.counts, bufs, ctx.x_t, layer.dw13, layer.dw2, layer.side, False,
                                          pending=layer.pending, defer=layer.pending is not None)
         return grad_x, None, grad_w, None
@@ -104,10 +106,11 @@ def _finish(layer):
         torch.cuda.current_stream().wait_stream(layer.side)
 
 
-def _replay(problem, device, defer=False, micro_batches=1, max_tokens=None, pow2=True):
+def _replay(problem, device, defer=False, micro_batches=1, max_tokens=None, pow2=True, clamp=None):
     x, idx, w, w13, w2, dy = (t.to(device) for t in problem)
     T, K = idx.shape
-    layer = Layer(w13.shape[0], max_tokens or T, K, x.shape[1], w2.shape[2], w13, w2, device, defer=defer, pow2=pow2)
+    layer = Layer(w13.shape[0], max_tokens or T, K, x.shape[1], w2.shape[2], w13, w2, device, defer=defer, pow2=pow2,
+                  clamp=clamp)
     outs = []
     for _ in range(micro_batches):
         xg = x.clone().requires_grad_()
@@ -119,7 +122,7 @@ def _replay(problem, device, defer=False, micro_batches=1, max_tokens=None, pow2
     return outs, layer
 
 
-def _pipeline(problem, device):
+def _pipeline(problem, device, clamp=None):
     """The layer API's FP8 pipelines on the same values: x as the staged bytes dequantized, the recipe with
     power-of-two scales, masked routes as the staged topk_idx has them."""
     from prime_kernels.mega import _fp8_bwd, _fp8_fwd, fp8
@@ -134,12 +137,13 @@ def _pipeline(problem, device):
     cache = fp8.Fp8WeightCache()
     cap = pool_capacity(T, K, E, BLOCK)
     y, h, counts, offsets, src, srank, r2p = _fp8_fwd.forward(xv, idx, w, w13, w2, num_experts=E, block_m=BLOCK,
-                                                              capacity=cap, fp8_recipe=recipe, weight_cache=cache)
+                                                              capacity=cap, fp8_recipe=recipe, weight_cache=cache,
+                                                              activation_clamp=clamp)
     dw13 = torch.zeros(w13.shape, dtype=torch.float32, device=device)
     dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=device)
     dx, dt, _, _ = _fp8_bwd.backward(dy, xv, idx, w, w13, w2, h, counts, offsets, src, srank, r2p, num_experts=E,
                                      need_wgrad=False, dw13_accum=dw13, dw2_accum=dw2, precision="fp8",
-                                     fp8_recipe=recipe, weight_cache=cache)
+                                     fp8_recipe=recipe, weight_cache=cache, activation_clamp=clamp)
     return y, dx, dt, dw13, dw2
 
 
@@ -151,12 +155,14 @@ CASES = [
 ]
 
 
-def _device_or_skip(device):
+def _device_or_skip(device, clamp=None):
     if device == "cuda":
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA GPU")
         skip_unless_available("mega_moe_grouped.fp8.sm90")
         skip_unless_available("mega_moe.fp8_bwd.sm90")
+        if clamp is not None:
+            skip_unless_available("m_grouped_gemm_swiglu_clamp.fp8.sm90")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -182,6 +188,25 @@ def test_replay_equals_the_fp8_pipelines(device, T, E, H, I, K, masked, routing)
     ref = loop_reference(*problem)
     for name, a, b in zip(("y", "dx", "dtopk", "dw13", "dw2"), got, ref):
         assert rel_err(a.cpu(), b) < 0.1, f"{name}: {rel_err(a.cpu(), b):.3e} against float64"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("clamp", [1.0, 7.0])
+def test_replay_with_a_clamp_equals_the_fp8_pipelines(device, clamp):
+    """A clamped model's call sequence (activation_clamp given to the forward and to the backward): every output
+    bitwise the layer API's FP8 pipelines with the same clamp, on pre-activations the clamp bites."""
+    _device_or_skip(device, clamp)
+    T, E, H, I, K = 61, 8, 128, 128, 3
+    x, idx, w, w13, w2, dy = make_problem(T, H, I, E, K, routing="skewed", seed=23, masked_frac=0.1)
+    problem = (x * 2, idx, w, w13 * 2, w2, dy)  # pre-activations of a few units
+    outs, layer = _replay(problem, device, clamp=clamp)
+    (y, dx, dt), = outs
+    want = _pipeline(problem, device, clamp=clamp)
+    unclamped = _pipeline(problem, device)
+    assert not torch.equal(want[0], unclamped[0]), "the clamp never bites"
+    for name, a, b in zip(("y", "dx", "dtopk", "dw13", "dw2"), (y, dx, dt, layer.dw13, layer.dw2), want):
+        assert torch.isfinite(a.float()).all(), name
+        assert torch.equal(a.float(), b.float()), f"{name}: rel err {rel_err(a, b):.3e}"
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -238,8 +263,9 @@ def test_refusals_leave_the_outputs_untouched():
     layer, pools, T = _staged_layer()
     l1, l2 = layer.weights[0:2], layer.weights[2:4]
     y = _nan((T, 128), torch.bfloat16, "cpu")
-    with pytest.raises(NotImplementedError, match="activation_clamp"):
-        dg_fp8.fp8_mega_moe(y, l1, l2, pools, layer.buffer, activation_clamp=7.0)
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="activation_clamp"):
+            dg_fp8.fp8_mega_moe(y, l1, l2, pools, layer.buffer, activation_clamp=bad)
     with pytest.raises(ValueError, match="shape"):
         dg_fp8.fp8_mega_moe(_nan((T, 256), torch.bfloat16, "cpu"), l1, l2, pools, layer.buffer)
     with pytest.raises(TypeError, match="pair"):

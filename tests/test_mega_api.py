@@ -166,8 +166,21 @@ def test_fp8_runs_the_grouped_fp8_forward_where_no_fused_one_exists(status):
     with pytest.raises(_backend.FusedKernelUnavailable, match="no fused kernel for precision='fp8' fwd: "
                                                               "mega_moe.fp8.sm90: not implemented yet"):
         _backend.resolve_backend("fused", "fp8", "fwd", **SHAPE)
-    with pytest.raises(_backend.FusedKernelUnavailable, match="takes no activation_clamp"):
-        _backend.resolve_backend("auto", "fp8", "fwd", activation_clamp=5.0, **SHAPE)
+    # with a clamp: the FP8 L1's clamp instantiation's entry decides, for every backend; the fused FP8 forward has none
+    clamp_key = _backend.GROUPED_FP8_CLAMP_KEY
+    status[clamp_key] = "compiled, not yet run on a GPU"
+    for backend in ("auto", "grouped"):
+        with pytest.raises(_backend.FusedKernelUnavailable, match=f"{clamp_key}: compiled, not yet run on a GPU"):
+            _backend.resolve_backend(backend, "fp8", "fwd", activation_clamp=5.0, **SHAPE)
+    status[clamp_key] = "available"
+    for backend in ("auto", "grouped"):
+        assert _backend.resolve_backend(backend, "fp8", "fwd", activation_clamp=5.0, **SHAPE) == "grouped"
+    status["mega_moe.fp8.sm90"] = "available"
+    assert _backend.resolve_backend("auto", "fp8", "fwd", activation_clamp=5.0, **SHAPE) == "grouped"
+    assert _backend.resolve_backend("auto", "fp8", "fwd", **SHAPE) == "fused"
+    with pytest.raises(_backend.FusedKernelUnavailable, match="fused FP8 forward kernel takes no activation_clamp"):
+        _backend.resolve_backend("fused", "fp8", "fwd", activation_clamp=5.0, **SHAPE)
+    status["mega_moe.fp8.sm90"] = "not implemented yet"
     x, idx, w, w13, w2, dy = make_problem(24, 128, 128, E, K, seed=59)
     opts = dict(precision="fp8", activation_clamp=None, group=None, num_experts=E)
     fwd = _backend.forward("grouped", x, idx, w, w13, w2, ep_size=1, max_tokens_per_rank=None, block_m=128,

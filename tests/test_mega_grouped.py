@@ -154,7 +154,7 @@ def test_grouped_with_a_clamp_on_the_cpu_ops_against_float64(clamp, recompute):
 def test_grouped_clamp_follows_its_own_status_entry():
     """With activation_clamp the grouped pipeline runs where its clamp entry (the L1's kernels that save h with the
     clamp masks) is available, and is refused with that entry's reason elsewhere (not yet verified on a GPU, no
-    GPU); the FP8 precisions refuse a clamp."""
+    GPU); with precision="fp8" the entry is that of the FP8 L1's clamp instantiation."""
     from prime_kernels import _status
     from prime_kernels.mega import _grouped
     from prime_kernels.mega._backend import FusedKernelUnavailable, resolve_backend
@@ -169,9 +169,11 @@ def test_grouped_clamp_follows_its_own_status_entry():
             with pytest.raises(FusedKernelUnavailable, match=re.escape(f"{key}: {why}")):
                 resolve_backend("grouped", "bf16", direction, device_type="cuda", hidden=256, intermediate=256,
                                 activation_clamp=0.5)
-    from prime_kernels.mega._backend import _grouped_reason
+    from prime_kernels.mega._backend import GROUPED_FP8_CLAMP_KEY, _grouped_reason
 
-    assert "FP8 forward takes no activation_clamp" in _grouped_reason("fp8", 1, activation_clamp=0.5)
+    fp8_why = _status.reason(GROUPED_FP8_CLAMP_KEY)  # the FP8 L1's clamp instantiation
+    got = _grouped_reason("fp8", 1, activation_clamp=0.5)
+    assert got is None if fp8_why == _status.AVAILABLE else got == f"{GROUPED_FP8_CLAMP_KEY}: {fp8_why}"
 
 
 def test_zero_padding_rows_touches_only_the_padding_rows():

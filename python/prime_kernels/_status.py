@@ -80,8 +80,8 @@ def _entries() -> list[KernelEntry]:
     e.append(KernelEntry("m_grouped_gemm_swiglu.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90"))
     # Its instantiation with the activation clamp (F2 on the fp32 accumulators, the saved h's masked rounding F6)
     e.append(KernelEntry("m_grouped_gemm_swiglu_clamp.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90",
-                         unverified="compiled, not yet run on a GPU; the FP8 forward takes no activation_clamp until "
-                                    "it has"))
+                         unverified="compiled, not yet run on a GPU; precision='fp8' with an activation_clamp runs "
+                                    "on it (the FP8 forward pipeline and its recompute) once it has"))
     # The single-rank pipeline of our grouped GEMMs (prime_kernels.mega backend="grouped").
     e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     # The same pipeline with activation_clamp: its L1 saves h with the clamp masks (the m-grouped SwiGLU kernels'

@@ -116,8 +116,8 @@ ROWS: tuple[Row, ...] = (
     Row("the same with the activation clamp (`m_grouped_gemm_swiglu_clamp.fp8`: gate and up clamped on the fp32 "
         "accumulators, h saved by the masked rounding)", "e4m3 in, e4m3 + fp32 block scales out",
         ("m_grouped_gemm_swiglu_clamp.fp8.sm90",),
-        Cell(COMPILED, note="its CPU emulation is the reference's FP8 forward with a clamp; until the kernel has run on "
-                            "a GPU, precision=\"fp8\" takes no activation_clamp"), _NOT),
+        Cell(COMPILED, note="its CPU emulation is the reference's FP8 forward with a clamp; precision=\"fp8\" with "
+                            "an activation_clamp runs on it once it has run on a GPU"), _NOT),
     Row("FP8 forward in the layer, pipeline (`mega_moe_grouped.fp8`: backend \"grouped\")", "fp8",
         ("mega_moe_grouped.fp8.sm90",), _v("H200"), _NOT),
     Row("fused FP8 forward (`mega_moe.fp8`: the quantizing dispatch, then L1 with SwiGLU and qK(s, 64) and L2 in one "

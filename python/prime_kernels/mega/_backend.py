@@ -153,6 +153,7 @@ def _peer_reason(precision: str, activation_clamp: float | None, num_local_exper
 GROUPED_KEY = _grouped.STATUS_KEY
 GROUPED_CLAMP_KEY = _grouped.CLAMP_STATUS_KEY
 GROUPED_FP8_KEY = _fp8_fwd.STATUS_KEY
+GROUPED_FP8_CLAMP_KEY = _fp8_fwd.CLAMP_STATUS_KEY
 GROUPED_MXFP8_KEY = _mxfp8.STATUS_KEY
 
 
@@ -182,8 +183,8 @@ def _grouped_reason(precision: str, ep_size: int, activation_clamp: float | None
         # Its L1 saves h with the clamp masks (reference F6) in the kMaskedH kernels, which have a status entry of
         # their own; plainly rounded, values within half an ulp of the bound would land on it and lose their
         # gradient (measured ~3% in dX).
-        if precision == "fp8":
-            return "the grouped pipeline's FP8 forward takes no activation_clamp (precision='fp8_bwd' does)"
+        if precision == "fp8":  # the FP8 L1's clamp instantiation (F2 on its accumulators, F6's masked rounding)
+            clamp_key = GROUPED_FP8_CLAMP_KEY
         clamp_reason = _status().get(clamp_key, _NOT_IMPLEMENTED)
         if not is_available(clamp_reason):
             return f"{clamp_key}: {clamp_reason}"
@@ -247,10 +248,8 @@ def _fp8_pipeline_reason(precision: str, ep_size: int, activation_clamp: float |
     after the forward); None when it can, and for the other precisions."""
     if precision not in reference.FP8_PRECISIONS:
         return None
-    if activation_clamp is not None and precision == "fp8":
-        return "precision='fp8': the FP8 forward takes no activation_clamp (precision='fp8_bwd' does)"
-    if activation_clamp is not None:  # fp8_bwd: a recompute runs the grouped L1 that saves h with the clamp masks
-        clamp_key = grouped_keys()[1]
+    if activation_clamp is not None:  # a recompute runs the forward's L1 that saves h with the clamp masks
+        clamp_key = GROUPED_FP8_CLAMP_KEY if precision == "fp8" else grouped_keys()[1]
         clamp_reason = _status().get(clamp_key, _NOT_IMPLEMENTED)
         if not is_available(clamp_reason):
             return f"precision={precision!r} with activation_clamp: {clamp_key}: {clamp_reason}"
@@ -401,7 +400,7 @@ def choose_backend(
         peer = AUTO_PEER_REASON
     fused_tails = fused_fp8_tails_reason(precision, direction, hidden, intermediate)
     reason = common or too_many or fused_tails or (peer if ep_size > 1 else _fused_reason(precision, direction)
-                                    or _fused.native_clamp_reason(kernel_name(precision, direction),
+                                    or _fused.clamp_reason(kernel_name(precision, direction),
                                                                   activation_clamp))
     if reason is None:
         _require_kernel_block_m(block_m)

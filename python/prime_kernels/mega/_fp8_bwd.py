@@ -81,12 +81,10 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     """Same contract as :func:`prime_kernels.mega.reference.backward` with ``precision="fp8_bwd"`` (the bf16
     forward's state: h saved, or recomputed by the bf16 L1 GEMM; with ``activation_clamp`` h keeps the clamp masks
     and the FP8 L2 dgrad applies the clamp's gradient rule); single rank. With ``precision="fp8"`` (an FP8 forward's
-    saved h; no clamp: the FP8 forward takes none) the same steps run, and a recompute runs the FP8 forward's L1
-    again (:func:`_fp8_fwd.recompute_h`: the same bits as the saved h)."""
+    saved h) the same steps run, and a recompute runs the FP8 forward's L1 again with the same clamp
+    (:func:`_fp8_fwd.recompute_h`: the same bits as the saved h)."""
     if group is not None:
         raise RuntimeError("prime_kernels.mega: the FP8 backward pipeline runs on a single rank (group=None)")
-    if activation_clamp is not None and precision == "fp8":
-        raise RuntimeError("prime_kernels.mega: precision='fp8' takes no activation_clamp (the FP8 forward has none)")
     recipe, cache = _fp8.recipe_and_cache(fp8_recipe, weight_cache)
     pow2 = recipe.pow2_scales
     c13, c2 = cache.get(w13, pow2), cache.get(w2, pow2)  # W: once per version of the weights
@@ -94,7 +92,8 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, h_saved, counts, offsets, p
     capacity = pool_src_route.shape[0]
     route_to_pool = route_to_pool.contiguous()
     if recompute and precision == "fp8":
-        h_saved = _fp8_fwd.recompute_h(x, w13, counts, offsets, route_to_pool, capacity, recipe, cache, sms)
+        h_saved = _fp8_fwd.recompute_h(x, w13, counts, offsets, route_to_pool, capacity, recipe, cache, sms,
+                                       activation_clamp)
     elif recompute:
         h_saved, x_pool = recompute_h(x, w13, counts, offsets, route_to_pool, capacity, x_pool, sms, activation_clamp)
     want_w = need_wgrad or dw13_accum is not None or dw2_accum is not None

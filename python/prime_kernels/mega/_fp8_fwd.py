@@ -11,8 +11,8 @@ Steps, in the reference's names (:mod:`prime_kernels.mega.reference`, W and F1-F
   F5   the combine (fp32 top-k weights, fixed k order).
 
 The L1 tile holds 64 gate and 64 up columns, so s is quantized in 1 x 64 blocks: the pipeline runs the recipe with
-``l2_act_block=64``, the default :class:`fp8.Fp8Recipe`. Single rank, no activation clamp (the FP8 L1 epilogue
-has none). Every step is one of our kernels on CUDA and its CPU op on the CPU, so the whole pipeline runs on the CPU
+``l2_act_block=64``, the default :class:`fp8.Fp8Recipe`. Single rank. With ``activation_clamp`` the L1 is the
+kernel's clamp instantiation (F2 on its fp32 accumulators, h saved by F6's masked rounding). Every step is one of our kernels on CUDA and its CPU op on the CPU, so the whole pipeline runs on the CPU
 and is compared with the reference there.
 """
 
@@ -26,9 +26,10 @@ from ..combine import combine
 from ..grouped_gemm import k_block_major_empty, m_grouped_fp8_gemm_nt
 from ..quantize import dispatch_rows_fp8
 from ..routing import routing_plan
-from ..swiglu_fwd_fp8 import S_BLOCK, m_grouped_fp8_gemm_swiglu
+from ..swiglu_fwd_fp8 import CLAMP_KEY_STEM, S_BLOCK, m_grouped_fp8_gemm_swiglu
 
 STATUS_KEY = "mega_moe_grouped.fp8.sm90"
+CLAMP_STATUS_KEY = f"{CLAMP_KEY_STEM}.sm90"  # the L1 the pipeline runs with activation_clamp
 
 
 def quantized_pool(x, route_to_pool, counts, offsets, capacity: int, pow2_scales: bool, zero_padding: bool = True):
@@ -49,19 +50,22 @@ def quantized_pool(x, route_to_pool, counts, offsets, capacity: int, pow2_scales
     return q, sa
 
 
-def l1(x, w13, counts, offsets, route_to_pool, capacity: int, recipe: _fp8.Fp8Recipe, cache, save_h: bool, sms):
-    """W, F1-F3 and F6: the pooled qK(x) and the FP8 L1 with SwiGLU (:class:`prime_kernels.swiglu_fwd_fp8.Fp8SwigluFwd`)."""
+def l1(x, w13, counts, offsets, route_to_pool, capacity: int, recipe: _fp8.Fp8Recipe, cache, save_h: bool, sms,
+       clamp: float | None = None):
+    """W, F1-F3 and F6: the pooled qK(x) and the FP8 L1 with SwiGLU (:class:`prime_kernels.swiglu_fwd_fp8.Fp8SwigluFwd`),
+    with the activation clamp ``clamp`` when not None."""
     check_recipe(recipe)
     c13 = cache.get(w13, recipe.pow2_scales)
     x_q, x_sa = quantized_pool(_rows_for_kernels(x), route_to_pool, counts, offsets, capacity, recipe.pow2_scales)
     return m_grouped_fp8_gemm_swiglu(x_q, x_sa, c13.weight.data, c13.weight.scale, offsets,
-                                     pow2_scales=recipe.pow2_scales, save_h=save_h, num_sms=sms)
+                                     pow2_scales=recipe.pow2_scales, save_h=save_h, num_sms=sms, clamp=clamp)
 
 
-def recompute_h(x, w13, counts, offsets, route_to_pool, capacity: int, recipe, cache, sms) -> torch.Tensor:
+def recompute_h(x, w13, counts, offsets, route_to_pool, capacity: int, recipe, cache, sms,
+                clamp: float | None = None) -> torch.Tensor:
     """The FP8 forward's saved h (F6) computed again, for a backward with ``recompute=True``: the same kernels on
-    the same operands, so the same bits."""
-    return l1(x, w13, counts, offsets, route_to_pool, capacity, recipe, cache, True, sms).h
+    the same operands with the same clamp, so the same bits."""
+    return l1(x, w13, counts, offsets, route_to_pool, capacity, recipe, cache, True, sms, clamp).h
 
 
 def check_recipe(recipe: _fp8.Fp8Recipe) -> None:
@@ -77,8 +81,6 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
     ``num_sms`` as in :func:`prime_kernels.mega._grouped.forward`."""
     if group is not None:
         raise RuntimeError("prime_kernels.mega: the FP8 forward pipeline runs on a single rank (group=None)")
-    if activation_clamp is not None:
-        raise RuntimeError("prime_kernels.mega: the FP8 forward pipeline does not take activation_clamp yet")
     recipe, cache = _fp8.recipe_and_cache(fp8_recipe, weight_cache)
     sms = _sms(num_sms)
     T, K = topk_idx.shape
@@ -87,7 +89,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group=
         id_check.watch(plan.num_invalid)
     counts, offsets = plan.expert_counts, plan.expert_offsets
     route_to_pool = plan.route_to_pool.view(T, K)
-    out = l1(x, w13, counts, offsets, route_to_pool, capacity, recipe, cache, save_h, sms)
+    out = l1(x, w13, counts, offsets, route_to_pool, capacity, recipe, cache, save_h, sms, activation_clamp)
     h_saved = out.h if save_h else x.new_empty((0, w13.shape[1]))
     c2 = cache.get(w2, recipe.pow2_scales)
     o = m_grouped_fp8_gemm_nt(out.s_q, out.s_sa, c2.weight.data, c2.weight.scale, offsets, num_sms=sms)  # F4

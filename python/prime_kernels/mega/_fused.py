@@ -45,12 +45,20 @@ STATUS_KEY_FWD = "mega_moe.bf16.sm90"
 NATIVE_FWD_KEYS = {"sm100": "mega_moe.bf16.sm100"}
 
 
-def native_clamp_reason(key: str, activation_clamp: float | None) -> str | None:
-    """Why the fused forward of status key ``key`` cannot take this call's clamp when it is a native one: its
-    self-test runs without a clamp, so a clamp would run it on numerics nothing checked. None otherwise."""
-    if activation_clamp is None or key not in NATIVE_FWD_KEYS.values():
+STATUS_KEY_FWD_FP8 = "mega_moe.fp8.sm90"
+
+
+def clamp_reason(key: str, activation_clamp: float | None) -> str | None:
+    """Why the fused forward of status key ``key`` cannot take this call's clamp: a native one's self-test runs
+    without a clamp, so a clamp would run it on numerics nothing checked; the fused FP8 kernel's L1 epilogue has no
+    clamp (the FP8 forward pipeline's L1 has). None otherwise."""
+    if activation_clamp is None:
         return None
-    return f"{key}: its self-test covers no activation_clamp"
+    if key in NATIVE_FWD_KEYS.values():
+        return f"{key}: its self-test covers no activation_clamp"
+    if key == STATUS_KEY_FWD_FP8:
+        return f"{key}: the fused FP8 forward kernel takes no activation_clamp (the FP8 forward pipeline does)"
+    return None
 
 
 def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", activation_clamp=None, group=None,
@@ -76,7 +84,7 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, precision: str = "bf16", acti
                             id_check=id_check, num_sms=num_sms)
     native_key = NATIVE_FWD_KEYS.get(_status.family_of_device(x.device.index)) if x.device.type == "cuda" else None
     if native_key is not None:
-        why = native_clamp_reason(native_key, activation_clamp)
+        why = clamp_reason(native_key, activation_clamp)
         if why is not None:
             raise FusedKernelUnavailable(f"prime_kernels.mega: {why}")
         native = _selftest.native_forward(x.device, native_key)
@@ -117,8 +125,9 @@ def _forward_fp8(x, topk_idx, topk_weights, w13, w2, *, activation_clamp, num_ex
     points of the FP8 forward pipeline (:mod:`._fp8_fwd`), so the same y and h bits; the default recipe (1 x 64 s,
     general scales), no activation clamp. The 8th output is None: the layer gathers x_pool itself when it is asked
     to keep it."""
-    if activation_clamp is not None:
-        raise FusedKernelUnavailable("prime_kernels.mega: the fused FP8 forward does not take activation_clamp")
+    why = clamp_reason(STATUS_KEY_FWD_FP8, activation_clamp)
+    if why is not None:
+        raise FusedKernelUnavailable(f"prime_kernels.mega: {why}")
     recipe = _fp8.DEFAULT_RECIPE
     _fp8_fwd.check_recipe(recipe)
     T, K = topk_idx.shape

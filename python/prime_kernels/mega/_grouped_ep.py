@@ -138,10 +138,8 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group,
         h = x_pool.new_zeros((capacity if save_h else 0, twoI))
         o = x_pool.new_zeros((capacity, H))
     elif precision == "fp8":
-        if activation_clamp is not None:
-            raise RuntimeError("prime_kernels.mega: the FP8 forward pipeline does not take activation_clamp yet")
         h, o = local_forward_fp8(x_pool, w13, w2, counts, offsets, src, save_h=save_h, sms=sms,
-                                 fp8_recipe=fp8_recipe, weight_cache=weight_cache)
+                                 fp8_recipe=fp8_recipe, weight_cache=weight_cache, clamp=activation_clamp)
     else:
         h, o = local_forward_bf16(x_pool, w13, w2, offsets, save_h=save_h, clamp=activation_clamp, sms=sms)
     (back,) = ex.return_rows([gather_rows(o, ex.recv_order)])
@@ -150,12 +148,13 @@ def forward(x, topk_idx, topk_weights, w13, w2, *, activation_clamp=None, group,
     return (y, h, counts, offsets, src, srank, r2p), x_pool
 
 
-def local_forward_fp8(x_pool, w13, w2, counts, offsets, pool_src_route, *, save_h, sms, fp8_recipe, weight_cache):
+def local_forward_fp8(x_pool, w13, w2, counts, offsets, pool_src_route, *, save_h, sms, fp8_recipe, weight_cache,
+                      clamp=None):
     """The FP8 forward pipeline on a pool with rows, its rows as one-route tokens (every quantization is per row or
     per expert's rows, so it sees the one-rank values): (h as saved or [0, 2I], o [capacity, H] bf16)."""
     recipe, cache = _fp8.recipe_and_cache(fp8_recipe, weight_cache)
     l1 = _fp8_fwd.l1(x_pool, w13, counts, offsets, _pool_routes(pool_src_route).view(-1, 1), x_pool.shape[0], recipe,
-                     cache, save_h, sms)
+                     cache, save_h, sms, clamp)
     h = l1.h if save_h else x_pool.new_empty((0, w13.shape[1]))
     c2 = cache.get(w2, recipe.pow2_scales)
     return h, m_grouped_fp8_gemm_nt(l1.s_q, l1.s_sa, c2.weight.data, c2.weight.scale, offsets, num_sms=sms)
@@ -218,7 +217,7 @@ def _local_backward_fp8(dy_pool, w_pool, x_pool, h_saved, w13, w2, counts, offse
     one_route = routes.view(-1, 1)
     h = h_saved
     if recompute and precision == "fp8":
-        h = _fp8_fwd.recompute_h(x_pool, w13, counts, offsets, one_route, capacity, recipe, cache, sms)
+        h = _fp8_fwd.recompute_h(x_pool, w13, counts, offsets, one_route, capacity, recipe, cache, sms, clamp)
     elif recompute:
         h, x_pool = recompute_h(None, w13, counts, offsets, None, capacity, x_pool, sms, clamp)
     dx_rows, dt_rows, dy_t, l2 = _fp8_bwd.data_grads(

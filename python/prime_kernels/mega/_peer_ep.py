@@ -205,7 +205,7 @@ class Saved:
     x_pool: torch.Tensor | None  # bf16 [cap, H], or None: the backward gathers the rows again (x staged anew)
 
 
-def _forward_fp8(buffers: list[PeerBuffers], plan, w13, w2, *, num_sms: int):
+def _forward_fp8(buffers: list[PeerBuffers], plan, w13, w2, *, num_sms: int, clamp: float | None = None):
     """One rank's FP8 forward on its pool: the pool's rows gathered from their source ranks, the FP8 forward
     pipeline on them as one-route tokens (every quantization is per row or per expert's rows: EP = 1's values), the
     L2 rows scattered to their source ranks' slots. Returns (h, x_pool)."""
@@ -219,7 +219,8 @@ def _forward_fp8(buffers: list[PeerBuffers], plan, w13, w2, *, num_sms: int):
     if int(offsets[-1]) == 0:
         return x_pool.new_zeros(cap, w13.shape[1]), x_pool
     h, o = _grouped_ep.local_forward_fp8(x_pool, w13, w2, counts, offsets, src_route, save_h=True,
-                                         sms=num_sms or None, fp8_recipe=None, weight_cache=None)
+                                         sms=num_sms or None, fp8_recipe=None, weight_cache=None,
+                                         clamp=clamp)
     torch.ops.prime_kernels.peer_rows_(o, [b.slots for b in buffers], src_route, src_rank, 1, False)
     return h, x_pool
 
@@ -245,9 +246,8 @@ def forward_ranks(buffers: list[PeerBuffers], played: list[int], topk_idx: list[
     buffers = _enter(buffers, played, exchange, pause)
     plans = rank_plans(all_topk, played, num_experts, block_m)
     if precision == "fp8":
-        if clamp is not None:
-            raise ValueError("prime_kernels.mega: the FP8 forward pipeline does not take activation_clamp yet")
-        hs, x_pools = zip(*[_forward_fp8(buffers, p, w13[i], w2[i], num_sms=num_sms) for i, p in enumerate(plans)])
+        hs, x_pools = zip(*[_forward_fp8(buffers, p, w13[i], w2[i], num_sms=num_sms, clamp=clamp)
+                            for i, p in enumerate(plans)])
     else:
         hs, x_pools = torch.ops.prime_kernels.mega_moe_fused_fwd_ranks(
             [b.x for b in buffers], [b.slots for b in buffers], [p[1] for p in plans], [p[2] for p in plans],

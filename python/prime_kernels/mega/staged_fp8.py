@@ -24,8 +24,10 @@ Numerics: the recipe of :mod:`prime_kernels.mega.fp8` with x quantized by the ca
 DeepEP dispatch format is power-of-two scales) and ``pow2_scales`` choosing the scales of what the kernels quantize
 (s, dy, dh, w * s and the weight-gradient operands). The wgrad operand of x is qT of the dequantized pool rows
 rounded to bf16, exact when x's scales are powers of two. The pools' rows are the routing plan's, each expert's rows
-starting at a multiple of 128 (:func:`expert_offsets` rebuilds the offsets from the counts). Single rank, no
-activation clamp. On the CPU every step runs the ops' CPU kernels (the emulation), so the sequence is testable there.
+starting at a multiple of 128 (:func:`expert_offsets` rebuilds the offsets from the counts). Single rank. An
+``activation_clamp`` given to the forward must be given to its backward too: the forward clamps gate and up on the
+L1's fp32 accumulators and keeps z with the clamp masks (the reference's F2, F6), the backward applies the clamp's
+gradient rule to z (B5). On the CPU every step runs the ops' CPU kernels (the emulation), so the sequence is testable there.
 """
 
 from __future__ import annotations
@@ -261,28 +263,23 @@ def _check_pools(pools, T, K, El, hidden, inter, device, forward: bool):
     return C
 
 
-def _no_clamp(activation_clamp):
-    if activation_clamp is not None:
-        _fail("the FP8 calls do not take activation_clamp yet (the FP8 L1 epilogue has no clamp); pass None",
-              NotImplementedError)
-
-
-def require_kernels(device: torch.device, call: str) -> None:
+def require_kernels(device: torch.device, call: str, activation_clamp: float | None = None) -> None:
     """On CUDA, raise ``FusedKernelUnavailable`` with the ``prime_kernels.status()`` reason unless the FP8 kernels of
-    both directions can run here (a forward must not run where its backward cannot); the CPU runs the ops' CPU
-    kernels."""
+    both directions can run here (a forward must not run where its backward cannot), with the clamp's kernels when
+    ``activation_clamp`` is given; the CPU runs the ops' CPU kernels."""
     if device.type != "cuda":
         return
-    why = _backend.fp8_kernel_reason("fp8", "bwd" if "backward" in call or "grads" in call else "fwd")
+    why = (_backend.fp8_kernel_reason("fp8", "bwd" if "backward" in call or "grads" in call else "fwd")
+           or _backend._fp8_pipeline_reason("fp8", 1, activation_clamp))
     if why is not None:
         raise _backend.FusedKernelUnavailable(f"prime_kernels.mega.{call}: the FP8 kernels are not available here: "
                                               f"{why} (see prime_kernels.status())")
 
 
 def _call_prologue(rows_out, name, buffer, activation_clamp, num_sms, call):
-    """(sms, T, H, K, device) of a forward or backward call whose [T, H] bf16 output ``rows_out`` gives T, after the
-    checks every such call shares."""
-    _no_clamp(activation_clamp)
+    """(sms, T, H, K, device, clamp) of a forward or backward call whose [T, H] bf16 output ``rows_out`` gives T,
+    after the checks every such call shares."""
+    clamp = _validate.check_activation_clamp(activation_clamp)
     sms = _sms(_validate.num_sms_arg(num_sms))
     if not isinstance(rows_out, torch.Tensor):
         _fail(f"{name} must be a tensor", TypeError)
@@ -290,8 +287,8 @@ def _call_prologue(rows_out, name, buffer, activation_clamp, num_sms, call):
     _check_buffer(buffer, T)
     H, K, dev = buffer.hidden, buffer.num_topk, _device(buffer.device)
     _check(rows_out, name, (T, H), torch.bfloat16, dev)
-    require_kernels(dev, call)
-    return sms, T, H, K, dev
+    require_kernels(dev, call, clamp)
+    return sms, T, H, K, dev, clamp
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,7 +303,7 @@ def fp8_mega_moe(y: torch.Tensor, l1, l2, pools: FP8Pools, buffer: SymmBuffer, *
     filling ``pools`` for the backward. ``l1`` = (w13 e4m3 [El, 2I, H] gate rows then up rows, w13_sf fp32
     [El, 2I/128, H/128]), ``l2`` = (w2 [El, H, I], w2_sf [El, H/128, I/128]). ``fast_math`` is accepted (SiLU runs
     at full precision). Every argument is checked, and the expert ids before ``y`` is written."""
-    sms, T, H, K, dev = _call_prologue(y, "y", buffer, activation_clamp, num_sms, "fp8_mega_moe")
+    sms, T, H, K, dev, clamp = _call_prologue(y, "y", buffer, activation_clamp, num_sms, "fp8_mega_moe")
     E = buffer.num_experts
     El, I = _check_weights(l1, l2, H, dev, transposed=False)
     if El != buffer.num_local_experts:
@@ -337,7 +334,7 @@ def fp8_mega_moe(y: torch.Tensor, l1, l2, pools: FP8Pools, buffer: SymmBuffer, *
             pools._x_sf_rows.index_fill_(0, index, 0)
         # F1-F3, F6: the FP8 L1 with SwiGLU; s into the shared L2 operand pool, h into z
         m_grouped_fp8_gemm_swiglu(pools.x, pools.x_sf, l1[0], l1[1], offsets, pow2_scales=pow2_scales, save_h=True,
-                                  num_sms=sms, out=Fp8SwigluFwd(pools.h, pools.h_sf.t(), pools.z))
+                                  num_sms=sms, out=Fp8SwigluFwd(pools.h, pools.h_sf.t(), pools.z), clamp=clamp)
         o = m_grouped_fp8_gemm_nt(pools.h, pools.h_sf.t(), l2[0], l2[1], offsets, num_sms=sms)  # F4
         out = combine(o, route_to_pool, topk_weights.float())  # F5
         del o
@@ -426,7 +423,8 @@ def fp8_mega_moe_backward(grad_x: torch.Tensor, grad_weights: torch.Tensor, l1_t
     w2_t_sf [El, I/128, H/128]): the transposed tiles (:func:`fp8_weights_for_mega_moe`). The weight-gradient
     operands are left in ``bufs`` for :func:`fp8_mega_moe_weight_grads`. The forward is not recomputed: z is the
     saved activation."""
-    sms, T, H, K, dev = _call_prologue(grad_x, "grad_x", buffer, activation_clamp, num_sms, "fp8_mega_moe_backward")
+    sms, T, H, K, dev, clamp = _call_prologue(grad_x, "grad_x", buffer, activation_clamp, num_sms,
+                                              "fp8_mega_moe_backward")
     _check(grad_weights, "grad_weights", (T, K), torch.float32, dev)
     El, I = _check_weights(l1_t, l2_t, H, dev, transposed=True)
     C = _check_pools(pools, T, K, El, H, I, dev, forward=False)
@@ -443,7 +441,7 @@ def fp8_mega_moe_backward(grad_x: torch.Tensor, grad_weights: torch.Tensor, l1_t
         dx, dtopk, _, _ = _fp8_bwd.data_grads(
             buffer.dy[:T], l1_t, l2_t, pools.z, pools.counts, offsets, src, route_to_pool, topk_weights,
             pow2=pow2_scales, sms=sms, want_wgrad_operands=True, dy_t_out=(bufs.dy_t, bufs.dy_t_sf),
-            l2_out=bufs.l2_out())
+            l2_out=bufs.l2_out(), clamp=clamp)
         grad_x.copy_(dx)
         grad_weights.copy_(dtopk)
 
