@@ -26,12 +26,25 @@ struct PushRoutes {
   int64_t num_routes;
 };
 
+#if PK_HAS_SM90_KERNELS
+prime_kernels::sm90::SecondB second_b_args(const PkSecondB& in) {
+  prime_kernels::sm90::SecondB out;
+  out.b2 = in.b2;
+  out.ldb2 = in.ldb2;
+  out.b2_group_stride = in.b2_group_stride;
+  out.slabs = in.slabs;
+  out.chunks = in.chunks;
+  out.num_b_groups = in.num_b_groups;
+  return out;
+}
+#endif
+
 // The m-grouped entry points: the plain GEMM, (gather) the one that gathers A's rows through a_row_index, and (push)
 // the one whose rows go to their routes; each launcher checks its own arguments.
 int m_grouped(const char* op, bool gather, const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
               const void* b, int b_k_major, int64_t ldb, int64_t b_group_stride, void* d, int64_t ldd, const int32_t* group_offsets,
               int num_groups, int64_t m_total, int64_t n, int64_t k, int num_sms, void* cuda_stream,
-              const PushRoutes* push = nullptr) {
+              const PushRoutes* push = nullptr, const PkSecondB* second_b = nullptr) {
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90(op); rc != PK_OK) return rc;
   PK_CHECK_ARG(num_sms >= 0, "%s: num_sms = %d, must be >= 0 (0 = every SM)", op, num_sms);
@@ -54,6 +67,11 @@ int m_grouped(const char* op, bool gather, const void* a, int64_t lda, int64_t a
   args.n = n;
   args.k = k;
   args.config = &cfg;
+  if (second_b != nullptr) {
+    cfg = prime_kernels::sm90::swiglu_gemm_config();  // the one config built with a second B
+    cfg.num_sms = num_sms;
+    args.second_b = second_b_args(*second_b);
+  }
   if (push != nullptr) {
     args.push_slots = push->slots;
     args.num_push_ranks = push->num_ranks;
@@ -72,7 +90,7 @@ int m_grouped(const char* op, bool gather, const void* a, int64_t lda, int64_t a
 #else
   (void)gather, (void)a, (void)lda, (void)a_rows, (void)a_row_index, (void)b, (void)b_k_major, (void)ldb;
   (void)b_group_stride, (void)d, (void)ldd, (void)group_offsets, (void)num_groups, (void)m_total, (void)n, (void)k;
-  (void)num_sms, (void)cuda_stream, (void)push;
+  (void)num_sms, (void)cuda_stream, (void)push, (void)second_b;
   return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE, "%s is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a", op);
 #endif
 }
@@ -149,6 +167,25 @@ int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, co
                                   void* s, int64_t lds, void* h, int64_t ldh, const int32_t* group_offsets,
                                   int num_groups, int64_t m_total, int64_t k, float clamp, int num_sms,
                                   void* cuda_stream) {
+  return pk_m_grouped_bf16_gemm_swiglu_second_b(a, lda, a_rows, a_row_index, w13, ldb, b_group_stride, nullptr,
+                                                intermediate, s, lds, h, ldh, group_offsets, num_groups, m_total, k,
+                                                clamp, num_sms, cuda_stream);
+}
+
+int pk_m_grouped_bf16_gemm_second_b(const void* a, int64_t lda, const void* b, int b_k_major, int64_t ldb,
+                                    int64_t b_group_stride, const PkSecondB* second_b, void* d, int64_t ldd,
+                                    const int32_t* group_offsets, int num_groups, int64_t m_total, int64_t n,
+                                    int64_t k, int num_sms, void* cuda_stream) {
+  PK_CHECK_ARG(second_b != nullptr && second_b->b2 != nullptr, "m_grouped_bf16_gemm_second_b: null second_b or b2");
+  return m_grouped("m_grouped_bf16_gemm_second_b", false, a, lda, 0, nullptr, b, b_k_major, ldb, b_group_stride, d,
+                   ldd, group_offsets, num_groups, m_total, n, k, num_sms, cuda_stream, nullptr, second_b);
+}
+
+int pk_m_grouped_bf16_gemm_swiglu_second_b(const void* a, int64_t lda, int64_t a_rows, const int32_t* a_row_index,
+                                           const void* w13, int64_t ldb, int64_t b_group_stride,
+                                           const PkSecondB* second_b, int64_t intermediate, void* s, int64_t lds,
+                                           void* h, int64_t ldh, const int32_t* group_offsets, int num_groups,
+                                           int64_t m_total, int64_t k, float clamp, int num_sms, void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90("m_grouped_bf16_gemm_swiglu"); rc != PK_OK) return rc;
   PK_CHECK_ARG(num_sms >= 0, "m_grouped_bf16_gemm_swiglu: num_sms = %d, must be >= 0 (0 = every SM)", num_sms);
@@ -173,6 +210,7 @@ int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, co
   args.k = k;
   args.clamp_limit = clamp;
   args.config = &cfg;
+  if (second_b != nullptr) args.second_b = second_b_args(*second_b);
   char message[512] = {0};
   const int rc = prime_kernels::sm90::m_grouped_bf16_gemm_swiglu(args, static_cast<cudaStream_t>(cuda_stream), message,
                                                              sizeof(message));
@@ -180,7 +218,7 @@ int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_rows, co
 #else
   (void)a, (void)lda, (void)a_rows, (void)a_row_index, (void)w13, (void)ldb, (void)b_group_stride;
   (void)intermediate, (void)s, (void)lds, (void)h, (void)ldh, (void)group_offsets, (void)num_groups;
-  (void)m_total, (void)k, (void)clamp, (void)num_sms, (void)cuda_stream;
+  (void)m_total, (void)k, (void)clamp, (void)num_sms, (void)cuda_stream, (void)second_b;
   return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
                               "m_grouped_bf16_gemm_swiglu is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif

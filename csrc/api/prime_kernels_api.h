@@ -28,7 +28,7 @@ enum {
 };
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatch.
-#define PK_ABI_VERSION 8
+#define PK_ABI_VERSION 9
 PK_API int pk_abi_version(void);
 
 // The message of the last failed call on this thread ("" if none).
@@ -137,6 +137,33 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu(const void* a, int64_t lda, int64_t a_r
                                          int64_t intermediate, void* s, int64_t lds, void* h, int64_t ldh,
                                          const int32_t* group_offsets, int num_groups, int64_t m_total,
                                          int64_t k, float clamp, int num_sms, void* cuda_stream);
+
+// Shared experts as extra groups of the m-grouped BF16 GEMMs below (the "_second_b" entry points): groups
+// [num_b_groups, num_groups) read their B from b2, `slabs` experts of intermediate size chunks * I, chunk by chunk
+// (group num_b_groups + v is chunk v % chunks of expert v / chunks: a SwiGLU expert of width m * I is m experts of
+// width I). Layouts: the SwiGLU L1 b2 [slabs, 2 * chunks * I, k] (gate rows, then up rows); the K-major "nt" GEMM
+// (the L2, I = k) b2 [slabs, n, chunks * k]; the MN-major "nn" GEMM (the L1 dgrad, I = k / 2) b2
+// [slabs, 2 * chunks * I, n]. ldb2 the row stride, b2_group_stride between experts (elements, multiples of 8);
+// I a multiple of 64; A pooled (not gathered) except for the SwiGLU L1.
+typedef struct PkSecondB {
+  const void* b2;
+  int64_t ldb2;
+  int64_t b2_group_stride;
+  int slabs;
+  int chunks;
+  int num_b_groups;
+} PkSecondB;
+
+PK_API int pk_m_grouped_bf16_gemm_second_b(const void* a, int64_t lda, const void* b, int b_k_major, int64_t ldb,
+                                           int64_t b_group_stride, const PkSecondB* second_b, void* d, int64_t ldd,
+                                           const int32_t* group_offsets, int num_groups, int64_t m_total, int64_t n,
+                                           int64_t k, int num_sms, void* cuda_stream);
+PK_API int pk_m_grouped_bf16_gemm_swiglu_second_b(const void* a, int64_t lda, int64_t a_rows,
+                                                  const int32_t* a_row_index, const void* w13, int64_t ldb,
+                                                  int64_t b_group_stride, const PkSecondB* second_b,
+                                                  int64_t intermediate, void* s, int64_t lds, void* h, int64_t ldh,
+                                                  const int32_t* group_offsets, int num_groups, int64_t m_total,
+                                                  int64_t k, float clamp, int num_sms, void* cuda_stream);
 
 // L2 dgrad with the SwiGLU backward in its epilogue: per group g, da = dy_pool @ w2[g] (w2 [num_groups,
 // hidden, I], read MN-major) stays in registers; with h the saved gate | up [m_total, 2I] and w =

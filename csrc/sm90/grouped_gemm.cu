@@ -22,17 +22,17 @@ using namespace host;
 namespace {
 
 template <int kBlockN, int kNumStages, bool kBKMajor, bool kGatherA, bool kSwiGLU = false, bool kMaskedH = false,
-          bool kPushRoutes = false>
+          bool kPushRoutes = false, bool kSecondB = false>
 int launch_m_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& md, const MGroupedParams& p,
                      int64_t max_units,
-                     int sms, cudaStream_t stream, char* err, size_t err_len) {
+                     int sms, cudaStream_t stream, char* err, size_t err_len, const CUtensorMap* mb2 = nullptr) {
   constexpr auto kernel =
-      &m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kGatherA, kSwiGLU, kMaskedH, kPushRoutes>;
+      &m_grouped_bf16_gemm_kernel<kBlockN, kNumStages, kBKMajor, kGatherA, kSwiGLU, kMaskedH, kPushRoutes, kSecondB>;
   constexpr int smem = MGroupedLayout<kBlockN, kNumStages>::kSmemBytes;
   cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-  e = launch_persistent<kernel>(kNumThreads, smem, max_units, sms, stream, ma, mb, md, p);
+  e = launch_persistent<kernel>(kNumThreads, smem, max_units, sms, stream, ma, mb, md, p, mb2 ? *mb2 : mb);
   if (e != cudaSuccess)
     return fail(kGemmCudaError, err, err_len, "m_grouped_bf16_gemm launch: %s", cudaGetErrorString(e));
   return check_launch("m_grouped_bf16_gemm", err, err_len);
@@ -51,6 +51,53 @@ int launch_k_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtenso
   return check_launch("k_grouped_bf16_gemm", err, err_len);
 }
 
+
+// The second B's map and parameters (grouped_gemm.hpp, SecondB). kind: 0 SwiGLU L1 (I = inter, K-major over k), 1
+// K-major "nt" (I = k), 2 MN-major "nn" (I = k / 2). box_rows: the rows of the first B's box (K-major kinds).
+int second_b_map(const SecondB& sb, int kind, int num_groups, int64_t n, int64_t k, int64_t inter, uint32_t box_rows,
+                 CUtensorMap* out, MGroupedParams* p, const char* fn, char* err, size_t err_len) {
+  const int64_t I = kind == 0 ? inter : (kind == 1 ? k : k / 2);
+  if (sb.slabs < 1 || sb.chunks < 1 || sb.num_b_groups < 0 ||
+      (int64_t)sb.num_b_groups + (int64_t)sb.slabs * sb.chunks != num_groups)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: second B: num_b_groups (%d) + slabs (%d) * chunks (%d) must equal num_groups (%d)", fn,
+                sb.num_b_groups, sb.slabs, sb.chunks, num_groups);
+  if (I < 64 || I % 64 != 0 || (kind == 2 && k % 2 != 0))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: second B: its chunk width I = %lld must be a multiple of 64",
+                fn, (long long)I);
+  const int64_t inter2 = I * sb.chunks;  // the second tensor's intermediate size
+  const int64_t cols = kind == 1 ? inter2 : (kind == 0 ? k : n);  // contiguous extent
+  const int64_t rows = kind == 1 ? n : 2 * inter2;
+  if (inter2 > kMaxDim || rows > kMaxDim || sb.ldb2 < cols || sb.ldb2 % 8 != 0)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: second B: ldb2 = %lld, must be >= %lld and a multiple of 8",
+                fn, (long long)sb.ldb2, (long long)cols);
+  if (sb.slabs > 1 && (sb.b2_group_stride < rows * sb.ldb2 || sb.b2_group_stride % 8 != 0))
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: second B: b2_group_stride = %lld, must be >= %lld and a multiple of 8", fn,
+                (long long)sb.b2_group_stride, (long long)(rows * sb.ldb2));
+  if (!aligned16(sb.b2)) return fail(kGemmInvalidArgument, err, err_len, "%s: second B must be 16-byte aligned", fn);
+  const int64_t gs = sb.slabs > 1 ? sb.b2_group_stride : rows * sb.ldb2;
+  const uint64_t dims[3] = {(uint64_t)cols, (uint64_t)rows, (uint64_t)sb.slabs};
+  const uint64_t strides[2] = {(uint64_t)sb.ldb2 * 2, (uint64_t)gs * 2};
+  const uint32_t box_k[3] = {64, box_rows, 1};
+  const uint32_t box_mn[3] = {64, 64, 1};
+  if (int r = make_map(out, sb.b2, 3, dims, strides, kind == 2 ? box_mn : box_k, err, err_len)) return r;
+  p->num_b_groups = sb.num_b_groups;
+  p->b2_chunks = sb.chunks;
+  p->b2_inter = (int32_t)inter2;
+  return kGemmOk;
+}
+
+// The second B is built for one config, the layer passes' (block_n 256, 3 stages).
+int second_b_config(const GroupedGemmConfig* config, GroupedGemmConfig* cfg, const char* fn, char* err,
+                    size_t err_len) {
+  GroupedGemmConfig c = config ? *config : swiglu_gemm_config();
+  if (c.block_m != 128 || c.block_k != 64 || c.block_n != 256 || c.num_stages != 3 || c.async_epilogue != 1)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: with a second B the config must be null or block_n 256 / 3 stages, asynchronous epilogue", fn);
+  *cfg = c;
+  return kGemmOk;
+}
 
 // Every grouped entry point takes between 1 and kMaxGroups groups (the per-group starts live in shared memory).
 int check_num_groups(int num_groups, const char* fn, char* err, size_t err_len) {
@@ -78,7 +125,12 @@ int m_grouped_impl(const MGroupedGemmArgs& args, cudaStream_t stream, char* err,
   const GroupedGemmConfig* config = args.config;
   const bool gather = a_row_index != nullptr;
   const bool push = args.push_slots != nullptr;
+  const bool second = args.second_b.b2 != nullptr;
+  // the first B's experts: every group, or those before the second B's
+  const int b_groups = second ? args.second_b.num_b_groups : num_groups;
   if (int r = check_num_groups(num_groups, fn, err, err_len)) return r;
+  if (second && (push || gather || k == 0))
+    return fail(kGemmInvalidArgument, err, err_len, "%s: a second B takes a pooled A, d and k > 0", fn);
   if (m_total < 0 || m_total > kMaxDim || n < 8 || n > kMaxDim || k < 0 || k > kMaxDim)
     return fail(kGemmInvalidArgument, err, err_len, "%s: bad sizes m_total=%lld n=%lld k=%lld", fn,
                 (long long)m_total, (long long)n, (long long)k);
@@ -125,12 +177,14 @@ int m_grouped_impl(const MGroupedGemmArgs& args, cudaStream_t stream, char* err,
     if (ldb < inner || ldb % 8 != 0)
       return fail(kGemmInvalidArgument, err, err_len, "%s: ldb = %lld, must be >= %s and a multiple of 8", fn,
                   (long long)ldb, b_k_major ? "k" : "n");
-    if (num_groups > 1 && (b_group_stride < outer * ldb || b_group_stride % 8 != 0))
+    if (b_groups > 1 && (b_group_stride < outer * ldb || b_group_stride % 8 != 0))
       return fail(kGemmInvalidArgument, err, err_len,
                   "%s: b_group_stride = %lld, must be >= %lld and a multiple of 8", fn,
                   (long long)b_group_stride, (long long)(outer * ldb));
   }
   GroupedGemmConfig cfg = config ? *config : m_grouped_gemm_config(m_total, n, k, num_groups);
+  if (second)
+    if (int r = second_b_config(config, &cfg, fn, err, err_len)) return r;
   if (!grouped_gemm_config_supported(cfg) || cfg.async_epilogue != 1)
     return fail(kGemmInvalidArgument, err, err_len,
                 "%s: unsupported config block_m=%d block_n=%d block_k=%d stages=%d async_epilogue=%d (built: block_n "
@@ -155,16 +209,17 @@ int m_grouped_impl(const MGroupedGemmArgs& args, cudaStream_t stream, char* err,
   }
   {
     const int64_t ldb_ = k > 0 ? ldb : 64;
-    const int64_t gs = (k > 0 && num_groups > 1) ? b_group_stride : (b_k_major ? n : kk) * ldb_;
+    const int64_t gs = (k > 0 && b_groups > 1) ? b_group_stride : (b_k_major ? n : kk) * ldb_;
+    const uint64_t map_groups = b_groups > 0 ? (uint64_t)b_groups : 1;  // a second B alone: the first map is unused
     if (b_k_major) {
-      const uint64_t dims[3] = {(uint64_t)kk, (uint64_t)n, (uint64_t)num_groups};
+      const uint64_t dims[3] = {(uint64_t)kk, (uint64_t)n, map_groups};
       const uint64_t strides[2] = {(uint64_t)ldb_ * 2, (uint64_t)gs * 2};
       const uint32_t box[3] = {64, (uint32_t)cfg.block_n, 1};
       if (int r = make_map(&mb, b_ptr, 3, dims, strides, box, err, err_len)) return r;
     } else {
       const int64_t ldb_mn = k > 0 ? ldb : n;
-      const int64_t gs_mn = (k > 0 && num_groups > 1) ? b_group_stride : kk * ldb_mn;
-      const uint64_t dims[3] = {(uint64_t)n, (uint64_t)kk, (uint64_t)num_groups};
+      const int64_t gs_mn = (k > 0 && b_groups > 1) ? b_group_stride : kk * ldb_mn;
+      const uint64_t dims[3] = {(uint64_t)n, (uint64_t)kk, map_groups};
       const uint64_t strides[2] = {(uint64_t)ldb_mn * 2, (uint64_t)gs_mn * 2};
       const uint32_t box[3] = {64, 64, 1};
       if (int r = make_map(&mb, b_ptr, 3, dims, strides, box, err, err_len)) return r;
@@ -209,6 +264,16 @@ int m_grouped_impl(const MGroupedGemmArgs& args, cudaStream_t stream, char* err,
                                                                         err_len);
     return launch_m_grouped<128, 5, false, false, false, false, true>(ma, mb, md, p, max_units, sms, stream, err,
                                                                       err_len);
+  }
+  if (second) {
+    CUtensorMap mb2;
+    if (int r = second_b_map(args.second_b, b_k_major ? 1 : 2, num_groups, n, k, 0, 256, &mb2, &p, fn, err, err_len))
+      return r;
+    if (b_k_major)
+      return launch_m_grouped<256, 3, true, false, false, false, false, true>(ma, mb, md, p, max_units, sms, stream,
+                                                                              err, err_len, &mb2);
+    return launch_m_grouped<256, 3, false, false, false, false, false, true>(ma, mb, md, p, max_units, sms, stream,
+                                                                             err, err_len, &mb2);
   }
 #define PK_M_LAUNCH2(BN, ST, GA)                                                                                 \
   return b_k_major ? launch_m_grouped<BN, ST, true, GA>(ma, mb, md, p, max_units, sms, stream, err, err_len) \
@@ -272,6 +337,8 @@ int m_grouped_bf16_gemm_swiglu(const SwigluGemmArgs& args, cudaStream_t stream, 
   const char* fn = "m_grouped_bf16_gemm_swiglu";
   const bool gather = a_row_index != nullptr;
   const int64_t I = args.intermediate;
+  const bool second = args.second_b.b2 != nullptr;
+  const int b_groups = second ? args.second_b.num_b_groups : num_groups;  // the first B's experts
   if (int r = check_num_groups(num_groups, fn, err, err_len)) return r;
   if (m_total < 0 || m_total > kMaxDim || I < 64 || 2 * I > kMaxDim || I % 64 != 0 || k < 8 || k > kMaxDim ||
       k % 8 != 0)
@@ -296,10 +363,12 @@ int m_grouped_bf16_gemm_swiglu(const SwigluGemmArgs& args, cudaStream_t stream, 
   if (ldb < k || ldb % 8 != 0)
     return fail(kGemmInvalidArgument, err, err_len, "%s: ldb = %lld, must be >= k and a multiple of 8", fn,
                 (long long)ldb);
-  if (num_groups > 1 && (b_group_stride < 2 * I * ldb || b_group_stride % 8 != 0))
+  if (b_groups > 1 && (b_group_stride < 2 * I * ldb || b_group_stride % 8 != 0))
     return fail(kGemmInvalidArgument, err, err_len, "%s: b_group_stride = %lld, must be >= 2I * ldb, multiple of 8",
                 fn, (long long)b_group_stride);
-  const GroupedGemmConfig cfg = config ? *config : swiglu_gemm_config();
+  GroupedGemmConfig cfg = config ? *config : swiglu_gemm_config();
+  if (second)
+    if (int r = second_b_config(config, &cfg, fn, err, err_len)) return r;
   if (cfg.block_m != 128 || cfg.block_k != 64 || cfg.async_epilogue != 1 ||
       !((cfg.block_n == 256 && cfg.num_stages == 3) || (cfg.block_n == 128 && cfg.num_stages == 5)))
     return fail(kGemmInvalidArgument, err, err_len,
@@ -310,8 +379,8 @@ int m_grouped_bf16_gemm_swiglu(const SwigluGemmArgs& args, cudaStream_t stream, 
 
   CUtensorMap ma, mb, md;
   {
-    const int64_t gs = num_groups > 1 ? b_group_stride : 2 * I * ldb;
-    const uint64_t dims[3] = {(uint64_t)k, (uint64_t)(2 * I), (uint64_t)num_groups};
+    const int64_t gs = b_groups > 1 ? b_group_stride : 2 * I * ldb;
+    const uint64_t dims[3] = {(uint64_t)k, (uint64_t)(2 * I), (uint64_t)(b_groups > 0 ? b_groups : 1)};
     const uint64_t strides[2] = {(uint64_t)ldb * 2, (uint64_t)gs * 2};
     const uint32_t box[3] = {64, (uint32_t)(cfg.block_n / 2), 1};
     if (int r = make_map(&mb, w13, 3, dims, strides, box, err, err_len)) return r;
@@ -350,8 +419,24 @@ int m_grouped_bf16_gemm_swiglu(const SwigluGemmArgs& args, cudaStream_t stream, 
   p.clamp = clamp_limit;
   const int64_t n_blocks = (I + cfg.block_n / 2 - 1) / (cfg.block_n / 2);
   const int64_t max_units = max_m_blocks(m_total, num_groups) * n_blocks;
-  if (clamp_limit > 0.f) {  // h keeps the clamp masks (reference F6): the kMaskedH kernels
+  if (clamp_limit > 0.f)  // h keeps the clamp masks (reference F6): the kMaskedH kernels
     bf16_clamp_neighbours(clamp_limit, &p.clamp_below, &p.clamp_above);
+  if (second) {
+    CUtensorMap mb2;
+    if (int r = second_b_map(args.second_b, 0, num_groups, I, k, I, (uint32_t)(cfg.block_n / 2), &mb2, &p, fn, err,
+                             err_len))
+      return r;
+#define PK_SWIGLU_SECOND(GA, MH) \
+  return launch_m_grouped<256, 3, true, GA, true, MH, false, true>(ma, mb, md, p, max_units, sms, stream, err, err_len, &mb2)
+    if (clamp_limit > 0.f) {
+      if (gather) PK_SWIGLU_SECOND(true, true);
+      PK_SWIGLU_SECOND(false, true);
+    }
+    if (gather) PK_SWIGLU_SECOND(true, false);
+    PK_SWIGLU_SECOND(false, false);
+#undef PK_SWIGLU_SECOND
+  }
+  if (clamp_limit > 0.f) {
     if (cfg.block_n == 256) {
       if (gather)
         return launch_m_grouped<256, 3, true, true, true, true>(ma, mb, md, p, max_units, sms, stream, err, err_len);

@@ -26,6 +26,25 @@
 namespace prime_kernels {
 namespace sm90 {
 
+// Shared experts as extra groups of an m-grouped GEMM (m_grouped_gemm.cuh, kSecondB): groups [num_b_groups,
+// num_groups) read B from a second weight tensor b2 of `slabs` experts whose intermediate size is chunks * I, chunk by
+// chunk: group num_b_groups + v is chunk v % chunks of expert v / chunks (a SwiGLU expert of width m * I is m experts
+// of width I). b2 null: no second B. Its layout is the first B's with the intermediate axis chunks times longer:
+//   SwiGLU L1 (I = intermediate):   bf16 [slabs, 2 * chunks * I, k], K contiguous (gate rows, then up rows);
+//   K-major "nt" (the L2, I = k):   bf16 [slabs, n, chunks * k];
+//   MN-major "nn" (the L1 dgrad, I = k / 2, k % 128 == 0): bf16 [slabs, 2 * chunks * I, n] (gate rows, then up rows).
+// ldb2: row stride (elements, >= the contiguous extent, % 8 == 0); b2_group_stride: between experts (elements,
+// >= rows * ldb2, % 8 == 0), 16-byte aligned. Built for block_n 256 / 3 stages (the layer's passes; config must be
+// null or that).
+struct SecondB {
+  const void* b2 = nullptr;
+  int64_t ldb2 = 0;
+  int64_t b2_group_stride = 0;
+  int slabs = 0;
+  int chunks = 0;
+  int num_b_groups = 0;
+};
+
 // m-grouped GEMM:  D[m, :] = A[m, :] @ B_g^T  for m in [group_offsets[g], group_offsets[g+1]),
 // optionally with A gathered through a row-index list (no materialized copy of the gathered rows):
 //   D[m, :] = A[a_row_index[m], :] @ B_g^T.
@@ -73,6 +92,8 @@ struct MGroupedGemmArgs {
   const int32_t* pool_src_route = nullptr;
   const int32_t* pool_src_rank = nullptr;
   int64_t num_routes = 0;
+  // shared experts as extra groups (not with push_slots or a gathered A)
+  SecondB second_b;
 };
 
 int m_grouped_bf16_gemm(const MGroupedGemmArgs& args, cudaStream_t stream, char* err, size_t err_len);
@@ -116,6 +137,8 @@ struct SwigluGemmArgs {
   float clamp_limit = 0.f;
   // null (swiglu_gemm_config()) or block_n 256 / 3 stages or 128 / 5 stages, async_epilogue 1
   const GroupedGemmConfig* config = nullptr;
+  // shared experts as extra groups
+  SecondB second_b;
 };
 
 int m_grouped_bf16_gemm_swiglu(const SwigluGemmArgs& args, cudaStream_t stream, char* err, size_t err_len);

@@ -38,6 +38,17 @@
 // s = silu(gate) * up (fp32 math, bf16 out) straight from registers and, when asked, h = gate | up through
 // the staging tile and TMA stores into columns c and I + c of h.
 //
+// kSecondB (shared experts as extra groups): groups [0, num_b_groups) read B through tmap_b as above; group
+// num_b_groups + v reads chunk j = v % b2_chunks of slab v / b2_chunks of tmap_b2, a second weight tensor whose experts
+// have an intermediate size b2_inter = b2_chunks * I (a shared expert of width m * I is m experts of width I: SwiGLU
+// is separable over its intermediate units). Three layer passes take it, each with its chunk addressing:
+//   kSwiGLU (L1, w13 [S, 2 b2_inter, K]): the gate box at rows j * I + c, the up box at b2_inter + j * I + c;
+//   K-major (L2, w2 [S, N, b2_inter], k = I): K coordinate j * I + k;
+//   MN-major (L1 dgrad, w13 [S, 2 b2_inter, N] read as [K = 2I, N]): K rows [0, I) at j * I + r, [I, 2I) at
+//   b2_inter + j * I + (r - I) (I % 64 == 0, so no k-block straddles the gate | up boundary).
+// A box that reaches past the chunk's I columns or rows reads the next chunk's values where the first tensor's tail
+// reads zeros: those accumulator columns are never stored, and no K box crosses a chunk (I % 64 == 0).
+//
 // Epilogue (asynchronous): the consumers write their bf16 tile into a 128B-swizzled staging buffer and TMA-store
 // it (see epilogue.cuh), so they go on with the next tile while the copy engine writes the tile out. (One CTA per
 // tile: 2-CTA clusters multicasting B measured 1-4% slower; the synchronous epilogue lost to this one on 20 of 24
@@ -110,7 +121,52 @@ struct MGroupedParams {
   int32_t num_push_ranks;
   int64_t ld_slots;
   const int32_t* pool_src_rank;
+  // Second B only (kSecondB): groups >= num_b_groups read chunks of tmap_b2 (see the header): b2_chunks chunks of
+  // width I (n for kSwiGLU, k for K-major B, k / 2 for MN-major B) per slab of width b2_inter.
+  int32_t num_b_groups;
+  int32_t b2_chunks;
+  int32_t b2_inter;
 };
+
+// Where one group's B tile comes from: the tensor map, its slab (the 3rd coordinate), the rows of the gate (or only)
+// and up boxes of a K-major B, and the K coordinate offsets of k-blocks below and from k_split.
+struct BTileSource {
+  const CUtensorMap* map;
+  int slab;
+  int row;
+  int up_row;
+  int k_lo;
+  int k_hi;
+  int k_split;
+  __device__ __forceinline__ int k_coord(int k0) const { return k0 + (k0 < k_split ? k_lo : k_hi); }
+};
+
+template <bool kSecondB, bool kSwiGLU, bool kBKMajor>
+__device__ __forceinline__ BTileSource b_tile_source(const MGroupedParams& p, const CUtensorMap* tmap_b,
+                                                     const CUtensorMap* tmap_b2, int group, int n0) {
+  BTileSource src{tmap_b, group, n0, p.n + n0, 0, 0, 0};
+  if constexpr (kSecondB) {
+    if (group >= p.num_b_groups) {
+      const int v = group - p.num_b_groups;
+      const int slab = v / p.b2_chunks;
+      const int j = v - slab * p.b2_chunks;
+      src.map = tmap_b2;
+      src.slab = slab;
+      if constexpr (kSwiGLU) {
+        src.row = j * p.n + n0;
+        src.up_row = p.b2_inter + j * p.n + n0;
+      } else if constexpr (kBKMajor) {
+        src.k_lo = src.k_hi = j * p.k;
+      } else {
+        const int half = p.k / 2;
+        src.k_split = half;
+        src.k_lo = j * half;
+        src.k_hi = p.b2_inter + j * half - half;
+      }
+    }
+  }
+  return src;
+}
 
 template <int kBlockN, int kNumStages>
 struct MGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
@@ -127,11 +183,12 @@ struct MGroupedLayout : StageRingLayout<128, kBlockN, 64, kNumStages> {
 };
 
 template <int kBlockN, int kNumStages, bool kBKMajor, bool kGatherA, bool kSwiGLU = false, bool kMaskedH = false,
-          bool kPushRoutes = false>
+          bool kPushRoutes = false, bool kSecondB = false>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_bf16_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                                const __grid_constant__ CUtensorMap tmap_b,
-                               const __grid_constant__ CUtensorMap tmap_d, const MGroupedParams p) {
+                               const __grid_constant__ CUtensorMap tmap_d, const MGroupedParams p,
+                               const __grid_constant__ CUtensorMap tmap_b2) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = MGroupedLayout<kBlockN, kNumStages>;
   constexpr int kBlockM = L::kBlockM;
@@ -141,6 +198,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   static_assert(!kSwiGLU || kBKMajor, "SwiGLU: K-major B");
   static_assert(!kMaskedH || kSwiGLU, "the clamp masks are the SwiGLU epilogue's");
   static_assert(!kPushRoutes || (!kSwiGLU && !kGatherA), "rows are pushed by the plain epilogue of a pooled A");
+  static_assert(!kSecondB || !kPushRoutes, "the second B is the one-rank layer's");
   constexpr int kTileCols = kSwiGLU ? kBlockN / 2 : kBlockN;  // output columns per n-block (s columns)
   constexpr int kGatherWarps = 4;
   // The gathering producer warp needs more registers; the split keeps 128 * P + 256 * C = 384 * 168.
@@ -239,17 +297,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (warp == 0 && lane == 0) {
             uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
             ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kBBytes);
+            const BTileSource bs = b_tile_source<kSecondB, kSwiGLU, kBKMajor>(p, &tmap_b, &tmap_b2, cur.b_group,
+                                                                              cur.n0);
             if constexpr (kSwiGLU) {
-              ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], k0, cur.n0, cur.b_group, pol_b);
-              ptx::tma_load_3d_hint(sb + kTileCols * 128, &tmap_b, &full_bar[stage], k0, p.n + cur.n0, cur.b_group,
-                                    pol_b);
+              ptx::tma_load_3d_hint(sb, bs.map, &full_bar[stage], k0, bs.row, bs.slab, pol_b);
+              ptx::tma_load_3d_hint(sb + kTileCols * 128, bs.map, &full_bar[stage], k0, bs.up_row, bs.slab, pol_b);
             } else if constexpr (kBKMajor) {
-              ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], k0, cur.n0, cur.b_group, pol_b);
+              ptx::tma_load_3d_hint(sb, bs.map, &full_bar[stage], bs.k_coord(k0), bs.row, bs.slab, pol_b);
             } else {
 #pragma unroll
               for (int j = 0; j < kBlockN / 64; ++j)
-                ptx::tma_load_3d_hint(sb + j * kMnBoxBytes, &tmap_b, &full_bar[stage], cur.n0 + 64 * j, k0,
-                                      cur.b_group, pol_b);
+                ptx::tma_load_3d_hint(sb + j * kMnBoxBytes, bs.map, &full_bar[stage], bs.row + 64 * j,
+                                      bs.k_coord(k0), bs.slab, pol_b);
             }
           }
           advance_stage<kNumStages>(stage, phase);
@@ -267,17 +326,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
           ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
           ptx::tma_load_2d(sa, &tmap_a, &full_bar[stage], kb * kBlockK, w.row0);
+          const BTileSource bs = b_tile_source<kSecondB, kSwiGLU, kBKMajor>(p, &tmap_b, &tmap_b2, w.b_group, w.n0);
+          const int k0 = kb * kBlockK;
           if constexpr (kSwiGLU) {
-            ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0, w.b_group, pol_b);
-            ptx::tma_load_3d_hint(sb + kTileCols * 128, &tmap_b, &full_bar[stage], kb * kBlockK, p.n + w.n0,
-                                  w.b_group, pol_b);
+            ptx::tma_load_3d_hint(sb, bs.map, &full_bar[stage], k0, bs.row, bs.slab, pol_b);
+            ptx::tma_load_3d_hint(sb + kTileCols * 128, bs.map, &full_bar[stage], k0, bs.up_row, bs.slab, pol_b);
           } else if constexpr (kBKMajor) {
-            ptx::tma_load_3d_hint(sb, &tmap_b, &full_bar[stage], kb * kBlockK, w.n0, w.b_group, pol_b);
+            ptx::tma_load_3d_hint(sb, bs.map, &full_bar[stage], bs.k_coord(k0), bs.row, bs.slab, pol_b);
           } else {
 #pragma unroll
             for (int j = 0; j < kBlockN / 64; ++j)
-              ptx::tma_load_3d_hint(sb + j * kMnBoxBytes, &tmap_b, &full_bar[stage], w.n0 + 64 * j, kb * kBlockK,
-                                    w.b_group, pol_b);
+              ptx::tma_load_3d_hint(sb + j * kMnBoxBytes, bs.map, &full_bar[stage], bs.row + 64 * j, bs.k_coord(k0),
+                                    bs.slab, pol_b);
           }
           advance_stage<kNumStages>(stage, phase);
         }

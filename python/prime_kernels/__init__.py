@@ -34,6 +34,9 @@ if _lib.load().shim_loaded:
     from . import grouped_gemm as _grouped_gemm  # noqa: E402
 
     _grouped_gemm._register()
+    from . import second_b as _second_b  # noqa: E402
+
+    _second_b._register()
     from . import combine as _combine  # noqa: E402
 
     _combine._register()
