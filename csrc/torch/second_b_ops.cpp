@@ -1,7 +1,8 @@
-// torch.ops.prime_kernels.m_grouped_bf16_gemm_second_b and m_grouped_bf16_gemm_swiglu_second_b: the m-grouped BF16
-// GEMMs whose last groups read a second weight tensor (shared experts as extra groups of the routed experts' launch;
-// pk_m_grouped_bf16_gemm_second_b, pk_m_grouped_bf16_gemm_swiglu_second_b). CUDA only here; prime_kernels.second_b
-// registers the CPU kernels (the first B with the second's chunks as experts of their own) and the fake kernels.
+// torch.ops.prime_kernels.m_grouped_bf16_gemm_second_b, m_grouped_bf16_gemm_swiglu_second_b and
+// m_grouped_bf16_gemm_swiglu_bwd_second_b: the m-grouped BF16 GEMMs whose last groups read a second weight tensor
+// (shared experts as extra groups of the routed experts' launch; the pk_*_second_b entry points). CUDA only here;
+// prime_kernels.second_b registers the CPU kernels (the first B with the second's chunks as experts of their own)
+// and the fake kernels.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
@@ -100,6 +101,32 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu_second_b(Tensor a, Tensor 
   return {s, h};
 }
 
+// The L2 dgrad with the SwiGLU backward: w2 [E, H, I], w2_2 [S, H, chunks * I] (I a multiple of 128).
+std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd_second_b(Tensor dy_pool, Tensor w2, Tensor w2_2,
+                                                                           Tensor group_offsets, Tensor h,
+                                                                           Tensor pool_src_route, Tensor topk_weights,
+                                                                           int64_t chunks, double clamp,
+                                                                           int64_t num_sms) {
+  const char* op = "m_grouped_bf16_gemm_swiglu_bwd_second_b";
+  const int sms = check_num_sms(num_sms, op);
+  check_bf16_cuda(dy_pool, op, "dy_pool", 2);  // before its device index is used
+  torch::stable::accelerator::DeviceGuard guard(dy_pool.get_device_index());
+  SwigluBwdOperands o =
+      swiglu_bwd_operands(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, op, w2.dim() == 3 ? w2.size(0) : -1);
+  const PkSecondB sb = second_b(w2, w2_2, chunks, o.num_groups, op);
+  STD_TORCH_CHECK(w2_2.size(1) == o.hidden && w2_2.size(2) == chunks * o.inter, "prime_kernels.", op,
+                  ": w2_2 must be [S, H, chunks * I] = [S, ", o.hidden, ", ", chunks * o.inter, "]");
+  check_core(pk_m_grouped_bf16_gemm_swiglu_bwd_second_b(
+                 dy_pool.data_ptr(), dy_pool.stride(0), w2.data_ptr(), w2.stride(1), w2.stride(0), &sb, h.data_ptr(),
+                 h.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
+                 static_cast<const float*>(topk_weights.data_ptr()), topk_weights.numel(), o.dh.data_ptr(),
+                 o.dh.stride(0), o.aw.data_ptr(), o.aw.stride(0), static_cast<float*>(o.dt_part.data_ptr()),
+                 o.n_blocks, static_cast<const int32_t*>(group_offsets.data_ptr()), o.num_groups, o.m_total, o.inter,
+                 o.hidden, static_cast<float>(clamp), sms, current_cuda_stream(dy_pool.get_device_index())),
+             op);
+  return {o.dh, o.aw, o.dt_part};
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
@@ -108,9 +135,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
   m.def("m_grouped_bf16_gemm_swiglu_second_b(Tensor a, Tensor w13, Tensor w13_2, Tensor group_offsets, "
         "Tensor? a_row_index, int m_total, bool save_h, int chunks, float clamp=0.0, int num_sms=0) -> "
         "(Tensor s, Tensor h)");
+  m.def("m_grouped_bf16_gemm_swiglu_bwd_second_b(Tensor dy_pool, Tensor w2, Tensor w2_2, Tensor group_offsets, "
+        "Tensor h, Tensor pool_src_route, Tensor topk_weights, int chunks, float clamp=0.0, int num_sms=0) -> "
+        "(Tensor, Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("m_grouped_bf16_gemm_second_b", TORCH_BOX(&m_grouped_bf16_gemm_second_b));
   m.impl("m_grouped_bf16_gemm_swiglu_second_b", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_second_b));
+  m.impl("m_grouped_bf16_gemm_swiglu_bwd_second_b", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_bwd_second_b));
 }

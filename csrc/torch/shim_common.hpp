@@ -37,9 +37,10 @@ struct SwigluBwdOperands {
   int64_t m_total, hidden, inter, n_blocks;
   Tensor dh, aw, dt_part;
 };
+// w2_groups: w2's experts when they are not every group (the others read a second weight tensor), else -1.
 SwigluBwdOperands swiglu_bwd_operands(const Tensor& dy_pool, const Tensor& w2, const Tensor& group_offsets,
                                       const Tensor& h, const Tensor& pool_src_route, const Tensor& topk_weights,
-                                      const char* op);
+                                      const char* op, int64_t w2_groups = -1);
 
 // The shim's FP8 operand checks (quantize_ops.cpp, swiglu_bwd_fp8_ops.cpp, swiglu_fwd_fp8_ops.cpp).
 inline void check_same_device(const Tensor& t, const Tensor& like, const char* op, const char* name) {

@@ -13,6 +13,9 @@ its weights are read in place from the shared tensors (no copy), chunk by chunk:
   reads columns [j I, (j + 1) I) of w2_2[s];
 - ``m_grouped_bf16_gemm_nn_second_b(a [M, 2I], w13 [E, 2I, H], w13_2 [S, 2 m I, H], offs, chunks=m)``: the L1
   dgrad (dh @ w13); chunk j reads the gate and up rows of the L1's chunk j.
+- ``m_grouped_bf16_gemm_swiglu_bwd_second_b(dy_pool, w2, w2_2, offs, h, pool_src_route, topk_weights, chunks=m)``:
+  the L2 dgrad with the SwiGLU backward; chunk j reads columns [j I, (j + 1) I) of w2_2's experts (I a multiple of
+  128 here).
 
 ``offs`` has E + S * m groups. The kernels are built for block_n 256 / 3 stages only; A is pooled (not gathered)
 except for the SwiGLU L1. Status entry ``m_grouped_gemm_second_b.bf16.sm90``.
@@ -26,7 +29,7 @@ from . import _lib, _status
 from .grouped_gemm import _sms
 
 __all__ = ["expand_chunks", "m_grouped_bf16_gemm_swiglu_second_b", "m_grouped_bf16_gemm_nt_second_b",
-           "m_grouped_bf16_gemm_nn_second_b"]
+           "m_grouped_bf16_gemm_nn_second_b", "m_grouped_bf16_gemm_swiglu_bwd_second_b"]
 
 STATUS_KEY_STEM = "m_grouped_gemm_second_b.bf16"
 
@@ -103,6 +106,20 @@ def m_grouped_bf16_gemm_nn_second_b(a: torch.Tensor, w13: torch.Tensor, w13_2: t
                                                                 _sms(num_sms))
 
 
+def m_grouped_bf16_gemm_swiglu_bwd_second_b(dy_pool: torch.Tensor, w2: torch.Tensor, w2_2: torch.Tensor,
+                                            group_offsets: torch.Tensor, h: torch.Tensor, pool_src_route: torch.Tensor,
+                                            topk_weights: torch.Tensor, *, chunks: int = 1,
+                                            clamp: float | None = None, num_sms: int | None = None):
+    """:func:`prime_kernels.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd` with groups E.. reading w2_2's chunks."""
+    chunks = _chunks(chunks)
+    _ready(dy_pool.device)
+    if clamp is not None and not clamp > 0:
+        raise ValueError(f"clamp must be > 0 (or None), got {clamp}")
+    return torch.ops.prime_kernels.m_grouped_bf16_gemm_swiglu_bwd_second_b(
+        dy_pool, w2, w2_2, group_offsets, h, pool_src_route, topk_weights.reshape(-1), chunks,
+        0.0 if clamp is None else float(clamp), _sms(num_sms))
+
+
 def _register() -> None:
     """CPU kernels (the first ops on the weights with the chunks as experts) and fake kernels."""
     lib = "prime_kernels::"
@@ -126,6 +143,20 @@ def _register() -> None:
         inter = w13.shape[1] // 2
         return a.new_empty(m_total, inter), a.new_empty(m_total if save_h else 0, 2 * inter)
 
+    def swiglu_bwd_cpu(dy_pool, w2, w2_2, group_offsets, h, pool_src_route, topk_weights, chunks, clamp=0.0,
+                       num_sms=0):
+        both = torch.cat([w2, expand_chunks(w2_2, chunks, "w2")])
+        return ops.m_grouped_bf16_gemm_swiglu_bwd(dy_pool, both, group_offsets, h, pool_src_route, topk_weights, clamp,
+                                                  num_sms)
+
+    def swiglu_bwd_fake(dy_pool, w2, w2_2, group_offsets, h, pool_src_route, topk_weights, chunks, clamp=0.0,
+                        num_sms=0):
+        M, inter = dy_pool.shape[0], w2.shape[2]
+        return (dy_pool.new_empty(M, 2 * inter), dy_pool.new_empty(M, inter),
+                dy_pool.new_empty(M, (inter + 127) // 128, dtype=torch.float32))
+
+    torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu_bwd_second_b", "cpu", swiglu_bwd_cpu)
+    torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu_bwd_second_b", swiglu_bwd_fake)
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_second_b", "cpu", gemm_cpu)
     torch.library.register_fake(lib + "m_grouped_bf16_gemm_second_b", gemm_fake)
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu_second_b", "cpu", swiglu_cpu)
