@@ -1,0 +1,147 @@
+"""Shared experts inside the routed experts' launches (prime_kernels.mega._shared_grouped): the grouped pipeline over
+E routed and S * m shared groups on the second-B GEMMs.
+
+CPU (the ops' CPU kernels): the chunk layouts invert each other; the pipeline's forward and backward equal the
+reference over the extended routes (the shared chunks as experts, SF1-SF3), and the layer with shared experts in
+float64 (mega_moe's shared path, exact) up to bf16 rounding; recompute gives the saved h's gradients. GPU: the same
+against float64, once the second-B GEMMs are available."""
+
+import pytest
+import torch
+
+from mega_helpers import make_problem, rel_err
+
+NAMES = ("y", "dx", "dtopk", "dw13", "dw2", "dsw13", "dsw2", "dgate")
+
+
+def _shared_problem(T, E, H, I, K, S, chunks, gate, seed, device="cpu"):
+    x, idx, w, w13, w2, dy = make_problem(T, H, I, E, K, routing="skewed", seed=seed, masked_frac=0.1)
+    g = torch.Generator().manual_seed(seed + 1)
+    sw13 = (torch.randn(S, 2 * chunks * I, H, generator=g) / H ** 0.5).bfloat16()
+    sw2 = (torch.randn(S, H, chunks * I, generator=g) / (chunks * I) ** 0.5).bfloat16()
+    sg = (torch.rand(T, S, generator=g) + 0.5) if gate else None
+    return [t.to(device) if t is not None else None for t in (x, idx, w, w13, w2, sw13, sw2, sg, dy)]
+
+
+def _pipeline(problem, chunks, clamp=None, recompute=False):
+    from prime_kernels.mega import _shared_grouped as sg
+    from prime_kernels.routing import pool_capacity
+
+    x, idx, w, w13, w2, sw13, sw2, gate, dy = problem
+    E, S = w13.shape[0], sw13.shape[0]
+    idx_e, w_e = sg.extended_routes(idx, w, E, S, chunks, gate)
+    cap = pool_capacity(x.shape[0], idx_e.shape[1], E + S * chunks, 128)
+    fwd = sg.forward(x, idx_e, w_e, w13, w2, sw13, sw2, chunks=chunks, activation_clamp=clamp, block_m=128,
+                     capacity=cap, save_h=not recompute)
+    h = fwd[1] if not recompute else None
+    bwd = sg.backward(dy, x, idx_e, w_e, w13, w2, sw13, sw2, h, fwd[2], fwd[3], fwd[4], fwd[6], chunks=chunks,
+                      activation_clamp=clamp, recompute=recompute)
+    return fwd, bwd, (idx_e, w_e, cap)
+
+
+def test_chunk_layouts_invert_each_other_and_routes_extend():
+    from prime_kernels.mega._shared_grouped import chunks_of, collapse_chunks, extended_routes
+    from prime_kernels.second_b import expand_chunks
+
+    w13 = torch.randn(2, 2 * 3 * 4, 5)
+    w2 = torch.randn(2, 5, 3 * 4)
+    assert torch.equal(collapse_chunks(expand_chunks(w13, 3, "w13"), 3, "w13"), w13)
+    assert torch.equal(collapse_chunks(expand_chunks(w2, 3, "w2"), 3, "w2"), w2)
+    assert chunks_of(128, 512) == 4 and chunks_of(128, 192) is None and chunks_of(128, 128) == 1
+    idx = torch.tensor([[3, -1], [0, 2]])
+    w = torch.tensor([[0.25, 0.5], [0.125, 0.0625]])
+    gate = torch.tensor([[2.0, 3.0], [4.0, 5.0]])
+    idx_e, w_e = extended_routes(idx, w, 8, 2, 2, gate)
+    assert idx_e.tolist() == [[3, -1, 8, 9, 10, 11], [0, 2, 8, 9, 10, 11]]
+    assert w_e.tolist() == [[0.25, 0.5, 2.0, 2.0, 3.0, 3.0], [0.125, 0.0625, 4.0, 4.0, 5.0, 5.0]]
+    _, w_1 = extended_routes(idx, w, 8, 2, 2, None)
+    assert w_1[:, 2:].eq(1).all()
+
+
+@pytest.mark.parametrize("chunks,gate,clamp", [(1, False, None), (2, True, None), (3, False, 1.0)])
+def test_pipeline_equals_the_reference_over_the_extended_routes_on_cpu(chunks, gate, clamp):
+    """SF2 on the ops' CPU kernels against the reference backend on [w; expand_chunks(shared)] with the extended
+    routes: the same rounding points, so y and h equal and the gradients agree to the reference's own distance
+    from the CPU ops (fp32 sums in another order)."""
+    from prime_kernels.mega import reference
+    from prime_kernels.mega._shared_grouped import collapse_chunks
+    from prime_kernels.second_b import expand_chunks
+
+    problem = _shared_problem(45, 6, 128, 128, 3, 2, chunks, gate, seed=chunks)
+    x, idx, w, w13, w2, sw13, sw2, sg, dy = problem
+    if clamp is not None:
+        x = problem[0] = x * 2
+    fwd, bwd, (idx_e, w_e, cap) = _pipeline(problem, chunks, clamp)
+    w13_all = torch.cat([w13, expand_chunks(sw13, chunks, "w13")])
+    w2_all = torch.cat([w2, expand_chunks(sw2, chunks, "w2")])
+    E_all = w13_all.shape[0]
+    opts = dict(num_experts=E_all, activation_clamp=clamp)
+    want = reference.forward(x, idx_e, w_e, w13_all, w2_all, block_m=128, capacity=cap, save_h=True, **opts)
+    end = int(fwd[3][-1])
+    assert torch.equal(fwd[1][:end], want[1][:end])
+    assert rel_err(fwd[0], want[0]) < 1e-5
+    ref = reference.backward(dy, x, idx_e, w_e, w13_all, w2_all, *want[1:7], **opts)
+    E = w13.shape[0]
+    ref = (ref[0], ref[1], ref[2][:E], ref[3][:E], collapse_chunks(ref[2][E:], chunks, "w13"),
+           collapse_chunks(ref[3][E:], chunks, "w2"))
+    for name, a, b in zip(NAMES[1:], bwd, ref):
+        assert a.shape == b.shape and torch.isfinite(a.float()).all(), name
+        assert rel_err(a, b) < 1e-4, f"{name}: {rel_err(a, b):.3e}"
+
+
+def _float64_layer(problem, clamp=None):
+    """y and every gradient of the layer with shared experts in float64 (mega_moe's reference, exact)."""
+    from prime_kernels.mega import mega_moe
+
+    x, idx, w, w13, w2, sw13, sw2, sg, dy = problem
+    leaves = [t.double().requires_grad_() for t in (x, w, w13, w2, sw13, sw2)]
+    gate = sg.double().requires_grad_() if sg is not None else None
+    y = mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], shared_w13=leaves[4], shared_w2=leaves[5],
+                 shared_gate=gate, backend="reference", activation_clamp=clamp, num_experts=w13.shape[0])
+    y.backward(dy.double())
+    return [y.detach()] + [t.grad for t in leaves] + ([gate.grad] if gate is not None else [])
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_pipeline_is_the_layer_with_shared_experts_on_cpu(recompute):
+    """Against the layer with shared experts in float64 (the second pass's exact semantics, S1-S3): one rounding of
+    y instead of two, so bf16-level agreement; d gate is the sum of its routes' d topk_weights."""
+    chunks, S = 2, 2
+    problem = _shared_problem(61, 8, 128, 128, 3, S, chunks, True, seed=7)
+    fwd, bwd, _ = _pipeline(problem, chunks, recompute=recompute)
+    exact = _float64_layer(problem)
+    K = problem[1].shape[1]
+    dtopk = bwd[1]
+    dgate = dtopk[:, K:].reshape(-1, S, chunks).sum(-1)
+    got = [fwd[0], bwd[0], dtopk[:, :K], bwd[2], bwd[3], bwd[4], bwd[5], dgate]
+    # exact's order: y, dx, dw(topk), dw13, dw2, dsw13, dsw2, dgate
+    for name, a, b in zip(NAMES, got, exact):
+        assert rel_err(a, b) < 2e-2, f"{name}: {rel_err(a, b):.3e} (recompute {recompute})"
+    if recompute:
+        _, saved, _ = _pipeline(problem, chunks)
+        for name, a, b in zip(NAMES[1:], bwd, saved):
+            assert torch.equal(a, b), f"{name}: recompute differs from the saved h"
+
+
+from conftest import requires_sm90  # noqa: E402
+
+
+@requires_sm90
+@pytest.mark.parametrize("chunks,gate,clamp", [(1, False, None), (4, True, None), (2, True, 7.0)])
+def test_pipeline_on_the_gpu_against_float64(chunks, gate, clamp):
+    from prime_kernels import _status
+
+    why = _status.runnable("m_grouped_gemm_second_b.bf16.sm90")
+    if why != _status.AVAILABLE:
+        pytest.skip(f"m_grouped_gemm_second_b.bf16.sm90: {why}")
+    S = 1 if chunks == 4 else 2
+    problem = _shared_problem(777, 16, 256, 256, 4, S, chunks, gate, seed=chunks + 3)
+    fwd, bwd, _ = _pipeline([t.cuda() if t is not None else None for t in problem], chunks, clamp)
+    exact = _float64_layer(problem, clamp)
+    K = problem[1].shape[1]
+    got = [fwd[0], bwd[0], bwd[1][:, :K], bwd[2], bwd[3], bwd[4], bwd[5]]
+    if gate:
+        got.append(bwd[1][:, K:].reshape(777, S, chunks).sum(-1))
+    for name, a, b in zip(NAMES, got, exact):
+        assert torch.isfinite(a.float()).all(), name
+        assert rel_err(a.cpu(), b) < 2e-2, f"{name}: {rel_err(a.cpu(), b):.3e}"
