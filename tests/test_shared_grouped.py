@@ -145,3 +145,75 @@ def test_pipeline_on_the_gpu_against_float64(chunks, gate, clamp):
     for name, a, b in zip(NAMES, got, exact):
         assert torch.isfinite(a.float()).all(), name
         assert rel_err(a.cpu(), b) < 2e-2, f"{name}: {rel_err(a.cpu(), b):.3e}"
+
+
+# --------------------------------------------------------------------------------------------- the layer's op
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_layer_op_through_autograd_on_cpu(recompute):
+    """mega_moe's call when the shared experts run inside the routed launches (_shared_ops.layer: the custom ops and
+    their autograd), on the ops' CPU kernels: every gradient, d shared_gate included, against the float64 layer; the
+    ops pass opcheck; the reasons say why not where it does not run."""
+    from prime_kernels.mega import _shared_ops
+
+    chunks, S = 2, 1
+    problem = _shared_problem(40, 4, 128, 128, 2, S, chunks, True, seed=5)
+    x, idx, w, w13, w2, sw13, sw2, sg, dy = problem
+    leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2, sw13, sw2, sg)]
+    y = _shared_ops.layer(leaves[0], idx, leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], leaves[6],
+                          activation_clamp=None, block_m=128, recompute=recompute, num_sms=0)
+    y.backward(dy)
+    exact = _float64_layer(problem)
+    for name, a, b in zip(("y", "dx", "dtopk", "dw13", "dw2", "dsw13", "dsw2", "dgate"),
+                          [y.detach()] + [t.grad for t in leaves], exact):
+        assert a is not None and rel_err(a, b) < 2e-2, f"{name}: {rel_err(a, b):.3e}"
+    # an expert id past the routed experts would be a route to a shared chunk: refused
+    bad = idx.clone()
+    bad[0, 0] = 4
+    with pytest.raises(ValueError, match="out of range|expert"):
+        _shared_ops.layer(x, bad, w, w13, w2, sw13, sw2, sg, activation_clamp=None, block_m=128, recompute=False,
+                          num_sms=0)
+    why = _shared_ops.reason(x, w13, sw13, backend="auto", precision="bf16", ep_size=1, accumulators=False,
+                             return_plan=False, activation_clamp=None)
+    assert why == "the shared experts run inside the routed launches on CUDA only"
+
+
+def test_layer_ops_pass_opcheck_on_cpu():
+    from prime_kernels.mega import _shared_grouped as sg
+    from prime_kernels.mega import _shared_ops  # noqa: F401  (registers the ops)
+
+    problem = _shared_problem(20, 4, 128, 128, 2, 1, 1, False, seed=9)
+    x, idx, w, w13, w2, sw13, sw2, _, dy = problem
+    idx_e, w_e = sg.extended_routes(idx, w, 4, 1, 1)
+    ops = torch.ops.prime_kernels
+    args = (x, idx_e, w_e, w13, w2, sw13, sw2, 1, None, 128, True, 0)
+    torch.library.opcheck(ops.mega_moe_shared_fwd.default, args, test_utils=("test_schema", "test_faketensor"))
+    out = ops.mega_moe_shared_fwd(*args)
+    bargs = (dy, x, idx_e, w_e, w13, w2, sw13, sw2, out[1], out[2], out[3], out[4], out[6], 1, None, False, True, 0)
+    torch.library.opcheck(ops.mega_moe_shared_bwd.default, bargs, test_utils=("test_schema", "test_faketensor"))
+
+
+@requires_sm90
+@pytest.mark.parametrize("backend", ["auto", "grouped"])
+def test_mega_moe_runs_the_shared_experts_inside_the_routed_launches_on_the_gpu(backend):
+    """mega_moe with shared experts on CUDA where the second-B GEMMs are available: the call takes the path inside
+    the routed launches (reason None) and every output and gradient is the float64 layer's to bf16 level."""
+    from prime_kernels.mega import _shared_ops, mega_moe
+
+    problem = _shared_problem(513, 16, 256, 256, 4, 1, 2, True, seed=11)
+    cuda = [t.cuda() for t in problem]
+    x, idx, w, w13, w2, sw13, sw2, sg, dy = cuda
+    why = _shared_ops.reason(x, w13, sw13, backend=backend, precision="bf16", ep_size=1, accumulators=False,
+                             return_plan=False, activation_clamp=None)
+    if why is not None:
+        pytest.skip(why)
+    leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2, sw13, sw2, sg)]
+    y = mega_moe(leaves[0], idx, leaves[1], leaves[2], leaves[3], shared_w13=leaves[4], shared_w2=leaves[5],
+                 shared_gate=leaves[6], backend=backend, num_experts=16)
+    y.backward(dy)
+    exact = _float64_layer(problem)
+    for name, a, b in zip(("y", "dx", "dtopk", "dw13", "dw2", "dsw13", "dsw2", "dgate"),
+                          [y.detach()] + [t.grad for t in leaves], exact):
+        assert a is not None and torch.isfinite(a.float()).all(), name
+        assert rel_err(a.cpu(), b) < 2e-2, f"{name}: {rel_err(a.cpu(), b):.3e}"

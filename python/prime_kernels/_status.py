@@ -85,8 +85,8 @@ def _entries() -> list[KernelEntry]:
     # The m-grouped BF16 GEMMs whose last groups read a second weight tensor (prime_kernels.second_b: shared experts as
     # extra groups of the routed experts' launch)
     e.append(KernelEntry("m_grouped_gemm_second_b.bf16.sm90", "m_grouped_bf16_gemm_second_b", "sm90",
-                         unverified="compiled, not yet run on a GPU; no layer calls it yet (shared experts run as a "
-                                    "second pass)"))
+                         unverified="compiled, not yet run on a GPU; until it has, shared experts run as a second "
+                                    "pass of the layer's kernels"))
     # The single-rank pipeline of our grouped GEMMs (prime_kernels.mega backend="grouped").
     e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     # The same pipeline with activation_clamp: its L1 saves h with the clamp masks (the m-grouped SwiGLU kernels'

@@ -92,8 +92,9 @@ ROWS: tuple[Row, ...] = (
     Row("m-grouped GEMMs with a second weight tensor for the last groups (`m_grouped_gemm_second_b`: shared experts "
         "as chunks of width I beside the routed experts, L1 with SwiGLU, L2, L1 dgrad)", "bf16",
         ("m_grouped_gemm_second_b.bf16.sm90",),
-        Cell(COMPILED, note="its CPU op is the routed op on the weights with the chunks as experts; no layer calls "
-                            "it yet"), _NOT),
+        Cell(COMPILED, note="its CPU op is the routed op on the weights with the chunks as experts; the layer runs "
+                            "shared experts inside the grouped pipeline's launches with it once it has run on a GPU"),
+        _NOT),
     Row("routing plan, dispatch_rows, combine, SwiGLU (`routing_plan`, `dispatch_rows`, `combine`, `swiglu`)",
         "int32 / bf16", tuple(f"{k}.{f}" for k in ("routing_plan.int32", "dispatch_rows.bf16", "combine.bf16",
                                                    "swiglu.bf16") for f in ("sm90", "sm100")),

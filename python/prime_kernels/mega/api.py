@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _backend, _comm, _ep_heuristics, _ops, _validate, shared
+from . import _backend, _comm, _ep_heuristics, _ops, _shared_ops, _validate, shared
 from ..routing import RoutingPlan
 from .buffer import SymmBuffer, get_symm_buffer_for_mega_moe
 from .deferred import DeferredWgrad
@@ -159,6 +159,13 @@ def mega_moe(
         ep_chunks = _validate.check_ep_chunks(ep_chunks, ep_size=ep_size, backend=backend, precision=precision)
     shared_call = shared.prepare(x, shared_w13, shared_w2, shared_gate, backend=backend, precision=precision,
                                  activation_clamp=clamp, block_m=block_m)
+    if shared_call is not None and _shared_ops.reason(
+            x, w13, shared_call.w13, backend=backend, precision=precision, ep_size=ep_size,
+            accumulators=a13 is not None or a2 is not None or deferral_id != 0 or buffer is not None,
+            return_plan=return_plan, activation_clamp=clamp) is None:
+        # the shared experts' tiles inside the routed experts' launches (SF1-SF3 of mega._shared_grouped)
+        return _shared_ops.layer(x, topk_idx, topk_weights, w13, w2, shared_call.w13, shared_call.w2, shared_gate,
+                                 activation_clamp=clamp, block_m=block_m, recompute=recompute, num_sms=sms)
     out = _ops.mega_moe_fwd(
         x, topk_idx, topk_weights, w13, w2, a13, a2, clamp, group_name, -1 if num_experts is None else num_experts,
         ep_size, int(max_tokens), block_m, save_h, backend, precision, 0 if buffer is None else buffer.buffer_id,

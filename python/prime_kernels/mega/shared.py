@@ -5,7 +5,8 @@ The shared experts run through the same layer op as the routed ones (:func:`prim
 to which every token routes once each, so each backend (the fused and grouped kernels, the reference) computes them
 with its own kernels and its own autograd. With an expert-parallel group the shared experts are replicated: each
 rank computes them for its own tokens, with no exchange. They run as a second pass of the layer's kernels after the
-routed experts' pass, not yet as tiles inside the routed kernels.
+routed experts' pass, except where :func:`prime_kernels.mega._shared_ops.reason` is None: then they run inside the
+routed experts' launches (:mod:`prime_kernels.mega._shared_grouped`, SF1-SF3: one rounding of y instead of S2's).
 
 Semantics, with the rounding points of :mod:`prime_kernels.mega.reference` (F1-F6, B1-B10):
 

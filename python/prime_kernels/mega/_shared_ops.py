@@ -1,0 +1,148 @@
+"""torch.library custom ops ``prime_kernels::mega_moe_shared_fwd`` / ``mega_moe_shared_bwd``: the layer with its
+shared experts inside the routed experts' launches (:mod:`prime_kernels.mega._shared_grouped`, SF1-SF3), joined by
+``register_autograd``; fake kernels give the static shapes torch.compile needs.
+
+:func:`layer` is the call :func:`prime_kernels.mega.mega_moe` makes when :func:`reason` is None: BF16, one rank, the
+grouped backend (or "auto"), no weight-gradient accumulators, no returned plan, the shared intermediate a multiple of
+the routed one (which is a multiple of 128), and the second-B GEMMs available on the device. Elsewhere the shared
+experts run as a second pass of the layer (:mod:`prime_kernels.mega.shared`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _backend, _shared_grouped, _validate
+from .constants import GROUPED_MAX_EXPERTS
+from .. import _status
+from ..routing import pool_capacity
+from ..second_b import STATUS_KEY_STEM
+
+SECOND_B_KEY = f"{STATUS_KEY_STEM}.sm90"
+
+
+def reason(x: Tensor, w13: Tensor, shared_w13: Tensor, *, backend: str, precision: str, ep_size: int,
+           accumulators: bool, return_plan: bool, activation_clamp) -> Optional[str]:
+    """None when the shared experts can run inside the routed experts' launches for this call, else why not."""
+    if x.device.type != "cuda":
+        return "the shared experts run inside the routed launches on CUDA only"
+    if precision != "bf16" or ep_size != 1 or backend not in ("auto", "grouped"):
+        return "inside the routed launches: bf16, one rank, backend 'auto' or 'grouped'"
+    if x.dim() != 2 or x.shape[0] == 0:
+        return "inside the routed launches: at least one token"
+    if accumulators or return_plan:
+        return "inside the routed launches: no wgrad_accum and no returned plan"
+    inter, shared_inter = w13.shape[1] // 2, shared_w13.shape[1] // 2
+    chunks = _shared_grouped.chunks_of(inter, shared_inter)
+    if chunks is None or inter % 128 != 0:
+        return (f"the shared intermediate ({shared_inter}) must be a multiple of the routed one ({inter}), itself a "
+                f"multiple of 128")
+    if w13.shape[0] + shared_w13.shape[0] * chunks > GROUPED_MAX_EXPERTS:
+        return f"E + S * chunks exceeds GROUPED_MAX_EXPERTS={GROUPED_MAX_EXPERTS}"
+    why = _status.reason(SECOND_B_KEY)
+    if not _status.is_available(why):
+        return f"{SECOND_B_KEY}: {why}"
+    return _backend._grouped_reason("bf16", 1, activation_clamp, w13.shape[0])
+
+
+@torch.library.custom_op("prime_kernels::mega_moe_shared_fwd", mutates_args=())
+def mega_moe_shared_fwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                        shared_w13: Tensor, shared_w2: Tensor, chunks: int, activation_clamp: Optional[float],
+                        block_m: int, save_h: bool, num_sms: int = 0
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y, h, expert_counts, expert_offsets, pool_src_route, pool_src_rank, route_to_pool) over the extended routes
+    (:func:`prime_kernels.mega._shared_grouped.extended_routes`)."""
+    num_groups = w13.shape[0] + shared_w13.shape[0] * chunks
+    cap = pool_capacity(x.shape[0], topk_idx.shape[1], num_groups, block_m)
+    out = _shared_grouped.forward(x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, chunks=chunks,
+                                  activation_clamp=activation_clamp, block_m=block_m, capacity=cap, save_h=save_h,
+                                  num_sms=num_sms)
+    return tuple(t.contiguous() for t in out)
+
+
+@mega_moe_shared_fwd.register_fake
+def _(x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, chunks, activation_clamp, block_m, save_h,
+      num_sms=0):
+    T, K = topk_idx.shape
+    num_groups = w13.shape[0] + shared_w13.shape[0] * chunks
+    cap = pool_capacity(T, K, num_groups, block_m)
+    i32 = dict(dtype=torch.int32)
+    return (x.new_empty(T, x.shape[1]), x.new_empty(cap if save_h else 0, w13.shape[1]),
+            x.new_empty(num_groups, **i32), x.new_empty(num_groups + 1, **i32), x.new_empty(cap, **i32),
+            x.new_empty(cap, **i32), x.new_empty(T, K, **i32))
+
+
+@torch.library.custom_op("prime_kernels::mega_moe_shared_bwd", mutates_args=())
+def mega_moe_shared_bwd(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                        shared_w13: Tensor, shared_w2: Tensor, h: Tensor, expert_counts: Tensor,
+                        expert_offsets: Tensor, pool_src_route: Tensor, route_to_pool: Tensor, chunks: int,
+                        activation_clamp: Optional[float], recompute: bool, need_wgrad: bool, num_sms: int = 0
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d topk_weights, dW13, dW2, d shared_w13, d shared_w2); the weight gradients [0] without need_wgrad."""
+    out = _shared_grouped.backward(dy, x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2,
+                                   None if recompute else h, expert_counts, expert_offsets, pool_src_route,
+                                   route_to_pool, chunks=chunks, activation_clamp=activation_clamp,
+                                   recompute=recompute, need_wgrad=need_wgrad, num_sms=num_sms)
+    dx, dtopk = out[0], out[1]
+    grads = [g.contiguous() if g is not None else w.new_empty((0,))
+             for g, w in zip(out[2:], (w13, w2, shared_w13, shared_w2))]
+    return (dx, dtopk, *grads)
+
+
+@mega_moe_shared_bwd.register_fake
+def _(dy, x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, h, expert_counts, expert_offsets, pool_src_route,
+      route_to_pool, chunks, activation_clamp, recompute, need_wgrad, num_sms=0):
+    grads = [w.new_empty(w.shape if need_wgrad else (0,)) for w in (w13, w2, shared_w13, shared_w2)]
+    return (x.new_empty(x.shape), topk_weights.new_empty(topk_weights.shape), *grads)
+
+
+def _setup_context(ctx, inputs, output):
+    (x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, chunks, activation_clamp, block_m, save_h,
+     *rest) = inputs
+    y, h, counts, offsets, src, srank, r2p = output
+    ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, h, counts, offsets, src, r2p)
+    ctx.mark_non_differentiable(h, counts, offsets, src, srank, r2p)
+    ctx.set_materialize_grads(False)
+    ctx.opts = (chunks, activation_clamp, not save_h, rest[0] if rest else 0)
+
+
+def _backward(ctx, dy, *unused):
+    x, topk_idx, topk_weights, w13, w2, sw13, sw2, h, counts, offsets, src, r2p = ctx.saved_tensors
+    chunks, clamp, recompute, num_sms = ctx.opts
+    needs = ctx.needs_input_grad
+    if dy is None:
+        dy = torch.zeros_like(x)
+    need_wgrad = bool(needs[3] or needs[4] or needs[5] or needs[6])
+    dx, dtopk, dw13, dw2, dsw13, dsw2 = torch.ops.prime_kernels.mega_moe_shared_bwd(
+        dy.contiguous(), x, topk_idx, topk_weights, w13, w2, sw13, sw2, h, counts, offsets, src, r2p, chunks, clamp,
+        recompute, need_wgrad, num_sms)
+    wanted = [g if needs[i] else None for i, g in zip((3, 4, 5, 6), (dw13, dw2, dsw13, dsw2))]
+    return (dx if needs[0] else None, None, dtopk if needs[2] else None, *wanted) + (None,) * 5
+
+
+mega_moe_shared_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def layer(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, shared_w13: Tensor,
+          shared_w2: Tensor, shared_gate: Optional[Tensor], *, activation_clamp, block_m: int, recompute: bool,
+          num_sms: int) -> Tensor:
+    """y of the layer with its shared experts inside the routed launches (SF1-SF3); gradients through autograd
+    (d shared_gate through the extended topk_weights)."""
+    E = w13.shape[0]
+    _validate.check_inputs(x, topk_idx, topk_weights, w13, w2, num_experts=E, ep_size=1, max_tokens=None,
+                           activation_clamp=activation_clamp, block_m=block_m)
+    # an id in [E, E + S * chunks) would be a route to a shared chunk: checked against E, raised after the launches
+    # (the plan reads nothing out of bounds; only this call's fresh outputs are written)
+    ids = _validate.ExpertIdCheck(topk_idx, E, "grouped")
+    inter = w13.shape[1] // 2
+    chunks = _shared_grouped.chunks_of(inter, shared_w13.shape[1] // 2)
+    idx, weights = _shared_grouped.extended_routes(topk_idx, topk_weights, E, shared_w13.shape[0], chunks,
+                                                   shared_gate)
+    save_h = not recompute and torch.is_grad_enabled()
+    y = mega_moe_shared_fwd(x, idx, weights, w13, w2, shared_w13, shared_w2, chunks, activation_clamp, block_m,
+                            save_h, num_sms)[0]
+    ids.finish()
+    return y
