@@ -3,7 +3,7 @@
 # wheel built elsewhere into /tmp/site, then run the chosen steps. Results and logs go to $OUT.
 #
 # usage: bash bench/run_h200.sh [tests|fp8_tests|fused_bwd|bwd_lags|gemm|layer|fp8|floor|parity|staged|quantize|ep|multi|
-#                                torch_gemms|peer|train_step]...
+#                                torch_gemms|peer|train_step|shared]...
 #        (default: tests gemm layer floor)
 # environment:
 #   WHEEL_DIR    where prime_kernels_core-*.whl and the prime_kernels-*.whl drop-in are (default wheelhouse)
@@ -103,10 +103,12 @@ for step in $steps; do
                  --out "$OUT/train_step_l${layers}_ckpt_${ck}.json" 2>&1 \
                  | tee "$OUT/train_step_l${layers}_ckpt_${ck}.log" | grep -v "^$" | tail -14
             done ;;
+    shared) timeout 300 python3 bench/bench_shared.py --out "$OUT/shared.json" 2>&1 | tee "$OUT/bench_shared.log" \
+               | grep -v "^$" | tail -16 ;;
     quantize) timeout 120 python3 bench/bench_quantize_fp8.py --tokens 16384 --out "$OUT/quantize_fp8.json" 2>&1 \
                | tee "$OUT/bench_quantize_fp8.log" | tail -12 ;;
     *) echo "unknown step $step: choose from tests fp8_tests fused_bwd bwd_lags gemm layer fp8 floor parity staged" \
-            "quantize ep multi torch_gemms peer train_step"; exit 2 ;;
+            "quantize ep multi torch_gemms peer train_step shared"; exit 2 ;;
   esac
 done
 ls "$OUT"
