@@ -190,7 +190,7 @@ def test_layer_ops_pass_opcheck_on_cpu():
     args = (x, idx_e, w_e, w13, w2, sw13, sw2, 1, None, 128, True, 0)
     torch.library.opcheck(ops.mega_moe_shared_fwd.default, args, test_utils=("test_schema", "test_faketensor"))
     out = ops.mega_moe_shared_fwd(*args)
-    bargs = (dy, x, idx_e, w_e, w13, w2, sw13, sw2, out[1], out[2], out[3], out[4], out[6], 1, None, False, True, 0)
+    bargs = (dy, x, idx_e, w_e, w13, w2, sw13, sw2, *out[1:7], 1, None, False, True, 0)
     torch.library.opcheck(ops.mega_moe_shared_bwd.default, bargs, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -217,3 +217,120 @@ def test_mega_moe_runs_the_shared_experts_inside_the_routed_launches_on_the_gpu(
                           [y.detach()] + [t.grad for t in leaves], exact):
         assert a is not None and torch.isfinite(a.float()).all(), name
         assert rel_err(a.cpu(), b) < 2e-2, f"{name}: {rel_err(a.cpu(), b):.3e}"
+
+
+# --------------------------------------------------------------------------------------------- FP8
+
+
+def test_fp8_weights_with_chunks_are_the_tiles_of_the_expanded_weight():
+    """The combined FP8 copy (the routed weight's tiles, then the shared chunks' as experts) is the recipe's
+    quantization of cat([w, expand_chunks(w_2)]) bit for bit, built either way (I a multiple of 128: every tile of
+    w_2 is a tile of one chunk); the cache keeps it per version of both weights."""
+    from prime_kernels.mega import fp8
+    from prime_kernels.second_b import expand_chunks
+
+    g = torch.Generator().manual_seed(2)
+    for layout, (w, w_2) in {"w13": (torch.randn(3, 256, 128, generator=g), torch.randn(2, 768, 128, generator=g)),
+                             "w2": (torch.randn(3, 128, 128, generator=g), torch.randn(2, 128, 384, generator=g))
+                             }.items():
+        w, w_2 = w.bfloat16(), w_2.bfloat16()
+        got = fp8.quantize_weight_with_chunks(w, w_2, 3, layout)
+        split = (fp8.quantize_weight(w), fp8.quantize_weight(w_2))
+        want_q = torch.cat([split[0].data.view(torch.uint8), expand_chunks(split[1].data.view(torch.uint8), 3, layout)])
+        want_s = torch.cat([split[0].scale, expand_chunks(split[1].scale, 3, layout)])
+        assert torch.equal(got.data.view(torch.uint8), want_q) and torch.equal(got.scale, want_s), layout
+    cache = fp8.Fp8WeightCache()
+    a = cache.get_with_chunks(w, w_2, 3, "w2")
+    assert cache.get_with_chunks(w, w_2, 3, "w2") is a and cache.misses == 1
+    w_2.add_(1)  # a new version of the shared weight: a new copy
+    assert cache.get_with_chunks(w, w_2, 3, "w2") is not a
+
+
+@pytest.mark.parametrize("clamp", [None, 1.0])
+def test_fp8_pipeline_equals_the_reference_over_the_extended_routes_on_cpu(clamp):
+    """precision="fp8" with shared experts inside the routed launches (the FP8 forward pipeline and the FP8 backward
+    on the combined FP8 copies), on the ops' CPU kernels, against the reference's FP8 layer on the expanded weights
+    over the extended routes."""
+    from prime_kernels.mega import _shared_fp8, fp8, reference
+    from prime_kernels.mega import _shared_grouped as sg
+    from prime_kernels.routing import pool_capacity
+    from prime_kernels.second_b import expand_chunks
+
+    chunks, S = 2, 1
+    x, idx, w, w13, w2, sw13, sw2, gate, dy = _shared_problem(45, 6, 128, 128, 3, S, chunks, True, seed=13)
+    if clamp is not None:
+        x = x * 2
+    E = w13.shape[0]
+    idx_e, w_e = sg.extended_routes(idx, w, E, S, chunks, gate)
+    cap = pool_capacity(x.shape[0], idx_e.shape[1], E + S * chunks, 128)
+    fwd = _shared_fp8.forward(x, idx_e, w_e, w13, w2, sw13, sw2, chunks=chunks, activation_clamp=clamp, block_m=128,
+                              capacity=cap, fused=False)
+    bwd = _shared_fp8.backward(dy, x, idx_e, w_e, w13, w2, sw13, sw2, fwd[1], *fwd[2:7], chunks=chunks,
+                               activation_clamp=clamp)
+    w13_all = torch.cat([w13, expand_chunks(sw13, chunks, "w13")])
+    w2_all = torch.cat([w2, expand_chunks(sw2, chunks, "w2")])
+    opts = dict(num_experts=E + S * chunks, activation_clamp=clamp, precision="fp8", weight_cache=fp8.Fp8WeightCache())
+    want = reference.forward(x, idx_e, w_e, w13_all, w2_all, block_m=128, capacity=cap, save_h=True, **opts)
+    end = int(fwd[3][-1])
+    assert torch.equal(fwd[1][:end], want[1][:end])
+    assert rel_err(fwd[0], want[0]) < 1e-4
+    ref = reference.backward(dy, x, idx_e, w_e, w13_all, w2_all, *want[1:7], **opts)
+    ref = (ref[0], ref[1], ref[2][:E], ref[3][:E], collapse(ref[2][E:], chunks, "w13"), collapse(ref[3][E:], chunks, "w2"))
+    for name, a, b in zip(NAMES[1:], bwd, ref):
+        assert a.shape == b.shape and torch.isfinite(a.float()).all(), name
+        assert rel_err(a, b) < 1e-4, f"{name}: {rel_err(a, b):.3e}"
+
+
+def collapse(d, chunks, layout):
+    from prime_kernels.mega._shared_grouped import collapse_chunks
+
+    return collapse_chunks(d, chunks, layout)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_layer_op_in_each_precision_on_cpu(precision):
+    """_shared_ops.layer (the custom ops, autograd) in bf16 and fp8 on the ops' CPU kernels against the float64 layer
+    (FP8's error bound as the layer matrix's against float64)."""
+    from prime_kernels.mega import _shared_ops
+
+    problem = _shared_problem(40, 4, 128, 128, 2, 1, 2, True, seed=17)
+    x, idx, w, w13, w2, sw13, sw2, sg, dy = problem
+    leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2, sw13, sw2, sg)]
+    y = _shared_ops.layer(leaves[0], idx, leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], leaves[6],
+                          activation_clamp=None, block_m=128, recompute=False, num_sms=0, precision=precision)
+    y.backward(dy)
+    exact = _float64_layer(problem)
+    bound = 2e-2 if precision == "bf16" else 1.2e-1
+    for name, a, b in zip(NAMES, [y.detach()] + [t.grad for t in leaves], exact):
+        assert a is not None and rel_err(a, b) < bound, f"{name}: {rel_err(a, b):.3e}"
+
+
+@requires_sm90
+@pytest.mark.parametrize("clamp", [None, 7.0])
+def test_fp8_layer_with_shared_experts_on_the_gpu(clamp):
+    """precision="fp8" with shared experts inside the routed launches on CUDA (the fused FP8 forward, or the pipeline
+    with a clamp; the FP8 backward on the combined copies), NaN-free, against the reference's FP8 layer on the
+    expanded weights (the layer matrix's kernel-vs-emulation bound) and the float64 layer."""
+    from prime_kernels import _status
+    from prime_kernels.mega import _shared_ops, mega_moe
+
+    why = _status.runnable(_shared_ops.FP8_KEY)
+    if why != _status.AVAILABLE:
+        pytest.skip(f"{_shared_ops.FP8_KEY}: {why}")
+    problem = _shared_problem(513, 16, 256, 256, 4, 1, 2, True, seed=19)
+    cuda = [t.cuda() for t in problem]
+    x, idx, w, w13, w2, sw13, sw2, sg, dy = cuda
+    leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2, sw13, sw2, sg)]
+    y = _shared_ops.layer(leaves[0], idx, leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], leaves[6],
+                          activation_clamp=clamp, block_m=128, recompute=False, num_sms=0, precision="fp8")
+    y.backward(dy)
+    got = [y.detach()] + [t.grad for t in leaves]
+    exact = _float64_layer(problem, clamp)
+    for name, a, b in zip(NAMES, got, exact):
+        assert a is not None and torch.isfinite(a.float()).all(), name
+        assert rel_err(a.cpu(), b) < (3.5e-1 if clamp and name in ("dx", "dw13", "dsw13") else 1.2e-1), name
+    leaves_r = [t.clone().requires_grad_() for t in (x, w, w13, w2, sw13, sw2, sg)]
+    y_r = mega_moe(leaves_r[0], idx, leaves_r[1], leaves_r[2], leaves_r[3], shared_w13=leaves_r[4],
+                   shared_w2=leaves_r[5], shared_gate=leaves_r[6], backend="reference", precision="fp8",
+                   activation_clamp=clamp, num_experts=16)
+    assert rel_err(y, y_r) < 3e-2  # the second pass's two roundings of y against one

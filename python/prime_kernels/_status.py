@@ -87,6 +87,12 @@ def _entries() -> list[KernelEntry]:
     e.append(KernelEntry("m_grouped_gemm_second_b.bf16.sm90", "m_grouped_bf16_gemm_second_b", "sm90",
                          unverified="compiled, not yet run on a GPU; until it has, shared experts run as a second "
                                     "pass of the layer's kernels"))
+    # The FP8 layer with its shared experts inside the routed launches (prime_kernels.mega._shared_fp8: the FP8 kernels
+    # on the weights' FP8 copies with the shared chunks as experts after the routed ones)
+    e.append(KernelEntry("mega_moe_shared.fp8.sm90", "mega_moe_fwd_fp8", "sm90",
+                         also_compiled=("m_grouped_fp8_gemm_swiglu_bwd", "k_grouped_fp8_gemm_tn"),
+                         unverified="its kernels are verified, this use of them has not run on a GPU; until it has, "
+                                    "shared experts run as a second pass of the FP8 layer"))
     # The single-rank pipeline of our grouped GEMMs (prime_kernels.mega backend="grouped").
     e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     # The same pipeline with activation_clamp: its L1 saves h with the clamp masks (the m-grouped SwiGLU kernels'

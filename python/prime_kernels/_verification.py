@@ -135,6 +135,10 @@ ROWS: tuple[Row, ...] = (
         "[docs/fp8.md](docs/fp8.md))", "fp8 / fp8_bwd", ("mega_moe_half_tiles.fp8.sm90",),
         _v("H100", "the kernels' tail cases against their emulation; the layer at (1088, 320) and (2880, 2880) within "
                    "the matrix's bounds"), _NOT),
+    Row("FP8 layer with its shared experts inside the routed launches (`mega_moe_shared`: the FP8 kernels on the "
+        "weights' FP8 copies with the shared chunks as experts)", "fp8", ("mega_moe_shared.fp8.sm90",),
+        Cell(COMPILED, note="its kernels are verified; this use of them is tested on the CPU ops against the "
+                            "reference, not yet on a GPU, so shared experts run as a second pass there"), _NOT),
     Row("expert parallelism over peer memory (`mega_moe_ep_peer`: backend \"fused\" under a group)", "bf16",
         ("mega_moe_ep_peer.bf16.sm90",),
         _v("H100", "through its one-GPU emulator: forward and backward bit for bit EP = 1, bf16 and FP8, in one "

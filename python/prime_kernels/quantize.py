@@ -90,9 +90,10 @@ def quantize_tokens_fp8(v: torch.Tensor, expert_offsets: torch.Tensor, expert_co
     return q, scale
 
 
-def quantize_weight_fp8(w: torch.Tensor, *, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_fp8(w: torch.Tensor, *, pow2_scales: bool = False,
+                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale): ``w`` bf16 [L, R, C] (R, C multiples of 128) in 128 x 128 tiles, as ``fp8.quantize_weight`` gives
-    them bit for bit."""
+    them bit for bit; written into ``out`` (contiguous e4m3 [L, R, C] and fp32 [L, R / 128, C / 128]) when given."""
     _ready("quantize_weight.fp8", "quantize_weight_fp8", w.device)
     if w.dtype != torch.bfloat16 or w.dim() != 3:
         raise ValueError(f"quantize_weight_fp8: w must be a bfloat16 [L, R, C] tensor, got {w.dtype} {list(w.shape)}")
@@ -100,8 +101,15 @@ def quantize_weight_fp8(w: torch.Tensor, *, pow2_scales: bool = False) -> tuple[
     if R % BLOCK or C % BLOCK:
         raise ValueError(f"quantize_weight_fp8: R ({R}) and C ({C}) must be multiples of {BLOCK} (whole tiles)")
     w = w.contiguous()
-    q = torch.empty((L, R, C), dtype=E4M3, device=w.device)
-    scale = torch.empty((L, R // BLOCK, C // BLOCK), dtype=torch.float32, device=w.device)
+    if out is None:
+        q = torch.empty((L, R, C), dtype=E4M3, device=w.device)
+        scale = torch.empty((L, R // BLOCK, C // BLOCK), dtype=torch.float32, device=w.device)
+    else:
+        q, scale = out
+        if (q.dtype != E4M3 or tuple(q.shape) != (L, R, C) or not q.is_contiguous() or scale.dtype != torch.float32
+                or tuple(scale.shape) != (L, R // BLOCK, C // BLOCK) or not scale.is_contiguous()):
+            raise ValueError(f"quantize_weight_fp8: out must be contiguous (e4m3 {[L, R, C]}, fp32 "
+                             f"{[L, R // BLOCK, C // BLOCK]})")
     torch.ops.prime_kernels.quantize_weight_fp8_(w, q, scale, bool(pow2_scales))
     return q, scale
 

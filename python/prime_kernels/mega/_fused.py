@@ -118,13 +118,13 @@ def run_bf16(op, x, topk_idx, topk_weights, w13, w2, *, activation_clamp, num_ex
 
 
 def _forward_fp8(x, topk_idx, topk_weights, w13, w2, *, activation_clamp, num_experts, block_m, capacity, save_h,
-                 id_check, num_sms):
+                 id_check, num_sms, weight_cache=None):
     """precision="fp8": the routing plan, the weights' FP8 tiles from the weight cache, then the fused FP8 kernel
     (``torch.ops.prime_kernels.mega_moe_fp8_fused_fwd``: the quantizing dispatch, then one persistent kernel for the
     FP8 L1 with SwiGLU, qK(s, 64) and h rounded to bf16, and the FP8 L2) and the combine. The kernels and rounding
     points of the FP8 forward pipeline (:mod:`._fp8_fwd`), so the same y and h bits; the default recipe (1 x 64 s,
     general scales), no activation clamp. The 8th output is None: the layer gathers x_pool itself when it is asked
-    to keep it."""
+    to keep it. ``weight_cache``: where the FP8 tiles come from (default: the process-wide cache)."""
     why = clamp_reason(STATUS_KEY_FWD_FP8, activation_clamp)
     if why is not None:
         raise FusedKernelUnavailable(f"prime_kernels.mega: {why}")
@@ -136,8 +136,9 @@ def _forward_fp8(x, topk_idx, topk_weights, w13, w2, *, activation_clamp, num_ex
         if id_check is not None:
             id_check.watch(plan.num_invalid)
         route_to_pool = plan.route_to_pool.view(T, K)
-        c13 = _fp8.WEIGHT_CACHE.get(w13, recipe.pow2_scales)
-        c2 = _fp8.WEIGHT_CACHE.get(w2, recipe.pow2_scales)
+        cache = _fp8.WEIGHT_CACHE if weight_cache is None else weight_cache
+        c13 = cache.get(w13, recipe.pow2_scales)
+        c2 = cache.get(w2, recipe.pow2_scales)
         # h is [0, 2I] without save_h, the shape the other backends return
         h, o = torch.ops.prime_kernels.mega_moe_fp8_fused_fwd(
             _rows_for_kernels(x), plan.pool_src_route, route_to_pool.view(-1), plan.expert_offsets, c13.weight.data,

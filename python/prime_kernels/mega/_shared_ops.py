@@ -1,11 +1,13 @@
 """torch.library custom ops ``prime_kernels::mega_moe_shared_fwd`` / ``mega_moe_shared_bwd``: the layer with its
-shared experts inside the routed experts' launches (:mod:`prime_kernels.mega._shared_grouped`, SF1-SF3), joined by
-``register_autograd``; fake kernels give the static shapes torch.compile needs.
+shared experts inside the routed experts' launches (:mod:`prime_kernels.mega._shared_grouped`, SF1-SF3; in FP8
+:mod:`prime_kernels.mega._shared_fp8`), joined by ``register_autograd``; fake kernels give the static shapes
+torch.compile needs.
 
-:func:`layer` is the call :func:`prime_kernels.mega.mega_moe` makes when :func:`reason` is None: BF16, one rank, the
-grouped backend (or "auto"), no weight-gradient accumulators, no returned plan, the shared intermediate a multiple of
-the routed one (which is a multiple of 128), and the second-B GEMMs available on the device. Elsewhere the shared
-experts run as a second pass of the layer (:mod:`prime_kernels.mega.shared`).
+:func:`layer` is the call :func:`prime_kernels.mega.mega_moe` makes when :func:`reason` is None: one rank, no
+weight-gradient accumulators, no returned plan, the shared intermediate a multiple of the routed one (a multiple of
+128), and its status entry available on the device: ``m_grouped_gemm_second_b.bf16.sm90`` for bf16 (the grouped
+pipeline on the second-B GEMMs), ``mega_moe_shared.fp8.sm90`` for fp8 (the FP8 layer on the combined FP8 weight
+copies). Elsewhere the shared experts run as a second pass of the layer (:mod:`prime_kernels.mega.shared`).
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _backend, _shared_grouped, _validate
+from . import _backend, _shared_fp8, _shared_grouped, _validate
 from .constants import GROUPED_MAX_EXPERTS
 from .. import _status
 from ..routing import pool_capacity
 from ..second_b import STATUS_KEY_STEM
 
 SECOND_B_KEY = f"{STATUS_KEY_STEM}.sm90"
+FP8_KEY = "mega_moe_shared.fp8.sm90"
 
 
 def reason(x: Tensor, w13: Tensor, shared_w13: Tensor, *, backend: str, precision: str, ep_size: int,
@@ -29,8 +32,10 @@ def reason(x: Tensor, w13: Tensor, shared_w13: Tensor, *, backend: str, precisio
     """None when the shared experts can run inside the routed experts' launches for this call, else why not."""
     if x.device.type != "cuda":
         return "the shared experts run inside the routed launches on CUDA only"
-    if precision != "bf16" or ep_size != 1 or backend not in ("auto", "grouped"):
-        return "inside the routed launches: bf16, one rank, backend 'auto' or 'grouped'"
+    if precision not in ("bf16", "fp8") or ep_size != 1 or backend not in ("auto", "grouped", "fused"):
+        return "inside the routed launches: bf16 or fp8, one rank"
+    if precision == "bf16" and backend == "fused":
+        return "inside the routed launches in bf16: the grouped pipeline (the fused forward takes no second weight)"
     if x.dim() != 2 or x.shape[0] == 0:
         return "inside the routed launches: at least one token"
     if accumulators or return_plan:
@@ -42,30 +47,46 @@ def reason(x: Tensor, w13: Tensor, shared_w13: Tensor, *, backend: str, precisio
                 f"multiple of 128")
     if w13.shape[0] + shared_w13.shape[0] * chunks > GROUPED_MAX_EXPERTS:
         return f"E + S * chunks exceeds GROUPED_MAX_EXPERTS={GROUPED_MAX_EXPERTS}"
-    why = _status.reason(SECOND_B_KEY)
+    key = SECOND_B_KEY if precision == "bf16" else FP8_KEY
+    why = _status.reason(key)
     if not _status.is_available(why):
-        return f"{SECOND_B_KEY}: {why}"
+        return f"{key}: {why}"
+    if precision == "fp8":
+        if w13.shape[2] % 128:
+            return f"inside the FP8 launches: H ({w13.shape[2]}) must be a multiple of 128"
+        return (_backend.fp8_kernel_reason("fp8", "fwd") or _backend._fp8_pipeline_reason("fp8", 1, activation_clamp)
+                or _backend._grouped_reason("fp8", 1, activation_clamp, w13.shape[0]))
     return _backend._grouped_reason("bf16", 1, activation_clamp, w13.shape[0])
+
+
+def _fp8_fused_forward(backend: str, activation_clamp, num_groups: int) -> bool:
+    """Whether the FP8 forward runs the fused kernel (else the FP8 forward pipeline, which takes a clamp)."""
+    from .constants import FUSED_MAX_EXPERTS  # noqa: PLC0415
+
+    return (backend in ("auto", "fused") and activation_clamp is None and num_groups <= FUSED_MAX_EXPERTS
+            and _backend._fused_reason("fp8", "fwd") is None)
 
 
 @torch.library.custom_op("prime_kernels::mega_moe_shared_fwd", mutates_args=())
 def mega_moe_shared_fwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                         shared_w13: Tensor, shared_w2: Tensor, chunks: int, activation_clamp: Optional[float],
-                        block_m: int, save_h: bool, num_sms: int = 0
+                        block_m: int, save_h: bool, num_sms: int = 0, precision: str = "bf16", fused: bool = False
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(y, h, expert_counts, expert_offsets, pool_src_route, pool_src_rank, route_to_pool) over the extended routes
-    (:func:`prime_kernels.mega._shared_grouped.extended_routes`)."""
+    (:func:`prime_kernels.mega._shared_grouped.extended_routes`); ``fused``: fp8's fused forward kernel."""
     num_groups = w13.shape[0] + shared_w13.shape[0] * chunks
     cap = pool_capacity(x.shape[0], topk_idx.shape[1], num_groups, block_m)
-    out = _shared_grouped.forward(x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, chunks=chunks,
-                                  activation_clamp=activation_clamp, block_m=block_m, capacity=cap, save_h=save_h,
-                                  num_sms=num_sms)
+    run = _shared_fp8.forward if precision == "fp8" else _shared_grouped.forward
+    extra = dict(fused=fused) if precision == "fp8" else {}
+    out = run(x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, chunks=chunks,
+              activation_clamp=activation_clamp, block_m=block_m, capacity=cap, save_h=save_h, num_sms=num_sms,
+              **extra)
     return tuple(t.contiguous() for t in out)
 
 
 @mega_moe_shared_fwd.register_fake
 def _(x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, chunks, activation_clamp, block_m, save_h,
-      num_sms=0):
+      num_sms=0, precision="bf16", fused=False):
     T, K = topk_idx.shape
     num_groups = w13.shape[0] + shared_w13.shape[0] * chunks
     cap = pool_capacity(T, K, num_groups, block_m)
@@ -78,14 +99,21 @@ def _(x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, chunks, activat
 @torch.library.custom_op("prime_kernels::mega_moe_shared_bwd", mutates_args=())
 def mega_moe_shared_bwd(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
                         shared_w13: Tensor, shared_w2: Tensor, h: Tensor, expert_counts: Tensor,
-                        expert_offsets: Tensor, pool_src_route: Tensor, route_to_pool: Tensor, chunks: int,
-                        activation_clamp: Optional[float], recompute: bool, need_wgrad: bool, num_sms: int = 0
+                        expert_offsets: Tensor, pool_src_route: Tensor, pool_src_rank: Tensor, route_to_pool: Tensor,
+                        chunks: int, activation_clamp: Optional[float], recompute: bool, need_wgrad: bool,
+                        num_sms: int = 0, precision: str = "bf16"
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d topk_weights, dW13, dW2, d shared_w13, d shared_w2); the weight gradients [0] without need_wgrad."""
-    out = _shared_grouped.backward(dy, x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2,
-                                   None if recompute else h, expert_counts, expert_offsets, pool_src_route,
-                                   route_to_pool, chunks=chunks, activation_clamp=activation_clamp,
-                                   recompute=recompute, need_wgrad=need_wgrad, num_sms=num_sms)
+    h_saved = None if recompute else h
+    opts = dict(chunks=chunks, activation_clamp=activation_clamp, recompute=recompute, need_wgrad=need_wgrad,
+                num_sms=num_sms)
+    if precision == "fp8":
+        out = _shared_fp8.backward(dy, x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2,
+                                   h_saved if h_saved is not None else x.new_empty((0, w13.shape[1])), expert_counts,
+                                   expert_offsets, pool_src_route, pool_src_rank, route_to_pool, **opts)
+    else:
+        out = _shared_grouped.backward(dy, x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, h_saved,
+                                       expert_counts, expert_offsets, pool_src_route, route_to_pool, **opts)
     dx, dtopk = out[0], out[1]
     grads = [g.contiguous() if g is not None else w.new_empty((0,))
              for g, w in zip(out[2:], (w13, w2, shared_w13, shared_w2))]
@@ -94,7 +122,7 @@ def mega_moe_shared_bwd(dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: T
 
 @mega_moe_shared_bwd.register_fake
 def _(dy, x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, h, expert_counts, expert_offsets, pool_src_route,
-      route_to_pool, chunks, activation_clamp, recompute, need_wgrad, num_sms=0):
+      pool_src_rank, route_to_pool, chunks, activation_clamp, recompute, need_wgrad, num_sms=0, precision="bf16"):
     grads = [w.new_empty(w.shape if need_wgrad else (0,)) for w in (w13, w2, shared_w13, shared_w2)]
     return (x.new_empty(x.shape), topk_weights.new_empty(topk_weights.shape), *grads)
 
@@ -103,24 +131,25 @@ def _setup_context(ctx, inputs, output):
     (x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, chunks, activation_clamp, block_m, save_h,
      *rest) = inputs
     y, h, counts, offsets, src, srank, r2p = output
-    ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, h, counts, offsets, src, r2p)
+    ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, h, counts, offsets, src, srank,
+                          r2p)
     ctx.mark_non_differentiable(h, counts, offsets, src, srank, r2p)
     ctx.set_materialize_grads(False)
-    ctx.opts = (chunks, activation_clamp, not save_h, rest[0] if rest else 0)
+    ctx.opts = (chunks, activation_clamp, not save_h, rest[0] if rest else 0, rest[1] if len(rest) > 1 else "bf16")
 
 
 def _backward(ctx, dy, *unused):
-    x, topk_idx, topk_weights, w13, w2, sw13, sw2, h, counts, offsets, src, r2p = ctx.saved_tensors
-    chunks, clamp, recompute, num_sms = ctx.opts
+    x, topk_idx, topk_weights, w13, w2, sw13, sw2, h, counts, offsets, src, srank, r2p = ctx.saved_tensors
+    chunks, clamp, recompute, num_sms, precision = ctx.opts
     needs = ctx.needs_input_grad
     if dy is None:
         dy = torch.zeros_like(x)
     need_wgrad = bool(needs[3] or needs[4] or needs[5] or needs[6])
     dx, dtopk, dw13, dw2, dsw13, dsw2 = torch.ops.prime_kernels.mega_moe_shared_bwd(
-        dy.contiguous(), x, topk_idx, topk_weights, w13, w2, sw13, sw2, h, counts, offsets, src, r2p, chunks, clamp,
-        recompute, need_wgrad, num_sms)
+        dy.contiguous(), x, topk_idx, topk_weights, w13, w2, sw13, sw2, h, counts, offsets, src, srank, r2p, chunks,
+        clamp, recompute, need_wgrad, num_sms, precision)
     wanted = [g if needs[i] else None for i, g in zip((3, 4, 5, 6), (dw13, dw2, dsw13, dsw2))]
-    return (dx if needs[0] else None, None, dtopk if needs[2] else None, *wanted) + (None,) * 5
+    return (dx if needs[0] else None, None, dtopk if needs[2] else None, *wanted) + (None,) * 7
 
 
 mega_moe_shared_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -128,7 +157,7 @@ mega_moe_shared_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def layer(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, shared_w13: Tensor,
           shared_w2: Tensor, shared_gate: Optional[Tensor], *, activation_clamp, block_m: int, recompute: bool,
-          num_sms: int) -> Tensor:
+          num_sms: int, precision: str = "bf16", backend: str = "auto") -> Tensor:
     """y of the layer with its shared experts inside the routed launches (SF1-SF3); gradients through autograd
     (d shared_gate through the extended topk_weights)."""
     E = w13.shape[0]
@@ -142,7 +171,8 @@ def layer(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Te
     idx, weights = _shared_grouped.extended_routes(topk_idx, topk_weights, E, shared_w13.shape[0], chunks,
                                                    shared_gate)
     save_h = not recompute and torch.is_grad_enabled()
+    fused = precision == "fp8" and _fp8_fused_forward(backend, activation_clamp, idx.shape[1] - topk_idx.shape[1] + E)
     y = mega_moe_shared_fwd(x, idx, weights, w13, w2, shared_w13, shared_w2, chunks, activation_clamp, block_m,
-                            save_h, num_sms)[0]
+                            save_h, num_sms, precision, fused)[0]
     ids.finish()
     return y

@@ -165,7 +165,8 @@ def mega_moe(
             return_plan=return_plan, activation_clamp=clamp) is None:
         # the shared experts' tiles inside the routed experts' launches (SF1-SF3 of mega._shared_grouped)
         return _shared_ops.layer(x, topk_idx, topk_weights, w13, w2, shared_call.w13, shared_call.w2, shared_gate,
-                                 activation_clamp=clamp, block_m=block_m, recompute=recompute, num_sms=sms)
+                                 activation_clamp=clamp, block_m=block_m, recompute=recompute, num_sms=sms,
+                                 precision=precision, backend=backend)
     out = _ops.mega_moe_fwd(
         x, topk_idx, topk_weights, w13, w2, a13, a2, clamp, group_name, -1 if num_experts is None else num_experts,
         ep_size, int(max_tokens), block_m, save_h, backend, precision, 0 if buffer is None else buffer.buffer_id,

@@ -207,6 +207,30 @@ def quantize_weight(w: torch.Tensor, pow2_scales: bool = False) -> BlockQuantize
     return BlockQuantized(q.view(*lead, R, C), scale.view(*lead, nr, nc), BLOCK, BLOCK)
 
 
+def quantize_weight_with_chunks(w: torch.Tensor, w_2: torch.Tensor, chunks: int, layout: str,
+                                pow2_scales: bool = False) -> BlockQuantized:
+    """:func:`quantize_weight` of ``cat([w, expand_chunks(w_2, chunks, layout)])`` (the routed experts' weight and the
+    shared experts' chunks as experts of their own, :mod:`prime_kernels.mega._shared_grouped`), bit for bit. The
+    chunks' rows and columns start on 128 x 128 tile edges (I a multiple of 128), so each tile of w_2 is a tile of
+    the chunks: where our kernel runs, w is quantized straight into the combined tensor (no copy of the routed
+    weight) and only w_2's tiles and scales are moved."""
+    from ..second_b import expand_chunks  # noqa: PLC0415 (the grouped GEMM wrappers import this module's package)
+
+    E, R, C = w.shape
+    chunk = R // 2 if layout == "w13" else C  # the chunk's width I: its tiles are w_2's where I % 128 == 0
+    if (w.is_cuda and w.dtype == torch.bfloat16 and w_2.dtype == torch.bfloat16 and not R % BLOCK and not C % BLOCK
+            and R and C and not chunk % BLOCK and _kernel_runs("quantize_weight.fp8", w.device)):
+        q2 = quantize_weight(w_2, pow2_scales)
+        rows = expand_chunks(q2.data.view(torch.uint8), chunks, layout)
+        q = torch.empty((E + rows.shape[0], R, C), dtype=E4M3, device=w.device)
+        scale = torch.empty((E + rows.shape[0], R // BLOCK, C // BLOCK), dtype=torch.float32, device=w.device)
+        quantize_weight_fp8(w, pow2_scales=pow2_scales, out=(q[:E], scale[:E]))
+        q[E:].view(torch.uint8).copy_(rows)
+        scale[E:].copy_(expand_chunks(q2.scale, chunks, layout))
+        return BlockQuantized(q, scale, BLOCK, BLOCK)
+    return quantize_weight(torch.cat([w, expand_chunks(w_2, chunks, layout)]), pow2_scales)
+
+
 def _transpose_weight(w: BlockQuantized) -> BlockQuantized:
     """``w.t()``: through our tile-transposing kernel where it runs (torch's copy of a transposed byte tensor was most
     of what the weights' copies still cost an FP8 training step once the quantization ran in our kernel)."""
@@ -324,6 +348,32 @@ class Fp8WeightCache:
                 del entries[key]
 
         self._entries[key] = (weakref.ref(w.untyped_storage(), _drop), state, value)
+        return value
+
+    def get_with_chunks(self, w: torch.Tensor, w_2: torch.Tensor, chunks: int, layout: str,
+                        pow2_scales: bool = False) -> QuantizedWeight:
+        """The FP8 copy of ``w`` with ``w_2``'s chunks as experts after its own (:func:`quantize_weight_with_chunks`),
+        kept while both weights are alive and at the versions it was made from, and emptied at any optimizer step,
+        as :meth:`get`'s entries."""
+        key = ("chunks", self._key(w, pow2_scales), self._key(w_2, pow2_scales), int(chunks), layout)
+        state = (w._version, w_2._version)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is not None and entry[1] == state and entry[3]() is not None:
+            self.hits += 1
+            return entry[2]
+        self.misses += 1
+        with torch.no_grad():
+            q = quantize_weight_with_chunks(w.detach(), w_2.detach(), chunks, layout, pow2_scales)
+        value = QuantizedWeight(q)
+        entries = self._entries
+
+        def _drop(_ref, key=key, entries=entries):
+            current = entries.get(key)
+            if current is not None and current[0] is _ref:
+                del entries[key]
+
+        self._entries[key] = (weakref.ref(w.untyped_storage(), _drop), state, value,
+                              weakref.ref(w_2.untyped_storage()))
         return value
 
 
