@@ -334,3 +334,21 @@ def test_fp8_layer_with_shared_experts_on_the_gpu(clamp):
                    shared_w2=leaves_r[5], shared_gate=leaves_r[6], backend="reference", precision="fp8",
                    activation_clamp=clamp, num_experts=16)
     assert rel_err(y, y_r) < 3e-2  # the second pass's two roundings of y against one
+
+
+@requires_sm90
+def test_fp8_weights_with_chunks_on_the_gpu_are_the_expanded_weights_tiles():
+    """On CUDA (the routed weight quantized by our kernel straight into the combined copy, the shared tiles moved):
+    bit for bit the recipe's quantization of the expanded weight."""
+    from prime_kernels.mega import fp8
+    from prime_kernels.second_b import expand_chunks
+
+    g = torch.Generator().manual_seed(4)
+    for layout, (w, w_2) in {"w13": (torch.randn(4, 512, 256, generator=g), torch.randn(2, 1024, 256, generator=g)),
+                             "w2": (torch.randn(4, 256, 256, generator=g), torch.randn(2, 256, 512, generator=g))
+                             }.items():
+        w, w_2 = w.bfloat16().cuda(), w_2.bfloat16().cuda()
+        got = fp8.quantize_weight_with_chunks(w, w_2, 2, layout)
+        want = fp8.quantize_weight(torch.cat([w, expand_chunks(w_2, 2, layout)]))
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), layout
+        assert torch.equal(got.scale, want.scale), layout
