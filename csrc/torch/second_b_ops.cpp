@@ -79,16 +79,7 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu_second_b(Tensor a, Tensor 
   const PkSecondB sb = second_b(w13, w13_2, chunks, num_groups, op);
   STD_TORCH_CHECK(w13_2.size(1) == 2 * chunks * inter && w13_2.size(2) == a.size(1), "prime_kernels.", op,
                   ": w13_2 must be [S, 2 * chunks * I, K] = [S, ", 2 * chunks * inter, ", ", a.size(1), "]");
-  const int32_t* index = nullptr;
-  if (a_row_index.has_value()) {
-    const Tensor& t = *a_row_index;
-    STD_TORCH_CHECK(t.scalar_type() == ScalarType::Int && t.dim() == 1 && t.is_contiguous() && t.size(0) >= m_total &&
-                        t.is_cuda(),
-                    "prime_kernels.", op, ": a_row_index must be a contiguous CUDA int32 [>= m_total] tensor");
-    index = static_cast<const int32_t*>(t.data_ptr());
-  } else {
-    STD_TORCH_CHECK(m_total <= a.size(0), "prime_kernels.", op, ": m_total exceeds a's rows");
-  }
+  const int32_t* index = gather_index(a_row_index, a, m_total, op);
   torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
   Tensor s = new_tensor(a, {m_total, inter}, ScalarType::BFloat16);
   Tensor h = new_tensor(a, {save_h ? m_total : 0, 2 * inter}, ScalarType::BFloat16);

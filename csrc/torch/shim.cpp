@@ -554,16 +554,7 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu(Tensor a, Tensor w13, Tens
   const int32_t num_groups = check_offsets(group_offsets, a, op);
   STD_TORCH_CHECK(w13.size(0) == num_groups && w13.size(2) == a.size(1) && w13.size(1) % 2 == 0, "prime_kernels.", op,
                   ": w13 must be [num_groups, 2I, K] with K = a's columns");
-  const int32_t* index = nullptr;
-  if (a_row_index.has_value()) {
-    const Tensor& t = *a_row_index;
-    STD_TORCH_CHECK(t.scalar_type() == ScalarType::Int && t.dim() == 1 && t.is_contiguous() && t.size(0) >= m_total &&
-                        t.is_cuda(),
-                    "prime_kernels.", op, ": a_row_index must be a contiguous CUDA int32 [>= m_total] tensor");
-    index = static_cast<const int32_t*>(t.data_ptr());
-  } else {
-    STD_TORCH_CHECK(m_total <= a.size(0), "prime_kernels.", op, ": m_total exceeds a's rows");
-  }
+  const int32_t* index = gather_index(a_row_index, a, m_total, op);
   const int64_t inter = w13.size(1) / 2;
   torch::stable::accelerator::DeviceGuard guard(a.get_device_index());
   Tensor s = new_tensor(a, {m_total, inter}, ScalarType::BFloat16);

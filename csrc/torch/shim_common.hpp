@@ -7,6 +7,7 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace prime_kernels::torch_shim {
@@ -41,6 +42,21 @@ struct SwigluBwdOperands {
 SwigluBwdOperands swiglu_bwd_operands(const Tensor& dy_pool, const Tensor& w2, const Tensor& group_offsets,
                                       const Tensor& h, const Tensor& pool_src_route, const Tensor& topk_weights,
                                       const char* op, int64_t w2_groups = -1);
+
+// The rows an L1 with the SwiGLU epilogue reads: a_row_index's (checked: contiguous CUDA int32 [>= m_total]) or,
+// without one, a's first m_total rows. Returns the index pointer (null without one).
+inline const int32_t* gather_index(const std::optional<Tensor>& a_row_index, const Tensor& a, int64_t m_total,
+                                   const char* op) {
+  if (!a_row_index.has_value()) {
+    STD_TORCH_CHECK(m_total <= a.size(0), "prime_kernels.", op, ": m_total exceeds a's rows");
+    return nullptr;
+  }
+  const Tensor& t = *a_row_index;
+  STD_TORCH_CHECK(t.scalar_type() == ScalarType::Int && t.dim() == 1 && t.is_contiguous() && t.size(0) >= m_total &&
+                      t.is_cuda(),
+                  "prime_kernels.", op, ": a_row_index must be a contiguous CUDA int32 [>= m_total] tensor");
+  return static_cast<const int32_t*>(t.data_ptr());
+}
 
 // The shim's FP8 operand checks (quantize_ops.cpp, swiglu_bwd_fp8_ops.cpp, swiglu_fwd_fp8_ops.cpp).
 inline void check_same_device(const Tensor& t, const Tensor& like, const char* op, const char* name) {

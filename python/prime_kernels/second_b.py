@@ -86,24 +86,25 @@ def m_grouped_bf16_gemm_swiglu_second_b(a: torch.Tensor, w13: torch.Tensor, w13_
         _sms(num_sms))
 
 
+def _gemm(a, b, b2, group_offsets, b_k_major: bool, chunks, num_sms) -> torch.Tensor:
+    chunks = _chunks(chunks)
+    _ready(a.device)
+    return torch.ops.prime_kernels.m_grouped_bf16_gemm_second_b(a, b, b2, group_offsets, b_k_major, chunks,
+                                                                _sms(num_sms))
+
+
 def m_grouped_bf16_gemm_nt_second_b(a: torch.Tensor, w2: torch.Tensor, w2_2: torch.Tensor,
                                     group_offsets: torch.Tensor, *, chunks: int = 1,
                                     num_sms: int | None = None) -> torch.Tensor:
     """The L2 (a [M, I] @ w2[g]^T) with groups E.. reading columns [j I, (j + 1) I) of w2_2's experts."""
-    chunks = _chunks(chunks)
-    _ready(a.device)
-    return torch.ops.prime_kernels.m_grouped_bf16_gemm_second_b(a, w2, w2_2, group_offsets, True, chunks,
-                                                                _sms(num_sms))
+    return _gemm(a, w2, w2_2, group_offsets, True, chunks, num_sms)
 
 
 def m_grouped_bf16_gemm_nn_second_b(a: torch.Tensor, w13: torch.Tensor, w13_2: torch.Tensor,
                                     group_offsets: torch.Tensor, *, chunks: int = 1,
                                     num_sms: int | None = None) -> torch.Tensor:
     """The L1 dgrad (a [M, 2I] @ w13[g]) with groups E.. reading the gate and up rows of w13_2's chunks."""
-    chunks = _chunks(chunks)
-    _ready(a.device)
-    return torch.ops.prime_kernels.m_grouped_bf16_gemm_second_b(a, w13, w13_2, group_offsets, False, chunks,
-                                                                _sms(num_sms))
+    return _gemm(a, w13, w13_2, group_offsets, False, chunks, num_sms)
 
 
 def m_grouped_bf16_gemm_swiglu_bwd_second_b(dy_pool: torch.Tensor, w2: torch.Tensor, w2_2: torch.Tensor,

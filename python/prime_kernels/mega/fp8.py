@@ -339,7 +339,10 @@ class Fp8WeightCache:
         self.misses += 1
         with torch.no_grad():
             q = quantize_weight(w.detach(), pow2_scales)
-        value = QuantizedWeight(q)
+        return self._remember(key, w, state, QuantizedWeight(q))
+
+    def _remember(self, key, w: torch.Tensor, state, value: QuantizedWeight, *more) -> QuantizedWeight:
+        """Keep ``value`` under ``key`` until ``w``'s storage is freed (``more``: further entries' fields)."""
         entries = self._entries
 
         def _drop(_ref, key=key, entries=entries):
@@ -347,7 +350,7 @@ class Fp8WeightCache:
             if current is not None and current[0] is _ref:
                 del entries[key]
 
-        self._entries[key] = (weakref.ref(w.untyped_storage(), _drop), state, value)
+        entries[key] = (weakref.ref(w.untyped_storage(), _drop), state, value, *more)
         return value
 
     def get_with_chunks(self, w: torch.Tensor, w_2: torch.Tensor, chunks: int, layout: str,
@@ -364,17 +367,7 @@ class Fp8WeightCache:
         self.misses += 1
         with torch.no_grad():
             q = quantize_weight_with_chunks(w.detach(), w_2.detach(), chunks, layout, pow2_scales)
-        value = QuantizedWeight(q)
-        entries = self._entries
-
-        def _drop(_ref, key=key, entries=entries):
-            current = entries.get(key)
-            if current is not None and current[0] is _ref:
-                del entries[key]
-
-        self._entries[key] = (weakref.ref(w.untyped_storage(), _drop), state, value,
-                              weakref.ref(w_2.untyped_storage()))
-        return value
+        return self._remember(key, w, state, QuantizedWeight(q), weakref.ref(w_2.untyped_storage()))
 
 
 #: The cache the reference uses unless it is given one.
