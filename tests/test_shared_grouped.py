@@ -287,8 +287,9 @@ def collapse(d, chunks, layout):
     return collapse_chunks(d, chunks, layout)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_layer_op_in_each_precision_on_cpu(precision):
+def test_layer_op_in_each_precision_on_cpu(precision, recompute):
     """_shared_ops.layer (the custom ops, autograd) in bf16 and fp8 on the ops' CPU kernels against the float64 layer
     (FP8's error bound as the layer matrix's against float64)."""
     from prime_kernels.mega import _shared_ops
@@ -297,7 +298,7 @@ def test_layer_op_in_each_precision_on_cpu(precision):
     x, idx, w, w13, w2, sw13, sw2, sg, dy = problem
     leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2, sw13, sw2, sg)]
     y = _shared_ops.layer(leaves[0], idx, leaves[1], leaves[2], leaves[3], leaves[4], leaves[5], leaves[6],
-                          activation_clamp=None, block_m=128, recompute=False, num_sms=0, precision=precision)
+                          activation_clamp=None, block_m=128, recompute=recompute, num_sms=0, precision=precision)
     y.backward(dy)
     exact = _float64_layer(problem)
     bound = 2e-2 if precision == "bf16" else 1.2e-1
