@@ -85,14 +85,19 @@ def _entries() -> list[KernelEntry]:
     # The m-grouped BF16 GEMMs whose last groups read a second weight tensor (prime_kernels.second_b: shared experts as
     # extra groups of the routed experts' launch)
     e.append(KernelEntry("m_grouped_gemm_second_b.bf16.sm90", "m_grouped_bf16_gemm_second_b", "sm90",
-                         unverified="compiled, not yet run on a GPU; until it has, shared experts run as a second "
-                                    "pass of the layer's kernels"))
+                         unverified="compiled, not yet run on a GPU"))
+    # The BF16 layer with its shared experts inside the grouped pipeline's launches on those GEMMs
+    # (prime_kernels.mega._shared_grouped)
+    e.append(KernelEntry("mega_moe_shared.bf16.sm90", "m_grouped_bf16_gemm_second_b", "sm90",
+                         also_compiled=("m_grouped_bf16_gemm_swiglu_bwd", "k_grouped_bf16_gemm_tn"),
+                         unverified="not yet run on a GPU nor measured against the second pass, which shared "
+                                    "experts run as until then"))
     # The FP8 layer with its shared experts inside the routed launches (prime_kernels.mega._shared_fp8: the FP8 kernels
     # on the weights' FP8 copies with the shared chunks as experts after the routed ones)
     e.append(KernelEntry("mega_moe_shared.fp8.sm90", "mega_moe_fwd_fp8", "sm90",
                          also_compiled=("m_grouped_fp8_gemm_swiglu_bwd", "k_grouped_fp8_gemm_tn"),
-                         unverified="its kernels are verified, this use of them has not run on a GPU; until it has, "
-                                    "shared experts run as a second pass of the FP8 layer"))
+                         unverified="its kernels are verified; this use of them has not run on a GPU nor been "
+                                    "measured against the second pass, which shared experts run as until then"))
     # The single-rank pipeline of our grouped GEMMs (prime_kernels.mega backend="grouped").
     e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     # The same pipeline with activation_clamp: its L1 saves h with the clamp masks (the m-grouped SwiGLU kernels'
