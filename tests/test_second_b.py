@@ -95,13 +95,13 @@ def test_cpu_ops_pass_opcheck_and_refuse_mismatched_shapes():
     torch.library.opcheck(ops.m_grouped_bf16_gemm_second_b.default, (s, w2, w2s, offs, True, m))
     dh = torch.randn(18, 2 * I).bfloat16()
     torch.library.opcheck(ops.m_grouped_bf16_gemm_second_b.default, (dh, w13, w13s, offs, False, m))
-    w2b = _problem(E, S, m, 128, H, [3, 4, 5, 6], "cpu")
     dy = torch.randn(18, H).bfloat16()
-    hh = torch.randn(18, 256).bfloat16()
+    hh = torch.randn(18, 2 * I).bfloat16()
     route = torch.tensor(list(range(17)) + [-1], dtype=torch.int32)
     tw = torch.rand(17)
-    torch.library.opcheck(ops.m_grouped_bf16_gemm_swiglu_bwd_second_b.default,
-                          (dy, w2b[1], w2b[3], offs, hh, route, tw, m, 0.0))
+    outs = (torch.empty(18, 2 * I).bfloat16(), torch.empty(18, I).bfloat16(), torch.zeros(18, 1))
+    torch.library.opcheck(ops.m_grouped_bf16_gemm_swiglu_bwd_into_.default,
+                          (dy, w2, offs[: E + 1], hh, route, tw, *outs, 0.0))
     from prime_kernels.second_b import m_grouped_bf16_gemm_nt_second_b
 
     with pytest.raises(ValueError, match="chunks must be a positive int"):
@@ -132,8 +132,8 @@ def _runnable_or_skip():
                                                  (4, 1, 4, 64, 128, "hot"), (8, 2, 2, 256, 384, "skewed")])
 def test_cuda_ops_equal_the_routed_ops_on_expanded_weights(E, S, chunks, I, H, kind):
     """Each second-B op on CUDA bit for bit the routed op on [w; expand_chunks(w_2)] (NaN-filled outputs), for the
-    L1 (plain and gathered A, with and without a clamp), the L2, the L1 dgrad and (I a multiple of 128) the L2 dgrad
-    with the SwiGLU backward."""
+    L1 (plain and gathered A, with and without a clamp), the L2 and the L1 dgrad; and the L2 dgrad with the SwiGLU
+    backward as two launches into one set of outputs."""
     from prime_kernels.grouped_gemm import m_grouped_bf16_gemm_nn, m_grouped_bf16_gemm_nt, m_grouped_bf16_gemm_swiglu
     from prime_kernels.second_b import (expand_chunks, m_grouped_bf16_gemm_nn_second_b,
                                         m_grouped_bf16_gemm_nt_second_b, m_grouped_bf16_gemm_swiglu_second_b)
@@ -162,20 +162,24 @@ def test_cuda_ops_equal_the_routed_ops_on_expanded_weights(E, S, chunks, I, H, k
     poison_next_alloc(M * H, torch.bfloat16)
     dx = m_grouped_bf16_gemm_nn_second_b(dh, w13, w13s, offs, chunks=chunks)
     assert torch.isfinite(dx.float()).all() and torch.equal(dx, m_grouped_bf16_gemm_nn(dh, w13_all, offs))
-    if I % 128 == 0:  # the L2 dgrad with the SwiGLU backward takes a second B where I is a multiple of 128
-        from prime_kernels.grouped_gemm import m_grouped_bf16_gemm_swiglu_bwd
-        from prime_kernels.second_b import m_grouped_bf16_gemm_swiglu_bwd_second_b
+    # the L2 dgrad with the SwiGLU backward as two launches into one set of outputs (routed groups, then the shared
+    # chunks on their expanded weight): the one launch over [w2; expanded] bit for bit
+    from prime_kernels.grouped_gemm import m_grouped_bf16_gemm_swiglu_bwd
+    from prime_kernels.second_b import m_grouped_bf16_gemm_swiglu_bwd_into
 
-        dy = torch.randn(M, H, generator=gen).bfloat16().cuda()
-        route = torch.randperm(M, generator=gen).to(torch.int32).cuda()
-        route[::7] = -1  # padding rows
-        tw = torch.rand(M, generator=gen).cuda()
-        for clamp in (None, 0.75):
-            poison_next_alloc(M * 2 * I, torch.bfloat16)
-            got = m_grouped_bf16_gemm_swiglu_bwd_second_b(dy, w2, w2s, offs, h, route, tw, chunks=chunks, clamp=clamp)
-            want = m_grouped_bf16_gemm_swiglu_bwd(dy, w2_all, offs, h, route, tw, clamp=clamp)
-            for name, a, b in zip(("dh", "aw", "dt_part"), got, want):
-                assert torch.isfinite(a.float()).all() and torch.equal(a, b), (name, clamp)
+    dy = torch.randn(M, H, generator=gen).bfloat16().cuda()
+    route = torch.randperm(M, generator=gen).to(torch.int32).cuda()
+    route[::7] = -1  # padding rows
+    tw = torch.rand(M, generator=gen).cuda()
+    for clamp in (None, 0.75):
+        got = (torch.full((M, 2 * I), float("nan"), device="cuda").bfloat16(),
+               torch.full((M, I), float("nan"), device="cuda").bfloat16(),
+               torch.zeros(M, -(-I // 128), device="cuda"))
+        for w2_part, o in ((w2, offs[: E + 1]), (expand_chunks(w2s, chunks, "w2"), offs[E:])):
+            m_grouped_bf16_gemm_swiglu_bwd_into(dy, w2_part, o, h, route, tw, got, clamp=clamp)
+        want = m_grouped_bf16_gemm_swiglu_bwd(dy, w2_all, offs, h, route, tw, clamp=clamp)
+        for name, a, b in zip(("dh", "aw", "dt_part"), got, want):
+            assert torch.isfinite(a.float()).all() and torch.equal(a, b), (name, clamp)
 
 
 @requires_sm90

@@ -230,26 +230,12 @@ int pk_m_grouped_bf16_gemm_swiglu_bwd(const void* dy_pool, int64_t lda, const vo
                                       int64_t ldaw, float* dt_part, int64_t dt_ld, const int32_t* group_offsets,
                                       int num_groups, int64_t m_total, int64_t intermediate, int64_t hidden,
                                       float clamp, int num_sms, void* cuda_stream) {
-  return pk_m_grouped_bf16_gemm_swiglu_bwd_second_b(dy_pool, lda, w2, ldb, b_group_stride, nullptr, h, ldh,
-                                                    pool_src_route, route_weights, num_routes, dh, lddh, aw, ldaw,
-                                                    dt_part, dt_ld, group_offsets, num_groups, m_total, intermediate,
-                                                    hidden, clamp, num_sms, cuda_stream);
-}
-
-int pk_m_grouped_bf16_gemm_swiglu_bwd_second_b(const void* dy_pool, int64_t lda, const void* w2, int64_t ldb,
-                                               int64_t b_group_stride, const PkSecondB* second_b, const void* h,
-                                               int64_t ldh, const int32_t* pool_src_route, const float* route_weights,
-                                               int64_t num_routes, void* dh, int64_t lddh, void* aw, int64_t ldaw,
-                                               float* dt_part, int64_t dt_ld, const int32_t* group_offsets,
-                                               int num_groups, int64_t m_total, int64_t intermediate, int64_t hidden,
-                                               float clamp, int num_sms, void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90("m_grouped_bf16_gemm_swiglu_bwd"); rc != PK_OK) return rc;
-  prime_kernels::sm90::SwigluBwdGemmArgs args =
+  const prime_kernels::sm90::SwigluBwdGemmArgs args =
       swiglu_bwd_args(dy_pool, lda, w2, ldb, b_group_stride, h, ldh, pool_src_route, route_weights, num_routes, dh,
                       lddh, aw, ldaw, dt_part, dt_ld, group_offsets, num_groups, m_total, intermediate, hidden, clamp,
                       num_sms);
-  if (second_b != nullptr) args.second_b = second_b_args(*second_b);
   char message[512] = {0};
   const int rc = prime_kernels::sm90::m_grouped_bf16_gemm_swiglu_bwd(args, static_cast<cudaStream_t>(cuda_stream),
                                                                  message, sizeof(message));
@@ -258,7 +244,7 @@ int pk_m_grouped_bf16_gemm_swiglu_bwd_second_b(const void* dy_pool, int64_t lda,
   (void)dy_pool, (void)lda, (void)w2, (void)ldb, (void)b_group_stride, (void)h, (void)ldh, (void)pool_src_route;
   (void)route_weights, (void)num_routes, (void)dh, (void)lddh, (void)aw, (void)ldaw, (void)dt_part, (void)dt_ld;
   (void)group_offsets, (void)num_groups, (void)m_total, (void)intermediate, (void)hidden, (void)clamp;
-  (void)num_sms, (void)cuda_stream, (void)second_b;
+  (void)num_sms, (void)cuda_stream;
   return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
                               "m_grouped_bf16_gemm_swiglu_bwd is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif

@@ -165,15 +165,6 @@ PK_API int pk_m_grouped_bf16_gemm_swiglu_second_b(const void* a, int64_t lda, in
                                                   const int32_t* group_offsets, int num_groups, int64_t m_total,
                                                   int64_t k, float clamp, int num_sms, void* cuda_stream);
 
-// pk_m_grouped_bf16_gemm_swiglu_bwd with a second B (PkSecondB above): w2_2 [slabs, hidden, chunks * I], its
-// chunk j the columns [j I, (j + 1) I) of each expert; I a multiple of 128.
-PK_API int pk_m_grouped_bf16_gemm_swiglu_bwd_second_b(
-    const void* dy_pool, int64_t lda, const void* w2, int64_t ldb, int64_t b_group_stride, const PkSecondB* second_b,
-    const void* h, int64_t ldh, const int32_t* pool_src_route, const float* route_weights, int64_t num_routes,
-    void* dh, int64_t lddh, void* aw, int64_t ldaw, float* dt_part, int64_t dt_ld, const int32_t* group_offsets,
-    int num_groups, int64_t m_total, int64_t intermediate, int64_t hidden, float clamp, int num_sms,
-    void* cuda_stream);
-
 // L2 dgrad with the SwiGLU backward in its epilogue: per group g, da = dy_pool @ w2[g] (w2 [num_groups,
 // hidden, I], read MN-major) stays in registers; with h the saved gate | up [m_total, 2I] and w =
 // route_weights[pool_src_route[row]] (route_weights has num_routes entries; route -1 = padding, weight 0), writes

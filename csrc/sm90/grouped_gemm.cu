@@ -53,11 +53,10 @@ int launch_k_grouped(const CUtensorMap& ma, const CUtensorMap& mb, const CUtenso
 
 
 // The second B's map and parameters (grouped_gemm.hpp, SecondB). kind: 0 SwiGLU L1 (I = inter, K-major over k), 1
-// K-major "nt" (I = k), 2 MN-major "nn" (I = k / 2), 3 the L2 dgrad's MN-major w2_2 (I = inter, n = hidden).
-// box_rows: the rows of the first B's box (K-major kinds).
+// K-major "nt" (I = k), 2 MN-major "nn" (I = k / 2). box_rows: the rows of the first B's box (K-major kinds).
 int second_b_map(const SecondB& sb, int kind, int num_groups, int64_t n, int64_t k, int64_t inter, uint32_t box_rows,
                  CUtensorMap* out, MGroupedParams* p, const char* fn, char* err, size_t err_len) {
-  const int64_t I = kind == 0 || kind == 3 ? inter : (kind == 1 ? k : k / 2);
+  const int64_t I = kind == 0 ? inter : (kind == 1 ? k : k / 2);
   if (sb.slabs < 1 || sb.chunks < 1 || sb.num_b_groups < 0 ||
       (int64_t)sb.num_b_groups + (int64_t)sb.slabs * sb.chunks != num_groups)
     return fail(kGemmInvalidArgument, err, err_len,
@@ -67,9 +66,8 @@ int second_b_map(const SecondB& sb, int kind, int num_groups, int64_t n, int64_t
     return fail(kGemmInvalidArgument, err, err_len, "%s: second B: its chunk width I = %lld must be a multiple of 64",
                 fn, (long long)I);
   const int64_t inter2 = I * sb.chunks;  // the second tensor's intermediate size
-  // contiguous extent and rows per expert (kind 3: w2_2 [S, hidden = n, chunks * I] read MN-major)
-  const int64_t cols = kind == 1 || kind == 3 ? inter2 : (kind == 0 ? k : n);
-  const int64_t rows = kind == 1 || kind == 3 ? n : 2 * inter2;
+  const int64_t cols = kind == 1 ? inter2 : (kind == 0 ? k : n);  // contiguous extent
+  const int64_t rows = kind == 1 ? n : 2 * inter2;
   if (inter2 > kMaxDim || rows > kMaxDim || sb.ldb2 < cols || sb.ldb2 % 8 != 0)
     return fail(kGemmInvalidArgument, err, err_len, "%s: second B: ldb2 = %lld, must be >= %lld and a multiple of 8",
                 fn, (long long)sb.ldb2, (long long)cols);
@@ -83,7 +81,7 @@ int second_b_map(const SecondB& sb, int kind, int num_groups, int64_t n, int64_t
   const uint64_t strides[2] = {(uint64_t)sb.ldb2 * 2, (uint64_t)gs * 2};
   const uint32_t box_k[3] = {64, box_rows, 1};
   const uint32_t box_mn[3] = {64, 64, 1};
-  if (int r = make_map(out, sb.b2, 3, dims, strides, kind >= 2 ? box_mn : box_k, err, err_len)) return r;
+  if (int r = make_map(out, sb.b2, 3, dims, strides, kind == 2 ? box_mn : box_k, err, err_len)) return r;
   p->num_b_groups = sb.num_b_groups;
   p->b2_chunks = sb.chunks;
   p->b2_inter = (int32_t)inter2;
@@ -474,17 +472,12 @@ int prepare_swiglu_bwd(const SwigluBwdGemmArgs& args, const char* fn, SwigluBwdL
   const float clamp_limit = args.clamp_limit;
   const int num_sms = args.num_sms;
   const int64_t I = args.intermediate, k = args.hidden;
-  const bool second = args.second_b.b2 != nullptr;
-  const int b_groups = second ? args.second_b.num_b_groups : num_groups;  // the first B's experts
   if (int r = check_num_groups(num_groups, fn, err, err_len)) return r;
   if (m_total < 0 || m_total > kMaxDim || I < 64 || 2 * I > kMaxDim || I % 64 != 0 || k < 8 || k > kMaxDim ||
       k % 8 != 0)
     return fail(kGemmInvalidArgument, err, err_len,
                 "%s: bad sizes m_total=%lld intermediate=%lld (a multiple of 64) hidden=%lld (a multiple of 8, >= 8)",
                 fn, (long long)m_total, (long long)I, (long long)k);
-  if (second && I % 128 != 0)  // a 128-column tile past a chunk's end would read the next chunk into dt_part
-    return fail(kGemmInvalidArgument, err, err_len, "%s: with a second B, intermediate (%lld) must be a multiple of 128",
-                fn, (long long)I);
   const int64_t dt_cols = (I + 127) / 128;
   if (lda < k || lda % 8 != 0 || ldb < I || ldb % 8 != 0 || ldh < 2 * I || ldh % 8 != 0 || lddh < 2 * I ||
       lddh % 8 != 0 || ldaw < I || ldaw % 8 != 0 || dt_ld < dt_cols)
@@ -493,7 +486,7 @@ int prepare_swiglu_bwd(const SwigluBwdGemmArgs& args, const char* fn, SwigluBwdL
                 "lddh %lld, ldaw %lld); dt_ld %lld must be >= %lld",
                 fn, (long long)lda, (long long)ldb, (long long)ldh, (long long)lddh, (long long)ldaw, (long long)dt_ld,
                 (long long)dt_cols);
-  if (b_groups > 1 && (b_group_stride < k * ldb || b_group_stride % 8 != 0))
+  if (num_groups > 1 && (b_group_stride < k * ldb || b_group_stride % 8 != 0))
     return fail(kGemmInvalidArgument, err, err_len, "%s: b_group_stride = %lld, must be >= hidden * ldb, multiple of 8",
                 fn, (long long)b_group_stride);
   if (!(clamp_limit >= 0.f))
@@ -522,8 +515,8 @@ int prepare_swiglu_bwd(const SwigluBwdGemmArgs& args, const char* fn, SwigluBwdL
     if (int r = make_map(&ma, dy_pool, 2, dims, strides, box, err, err_len)) return r;
   }
   {
-    const int64_t gs = b_groups > 1 ? b_group_stride : k * ldb;
-    const uint64_t dims[3] = {(uint64_t)I, (uint64_t)k, (uint64_t)(b_groups > 0 ? b_groups : 1)};
+    const int64_t gs = num_groups > 1 ? b_group_stride : k * ldb;
+    const uint64_t dims[3] = {(uint64_t)I, (uint64_t)k, (uint64_t)num_groups};
     const uint64_t strides[2] = {(uint64_t)ldb * 2, (uint64_t)gs * 2};
     const uint32_t box[3] = {64, 64, 1};
     if (int r = make_map(&mb, w2, 3, dims, strides, box, err, err_len)) return r;
@@ -561,9 +554,6 @@ int prepare_swiglu_bwd(const SwigluBwdGemmArgs& args, const char* fn, SwigluBwdL
   p.ldaw = ldaw;
   p.dt_part = dt_part;
   p.dt_ld = (int32_t)dt_ld;
-  out->b2 = mb;
-  if (second)  // the second B is the MN-major w2_2 [slabs, hidden, chunks * I]: the NT layout's map, 64 x 64 boxes
-    if (int r = second_b_map(args.second_b, 3, num_groups, k, I, I, 64, &out->b2, &p, fn, err, err_len)) return r;
   return kGemmOk;
 }
 
@@ -576,15 +566,10 @@ int m_grouped_bf16_gemm_swiglu_bwd(const SwigluBwdGemmArgs& args, cudaStream_t s
   const int64_t tiles = max_m_blocks(args.m_total, args.num_groups) * ((args.intermediate + 127) / 128);
   constexpr int kStages = 4;
   constexpr auto kernel = &m_grouped_swiglu_bwd_pp_kernel<kStages>;
-  constexpr auto kernel_second_b = &m_grouped_swiglu_bwd_pp_kernel<kStages, true>;
   constexpr int smem = SwigluBwdPPLayout<kStages>::kSmemBytes;
-  const bool second = args.second_b.b2 != nullptr;
-  cudaError_t e = second ? set_max_dynamic_smem<kernel_second_b>(smem) : set_max_dynamic_smem<kernel>(smem);
+  cudaError_t e = set_max_dynamic_smem<kernel>(smem);
   if (e == cudaSuccess)
-    e = second ? launch_persistent<kernel_second_b>(kNumThreads, smem, tiles, l.sms, stream, l.a, l.b, l.h, l.dh, l.aw,
-                                                    l.p, l.b2)
-               : launch_persistent<kernel>(kNumThreads, smem, tiles, l.sms, stream, l.a, l.b, l.h, l.dh, l.aw, l.p,
-                                           l.b2);
+    e = launch_persistent<kernel>(kNumThreads, smem, tiles, l.sms, stream, l.a, l.b, l.h, l.dh, l.aw, l.p);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: %s", fn, cudaGetErrorString(e));
   return check_launch(fn, err, err_len);
 }

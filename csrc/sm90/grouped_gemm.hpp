@@ -33,7 +33,6 @@ namespace sm90 {
 //   SwiGLU L1 (I = intermediate):   bf16 [slabs, 2 * chunks * I, k], K contiguous (gate rows, then up rows);
 //   K-major "nt" (the L2, I = k):   bf16 [slabs, n, chunks * k];
 //   MN-major "nn" (the L1 dgrad, I = k / 2, k % 128 == 0): bf16 [slabs, 2 * chunks * I, n] (gate rows, then up rows).
-//   the L2 dgrad with the SwiGLU backward (I = intermediate, a multiple of 128): bf16 [slabs, hidden, chunks * I].
 // ldb2: row stride (elements, >= the contiguous extent, % 8 == 0); b2_group_stride: between experts (elements,
 // >= rows * ldb2, % 8 == 0), 16-byte aligned. Built for block_n 256 / 3 stages (the layer's passes; config must be
 // null or that).
@@ -186,8 +185,6 @@ struct SwigluBwdGemmArgs {
   float clamp_limit = 0.f;
   // caps the grid (0 = every multiprocessor)
   int num_sms = 0;
-  // shared experts as extra groups: w2_2 [slabs, hidden, chunks * I] (the L2's second B), I a multiple of 128
-  SecondB second_b;
 };
 
 int m_grouped_bf16_gemm_swiglu_bwd(const SwigluBwdGemmArgs& args, cudaStream_t stream, char* err, size_t err_len);

@@ -36,8 +36,6 @@ int make_wgrad_store_map(CUtensorMap* map, void* base, int64_t rows, int64_t col
 int mega_moe_bwd_bf16(const MegaBwdArgs& a, cudaStream_t stream, char* err, size_t err_len) {
   clear_err(err, err_len);
   const char* fn = "mega_moe_bwd_bf16";
-  if (a.l2.second_b.b2 != nullptr)
-    return fail(kGemmInvalidArgument, err, err_len, "%s: takes no second B (the grouped kernels do)", fn);
   SwigluBwdLaunch l;
   if (int r = prepare_swiglu_bwd(a.l2, fn, &l, err, err_len)) return r;
   const int64_t m_total = a.l2.m_total, H = a.l2.hidden, I = a.l2.intermediate;

@@ -15,7 +15,6 @@ namespace sm90 {
 // grid cap (the device's SMs, capped by num_sms).
 struct SwigluBwdLaunch {
   CUtensorMap a, b, h, dh, aw;
-  CUtensorMap b2;  // the second B's (args.second_b), else a copy of b
   MGroupedParams p;
   int sms;
 };

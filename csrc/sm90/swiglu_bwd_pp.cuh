@@ -278,15 +278,11 @@ struct SwigluBwdTileEpilogue {
   }
 };
 
-// kSecondB (shared experts as extra groups, as in m_grouped_gemm.cuh): group num_b_groups + v reads w2's columns
-// [j I, (j + 1) I) of slab v / b2_chunks of tmap_b2 (w2_2 [S, H, b2_inter]), j = v % b2_chunks; the host keeps I a
-// multiple of the tile's 128 columns there, so no tile reads past its chunk.
-template <int kNumStages, bool kSecondB = false>
+template <int kNumStages>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_swiglu_bwd_pp_kernel(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                                    const __grid_constant__ CUtensorMap tmap_h, const __grid_constant__ CUtensorMap tmap_dh,
-                                   const __grid_constant__ CUtensorMap tmap_aw, const MGroupedParams p,
-                                   const __grid_constant__ CUtensorMap tmap_b2) {
+                                   const __grid_constant__ CUtensorMap tmap_aw, const MGroupedParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using L = SwigluBwdPPLayout<kNumStages>;
   constexpr int kBlockM = L::kBlockM;
@@ -356,19 +352,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
           ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
           ptx::tma_load_2d(sa, &tmap_a, &full_bar[stage], kb * kBlockK, w.row0);
-          const CUtensorMap* map_b = &tmap_b;
-          int slab = w.g, col0 = w.n0;
-          if constexpr (kSecondB) {
-            if (w.g >= p.num_b_groups) {
-              const int v = w.g - p.num_b_groups;
-              slab = v / p.b2_chunks;
-              col0 = (v - slab * p.b2_chunks) * p.n + w.n0;
-              map_b = &tmap_b2;
-            }
-          }
 #pragma unroll
           for (int j = 0; j < kBlockN / 64; ++j)
-            ptx::tma_load_3d_hint(sb + j * L::kMnBoxBytes, map_b, &full_bar[stage], col0 + 64 * j, kb * kBlockK, slab,
+            ptx::tma_load_3d_hint(sb + j * L::kMnBoxBytes, &tmap_b, &full_bar[stage], w.n0 + 64 * j, kb * kBlockK, w.g,
                                   pol_b);
           advance_stage<kNumStages>(stage, phase);
         }

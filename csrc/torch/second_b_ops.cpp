@@ -1,8 +1,8 @@
-// torch.ops.prime_kernels.m_grouped_bf16_gemm_second_b, m_grouped_bf16_gemm_swiglu_second_b and
-// m_grouped_bf16_gemm_swiglu_bwd_second_b: the m-grouped BF16 GEMMs whose last groups read a second weight tensor
-// (shared experts as extra groups of the routed experts' launch; the pk_*_second_b entry points). CUDA only here;
-// prime_kernels.second_b registers the CPU kernels (the first B with the second's chunks as experts of their own)
-// and the fake kernels.
+// torch.ops.prime_kernels.m_grouped_bf16_gemm_second_b and m_grouped_bf16_gemm_swiglu_second_b: the m-grouped BF16
+// GEMMs whose last groups read a second weight tensor (shared experts as extra groups of the routed experts' launch;
+// the pk_*_second_b entry points); and m_grouped_bf16_gemm_swiglu_bwd_into_, the L2 dgrad with the SwiGLU backward
+// into given outputs (for its two launches, routed then shared). CUDA only here; prime_kernels.second_b registers the
+// CPU kernels (the first B with the second's chunks as experts of their own) and the fake kernels.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
@@ -92,30 +92,45 @@ std::tuple<Tensor, Tensor> m_grouped_bf16_gemm_swiglu_second_b(Tensor a, Tensor 
   return {s, h};
 }
 
-// The L2 dgrad with the SwiGLU backward: w2 [E, H, I], w2_2 [S, H, chunks * I] (I a multiple of 128).
-std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd_second_b(Tensor dy_pool, Tensor w2, Tensor w2_2,
-                                                                           Tensor group_offsets, Tensor h,
-                                                                           Tensor pool_src_route, Tensor topk_weights,
-                                                                           int64_t chunks, double clamp,
-                                                                           int64_t num_sms) {
-  const char* op = "m_grouped_bf16_gemm_swiglu_bwd_second_b";
+// The L2 dgrad with the SwiGLU backward into given outputs (pk_m_grouped_bf16_gemm_swiglu_bwd): dh [M, 2I], aw
+// [M, I] bf16 and dt_part [M, ceil(I / 128)] fp32, written on the rows of the groups only, so that two launches over
+// disjoint groups (the routed experts with w2, the shared chunks with theirs) fill one set of outputs.
+void m_grouped_bf16_gemm_swiglu_bwd_into_(Tensor dy_pool, Tensor w2, Tensor group_offsets, Tensor h,
+                                          Tensor pool_src_route, Tensor topk_weights, Tensor dh, Tensor aw,
+                                          Tensor dt_part, double clamp, int64_t num_sms) {
+  const char* op = "m_grouped_bf16_gemm_swiglu_bwd_into_";
   const int sms = check_num_sms(num_sms, op);
-  check_bf16_cuda(dy_pool, op, "dy_pool", 2);  // before its device index is used
+  check_bf16_cuda(dy_pool, op, "dy_pool", 2);
+  check_bf16_cuda(w2, op, "w2", 3);
+  check_bf16_cuda(h, op, "h", 2);
+  const int32_t num_groups = check_offsets(group_offsets, dy_pool, op);
+  const int64_t m = dy_pool.size(0), hidden = dy_pool.size(1), inter = w2.size(2), n_blocks = (inter + 127) / 128;
+  STD_TORCH_CHECK(w2.size(0) == num_groups && w2.size(1) == hidden && w2.stride(2) == 1 && inter % 64 == 0 &&
+                      h.size(0) >= m && h.size(1) == 2 * inter,
+                  "prime_kernels.", op, ": w2 [num_groups, H, I] (I a multiple of 64, contiguous), h [>= M, 2I]");
+  check_bf16_cuda(dh, op, "dh", 2);
+  check_bf16_cuda(aw, op, "aw", 2);
+  STD_TORCH_CHECK(dh.size(0) == m && dh.size(1) == 2 * inter && aw.size(0) == m && aw.size(1) == inter &&
+                      dt_part.scalar_type() == ScalarType::Float && dt_part.is_cuda() && dt_part.dim() == 2 &&
+                      dt_part.size(0) == m && dt_part.size(1) == n_blocks && dt_part.stride(1) == 1,
+                  "prime_kernels.", op, ": dh [M, 2I], aw [M, I] bf16 and dt_part fp32 [M, ceil(I / 128)] expected");
+  STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.is_contiguous() &&
+                      pool_src_route.numel() >= m && pool_src_route.is_cuda() &&
+                      topk_weights.scalar_type() == ScalarType::Float && topk_weights.is_contiguous() &&
+                      topk_weights.is_cuda(),
+                  "prime_kernels.", op, ": pool_src_route contiguous CUDA int32 [>= M], topk_weights contiguous fp32");
+  for (const Tensor* t : {&w2, &h, &dh, &aw, &dt_part, &pool_src_route, &topk_weights, &group_offsets})
+    STD_TORCH_CHECK(t->get_device_index() == dy_pool.get_device_index(), "prime_kernels.", op,
+                    ": every tensor on dy_pool's device");
   torch::stable::accelerator::DeviceGuard guard(dy_pool.get_device_index());
-  SwigluBwdOperands o =
-      swiglu_bwd_operands(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, op, w2.dim() == 3 ? w2.size(0) : -1);
-  const PkSecondB sb = second_b(w2, w2_2, chunks, o.num_groups, op);
-  STD_TORCH_CHECK(w2_2.size(1) == o.hidden && w2_2.size(2) == chunks * o.inter, "prime_kernels.", op,
-                  ": w2_2 must be [S, H, chunks * I] = [S, ", o.hidden, ", ", chunks * o.inter, "]");
-  check_core(pk_m_grouped_bf16_gemm_swiglu_bwd_second_b(
-                 dy_pool.data_ptr(), dy_pool.stride(0), w2.data_ptr(), w2.stride(1), w2.stride(0), &sb, h.data_ptr(),
+  check_core(pk_m_grouped_bf16_gemm_swiglu_bwd(
+                 dy_pool.data_ptr(), dy_pool.stride(0), w2.data_ptr(), w2.stride(1), w2.stride(0), h.data_ptr(),
                  h.stride(0), static_cast<const int32_t*>(pool_src_route.data_ptr()),
-                 static_cast<const float*>(topk_weights.data_ptr()), topk_weights.numel(), o.dh.data_ptr(),
-                 o.dh.stride(0), o.aw.data_ptr(), o.aw.stride(0), static_cast<float*>(o.dt_part.data_ptr()),
-                 o.n_blocks, static_cast<const int32_t*>(group_offsets.data_ptr()), o.num_groups, o.m_total, o.inter,
-                 o.hidden, static_cast<float>(clamp), sms, current_cuda_stream(dy_pool.get_device_index())),
+                 static_cast<const float*>(topk_weights.data_ptr()), topk_weights.numel(), dh.data_ptr(),
+                 dh.stride(0), aw.data_ptr(), aw.stride(0), static_cast<float*>(dt_part.data_ptr()), dt_part.stride(0),
+                 static_cast<const int32_t*>(group_offsets.data_ptr()), num_groups, m, inter, hidden,
+                 static_cast<float>(clamp), sms, current_cuda_stream(dy_pool.get_device_index())),
              op);
-  return {o.dh, o.aw, o.dt_part};
 }
 
 }  // namespace
@@ -126,13 +141,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(prime_kernels, m) {
   m.def("m_grouped_bf16_gemm_swiglu_second_b(Tensor a, Tensor w13, Tensor w13_2, Tensor group_offsets, "
         "Tensor? a_row_index, int m_total, bool save_h, int chunks, float clamp=0.0, int num_sms=0) -> "
         "(Tensor s, Tensor h)");
-  m.def("m_grouped_bf16_gemm_swiglu_bwd_second_b(Tensor dy_pool, Tensor w2, Tensor w2_2, Tensor group_offsets, "
-        "Tensor h, Tensor pool_src_route, Tensor topk_weights, int chunks, float clamp=0.0, int num_sms=0) -> "
-        "(Tensor, Tensor, Tensor)");
+  m.def("m_grouped_bf16_gemm_swiglu_bwd_into_(Tensor dy_pool, Tensor w2, Tensor group_offsets, Tensor h, "
+        "Tensor pool_src_route, Tensor topk_weights, Tensor(a!) dh, Tensor(b!) aw, Tensor(c!) dt_part, "
+        "float clamp=0.0, int num_sms=0) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("m_grouped_bf16_gemm_second_b", TORCH_BOX(&m_grouped_bf16_gemm_second_b));
   m.impl("m_grouped_bf16_gemm_swiglu_second_b", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_second_b));
-  m.impl("m_grouped_bf16_gemm_swiglu_bwd_second_b", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_bwd_second_b));
+  m.impl("m_grouped_bf16_gemm_swiglu_bwd_into_", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_bwd_into_));
 }

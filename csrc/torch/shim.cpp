@@ -73,7 +73,7 @@ int check_num_sms(int64_t num_sms, const char* op) {
 // every row (the grouped backward's d topk_weights) reads nothing uninitialised.
 SwigluBwdOperands swiglu_bwd_operands(const Tensor& dy_pool, const Tensor& w2, const Tensor& group_offsets,
                                       const Tensor& h, const Tensor& pool_src_route, const Tensor& topk_weights,
-                                      const char* op, int64_t w2_groups) {
+                                      const char* op) {
   check_bf16_cuda(dy_pool, op, "dy_pool", 2);
   check_bf16_cuda(w2, op, "w2", 3);
   check_bf16_cuda(h, op, "h", 2);
@@ -82,9 +82,8 @@ SwigluBwdOperands swiglu_bwd_operands(const Tensor& dy_pool, const Tensor& w2, c
   o.m_total = dy_pool.size(0);
   o.hidden = dy_pool.size(1);
   o.inter = w2.size(2);
-  STD_TORCH_CHECK(w2.size(0) == (w2_groups < 0 ? o.num_groups : w2_groups) && w2.size(1) == o.hidden &&
-                      w2.stride(2) == 1,
-                  "prime_kernels.", op, ": w2 must be [num_groups, H, I] (I contiguous) with H = dy's columns");
+  STD_TORCH_CHECK(w2.size(0) == o.num_groups && w2.size(1) == o.hidden && w2.stride(2) == 1, "prime_kernels.", op,
+                  ": w2 must be [num_groups, H, I] (I contiguous) with H = dy's columns");
   STD_TORCH_CHECK(o.inter % 64 == 0, "prime_kernels.", op, ": I (w2's last dim) must be a multiple of 64, got ",
                   o.inter);
   STD_TORCH_CHECK(h.size(0) >= o.m_total && h.size(1) == 2 * o.inter, "prime_kernels.", op,

@@ -38,10 +38,9 @@ struct SwigluBwdOperands {
   int64_t m_total, hidden, inter, n_blocks;
   Tensor dh, aw, dt_part;
 };
-// w2_groups: w2's experts when they are not every group (the others read a second weight tensor), else -1.
 SwigluBwdOperands swiglu_bwd_operands(const Tensor& dy_pool, const Tensor& w2, const Tensor& group_offsets,
                                       const Tensor& h, const Tensor& pool_src_route, const Tensor& topk_weights,
-                                      const char* op, int64_t w2_groups = -1);
+                                      const char* op);
 
 // The rows an L1 with the SwiGLU epilogue reads: a_row_index's (checked: contiguous CUDA int32 [>= m_total]) or,
 // without one, a's first m_total rows. Returns the index pointer (null without one).

@@ -13,9 +13,11 @@ its weights are read in place from the shared tensors (no copy), chunk by chunk:
   reads columns [j I, (j + 1) I) of w2_2[s];
 - ``m_grouped_bf16_gemm_nn_second_b(a [M, 2I], w13 [E, 2I, H], w13_2 [S, 2 m I, H], offs, chunks=m)``: the L1
   dgrad (dh @ w13); chunk j reads the gate and up rows of the L1's chunk j.
-- ``m_grouped_bf16_gemm_swiglu_bwd_second_b(dy_pool, w2, w2_2, offs, h, pool_src_route, topk_weights, chunks=m)``:
-  the L2 dgrad with the SwiGLU backward; chunk j reads columns [j I, (j + 1) I) of w2_2's experts (I a multiple of
-  128 here).
+- ``m_grouped_bf16_gemm_swiglu_bwd_into(dy_pool, w2, offs, h, pool_src_route, topk_weights, (dh, aw, dt_part))``:
+  the L2 dgrad with the SwiGLU backward written into given outputs on the rows of its groups only, so that the
+  routed groups (w2) and the shared chunks (their w2 chunks as experts, a copy of the shared weight only) run as two
+  launches into one set of outputs. (A second B in that kernel changed its instructions for the routed experts
+  too, which would have put the verified BF16 backward's L2 dgrad back to unverified.)
 
 ``offs`` has E + S * m groups. The kernels are built for block_n 256 / 3 stages only; A is pooled (not gathered)
 except for the SwiGLU L1. Status entry ``m_grouped_gemm_second_b.bf16.sm90``.
@@ -29,7 +31,7 @@ from . import _lib, _status
 from .grouped_gemm import _sms
 
 __all__ = ["expand_chunks", "m_grouped_bf16_gemm_swiglu_second_b", "m_grouped_bf16_gemm_nt_second_b",
-           "m_grouped_bf16_gemm_nn_second_b", "m_grouped_bf16_gemm_swiglu_bwd_second_b"]
+           "m_grouped_bf16_gemm_nn_second_b", "m_grouped_bf16_gemm_swiglu_bwd_into"]
 
 STATUS_KEY_STEM = "m_grouped_gemm_second_b.bf16"
 
@@ -107,17 +109,17 @@ def m_grouped_bf16_gemm_nn_second_b(a: torch.Tensor, w13: torch.Tensor, w13_2: t
     return _gemm(a, w13, w13_2, group_offsets, False, chunks, num_sms)
 
 
-def m_grouped_bf16_gemm_swiglu_bwd_second_b(dy_pool: torch.Tensor, w2: torch.Tensor, w2_2: torch.Tensor,
-                                            group_offsets: torch.Tensor, h: torch.Tensor, pool_src_route: torch.Tensor,
-                                            topk_weights: torch.Tensor, *, chunks: int = 1,
-                                            clamp: float | None = None, num_sms: int | None = None):
-    """:func:`prime_kernels.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd` with groups E.. reading w2_2's chunks."""
-    chunks = _chunks(chunks)
+def m_grouped_bf16_gemm_swiglu_bwd_into(dy_pool: torch.Tensor, w2: torch.Tensor, group_offsets: torch.Tensor,
+                                        h: torch.Tensor, pool_src_route: torch.Tensor, topk_weights: torch.Tensor,
+                                        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *,
+                                        clamp: float | None = None, num_sms: int | None = None) -> None:
+    """:func:`prime_kernels.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd` into ``out`` = (dh [M, 2I], aw [M, I] bf16,
+    dt_part [M, ceil(I / 128)] fp32, the latter zeroed by the caller for rows no launch writes)."""
     _ready(dy_pool.device)
     if clamp is not None and not clamp > 0:
         raise ValueError(f"clamp must be > 0 (or None), got {clamp}")
-    return torch.ops.prime_kernels.m_grouped_bf16_gemm_swiglu_bwd_second_b(
-        dy_pool, w2, w2_2, group_offsets, h, pool_src_route, topk_weights.reshape(-1), chunks,
+    torch.ops.prime_kernels.m_grouped_bf16_gemm_swiglu_bwd_into_(
+        dy_pool, w2, group_offsets, h, pool_src_route, topk_weights.reshape(-1), *out,
         0.0 if clamp is None else float(clamp), _sms(num_sms))
 
 
@@ -144,20 +146,20 @@ def _register() -> None:
         inter = w13.shape[1] // 2
         return a.new_empty(m_total, inter), a.new_empty(m_total if save_h else 0, 2 * inter)
 
-    def swiglu_bwd_cpu(dy_pool, w2, w2_2, group_offsets, h, pool_src_route, topk_weights, chunks, clamp=0.0,
-                       num_sms=0):
-        both = torch.cat([w2, expand_chunks(w2_2, chunks, "w2")])
-        return ops.m_grouped_bf16_gemm_swiglu_bwd(dy_pool, both, group_offsets, h, pool_src_route, topk_weights, clamp,
-                                                  num_sms)
+    def swiglu_bwd_into_cpu(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, dh, aw, dt_part, clamp=0.0,
+                            num_sms=0):
+        got = ops.m_grouped_bf16_gemm_swiglu_bwd(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, clamp,
+                                                 num_sms)
+        rows = slice(int(group_offsets[0]), int(group_offsets[-1]))  # the rows of this launch's groups
+        for dst, src in zip((dh, aw, dt_part), got):
+            dst[rows] = src[rows]
 
-    def swiglu_bwd_fake(dy_pool, w2, w2_2, group_offsets, h, pool_src_route, topk_weights, chunks, clamp=0.0,
-                        num_sms=0):
-        M, inter = dy_pool.shape[0], w2.shape[2]
-        return (dy_pool.new_empty(M, 2 * inter), dy_pool.new_empty(M, inter),
-                dy_pool.new_empty(M, (inter + 127) // 128, dtype=torch.float32))
+    def swiglu_bwd_into_fake(dy_pool, w2, group_offsets, h, pool_src_route, topk_weights, dh, aw, dt_part, clamp=0.0,
+                             num_sms=0):
+        return None
 
-    torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu_bwd_second_b", "cpu", swiglu_bwd_cpu)
-    torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu_bwd_second_b", swiglu_bwd_fake)
+    torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu_bwd_into_", "cpu", swiglu_bwd_into_cpu)
+    torch.library.register_fake(lib + "m_grouped_bf16_gemm_swiglu_bwd_into_", swiglu_bwd_into_fake)
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_second_b", "cpu", gemm_cpu)
     torch.library.register_fake(lib + "m_grouped_bf16_gemm_second_b", gemm_fake)
     torch.library.register_kernel(lib + "m_grouped_bf16_gemm_swiglu_second_b", "cpu", swiglu_cpu)

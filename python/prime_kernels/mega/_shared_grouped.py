@@ -14,7 +14,8 @@ S shared experts is the routed layer with E + S * m experts and K + S * m routes
        the sum over its routes' B9.
 
 The shared groups come after the routed ones in every launch's tile order, so their tiles fill in behind the routed
-tiles. The weight gradients are two k-grouped launches each (the routed groups, then the shared ones). Forward and
+tiles. The L2 dgrad with the SwiGLU backward and the weight gradients are two launches each (the routed groups, then
+the shared ones). Forward and
 backward run every step through the ops, so on the CPU they run the ops' CPU kernels and are compared with the
 reference there (which computes SF2 on the weights with the chunks as experts).
 """
@@ -26,8 +27,8 @@ import torch
 from ._grouped import PaddingRows, _gathered_pool, _rows_for_kernels, _sms, _token_rows, _wgrad
 from ..combine import combine
 from ..routing import routing_plan
-from ..second_b import (m_grouped_bf16_gemm_nn_second_b, m_grouped_bf16_gemm_nt_second_b,
-                        m_grouped_bf16_gemm_swiglu_bwd_second_b, m_grouped_bf16_gemm_swiglu_second_b)
+from ..second_b import (expand_chunks, m_grouped_bf16_gemm_nn_second_b, m_grouped_bf16_gemm_nt_second_b,
+                        m_grouped_bf16_gemm_swiglu_bwd_into, m_grouped_bf16_gemm_swiglu_second_b)
 
 
 def chunks_of(inter: int, shared_inter: int) -> int | None:
@@ -100,9 +101,15 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, h_sa
     weights = topk_weights.float().contiguous()
     dy_pool = _gathered_pool(_rows_for_kernels(dy.to(torch.bfloat16)), route_to_pool, counts, offsets, capacity,
                              padding)
-    dh, a, dt_part = m_grouped_bf16_gemm_swiglu_bwd_second_b(dy_pool, w2, shared_w2, offsets, h, pool_src_route,
-                                                             weights, chunks=chunks, clamp=activation_clamp,
-                                                             num_sms=sms)
+    # the L2 dgrad as two launches into one set of outputs: the routed groups, then the shared chunks (their w2 columns
+    # as experts: a copy of the shared weight only)
+    inter = w2.shape[2]
+    dh = dy_pool.new_empty(capacity, 2 * inter)
+    a = dy_pool.new_empty(capacity, inter)
+    dt_part = dy_pool.new_zeros(capacity, -(-inter // 128), dtype=torch.float32)
+    for w2_part, offs in ((w2, offsets[: E + 1]), (expand_chunks(shared_w2, chunks, "w2"), offsets[E:])):
+        m_grouped_bf16_gemm_swiglu_bwd_into(dy_pool, w2_part, offs, h, pool_src_route, weights, (dh, a, dt_part),
+                                            clamp=activation_clamp, num_sms=sms)
     dt_pool = dt_part.new_empty(capacity + 1)
     dt_pool[capacity:].zero_()
     torch.sum(dt_part, 1, out=dt_pool[:capacity])
