@@ -40,8 +40,8 @@ def _pipeline(problem, chunks, clamp=None, recompute=False):
 
 
 def test_chunk_layouts_invert_each_other_and_routes_extend():
-    from prime_kernels.mega._shared_grouped import chunks_of, collapse_chunks, extended_routes
-    from prime_kernels.second_b import expand_chunks
+    from prime_kernels.mega._shared_grouped import chunks_of, extended_routes
+    from prime_kernels.second_b import collapse_chunks, expand_chunks
 
     w13 = torch.randn(2, 2 * 3 * 4, 5)
     w2 = torch.randn(2, 5, 3 * 4)
@@ -64,8 +64,7 @@ def test_pipeline_equals_the_reference_over_the_extended_routes_on_cpu(chunks, g
     routes: the same rounding points, so y and h equal and the gradients agree to the reference's own distance
     from the CPU ops (fp32 sums in another order)."""
     from prime_kernels.mega import reference
-    from prime_kernels.mega._shared_grouped import collapse_chunks
-    from prime_kernels.second_b import expand_chunks
+    from prime_kernels.second_b import collapse_chunks, expand_chunks
 
     problem = _shared_problem(45, 6, 128, 128, 3, 2, chunks, gate, seed=chunks)
     x, idx, w, w13, w2, sw13, sw2, sg, dy = problem
@@ -282,7 +281,7 @@ def test_fp8_pipeline_equals_the_reference_over_the_extended_routes_on_cpu(clamp
 
 
 def collapse(d, chunks, layout):
-    from prime_kernels.mega._shared_grouped import collapse_chunks
+    from prime_kernels.second_b import collapse_chunks
 
     return collapse_chunks(d, chunks, layout)
 

@@ -30,8 +30,8 @@ import torch
 from . import _lib, _status
 from .grouped_gemm import _sms
 
-__all__ = ["expand_chunks", "m_grouped_bf16_gemm_swiglu_second_b", "m_grouped_bf16_gemm_nt_second_b",
-           "m_grouped_bf16_gemm_nn_second_b", "m_grouped_bf16_gemm_swiglu_bwd_into"]
+__all__ = ["expand_chunks", "collapse_chunks", "m_grouped_bf16_gemm_swiglu_second_b",
+           "m_grouped_bf16_gemm_nt_second_b", "m_grouped_bf16_gemm_nn_second_b", "m_grouped_bf16_gemm_swiglu_bwd_into"]
 
 STATUS_KEY_STEM = "m_grouped_gemm_second_b.bf16"
 
@@ -39,8 +39,7 @@ STATUS_KEY_STEM = "m_grouped_gemm_second_b.bf16"
 def expand_chunks(b2: torch.Tensor, chunks: int, layout: str) -> torch.Tensor:
     """The second tensor's chunks as experts of their own, in the first tensor's layout (a copy): ``layout`` "w13"
     ([S, 2 m I, X] -> [S m, 2I, X], gate rows then up rows of each chunk) or "w2" ([S, H, m I] -> [S m, H, I])."""
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+    chunks = _chunks(chunks)
     S = b2.shape[0]
     if layout == "w13":
         if b2.shape[1] % (2 * chunks):
@@ -55,6 +54,21 @@ def expand_chunks(b2: torch.Tensor, chunks: int, layout: str) -> torch.Tensor:
             raise ValueError(f"w2_2's columns ({b2.shape[2]}) are not {chunks} chunks")
         inter = b2.shape[2] // chunks
         return b2.reshape(S, b2.shape[1], chunks, inter).permute(0, 2, 1, 3).reshape(S * chunks, b2.shape[1], inter)
+    raise ValueError(f"layout must be 'w13' or 'w2', got {layout!r}")
+
+
+def collapse_chunks(d: torch.Tensor, chunks: int, layout: str) -> torch.Tensor:
+    """The inverse of :func:`expand_chunks`: per-chunk tensors [S m, 2I, X] ("w13") or [S m, H, I] ("w2") back in the
+    second tensor's layout [S, 2 m I, X] or [S, H, m I]."""
+    chunks = _chunks(chunks)
+    S = d.shape[0] // chunks
+    if layout == "w13":
+        inter = d.shape[1] // 2
+        v = d.reshape(S, chunks, 2, inter, d.shape[2])
+        return v.permute(0, 2, 1, 3, 4).reshape(S, 2 * chunks * inter, d.shape[2])
+    if layout == "w2":
+        return d.reshape(S, chunks, d.shape[1], d.shape[2]).permute(0, 2, 1, 3).reshape(S, d.shape[1],
+                                                                                        chunks * d.shape[2])
     raise ValueError(f"layout must be 'w13' or 'w2', got {layout!r}")
 
 

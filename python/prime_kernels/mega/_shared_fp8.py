@@ -16,7 +16,7 @@ import torch
 
 from . import _fp8_bwd, _fp8_fwd, _fused
 from . import fp8 as _fp8
-from ._shared_grouped import collapse_chunks
+from ..second_b import collapse_chunks
 
 
 class CombinedWeights:

@@ -10,14 +10,13 @@ S shared experts is the routed layer with E + S * m experts and K + S * m routes
   SF2. F1-F6 and B1-B10 of :mod:`prime_kernels.mega.reference` over those routes, group E + s * m + j computing
        with chunk j of shared expert s (:func:`prime_kernels.second_b.expand_chunks`'s layout), so the combine (F5)
        sums routed and shared contributions in fp32 and rounds y once;
-  SF3. the shared weights' gradients are their chunks' B10 put back in place (:func:`collapse_chunks`), d gate is
+  SF3. the shared weights' gradients are their chunks' B10 put back in place (``collapse_chunks``), d gate is
        the sum over its routes' B9.
 
 The shared groups come after the routed ones in every launch's tile order, so their tiles fill in behind the routed
 tiles. The L2 dgrad with the SwiGLU backward and the weight gradients are two launches each (the routed groups, then
-the shared ones). Forward and
-backward run every step through the ops, so on the CPU they run the ops' CPU kernels and are compared with the
-reference there (which computes SF2 on the weights with the chunks as experts).
+the shared ones). Forward and backward run every step through the ops, so on the CPU they run the ops' CPU kernels
+and are compared with the reference there (which computes SF2 on the weights with the chunks as experts).
 """
 
 from __future__ import annotations
@@ -27,8 +26,9 @@ import torch
 from ._grouped import PaddingRows, _gathered_pool, _rows_for_kernels, _sms, _token_rows, _wgrad
 from ..combine import combine
 from ..routing import routing_plan
-from ..second_b import (expand_chunks, m_grouped_bf16_gemm_nn_second_b, m_grouped_bf16_gemm_nt_second_b,
-                        m_grouped_bf16_gemm_swiglu_bwd_into, m_grouped_bf16_gemm_swiglu_second_b)
+from ..second_b import (collapse_chunks, expand_chunks, m_grouped_bf16_gemm_nn_second_b,
+                        m_grouped_bf16_gemm_nt_second_b, m_grouped_bf16_gemm_swiglu_bwd_into,
+                        m_grouped_bf16_gemm_swiglu_second_b)
 
 
 def chunks_of(inter: int, shared_inter: int) -> int | None:
@@ -48,21 +48,6 @@ def extended_routes(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_expe
         g = shared_gate.reshape(T, -1).expand(T, num_shared)
         gate = g.repeat_interleave(chunks, dim=1)
     return idx.contiguous(), torch.cat([topk_weights, gate.to(topk_weights.dtype)], dim=1).contiguous()
-
-
-def collapse_chunks(d: torch.Tensor, chunks: int, layout: str) -> torch.Tensor:
-    """The inverse of :func:`prime_kernels.second_b.expand_chunks`: per-chunk tensors [S m, 2I, X] ("w13") or
-    [S m, H, I] ("w2") back in the shared weights' layout [S, 2 m I, X] or [S, H, m I]."""
-    Sm = d.shape[0]
-    S = Sm // chunks
-    if layout == "w13":
-        inter = d.shape[1] // 2
-        v = d.reshape(S, chunks, 2, inter, d.shape[2])
-        return v.permute(0, 2, 1, 3, 4).reshape(S, 2 * chunks * inter, d.shape[2])
-    if layout == "w2":
-        return d.reshape(S, chunks, d.shape[1], d.shape[2]).permute(0, 2, 1, 3).reshape(S, d.shape[1],
-                                                                                        chunks * d.shape[2])
-    raise ValueError(f"layout must be 'w13' or 'w2', got {layout!r}")
 
 
 def forward(x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, *, chunks: int, activation_clamp=None,

@@ -9,7 +9,8 @@ weight-gradient accumulators, no returned plan, the shared intermediate a multip
 ``m_grouped_gemm_second_b.bf16.sm90`` for bf16 (the grouped pipeline on the second-B GEMMs),
 ``mega_moe_shared.fp8.sm90`` for fp8 (the FP8 layer on the combined FP8 weight copies). The layer path's entries
 stay short of "available" until it has run on a GPU and been measured against the second pass
-(bench/bench_shared.py), which runs otherwise. Elsewhere the shared experts run as a second pass of the layer (:mod:`prime_kernels.mega.shared`).
+(bench/bench_shared.py). Elsewhere the shared experts run as a second pass of the layer
+(:mod:`prime_kernels.mega.shared`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _backend, _shared_fp8, _shared_grouped, _validate
-from .constants import GROUPED_MAX_EXPERTS
+from .constants import FUSED_MAX_EXPERTS, GROUPED_MAX_EXPERTS
 from .. import _status
 from ..routing import pool_capacity
 from ..second_b import STATUS_KEY_STEM
@@ -65,8 +66,6 @@ def reason(x: Tensor, w13: Tensor, shared_w13: Tensor, *, backend: str, precisio
 
 def _fp8_fused_forward(backend: str, activation_clamp, num_groups: int) -> bool:
     """Whether the FP8 forward runs the fused kernel (else the FP8 forward pipeline, which takes a clamp)."""
-    from .constants import FUSED_MAX_EXPERTS  # noqa: PLC0415
-
     return (backend in ("auto", "fused") and activation_clamp is None and num_groups <= FUSED_MAX_EXPERTS
             and _backend._fused_reason("fp8", "fwd") is None)
 
@@ -175,7 +174,7 @@ def layer(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Te
     idx, weights = _shared_grouped.extended_routes(topk_idx, topk_weights, E, shared_w13.shape[0], chunks,
                                                    shared_gate)
     save_h = not recompute and torch.is_grad_enabled()
-    fused = precision == "fp8" and _fp8_fused_forward(backend, activation_clamp, idx.shape[1] - topk_idx.shape[1] + E)
+    fused = precision == "fp8" and _fp8_fused_forward(backend, activation_clamp, E + shared_w13.shape[0] * chunks)
     y = mega_moe_shared_fwd(x, idx, weights, w13, w2, shared_w13, shared_w2, chunks, activation_clamp, block_m,
                             save_h, num_sms, precision, fused)[0]
     ids.finish()
