@@ -30,10 +30,28 @@ pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")
 D, F, E, K = 64, 32, 8, 2
 
 
-def build_moe(seed, *, dim=D, hidden=F, experts=E, top_k=K, device=None, score_func="softmax", route_norm=True):
+def shared_config(kind, dim=D, hidden=2 * F):
+    """TorchTitan's shared-expert config: None, its plain FeedForward ("plain") or the sigmoid-gated one ("gated")."""
+    if kind is None:
+        return None
+    from torchtitan.models.common.config_utils import make_ffn_config
+    from torchtitan.models.common.feed_forward import SigmoidGatedFeedForward
+    from torchtitan.models.common.linear import Linear
+
+    init = {"weight": partial(nn.init.normal_, std=0.2)}
+    ffn = make_ffn_config(dim=dim, hidden_dim=hidden, w1_param_init=init, w2w3_param_init=init)
+    if kind == "plain":
+        return ffn
+    return SigmoidGatedFeedForward.Config(w1=ffn.w1, w2=ffn.w2, w3=ffn.w3,
+                                          gate=Linear.Config(in_features=dim, out_features=1, param_init=init))
+
+
+def build_moe(seed, *, dim=D, hidden=F, experts=E, top_k=K, device=None, score_func="softmax", route_norm=True,
+              shared=None, shared_hidden=2 * F):
     torch.manual_seed(seed)
     init = partial(nn.init.normal_, std=0.2)
     cfg = make_moe_config(
+        shared_experts=shared_config(shared, dim, shared_hidden),
         num_experts=experts,
         router=make_router_config(dim=dim, num_experts=experts, gate_param_init={"weight": init}, top_k=top_k,
                                   score_func=score_func, route_norm=route_norm),
@@ -364,3 +382,116 @@ print("ok", errs)
     # One CPU rank: hide GPUs, or FSDP2 would put its mesh (and the shards) on CUDA next to CPU inputs.
     res = run_python(code, env={"CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared experts
+# ------------------------------------------------------------------------------------------------
+
+
+def _all_grads(moe):
+    """Every parameter's gradient by TorchTitan's names (w1/w3 out of the fused w13)."""
+    out = {}
+    for k, p in moe.named_parameters():
+        if k.endswith("inner_experts.w13"):
+            half = p.shape[1] // 2
+            out[k[:-3] + "w1_EFD"], out[k[:-3] + "w3_EFD"] = p.grad[:, :half], p.grad[:, half:]
+        else:
+            out[k] = p.grad
+    return out
+
+
+@pytest.mark.parametrize("kind", ["plain", "gated"])
+def test_shared_experts_exact_in_float64(kind, monkeypatch):
+    """The shared FeedForward wrapped with the same keys. In float64 on backend="reference": where the shared experts
+    run beside the routed call (the CPU: their path inside the launches is CUDA only) their parameters' gradients
+    equal TorchTitan's eager layer's (whose routed experts round to bf16, so y only within 1e-2); with the choice
+    forced to the routed call taking them (shared_w13 = [w1; w3], the sigmoid gate as shared_gate), y, dX and every
+    parameter's gradient (the gate's included) equal the run beside."""
+    titan = build_moe(30, shared=kind).double()
+    beside = copy.deepcopy(titan)
+    pk_tt.apply(beside, backend="reference")
+    inside = copy.deepcopy(beside)
+    assert isinstance(beside.shared_experts, pk_tt.MegaMoESharedExperts)
+    assert beside.shared_experts.gated == (kind == "gated")
+    assert sorted(beside.state_dict().keys()) == sorted(titan.state_dict().keys())
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(2, 9, D, generator=g, dtype=torch.float64)
+    dy = torch.randn(2, 9, D, generator=g, dtype=torch.float64)
+    y_t, _ = run(titan, x, dy)
+    y_b, dx_b = run(beside, x, dy)
+    assert rel_err(y_b, y_t) < 1e-2
+    got, want = _all_grads(beside), _all_grads(titan)
+    assert sorted(got) == sorted(want)
+    for k in (k for k in want if k.startswith("shared_experts.")):
+        assert rel_err(got[k], want[k]) < 1e-12, k
+
+    calls = []
+    monkeypatch.setattr(pk_tt.MegaMoESharedExperts, "runs_inside", lambda self, x2d, w13: True)
+    real = pk_tt.mega_moe
+
+    def spy(*args, **kw):
+        calls.append(sorted(k for k in kw if k.startswith("shared")))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pk_tt, "mega_moe", spy)
+    y_i, dx_i = run(inside, x, dy)
+    assert calls == [["shared_gate", "shared_w13", "shared_w2"] if kind == "gated" else ["shared_w13", "shared_w2"]]
+    assert inside.shared_experts(x) is None
+    assert rel_err(y_i, y_b) < 1e-12 and rel_err(dx_i, dx_b) < 1e-12
+    got_i = _all_grads(inside)
+    for k, gb in got.items():
+        assert got_i[k] is not None and rel_err(got_i[k], gb) < 1e-12, k
+
+
+def test_other_shared_modules_are_left_alone():
+    """A shared-expert module that is not TorchTitan's plain or gated FeedForward (here one with biases) keeps
+    running as the model wrote it."""
+    titan = build_moe(32, shared="plain")
+    titan.shared_experts.w2.bias = nn.Parameter(torch.zeros(D))
+    ours = copy.deepcopy(titan)
+    pk_tt.apply(ours, backend="reference")
+    assert type(ours.shared_experts) is type(titan.shared_experts)
+
+
+def test_shared_experts_survive_a_second_apply():
+    moe = build_moe(33, shared="gated")
+    pk_tt.apply(moe, backend="reference")
+    wrapper = moe.shared_experts
+    pk_tt.apply(moe, backend="auto")
+    assert moe.shared_experts is wrapper and wrapper._routed is moe.routed_experts
+    assert moe.routed_experts.backend == "auto"
+
+
+def _shared_inside_skip_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    from prime_kernels.mega import _shared_ops
+
+    x = torch.empty(64, 256, device="cuda")
+    return _shared_ops.reason(x, torch.empty(8, 256, 256, device="meta"), torch.empty(1, 512, 256, device="meta"),
+                              backend="auto", precision="bf16", ep_size=1, accumulators=False, return_plan=False,
+                              activation_clamp=None)
+
+
+@pytest.mark.skipif(_shared_inside_skip_reason() is not None, reason=str(_shared_inside_skip_reason()))
+@pytest.mark.parametrize("kind", ["plain", "gated"])
+def test_gpu_shared_experts_inside_the_routed_call_match_torchtitan(kind, monkeypatch):
+    """On the GPU where the shared experts run inside the routed experts' launches: fp32 master weights, bf16
+    compute, the layer (shared expert of 2 x the routed width) against TorchTitan's on the same weights and inputs,
+    forward and every gradient."""
+    monkeypatch.delenv("PRIME_KERNELS_ALLOW_REFERENCE_FALLBACK", raising=False)
+    dim, hidden = 256, 128
+    titan = build_moe(34, dim=dim, hidden=hidden, shared=kind, shared_hidden=2 * hidden).cuda()
+    ours = copy.deepcopy(titan)
+    pk_tt.apply(ours, backend="auto")
+    g = torch.Generator(device="cuda").manual_seed(36)
+    x = torch.randn(4, 130, dim, device="cuda", generator=g)
+    dy = torch.randn(4, 130, dim, device="cuda", generator=g)
+    assert ours.shared_experts.runs_inside(x.reshape(-1, dim), ours.routed_experts.inner_experts.w13)
+    y_t, dx_t = run(titan, x, dy)
+    y_o, dx_o = run(ours, x, dy)
+    assert rel_err(y_o, y_t) < 2e-2 and rel_err(dx_o, dx_t) < 3e-2
+    got, want = _all_grads(ours), _all_grads(titan)
+    for k, gt in want.items():
+        assert got[k] is not None and rel_err(got[k], gt) < 3e-2, k

@@ -6,7 +6,7 @@ GEMMs (``inner_experts``: ``GroupedExperts`` with ``w1_EFD``/``w3_EFD [E, F, D]`
 ``w2_EDF [E, D, F]``) and combines them, applying the router scores in the combine.
 :func:`apply` replaces every ``routed_experts`` by :class:`MegaMoERoutedExperts`, which does
 dispatch, experts and combine in one :func:`prime_kernels.mega.mega_moe` call with the same forward
-signature, so ``MoE.forward`` (router, load-balancing counters, shared experts) is unchanged::
+signature, so ``MoE.forward`` (router, load-balancing counters, the sum with the shared experts) is unchanged::
 
     import prime_kernels.integrations.torchtitan as pk_tt
     switched = pk_tt.apply(model)          # backend="auto"; names of the MoE layers switched
@@ -17,6 +17,14 @@ Weights: w1 (gate) and w3 (up) are fused once into one parameter ``w13 [E, 2F, D
 ``state_dict()`` presents ``w1_EFD`` and ``w3_EFD`` as views of ``w13`` (in-place loads, e.g.
 DCP, write through them) and ``load_state_dict`` accepts them. ``init_states()`` applies the
 original ``w1_EFD``/``w3_EFD``/``w2_EDF`` initialisers to the fused halves.
+
+Shared experts: a layer's ``shared_experts`` that is TorchTitan's plain ``FeedForward`` (w1/w2/w3, no biases) or
+``SigmoidGatedFeedForward`` (its ``gate`` one output per token) becomes :class:`MegaMoESharedExperts`, the same
+Linear modules under the same keys. On every call where the shared experts can run inside the routed experts'
+launches (``prime_kernels.mega._shared_ops.reason``: CUDA, one rank, the shapes that path takes, its kernels
+available), the routed experts' ``mega_moe`` call takes them (``shared_w13 = [w1; w3]``, ``shared_w2 = w2``,
+``shared_gate`` = the sigmoid gate) and the shared module returns nothing for ``MoE.forward`` to add; on every other
+call the shared module computes its FeedForward as TorchTitan does. Other shared-expert modules are left as they are.
 
 Numerics: tokens and weights are cast to bfloat16 as TorchTitan's grouped-mm experts do (fp32
 master weights get fp32 gradients), router scores are applied in fp32 at the combine; the output
@@ -38,10 +46,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..mega import mega_moe
+from ..mega import _shared_ops, mega_moe
 from ._common import UnsupportedLayerError, check_backend, compute_dtypes, fail
 
 try:
+    from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedForward
     from torchtitan.models.common.moe import MoE, GroupedExperts, RoutedExperts
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
     from torchtitan.protocols.module import Module as _TitanModule
@@ -103,6 +112,51 @@ def _merge_w13_on_load(module, state_dict, prefix, local_metadata, strict, missi
         state_dict[prefix + "w13"] = torch.cat([state_dict.pop(k1), state_dict.pop(k3)], dim=1)
 
 
+class MegaMoESharedExperts(_TitanModule):
+    """A layer's shared SwiGLU expert (TorchTitan's ``FeedForward`` or ``SigmoidGatedFeedForward``) with the same
+    Linear children (``w1``, ``w2``, ``w3``, and ``gate`` when gated, so the same state-dict keys and initialisers),
+    whose work the layer's :class:`MegaMoERoutedExperts` takes into its ``mega_moe`` call where it can run inside the
+    routed experts' launches (then ``forward`` returns None and ``MoE.forward`` adds nothing)."""
+
+    def __init__(self, feed_forward: nn.Module, routed: "MegaMoERoutedExperts"):
+        nn.Module.__init__(self)
+        for name in ("w1", "w2", "w3", "gate"):
+            if hasattr(feed_forward, name):
+                setattr(self, name, getattr(feed_forward, name))
+        self.gated = hasattr(feed_forward, "gate")
+        # TorchTitan's per-module init and sharding configuration, as the replaced module had them
+        self._param_init = getattr(feed_forward, "_param_init", None)
+        self._sharding_config = getattr(feed_forward, "_sharding_config", None)
+        self.__dict__["_routed"] = routed  # not a child: its parameters stay under routed_experts only
+        routed.__dict__["_shared_experts"] = self
+
+    def runs_inside(self, x2d: torch.Tensor, w13: torch.Tensor) -> bool:
+        """Whether this call's shared expert runs inside the routed experts' launches: a function of the inputs'
+        shapes, devices and the kernels' status only, so the two modules of one layer always agree."""
+        if any(_is_dtensor(m.weight) for m in (self.w1, self.w2, self.w3)):
+            return False
+        F, D = self.w1.weight.shape
+        shared_w13 = torch.empty((1, 2 * F, D), device="meta")
+        return _shared_ops.reason(x2d, w13, shared_w13, backend=self._routed.backend, precision="bf16", ep_size=1,
+                                  accumulators=False, return_plan=False, activation_clamp=None) is None
+
+    def mega_moe_args(self, x2d: torch.Tensor, io: torch.dtype, weight_dtype: torch.dtype) -> dict:
+        """The shared experts' arguments of the routed experts' mega_moe call (the gate in the routing weights'
+        dtype)."""
+        args = dict(shared_w13=torch.cat([self.w1.weight, self.w3.weight], 0).to(io),
+                    shared_w2=self.w2.weight.to(io))
+        if self.gated:
+            args["shared_gate"] = torch.sigmoid(self.gate(x2d)).to(weight_dtype).reshape(x2d.shape[0])
+        return args
+
+    def forward(self, x_BLD: torch.Tensor) -> Optional[torch.Tensor]:
+        routed = self._routed
+        if self.runs_inside(x_BLD.reshape(-1, x_BLD.shape[-1]), routed.inner_experts.w13):
+            return None
+        out = self.w2(nn.functional.silu(self.w1(x_BLD)) * self.w3(x_BLD))
+        return torch.sigmoid(self.gate(x_BLD)) * out if self.gated else out
+
+
 class MegaMoERoutedExperts(_TitanModule):
     """Drop-in for TorchTitan's ``RoutedExperts``: dispatch + SiLU-gated experts + weighted combine
     in one :func:`prime_kernels.mega.mega_moe` call (same forward signature and output)."""
@@ -133,9 +187,11 @@ class MegaMoERoutedExperts(_TitanModule):
             fail(type(self).__name__, "DTensor inputs or weights in the forward: tensor/expert-parallel sharding of "
                                       "the routed experts is not supported by this adapter")
         io, wdt = compute_dtypes(x_BLD.dtype)
-        y = mega_moe(x_BLD.reshape(T, D).to(io), topk_expert_ids_BLK.reshape(T, K).long(),
-                     topk_scores_BLK.reshape(T, K).to(wdt), w13.to(io), w2.to(io), backend=self.backend,
-                     num_experts=w13.shape[0])
+        x2d = x_BLD.reshape(T, D)
+        shared = self.__dict__.get("_shared_experts")
+        shared_args = shared.mega_moe_args(x2d, io, wdt) if shared is not None and shared.runs_inside(x2d, w13) else {}
+        y = mega_moe(x2d.to(io), topk_expert_ids_BLK.reshape(T, K).long(), topk_scores_BLK.reshape(T, K).to(wdt),
+                     w13.to(io), w2.to(io), backend=self.backend, num_experts=w13.shape[0], **shared_args)
         return y.to(x_BLD.dtype).view(B, L, D)
 
     def extra_repr(self) -> str:
@@ -178,6 +234,19 @@ def _check_routed_experts(routed: nn.Module, where: str) -> int:
     if inner.w1_EFD.dtype != inner.w3_EFD.dtype or inner.w1_EFD.device != inner.w3_EFD.device:
         fail(where, "w1_EFD and w3_EFD differ in dtype or device")
     return int(getattr(disp, "top_k", 0) or 0)
+
+
+def _fusable_shared_experts(moe: nn.Module) -> bool:
+    """TorchTitan's plain or sigmoid-gated SwiGLU FeedForward as the shared experts, no biases, one gate per token."""
+    ff = getattr(moe, "shared_experts", None)
+    if type(ff) not in (FeedForward, SigmoidGatedFeedForward):
+        return False
+    linears = [getattr(ff, n, None) for n in ("w1", "w2", "w3")] + ([ff.gate] if hasattr(ff, "gate") else [])
+    if not all(isinstance(m, nn.Linear) and m.bias is None and not _is_dtensor(m.weight) for m in linears):
+        return False
+    F, D = ff.w1.weight.shape
+    return (list(ff.w3.weight.shape) == [F, D] and list(ff.w2.weight.shape) == [D, F]
+            and (not hasattr(ff, "gate") or list(ff.gate.weight.shape) == [1, D]))
 
 
 def _moe_layers(model: nn.Module):
@@ -229,7 +298,9 @@ def apply(model: nn.Module, backend: str = "auto") -> list[str]:
             moe.routed_experts.backend = backend
         else:
             moe.routed_experts = MegaMoERoutedExperts.from_routed_experts(routed, backend, name)
+        if _fusable_shared_experts(moe):
+            moe.shared_experts = MegaMoESharedExperts(moe.shared_experts, moe.routed_experts)
     return [name for name, _, _ in todo]
 
 
-__all__ = ["apply", "MegaMoERoutedExperts", "MegaMoEGroupedExperts", "UnsupportedLayerError"]
+__all__ = ["apply", "MegaMoERoutedExperts", "MegaMoEGroupedExperts", "MegaMoESharedExperts", "UnsupportedLayerError"]
