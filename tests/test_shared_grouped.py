@@ -146,6 +146,45 @@ def test_pipeline_on_the_gpu_against_float64(chunks, gate, clamp):
         assert rel_err(a.cpu(), b) < 2e-2, f"{name}: {rel_err(a.cpu(), b):.3e}"
 
 
+@requires_sm90
+@pytest.mark.parametrize("chunks,gate,clamp", [(1, False, None), (4, True, None), (2, True, 7.0)])
+def test_fused_forward_with_the_second_b_equals_the_pipeline_on_the_gpu(chunks, gate, clamp):
+    """The fused BF16 forward whose last groups read the shared weights (status mega_moe_shared_fused.bf16.sm90)
+    against the pipeline's second-B GEMMs on the same extended routes: y, and h on every routed pool row, equal bit
+    for bit (the fused forward keeps the pipeline's rounding points and k order), on NaN-poisoned memory, on every SM
+    and on 7; repeats equal; the plan the same; y within the float64 layer's bf16 bound."""
+    from prime_kernels import _status
+    from prime_kernels.mega import _shared_ops
+    from prime_kernels.mega import _shared_grouped as sg
+    from prime_kernels.routing import pool_capacity
+    from mega_helpers import poison_free_memory
+
+    why = _status.runnable(_shared_ops.FUSED_BF16_KEY)
+    if why != _status.AVAILABLE:
+        pytest.skip(f"{_shared_ops.FUSED_BF16_KEY}: {why}")
+    S = 1 if chunks == 4 else 2
+    problem = _shared_problem(1029, 16, 256, 256, 4, S, chunks, gate, seed=chunks + 23)
+    x, idx, w, w13, w2, sw13, sw2, g, _ = [t.cuda() if t is not None else None for t in problem]
+    E = w13.shape[0]
+    idx_e, w_e = sg.extended_routes(idx, w, E, S, chunks, g)
+    cap = pool_capacity(x.shape[0], idx_e.shape[1], E + S * chunks, 128)
+    runs = {}
+    for fused, num_sms in ((False, 0), (True, 0), (True, 7), (True, 0)):
+        poison_free_memory()
+        runs.setdefault(fused, []).append(sg.forward(x, idx_e, w_e, w13, w2, sw13, sw2, chunks=chunks,
+                                                     activation_clamp=clamp, block_m=128, capacity=cap, save_h=True,
+                                                     num_sms=num_sms, fused=fused))
+    want = runs[False][0]
+    routed = want[4] >= 0  # pool rows that hold a route (not padding)
+    for got in runs[True]:
+        for a, b in zip(got[2:], want[2:]):
+            assert torch.equal(a, b)
+        assert torch.isfinite(got[0].float()).all() and torch.equal(got[0], want[0])
+        assert torch.equal(got[1][routed], want[1][routed])
+    exact = _float64_layer(problem, clamp)
+    assert rel_err(runs[True][0][0].cpu(), exact[0]) < 2e-2
+
+
 # --------------------------------------------------------------------------------------------- the layer's op
 
 

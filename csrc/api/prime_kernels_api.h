@@ -28,7 +28,7 @@ enum {
 };
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatch.
-#define PK_ABI_VERSION 9
+#define PK_ABI_VERSION 10
 PK_API int pk_abi_version(void);
 
 // The message of the last failed call on this thread ("" if none).
@@ -244,6 +244,25 @@ PK_API int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64
                                 int64_t inter, const void* w13, const void* w2, void* x_pool, void* s, void* h,
                                 void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
                                 int32_t* counters, int num_sms, void* cuda_stream);
+// The same forward with shared experts as its last groups (one rank: num_ranks 1, pool_src_rank null): groups
+// [num_b_groups, num_experts) read their weights from shared_w13 [slabs, 2 * chunks * inter, hidden] (gate rows, then
+// up rows) and shared_w2 [slabs, hidden, chunks * inter], bf16 and contiguous, chunk by chunk (group num_b_groups + v
+// is chunk v % chunks of shared expert v / chunks); w13 and w2 hold num_b_groups experts, and num_b_groups +
+// slabs * chunks = num_experts.
+typedef struct PkMegaSecondB {
+  const void* shared_w13;
+  const void* shared_w2;
+  int slabs;
+  int chunks;
+  int num_b_groups;
+} PkMegaSecondB;
+PK_API int pk_mega_moe_fwd_bf16_second_b(const void* const* x_ranks, int num_ranks, int64_t ld_x,
+                                         const int32_t* pool_src_route, const int32_t* pool_src_rank, int top_k,
+                                         const int32_t* expert_offsets, int num_experts, int64_t m_total,
+                                         int64_t hidden, int64_t inter, const void* w13, const void* w2,
+                                         const PkMegaSecondB* second, void* x_pool, void* s, void* h, void* o,
+                                         int64_t num_tokens, const int32_t* route_to_pool, float clamp,
+                                         int32_t* counters, int num_sms, void* cuda_stream);
 // The sm_100a BF16 fused forward (csrc/sm100/mega_moe_sm100.hpp has the contract), never run on hardware: a caller
 // uses it on a device only after it has matched the grouped backend there. pk_mega_moe_fwd_bf16's parameters, so
 // one caller's arguments drive either; num_ranks must be 1 and pool_src_rank null (PK_ERR_INVALID_ARGUMENT

@@ -19,8 +19,9 @@ namespace {
 
 // Checks one rank's arguments and makes its tensor maps and kernel parameters; *empty: no pool rows (nothing to
 // launch for this rank). kGemmOk or the error, before anything touches the device.
-int prepare_rank(const MegaFwdArgs& a, MegaFwdMaps* maps, MegaFwdParams* out, bool* empty, const char* fn, char* err,
-                 size_t err_len) {
+// b_groups: the experts w13 and w2 hold (the first groups; all of them without a second B).
+int prepare_rank(const MegaFwdArgs& a, int b_groups, MegaFwdMaps* maps, MegaFwdParams* out, bool* empty,
+                 const char* fn, char* err, size_t err_len) {
   *empty = false;
   if (a.num_ranks < 1 || a.num_ranks > kMegaMaxRanks || a.x_ranks == nullptr)
     return fail(kGemmInvalidArgument, err, err_len, "%s: num_ranks = %d, must be in [1, %d]", fn, a.num_ranks,
@@ -67,7 +68,7 @@ int prepare_rank(const MegaFwdArgs& a, MegaFwdMaps* maps, MegaFwdParams* out, bo
     if (int r = make_map(&m_xpool, a.x_pool, 2, dims, strides, box, err, err_len)) return r;
   }
   {
-    const uint64_t dims[3] = {(uint64_t)a.hidden, (uint64_t)(2 * a.inter), (uint64_t)a.num_experts};
+    const uint64_t dims[3] = {(uint64_t)a.hidden, (uint64_t)(2 * a.inter), (uint64_t)b_groups};
     const uint64_t strides[2] = {(uint64_t)a.hidden * 2, (uint64_t)(2 * a.inter * a.hidden * 2)};
     const uint32_t box[3] = {64, 128u, 1};
     if (int r = make_map(&m_w13, a.w13, 3, dims, strides, box, err, err_len)) return r;
@@ -79,7 +80,7 @@ int prepare_rank(const MegaFwdArgs& a, MegaFwdMaps* maps, MegaFwdParams* out, bo
     if (int r = make_map(&m_s, a.s, 2, dims, strides, box, err, err_len)) return r;
   }
   {
-    const uint64_t dims[3] = {(uint64_t)a.inter, (uint64_t)a.hidden, (uint64_t)a.num_experts};
+    const uint64_t dims[3] = {(uint64_t)a.inter, (uint64_t)a.hidden, (uint64_t)b_groups};
     const uint64_t strides[2] = {(uint64_t)a.inter * 2, (uint64_t)(a.hidden * a.inter * 2)};
     const uint32_t box[3] = {64, 256u, 1};
     if (int r = make_map(&m_w2, a.w2, 3, dims, strides, box, err, err_len)) return r;
@@ -163,7 +164,7 @@ int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size
   MegaFwdMaps maps;
   MegaFwdParams p;
   bool empty = false;
-  if (int r = prepare_rank(a, &maps, &p, &empty, fn, err, err_len)) return r;
+  if (int r = prepare_rank(a, a.num_experts, &maps, &p, &empty, fn, err, err_len)) return r;
   if (empty) return kGemmOk;
   int sms = 0;
   if (int r = device_sms(&sms, err, err_len)) return r;
@@ -175,6 +176,56 @@ int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size
   e = set_max_dynamic_smem<kernel>(kFwdSmem);
   if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
   kernel<<<sms, kNumThreads, kFwdSmem, stream>>>(maps, p);
+  return check_launch(fn, err, err_len);
+}
+
+int mega_moe_fwd_bf16_second_b(const MegaFwdArgs& a, const MegaFwdSecondBArgs& b, cudaStream_t stream, char* err,
+                               size_t err_len) {
+  clear_err(err, err_len);
+  const char* fn = "mega_moe_fwd_bf16_second_b";
+  if (a.num_ranks != 1 || a.pool_src_rank != nullptr || a.o_slots != nullptr)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: one rank only (num_ranks 1, no pool_src_rank, no o_slots)",
+                fn);
+  if (b.slabs < 1 || b.chunks < 1 || b.num_b_groups < 1 || b.w13b == nullptr || b.w2b == nullptr ||
+      !aligned16(b.w13b) || !aligned16(b.w2b) ||
+      int64_t(b.num_b_groups) + int64_t(b.slabs) * b.chunks != a.num_experts)
+    return fail(kGemmInvalidArgument, err, err_len,
+                "%s: second B: slabs %d, chunks %d, num_b_groups %d must be >= 1 with num_b_groups + slabs * chunks "
+                "= num_experts (%d), and w13b / w2b non-null and 16-byte aligned",
+                fn, b.slabs, b.chunks, b.num_b_groups, a.num_experts);
+  if (int64_t(b.chunks) * a.inter > kMaxDim)
+    return fail(kGemmInvalidArgument, err, err_len, "%s: chunks * inter = %lld is too large", fn,
+                (long long)(int64_t(b.chunks) * a.inter));
+  MegaFwdMaps maps;
+  MegaFwdParams p;
+  bool empty = false;
+  if (int r = prepare_rank(a, b.num_b_groups, &maps, &p, &empty, fn, err, err_len)) return r;
+  if (empty) return kGemmOk;
+  MegaFwdSecondB second{};
+  second.num_b_groups = b.num_b_groups;
+  second.chunks = b.chunks;
+  const int64_t shared_inter = int64_t(b.chunks) * a.inter;
+  {
+    const uint64_t dims[3] = {(uint64_t)a.hidden, (uint64_t)(2 * shared_inter), (uint64_t)b.slabs};
+    const uint64_t strides[2] = {(uint64_t)a.hidden * 2, (uint64_t)(2 * shared_inter * a.hidden * 2)};
+    const uint32_t box[3] = {64, 128u, 1};
+    if (int r = make_map(&second.w13b, b.w13b, 3, dims, strides, box, err, err_len)) return r;
+  }
+  {
+    const uint64_t dims[3] = {(uint64_t)shared_inter, (uint64_t)a.hidden, (uint64_t)b.slabs};
+    const uint64_t strides[2] = {(uint64_t)shared_inter * 2, (uint64_t)(a.hidden * shared_inter * 2)};
+    const uint32_t box[3] = {64, 256u, 1};
+    if (int r = make_map(&second.w2b, b.w2b, 3, dims, strides, box, err, err_len)) return r;
+  }
+  int sms = 0;
+  if (int r = device_sms(&sms, err, err_len)) return r;
+  if (a.num_sms > 0 && a.num_sms < sms) sms = a.num_sms;
+  cudaError_t e = zero_counters(a, stream);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
+  constexpr auto kernel = &mega_moe_fwd_second_b_kernel<kMegaFwdStages, kMegaFwdDispatchSlots>;
+  e = set_max_dynamic_smem<kernel>(kFwdSmem);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+  kernel<<<sms, kNumThreads, kFwdSmem, stream>>>(maps, p, second);
   return check_launch(fn, err, err_len);
 }
 
@@ -193,7 +244,9 @@ int mega_moe_fwd_bf16_ranks(const MegaFwdArgs* ranks, int num_ranks, int num_sms
   int used = 0;
   for (int r = 0; r < num_ranks; ++r) {
     bool empty = false;
-    if (int rc = prepare_rank(ranks[r], &launch.maps[used], &launch.p[used], &empty, fn, err, err_len)) return rc;
+    if (int rc = prepare_rank(ranks[r], ranks[r].num_experts, &launch.maps[used], &launch.p[used], &empty, fn, err,
+                              err_len))
+      return rc;
     if (!empty) ++used;
   }
   if (used == 0) return kGemmOk;

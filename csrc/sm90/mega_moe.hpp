@@ -56,6 +56,21 @@ struct MegaFwdArgs : common::MegaFwdCommonArgs {
 // (common/combine.hpp).
 int mega_moe_fwd_bf16(const MegaFwdArgs& args, cudaStream_t stream, char* err, size_t err_len);
 
+// Shared experts as the last groups of a one-rank forward (mega_moe_fwd.cuh, MegaFwdSecondB): groups [num_b_groups,
+// num_experts) read B from the shared experts' weights, bf16 and contiguous, w13b [slabs, 2 * chunks * inter, hidden]
+// (gate rows, then up rows) and w2b [slabs, hidden, chunks * inter]: group num_b_groups + v is chunk v % chunks of
+// shared expert v / chunks. w13 and w2 of MegaFwdArgs then hold num_b_groups experts; num_experts counts every group
+// (num_b_groups + slabs * chunks).
+struct MegaFwdSecondBArgs {
+  const void* w13b = nullptr;
+  const void* w2b = nullptr;
+  int slabs = 0;
+  int chunks = 0;
+  int num_b_groups = 0;
+};
+int mega_moe_fwd_bf16_second_b(const MegaFwdArgs& args, const MegaFwdSecondBArgs& second, cudaStream_t stream,
+                               char* err, size_t err_len);
+
 // The forwards of num_ranks (1..8) ranks in one launch, CTAs split evenly over the ranks with pool rows (the one-GPU
 // emulation of expert parallelism; mega_moe_fwd.cuh, MegaFwdRanksLaunch). Each rank's arguments as above (their
 // num_sms is ignored: num_sms, 0 = every SM, is the launch's). Every rank is checked before anything is launched.

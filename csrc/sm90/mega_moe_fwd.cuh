@@ -10,7 +10,8 @@
 // and the deterministic combine (a second launch) sums o over each token's routes. Under expert parallelism over peer
 // memory x_{rank} is a peer's staged rows, and o[m] goes instead to its source rank's combine slot for its route
 // (MegaFwdParams::o_slots); mega_moe_fwd_ranks_kernel runs several ranks' forwards in one launch (the one-GPU
-// emulator).
+// emulator); mega_moe_fwd_second_b_kernel runs a one-rank forward whose last groups are shared experts' chunks, their
+// B tiles read from the shared weights (MegaFwdSecondB).
 //
 // Work: one task sequence (the scheduling of DeepGEMM's Mega MoE, rewritten for Hopper's register-resident
 // accumulators): all L1 tiles (per expert: the I/128 n-blocks, each pairing gate rows c.. and up rows I + c.. of
@@ -392,16 +393,27 @@ __device__ __forceinline__ bool mega_fwd_prologue(const P& p, uint64_t* full_bar
   return true;
 }
 
+// Shared experts as extra groups of a one-rank forward (mega_moe_fwd_second_b_kernel): groups [num_b_groups,
+// num_experts) read B from the shared experts' weights, w13b [slabs, 2 * chunks * I, H] (gate rows, then up rows)
+// and w2b [slabs, H, chunks * I], chunk by chunk: group num_b_groups + v is chunk v % chunks of shared expert
+// v / chunks (a SwiGLU expert of width m * I is m experts of width I). Boxes as w13's and w2's.
+struct MegaFwdSecondB {
+  CUtensorMap w13b, w2b;
+  int32_t num_b_groups;
+  int32_t chunks;
+};
+
 // The TMA producer (warp 0, lane 0): claims tasks in sequence order until none is left, through one stage ring.
 // An L1 tile first waits until its m-block is dispatched, an L2 tile until its m-block's L1 counter reaches
 // l2_ready (every s column of its rows written); then the A rows (x_pool or s) and B (gate and up rows of w13, or
 // w2) stream in kBlockK steps. The task index goes to the consumers with the tile's first stage; after the last
 // task, a stage with task -1 and no loads ends them.
-template <typename L, int kNumStages, typename Seq>
+template <typename L, int kNumStages, bool kSecondB, typename Seq>
 __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const Seq& seq, int l2_ready, uint8_t* smem,
                                                   uint64_t* full_bar, uint64_t* empty_bar,
                                                   const CUtensorMap* tmap_xpool, const CUtensorMap* tmap_w13,
-                                                  const CUtensorMap* tmap_s, const CUtensorMap* tmap_w2) {
+                                                  const CUtensorMap* tmap_s, const CUtensorMap* tmap_w2,
+                                                  const MegaFwdSecondB* second) {
   volatile int32_t* stage_task = reinterpret_cast<volatile int32_t*>(smem + L::kTaskOff);
   int stage = 0;
   uint32_t phase = 0;
@@ -428,7 +440,23 @@ __device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const 
       if (kb == 0) stage_task[stage] = u;  // published by the arrive below (release), read after the consumers' wait
       ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
       const int k0 = kb * L::kBlockK;
-      if (t.l1) {
+      bool shared_tile = false;  // compiled out without a second B
+      if constexpr (kSecondB) shared_tile = t.e >= second->num_b_groups;
+      if (shared_tile) {
+        // group num_b_groups + v: chunk c = v % chunks of shared expert v / chunks, its gate rows c * I.., up rows
+        // chunks * I + c * I.. of w13b, and columns c * I.. of w2b
+        const int v = t.e - second->num_b_groups;
+        const int c = v % second->chunks, slab = v / second->chunks;
+        if (t.l1) {
+          ptx::tma_load_2d(sa, tmap_xpool, &full_bar[stage], k0, t.row0);
+          ptx::tma_load_3d_hint(sb, &second->w13b, &full_bar[stage], k0, c * p.inter + t.n0, slab, pol_w);
+          ptx::tma_load_3d_hint(sb + Seq::kL1Cols * 128, &second->w13b, &full_bar[stage], k0,
+                                (second->chunks + c) * p.inter + t.n0, slab, pol_w);
+        } else {
+          ptx::tma_load_2d(sa, tmap_s, &full_bar[stage], k0, t.row0);
+          ptx::tma_load_3d_hint(sb, &second->w2b, &full_bar[stage], c * p.inter + k0, t.n0, slab, pol_w);
+        }
+      } else if (t.l1) {
         ptx::tma_load_2d(sa, tmap_xpool, &full_bar[stage], k0, t.row0);
         ptx::tma_load_3d_hint(sb, tmap_w13, &full_bar[stage], k0, t.n0, t.e, pol_w);
         ptx::tma_load_3d_hint(sb + Seq::kL1Cols * 128, tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e, pol_w);
@@ -546,8 +574,9 @@ struct MegaFwdMaps {
 
 // One CTA of a rank's forward: the whole kernel but for where its maps and parameters come from. reporter: the CTA
 // that reports bad offsets (the rank's first).
-template <int kNumStages, int kDispatchSlots>
-__device__ __forceinline__ void mega_moe_fwd_cta(const MegaFwdMaps& maps, const MegaFwdParams& p, bool reporter) {
+template <int kNumStages, int kDispatchSlots, bool kSecondB = false>
+__device__ __forceinline__ void mega_moe_fwd_cta(const MegaFwdMaps& maps, const MegaFwdParams& p, bool reporter,
+                                                 const MegaFwdSecondB* second = nullptr) {
   const CUtensorMap& tmap_xpool = maps.xpool;
   const CUtensorMap& tmap_w13 = maps.w13;
   const CUtensorMap& tmap_s = maps.s;
@@ -591,8 +620,8 @@ __device__ __forceinline__ void mega_moe_fwd_cta(const MegaFwdMaps& maps, const 
     if (warp == 0 && lane == 0) {
       const Seq seq(p, s_offs, s_mb);
       // an L2 tile waits for both consumer warpgroups of each of its m-block's L1 tiles
-      mega_tma_producer<L, kNumStages>(p, seq, 2 * seq.n1, smem, full_bar, empty_bar, &tmap_xpool, &tmap_w13, &tmap_s,
-                                       &tmap_w2);
+      mega_tma_producer<L, kNumStages, kSecondB>(p, seq, 2 * seq.n1, smem, full_bar, empty_bar, &tmap_xpool,
+                                                 &tmap_w13, &tmap_s, &tmap_w2, second);
     } else if (warp >= 1) {
       mega_dispatch_role<kBlockM, kDispatchSlots>(p, ptx::smem_addr(smem + L::kDispOff), warp - 1, lane, s_offs, s_mb,
                                                   num_experts);
@@ -802,6 +831,17 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     mega_moe_fwd_kernel(const __grid_constant__ MegaFwdMaps maps, const __grid_constant__ MegaFwdParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   mega_moe_fwd_cta<kNumStages, kDispatchSlots>(maps, p, blockIdx.x == 0);
+#endif
+}
+
+// The one-rank forward with shared experts as its last groups (MegaFwdSecondB): the same kernel but for where B's
+// tiles of those groups come from.
+template <int kNumStages, int kDispatchSlots>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    mega_moe_fwd_second_b_kernel(const __grid_constant__ MegaFwdMaps maps, const __grid_constant__ MegaFwdParams p,
+                                 const __grid_constant__ MegaFwdSecondB second) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  mega_moe_fwd_cta<kNumStages, kDispatchSlots, true>(maps, p, blockIdx.x == 0, &second);
 #endif
 }
 

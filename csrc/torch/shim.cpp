@@ -600,10 +600,12 @@ std::tuple<Tensor, Tensor, Tensor> m_grouped_bf16_gemm_swiglu_bwd(Tensor dy_pool
 using FusedFwdAbi = decltype(&pk_mega_moe_fwd_bf16);
 static_assert(std::is_same_v<FusedFwdAbi, decltype(&pk_mega_moe_fwd_bf16_sm100)>);
 
+// w_experts: the experts w13 and w2 hold, when fewer than the plan's groups (the forward with a second B).
+template <typename Forward>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_fwd(
-    FusedFwdAbi forward, const char* op, Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13,
+    Forward forward, const char* op, Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13,
     Tensor w2, int64_t top_k, bool save_h, double clamp, bool keep_x_pool, std::optional<Tensor> route_to_pool,
-    std::optional<Tensor> topk_weights, int64_t num_sms) {
+    std::optional<Tensor> topk_weights, int64_t num_sms, int64_t w_experts = -1) {
   check_core(pk_device_check(), op);  // a lost context or an earlier call's findings, said first
   check_bf16_cuda(x, op, "x", 2);
   check_bf16_cuda(w13, op, "w13", 3);
@@ -611,10 +613,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> fused_fwd(
   STD_TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "prime_kernels.", op, ": w13 and w2 must be contiguous");
   const int32_t num_experts = check_offsets(expert_offsets, x, op);
   const int64_t hidden = x.size(1);
-  STD_TORCH_CHECK(w13.size(0) == num_experts && w13.size(2) == hidden && w13.size(1) % 2 == 0, "prime_kernels.", op,
+  const int64_t experts = w_experts < 0 ? num_experts : w_experts;
+  STD_TORCH_CHECK(w13.size(0) == experts && w13.size(2) == hidden && w13.size(1) % 2 == 0, "prime_kernels.", op,
                   ": w13 must be [num_experts, 2I, hidden]");
   const int64_t inter = w13.size(1) / 2;
-  STD_TORCH_CHECK(w2.size(0) == num_experts && w2.size(1) == hidden && w2.size(2) == inter, "prime_kernels.", op,
+  STD_TORCH_CHECK(w2.size(0) == experts && w2.size(1) == hidden && w2.size(2) == inter, "prime_kernels.", op,
                   ": w2 must be [num_experts, hidden, I]");
   STD_TORCH_CHECK(pool_src_route.scalar_type() == ScalarType::Int && pool_src_route.dim() == 1 &&
                       pool_src_route.is_contiguous() && pool_src_route.is_cuda(),
@@ -673,6 +676,40 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd(
                    save_h, clamp, keep_x_pool, route_to_pool, topk_weights, num_sms);
 }
 
+// The sm90 forward whose last groups are shared experts' chunks (pk_mega_moe_fwd_bf16_second_b): w13 / w2 hold the
+// routed experts, shared_w13 [S, 2 * chunks * I, H] and shared_w2 [S, H, chunks * I] the shared ones.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd_second_b(
+    Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, int64_t top_k, bool save_h,
+    double clamp, bool keep_x_pool, std::optional<Tensor> route_to_pool, std::optional<Tensor> topk_weights,
+    int64_t num_sms, Tensor shared_w13, Tensor shared_w2, int64_t chunks) {
+  const char* op = "mega_moe_fused_fwd_second_b";
+  check_bf16_cuda(w13, op, "w13", 3);
+  check_bf16_cuda(shared_w13, op, "shared_w13", 3);
+  check_bf16_cuda(shared_w2, op, "shared_w2", 3);
+  STD_TORCH_CHECK(shared_w13.is_contiguous() && shared_w2.is_contiguous() &&
+                      shared_w13.get_device_index() == x.get_device_index() &&
+                      shared_w2.get_device_index() == x.get_device_index(),
+                  "prime_kernels.", op, ": shared_w13 and shared_w2 must be contiguous, on x's device");
+  const int64_t inter = w13.size(1) / 2, slabs = shared_w13.size(0);
+  STD_TORCH_CHECK(chunks >= 1 && chunks <= 512 && shared_w13.size(1) == 2 * chunks * inter &&
+                      shared_w13.size(2) == x.size(1) && shared_w2.size(0) == slabs &&
+                      shared_w2.size(1) == x.size(1) && shared_w2.size(2) == chunks * inter,
+                  "prime_kernels.", op, ": shared_w13 must be [S, 2 * chunks * I, H] and shared_w2 [S, H, chunks * I]");
+  PkMegaSecondB second{shared_w13.data_ptr(), shared_w2.data_ptr(), static_cast<int>(slabs),
+                       static_cast<int>(chunks), static_cast<int>(w13.size(0))};
+  auto forward = [&second](const void* const* x_ranks, int num_ranks, int64_t ld_x, const int32_t* src_route,
+                           const int32_t* src_rank, int k, const int32_t* offsets, int groups, int64_t m_total,
+                           int64_t hidden, int64_t i, const void* b13, const void* b2, void* x_pool, void* s, void* h,
+                           void* o, int64_t num_tokens, const int32_t* r2p, float c, int32_t* counters, int sms,
+                           void* stream) {
+    return pk_mega_moe_fwd_bf16_second_b(x_ranks, num_ranks, ld_x, src_route, src_rank, k, offsets, groups, m_total,
+                                         hidden, i, b13, b2, &second, x_pool, s, h, o, num_tokens, r2p, c, counters,
+                                         sms, stream);
+  };
+  return fused_fwd(forward, op, x, pool_src_route, expert_offsets, w13, w2, top_k, save_h, clamp, keep_x_pool,
+                   route_to_pool, topk_weights, num_sms, w13.size(0));
+}
+
 // The native sm_100a forward: PK_ERR_NOT_AVAILABLE (raised with its reason) on any other device and in a build
 // without a Blackwell arch, before anything is launched.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mega_moe_fused_fwd_sm100(
@@ -705,6 +742,10 @@ STABLE_TORCH_LIBRARY(prime_kernels, m) {
   m.def("mega_moe_fused_fwd(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
         "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False, Tensor? route_to_pool=None, "
         "Tensor? topk_weights=None, int num_sms=0) -> (Tensor s, Tensor h, Tensor o, Tensor x_pool, Tensor y)");
+  m.def("mega_moe_fused_fwd_second_b(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
+        "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False, Tensor? route_to_pool=None, "
+        "Tensor? topk_weights=None, int num_sms=0, *, Tensor shared_w13, Tensor shared_w2, int chunks) -> "
+        "(Tensor s, Tensor h, Tensor o, Tensor x_pool, Tensor y)");
   m.def("mega_moe_fused_fwd_sm100(Tensor x, Tensor pool_src_route, Tensor expert_offsets, Tensor w13, Tensor w2, "
         "int top_k, bool save_h, float clamp=0.0, bool keep_x_pool=False, Tensor? route_to_pool=None, "
         "Tensor? topk_weights=None, int num_sms=0) -> (Tensor s, Tensor h, Tensor o, Tensor x_pool, Tensor y)");
@@ -737,6 +778,7 @@ STABLE_TORCH_LIBRARY_IMPL(prime_kernels, CUDA, m) {
   m.impl("swiglu_bwd", TORCH_BOX(&swiglu_bwd));
   m.impl("m_grouped_bf16_gemm_swiglu_bwd", TORCH_BOX(&m_grouped_bf16_gemm_swiglu_bwd));
   m.impl("mega_moe_fused_fwd", TORCH_BOX(&mega_moe_fused_fwd));
+  m.impl("mega_moe_fused_fwd_second_b", TORCH_BOX(&mega_moe_fused_fwd_second_b));
   m.impl("mega_moe_fused_fwd_sm100", TORCH_BOX(&mega_moe_fused_fwd_sm100));
   m.impl("k_grouped_bf16_gemm_tn", TORCH_BOX(&k_grouped_bf16_gemm_tn));
   m.impl("k_grouped_bf16_gemm_tn_accumulate_", TORCH_BOX(&k_grouped_bf16_gemm_tn_accumulate_));

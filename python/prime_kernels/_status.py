@@ -92,6 +92,10 @@ def _entries() -> list[KernelEntry]:
                          also_compiled=("m_grouped_bf16_gemm_swiglu_bwd", "k_grouped_bf16_gemm_tn"),
                          unverified="not yet run on a GPU nor measured against the second pass, which shared "
                                     "experts run as until then"))
+    # Its forward on the fused BF16 kernel whose last groups read the shared weights (mega_moe_fwd_second_b_kernel)
+    e.append(KernelEntry("mega_moe_shared_fused.bf16.sm90", "mega_moe_fwd_bf16_second_b", "sm90",
+                         unverified="compiled, not yet run on a GPU: the BF16 layer with shared experts inside the "
+                                    "routed launches runs the grouped pipeline's forward until it has"))
     # The FP8 layer with its shared experts inside the routed launches (prime_kernels.mega._shared_fp8: the FP8 kernels
     # on the weights' FP8 copies with the shared chunks as experts after the routed ones)
     e.append(KernelEntry("mega_moe_shared.fp8.sm90", "mega_moe_fwd_fp8", "sm90",

@@ -97,6 +97,11 @@ ROWS: tuple[Row, ...] = (
         "as extra groups of the second-B GEMMs)", "bf16", ("mega_moe_shared.bf16.sm90",),
         Cell(COMPILED, note="tested on the CPU ops against the reference; until it has run on a GPU and been measured "
                             "against the second pass, shared experts run as that"), _NOT),
+    Row("its forward on the fused kernel with the shared chunks as its last groups (`mega_moe_shared_fused`: "
+        "the fused BF16 forward's B tiles of those groups read from the shared weights)", "bf16",
+        ("mega_moe_shared_fused.bf16.sm90",),
+        Cell(COMPILED, note="every other instantiation of the fused forward keeps its instructions; until it has run "
+                            "on a GPU the layer's forward there is the grouped pipeline's"), _NOT),
     Row("routing plan, dispatch_rows, combine, SwiGLU (`routing_plan`, `dispatch_rows`, `combine`, `swiglu`)",
         "int32 / bf16", tuple(f"{k}.{f}" for k in ("routing_plan.int32", "dispatch_rows.bf16", "combine.bf16",
                                                    "swiglu.bf16") for f in ("sm90", "sm100")),

@@ -14,15 +14,19 @@ S shared experts is the routed layer with E + S * m experts and K + S * m routes
        the sum over its routes' B9.
 
 The shared groups come after the routed ones in every launch's tile order, so their tiles fill in behind the routed
-tiles. The L2 dgrad with the SwiGLU backward and the weight gradients are two launches each (the routed groups, then
+tiles. The forward is the fused kernel with those groups' B tiles read from the shared weights where its status entry
+is available (``mega_moe_shared_fused.bf16.sm90``), else the pipeline's second-B GEMMs. The L2 dgrad with the SwiGLU backward and the weight gradients are two launches each (the routed groups, then
 the shared ones). Forward and backward run every step through the ops, so on the CPU they run the ops' CPU kernels
 and are compared with the reference there (which computes SF2 on the weights with the chunks as experts).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from ._fused import run_bf16
 from ._grouped import PaddingRows, _gathered_pool, _rows_for_kernels, _sms, _token_rows, _wgrad
 from ..combine import combine
 from ..routing import routing_plan
@@ -51,12 +55,20 @@ def extended_routes(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_expe
 
 
 def forward(x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, *, chunks: int, activation_clamp=None,
-            block_m: int, capacity: int, save_h: bool = True, num_sms=0):
+            block_m: int, capacity: int, save_h: bool = True, num_sms=0, fused: bool = False):
     """The contract of :func:`prime_kernels.mega._grouped.forward` over the extended routes (``topk_idx`` and
-    ``topk_weights`` from :func:`extended_routes`; groups E.. are the shared chunks)."""
-    sms = _sms(num_sms)
+    ``topk_weights`` from :func:`extended_routes`; groups E.. are the shared chunks). ``fused``: the fused forward
+    kernel whose last groups read the shared weights (``mega_moe_fused_fwd_second_b``; the fused forward's state,
+    which the backward below reads as the pipeline's), else the pipeline's second-B GEMMs."""
     T, K = topk_idx.shape
     num_groups = w13.shape[0] + shared_w13.shape[0] * chunks
+    if fused:
+        op = functools.partial(torch.ops.prime_kernels.mega_moe_fused_fwd_second_b, shared_w13=shared_w13.contiguous(),
+                               shared_w2=shared_w2.contiguous(), chunks=chunks)
+        return run_bf16(op, x, topk_idx, topk_weights, w13, w2, activation_clamp=activation_clamp,
+                        num_experts=num_groups, block_m=block_m, capacity=capacity, save_h=save_h, keep_x_pool=False,
+                        id_check=None, num_sms=num_sms)[:7]
+    sms = _sms(num_sms)
     plan = routing_plan(topk_idx, num_groups, block_m, validate=False, capacity=capacity)
     offsets = plan.expert_offsets
     tok = _token_rows(plan.pool_src_route, K)

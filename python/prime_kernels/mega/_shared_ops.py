@@ -6,7 +6,8 @@ torch.compile needs.
 :func:`layer` is the call :func:`prime_kernels.mega.mega_moe` makes when :func:`reason` is None: one rank, no
 weight-gradient accumulators, no returned plan, the shared intermediate a multiple of the routed one (a multiple of
 128), and its status entries available on the device: ``mega_moe_shared.bf16.sm90`` and
-``m_grouped_gemm_second_b.bf16.sm90`` for bf16 (the grouped pipeline on the second-B GEMMs),
+``m_grouped_gemm_second_b.bf16.sm90`` for bf16 (the grouped pipeline on the second-B GEMMs; its forward is the fused
+kernel with the second B where ``mega_moe_shared_fused.bf16.sm90`` is available too),
 ``mega_moe_shared.fp8.sm90`` for fp8 (the FP8 layer on the combined FP8 weight copies). The layer path's entries
 stay short of "available" until it has run on a GPU and been measured against the second pass
 (bench/bench_shared.py). Elsewhere the shared experts run as a second pass of the layer
@@ -30,6 +31,8 @@ SECOND_B_KEY = f"{STATUS_KEY_STEM}.sm90"
 # the layer path's own entries: available once its GPU tests pass and it is measured faster than the second pass
 BF16_KEY = "mega_moe_shared.bf16.sm90"
 FP8_KEY = "mega_moe_shared.fp8.sm90"
+# the fused BF16 forward with the shared experts' chunks as its last groups (the kernel's second B)
+FUSED_BF16_KEY = "mega_moe_shared_fused.bf16.sm90"
 
 
 def reason(x: Tensor, w13: Tensor, shared_w13: Tensor, *, backend: str, precision: str, ep_size: int,
@@ -39,8 +42,6 @@ def reason(x: Tensor, w13: Tensor, shared_w13: Tensor, *, backend: str, precisio
         return "the shared experts run inside the routed launches on CUDA only"
     if precision not in ("bf16", "fp8") or ep_size != 1 or backend not in ("auto", "grouped", "fused"):
         return "inside the routed launches: bf16 or fp8, one rank"
-    if precision == "bf16" and backend == "fused":
-        return "inside the routed launches in bf16: the grouped pipeline (the fused forward takes no second weight)"
     if x.dim() != 2 or x.shape[0] == 0:
         return "inside the routed launches: at least one token"
     if accumulators or return_plan:
@@ -50,8 +51,12 @@ def reason(x: Tensor, w13: Tensor, shared_w13: Tensor, *, backend: str, precisio
     if chunks is None or inter % 128 != 0:
         return (f"the shared intermediate ({shared_inter}) must be a multiple of the routed one ({inter}), itself a "
                 f"multiple of 128")
-    if w13.shape[0] + shared_w13.shape[0] * chunks > GROUPED_MAX_EXPERTS:
+    num_groups = w13.shape[0] + shared_w13.shape[0] * chunks
+    if num_groups > GROUPED_MAX_EXPERTS:
         return f"E + S * chunks exceeds GROUPED_MAX_EXPERTS={GROUPED_MAX_EXPERTS}"
+    if precision == "bf16" and backend == "fused" and not _bf16_fused_forward(backend, activation_clamp, num_groups):
+        return (f"inside the routed launches in bf16 with backend 'fused': {FUSED_BF16_KEY}: "
+                f"{_status.reason(FUSED_BF16_KEY)}")
     for key in (SECOND_B_KEY, BF16_KEY) if precision == "bf16" else (FP8_KEY,):
         why = _status.reason(key)
         if not _status.is_available(why):
@@ -62,6 +67,12 @@ def reason(x: Tensor, w13: Tensor, shared_w13: Tensor, *, backend: str, precisio
         return (_backend.fp8_kernel_reason("fp8", "fwd") or _backend._fp8_pipeline_reason("fp8", 1, activation_clamp)
                 or _backend._grouped_reason("fp8", 1, activation_clamp, w13.shape[0]))
     return _backend._grouped_reason("bf16", 1, activation_clamp, w13.shape[0])
+
+
+def _bf16_fused_forward(backend: str, activation_clamp, num_groups: int) -> bool:
+    """Whether the BF16 forward runs the fused kernel with the second B (else the grouped pipeline's forward)."""
+    return (backend in ("auto", "fused") and num_groups <= FUSED_MAX_EXPERTS
+            and _status.is_available(_status.reason(FUSED_BF16_KEY)) and _backend._fused_reason("bf16", "fwd") is None)
 
 
 def _fp8_fused_forward(backend: str, activation_clamp, num_groups: int) -> bool:
@@ -76,14 +87,14 @@ def mega_moe_shared_fwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: 
                         block_m: int, save_h: bool, num_sms: int = 0, precision: str = "bf16", fused: bool = False
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(y, h, expert_counts, expert_offsets, pool_src_route, pool_src_rank, route_to_pool) over the extended routes
-    (:func:`prime_kernels.mega._shared_grouped.extended_routes`); ``fused``: fp8's fused forward kernel."""
+    (:func:`prime_kernels.mega._shared_grouped.extended_routes`); ``fused``: the fused forward kernel (fp8's on the
+    combined copies, bf16's with the second B)."""
     num_groups = w13.shape[0] + shared_w13.shape[0] * chunks
     cap = pool_capacity(x.shape[0], topk_idx.shape[1], num_groups, block_m)
     run = _shared_fp8.forward if precision == "fp8" else _shared_grouped.forward
-    extra = dict(fused=fused) if precision == "fp8" else {}
     out = run(x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, chunks=chunks,
               activation_clamp=activation_clamp, block_m=block_m, capacity=cap, save_h=save_h, num_sms=num_sms,
-              **extra)
+              fused=fused)
     return tuple(t.contiguous() for t in out)
 
 
@@ -174,7 +185,8 @@ def layer(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Te
     idx, weights = _shared_grouped.extended_routes(topk_idx, topk_weights, E, shared_w13.shape[0], chunks,
                                                    shared_gate)
     save_h = not recompute and torch.is_grad_enabled()
-    fused = precision == "fp8" and _fp8_fused_forward(backend, activation_clamp, E + shared_w13.shape[0] * chunks)
+    num_groups = E + shared_w13.shape[0] * chunks
+    fused = (_fp8_fused_forward if precision == "fp8" else _bf16_fused_forward)(backend, activation_clamp, num_groups)
     y = mega_moe_shared_fwd(x, idx, weights, w13, w2, shared_w13, shared_w2, chunks, activation_clamp, block_m,
                             save_h, num_sms, precision, fused)[0]
     ids.finish()
