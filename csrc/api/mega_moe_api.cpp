@@ -3,6 +3,53 @@
 #include "api/errors.hpp"
 #include "sm90/mega_moe.hpp"  // header-only sizes, also without the kernels
 
+namespace {
+
+// pk_mega_moe_fwd_bf16 and its second-B variant (second non-null): one argument list, one set of checks.
+int fwd_bf16(const char* fn, const PkMegaSecondB* second, const void* const* x_ranks, int num_ranks, int64_t ld_x,
+             const int32_t* pool_src_route, const int32_t* pool_src_rank, int top_k, const int32_t* expert_offsets,
+             int num_experts, int64_t m_total, int64_t hidden, int64_t inter, const void* w13, const void* w2,
+             void* x_pool, void* s, void* h, void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
+             int32_t* counters, int num_sms, void* cuda_stream) {
+#if PK_HAS_SM90_KERNELS
+  if (const int rc = prime_kernels::api::check_device_findings(fn); rc != PK_OK) return rc;
+  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kSm90); rc != PK_OK) return rc;
+  prime_kernels::sm90::MegaFwdArgs args;
+  static_cast<prime_kernels::common::MegaFwdCommonArgs&>(args) = prime_kernels::common::mega_fwd_common_args(
+      ld_x, pool_src_route, top_k, expert_offsets, num_experts, m_total, hidden, inter, w13, w2, x_pool, s, h, o,
+      num_tokens, clamp, num_sms);
+  args.x_ranks = x_ranks;
+  args.num_ranks = num_ranks;
+  args.pool_src_rank = pool_src_rank;
+  args.route_to_pool = route_to_pool;
+  args.counters = counters;
+  char message[512] = {0};
+  const auto stream = static_cast<cudaStream_t>(cuda_stream);
+  int rc = 0;
+  if (second == nullptr) {
+    rc = prime_kernels::sm90::mega_moe_fwd_bf16(args, stream, message, sizeof(message));
+  } else {
+    prime_kernels::sm90::MegaFwdSecondBArgs b;
+    b.w13b = second->shared_w13;
+    b.w2b = second->shared_w2;
+    b.slabs = second->slabs;
+    b.chunks = second->chunks;
+    b.num_b_groups = second->num_b_groups;
+    rc = prime_kernels::sm90::mega_moe_fwd_bf16_second_b(args, b, stream, message, sizeof(message));
+  }
+  return prime_kernels::api::from_status(rc, message);
+#else
+  (void)second, (void)x_ranks, (void)num_ranks, (void)ld_x, (void)pool_src_route, (void)pool_src_rank, (void)top_k;
+  (void)expert_offsets, (void)num_experts, (void)m_total, (void)hidden, (void)inter, (void)w13, (void)w2;
+  (void)x_pool, (void)s, (void)h, (void)o, (void)num_tokens, (void)route_to_pool, (void)clamp, (void)counters;
+  (void)num_sms, (void)cuda_stream;
+  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE, "%s is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a",
+                                  fn);
+#endif
+}
+
+}  // namespace
+
 extern "C" {
 
 int64_t pk_mega_moe_fwd_counter_count(int64_t m_total, int num_experts) {
@@ -14,30 +61,9 @@ int pk_mega_moe_fwd_bf16(const void* const* x_ranks, int num_ranks, int64_t ld_x
                          int64_t m_total, int64_t hidden, int64_t inter, const void* w13, const void* w2, void* x_pool,
                          void* s, void* h, void* o, int64_t num_tokens, const int32_t* route_to_pool, float clamp,
                          int32_t* counters, int num_sms, void* cuda_stream) {
-#if PK_HAS_SM90_KERNELS
-  if (const int rc = prime_kernels::api::check_device_findings("mega_moe_fwd_bf16"); rc != PK_OK) return rc;
-  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kSm90); rc != PK_OK) return rc;
-  prime_kernels::sm90::MegaFwdArgs args;
-  static_cast<prime_kernels::common::MegaFwdCommonArgs&>(args) = prime_kernels::common::mega_fwd_common_args(
-      ld_x, pool_src_route, top_k, expert_offsets, num_experts, m_total, hidden, inter, w13, w2, x_pool, s, h, o,
-      num_tokens, clamp, num_sms);
-  args.x_ranks = x_ranks;
-  args.num_ranks = num_ranks;
-  args.pool_src_rank = pool_src_rank;
-  args.route_to_pool = route_to_pool;
-  args.counters = counters;
-  char message[512] = {0};
-  const int rc = prime_kernels::sm90::mega_moe_fwd_bf16(args, static_cast<cudaStream_t>(cuda_stream), message,
-                                                    sizeof(message));
-  return prime_kernels::api::from_status(rc, message);
-#else
-  (void)x_ranks, (void)num_ranks, (void)ld_x, (void)pool_src_route, (void)pool_src_rank, (void)top_k;
-  (void)expert_offsets, (void)num_experts, (void)m_total, (void)hidden, (void)inter, (void)w13, (void)w2;
-  (void)x_pool, (void)s, (void)h, (void)o, (void)num_tokens, (void)route_to_pool, (void)clamp, (void)counters;
-  (void)num_sms, (void)cuda_stream;
-  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
-                              "mega_moe_fwd_bf16 is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
-#endif
+  return fwd_bf16("mega_moe_fwd_bf16", nullptr, x_ranks, num_ranks, ld_x, pool_src_route, pool_src_rank, top_k,
+                  expert_offsets, num_experts, m_total, hidden, inter, w13, w2, x_pool, s, h, o, num_tokens,
+                  route_to_pool, clamp, counters, num_sms, cuda_stream);
 }
 
 int pk_mega_moe_fwd_bf16_second_b(const void* const* x_ranks, int num_ranks, int64_t ld_x,
@@ -47,37 +73,10 @@ int pk_mega_moe_fwd_bf16_second_b(const void* const* x_ranks, int num_ranks, int
                                   void* x_pool, void* s, void* h, void* o, int64_t num_tokens,
                                   const int32_t* route_to_pool, float clamp, int32_t* counters, int num_sms,
                                   void* cuda_stream) {
-#if PK_HAS_SM90_KERNELS
-  if (const int rc = prime_kernels::api::check_device_findings("mega_moe_fwd_bf16_second_b"); rc != PK_OK) return rc;
-  if (const int rc = prime_kernels::api::check_current_device(prime_kernels::api::ArchFamily::kSm90); rc != PK_OK) return rc;
   PK_CHECK_ARG(second != nullptr, "mega_moe_fwd_bf16_second_b: null second");
-  prime_kernels::sm90::MegaFwdArgs args;
-  static_cast<prime_kernels::common::MegaFwdCommonArgs&>(args) = prime_kernels::common::mega_fwd_common_args(
-      ld_x, pool_src_route, top_k, expert_offsets, num_experts, m_total, hidden, inter, w13, w2, x_pool, s, h, o,
-      num_tokens, clamp, num_sms);
-  args.x_ranks = x_ranks;
-  args.num_ranks = num_ranks;
-  args.pool_src_rank = pool_src_rank;
-  args.route_to_pool = route_to_pool;
-  args.counters = counters;
-  prime_kernels::sm90::MegaFwdSecondBArgs b;
-  b.w13b = second->shared_w13;
-  b.w2b = second->shared_w2;
-  b.slabs = second->slabs;
-  b.chunks = second->chunks;
-  b.num_b_groups = second->num_b_groups;
-  char message[512] = {0};
-  const int rc = prime_kernels::sm90::mega_moe_fwd_bf16_second_b(args, b, static_cast<cudaStream_t>(cuda_stream),
-                                                             message, sizeof(message));
-  return prime_kernels::api::from_status(rc, message);
-#else
-  (void)x_ranks, (void)num_ranks, (void)ld_x, (void)pool_src_route, (void)pool_src_rank, (void)top_k;
-  (void)expert_offsets, (void)num_experts, (void)m_total, (void)hidden, (void)inter, (void)w13, (void)w2;
-  (void)second, (void)x_pool, (void)s, (void)h, (void)o, (void)num_tokens, (void)route_to_pool, (void)clamp;
-  (void)counters, (void)num_sms, (void)cuda_stream;
-  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
-                              "mega_moe_fwd_bf16_second_b is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
-#endif
+  return fwd_bf16("mega_moe_fwd_bf16_second_b", second, x_ranks, num_ranks, ld_x, pool_src_route, pool_src_rank,
+                  top_k, expert_offsets, num_experts, m_total, hidden, inter, w13, w2, x_pool, s, h, o, num_tokens,
+                  route_to_pool, clamp, counters, num_sms, cuda_stream);
 }
 
 int pk_mega_moe_fwd_bf16_ranks(const pk_mega_fwd_rank* ranks, int num_ranks, int num_sms, void* cuda_stream) {
