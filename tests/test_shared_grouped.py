@@ -344,6 +344,29 @@ def test_layer_op_in_each_precision_on_cpu(precision, recompute):
         assert a is not None and rel_err(a, b) < bound, f"{name}: {rel_err(a, b):.3e}"
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_backward_op_outputs_share_no_memory_on_cpu(precision):
+    """With one chunk per shared expert (Is = I) the shared gradients are the combined gradients' last groups as they
+    stand: the backward op still returns no tensor that shares memory with another or with an input (torch's custom
+    ops refuse aliased outputs)."""
+    from prime_kernels.mega import _shared_ops  # noqa: F401  (registers the ops)
+    from prime_kernels.mega import _shared_grouped as sg
+
+    problem = _shared_problem(20, 4, 128, 128, 2, 1, 1, False, seed=29)
+    x, idx, w, w13, w2, sw13, sw2, _, dy = problem
+    idx_e, w_e = sg.extended_routes(idx, w, 4, 1, 1)
+    ops = torch.ops.prime_kernels
+    out = ops.mega_moe_shared_fwd(x, idx_e, w_e, w13, w2, sw13, sw2, 1, None, 128, True, 0, precision)
+    grads = ops.mega_moe_shared_bwd(dy, x, idx_e, w_e, w13, w2, sw13, sw2, *out[1:7], 1, None, False, True, 0,
+                                    precision)
+    inputs = (dy, x, idx_e, w_e, w13, w2, sw13, sw2, *out[1:7])
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
+    for g in grads:
+        ptr = g.untyped_storage().data_ptr()
+        assert ptr not in seen
+        seen.add(ptr)
+
+
 @requires_sm90
 @pytest.mark.parametrize("clamp", [None, 7.0])
 def test_fp8_layer_with_shared_experts_on_the_gpu(clamp):

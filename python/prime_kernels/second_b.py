@@ -128,12 +128,13 @@ def m_grouped_bf16_gemm_swiglu_bwd_into(dy_pool: torch.Tensor, w2: torch.Tensor,
                                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *,
                                         clamp: float | None = None, num_sms: int | None = None) -> None:
     """:func:`prime_kernels.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd` into ``out`` = (dh [M, 2I], aw [M, I] bf16,
-    dt_part [M, ceil(I / 128)] fp32, the latter zeroed by the caller for rows no launch writes)."""
+    dt_part [M, ceil(I / 128)] fp32, the latter zeroed by the caller for rows no launch writes). ``w2`` may be a view
+    such as :func:`expand_chunks`' (the kernel reads a contiguous copy of it)."""
     _ready(dy_pool.device)
     if clamp is not None and not clamp > 0:
         raise ValueError(f"clamp must be > 0 (or None), got {clamp}")
     torch.ops.prime_kernels.m_grouped_bf16_gemm_swiglu_bwd_into_(
-        dy_pool, w2, group_offsets, h, pool_src_route, topk_weights.reshape(-1), *out,
+        dy_pool, w2.contiguous(), group_offsets, h, pool_src_route, topk_weights.reshape(-1), *out,
         0.0 if clamp is None else float(clamp), _sms(num_sms))
 
 

@@ -61,5 +61,6 @@ def backward(dy, x, topk_idx, topk_weights, w13, w2, shared_w13, shared_w2, h_sa
         recompute=recompute, need_wgrad=need_wgrad, num_sms=num_sms, precision="fp8", weight_cache=cache)
     if d13 is None:
         return dx, dtopk, None, None, None, None
-    return (dx, dtopk, d13[:E], d2[:E], collapse_chunks(d13[E:], chunks, "w13").to(shared_w13.dtype),
-            collapse_chunks(d2[E:], chunks, "w2").to(shared_w2.dtype))
+    # the shared parts copied out of the combined gradients: no returned tensor may share memory with another
+    return (dx, dtopk, d13[:E], d2[:E], collapse_chunks(d13[E:], chunks, "w13").to(shared_w13.dtype, copy=True),
+            collapse_chunks(d2[E:], chunks, "w2").to(shared_w2.dtype, copy=True))

@@ -186,7 +186,8 @@ def layer(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Te
                                                    shared_gate)
     save_h = not recompute and torch.is_grad_enabled()
     num_groups = E + shared_w13.shape[0] * chunks
-    fused = (_fp8_fused_forward if precision == "fp8" else _bf16_fused_forward)(backend, activation_clamp, num_groups)
+    fused = x.is_cuda and (_fp8_fused_forward if precision == "fp8" else _bf16_fused_forward)(
+        backend, activation_clamp, num_groups)
     y = mega_moe_shared_fwd(x, idx, weights, w13, w2, shared_w13, shared_w2, chunks, activation_clamp, block_m,
                             save_h, num_sms, precision, fused)[0]
     ids.finish()
