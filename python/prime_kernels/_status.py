@@ -69,9 +69,7 @@ def _entries() -> list[KernelEntry]:
     # the layer's weights in 128 x 128 tiles, once per optimizer step (fp8.quantize_weight)
     e.append(KernelEntry("quantize_weight.fp8.sm90", "quantize_weight_fp8", "sm90"))
     # their transposed copy for the dgrad GEMMs (fp8.QuantizedWeight.transposed), byte for byte
-    e.append(KernelEntry("transpose_tiles.fp8.sm90", "transpose_tiles_fp8", "sm90",
-                         unverified="compiled, not yet run on a GPU: the FP8 layer transposes its weights' e4m3 tiles "
-                                    "with torch ops (the same bytes, slower)"))
+    e.append(KernelEntry("transpose_tiles.fp8.sm90", "transpose_tiles_fp8", "sm90"))
     e.append(KernelEntry("m_grouped_gemm_nt.fp8.sm90", "m_grouped_fp8_gemm_nt", "sm90"))
     e.append(KernelEntry("k_grouped_gemm_tn.fp8.sm90", "k_grouped_fp8_gemm_tn", "sm90"))
     # The FP8 L2 dgrad with the SwiGLU backward and the quantizing epilogue (prime_kernels.swiglu_bwd_fp8)
@@ -79,9 +77,7 @@ def _entries() -> list[KernelEntry]:
     # The FP8 L1 GEMM with the SwiGLU forward and the quantization of s (prime_kernels.swiglu_fwd_fp8)
     e.append(KernelEntry("m_grouped_gemm_swiglu.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90"))
     # Its instantiation with the activation clamp (F2 on the fp32 accumulators, the saved h's masked rounding F6)
-    e.append(KernelEntry("m_grouped_gemm_swiglu_clamp.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90",
-                         unverified="compiled, not yet run on a GPU; precision='fp8' with an activation_clamp runs "
-                                    "on it (the FP8 forward pipeline and its recompute) once it has"))
+    e.append(KernelEntry("m_grouped_gemm_swiglu_clamp.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90"))
     # The m-grouped BF16 GEMMs whose last groups read a second weight tensor (prime_kernels.second_b: shared experts as
     # extra groups of the routed experts' launch)
     e.append(KernelEntry("m_grouped_gemm_second_b.bf16.sm90", "m_grouped_bf16_gemm_second_b", "sm90",
