@@ -80,24 +80,23 @@ def _entries() -> list[KernelEntry]:
     e.append(KernelEntry("m_grouped_gemm_swiglu_clamp.fp8.sm90", "m_grouped_fp8_gemm_swiglu", "sm90"))
     # The m-grouped BF16 GEMMs whose last groups read a second weight tensor (prime_kernels.second_b: shared experts as
     # extra groups of the routed experts' launch)
-    e.append(KernelEntry("m_grouped_gemm_second_b.bf16.sm90", "m_grouped_bf16_gemm_second_b", "sm90",
-                         unverified="compiled, not yet run on a GPU"))
+    e.append(KernelEntry("m_grouped_gemm_second_b.bf16.sm90", "m_grouped_bf16_gemm_second_b", "sm90"))
     # The BF16 layer with its shared experts inside the grouped pipeline's launches on those GEMMs
     # (prime_kernels.mega._shared_grouped)
     e.append(KernelEntry("mega_moe_shared.bf16.sm90", "m_grouped_bf16_gemm_second_b", "sm90",
                          also_compiled=("m_grouped_bf16_gemm_swiglu_bwd", "k_grouped_bf16_gemm_tn"),
-                         unverified="not yet run on a GPU nor measured against the second pass, which shared "
-                                    "experts run as until then"))
+                         unverified="its kernels are verified; the layer's GPU tests have not all passed nor "
+                                    "bench/bench_shared.py measured it against the second pass, which shared experts "
+                                    "run as until then"))
     # Its forward on the fused BF16 kernel whose last groups read the shared weights (mega_moe_fwd_second_b_kernel)
-    e.append(KernelEntry("mega_moe_shared_fused.bf16.sm90", "mega_moe_fwd_bf16_second_b", "sm90",
-                         unverified="compiled, not yet run on a GPU: the BF16 layer with shared experts inside the "
-                                    "routed launches runs the grouped pipeline's forward until it has"))
+    e.append(KernelEntry("mega_moe_shared_fused.bf16.sm90", "mega_moe_fwd_bf16_second_b", "sm90"))
     # The FP8 layer with its shared experts inside the routed launches (prime_kernels.mega._shared_fp8: the FP8 kernels
     # on the weights' FP8 copies with the shared chunks as experts after the routed ones)
     e.append(KernelEntry("mega_moe_shared.fp8.sm90", "mega_moe_fwd_fp8", "sm90",
                          also_compiled=("m_grouped_fp8_gemm_swiglu_bwd", "k_grouped_fp8_gemm_tn"),
-                         unverified="its kernels are verified; this use of them has not run on a GPU nor been "
-                                    "measured against the second pass, which shared experts run as until then"))
+                         unverified="its kernels are verified; the layer's GPU tests have not all passed nor "
+                                    "bench/bench_shared.py measured it against the second pass, which shared experts "
+                                    "run as until then"))
     # The single-rank pipeline of our grouped GEMMs (prime_kernels.mega backend="grouped").
     e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     # The same pipeline with activation_clamp: its L1 saves h with the clamp masks (the m-grouped SwiGLU kernels'
