@@ -17,6 +17,22 @@ using namespace host;
 
 namespace {
 
+// The maps of `groups` experts' weights, bf16 and contiguous: w13 [groups, 2 * inter, hidden] (gate rows, then up rows)
+// in 128-row boxes, w2 [groups, hidden, inter] in 256-row boxes.
+int make_weight_maps(const void* w13, const void* w2, int64_t hidden, int64_t inter, int64_t groups, CUtensorMap* m_w13,
+                     CUtensorMap* m_w2, char* err, size_t err_len) {
+  {
+    const uint64_t dims[3] = {(uint64_t)hidden, (uint64_t)(2 * inter), (uint64_t)groups};
+    const uint64_t strides[2] = {(uint64_t)hidden * 2, (uint64_t)(2 * inter * hidden * 2)};
+    const uint32_t box[3] = {64, 128u, 1};
+    if (int r = make_map(m_w13, w13, 3, dims, strides, box, err, err_len)) return r;
+  }
+  const uint64_t dims[3] = {(uint64_t)inter, (uint64_t)hidden, (uint64_t)groups};
+  const uint64_t strides[2] = {(uint64_t)inter * 2, (uint64_t)(hidden * inter * 2)};
+  const uint32_t box[3] = {64, 256u, 1};
+  return make_map(m_w2, w2, 3, dims, strides, box, err, err_len);
+}
+
 // Checks one rank's arguments and makes its tensor maps and kernel parameters; *empty: no pool rows (nothing to
 // launch for this rank). kGemmOk or the error, before anything touches the device.
 // b_groups: the experts w13 and w2 hold (the first groups; all of them without a second B).
@@ -67,23 +83,12 @@ int prepare_rank(const MegaFwdArgs& a, int b_groups, MegaFwdMaps* maps, MegaFwdP
     const uint32_t box[2] = {64, 128};
     if (int r = make_map(&m_xpool, a.x_pool, 2, dims, strides, box, err, err_len)) return r;
   }
-  {
-    const uint64_t dims[3] = {(uint64_t)a.hidden, (uint64_t)(2 * a.inter), (uint64_t)b_groups};
-    const uint64_t strides[2] = {(uint64_t)a.hidden * 2, (uint64_t)(2 * a.inter * a.hidden * 2)};
-    const uint32_t box[3] = {64, 128u, 1};
-    if (int r = make_map(&m_w13, a.w13, 3, dims, strides, box, err, err_len)) return r;
-  }
+  if (int r = make_weight_maps(a.w13, a.w2, a.hidden, a.inter, b_groups, &m_w13, &m_w2, err, err_len)) return r;
   {
     const uint64_t dims[2] = {(uint64_t)a.inter, (uint64_t)a.m_total};
     const uint64_t strides[1] = {(uint64_t)a.inter * 2};
     const uint32_t box[2] = {64, 128};
     if (int r = make_map(&m_s, a.s, 2, dims, strides, box, err, err_len)) return r;
-  }
-  {
-    const uint64_t dims[3] = {(uint64_t)a.inter, (uint64_t)a.hidden, (uint64_t)b_groups};
-    const uint64_t strides[2] = {(uint64_t)a.inter * 2, (uint64_t)(a.hidden * a.inter * 2)};
-    const uint32_t box[3] = {64, 256u, 1};
-    if (int r = make_map(&m_w2, a.w2, 3, dims, strides, box, err, err_len)) return r;
   }
   if (a.h != nullptr) {
     const uint64_t dims[2] = {(uint64_t)(2 * a.inter), (uint64_t)a.m_total};
@@ -156,6 +161,22 @@ cudaError_t zero_counters(const MegaFwdArgs& a, cudaStream_t stream) {
 // The one instantiation of each kernel is kMegaFwdStages x kMegaFwdDispatchSlots (mega_moe_heuristics.hpp).
 constexpr int kFwdSmem = MegaFwdLayout<kMegaFwdStages, kMegaFwdDispatchSlots>::kSmemBytes;
 
+// Zeroes a's counters, then launches one rank's forward kernel on one CTA per SM (a.num_sms caps them). Any number of
+// CTAs may run at once (the kernel claims its work: mega_moe_fwd.cuh).
+template <auto kKernel, typename... Args>
+int launch_one_rank(const MegaFwdArgs& a, cudaStream_t stream, const char* fn, char* err, size_t err_len,
+                    const Args&... args) {
+  int sms = 0;
+  if (int r = device_sms(&sms, err, err_len)) return r;
+  if (a.num_sms > 0 && a.num_sms < sms) sms = a.num_sms;
+  cudaError_t e = zero_counters(a, stream);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
+  e = set_max_dynamic_smem<kKernel>(kFwdSmem);
+  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+  kKernel<<<sms, kNumThreads, kFwdSmem, stream>>>(args...);
+  return check_launch(fn, err, err_len);
+}
+
 }  // namespace
 
 int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size_t err_len) {
@@ -166,17 +187,8 @@ int mega_moe_fwd_bf16(const MegaFwdArgs& a, cudaStream_t stream, char* err, size
   bool empty = false;
   if (int r = prepare_rank(a, a.num_experts, &maps, &p, &empty, fn, err, err_len)) return r;
   if (empty) return kGemmOk;
-  int sms = 0;
-  if (int r = device_sms(&sms, err, err_len)) return r;
-  if (a.num_sms > 0 && a.num_sms < sms) sms = a.num_sms;
-  cudaError_t e = zero_counters(a, stream);
-  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
-  // Any number of CTAs may run at once (the kernel claims its work: mega_moe_fwd.cuh), one per SM at most.
   constexpr auto kernel = &mega_moe_fwd_kernel<kMegaFwdStages, kMegaFwdDispatchSlots>;
-  e = set_max_dynamic_smem<kernel>(kFwdSmem);
-  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-  kernel<<<sms, kNumThreads, kFwdSmem, stream>>>(maps, p);
-  return check_launch(fn, err, err_len);
+  return launch_one_rank<kernel>(a, stream, fn, err, err_len, maps, p);
 }
 
 int mega_moe_fwd_bf16_second_b(const MegaFwdArgs& a, const MegaFwdSecondBArgs& b, cudaStream_t stream, char* err,
@@ -204,29 +216,11 @@ int mega_moe_fwd_bf16_second_b(const MegaFwdArgs& a, const MegaFwdSecondBArgs& b
   MegaFwdSecondB second{};
   second.num_b_groups = b.num_b_groups;
   second.chunks = b.chunks;
-  const int64_t shared_inter = int64_t(b.chunks) * a.inter;
-  {
-    const uint64_t dims[3] = {(uint64_t)a.hidden, (uint64_t)(2 * shared_inter), (uint64_t)b.slabs};
-    const uint64_t strides[2] = {(uint64_t)a.hidden * 2, (uint64_t)(2 * shared_inter * a.hidden * 2)};
-    const uint32_t box[3] = {64, 128u, 1};
-    if (int r = make_map(&second.w13b, b.w13b, 3, dims, strides, box, err, err_len)) return r;
-  }
-  {
-    const uint64_t dims[3] = {(uint64_t)shared_inter, (uint64_t)a.hidden, (uint64_t)b.slabs};
-    const uint64_t strides[2] = {(uint64_t)shared_inter * 2, (uint64_t)(a.hidden * shared_inter * 2)};
-    const uint32_t box[3] = {64, 256u, 1};
-    if (int r = make_map(&second.w2b, b.w2b, 3, dims, strides, box, err, err_len)) return r;
-  }
-  int sms = 0;
-  if (int r = device_sms(&sms, err, err_len)) return r;
-  if (a.num_sms > 0 && a.num_sms < sms) sms = a.num_sms;
-  cudaError_t e = zero_counters(a, stream);
-  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "%s: cudaMemsetAsync: %s", fn, cudaGetErrorString(e));
+  if (int r = make_weight_maps(b.w13b, b.w2b, a.hidden, int64_t(b.chunks) * a.inter, b.slabs, &second.w13b,
+                               &second.w2b, err, err_len))
+    return r;
   constexpr auto kernel = &mega_moe_fwd_second_b_kernel<kMegaFwdStages, kMegaFwdDispatchSlots>;
-  e = set_max_dynamic_smem<kernel>(kFwdSmem);
-  if (e != cudaSuccess) return fail(kGemmCudaError, err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(e));
-  kernel<<<sms, kNumThreads, kFwdSmem, stream>>>(maps, p, second);
-  return check_launch(fn, err, err_len);
+  return launch_one_rank<kernel>(a, stream, fn, err, err_len, maps, p, second);
 }
 
 static_assert(kMegaFwdMaxLaunchRanks == kMegaMaxRanks, "the launch holds one pointer table per rank");

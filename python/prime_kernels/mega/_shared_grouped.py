@@ -15,9 +15,10 @@ S shared experts is the routed layer with E + S * m experts and K + S * m routes
 
 The shared groups come after the routed ones in every launch's tile order, so their tiles fill in behind the routed
 tiles. The forward is the fused kernel with those groups' B tiles read from the shared weights where its status entry
-is available (``mega_moe_shared_fused.bf16.sm90``), else the pipeline's second-B GEMMs. The L2 dgrad with the SwiGLU backward and the weight gradients are two launches each (the routed groups, then
-the shared ones). Forward and backward run every step through the ops, so on the CPU they run the ops' CPU kernels
-and are compared with the reference there (which computes SF2 on the weights with the chunks as experts).
+is available (``mega_moe_shared_fused.bf16.sm90``), else the pipeline's second-B GEMMs. The L2 dgrad with the SwiGLU
+backward and the weight gradients are two launches each (the routed groups, then the shared ones). Forward and
+backward run every step through the ops, so on the CPU they run the ops' CPU kernels and are compared with the
+reference there (which computes SF2 on the weights with the chunks as experts).
 """
 
 from __future__ import annotations
