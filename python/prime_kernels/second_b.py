@@ -37,8 +37,9 @@ STATUS_KEY_STEM = "m_grouped_gemm_second_b.bf16"
 
 
 def expand_chunks(b2: torch.Tensor, chunks: int, layout: str) -> torch.Tensor:
-    """The second tensor's chunks as experts of their own, in the first tensor's layout (a copy): ``layout`` "w13"
-    ([S, 2 m I, X] -> [S m, 2I, X], gate rows then up rows of each chunk) or "w2" ([S, H, m I] -> [S m, H, I])."""
+    """The second tensor's chunks as experts of their own, in the first tensor's layout: ``layout`` "w13"
+    ([S, 2 m I, X] -> [S m, 2I, X], gate rows then up rows of each chunk; a copy) or "w2" ([S, H, m I] -> [S m, H, I];
+    a view of b2 where the strides allow it, as with one shared expert, else a copy)."""
     chunks = _chunks(chunks)
     S = b2.shape[0]
     if layout == "w13":
@@ -128,8 +129,8 @@ def m_grouped_bf16_gemm_swiglu_bwd_into(dy_pool: torch.Tensor, w2: torch.Tensor,
                                         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *,
                                         clamp: float | None = None, num_sms: int | None = None) -> None:
     """:func:`prime_kernels.grouped_gemm.m_grouped_bf16_gemm_swiglu_bwd` into ``out`` = (dh [M, 2I], aw [M, I] bf16,
-    dt_part [M, ceil(I / 128)] fp32, the latter zeroed by the caller for rows no launch writes). ``w2`` may be a view
-    such as :func:`expand_chunks`' (the kernel reads a contiguous copy of it)."""
+    dt_part [M, ceil(I / 128)] fp32, the latter zeroed by the caller for rows no launch writes). ``w2`` may be any
+    strided view, such as :func:`expand_chunks`' of one shared expert (the kernel reads a contiguous copy of it)."""
     _ready(dy_pool.device)
     if clamp is not None and not clamp > 0:
         raise ValueError(f"clamp must be > 0 (or None), got {clamp}")
