@@ -546,7 +546,8 @@ def header(args: argparse.Namespace, device: torch.device) -> dict:
 
     return {"benchmark": "train_step", "gpu": gpu_name(device), "device": device.type,
             "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": _version("transformers"),
-            "torchtitan": titan.version(), "prime_kernels": prime_kernels.build_info()["version"],
+            "torchtitan": titan.version(), "torchtitan_stand_ins": titan.STAND_INS,
+            "prime_kernels": prime_kernels.build_info()["version"],
             "git_sha": bc.git_sha(), "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "args": vars(args),
             "precision": "bf16 parameters, gradients and AdamW moments (no fp32 master weights, no autocast)",

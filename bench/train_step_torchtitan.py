@@ -7,7 +7,10 @@ TorchTitan that does not import or build is one exception, which train_step.py r
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import re
+import sys
 import warnings
 
 import torch
@@ -25,15 +28,59 @@ def version() -> str | None:
         return None
 
 
-def skip_reason() -> str | None:
-    """None when TorchTitan's Qwen3 model code and our adapter import here, else the exception (type: message)."""
-    try:
-        import torchtitan.models.qwen3  # noqa: F401, PLC0415
+# torch names that torchtitan 0.3.0 imports at module level but a torch older than the one it was written for lacks,
+# each replaced by a stand-in that raises when used (see _add_stand_in). Filled by skip_reason(); the results file
+# records it (train_step.header), so a row measured with stand-ins says so.
+STAND_INS: list[str] = []
+_MAX_STAND_INS = 8
+_MISSING_NAME = re.compile(r"cannot import name '(\w+)' from '(torch(?:\.\w+)*)'")
 
-        import prime_kernels.integrations.torchtitan  # noqa: F401, PLC0415
-    except Exception as exc:  # noqa: BLE001 - any failure means: this family is not measurable here, say why
-        return f"{type(exc).__name__}: {exc}"
-    return None
+
+def _add_stand_in(module_name: str, name: str) -> None:
+    """Give torch module ``module_name`` a ``name`` that fails loudly when called, instantiated or subclassed.
+
+    The names torchtitan 0.3.0 imports from torch's distributed packages at module level (``DataParallelMeshDims``
+    under torch 2.11) serve its FSDP / tensor-parallel code and type hints. A one-GPU step never enters that code,
+    and if it did, the stand-in would raise instead of doing something else, so a measured row cannot depend on one.
+    """
+    module = importlib.import_module(module_name)
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError(f"{module_name}.{name} is a stand-in (this torch, {torch.__version__}, lacks it); "
+                           "bench/train_step_torchtitan.py measures one GPU, which must not use it")
+
+    stand_in = type(name, (), {"__init__": refuse, "__call__": refuse, "__init_subclass__": classmethod(refuse),
+                               "__module__": module_name, "__doc__": f"stand-in for {module_name}.{name}"})
+    setattr(module, name, stand_in)
+    STAND_INS.append(f"{module_name}.{name}")
+
+
+def _forget_torchtitan() -> None:
+    for mod in [m for m in sys.modules if m == "torchtitan" or m.startswith("torchtitan.")]:
+        del sys.modules[mod]
+
+
+def skip_reason() -> str | None:
+    """None when TorchTitan's Qwen3 model code and our adapter import here, else the exception (type: message).
+
+    A name torchtitan imports from a torch module that this torch lacks gets a stand-in (``STAND_INS``, at most
+    ``_MAX_STAND_INS``) and the import is tried again; anything else is the reason."""
+    for _ in range(_MAX_STAND_INS + 1):
+        try:
+            import torchtitan.models.qwen3  # noqa: F401, PLC0415
+
+            import prime_kernels.integrations.torchtitan  # noqa: F401, PLC0415
+        except ImportError as exc:
+            missing = _MISSING_NAME.search(str(exc))
+            if missing is None or len(STAND_INS) >= _MAX_STAND_INS:
+                return f"{type(exc).__name__}: {exc}"
+            _add_stand_in(missing.group(2), missing.group(1))
+            _forget_torchtitan()
+        except Exception as exc:  # noqa: BLE001 - any failure means: this family is not measurable here, say why
+            return f"{type(exc).__name__}: {exc}"
+        else:
+            return None
+    return f"more than {_MAX_STAND_INS} torch names missing: {', '.join(STAND_INS)}"
 
 
 def make_config(shape: dict, layers: int):

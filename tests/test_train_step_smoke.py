@@ -131,6 +131,38 @@ def test_train_step_smoke_torchtitan(tmp_path):
     assert doc["parity_ok"] is True
 
 
+def test_torchtitan_runs_with_a_stand_in_for_a_torch_name_it_imports_but_this_torch_lacks(tmp_path):
+    """torchtitan 0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims``, which torch 2.11 lacks: with the name
+    taken away, the family still trains (the name serves FSDP code a one-GPU step never runs), the results file names
+    the stand-in, and the stand-in raises when used."""
+    pytest.importorskip("torchtitan", reason="the TorchTitan family needs torchtitan", exc_type=ImportError)
+    assert _torchtitan_skip_reason() is None
+    out = tmp_path / "x.json"
+    child = ("import runpy, sys\n"
+             "import torch.distributed.fsdp as fsdp\n"
+             "if hasattr(fsdp, 'DataParallelMeshDims'):\n"
+             "    del fsdp.DataParallelMeshDims\n"
+             f"sys.path.insert(0, {str(BENCH)!r})\n"
+             "import train_step_torchtitan as titan\n"
+             "assert titan.skip_reason() is None, titan.skip_reason()\n"
+             "try:\n"
+             "    fsdp.DataParallelMeshDims(shard=('dp',))\n"
+             "except RuntimeError as exc:\n"
+             "    assert 'stand-in' in str(exc), exc\n"
+             "else:\n"
+             "    raise AssertionError('the stand-in did not raise')\n"
+             f"sys.argv = ['train_step.py', '--smoke', '--device', 'cpu', '--out', {str(out)!r}, '--no-plot',\n"
+             "            '--model', 'torchtitan', '--checkpointing', 'off', '--warmup', '0', '--steps', '1']\n"
+             f"runpy.run_path({str(BENCH / 'train_step.py')!r}, run_name='__main__')\n")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["torchtitan_stand_ins"] == ["torch.distributed.fsdp.DataParallelMeshDims"]
+    check_family(doc, "torchtitan", "torchtitan_grouped_mm", (False,))
+    assert doc["parity_ok"] is True
+
+
 def test_torchtitan_family_skip_is_recorded(monkeypatch):
     """Where TorchTitan's model code does not import, the family becomes skipped rows carrying the exception."""
     ts = _import_train_step()
