@@ -95,7 +95,7 @@ def main() -> None:
                 if base is None:
                     base = outs
                 else:
-                    row["max_rel_err_vs_second"] = max(bc.rel_err(a.float(), b.double()) for a, b in zip(outs, base))
+                    row["max_rel_err_vs_second"] = max(bc.rel_err(a, b) for a, b in zip(outs, base))
                 rows.append(row)
                 err = row.get("max_rel_err_vs_second")
                 print(f"[bench] {shape} S={S} Is={m * I} {row['precision']} {kind}: fwd {row['fwd_ms']} ms, "
