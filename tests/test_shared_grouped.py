@@ -217,6 +217,31 @@ def test_layer_op_through_autograd_on_cpu(recompute):
     assert why == "the shared experts run inside the routed launches on CUDA only"
 
 
+def test_bf16_takes_the_second_pass_beyond_one_shared_group():
+    """bf16 runs inside the routed launches only up to BF16_MAX_SHARED_GROUPS shared groups (S x Is / I), where it was
+    measured faster than the second pass; fp8 has no such limit. Asked for a CUDA tensor (the first check), with
+    meta weights so no kernel runs."""
+    from prime_kernels.mega import _shared_ops
+
+    if not torch.cuda.is_available():
+        pytest.skip("reason() answers for CUDA tensors only: the device check comes first")
+    x = torch.empty(64, 256, device="cuda")
+    w13 = torch.empty(8, 256, 256, device="meta")  # I = 128
+    assert _shared_ops.BF16_MAX_SHARED_GROUPS == 1
+    for sw13 in (torch.empty(1, 512, 256, device="meta"), torch.empty(2, 256, 256, device="meta")):
+        why = _shared_ops.reason(x, w13, sw13, backend="auto", precision="bf16", ep_size=1, accumulators=False,
+                                 return_plan=False, activation_clamp=None)
+        assert why is not None and "2 groups" in why and "second pass is faster" in why, why
+    for precision in ("bf16", "fp8"):
+        why = _shared_ops.reason(x, w13, torch.empty(1, 256, 256, device="meta"), backend="auto",
+                                 precision=precision, ep_size=1, accumulators=False, return_plan=False,
+                                 activation_clamp=None)
+        assert why is None or "groups" not in why, why
+    why = _shared_ops.reason(x, w13, torch.empty(1, 1024, 256, device="meta"), backend="auto", precision="fp8",
+                             ep_size=1, accumulators=False, return_plan=False, activation_clamp=None)
+    assert why is None or "groups" not in why, why
+
+
 def test_layer_ops_pass_opcheck_on_cpu():
     from prime_kernels.mega import _shared_grouped as sg
     from prime_kernels.mega import _shared_ops  # noqa: F401  (registers the ops)
@@ -239,7 +264,7 @@ def test_mega_moe_runs_the_shared_experts_inside_the_routed_launches_on_the_gpu(
     the routed launches (reason None) and every output and gradient is the float64 layer's to bf16 level."""
     from prime_kernels.mega import _shared_ops, mega_moe
 
-    problem = _shared_problem(513, 16, 256, 256, 4, 1, 2, True, seed=11)
+    problem = _shared_problem(513, 16, 256, 256, 4, 1, 1, True, seed=11)  # bf16 runs one shared group inside
     cuda = [t.cuda() for t in problem]
     x, idx, w, w13, w2, sw13, sw2, sg, dy = cuda
     why = _shared_ops.reason(x, w13, sw13, backend=backend, precision="bf16", ep_size=1, accumulators=False,

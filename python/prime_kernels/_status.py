@@ -84,19 +84,13 @@ def _entries() -> list[KernelEntry]:
     # The BF16 layer with its shared experts inside the grouped pipeline's launches on those GEMMs
     # (prime_kernels.mega._shared_grouped)
     e.append(KernelEntry("mega_moe_shared.bf16.sm90", "m_grouped_bf16_gemm_second_b", "sm90",
-                         also_compiled=("m_grouped_bf16_gemm_swiglu_bwd", "k_grouped_bf16_gemm_tn"),
-                         unverified="its kernels are verified; the layer's GPU tests have not all passed nor "
-                                    "bench/bench_shared.py measured it against the second pass, which shared experts "
-                                    "run as until then"))
+                         also_compiled=("m_grouped_bf16_gemm_swiglu_bwd", "k_grouped_bf16_gemm_tn")))
     # Its forward on the fused BF16 kernel whose last groups read the shared weights (mega_moe_fwd_second_b_kernel)
     e.append(KernelEntry("mega_moe_shared_fused.bf16.sm90", "mega_moe_fwd_bf16_second_b", "sm90"))
     # The FP8 layer with its shared experts inside the routed launches (prime_kernels.mega._shared_fp8: the FP8 kernels
     # on the weights' FP8 copies with the shared chunks as experts after the routed ones)
     e.append(KernelEntry("mega_moe_shared.fp8.sm90", "mega_moe_fwd_fp8", "sm90",
-                         also_compiled=("m_grouped_fp8_gemm_swiglu_bwd", "k_grouped_fp8_gemm_tn"),
-                         unverified="its kernels are verified; the layer's GPU tests have not all passed nor "
-                                    "bench/bench_shared.py measured it against the second pass, which shared experts "
-                                    "run as until then"))
+                         also_compiled=("m_grouped_fp8_gemm_swiglu_bwd", "k_grouped_fp8_gemm_tn")))
     # The single-rank pipeline of our grouped GEMMs (prime_kernels.mega backend="grouped").
     e.append(KernelEntry("mega_moe_grouped.bf16.sm90", "m_grouped_bf16_gemm_swiglu", "sm90"))
     # The same pipeline with activation_clamp: its L1 saves h with the clamp masks (the m-grouped SwiGLU kernels'

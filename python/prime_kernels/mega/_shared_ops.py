@@ -8,10 +8,9 @@ weight-gradient accumulators, no returned plan, the shared intermediate a multip
 128), and its status entries available on the device: ``mega_moe_shared.bf16.sm90`` and
 ``m_grouped_gemm_second_b.bf16.sm90`` for bf16 (the grouped pipeline on the second-B GEMMs; its forward is the fused
 kernel with the second B where ``mega_moe_shared_fused.bf16.sm90`` is available too),
-``mega_moe_shared.fp8.sm90`` for fp8 (the FP8 layer on the combined FP8 weight copies). The layer path's entries
-stay short of "available" until it has run on a GPU and been measured against the second pass
-(bench/bench_shared.py). Elsewhere the shared experts run as a second pass of the layer
-(:mod:`prime_kernels.mega.shared`).
+``mega_moe_shared.fp8.sm90`` for fp8 (the FP8 layer on the combined FP8 weight copies); in bf16 at most
+``BF16_MAX_SHARED_GROUPS`` shared groups (measured: beyond that the second pass is faster). Elsewhere the shared
+experts run as a second pass of the layer (:mod:`prime_kernels.mega.shared`).
 """
 
 from __future__ import annotations
@@ -28,11 +27,20 @@ from ..routing import pool_capacity
 from ..second_b import STATUS_KEY_STEM
 
 SECOND_B_KEY = f"{STATUS_KEY_STEM}.sm90"
-# the layer path's own entries: available once its GPU tests pass and it is measured faster than the second pass
+# the layer path's own entries
 BF16_KEY = "mega_moe_shared.bf16.sm90"
 FP8_KEY = "mega_moe_shared.fp8.sm90"
 # the fused BF16 forward with the shared experts' chunks as its last groups (the kernel's second B)
 FUSED_BF16_KEY = "mega_moe_shared_fused.bf16.sm90"
+# The most shared groups (S shared experts x Is / I chunks each) that bf16 runs inside the routed launches. In bf16
+# the shared chunks' L2 dgrad is a launch of its own (on a copy of their w2) and their weight gradients are a
+# k-grouped launch of their own, so their backward gains nothing over the second pass and the fused forward's gain
+# has to pay for those copies. Measured on an H100, T = 16384, forward + backward
+# (bench/results/bench_shared_h100_2026-12-07_664e9f5_partial.log): one group, faster inside (30B: 10.03 against the
+# second pass's 10.93 ms; 235B: 35.11 against 36.48); four groups (one expert of 4I), slower (30B: 13.40 against
+# 12.71). FP8 has no such launches (its shared groups are experts of the combined FP8 copies) and runs faster inside
+# at both widths (30B: 9.40 against 10.71 ms at one group, 11.95 against 12.14 at four), so it has no such limit.
+BF16_MAX_SHARED_GROUPS = 1
 
 
 def reason(x: Tensor, w13: Tensor, shared_w13: Tensor, *, backend: str, precision: str, ep_size: int,
@@ -52,6 +60,10 @@ def reason(x: Tensor, w13: Tensor, shared_w13: Tensor, *, backend: str, precisio
         return (f"the shared intermediate ({shared_inter}) must be a multiple of the routed one ({inter}), itself a "
                 f"multiple of 128")
     num_groups = w13.shape[0] + shared_w13.shape[0] * chunks
+    if precision == "bf16" and shared_w13.shape[0] * chunks > BF16_MAX_SHARED_GROUPS:
+        return (f"in bf16, {shared_w13.shape[0]} shared expert(s) of {chunks} chunk(s) of width {inter} are "
+                f"{shared_w13.shape[0] * chunks} groups; beyond {BF16_MAX_SHARED_GROUPS} the second pass is faster "
+                f"(docs/shared_experts.md)")
     if num_groups > GROUPED_MAX_EXPERTS:
         return f"E + S * chunks exceeds GROUPED_MAX_EXPERTS={GROUPED_MAX_EXPERTS}"
     if precision == "bf16" and backend == "fused" and not _bf16_fused_forward(backend, activation_clamp, num_groups):
