@@ -258,13 +258,13 @@ def test_layer_ops_pass_opcheck_on_cpu():
 
 
 @requires_sm90
-@pytest.mark.parametrize("backend", ["auto", "grouped"])
-def test_mega_moe_runs_the_shared_experts_inside_the_routed_launches_on_the_gpu(backend):
+@pytest.mark.parametrize("backend,T", [("auto", 513), ("grouped", 513), ("auto", 1), ("auto", 2)])
+def test_mega_moe_runs_the_shared_experts_inside_the_routed_launches_on_the_gpu(backend, T):
     """mega_moe with shared experts on CUDA where the second-B GEMMs are available: the call takes the path inside
     the routed launches (reason None) and every output and gradient is the float64 layer's to bf16 level."""
     from prime_kernels.mega import _shared_ops, mega_moe
 
-    problem = _shared_problem(513, 16, 256, 256, 4, 1, 1, True, seed=11)  # bf16 runs one shared group inside
+    problem = _shared_problem(T, 16, 256, 256, 4, 1, 1, True, seed=11 + T)  # bf16 runs one shared group inside
     cuda = [t.cuda() for t in problem]
     x, idx, w, w13, w2, sw13, sw2, sg, dy = cuda
     why = _shared_ops.reason(x, w13, sw13, backend=backend, precision="bf16", ep_size=1, accumulators=False,
@@ -393,8 +393,8 @@ def test_backward_op_outputs_share_no_memory_on_cpu(precision):
 
 
 @requires_sm90
-@pytest.mark.parametrize("clamp", [None, 7.0])
-def test_fp8_layer_with_shared_experts_on_the_gpu(clamp):
+@pytest.mark.parametrize("clamp,T,S", [(None, 513, 1), (7.0, 513, 1), (None, 131, 2), (None, 1, 2)])
+def test_fp8_layer_with_shared_experts_on_the_gpu(clamp, T, S):
     """precision="fp8" with shared experts inside the routed launches on CUDA (the fused FP8 forward, or the pipeline
     with a clamp; the FP8 backward on the combined copies), NaN-free, against the reference's FP8 layer on the
     expanded weights (the layer matrix's kernel-vs-emulation bound) and the float64 layer."""
@@ -404,7 +404,7 @@ def test_fp8_layer_with_shared_experts_on_the_gpu(clamp):
     why = _status.runnable(_shared_ops.FP8_KEY)
     if why != _status.AVAILABLE:
         pytest.skip(f"{_shared_ops.FP8_KEY}: {why}")
-    problem = _shared_problem(513, 16, 256, 256, 4, 1, 2, True, seed=19)
+    problem = _shared_problem(T, 16, 256, 256, 4, S, 2, True, seed=19 + T)
     cuda = [t.cuda() for t in problem]
     x, idx, w, w13, w2, sw13, sw2, sg, dy = cuda
     leaves = [t.clone().requires_grad_() for t in (x, w, w13, w2, sw13, sw2, sg)]
