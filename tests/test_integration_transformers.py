@@ -1,6 +1,7 @@
 """prime_kernels.integrations.transformers: the "prime_mega_moe" experts implementation on a tiny
 Qwen3-MoE built from a config (random weights, no download), against transformers' own eager
-experts: logits, loss and every parameter gradient over a few AdamW steps.
+experts: logits, loss and every parameter gradient over a few AdamW steps (the shared experts taken into the routed
+experts' call: test_integration_transformers_shared.py).
 
 Tested with transformers==5.24.0 (pinned in ci/test.sh)."""
 

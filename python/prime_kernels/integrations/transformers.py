@@ -43,14 +43,36 @@ reason, as for bf16; ``backend="reference"`` runs the recipe's emulation on any 
 Supported: gated SiLU experts (``act_fn`` SiLU, transformers' default gate function), concatenated
 ``[gate; up]`` layout, non-transposed weights, no biases, no post-expert norm. Anything else raises
 :class:`~prime_kernels.integrations.UnsupportedLayerError` naming the module and what is missing.
+
+Shared experts: a MoE block whose forward is one that this module knows (the same code, compared by a fingerprint of
+its source: Qwen2-MoE's, shared by Qwen3-Next, Qwen3.5-MoE and others, with its sigmoid-gated ``shared_expert``;
+DeepSeek-V3's, shared by DeepSeek-V2, GLM-4.5-MoE, Kimi-Linear, Dots1 and others, with its ungated
+``shared_experts``; and Flint's, ungated ``shared_expert`` on the flat tokens) and whose shared expert is a SwiGLU MLP
+(``down_proj(silu(gate_proj(x)) * up_proj(x))`` over bias-free Linears, the gate a Linear with one output) gets a
+:class:`MegaMoESharedExpert` as its ``forward``; its modules, keys and classes stay as they are. On every call where
+the shared expert can run inside the routed experts' launches (``prime_kernels.mega._shared_ops.reason``: CUDA, one
+rank, the shapes that path takes, its kernels available), the block routes as before and the routed experts'
+``mega_moe`` call takes the shared expert (``shared_w13 = [gate_proj; up_proj]``, ``shared_w2 = down_proj``,
+``shared_gate`` = the sigmoid gate on the same tokens), so the block has nothing left to add; on every other call
+the block runs its own forward, transformers' code. Blocks of other forms (a routed scaling factor, a post norm, a
+latent projection, an fp32 combine, ...) and other shared modules are left as they are.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
+import textwrap
+import tokenize
+from dataclasses import dataclass
+from io import StringIO
+from typing import Callable, Optional
+
 import torch
 from torch import nn
 
-from ..mega import mega_moe
+from ..mega import _shared_ops, mega_moe
 from ._common import PRECISIONS, UnsupportedLayerError, check_backend, check_precision, \
     compute_dtypes, fail
 
@@ -150,11 +172,13 @@ def mega_moe_experts_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
+    shared_expert: Optional["MegaMoESharedExpert"] = None,
 ) -> torch.Tensor:
     """The ``"prime_mega_moe"`` experts implementation (transformers' experts-interface signature).
 
     Uses the options :func:`apply` stored on the module (``backend``, ``precision``), else ``backend="auto"`` and
-    ``precision="bf16"``."""
+    ``precision="bf16"``. ``shared_expert``: passed by a block's :class:`MegaMoESharedExpert` forward on the calls
+    where its shared expert runs inside this call (then the output includes it); transformers never passes it."""
     if not getattr(self, _CHECKED_ATTR, False):
         check_experts_module(self)
         setattr(self, _CHECKED_ATTR, True)
@@ -170,9 +194,189 @@ def mega_moe_experts_forward(
     if getattr(self, "_is_expert_parallel", False):
         # transformers' EP marks routes to other ranks' experts with local id >= num_experts (weight 0)
         idx = torch.where(idx >= E, torch.full_like(idx, -1), idx)
+    shared_args = shared_expert.mega_moe_args(hidden_states, io, wdt) if shared_expert is not None else {}
     y = mega_moe(hidden_states.to(io), idx, top_k_weights.to(wdt), w13.to(io), w2.to(io),
-                 backend=backend, precision=precision, num_experts=E)
+                 backend=backend, precision=precision, num_experts=E, **shared_args)
     return y.to(hidden_states.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared experts inside the routed experts' call
+# ------------------------------------------------------------------------------------------------
+
+_LAYOUT_TOKENS = frozenset((tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE))
+_IGNORED_TOKENS = frozenset((tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER))
+
+
+@functools.lru_cache(maxsize=None)
+def code_fingerprint(fn: Callable) -> Optional[str]:
+    """A hash of ``fn``'s source as tokens (comments, blank lines, line breaks inside brackets and the indentation
+    width left out, so a reformatting keeps it and any change of code does not), or None where the source cannot be
+    read. Token names rather than numbers: the numbers differ between Python versions."""
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+        toks = [f"{tokenize.tok_name[t.type]} {'' if t.type in _LAYOUT_TOKENS else t.string}"
+                for t in tokenize.generate_tokens(StringIO(src).readline) if t.type not in _IGNORED_TOKENS]
+    except (OSError, TypeError, SyntaxError, tokenize.TokenError):
+        return None
+    return hashlib.sha256("\n".join(toks).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class SharedBlockLayout:
+    """How a known MoE block forward computes: whether its router takes the flat tokens [T, H] ("flat") or the
+    block's input as given ("input"), and the attributes of its shared MLP and of its sigmoid gate (None: ungated)."""
+
+    router_input: str
+    mlp: str
+    gate: Optional[str]
+
+
+#: MoE block forwards whose arithmetic :class:`MegaMoESharedExpert` reproduces, by :func:`code_fingerprint` (taken
+#: from transformers 5.24). Each adds the shared MLP's output (times the sigmoid gate where there is one) to the
+#: routed experts' output and nothing else: a forward that scales or normalises the routed output, projects it, or
+#: sums in another dtype has another fingerprint and keeps its own forward.
+SHARED_BLOCK_FORWARDS: dict[str, SharedBlockLayout] = {
+    # Qwen2MoeSparseMoeBlock; the same code in Qwen3Next, Qwen3_5Moe, Qwen3OmniMoeTalkerText, Qwen4ExpText blocks
+    "1a5260d851343946": SharedBlockLayout("flat", "shared_expert", "shared_expert_gate"),
+    # DeepseekV3MoE; the same code in DeepseekV2Moe, DeepseekV32MoE, Glm4MoeMoE, Glm4MoeLiteMoE, Glm4vMoeTextMoE,
+    # GlmMoeDsaMoE, KimiLinearMoE, Dots1MoE, ExaoneMoeSparseMoEBlock, Mistral4MoE, SolarOpenMoE and others
+    "c0f60646ae025e27": SharedBlockLayout("input", "shared_experts", None),
+    # FlintSparseMoeBlock and LaraMiniSparseMoeBlock: the shared expert ungated, on the flat tokens
+    "4b73b5c55dafc9d0": SharedBlockLayout("flat", "shared_expert", None),
+}
+
+#: The SwiGLU MLP forward ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Qwen2MoeMLP, DeepseekV3MLP and the
+#: other MLP classes written the same way), by :func:`code_fingerprint`.
+SWIGLU_MLP_FORWARD = "27ba33fedb251f70"
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    return isinstance(t, DTensor)
+
+
+def _swiglu_mlp(mlp: Optional[nn.Module], H: int) -> bool:
+    """A shared MLP whose forward is transformers' SwiGLU with SiLU over plain bias-free Linears [Is, H], [Is, H] and
+    [H, Is] in a float dtype (not DTensors): the computation that mega_moe's shared experts do."""
+    if mlp is None or code_fingerprint(type(mlp).forward) != SWIGLU_MLP_FORWARD:
+        return False
+    if not _is_silu(getattr(mlp, "act_fn", None)):
+        return False
+    linears = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(type(m) is nn.Linear and m.bias is None for m in linears):
+        return False
+    g, u, d = (m.weight for m in linears)
+    if any(_is_dtensor(w) or w.dtype not in _FLOAT_DTYPES for w in (g, u, d)):
+        return False
+    Is = g.shape[0]
+    return list(g.shape) == [Is, H] and list(u.shape) == [Is, H] and list(d.shape) == [H, Is]
+
+
+def _sigmoid_gate(gate: Optional[nn.Module], H: int) -> bool:
+    return type(gate) is nn.Linear and gate.in_features == H and gate.out_features == 1
+
+
+def _shared_layout(block: nn.Module, experts: nn.Module) -> Optional[SharedBlockLayout]:
+    """The layout of ``block`` where its class forward is a known one around ``experts`` and its shared MLP (and gate)
+    are what the routed call can take; else None."""
+    if getattr(block, "experts", None) is not experts or not is_experts_module(experts):
+        return None
+    layout = SHARED_BLOCK_FORWARDS.get(code_fingerprint(type(block).forward))
+    if layout is None:
+        return None
+    H = experts.gate_up_proj.shape[-1]
+    if not _swiglu_mlp(getattr(block, layout.mlp, None), H):
+        return None
+    if layout.gate is not None and not _sigmoid_gate(getattr(block, layout.gate, None), H):
+        return None
+    return layout
+
+
+def _runs_as_called(m: nn.Module) -> bool:
+    """No hooks and no forward of the instance's own: reading the weights computes what calling the module would."""
+    return not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                or "forward" in m.__dict__)
+
+
+class MegaMoESharedExpert:
+    """The forward of a MoE block with a SwiGLU shared expert (installed as the block's ``forward`` by :func:`apply`;
+    the block keeps its modules, keys and class). On every call where the shared expert can run inside the routed
+    experts' launches (:meth:`runs_inside`) it routes with the block's own router and the routed experts' mega_moe call
+    takes the shared expert and its gate (:meth:`mega_moe_args`), so there is no sum left to do; on every other call
+    it is the block class's own forward. The block's forward rather than a stand-in shared module that returns zeros:
+    the block would still add those (and compute its gate to multiply them), passes over the activations for nothing."""
+
+    def __init__(self, block: nn.Module, layout: SharedBlockLayout):
+        self.block = block
+        self.layout = layout
+
+    def runs_inside(self, x2d: torch.Tensor) -> bool:
+        """Whether this call's shared expert runs inside the routed experts' launches: the block's class forward
+        still the one this reproduces, the experts still on :data:`NAME` without transformers' expert parallelism
+        (whose sum over ranks would add the shared expert once per rank), the shared MLP still the SwiGLU it was with
+        no hooks (the fused call reads its weights and calls none of its modules), and
+        ``prime_kernels.mega._shared_ops.reason`` None for these tokens and shapes with the experts' backend and
+        precision."""
+        block = self.block
+        experts = block.experts
+        if _shared_layout(block, experts) != self.layout:
+            return False
+        if getattr(experts.config, "_experts_implementation", None) != NAME or getattr(experts, "_is_expert_parallel",
+                                                                                       False):
+            return False
+        mlp = getattr(block, self.layout.mlp)
+        if not all(_runs_as_called(m) for m in (mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return False
+        w13 = experts.gate_up_proj
+        H = w13.shape[-1]
+        opts = getattr(experts, _OPTIONS_ATTR, None) or {}
+        shared_w13 = torch.empty((1, 2 * mlp.gate_proj.weight.shape[0], H), device="meta")
+        return _shared_ops.reason(x2d, w13, shared_w13, backend=opts.get("backend", "auto"),
+                                  precision=opts.get("precision", "bf16"), ep_size=1, accumulators=False,
+                                  return_plan=False, activation_clamp=None) is None
+
+    def mega_moe_args(self, x2d: torch.Tensor, io_dtype: torch.dtype, weight_dtype: torch.dtype) -> dict:
+        """The shared expert's arguments of the routed experts' mega_moe call on the tokens ``x2d`` (the experts'
+        input, the rows the block's gate would see), the gate in the routing weights' dtype."""
+        mlp = getattr(self.block, self.layout.mlp)
+        args = dict(shared_w13=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0).to(io_dtype),
+                    shared_w2=mlp.down_proj.weight.to(io_dtype))
+        if self.layout.gate is not None:
+            gate = getattr(self.block, self.layout.gate)
+            args["shared_gate"] = torch.sigmoid(gate(x2d)).reshape(x2d.shape[0]).to(weight_dtype)
+        return args
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        block = self.block
+        shape = hidden_states.shape
+        x2d = hidden_states.view(-1, shape[-1])
+        if not self.runs_inside(x2d):
+            return type(block).forward(block, hidden_states)
+        # the router gets what the block's own forward gives it: a router may read the shape
+        _, weights, idx = block.gate(x2d if self.layout.router_input == "flat" else hidden_states)
+        return block.experts(x2d, idx, weights, shared_expert=self).reshape(shape)
+
+    def __repr__(self) -> str:
+        gate = f", gate={self.layout.gate}" if self.layout.gate else ""
+        return f"MegaMoESharedExpert({type(self.block).__name__}, mlp={self.layout.mlp}{gate})"
+
+
+def _install_shared_forward(block: nn.Module, experts: nn.Module) -> None:
+    """Give ``block`` (the parent of the switched ``experts``) a :class:`MegaMoESharedExpert` forward where
+    :func:`_shared_layout` has one for it, and take back one installed earlier where it no longer has. A forward that
+    someone else set on the instance (accelerate's hooks, say) is left alone: the fused forward would skip it."""
+    current = block.__dict__.get("forward")
+    if current is not None and not isinstance(current, MegaMoESharedExpert):
+        return
+    if current is not None:
+        del block.forward
+    layout = _shared_layout(block, experts)
+    if layout is not None:
+        block.forward = MegaMoESharedExpert(block, layout)
 
 
 def _named_candidates(model: nn.Module):
@@ -205,6 +409,11 @@ def apply(model: nn.Module, backend: str = "auto", precision: str = "bf16") -> l
         FP8 backward); passed to :func:`prime_kernels.mega.mega_moe` on every call. The parameters stay
         bf16 (the module docstring says how the FP8 copies are kept); where the FP8 kernels cannot run,
         the first call raises the layer's reason.
+
+    A block holding switched experts and a SwiGLU shared expert in one of the forms listed in the module docstring
+    gets a :class:`MegaMoESharedExpert` forward (``isinstance(block.forward, MegaMoESharedExpert)``), which hands the
+    shared expert to the routed experts' call wherever it can run inside their launches; its modules and state-dict
+    keys are unchanged.
 
     Returns the qualified names of the experts modules switched (all of them). Raises ValueError for a
     backend or precision not listed above, and :class:`UnsupportedLayerError` naming every module that
@@ -240,10 +449,14 @@ def apply(model: nn.Module, backend: str = "auto", precision: str = "bf16") -> l
     if missed:
         raise RuntimeError(f"prime_kernels.integrations: could not switch {missed} to {NAME!r} "
                            f"(their config did not take experts_implementation)")
+    for name, m in found:
+        if name:
+            parent = model.get_submodule(name.rpartition(".")[0])
+            _install_shared_forward(parent, m)
     return [name for name, _ in found]
 
 
 register()
 
 __all__ = ["NAME", "PRECISIONS", "apply", "register", "mega_moe_experts_forward", "check_experts_module",
-           "is_experts_module", "UnsupportedLayerError"]
+           "is_experts_module", "MegaMoESharedExpert", "UnsupportedLayerError"]
