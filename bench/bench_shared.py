@@ -50,8 +50,14 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (the reference backend)")
+    p.add_argument("--bf16-max-groups", type=int, default=None,
+                   help="measure bf16 inside the routed launches up to this many shared groups (the layer's own "
+                        "limit, _shared_ops.BF16_MAX_SHARED_GROUPS, is where it was measured faster)")
     args = p.parse_args()
     from prime_kernels.mega import _shared_ops
+
+    if args.bf16_max_groups is not None:
+        _shared_ops.BF16_MAX_SHARED_GROUPS = args.bf16_max_groups
 
     dev = torch.device(args.device)
     header = bc.run_header(dev, bc.bf16_peak_tflops(dev) if dev.type == "cuda" else 0.0)
