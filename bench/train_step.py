@@ -89,7 +89,13 @@ load-balancing bias (``load_balance_coeff=None``: its update is an optimizer hoo
 * ``torchtitan_grouped_mm``: TorchTitan's own routed experts (``RoutedExperts``: local token dispatch,
   ``GroupedExperts`` on ``torch._grouped_mm`` (0.3 has no other path, so no ``use_grouped_mm`` flag), combine).
 * ``prime_mega_moe``: ours, switched in with ``prime_kernels.integrations.torchtitan.apply(model, backend)``
-  (``MegaMoERoutedExperts``), after loading the shared weights and before the optimizer is built.
+  (``MegaMoERoutedExperts``), after loading the shared weights and before the optimizer is built;
+  ``prime_mega_moe_fp8``: the same with ``precision="fp8"``.
+* ``torchtitan_fp8_grouped_mm``: TorchTitan's own FP8 experts (``train_step_torchtitan.apply_trainer_fp8``: what its
+  ``quantize.grouped_mm.float8`` converter sets up, torchao's rowwise e4m3 scaled grouped GEMMs with token groups
+  padded to 16 rows, applied to the loaded bf16 model), eager like every variant here (TorchTitan recommends
+  torch.compile for it); skipped with the reason where torchao or an sm_89+ GPU is missing. Our FP8 rows get a ratio
+  against it besides the one against ``torchtitan_grouped_mm``, and it is held to the FP8 parity rule.
 
 Checkpointing "on" is TorchTitan's own full activation checkpointing (``torchtitan.distributed.activation_checkpoint.
 FullAC``, as its Trainer applies ``activation_checkpoint=FullAC``: every transformer block in torch's
@@ -136,9 +142,14 @@ PARITY_RTOL = 1e-2
 # expert computation still moves the loss by far more from the first step.
 FP8_PARITY_RTOL = PARITY_RTOL + 0.005
 # What the FP8 rows are compared with, in the results.
-FP8_BASELINE = ("grouped_mm, transformers' bf16 experts: transformers has no FP8 training path for its MoE experts "
+FP8_BASELINE = ("transformers: grouped_mm, its bf16 experts: transformers has no FP8 training path for its MoE experts "
                 "(checked in 5.24.0: transformers.integrations.finegrained_fp8's experts hold frozen FP8 weights that "
-                "take no gradient, for inference and adapters)")
+                "take no gradient, for inference and adapters); TorchTitan: torchtitan_fp8_grouped_mm, its own FP8 "
+                "experts (torchao's rowwise scaled grouped GEMMs, as its quantize.grouped_mm.float8 converter sets "
+                "them up), beside torchtitan_grouped_mm")
+# The trainer's own FP8 experts, per family that has them: each FP8 variant of ours gets a ratio against it as well
+TRAINER_FP8 = {titan.FAMILY: titan.TRAINER_FP8}
+FP8_VARIANTS = {v for v, p in OURS.items() if p != "bf16"} | set(TRAINER_FP8.values())
 
 # Qwen3-30B-A3B's decoder layer (its config.json), with a chosen number of layers
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -319,6 +330,8 @@ class Family:
     is_experts_module: Callable[[torch.nn.Module], bool]
     experts_implementation: Callable[[torch.nn.Module], str]
     summary: dict = field(default_factory=dict)
+    # (model, variant): the family's own FP8 experts for its trainer-FP8 variant (TRAINER_FP8); else nothing
+    convert: Callable[[torch.nn.Module, str], None] = lambda model, variant: None
 
 
 def hf_family(args: argparse.Namespace, device: torch.device) -> Family:
@@ -355,9 +368,12 @@ def titan_family(args: argparse.Namespace, device: torch.device) -> Family:
     base = titan.build_model(config, device)
     state = host_state_dict(base)
     del base
-    # the family has our bf16 experts only (titan.VARIANTS), so the precision is always "bf16" here
+    def convert(model: torch.nn.Module, variant: str) -> None:
+        if variant == titan.TRAINER_FP8:
+            titan.apply_trainer_fp8(model)
+
     return Family(name=titan.FAMILY, state=state, build=lambda dev, variant: titan.build_model(config, dev),
-                  swap_in_ours=lambda model, backend, precision: titan.apply_ours(model, backend),
+                  swap_in_ours=titan.apply_ours, convert=convert,
                   enable_checkpointing=titan.enable_full_ac, loss=titan.loss,
                   is_experts_module=titan.is_experts_module, experts_implementation=titan.experts_implementation,
                   summary=titan.summary(config, state, args.smoke))
@@ -393,6 +409,8 @@ def prepare_model(spec: RunSpec, fam: Family, args: argparse.Namespace, device: 
     model.load_state_dict(fam.state, strict=True)
     if spec.variant in OURS:
         fam.swap_in_ours(model, args.backend, OURS[spec.variant])
+    else:
+        fam.convert(model, spec.variant)
     if spec.checkpointing:
         fam.enable_checkpointing(model)
     model.train()
@@ -481,7 +499,7 @@ def _compared(rows: list[dict]) -> list[dict]:
 
 
 def parity_rtol(variant: str) -> float:
-    return PARITY_RTOL if OURS.get(variant, "bf16") == "bf16" else FP8_PARITY_RTOL
+    return FP8_PARITY_RTOL if variant in FP8_VARIANTS else PARITY_RTOL
 
 
 def parity(rows: list[dict], steps: int) -> list[dict]:
@@ -503,12 +521,18 @@ def parity(rows: list[dict], steps: int) -> list[dict]:
 
 def ratios(rows: list[dict]) -> list[dict]:
     """Step time of every timed variant over its family's reference at the same setting (< 1: faster than the
-    family's own experts)."""
+    family's own experts), and of each FP8 variant of ours over the family's own FP8 experts where they ran."""
     out = []
     for row in _compared(rows):
-        ref = _reference_row(rows, row)
-        out.append({"family": _family(row), "variant": row["variant"], "vs": ref["variant"],
-                    "checkpointing": row["checkpointing"], "step_ms_ratio": round(row["step_ms"] / ref["step_ms"], 4)})
+        refs = [_reference_row(rows, row)]
+        trainer_fp8 = TRAINER_FP8.get(_family(row))
+        if row["variant"] in OURS and OURS[row["variant"]] != "bf16" and trainer_fp8:
+            refs += [r for r in rows if _family(r) == _family(row) and r["variant"] == trainer_fp8
+                     and r["checkpointing"] == row["checkpointing"] and not r.get("skipped")]
+        for ref in refs:
+            out.append({"family": _family(row), "variant": row["variant"], "vs": ref["variant"],
+                        "checkpointing": row["checkpointing"],
+                        "step_ms_ratio": round(row["step_ms"] / ref["step_ms"], 4)})
     return out
 
 
@@ -639,6 +663,8 @@ def run_family(fam: Family, args: argparse.Namespace, device: torch.device,
     skip = {v: precision_skip_reason(OURS[v], args, device) for v in variants if OURS.get(v, "bf16") != "bf16"}
     if "sonicmoe" in variants:
         skip["sonicmoe"] = sonicmoe_skip_reason()
+    if TRAINER_FP8.get(fam.name) in variants:
+        skip[TRAINER_FP8[fam.name]] = titan.trainer_fp8_skip_reason(device)
     rows = []
     for ckpt in checkpointing_settings(args.checkpointing):
         for variant in variants:

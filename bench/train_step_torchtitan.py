@@ -18,7 +18,11 @@ from torch import nn
 
 FAMILY = "torchtitan"
 REFERENCE = "torchtitan_grouped_mm"  # TorchTitan's own GroupedExperts: torch._grouped_mm, always (no flag in 0.3)
-VARIANTS = (REFERENCE, "prime_mega_moe")
+# TorchTitan's own FP8 experts: what its Float8GroupedExpertsConverter sets up (torchao's rowwise e4m3 scaled grouped
+# GEMMs in the forward and backward, token groups padded to 16 rows); see apply_trainer_fp8
+TRAINER_FP8 = "torchtitan_fp8_grouped_mm"
+VARIANTS = (REFERENCE, "prime_mega_moe", "prime_mega_moe_fp8", TRAINER_FP8)
+FP8_PAD_MULTIPLE = 16  # the converter's: e4m3 rows of 16 bytes
 
 
 def version() -> str | None:
@@ -140,10 +144,48 @@ def build_model(config, device: torch.device) -> nn.Module:
     return model
 
 
-def apply_ours(model: nn.Module, backend: str) -> None:
+def apply_ours(model: nn.Module, backend: str, precision: str) -> None:
     import prime_kernels.integrations.torchtitan as pk_tt  # noqa: PLC0415
 
-    pk_tt.apply(model, backend=backend)
+    pk_tt.apply(model, backend=backend, precision=precision)
+
+
+def trainer_fp8_skip_reason(device: torch.device) -> str | None:
+    """None where TorchTitan's FP8 experts run here, else why not: torchao missing or a GPU below sm_89 (the
+    converter's own checks, its exception as the reason), or no CUDA device."""
+    if device.type != "cuda":
+        return "TorchTitan's FP8 experts run torchao's scaled grouped GEMMs on a CUDA GPU (sm_89 or later)"
+    try:
+        from torchtitan.components.quantization import Float8GroupedExpertsConverter  # noqa: PLC0415
+
+        Float8GroupedExpertsConverter(Float8GroupedExpertsConverter.Config())
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig  # noqa: F401, PLC0415
+        from torchao.quantization.quant_api import quantize_  # noqa: F401, PLC0415
+    except Exception as exc:  # noqa: BLE001 - any failure means: the trainer's FP8 path does not run here
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def apply_trainer_fp8(model: nn.Module) -> str:
+    """TorchTitan's FP8 MoE training on the built model: what ``Float8GroupedExpertsConverter`` (its
+    ``quantize.grouped_mm.float8`` converter) makes of the model config, done to the modules instead, so that the
+    expert weights stay the bf16 parameters every other variant trains (the converter's config builds experts whose
+    weights torchao wraps in fp32, and this model is materialised in bf16 before that): every ``GroupedExperts``
+    through torchao's ``quantize_`` with ``Float8TrainingOpConfig`` (rowwise e4m3 scaled grouped GEMMs for the
+    forward, dgrad and wgrad) and every ``RoutedExperts``' token dispatcher the ``TorchAOTokenDispatcher`` that pads
+    each expert's tokens to 16 rows. Eager, as every variant here runs; TorchTitan recommends torch.compile for this
+    path (the converter logs it), which no variant gets."""
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig  # noqa: PLC0415
+    from torchao.quantization.quant_api import quantize_  # noqa: PLC0415
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts  # noqa: PLC0415
+    from torchtitan.models.common.token_dispatcher import TorchAOTokenDispatcher  # noqa: PLC0415
+
+    quantize_(model, config=Float8TrainingOpConfig(), filter_fn=lambda mod, _fqn: isinstance(mod, GroupedExperts))
+    for routed in (m for m in model.modules() if isinstance(m, RoutedExperts)):
+        old = routed.token_dispatcher
+        routed.token_dispatcher = TorchAOTokenDispatcher(TorchAOTokenDispatcher.Config(
+            num_experts=old.num_experts, top_k=old.top_k, pad_multiple=FP8_PAD_MULTIPLE))
+    return "torchao Float8TrainingOpConfig (rowwise) + TorchAOTokenDispatcher(pad 16)"
 
 
 def enable_full_ac(model: nn.Module) -> str:

@@ -148,6 +148,37 @@ def test_exact_mode_equals_float64_formula():
     assert rel_err(inner.w2_EDF.grad, dw2_x) < 1e-12
 
 
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_precision_reaches_every_call(precision, monkeypatch):
+    """apply(precision=) passes the precision to every mega_moe call (the FP8 recipe's emulation on the reference
+    backend here: output and expert gradients within the recipe's error of TorchTitan's bf16 layer), and the shared
+    experts ask _shared_ops.reason with it; an unknown precision is refused before anything is switched."""
+    from prime_kernels.mega import _shared_ops
+
+    titan = build_moe(5, dim=128, hidden=128, shared="plain", shared_hidden=128)
+    ours = copy.deepcopy(titan)
+    with pytest.raises(ValueError, match="precision"):
+        pk_tt.apply(ours, precision="fp4")
+    assert isinstance(ours.routed_experts, RoutedExperts)
+    pk_tt.apply(ours, backend="reference", precision=precision)
+    assert ours.routed_experts.precision == precision and precision in repr(ours.routed_experts)
+    asked = []
+    real_reason = _shared_ops.reason
+    monkeypatch.setattr(_shared_ops, "reason", lambda *a, **k: asked.append(k["precision"]) or real_reason(*a, **k))
+    g = torch.Generator().manual_seed(55)
+    x = torch.randn(2, 40, 128, generator=g)
+    dy = torch.randn(2, 40, 128, generator=g)
+    y_t, dx_t = run(titan, x, dy)
+    y_o, dx_o = run(ours, x, dy)
+    assert asked and set(asked) == {precision}
+    assert rel_err(y_o, y_t) < (1e-1 if precision == "fp8" else 2e-2)
+    assert rel_err(dx_o, dx_t) < 1e-1
+    for go, gt in zip(expert_grads(ours), expert_grads(titan)):
+        assert 1e-3 < rel_err(go, gt) < 1.5e-1  # quantized: near, but not the bf16 layer's gradients
+    pk_tt.apply(ours, backend="reference")  # switched again: back to bf16
+    assert ours.routed_experts.precision == "bf16"
+
+
 def test_w13_is_w1_then_w3_and_w2_is_shared():
     titan = build_moe(3)
     inner = titan.routed_experts.inner_experts

@@ -20,7 +20,8 @@ pytest.importorskip("transformers", minversion="5.0",
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 TITAN_IMPL = {"torchtitan_grouped_mm": "RoutedExperts(GroupedExperts)",
-              "prime_mega_moe": "MegaMoERoutedExperts(MegaMoEGroupedExperts)"}
+              "prime_mega_moe": "MegaMoERoutedExperts(MegaMoEGroupedExperts)",
+              "prime_mega_moe_fp8": "MegaMoERoutedExperts(MegaMoEGroupedExperts)"}
 # our FP8 variants are the same transformers experts implementation, given another precision
 HF_IMPL = {"prime_mega_moe_fp8": "prime_mega_moe", "prime_mega_moe_fp8_bwd": "prime_mega_moe"}
 FP8_VARIANTS = {"prime_mega_moe_fp8": "fp8", "prime_mega_moe_fp8_bwd": "fp8_bwd"}
@@ -84,6 +85,7 @@ def test_train_step_smoke(tmp_path):
     if titan_reason is None:
         assert doc["torchtitan"] and doc["families_skipped"] == {}
         check_family(doc, "torchtitan", "torchtitan_grouped_mm", (False, True))
+        check_titan_fp8(doc, stdout, (False, True))
     else:  # the family is recorded as skipped, with the exception, and the transformers runs still count
         assert doc["families_skipped"] == {"torchtitan": titan_reason}
         titan_runs = [run for run in doc["runs"] if run["family"] == "torchtitan"]
@@ -97,16 +99,49 @@ def test_train_step_smoke(tmp_path):
     assert all(x["step_ms_ratio"] > 0 for x in doc["ratios"])
 
 
+def check_titan_fp8(doc: dict, stdout: str, ckpts: tuple[bool, ...]) -> None:
+    """TorchTitan's family on the CPU: our FP8 experts run the recipe's emulation, held to the FP8 rule against
+    torchtitan_grouped_mm; TorchTitan's own FP8 experts (torchao's scaled grouped GEMMs) need a CUDA GPU, so their
+    rows are skipped with that reason, and ours get no ratio against them."""
+    ours = [r for r in doc["runs"] if r["family"] == "torchtitan" and r["variant"] == "prime_mega_moe_fp8"]
+    assert [r["checkpointing"] for r in ours] == list(ckpts)
+    assert all(not r.get("skipped") and r["precision"] == "fp8" for r in ours), ours
+    verdicts = [p for p in doc["parity"] if p["family"] == "torchtitan" and p["variant"] == "prime_mega_moe_fp8"]
+    assert len(verdicts) == len(ckpts) and all(p["ok"] and p["rtol"] == pytest.approx(1.5e-2) for p in verdicts)
+    theirs = [r for r in doc["runs"] if r["family"] == "torchtitan" and r["variant"] == "torchtitan_fp8_grouped_mm"]
+    assert [r["checkpointing"] for r in theirs] == list(ckpts)
+    assert all("CUDA GPU" in r["skipped"] for r in theirs), theirs
+    assert {x["vs"] for x in doc["ratios"] if x["variant"] == "prime_mega_moe_fp8" and x["family"] == "torchtitan"} \
+        == {"torchtitan_grouped_mm"}
+    assert "torchtitan: prime_mega_moe_fp8 / torchtitan_grouped_mm step time" in stdout
+
+
+def test_fp8_ratios_include_the_trainers_own_fp8_experts():
+    """Where the family's own FP8 experts ran, each FP8 variant of ours gets a ratio against them too, and they are
+    held to the FP8 parity rule; bf16 variants are not set against them."""
+    ts = _import_train_step()
+    rows = [{"family": "torchtitan", "variant": v, "checkpointing": True, "step_ms": ms, "losses": [1.0]}
+            for v, ms in (("torchtitan_grouped_mm", 100.0), ("prime_mega_moe", 80.0), ("prime_mega_moe_fp8", 70.0),
+                          ("torchtitan_fp8_grouped_mm", 90.0))]
+    got = {(r["variant"], r["vs"]): r["step_ms_ratio"] for r in ts.ratios(rows)}
+    assert got == {("prime_mega_moe", "torchtitan_grouped_mm"): 0.8,
+                   ("prime_mega_moe_fp8", "torchtitan_grouped_mm"): 0.7,
+                   ("prime_mega_moe_fp8", "torchtitan_fp8_grouped_mm"): pytest.approx(70 / 90, abs=1e-4),
+                   ("torchtitan_fp8_grouped_mm", "torchtitan_grouped_mm"): 0.9}
+    assert ts.parity_rtol("torchtitan_fp8_grouped_mm") == ts.parity_rtol("prime_mega_moe_fp8") > \
+        ts.parity_rtol("prime_mega_moe")
+
+
 def check_fp8_variants(doc: dict, stdout: str, ckpts: tuple[bool, ...]) -> None:
     """On the CPU our FP8 variants run the reference's emulation of the recipe (the kernels' own FP8 runs are the
     GPU's): each at every setting, with its precision, held to the wider FP8 tolerance against grouped_mm, and the
     baseline's lack of an FP8 path recorded."""
     for variant, precision in FP8_VARIANTS.items():
-        runs = [r for r in doc["runs"] if r["variant"] == variant]
+        runs = [r for r in doc["runs"] if r["variant"] == variant and r["family"] == "transformers"]
         assert [r["checkpointing"] for r in runs] == list(ckpts), runs
         assert all(not r.get("skipped") and r["precision"] == precision and r["backend"] == "reference"
                    for r in runs), runs
-        verdicts = [p for p in doc["parity"] if p["variant"] == variant]
+        verdicts = [p for p in doc["parity"] if p["variant"] == variant and p["family"] == "transformers"]
         assert len(verdicts) == len(ckpts) and all(p["ok"] and p["vs"] == "grouped_mm" for p in verdicts), verdicts
         assert all(p["rtol"] == pytest.approx(1.5e-2) for p in verdicts), verdicts
         assert f"transformers: {variant} / grouped_mm step time" in stdout
@@ -173,7 +208,8 @@ def test_torchtitan_family_skip_is_recorded(monkeypatch):
     assert fam is None and reason == "ImportError: no module named torchtitan"
     rows = ts.skipped_rows("torchtitan", reason, args)
     assert {(r["variant"], r["checkpointing"]) for r in rows} == {
-        (v, ck) for v in ("torchtitan_grouped_mm", "prime_mega_moe") for ck in (False, True)}
+        (v, ck) for v in ("torchtitan_grouped_mm", "prime_mega_moe", "prime_mega_moe_fp8", "torchtitan_fp8_grouped_mm")
+        for ck in (False, True)}
     assert all(r["family"] == "torchtitan" and r["skipped"] == reason for r in rows)
     assert ts.parity(rows, steps=10) == [] and ts.ratios(rows) == []
     assert "skipped: ImportError: no module named torchtitan" in ts.format_table(rows)

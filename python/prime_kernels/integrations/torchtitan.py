@@ -10,6 +10,10 @@ signature, so ``MoE.forward`` (router, load-balancing counters, the sum with the
 
     import prime_kernels.integrations.torchtitan as pk_tt
     switched = pk_tt.apply(model)          # backend="auto"; names of the MoE layers switched
+    pk_tt.apply(model, precision="fp8")    # the blockwise FP8 forward and backward (or "fp8_bwd")
+
+``precision`` ("bf16" default, "fp8", "fp8_bwd") is passed to every ``mega_moe`` call, as the transformers
+adapter does (its module docstring says how the FP8 weight copies are kept: quantized once per optimizer step).
 
 Weights: w1 (gate) and w3 (up) are fused once into one parameter ``w13 [E, 2F, D]`` (rows
 [0, F) = w1, [F, 2F) = w3: mega's natural layout), keeping the parameters' dtype and device
@@ -47,7 +51,7 @@ import torch
 from torch import nn
 
 from ..mega import _shared_ops, mega_moe
-from ._common import UnsupportedLayerError, check_backend, compute_dtypes, fail
+from ._common import UnsupportedLayerError, check_backend, check_precision, compute_dtypes, fail
 
 try:
     from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedForward
@@ -137,7 +141,8 @@ class MegaMoESharedExperts(_TitanModule):
             return False
         F, D = self.w1.weight.shape
         shared_w13 = torch.empty((1, 2 * F, D), device="meta")
-        return _shared_ops.reason(x2d, w13, shared_w13, backend=self._routed.backend, precision="bf16", ep_size=1,
+        return _shared_ops.reason(x2d, w13, shared_w13, backend=self._routed.backend,
+                                  precision=self._routed.precision, ep_size=1,
                                   accumulators=False, return_plan=False, activation_clamp=None) is None
 
     def mega_moe_args(self, x2d: torch.Tensor, io: torch.dtype, weight_dtype: torch.dtype) -> dict:
@@ -161,14 +166,17 @@ class MegaMoERoutedExperts(_TitanModule):
     """Drop-in for TorchTitan's ``RoutedExperts``: dispatch + SiLU-gated experts + weighted combine
     in one :func:`prime_kernels.mega.mega_moe` call (same forward signature and output)."""
 
-    def __init__(self, inner_experts: MegaMoEGroupedExperts, top_k: int, backend: str = "auto"):
+    def __init__(self, inner_experts: MegaMoEGroupedExperts, top_k: int, backend: str = "auto",
+                 precision: str = "bf16"):
         nn.Module.__init__(self)
         self.inner_experts = inner_experts
         self.top_k = int(top_k)
         self.backend = check_backend(backend)
+        self.precision = check_precision(precision)
 
     @classmethod
-    def from_routed_experts(cls, routed: nn.Module, backend: str = "auto", name: str = "") -> "MegaMoERoutedExperts":
+    def from_routed_experts(cls, routed: nn.Module, backend: str = "auto", name: str = "",
+                            precision: str = "bf16") -> "MegaMoERoutedExperts":
         """Fuse ``routed.inner_experts``' w1/w3 into w13 (once) and wrap it; checks like :func:`apply`."""
         top_k = _check_routed_experts(routed, name)
         inner = routed.inner_experts
@@ -176,7 +184,7 @@ class MegaMoERoutedExperts(_TitanModule):
             w13 = torch.cat([inner.w1_EFD.detach(), inner.w3_EFD.detach()], dim=1)
         w13 = nn.Parameter(w13, requires_grad=inner.w1_EFD.requires_grad or inner.w3_EFD.requires_grad)
         param_init = getattr(inner, "_param_init", None)
-        return cls(MegaMoEGroupedExperts(w13, inner.w2_EDF, param_init), top_k, backend)
+        return cls(MegaMoEGroupedExperts(w13, inner.w2_EDF, param_init), top_k, backend, precision)
 
     def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E=None):
         B, L, D = x_BLD.shape
@@ -191,11 +199,12 @@ class MegaMoERoutedExperts(_TitanModule):
         shared = self.__dict__.get("_shared_experts")
         shared_args = shared.mega_moe_args(x2d, io, wdt) if shared is not None and shared.runs_inside(x2d, w13) else {}
         y = mega_moe(x2d.to(io), topk_expert_ids_BLK.reshape(T, K).long(), topk_scores_BLK.reshape(T, K).to(wdt),
-                     w13.to(io), w2.to(io), backend=self.backend, num_experts=w13.shape[0], **shared_args)
+                     w13.to(io), w2.to(io), backend=self.backend, precision=self.precision, num_experts=w13.shape[0],
+                     **shared_args)
         return y.to(x_BLD.dtype).view(B, L, D)
 
     def extra_repr(self) -> str:
-        return f"top_k={self.top_k}, backend={self.backend!r}"
+        return f"top_k={self.top_k}, backend={self.backend!r}, precision={self.precision!r}"
 
 
 def _check_routed_experts(routed: nn.Module, where: str) -> int:
@@ -255,12 +264,12 @@ def _moe_layers(model: nn.Module):
             yield name, m
 
 
-def apply(model: nn.Module, backend: str = "auto") -> list[str]:
+def apply(model: nn.Module, backend: str = "auto", precision: str = "bf16") -> list[str]:
     """Replace the routed experts of every TorchTitan MoE layer in ``model`` (the model itself may be
     an ``MoE``) by :class:`MegaMoERoutedExperts`.
 
     ``backend`` ("auto" default, "fused", "grouped", "reference") is passed to
-    :func:`prime_kernels.mega.mega_moe` on every call.
+    :func:`prime_kernels.mega.mega_moe` on every call, and ``precision`` ("bf16" default, "fp8", "fp8_bwd") too.
     Call it after building (and optionally initialising or loading) the model, before
     ``parallelize`` / FSDP and before building the optimizer (w1/w3 become one new parameter).
     Returns the names of the MoE layers switched (all of them); layers
@@ -268,6 +277,7 @@ def apply(model: nn.Module, backend: str = "auto") -> list[str]:
     :class:`UnsupportedLayerError` naming every layer it cannot switch, before changing any.
     """
     check_backend(backend)
+    check_precision(precision)
     layers = list(_moe_layers(model))
     if not layers:
         raise UnsupportedLayerError(f"prime_kernels.integrations: {type(model).__name__} has no TorchTitan MoE layer "
@@ -296,8 +306,9 @@ def apply(model: nn.Module, backend: str = "auto") -> list[str]:
     for name, moe, routed in todo:
         if routed is None:
             moe.routed_experts.backend = backend
+            moe.routed_experts.precision = precision
         else:
-            moe.routed_experts = MegaMoERoutedExperts.from_routed_experts(routed, backend, name)
+            moe.routed_experts = MegaMoERoutedExperts.from_routed_experts(routed, backend, name, precision)
         if _fusable_shared_experts(moe):
             moe.shared_experts = MegaMoESharedExperts(moe.shared_experts, moe.routed_experts)
     return [name for name, _, _ in todo]
