@@ -135,6 +135,7 @@ FAMILIES = {"transformers": HF_VARIANTS, titan.FAMILY: titan.VARIANTS}
 REFERENCES = {"transformers": REFERENCE, titan.FAMILY: titan.REFERENCE}  # each family's own experts
 VARIANTS = tuple(dict.fromkeys(v for vs in FAMILIES.values() for v in vs))  # every name, each once
 OURS = {"prime_mega_moe": "bf16", "prime_mega_moe_fp8": "fp8", "prime_mega_moe_fp8_bwd": "fp8_bwd"}  # -> precision
+OURS_FP8 = {v for v, p in OURS.items() if p != "bf16"}
 PARITY_RTOL = 1e-2
 # FP8 rounding is a real change of the numerics (the FP8 layer's error against float64 is about 6.5e-2, docs/fp8.md),
 # so an FP8 run may sit a little further from the bf16 reference without a bug. 0.5% of the loss is the widening the
@@ -149,7 +150,7 @@ FP8_BASELINE = ("transformers: grouped_mm, its bf16 experts: transformers has no
                 "them up), beside torchtitan_grouped_mm")
 # The trainer's own FP8 experts, per family that has them: each FP8 variant of ours gets a ratio against it as well
 TRAINER_FP8 = {titan.FAMILY: titan.TRAINER_FP8}
-FP8_VARIANTS = {v for v, p in OURS.items() if p != "bf16"} | set(TRAINER_FP8.values())
+FP8_VARIANTS = OURS_FP8 | set(TRAINER_FP8.values())
 
 # Qwen3-30B-A3B's decoder layer (its config.json), with a chosen number of layers
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -526,7 +527,7 @@ def ratios(rows: list[dict]) -> list[dict]:
     for row in _compared(rows):
         refs = [_reference_row(rows, row)]
         trainer_fp8 = TRAINER_FP8.get(_family(row))
-        if row["variant"] in OURS and OURS[row["variant"]] != "bf16" and trainer_fp8:
+        if row["variant"] in OURS_FP8 and trainer_fp8:
             refs += [r for r in rows if _family(r) == _family(row) and r["variant"] == trainer_fp8
                      and r["checkpointing"] == row["checkpointing"] and not r.get("skipped")]
         for ref in refs:
@@ -660,7 +661,7 @@ def load_family(name: str, args: argparse.Namespace, device: torch.device) -> tu
 def run_family(fam: Family, args: argparse.Namespace, device: torch.device,
                batches: list[torch.Tensor]) -> list[dict]:
     variants = family_variants(fam.name, args.variants)
-    skip = {v: precision_skip_reason(OURS[v], args, device) for v in variants if OURS.get(v, "bf16") != "bf16"}
+    skip = {v: precision_skip_reason(OURS[v], args, device) for v in variants if v in OURS_FP8}
     if "sonicmoe" in variants:
         skip["sonicmoe"] = sonicmoe_skip_reason()
     if TRAINER_FP8.get(fam.name) in variants:

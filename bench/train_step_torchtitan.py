@@ -166,7 +166,7 @@ def trainer_fp8_skip_reason(device: torch.device) -> str | None:
     return None
 
 
-def apply_trainer_fp8(model: nn.Module) -> str:
+def apply_trainer_fp8(model: nn.Module) -> None:
     """TorchTitan's FP8 MoE training on the built model: what ``Float8GroupedExpertsConverter`` (its
     ``quantize.grouped_mm.float8`` converter) makes of the model config, done to the modules instead, so that the
     expert weights stay the bf16 parameters every other variant trains (the converter's config builds experts whose
@@ -185,7 +185,6 @@ def apply_trainer_fp8(model: nn.Module) -> str:
         old = routed.token_dispatcher
         routed.token_dispatcher = TorchAOTokenDispatcher(TorchAOTokenDispatcher.Config(
             num_experts=old.num_experts, top_k=old.top_k, pad_multiple=FP8_PAD_MULTIPLE))
-    return "torchao Float8TrainingOpConfig (rowwise) + TorchAOTokenDispatcher(pad 16)"
 
 
 def enable_full_ac(model: nn.Module) -> str:

@@ -41,5 +41,12 @@ def compute_dtypes(x_dtype: torch.dtype):
     return torch.bfloat16, torch.float32
 
 
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor (a sharded parameter or activation, which the adapters do not take)."""
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    return isinstance(t, DTensor)
+
+
 def fail(where: str, what: str, exc=UnsupportedLayerError):
     raise exc(f"prime_kernels.integrations: {where}: {what}")

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from ..mega import _shared_ops, mega_moe
-from ._common import UnsupportedLayerError, check_backend, check_precision, compute_dtypes, fail
+from ._common import UnsupportedLayerError, check_backend, check_precision, compute_dtypes, fail, is_dtensor
 
 try:
     from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedForward
@@ -61,12 +61,6 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without torchtitan
     raise ImportError("prime_kernels.integrations.torchtitan needs torchtitan (tested with torchtitan==0.3.0; "
                       "its models.common.moe MoE / RoutedExperts / GroupedExperts layout)") from exc
-
-
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-    return isinstance(t, DTensor)
 
 
 class MegaMoEGroupedExperts(_TitanModule):
@@ -137,7 +131,7 @@ class MegaMoESharedExperts(_TitanModule):
     def runs_inside(self, x2d: torch.Tensor, w13: torch.Tensor) -> bool:
         """Whether this call's shared expert runs inside the routed experts' launches: a function of the inputs'
         shapes, devices and the kernels' status only, so the two modules of one layer always agree."""
-        if any(_is_dtensor(m.weight) for m in (self.w1, self.w2, self.w3)):
+        if any(is_dtensor(m.weight) for m in (self.w1, self.w2, self.w3)):
             return False
         F, D = self.w1.weight.shape
         shared_w13 = torch.empty((1, 2 * F, D), device="meta")
@@ -191,7 +185,7 @@ class MegaMoERoutedExperts(_TitanModule):
         K = topk_expert_ids_BLK.shape[-1]
         T = B * L
         w13, w2 = self.inner_experts.w13, self.inner_experts.w2_EDF
-        if _is_dtensor(w13) or _is_dtensor(w2) or _is_dtensor(x_BLD):
+        if is_dtensor(w13) or is_dtensor(w2) or is_dtensor(x_BLD):
             fail(type(self).__name__, "DTensor inputs or weights in the forward: tensor/expert-parallel sharding of "
                                       "the routed experts is not supported by this adapter")
         io, wdt = compute_dtypes(x_BLD.dtype)
@@ -233,7 +227,7 @@ def _check_routed_experts(routed: nn.Module, where: str) -> int:
         p = getattr(inner, pname, None)
         if not isinstance(p, torch.Tensor) or p.dim() != 3:
             fail(where, f"GroupedExperts.{pname} is missing or not 3-D")
-        if _is_dtensor(p):
+        if is_dtensor(p):
             fail(where, f"GroupedExperts.{pname} is a DTensor (already sharded by FSDP/TP/EP): apply this adapter "
                         f"before parallelizing the model")
     E, F, D = inner.w1_EFD.shape
@@ -251,7 +245,7 @@ def _fusable_shared_experts(moe: nn.Module) -> bool:
     if type(ff) not in (FeedForward, SigmoidGatedFeedForward):
         return False
     linears = [getattr(ff, n, None) for n in ("w1", "w2", "w3")] + ([ff.gate] if hasattr(ff, "gate") else [])
-    if not all(isinstance(m, nn.Linear) and m.bias is None and not _is_dtensor(m.weight) for m in linears):
+    if not all(isinstance(m, nn.Linear) and m.bias is None and not is_dtensor(m.weight) for m in linears):
         return False
     F, D = ff.w1.weight.shape
     return (list(ff.w3.weight.shape) == [F, D] and list(ff.w2.weight.shape) == [D, F]

@@ -74,7 +74,7 @@ from torch import nn
 
 from ..mega import _shared_ops, mega_moe
 from ._common import PRECISIONS, UnsupportedLayerError, check_backend, check_precision, \
-    compute_dtypes, fail
+    compute_dtypes, fail, is_dtensor
 
 NAME = "prime_mega_moe"
 _OPTIONS_ATTR = "_prime_mega_moe_options"
@@ -159,9 +159,7 @@ def check_experts_module(module: nn.Module, name: str = "") -> tuple[int, int, i
 
 
 def _local(t: torch.Tensor, where: str) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         fail(where, "expert weights are DTensors inside the experts forward; run the model under transformers' "
                     "expert-parallel plan (which hands the experts their local shards) or unshard them")
     return t
@@ -253,12 +251,6 @@ SWIGLU_MLP_FORWARD = "27ba33fedb251f70"
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-    return isinstance(t, DTensor)
-
-
 def _swiglu_mlp(mlp: Optional[nn.Module], H: int) -> bool:
     """A shared MLP whose forward is transformers' SwiGLU with SiLU over plain bias-free Linears [Is, H], [Is, H] and
     [H, Is] in a float dtype (not DTensors): the computation that mega_moe's shared experts do."""
@@ -270,7 +262,7 @@ def _swiglu_mlp(mlp: Optional[nn.Module], H: int) -> bool:
     if not all(type(m) is nn.Linear and m.bias is None for m in linears):
         return False
     g, u, d = (m.weight for m in linears)
-    if any(_is_dtensor(w) or w.dtype not in _FLOAT_DTYPES for w in (g, u, d)):
+    if any(is_dtensor(w) or w.dtype not in _FLOAT_DTYPES for w in (g, u, d)):
         return False
     Is = g.shape[0]
     return list(g.shape) == [Is, H] and list(u.shape) == [Is, H] and list(d.shape) == [H, Is]
