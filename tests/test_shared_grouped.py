@@ -217,7 +217,7 @@ def test_layer_op_through_autograd_on_cpu(recompute):
     assert why == "the shared experts run inside the routed launches on CUDA only"
 
 
-def test_bf16_takes_the_second_pass_beyond_one_shared_group():
+def test_bf16_takes_the_second_pass_beyond_two_shared_groups():
     """bf16 runs inside the routed launches only up to BF16_MAX_SHARED_GROUPS shared groups (S x Is / I), where it was
     measured faster than the second pass; fp8 has no such limit. Asked for a CUDA tensor (the first check), with
     meta weights so no kernel runs."""
@@ -227,16 +227,17 @@ def test_bf16_takes_the_second_pass_beyond_one_shared_group():
         pytest.skip("reason() answers for CUDA tensors only: the device check comes first")
     x = torch.empty(64, 256, device="cuda")
     w13 = torch.empty(8, 256, 256, device="meta")  # I = 128
-    assert _shared_ops.BF16_MAX_SHARED_GROUPS == 1
-    for sw13 in (torch.empty(1, 512, 256, device="meta"), torch.empty(2, 256, 256, device="meta")):
+    assert _shared_ops.BF16_MAX_SHARED_GROUPS == 2
+    for sw13 in (torch.empty(1, 768, 256, device="meta"), torch.empty(3, 256, 256, device="meta")):
         why = _shared_ops.reason(x, w13, sw13, backend="auto", precision="bf16", ep_size=1, accumulators=False,
                                  return_plan=False, activation_clamp=None)
-        assert why is not None and "2 groups" in why and "second pass is faster" in why, why
-    for precision in ("bf16", "fp8"):
-        why = _shared_ops.reason(x, w13, torch.empty(1, 256, 256, device="meta"), backend="auto",
-                                 precision=precision, ep_size=1, accumulators=False, return_plan=False,
-                                 activation_clamp=None)
-        assert why is None or "groups" not in why, why
+        assert why is not None and "3 groups" in why and "second pass is faster" in why, why
+    for sw13 in (torch.empty(1, 256, 256, device="meta"), torch.empty(1, 512, 256, device="meta"),
+                 torch.empty(2, 256, 256, device="meta")):
+        for precision in ("bf16", "fp8"):
+            why = _shared_ops.reason(x, w13, sw13, backend="auto", precision=precision, ep_size=1,
+                                     accumulators=False, return_plan=False, activation_clamp=None)
+            assert why is None or "groups" not in why, why
     why = _shared_ops.reason(x, w13, torch.empty(1, 1024, 256, device="meta"), backend="auto", precision="fp8",
                              ep_size=1, accumulators=False, return_plan=False, activation_clamp=None)
     assert why is None or "groups" not in why, why

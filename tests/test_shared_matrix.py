@@ -4,8 +4,9 @@ shared experts of width I and a per-expert gate, in bf16 and fp8, through mega_m
 y and every gradient (x, topk_weights, the routed and shared weights, the gate) against the reference's float64
 evaluation of the same layer, on NaN-poisoned free memory, and a second run bit for bit the first.
 
-Which path a call takes is the layer's choice (prime_kernels.mega._shared_ops.reason): in bf16 one shared group
-runs inside the routed launches and two run as the second pass; in fp8 both run inside. Bounds: bf16 the matrix's
+Which path a call takes is the layer's choice (prime_kernels.mega._shared_ops.reason): S = 1 and S = 2 of width I
+are one and two shared groups, which run inside the routed launches in both precisions (bf16 up to
+BF16_MAX_SHARED_GROUPS); the second pass has its own tests (test_mega_shared.py). Bounds: bf16 the matrix's
 1e-2; fp8 the FP8 matrix's bound against float64 (the recipe's own error, 1.2e-1), with a wider one for d
 topk_weights and d gate of fewer than 16 tokens (a few values, each a dot product with an output carrying the e4m3
 roundings' error, which a norm over so few does not average)."""

@@ -95,9 +95,9 @@ ROWS: tuple[Row, ...] = (
         _v("H100", "bit for bit the routed GEMMs on the weights with the chunks as experts"), _NOT),
     Row("BF16 layer with its shared experts inside the grouped pipeline's launches (`mega_moe_shared`: the chunks "
         "as extra groups of the second-B GEMMs)", "bf16", ("mega_moe_shared.bf16.sm90",),
-        _v("H100", "against float64 and the second pass; one shared group of width I at 30B, T = 16384: forward + "
-                   "backward 10.03 against the second pass's 10.93 ms; beyond one group bf16 takes the second pass "
-                   "(measured faster there)"), _NOT),
+        _v("H100", "against float64 and the second pass; at 30B, T = 16384, forward + backward: one shared group "
+                   "of width I 10.02 against the second pass's 11.25 ms, two 10.90 against 11.50; beyond two groups "
+                   "bf16 takes the second pass (its forward measured faster there)"), _NOT),
     Row("its forward on the fused kernel with the shared chunks as its last groups (`mega_moe_shared_fused`: "
         "the fused BF16 forward's B tiles of those groups read from the shared weights)", "bf16",
         ("mega_moe_shared_fused.bf16.sm90",),

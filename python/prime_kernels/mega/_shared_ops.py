@@ -34,13 +34,16 @@ FP8_KEY = "mega_moe_shared.fp8.sm90"
 FUSED_BF16_KEY = "mega_moe_shared_fused.bf16.sm90"
 # The most shared groups (S shared experts x Is / I chunks each) that bf16 runs inside the routed launches. In bf16
 # the shared chunks' L2 dgrad is a launch of its own (on a copy of their w2) and their weight gradients are a
-# k-grouped launch of their own, so their backward gains nothing over the second pass and the fused forward's gain
-# has to pay for those copies. Measured on an H100, T = 16384, forward + backward
-# (bench/results/bench_shared_h100_2026-12-07_664e9f5_partial.log): one group, faster inside (30B: 10.03 against the
-# second pass's 10.93 ms; 235B: 35.11 against 36.48); four groups (one expert of 4I), slower (30B: 13.40 against
-# 12.71). FP8 has no such launches (its shared groups are experts of the combined FP8 copies) and runs faster inside
-# at both widths (30B: 9.40 against 10.71 ms at one group, 11.95 against 12.14 at four), so it has no such limit.
-BF16_MAX_SHARED_GROUPS = 1
+# k-grouped launch of their own, so every group adds to the backward what the second pass does once for any width.
+# Measured on an H100, T = 16384, both paths in one run (bench/results/bench_shared_h100_2026-12-07_c1bc3d6_bf16_groups
+# .log, forward / forward + backward in ms, second pass against inside): two groups are faster inside at both shapes
+# (30B 2 x I: 3.44 / 11.50 against 3.06 / 10.90; 235B 1 x 2I: 11.15 / 38.05 against 11.22 / 37.37, so also with the
+# forward run again under checkpointing); from three groups on the forward is slower inside at 235B (1 x 3I: 12.39
+# against 13.34; 4 x I: 13.61 against 14.29) and a recomputed forward takes back what the backward gains (1 x 3I:
+# 53.02 against 53.11 for forward + backward + forward). FP8 has no such launches (its shared groups are experts of
+# the combined FP8 copies) and runs faster inside at both widths (30B: 9.40 against 10.71 ms at one group, 11.95
+# against 12.14 at four), so it has no such limit.
+BF16_MAX_SHARED_GROUPS = 2
 
 
 def reason(x: Tensor, w13: Tensor, shared_w13: Tensor, *, backend: str, precision: str, ep_size: int,
