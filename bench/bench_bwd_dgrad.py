@@ -3,7 +3,8 @@
 weight-gradient tiles (the two dgrad steps) and with them (the dgrad steps and the two k-grouped GEMMs).
 
     python bench/bench_bwd_dgrad.py [--shapes qwen3-30b-a3b,qwen3-235b-a22b] [--tokens 4096,16384]
-                                    [--routings uniform,zipf] [--warmup 5] [--reps 20] [--out PATH] [--max-seconds S]
+                                    [--routings uniform,zipf] [--precision bf16|fp8] [--warmup 5] [--reps 20]
+                                    [--out PATH] [--max-seconds S]
 
 Inputs, per (shape, T, routing): the grouped backward's state (prime_kernels.mega._grouped.backward) built from
 bench_common's seeded tokens, routing and weights: the routing plan padded to 128-row m-blocks, the dy rows
@@ -15,6 +16,13 @@ these weight scales), topk_weights fp32.
   fused:    prime_kernels.mega._fused_bwd.dgrad(dy_pool, w13, w2, h, offsets, pool_src_route, topk_weights)
   pipeline_full: pipeline, then k_grouped_bf16_gemm_tn(dy_pool, w * s) -> dW2 and (dh, x_pool) -> dW13, bf16
   fused_full:    prime_kernels.mega._fused_bwd.dgrad_wgrad(dy_pool, x_pool, ...), bf16 weight gradients
+
+With --precision fp8 the FP8 backward's two dgrad steps on the same state (dy_pool quantized qK(dy, 128) by
+dispatch_rows_fp8 from the pool's own rows, the weights' transposed FP8 copies from the weight cache):
+  pipeline: m_grouped_fp8_gemm_swiglu_bwd(qK(dy), W2^T, ...) -> qK(dh), qT(dh), qT(w * s), dt_part; then
+            m_grouped_fp8_gemm_nt(qK(dh), W13^T) -> dx_pool (each also timed alone: l2, l1)
+  fused:    prime_kernels.swiglu_bwd_fp8.mega_moe_fp8_dgrad_fused on the same operands (no *_full rows: the weight
+            gradients stay with the k-grouped FP8 GEMM), pct_peak against the FP8 peak measured in the run.
 
 Timing: bench_gemm.time_interleaved (CUDA events around each call after a short GPU spin, so that the interval
 holds the call's GPU work only; rounds that run every function once; median of --reps after --warmup calls).
@@ -43,6 +51,7 @@ import bench_common as bc  # noqa: E402
 SHAPES = ("qwen3-30b-a3b", "qwen3-235b-a22b")
 BLOCK_M = 128  # the plans' m-block: both forwards pad to it, and the kernel's tiles are 128 rows
 OUTPUTS = ("dh", "w*s", "dt_part", "dx_pool", "dw13", "dw2")
+FP8_STATUS_KEY = "mega_moe_backward.fp8.sm90"
 
 
 def parse_args(argv=None):
@@ -53,6 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8"))
     p.add_argument("--lags", default="",
                    help="comma list of task-sequence lags to time fused_full at as well (fused_full_lag<L>_ms; "
                         "empty: the heuristic's only)")
@@ -155,6 +165,94 @@ def compare(got, want, expert_rows: int) -> dict:
             "max_rel_err": max(rel.values())}
 
 
+FP8_OUTPUTS = ("dh_q", "dh_sa", "dht_q", "dht_s", "awt_q", "awt_s", "dt_part", "dx_pool")
+
+
+def fp8_inputs(st) -> list:
+    """The FP8 dgrad steps' operands from the bf16 state: qK(dy_pool) and the transposed FP8 weight copies."""
+    from prime_kernels.mega import fp8 as _fp8
+    from prime_kernels.quantize import dispatch_rows_fp8
+
+    dy_pool, w13, w2, h, offsets, src, wts = st["inputs"]
+    rows = dy_pool.shape[0]
+    own_rows = torch.arange(rows, device=dy_pool.device, dtype=torch.int32)[:, None]
+    dy_q, dy_sa = dispatch_rows_fp8(dy_pool, own_rows, rows)
+    cache = _fp8.Fp8WeightCache()
+    w13t, w2t = cache.get(w13).transposed, cache.get(w2).transposed
+    return [dy_q, dy_sa, w2t.data, w2t.scale, w13t.data, w13t.scale, offsets, h, src, wts]
+
+
+def fp8_pipeline_l2(x8):
+    from prime_kernels.swiglu_bwd_fp8 import m_grouped_fp8_gemm_swiglu_bwd
+
+    dy_q, dy_sa, w2t_q, w2t_s, _, _, offsets, h, src, wts = x8
+    return m_grouped_fp8_gemm_swiglu_bwd(dy_q, dy_sa, w2t_q, w2t_s, offsets, h, src, wts)
+
+
+def fp8_pipeline(x8):
+    """The FP8 backward's two dgrad steps, as prime_kernels.mega._fp8_bwd.data_grads calls them."""
+    from prime_kernels.grouped_gemm import m_grouped_fp8_gemm_nt
+
+    l2 = fp8_pipeline_l2(x8)
+    return (*l2, m_grouped_fp8_gemm_nt(l2.dh_q, l2.dh_sa, x8[4], x8[5], x8[6]))
+
+
+def fp8_fused(x8):
+    from prime_kernels.swiglu_bwd_fp8 import mega_moe_fp8_dgrad_fused
+
+    l2, dx_pool = mega_moe_fp8_dgrad_fused(*x8)
+    return (*l2, dx_pool)
+
+
+def compare_fp8(got, want, expert_rows: int) -> dict:
+    """Per output, bitwise over what the ops specify: the experts' rows (token columns of the qT outputs, their
+    128-row blocks of the qT scales), all of dt_part's rows up to them."""
+    blocks = -(-expert_rows // BLOCK_M)
+    bitwise = {}
+    for name, a, b in zip(FP8_OUTPUTS, got, want):
+        if name in ("dht_q", "awt_q"):
+            a, b = a[:, :expert_rows], b[:, :expert_rows]
+        elif name in ("dht_s", "awt_s"):
+            a, b = a[:, :blocks], b[:, :blocks]
+        else:
+            a, b = a[:expert_rows], b[:expert_rows]
+        bitwise[name] = bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+    rel = {"dx_pool": bc.rel_err(got[-1][:expert_rows], want[-1][:expert_rows])}
+    return {"bitwise": bitwise, "bitwise_all": all(bitwise.values()), "rel_err": rel, "max_rel_err": rel["dx_pool"]}
+
+
+def bench_config_fp8(shape, T, routing, args, peak) -> dict:
+    from bench_gemm import time_interleaved
+    from prime_kernels.grouped_gemm import m_grouped_fp8_gemm_nt
+
+    st = make_state(shape, T, routing, args.seed, "cuda")
+    x8 = fp8_inputs(st)
+    E, H, I, K = st["E"], st["H"], st["I"], st["K"]
+    row = {"shape": shape, "num_experts": E, "hidden": H, "intermediate": I, "top_k": K, "tokens": T,
+           "routing": routing, "precision": "fp8", "routed_rows": st["routed_rows"], "pool_rows": st["pool_rows"],
+           "expert_rows": st["expert_rows"]}
+    got = fp8_fused(x8)  # first: a kernel fault here is the fused op's, with the pipeline not yet run
+    torch.cuda.synchronize()
+    want = fp8_pipeline(x8)
+    row.update(compare_fp8(got, want, st["expert_rows"]))
+    dh_q, dh_sa = want[0], want[1]
+    del got, want
+    ms = time_interleaved({
+        "pipeline": lambda: fp8_pipeline(x8),
+        "pipeline_l2": lambda: fp8_pipeline_l2(x8),
+        "pipeline_l1": lambda: m_grouped_fp8_gemm_nt(dh_q, dh_sa, x8[4], x8[5], x8[6]),
+        "fused": lambda: fp8_fused(x8),
+    }, args.warmup, args.reps)
+    flops = dgrad_flops(st["routed_rows"], H, I)
+    for k, v in ms.items():
+        row[f"{k}_ms"] = v
+    row["ratio_fused_over_pipeline"] = ms["fused"] / ms["pipeline"]
+    for k in ("pipeline", "fused"):
+        row[f"{k}_tflops"] = flops / ms[k] / 1e9
+        row[f"{k}_pct_peak"] = 100.0 * row[f"{k}_tflops"] / peak if peak else None
+    return row
+
+
 def bench_config(shape, T, routing, args, peak) -> dict:
     from bench_gemm import time_interleaved
     from prime_kernels.grouped_gemm import m_grouped_bf16_gemm_nn, m_grouped_bf16_gemm_swiglu_bwd
@@ -218,19 +316,21 @@ def main(argv=None) -> int:
     from prime_kernels import _status
     from prime_kernels.mega import _fused_bwd
 
-    why = _status.runnable(_fused_bwd.STATUS_KEY)
-    peak = bc.bf16_peak_tflops("cuda")
+    fp8 = args.precision == "fp8"
+    key = FP8_STATUS_KEY if fp8 else _fused_bwd.STATUS_KEY
+    why = _status.runnable(key)
+    peak = bc.fp8_peak_tflops("cuda") if fp8 else bc.bf16_peak_tflops("cuda")
     header = bc.run_header("cuda", peak)
-    doc = dict(header, build=prime_kernels.build_info(), status={_fused_bwd.STATUS_KEY: prime_kernels.status()[
-        _fused_bwd.STATUS_KEY]}, timing={"warmup": args.warmup, "reps": args.reps,
+    doc = dict(header, build=prime_kernels.build_info(), precision=args.precision,
+               status={key: prime_kernels.status()[key]}, timing={"warmup": args.warmup, "reps": args.reps,
                                          "statistic": "median of reps CUDA-event times, rounds interleaved over the "
                                                       "functions, a GPU spin before each call"},
                flops="2*M*H*I + 2*M*2I*H, M = routed rows (twice that for the *_full rows)", rows=[])
-    path = Path(args.out) if args.out else bc.default_results_path("bwd_dgrad", header)
-    print(f"[bench] {header['gpu']}, torch {header['torch']}, cuda {header['cuda']}, bf16 peak {peak:.0f} TFLOP/s; "
-          f"{_fused_bwd.STATUS_KEY}: {doc['status'][_fused_bwd.STATUS_KEY]}", flush=True)
+    path = Path(args.out) if args.out else bc.default_results_path("bwd_dgrad" + ("_fp8" if fp8 else ""), header)
+    print(f"[bench] {header['gpu']}, torch {header['torch']}, cuda {header['cuda']}, {args.precision} peak "
+          f"{peak or 0:.0f} TFLOP/s; {key}: {doc['status'][key]}", flush=True)
     if why != _status.AVAILABLE:
-        doc["skipped"] = f"{_fused_bwd.STATUS_KEY} cannot run here: {why}"
+        doc["skipped"] = f"{key} cannot run here: {why}"
         bc.write_results(doc, path)
         print(f"[bench] {doc['skipped']}; wrote {path}")
         return 1
@@ -241,7 +341,7 @@ def main(argv=None) -> int:
             doc["stopped"] = f"--max-seconds={args.max_seconds:g} reached: later configurations not run"
             break
         try:
-            row = bench_config(shape, T, routing, args, peak)
+            row = (bench_config_fp8 if fp8 else bench_config)(shape, T, routing, args, peak)
         except Exception as exc:  # noqa: BLE001  (recorded; the CUDA context may be gone, so stop)
             row = {"shape": shape, "tokens": T, "routing": routing, "error": f"{type(exc).__name__}: {exc}"}
             doc["stopped"] = f"stopped after an error at {shape} T={T} {routing}"

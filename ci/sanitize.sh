@@ -12,8 +12,8 @@
 #   PYTHON                 the interpreter that has torch and prime_kernels (default python3)
 #   COMPUTE_SANITIZER      the tool (default: PATH, then /usr/local/cuda/bin, then the newest /usr/local/cuda-*)
 #   PK_SANITIZE_TIMEOUT    seconds per tool (default 900)
-#   PK_SANITIZE_PART       all | layer | ops | dgrad: which part of the case (default all; ops includes dgrad,
-#                          dgrad alone fails where the dgrad kernel cannot run)
+#   PK_SANITIZE_PART       all | layer | ops | dgrad | dgrad_fp8: which part of the case (default all; ops includes
+#                          dgrad and dgrad_fp8, each alone fails where its kernel cannot run)
 #   PK_SANITIZE_LOG_DIR    where the full reports go (default /tmp/pk_sanitize)
 #   PK_SANITIZE_ARGS       extra compute-sanitizer arguments for every tool
 set -uo pipefail

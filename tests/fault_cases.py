@@ -1032,11 +1032,12 @@ if os.environ.get("PK_FAULT_SELFTEST") == "1":
         raise AssertionError("deliberate")
 
 
-# The fused backward's dgrad kernel has its cases in a file of their own (tests/fault_cases_dgrad.py), which
-# imports this module's helpers and registers into CASES: when this file runs as the worker (__main__), that
-# import must find this module, not load a second copy with a CASES of its own.
+# The fused backwards' dgrad kernels have their cases in files of their own (tests/fault_cases_dgrad.py, BF16, and
+# tests/fault_cases_dgrad_fp8.py, FP8), which import this module's helpers and register into CASES: when this file
+# runs as the worker (__main__), those imports must find this module, not load a second copy with a CASES of its own.
 sys.modules.setdefault("fault_cases", sys.modules[__name__])
 import fault_cases_dgrad  # noqa: E402,F401
+import fault_cases_dgrad_fp8  # noqa: E402,F401
 
 
 # ------------------------------------------------------------------------------------------------

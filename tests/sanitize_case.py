@@ -13,7 +13,9 @@ the FP8 producers (dispatch_rows_fp8_, quantize_tokens_fp8_), swiglu_fwd and swi
 dgrad part. dgrad (also on its own: --part dgrad): the fused backward kernel without and with its weight-gradient
 tiles (prime_kernels.mega._fused_bwd.dgrad and dgrad_wgrad) on those ragged groups with every SM and with 3 CTAs,
 and on 128-row groups with padding rows with I % 128 = H % 128 = 64; on its own it fails where the kernel cannot run, inside the ops part
-it is skipped with the reason.
+it is skipped with the reason. dgrad_fp8 (also inside the ops part): the fused FP8 dgrad kernel
+(prime_kernels.swiglu_bwd_fp8.mega_moe_fp8_dgrad_fused) on 128-row groups (an empty one, padding rows, a last
+partial group) with every SM and with 3 CTAs, each output bit for bit the two-launch pipeline's.
 
 Every group of the m-grouped calls covers the whole M so that every output row is written: reading rows a kernel
 leaves unspecified would be this script's uninitialised read, not the library's. Results are compared with the
@@ -305,9 +307,58 @@ def dgrad_part(required: bool):
             _done(f"mega_moe_bwd_fused wgrad (groups {list(sizes)}, H={H}, I={I}, num_sms={cap})")
 
 
+def dgrad_fp8_part(required: bool):
+    from prime_kernels import _status
+    from prime_kernels.grouped_gemm import m_grouped_fp8_gemm_nt
+    from prime_kernels.mega import fp8 as _fp8
+    from prime_kernels.quantize import dispatch_rows_fp8
+    from prime_kernels.swiglu_bwd_fp8 import m_grouped_fp8_gemm_swiglu_bwd, mega_moe_fp8_dgrad_fused
+
+    key = "mega_moe_backward.fp8.sm90"
+    if DEVICE != "cuda":
+        print("[case] dgrad_fp8 skipped: the fused FP8 dgrad has no CPU kernel of its own", flush=True)
+        return
+    why = _status.runnable(key)
+    if why != _status.AVAILABLE:
+        if required:
+            raise RuntimeError(f"{key} cannot run here: {why}")
+        print(f"[case] dgrad_fp8 skipped: {key} cannot run here: {why}", flush=True)
+        return
+    g = torch.Generator().manual_seed(3)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).bfloat16().to(DEVICE)
+
+    sizes, H, I, Tk, Kk = (128, 0, 256, 77), 320, 256, 120, 4
+    G, M = len(sizes), sum(sizes)
+    offs = _offsets(sizes, DEVICE)
+    cache = _fp8.Fp8WeightCache()
+    w13t = cache.get(rnd(G, 2 * I, H, scale=H ** -0.5)).transposed
+    w2t = cache.get(rnd(G, H, I, scale=I ** -0.5)).transposed
+    h = rnd(M, 2 * I)
+    dy_pool = rnd(M, H)
+    tw = torch.rand(Tk, Kk, generator=g).to(DEVICE)
+    route = torch.randint(0, Tk * Kk, (M,), generator=g, dtype=torch.int32)
+    route[torch.rand(M, generator=g) < 0.1] = -1
+    route = route.to(DEVICE)
+    dy_q, dy_sa = dispatch_rows_fp8(dy_pool, torch.arange(M, dtype=torch.int32, device=DEVICE)[:, None], M)
+    args = (dy_q, dy_sa, w2t.data, w2t.scale, w13t.data, w13t.scale, offs, h, route, tw)
+    for cap in (None, 3):
+        l2, dx = mega_moe_fp8_dgrad_fused(*args, num_sms=cap or 0)
+        if READBACK:
+            want = m_grouped_fp8_gemm_swiglu_bwd(dy_q, dy_sa, w2t.data, w2t.scale, offs, h, route, tw)
+            want_dx = m_grouped_fp8_gemm_nt(want.dh_q, want.dh_sa, w13t.data, w13t.scale, offs)
+            for name, a, b in (("dh_q", l2.dh_q, want.dh_q), ("dh_sa", l2.dh_sa, want.dh_sa),
+                               ("dht_q", l2.dht_q, want.dht_q), ("awt_q", l2.awt_q, want.awt_q),
+                               ("dt_part", l2.dt_part, want.dt_part), ("dx_pool", dx, want_dx)):
+                if not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
+                    raise AssertionError(f"dgrad_fp8 {name}: differs from the two-launch pipeline")
+        _done(f"mega_moe_bwd_fp8 (groups {list(sizes)}, H={H}, I={I}, num_sms={cap})")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("all", "layer", "ops", "dgrad"), default="all")
+    p.add_argument("--part", choices=("all", "layer", "ops", "dgrad", "dgrad_fp8"), default="all")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a dry run of this script on the CPU references (no kernel runs)")
     p.add_argument("--no-readback", action="store_true",
@@ -327,8 +378,11 @@ def main(argv=None) -> int:
     if args.part in ("all", "ops"):
         ops_part()
         dgrad_part(required=False)
+        dgrad_fp8_part(required=False)
     if args.part == "dgrad":
         dgrad_part(required=True)
+    if args.part == "dgrad_fp8":
+        dgrad_fp8_part(required=True)
     print("sanitize_case: done", flush=True)
     return 0
 

@@ -72,6 +72,7 @@ const char* kernel_name(int32_t kernel) {
     case kWaitKernelMegaBwd: return "mega_moe_bwd_kernel";
     case kWaitKernelMegaFwdFp8: return "mega_moe_fwd_fp8_kernel";
     case kWaitKernelEpBarrier: return "ep_barrier_kernel";
+    case kWaitKernelMegaBwdFp8: return "mega_moe_bwd_fp8_kernel";
     default: return "unknown kernel";
   }
 }

@@ -1,10 +1,12 @@
-// C ABI of the sm90 grouped GEMMs and of the fused backward's dgrad kernel (which takes the SwiGLU-backward GEMM's
-// arguments and more): earlier device findings and the device check, then the sm90 launchers (which validate shapes).
+// C ABI of the sm90 grouped GEMMs and of the fused backwards' dgrad kernels, BF16 and FP8 (each takes its
+// SwiGLU-backward GEMM's arguments and more): earlier device findings and the device check, then the sm90 launchers
+// (which validate shapes).
 #include "api/prime_kernels_api.h"
 #include "api/errors.hpp"
 #include "common/device_check.hpp"
 #include "sm90/grouped_gemm.hpp"  // declarations and the configs; the launchers are linked only with the kernels
 #include "sm90/mega_moe_bwd.hpp"
+#include "sm90/mega_moe_bwd_fp8.hpp"
 #include "sm90/grouped_gemm_fp8.hpp"
 
 namespace {
@@ -130,6 +132,22 @@ prime_kernels::sm90::SwigluBwdGemmArgs swiglu_bwd_args(const void* dy_pool, int6
   args.clamp_limit = clamp;
   args.num_sms = num_sms;
   return args;
+}
+
+// The FP8 L2 dgrad's arguments as the C ABI passes them, for the grouped op and the fused FP8 backward's kernel.
+prime_kernels::sm90::SwigluBwdFp8GemmArgs swiglu_bwd_fp8_args(
+    const void* dy_q, int64_t lda, const float* dy_sa, int64_t ld_sa, const void* w2t_q, int64_t ldb,
+    int64_t b_group_stride, const float* w2t_sb, int64_t sb_group_stride, int64_t sb_n_stride, const void* h,
+    int64_t ldh, const int32_t* pool_src_route, const float* route_weights, int64_t num_routes, void* dh_q,
+    int64_t ld_dh_q, float* dh_sa, int64_t ld_dh_sa, void* dht_q, int64_t ld_dht_q, float* dht_s, int64_t ld_dht_s,
+    void* awt_q, int64_t ld_awt_q, float* awt_s, int64_t ld_awt_s, float* dt_part, int64_t dt_ld,
+    const int32_t* group_offsets, int num_groups, int64_t m_total, int64_t intermediate, int64_t hidden, float clamp,
+    int pow2_scales, int num_sms) {
+  return prime_kernels::sm90::SwigluBwdFp8GemmArgs{
+      dy_q, lda, dy_sa, ld_sa, w2t_q, ldb, b_group_stride, w2t_sb, sb_group_stride, sb_n_stride, h, ldh,
+      pool_src_route, route_weights, num_routes, dh_q, ld_dh_q, dh_sa, ld_dh_sa, dht_q, ld_dht_q, dht_s, ld_dht_s,
+      awt_q, ld_awt_q, awt_s, ld_awt_s, dt_part, dt_ld, group_offsets, num_groups, m_total, intermediate, hidden,
+      clamp, pow2_scales != 0, num_sms};
 }
 #endif
 
@@ -349,11 +367,11 @@ int pk_m_grouped_fp8_gemm_swiglu_bwd(const void* dy_q, int64_t lda, const float*
                                      void* cuda_stream) {
 #if PK_HAS_SM90_KERNELS
   if (const int rc = current_device_is_sm90("m_grouped_fp8_gemm_swiglu_bwd"); rc != PK_OK) return rc;
-  const prime_kernels::sm90::SwigluBwdFp8GemmArgs args{
+  const prime_kernels::sm90::SwigluBwdFp8GemmArgs args = swiglu_bwd_fp8_args(
       dy_q, lda, dy_sa, ld_sa, w2t_q, ldb, b_group_stride, w2t_sb, sb_group_stride, sb_n_stride, h, ldh,
       pool_src_route, route_weights, num_routes, dh_q, ld_dh_q, dh_sa, ld_dh_sa, dht_q, ld_dht_q, dht_s, ld_dht_s,
       awt_q, ld_awt_q, awt_s, ld_awt_s, dt_part, dt_ld, group_offsets, num_groups, m_total, intermediate, hidden,
-      clamp, pow2_scales != 0, num_sms};
+      clamp, pow2_scales, num_sms);
   char message[512] = {0};
   const int rc = prime_kernels::sm90::m_grouped_fp8_gemm_swiglu_bwd(args, static_cast<cudaStream_t>(cuda_stream),
                                                                     message, sizeof(message));
@@ -367,6 +385,56 @@ int pk_m_grouped_fp8_gemm_swiglu_bwd(const void* dy_q, int64_t lda, const float*
   (void)pow2_scales, (void)num_sms, (void)cuda_stream;
   return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
                                   "m_grouped_fp8_gemm_swiglu_bwd is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
+#endif
+}
+
+int64_t pk_mega_moe_bwd_fp8_counter_count(int64_t m_total, int num_groups) {
+  return prime_kernels::sm90::mega_moe_bwd_fp8_counter_count(m_total, num_groups);
+}
+
+int pk_mega_moe_bwd_fp8(const void* dy_q, int64_t lda, const float* dy_sa, int64_t ld_sa, const void* w2t_q,
+                        int64_t ldb, int64_t b_group_stride, const float* w2t_sb, int64_t sb_group_stride,
+                        int64_t sb_n_stride, const void* h, int64_t ldh, const int32_t* pool_src_route,
+                        const float* route_weights, int64_t num_routes, void* dh_q, int64_t ld_dh_q, float* dh_sa,
+                        int64_t ld_dh_sa, void* dht_q, int64_t ld_dht_q, float* dht_s, int64_t ld_dht_s, void* awt_q,
+                        int64_t ld_awt_q, float* awt_s, int64_t ld_awt_s, float* dt_part, int64_t dt_ld,
+                        const int32_t* group_offsets, int num_groups, int64_t m_total, int64_t intermediate,
+                        int64_t hidden, float clamp, int pow2_scales, const void* w13t_q, int64_t ldb13,
+                        int64_t b13_group_stride, const float* w13t_sb, int64_t sb13_group_stride,
+                        int64_t sb13_n_stride, void* dx, int64_t lddx, int32_t* counters, int lag, int num_sms,
+                        void* cuda_stream) {
+#if PK_HAS_SM90_KERNELS
+  if (const int rc = current_device_is_sm90("mega_moe_bwd_fp8"); rc != PK_OK) return rc;
+  prime_kernels::sm90::MegaBwdFp8Args args;
+  args.l2 = swiglu_bwd_fp8_args(dy_q, lda, dy_sa, ld_sa, w2t_q, ldb, b_group_stride, w2t_sb, sb_group_stride,
+                                sb_n_stride, h, ldh, pool_src_route, route_weights, num_routes, dh_q, ld_dh_q, dh_sa,
+                                ld_dh_sa, dht_q, ld_dht_q, dht_s, ld_dht_s, awt_q, ld_awt_q, awt_s, ld_awt_s, dt_part,
+                                dt_ld, group_offsets, num_groups, m_total, intermediate, hidden, clamp, pow2_scales,
+                                num_sms);
+  args.w13t_q = w13t_q;
+  args.ldb13 = ldb13;
+  args.b13_group_stride = b13_group_stride;
+  args.w13t_sb = w13t_sb;
+  args.sb13_group_stride = sb13_group_stride;
+  args.sb13_n_stride = sb13_n_stride;
+  args.dx = dx;
+  args.lddx = lddx;
+  args.counters = counters;
+  args.lag = lag;
+  char message[512] = {0};
+  const int rc =
+      prime_kernels::sm90::mega_moe_bwd_fp8(args, static_cast<cudaStream_t>(cuda_stream), message, sizeof(message));
+  return prime_kernels::api::from_status(rc, message);
+#else
+  (void)dy_q, (void)lda, (void)dy_sa, (void)ld_sa, (void)w2t_q, (void)ldb, (void)b_group_stride, (void)w2t_sb;
+  (void)sb_group_stride, (void)sb_n_stride, (void)h, (void)ldh, (void)pool_src_route, (void)route_weights;
+  (void)num_routes, (void)dh_q, (void)ld_dh_q, (void)dh_sa, (void)ld_dh_sa, (void)dht_q, (void)ld_dht_q, (void)dht_s;
+  (void)ld_dht_s, (void)awt_q, (void)ld_awt_q, (void)awt_s, (void)ld_awt_s, (void)dt_part, (void)dt_ld;
+  (void)group_offsets, (void)num_groups, (void)m_total, (void)intermediate, (void)hidden, (void)clamp;
+  (void)pow2_scales, (void)w13t_q, (void)ldb13, (void)b13_group_stride, (void)w13t_sb, (void)sb13_group_stride;
+  (void)sb13_n_stride, (void)dx, (void)lddx, (void)counters, (void)lag, (void)num_sms, (void)cuda_stream;
+  return prime_kernels::api::fail(PK_ERR_NOT_AVAILABLE,
+                                  "mega_moe_bwd_fp8 is not built: rebuild with PRIME_KERNELS_CUDA_ARCHS=90a");
 #endif
 }
 

@@ -28,7 +28,7 @@ enum {
 };
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatch.
-#define PK_ABI_VERSION 10
+#define PK_ABI_VERSION 11
 PK_API int pk_abi_version(void);
 
 // The message of the last failed call on this thread ("" if none).
@@ -364,6 +364,29 @@ PK_API int pk_mega_moe_bwd_bf16(const void* dy_pool, int64_t lda, const void* w2
                                 void* dw13, const int32_t* group_offsets, int num_groups, int64_t m_total,
                                 int64_t intermediate, int64_t hidden, float clamp, int32_t* counters, int lag,
                                 int num_sms, void* cuda_stream);
+
+// Fused FP8 Mega MoE backward, data gradients (sm90; csrc/sm90/mega_moe_bwd_fp8.hpp has the full contract): the FP8
+// L2 dgrad of pk_m_grouped_fp8_gemm_swiglu_bwd (its arguments and outputs, same meaning, the same bits) and the FP8 L1
+// dgrad dx = pk_m_grouped_fp8_gemm_nt(qK(dh), W13^T) (dh_q / dh_sa as that GEMM's A; w13t_q e4m3 [num_groups,
+// hidden, 2I] with K = 2I contiguous, row stride ldb13, group stride b13_group_stride, and its 128 x 128 block scales
+// w13t_sb [num_groups, ceil(hidden / 128), 2I / 128] at w13t_sb[g * sb13_group_stride + nb * sb13_n_stride + kb];
+// dx bf16 [m_total, hidden], row stride lddx, rows outside every group not written, the same bits as that GEMM's D)
+// in one persistent kernel whose L1-dgrad tiles wait (bounded) for their m-block's L2-dgrad tiles. The weight
+// gradients stay with pk_k_grouped_fp8_gemm_tn on the qT outputs. intermediate a multiple of 128, hidden of 64.
+// counters: device int32 scratch of pk_mega_moe_bwd_fp8_counter_count(m_total, num_groups) entries (zeroed by the
+// call itself). lag: the task sequence's lag, -1 for the heuristic's (the same bits for any lag).
+PK_API int64_t pk_mega_moe_bwd_fp8_counter_count(int64_t m_total, int num_groups);
+PK_API int pk_mega_moe_bwd_fp8(const void* dy_q, int64_t lda, const float* dy_sa, int64_t ld_sa, const void* w2t_q,
+                               int64_t ldb, int64_t b_group_stride, const float* w2t_sb, int64_t sb_group_stride,
+                               int64_t sb_n_stride, const void* h, int64_t ldh, const int32_t* pool_src_route,
+                               const float* route_weights, int64_t num_routes, void* dh_q, int64_t ld_dh_q,
+                               float* dh_sa, int64_t ld_dh_sa, void* dht_q, int64_t ld_dht_q, float* dht_s,
+                               int64_t ld_dht_s, void* awt_q, int64_t ld_awt_q, float* awt_s, int64_t ld_awt_s,
+                               float* dt_part, int64_t dt_ld, const int32_t* group_offsets, int num_groups,
+                               int64_t m_total, int64_t intermediate, int64_t hidden, float clamp, int pow2_scales,
+                               const void* w13t_q, int64_t ldb13, int64_t b13_group_stride, const float* w13t_sb,
+                               int64_t sb13_group_stride, int64_t sb13_n_stride, void* dx, int64_t lddx,
+                               int32_t* counters, int lag, int num_sms, void* cuda_stream);
 
 // ---------------------------------------------------------------------------------------------
 // Bounded waits (csrc/common/watchdog.cuh). A kernel wait on another CTA that lasts longer than the timeout

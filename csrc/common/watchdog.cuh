@@ -19,6 +19,7 @@ enum WaitKernel : int32_t {
   kWaitKernelMegaBwd = 3,
   kWaitKernelMegaFwdFp8 = 4,
   kWaitKernelEpBarrier = 5,  // a rank waits for its peers (common/ep_signal.hpp); cta = the rank, index = the peer
+  kWaitKernelMegaBwdFp8 = 6,
 };
 enum WaitSite : int32_t {
   kWaitMegaFwdDispatch = 1,  // an L1 tile waits until its m-block's rows are dispatched

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 _HERE = os.path.dirname(os.path.abspath(__file__))
 CORE_NAME = "libprime_kernels_core.so"
 SHIM_NAME = "libprime_kernels_torch.so"
-ABI_VERSION = 10  # must equal PK_ABI_VERSION in csrc/api/prime_kernels_api.h
+ABI_VERSION = 11  # must equal PK_ABI_VERSION in csrc/api/prime_kernels_api.h
 MIN_TORCH = (2, 10)
 
 

@@ -137,6 +137,11 @@ ROWS: tuple[Row, ...] = (
         _v("H200", "the pipeline's bits; 3.0x torch's BF16 forward at 30B, T=16384"), _NOT),
     Row("BF16 forward, FP8 backward in the layer (`mega_moe.fp8_bwd`: the FP8 backward pipeline)", "bf16 / fp8",
         ("mega_moe.fp8_bwd.sm90",), _v("H200", "1.3-1.6x torch's BF16 backward: [docs/fp8.md](docs/fp8.md)"), _NOT),
+    Row("fused FP8 backward data gradients (`mega_moe_backward.fp8`: the FP8 L2 dgrad with the SwiGLU backward and "
+        "its quantizing epilogue, and the FP8 L1 dgrad, in one persistent kernel; the weight gradients stay with "
+        "`k_grouped_gemm_tn.fp8`)", "e4m3 in, e4m3 + fp32 block scales and bf16 out", ("mega_moe_backward.fp8.sm90",),
+        Cell(COMPILED, note="meant to give the bits of the two launches it replaces, `m_grouped_gemm_swiglu_bwd.fp8` "
+                            "and `m_grouped_gemm_nt.fp8`, which the FP8 backward runs until it has run on a GPU"), _NOT),
     Row("FP8 with H or I a multiple of 64 but not of 128: 64-wide last scale blocks (`mega_moe_half_tiles.fp8`; "
         "[docs/fp8.md](docs/fp8.md))", "fp8 / fp8_bwd", ("mega_moe_half_tiles.fp8.sm90",),
         _v("H100", "the kernels' tail cases against their emulation; the layer at (1088, 320) and (2880, 2880) within "
@@ -162,8 +167,7 @@ ROWS: tuple[Row, ...] = (
                                "before any launch"),
         Cell(CPU_ONLY, note="our kernels around `torch._scaled_grouped_mm` for L1 and L2, the bf16 grouped backward; "
                             "its plumbing checked on the CPU with the GEMM emulated ([docs/mxfp8.md](docs/mxfp8.md))")),
-    Row("fused FP8 backward, and the fused MXFP8 kernel (`mega_moe.mxfp8.sm100`)", "fp8 / mxfp8",
-        ("mega_moe.mxfp8.sm100",), _NOT, _NOT),
+    Row("fused MXFP8 kernel (`mega_moe.mxfp8.sm100`)", "mxfp8", ("mega_moe.mxfp8.sm100",), _NOT, _NOT),
 )
 
 _HEADER = ("| kernel (`status()` key) | precision | sm_90 (H100 / H200) | sm_100 (B200 / B300) |\n"

@@ -23,6 +23,12 @@ Padding rows (route -1) are zeros in every output; rows outside every group are 
 On CUDA (sm90a) one kernel does all of it (verified on an H200 against the emulation, tests/test_swiglu_bwd_fp8.py).
 On the CPU the op runs :func:`swiglu_bwd_fp8_reference`, the emulation the
 GPU tests compare the kernel with.
+
+``mega_moe_fp8_dgrad_fused(dy_q, dy_sa, w2t_q, w2t_sb, w13t_q, w13t_sb, group_offsets, h, pool_src_route,
+topk_weights)`` returns the same :class:`Fp8SwigluBwd` and the L1 dgrad ``dx_pool = m_grouped_fp8_gemm_nt(dh_q,
+dh_sa, w13t_q, w13t_sb, group_offsets)`` (bf16 [M, H]; rows outside every group unspecified), the FP8 backward's two
+data-gradient launches as one persistent kernel on CUDA (sm90a; status entry ``mega_moe_backward.fp8.sm90``), whose
+outputs are those two launches' bit for bit; I must be a multiple of 128 there. On the CPU it runs those two ops.
 """
 
 from __future__ import annotations
@@ -32,14 +38,19 @@ from typing import NamedTuple
 import torch
 
 from . import _status
-from .grouped_gemm import check_offsets_cpu, k_block_major_empty
+from .grouped_gemm import check_offsets_cpu, k_block_major_empty, m_grouped_fp8_gemm_nt
 from .mega import fp8 as _fp8
 
-__all__ = ["Fp8SwigluBwd", "m_grouped_fp8_gemm_swiglu_bwd", "swiglu_bwd_fp8_reference", "allocate_outputs"]
+__all__ = ["Fp8SwigluBwd", "m_grouped_fp8_gemm_swiglu_bwd", "mega_moe_fp8_dgrad_fused", "swiglu_bwd_fp8_reference",
+           "allocate_outputs"]
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
 KEY_STEM = "m_grouped_gemm_swiglu_bwd.fp8"
+# The fused FP8 dgrad kernel is sm90a only: one key, whatever the device (another device gets its reason)
+FUSED_KEY = "mega_moe_backward.fp8.sm90"
+# The task sequence's lag of the fused dgrad (csrc/sm90/mega_moe_heuristics.hpp, kMegaBwdMaxLagHost), -1: its heuristic
+MAX_LAG = 64
 
 
 class Fp8SwigluBwd(NamedTuple):
@@ -125,6 +136,16 @@ def m_grouped_fp8_gemm_swiglu_bwd(dy_q: torch.Tensor, dy_sa: torch.Tensor, w2t_q
     """See the module docstring; ``out`` (an :class:`Fp8SwigluBwd` of tensors in those layouts) to write into,
     else allocated by :func:`allocate_outputs`. ``clamp``: the layer's activation_clamp (None or 0: none)."""
     _status.require_on(dy_q.device, KEY_STEM, "m_grouped_fp8_gemm_swiglu_bwd", allow_unverified=allow_unverified)
+    dy_sa, weights, out, c, sms = _op_arguments(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route,
+                                                topk_weights, clamp, num_sms, out)
+    torch.ops.prime_kernels.m_grouped_fp8_gemm_swiglu_bwd_(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h,
+                                                           pool_src_route, weights, *out, c, bool(pow2_scales), sms)
+    return out
+
+
+def _op_arguments(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route, topk_weights, clamp, num_sms, out):
+    """The L2 dgrad's arguments as its ops take them, checked (:func:`_check`): (dy_sa K-block major, the weights
+    flattened, ``out`` or the outputs allocated, the clamp and num_sms as numbers)."""
     c = 0.0 if clamp is None else float(clamp)
     sms = 0 if num_sms is None else int(num_sms)
     if sms < 0:
@@ -137,9 +158,64 @@ def m_grouped_fp8_gemm_swiglu_bwd(dy_q: torch.Tensor, dy_sa: torch.Tensor, w2t_q
     out = Fp8SwigluBwd(*(out if out is not None else allocate_outputs(dy_q.shape[0], w2t_q.shape[1] if w2t_q.dim() == 3
                                                                       else 0, dy_q.device)))
     _check(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route, weights, out, c)
-    torch.ops.prime_kernels.m_grouped_fp8_gemm_swiglu_bwd_(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h,
-                                                           pool_src_route, weights, *out, c, bool(pow2_scales), sms)
-    return out
+    return dy_sa, weights, out, c, sms
+
+
+def _check_fused(dy_q, w2t_q, w13t_q, w13t_sb, num_sms, lag) -> None:
+    """What the fused dgrad takes beyond the L2 dgrad's arguments, checked before anything runs: W13^T and its scales
+    for the L1 dgrad, I a multiple of 128, the lag."""
+    op = "prime_kernels.mega_moe_fp8_dgrad_fused"
+    if w2t_q.dim() != 3 or dy_q.dim() != 2:
+        raise ValueError(f"{op}: dy_q must be [M, H] and w2t_q [E, I, H]")
+    experts, inter, hidden = w2t_q.shape
+    if inter % BLOCK:
+        raise ValueError(f"{op}: I ({inter}) must be a multiple of {BLOCK} (the fused kernel has no 64-wide last block "
+                         "of I; m_grouped_fp8_gemm_swiglu_bwd and m_grouped_fp8_gemm_nt take I = 64 mod 128)")
+    if w13t_q.dtype != E4M3 or tuple(w13t_q.shape) != (experts, hidden, 2 * inter):
+        raise ValueError(f"{op}: w13t_q must be float8_e4m3fn [E, H, 2I] = [{experts}, {hidden}, {2 * inter}] (W13's "
+                         f"transposed copy), got {w13t_q.dtype} {list(w13t_q.shape)}")
+    want = (experts, -(-hidden // BLOCK), 2 * inter // BLOCK)
+    if w13t_sb.dtype != torch.float32 or tuple(w13t_sb.shape) != want:
+        raise ValueError(f"{op}: w13t_sb must be float32 [E, ceil(H/128), 2I/128] = {list(want)}, got "
+                         f"{w13t_sb.dtype} {list(w13t_sb.shape)}")
+    if w13t_q.device != dy_q.device or w13t_sb.device != dy_q.device:
+        raise ValueError(f"{op}: w13t_q and w13t_sb must be on dy_q's device ({dy_q.device})")
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 0):
+        raise ValueError(f"{op}: num_sms must be None or an int >= 0 (0: every SM), got {num_sms!r}")
+    if isinstance(lag, bool) or not isinstance(lag, int) or not -1 <= lag <= MAX_LAG:
+        raise ValueError(f"{op}: lag must be -1 (the heuristic's) or an int in [0, {MAX_LAG}], got {lag!r}")
+
+
+def mega_moe_fp8_dgrad_fused(dy_q: torch.Tensor, dy_sa: torch.Tensor, w2t_q: torch.Tensor, w2t_sb: torch.Tensor,
+                             w13t_q: torch.Tensor, w13t_sb: torch.Tensor, group_offsets: torch.Tensor, h: torch.Tensor,
+                             pool_src_route: torch.Tensor, topk_weights: torch.Tensor, *, clamp: float | None = None,
+                             pow2_scales: bool = False, num_sms: int | None = 0, lag: int = -1,
+                             out: Fp8SwigluBwd | None = None) -> tuple[Fp8SwigluBwd, torch.Tensor]:
+    """(:func:`m_grouped_fp8_gemm_swiglu_bwd`'s :class:`Fp8SwigluBwd`, dx_pool bf16 [M, H]): the L2 dgrad and the
+    L1 dgrad ``m_grouped_fp8_gemm_nt(dh_q, dh_sa, w13t_q, w13t_sb, group_offsets)`` (rows outside every group
+    unspecified), the FP8 backward's two launches. The arguments are the L2 dgrad's (``out``: its outputs to write
+    into, else allocated) and W13^T's FP8 copy: w13t_q float8_e4m3fn [E, H, 2I], w13t_sb float32
+    [E, ceil(H/128), 2I/128] (the weight cache's transposed copy of w13). I must be a multiple of 128.
+
+    On CUDA one persistent kernel (sm90a) computes both, with the same bits as the two launches: ``num_sms`` caps its
+    grid (0 or None: every SM), ``lag`` sets how far its task sequence runs the L2-dgrad tiles ahead of the L1-dgrad
+    tiles that wait for them (-1: the heuristic's; any lag gives the same bits). It runs wherever status entry
+    ``mega_moe_backward.fp8.sm90`` could run (``_status.runnable``: an explicit op, so also before the kernel is
+    verified on a GPU; a layer asks ``status()`` before it chooses it), else raises RuntimeError with the reason. On
+    the CPU it runs the two ops (their CPU kernels), ``num_sms`` and ``lag`` unused."""
+    _check_fused(dy_q, w2t_q, w13t_q, w13t_sb, num_sms, lag)
+    if dy_q.device.type != "cuda":
+        l2 = m_grouped_fp8_gemm_swiglu_bwd(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route,
+                                           topk_weights, clamp=clamp, pow2_scales=pow2_scales, num_sms=num_sms,
+                                           out=out)
+        return l2, m_grouped_fp8_gemm_nt(l2.dh_q, l2.dh_sa, w13t_q, w13t_sb, group_offsets, num_sms=num_sms or None)
+    _status.require(FUSED_KEY, allow_unverified=True)
+    dy_sa, weights, out, c, sms = _op_arguments(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route,
+                                                topk_weights, clamp, num_sms, out)
+    dx_pool = torch.ops.prime_kernels.mega_moe_fp8_dgrad_fused(dy_q, dy_sa, w2t_q, w2t_sb, w13t_q, w13t_sb,
+                                                               group_offsets, h, pool_src_route, weights, *out, c,
+                                                               bool(pow2_scales), sms, lag)
+    return out, dx_pool
 
 
 def swiglu_bwd_fp8_reference(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route, route_weights, out,
@@ -211,3 +287,9 @@ def _register() -> None:
 
     torch.library.register_kernel(lib, "cpu", cpu)
     torch.library.register_fake(lib, fake)
+
+    def fused_fake(dy_q, dy_sa, w2t_q, w2t_sb, w13t_q, w13t_sb, group_offsets, h, pool_src_route, route_weights, dh_q,
+                   dh_sa, dht_q, dht_s, awt_q, awt_s, dt_part, clamp=0.0, pow2_scales=False, num_sms=0, lag=-1):
+        return dy_q.new_empty(dy_q.shape[0], dy_q.shape[1], dtype=torch.bfloat16)
+
+    torch.library.register_fake("prime_kernels::mega_moe_fp8_dgrad_fused", fused_fake)

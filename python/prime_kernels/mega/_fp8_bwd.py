@@ -10,7 +10,9 @@ Steps, in the reference's names (:mod:`prime_kernels.mega.reference`, B1-B10 of 
        FP8 GEMM, d topk_weights partials per 128 columns of I, dh = [dg, du] in fp32 quantized twice (qK along 2I
        for B7, qT per expert for dW13) and a = w * s quantized qT for dW2, all inside the tile that computes
        them.
-  B7   ``m_grouped_fp8_gemm_nt(qK(dh), W13^T)``, B8 the BF16 combine (fixed k order).
+  B7   ``m_grouped_fp8_gemm_nt(qK(dh), W13^T)``, B8 the BF16 combine (fixed k order). Where
+       ``mega_moe_backward.fp8.sm90`` is available, B2-B7 are one persistent kernel
+       (``mega_moe_fp8_dgrad_fused``: the same tiles, the same bits).
   B10  ``k_grouped_fp8_gemm_tn`` twice; the x rows quantized qT from bf16 (``quantize_tokens_fp8``, gathering from
        the token rows unless the forward kept its pooled rows).
 The weights' FP8 tiles and their transposes come from the recipe's weight cache (:class:`fp8.Fp8WeightCache`),
@@ -29,7 +31,15 @@ from ._grouped import _rows_for_kernels, _sms, recompute_h
 from ..combine import combine
 from ..grouped_gemm import k_grouped_fp8_gemm_tn, m_grouped_fp8_gemm_nt
 from ..quantize import quantize_tokens_fp8
-from ..swiglu_bwd_fp8 import m_grouped_fp8_gemm_swiglu_bwd
+from .. import _status
+from ..swiglu_bwd_fp8 import m_grouped_fp8_gemm_swiglu_bwd, mega_moe_fp8_dgrad_fused
+
+# B2-B7 in one kernel where this entry is available (I a multiple of 128, CUDA)
+FUSED_DGRAD_KEY = "mega_moe_backward.fp8.sm90"
+
+
+def _fused_dgrad_runs(device: torch.device, inter: int) -> bool:
+    return device.type == "cuda" and inter % 128 == 0 and _status.is_available(_status.reason(FUSED_DGRAD_KEY))
 
 
 def _wgrad(a, sa, b, sb, offsets, dtype, accum, sms):
@@ -59,15 +69,21 @@ def data_grads(dy, w13t, w2t, h_saved, counts, offsets, pool_src_route, route_to
     if want_wgrad_operands:  # qT(dy_e), each pool row read from its token row (no bf16 pool is written)
         dy_t = quantize_tokens_fp8(dy, offsets, counts, pow2_scales=pow2, pool_src_route=pool_src_route,
                                    top_k=route_to_pool.shape[1], out=dy_t_out)
-    # B2-B6, B9 in one kernel (its CPU op: the recipe's emulation)
-    l2 = m_grouped_fp8_gemm_swiglu_bwd(dy_q, dy_qs, w2t[0], w2t[1], offsets, h_saved, pool_src_route, topk_weights,
-                                       clamp=clamp, pow2_scales=pow2, num_sms=sms, out=l2_out)
+    dx_pool = None
+    if _fused_dgrad_runs(dy.device, w2t[0].shape[1]):  # B2-B7
+        l2, dx_pool = mega_moe_fp8_dgrad_fused(dy_q, dy_qs, w2t[0], w2t[1], w13t[0], w13t[1], offsets, h_saved,
+                                               pool_src_route, topk_weights, clamp=clamp, pow2_scales=pow2,
+                                               num_sms=sms, out=l2_out)
+    else:  # B2-B6, B9 in one kernel (its CPU op: the recipe's emulation)
+        l2 = m_grouped_fp8_gemm_swiglu_bwd(dy_q, dy_qs, w2t[0], w2t[1], offsets, h_saved, pool_src_route,
+                                           topk_weights, clamp=clamp, pow2_scales=pow2, num_sms=sms, out=l2_out)
     del dy_q, dy_qs
     # d topk_weights per pool row: the per-128-column partials summed in column order; masked routes
     # (route_to_pool = -1) read the zero past the pool's end
     dt_pool = l2.dt_part.new_zeros(capacity + 1)
     torch.sum(l2.dt_part, 1, out=dt_pool[:capacity])
-    dx_pool = m_grouped_fp8_gemm_nt(l2.dh_q, l2.dh_sa, w13t[0], w13t[1], offsets, num_sms=sms)  # B7
+    if dx_pool is None:
+        dx_pool = m_grouped_fp8_gemm_nt(l2.dh_q, l2.dh_sa, w13t[0], w13t[1], offsets, num_sms=sms)  # B7
     dx = combine(dx_pool, route_to_pool, None)  # B8
     del dx_pool
     dtopk = dt_pool[route_to_pool.reshape(-1)].view(route_to_pool.shape)
