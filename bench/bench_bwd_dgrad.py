@@ -64,8 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp8"))
     p.add_argument("--lags", default="",
-                   help="comma list of task-sequence lags to time fused_full at as well (fused_full_lag<L>_ms; "
-                        "empty: the heuristic's only)")
+                   help="comma list of task-sequence lags to time fused_full (fp8: fused) at as well "
+                        "(fused_full_lag<L>_ms, fused_lag<L>_ms; empty: the heuristic's only)")
     p.add_argument("--max-seconds", type=float, default=0.0,
                    help="start no new configuration after this many seconds (0: no limit); results so far are kept")
     p.add_argument("--out", default=None, help="results JSON (default bench/results/bwd_dgrad_<gpu>_x1_<date>.json)")
@@ -197,10 +197,10 @@ def fp8_pipeline(x8):
     return (*l2, m_grouped_fp8_gemm_nt(l2.dh_q, l2.dh_sa, x8[4], x8[5], x8[6]))
 
 
-def fp8_fused(x8):
+def fp8_fused(x8, lag=-1):
     from prime_kernels.swiglu_bwd_fp8 import mega_moe_fp8_dgrad_fused
 
-    l2, dx_pool = mega_moe_fp8_dgrad_fused(*x8)
+    l2, dx_pool = mega_moe_fp8_dgrad_fused(*x8, lag=lag)
     return (*l2, dx_pool)
 
 
@@ -242,6 +242,7 @@ def bench_config_fp8(shape, T, routing, args, peak) -> dict:
         "pipeline_l2": lambda: fp8_pipeline_l2(x8),
         "pipeline_l1": lambda: m_grouped_fp8_gemm_nt(dh_q, dh_sa, x8[4], x8[5], x8[6]),
         "fused": lambda: fp8_fused(x8),
+        **{f"fused_lag{v}": (lambda v=v: fp8_fused(x8, v)) for v in args.lags},
     }, args.warmup, args.reps)
     flops = dgrad_flops(st["routed_rows"], H, I)
     for k, v in ms.items():

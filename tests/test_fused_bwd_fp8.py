@@ -160,7 +160,7 @@ def test_cpu_writes_into_out_and_allocates_without_it():
 
 def test_rejects_what_the_fused_kernel_does_not_take_before_writing():
     """On any device, before anything runs: I not a multiple of 128 (the two launches take I = 64 mod 128, the fused
-    kernel does not), W13^T of the wrong shape or dtype, a lag or num_sms out of range."""
+    kernel does not), more than 256 experts (its tables in shared memory), W13^T of the wrong shape or dtype, a lag or num_sms out of range."""
     st = make_state(20, 128, 192, 2, 1, seed=1)
     ok = make_state(20, 128, 128, 2, 1, seed=1)
 
@@ -172,6 +172,7 @@ def test_rejects_what_the_fused_kernel_does_not_take_before_writing():
                    for t in out), "an output was written"
 
     expect(st, r"I \(192\) must be a multiple of 128")
+    expect(make_state(20, 128, 128, 257, 1, seed=1), "257 experts; the fused kernel takes at most 256")
     expect(dict(ok, w13t_q=ok["w13t_q"][:, :64].contiguous()), r"w13t_q must be float8_e4m3fn \[E, H, 2I\]")
     expect(dict(ok, w13t_q=ok["w13t_q"].float()), "w13t_q must be float8_e4m3fn")
     expect(dict(ok, w13t_sb=ok["w13t_sb"][..., :1].contiguous()), r"w13t_sb must be float32 \[E, ceil\(H/128\)")

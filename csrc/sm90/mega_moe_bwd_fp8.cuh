@@ -13,7 +13,7 @@
 // two for the L1 dgrad), the same promotion order and the same epilogues, so every output is bit for bit the pair
 // m_grouped_fp8_gemm_swiglu_bwd -> m_grouped_fp8_gemm_nt on the same inputs, whatever CTA computes a tile.
 // Structure: the FP8 m-grouped kernels' (384 threads; warpgroup 0's elected thread loads A, B and A's scales into a
-// 3-stage ring; warpgroups 1 and 2 each own 64 rows of every tile and promote per 128 of K). The dX tiles go out
+// 4-stage ring; warpgroups 1 and 2 each own 64 rows of every tile and promote per 128 of K). The dX tiles go out
 // through TMA stores staged in the part of the epilogue's qT staging that is 1024-byte aligned; the L2 epilogue
 // writes that staging only once those stores have read it.
 //
@@ -37,6 +37,7 @@
 #include "kernel_common.cuh"
 #include "m_grouped_gemm_fp8.cuh"
 #include "mainloop.cuh"
+#include "mega_moe_bwd_fp8.hpp"
 #include "mega_moe_bwd_schedule.hpp"
 #include "mega_moe_heuristics.hpp"
 #include "pipeline.cuh"
@@ -47,6 +48,7 @@ namespace sm90 {
 
 constexpr int kMegaBwdFp8MaxLag = kMegaBwdMaxLagHost;
 constexpr int kMegaBwdFp8TaskSlots = 4;
+constexpr int kMegaBwdFp8MaxExperts = kMegaBwdFp8MaxExpertsHost;
 
 struct MegaBwdFp8Params {
   // The L2 dgrad, as m_grouped_fp8_gemm_swiglu_bwd takes it (n = I, a multiple of 128; k = H).
@@ -66,21 +68,38 @@ struct MegaBwdFp8Params {
   WaitGuard wait_guard;
 };
 
+// The FP8 L2 dgrad's stage ring and epilogue staging (SwigluBwdFp8Layout's), one stage deeper: its per-group tables
+// hold kMegaBwdFp8MaxExperts groups instead of kMaxGroups, which leaves room for the fourth stage that the L1-dgrad
+// tiles' two partials need to keep a load in flight (the two-launch L1 dgrad runs 5 stages).
 template <int kNumStages>
-struct MegaBwdFp8Layout : SwigluBwdFp8Layout<kNumStages> {
-  using Base = SwigluBwdFp8Layout<kNumStages>;
+struct MegaBwdFp8Layout : StageRingLayout<128, 128, 128, kNumStages, 1> {
+  using Ring = StageRingLayout<128, 128, 128, kNumStages, 1>;
+  using Gemm = MGroupedFp8Layout<128, kNumStages>;  // the A-scale boxes of the FP8 GEMM's stages
+  static constexpr int kSaBytes = Gemm::kSaBytes;
+  static constexpr int kStageTxBytes = Gemm::kStageTxBytes;
+  static constexpr int kSaOff = Ring::kRingEnd;
+  // the epilogue's staging, as SwigluBwdFp8Layout lays it out: qK(dh) 128 rows x 256 bytes, qT 384 columns x 128
+  // tokens, the column amaxes [8 warps][3 outputs][64 column pairs] and scales [3][64]
+  static constexpr int kQkOff = kSaOff + kNumStages * kSaBytes;
+  static constexpr int kQtOff = kQkOff + 128 * 256;
+  static constexpr int kColMaxOff = kQtOff + 384 * 128;
+  static constexpr int kColScaleOff = kColMaxOff + 8 * 3 * 64 * 4;
+  static constexpr int kBarOff = kColScaleOff + 3 * 64 * 16;
   // The dX tiles' TMA staging: two 64-row halves (TmaStaging<128>), 1024-byte aligned, inside the qT staging.
-  static constexpr int kDxStgOff = (Base::kQtOff + 1023) / 1024 * 1024;
-  static_assert(kDxStgOff + TmaStaging<128>::kBytes <= Base::kColMaxOff, "the dX staging lies inside qT's");
-  // The task ring: task indices (-1: none left), their full (the TMA thread) and empty (one arrival per consumer
-  // warp) barriers; then the sequence's steps. The m-block starts use the base layout's tile table.
-  static constexpr int kTaskOff = Base::kEnd;
-  static constexpr int kTaskBarOff = kTaskOff + 4 * kMegaBwdFp8TaskSlots;
+  static constexpr int kDxStgOff = (kQtOff + 1023) / 1024 * 1024;
+  // The groups' first rows and m-blocks; the task ring (task indices, -1: none left; their full barriers, one
+  // arrival: the TMA thread; their empty barriers, one arrival per consumer warp); the sequence's steps.
+  static constexpr int kOffsOff = kBarOff + 2 * kNumStages * 8;
+  static constexpr int kMbOff = kOffsOff + (kMegaBwdFp8MaxExperts + 1) * 4;
+  static constexpr int kTaskOff = kMbOff + (kMegaBwdFp8MaxExperts + 1) * 4;
+  static constexpr int kTaskBarOff = (kTaskOff + 4 * kMegaBwdFp8TaskSlots + 7) / 8 * 8;
   static constexpr int kStepOff = kTaskBarOff + 2 * kMegaBwdFp8TaskSlots * 8;
-  static constexpr int kEnd = kStepOff + (kMaxGroups + kMegaBwdFp8MaxLag + 1) * 4;
+  static constexpr int kEnd = kStepOff + (kMegaBwdFp8MaxExperts + kMegaBwdFp8MaxLag + 1) * 4;
   static constexpr int kSmemBytes = kEnd + 1024;
-  static_assert(kTaskBarOff % 8 == 0, "mbarriers are 8-byte aligned");
-  static_assert(kSmemBytes <= Base::kSmemLimit, "shared memory budget exceeded");
+  static_assert(kDxStgOff + TmaStaging<128>::kBytes <= kColMaxOff, "the dX staging lies inside qT's");
+  static_assert(kSaOff % 128 == 0 && kQkOff % 16 == 0 && kColScaleOff % 16 == 0 && kBarOff % 8 == 0,
+                "TMA destinations 128-byte, staging 16-byte, mbarriers 8-byte aligned");
+  static_assert(kSmemBytes <= Ring::kSmemLimit, "shared memory budget exceeded");
 };
 
 __device__ __forceinline__ BwdSchedule mega_bwd_fp8_schedule(const MegaBwdFp8Params& p, const int32_t* s_mb,
@@ -116,7 +135,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + L::kBarOff);
   uint64_t* empty_bar = full_bar + kNumStages;
   int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
-  int32_t* s_mb = reinterpret_cast<int32_t*>(smem + L::kTileOff);
+  int32_t* s_mb = reinterpret_cast<int32_t*>(smem + L::kMbOff);
   int32_t* s_steps = reinterpret_cast<int32_t*>(smem + L::kStepOff);
   int32_t* task_slot = reinterpret_cast<int32_t*>(smem + L::kTaskOff);
   uint64_t* task_full = reinterpret_cast<uint64_t*>(smem + L::kTaskBarOff);
@@ -128,8 +147,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const SwigluBwdFp8Params& g = p.l2;
   const int num_experts = g.num_groups;
 
-  // bad offsets or lag: nothing is written (the offsets are noted in the device-check record)
-  if (common::group_offsets_invalid(g.group_offsets, num_experts, g.m_total, g.check,
+  // bad offsets, expert count or lag: nothing is written (the offsets are noted in the device-check record)
+  if (num_experts < 1 || num_experts > kMegaBwdFp8MaxExperts ||
+      common::group_offsets_invalid(g.group_offsets, num_experts, g.m_total, g.check,
                                     common::kCheckSwigluBwdFp8Offsets, L::kBlockM) ||
       p.lag < 0 || p.lag > kMegaBwdFp8MaxLag)
     return;

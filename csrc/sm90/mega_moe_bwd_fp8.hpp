@@ -17,6 +17,10 @@
 namespace prime_kernels {
 namespace sm90 {
 
+// The most experts (groups) the kernel takes: its per-expert tables in shared memory are sized for them, which leaves
+// room for a fourth ring stage (mega_moe_bwd_fp8.cuh).
+constexpr int kMegaBwdFp8MaxExpertsHost = 256;
+
 // int32 counters the kernel needs (zeroed by the launch itself, on `stream`): one per m-block, one per expert, then
 // the task claim (the BF16 fused backward's count).
 inline int64_t mega_moe_bwd_fp8_counter_count(int64_t m_total, int num_experts) {

@@ -161,6 +161,10 @@ def _op_arguments(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route, 
     return dy_sa, weights, out, c, sms
 
 
+# csrc/sm90/mega_moe_bwd_fp8.hpp, kMegaBwdFp8MaxExpertsHost
+FUSED_MAX_EXPERTS = 256
+
+
 def _check_fused(dy_q, w2t_q, w13t_q, w13t_sb, num_sms, lag) -> None:
     """What the fused dgrad takes beyond the L2 dgrad's arguments, checked before anything runs: W13^T and its scales
     for the L1 dgrad, I a multiple of 128, the lag."""
@@ -168,6 +172,9 @@ def _check_fused(dy_q, w2t_q, w13t_q, w13t_sb, num_sms, lag) -> None:
     if w2t_q.dim() != 3 or dy_q.dim() != 2:
         raise ValueError(f"{op}: dy_q must be [M, H] and w2t_q [E, I, H]")
     experts, inter, hidden = w2t_q.shape
+    if experts > FUSED_MAX_EXPERTS:
+        raise ValueError(f"{op}: {experts} experts; the fused kernel takes at most {FUSED_MAX_EXPERTS} (its per-expert "
+                         "tables in shared memory are sized for them)")
     if inter % BLOCK:
         raise ValueError(f"{op}: I ({inter}) must be a multiple of {BLOCK} (the fused kernel has no 64-wide last block "
                          "of I; m_grouped_fp8_gemm_swiglu_bwd and m_grouped_fp8_gemm_nt take I = 64 mod 128)")

@@ -32,14 +32,16 @@ from ..combine import combine
 from ..grouped_gemm import k_grouped_fp8_gemm_tn, m_grouped_fp8_gemm_nt
 from ..quantize import quantize_tokens_fp8
 from .. import _status
-from ..swiglu_bwd_fp8 import m_grouped_fp8_gemm_swiglu_bwd, mega_moe_fp8_dgrad_fused
+from ..swiglu_bwd_fp8 import FUSED_MAX_EXPERTS, m_grouped_fp8_gemm_swiglu_bwd, mega_moe_fp8_dgrad_fused
 
-# B2-B7 in one kernel where this entry is available (I a multiple of 128, CUDA)
+# B2-B7 in one kernel where this entry is available (I a multiple of 128, at most FUSED_MAX_EXPERTS experts, CUDA)
 FUSED_DGRAD_KEY = "mega_moe_backward.fp8.sm90"
 
 
-def _fused_dgrad_runs(device: torch.device, inter: int) -> bool:
-    return device.type == "cuda" and inter % 128 == 0 and _status.is_available(_status.reason(FUSED_DGRAD_KEY))
+def _fused_dgrad_runs(device: torch.device, w2t_q: torch.Tensor) -> bool:
+    experts, inter = w2t_q.shape[0], w2t_q.shape[1]
+    return (device.type == "cuda" and inter % 128 == 0 and experts <= FUSED_MAX_EXPERTS
+            and _status.is_available(_status.reason(FUSED_DGRAD_KEY)))
 
 
 def _wgrad(a, sa, b, sb, offsets, dtype, accum, sms):
@@ -70,7 +72,7 @@ def data_grads(dy, w13t, w2t, h_saved, counts, offsets, pool_src_route, route_to
         dy_t = quantize_tokens_fp8(dy, offsets, counts, pow2_scales=pow2, pool_src_route=pool_src_route,
                                    top_k=route_to_pool.shape[1], out=dy_t_out)
     dx_pool = None
-    if _fused_dgrad_runs(dy.device, w2t[0].shape[1]):  # B2-B7
+    if _fused_dgrad_runs(dy.device, w2t[0]):  # B2-B7
         l2, dx_pool = mega_moe_fp8_dgrad_fused(dy_q, dy_qs, w2t[0], w2t[1], w13t[0], w13t[1], offsets, h_saved,
                                                pool_src_route, topk_weights, clamp=clamp, pow2_scales=pow2,
                                                num_sms=sms, out=l2_out)
