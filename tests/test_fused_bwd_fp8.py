@@ -197,19 +197,24 @@ def test_fake_kernel_gives_dx_pool_and_writes_the_outputs_in_place():
     assert dx.device.type == "meta" and tuple(dx.shape) == (M, H) and dx.dtype == torch.bfloat16
 
 
-def test_status_entry_is_unverified_and_never_available():
-    """Compiled, not yet run on a GPU: status() and reason() give that note where it could run (so no layer chooses
-    it), runnable() says whether it could, and README's row says compiled only."""
+def test_status_entry_is_withheld_and_never_available():
+    """Verified on a GPU and no faster than the two launches: status() and reason() give the withholding note where
+    it could run (so no layer chooses it, and the FP8 backward runs the two launches), runnable() says whether it
+    could, and README's row says verified."""
+    from prime_kernels.mega import _fp8_bwd
+
     entry = _status.KERNELS[KEY]
     assert (entry.compiled_as, entry.family) == ("mega_moe_bwd_fp8", "sm90")
-    assert KEY in _status.unverified()
+    assert KEY in _status.withheld() and KEY not in _status.unverified()
     st = prime_kernels.status()
     assert not _status.is_available(st[KEY])
     if _status.is_available(_WHY):
-        assert st[KEY] == _status.unverified()[KEY]
+        assert st[KEY] == _status.withheld()[KEY]
     elif not torch.cuda.is_available() and ("mega_moe_bwd_fp8", "90a") in _lib.compiled_kernels():
         assert st[KEY] == "no CUDA device"
-    assert _verification.cell(KEY).level == _verification.COMPILED
+    assert _verification.cell(KEY).level == _verification.VERIFIED
+    assert _fp8_bwd.FUSED_DGRAD_KEY == KEY
+    assert not _fp8_bwd._fused_dgrad_runs(torch.device("cuda"), torch.empty(8, 128, 128, device="meta"))
 
 
 def test_the_build_lists_the_kernel_when_it_has_sm90():

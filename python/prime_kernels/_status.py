@@ -161,10 +161,11 @@ def _entries() -> list[KernelEntry]:
         # backward, the FP8 grouped GEMMs and the combine; its status is that of its last kernel to be verified.
         KernelEntry("mega_moe.fp8_bwd.sm90", "m_grouped_fp8_gemm_swiglu_bwd", "sm90"),
         # The fused FP8 dgrad (prime_kernels.swiglu_bwd_fp8.mega_moe_fp8_dgrad_fused): that backward's FP8 L2 dgrad
-        # with the SwiGLU backward and its FP8 L1 dgrad in one persistent kernel, meant to give their bits
+        # with the SwiGLU backward and its FP8 L1 dgrad in one persistent kernel, with their bits
         KernelEntry("mega_moe_backward.fp8.sm90", "mega_moe_bwd_fp8", "sm90",
-                    unverified="compiled, not yet run on a GPU: the FP8 backward runs its two data-gradient launches "
-                               "(m_grouped_fp8_gemm_swiglu_bwd, m_grouped_fp8_gemm_nt) until it has"),
+                    withheld="verified on a GPU, but no faster than the two launches it would replace (0.99-1.06x "
+                             "their time, docs/performance.md): the FP8 backward runs m_grouped_fp8_gemm_swiglu_bwd "
+                             "and m_grouped_fp8_gemm_nt"),
         # The native fused forward on Blackwell: no Blackwell GPU has run it, so it is used on a device only after
         # its self-test there has agreed with the grouped pipeline. Its kernel comes from the registered candidate
         # (prime_kernels.mega._native_sm100, registered when the shim loads); `missing` is said only without one.
