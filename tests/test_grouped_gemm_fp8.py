@@ -233,6 +233,10 @@ def test_fp8_gemm_matches_float64(E, kind, N, K):
     ref = m_grouped_fp8_gemm_reference(a, sa, b, sb, offs.cpu(), torch.float64)
     err = rel_err(out.cpu(), ref)
     assert err <= BOUND, f"rel err {err:.3e}"
+    # the emulation (G1 as the tensor core sums, G2, G3, bf16), on the GPU for speed, gives the kernel's bits
+    emu = m_grouped_fp8_gemm_reference(ac, sa.cuda(), bc, sbc, offs)
+    differ = int((emu.view(torch.int16) != out.view(torch.int16)).sum())
+    assert differ == 0, f"{differ} of {out.numel()} values differ from the emulation's bits"
     again = prime_kernels.m_grouped_fp8_gemm_nt(ac, sac, bc, sbc, offs)
     assert torch.equal(out, again), "not deterministic"
     capped = prime_kernels.m_grouped_fp8_gemm_nt(ac, sac, bc, sbc, offs, num_sms=7)
@@ -259,6 +263,9 @@ def test_fp8_gemm_with_a_quantized_1x64_matches_float64(E, kind, N, K):
     ref = m_grouped_fp8_gemm_reference(a, sa, b, sb, offs.cpu(), torch.float64)
     err = rel_err(out.cpu(), ref)
     assert err <= BOUND, f"rel err {err:.3e}"
+    emu = m_grouped_fp8_gemm_reference(ac, sa.cuda(), bc, sbc, offs)
+    differ = int((emu.view(torch.int16) != out.view(torch.int16)).sum())
+    assert differ == 0, f"{differ} of {out.numel()} values differ from the emulation's bits"
     assert torch.equal(out, prime_kernels.m_grouped_fp8_gemm_nt(ac, sac, bc, sbc, offs, num_sms=7))
 
 

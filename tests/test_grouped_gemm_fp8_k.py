@@ -248,6 +248,11 @@ def test_fp8_k_gemm_matches_float64(E, kind, M, N, out_dtype):
         return
     err = rel_err(out.cpu(), ref)
     assert err <= (BOUND_F32 if out_dtype == torch.float32 else BOUND_BF16), f"rel err {err:.3e}"
+    # the emulation (G1 as the tensor core sums, G2, G3), on the GPU for speed, gives the kernel's bits
+    emu = k_grouped_fp8_gemm_reference(ac, sa.cuda(), bc, sb.cuda(), oc).to(out_dtype)
+    differ = int((emu.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)
+                  != out.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)).sum())
+    assert differ == 0, f"{differ} of {out.numel()} values differ from the emulation's bits"
     for e, c in enumerate(sizes):
         if c == 0:
             assert torch.equal(out[e].cpu(), torch.zeros(M, N, dtype=out_dtype)), f"empty expert {e} not zero"

@@ -149,10 +149,13 @@ def _a_scales_are_64(k: int, sa_cols: int) -> bool:
 
 def m_grouped_fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                                  group_offsets: torch.Tensor, acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The blockwise-FP8 m-grouped GEMM emulated. float32: the kernel's order (each K block's products summed,
-    scaled by sa * sb and added into an fp32 accumulator; the block is 128, or 64 when sa has K / 64 columns: an A
-    quantized 1 x 64), rounded to bf16; float64: the dequantized operands' product, not rounded. Rows outside every
-    group are zero."""
+    """The blockwise-FP8 m-grouped GEMM emulated. float32: the recipe's G1-G3 in the kernel's order (each K block's
+    products summed as the tensor core sums them, prime_kernels.mega.fp8.tensor_core_partial; scaled by the fp32
+    product sa * sb and added into the fp32 accumulator with one rounding; the block is 128, or 64 when sa has K / 64
+    columns: an A quantized 1 x 64), rounded to bf16; float64: the dequantized operands' product, not rounded. Rows
+    outside every group are zero."""
+    from .mega.fp8 import tensor_core_partial
+
     offs = group_offsets.tolist()
     m, k = a.shape
     n = b.shape[1]
@@ -171,9 +174,13 @@ def m_grouped_fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Ten
             ws = w * sbn.repeat_interleave(FP8_BLOCK, 1)[:, :k]
             out[lo:hi] = xs @ ws.t()
             continue
+        c = torch.zeros(hi - lo, n, dtype=torch.float32, device=a.device)
         for j in range(kb):
             blk = slice(j * a_block, min(k, (j + 1) * a_block))
-            out[lo:hi] += (x[:, blk] @ w[:, blk].t()) * sa_c[lo:hi, j:j + 1] * sbn[:, (j * a_block) // FP8_BLOCK][None, :]
+            partial = tensor_core_partial(x[:, blk], w[:, blk])  # G1
+            scale = sa_c[lo:hi, j:j + 1] * sbn[:, (j * a_block) // FP8_BLOCK][None, :]  # G2
+            c = (c.double() + scale.double() * partial.double()).float()  # G3
+        out[lo:hi] = c
     return out if acc_dtype == torch.float64 else out.to(torch.bfloat16)
 
 
@@ -205,9 +212,12 @@ def check_token_block_offsets_cpu(offs: torch.Tensor, rows: int) -> None:
 def k_grouped_fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                                  group_offsets: torch.Tensor, acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The blockwise-FP8 k-grouped GEMM emulated, fp32 (or float64) [E, M, N]. float32: the recipe's G1-G3
-    (docs/fp8.md; prime_kernels.mega.fp8.fp8_gemm_nt): each 128-row token block's products summed exactly and rounded
-    once to fp32, scaled by the fp32 product sa[m, kb] * sb[n, kb] and added into the fp32 accumulator with one
-    rounding, blocks in increasing order; float64: the dequantized operands' product. An empty group gives zeros."""
+    (docs/fp8.md; prime_kernels.mega.fp8.fp8_gemm_nt): each 128-row token block's products summed as the tensor
+    core sums them (prime_kernels.mega.fp8.tensor_core_partial), scaled by the fp32 product sa[m, kb] * sb[n, kb]
+    and added into the fp32 accumulator with one rounding, blocks in increasing order; float64: the dequantized
+    operands' product. An empty group gives zeros."""
+    from .mega.fp8 import tensor_core_partial
+
     offs = group_offsets.tolist()
     (m, p), n = a.shape, b.shape[0]
     out = torch.zeros(len(offs) - 1, m, n, dtype=acc_dtype, device=a.device)
@@ -224,7 +234,7 @@ def k_grouped_fp8_gemm_reference(a: torch.Tensor, sa: torch.Tensor, b: torch.Ten
         c = torch.zeros(m, n, dtype=torch.float32, device=a.device)
         for k0 in range(lo, hi, FP8_BLOCK):
             k1, kb = min(k0 + FP8_BLOCK, hi), k0 // FP8_BLOCK
-            partial = (fa[:, k0:k1] @ fb[:, k0:k1].t()).float()  # G1
+            partial = tensor_core_partial(fa[:, k0:k1], fb[:, k0:k1])  # G1
             scale = sa[:, kb, None].float() * sb[None, :, kb].float()  # G2
             c = (c.double() + scale.double() * partial.double()).float()  # G3
         out[g] = c

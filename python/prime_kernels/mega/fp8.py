@@ -25,9 +25,10 @@ The emulated GEMM ``C[m, n] = sum_k A[m, k] B[n, k]`` on two quantized operands,
 block grids starting at k = 0 (:func:`fp8_gemm_nt`), promotes every ``w`` of K, w = the smaller of the two
 K-block widths (128, or 64 when one operand has 1x64 scales), which must divide the larger:
 
-  G1. P_j[m, n] = sum over k in slice j of qa[m, k] * qb[n, k], evaluated exactly (each e4m3 product is
-      exact in 8 significant bits and every partial sum of up to 128 of them fits a float64), then rounded
-      once to fp32. This is the tensor core's fp32 partial sum of one slice, up to its internal rounding.
+  G1. P_j[m, n] = sum over k in slice j of qa[m, k] * qb[n, k] as the sm90 tensor core sums it
+      (:func:`tensor_core_partial`, bit for bit an H100's e4m3 wgmma): 32 products at a time, each step's products
+      and the running sum aligned to the largest exponent among them and cut toward zero 14 bits below it, the
+      exact sum of those cut to 13 mantissa bits.
   G2. s_j[m, n] = fp32(scale_a[m, j] * scale_b[n, j]), the scales of the blocks holding slice j.
   G3. C <- fp32(C + s_j * P_j) for j = 0, 1, ... in increasing order, C starting at 0: the promotion into the
       fp32 accumulator (evaluated in float64 and rounded once to fp32, i.e. a fused multiply-add up to a
@@ -36,6 +37,7 @@ K-block widths (128, or 64 when one operand has 1x64 scales), which must divide 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -243,6 +245,75 @@ def _transpose_weight(w: BlockQuantized) -> BlockQuantized:
     return w.t()
 
 
+# The sm90 tensor core's sum of e4m3 products (m64nNk32 wgmma into an fp32 accumulator), as measured on an H100
+# against k_grouped_fp8_gemm_tn's fp32 partials with unit scales (every one of 3 x 16384 partials equal, for normal,
+# wide-exponent and cancelling operands; none of a dozen other models came close): per k-step of WGMMA_K products,
+# every product and the running sum are aligned to the largest exponent among them (a product's exponent the sum of
+# its operands', its mantissa product not renormalized) and cut toward zero to a multiple of 2^(e_max - 14); the
+# cut terms are summed exactly and the sum is cut toward zero to 13 mantissa bits (the e8m13 accumulator).
+WGMMA_K = 32
+_ALIGN_BITS = 14
+_SUM_MANTISSA_BITS = 13
+_NO_EXPONENT = -1 << 20
+
+
+def _cut_mantissa(v: torch.Tensor, bits: int) -> torch.Tensor:
+    m, e = torch.frexp(v)
+    unit = float(1 << (bits + 1))
+    return torch.ldexp(torch.trunc(m * unit) / unit, e)
+
+
+_exact_partials = False
+
+
+@contextlib.contextmanager
+def exact_partial_sums():
+    """Within it, G1 sums each slice's products exactly (rounded once to fp32) instead of as the tensor core does:
+    the recipe without the hardware's accumulation, for tests that hold the emulation to an independent float64
+    evaluation of the recipe."""
+    global _exact_partials
+    before, _exact_partials = _exact_partials, True
+    try:
+        yield
+    finally:
+        _exact_partials = before
+
+
+def tensor_core_partial(fa: torch.Tensor, fb: torch.Tensor) -> torch.Tensor:
+    """fp32 [M, N]: sum over k of fa[m, k] * fb[n, k] as the tensor core sums e4m3 products (above), for fa [M, k]
+    and fb [N, k] holding e4m3 values (any float dtype). A k that is not a multiple of WGMMA_K (sizes only the
+    reference runs) has a last step of fewer products (zeros take no part in the alignment). Every step is exact in
+    fp32: products of e4m3 values have 8 significant bits, and the cut terms are integer multiples of the step's
+    unit below 2^15 each, so their sum stays below 2^24."""
+    if _exact_partials:
+        return (fa.double() @ fb.double().t()).float()
+    fa, fb = fa.float(), fb.float()
+    M, K = fa.shape
+    N = fb.shape[0]
+    if K % WGMMA_K:
+        pad = WGMMA_K - K % WGMMA_K
+        fa, fb = torch.nn.functional.pad(fa, (0, pad)), torch.nn.functional.pad(fb, (0, pad))
+        K += pad
+    _, ea = torch.frexp(fa)
+    _, eb = torch.frexp(fb)
+    out = torch.empty(M, N, dtype=torch.float32, device=fa.device)
+    rows = max(1, min(M, (1 << 24) // max(1, N * WGMMA_K)))  # bounds the [rows, N, WGMMA_K] temporaries
+    for m0 in range(0, M, rows):
+        a, xa = fa[m0:m0 + rows, None, :], ea[m0:m0 + rows, None, :]
+        acc = torch.zeros(a.shape[0], N, dtype=torch.float32, device=fa.device)
+        for k0 in range(0, K, WGMMA_K):
+            p = a[..., k0:k0 + WGMMA_K] * fb[None, :, k0:k0 + WGMMA_K]
+            e = (xa[..., k0:k0 + WGMMA_K] + eb[None, :, k0:k0 + WGMMA_K] - 1).masked_fill_(p == 0, _NO_EXPONENT)
+            _, e_acc = torch.frexp(acc)
+            e_max = torch.maximum(e.amax(-1), e_acc.masked_fill_(acc == 0, _NO_EXPONENT))
+            e_max.masked_fill_(e_max == _NO_EXPONENT, 0)  # nothing but zeros: any unit
+            unit = torch.ldexp(torch.ones_like(acc), e_max - _ALIGN_BITS)
+            total = torch.trunc(p.div_(unit[..., None])).sum(-1) + torch.trunc(acc / unit)
+            acc = _cut_mantissa(total * unit, _SUM_MANTISSA_BITS)
+        out[m0:m0 + rows] = acc
+    return out
+
+
 def fp8_gemm_nt(a: BlockQuantized, b: BlockQuantized) -> torch.Tensor:
     """G1-G3: C [M, N] fp32 = A [M, K] B [N, K]^T from two quantized operands, promoted per K slice."""
     qa, qb = a.data, b.data
@@ -256,11 +327,11 @@ def fp8_gemm_nt(a: BlockQuantized, b: BlockQuantized) -> torch.Tensor:
     # per-row scales of each operand, one column per K block
     sa = a.scale.repeat_interleave(a.block_rows, dim=0)[:M]
     sb = b.scale.repeat_interleave(b.block_rows, dim=0)[:N]
-    fa, fb = qa.double(), qb.double()
+    fa, fb = qa.float(), qb.float()
     c = torch.zeros((M, N), dtype=torch.float32, device=qa.device)
     for k0 in range(0, K, narrow):
         k1 = min(k0 + narrow, K)
-        partial = (fa[:, k0:k1] @ fb[:, k0:k1].t()).float()  # G1: exact, then one rounding
+        partial = tensor_core_partial(fa[:, k0:k1], fb[:, k0:k1])  # G1
         scale = sa[:, k0 // a.block_cols, None] * sb[None, :, k0 // b.block_cols]  # G2 (fp32)
         c = (c.double() + scale.double() * partial.double()).float()  # G3
     return c
