@@ -42,6 +42,7 @@
 #include "mega_moe_heuristics.hpp"
 #include "pipeline.cuh"
 #include "swiglu_bwd_fp8.cuh"
+#include "task_ring.cuh"
 
 namespace prime_kernels {
 namespace sm90 {
@@ -137,9 +138,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   int32_t* s_offs = reinterpret_cast<int32_t*>(smem + L::kOffsOff);
   int32_t* s_mb = reinterpret_cast<int32_t*>(smem + L::kMbOff);
   int32_t* s_steps = reinterpret_cast<int32_t*>(smem + L::kStepOff);
-  int32_t* task_slot = reinterpret_cast<int32_t*>(smem + L::kTaskOff);
   uint64_t* task_full = reinterpret_cast<uint64_t*>(smem + L::kTaskBarOff);
   uint64_t* task_empty = task_full + kMegaBwdFp8TaskSlots;
+  const TaskRing<kMegaBwdFp8TaskSlots> ring{reinterpret_cast<int32_t*>(smem + L::kTaskOff), task_full, task_empty};
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -183,19 +184,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const int l1_k_blocks = ceil_div(2 * g.n, kBlockK);
       int stage = 0;
       uint32_t phase = 0;
-      int j = 0;  // this CTA's tasks announced so far
-      auto announce = [&](int u) {
-        const int slot = j % kMegaBwdFp8TaskSlots;
-        ptx::mbar_wait(&task_empty[slot], ((j / kMegaBwdFp8TaskSlots) & 1) ^ 1);
-        ptx::st_shared_handoff(&task_slot[slot], u);
-        ptx::mbar_arrive(&task_full[slot]);
-        ++j;
-      };
-      int u = atomicAdd(task_claim, 1);
-      if (u < num_tasks) announce(u);
-      while (u < num_tasks) {
-        // the next task is claimed now and announced once this one's loads are issued, before its own wait
-        const int next = atomicAdd(task_claim, 1);
+      produce_claimed_tasks(task_claim, num_tasks, ring, [&](int u) {
         const BwdTask t = sched.locate(u);
         const BwdWait w = sched.wait_of(t);
         if (w.counter == kBwdWaitMBlock)  // one call site: the timed-out path stays out of line
@@ -217,10 +206,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           ptx::tma_load_2d(smem + L::kSaOff + stage * L::kSaBytes, map_sa, &full_bar[stage], t.row0 & ~3, kb);
           advance_stage<kNumStages>(stage, phase);
         }
-        if (next < num_tasks) announce(next);
-        u = next;
-      }
-      announce(-1);
+      });
     }
   } else {
     // ================= consumer warpgroups
@@ -244,11 +230,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       if (lane == 0) ptx::mbar_arrive(&empty_bar[s_]);
     };
     for (int j = 0;; ++j) {
-      const int slot = j % kMegaBwdFp8TaskSlots;
-      ptx::mbar_wait(&task_full[slot], (j / kMegaBwdFp8TaskSlots) & 1);
-      // read by the lane that frees the slot, and broadcast
-      const int u = __shfl_sync(0xffffffffu, lane == 0 ? ptx::ld_shared_handoff(&task_slot[slot]) : 0, 0);
-      if (lane == 0) ptx::mbar_arrive(&task_empty[slot]);
+      const int u = ring.receive(j, lane);
       if (u < 0) break;
       const BwdTask t = sched.locate(u);
       const int row_end = max(s_offs[t.expert + 1], s_offs[t.expert]);
