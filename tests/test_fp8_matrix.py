@@ -6,10 +6,11 @@ fp32 weight-gradient accumulation on some rows), against two references on the s
   rest in fp32/float64). Measured on an H100 over these cases
   (bench/results/tests_h100_2026-12-06_26f2eba_fp8_matrix.log): y 1.06-1.42e-2, dX 1.34-1.83e-2, d topk_weights
   0.55-0.76e-2, dW13 0.99-1.73e-2, dW2 0.85-1.68e-2, about a quarter of the recipe's own error below, whatever T, E
-  and the routing. The kernels sum in fp32 on the tensor cores, the emulation in float64: the sums differ in their
-  last bits, which can turn an e4m3 rounding of s, dh or a quantized gradient the other way (one e4m3 step); flips of
-  a few tenths of a percent of the values would account for a quarter of the quantization error's norm (not
-  verified value by value). The bounds are the largest measured with some room; a wrong scale, operand or block is
+  and the routing. Those were measured with an emulation that summed each K slice exactly, where the tensor core's
+  sum is narrower: the sums differed in their last bits, which can turn an e4m3 rounding of s, dh or a quantized
+  gradient the other way (one e4m3 step). The emulation now sums as the tensor core does (prime_kernels.mega.fp8
+  .tensor_core_partial); the distances with it are to be measured. The bounds are the largest measured (with exact
+  sums) with some room; a wrong scale, operand or block is
   an error of order one.
 * the unquantized float64 evaluation: the recipe's own error, printed per output ("[err64]" lines, for the results
   log; 5.6-6.7e-2 measured) and bounded at 1.2e-1.

@@ -297,7 +297,9 @@ def tensor_core_partial(fa: torch.Tensor, fb: torch.Tensor) -> torch.Tensor:
     _, ea = torch.frexp(fa)
     _, eb = torch.frexp(fb)
     out = torch.empty(M, N, dtype=torch.float32, device=fa.device)
-    rows = max(1, min(M, (1 << 24) // max(1, N * WGMMA_K)))  # bounds the [rows, N, WGMMA_K] temporaries
+    # bounds the [rows, N, WGMMA_K] temporaries (fp32: 64 MB on the CPU, 256 MB on a GPU, where fewer launches pay)
+    per_chunk = (1 << 26) if fa.is_cuda else (1 << 24)
+    rows = max(1, min(M, per_chunk // max(1, N * WGMMA_K)))
     for m0 in range(0, M, rows):
         a, xa = fa[m0:m0 + rows, None, :], ea[m0:m0 + rows, None, :]
         acc = torch.zeros(a.shape[0], N, dtype=torch.float32, device=fa.device)
