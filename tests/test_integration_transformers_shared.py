@@ -159,9 +159,9 @@ def test_shared_expert_inside_bf16_close_to_eager(family, monkeypatch):
 
 
 def test_runs_inside_asks_the_shared_path_and_checks_the_block(monkeypatch):
-    """runs_inside asks prime_kernels.mega._shared_ops.reason with this call's tokens, the routed weights, the shared
-    shape and the experts' backend and precision; it says no without asking where the shared MLP or one of its
-    Linears has a hook, under transformers' expert parallelism, where the MLP is no longer a SiLU SwiGLU, or where the
+    """runs_inside asks prime_kernels.mega._shared_ops.runs_inside with this call's tokens, the routed weights, the
+    shared intermediate size and the experts' backend and precision; it says no without asking where the shared MLP
+    or one of its Linears has a hook, under transformers' expert parallelism, where the MLP is no longer a SiLU SwiGLU, or where the
     experts went back to eager (the model then computes as transformers does)."""
     ref = build_family("qwen2_moe", 47)
     ours = copy.deepcopy(ref)
@@ -169,13 +169,12 @@ def test_runs_inside_asks_the_shared_path_and_checks_the_block(monkeypatch):
     block = moe_blocks(ours)[0]
     asked, answer = [], [None]
     monkeypatch.setattr(pk_hf, "_shared_ops", type("FakeSharedOps", (), {
-        "reason": staticmethod(lambda *a, **kw: asked.append((a, kw)) or answer[0])}))
+        "runs_inside": staticmethod(lambda *a, **kw: asked.append((a, kw)) or answer[0] is None)}))
     x2d = torch.randn(7, 32, dtype=torch.float64)
     assert block.forward.runs_inside(x2d) is True
-    ((x, w13, sw13), kw), = asked
-    assert x is x2d and w13 is block.experts.gate_up_proj and sw13.is_meta and list(sw13.shape) == [1, 32, 32]
-    assert kw == dict(backend="grouped", precision="fp8", ep_size=1, accumulators=False, return_plan=False,
-                      activation_clamp=None)
+    ((x, w13, shared_inter), kw), = asked
+    assert x is x2d and w13 is block.experts.gate_up_proj and shared_inter == 16
+    assert kw == dict(backend="grouped", precision="fp8")
     answer[0] = "no"
     assert block.forward.runs_inside(x2d) is False
     asked.clear()

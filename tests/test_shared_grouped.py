@@ -445,3 +445,22 @@ def test_fp8_weights_with_chunks_on_the_gpu_are_the_expanded_weights_tiles():
         want = fp8.quantize_weight(torch.cat([w, expand_chunks(w_2, 2, layout)]))
         assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), layout
         assert torch.equal(got.scale, want.scale), layout
+
+
+def test_runs_inside_asks_reason_for_one_meta_shared_expert(monkeypatch):
+    """_shared_ops.runs_inside, what both integrations ask: reason() with the tokens, the routed weights, a meta
+    [1, 2 Is, H] shared weight, one rank and no accumulators, returned plan or clamp; True exactly when it says
+    nothing against. On CPU tokens the real reason() refuses (CUDA only)."""
+    from prime_kernels.mega import _shared_ops
+
+    x, w13 = torch.empty(5, 64), torch.empty(4, 2 * 32, 64)
+    assert _shared_ops.runs_inside(x, w13, 96, backend="auto", precision="bf16") is False
+    asked, answer = [], [None]
+    monkeypatch.setattr(_shared_ops, "reason", lambda *a, **kw: asked.append((a, kw)) or answer[0])
+    assert _shared_ops.runs_inside(x, w13, 96, backend="grouped", precision="fp8") is True
+    ((xa, wa, sw), kw), = asked
+    assert xa is x and wa is w13 and sw.is_meta and list(sw.shape) == [1, 192, 64]
+    assert kw == dict(backend="grouped", precision="fp8", ep_size=1, accumulators=False, return_plan=False,
+                      activation_clamp=None)
+    answer[0] = "no"
+    assert _shared_ops.runs_inside(x, w13, 96, backend="grouped", precision="fp8") is False

@@ -133,11 +133,8 @@ class MegaMoESharedExperts(_TitanModule):
         shapes, devices and the kernels' status only, so the two modules of one layer always agree."""
         if any(is_dtensor(m.weight) for m in (self.w1, self.w2, self.w3)):
             return False
-        F, D = self.w1.weight.shape
-        shared_w13 = torch.empty((1, 2 * F, D), device="meta")
-        return _shared_ops.reason(x2d, w13, shared_w13, backend=self._routed.backend,
-                                  precision=self._routed.precision, ep_size=1,
-                                  accumulators=False, return_plan=False, activation_clamp=None) is None
+        return _shared_ops.runs_inside(x2d, w13, self.w1.weight.shape[0], backend=self._routed.backend,
+                                       precision=self._routed.precision)
 
     def mega_moe_args(self, x2d: torch.Tensor, io: torch.dtype, weight_dtype: torch.dtype) -> dict:
         """The shared experts' arguments of the routed experts' mega_moe call (the gate in the routing weights'

@@ -311,7 +311,7 @@ class MegaMoESharedExpert:
         still the one this reproduces, the experts still on :data:`NAME` without transformers' expert parallelism
         (whose sum over ranks would add the shared expert once per rank), the shared MLP still the SwiGLU it was with
         no hooks (the fused call reads its weights and calls none of its modules), and
-        ``prime_kernels.mega._shared_ops.reason`` None for these tokens and shapes with the experts' backend and
+        ``prime_kernels.mega._shared_ops.runs_inside`` for these tokens and shapes with the experts' backend and
         precision."""
         block = self.block
         experts = block.experts
@@ -323,13 +323,9 @@ class MegaMoESharedExpert:
         mlp = getattr(block, self.layout.mlp)
         if not all(_runs_as_called(m) for m in (mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
             return False
-        w13 = experts.gate_up_proj
-        H = w13.shape[-1]
         opts = getattr(experts, _OPTIONS_ATTR, None) or {}
-        shared_w13 = torch.empty((1, 2 * mlp.gate_proj.weight.shape[0], H), device="meta")
-        return _shared_ops.reason(x2d, w13, shared_w13, backend=opts.get("backend", "auto"),
-                                  precision=opts.get("precision", "bf16"), ep_size=1, accumulators=False,
-                                  return_plan=False, activation_clamp=None) is None
+        return _shared_ops.runs_inside(x2d, experts.gate_up_proj, mlp.gate_proj.weight.shape[0],
+                                       backend=opts.get("backend", "auto"), precision=opts.get("precision", "bf16"))
 
     def mega_moe_args(self, x2d: torch.Tensor, io_dtype: torch.dtype, weight_dtype: torch.dtype) -> dict:
         """The shared expert's arguments of the routed experts' mega_moe call on the tokens ``x2d`` (the experts'

@@ -46,6 +46,17 @@ FUSED_BF16_KEY = "mega_moe_shared_fused.bf16.sm90"
 BF16_MAX_SHARED_GROUPS = 2
 
 
+def runs_inside(x2d: Tensor, w13: Tensor, shared_inter: int, *, backend: str, precision: str) -> bool:
+    """What the integrations ask before they hand a model's shared SwiGLU expert (intermediate size
+    ``shared_inter``) to the routed experts' call: whether :func:`reason` lets it run inside the routed launches of a
+    one-rank call on the tokens ``x2d`` with ``w13`` [E, 2I, H], no accumulators, no returned plan, no clamp. A
+    function of shapes, devices and the kernels' status only (the shared weight is a meta tensor), so the modules
+    of one layer that ask it always agree."""
+    shared_w13 = torch.empty((1, 2 * shared_inter, w13.shape[-1]), device="meta")
+    return reason(x2d, w13, shared_w13, backend=backend, precision=precision, ep_size=1, accumulators=False,
+                  return_plan=False, activation_clamp=None) is None
+
+
 def reason(x: Tensor, w13: Tensor, shared_w13: Tensor, *, backend: str, precision: str, ep_size: int,
            accumulators: bool, return_plan: bool, activation_clamp) -> Optional[str]:
     """None when the shared experts can run inside the routed experts' launches for this call, else why not."""
