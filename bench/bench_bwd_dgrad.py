@@ -51,7 +51,6 @@ import bench_common as bc  # noqa: E402
 SHAPES = ("qwen3-30b-a3b", "qwen3-235b-a22b")
 BLOCK_M = 128  # the plans' m-block: both forwards pad to it, and the kernel's tiles are 128 rows
 OUTPUTS = ("dh", "w*s", "dt_part", "dx_pool", "dw13", "dw2")
-FP8_STATUS_KEY = "mega_moe_backward.fp8.sm90"
 
 
 def parse_args(argv=None):
@@ -316,9 +315,10 @@ def main(argv=None) -> int:
     import prime_kernels
     from prime_kernels import _status
     from prime_kernels.mega import _fused_bwd
+    from prime_kernels.swiglu_bwd_fp8 import FUSED_KEY
 
     fp8 = args.precision == "fp8"
-    key = FP8_STATUS_KEY if fp8 else _fused_bwd.STATUS_KEY
+    key = FUSED_KEY if fp8 else _fused_bwd.STATUS_KEY
     why = _status.runnable(key)
     peak = bc.fp8_peak_tflops("cuda") if fp8 else bc.bf16_peak_tflops("cuda")
     header = bc.run_header("cuda", peak)

@@ -312,9 +312,9 @@ def dgrad_fp8_part(required: bool):
     from prime_kernels.grouped_gemm import m_grouped_fp8_gemm_nt
     from prime_kernels.mega import fp8 as _fp8
     from prime_kernels.quantize import dispatch_rows_fp8
+    from prime_kernels.swiglu_bwd_fp8 import FUSED_KEY as key
     from prime_kernels.swiglu_bwd_fp8 import m_grouped_fp8_gemm_swiglu_bwd, mega_moe_fp8_dgrad_fused
 
-    key = "mega_moe_backward.fp8.sm90"
     if DEVICE != "cuda":
         print("[case] dgrad_fp8 skipped: the fused FP8 dgrad has no CPU kernel of its own", flush=True)
         return

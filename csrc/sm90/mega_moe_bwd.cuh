@@ -97,15 +97,8 @@ struct MegaBwdLayout : SwigluBwdPPLayout<kNumStages> {
 // per L2-dgrad tile.
 __device__ __forceinline__ BwdSchedule mega_bwd_schedule(const MegaBwdParams& p, const int32_t* s_mb,
                                                          const int32_t* s_offs, const int32_t* s_steps) {
-  BwdSchedule s;
-  s.shape = BwdTileShape{128, 128, 128, 128, p.hidden, p.l2.n, p.wgrad_out != kMegaBwdNoWgrad ? 1 : 0};
-  s.num_experts = p.l2.num_groups;
-  s.lag = p.lag;
-  s.arrivals = 1;
-  s.mb_first = s_mb;
-  s.row_first = s_offs;
-  s.step_first = s_steps;
-  return s;
+  return bwd_schedule_128(p.hidden, p.l2.n, p.wgrad_out != kMegaBwdNoWgrad ? 1 : 0, p.l2.num_groups, p.lag, s_mb,
+                          s_offs, s_steps);
 }
 
 // The k-blocks of task t's mainloop: K = H (L2 dgrad), 2I (L1 dgrad) or the expert's rows (weight gradients).

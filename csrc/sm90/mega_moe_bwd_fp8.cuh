@@ -105,15 +105,7 @@ struct MegaBwdFp8Layout : StageRingLayout<128, 128, 128, kNumStages, 1> {
 
 __device__ __forceinline__ BwdSchedule mega_bwd_fp8_schedule(const MegaBwdFp8Params& p, const int32_t* s_mb,
                                                              const int32_t* s_offs, const int32_t* s_steps) {
-  BwdSchedule s;
-  s.shape = BwdTileShape{128, 128, 128, 128, p.hidden, p.l2.n, 0};
-  s.num_experts = p.l2.num_groups;
-  s.lag = p.lag;
-  s.arrivals = 1;
-  s.mb_first = s_mb;
-  s.row_first = s_offs;
-  s.step_first = s_steps;
-  return s;
+  return bwd_schedule_128(p.hidden, p.l2.n, 0, p.l2.num_groups, p.lag, s_mb, s_offs, s_steps);
 }
 
 template <int kNumStages>

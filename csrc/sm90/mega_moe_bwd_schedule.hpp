@@ -174,6 +174,21 @@ struct BwdSchedule {
   }
 };
 
+// The fused kernels' sequence: 128 x 128 tiles of every kind (weight-gradient tiles only with with_wgrad), one
+// release per L2-dgrad tile, over the caller's tables.
+PK_BWD_HD BwdSchedule bwd_schedule_128(int hidden, int inter, int with_wgrad, int num_experts, int lag,
+                                       const int32_t* mb_first, const int32_t* row_first, const int32_t* step_first) {
+  BwdSchedule s;
+  s.shape = BwdTileShape{128, 128, 128, 128, hidden, inter, with_wgrad};
+  s.num_experts = num_experts;
+  s.lag = lag;
+  s.arrivals = 1;
+  s.mb_first = mb_first;
+  s.row_first = row_first;
+  s.step_first = step_first;
+  return s;
+}
+
 // step_first[0..E + lag] for a schedule whose mb_first is filled (serially; the kernel uses a warp scan of the same
 // step_tasks values).
 PK_BWD_HD void bwd_fill_steps(const BwdSchedule& s, int32_t* step_first) {

@@ -51,6 +51,8 @@ KEY_STEM = "m_grouped_gemm_swiglu_bwd.fp8"
 FUSED_KEY = "mega_moe_backward.fp8.sm90"
 # The task sequence's lag of the fused dgrad (csrc/sm90/mega_moe_heuristics.hpp, kMegaBwdMaxLagHost), -1: its heuristic
 MAX_LAG = 64
+# The most experts the fused dgrad takes (csrc/sm90/mega_moe_bwd_fp8.hpp, kMegaBwdFp8MaxExpertsHost)
+FUSED_MAX_EXPERTS = 256
 
 
 class Fp8SwigluBwd(NamedTuple):
@@ -159,10 +161,6 @@ def _op_arguments(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route, 
                                                                       else 0, dy_q.device)))
     _check(dy_q, dy_sa, w2t_q, w2t_sb, group_offsets, h, pool_src_route, weights, out, c)
     return dy_sa, weights, out, c, sms
-
-
-# csrc/sm90/mega_moe_bwd_fp8.hpp, kMegaBwdFp8MaxExpertsHost
-FUSED_MAX_EXPERTS = 256
 
 
 def _check_fused(dy_q, w2t_q, w13t_q, w13t_sb, num_sms, lag) -> None:

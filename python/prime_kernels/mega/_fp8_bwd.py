@@ -32,13 +32,13 @@ from ..combine import combine
 from ..grouped_gemm import k_grouped_fp8_gemm_tn, m_grouped_fp8_gemm_nt
 from ..quantize import quantize_tokens_fp8
 from .. import _status
+from ..swiglu_bwd_fp8 import FUSED_KEY as FUSED_DGRAD_KEY
 from ..swiglu_bwd_fp8 import FUSED_MAX_EXPERTS, m_grouped_fp8_gemm_swiglu_bwd, mega_moe_fp8_dgrad_fused
-
-# B2-B7 in one kernel where this entry is available (I a multiple of 128, at most FUSED_MAX_EXPERTS experts, CUDA)
-FUSED_DGRAD_KEY = "mega_moe_backward.fp8.sm90"
 
 
 def _fused_dgrad_runs(device: torch.device, w2t_q: torch.Tensor) -> bool:
+    """B2-B7 in one kernel: where FUSED_DGRAD_KEY is available, I a multiple of 128, at most FUSED_MAX_EXPERTS
+    experts, on CUDA."""
     experts, inter = w2t_q.shape[0], w2t_q.shape[1]
     return (device.type == "cuda" and inter % 128 == 0 and experts <= FUSED_MAX_EXPERTS
             and _status.is_available(_status.reason(FUSED_DGRAD_KEY)))
