@@ -22,7 +22,9 @@ of --iters; fwd with autograd on, fwdbwd = forward + torch.autograd.grad, bwd = 
 --inference also infer = the forward under torch.no_grad() (nothing saved for a backward). Peak
 memory: reset_peak_memory_stats before a grad-enabled forward (fwd rows), a no-grad one (infer rows) or
 forward+backward (bwd, fwdbwd rows), inputs and weights resident: peak_mem_gib, and added_mem_gib = that peak less
-what was allocated just before the call (what stays resident between calls, e.g. an FP8 weight cache, not counted). max_rel_err (non-torch rows): the largest
+what was allocated just before the call; each call starts with the FP8 weight caches empty, as after an optimizer
+step, so an FP8 row's memory counts the weight copies it makes (the forward's, and the backward's transposes) and no
+copy an earlier call left. max_rel_err (non-torch rows): the largest
 ||out - ref|| / ||ref|| against the reference evaluated in float64 on the same inputs, over y (fwd,
 infer) and also dX, d topk_weights, dW13, dW2 (bwd, fwdbwd). floor_ms: the fastest any layer could be on
 the row's useful FLOPs, measured once per (shape, T) in the same run with the same timer: the forward's two
@@ -211,6 +213,17 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
+def _peak_as_in_a_step(fn, device):
+    """(peak, added) GiB of one ``fn()`` that starts, as a training step's first call after an optimizer step does,
+    with the FP8 weight caches empty: the FP8 copies it makes count (a forward makes the weights', its backward their
+    transposes), and none left by earlier calls (a backward's transposes held before a forward) does."""
+    from prime_kernels.mega.fp8 import empty_weight_caches
+
+    empty_weight_caches()
+    _free(device)
+    return bc.peak_and_added_mem_gib(fn, device)
+
+
 def _peer_failure(fn, leaves, idx, dy, args):
     """None when the peer layer runs a forward, a backward and (with --inference) a no-grad forward on these
     inputs (the first call also compiles what it JIT-compiles, outside the timings); else the exception as
@@ -312,14 +325,14 @@ def bench_config(shape, T, routing, backends, args, device, group, peak, skipped
         infer = _no_grad(fwd)
         _free(device)
         res = {"fwd": bc.time_ms(fwd, device, args.warmup, args.iters)}
-        res["mem_fwd"], res["added_fwd"] = bc.peak_and_added_mem_gib(fwd, device)
+        res["mem_fwd"], res["added_fwd"] = _peak_as_in_a_step(fwd, device)
         if args.inference:
             res["infer"] = bc.time_ms(infer, device, args.warmup, args.iters)
-            res["mem_infer"], res["added_infer"] = bc.peak_and_added_mem_gib(infer, device)
+            res["mem_infer"], res["added_infer"] = _peak_as_in_a_step(infer, device)
         if with_bwd:
             res["fwdbwd"] = bc.time_ms(fwdbwd, device, args.warmup, args.iters)
             res["bwd"] = res["fwdbwd"] - res["fwd"]
-            res["mem_fwdbwd"], res["added_fwdbwd"] = bc.peak_and_added_mem_gib(fwdbwd, device)
+            res["mem_fwdbwd"], res["added_fwdbwd"] = _peak_as_in_a_step(fwdbwd, device)
         if backend != "torch" and not args.no_check and (not args.check_max_tokens or T <= args.check_max_tokens):
             def check_run():
                 y = fwd()

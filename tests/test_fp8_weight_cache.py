@@ -36,6 +36,17 @@ def test_a_step_of_any_optimizer_makes_the_copy_anew(fused):
     assert cache.get(w) is second  # and reused again until the next step
 
 
+def test_empty_weight_caches_empties_every_live_cache():
+    from prime_kernels.mega.fp8 import empty_weight_caches
+
+    w = _weight()
+    caches = [Fp8WeightCache(), Fp8WeightCache()]
+    firsts = [c.get(w) for c in caches]
+    empty_weight_caches()
+    assert [len(c) for c in caches] == [0, 0]
+    assert all(c.get(w) is not first for c, first in zip(caches, firsts))
+
+
 def test_an_in_place_update_outside_an_optimizer_makes_the_copy_anew():
     w = _weight()
     cache = Fp8WeightCache()

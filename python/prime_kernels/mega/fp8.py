@@ -364,9 +364,15 @@ class QuantizedWeight:
 _caches: "weakref.WeakSet[Fp8WeightCache]" = weakref.WeakSet()
 
 
-def _clear_caches_after_a_step(_optimizer, _args, _kwargs) -> None:
+def empty_weight_caches() -> None:
+    """Empty every live :class:`Fp8WeightCache`, as any torch.optim step does: the next FP8 call quantizes its weights
+    anew (e.g. after updating them through ``w.data``, or to measure memory as a training step's forward sees it)."""
     for cache in list(_caches):
         cache.clear()
+
+
+def _clear_caches_after_a_step(_optimizer, _args, _kwargs) -> None:
+    empty_weight_caches()
 
 
 register_optimizer_step_post_hook(_clear_caches_after_a_step)
