@@ -158,8 +158,9 @@ def test_fp8_pipeline_on_the_gpu_matches_the_reference_and_repeats_bitwise(T, E,
         # roundings (measured on the H200: 1.03e-2 at T=1000, E=16, H=512, I=256)
         bound = 1.5e-2 if name == "dw13" else 1e-2
         if H >= 1024 and name != "dtopk":
-            # the accumulation difference grows with K: dX measured 1.08e-2 (1088, 320) and 1.26e-2 (2880, 2880) on
-            # an H100, as at the layer matrix's 128-multiple shapes (test_fp8_matrix.BOUND_EMULATION, docs/fp8.md)
+            # measured (H100) while the emulation summed each K slice exactly: dX 1.08e-2 (1088, 320) and 1.26e-2
+            # (2880, 2880), growing with K. Summing as the tensor core does, the layer at those shapes is within
+            # 1.3e-3 of it (test_fp8_matrix, docs/fp8.md); these bounds await a GPU run of their own.
             bound = 2.5e-2
         assert err < bound, f"{name}: rel err {err:.3e}"
     poison_free_memory()

@@ -156,9 +156,9 @@ def test_fp8_forward_pipeline_on_the_gpu_matches_the_reference_and_repeats_bitwi
     for name, a, b in (("y", got[0], want[0]), ("h", got[1][:end], want[1][:end])):
         assert torch.isfinite(a.float()).all(), f"{name}: non-finite values"
         err = rel_err(a, b)
-        # The tensor core's fp32 sums differ from the emulation's more as K grows: at H >= 1024 y measured 1.14e-2
-        # (1088, 320) and 1.36e-2 (2880, 2880) on an H100, as the layer matrix's 128-multiple shapes do
-        # (test_fp8_matrix.BOUND_EMULATION); the 64-wide last blocks add nothing (docs/fp8.md).
+        # Measured (H100) while the emulation summed each K slice exactly, which the tensor core does not: y 1.14e-2
+        # (1088, 320) and 1.36e-2 (2880, 2880), growing with K. Summing as the tensor core does, the layer at those
+        # shapes is within 4.7e-4 of it (test_fp8_matrix, docs/fp8.md); this bound awaits a GPU run of its own.
         bound = 2e-2 if H >= 1024 else 1e-2
         assert err < bound, f"{name}: rel err {err:.3e}"
     poison_free_memory()
