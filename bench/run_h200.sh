@@ -11,6 +11,7 @@
 #   PYTEST_ARGS  extra pytest arguments for "tests"
 #   LAYER_ARGS   bench_layer.py arguments (default: the official run, --sustained-seconds 2 --inference)
 #   PARITY_ARGS  extra examples/train_parity.py arguments
+#   TRAIN_STEP_CKPT, TRAIN_STEP_VARIANTS  train_step's checkpointing settings (default "on off") and variants
 # .whl/ (ci/device_wheels.sh, carried) holds the integration tests' packages; without it those tests skip.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -93,15 +94,20 @@ for step in $steps; do
                --ranks 2,4,8 --out "$OUT/peer_ep.json" 2>&1 | tee "$OUT/bench_peer_ep.log" | tail -12 ;;
     train_step)  # whole training steps, as many Qwen3-30B-A3B layers as this card holds with every variant (the FP8
             # ones hold the weights' FP8 copies too): 18 / 12 layers with / without checkpointing on a 141 GB H200,
-            # 6 / 4 on an 80 GB H100 (8 with checkpointing did not fit there)
+            # 6 / 4 on an 80 GB H100 (8 with checkpointing did not fit there). One process per family and setting,
+            # so a timeout costs one file; both settings take more than one 10-minute device call at 18 layers:
+            # TRAIN_STEP_CKPT="on", then "off".
             mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
             l_on=6; l_off=4; [ "$mem" -gt 120000 ] && { l_on=18; l_off=12; }
-            for ck in on off; do
+            variants=grouped_mm,prime_mega_moe,prime_mega_moe_fp8,prime_mega_moe_fp8_bwd,sonicmoe,torchtitan_grouped_mm
+            for ck in ${TRAIN_STEP_CKPT:-on off}; do
               layers=$l_on; [ "$ck" = off ] && layers=$l_off
-              timeout 280 python3 bench/train_step.py --model both --layers "$layers" --checkpointing "$ck" \
-                 --variants grouped_mm,prime_mega_moe,prime_mega_moe_fp8,prime_mega_moe_fp8_bwd,sonicmoe,torchtitan_grouped_mm \
-                 --out "$OUT/train_step_l${layers}_ckpt_${ck}.json" 2>&1 \
-                 | tee "$OUT/train_step_l${layers}_ckpt_${ck}.log" | grep -v "^$" | tail -14
+              for fam in torchtitan transformers; do
+                name="train_step_l${layers}_ckpt_${ck}_${fam}"
+                timeout 280 python3 bench/train_step.py --model "$fam" --layers "$layers" --checkpointing "$ck" \
+                   --variants "${TRAIN_STEP_VARIANTS:-$variants}" \
+                   --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -v "^$" | tail -10
+              done
             done ;;
     shared) timeout 300 python3 bench/bench_shared.py --out "$OUT/shared.json" 2>&1 | tee "$OUT/bench_shared.log" \
                | grep -v "^$" | tail -16 ;;
