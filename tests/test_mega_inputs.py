@@ -321,7 +321,7 @@ def _header_constant(path, name):
 def test_expert_limits_are_the_kernels():
     if not (REPO / "csrc").is_dir():
         pytest.skip("the CUDA sources are not beside the tests")
-    assert constants.FUSED_MAX_EXPERTS == _header_constant("csrc/sm90/mega_moe_fwd.cuh", "kMegaMaxExperts")
+    assert constants.FUSED_MAX_EXPERTS == _header_constant("csrc/sm90/mega_moe_fwd_roles.cuh", "kMegaMaxExperts")
     assert constants.GROUPED_MAX_EXPERTS == _header_constant("csrc/sm90/kernel_common.cuh", "kMaxGroups")
 
 

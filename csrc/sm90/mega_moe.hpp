@@ -18,7 +18,7 @@ namespace prime_kernels {
 namespace sm90 {
 
 // int32 counters the forward needs (zeroed by the launch itself, on `stream`): dispatch and L1 per m-block, then
-// the work-claim counters (mega_moe_fwd.cuh, MegaFwdClaim).
+// the work-claim counters (mega_moe_fwd_roles.cuh, MegaFwdClaim).
 constexpr int64_t kMegaFwdClaimCounters = 4;
 // The most ranks one launch of mega_moe_fwd_bf16_ranks plays (= the pointer tables' length, kMegaMaxRanks).
 constexpr int kMegaFwdMaxLaunchRanks = 8;
@@ -56,11 +56,11 @@ struct MegaFwdArgs : common::MegaFwdCommonArgs {
 // (common/combine.hpp).
 int mega_moe_fwd_bf16(const MegaFwdArgs& args, cudaStream_t stream, char* err, size_t err_len);
 
-// Shared experts as the last groups of a one-rank forward (mega_moe_fwd.cuh, MegaFwdSecondB): groups [num_b_groups,
-// num_experts) read B from the shared experts' weights, bf16 and contiguous, w13b [slabs, 2 * chunks * inter, hidden]
-// (gate rows, then up rows) and w2b [slabs, hidden, chunks * inter]: group num_b_groups + v is chunk v % chunks of
-// shared expert v / chunks. w13 and w2 of MegaFwdArgs then hold num_b_groups experts; num_experts counts every group
-// (num_b_groups + slabs * chunks).
+// Shared experts as the last groups of a one-rank forward (mega_moe_fwd_roles.cuh, MegaFwdSecondB): groups
+// [num_b_groups, num_experts) read B from the shared experts' weights, bf16 and contiguous,
+// w13b [slabs, 2 * chunks * inter, hidden] (gate rows, then up rows) and w2b [slabs, hidden, chunks * inter]:
+// group num_b_groups + v is chunk v % chunks of shared expert v / chunks. w13 and w2 of MegaFwdArgs then hold
+// num_b_groups experts; num_experts counts every group (num_b_groups + slabs * chunks).
 struct MegaFwdSecondBArgs {
   const void* w13b = nullptr;
   const void* w2b = nullptr;

@@ -59,7 +59,7 @@
 #include "kernel_common.cuh"
 #include "m_grouped_gemm_fp8.cuh"
 #include "mainloop.cuh"
-#include "mega_moe_fwd.cuh"
+#include "mega_moe_fwd_roles.cuh"
 #include "pipeline.cuh"
 #include "swiglu_fwd_fp8.cuh"
 

@@ -20,7 +20,7 @@ the alignment is enforced whenever a fused kernel would run.
   pools and tiles are laid out for the fused kernel's 128-row m-block; the reference takes any block_m in
   [1, ``MAX_BLOCK_M``] (the routing plan's bound).
 * ``FUSED_MAX_EXPERTS``: the most local experts the fused forward kernel takes (its per-expert tables live in
-  shared memory: ``kMegaMaxExperts`` in csrc/sm90/mega_moe_fwd.cuh); more run the grouped pipeline under
+  shared memory: ``kMegaMaxExperts`` in csrc/sm90/mega_moe_fwd_roles.cuh); more run the grouped pipeline under
   ``backend="auto"``.
 * ``GROUPED_MAX_EXPERTS``: the most groups the grouped GEMMs take (``kMaxGroups`` in csrc/sm90/kernel_common.cuh).
 """
