@@ -161,8 +161,8 @@ def test_shared_expert_inside_bf16_close_to_eager(family, monkeypatch):
 def test_runs_inside_asks_the_shared_path_and_checks_the_block(monkeypatch):
     """runs_inside asks prime_kernels.mega._shared_ops.runs_inside with this call's tokens, the routed weights, the
     shared intermediate size and the experts' backend and precision; it says no without asking where the shared MLP
-    or one of its Linears has a hook, under transformers' expert parallelism, where the MLP is no longer a SiLU SwiGLU, or where the
-    experts went back to eager (the model then computes as transformers does)."""
+    or one of its Linears has a hook, under transformers' expert parallelism, where the MLP is no longer a SiLU
+    SwiGLU, or where the experts went back to eager (the model then computes as transformers does)."""
     ref = build_family("qwen2_moe", 47)
     ours = copy.deepcopy(ref)
     pk_hf.apply(ours, backend="grouped", precision="fp8")
