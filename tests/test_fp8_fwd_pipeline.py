@@ -156,10 +156,9 @@ def test_fp8_forward_pipeline_on_the_gpu_matches_the_reference_and_repeats_bitwi
     for name, a, b in (("y", got[0], want[0]), ("h", got[1][:end], want[1][:end])):
         assert torch.isfinite(a.float()).all(), f"{name}: non-finite values"
         err = rel_err(a, b)
-        # Measured (H100) while the emulation summed each K slice exactly, which the tensor core does not: y 1.14e-2
-        # (1088, 320) and 1.36e-2 (2880, 2880), growing with K. Summing as the tensor core does, the layer at those
-        # shapes is within 4.7e-4 of it (test_fp8_matrix, docs/fp8.md); this bound awaits a GPU run of its own.
-        bound = 2e-2 if H >= 1024 else 1e-2
+        print(f"[err] {name}: {err:.3e}")
+        # measured (H100): y 0 to 2.1e-4 (the largest at H = I = 2880), h 0; the FP8 layer's bound (test_fp8_matrix)
+        bound = 5e-3
         assert err < bound, f"{name}: rel err {err:.3e}"
     poison_free_memory()
     again, _, _ = _forwards(problem, E)

@@ -192,60 +192,39 @@ __device__ __forceinline__ void mega_fp8_l1_stage(const MegaFwdFp8Params& p, con
   if (p.l1.h != nullptr) write_acc_to_swizzled_staging<128>(acc, stg_h, wg_tid);  // gate box, then up box
 }
 
-// The TMA producer (warp 0, lane 0), as mega_tma_producer with the FP8 stages: A (x_q or s_q) 128 rows x 128 bytes,
-// B (W13's gate rows n0.. and up rows I + n0.., 64 each, or W2's 128 rows n0..) and A's scale boxes (one for L1, two
-// for L2: its 1 x 64 blocks), all on the stage's full barrier.
+// The FP8 forward's TMA producer: A (x_q or s_q) 128 rows x 128 bytes, B (W13's gate rows n0.. and up rows
+// I + n0.., 64 each, or W2's 128 rows n0..) and A's scale boxes (one for L1, two for L2: its 1 x 64 blocks), all on
+// the stage's full barrier. Dispatch counts one unit a row here.
 template <typename L, int kNumStages, typename Seq>
 __device__ __forceinline__ void mega_fp8_tma_producer(const MegaFwdFp8Params& p, const Seq& seq, int l2_ready,
                                                       uint8_t* smem, uint64_t* full_bar, uint64_t* empty_bar,
                                                       const CUtensorMap* tmap_xq, const CUtensorMap* tmap_xsa,
                                                       const CUtensorMap* tmap_w13, const CUtensorMap* tmap_sq,
                                                       const CUtensorMap* tmap_ssa, const CUtensorMap* tmap_w2) {
-  volatile int32_t* stage_task = reinterpret_cast<volatile int32_t*>(smem + L::kTaskOff);
-  int stage = 0;
-  uint32_t phase = 0;
-  int e = 0;
-  bool in_l2 = false;
   const uint64_t pol_w = l2_policy_reused_loads(p.l2_hints);
-  // the next task is claimed as this one starts (a higher one, which the forward-progress argument allows)
-  for (int u = atomicAdd(seq.task_claim, 1), next; u < seq.num_tasks; u = next) {
-    next = atomicAdd(seq.task_claim, 1);
-    const auto t = seq.locate(u, e, in_l2);
-    if (t.l1)
-      wait_counter_at_least(seq.disp_ctr + t.mb, Seq::rows(t), p.wait_guard, kWaitKernelMegaFwdFp8,
-                            kWaitMegaFwdDispatch, t.mb);
-    else
-      wait_counter_at_least(seq.l1_ctr + t.mb, l2_ready, p.wait_guard, kWaitKernelMegaFwdFp8, kWaitMegaFwdL1, t.mb);
-    ptx::fence_proxy_async_global();
-    const int kbs = t.l1 ? seq.kb1 : seq.kb2;
-    for (int kb = 0; kb < kbs; ++kb) {
-      ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
-      uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
-      uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
-      uint8_t* ss = smem + L::kSaOff + stage * L::kSaBytes;
-      if (kb == 0) stage_task[stage] = u;  // published by the arrive below (release), read after the consumers' wait
-      const int k0 = kb * L::kBlockK;
-      // scale boxes start at the 16-byte boundary at or before row0 (MGroupedFp8Layout::kSaBoxRows)
-      if (t.l1) {
-        ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kL1TxBytes);
-        ptx::tma_load_2d(sa, tmap_xq, &full_bar[stage], k0, t.row0);
-        ptx::tma_load_3d_hint(sb, tmap_w13, &full_bar[stage], k0, t.n0, t.e, pol_w);
-        ptx::tma_load_3d_hint(sb + 64 * 128, tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e, pol_w);
-        ptx::tma_load_2d(ss, tmap_xsa, &full_bar[stage], t.row0 & ~3, kb);
-      } else {
-        ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kL2TxBytes);
-        ptx::tma_load_2d(sa, tmap_sq, &full_bar[stage], k0, t.row0);
-        ptx::tma_load_3d_hint(sb, tmap_w2, &full_bar[stage], k0, t.n0, t.e, pol_w);
+  mega_producer_task_loop<L, kNumStages>(
+      seq, 1, l2_ready, p.wait_guard, kWaitKernelMegaFwdFp8, smem, full_bar, empty_bar,
+      [&](const auto& t, int kb, int stage) {
+        uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
+        uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
+        uint8_t* ss = smem + L::kSaOff + stage * L::kSaBytes;
+        const int k0 = kb * L::kBlockK;
+        // scale boxes start at the 16-byte boundary at or before row0 (MGroupedFp8Layout::kSaBoxRows)
+        if (t.l1) {
+          ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kL1TxBytes);
+          ptx::tma_load_2d(sa, tmap_xq, &full_bar[stage], k0, t.row0);
+          ptx::tma_load_3d_hint(sb, tmap_w13, &full_bar[stage], k0, t.n0, t.e, pol_w);
+          ptx::tma_load_3d_hint(sb + 64 * 128, tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e, pol_w);
+          ptx::tma_load_2d(ss, tmap_xsa, &full_bar[stage], t.row0 & ~3, kb);
+        } else {
+          ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kL2TxBytes);
+          ptx::tma_load_2d(sa, tmap_sq, &full_bar[stage], k0, t.row0);
+          ptx::tma_load_3d_hint(sb, tmap_w2, &full_bar[stage], k0, t.n0, t.e, pol_w);
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
-          ptx::tma_load_2d(ss + i * (L::kSaBytes / 2), tmap_ssa, &full_bar[stage], t.row0 & ~3, 2 * kb + i);
-      }
-      advance_stage<kNumStages>(stage, phase);
-    }
-  }
-  ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
-  stage_task[stage] = -1;
-  ptx::mbar_arrive(&full_bar[stage]);
+          for (int i = 0; i < 2; ++i)
+            ptx::tma_load_2d(ss + i * (L::kSaBytes / 2), tmap_ssa, &full_bar[stage], t.row0 & ~3, 2 * kb + i);
+        }
+      });
 }
 
 template <int kNumStages>

@@ -348,73 +348,89 @@ struct MegaFwdSecondB {
   int32_t chunks;
 };
 
-// The TMA producer (warp 0, lane 0): claims tasks in sequence order until none is left, through one stage ring.
-// An L1 tile first waits until its m-block is dispatched, an L2 tile until its m-block's L1 counter reaches
-// l2_ready (every s column of its rows written); then the A rows (x_pool or s) and B (gate and up rows of w13, or
-// w2) stream in kBlockK steps. The task index goes to the consumers with the tile's first stage; after the last
-// task, a stage with task -1 and no loads ends them.
-template <typename L, int kNumStages, bool kSecondB, typename Seq>
-__device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const Seq& seq, int l2_ready, uint8_t* smem,
-                                                  uint64_t* full_bar, uint64_t* empty_bar,
-                                                  const CUtensorMap* tmap_xpool, const CUtensorMap* tmap_w13,
-                                                  const CUtensorMap* tmap_s, const CUtensorMap* tmap_w2,
-                                                  const MegaFwdSecondB* second) {
+// The TMA producer's task loop (warp 0, lane 0), which both forwards' producers run: claims tasks in sequence order
+// until none is left, through one stage ring. An L1 tile first waits until its m-block is dispatched (disp_per_row
+// counter units a row), an L2 tile until its m-block's L1 counter reaches l2_ready (every s column of its rows
+// written); then load_stage(t, kb, stage) arms the stage's full barrier and issues its loads, one kBlockK step at a
+// time. The task index goes to the consumers with the tile's first stage; after the last task, a stage with task -1
+// and no loads ends them.
+template <typename L, int kNumStages, typename Seq, typename LoadStage>
+__device__ __forceinline__ void mega_producer_task_loop(const Seq& seq, int disp_per_row, int l2_ready,
+                                                        const WaitGuard& guard, int32_t wait_kernel, uint8_t* smem,
+                                                        uint64_t* full_bar, uint64_t* empty_bar,
+                                                        LoadStage&& load_stage) {
   volatile int32_t* stage_task = reinterpret_cast<volatile int32_t*>(smem + L::kTaskOff);
   int stage = 0;
   uint32_t phase = 0;
   int e = 0;
   bool in_l2 = false;
-  const int chunks = ceil_div(p.hidden * 2, kDispatchSlotBytes);
-  const uint64_t pol_w = l2_policy_reused_loads(p.l2_hints);
   // The next task is claimed as this one starts, so the atomic's round trip hides behind this tile's loads. A CTA
   // then holds one task it has not started: a higher one, which the forward-progress argument allows.
   for (int u = atomicAdd(seq.task_claim, 1), next; u < seq.num_tasks; u = next) {
     next = atomicAdd(seq.task_claim, 1);
     const auto t = seq.locate(u, e, in_l2);
     if (t.l1)
-      wait_counter_at_least(seq.disp_ctr + t.mb, Seq::rows(t) * chunks, p.wait_guard, kWaitKernelMegaFwd,
+      wait_counter_at_least(seq.disp_ctr + t.mb, Seq::rows(t) * disp_per_row, guard, wait_kernel,
                             kWaitMegaFwdDispatch, t.mb);
     else
-      wait_counter_at_least(seq.l1_ctr + t.mb, l2_ready, p.wait_guard, kWaitKernelMegaFwd, kWaitMegaFwdL1, t.mb);
+      wait_counter_at_least(seq.l1_ctr + t.mb, l2_ready, guard, wait_kernel, kWaitMegaFwdL1, t.mb);
     ptx::fence_proxy_async_global();
     const int kbs = t.l1 ? seq.kb1 : seq.kb2;
     for (int kb = 0; kb < kbs; ++kb) {
       ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
-      uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
-      uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
       if (kb == 0) stage_task[stage] = u;  // published by the arrive below (release), read after the consumers' wait
-      ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
-      const int k0 = kb * L::kBlockK;
-      bool shared_tile = false;  // compiled out without a second B
-      if constexpr (kSecondB) shared_tile = t.e >= second->num_b_groups;
-      if (shared_tile) {
-        // group num_b_groups + v: chunk c = v % chunks of shared expert v / chunks, its gate rows c * I.., up rows
-        // chunks * I + c * I.. of w13b, and columns c * I.. of w2b
-        const int v = t.e - second->num_b_groups;
-        const int c = v % second->chunks, slab = v / second->chunks;
-        if (t.l1) {
-          ptx::tma_load_2d(sa, tmap_xpool, &full_bar[stage], k0, t.row0);
-          ptx::tma_load_3d_hint(sb, &second->w13b, &full_bar[stage], k0, c * p.inter + t.n0, slab, pol_w);
-          ptx::tma_load_3d_hint(sb + Seq::kL1Cols * 128, &second->w13b, &full_bar[stage], k0,
-                                (second->chunks + c) * p.inter + t.n0, slab, pol_w);
-        } else {
-          ptx::tma_load_2d(sa, tmap_s, &full_bar[stage], k0, t.row0);
-          ptx::tma_load_3d_hint(sb, &second->w2b, &full_bar[stage], c * p.inter + k0, t.n0, slab, pol_w);
-        }
-      } else if (t.l1) {
-        ptx::tma_load_2d(sa, tmap_xpool, &full_bar[stage], k0, t.row0);
-        ptx::tma_load_3d_hint(sb, tmap_w13, &full_bar[stage], k0, t.n0, t.e, pol_w);
-        ptx::tma_load_3d_hint(sb + Seq::kL1Cols * 128, tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e, pol_w);
-      } else {
-        ptx::tma_load_2d(sa, tmap_s, &full_bar[stage], k0, t.row0);
-        ptx::tma_load_3d_hint(sb, tmap_w2, &full_bar[stage], k0, t.n0, t.e, pol_w);
-      }
+      load_stage(t, kb, stage);
       advance_stage<kNumStages>(stage, phase);
     }
   }
   ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
   stage_task[stage] = -1;
   ptx::mbar_arrive(&full_bar[stage]);
+}
+
+// The BF16 forward's TMA producer: A rows (x_pool or s) and B (gate and up rows of w13, or w2; a shared expert's
+// from the second B) per stage.
+template <typename L, int kNumStages, bool kSecondB, typename Seq>
+__device__ __forceinline__ void mega_tma_producer(const MegaFwdParams& p, const Seq& seq, int l2_ready, uint8_t* smem,
+                                                  uint64_t* full_bar, uint64_t* empty_bar,
+                                                  const CUtensorMap* tmap_xpool, const CUtensorMap* tmap_w13,
+                                                  const CUtensorMap* tmap_s, const CUtensorMap* tmap_w2,
+                                                  const MegaFwdSecondB* second) {
+  const int chunks = ceil_div(p.hidden * 2, kDispatchSlotBytes);
+  const uint64_t pol_w = l2_policy_reused_loads(p.l2_hints);
+  mega_producer_task_loop<L, kNumStages>(
+      seq, chunks, l2_ready, p.wait_guard, kWaitKernelMegaFwd, smem, full_bar, empty_bar,
+      [&](const auto& t, int kb, int stage) {
+        uint8_t* sa = smem + L::kAOff + stage * L::kABytes;
+        uint8_t* sb = smem + L::kBOff + stage * L::kBBytes;
+        ptx::mbar_arrive_expect_tx(&full_bar[stage], L::kABytes + L::kBBytes);
+        const int k0 = kb * L::kBlockK;
+        bool shared_tile = false;  // compiled out without a second B
+        if constexpr (kSecondB) shared_tile = t.e >= second->num_b_groups;
+        if (shared_tile) {
+          // group num_b_groups + v: chunk c = v % chunks of shared expert v / chunks, its gate rows c * I.., up rows
+          // chunks * I + c * I.. of w13b, and columns c * I.. of w2b
+          const int v = t.e - second->num_b_groups;
+          const int c = v % second->chunks, slab = v / second->chunks;
+          if (t.l1) {
+            ptx::tma_load_2d(sa, tmap_xpool, &full_bar[stage], k0, t.row0);
+            ptx::tma_load_3d_hint(sb, &second->w13b, &full_bar[stage], k0, c * p.inter + t.n0, slab, pol_w);
+            ptx::tma_load_3d_hint(sb + Seq::kL1Cols * 128, &second->w13b, &full_bar[stage], k0,
+                                  (second->chunks + c) * p.inter + t.n0, slab, pol_w);
+          } else {
+            ptx::tma_load_2d(sa, tmap_s, &full_bar[stage], k0, t.row0);
+            ptx::tma_load_3d_hint(sb, &second->w2b, &full_bar[stage], c * p.inter + k0, t.n0, slab, pol_w);
+          }
+        } else if (t.l1) {
+          ptx::tma_load_2d(sa, tmap_xpool, &full_bar[stage], k0, t.row0);
+          ptx::tma_load_3d_hint(sb, tmap_w13, &full_bar[stage], k0, t.n0, t.e, pol_w);
+          ptx::tma_load_3d_hint(sb + Seq::kL1Cols * 128, tmap_w13, &full_bar[stage], k0, p.inter + t.n0, t.e,
+                                pol_w);
+        } else {
+          ptx::tma_load_2d(sa, tmap_s, &full_bar[stage], k0, t.row0);
+          ptx::tma_load_3d_hint(sb, tmap_w2, &full_bar[stage], k0, t.n0, t.e, pol_w);
+        }
+      });
 }
 
 }  // namespace sm90
